@@ -1,0 +1,176 @@
+//! The node agent: the actor on each worker that constructs actors by kind name (remote
+//! spawn, which `ractor_cluster` lacks), supervises their hosts and reports their exits.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
+
+use crate::client::Cluster;
+use crate::node;
+use crate::protocol::{ActorId, AgentRequest, Failure, HeadRequest, StartActor};
+use crate::registry::{ActorContext, Host, HostState, Registry};
+use crate::wire::{self, LocalSignal, Wire};
+
+/// How long an agent waits for the head to take a report.
+const REPORT_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub(crate) struct Agent;
+
+pub(crate) struct AgentArgs {
+    pub(crate) node: String,
+    pub(crate) registry: Registry,
+    pub(crate) cluster: Cluster,
+}
+
+pub(crate) struct AgentState {
+    node: String,
+    registry: Registry,
+    cluster: Cluster,
+    hosts: HashMap<ActorId, (ActorCell, u32)>,
+    by_cell: HashMap<ractor::ActorId, (ActorId, u32)>,
+    stopping: HashSet<ractor::ActorId>,
+}
+
+impl Actor for Agent {
+    type Msg = Wire;
+    type State = AgentState;
+    type Arguments = AgentArgs;
+
+    async fn pre_start(&self, _myself: ActorRef<Wire>, args: AgentArgs) -> Result<AgentState, ActorProcessingErr> {
+        Ok(AgentState {
+            node: args.node,
+            registry: args.registry,
+            cluster: args.cluster,
+            hosts: HashMap::new(),
+            by_cell: HashMap::new(),
+            stopping: HashSet::new(),
+        })
+    }
+
+    async fn handle(&self, myself: ActorRef<Wire>, message: Wire, state: &mut AgentState) -> Result<(), ActorProcessingErr> {
+        match message {
+            Wire::Call(bytes, port) => match wire::decode::<AgentRequest>(&bytes, "an agent request") {
+                Ok(request) => {
+                    handle_request(&myself, state, request);
+                    wire::reply(port, Ok::<(), Failure>(()));
+                }
+                Err(failure) => {
+                    tracing::warn!(?failure, "ignored a malformed agent request");
+                    wire::reply::<()>(port, Err(failure));
+                }
+            },
+            Wire::Cast(bytes) => match wire::decode::<AgentRequest>(&bytes, "an agent request") {
+                Ok(request) => handle_request(&myself, state, request),
+                Err(failure) => tracing::warn!(?failure, "ignored a malformed agent message"),
+            },
+            Wire::Local(LocalSignal::Hosted { actor, attempt, host }) => {
+                state.by_cell.insert(host.get_id(), (actor, attempt));
+                if let Some((old, _)) = state.hosts.insert(actor, (host, attempt)) {
+                    stop_host(state, &old);
+                }
+            }
+            Wire::Local(LocalSignal::Reset) => {
+                let hosts: Vec<ActorCell> = state.hosts.drain().map(|(_, (cell, _))| cell).collect();
+                for cell in hosts {
+                    stop_host(state, &cell);
+                }
+            }
+            Wire::Local(_) => {}
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _myself: ActorRef<Wire>,
+        event: SupervisionEvent,
+        state: &mut AgentState,
+    ) -> Result<(), ActorProcessingErr> {
+        let (cell, cause) = match event {
+            SupervisionEvent::ActorFailed(cell, err) => (cell, format!("the actor failed: {err}")),
+            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+                (cell, format!("the actor stopped: {}", reason.unwrap_or_else(|| "no reason given".into())))
+            }
+            _ => return Ok(()),
+        };
+        let Some((actor, attempt)) = state.by_cell.remove(&cell.get_id()) else {
+            return Ok(());
+        };
+        if state.stopping.remove(&cell.get_id()) {
+            return Ok(());
+        }
+        state.hosts.remove(&actor);
+        tracing::warn!(%actor, cause = %cause, "actor exited");
+        let cluster = state.cluster.clone();
+        tokio::spawn(async move {
+            let report = HeadRequest::Exited { actor, attempt, cause };
+            if let Err(e) = cluster.ask_head::<()>(&report, REPORT_TIMEOUT).await {
+                tracing::warn!(%actor, error = %e, "could not report an actor exit to the head");
+            }
+        });
+        Ok(())
+    }
+}
+
+fn stop_host(state: &mut AgentState, cell: &ActorCell) {
+    state.stopping.insert(cell.get_id());
+    cell.stop(Some("stopped by the head".into()));
+}
+
+fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: AgentRequest) {
+    match request {
+        AgentRequest::Start(start) => {
+            if start.node != state.node {
+                tracing::warn!(node = %start.node, "ignored a start meant for another node");
+                return;
+            }
+            tokio::spawn(start_actor(myself.clone(), state.registry.clone(), state.cluster.clone(), start));
+        }
+        AgentRequest::Stop(actor) => {
+            if let Some((cell, _)) = state.hosts.remove(&actor) {
+                stop_host(state, &cell);
+            }
+        }
+    }
+}
+
+/// Constructs the actor, hosts it, advertises it, then tells the head how it went.
+async fn start_actor(agent: ActorRef<Wire>, registry: Registry, cluster: Cluster, start: StartActor) {
+    let ctx = ActorContext {
+        id: start.actor,
+        node: start.node.clone(),
+        gpu_ids: start.gpu_ids.clone(),
+        resources: start.resources.clone(),
+        name: start.name.clone(),
+        cluster: cluster.clone(),
+    };
+    let outcome = match registry.construct(&start.kind, start.args, ctx.clone()).await {
+        Err(cause) => Err(cause),
+        Ok(actor) => match Actor::spawn_linked(None, Host, HostState { actor, ctx }, agent.get_cell()).await {
+            Err(e) => Err(format!("could not start the actor's host: {e}")),
+            Ok((host, _)) => {
+                node::join_group(cluster.scope(), &node::actor_group(start.actor), host.get_cell());
+                let hosted = LocalSignal::Hosted {
+                    actor: start.actor,
+                    attempt: start.attempt,
+                    host: host.get_cell(),
+                };
+                if agent.send_message(Wire::Local(hosted)).is_err() {
+                    host.stop(None);
+                    Err("the node agent is shutting down".to_string())
+                } else {
+                    Ok(())
+                }
+            }
+        },
+    };
+    let report = HeadRequest::Started {
+        actor: start.actor,
+        attempt: start.attempt,
+        outcome,
+    };
+    if let Err(e) = cluster.ask_head::<()>(&report, REPORT_TIMEOUT).await {
+        tracing::warn!(actor = %start.actor, error = %e, "could not report an actor start to the head");
+    }
+}

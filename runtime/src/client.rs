@@ -1,0 +1,449 @@
+//! The client library: connect to a head, spawn and call actors, reserve placement groups.
+//!
+//! A [`Client`] makes this process a member of the cluster (drivers talk to actors
+//! directly, not through the head). [`Cluster`] is the handle drivers and actors share.
+
+use std::marker::PhantomData;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ractor::ActorCell;
+use serde::de::DeserializeOwned;
+
+use crate::error::{Error, Result};
+use crate::node::{self, LocalNode};
+use crate::placement::Strategy;
+use crate::protocol::{
+    ActorId, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, Failure, GroupId, GroupSpec, HeadRequest,
+};
+use crate::registry::Actor;
+use crate::resources::Resources;
+use crate::wire::{self, CallError};
+
+/// Default time a call waits for its reply.
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Options for spawning an actor.
+#[derive(Clone, Debug, Default)]
+pub struct ActorOptions {
+    resources: Resources,
+    name: Option<String>,
+    max_restarts: u32,
+    placement: Option<BundleRef>,
+}
+
+impl ActorOptions {
+    /// No resources, no name, no restarts.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Resources the actor holds, e.g. `Resources::parse_request("GPU=1,accelerator_type:H100")`.
+    pub fn resources(mut self, resources: Resources) -> Self {
+        self.resources = resources;
+        self
+    }
+
+    /// A cluster-unique name for [`Cluster::named`].
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Restarts after its node or process dies ([`crate::RESTART_FOREVER`] for no limit).
+    pub fn max_restarts(mut self, restarts: u32) -> Self {
+        self.max_restarts = restarts;
+        self
+    }
+
+    /// Places the actor in a bundle of a placement group (`None`: any bundle with room).
+    pub fn in_group(mut self, group: &PlacementGroup, bundle: Option<usize>) -> Self {
+        self.placement = Some(BundleRef { group: group.id, bundle });
+        self
+    }
+}
+
+struct ClusterInner {
+    scope: String,
+    head: Mutex<ActorCell>,
+    head_address: String,
+    call_timeout: Duration,
+}
+
+/// A handle on the cluster, shared by drivers and by actors (through their context).
+#[derive(Clone)]
+pub struct Cluster {
+    inner: Arc<ClusterInner>,
+}
+
+impl Cluster {
+    pub(crate) fn new(scope: String, head: ActorCell, head_address: String) -> Self {
+        Self {
+            inner: Arc::new(ClusterInner {
+                scope,
+                head: Mutex::new(head),
+                head_address,
+                call_timeout: DEFAULT_CALL_TIMEOUT,
+            }),
+        }
+    }
+
+    /// The head's cluster address.
+    pub fn head_address(&self) -> &str {
+        &self.inner.head_address
+    }
+
+    pub(crate) fn scope(&self) -> &str {
+        &self.inner.scope
+    }
+
+    /// The head's actor: the cached one while it runs, else a fresh lookup (the head may
+    /// have restarted and this node rejoined it).
+    fn head(&self) -> Result<ActorCell> {
+        let mut cached = self
+            .inner
+            .head
+            .lock()
+            .map_err(|_| Error::Actor("the head handle lock was poisoned".into()))?;
+        if cached.get_status() == ractor::ActorStatus::Running {
+            return Ok(cached.clone());
+        }
+        match node::first_member(&self.inner.scope, node::HEAD_GROUP) {
+            Some(cell) => {
+                *cached = cell.clone();
+                Ok(cell)
+            }
+            None => Err(Error::Connect {
+                address: self.inner.head_address.clone(),
+                reason: "the connection to the head is lost".into(),
+            }),
+        }
+    }
+
+    /// Sends a request to the head and decodes its reply.
+    pub(crate) async fn ask_head<T: DeserializeOwned>(&self, request: &HeadRequest, timeout: Duration) -> Result<T> {
+        let what = head_request_name(request);
+        let head = self.head()?;
+        let bytes = wire::call_raw(&head, wire::encode(request), timeout)
+            .await
+            .map_err(|e| match e {
+                CallError::Timeout => Error::Timeout { what: format!("head request {what}"), timeout },
+                CallError::Unreachable(cause) => Error::Connect {
+                    address: self.inner.head_address.clone(),
+                    reason: format!("head request {what} failed: {cause}"),
+                },
+            })?;
+        let reply: std::result::Result<T, Failure> = wire::decode(&bytes, "the head's reply")
+            .map_err(|f| failure_to_error(f, None))?;
+        reply.map_err(|f| failure_to_error(f, None))
+    }
+
+    /// Spawns an actor of kind `A`. Returns once the head accepted it: an unknown kind or a
+    /// request no node could ever hold fails here; a busy cluster makes it wait for resources
+    /// (calls wait too, see [`ActorHandle::wait_ready`]).
+    pub async fn spawn<A: Actor>(&self, args: A::Args, options: ActorOptions) -> Result<ActorHandle<A>> {
+        let spec = ActorSpec {
+            kind: A::KIND.to_string(),
+            args: wire::encode(&args),
+            resources: options.resources,
+            name: options.name,
+            max_restarts: options.max_restarts,
+            placement: options.placement,
+        };
+        let id: ActorId = self.ask_head(&HeadRequest::Spawn(spec), self.inner.call_timeout).await?;
+        Ok(self.handle(id))
+    }
+
+    /// A handle on an existing actor by id (no check until it is used).
+    pub fn handle<A: Actor>(&self, id: ActorId) -> ActorHandle<A> {
+        ActorHandle {
+            id,
+            cluster: self.clone(),
+            cell: Arc::new(Mutex::new(None)),
+            _kind: PhantomData,
+        }
+    }
+
+    /// Looks up a live named actor.
+    pub async fn named<A: Actor>(&self, name: &str) -> Result<Option<ActorHandle<A>>> {
+        let view: Option<ActorView> = self
+            .ask_head(&HeadRequest::Named(name.to_string()), self.inner.call_timeout)
+            .await?;
+        match view {
+            None => Ok(None),
+            Some(view) if view.kind != A::KIND => Err(Error::Rejected(format!(
+                "actor '{name}' is of kind '{}', not '{}'",
+                view.kind,
+                A::KIND
+            ))),
+            Some(view) => Ok(Some(self.handle(view.id))),
+        }
+    }
+
+    /// Kills an actor for good (no restart).
+    pub async fn kill(&self, id: ActorId) -> Result<()> {
+        self.ask_head(&HeadRequest::Kill(id), self.inner.call_timeout).await
+    }
+
+    /// Where an actor is and how it is doing.
+    pub async fn actor_view(&self, id: ActorId, wait: Duration) -> Result<ActorView> {
+        self.ask_head(&HeadRequest::WaitActor(id), wait).await
+    }
+
+    /// Reserves bundles of resources, all or nothing. Fails at once if no arrangement could
+    /// ever fit; otherwise returns a group that [`PlacementGroup::ready`] waits on.
+    pub async fn create_placement_group(&self, bundles: Vec<Resources>, strategy: Strategy) -> Result<PlacementGroup> {
+        let spec = GroupSpec { bundles, strategy, name: None };
+        let id: GroupId = self.ask_head(&HeadRequest::CreateGroup(spec), self.inner.call_timeout).await?;
+        Ok(PlacementGroup { id, cluster: self.clone() })
+    }
+
+    /// The whole cluster's state.
+    pub async fn status(&self) -> Result<ClusterStatus> {
+        self.ask_head(&HeadRequest::Status, self.inner.call_timeout).await
+    }
+
+    /// Sends raw bytes to the head as a request, for protocol robustness tests.
+    #[doc(hidden)]
+    pub async fn send_raw_to_head(&self, bytes: Vec<u8>) -> std::result::Result<Vec<u8>, String> {
+        let head = self.head().map_err(|e| e.to_string())?;
+        wire::call_raw(&head, bytes, Duration::from_secs(5))
+            .await
+            .map_err(|e| match e {
+                CallError::Timeout => "timeout".to_string(),
+                CallError::Unreachable(c) => c,
+            })
+    }
+}
+
+fn head_request_name(request: &HeadRequest) -> &'static str {
+    match request {
+        HeadRequest::Register(_) => "register",
+        HeadRequest::Heartbeat { .. } => "heartbeat",
+        HeadRequest::Spawn(_) => "spawn",
+        HeadRequest::WaitActor(_) => "wait-actor",
+        HeadRequest::Named(_) => "named",
+        HeadRequest::Kill(_) => "kill",
+        HeadRequest::CreateGroup(_) => "create-placement-group",
+        HeadRequest::WaitGroup(_) => "wait-placement-group",
+        HeadRequest::RemoveGroup(_) => "remove-placement-group",
+        HeadRequest::Status => "status",
+        HeadRequest::Started { .. } => "started",
+        HeadRequest::Exited { .. } => "exited",
+    }
+}
+
+pub(crate) fn failure_to_error(failure: Failure, actor: Option<ActorId>) -> Error {
+    match failure {
+        Failure::Infeasible(m) => Error::Infeasible(m),
+        Failure::UnknownKind { kind, detail } => Error::UnknownKind { kind, detail },
+        Failure::Rejected(m) => Error::Rejected(m),
+        Failure::Dead { kind, cause } => Error::ActorDead {
+            actor: actor.unwrap_or(ActorId(0)),
+            kind,
+            cause,
+        },
+        Failure::Handler(message) => Error::Remote {
+            actor: actor.unwrap_or(ActorId(0)),
+            message,
+        },
+        Failure::BadMessage(m) => Error::Decode {
+            what: "a message".into(),
+            reason: m,
+        },
+    }
+}
+
+/// A reserved placement group.
+#[derive(Clone)]
+pub struct PlacementGroup {
+    id: GroupId,
+    cluster: Cluster,
+}
+
+impl PlacementGroup {
+    /// The group's id.
+    pub fn id(&self) -> GroupId {
+        self.id
+    }
+
+    /// Waits until every bundle is reserved; returns the node of each bundle.
+    pub async fn ready(&self, timeout: Duration) -> Result<Vec<String>> {
+        self.cluster.ask_head(&HeadRequest::WaitGroup(self.id), timeout).await
+    }
+
+    /// Removes the group, killing the actors placed in it and freeing its resources.
+    pub async fn remove(&self) -> Result<()> {
+        self.cluster
+            .ask_head(&HeadRequest::RemoveGroup(self.id), self.cluster.inner.call_timeout)
+            .await
+    }
+}
+
+/// A typed handle on an actor of kind `A`, valid across its restarts.
+pub struct ActorHandle<A: Actor> {
+    id: ActorId,
+    cluster: Cluster,
+    cell: Arc<Mutex<Option<ActorCell>>>,
+    _kind: PhantomData<fn() -> A>,
+}
+
+impl<A: Actor> Clone for ActorHandle<A> {
+    fn clone(&self) -> Self {
+        Self {
+            id: self.id,
+            cluster: self.cluster.clone(),
+            cell: self.cell.clone(),
+            _kind: PhantomData,
+        }
+    }
+}
+
+impl<A: Actor> ActorHandle<A> {
+    /// The actor's id.
+    pub fn id(&self) -> ActorId {
+        self.id
+    }
+
+    /// Calls the actor and waits for its reply (default timeout 30 s). A call in flight when
+    /// the actor or its node dies fails with an error; the next call reaches the restarted
+    /// actor.
+    pub async fn call(&self, request: A::Request) -> Result<A::Reply> {
+        self.call_timeout(request, DEFAULT_CALL_TIMEOUT).await
+    }
+
+    /// [`ActorHandle::call`] with an explicit timeout covering placement and the reply.
+    pub async fn call_timeout(&self, request: A::Request, timeout: Duration) -> Result<A::Reply> {
+        let deadline = Instant::now() + timeout;
+        let cell = self.resolve(deadline).await?;
+        let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let bytes = match wire::call_raw(&cell, wire::encode(&request), remaining).await {
+            Ok(bytes) => bytes,
+            Err(CallError::Timeout) => {
+                return Err(Error::Timeout { what: format!("call to actor {} ({})", self.id, A::KIND), timeout })
+            }
+            Err(CallError::Unreachable(cause)) => {
+                self.forget();
+                return Err(Error::CallFailed { actor: self.id, cause });
+            }
+        };
+        let reply: std::result::Result<Vec<u8>, Failure> =
+            wire::decode(&bytes, "an actor reply").map_err(|f| failure_to_error(f, Some(self.id)))?;
+        let reply = reply.map_err(|f| failure_to_error(f, Some(self.id)))?;
+        wire::decode(&reply, &format!("a reply of actor kind '{}'", A::KIND)).map_err(|f| failure_to_error(f, Some(self.id)))
+    }
+
+    /// Sends a message without waiting for it to be handled.
+    pub async fn cast(&self, request: A::Request) -> Result<()> {
+        let cell = self.resolve(Instant::now() + DEFAULT_CALL_TIMEOUT).await?;
+        wire::cast_raw(&cell, wire::encode(&request)).map_err(|cause| {
+            self.forget();
+            Error::CallFailed { actor: self.id, cause }
+        })
+    }
+
+    /// Waits until the actor is alive (placed and constructed).
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        self.resolve(Instant::now() + timeout).await.map(|_| ())
+    }
+
+    /// Kills the actor for good.
+    pub async fn kill(&self) -> Result<()> {
+        self.forget();
+        self.cluster.kill(self.id).await
+    }
+
+    fn forget(&self) {
+        if let Ok(mut cached) = self.cell.lock() {
+            *cached = None;
+        }
+    }
+
+    /// Finds a live cell for the actor: the cached one, else ask the head (waiting while it
+    /// is placed or restarted) and then the local mirror of its process group.
+    async fn resolve(&self, deadline: Instant) -> Result<ActorCell> {
+        if let Some(cell) = self.cell.lock().ok().and_then(|c| c.clone()) {
+            if cell.get_status() == ractor::ActorStatus::Running {
+                return Ok(cell);
+            }
+        }
+        let group = node::actor_group(self.id);
+        if let Some(cell) = node::first_member(self.cluster.scope(), &group) {
+            return Ok(self.remember(cell));
+        }
+        let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let view: ActorView = match self.cluster.actor_view(self.id, timeout).await {
+            Ok(view) => view,
+            Err(Error::Timeout { .. }) => {
+                return Err(Error::Timeout { what: format!("actor {} ({}) becoming ready", self.id, A::KIND), timeout })
+            }
+            Err(e) => return Err(e),
+        };
+        if view.kind != A::KIND {
+            return Err(Error::Rejected(format!(
+                "actor {} is of kind '{}', not '{}'",
+                self.id,
+                view.kind,
+                A::KIND
+            )));
+        }
+        if let ActorState::Dead { cause } = view.state {
+            return Err(Error::ActorDead { actor: self.id, kind: view.kind, cause });
+        }
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        match node::wait_member(self.cluster.scope(), &group, remaining).await {
+            Some(cell) => Ok(self.remember(cell)),
+            None => Err(Error::Timeout {
+                what: format!("actor {} ({}) on node {:?} to become reachable", self.id, A::KIND, view.node),
+                timeout,
+            }),
+        }
+    }
+
+    fn remember(&self, cell: ActorCell) -> ActorCell {
+        if let Ok(mut cached) = self.cell.lock() {
+            *cached = Some(cell.clone());
+        }
+        cell
+    }
+}
+
+/// A driver's connection to a cluster: this process joins as a client node.
+pub struct Client {
+    cluster: Cluster,
+    _node: LocalNode,
+}
+
+impl Client {
+    /// Connects to the head at `address` (`host:port`) with the cluster token.
+    pub async fn connect(address: &str, token: &str) -> Result<Self> {
+        Self::connect_with(address, token, true).await
+    }
+
+    /// Like [`Client::connect`]; `direct` false makes a lighter client that talks only to
+    /// the head (enough for status and spawning, not for calling actors on workers).
+    pub async fn connect_with(address: &str, token: &str, direct: bool) -> Result<Self> {
+        let host = node::route_to(address);
+        let bind: IpAddr = "0.0.0.0".parse().map_err(|_| Error::Actor("bad bind address".into()))?;
+        let name = format!("client-{}", node::random_hex(6));
+        let local = LocalNode::start(&name, token, bind, 0, &host, direct).await?;
+        let head = local.join(address).await?;
+        Ok(Self {
+            cluster: Cluster::new(local.scope().to_string(), head, address.to_string()),
+            _node: local,
+        })
+    }
+
+    /// The cluster handle.
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
+    }
+}
+
+impl std::ops::Deref for Client {
+    type Target = Cluster;
+    fn deref(&self) -> &Cluster {
+        &self.cluster
+    }
+}

@@ -1,0 +1,115 @@
+//! The runtime's one error type.
+
+use std::time::Duration;
+
+use crate::protocol::ActorId;
+
+/// Everything that can go wrong in the runtime, each with the input that caused it.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A resource string could not be parsed.
+    #[error("bad resource list '{input}': {reason}")]
+    BadResources {
+        /// The text given.
+        input: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// No node could ever satisfy the request.
+    #[error("infeasible request: {0}")]
+    Infeasible(String),
+    /// The actor kind is registered on no alive node.
+    #[error("unknown actor kind '{kind}': {detail}")]
+    UnknownKind {
+        /// The kind asked for.
+        kind: String,
+        /// Which kinds exist.
+        detail: String,
+    },
+    /// A request the head refused (duplicate name, bad bundle index, ...).
+    #[error("{0}")]
+    Rejected(String),
+    /// The actor is dead and will not come back.
+    #[error("actor {actor} ({kind}) is dead: {cause}")]
+    ActorDead {
+        /// The actor.
+        actor: ActorId,
+        /// Its kind.
+        kind: String,
+        /// Why it died.
+        cause: String,
+    },
+    /// A call or cast could not be delivered or its reply was lost.
+    #[error("call to actor {actor} failed: {cause}")]
+    CallFailed {
+        /// The actor.
+        actor: ActorId,
+        /// What happened.
+        cause: String,
+    },
+    /// The actor's handler returned an error.
+    #[error("actor {actor} returned an error: {message}")]
+    Remote {
+        /// The actor.
+        actor: ActorId,
+        /// The handler's message.
+        message: String,
+    },
+    /// Something did not answer in time.
+    #[error("{what} timed out after {timeout:?}")]
+    Timeout {
+        /// What was waited for.
+        what: String,
+        /// How long.
+        timeout: Duration,
+    },
+    /// The head could not be reached or refused this node.
+    #[error("cannot join the cluster at {address}: {reason}")]
+    Connect {
+        /// The head's address.
+        address: String,
+        /// Why.
+        reason: String,
+    },
+    /// The head refused this node's token.
+    #[error("the head at {address} refused this node: the cluster token does not match (set --token, REGATTA_TOKEN or --token-file to the head's token)")]
+    TokenRefused {
+        /// The head's address.
+        address: String,
+    },
+    /// No cluster token was found.
+    #[error("no cluster token: {0}")]
+    Token(String),
+    /// Bytes from the network did not decode.
+    #[error("could not decode {what}: {reason}")]
+    Decode {
+        /// What was being decoded.
+        what: String,
+        /// The decoder's message.
+        reason: String,
+    },
+    /// A local I/O failure.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The actor system failed locally.
+    #[error("actor system: {0}")]
+    Actor(String),
+}
+
+/// The runtime's result type.
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Self::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}

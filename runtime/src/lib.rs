@@ -1,0 +1,56 @@
+//! Regatta's cluster runtime: a head and workers that form a cluster over `ractor_cluster`,
+//! spawn actors remotely by kind name against resource tags, and survive node loss.
+//!
+//! Main types:
+//! - [`Client`] / [`Cluster`]: a driver's connection; spawn, call, look up and kill actors,
+//!   reserve [`PlacementGroup`]s, read the [`ClusterStatus`].
+//! - [`Actor`], [`Registry`], [`ActorContext`]: user actor kinds compiled into workers.
+//! - [`start_head`] / [`run_worker`]: the two node roles.
+//! - [`Resources`], [`Strategy`]: what actors ask for and how bundles spread.
+//!
+//! ```no_run
+//! use regatta_runtime::{ActorOptions, Client, Resources};
+//! # use regatta_runtime::{Actor, ActorContext, ActorError};
+//! # struct Echo;
+//! # impl Actor for Echo {
+//! #     const KIND: &'static str = "echo";
+//! #     type Args = (); type Request = String; type Reply = String;
+//! #     async fn create(_: (), _: &ActorContext) -> Result<Self, ActorError> { Ok(Echo) }
+//! #     async fn handle(&mut self, r: String, _: &ActorContext) -> Result<String, ActorError> { Ok(r) }
+//! # }
+//! # async fn run() -> regatta_runtime::Result<()> {
+//! let client = Client::connect("127.0.0.1:6380", "my-token").await?;
+//! let options = ActorOptions::new().resources(Resources::parse_request("CPU=1")?);
+//! let echo = client.spawn::<Echo>((), options).await?;
+//! assert_eq!(echo.call("hi".to_string()).await?, "hi");
+//! # Ok(()) }
+//! ```
+
+mod agent;
+mod client;
+mod detect;
+mod error;
+mod head;
+mod node;
+mod placement;
+mod protocol;
+mod registry;
+mod resources;
+mod scheduler;
+mod token;
+mod wire;
+mod worker;
+
+pub use client::{ActorHandle, ActorOptions, Client, Cluster, PlacementGroup, DEFAULT_CALL_TIMEOUT};
+pub use detect::{accelerator_tag, detect_gpus, detect_resources, GpuInventory};
+pub use error::{Error, Result};
+pub use head::{start_head, HeadConfig, RunningHead};
+pub use placement::{Allocation, Decision, Ledger, Strategy};
+pub use protocol::{
+    ActorId, ActorLine, ActorState, ActorView, ClusterStatus, GroupId, GroupStatus, NodeStatus, PendingLine,
+    RESTART_FOREVER,
+};
+pub use registry::{Actor, ActorContext, ActorError, Registry};
+pub use resources::{format_fixed, Resources, GPU, UNIT};
+pub use token::{default_token_file, resolve_token, TokenSource, TOKEN_ENV};
+pub use worker::{run_worker, WorkerConfig};

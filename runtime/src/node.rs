@@ -1,0 +1,261 @@
+//! This process as a cluster node: its `ractor_cluster` NodeServer, the session events it
+//! sees (joins, refusals, losses) and the process groups through which actors find each
+//! other across nodes.
+//!
+//! Every Regatta actor that others reach over the network joins a process group in the
+//! cluster's scope: `head`, `agent/<node>` or `actor/<id>`. `ractor_cluster` mirrors group
+//! membership to every connected node, so a lookup is a local read.
+
+use std::collections::HashSet;
+use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorCell, ActorRef};
+use ractor_cluster::node::NodeConnectionMode;
+use ractor_cluster::node::NodeServerSessionInformation;
+use ractor_cluster::{NodeEventSubscription, NodeServer, NodeServerMessage};
+use tokio::sync::broadcast;
+
+use crate::error::{Error, Result};
+use crate::protocol::ActorId;
+
+/// How long a node waits for the head to authenticate it before giving up on that attempt.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A session event this node observed.
+#[derive(Clone, Debug)]
+pub(crate) enum SessionEvent {
+    /// A peer proved it holds the cluster token.
+    Authenticated,
+    /// A session closed; `authenticated` says whether it had ever proven the token.
+    Closed { authenticated: bool },
+}
+
+/// This process's membership in a cluster.
+pub(crate) struct LocalNode {
+    server: ActorRef<NodeServerMessage>,
+    scope: String,
+    events: broadcast::Sender<SessionEvent>,
+    /// `host:port` others use to reach this node.
+    pub(crate) address: String,
+}
+
+impl LocalNode {
+    /// Starts this process's cluster listener on `bind:port` (0 picks a free port).
+    pub(crate) async fn start(
+        name: &str,
+        token: &str,
+        bind: IpAddr,
+        port: u16,
+        advertise_host: &str,
+        transitive: bool,
+    ) -> Result<Self> {
+        let port = if port == 0 { free_port(bind)? } else { port };
+        let address = format!("{advertise_host}:{port}");
+        let mode = if transitive {
+            NodeConnectionMode::Transitive
+        } else {
+            NodeConnectionMode::Isolated
+        };
+        let server = NodeServer::new(port, token.to_string(), name.to_string(), advertise_host.to_string(), None, Some(mode))
+            .with_listen_addr(bind);
+        let (server, _) = Actor::spawn(None, server, ())
+            .await
+            .map_err(|e| Error::Actor(format!("cannot start the cluster listener on {bind}:{port}: {e}")))?;
+        let (events, _) = broadcast::channel(256);
+        let watcher = SessionWatcher {
+            events: events.clone(),
+            authenticated: Arc::new(Mutex::new(HashSet::new())),
+        };
+        server
+            .cast(NodeServerMessage::SubscribeToEvents {
+                id: "regatta".to_string(),
+                subscription: Box::new(watcher),
+            })
+            .map_err(|e| Error::Actor(format!("cannot watch cluster sessions: {e}")))?;
+        Ok(Self {
+            server,
+            scope: scope_for(token),
+            events,
+            address,
+        })
+    }
+
+    /// The process-group scope of this cluster (derived from the token, so that clients of
+    /// different clusters in one process never see each other's actors).
+    pub(crate) fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// Subscribes to session events.
+    pub(crate) fn events(&self) -> broadcast::Receiver<SessionEvent> {
+        self.events.subscribe()
+    }
+
+    /// Connects to the head at `head_address` and waits until the head's actor is visible.
+    /// A refused token is reported as such; an unreachable head as unreachable.
+    pub(crate) async fn join(&self, head_address: &str) -> Result<ActorCell> {
+        let mut events = self.events();
+        ractor_cluster::client_connect(&self.server, head_address)
+            .await
+            .map_err(|e| Error::Connect {
+                address: head_address.to_string(),
+                reason: format!("cannot open a connection ({e}); is the head running and the address right?"),
+            })?;
+        let deadline = Instant::now() + JOIN_TIMEOUT;
+        loop {
+            if let Some(head) = first_member(&self.scope, HEAD_GROUP) {
+                return Ok(head);
+            }
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Err(Error::Connect {
+                    address: head_address.to_string(),
+                    reason: "connected, but no Regatta head answered within 10 s (is this a head's cluster port?)"
+                        .into(),
+                });
+            }
+            match tokio::time::timeout(remaining.min(Duration::from_millis(5)), events.recv()).await {
+                Ok(Ok(SessionEvent::Closed { authenticated: false, .. })) => {
+                    return Err(Error::TokenRefused {
+                        address: head_address.to_string(),
+                    });
+                }
+                _ => continue,
+            }
+        }
+    }
+}
+
+/// Watches NodeServer sessions and logs refusals: the one place both sides of a failed
+/// token check say so.
+struct SessionWatcher {
+    events: broadcast::Sender<SessionEvent>,
+    authenticated: Arc<Mutex<HashSet<ractor::ActorId>>>,
+}
+
+impl SessionWatcher {
+    fn peer(ses: &NodeServerSessionInformation) -> String {
+        match &ses.peer_name {
+            Some(name) => format!("{} ({})", name.name, ses.peer_addr),
+            None => ses.peer_addr.clone(),
+        }
+    }
+}
+
+impl NodeEventSubscription for SessionWatcher {
+    fn node_session_opened(&self, _ses: NodeServerSessionInformation) {}
+
+    fn node_session_authenticated(&self, ses: NodeServerSessionInformation) {
+        if let Ok(mut set) = self.authenticated.lock() {
+            set.insert(ses.actor.get_id());
+        }
+        let _ = self.events.send(SessionEvent::Authenticated);
+    }
+
+    fn node_session_disconnected(&self, ses: NodeServerSessionInformation) {
+        let authenticated = self
+            .authenticated
+            .lock()
+            .map(|mut set| set.remove(&ses.actor.get_id()))
+            .unwrap_or(false);
+        let peer = Self::peer(&ses);
+        if authenticated {
+            tracing::info!(peer = %peer, "cluster session closed");
+        } else if ses.is_server {
+            tracing::warn!(peer = %peer, "refused a connection: the peer did not prove the cluster token (wrong token, or not a Regatta node)");
+        } else {
+            tracing::error!(peer = %peer, "refused by the peer: the cluster token does not match");
+        }
+        let _ = self.events.send(SessionEvent::Closed { authenticated });
+    }
+}
+
+/// The head's process group.
+pub(crate) const HEAD_GROUP: &str = "head";
+
+/// The process group of the agent on `node`.
+pub(crate) fn agent_group(node: &str) -> String {
+    format!("agent/{node}")
+}
+
+/// The process group of an actor (stable across its restarts).
+pub(crate) fn actor_group(actor: ActorId) -> String {
+    format!("actor/{actor}")
+}
+
+/// Adds a local actor to a group in `scope`.
+pub(crate) fn join_group(scope: &str, group: &str, cell: ActorCell) {
+    ractor::pg::join_scoped(scope.to_string(), group.to_string(), vec![cell]);
+}
+
+/// The first running member of a group, local or remote.
+pub(crate) fn first_member(scope: &str, group: &str) -> Option<ActorCell> {
+    ractor::pg::get_scoped_members(&scope.to_string(), &group.to_string())
+        .into_iter()
+        .find(|cell| matches!(cell.get_status(), ractor::ActorStatus::Running | ractor::ActorStatus::Starting | ractor::ActorStatus::Upgrading))
+}
+
+/// Waits (polling the local mirror) until a group has a running member.
+pub(crate) async fn wait_member(scope: &str, group: &str, timeout: Duration) -> Option<ActorCell> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(cell) = first_member(scope, group) {
+            return Some(cell);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+fn scope_for(token: &str) -> String {
+    // FNV-1a: a stable, dependency-free fingerprint; the token itself never appears.
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in token.bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("regatta-{hash:016x}")
+}
+
+fn free_port(bind: IpAddr) -> Result<u16> {
+    let listener = TcpListener::bind(SocketAddr::new(bind, 0))
+        .map_err(|e| Error::io(format!("cannot find a free port on {bind}"), e))?;
+    listener
+        .local_addr()
+        .map(|a| a.port())
+        .map_err(|e| Error::io("cannot read the local address", e))
+}
+
+/// The local address this machine uses to reach `peer` (no packet is sent), for
+/// advertising; falls back to loopback.
+pub(crate) fn route_to(peer: &str) -> String {
+    let attempt = || -> Option<String> {
+        let socket = UdpSocket::bind("0.0.0.0:0").ok()?;
+        socket.connect(peer).ok()?;
+        Some(socket.local_addr().ok()?.ip().to_string())
+    };
+    attempt().unwrap_or_else(|| "127.0.0.1".to_string())
+}
+
+/// A short random hex id.
+pub(crate) fn random_hex(bytes: usize) -> String {
+    let mut buf = vec![0u8; bytes];
+    // The OS random source failing is not recoverable and not input-driven.
+    getrandom::getrandom(&mut buf).expect("the OS random source is available");
+    buf.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scopes_differ_by_token_and_hide_it() {
+        assert_ne!(scope_for("a"), scope_for("b"));
+        assert!(!scope_for("secret-token").contains("secret"));
+    }
+}

@@ -1,0 +1,312 @@
+//! What crosses the wire between the head, node agents, actor hosts and clients.
+//!
+//! Every remote actor in Regatta receives [`crate::wire::Wire`] envelopes whose payload is one
+//! of these types encoded with bincode; replies are `Result<T, Failure>` encoded the same way.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::placement::Strategy;
+use crate::resources::Resources;
+
+/// A cluster-wide actor id, stable across restarts of the actor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct ActorId(pub u64);
+
+impl fmt::Display for ActorId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// A placement group id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct GroupId(pub u64);
+
+impl fmt::Display for GroupId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "pg-{}", self.0)
+    }
+}
+
+/// Restart budget meaning "restart forever".
+pub const RESTART_FOREVER: u32 = u32::MAX;
+
+/// Which bundle of which placement group an actor goes into.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BundleRef {
+    /// The group.
+    pub group: GroupId,
+    /// The bundle index; `None` lets the head pick any bundle with room.
+    pub bundle: Option<usize>,
+}
+
+/// Everything the head needs to place and (re)start an actor.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActorSpec {
+    /// The registered kind name.
+    pub kind: String,
+    /// Constructor arguments, encoded by the kind's `Args` type.
+    pub args: Vec<u8>,
+    /// Resources the actor holds while it lives.
+    pub resources: Resources,
+    /// Optional cluster-unique name for lookups.
+    pub name: Option<String>,
+    /// How many times the actor is restarted after its node or process dies.
+    pub max_restarts: u32,
+    /// Optional placement group bundle.
+    pub placement: Option<BundleRef>,
+}
+
+/// A placement group request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupSpec {
+    /// One resource set per bundle.
+    pub bundles: Vec<Resources>,
+    /// How bundles spread over nodes.
+    pub strategy: Strategy,
+    /// Optional name shown in status.
+    pub name: Option<String>,
+}
+
+/// What a worker tells the head when it joins.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    /// The node's name, unique in the cluster.
+    pub name: String,
+    /// `host:port` of its cluster listener.
+    pub address: String,
+    /// Its resources.
+    pub resources: Resources,
+    /// Actor kinds its registry can construct.
+    pub kinds: Vec<String>,
+    /// Its process id, for operators.
+    pub pid: u32,
+}
+
+/// Why a request failed, as sent back over the wire.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Failure {
+    /// No node could ever satisfy it.
+    Infeasible(String),
+    /// No alive node registers this kind.
+    UnknownKind {
+        /// The kind asked for.
+        kind: String,
+        /// Which kinds exist.
+        detail: String,
+    },
+    /// The request was refused.
+    Rejected(String),
+    /// The actor is dead.
+    Dead {
+        /// Its kind.
+        kind: String,
+        /// Why.
+        cause: String,
+    },
+    /// The handler returned an error.
+    Handler(String),
+    /// The message did not decode as what the receiver expects.
+    BadMessage(String),
+}
+
+/// Requests the head answers.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum HeadRequest {
+    /// A worker joins: replies `u64` incarnation.
+    Register(NodeInfo),
+    /// A worker is alive: replies `bool` (false: re-register).
+    Heartbeat {
+        /// The node.
+        node: String,
+        /// The incarnation it registered as.
+        incarnation: u64,
+    },
+    /// Spawn an actor: replies [`ActorId`] once accepted (placement may still wait).
+    Spawn(ActorSpec),
+    /// Wait until the actor is alive or dead: replies [`ActorView`].
+    WaitActor(ActorId),
+    /// Look up a named actor: replies `Option<ActorView>`.
+    Named(String),
+    /// Kill an actor without restart: replies `()`.
+    Kill(ActorId),
+    /// Reserve a placement group: replies [`GroupId`] once accepted.
+    CreateGroup(GroupSpec),
+    /// Wait until the group is placed: replies `Vec<String>` (node per bundle).
+    WaitGroup(GroupId),
+    /// Remove a group and kill its actors: replies `()`.
+    RemoveGroup(GroupId),
+    /// The whole cluster's state: replies [`ClusterStatus`].
+    Status,
+    /// From an agent: a start attempt finished: replies `()`.
+    Started {
+        /// The actor.
+        actor: ActorId,
+        /// The attempt number from [`StartActor`].
+        attempt: u32,
+        /// `Err(cause)` when the constructor failed.
+        outcome: Result<(), String>,
+    },
+    /// From an agent: a running actor stopped on its own: replies `()`.
+    Exited {
+        /// The actor.
+        actor: ActorId,
+        /// The attempt number it was started with.
+        attempt: u32,
+        /// Why it stopped.
+        cause: String,
+    },
+}
+
+/// Where an actor is and how it is doing.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActorView {
+    /// The actor.
+    pub id: ActorId,
+    /// Its kind.
+    pub kind: String,
+    /// Its state.
+    pub state: ActorState,
+    /// The node it runs on, if placed.
+    pub node: Option<String>,
+    /// How many times it was restarted.
+    pub restarts: u32,
+}
+
+/// An actor's lifecycle state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ActorState {
+    /// Waiting for resources.
+    Pending,
+    /// Placed; its constructor is running.
+    Starting,
+    /// Running.
+    Alive,
+    /// Lost its node or process; waiting to be placed again.
+    Restarting,
+    /// Gone for good.
+    Dead {
+        /// Why.
+        cause: String,
+    },
+}
+
+impl ActorState {
+    /// A short lower-case label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Starting => "starting",
+            Self::Alive => "alive",
+            Self::Restarting => "restarting",
+            Self::Dead { .. } => "dead",
+        }
+    }
+}
+
+/// Requests a node agent answers.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum AgentRequest {
+    /// Construct an actor: replies `()` at once; the outcome goes to the head.
+    Start(StartActor),
+    /// Stop an actor: replies `()`.
+    Stop(ActorId),
+}
+
+/// The head's order to construct one actor on one node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartActor {
+    /// The actor.
+    pub actor: ActorId,
+    /// Increases on every (re)start, so stale reports are ignored.
+    pub attempt: u32,
+    /// The node chosen.
+    pub node: String,
+    /// Kind to construct.
+    pub kind: String,
+    /// Constructor arguments.
+    pub args: Vec<u8>,
+    /// Resources granted.
+    pub resources: Resources,
+    /// GPU indices granted.
+    pub gpu_ids: Vec<u32>,
+    /// Optional name.
+    pub name: Option<String>,
+}
+
+/// A snapshot of the cluster for `regatta status`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// Every node ever registered.
+    pub nodes: Vec<NodeStatus>,
+    /// Placement groups not removed.
+    pub groups: Vec<GroupStatus>,
+    /// Actors not dead, plus recent dead ones.
+    pub actors: Vec<ActorLine>,
+    /// Requests waiting for resources.
+    pub pending: Vec<PendingLine>,
+}
+
+/// One node in [`ClusterStatus`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct NodeStatus {
+    /// Name.
+    pub name: String,
+    /// Cluster listener address.
+    pub address: String,
+    /// `alive` or `dead`.
+    pub state: String,
+    /// Seconds since the node reached that state.
+    pub since_s: f64,
+    /// Why it died, if it did.
+    pub cause: Option<String>,
+    /// Total resources.
+    pub total: Resources,
+    /// Resources in use.
+    pub used: Resources,
+    /// Actor kinds it can construct.
+    pub kinds: Vec<String>,
+    /// Live actors on it.
+    pub actors: usize,
+}
+
+/// One placement group in [`ClusterStatus`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct GroupStatus {
+    /// Id.
+    pub id: GroupId,
+    /// Name, if any.
+    pub name: Option<String>,
+    /// Strategy.
+    pub strategy: Strategy,
+    /// `pending`, `created` or `rescheduling`.
+    pub state: String,
+    /// Node per bundle (`None` while unplaced).
+    pub bundles: Vec<(Resources, Option<String>)>,
+}
+
+/// One actor in [`ClusterStatus`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ActorLine {
+    /// The actor.
+    pub view: ActorView,
+    /// Name, if any.
+    pub name: Option<String>,
+    /// Resources it holds or asks for.
+    pub resources: Resources,
+    /// GPU indices it holds.
+    pub gpu_ids: Vec<u32>,
+}
+
+/// One waiting request in [`ClusterStatus`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PendingLine {
+    /// `actor 7 (echo)` or `pg-3`.
+    pub what: String,
+    /// What it asks for.
+    pub resources: String,
+    /// Seconds it has waited.
+    pub waiting_s: f64,
+}

@@ -1,0 +1,214 @@
+//! User actors: the [`Actor`] trait, the [`Registry`] of kinds compiled into a worker
+//! binary, and the host that runs one user actor inside the ractor system.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use ractor::{ActorProcessingErr, ActorRef};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::client::Cluster;
+use crate::protocol::{ActorId, Failure};
+use crate::resources::Resources;
+use crate::wire::{self, Wire};
+
+/// The error a user actor returns; anything that converts into a boxed error works with `?`.
+pub type ActorError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A kind of actor the cluster can spawn by name.
+///
+/// ```
+/// use regatta_runtime::{Actor, ActorContext, ActorError};
+///
+/// struct Counter { total: i64 }
+///
+/// impl Actor for Counter {
+///     const KIND: &'static str = "counter";
+///     type Args = i64;
+///     type Request = i64;
+///     type Reply = i64;
+///
+///     async fn create(start: i64, _ctx: &ActorContext) -> Result<Self, ActorError> {
+///         Ok(Counter { total: start })
+///     }
+///
+///     async fn handle(&mut self, add: i64, _ctx: &ActorContext) -> Result<i64, ActorError> {
+///         self.total += add;
+///         Ok(self.total)
+///     }
+/// }
+/// ```
+pub trait Actor: Send + Sized + 'static {
+    /// The name the kind is registered and spawned under.
+    const KIND: &'static str;
+    /// Constructor arguments.
+    type Args: Serialize + DeserializeOwned + Send + 'static;
+    /// Messages the actor handles.
+    type Request: Serialize + DeserializeOwned + Send + 'static;
+    /// Replies to calls.
+    type Reply: Serialize + DeserializeOwned + Send + 'static;
+
+    /// Builds the actor; runs again on every restart.
+    fn create(args: Self::Args, ctx: &ActorContext) -> impl Future<Output = Result<Self, ActorError>> + Send;
+
+    /// Handles one message; calls and casts both come here, one at a time.
+    fn handle(
+        &mut self,
+        request: Self::Request,
+        ctx: &ActorContext,
+    ) -> impl Future<Output = Result<Self::Reply, ActorError>> + Send;
+}
+
+/// What an actor knows about where it runs.
+#[derive(Clone)]
+pub struct ActorContext {
+    pub(crate) id: ActorId,
+    pub(crate) node: String,
+    pub(crate) gpu_ids: Vec<u32>,
+    pub(crate) resources: Resources,
+    pub(crate) name: Option<String>,
+    pub(crate) cluster: Cluster,
+}
+
+impl ActorContext {
+    /// This actor's id.
+    pub fn id(&self) -> ActorId {
+        self.id
+    }
+
+    /// The node it runs on.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// The GPU indices granted to it (empty without GPUs). Indices are the node's device
+    /// numbers, to be used as `CUDA_VISIBLE_DEVICES` or device ordinals.
+    pub fn gpu_ids(&self) -> &[u32] {
+        &self.gpu_ids
+    }
+
+    /// The resources granted to it.
+    pub fn resources(&self) -> &Resources {
+        &self.resources
+    }
+
+    /// Its name, if spawned with one.
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    /// The cluster, to spawn, look up and call other actors from inside this one.
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
+    }
+}
+
+/// A constructed user actor behind a byte interface.
+pub(crate) trait Hosted: Send {
+    fn handle<'a>(&'a mut self, request: Vec<u8>, ctx: &'a ActorContext) -> BoxFuture<'a, Result<Vec<u8>, Failure>>;
+}
+
+struct Typed<A>(A);
+
+impl<A: Actor> Hosted for Typed<A> {
+    fn handle<'a>(&'a mut self, request: Vec<u8>, ctx: &'a ActorContext) -> BoxFuture<'a, Result<Vec<u8>, Failure>> {
+        Box::pin(async move {
+            let request: A::Request = wire::decode(&request, &format!("a request for actor kind '{}'", A::KIND))?;
+            match self.0.handle(request, ctx).await {
+                Ok(reply) => Ok(wire::encode(&reply)),
+                Err(e) => Err(Failure::Handler(e.to_string())),
+            }
+        })
+    }
+}
+
+type Constructor =
+    Arc<dyn Fn(Vec<u8>, ActorContext) -> BoxFuture<'static, Result<Box<dyn Hosted>, String>> + Send + Sync>;
+
+/// The actor kinds a worker binary can construct, by name.
+#[derive(Clone, Default)]
+pub struct Registry {
+    kinds: BTreeMap<String, Constructor>,
+}
+
+impl Registry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds kind `A` under [`Actor::KIND`].
+    pub fn register<A: Actor>(mut self) -> Self {
+        let constructor: Constructor = Arc::new(|args: Vec<u8>, ctx: ActorContext| {
+            Box::pin(async move {
+                let args: A::Args = wire::decode(&args, &format!("constructor arguments for actor kind '{}'", A::KIND))
+                    .map_err(|f| match f {
+                        Failure::BadMessage(m) => m,
+                        other => format!("{other:?}"),
+                    })?;
+                let built = AssertUnwindSafe(A::create(args, &ctx)).catch_unwind().await;
+                match built {
+                    Ok(Ok(actor)) => Ok(Box::new(Typed(actor)) as Box<dyn Hosted>),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err(format!("the constructor of '{}' panicked", A::KIND)),
+                }
+            })
+        });
+        self.kinds.insert(A::KIND.to_string(), constructor);
+        self
+    }
+
+    /// Registered kind names.
+    pub fn kinds(&self) -> Vec<String> {
+        self.kinds.keys().cloned().collect()
+    }
+
+    /// Constructs an actor of `kind` from encoded arguments.
+    pub(crate) async fn construct(&self, kind: &str, args: Vec<u8>, ctx: ActorContext) -> Result<Box<dyn Hosted>, String> {
+        let constructor = self.kinds.get(kind).ok_or_else(|| {
+            format!("unknown actor kind '{kind}' on this worker; it registers: {}", self.kinds().join(", "))
+        })?;
+        constructor(args, ctx).await
+    }
+}
+
+/// The ractor actor that runs one user actor and answers its [`Wire`] messages.
+pub(crate) struct Host;
+
+pub(crate) struct HostState {
+    pub(crate) actor: Box<dyn Hosted>,
+    pub(crate) ctx: ActorContext,
+}
+
+impl ractor::Actor for Host {
+    type Msg = Wire;
+    type State = HostState;
+    type Arguments = HostState;
+
+    async fn pre_start(&self, _myself: ActorRef<Wire>, state: HostState) -> Result<HostState, ActorProcessingErr> {
+        Ok(state)
+    }
+
+    async fn handle(&self, _myself: ActorRef<Wire>, message: Wire, state: &mut HostState) -> Result<(), ActorProcessingErr> {
+        match message {
+            Wire::Call(request, port) => {
+                let result = state.actor.handle(request, &state.ctx).await;
+                if !port.is_closed() {
+                    let _ = port.send(wire::encode(&result));
+                }
+            }
+            Wire::Cast(request) => {
+                if let Err(failure) = state.actor.handle(request, &state.ctx).await {
+                    tracing::warn!(actor = %state.ctx.id, ?failure, "cast failed");
+                }
+            }
+            Wire::Local(_) => {}
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,103 @@
+//! The cluster token: the shared secret every node and client must prove to join.
+//!
+//! Resolution order: an explicit value (flag), `REGATTA_TOKEN`, an explicit file, then the
+//! default file `~/.regatta/token`, which a head creates (mode 0600) when nothing else is
+//! given so that workers and clients on the same machine need no flags.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+/// Environment variable holding the token.
+pub const TOKEN_ENV: &str = "REGATTA_TOKEN";
+
+/// The default token file.
+pub fn default_token_file() -> PathBuf {
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    home.join(".regatta").join("token")
+}
+
+/// Where a token came from, for log lines.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TokenSource {
+    /// `--token`.
+    Flag,
+    /// `REGATTA_TOKEN`.
+    Env,
+    /// A token file.
+    File(PathBuf),
+    /// Newly generated into the default file.
+    Generated(PathBuf),
+}
+
+/// Finds the token; `create` lets a head generate one into the default file.
+pub fn resolve_token(flag: Option<&str>, file: Option<&Path>, create: bool) -> Result<(String, TokenSource)> {
+    if let Some(token) = flag.filter(|t| !t.trim().is_empty()) {
+        return Ok((token.trim().to_string(), TokenSource::Flag));
+    }
+    if let Ok(token) = std::env::var(TOKEN_ENV) {
+        if !token.trim().is_empty() {
+            return Ok((token.trim().to_string(), TokenSource::Env));
+        }
+    }
+    if let Some(path) = file {
+        return read_token(path).map(|t| (t, TokenSource::File(path.to_path_buf())));
+    }
+    let default = default_token_file();
+    if default.exists() {
+        return read_token(&default).map(|t| (t, TokenSource::File(default)));
+    }
+    if !create {
+        return Err(Error::Token(format!(
+            "give --token, set {TOKEN_ENV}, pass --token-file, or run the head on this machine first (it writes {})",
+            default.display()
+        )));
+    }
+    let token = crate::node::random_hex(24);
+    write_token(&default, &token)?;
+    Ok((token, TokenSource::Generated(default)))
+}
+
+fn read_token(path: &Path) -> Result<String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::io(format!("cannot read the token file {}", path.display()), e))?;
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(Error::Token(format!("the token file {} is empty", path.display())));
+    }
+    Ok(token.to_string())
+}
+
+fn write_token(path: &Path, token: &str) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
+    }
+    std::fs::write(path, format!("{token}\n")).map_err(|e| Error::io(format!("cannot write {}", path.display()), e))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| Error::io(format!("cannot restrict {}", path.display()), e))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flag_wins_and_files_are_trimmed() {
+        assert_eq!(resolve_token(Some(" abc "), None, false).unwrap().0, "abc");
+        let dir = std::env::temp_dir().join(format!("regatta-token-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("t");
+        std::fs::write(&file, "s3cret\n").unwrap();
+        if std::env::var(TOKEN_ENV).is_err() {
+            assert_eq!(resolve_token(None, Some(&file), false).unwrap().0, "s3cret");
+            std::fs::write(&file, "\n").unwrap();
+            assert!(resolve_token(None, Some(&file), false).unwrap_err().to_string().contains("empty"));
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,161 @@
+//! The one message type every remote Regatta actor receives, and the codec around it.
+//!
+//! `ractor_cluster` serializes messages through `BytesConvertable`, whose decoders may panic
+//! on short input. Regatta's actors instead receive [`Wire`]: an opaque byte payload that
+//! ractor forwards untouched, decoded by Regatta with bincode into a typed value or a clear
+//! [`Failure::BadMessage`] reply. Malformed bytes from the network therefore never panic a
+//! node; they get an error reply or are dropped.
+
+use std::time::Duration;
+
+use bincode::Options;
+use ractor::message::{BoxedDowncastErr, SerializedMessage};
+use ractor::{ActorCell, ActorRef, RpcReplyPort};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::protocol::Failure;
+
+/// Largest payload decoded from the wire; ractor_cluster frames are capped below this anyway.
+const MAX_DECODE_BYTES: u64 = 64 << 20;
+
+/// A message to a remote-capable Regatta actor.
+pub enum Wire {
+    /// Fire and forget.
+    Cast(Vec<u8>),
+    /// Request/reply: the reply is `Result<T, Failure>` encoded with [`encode`].
+    Call(Vec<u8>, RpcReplyPort<Vec<u8>>),
+    /// Node-local signal (never crosses the network), for the actor's own timers.
+    Local(LocalSignal),
+}
+
+/// Signals an actor gets from its own node (never over the network).
+pub enum LocalSignal {
+    /// A periodic timer fired.
+    Tick,
+    /// An asynchronous job finished; the payload is an encoded request to handle locally.
+    Deferred(Vec<u8>),
+    /// An agent's start task finished constructing an actor and spawned its host.
+    Hosted {
+        /// The actor.
+        actor: crate::protocol::ActorId,
+        /// The start attempt.
+        attempt: u32,
+        /// The host actor.
+        host: ractor::ActorCell,
+    },
+    /// The head no longer knows this node: stop every actor and start over.
+    Reset,
+}
+
+const CAST: &str = "cast";
+const CALL: &str = "call";
+
+impl ractor::Message for Wire {
+    fn serializable() -> bool {
+        true
+    }
+
+    fn serialize(self) -> Result<SerializedMessage, BoxedDowncastErr> {
+        match self {
+            Wire::Cast(args) => Ok(SerializedMessage::Cast {
+                variant: CAST.to_string(),
+                args,
+                metadata: None,
+            }),
+            Wire::Call(args, reply) => Ok(SerializedMessage::Call {
+                variant: CALL.to_string(),
+                args,
+                reply,
+                metadata: None,
+            }),
+            Wire::Local(_) => Err(BoxedDowncastErr),
+        }
+    }
+
+    fn deserialize(bytes: SerializedMessage) -> Result<Self, BoxedDowncastErr> {
+        match bytes {
+            SerializedMessage::Cast { variant, args, .. } if variant == CAST => Ok(Wire::Cast(args)),
+            SerializedMessage::Call {
+                variant, args, reply, ..
+            } if variant == CALL => Ok(Wire::Call(args, reply)),
+            _ => Err(BoxedDowncastErr),
+        }
+    }
+}
+
+fn options() -> impl Options {
+    bincode::DefaultOptions::new()
+        .with_limit(MAX_DECODE_BYTES)
+        .with_fixint_encoding()
+        .allow_trailing_bytes()
+}
+
+/// Encodes a value for the wire.
+pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // Serializing plain data into a Vec cannot fail; a failure is a bug in a Serialize impl.
+    options()
+        .serialize(value)
+        .expect("serde types in Regatta's protocol always serialize")
+}
+
+/// Decodes a value from the wire, naming `what` in the error.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, Failure> {
+    options()
+        .deserialize(bytes)
+        .map_err(|e| Failure::BadMessage(format!("could not decode {what}: {e}")))
+}
+
+/// Replies to a call with an encoded result; a caller that went away is not an error here.
+pub fn reply<T: Serialize>(port: RpcReplyPort<Vec<u8>>, result: Result<T, Failure>) {
+    let _ = port.send(encode(&result));
+}
+
+/// How a call to a remote actor ended, before decoding.
+pub enum CallError {
+    /// The actor could not be reached (stopped, or its node is gone).
+    Unreachable(String),
+    /// No reply in time.
+    Timeout,
+}
+
+/// Sends `request` and waits up to `timeout` for the raw reply bytes.
+pub async fn call_raw(target: &ActorCell, request: Vec<u8>, timeout: Duration) -> Result<Vec<u8>, CallError> {
+    let target: ActorRef<Wire> = target.clone().into();
+    match target.call(|port| Wire::Call(request, port), Some(timeout)).await {
+        Ok(ractor::rpc::CallResult::Success(bytes)) => Ok(bytes),
+        Ok(ractor::rpc::CallResult::Timeout) => Err(CallError::Timeout),
+        Ok(ractor::rpc::CallResult::SenderError) => {
+            Err(CallError::Unreachable("the actor stopped or its node was lost before replying".into()))
+        }
+        Err(e) => Err(CallError::Unreachable(format!("could not deliver the message: {e}"))),
+    }
+}
+
+/// Sends a fire-and-forget message.
+pub fn cast_raw(target: &ActorCell, payload: Vec<u8>) -> Result<(), String> {
+    let target: ActorRef<Wire> = target.clone().into();
+    target
+        .send_message(Wire::Cast(payload))
+        .map_err(|e| format!("could not deliver the message: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::HeadRequest;
+
+    #[test]
+    fn garbage_decodes_to_a_failure_not_a_panic() {
+        for junk in [&b""[..], b"\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\x07\x00\x00\x00garbage"] {
+            assert!(matches!(decode::<HeadRequest>(junk, "head request"), Err(Failure::BadMessage(_))));
+        }
+    }
+
+    #[test]
+    fn huge_length_prefix_is_refused_without_allocating() {
+        let mut bytes = vec![2, 0, 0, 0];
+        bytes.extend_from_slice(&u64::MAX.to_le_bytes());
+        assert!(decode::<(u32, Vec<u8>)>(&bytes, "x").is_err());
+    }
+}

@@ -1,0 +1,163 @@
+//! A worker process: joins the head (retrying until it is up), runs the node agent,
+//! registers its resources and kinds, and keeps the head informed with heartbeats.
+
+use std::future::Future;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use ractor::{Actor, ActorRef};
+
+use crate::agent::{Agent, AgentArgs};
+use crate::client::Cluster;
+use crate::detect;
+use crate::error::{Error, Result};
+use crate::node::{self, LocalNode};
+use crate::protocol::{HeadRequest, NodeInfo};
+use crate::registry::Registry;
+use crate::resources::Resources;
+use crate::wire::{LocalSignal, Wire};
+
+/// How a worker runs.
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    /// The head's cluster address, `host:port`.
+    pub head_address: String,
+    /// This node's name (default: `worker-<random>`).
+    pub name: Option<String>,
+    /// Address to listen on.
+    pub bind: IpAddr,
+    /// Cluster port (0: any free port).
+    pub port: u16,
+    /// Host others use to reach this worker (default: this machine's address towards the head).
+    pub advertise_host: Option<String>,
+    /// The cluster token.
+    pub token: String,
+    /// Declared resources; each overrides the detected amount of the same name.
+    pub resources: Resources,
+    /// Interval between heartbeats.
+    pub heartbeat_interval_ms: u64,
+}
+
+impl WorkerConfig {
+    /// Defaults for joining `head_address`.
+    pub fn new(head_address: impl Into<String>, token: impl Into<String>) -> Self {
+        Self {
+            head_address: head_address.into(),
+            name: None,
+            bind: IpAddr::from([0, 0, 0, 0]),
+            port: 0,
+            advertise_host: None,
+            token: token.into(),
+            resources: Resources::new(),
+            heartbeat_interval_ms: 500,
+        }
+    }
+}
+
+/// Runs a worker until `shutdown` resolves. Fails at once on a refused token; an
+/// unreachable head is retried.
+pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl Future<Output = ()>) -> Result<()> {
+    let name = config.name.clone().unwrap_or_else(|| format!("worker-{}", node::random_hex(3)));
+    let host = config.advertise_host.clone().unwrap_or_else(|| node::route_to(&config.head_address));
+    // The session name is unique per process so a restarted worker is never mistaken for
+    // the old session the head may still hold open.
+    let session = format!("{name}-{}", node::random_hex(3));
+    let local = LocalNode::start(&session, &config.token, config.bind, config.port, &host, true).await?;
+    let head = join_with_retry(&local, &config.head_address).await?;
+    let cluster = Cluster::new(local.scope().to_string(), head, config.head_address.clone());
+
+    let mut resources = detect::detect_resources();
+    resources.override_with(&config.resources);
+    let info = NodeInfo {
+        name: name.clone(),
+        address: local.address.clone(),
+        resources,
+        kinds: registry.kinds(),
+        pid: std::process::id(),
+    };
+    let (agent, _) = Actor::spawn(
+        None,
+        Agent,
+        AgentArgs {
+            node: name.clone(),
+            registry,
+            cluster: cluster.clone(),
+        },
+    )
+    .await
+    .map_err(|e| Error::Actor(format!("cannot start the node agent: {e}")))?;
+    node::join_group(local.scope(), &node::agent_group(&name), agent.get_cell());
+
+    tokio::select! {
+        result = keep_membership(&local, &cluster, &agent, &info, config.heartbeat_interval_ms) => result,
+        () = shutdown => {
+            tracing::info!(node = %name, "worker shutting down");
+            agent.stop(None);
+            Ok(())
+        }
+    }
+}
+
+async fn join_with_retry(local: &LocalNode, head_address: &str) -> Result<ractor::ActorCell> {
+    let mut warned = false;
+    loop {
+        match local.join(head_address).await {
+            Ok(head) => return Ok(head),
+            Err(refused @ Error::TokenRefused { .. }) => return Err(refused),
+            Err(e) => {
+                if !warned {
+                    tracing::warn!(error = %e, "head not reachable yet; retrying every second");
+                    warned = true;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+/// Registers, then heartbeats forever; re-registers when the head forgets this node and
+/// reconnects when the session to the head is lost.
+async fn keep_membership(
+    local: &LocalNode,
+    cluster: &Cluster,
+    agent: &ActorRef<Wire>,
+    info: &NodeInfo,
+    interval_ms: u64,
+) -> Result<()> {
+    let interval = Duration::from_millis(interval_ms.max(10));
+    let mut incarnation: Option<u64> = None;
+    let mut ticker = tokio::time::interval(interval);
+    loop {
+        ticker.tick().await;
+        if node::first_member(cluster.scope(), node::HEAD_GROUP).is_none() {
+            match local.join(&cluster.head_address().to_string()).await {
+                Ok(_) => tracing::info!("reconnected to the head"),
+                Err(refused @ Error::TokenRefused { .. }) => return Err(refused),
+                Err(_) => continue,
+            }
+        }
+        let Some(current) = incarnation else {
+            match cluster.ask_head::<u64>(&HeadRequest::Register(info.clone()), interval * 4).await {
+                Ok(number) => {
+                    tracing::info!(node = %info.name, resources = %info.resources, "registered with the head");
+                    incarnation = Some(number);
+                }
+                Err(e) => tracing::warn!(error = %e, "registration failed; retrying"),
+            }
+            continue;
+        };
+        let beat = HeadRequest::Heartbeat {
+            node: info.name.clone(),
+            incarnation: current,
+        };
+        match cluster.ask_head::<bool>(&beat, interval * 4).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(node = %info.name, "the head no longer knows this node; stopping its actors and registering again");
+                let _ = agent.send_message(Wire::Local(LocalSignal::Reset));
+                incarnation = None;
+            }
+            Err(e) => tracing::debug!(error = %e, "heartbeat failed"),
+        }
+    }
+}
