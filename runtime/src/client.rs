@@ -325,7 +325,7 @@ impl<A: Actor> ActorHandle<A> {
             }
             Err(CallError::Unreachable(cause)) => {
                 self.forget();
-                return Err(Error::CallFailed { actor: self.id, cause });
+                return Err(self.explain_lost_call(cause).await);
             }
         };
         let reply: std::result::Result<Vec<u8>, Failure> =
@@ -354,6 +354,15 @@ impl<A: Actor> ActorHandle<A> {
         self.cluster.kill(self.id).await
     }
 
+    /// A call that could not complete: say that the actor is dead when it is, else report
+    /// the transport failure (the actor may be restarting).
+    async fn explain_lost_call(&self, cause: String) -> Error {
+        match self.cluster.ask_head::<ActorView>(&HeadRequest::WaitActor(self.id), Duration::from_millis(200)).await {
+            Ok(ActorView { state: ActorState::Dead { cause }, kind, .. }) => Error::ActorDead { actor: self.id, kind, cause },
+            _ => Error::CallFailed { actor: self.id, cause },
+        }
+    }
+
     fn forget(&self) {
         if let Ok(mut cached) = self.cell.lock() {
             *cached = None;
@@ -361,7 +370,9 @@ impl<A: Actor> ActorHandle<A> {
     }
 
     /// Finds a live cell for the actor: the cached one, else ask the head (waiting while it
-    /// is placed or restarted) and then the local mirror of its process group.
+    /// is placed or restarted) and then the local mirror of its process group. The head is
+    /// asked first so that a killed or dead actor whose host is still stopping is reported
+    /// dead rather than reached.
     async fn resolve(&self, deadline: Instant) -> Result<ActorCell> {
         if let Some(cell) = self.cell.lock().ok().and_then(|c| c.clone()) {
             if cell.get_status() == ractor::ActorStatus::Running {
@@ -369,9 +380,6 @@ impl<A: Actor> ActorHandle<A> {
             }
         }
         let group = node::actor_group(self.id);
-        if let Some(cell) = node::first_member(self.cluster.scope(), &group) {
-            return Ok(self.remember(cell));
-        }
         let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
         let view: ActorView = match self.cluster.actor_view(self.id, timeout).await {
             Ok(view) => view,

@@ -88,7 +88,6 @@ fn options() -> impl Options {
     bincode::DefaultOptions::new()
         .with_limit(MAX_DECODE_BYTES)
         .with_fixint_encoding()
-        .allow_trailing_bytes()
 }
 
 /// Encodes a value for the wire.
@@ -150,6 +149,13 @@ mod tests {
         for junk in [&b""[..], b"\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\x07\x00\x00\x00garbage"] {
             assert!(matches!(decode::<HeadRequest>(junk, "head request"), Err(Failure::BadMessage(_))));
         }
+    }
+
+    #[test]
+    fn trailing_bytes_mean_the_wrong_type() {
+        let text = encode(&"x".to_string());
+        assert!(decode::<i64>(&text, "an i64").is_err());
+        assert_eq!(decode::<String>(&text, "a string").unwrap(), "x");
     }
 
     #[test]

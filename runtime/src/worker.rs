@@ -100,16 +100,18 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
 
 async fn join_with_retry(local: &LocalNode, head_address: &str) -> Result<ractor::ActorCell> {
     let mut warned = false;
+    let mut backoff = Duration::from_millis(50);
     loop {
         match local.join(head_address).await {
             Ok(head) => return Ok(head),
             Err(refused @ Error::TokenRefused { .. }) => return Err(refused),
             Err(e) => {
                 if !warned {
-                    tracing::warn!(error = %e, "head not reachable yet; retrying every second");
+                    tracing::warn!(error = %e, "head not reachable yet; retrying");
                     warned = true;
                 }
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
             }
         }
     }

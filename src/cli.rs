@@ -1,0 +1,274 @@
+//! The `regatta` command line.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+
+use regatta_runtime::{
+    format_fixed, resolve_token, run_worker, start_head, ClusterStatus, HeadConfig, Registry, Resources, TokenSource,
+    WorkerConfig,
+};
+
+/// Regatta: an actor cluster runtime for ML training and batch scoring.
+#[derive(Parser, Debug)]
+#[command(name = "regatta", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Start a head node.
+    Head(HeadArgs),
+    /// Start a worker node that joins a head.
+    Worker(WorkerArgs),
+    /// Print the cluster's nodes, resources, placement groups, actors and waiting requests.
+    Status(StatusArgs),
+    /// Start a local cluster (head and 2 workers as processes), run an actor workload on
+    /// it, print a report and shut it down.
+    Demo(crate::demo::DemoArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+struct TokenArgs {
+    /// Cluster token (else REGATTA_TOKEN, --token-file, or ~/.regatta/token).
+    #[arg(long, env = "REGATTA_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// File holding the cluster token.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct HeadArgs {
+    /// Cluster port.
+    #[arg(long, default_value_t = 6380)]
+    port: u16,
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0")]
+    bind: IpAddr,
+    /// Host or IP that workers and clients use to reach this head.
+    #[arg(long, default_value = "127.0.0.1")]
+    advertise_host: String,
+    /// A worker silent this long is declared dead and its actors restarted elsewhere.
+    #[arg(long, default_value_t = 3_000)]
+    heartbeat_timeout_ms: u64,
+    #[command(flatten)]
+    token: TokenArgs,
+}
+
+#[derive(Args, Debug)]
+struct WorkerArgs {
+    /// The head's cluster address, HOST:PORT.
+    #[arg(long, env = "REGATTA_ADDRESS")]
+    address: String,
+    /// Resources, overriding detected ones: 'CPU=8,GPU=2,accelerator_type:H100=1'.
+    #[arg(long, default_value = "")]
+    resources: String,
+    /// Node name (default: worker-<random>).
+    #[arg(long)]
+    name: Option<String>,
+    /// Cluster port of this worker (0: any free port).
+    #[arg(long, default_value_t = 0)]
+    port: u16,
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0")]
+    bind: IpAddr,
+    /// Host or IP others use to reach this worker (default: this machine's address towards the head).
+    #[arg(long)]
+    advertise_host: Option<String>,
+    /// Interval between heartbeats to the head.
+    #[arg(long, default_value_t = 500)]
+    heartbeat_interval_ms: u64,
+    #[command(flatten)]
+    token: TokenArgs,
+}
+
+#[derive(Args, Debug)]
+struct StatusArgs {
+    /// The head's cluster address, HOST:PORT.
+    #[arg(long, env = "REGATTA_ADDRESS", default_value = "127.0.0.1:6380")]
+    address: String,
+    /// Print JSON for scripts.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    token: TokenArgs,
+}
+
+/// Runs the command line with `registry` as the worker's actor kinds.
+pub fn main_with(registry: Registry) -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let outcome = runtime.block_on(async move {
+        match cli.command {
+            Command::Head(args) => head(args).await,
+            Command::Worker(args) => worker(args, registry).await,
+            Command::Status(args) => status(args).await,
+            Command::Demo(args) => crate::demo::run(args).await,
+        }
+    });
+    match outcome {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("REGATTA_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,ractor_cluster=error,ractor=warn"));
+    let color = std::env::var("REGATTA_LOG_COLOR").map(|v| v != "never").unwrap_or(true);
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(color)
+        .init();
+}
+
+/// Resolves once Ctrl-C or SIGTERM arrives.
+pub(crate) async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
+    let (token, source) = resolve_token(args.token.token.as_deref(), args.token.token_file.as_deref(), true)?;
+    if let TokenSource::Generated(path) = &source {
+        tracing::info!(file = %path.display(), "generated a cluster token; workers on other machines need --token with its contents");
+    }
+    let mut config = HeadConfig::new(token);
+    config.bind = args.bind;
+    config.port = args.port;
+    config.advertise_host = args.advertise_host;
+    config.heartbeat_timeout_ms = args.heartbeat_timeout_ms;
+    let head = start_head(config).await?;
+    println!("regatta head listening on {} (bind {}:{})", head.address, args.bind, args.port);
+    shutdown_signal().await;
+    tracing::info!("head shutting down");
+    head.stop();
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn worker(args: WorkerArgs, registry: Registry) -> anyhow::Result<ExitCode> {
+    let (token, _) = resolve_token(args.token.token.as_deref(), args.token.token_file.as_deref(), false)?;
+    let mut config = WorkerConfig::new(args.address, token);
+    config.resources = Resources::parse_capacity(&args.resources)?;
+    config.name = args.name;
+    config.port = args.port;
+    config.bind = args.bind;
+    config.advertise_host = args.advertise_host;
+    config.heartbeat_interval_ms = args.heartbeat_interval_ms;
+    match run_worker(config, registry, shutdown_signal()).await {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        Err(e @ regatta_runtime::Error::TokenRefused { .. }) => {
+            tracing::error!("{e}");
+            Ok(ExitCode::from(2))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
+    let (token, _) = resolve_token(args.token.token.as_deref(), args.token.token_file.as_deref(), false)?;
+    let client = regatta_runtime::Client::connect_with(&args.address, &token, false)
+        .await
+        .with_context(|| format!("cannot reach the head at {}", args.address))?;
+    let status = client.status().await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+    } else {
+        print!("{}", render_status(&status));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Formats a status snapshot for people.
+pub fn render_status(status: &ClusterStatus) -> String {
+    use std::collections::BTreeMap;
+    use std::fmt::Write;
+    let mut out = String::new();
+    let alive = status.nodes.iter().filter(|n| n.state == "alive").count();
+    let _ = writeln!(out, "Nodes: {alive} alive, {} dead", status.nodes.len() - alive);
+    for node in &status.nodes {
+        let _ = writeln!(
+            out,
+            "  {:<12} {:<5} for {:>7.1}s  {}  actors {}",
+            node.name, node.state, node.since_s, node.address, node.actors
+        );
+        if let Some(cause) = &node.cause {
+            let _ = writeln!(out, "      cause: {cause}");
+        }
+        let usage: Vec<String> = node
+            .total
+            .iter()
+            .map(|(name, total)| {
+                let used = node.used.fixed(name);
+                if name == "memory" {
+                    format!("{name} {:.1}/{:.1} GiB", used as f64 / 1e4 / 1073741824.0, total as f64 / 1e4 / 1073741824.0)
+                } else {
+                    format!("{name} {}/{}", format_fixed(used), format_fixed(total))
+                }
+            })
+            .collect();
+        let _ = writeln!(out, "      used/total: {}", usage.join(", "));
+    }
+    let _ = writeln!(out, "Placement groups: {}", status.groups.len());
+    for group in &status.groups {
+        let bundles: Vec<String> = group
+            .bundles
+            .iter()
+            .map(|(r, node)| format!("{{{r}}}@{}", node.as_deref().unwrap_or("-")))
+            .collect();
+        let _ = writeln!(out, "  {} {:?} {}  {}", group.id, group.strategy, group.state, bundles.join(" "));
+    }
+    let live: Vec<_> = status
+        .actors
+        .iter()
+        .filter(|a| !matches!(a.view.state, regatta_runtime::ActorState::Dead { .. }))
+        .collect();
+    let _ = writeln!(out, "Actors: {} live, {} dead", live.len(), status.actors.len() - live.len());
+    let mut by_kind: BTreeMap<(&str, &str, &str), usize> = BTreeMap::new();
+    for actor in &live {
+        let node = actor.view.node.as_deref().unwrap_or("-");
+        *by_kind.entry((&actor.view.kind, node, actor.view.state.label())).or_insert(0) += 1;
+    }
+    for ((kind, node, state), count) in by_kind {
+        let _ = writeln!(out, "  {kind:<12} on {node:<12} {state:<10} {count}");
+    }
+    let _ = writeln!(out, "Waiting for resources: {}", status.pending.len());
+    for pending in &status.pending {
+        let _ = writeln!(out, "  {}  wants {}  for {:.1}s", pending.what, pending.resources, pending.waiting_s);
+    }
+    out
+}

@@ -1,0 +1,107 @@
+//! The main job: a local cluster (head and 2 workers as processes) running a real actor
+//! workload, with a short report. Later issues grow it into train-then-score.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context};
+use clap::Args;
+
+use crate::kinds::{Counter, CounterOp, CounterReply, Echo};
+use crate::local::{LocalCluster, LocalOptions, WorkerSpec};
+use regatta_runtime::{ActorOptions, Resources, Strategy};
+
+/// Options of `regatta demo`.
+#[derive(Args, Debug, Clone)]
+pub struct DemoArgs {
+    /// Counter actors to spawn across the workers.
+    #[arg(long, default_value_t = 100)]
+    pub actors: usize,
+    /// Calls per actor.
+    #[arg(long, default_value_t = 10)]
+    pub calls: usize,
+}
+
+/// Runs the demo; Ctrl-C stops it and every process it started.
+pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    let workers = vec![
+        WorkerSpec::new("w1", "CPU=4,GPU=2,accelerator_type:H100=1"),
+        WorkerSpec::new("w2", "CPU=4"),
+    ];
+    let options = LocalOptions::new(workers)?;
+    println!("starting a local cluster: head + 2 workers (logs in {})", options.log_dir.display());
+    let started = Instant::now();
+    let mut cluster = LocalCluster::start(options)?;
+    let outcome = tokio::select! {
+        outcome = workload(&cluster, &args, started) => outcome,
+        () = crate::cli::shutdown_signal() => {
+            println!("interrupted: stopping the cluster");
+            Ok(ExitCode::from(130))
+        }
+    };
+    cluster.shutdown();
+    println!("cluster stopped");
+    outcome
+}
+
+async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> anyhow::Result<ExitCode> {
+    let client = cluster.connect(Duration::from_secs(30)).await?;
+    println!("cluster ready in {:.2}s at {}", started.elapsed().as_secs_f64(), cluster.address);
+
+    let t = Instant::now();
+    let mut counters = Vec::with_capacity(args.actors);
+    for i in 0..args.actors {
+        let options = ActorOptions::new().resources(Resources::parse_request("CPU=0.01")?);
+        counters.push(client.spawn::<Counter>(i as i64, options).await?);
+    }
+    for counter in &counters {
+        counter.wait_ready(Duration::from_secs(30)).await?;
+    }
+    println!("spawned {} counter actors in {:.2}s", counters.len(), t.elapsed().as_secs_f64());
+
+    let t = Instant::now();
+    let calls = futures::future::try_join_all(counters.iter().enumerate().map(|(i, counter)| async move {
+        let mut last = 0;
+        for _ in 0..args.calls {
+            if let CounterReply::Total(total) = counter.call(CounterOp::Add(1)).await? {
+                last = total;
+            }
+        }
+        anyhow::ensure!(last == (i + args.calls) as i64, "counter {i} ended at {last}");
+        anyhow::Ok(())
+    }))
+    .await?;
+    let total_calls = calls.len() * args.calls;
+    let secs = t.elapsed().as_secs_f64();
+    println!("{total_calls} actor calls in {secs:.2}s ({:.0} calls/s), every total checked", total_calls as f64 / secs);
+
+    let group = client
+        .create_placement_group(vec![Resources::parse_request("CPU=1")?; 2], Strategy::StrictSpread)
+        .await?;
+    let nodes = group.ready(Duration::from_secs(10)).await?;
+    println!("placement group {} (STRICT_SPREAD) reserved bundles on {nodes:?}", group.id());
+    let gpu = client
+        .spawn::<Echo>(
+            "gpu actor: ".into(),
+            ActorOptions::new().resources(Resources::parse_request("GPU=1,accelerator_type:H100")?),
+        )
+        .await?;
+    let reply = gpu.call("where am I?".into()).await?;
+    ensure!(reply.placement.gpu_ids.len() == 1, "the GPU actor got {:?}", reply.placement.gpu_ids);
+    println!(
+        "GPU actor {} runs on {} with GPU indices {:?}",
+        reply.placement.actor, reply.placement.node, reply.placement.gpu_ids
+    );
+    let (a, b) = (&counters[0], &counters[counters.len() - 1]);
+    let via = a
+        .call(CounterOp::AddToPeer { peer: b.id(), amount: 5 })
+        .await
+        .context("actor-to-actor call")?;
+    println!("actor {} added 5 to actor {} across the cluster: {via:?}", a.id(), b.id());
+    group.remove().await?;
+
+    let status = client.status().await?;
+    print!("{}", crate::cli::render_status(&status));
+    println!("done in {:.2}s", started.elapsed().as_secs_f64());
+    Ok(ExitCode::SUCCESS)
+}

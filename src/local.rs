@@ -1,0 +1,295 @@
+//! A cluster on this machine: a head and workers as separate `regatta` processes on
+//! loopback, for the demo job, the examples and the tests. Dropping it stops every process
+//! it started.
+
+use std::fs::File;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+use regatta_runtime::{Client, ClusterStatus};
+
+/// One worker to start: its name and declared resources.
+#[derive(Clone, Debug)]
+pub struct WorkerSpec {
+    /// Node name.
+    pub name: String,
+    /// `--resources` value (overrides detected amounts).
+    pub resources: String,
+}
+
+impl WorkerSpec {
+    /// A worker named `name` declaring `resources`.
+    pub fn new(name: &str, resources: &str) -> Self {
+        Self {
+            name: name.into(),
+            resources: resources.into(),
+        }
+    }
+}
+
+/// How to start a local cluster.
+#[derive(Clone, Debug)]
+pub struct LocalOptions {
+    /// The `regatta` binary to run.
+    pub binary: PathBuf,
+    /// Workers to start.
+    pub workers: Vec<WorkerSpec>,
+    /// Head's heartbeat timeout.
+    pub heartbeat_timeout_ms: u64,
+    /// Where process logs go (one file per process).
+    pub log_dir: PathBuf,
+    /// The cluster token (random when `None`).
+    pub token: Option<String>,
+}
+
+impl LocalOptions {
+    /// Two CPU workers, logs under the system temp dir, binary found by [`find_binary`].
+    pub fn new(workers: Vec<WorkerSpec>) -> anyhow::Result<Self> {
+        let log_dir = std::env::temp_dir().join(format!("regatta-local-{}-{}", std::process::id(), unique()));
+        Ok(Self {
+            binary: find_binary()?,
+            workers,
+            heartbeat_timeout_ms: 3_000,
+            log_dir,
+            token: None,
+        })
+    }
+}
+
+/// Finds the `regatta` binary: `$REGATTA_BIN`, this executable when it is `regatta`, a
+/// `regatta` next to this executable or one folder up (cargo's `examples/` and `deps/`),
+/// then `$PATH`.
+pub fn find_binary() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os("REGATTA_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    let exe = std::env::current_exe().context("cannot find this executable")?;
+    if exe.file_name().is_some_and(|n| n == "regatta") {
+        return Ok(exe);
+    }
+    for dir in exe.ancestors().skip(1).take(2) {
+        let candidate = dir.join("regatta");
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    if let Some(paths) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&paths) {
+            let candidate = dir.join("regatta");
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+        }
+    }
+    bail!("cannot find the regatta binary: build it with `cargo build --release` or set REGATTA_BIN")
+}
+
+fn unique() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
+}
+
+/// A running local cluster.
+pub struct LocalCluster {
+    options: LocalOptions,
+    head: Child,
+    workers: Vec<Option<Child>>,
+    /// The head's cluster address.
+    pub address: String,
+    /// The cluster token.
+    pub token: String,
+}
+
+impl LocalCluster {
+    /// Starts the head and every worker (it does not wait for them: see [`Self::wait_ready`]).
+    pub fn start(options: LocalOptions) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(&options.log_dir)
+            .with_context(|| format!("cannot create {}", options.log_dir.display()))?;
+        let port = free_port()?;
+        let token = options
+            .token
+            .clone()
+            .unwrap_or_else(|| format!("local-{}-{}", std::process::id(), unique()));
+        let address = format!("127.0.0.1:{port}");
+        let head = spawn(
+            &options.binary,
+            &options.log_dir.join("head.log"),
+            &[
+                "head",
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--heartbeat-timeout-ms",
+                &options.heartbeat_timeout_ms.to_string(),
+            ],
+            &token,
+        )?;
+        let mut cluster = Self {
+            head,
+            workers: Vec::new(),
+            address,
+            token,
+            options,
+        };
+        for index in 0..cluster.options.workers.len() {
+            let child = cluster.spawn_worker(index)?;
+            cluster.workers.push(Some(child));
+        }
+        Ok(cluster)
+    }
+
+    fn spawn_worker(&self, index: usize) -> anyhow::Result<Child> {
+        let spec = &self.options.workers[index];
+        spawn(
+            &self.options.binary,
+            &self.options.log_dir.join(format!("{}.log", spec.name)),
+            &[
+                "worker",
+                "--address",
+                &self.address,
+                "--name",
+                &spec.name,
+                "--bind",
+                "127.0.0.1",
+                "--advertise-host",
+                "127.0.0.1",
+                "--resources",
+                &spec.resources,
+            ],
+            &self.token,
+        )
+    }
+
+    /// Connects a client and waits until every worker has registered.
+    pub async fn connect(&self, timeout: Duration) -> anyhow::Result<Client> {
+        let deadline = Instant::now() + timeout;
+        let client = loop {
+            match Client::connect(&self.address, &self.token).await {
+                Ok(client) => break client,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::debug!(error = %e, "head not up yet");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(e).context("the local head did not come up"),
+            }
+        };
+        let names: Vec<String> = self.options.workers.iter().map(|w| w.name.clone()).collect();
+        wait_for_nodes(&client, &names, deadline - Instant::now()).await?;
+        Ok(client)
+    }
+
+    /// SIGKILLs worker `index` (as a crash would).
+    pub fn kill_worker(&mut self, index: usize) -> anyhow::Result<()> {
+        if let Some(mut child) = self.workers.get_mut(index).and_then(Option::take) {
+            child.kill().context("cannot kill the worker")?;
+            let _ = child.wait();
+        }
+        Ok(())
+    }
+
+    /// Starts worker `index` again (after [`Self::kill_worker`]).
+    pub fn restart_worker(&mut self, index: usize) -> anyhow::Result<()> {
+        self.kill_worker(index)?;
+        let child = self.spawn_worker(index)?;
+        self.workers[index] = Some(child);
+        Ok(())
+    }
+
+    /// Starts an extra process of the `regatta` binary against this cluster (for tests of
+    /// bad tokens and the like), logging to `log_name` in the log folder.
+    pub fn run_extra(&self, args: &[&str], token: &str, log_name: &str) -> anyhow::Result<Child> {
+        spawn(&self.options.binary, &self.options.log_dir.join(log_name), args, token)
+    }
+
+    /// The log file of a process (`head`, a worker name, or an extra's log name).
+    pub fn log_path(&self, name: &str) -> PathBuf {
+        let file = if name.ends_with(".log") { name.to_string() } else { format!("{name}.log") };
+        self.options.log_dir.join(file)
+    }
+
+    /// Reads a process's log.
+    pub fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.log_path(name)).unwrap_or_default()
+    }
+
+    /// Stops every process (SIGTERM, then SIGKILL after a grace period).
+    pub fn shutdown(&mut self) {
+        let mut children: Vec<Child> = self.workers.iter_mut().filter_map(Option::take).collect();
+        for child in &children {
+            terminate(child);
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        for child in &mut children {
+            wait_or_kill(child, deadline);
+        }
+        terminate(&self.head);
+        wait_or_kill(&mut self.head, Instant::now() + Duration::from_secs(3));
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Waits until every named node is alive in the cluster status.
+pub async fn wait_for_nodes(client: &Client, names: &[String], timeout: Duration) -> anyhow::Result<ClusterStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let status = client.status().await?;
+        let alive = |name: &String| status.nodes.iter().any(|n| &n.name == name && n.state == "alive");
+        if names.iter().all(alive) {
+            return Ok(status);
+        }
+        if Instant::now() >= deadline {
+            bail!("nodes {names:?} did not all register within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn spawn(binary: &Path, log: &Path, args: &[&str], token: &str) -> anyhow::Result<Child> {
+    let out = File::create(log).with_context(|| format!("cannot create {}", log.display()))?;
+    let err = out.try_clone().context("cannot duplicate a log handle")?;
+    Command::new(binary)
+        .args(args)
+        .env("REGATTA_TOKEN", token)
+        .env("REGATTA_LOG_COLOR", "never")
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .spawn()
+        .with_context(|| format!("cannot start {}", binary.display()))
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("cannot find a free port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+fn terminate(child: &Child) {
+    // SIGTERM lets the process shut down its sessions; there is no portable std call.
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .stderr(Stdio::null())
+        .status();
+}
+
+fn wait_or_kill(child: &mut Child, deadline: Instant) {
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
