@@ -202,6 +202,16 @@ impl LocalCluster {
         Ok(())
     }
 
+    /// Whether the head and each worker process are still running, by name.
+    pub fn processes_running(&mut self) -> Vec<(String, bool)> {
+        let mut out = vec![("head".to_string(), matches!(self.head.try_wait(), Ok(None)))];
+        for (spec, child) in self.options.workers.iter().zip(self.workers.iter_mut()) {
+            let running = child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)));
+            out.push((spec.name.clone(), running));
+        }
+        out
+    }
+
     /// Starts an extra process of the `regatta` binary against this cluster (for tests of
     /// bad tokens and the like), logging to `log_name` in the log folder.
     pub fn run_extra(&self, args: &[&str], token: &str, log_name: &str) -> anyhow::Result<Child> {

@@ -204,11 +204,14 @@ impl Cluster {
         self.ask_head(&HeadRequest::Status, self.inner.call_timeout).await
     }
 
-    /// Sends raw bytes to the head as a request, for protocol robustness tests.
+    /// Sends raw bytes as a call to the actor in process group `group` (`head`,
+    /// `agent/<node>`, `actor/<id>`) and returns the raw reply, for protocol robustness tests.
     #[doc(hidden)]
-    pub async fn send_raw_to_head(&self, bytes: Vec<u8>) -> std::result::Result<Vec<u8>, String> {
-        let head = self.head().map_err(|e| e.to_string())?;
-        wire::call_raw(&head, bytes, Duration::from_secs(5))
+    pub async fn send_raw(&self, group: &str, bytes: Vec<u8>) -> std::result::Result<Vec<u8>, String> {
+        let target = node::wait_member(self.scope(), group, Duration::from_secs(5))
+            .await
+            .ok_or_else(|| format!("no actor in group {group}"))?;
+        wire::call_raw(&target, bytes, Duration::from_secs(5))
             .await
             .map_err(|e| match e {
                 CallError::Timeout => "timeout".to_string(),

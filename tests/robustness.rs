@@ -1,0 +1,141 @@
+//! Bad input from outside: wrong tokens, garbage bytes, truncated frames and well-formed
+//! messages of the wrong type never crash or wedge a node.
+
+mod support;
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use regatta::kinds::{Counter, CounterOp, CounterReply};
+use regatta::{ActorOptions, Client, Error};
+use support::TestCluster;
+
+async fn assert_cluster_works(cluster: &TestCluster, nodes: usize) {
+    let status = cluster.client.status().await.expect("the head still answers");
+    let alive = status.nodes.iter().filter(|n| n.state == "alive").count();
+    assert_eq!(alive, nodes, "every node still alive: {status:?}");
+    let counter = cluster
+        .client
+        .spawn::<Counter>(41, ActorOptions::new())
+        .await
+        .expect("spawn still works");
+    assert_eq!(counter.call(CounterOp::Add(1)).await.expect("call still works"), CounterReply::Total(42));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_the_wrong_token_is_refused_and_both_sides_log_it() {
+    let cluster = TestCluster::start(&[("w1", "CPU=2")]).await;
+    let mut intruder = cluster
+        .local
+        .run_extra(
+            &[
+                "worker",
+                "--address",
+                &cluster.local.address,
+                "--name",
+                "intruder",
+                "--bind",
+                "127.0.0.1",
+                "--advertise-host",
+                "127.0.0.1",
+            ],
+            "not-the-token",
+            "intruder.log",
+        )
+        .expect("start intruder");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let code = loop {
+        if let Some(status) = intruder.try_wait().expect("wait") {
+            break status.code();
+        }
+        if Instant::now() > deadline {
+            let _ = intruder.kill();
+            panic!("the refused worker kept running:\n{}", cluster.local.log("intruder"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(code, Some(2), "a refused token exits with status 2");
+    let worker_log = cluster.local.log("intruder");
+    assert!(worker_log.contains("cluster token does not match"), "worker log:\n{worker_log}");
+    let head_log = cluster.local.log("head");
+    assert!(head_log.contains("did not prove the cluster token"), "head log:\n{head_log}");
+
+    let client = Client::connect(&cluster.local.address, "also-wrong").await;
+    assert!(matches!(client, Err(Error::TokenRefused { .. })), "client with a wrong token: {:?}", client.err());
+
+    let status = cluster.client.status().await.expect("status");
+    assert!(status.nodes.iter().all(|n| n.name != "intruder"), "the intruder never joined");
+    assert_cluster_works(&cluster, 1).await;
+}
+
+fn send(address: &str, bytes: &[u8]) {
+    if let Ok(mut stream) = TcpStream::connect(address) {
+        let _ = stream.write_all(bytes);
+        let _ = stream.flush();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn frame(length: u64, body: &[u8]) -> Vec<u8> {
+    let mut bytes = length.to_be_bytes().to_vec();
+    bytes.extend_from_slice(body);
+    bytes
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_bytes_and_bad_frames_on_any_node_port_are_survived() {
+    let mut cluster = TestCluster::start(&[("w1", "CPU=2"), ("w2", "CPU=2")]).await;
+    let status = cluster.client.status().await.expect("status");
+    let mut ports = vec![cluster.local.address.clone()];
+    ports.extend(status.nodes.iter().map(|n| n.address.clone()));
+
+    let mut noise = vec![0u8; 64 * 1024];
+    let mut x: u32 = 0x1234_5678;
+    for byte in noise.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        *byte = x as u8;
+    }
+    // Held open and silent for the whole test: must not wedge anything.
+    let idle: Vec<TcpStream> = ports.iter().filter_map(|p| TcpStream::connect(p).ok()).collect();
+    for address in &ports {
+        send(address, &noise);
+        send(address, &frame(u64::MAX, b"x"));
+        send(address, &frame(1 << 40, b"xyz"));
+        send(address, &frame(100, &[7u8; 10]));
+        send(address, &frame(16, &[0xff; 16]));
+        send(address, &frame(0, b""));
+        send(address, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+    }
+    // Give the head longer than a heartbeat timeout to notice any node that went down.
+    tokio::time::sleep(Duration::from_millis(support::HEARTBEAT_TIMEOUT_MS + 300)).await;
+    for (name, running) in cluster.local.processes_running() {
+        assert!(running, "{name} died from garbage:\n{}", cluster.local.log(&name));
+    }
+    assert_cluster_works(&cluster, 2).await;
+    drop(idle);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn well_formed_messages_of_the_wrong_type_get_an_error_reply() {
+    let cluster = TestCluster::start(&[("w1", "CPU=2")]).await;
+    let counter = cluster.client.spawn::<Counter>(0, ActorOptions::new()).await.expect("spawn");
+    counter.call(CounterOp::Get).await.expect("alive");
+    let targets = ["head".to_string(), "agent/w1".to_string(), format!("actor/{}", counter.id())];
+    for target in &targets {
+        for junk in [vec![], vec![0xff; 3], vec![9, 0, 0, 0, 0, 0, 0, 0, 1, 2], b"{\"json\": true}".to_vec()] {
+            let reply = cluster.client.send_raw(target, junk.clone()).await;
+            let reply = reply.unwrap_or_else(|e| panic!("{target} did not answer {junk:?}: {e}"));
+            let text = String::from_utf8_lossy(&reply);
+            assert!(text.contains("could not decode"), "{target} answered {junk:?} with {text}");
+        }
+    }
+    // A typed handle of the wrong kind is refused before anything is sent.
+    let wrong = cluster.client.handle::<regatta::kinds::Echo>(counter.id());
+    let err = wrong.call("hi".into()).await.err().expect("kind mismatch");
+    assert!(err.to_string().contains("is of kind 'counter', not 'echo'"), "{err}");
+    assert_eq!(counter.call(CounterOp::Add(3)).await.expect("actor survived"), CounterReply::Total(3));
+    assert_cluster_works(&cluster, 1).await;
+}
