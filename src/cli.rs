@@ -100,6 +100,12 @@ struct StatusArgs {
     token: TokenArgs,
 }
 
+/// Whether this process was started as a cluster node (`head` or `worker` as the first
+/// argument), so that a driver binary can double as its own head and worker.
+pub fn is_node_command() -> bool {
+    matches!(std::env::args().nth(1).as_deref(), Some("head" | "worker"))
+}
+
 /// Runs the command line with `registry` as the worker's actor kinds.
 pub fn main_with(registry: Registry) -> ExitCode {
     let cli = Cli::parse();
