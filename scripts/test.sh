@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs Regatta's whole test suite: unit tests of the pure cores, multi-process cluster
-# tests (head and workers as real processes on loopback), robustness tests and doc tests.
-# Idempotent; installs nothing the suite does not need. `.ci/run` calls exactly this.
+# tests (head and workers as real processes on loopback), robustness tests, doc tests, and
+# a build of every example. Idempotent. `.ci/run` calls exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,6 +9,12 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 # Cluster tests start several processes each; two test threads keep 2-core machines responsive.
 export RUST_TEST_THREADS="${RUST_TEST_THREADS:-2}"
 
+log="$(mktemp -t regatta-tests.XXXXXX)"
+trap 'rm -f "$log"' EXIT
+
 cargo build --workspace --all-targets
-cargo test --workspace --all-targets
-cargo test --workspace --doc
+cargo test --workspace 2>&1 | tee "$log"
+
+# One closing line for the whole suite (cargo prints one per test binary).
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     END { printf "suite: %d passed, %d failed\n", p, f; if (p == 0) exit 1 }' "$log"

@@ -137,7 +137,10 @@ pub fn main_with(registry: Registry) -> ExitCode {
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("REGATTA_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,ractor_cluster=error,ractor=warn"));
-    let color = std::env::var("REGATTA_LOG_COLOR").map(|v| v != "never").unwrap_or(true);
+    use std::io::IsTerminal;
+    let color = std::env::var("REGATTA_LOG_COLOR")
+        .map(|v| v != "never")
+        .unwrap_or_else(|_| std::io::stderr().is_terminal());
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -241,7 +244,8 @@ pub fn render_status(status: &ClusterStatus) -> String {
             .map(|(name, total)| {
                 let used = node.used.fixed(name);
                 if name == "memory" {
-                    format!("{name} {:.1}/{:.1} GiB", used as f64 / 1e4 / 1073741824.0, total as f64 / 1e4 / 1073741824.0)
+                    let gib = |fixed: u64| fixed as f64 / regatta_runtime::UNIT as f64 / (1u64 << 30) as f64;
+                    format!("{name} {:.1}/{:.1} GiB", gib(used), gib(total))
                 } else {
                     format!("{name} {}/{}", format_fixed(used), format_fixed(total))
                 }

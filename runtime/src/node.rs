@@ -162,7 +162,11 @@ impl NodeEventSubscription for SessionWatcher {
             .unwrap_or(false);
         let peer = Self::peer(&ses);
         if authenticated {
-            tracing::info!(peer = %peer, "cluster session closed");
+            if peer.starts_with("client-") {
+                tracing::debug!(peer = %peer, "client session closed");
+            } else {
+                tracing::info!(peer = %peer, "cluster session closed");
+            }
         } else if ses.is_server {
             tracing::warn!(peer = %peer, "refused a connection: the peer did not prove the cluster token (wrong token, or not a Regatta node)");
         } else {

@@ -21,9 +21,30 @@ pub const BARE_REQUEST: u64 = 10;
 /// The name of the GPU resource, whose units are whole devices with indices.
 pub const GPU: &str = "GPU";
 
-/// A set of named resource amounts, in fixed point ([`UNIT`] per whole unit).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// A set of named resource amounts, in fixed point ([`UNIT`] per whole unit). Serialized
+/// as a map of whole units (`{"CPU": 0.5}`), which round-trips exactly.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Resources(BTreeMap<String, u64>);
+
+impl Serialize for Resources {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        self.to_units().serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Resources {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        let units = BTreeMap::<String, f64>::deserialize(deserializer)?;
+        let mut set = Resources::new();
+        for (name, amount) in units {
+            if !amount.is_finite() || amount < 0.0 {
+                return Err(serde::de::Error::custom(format!("resource {name} has amount {amount}; must be >= 0")));
+            }
+            set.set(&name, amount);
+        }
+        Ok(set)
+    }
+}
 
 impl Resources {
     /// An empty set.
@@ -217,6 +238,15 @@ mod tests {
             let err = Resources::parse_request(bad).unwrap_err().to_string();
             assert!(err.contains("resource"), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn serialized_form_is_whole_units_and_round_trips() {
+        let set = Resources::parse_capacity("CPU=0.5,memory=25276514304,accelerator_type:H100=0.001").unwrap();
+        let bytes = crate::wire::encode(&set);
+        assert_eq!(crate::wire::decode::<Resources>(&bytes, "resources").unwrap(), set);
+        let text = format!("{:?}", set.to_units());
+        assert!(text.contains("\"CPU\": 0.5"), "{text}");
     }
 
     #[test]
