@@ -202,6 +202,29 @@ impl LocalCluster {
         Ok(())
     }
 
+    /// Kills the head (SIGKILL) and starts a new one on the same port and token; its state
+    /// is gone, so workers must rejoin on their own.
+    pub fn restart_head(&mut self) -> anyhow::Result<()> {
+        self.head.kill().context("cannot kill the head")?;
+        let _ = self.head.wait();
+        let port = self.address.rsplit(':').next().unwrap_or("6380").to_string();
+        self.head = spawn(
+            &self.options.binary,
+            &self.options.log_dir.join("head-restarted.log"),
+            &[
+                "head",
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                &port,
+                "--heartbeat-timeout-ms",
+                &self.options.heartbeat_timeout_ms.to_string(),
+            ],
+            &self.token,
+        )?;
+        Ok(())
+    }
+
     /// Whether the head and each worker process are still running, by name.
     pub fn processes_running(&mut self) -> Vec<(String, bool)> {
         let mut out = vec![("head".to_string(), matches!(self.head.try_wait(), Ok(None)))];

@@ -139,3 +139,22 @@ async fn well_formed_messages_of_the_wrong_type_get_an_error_reply() {
     assert_eq!(counter.call(CounterOp::Add(3)).await.expect("actor survived"), CounterReply::Total(3));
     assert_cluster_works(&cluster, 1).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_rejoin_a_restarted_head() {
+    let mut cluster = TestCluster::start(&[("w1", "CPU=2"), ("w2", "CPU=2")]).await;
+    cluster.local.restart_head().expect("restart the head");
+    let address = cluster.local.address.clone();
+    let token = cluster.local.token.clone();
+    let client = support::eventually("a client of the new head", Duration::from_secs(10), || {
+        let (address, token) = (address.clone(), token.clone());
+        async move { Client::connect(&address, &token).await.ok() }
+    })
+    .await;
+    let names = vec!["w1".to_string(), "w2".to_string()];
+    regatta::local::wait_for_nodes(&client, &names, Duration::from_secs(15))
+        .await
+        .expect("both workers registered again with the new head");
+    let counter = client.spawn::<Counter>(1, ActorOptions::new()).await.expect("spawn on the new head");
+    assert_eq!(counter.call(CounterOp::Get).await.expect("call"), CounterReply::Total(1));
+}

@@ -155,6 +155,12 @@ impl Cluster {
         Ok(self.handle(id))
     }
 
+    /// Spawns from a raw [`ActorSpec`] (arguments already encoded with bincode), for callers
+    /// without the kind's Rust type.
+    pub async fn spawn_spec(&self, spec: ActorSpec) -> Result<ActorId> {
+        self.ask_head(&HeadRequest::Spawn(spec), self.inner.call_timeout).await
+    }
+
     /// A handle on an existing actor by id (no check until it is used).
     pub fn handle<A: Actor>(&self, id: ActorId) -> ActorHandle<A> {
         ActorHandle {

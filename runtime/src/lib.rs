@@ -47,7 +47,7 @@ pub use error::{Error, Result};
 pub use head::{start_head, HeadConfig, RunningHead};
 pub use placement::{Allocation, Decision, Ledger, Strategy};
 pub use protocol::{
-    ActorId, ActorLine, ActorState, ActorView, ClusterStatus, GroupId, GroupStatus, NodeStatus, PendingLine,
+    ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, GroupId, GroupStatus, NodeStatus, PendingLine,
     RESTART_FOREVER,
 };
 pub use registry::{Actor, ActorContext, ActorError, Registry};
