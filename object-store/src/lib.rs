@@ -1,5 +1,33 @@
-//! Regatta's shared object store: the head's directory of every object, node-local stores,
-//! QUIC transfer between nodes and spilling to `object_store` backends.
+//! Regatta's shared object store, the parts that need no cluster: the head's
+//! [`Directory`] of every object, a node's [`MemoryStore`] (capacity and LRU spilling,
+//! zero-copy local reads), the QUIC [`Transfer`] between nodes with mutual TLS derived from
+//! the cluster token, and [`SpillBackend`]s on `object_store` (local directory or S3).
 //!
-//! Not built yet: see the object store issue. The runtime crate owns the cluster this store
-//! will plug into.
+//! The runtime crate wires these into the head, workers and clients (`put`, `get`, `wait`,
+//! `free` on `ObjectRef`s).
+//!
+//! ```
+//! use regatta_object_store::{MemoryStore, ObjectId};
+//! let mut store = MemoryStore::new(1 << 20);
+//! let id = ObjectId::random();
+//! store.insert(id, bytes::Bytes::from_static(b"hello"));
+//! assert_eq!(&store.get(id).unwrap()[..], b"hello");
+//! ```
+
+mod checksum;
+mod directory;
+mod error;
+mod id;
+mod identity;
+mod memory;
+mod spill;
+mod transfer;
+
+pub use checksum::crc32;
+pub use directory::{Directory, DirectoryStats, Location, Missing, Release};
+pub use error::{Error, Result};
+pub use id::ObjectId;
+pub use identity::{identity_from_token, TlsIdentity};
+pub use memory::{MemoryStats, MemoryStore, NoRoom};
+pub use spill::{delete as delete_spilled, parse_spill_url, restore, SpillBackend};
+pub use transfer::{ObjectSource, Transfer, CHUNK_BYTES, FAULT_CORRUPT_ENV};

@@ -1,0 +1,315 @@
+//! The head's directory of every object: size, checksum, which nodes hold it in memory,
+//! where a spilled copy lives, and who still references it. Pure state: the head's actor
+//! calls it and carries out the releases it returns.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+use crate::id::ObjectId;
+
+/// Where an object can be read from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Location {
+    /// Size in bytes.
+    pub size: u64,
+    /// CRC-32 of the whole object.
+    pub checksum: u32,
+    /// Nodes holding it in memory, with their transfer addresses.
+    pub sources: Vec<(String, String)>,
+    /// URL of a spilled copy, if any.
+    pub spilled: Option<String>,
+}
+
+/// Why an object cannot be located.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Missing {
+    /// Never existed here, or was freed.
+    Unknown,
+    /// Every copy was on a node that died.
+    Lost {
+        /// The node that held the last copy.
+        node: String,
+    },
+}
+
+/// Tell these nodes to drop their copies (and the spiller to delete its spilled file).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Release {
+    /// The object.
+    pub id: ObjectId,
+    /// Nodes holding it in memory.
+    pub nodes: Vec<String>,
+    /// The node that spilled it and the URL, to delete the spilled copy.
+    pub spilled: Option<(String, String)>,
+}
+
+/// Directory-wide figures.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirectoryStats {
+    /// Objects known.
+    pub objects: u64,
+    /// Their total size.
+    pub bytes: u64,
+    /// Objects with a spilled copy.
+    pub spilled_objects: u64,
+    /// Bytes with a spilled copy.
+    pub spilled_bytes: u64,
+    /// Objects lost with their node.
+    pub lost: u64,
+}
+
+struct Meta {
+    size: u64,
+    checksum: u32,
+    sources: BTreeMap<String, String>,
+    spilled: Option<(String, String)>,
+    holders: BTreeSet<String>,
+    job: Option<String>,
+    unreferenced_since_ms: Option<u64>,
+}
+
+/// Every object in the cluster.
+pub struct Directory {
+    objects: HashMap<ObjectId, Meta>,
+    lost: HashMap<ObjectId, String>,
+    grace_ms: u64,
+}
+
+impl Directory {
+    /// An empty directory; objects nobody references are released `grace_ms` later (so a
+    /// reference travelling inside a message can still be adopted).
+    pub fn new(grace_ms: u64) -> Self {
+        Self {
+            objects: HashMap::new(),
+            lost: HashMap::new(),
+            grace_ms,
+        }
+    }
+
+    /// Records a new object held by `node` and referenced by `holder`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn put(
+        &mut self,
+        id: ObjectId,
+        size: u64,
+        checksum: u32,
+        holder: &str,
+        node: &str,
+        address: &str,
+        job: Option<String>,
+    ) -> Result<(), String> {
+        if self.objects.contains_key(&id) {
+            return Err(format!("object {id} already exists"));
+        }
+        self.objects.insert(
+            id,
+            Meta {
+                size,
+                checksum,
+                sources: BTreeMap::from([(node.to_string(), address.to_string())]),
+                spilled: None,
+                holders: BTreeSet::from([holder.to_string()]),
+                job,
+                unreferenced_since_ms: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// Where to read an object.
+    pub fn locate(&self, id: ObjectId) -> Result<Location, Missing> {
+        if let Some(node) = self.lost.get(&id) {
+            return Err(Missing::Lost { node: node.clone() });
+        }
+        let meta = self.objects.get(&id).ok_or(Missing::Unknown)?;
+        Ok(Location {
+            size: meta.size,
+            checksum: meta.checksum,
+            sources: meta.sources.iter().map(|(n, a)| (n.clone(), a.clone())).collect(),
+            spilled: meta.spilled.as_ref().map(|(_, url)| url.clone()),
+        })
+    }
+
+    /// A node now holds a copy in memory (after a pull or a restore).
+    pub fn add_source(&mut self, id: ObjectId, node: &str, address: &str) {
+        if let Some(meta) = self.objects.get_mut(&id) {
+            meta.sources.insert(node.to_string(), address.to_string());
+        }
+    }
+
+    /// A node dropped its in-memory copy (after spilling it, or under memory pressure).
+    pub fn remove_source(&mut self, id: ObjectId, node: &str) {
+        if let Some(meta) = self.objects.get_mut(&id) {
+            meta.sources.remove(node);
+        }
+    }
+
+    /// A node wrote a spilled copy at `url`.
+    pub fn spilled(&mut self, id: ObjectId, node: &str, url: &str) {
+        if let Some(meta) = self.objects.get_mut(&id) {
+            meta.spilled = Some((node.to_string(), url.to_string()));
+        }
+    }
+
+    /// `holder` references the object (again).
+    pub fn add_ref(&mut self, id: ObjectId, holder: &str) -> Result<(), Missing> {
+        if let Some(node) = self.lost.get(&id) {
+            return Err(Missing::Lost { node: node.clone() });
+        }
+        let meta = self.objects.get_mut(&id).ok_or(Missing::Unknown)?;
+        meta.holders.insert(holder.to_string());
+        meta.unreferenced_since_ms = None;
+        Ok(())
+    }
+
+    /// `holder` dropped its last reference.
+    pub fn drop_ref(&mut self, id: ObjectId, holder: &str, now_ms: u64) {
+        if let Some(meta) = self.objects.get_mut(&id) {
+            meta.holders.remove(holder);
+            if meta.holders.is_empty() && meta.unreferenced_since_ms.is_none() {
+                meta.unreferenced_since_ms = Some(now_ms);
+            }
+        }
+    }
+
+    /// Frees an object now, whoever references it.
+    pub fn free(&mut self, id: ObjectId) -> Option<Release> {
+        self.lost.remove(&id);
+        let meta = self.objects.remove(&id)?;
+        Some(Release {
+            id,
+            nodes: meta.sources.into_keys().collect(),
+            spilled: meta.spilled,
+        })
+    }
+
+    /// Frees every object of a finished job.
+    pub fn end_job(&mut self, job: &str) -> Vec<Release> {
+        let ids: Vec<ObjectId> = self
+            .objects
+            .iter()
+            .filter(|(_, m)| m.job.as_deref() == Some(job))
+            .map(|(id, _)| *id)
+            .collect();
+        ids.into_iter().filter_map(|id| self.free(id)).collect()
+    }
+
+    /// Releases objects unreferenced for longer than the grace period.
+    pub fn collect(&mut self, now_ms: u64) -> Vec<Release> {
+        let grace = self.grace_ms;
+        let due: Vec<ObjectId> = self
+            .objects
+            .iter()
+            .filter(|(_, m)| m.unreferenced_since_ms.is_some_and(|since| now_ms.saturating_sub(since) >= grace))
+            .map(|(id, _)| *id)
+            .collect();
+        due.into_iter().filter_map(|id| self.free(id)).collect()
+    }
+
+    /// A holder process is gone (a client disconnected): drop its references.
+    pub fn holder_gone(&mut self, holder: &str, now_ms: u64) {
+        let ids: Vec<ObjectId> = self
+            .objects
+            .iter()
+            .filter(|(_, m)| m.holders.contains(holder))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            self.drop_ref(id, holder, now_ms);
+        }
+    }
+
+    /// A node died: its copies are gone, its references dropped. Objects with no other copy
+    /// and no spilled copy become lost, naming the node. Returns the ids lost.
+    pub fn node_lost(&mut self, node: &str, now_ms: u64) -> Vec<ObjectId> {
+        self.holder_gone(node, now_ms);
+        let mut lost = Vec::new();
+        for (id, meta) in &mut self.objects {
+            if meta.sources.remove(node).is_some() && meta.sources.is_empty() && meta.spilled.is_none() {
+                lost.push(*id);
+            }
+        }
+        for id in &lost {
+            self.objects.remove(id);
+            self.lost.insert(*id, node.to_string());
+        }
+        lost
+    }
+
+    /// Figures for metrics.
+    pub fn stats(&self) -> DirectoryStats {
+        let mut stats = DirectoryStats {
+            objects: self.objects.len() as u64,
+            lost: self.lost.len() as u64,
+            ..Default::default()
+        };
+        for meta in self.objects.values() {
+            stats.bytes += meta.size;
+            if meta.spilled.is_some() {
+                stats.spilled_objects += 1;
+                stats.spilled_bytes += meta.size;
+            }
+        }
+        stats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir_with(id: u128, node: &str) -> Directory {
+        let mut dir = Directory::new(1_000);
+        dir.put(ObjectId(id), 10, 42, "driver", node, "addr", None).unwrap();
+        dir
+    }
+
+    #[test]
+    fn objects_are_released_after_the_last_reference_and_the_grace_period() {
+        let mut dir = dir_with(1, "w1");
+        dir.add_ref(ObjectId(1), "w2").unwrap();
+        dir.drop_ref(ObjectId(1), "driver", 0);
+        assert!(dir.collect(5_000).is_empty(), "w2 still holds it");
+        dir.drop_ref(ObjectId(1), "w2", 100);
+        assert!(dir.collect(500).is_empty(), "within the grace period");
+        dir.add_ref(ObjectId(1), "w3").unwrap();
+        assert!(dir.collect(5_000).is_empty(), "adopted within the grace period");
+        dir.drop_ref(ObjectId(1), "w3", 6_000);
+        let released = dir.collect(7_000);
+        assert_eq!(released, vec![Release { id: ObjectId(1), nodes: vec!["w1".into()], spilled: None }]);
+        assert_eq!(dir.locate(ObjectId(1)), Err(Missing::Unknown));
+    }
+
+    #[test]
+    fn losing_the_only_holder_loses_the_object_with_the_node_named() {
+        let mut dir = dir_with(1, "w1");
+        dir.put(ObjectId(2), 10, 1, "driver", "w1", "a1", None).unwrap();
+        dir.add_source(ObjectId(2), "w2", "a2");
+        dir.put(ObjectId(3), 10, 1, "driver", "w1", "a1", None).unwrap();
+        dir.spilled(ObjectId(3), "w1", "file:///spill/3");
+        dir.remove_source(ObjectId(3), "w1");
+        assert_eq!(dir.node_lost("w1", 0), vec![ObjectId(1)]);
+        assert_eq!(dir.locate(ObjectId(1)), Err(Missing::Lost { node: "w1".into() }));
+        assert_eq!(dir.locate(ObjectId(2)).unwrap().sources, vec![("w2".into(), "a2".into())]);
+        assert_eq!(dir.locate(ObjectId(3)).unwrap().spilled.as_deref(), Some("file:///spill/3"));
+    }
+
+    #[test]
+    fn ending_a_job_frees_its_objects_and_their_spilled_copies() {
+        let mut dir = Directory::new(0);
+        dir.put(ObjectId(1), 5, 0, "d", "w1", "a", Some("job-1".into())).unwrap();
+        dir.put(ObjectId(2), 5, 0, "d", "w1", "a", Some("job-2".into())).unwrap();
+        dir.spilled(ObjectId(1), "w1", "file:///x");
+        let released = dir.end_job("job-1");
+        assert_eq!(released.len(), 1);
+        assert_eq!(released[0].spilled, Some(("w1".into(), "file:///x".into())));
+        assert_eq!(dir.stats().objects, 1);
+    }
+
+    #[test]
+    fn duplicate_ids_are_refused() {
+        let mut dir = dir_with(1, "w1");
+        assert!(dir.put(ObjectId(1), 1, 1, "x", "w2", "a", None).is_err());
+    }
+}

@@ -1,0 +1,105 @@
+//! TLS credentials for the QUIC data plane, derived from the cluster token.
+//!
+//! Every node derives the same certificate authority key from the token (Ed25519, seeded by
+//! SHA-256 of the token), makes a fresh leaf certificate signed by it, and trusts only that
+//! authority, both as server and as client (mutual TLS). A peer without the token cannot
+//! produce a certificate the others accept, so the endpoint is never open.
+
+use std::sync::Arc;
+
+use rcgen::{BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair, KeyUsagePurpose, PKCS_ED25519};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::RootCertStore;
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+
+/// The name every node's certificate carries and every client checks.
+pub const SERVER_NAME: &str = "regatta-node";
+
+/// ALPN protocol id of the object transfer protocol.
+pub const ALPN: &[u8] = b"regatta-objects/1";
+
+/// rustls configurations for one node.
+#[derive(Clone)]
+pub struct TlsIdentity {
+    /// For accepting connections.
+    pub server: Arc<rustls::ServerConfig>,
+    /// For opening connections.
+    pub client: Arc<rustls::ClientConfig>,
+}
+
+/// PKCS#8 v1 wrapping of a raw Ed25519 seed (RFC 8410).
+fn ed25519_pkcs8(seed: &[u8; 32]) -> Vec<u8> {
+    let mut der = vec![
+        0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04, 0x20,
+    ];
+    der.extend_from_slice(seed);
+    der
+}
+
+fn tls(what: &str) -> impl Fn(rustls::Error) -> Error + '_ {
+    move |e| Error::Tls(format!("{what}: {e}"))
+}
+
+fn cert(what: &str) -> impl Fn(rcgen::Error) -> Error + '_ {
+    move |e| Error::Tls(format!("{what}: {e}"))
+}
+
+/// Builds this node's TLS identity from the cluster token.
+pub fn identity_from_token(token: &str) -> Result<TlsIdentity> {
+    let seed: [u8; 32] = Sha256::new()
+        .chain_update(b"regatta quic certificate authority v1\0")
+        .chain_update(token.as_bytes())
+        .finalize()
+        .into();
+    let ca_der = PrivatePkcs8KeyDer::from(ed25519_pkcs8(&seed));
+    let ca_key = KeyPair::from_pkcs8_der_and_sign_algo(&ca_der, &PKCS_ED25519).map_err(cert("cluster CA key"))?;
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(cert("cluster CA"))?;
+    let mut ca_name = DistinguishedName::new();
+    ca_name.push(DnType::CommonName, "regatta cluster CA");
+    ca_params.distinguished_name = ca_name;
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+    let ca_cert = ca_params.self_signed(&ca_key).map_err(cert("cluster CA certificate"))?;
+
+    let leaf_key = KeyPair::generate_for(&PKCS_ED25519).map_err(cert("node key"))?;
+    let mut leaf_params = CertificateParams::new(vec![SERVER_NAME.to_string()]).map_err(cert("node certificate"))?;
+    let mut leaf_name = DistinguishedName::new();
+    leaf_name.push(DnType::CommonName, "regatta node");
+    leaf_params.distinguished_name = leaf_name;
+    let leaf = leaf_params
+        .signed_by(&leaf_key, &ca_cert, &ca_key)
+        .map_err(cert("node certificate"))?;
+
+    let mut roots = RootCertStore::empty();
+    roots.add(ca_cert.der().clone()).map_err(tls("trust the cluster CA"))?;
+    let roots = Arc::new(roots);
+    let chain: Vec<CertificateDer<'static>> = vec![leaf.der().clone()];
+    let key = || PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+
+    let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
+        .build()
+        .map_err(|e| Error::Tls(format!("client verifier: {e}")))?;
+    let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls("server protocol versions"))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain.clone(), key())
+        .map_err(tls("server certificate"))?;
+    server.alpn_protocols = vec![ALPN.to_vec()];
+
+    let mut client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls("client protocol versions"))?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key())
+        .map_err(tls("client certificate"))?;
+    client.alpn_protocols = vec![ALPN.to_vec()];
+    Ok(TlsIdentity {
+        server: Arc::new(server),
+        client: Arc::new(client),
+    })
+}

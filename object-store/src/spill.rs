@@ -1,0 +1,161 @@
+//! Spilling objects out of memory to an `object_store` backend: a local directory by
+//! default (`file:///path` or a plain path), or `s3://bucket/prefix` configured from the
+//! standard `AWS_*` environment variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`,
+//! `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ALLOW_HTTP=true` for a plain-HTTP server).
+//!
+//! A spilled copy is named by its full URL, so any node that can reach the backend (every
+//! node for S3 or a shared directory) can restore it.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use object_store::aws::AmazonS3Builder;
+use object_store::local::LocalFileSystem;
+use object_store::path::Path;
+use object_store::{ObjectStore, PutPayload};
+use url::Url;
+
+use crate::checksum::crc32;
+use crate::error::{Error, Result};
+use crate::id::ObjectId;
+
+/// A spill location: a backend and a prefix inside it.
+#[derive(Clone)]
+pub struct SpillBackend {
+    store: Arc<dyn ObjectStore>,
+    base: Url,
+    prefix: Path,
+}
+
+impl std::fmt::Debug for SpillBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SpillBackend({})", self.base)
+    }
+}
+
+fn spill_err(url: &str, e: impl std::fmt::Display) -> Error {
+    Error::Spill {
+        url: url.to_string(),
+        reason: e.to_string(),
+    }
+}
+
+/// Parses `file:///dir`, `/dir` or `s3://bucket/prefix` into a URL.
+pub fn parse_spill_url(text: &str) -> Result<Url> {
+    if text.starts_with('/') {
+        return Url::from_directory_path(text).map_err(|_| spill_err(text, "not an absolute directory path"));
+    }
+    let url = Url::parse(text).map_err(|e| spill_err(text, format!("not a URL or absolute path: {e}")))?;
+    match url.scheme() {
+        "file" | "s3" => Ok(url),
+        other => Err(spill_err(text, format!("unsupported scheme '{other}'; use file:// or s3://"))),
+    }
+}
+
+fn open_store(url: &Url) -> Result<(Arc<dyn ObjectStore>, Path)> {
+    match url.scheme() {
+        "file" => {
+            let path = url
+                .to_file_path()
+                .map_err(|_| spill_err(url.as_str(), "not a local path"))?;
+            let dir = if url.as_str().ends_with('/') { path.clone() } else { path.parent().map(|p| p.to_path_buf()).unwrap_or(path.clone()) };
+            std::fs::create_dir_all(&dir).map_err(|e| spill_err(url.as_str(), format!("cannot create {}: {e}", dir.display())))?;
+            let store = LocalFileSystem::new();
+            let object_path = Path::from(path.to_string_lossy().trim_start_matches('/'));
+            Ok((Arc::new(store), object_path))
+        }
+        "s3" => {
+            let store = AmazonS3Builder::from_env()
+                .with_url(url.as_str())
+                .build()
+                .map_err(|e| spill_err(url.as_str(), e))?;
+            let path = Path::from(url.path().trim_start_matches('/'));
+            Ok((Arc::new(store), path))
+        }
+        other => Err(spill_err(url.as_str(), format!("unsupported scheme '{other}'"))),
+    }
+}
+
+impl SpillBackend {
+    /// Opens a spill location; local directories are created.
+    pub fn open(text: &str) -> Result<Self> {
+        let mut base = parse_spill_url(text)?;
+        if !base.path().ends_with('/') {
+            base.set_path(&format!("{}/", base.path()));
+        }
+        let (store, prefix) = open_store(&base)?;
+        Ok(Self { store, base, prefix })
+    }
+
+    /// The location's URL.
+    pub fn url(&self) -> &str {
+        self.base.as_str()
+    }
+
+    /// Writes an object; returns the URL of the spilled copy.
+    pub async fn write(&self, id: ObjectId, bytes: Bytes) -> Result<String> {
+        let name = id.to_string();
+        let path = self.prefix.child(name.as_str());
+        let url = format!("{}{name}", self.base);
+        self.store
+            .put(&path, PutPayload::from_bytes(bytes))
+            .await
+            .map_err(|e| spill_err(&url, e))?;
+        Ok(url)
+    }
+}
+
+/// Reads a spilled copy by URL and checks it against the directory's size and CRC-32.
+pub async fn restore(url: &str, id: ObjectId, size: u64, checksum: u32) -> Result<Bytes> {
+    let parsed = parse_spill_url(url)?;
+    let (store, path) = open_store(&parsed)?;
+    let result = store.get(&path).await.map_err(|e| spill_err(url, e))?;
+    let bytes = result.bytes().await.map_err(|e| spill_err(url, e))?;
+    if bytes.len() as u64 != size || crc32(&bytes) != checksum {
+        return Err(Error::Corrupt {
+            id,
+            detail: format!("spilled copy at {url} has {} bytes or a bad CRC (expected {size} bytes)", bytes.len()),
+        });
+    }
+    Ok(bytes)
+}
+
+/// Deletes a spilled copy; a copy already gone is fine.
+pub async fn delete(url: &str) -> Result<()> {
+    let parsed = parse_spill_url(url)?;
+    let (store, path) = open_store(&parsed)?;
+    match store.delete(&path).await {
+        Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+        Err(e) => Err(spill_err(url, e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn spill_restore_and_delete_on_a_local_directory() {
+        let dir = std::env::temp_dir().join(format!("regatta-spill-test-{}", std::process::id()));
+        let backend = SpillBackend::open(dir.to_str().unwrap()).unwrap();
+        let id = ObjectId(7);
+        let bytes = Bytes::from((0..100_000u32).map(|i| i as u8).collect::<Vec<u8>>());
+        let url = backend.write(id, bytes.clone()).await.unwrap();
+        assert!(url.starts_with("file://"), "{url}");
+        let back = restore(&url, id, bytes.len() as u64, crc32(&bytes)).await.unwrap();
+        assert_eq!(back, bytes);
+        let err = restore(&url, id, bytes.len() as u64, crc32(&bytes) ^ 1).await.unwrap_err();
+        assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+        delete(&url).await.unwrap();
+        delete(&url).await.unwrap();
+        assert!(restore(&url, id, 1, 0).await.is_err());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn bad_spill_urls_are_refused_with_the_reason() {
+        assert!(parse_spill_url("relative/dir").unwrap_err().to_string().contains("absolute path"));
+        assert!(parse_spill_url("ftp://x/y").unwrap_err().to_string().contains("unsupported scheme"));
+        assert!(parse_spill_url("s3://bucket/prefix").is_ok());
+    }
+}
