@@ -43,6 +43,52 @@ struct TokenArgs {
     token_file: Option<PathBuf>,
 }
 
+#[derive(Args, Debug, Clone)]
+struct ObjectArgs {
+    /// Bytes of objects kept in memory before spilling (e.g. 512MiB, 4GB; default 30% of RAM).
+    #[arg(long, value_parser = parse_bytes)]
+    object_store_bytes: Option<u64>,
+    /// Where objects spill: a directory, file:// or s3://bucket/prefix (AWS_* env vars
+    /// configure S3). Default: /tmp/regatta/spill/<node>.
+    #[arg(long, env = "REGATTA_SPILL_URL")]
+    spill_url: Option<String>,
+    /// UDP port of the object transfer endpoint (0: any).
+    #[arg(long, default_value_t = 0)]
+    object_port: u16,
+}
+
+impl ObjectArgs {
+    fn config(&self, host: &str, bind: IpAddr) -> regatta_runtime::ObjectConfig {
+        let mut config = regatta_runtime::ObjectConfig::new(host);
+        config.capacity_bytes = self.object_store_bytes;
+        config.spill_url = self.spill_url.clone();
+        config.port = self.object_port;
+        config.bind = bind;
+        config
+    }
+}
+
+/// Parses `1234`, `64KB`, `64KiB`, `512MiB`, `4GB`, `1.5GiB`.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    let split = trimmed.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(trimmed.len());
+    let (number, unit) = trimmed.split_at(split);
+    let value: f64 = number.parse().map_err(|_| format!("'{text}' is not a size like 512MiB"))?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "kib" | "k" => 1024.0,
+        "mb" => 1e6,
+        "mib" | "m" => 1024.0 * 1024.0,
+        "gb" => 1e9,
+        "gib" | "g" => 1024.0 * 1024.0 * 1024.0,
+        "tb" => 1e12,
+        "tib" | "t" => 1024.0_f64.powi(4),
+        other => return Err(format!("unknown size unit '{other}' in '{text}'; use B, KB, KiB, MB, MiB, GB, GiB")),
+    };
+    Ok((value * scale) as u64)
+}
+
 #[derive(Args, Debug)]
 struct HeadArgs {
     /// Cluster port.
@@ -57,6 +103,11 @@ struct HeadArgs {
     /// A worker silent this long is declared dead and its actors restarted elsewhere.
     #[arg(long, default_value_t = 3_000)]
     heartbeat_timeout_ms: u64,
+    /// Unreferenced objects are released this long after their last reference drops.
+    #[arg(long, default_value_t = 10_000)]
+    object_grace_ms: u64,
+    #[command(flatten)]
+    objects: ObjectArgs,
     #[command(flatten)]
     token: TokenArgs,
 }
@@ -84,6 +135,8 @@ struct WorkerArgs {
     /// Interval between heartbeats to the head.
     #[arg(long, default_value_t = 500)]
     heartbeat_interval_ms: u64,
+    #[command(flatten)]
+    objects: ObjectArgs,
     #[command(flatten)]
     token: TokenArgs,
 }
@@ -181,6 +234,8 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
     config.port = args.port;
     config.advertise_host = args.advertise_host;
     config.heartbeat_timeout_ms = args.heartbeat_timeout_ms;
+    config.object_grace_ms = args.object_grace_ms;
+    config.objects = args.objects.config(&config.advertise_host, args.bind);
     let head = start_head(config).await?;
     println!("regatta head listening on {} (bind {}:{})", head.address, args.bind, args.port);
     shutdown_signal().await;
@@ -198,6 +253,7 @@ async fn worker(args: WorkerArgs, registry: Registry) -> anyhow::Result<ExitCode
     config.bind = args.bind;
     config.advertise_host = args.advertise_host;
     config.heartbeat_interval_ms = args.heartbeat_interval_ms;
+    config.objects = args.objects.config("127.0.0.1", args.bind);
     match run_worker(config, registry, shutdown_signal()).await {
         Ok(()) => Ok(ExitCode::SUCCESS),
         Err(e @ regatta_runtime::Error::TokenRefused { .. }) => {
@@ -276,6 +332,16 @@ pub fn render_status(status: &ClusterStatus) -> String {
     for ((kind, node, state), count) in by_kind {
         let _ = writeln!(out, "  {kind:<12} on {node:<12} {state:<10} {count}");
     }
+    let objects = &status.objects;
+    let _ = writeln!(
+        out,
+        "Objects: {} ({:.1} MiB), {} spilled ({:.1} MiB), {} lost",
+        objects.objects,
+        objects.bytes as f64 / 1048576.0,
+        objects.spilled_objects,
+        objects.spilled_bytes as f64 / 1048576.0,
+        objects.lost
+    );
     let _ = writeln!(out, "Waiting for resources: {}", status.pending.len());
     for pending in &status.pending {
         let _ = writeln!(out, "  {}  wants {}  for {:.1}s", pending.what, pending.resources, pending.waiting_s);

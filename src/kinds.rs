@@ -3,11 +3,128 @@
 
 use serde::{Deserialize, Serialize};
 
-use regatta_runtime::{Actor, ActorContext, ActorError, ActorId, Registry};
+use bytes::Bytes;
+use regatta_runtime::{Actor, ActorContext, ActorError, ActorId, ObjectRef, ObjectStats, Registry};
 
 /// The registry of the stock worker binary.
 pub fn builtin() -> Registry {
-    Registry::new().register::<Echo>().register::<Counter>()
+    Registry::new().register::<Echo>().register::<Counter>().register::<Store>()
+}
+
+/// Deterministic test bytes: `size` bytes from `seed`, fast to make for multi-GB objects.
+pub fn pattern(size: usize, seed: u64) -> Vec<u8> {
+    let mut out = vec![0u8; size];
+    let mut state = seed ^ 0x9e37_79b9_7f4a_7c15;
+    for chunk in out.chunks_mut(8) {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        chunk.copy_from_slice(&z.to_le_bytes()[..chunk.len()]);
+    }
+    out
+}
+
+/// A 128-bit digest of bytes, to compare objects without moving them.
+pub fn digest(bytes: &[u8]) -> u128 {
+    xxhash_rust::xxh3::xxh3_128(bytes)
+}
+
+/// Puts and gets objects from inside the cluster: the object store's test and benchmark
+/// workhorse.
+pub struct Store {
+    kept: Vec<ObjectRef<Bytes>>,
+}
+
+/// What a [`Store`] does.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum StoreOp {
+    /// Put `size` pattern bytes made from `seed`; keep a reference here if `keep`.
+    Put {
+        /// Bytes.
+        size: u64,
+        /// Pattern seed.
+        seed: u64,
+        /// Hold the reference in this actor.
+        keep: bool,
+    },
+    /// Get an object and digest it.
+    Get(ObjectRef<Bytes>),
+    /// Get an object `count` times concurrently; all copies must digest the same.
+    GetMany(ObjectRef<Bytes>, usize),
+    /// Drop every reference this actor holds.
+    DropAll,
+    /// This node's object store figures.
+    Stats,
+}
+
+/// What a [`Store`] replies.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum StoreReply {
+    /// A new object.
+    Put {
+        /// Its reference.
+        reference: ObjectRef<Bytes>,
+        /// Its digest.
+        digest: u128,
+    },
+    /// An object read back.
+    Got {
+        /// Its length.
+        len: u64,
+        /// Its digest.
+        digest: u128,
+    },
+    /// Figures.
+    Stats(ObjectStats),
+    /// Done.
+    Done,
+}
+
+impl Actor for Store {
+    const KIND: &'static str = "store";
+    type Args = ();
+    type Request = StoreOp;
+    type Reply = StoreReply;
+
+    async fn create(_: (), _ctx: &ActorContext) -> Result<Self, ActorError> {
+        Ok(Self { kept: Vec::new() })
+    }
+
+    async fn handle(&mut self, op: StoreOp, ctx: &ActorContext) -> Result<StoreReply, ActorError> {
+        let cluster = ctx.cluster();
+        match op {
+            StoreOp::Put { size, seed, keep } => {
+                let size = usize::try_from(size)?;
+                let bytes = pattern(size, seed);
+                let digest = digest(&bytes);
+                let reference = cluster.put_bytes(bytes).await?;
+                if keep {
+                    self.kept.push(reference.clone());
+                }
+                Ok(StoreReply::Put { reference, digest })
+            }
+            StoreOp::Get(reference) => {
+                let bytes = cluster.get_bytes(&reference).await?;
+                Ok(StoreReply::Got { len: bytes.len() as u64, digest: digest(&bytes) })
+            }
+            StoreOp::GetMany(reference, count) => {
+                let gets = (0..count).map(|_| cluster.get_bytes(&reference));
+                let all = futures::future::try_join_all(gets).await?;
+                let first = digest(&all[0]);
+                if all.iter().any(|b| digest(b) != first) {
+                    return Err("concurrent gets returned different bytes".into());
+                }
+                Ok(StoreReply::Got { len: all[0].len() as u64, digest: first })
+            }
+            StoreOp::DropAll => {
+                self.kept.clear();
+                Ok(StoreReply::Done)
+            }
+            StoreOp::Stats => Ok(StoreReply::Stats(cluster.object_stats()?)),
+        }
+    }
 }
 
 /// Where an actor runs, as it sees it from its context.

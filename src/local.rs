@@ -19,6 +19,10 @@ pub struct WorkerSpec {
     pub name: String,
     /// `--resources` value (overrides detected amounts).
     pub resources: String,
+    /// Extra command-line arguments.
+    pub args: Vec<String>,
+    /// Extra environment variables.
+    pub env: Vec<(String, String)>,
 }
 
 impl WorkerSpec {
@@ -27,7 +31,21 @@ impl WorkerSpec {
         Self {
             name: name.into(),
             resources: resources.into(),
+            args: Vec::new(),
+            env: Vec::new(),
         }
+    }
+
+    /// Adds command-line arguments.
+    pub fn args(mut self, args: &[&str]) -> Self {
+        self.args.extend(args.iter().map(|a| a.to_string()));
+        self
+    }
+
+    /// Adds an environment variable.
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.into(), value.into()));
+        self
     }
 }
 
@@ -44,6 +62,8 @@ pub struct LocalOptions {
     pub log_dir: PathBuf,
     /// The cluster token (random when `None`).
     pub token: Option<String>,
+    /// Extra head arguments.
+    pub head_args: Vec<String>,
 }
 
 impl LocalOptions {
@@ -56,6 +76,7 @@ impl LocalOptions {
             heartbeat_timeout_ms: 3_000,
             log_dir,
             token: None,
+            head_args: Vec::new(),
         })
     }
 }
@@ -117,20 +138,7 @@ impl LocalCluster {
             .clone()
             .unwrap_or_else(|| format!("local-{}-{}", std::process::id(), unique()));
         let address = format!("127.0.0.1:{port}");
-        let head = spawn(
-            &options.binary,
-            &options.log_dir.join("head.log"),
-            &[
-                "head",
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "--heartbeat-timeout-ms",
-                &options.heartbeat_timeout_ms.to_string(),
-            ],
-            &token,
-        )?;
+        let head = spawn(&options.binary, &options.log_dir.join("head.log"), &head_args(&options, port), &token, &[])?;
         let mut cluster = Self {
             head,
             workers: Vec::new(),
@@ -147,24 +155,35 @@ impl LocalCluster {
 
     fn spawn_worker(&self, index: usize) -> anyhow::Result<Child> {
         let spec = &self.options.workers[index];
+        let mut args: Vec<String> = [
+            "worker",
+            "--address",
+            &self.address,
+            "--name",
+            &spec.name,
+            "--bind",
+            "127.0.0.1",
+            "--advertise-host",
+            "127.0.0.1",
+            "--resources",
+            &spec.resources,
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+        args.extend(spec.args.iter().cloned());
         spawn(
             &self.options.binary,
             &self.options.log_dir.join(format!("{}.log", spec.name)),
-            &[
-                "worker",
-                "--address",
-                &self.address,
-                "--name",
-                &spec.name,
-                "--bind",
-                "127.0.0.1",
-                "--advertise-host",
-                "127.0.0.1",
-                "--resources",
-                &spec.resources,
-            ],
+            &args,
             &self.token,
+            &spec.env,
         )
+    }
+
+    /// The process id of worker `index`, if it runs.
+    pub fn worker_pid(&self, index: usize) -> Option<u32> {
+        self.workers.get(index).and_then(|c| c.as_ref()).map(Child::id)
     }
 
     /// Connects a client and waits until every worker has registered.
@@ -207,21 +226,9 @@ impl LocalCluster {
     pub fn restart_head(&mut self) -> anyhow::Result<()> {
         self.head.kill().context("cannot kill the head")?;
         let _ = self.head.wait();
-        let port = self.address.rsplit(':').next().unwrap_or("6380").to_string();
-        self.head = spawn(
-            &self.options.binary,
-            &self.options.log_dir.join("head-restarted.log"),
-            &[
-                "head",
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                &port,
-                "--heartbeat-timeout-ms",
-                &self.options.heartbeat_timeout_ms.to_string(),
-            ],
-            &self.token,
-        )?;
+        let port: u16 = self.address.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(6380);
+        let args = head_args(&self.options, port);
+        self.head = spawn(&self.options.binary, &self.options.log_dir.join("head-restarted.log"), &args, &self.token, &[])?;
         Ok(())
     }
 
@@ -238,7 +245,8 @@ impl LocalCluster {
     /// Starts an extra process of the `regatta` binary against this cluster (for tests of
     /// bad tokens and the like), logging to `log_name` in the log folder.
     pub fn run_extra(&self, args: &[&str], token: &str, log_name: &str) -> anyhow::Result<Child> {
-        spawn(&self.options.binary, &self.options.log_dir.join(log_name), args, token)
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        spawn(&self.options.binary, &self.options.log_dir.join(log_name), &args, token, &[])
     }
 
     /// The log file of a process (`head`, a worker name, or an extra's log name).
@@ -289,11 +297,29 @@ pub async fn wait_for_nodes(client: &Client, names: &[String], timeout: Duration
     }
 }
 
-fn spawn(binary: &Path, log: &Path, args: &[&str], token: &str) -> anyhow::Result<Child> {
+fn head_args(options: &LocalOptions, port: u16) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "head",
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        &port.to_string(),
+        "--heartbeat-timeout-ms",
+        &options.heartbeat_timeout_ms.to_string(),
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    args.extend(options.head_args.iter().cloned());
+    args
+}
+
+fn spawn(binary: &Path, log: &Path, args: &[String], token: &str, env: &[(String, String)]) -> anyhow::Result<Child> {
     let out = File::create(log).with_context(|| format!("cannot create {}", log.display()))?;
     let err = out.try_clone().context("cannot duplicate a log handle")?;
     Command::new(binary)
         .args(args)
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .env("REGATTA_TOKEN", token)
         .env("REGATTA_LOG_COLOR", "never")
         .stdin(Stdio::null())

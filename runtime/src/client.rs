@@ -19,6 +19,8 @@ use crate::protocol::{
 };
 use crate::registry::Actor;
 use crate::resources::Resources;
+use crate::headlink::HeadLink;
+use crate::objects::{ObjectConfig, ObjectService};
 use crate::wire::{self, CallError};
 
 /// Default time a call waits for its reply.
@@ -64,79 +66,41 @@ impl ActorOptions {
     }
 }
 
-struct ClusterInner {
-    scope: String,
-    head: Mutex<ActorCell>,
-    head_address: String,
-    call_timeout: Duration,
-}
-
 /// A handle on the cluster, shared by drivers and by actors (through their context).
 #[derive(Clone)]
 pub struct Cluster {
-    inner: Arc<ClusterInner>,
+    link: Arc<HeadLink>,
+    objects: Option<Arc<ObjectService>>,
+    call_timeout: Duration,
 }
 
 impl Cluster {
-    pub(crate) fn new(scope: String, head: ActorCell, head_address: String) -> Self {
+    pub(crate) fn new(link: Arc<HeadLink>, objects: Option<Arc<ObjectService>>) -> Self {
         Self {
-            inner: Arc::new(ClusterInner {
-                scope,
-                head: Mutex::new(head),
-                head_address,
-                call_timeout: DEFAULT_CALL_TIMEOUT,
-            }),
+            link,
+            objects,
+            call_timeout: DEFAULT_CALL_TIMEOUT,
         }
     }
 
     /// The head's cluster address.
     pub fn head_address(&self) -> &str {
-        &self.inner.head_address
+        self.link.address()
     }
 
     pub(crate) fn scope(&self) -> &str {
-        &self.inner.scope
+        self.link.scope()
     }
 
-    /// The head's actor: the cached one while it runs, else a fresh lookup (the head may
-    /// have restarted and this node rejoined it).
-    fn head(&self) -> Result<ActorCell> {
-        let mut cached = self
-            .inner
-            .head
-            .lock()
-            .map_err(|_| Error::Actor("the head handle lock was poisoned".into()))?;
-        if cached.get_status() == ractor::ActorStatus::Running {
-            return Ok(cached.clone());
-        }
-        match node::first_member(&self.inner.scope, node::HEAD_GROUP) {
-            Some(cell) => {
-                *cached = cell.clone();
-                Ok(cell)
-            }
-            None => Err(Error::Connect {
-                address: self.inner.head_address.clone(),
-                reason: "the connection to the head is lost".into(),
-            }),
-        }
+    pub(crate) fn object_service(&self) -> Result<&Arc<ObjectService>> {
+        self.objects
+            .as_ref()
+            .ok_or_else(|| Error::Rejected("this connection has no object store (status-only client)".into()))
     }
 
     /// Sends a request to the head and decodes its reply.
     pub(crate) async fn ask_head<T: DeserializeOwned>(&self, request: &HeadRequest, timeout: Duration) -> Result<T> {
-        let what = head_request_name(request);
-        let head = self.head()?;
-        let bytes = wire::call_raw(&head, wire::encode(request), timeout)
-            .await
-            .map_err(|e| match e {
-                CallError::Timeout => Error::Timeout { what: format!("head request {what}"), timeout },
-                CallError::Unreachable(cause) => Error::Connect {
-                    address: self.inner.head_address.clone(),
-                    reason: format!("head request {what} failed: {cause}"),
-                },
-            })?;
-        let reply: std::result::Result<T, Failure> = wire::decode(&bytes, "the head's reply")
-            .map_err(|f| failure_to_error(f, None))?;
-        reply.map_err(|f| failure_to_error(f, None))
+        self.link.ask(request, timeout).await
     }
 
     /// Spawns an actor of kind `A`. Returns once the head accepted it: an unknown kind or a
@@ -151,14 +115,14 @@ impl Cluster {
             max_restarts: options.max_restarts,
             placement: options.placement,
         };
-        let id: ActorId = self.ask_head(&HeadRequest::Spawn(spec), self.inner.call_timeout).await?;
+        let id: ActorId = self.ask_head(&HeadRequest::Spawn(spec), self.call_timeout).await?;
         Ok(self.handle(id))
     }
 
     /// Spawns from a raw [`ActorSpec`] (arguments already encoded with bincode), for callers
     /// without the kind's Rust type.
     pub async fn spawn_spec(&self, spec: ActorSpec) -> Result<ActorId> {
-        self.ask_head(&HeadRequest::Spawn(spec), self.inner.call_timeout).await
+        self.ask_head(&HeadRequest::Spawn(spec), self.call_timeout).await
     }
 
     /// A handle on an existing actor by id (no check until it is used).
@@ -174,7 +138,7 @@ impl Cluster {
     /// Looks up a live named actor.
     pub async fn named<A: Actor>(&self, name: &str) -> Result<Option<ActorHandle<A>>> {
         let view: Option<ActorView> = self
-            .ask_head(&HeadRequest::Named(name.to_string()), self.inner.call_timeout)
+            .ask_head(&HeadRequest::Named(name.to_string()), self.call_timeout)
             .await?;
         match view {
             None => Ok(None),
@@ -189,7 +153,7 @@ impl Cluster {
 
     /// Kills an actor for good (no restart).
     pub async fn kill(&self, id: ActorId) -> Result<()> {
-        self.ask_head(&HeadRequest::Kill(id), self.inner.call_timeout).await
+        self.ask_head(&HeadRequest::Kill(id), self.call_timeout).await
     }
 
     /// Where an actor is and how it is doing.
@@ -201,13 +165,13 @@ impl Cluster {
     /// ever fit; otherwise returns a group that [`PlacementGroup::ready`] waits on.
     pub async fn create_placement_group(&self, bundles: Vec<Resources>, strategy: Strategy) -> Result<PlacementGroup> {
         let spec = GroupSpec { bundles, strategy, name: None };
-        let id: GroupId = self.ask_head(&HeadRequest::CreateGroup(spec), self.inner.call_timeout).await?;
+        let id: GroupId = self.ask_head(&HeadRequest::CreateGroup(spec), self.call_timeout).await?;
         Ok(PlacementGroup { id, cluster: self.clone() })
     }
 
     /// The whole cluster's state.
     pub async fn status(&self) -> Result<ClusterStatus> {
-        self.ask_head(&HeadRequest::Status, self.inner.call_timeout).await
+        self.ask_head(&HeadRequest::Status, self.call_timeout).await
     }
 
     /// Sends raw bytes as a call to the actor in process group `group` (`head`,
@@ -223,23 +187,6 @@ impl Cluster {
                 CallError::Timeout => "timeout".to_string(),
                 CallError::Unreachable(c) => c,
             })
-    }
-}
-
-fn head_request_name(request: &HeadRequest) -> &'static str {
-    match request {
-        HeadRequest::Register(_) => "register",
-        HeadRequest::Heartbeat { .. } => "heartbeat",
-        HeadRequest::Spawn(_) => "spawn",
-        HeadRequest::WaitActor(_) => "wait-actor",
-        HeadRequest::Named(_) => "named",
-        HeadRequest::Kill(_) => "kill",
-        HeadRequest::CreateGroup(_) => "create-placement-group",
-        HeadRequest::WaitGroup(_) => "wait-placement-group",
-        HeadRequest::RemoveGroup(_) => "remove-placement-group",
-        HeadRequest::Status => "status",
-        HeadRequest::Started { .. } => "started",
-        HeadRequest::Exited { .. } => "exited",
     }
 }
 
@@ -261,6 +208,8 @@ pub(crate) fn failure_to_error(failure: Failure, actor: Option<ActorId>) -> Erro
             what: "a message".into(),
             reason: m,
         },
+        Failure::ObjectMissing { id, lost_with: Some(node) } => Error::ObjectLost { id, node },
+        Failure::ObjectMissing { id, lost_with: None } => Error::ObjectUnknown { id },
     }
 }
 
@@ -285,7 +234,7 @@ impl PlacementGroup {
     /// Removes the group, killing the actors placed in it and freeing its resources.
     pub async fn remove(&self) -> Result<()> {
         self.cluster
-            .ask_head(&HeadRequest::RemoveGroup(self.id), self.cluster.inner.call_timeout)
+            .ask_head(&HeadRequest::RemoveGroup(self.id), self.cluster.call_timeout)
             .await
     }
 }
@@ -446,8 +395,15 @@ impl Client {
         let name = format!("client-{}", node::random_hex(6));
         let local = LocalNode::start(&name, token, bind, 0, &host, direct).await?;
         let head = local.join(address).await?;
+        let link = Arc::new(HeadLink::new(local.scope().to_string(), head, address.to_string()));
+        let objects = if direct {
+            let config = ObjectConfig::for_client(&host);
+            Some(ObjectService::start(&name, token, config, link.clone()).await?)
+        } else {
+            None
+        };
         Ok(Self {
-            cluster: Cluster::new(local.scope().to_string(), head, address.to_string()),
+            cluster: Cluster::new(link, objects),
             _node: local,
         })
     }

@@ -97,9 +97,33 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// Every copy of the object was on a node that died.
+    #[error("object {id} is lost: its only copy was on node {node}, which died, and it was never spilled")]
+    ObjectLost {
+        /// The object.
+        id: regatta_object_store::ObjectId,
+        /// The node.
+        node: String,
+    },
+    /// The object was never put, or was freed.
+    #[error("object {id} does not exist (never put, or already freed)")]
+    ObjectUnknown {
+        /// The object.
+        id: regatta_object_store::ObjectId,
+    },
+    /// Storing, moving or restoring an object failed.
+    #[error(transparent)]
+    Object(regatta_object_store::Error),
     /// The actor system failed locally.
     #[error("actor system: {0}")]
     Actor(String),
+}
+
+/// The object store's errors, inside the runtime's.
+impl From<regatta_object_store::Error> for Error {
+    fn from(e: regatta_object_store::Error) -> Self {
+        Error::Object(e)
+    }
 }
 
 /// The runtime's result type.

@@ -4,13 +4,18 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
+use regatta_object_store::{Directory, Missing, Release};
+
 use crate::error::{Error, Result};
-use crate::node::{self, LocalNode};
-use crate::protocol::{ActorId, ActorState, AgentRequest, Failure, GroupId, HeadRequest};
+use crate::headlink::HeadLink;
+use crate::node::{self, LocalNode, SessionEvent};
+use crate::objects::{objects_group, ObjectConfig, ObjectService};
+use crate::protocol::{ActorId, ActorState, AgentRequest, Failure, GroupId, HeadRequest, ObjectCommand};
 use crate::scheduler::{Effect, Scheduler};
 use crate::wire::{self, LocalSignal, Wire};
 
@@ -27,6 +32,10 @@ pub struct HeadConfig {
     pub token: String,
     /// A worker silent this long is declared dead.
     pub heartbeat_timeout_ms: u64,
+    /// Unreferenced objects are released this long after their last reference drops.
+    pub object_grace_ms: u64,
+    /// The head's own object store.
+    pub objects: ObjectConfig,
 }
 
 impl HeadConfig {
@@ -38,6 +47,8 @@ impl HeadConfig {
             advertise_host: "127.0.0.1".into(),
             token: token.into(),
             heartbeat_timeout_ms: 3_000,
+            object_grace_ms: 10_000,
+            objects: ObjectConfig::new("127.0.0.1"),
         }
     }
 }
@@ -46,6 +57,7 @@ impl HeadConfig {
 pub struct RunningHead {
     actor: ActorRef<Wire>,
     _node: LocalNode,
+    _objects: Arc<ObjectService>,
     /// The head's cluster address.
     pub address: String,
 }
@@ -67,6 +79,7 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
         HeadArgs {
             scope: local.scope().to_string(),
             heartbeat_timeout_ms: config.heartbeat_timeout_ms,
+            object_grace_ms: config.object_grace_ms,
         },
     )
     .await
@@ -83,12 +96,39 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
             }
         }
     });
+    forward_client_departures(&local, actor.clone());
+    let link = Arc::new(HeadLink::new(local.scope().to_string(), actor.get_cell(), local.address.clone()));
+    let objects = ObjectService::start(HEAD_NODE, &config.token, config.objects.clone(), link).await?;
     tracing::info!(address = %local.address, "head is up");
     Ok(RunningHead {
         address: local.address.clone(),
         actor,
         _node: local,
+        _objects: objects,
     })
+}
+
+/// The head's own name as an object holder.
+pub const HEAD_NODE: &str = "head";
+
+/// Tells the head when a client disconnects, so the references it held are dropped.
+fn forward_client_departures(local: &LocalNode, head: ActorRef<Wire>) {
+    let mut events = local.events();
+    tokio::spawn(async move {
+        loop {
+            match events.recv().await {
+                Ok(SessionEvent::Closed { authenticated: true, name: Some(name) }) if name.starts_with("client-") => {
+                    let gone = HeadRequest::HolderGone(name);
+                    if head.send_message(Wire::Local(LocalSignal::Deferred(wire::encode(&gone)))).is_err() {
+                        break;
+                    }
+                }
+                Ok(_) => {}
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(_) => break,
+            }
+        }
+    });
 }
 
 struct Head;
@@ -96,12 +136,14 @@ struct Head;
 struct HeadArgs {
     scope: String,
     heartbeat_timeout_ms: u64,
+    object_grace_ms: u64,
 }
 
 struct HeadState {
     scope: String,
     heartbeat_timeout_ms: u64,
     scheduler: Scheduler,
+    directory: Directory,
     epoch: Instant,
     actor_waiters: BTreeMap<ActorId, Vec<RpcReplyPort<Vec<u8>>>>,
     group_waiters: BTreeMap<GroupId, Vec<RpcReplyPort<Vec<u8>>>>,
@@ -123,6 +165,7 @@ impl Actor for Head {
             scope: args.scope,
             heartbeat_timeout_ms: args.heartbeat_timeout_ms,
             scheduler: Scheduler::new(),
+            directory: Directory::new(args.object_grace_ms),
             epoch: Instant::now(),
             actor_waiters: BTreeMap::new(),
             group_waiters: BTreeMap::new(),
@@ -152,6 +195,13 @@ impl Actor for Head {
                 let now = state.now_ms();
                 for (node, cause) in state.scheduler.expire(now, state.heartbeat_timeout_ms) {
                     tracing::warn!(node = %node, cause = %cause, "node declared dead; its actors restart elsewhere or are reported dead");
+                    let lost = state.directory.node_lost(&node, now);
+                    if !lost.is_empty() {
+                        tracing::warn!(node = %node, objects = lost.len(), "objects lost with their node");
+                    }
+                }
+                for release in state.directory.collect(now) {
+                    carry_out_release(&state.scope, release);
                 }
                 prune_waiters(state);
                 Vec::new()
@@ -231,7 +281,53 @@ fn handle_request(state: &mut HeadState, request: HeadRequest, port: Option<RpcR
             effects
         }
         HeadRequest::Status => {
-            send(port, wire::encode(&Ok::<_, Failure>(state.scheduler.status(now))));
+            let mut status = state.scheduler.status(now);
+            status.objects = state.directory.stats();
+            send(port, wire::encode(&Ok::<_, Failure>(status)));
+            Vec::new()
+        }
+        HeadRequest::ObjectPut { id, size, checksum, node, address } => {
+            let result = state
+                .directory
+                .put(id, size, checksum, &node, &node, &address, None)
+                .map_err(Failure::Rejected);
+            send(port, wire::encode(&result));
+            Vec::new()
+        }
+        HeadRequest::ObjectLocate(id) => {
+            let result = state.directory.locate(id).map_err(|missing| object_missing(id, missing));
+            send(port, wire::encode(&result));
+            Vec::new()
+        }
+        HeadRequest::ObjectAddSource { id, node, address } => {
+            state.directory.add_source(id, &node, &address);
+            Vec::new()
+        }
+        HeadRequest::ObjectRemoveSource { id, node, spilled_to } => {
+            if let Some(url) = &spilled_to {
+                state.directory.spilled(id, &node, url);
+            }
+            state.directory.remove_source(id, &node);
+            Vec::new()
+        }
+        HeadRequest::ObjectAddRef { id, holder } => {
+            let result = state.directory.add_ref(id, &holder).map_err(|missing| object_missing(id, missing));
+            send(port, wire::encode(&result));
+            Vec::new()
+        }
+        HeadRequest::ObjectDropRef { id, holder } => {
+            state.directory.drop_ref(id, &holder, now);
+            Vec::new()
+        }
+        HeadRequest::ObjectFree(id) => {
+            if let Some(release) = state.directory.free(id) {
+                carry_out_release(&state.scope, release);
+            }
+            send(port, wire::encode(&Ok::<(), Failure>(())));
+            Vec::new()
+        }
+        HeadRequest::HolderGone(holder) => {
+            state.directory.holder_gone(&holder, now);
             Vec::new()
         }
         HeadRequest::Started { actor, attempt, outcome } => {
@@ -312,4 +408,31 @@ fn report_undeliverable(head: &ActorRef<Wire>, start: &crate::protocol::StartAct
         cause,
     };
     let _ = head.send_message(Wire::Local(LocalSignal::Deferred(wire::encode(&report))));
+}
+
+fn object_missing(id: regatta_object_store::ObjectId, missing: Missing) -> Failure {
+    Failure::ObjectMissing {
+        id,
+        lost_with: match missing {
+            Missing::Unknown => None,
+            Missing::Lost { node } => Some(node),
+        },
+    }
+}
+
+/// Tells every holder to drop its copy, and deletes the spilled copy.
+fn carry_out_release(scope: &str, release: Release) {
+    let command = ObjectCommand::Release { id: release.id, spilled: None };
+    for node in &release.nodes {
+        if let Some(target) = node::first_member(scope, &objects_group(node)) {
+            let _ = wire::cast_raw(&target, wire::encode(&command));
+        }
+    }
+    if let Some((_, url)) = release.spilled {
+        tokio::spawn(async move {
+            if let Err(e) = regatta_object_store::delete_spilled(&url).await {
+                tracing::warn!(error = %e, "could not delete a spilled copy");
+            }
+        });
+    }
 }

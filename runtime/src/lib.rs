@@ -31,7 +31,9 @@ mod client;
 mod detect;
 mod error;
 mod head;
+mod headlink;
 mod node;
+mod objects;
 mod placement;
 mod protocol;
 mod registry;
@@ -44,7 +46,9 @@ mod worker;
 pub use client::{ActorHandle, ActorOptions, Client, Cluster, PlacementGroup, DEFAULT_CALL_TIMEOUT};
 pub use detect::{accelerator_tag, detect_gpus, detect_resources, GpuInventory};
 pub use error::{Error, Result};
-pub use head::{start_head, HeadConfig, RunningHead};
+pub use head::{start_head, HeadConfig, RunningHead, HEAD_NODE};
+pub use objects::{ObjectConfig, ObjectRef, ObjectStats};
+pub use regatta_object_store::{DirectoryStats, ObjectId, FAULT_CORRUPT_ENV};
 pub use placement::{Allocation, Decision, Ledger, Strategy};
 pub use protocol::{
     ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, GroupId, GroupStatus, NodeStatus, PendingLine,

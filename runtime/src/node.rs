@@ -29,7 +29,12 @@ pub(crate) enum SessionEvent {
     /// A peer proved it holds the cluster token.
     Authenticated,
     /// A session closed; `authenticated` says whether it had ever proven the token.
-    Closed { authenticated: bool },
+    Closed {
+        /// Whether the peer had proven the token.
+        authenticated: bool,
+        /// The peer's node name (without `@host`), when it had said it.
+        name: Option<String>,
+    },
 }
 
 /// This process's membership in a cluster.
@@ -172,7 +177,11 @@ impl NodeEventSubscription for SessionWatcher {
         } else {
             tracing::error!(peer = %peer, "refused by the peer: the cluster token does not match");
         }
-        let _ = self.events.send(SessionEvent::Closed { authenticated });
+        let name = ses
+            .peer_name
+            .as_ref()
+            .map(|n| n.name.split('@').next().unwrap_or_default().to_string());
+        let _ = self.events.send(SessionEvent::Closed { authenticated, name });
     }
 }
 

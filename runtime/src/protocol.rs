@@ -7,6 +7,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use regatta_object_store::{DirectoryStats, ObjectId};
+
 use crate::placement::Strategy;
 use crate::resources::Resources;
 
@@ -110,6 +112,13 @@ pub enum Failure {
     Handler(String),
     /// The message did not decode as what the receiver expects.
     BadMessage(String),
+    /// The object is unknown (never put, or freed) or lost with its node.
+    ObjectMissing {
+        /// The object.
+        id: ObjectId,
+        /// The node whose loss took the last copy, if it was lost.
+        lost_with: Option<String>,
+    },
 }
 
 /// Requests the head answers.
@@ -149,6 +158,57 @@ pub enum HeadRequest {
         /// `Err(cause)` when the constructor failed.
         outcome: Result<(), String>,
     },
+    /// A new object: replies `()`.
+    ObjectPut {
+        /// The object.
+        id: ObjectId,
+        /// Size in bytes.
+        size: u64,
+        /// CRC-32 of the bytes.
+        checksum: u32,
+        /// The node (process) holding it and referencing it.
+        node: String,
+        /// Its QUIC transfer address.
+        address: String,
+    },
+    /// Where to read an object: replies [`regatta_object_store::Location`].
+    ObjectLocate(ObjectId),
+    /// A node now holds a copy in memory: no reply.
+    ObjectAddSource {
+        /// The object.
+        id: ObjectId,
+        /// The node.
+        node: String,
+        /// Its transfer address.
+        address: String,
+    },
+    /// A node dropped its copy; `spilled_to` is set when it wrote one first: no reply.
+    ObjectRemoveSource {
+        /// The object.
+        id: ObjectId,
+        /// The node.
+        node: String,
+        /// URL of the spilled copy it wrote.
+        spilled_to: Option<String>,
+    },
+    /// A process references an object: replies `()`, or the object is missing.
+    ObjectAddRef {
+        /// The object.
+        id: ObjectId,
+        /// The referencing process.
+        holder: String,
+    },
+    /// A process dropped its last reference: no reply.
+    ObjectDropRef {
+        /// The object.
+        id: ObjectId,
+        /// The process.
+        holder: String,
+    },
+    /// Free an object everywhere now: replies `()`.
+    ObjectFree(ObjectId),
+    /// A client process disconnected: drop what it held (sent by the head to itself).
+    HolderGone(String),
     /// From an agent: a running actor stopped on its own: replies `()`.
     Exited {
         /// The actor.
@@ -157,6 +217,46 @@ pub enum HeadRequest {
         attempt: u32,
         /// Why it stopped.
         cause: String,
+    },
+}
+
+impl HeadRequest {
+    /// A short name for logs and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Register(_) => "register",
+            Self::Heartbeat { .. } => "heartbeat",
+            Self::Spawn(_) => "spawn",
+            Self::WaitActor(_) => "wait-actor",
+            Self::Named(_) => "named",
+            Self::Kill(_) => "kill",
+            Self::CreateGroup(_) => "create-placement-group",
+            Self::WaitGroup(_) => "wait-placement-group",
+            Self::RemoveGroup(_) => "remove-placement-group",
+            Self::Status => "status",
+            Self::Started { .. } => "started",
+            Self::ObjectPut { .. } => "object-put",
+            Self::ObjectLocate(_) => "object-locate",
+            Self::ObjectAddSource { .. } => "object-add-source",
+            Self::ObjectRemoveSource { .. } => "object-remove-source",
+            Self::ObjectAddRef { .. } => "object-add-ref",
+            Self::ObjectDropRef { .. } => "object-drop-ref",
+            Self::ObjectFree(_) => "object-free",
+            Self::HolderGone(_) => "holder-gone",
+            Self::Exited { .. } => "exited",
+        }
+    }
+}
+
+/// Orders to a process's object service (process group `objects/<node>`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum ObjectCommand {
+    /// Drop the in-memory copy and delete the spilled copy at the URL, if given.
+    Release {
+        /// The object.
+        id: ObjectId,
+        /// A spilled copy this node wrote.
+        spilled: Option<String>,
     },
 }
 
@@ -247,6 +347,9 @@ pub struct ClusterStatus {
     pub actors: Vec<ActorLine>,
     /// Requests waiting for resources.
     pub pending: Vec<PendingLine>,
+    /// The object directory's figures.
+    #[serde(default)]
+    pub objects: DirectoryStats,
 }
 
 /// One node in [`ClusterStatus`].

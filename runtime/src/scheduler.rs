@@ -680,6 +680,7 @@ impl Scheduler {
             groups,
             actors,
             pending,
+            objects: Default::default(),
         }
     }
 }

@@ -8,7 +8,11 @@ use std::time::Duration;
 use ractor::{Actor, ActorRef};
 
 use crate::agent::{Agent, AgentArgs};
+use std::sync::Arc;
+
 use crate::client::Cluster;
+use crate::headlink::HeadLink;
+use crate::objects::{ObjectConfig, ObjectService};
 use crate::detect;
 use crate::error::{Error, Result};
 use crate::node::{self, LocalNode};
@@ -36,6 +40,9 @@ pub struct WorkerConfig {
     pub resources: Resources,
     /// Interval between heartbeats.
     pub heartbeat_interval_ms: u64,
+    /// Object store settings (capacity, spill location, UDP port); its advertised host is
+    /// the worker's.
+    pub objects: ObjectConfig,
 }
 
 impl WorkerConfig {
@@ -50,6 +57,7 @@ impl WorkerConfig {
             token: token.into(),
             resources: Resources::new(),
             heartbeat_interval_ms: 500,
+            objects: ObjectConfig::new("127.0.0.1"),
         }
     }
 }
@@ -64,7 +72,12 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
     let session = format!("{name}-{}", node::random_hex(3));
     let local = LocalNode::start(&session, &config.token, config.bind, config.port, &host, true).await?;
     let head = join_with_retry(&local, &config.head_address).await?;
-    let cluster = Cluster::new(local.scope().to_string(), head, config.head_address.clone());
+    let link = Arc::new(HeadLink::new(local.scope().to_string(), head, config.head_address.clone()));
+    let mut objects = config.objects.clone();
+    objects.advertise_host = host.clone();
+    objects.bind = config.bind;
+    let store = ObjectService::start(&name, &config.token, objects, link.clone()).await?;
+    let cluster = Cluster::new(link, Some(store));
 
     let mut resources = detect::detect_resources();
     resources.override_with(&config.resources);

@@ -22,9 +22,15 @@ impl TestCluster {
     /// Starts a head and one worker per `(name, resources)` and waits for all to register.
     pub async fn start(workers: &[(&str, &str)]) -> TestCluster {
         let specs = workers.iter().map(|(n, r)| WorkerSpec::new(n, r)).collect();
+        Self::start_specs(specs, &[]).await
+    }
+
+    /// Starts a head with extra `head_args` and the given workers.
+    pub async fn start_specs(specs: Vec<WorkerSpec>, head_args: &[&str]) -> TestCluster {
         let mut options = LocalOptions::new(specs).expect("local cluster options");
         options.binary = PathBuf::from(env!("CARGO_BIN_EXE_regatta"));
         options.heartbeat_timeout_ms = HEARTBEAT_TIMEOUT_MS;
+        options.head_args = head_args.iter().map(|a| a.to_string()).collect();
         let local = LocalCluster::start(options).expect("start head and workers");
         let client = match local.connect(Duration::from_secs(30)).await {
             Ok(client) => client,
@@ -61,4 +67,30 @@ where
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
+}
+
+/// Resident memory of a process in bytes (Linux).
+pub fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+/// A fresh empty directory under the system temp dir.
+pub fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("regatta-test-{name}-{}-{}", std::process::id(), rand_suffix()));
+    std::fs::create_dir_all(&dir).expect("create temp dir");
+    dir
+}
+
+fn rand_suffix() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0)
 }

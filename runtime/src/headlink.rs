@@ -1,0 +1,91 @@
+//! The link from any process to the head actor: find it (again, after a head restart) and
+//! ask it typed questions.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use ractor::ActorCell;
+use serde::de::DeserializeOwned;
+
+use crate::client::failure_to_error;
+use crate::error::{Error, Result};
+use crate::node;
+use crate::protocol::{Failure, HeadRequest};
+use crate::wire::{self, CallError};
+
+/// How a process reaches the head.
+pub(crate) struct HeadLink {
+    scope: String,
+    head: Mutex<ActorCell>,
+    address: String,
+}
+
+impl HeadLink {
+    pub(crate) fn new(scope: String, head: ActorCell, address: String) -> Self {
+        Self {
+            scope,
+            head: Mutex::new(head),
+            address,
+        }
+    }
+
+    pub(crate) fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    pub(crate) fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// The head's actor: the cached one while it runs, else a fresh lookup (the head may
+    /// have restarted and this node rejoined it).
+    fn head(&self) -> Result<ActorCell> {
+        let mut cached = self
+            .head
+            .lock()
+            .map_err(|_| Error::Actor("the head handle lock was poisoned".into()))?;
+        if cached.get_status() == ractor::ActorStatus::Running {
+            return Ok(cached.clone());
+        }
+        match node::first_member(&self.scope, node::HEAD_GROUP) {
+            Some(cell) => {
+                *cached = cell.clone();
+                Ok(cell)
+            }
+            None => Err(Error::Connect {
+                address: self.address.clone(),
+                reason: "the connection to the head is lost".into(),
+            }),
+        }
+    }
+
+    /// Sends a request to the head and decodes its reply.
+    pub(crate) async fn ask<T: DeserializeOwned>(&self, request: &HeadRequest, timeout: Duration) -> Result<T> {
+        let what = request.name();
+        let head = self.head()?;
+        let bytes = wire::call_raw(&head, wire::encode(request), timeout)
+            .await
+            .map_err(|e| match e {
+                CallError::Timeout => Error::Timeout { what: format!("head request {what}"), timeout },
+                CallError::Unreachable(cause) => Error::Connect {
+                    address: self.address.clone(),
+                    reason: format!("head request {what} failed: {cause}"),
+                },
+            })?;
+        let reply: std::result::Result<T, Failure> =
+            wire::decode(&bytes, "the head's reply").map_err(|f| failure_to_error(f, None))?;
+        reply.map_err(|f| failure_to_error(f, None))
+    }
+
+    /// Sends a request without waiting for an answer.
+    pub(crate) fn tell(&self, request: &HeadRequest) {
+        match self.head() {
+            Ok(head) => {
+                if let Err(e) = wire::cast_raw(&head, wire::encode(request)) {
+                    tracing::debug!(error = %e, what = request.name(), "could not tell the head");
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, what = request.name(), "could not tell the head"),
+        }
+    }
+}

@@ -1,0 +1,584 @@
+//! Objects in the cluster: every process (head, worker, client) runs an [`ObjectService`]
+//! with a memory store, a QUIC endpoint that serves its objects to peers, and a spill
+//! backend. The head keeps the directory. [`ObjectRef`]s name objects; the last reference
+//! dropped anywhere releases them.
+
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::future::{BoxFuture, FutureExt, Shared};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use regatta_object_store::{
+    crc32, identity_from_token, Location, MemoryStore, ObjectId, ObjectSource, SpillBackend, Transfer,
+};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::client::Cluster;
+use crate::error::{Error, Result};
+use crate::headlink::HeadLink;
+use crate::node;
+use crate::protocol::{HeadRequest, ObjectCommand};
+use crate::wire::{self, Wire};
+
+/// Default share of this machine's memory an object store may hold.
+pub const DEFAULT_MEMORY_SHARE: f64 = 0.3;
+
+/// How a process stores objects.
+#[derive(Clone, Debug)]
+pub struct ObjectConfig {
+    /// Bytes kept in memory before spilling (default: 30% of RAM).
+    pub capacity_bytes: Option<u64>,
+    /// Where spilled objects go: a directory, `file://` or `s3://` URL
+    /// (default: `/tmp/regatta/spill/<node>`).
+    pub spill_url: Option<String>,
+    /// Address the QUIC endpoint binds.
+    pub bind: IpAddr,
+    /// UDP port (0: any).
+    pub port: u16,
+    /// Host peers use to reach this endpoint.
+    pub advertise_host: String,
+}
+
+impl ObjectConfig {
+    /// Defaults for a process reachable at `advertise_host`.
+    pub fn new(advertise_host: &str) -> Self {
+        Self {
+            capacity_bytes: None,
+            spill_url: None,
+            bind: IpAddr::from([0, 0, 0, 0]),
+            port: 0,
+            advertise_host: advertise_host.to_string(),
+        }
+    }
+
+    pub(crate) fn for_client(host: &str) -> Self {
+        Self::new(host)
+    }
+}
+
+/// Counters for metrics and benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectStats {
+    /// Objects in memory here.
+    pub objects_in_memory: u64,
+    /// Bytes in memory here.
+    pub bytes_in_memory: u64,
+    /// Memory capacity.
+    pub capacity_bytes: u64,
+    /// Objects spilled by this process.
+    pub spills: u64,
+    /// Bytes spilled by this process.
+    pub spilled_bytes: u64,
+    /// Objects restored from spilled copies.
+    pub restores: u64,
+    /// Bytes received from peers.
+    pub transfer_in_bytes: u64,
+    /// Bytes sent to peers.
+    pub transfer_out_bytes: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    spills: AtomicU64,
+    spilled_bytes: AtomicU64,
+    restores: AtomicU64,
+    transfer_in: AtomicU64,
+    transfer_out: AtomicU64,
+}
+
+type Fetch = Shared<BoxFuture<'static, std::result::Result<Bytes, String>>>;
+
+/// One process's object store.
+pub struct ObjectService {
+    node: String,
+    address: String,
+    link: Arc<HeadLink>,
+    memory: Mutex<MemoryStore>,
+    room: tokio::sync::Mutex<()>,
+    spill: SpillBackend,
+    transfer: Transfer,
+    refs: Mutex<HashMap<ObjectId, usize>>,
+    inflight: Mutex<HashMap<ObjectId, Fetch>>,
+    counters: Counters,
+}
+
+struct Source(Weak<ObjectService>);
+
+impl ObjectSource for Source {
+    fn open(&self, id: ObjectId) -> Option<Bytes> {
+        let service = self.0.upgrade()?;
+        let mut memory = service.memory.lock().ok()?;
+        memory.pin(id)
+    }
+
+    fn release(&self, id: ObjectId) {
+        if let Some(service) = self.0.upgrade() {
+            if let Ok(mut memory) = service.memory.lock() {
+                memory.unpin(id);
+            }
+        }
+    }
+
+    fn sent(&self, bytes: u64) {
+        if let Some(service) = self.0.upgrade() {
+            service.counters.transfer_out.fetch_add(bytes, Ordering::Relaxed);
+        }
+    }
+}
+
+fn default_capacity() -> u64 {
+    crate::detect::total_memory_bytes()
+        .map(|total| (total as f64 * DEFAULT_MEMORY_SHARE) as u64)
+        .unwrap_or(1 << 30)
+}
+
+impl ObjectService {
+    /// Starts the store of process `node`: binds its QUIC endpoint, opens its spill
+    /// backend, and listens for release orders in process group `objects/<node>`.
+    pub(crate) async fn start(node: &str, token: &str, config: ObjectConfig, link: Arc<HeadLink>) -> Result<Arc<Self>> {
+        let identity = identity_from_token(token)?;
+        let transfer = Transfer::bind(SocketAddr::new(config.bind, config.port), &identity)?;
+        let port = transfer.local_addr()?.port();
+        let spill_url = config
+            .spill_url
+            .clone()
+            .unwrap_or_else(|| format!("/tmp/regatta/spill/{node}-{}", node::random_hex(3)));
+        let spill = SpillBackend::open(&spill_url)?;
+        let capacity = config.capacity_bytes.unwrap_or_else(default_capacity);
+        let service = Arc::new(Self {
+            node: node.to_string(),
+            address: format!("{}:{port}", config.advertise_host),
+            link: link.clone(),
+            memory: Mutex::new(MemoryStore::new(capacity)),
+            room: tokio::sync::Mutex::new(()),
+            spill,
+            transfer,
+            refs: Mutex::new(HashMap::new()),
+            inflight: Mutex::new(HashMap::new()),
+            counters: Counters::default(),
+        });
+        service.transfer.serve(Arc::new(Source(Arc::downgrade(&service))));
+        let (actor, _) = Actor::spawn(None, ObjectsActor, Arc::downgrade(&service))
+            .await
+            .map_err(|e| Error::Actor(format!("cannot start the object service actor: {e}")))?;
+        node::join_group(link.scope(), &objects_group(node), actor.get_cell());
+        tracing::info!(node, address = %service.address, capacity_bytes = capacity, spill = service.spill.url(), "object store up");
+        Ok(service)
+    }
+
+    /// Current figures.
+    pub fn stats(&self) -> ObjectStats {
+        let memory = self.memory.lock().map(|m| m.stats()).unwrap_or_default();
+        ObjectStats {
+            objects_in_memory: memory.objects,
+            bytes_in_memory: memory.bytes,
+            capacity_bytes: memory.capacity,
+            spills: self.counters.spills.load(Ordering::Relaxed),
+            spilled_bytes: self.counters.spilled_bytes.load(Ordering::Relaxed),
+            restores: self.counters.restores.load(Ordering::Relaxed),
+            transfer_in_bytes: self.counters.transfer_in.load(Ordering::Relaxed),
+            transfer_out_bytes: self.counters.transfer_out.load(Ordering::Relaxed),
+        }
+    }
+
+    fn memory(&self) -> std::sync::MutexGuard<'_, MemoryStore> {
+        // A panic while holding this lock would be a bug in MemoryStore; keep serving.
+        self.memory.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Stores bytes (no copy) and registers them with the head; this process holds the
+    /// first reference.
+    pub async fn put(self: &Arc<Self>, bytes: Bytes) -> Result<ObjectId> {
+        let id = ObjectId::random();
+        let checksum = crc32(&bytes);
+        let size = bytes.len() as u64;
+        self.store(id, bytes).await?;
+        self.count_ref(id);
+        let put = HeadRequest::ObjectPut {
+            id,
+            size,
+            checksum,
+            node: self.node.clone(),
+            address: self.address.clone(),
+        };
+        if let Err(e) = self.link.ask::<()>(&put, Duration::from_secs(30)).await {
+            self.memory().remove(id);
+            self.uncount_ref(id);
+            return Err(e);
+        }
+        Ok(id)
+    }
+
+    /// Makes room (spilling least-recently-used objects) and keeps `bytes` in memory.
+    async fn store(&self, id: ObjectId, bytes: Bytes) -> Result<()> {
+        let size = bytes.len() as u64;
+        let _room = self.room.lock().await;
+        let victims = self.memory().plan_room(size).map_err(|no| {
+            Error::Object(regatta_object_store::Error::NoRoom {
+                size: no.size,
+                capacity: no.capacity,
+                pinned: no.pinned,
+            })
+        })?;
+        for victim in victims {
+            self.spill_one(victim).await?;
+        }
+        if !self.memory().insert(id, bytes) {
+            return Err(Error::Rejected(format!("object {id} could not be stored (already present?)")));
+        }
+        Ok(())
+    }
+
+    async fn spill_one(&self, id: ObjectId) -> Result<()> {
+        let Some(bytes) = self.memory().pin(id) else { return Ok(()) };
+        let size = bytes.len() as u64;
+        let written = self.spill.write(id, bytes).await;
+        self.memory().unpin(id);
+        let url = written?;
+        self.memory().remove(id);
+        self.counters.spills.fetch_add(1, Ordering::Relaxed);
+        self.counters.spilled_bytes.fetch_add(size, Ordering::Relaxed);
+        tracing::debug!(%id, size, url = %url, "spilled");
+        self.link.tell(&HeadRequest::ObjectRemoveSource {
+            id,
+            node: self.node.clone(),
+            spilled_to: Some(url),
+        });
+        Ok(())
+    }
+
+    /// The object's bytes: from memory without a copy, else pulled from a peer (or restored
+    /// from its spilled copy), checked, and cached here.
+    pub async fn get(self: &Arc<Self>, id: ObjectId, timeout: Duration) -> Result<Bytes> {
+        if let Some(bytes) = self.memory().get(id) {
+            return Ok(bytes);
+        }
+        let fetch = {
+            let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+            inflight
+                .entry(id)
+                .or_insert_with(|| {
+                    let me = self.clone();
+                    async move { me.pull(id).await.map_err(|e| e.to_string()) }.boxed().shared()
+                })
+                .clone()
+        };
+        let outcome = tokio::time::timeout(timeout, fetch).await;
+        self.inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        match outcome {
+            Ok(Ok(bytes)) => Ok(bytes),
+            Ok(Err(message)) => Err(self.explain(id, message).await),
+            Err(_) => Err(Error::Timeout { what: format!("get of object {id}"), timeout }),
+        }
+    }
+
+    /// Turns a failed pull into the typed error (lost, unknown) when the head knows why.
+    async fn explain(&self, id: ObjectId, message: String) -> Error {
+        match self.link.ask::<Location>(&HeadRequest::ObjectLocate(id), Duration::from_secs(5)).await {
+            Err(e @ (Error::ObjectLost { .. } | Error::ObjectUnknown { .. })) => e,
+            _ => Error::Rejected(format!("object {id} could not be read: {message}")),
+        }
+    }
+
+    async fn pull(self: Arc<Self>, id: ObjectId) -> Result<Bytes> {
+        let location: Location = self.link.ask(&HeadRequest::ObjectLocate(id), Duration::from_secs(30)).await?;
+        let mut failures = Vec::new();
+        for (node, address) in &location.sources {
+            if node == &self.node {
+                continue;
+            }
+            let Ok(peer) = address.parse::<SocketAddr>() else {
+                failures.push(format!("{node}: bad address {address}"));
+                continue;
+            };
+            match self.transfer.fetch(peer, id, location.size, location.checksum).await {
+                Ok(bytes) => {
+                    self.counters.transfer_in.fetch_add(location.size, Ordering::Relaxed);
+                    self.cache(id, bytes.clone()).await;
+                    return Ok(bytes);
+                }
+                Err(e) => {
+                    tracing::warn!(%id, node = %node, error = %e, "pull failed; trying the next copy");
+                    failures.push(format!("{node}: {e}"));
+                }
+            }
+        }
+        if let Some(url) = &location.spilled {
+            match regatta_object_store::restore(url, id, location.size, location.checksum).await {
+                Ok(bytes) => {
+                    self.counters.restores.fetch_add(1, Ordering::Relaxed);
+                    self.cache(id, bytes.clone()).await;
+                    return Ok(bytes);
+                }
+                Err(e) => failures.push(format!("spilled copy: {e}")),
+            }
+        }
+        if failures.is_empty() {
+            failures.push("no copy is held anywhere".into());
+        }
+        Err(Error::Rejected(failures.join("; ")))
+    }
+
+    /// Keeps a pulled copy here if there is room, and tells the head.
+    async fn cache(&self, id: ObjectId, bytes: Bytes) {
+        if self.memory().contains(id) {
+            return;
+        }
+        match self.store(id, bytes).await {
+            Ok(()) => self.link.tell(&HeadRequest::ObjectAddSource {
+                id,
+                node: self.node.clone(),
+                address: self.address.clone(),
+            }),
+            Err(e) => tracing::debug!(%id, error = %e, "not caching a pulled object"),
+        }
+    }
+
+    /// Drops this node's copy (and the spilled copy it wrote) on the head's order.
+    async fn release(&self, id: ObjectId, spilled: Option<String>) {
+        self.memory().remove(id);
+        if let Some(url) = spilled {
+            if let Err(e) = regatta_object_store::delete_spilled(&url).await {
+                tracing::warn!(%id, error = %e, "could not delete a spilled copy");
+            }
+        }
+    }
+
+    fn count_ref(&self, id: ObjectId) -> bool {
+        let mut refs = self.refs.lock().unwrap_or_else(|p| p.into_inner());
+        let count = refs.entry(id).or_insert(0);
+        *count += 1;
+        *count == 1
+    }
+
+    fn uncount_ref(&self, id: ObjectId) -> bool {
+        let mut refs = self.refs.lock().unwrap_or_else(|p| p.into_inner());
+        match refs.get_mut(&id) {
+            Some(count) if *count > 1 => {
+                *count -= 1;
+                false
+            }
+            Some(_) => {
+                refs.remove(&id);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Registers one more local reference; the first one tells the head.
+    async fn adopt(self: &Arc<Self>, id: ObjectId) -> Result<Arc<RefGuard>> {
+        if self.count_ref(id) {
+            let add = HeadRequest::ObjectAddRef { id, holder: self.node.clone() };
+            if let Err(e) = self.link.ask::<()>(&add, Duration::from_secs(30)).await {
+                self.uncount_ref(id);
+                return Err(e);
+            }
+        }
+        Ok(Arc::new(RefGuard { id, service: Arc::downgrade(self) }))
+    }
+
+    fn guard(self: &Arc<Self>, id: ObjectId) -> Arc<RefGuard> {
+        Arc::new(RefGuard { id, service: Arc::downgrade(self) })
+    }
+}
+
+/// The process group of a process's object service.
+pub(crate) fn objects_group(node: &str) -> String {
+    format!("objects/{node}")
+}
+
+/// One local reference; the last one dropped in a process tells the head.
+struct RefGuard {
+    id: ObjectId,
+    service: Weak<ObjectService>,
+}
+
+impl Drop for RefGuard {
+    fn drop(&mut self) {
+        if let Some(service) = self.service.upgrade() {
+            if service.uncount_ref(self.id) {
+                service.link.tell(&HeadRequest::ObjectDropRef {
+                    id: self.id,
+                    holder: service.node.clone(),
+                });
+            }
+        }
+    }
+}
+
+/// A reference to an object of type `T` somewhere in the cluster. Cheap to clone and to
+/// send inside actor messages (only the id travels). A reference received in a message
+/// is held by the receiver from its first use ([`Cluster::get`]) or [`Cluster::adopt`];
+/// the head keeps unreferenced objects for a grace period so references in flight survive.
+pub struct ObjectRef<T> {
+    id: ObjectId,
+    guard: OnceLock<Arc<RefGuard>>,
+    _type: PhantomData<fn() -> T>,
+}
+
+impl<T> ObjectRef<T> {
+    /// The object's id.
+    pub fn id(&self) -> ObjectId {
+        self.id
+    }
+
+    /// A reference to an existing object by id (held once used).
+    pub fn from_id(id: ObjectId) -> Self {
+        Self {
+            id,
+            guard: OnceLock::new(),
+            _type: PhantomData,
+        }
+    }
+}
+
+impl<T> Clone for ObjectRef<T> {
+    fn clone(&self) -> Self {
+        let guard = OnceLock::new();
+        if let Some(existing) = self.guard.get() {
+            let _ = guard.set(existing.clone());
+        }
+        Self {
+            id: self.id,
+            guard,
+            _type: PhantomData,
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for ObjectRef<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ObjectRef({})", self.id)
+    }
+}
+
+impl<T> Serialize for ObjectRef<T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        self.id.serialize(serializer)
+    }
+}
+
+impl<'de, T> Deserialize<'de> for ObjectRef<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        ObjectId::deserialize(deserializer).map(Self::from_id)
+    }
+}
+
+impl Cluster {
+    /// Stores a value (encoded with bincode) and returns a reference to it.
+    pub async fn put<T: Serialize>(&self, value: &T) -> Result<ObjectRef<T>> {
+        self.put_raw(Bytes::from(wire::encode(value))).await
+    }
+
+    /// Stores bytes; handing over a `Vec<u8>` or `Bytes` moves them without a copy.
+    pub async fn put_bytes(&self, bytes: impl Into<Bytes>) -> Result<ObjectRef<Bytes>> {
+        self.put_raw(bytes.into()).await
+    }
+
+    async fn put_raw<T>(&self, bytes: Bytes) -> Result<ObjectRef<T>> {
+        let service = self.object_service()?;
+        let id = service.put(bytes).await?;
+        let reference = ObjectRef::from_id(id);
+        let _ = reference.guard.set(service.guard(id));
+        Ok(reference)
+    }
+
+    /// Reads a value.
+    pub async fn get<T: DeserializeOwned>(&self, reference: &ObjectRef<T>) -> Result<T> {
+        let bytes = self.get_bytes(reference).await?;
+        wire::decode(&bytes, &format!("object {}", reference.id)).map_err(|f| crate::client::failure_to_error(f, None))
+    }
+
+    /// Reads an object's bytes: shared, not copied, when this node holds it.
+    pub async fn get_bytes<T>(&self, reference: &ObjectRef<T>) -> Result<Bytes> {
+        self.adopt(reference).await?;
+        self.object_service()?.get(reference.id, Duration::from_secs(600)).await
+    }
+
+    /// Makes this process a holder of a reference it received in a message.
+    pub async fn adopt<T>(&self, reference: &ObjectRef<T>) -> Result<()> {
+        if reference.guard.get().is_none() {
+            let guard = self.object_service()?.adopt(reference.id).await?;
+            let _ = reference.guard.set(guard);
+        }
+        Ok(())
+    }
+
+    /// Waits until `k` of the objects are readable or `timeout` passes; returns the ready
+    /// and the not-ready references, in their original order.
+    pub async fn wait<T>(
+        &self,
+        references: &[ObjectRef<T>],
+        k: usize,
+        timeout: Duration,
+    ) -> Result<(Vec<ObjectRef<T>>, Vec<ObjectRef<T>>)> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut ready = Vec::new();
+            let mut waiting = Vec::new();
+            for reference in references {
+                let found = self
+                    .ask_head::<Location>(&HeadRequest::ObjectLocate(reference.id), Duration::from_secs(5))
+                    .await;
+                match found {
+                    Ok(location) if !location.sources.is_empty() || location.spilled.is_some() => {
+                        ready.push(reference.clone())
+                    }
+                    Ok(_) | Err(Error::ObjectUnknown { .. }) => waiting.push(reference.clone()),
+                    Err(e) => return Err(e),
+                }
+            }
+            if ready.len() >= k.min(references.len()) || Instant::now() >= deadline {
+                return Ok((ready, waiting));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Frees an object everywhere now, even if others still reference it.
+    pub async fn free<T>(&self, reference: &ObjectRef<T>) -> Result<()> {
+        self.ask_head(&HeadRequest::ObjectFree(reference.id), Duration::from_secs(30))
+            .await
+    }
+
+    /// This process's object store figures.
+    pub fn object_stats(&self) -> Result<ObjectStats> {
+        Ok(self.object_service()?.stats())
+    }
+}
+
+/// Receives the head's release orders for one process's objects.
+struct ObjectsActor;
+
+impl Actor for ObjectsActor {
+    type Msg = Wire;
+    type State = Weak<ObjectService>;
+    type Arguments = Weak<ObjectService>;
+
+    async fn pre_start(&self, _me: ActorRef<Wire>, service: Weak<ObjectService>) -> std::result::Result<Self::State, ActorProcessingErr> {
+        Ok(service)
+    }
+
+    async fn handle(&self, _me: ActorRef<Wire>, message: Wire, service: &mut Weak<ObjectService>) -> std::result::Result<(), ActorProcessingErr> {
+        let (bytes, port) = match message {
+            Wire::Cast(bytes) => (bytes, None),
+            Wire::Call(bytes, port) => (bytes, Some(port)),
+            Wire::Local(_) => return Ok(()),
+        };
+        let outcome = wire::decode::<ObjectCommand>(&bytes, "an object command");
+        if let (Ok(ObjectCommand::Release { id, spilled }), Some(service)) = (&outcome, service.upgrade()) {
+            service.release(*id, spilled.clone()).await;
+        }
+        if let Some(port) = port {
+            wire::reply(port, outcome.map(|_| ()));
+        }
+        Ok(())
+    }
+}
