@@ -9,6 +9,15 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 # Cluster tests start several processes each; two test threads keep 2-core machines responsive.
 export RUST_TEST_THREADS="${RUST_TEST_THREADS:-2}"
 
+# moto's S3-compatible server for the object-spilling tests, in a cached virtualenv
+# outside the clone (installed once per machine).
+venv="${REGATTA_TEST_VENV:-$HOME/.cache/regatta/test-venv}"
+if [ ! -x "$venv/bin/moto_server" ]; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet 'moto[server]'
+fi
+export REGATTA_MOTO_SERVER="$venv/bin/moto_server"
+
 log="$(mktemp -t regatta-tests.XXXXXX)"
 trap 'rm -f "$log"' EXIT
 

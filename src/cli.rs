@@ -31,6 +31,8 @@ enum Command {
     /// Start a local cluster (head and 2 workers as processes), run an actor workload on
     /// it, print a report and shut it down.
     Demo(crate::demo::DemoArgs),
+    /// Run benchmarks on a local cluster, printed in `ray microbenchmark`'s format.
+    Bench(crate::bench::BenchArgs),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -176,6 +178,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
             Command::Worker(args) => worker(args, registry).await,
             Command::Status(args) => status(args).await,
             Command::Demo(args) => crate::demo::run(args).await,
+            Command::Bench(args) => crate::bench::run(args).await,
         }
     });
     match outcome {
@@ -347,4 +350,20 @@ pub fn render_status(status: &ClusterStatus) -> String {
         let _ = writeln!(out, "  {}  wants {}  for {:.1}s", pending.what, pending.resources, pending.waiting_s);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_units_and_bad_ones_say_why() {
+        assert_eq!(parse_bytes("1234"), Ok(1234));
+        assert_eq!(parse_bytes("64KiB"), Ok(65536));
+        assert_eq!(parse_bytes("40MiB"), Ok(40 << 20));
+        assert_eq!(parse_bytes("4GB"), Ok(4_000_000_000));
+        assert_eq!(parse_bytes("1.5GiB"), Ok(3 << 29));
+        assert!(parse_bytes("12 parsecs").unwrap_err().contains("unknown size unit"));
+        assert!(parse_bytes("MiB").unwrap_err().contains("not a size"));
+    }
 }

@@ -53,6 +53,8 @@ pub enum StoreOp {
     Get(ObjectRef<Bytes>),
     /// Get an object `count` times concurrently; all copies must digest the same.
     GetMany(ObjectRef<Bytes>, usize),
+    /// Get an object without digesting it; replies with the time the get took.
+    Fetch(ObjectRef<Bytes>),
     /// Drop every reference this actor holds.
     DropAll,
     /// This node's object store figures.
@@ -75,6 +77,13 @@ pub enum StoreReply {
         len: u64,
         /// Its digest.
         digest: u128,
+    },
+    /// A timed get.
+    Fetched {
+        /// Bytes read.
+        len: u64,
+        /// Nanoseconds the get took.
+        nanos: u64,
     },
     /// Figures.
     Stats(ObjectStats),
@@ -117,6 +126,13 @@ impl Actor for Store {
                     return Err("concurrent gets returned different bytes".into());
                 }
                 Ok(StoreReply::Got { len: all[0].len() as u64, digest: first })
+            }
+            StoreOp::Fetch(reference) => {
+                cluster.adopt(&reference).await?;
+                let started = std::time::Instant::now();
+                let bytes = cluster.get_bytes(&reference).await?;
+                let nanos = started.elapsed().as_nanos() as u64;
+                Ok(StoreReply::Fetched { len: bytes.len() as u64, nanos })
             }
             StoreOp::DropAll => {
                 self.kept.clear();

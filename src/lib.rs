@@ -13,6 +13,7 @@
 //! }
 //! ```
 
+pub mod bench;
 pub mod cli;
 pub mod demo;
 pub mod kinds;

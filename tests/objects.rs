@@ -109,6 +109,13 @@ async fn spill_and_restore(cluster: &TestCluster) {
         assert_eq!(get(&b, reference).await.expect("get from w2"), (16 * MIB, *expected));
     }
     assert!(stats(&b).await.restores >= 2, "w2 restored the spilled copies");
+    // An object larger than the whole store fits nowhere: a clear error, nothing grows.
+    let too_big = a
+        .call_timeout(StoreOp::Put { size: 64 * MIB, seed: 0, keep: true }, Duration::from_secs(60))
+        .await
+        .err()
+        .expect("64 MiB cannot fit a 40 MiB store");
+    assert!(too_big.to_string().contains("does not fit"), "{too_big}");
     // The spilling node reads its own spilled objects back too.
     for (reference, expected) in &objects {
         assert_eq!(get(&a, reference).await.expect("get on w1"), (16 * MIB, *expected));
