@@ -33,16 +33,19 @@ enum Command {
     Demo(crate::demo::DemoArgs),
     /// Run benchmarks on a local cluster, printed in `ray microbenchmark`'s format.
     Bench(crate::bench::BenchArgs),
+    /// Submit, follow, stop and list jobs through the head's job API.
+    #[command(subcommand)]
+    Job(crate::job_cli::JobCommand),
 }
 
 #[derive(Args, Debug, Clone)]
-struct TokenArgs {
+pub(crate) struct TokenArgs {
     /// Cluster token (else REGATTA_TOKEN, --token-file, or ~/.regatta/token).
     #[arg(long, env = "REGATTA_TOKEN", hide_env_values = true)]
-    token: Option<String>,
+    pub(crate) token: Option<String>,
     /// File holding the cluster token.
     #[arg(long)]
-    token_file: Option<PathBuf>,
+    pub(crate) token_file: Option<PathBuf>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -108,6 +111,18 @@ struct HeadArgs {
     /// Unreferenced objects are released this long after their last reference drops.
     #[arg(long, default_value_t = 10_000)]
     object_grace_ms: u64,
+    /// HTTP port of the job API.
+    #[arg(long, default_value_t = 8265)]
+    job_port: u16,
+    /// Run without the job API.
+    #[arg(long)]
+    no_job_api: bool,
+    /// Where the head keeps job records and logs (default ~/.regatta/head).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Bytes of each job's log kept on disk (in two parts, rotated).
+    #[arg(long, value_parser = parse_bytes, default_value = "64MiB")]
+    job_log_bytes: u64,
     #[command(flatten)]
     objects: ObjectArgs,
     #[command(flatten)]
@@ -179,6 +194,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
             Command::Status(args) => status(args).await,
             Command::Demo(args) => crate::demo::run(args).await,
             Command::Bench(args) => crate::bench::run(args).await,
+            Command::Job(command) => crate::job_cli::run(command).await,
         }
     });
     match outcome {
@@ -239,8 +255,22 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
     config.heartbeat_timeout_ms = args.heartbeat_timeout_ms;
     config.object_grace_ms = args.object_grace_ms;
     config.objects = args.objects.config(&config.advertise_host, args.bind);
+    config.jobs = if args.no_job_api {
+        None
+    } else {
+        let mut jobs = regatta_runtime::JobConfig::new();
+        jobs.http_port = args.job_port;
+        jobs.log_cap_bytes = args.job_log_bytes;
+        if let Some(dir) = args.state_dir {
+            jobs.state_dir = dir;
+        }
+        Some(jobs)
+    };
     let head = start_head(config).await?;
     println!("regatta head listening on {} (bind {}:{})", head.address, args.bind, args.port);
+    if let Some(api) = head.job_api {
+        println!("job API on http://{api}");
+    }
     shutdown_signal().await;
     tracing::info!("head shutting down");
     head.stop();

@@ -16,6 +16,7 @@
 pub mod bench;
 pub mod cli;
 pub mod demo;
+mod job_cli;
 pub mod kinds;
 pub mod local;
 

@@ -125,6 +125,8 @@ pub struct LocalCluster {
     pub address: String,
     /// The cluster token.
     pub token: String,
+    /// The head's job API, `http://127.0.0.1:PORT`.
+    pub job_address: String,
 }
 
 impl LocalCluster {
@@ -133,17 +135,19 @@ impl LocalCluster {
         std::fs::create_dir_all(&options.log_dir)
             .with_context(|| format!("cannot create {}", options.log_dir.display()))?;
         let port = free_port()?;
+        let job_port = free_port()?;
         let token = options
             .token
             .clone()
             .unwrap_or_else(|| format!("local-{}-{}", std::process::id(), unique()));
         let address = format!("127.0.0.1:{port}");
-        let head = spawn(&options.binary, &options.log_dir.join("head.log"), &head_args(&options, port), &token, &[])?;
+        let head = spawn(&options.binary, &options.log_dir.join("head.log"), &head_args(&options, port, job_port), &token, &[])?;
         let mut cluster = Self {
             head,
             workers: Vec::new(),
             address,
             token,
+            job_address: format!("http://127.0.0.1:{job_port}"),
             options,
         };
         for index in 0..cluster.options.workers.len() {
@@ -227,7 +231,8 @@ impl LocalCluster {
         self.head.kill().context("cannot kill the head")?;
         let _ = self.head.wait();
         let port: u16 = self.address.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(6380);
-        let args = head_args(&self.options, port);
+        let job_port: u16 = self.job_address.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(8265);
+        let args = head_args(&self.options, port, job_port);
         self.head = spawn(&self.options.binary, &self.options.log_dir.join("head-restarted.log"), &args, &self.token, &[])?;
         Ok(())
     }
@@ -297,7 +302,8 @@ pub async fn wait_for_nodes(client: &Client, names: &[String], timeout: Duration
     }
 }
 
-fn head_args(options: &LocalOptions, port: u16) -> Vec<String> {
+fn head_args(options: &LocalOptions, port: u16, job_port: u16) -> Vec<String> {
+    let state_dir = options.log_dir.join("head-state");
     let mut args: Vec<String> = [
         "head",
         "--bind",
@@ -306,6 +312,10 @@ fn head_args(options: &LocalOptions, port: u16) -> Vec<String> {
         &port.to_string(),
         "--heartbeat-timeout-ms",
         &options.heartbeat_timeout_ms.to_string(),
+        "--job-port",
+        &job_port.to_string(),
+        "--state-dir",
+        &state_dir.to_string_lossy(),
     ]
     .iter()
     .map(|a| a.to_string())

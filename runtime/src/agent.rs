@@ -143,7 +143,7 @@ async fn start_actor(agent: ActorRef<Wire>, registry: Registry, cluster: Cluster
         gpu_ids: start.gpu_ids.clone(),
         resources: start.resources.clone(),
         name: start.name.clone(),
-        cluster: cluster.clone(),
+        cluster: cluster.with_job(start.job.clone()),
     };
     let outcome = match registry.construct(&start.kind, start.args, ctx.clone()).await {
         Err(cause) => Err(cause),

@@ -72,6 +72,7 @@ pub struct Cluster {
     link: Arc<HeadLink>,
     objects: Option<Arc<ObjectService>>,
     call_timeout: Duration,
+    job: Option<String>,
 }
 
 impl Cluster {
@@ -80,7 +81,19 @@ impl Cluster {
             link,
             objects,
             call_timeout: DEFAULT_CALL_TIMEOUT,
+            job: None,
         }
+    }
+
+    /// The same cluster, with actors and objects created through it belonging to `job`
+    /// (they are cleaned up when the job ends).
+    pub fn with_job(&self, job: Option<String>) -> Self {
+        Self { job, ..self.clone() }
+    }
+
+    /// The job actors and objects created through this handle belong to.
+    pub fn job(&self) -> Option<&str> {
+        self.job.as_deref()
     }
 
     /// The head's cluster address.
@@ -114,6 +127,7 @@ impl Cluster {
             name: options.name,
             max_restarts: options.max_restarts,
             placement: options.placement,
+            job: self.job.clone(),
         };
         let id: ActorId = self.ask_head(&HeadRequest::Spawn(spec), self.call_timeout).await?;
         Ok(self.handle(id))
@@ -402,8 +416,10 @@ impl Client {
         } else {
             None
         };
+        // A driver started by the job manager belongs to its job.
+        let job = std::env::var(crate::job_manager::JOB_ID_ENV).ok().filter(|j| !j.is_empty());
         Ok(Self {
-            cluster: Cluster::new(link, objects),
+            cluster: Cluster::new(link, objects).with_job(job),
             _node: local,
         })
     }

@@ -77,6 +77,9 @@ pub enum Error {
         /// The head's address.
         address: String,
     },
+    /// The job API does not know the job.
+    #[error("unknown job: {0}")]
+    JobUnknown(String),
     /// No cluster token was found.
     #[error("no cluster token: {0}")]
     Token(String),

@@ -3,7 +3,7 @@
 //! agents.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,6 +13,8 @@ use regatta_object_store::{Directory, Missing, Release};
 
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
+use crate::job_api;
+use crate::job_manager::{JobConfig, JobManager};
 use crate::node::{self, LocalNode, SessionEvent};
 use crate::objects::{objects_group, ObjectConfig, ObjectService};
 use crate::protocol::{ActorId, ActorState, AgentRequest, Failure, GroupId, HeadRequest, ObjectCommand};
@@ -36,6 +38,8 @@ pub struct HeadConfig {
     pub object_grace_ms: u64,
     /// The head's own object store.
     pub objects: ObjectConfig,
+    /// The job API and job manager (`None`: no job API).
+    pub jobs: Option<JobConfig>,
 }
 
 impl HeadConfig {
@@ -49,6 +53,7 @@ impl HeadConfig {
             heartbeat_timeout_ms: 3_000,
             object_grace_ms: 10_000,
             objects: ObjectConfig::new("127.0.0.1"),
+            jobs: Some(JobConfig::new()),
         }
     }
 }
@@ -60,6 +65,8 @@ pub struct RunningHead {
     _objects: Arc<ObjectService>,
     /// The head's cluster address.
     pub address: String,
+    /// The job API's address, when it runs.
+    pub job_api: Option<SocketAddr>,
 }
 
 impl RunningHead {
@@ -98,9 +105,18 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     });
     forward_client_departures(&local, actor.clone());
     let link = Arc::new(HeadLink::new(local.scope().to_string(), actor.get_cell(), local.address.clone()));
-    let objects = ObjectService::start(HEAD_NODE, &config.token, config.objects.clone(), link).await?;
+    let objects = ObjectService::start(HEAD_NODE, &config.token, config.objects.clone(), link.clone()).await?;
+    let job_api = match &config.jobs {
+        Some(jobs) => {
+            let manager = JobManager::open(jobs.clone(), local.address.clone(), config.token.clone(), link)?;
+            let bind = SocketAddr::new(config.bind, jobs.http_port);
+            Some(job_api::serve(manager, config.token.clone(), bind).await?)
+        }
+        None => None,
+    };
     tracing::info!(address = %local.address, "head is up");
     Ok(RunningHead {
+        job_api,
         address: local.address.clone(),
         actor,
         _node: local,
@@ -286,10 +302,10 @@ fn handle_request(state: &mut HeadState, request: HeadRequest, port: Option<RpcR
             send(port, wire::encode(&Ok::<_, Failure>(status)));
             Vec::new()
         }
-        HeadRequest::ObjectPut { id, size, checksum, node, address } => {
+        HeadRequest::ObjectPut { id, size, checksum, node, address, job } => {
             let result = state
                 .directory
-                .put(id, size, checksum, &node, &node, &address, None)
+                .put(id, size, checksum, &node, &node, &address, job)
                 .map_err(Failure::Rejected);
             send(port, wire::encode(&result));
             Vec::new()
@@ -325,6 +341,14 @@ fn handle_request(state: &mut HeadState, request: HeadRequest, port: Option<RpcR
             }
             send(port, wire::encode(&Ok::<(), Failure>(())));
             Vec::new()
+        }
+        HeadRequest::EndJob(job) => {
+            let effects = state.scheduler.end_job(&job);
+            for release in state.directory.end_job(&job) {
+                carry_out_release(&state.scope, release);
+            }
+            send(port, wire::encode(&Ok::<(), Failure>(())));
+            effects
         }
         HeadRequest::HolderGone(holder) => {
             state.directory.holder_gone(&holder, now);

@@ -194,7 +194,7 @@ impl ObjectService {
 
     /// Stores bytes (no copy) and registers them with the head; this process holds the
     /// first reference.
-    pub async fn put(self: &Arc<Self>, bytes: Bytes) -> Result<ObjectId> {
+    pub async fn put(self: &Arc<Self>, bytes: Bytes, job: Option<String>) -> Result<ObjectId> {
         let id = ObjectId::random();
         let checksum = crc32(&bytes);
         let size = bytes.len() as u64;
@@ -206,6 +206,7 @@ impl ObjectService {
             checksum,
             node: self.node.clone(),
             address: self.address.clone(),
+            job,
         };
         if let Err(e) = self.link.ask::<()>(&put, Duration::from_secs(30)).await {
             self.memory().remove(id);
@@ -484,7 +485,7 @@ impl Cluster {
 
     async fn put_raw<T>(&self, bytes: Bytes) -> Result<ObjectRef<T>> {
         let service = self.object_service()?;
-        let id = service.put(bytes).await?;
+        let id = service.put(bytes, self.job().map(str::to_string)).await?;
         let reference = ObjectRef::from_id(id);
         let _ = reference.guard.set(service.guard(id));
         Ok(reference)

@@ -59,6 +59,9 @@ pub struct ActorSpec {
     pub max_restarts: u32,
     /// Optional placement group bundle.
     pub placement: Option<BundleRef>,
+    /// The job that spawned it (its actors die when the job ends).
+    #[serde(default)]
+    pub job: Option<String>,
 }
 
 /// A placement group request.
@@ -170,6 +173,8 @@ pub enum HeadRequest {
         node: String,
         /// Its QUIC transfer address.
         address: String,
+        /// The job that put it (freed when the job ends).
+        job: Option<String>,
     },
     /// Where to read an object: replies [`regatta_object_store::Location`].
     ObjectLocate(ObjectId),
@@ -209,6 +214,8 @@ pub enum HeadRequest {
     ObjectFree(ObjectId),
     /// A client process disconnected: drop what it held (sent by the head to itself).
     HolderGone(String),
+    /// A job ended: kill its actors and free its objects: replies `()`.
+    EndJob(String),
     /// From an agent: a running actor stopped on its own: replies `()`.
     Exited {
         /// The actor.
@@ -243,6 +250,7 @@ impl HeadRequest {
             Self::ObjectDropRef { .. } => "object-drop-ref",
             Self::ObjectFree(_) => "object-free",
             Self::HolderGone(_) => "holder-gone",
+            Self::EndJob(_) => "end-job",
             Self::Exited { .. } => "exited",
         }
     }
@@ -334,6 +342,9 @@ pub struct StartActor {
     pub gpu_ids: Vec<u32>,
     /// Optional name.
     pub name: Option<String>,
+    /// The job it belongs to.
+    #[serde(default)]
+    pub job: Option<String>,
 }
 
 /// A snapshot of the cluster for `regatta status`.

@@ -335,6 +335,25 @@ impl Scheduler {
         Ok(effects)
     }
 
+    /// A job ended: its actors die (no restart) with the cause named.
+    pub fn end_job(&mut self, job: &str) -> Vec<Effect> {
+        let members: Vec<ActorId> = self
+            .actors
+            .iter()
+            .filter(|(_, a)| a.spec.job.as_deref() == Some(job) && !matches!(a.state, ActorState::Dead { .. }))
+            .map(|(id, _)| *id)
+            .collect();
+        let mut effects = Vec::new();
+        for id in members {
+            if let Some(p) = &self.actors[&id].placed {
+                effects.push(Effect::Stop { node: p.node.clone(), actor: id });
+            }
+            self.release(id);
+            self.set_dead(id, format!("job {job} ended"));
+        }
+        effects
+    }
+
     fn actor_lost(&mut self, id: ActorId, cause: &str, node_alive: bool, now_ms: u64) {
         if node_alive {
             self.release(id);
@@ -553,6 +572,7 @@ impl Scheduler {
             resources: spec.resources,
             gpu_ids: placed.allocation.gpu_ids(),
             name: spec.name,
+            job: spec.job,
         };
         actor.placed = Some(placed);
         Some(Effect::Start(start))
@@ -709,6 +729,7 @@ mod tests {
             name: None,
             max_restarts,
             placement: None,
+            job: None,
         }
     }
 
@@ -752,6 +773,23 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(s.actor_view(keep).unwrap().restarts, 1);
+    }
+
+    #[test]
+    fn ending_a_job_kills_only_its_actors() {
+        let mut s = Scheduler::new();
+        s.register(node("w1", "CPU=4"), 0);
+        let mut in_job = spec("CPU=1", 3);
+        in_job.job = Some("j1".into());
+        let a = s.submit(in_job, 0).unwrap();
+        let b = s.submit(spec("CPU=1", 0), 0).unwrap();
+        let effects = s.schedule(0);
+        start_all(&mut s, &effects);
+        let effects = s.end_job("j1");
+        assert_eq!(effects, vec![Effect::Stop { node: "w1".into(), actor: a }]);
+        assert!(matches!(s.actor_view(a).unwrap().state, ActorState::Dead { cause } if cause == "job j1 ended"));
+        assert_eq!(s.actor_view(b).unwrap().state, ActorState::Alive);
+        assert_eq!(s.status(0).nodes[0].used.fixed("CPU"), 10_000, "the job's CPU was freed");
     }
 
     #[test]

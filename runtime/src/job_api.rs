@@ -1,0 +1,201 @@
+//! The head's job API over HTTP with JSON bodies, shaped like Ray's job REST API:
+//!
+//! | method and path | does |
+//! | --- | --- |
+//! | `POST /api/jobs` | submit: body [`JobSubmission`], replies `{"submission_id", "job_id"}` |
+//! | `GET /api/jobs` | list every job |
+//! | `GET /api/jobs/{id}` | one job's [`crate::JobRecord`] |
+//! | `GET /api/jobs/{id}/logs` | `{"logs": "..."}` |
+//! | `GET /api/jobs/{id}/logs/tail` | the log as a stream that ends with the job |
+//! | `POST /api/jobs/{id}/stop` | `{"stopped": bool}` |
+//! | `DELETE /api/jobs/{id}` | `{"deleted": true}` (finished jobs only) |
+//!
+//! Every request carries `Authorization: Bearer <cluster token>`; without it: 401. Errors
+//! are `{"error": "..."}` with a 4xx status that says what is wrong.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+
+use crate::error::{Error, Result};
+use crate::job::JobSubmission;
+use crate::job_manager::{JobError, JobManager};
+
+/// Largest accepted request body.
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+
+#[derive(Clone)]
+struct Api {
+    manager: JobManager,
+    token: String,
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(json!({ "error": message.into() }))).into_response()
+}
+
+impl IntoResponse for JobError {
+    fn into_response(self) -> Response {
+        match self {
+            JobError::Invalid(m) => error(StatusCode::BAD_REQUEST, m),
+            JobError::Unknown(m) => error(StatusCode::NOT_FOUND, m),
+            JobError::Conflict(m) => error(StatusCode::CONFLICT, m),
+            JobError::Internal(m) => error(StatusCode::INTERNAL_SERVER_ERROR, m),
+        }
+    }
+}
+
+/// Serves the job API on `bind`; returns the bound address.
+pub(crate) async fn serve(manager: JobManager, token: String, bind: SocketAddr) -> Result<SocketAddr> {
+    let api = Api { manager, token };
+    let app = Router::new()
+        .route("/api/jobs", post(submit).get(list))
+        .route("/api/jobs/", post(submit).get(list))
+        .route("/api/jobs/{id}", get(status).delete(delete))
+        .route("/api/jobs/{id}/logs", get(logs))
+        .route("/api/jobs/{id}/logs/tail", get(tail))
+        .route("/api/jobs/{id}/stop", post(stop))
+        .fallback(|| async { error(StatusCode::NOT_FOUND, "no such endpoint; see /api/jobs") })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(api.clone(), authenticate))
+        .with_state(api);
+    let listener = tokio::net::TcpListener::bind(bind)
+        .await
+        .map_err(|e| Error::io(format!("cannot listen for the job API on {bind}"), e))?;
+    let address = listener.local_addr().map_err(|e| Error::io("job API address", e))?;
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "the job API stopped");
+        }
+    });
+    tracing::info!(%address, "job API listening");
+    Ok(address)
+}
+
+async fn authenticate(State(api): State<Api>, request: Request, next: Next) -> Response {
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match presented {
+        Some(token) if constant_time_eq(token.as_bytes(), api.token.as_bytes()) => next.run(request).await,
+        Some(_) => error(StatusCode::UNAUTHORIZED, "the bearer token does not match the cluster token"),
+        None => error(
+            StatusCode::UNAUTHORIZED,
+            "missing 'Authorization: Bearer <cluster token>' header",
+        ),
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn submit(State(api): State<Api>, body: std::result::Result<Bytes, BytesRejection>) -> Response {
+    let body = match body {
+        Ok(body) => body,
+        Err(rejection) => {
+            return error(
+                rejection.status(),
+                format!("cannot read the request body: {} (the limit is {MAX_BODY_BYTES} bytes)", rejection.body_text()),
+            )
+        }
+    };
+    let submission: JobSubmission = match serde_json::from_slice(&body) {
+        Ok(submission) => submission,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("malformed job submission: {e}")),
+    };
+    match api.manager.submit(submission) {
+        Ok(id) => Json(json!({ "submission_id": id, "job_id": id })).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn list(State(api): State<Api>) -> Response {
+    Json(api.manager.list()).into_response()
+}
+
+async fn status(State(api): State<Api>, Path(id): Path<String>) -> Response {
+    match api.manager.get(&id) {
+        Ok(record) => Json(record).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn logs(State(api): State<Api>, Path(id): Path<String>) -> Response {
+    match api.manager.logs(&id) {
+        Ok(bytes) => Json(json!({ "logs": String::from_utf8_lossy(&bytes) })).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn stop(State(api): State<Api>, Path(id): Path<String>) -> Response {
+    match api.manager.stop(&id).await {
+        Ok(stopped) => Json(json!({ "stopped": stopped })).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn delete(State(api): State<Api>, Path(id): Path<String>) -> Response {
+    match api.manager.delete(&id) {
+        Ok(()) => Json(json!({ "deleted": true })).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Streams the log as it grows; the stream ends once the job has ended and everything
+/// written has been sent.
+async fn tail(State(api): State<Api>, Path(id): Path<String>) -> Response {
+    if let Err(e) = api.manager.get(&id) {
+        return e.into_response();
+    }
+    let path = api.manager.log_path(&id);
+    let changes = api.manager.subscribe();
+    let state = (api.manager.clone(), id, path, 0u64, changes, false);
+    let stream = futures::stream::unfold(state, |(manager, id, path, offset, mut changes, done)| async move {
+        if done {
+            return None;
+        }
+        loop {
+            let ended = manager.get(&id).map(|r| r.status.is_terminal()).unwrap_or(true);
+            let (chunk, next) = read_from(&path, offset);
+            if !chunk.is_empty() {
+                return Some((Ok::<Bytes, std::io::Error>(Bytes::from(chunk)), (manager, id, path, next, changes, false)));
+            }
+            if ended {
+                return None;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(500), changes.changed()).await;
+        }
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/plain; charset=utf-8")
+        .body(Body::from_stream(stream))
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "cannot build the log stream"))
+}
+
+/// Up to 1 MiB of new bytes of the current log part after `offset` (starting over after
+/// a rotation made the file shorter).
+fn read_from(path: &std::path::Path, offset: u64) -> (Vec<u8>, u64) {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut file) = std::fs::File::open(path) else { return (Vec::new(), offset) };
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let start = if len < offset { 0 } else { offset };
+    if file.seek(SeekFrom::Start(start)).is_err() {
+        return (Vec::new(), offset);
+    }
+    let mut chunk = Vec::new();
+    let read = file.take(1 << 20).read_to_end(&mut chunk).unwrap_or(0);
+    (chunk, start + read as u64)
+}

@@ -1,0 +1,128 @@
+//! The Rust client of the head's job API: every call typed and async, with clear errors
+//! for an unreachable head, a refused token and an unknown job.
+
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use reqwest::{Method, StatusCode};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+use crate::job::{JobRecord, JobSubmission};
+
+/// Default job API address.
+pub const DEFAULT_JOB_ADDRESS: &str = "http://127.0.0.1:8265";
+
+/// A connection to a head's job API.
+#[derive(Clone)]
+pub struct JobClient {
+    base: String,
+    token: String,
+    http: reqwest::Client,
+}
+
+impl JobClient {
+    /// A client of the job API at `address` (`http://host:8265`; a bare `host:port` works).
+    pub fn new(address: &str, token: &str) -> Result<Self> {
+        let base = if address.starts_with("http://") || address.starts_with("https://") {
+            address.trim_end_matches('/').to_string()
+        } else {
+            format!("http://{}", address.trim_end_matches('/'))
+        };
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .build()
+            .map_err(|e| Error::Connect { address: base.clone(), reason: e.to_string() })?;
+        Ok(Self { base, token: token.to_string(), http })
+    }
+
+    async fn send(&self, method: Method, path: &str, body: Option<&JobSubmission>) -> Result<reqwest::Response> {
+        let url = format!("{}{path}", self.base);
+        let mut request = self.http.request(method, &url).bearer_auth(&self.token);
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        let response = request.send().await.map_err(|e| Error::Connect {
+            address: self.base.clone(),
+            reason: format!("the job API did not answer ({e}); is the head running with its job API on this address?"),
+        })?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let text = response.text().await.unwrap_or_default();
+        let message = serde_json::from_str::<Value>(&text)
+            .ok()
+            .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_string))
+            .unwrap_or(text);
+        Err(match status {
+            StatusCode::UNAUTHORIZED => Error::Token(format!("the head refused the token: {message}")),
+            StatusCode::NOT_FOUND => Error::JobUnknown(message),
+            _ => Error::Rejected(format!("{status}: {message}")),
+        })
+    }
+
+    async fn json<T: DeserializeOwned>(&self, method: Method, path: &str, body: Option<&JobSubmission>) -> Result<T> {
+        let response = self.send(method, path, body).await?;
+        response.json().await.map_err(|e| Error::Decode { what: format!("the reply to {path}"), reason: e.to_string() })
+    }
+
+    /// Submits a job; returns its id.
+    pub async fn submit(&self, submission: &JobSubmission) -> Result<String> {
+        let reply: Value = self.json(Method::POST, "/api/jobs", Some(submission)).await?;
+        reply
+            .get("submission_id")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .ok_or_else(|| Error::Decode { what: "the submit reply".into(), reason: "no submission_id".into() })
+    }
+
+    /// One job.
+    pub async fn status(&self, id: &str) -> Result<JobRecord> {
+        self.json(Method::GET, &format!("/api/jobs/{id}"), None).await
+    }
+
+    /// Every job.
+    pub async fn list(&self) -> Result<Vec<JobRecord>> {
+        self.json(Method::GET, "/api/jobs", None).await
+    }
+
+    /// The job's kept log.
+    pub async fn logs(&self, id: &str) -> Result<String> {
+        let reply: Value = self.json(Method::GET, &format!("/api/jobs/{id}/logs"), None).await?;
+        Ok(reply.get("logs").and_then(Value::as_str).unwrap_or_default().to_string())
+    }
+
+    /// The job's log as it is written; the stream ends when the job ends.
+    pub async fn follow_logs(&self, id: &str) -> Result<impl Stream<Item = Result<bytes::Bytes>>> {
+        let response = self.send(Method::GET, &format!("/api/jobs/{id}/logs/tail"), None).await?;
+        let base = self.base.clone();
+        Ok(response.bytes_stream().map(move |chunk| {
+            chunk.map_err(|e| Error::Connect { address: base.clone(), reason: format!("log stream broke: {e}") })
+        }))
+    }
+
+    /// Stops a job; false when it had already ended.
+    pub async fn stop(&self, id: &str) -> Result<bool> {
+        let reply: Value = self.json(Method::POST, &format!("/api/jobs/{id}/stop"), None).await?;
+        Ok(reply.get("stopped").and_then(Value::as_bool).unwrap_or(false))
+    }
+
+    /// Deletes a finished job.
+    pub async fn delete(&self, id: &str) -> Result<()> {
+        let _: Value = self.json(Method::DELETE, &format!("/api/jobs/{id}"), None).await?;
+        Ok(())
+    }
+
+    /// Waits until the job ends; returns its final record.
+    pub async fn wait(&self, id: &str, poll: Duration) -> Result<JobRecord> {
+        loop {
+            let record = self.status(id).await?;
+            if record.status.is_terminal() {
+                return Ok(record);
+            }
+            tokio::time::sleep(poll).await;
+        }
+    }
+}
