@@ -114,6 +114,10 @@ struct HeadArgs {
     /// HTTP port of the job API.
     #[arg(long, default_value_t = 8265)]
     job_port: u16,
+    /// HTTP port of the head's /metrics and Prometheus service discovery
+    /// (/api/prometheus/sd); 0 turns it off.
+    #[arg(long, default_value_t = 9180)]
+    metrics_port: u16,
     /// Run without the job API.
     #[arg(long)]
     no_job_api: bool,
@@ -152,6 +156,10 @@ struct WorkerArgs {
     /// Interval between heartbeats to the head.
     #[arg(long, default_value_t = 500)]
     heartbeat_interval_ms: u64,
+    /// HTTP port of this worker's /metrics (0: any free port; the head advertises it to
+    /// Prometheus).
+    #[arg(long, default_value_t = 0)]
+    metrics_port: u16,
     #[command(flatten)]
     objects: ObjectArgs,
     #[command(flatten)]
@@ -266,8 +274,12 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
         }
         Some(jobs)
     };
+    config.metrics_port = (args.metrics_port != 0).then_some(args.metrics_port);
     let head = start_head(config).await?;
     println!("regatta head listening on {} (bind {}:{})", head.address, args.bind, args.port);
+    if let Some(metrics) = head.metrics {
+        println!("metrics on http://{metrics}/metrics, Prometheus discovery on http://{metrics}/api/prometheus/sd");
+    }
     if let Some(api) = head.job_api {
         println!("job API on http://{api}");
     }
@@ -287,6 +299,7 @@ async fn worker(args: WorkerArgs, registry: Registry) -> anyhow::Result<ExitCode
     config.advertise_host = args.advertise_host;
     config.heartbeat_interval_ms = args.heartbeat_interval_ms;
     config.objects = args.objects.config("127.0.0.1", args.bind);
+    config.metrics_port = Some(args.metrics_port);
     match run_worker(config, registry, shutdown_signal()).await {
         Ok(()) => Ok(ExitCode::SUCCESS),
         Err(e @ regatta_runtime::Error::TokenRefused { .. }) => {

@@ -127,6 +127,8 @@ pub struct LocalCluster {
     pub token: String,
     /// The head's job API, `http://127.0.0.1:PORT`.
     pub job_address: String,
+    /// The head's metrics and service discovery, `http://127.0.0.1:PORT`.
+    pub metrics_address: String,
 }
 
 impl LocalCluster {
@@ -136,18 +138,20 @@ impl LocalCluster {
             .with_context(|| format!("cannot create {}", options.log_dir.display()))?;
         let port = free_port()?;
         let job_port = free_port()?;
+        let metrics_port = free_port()?;
         let token = options
             .token
             .clone()
             .unwrap_or_else(|| format!("local-{}-{}", std::process::id(), unique()));
         let address = format!("127.0.0.1:{port}");
-        let head = spawn(&options.binary, &options.log_dir.join("head.log"), &head_args(&options, port, job_port), &token, &[])?;
+        let head = spawn(&options.binary, &options.log_dir.join("head.log"), &head_args(&options, [port, job_port, metrics_port]), &token, &[])?;
         let mut cluster = Self {
             head,
             workers: Vec::new(),
             address,
             token,
             job_address: format!("http://127.0.0.1:{job_port}"),
+            metrics_address: format!("http://127.0.0.1:{metrics_port}"),
             options,
         };
         for index in 0..cluster.options.workers.len() {
@@ -231,8 +235,8 @@ impl LocalCluster {
         self.head.kill().context("cannot kill the head")?;
         let _ = self.head.wait();
         let port: u16 = self.address.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(6380);
-        let job_port: u16 = self.job_address.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(8265);
-        let args = head_args(&self.options, port, job_port);
+        let port_of = |address: &str| address.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(0);
+        let args = head_args(&self.options, [port, port_of(&self.job_address), port_of(&self.metrics_address)]);
         self.head = spawn(&self.options.binary, &self.options.log_dir.join("head-restarted.log"), &args, &self.token, &[])?;
         Ok(())
     }
@@ -302,7 +306,7 @@ pub async fn wait_for_nodes(client: &Client, names: &[String], timeout: Duration
     }
 }
 
-fn head_args(options: &LocalOptions, port: u16, job_port: u16) -> Vec<String> {
+fn head_args(options: &LocalOptions, [port, job_port, metrics_port]: [u16; 3]) -> Vec<String> {
     let state_dir = options.log_dir.join("head-state");
     let mut args: Vec<String> = [
         "head",
@@ -314,6 +318,8 @@ fn head_args(options: &LocalOptions, port: u16, job_port: u16) -> Vec<String> {
         &options.heartbeat_timeout_ms.to_string(),
         "--job-port",
         &job_port.to_string(),
+        "--metrics-port",
+        &metrics_port.to_string(),
         "--state-dir",
         &state_dir.to_string_lossy(),
     ]

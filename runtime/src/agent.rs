@@ -9,7 +9,7 @@ use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
 use crate::client::Cluster;
 use crate::node;
 use crate::protocol::{ActorId, AgentRequest, Failure, HeadRequest, StartActor};
-use crate::registry::{ActorContext, Host, HostState, Registry};
+use crate::registry::{ActorContext, Host, HostArgs, Registry};
 use crate::wire::{self, LocalSignal, Wire};
 
 /// How long an agent waits for the head to take a report.
@@ -147,7 +147,7 @@ async fn start_actor(agent: ActorRef<Wire>, registry: Registry, cluster: Cluster
     };
     let outcome = match registry.construct(&start.kind, start.args, ctx.clone()).await {
         Err(cause) => Err(cause),
-        Ok(actor) => match Actor::spawn_linked(None, Host, HostState { actor, ctx }, agent.get_cell()).await {
+        Ok(actor) => match Actor::spawn_linked(None, Host, HostArgs { actor, ctx, kind: start.kind.clone() }, agent.get_cell()).await {
             Err(e) => Err(format!("could not start the actor's host: {e}")),
             Ok((host, _)) => {
                 node::join_group(cluster.scope(), &node::actor_group(start.actor), host.get_cell());

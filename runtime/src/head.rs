@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::job_api;
 use crate::job_manager::{JobConfig, JobManager};
+use crate::metrics::{SdTarget, TargetSource};
 use crate::node::{self, LocalNode, SessionEvent};
 use crate::objects::{objects_group, ObjectConfig, ObjectService};
 use crate::protocol::{ActorId, ActorState, AgentRequest, Failure, GroupId, HeadRequest, ObjectCommand};
@@ -40,6 +41,8 @@ pub struct HeadConfig {
     pub objects: ObjectConfig,
     /// The job API and job manager (`None`: no job API).
     pub jobs: Option<JobConfig>,
+    /// Port of the head's `/metrics` and Prometheus service discovery (`None`: off).
+    pub metrics_port: Option<u16>,
 }
 
 impl HeadConfig {
@@ -54,6 +57,7 @@ impl HeadConfig {
             object_grace_ms: 10_000,
             objects: ObjectConfig::new("127.0.0.1"),
             jobs: Some(JobConfig::new()),
+            metrics_port: Some(9180),
         }
     }
 }
@@ -67,6 +71,8 @@ pub struct RunningHead {
     pub address: String,
     /// The job API's address, when it runs.
     pub job_api: Option<SocketAddr>,
+    /// The metrics and service-discovery endpoint's address, when it runs.
+    pub metrics: Option<SocketAddr>,
 }
 
 impl RunningHead {
@@ -80,6 +86,26 @@ impl RunningHead {
 pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     let name = format!("head-{}", node::random_hex(4));
     let local = LocalNode::start(&name, &config.token, config.bind, config.port, &config.advertise_host, true).await?;
+    let targets: Arc<Mutex<Vec<SdTarget>>> = Arc::new(Mutex::new(Vec::new()));
+    let sources: Arc<OnceLock<(Arc<ObjectService>, Option<JobManager>)>> = Arc::new(OnceLock::new());
+    let metrics = match config.metrics_port {
+        Some(port) => {
+            let from = sources.clone();
+            let refresh: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
+                if let Some((objects, jobs)) = from.get() {
+                    crate::metrics::metrics().publish_objects(HEAD_NODE, &objects.stats());
+                    if let Some(jobs) = jobs {
+                        jobs.publish_metrics();
+                    }
+                }
+            });
+            let list = targets.clone();
+            let source: TargetSource = Arc::new(move || list.lock().map(|t| t.clone()).unwrap_or_default());
+            Some(crate::metrics::serve(SocketAddr::new(config.bind, port), Some(refresh), Some(source)).await?)
+        }
+        None => None,
+    };
+    let head_target = metrics.map(|m| format!("{}:{}", config.advertise_host, m.port()));
     let (actor, _) = Actor::spawn(
         None,
         Head,
@@ -87,6 +113,8 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
             scope: local.scope().to_string(),
             heartbeat_timeout_ms: config.heartbeat_timeout_ms,
             object_grace_ms: config.object_grace_ms,
+            targets,
+            head_target,
         },
     )
     .await
@@ -106,17 +134,19 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     forward_client_departures(&local, actor.clone());
     let link = Arc::new(HeadLink::new(local.scope().to_string(), actor.get_cell(), local.address.clone()));
     let objects = ObjectService::start(HEAD_NODE, &config.token, config.objects.clone(), link.clone()).await?;
-    let job_api = match &config.jobs {
+    let (job_api, manager) = match &config.jobs {
         Some(jobs) => {
             let manager = JobManager::open(jobs.clone(), local.address.clone(), config.token.clone(), link)?;
             let bind = SocketAddr::new(config.bind, jobs.http_port);
-            Some(job_api::serve(manager, config.token.clone(), bind).await?)
+            (Some(job_api::serve(manager.clone(), config.token.clone(), bind).await?), Some(manager))
         }
-        None => None,
+        None => (None, None),
     };
+    let _ = sources.set((objects.clone(), manager));
     tracing::info!(address = %local.address, "head is up");
     Ok(RunningHead {
         job_api,
+        metrics,
         address: local.address.clone(),
         actor,
         _node: local,
@@ -153,6 +183,8 @@ struct HeadArgs {
     scope: String,
     heartbeat_timeout_ms: u64,
     object_grace_ms: u64,
+    targets: Arc<Mutex<Vec<SdTarget>>>,
+    head_target: Option<String>,
 }
 
 struct HeadState {
@@ -163,6 +195,9 @@ struct HeadState {
     epoch: Instant,
     actor_waiters: BTreeMap<ActorId, Vec<RpcReplyPort<Vec<u8>>>>,
     group_waiters: BTreeMap<GroupId, Vec<RpcReplyPort<Vec<u8>>>>,
+    targets: Arc<Mutex<Vec<SdTarget>>>,
+    head_target: Option<String>,
+    published_ms: Option<u64>,
 }
 
 impl HeadState {
@@ -185,6 +220,9 @@ impl Actor for Head {
             epoch: Instant::now(),
             actor_waiters: BTreeMap::new(),
             group_waiters: BTreeMap::new(),
+            targets: args.targets,
+            head_target: args.head_target,
+            published_ms: None,
         })
     }
 
@@ -220,6 +258,7 @@ impl Actor for Head {
                     carry_out_release(&state.scope, release);
                 }
                 prune_waiters(state);
+                publish_metrics(state, now);
                 Vec::new()
             }
             Wire::Local(_) => Vec::new(),
@@ -458,5 +497,34 @@ fn carry_out_release(scope: &str, release: Release) {
                 tracing::warn!(error = %e, "could not delete a spilled copy");
             }
         });
+    }
+}
+
+/// Publishes the cluster's figures and the discovery targets, at most once a second.
+fn publish_metrics(state: &mut HeadState, now: u64) {
+    if state.published_ms.is_some_and(|last| now.saturating_sub(last) < 1_000) {
+        return;
+    }
+    state.published_ms = Some(now);
+    let mut status = state.scheduler.status(now);
+    status.objects = state.directory.stats();
+    crate::metrics::metrics().publish_cluster(&status, &state.scheduler.heartbeat_ages(now));
+    let mut targets: Vec<SdTarget> = state
+        .scheduler
+        .metrics_targets()
+        .into_iter()
+        .map(|(node, address)| SdTarget {
+            targets: vec![address],
+            labels: BTreeMap::from([("node".to_string(), node), ("role".to_string(), "worker".to_string())]),
+        })
+        .collect();
+    if let Some(head) = &state.head_target {
+        targets.push(SdTarget {
+            targets: vec![head.clone()],
+            labels: BTreeMap::from([("node".to_string(), HEAD_NODE.to_string()), ("role".to_string(), "head".to_string())]),
+        });
+    }
+    if let Ok(mut shared) = state.targets.lock() {
+        *shared = targets;
     }
 }

@@ -240,6 +240,20 @@ impl JobManager {
         Ok(true)
     }
 
+    /// Publishes the count of jobs in each state.
+    pub(crate) fn publish_metrics(&self) {
+        let mut counts: BTreeMap<JobStatus, i64> = BTreeMap::new();
+        for record in self.records().values() {
+            *counts.entry(record.status).or_insert(0) += 1;
+        }
+        let gauge = &crate::metrics::metrics().jobs;
+        for state in [JobStatus::Pending, JobStatus::Running, JobStatus::Succeeded, JobStatus::Failed, JobStatus::Stopped] {
+            gauge
+                .with_label_values(&[&state.to_string()])
+                .set(counts.get(&state).copied().unwrap_or(0));
+        }
+    }
+
     /// Deletes a finished job's record and logs.
     pub(crate) fn delete(&self, id: &str) -> std::result::Result<(), JobError> {
         let record = self.get(id)?;
@@ -388,6 +402,13 @@ impl JobManager {
             tracing::warn!(job = id, error = %e, "could not clean up the job's actors and objects");
         }
         self.inner.stopping.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+        if let Ok(record) = self.get(id) {
+            let ran_ms = record.end_time.unwrap_or(0).saturating_sub(record.start_time.or(record.end_time).unwrap_or(0));
+            crate::metrics::metrics()
+                .job_seconds
+                .with_label_values(&[&record.status.to_string()])
+                .observe(ran_ms as f64 / 1000.0);
+        }
         self.inner.changes.send_modify(|n| *n += 1);
     }
 }

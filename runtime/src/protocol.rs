@@ -88,6 +88,9 @@ pub struct NodeInfo {
     pub kinds: Vec<String>,
     /// Its process id, for operators.
     pub pid: u32,
+    /// `host:port` of its `/metrics` endpoint, if it serves one.
+    #[serde(default)]
+    pub metrics_address: Option<String>,
 }
 
 /// Why a request failed, as sent back over the wire.

@@ -177,38 +177,86 @@ impl Registry {
     }
 }
 
-/// The ractor actor that runs one user actor and answers its [`Wire`] messages.
+/// The ractor actor that runs one user actor. Its ractor mailbox only forwards into a
+/// queue drained by one task, so the queue's length is a true mailbox depth for metrics
+/// and the user's handler runs one message at a time, as before.
 pub(crate) struct Host;
 
-pub(crate) struct HostState {
+pub(crate) struct HostArgs {
     pub(crate) actor: Box<dyn Hosted>,
     pub(crate) ctx: ActorContext,
+    pub(crate) kind: String,
+}
+
+pub(crate) struct HostState {
+    queue: tokio::sync::mpsc::UnboundedSender<Wire>,
+    kind: String,
 }
 
 impl ractor::Actor for Host {
     type Msg = Wire;
     type State = HostState;
-    type Arguments = HostState;
+    type Arguments = HostArgs;
 
-    async fn pre_start(&self, _myself: ActorRef<Wire>, state: HostState) -> Result<HostState, ActorProcessingErr> {
-        Ok(state)
+    async fn pre_start(&self, myself: ActorRef<Wire>, args: HostArgs) -> Result<HostState, ActorProcessingErr> {
+        let (queue, inbox) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(drain(myself, inbox, args.actor, args.ctx, args.kind.clone()));
+        Ok(HostState { queue, kind: args.kind })
     }
 
     async fn handle(&self, _myself: ActorRef<Wire>, message: Wire, state: &mut HostState) -> Result<(), ActorProcessingErr> {
-        match message {
-            Wire::Call(request, port) => {
-                let result = state.actor.handle(request, &state.ctx).await;
+        if matches!(message, Wire::Local(_)) {
+            return Ok(());
+        }
+        let depth = crate::metrics::metrics().mailbox_depth.with_label_values(&[&state.kind]);
+        if state.queue.send(message).is_ok() {
+            depth.inc();
+        }
+        Ok(())
+    }
+}
+
+/// Runs the user actor over its queue until the host stops (or the handler panics, which
+/// stops the host with the panic as the reason).
+async fn drain(
+    host: ActorRef<Wire>,
+    mut inbox: tokio::sync::mpsc::UnboundedReceiver<Wire>,
+    mut actor: Box<dyn Hosted>,
+    ctx: ActorContext,
+    kind: String,
+) {
+    let metrics = crate::metrics::metrics();
+    let depth = metrics.mailbox_depth.with_label_values(&[&kind]);
+    while let Some(message) = inbox.recv().await {
+        depth.dec();
+        let (request, port) = match message {
+            Wire::Call(request, port) => (request, Some(port)),
+            Wire::Cast(request) => (request, None),
+            Wire::Local(_) => continue,
+        };
+        let started = std::time::Instant::now();
+        let outcome = AssertUnwindSafe(actor.handle(request, &ctx)).catch_unwind().await;
+        metrics.handled(&kind, started.elapsed().as_secs_f64());
+        match (outcome, port) {
+            (Ok(result), Some(port)) => {
                 if !port.is_closed() {
                     let _ = port.send(wire::encode(&result));
                 }
             }
-            Wire::Cast(request) => {
-                if let Err(failure) = state.actor.handle(request, &state.ctx).await {
-                    tracing::warn!(actor = %state.ctx.id, ?failure, "cast failed");
-                }
+            (Ok(Err(failure)), None) => tracing::warn!(actor = %ctx.id, ?failure, "cast failed"),
+            (Ok(Ok(_)), None) => {}
+            (Err(panic), _) => {
+                let reason = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                host.stop(Some(format!("the actor panicked: {reason}")));
+                break;
             }
-            Wire::Local(_) => {}
         }
-        Ok(())
     }
+    inbox.close();
+    let left = inbox.len() as i64;
+    depth.sub(left);
 }

@@ -619,6 +619,24 @@ impl Scheduler {
 
     // ----- views -----
 
+    /// Seconds since each alive node's last heartbeat.
+    pub fn heartbeat_ages(&self, now_ms: u64) -> BTreeMap<String, f64> {
+        self.nodes
+            .values()
+            .filter(|n| n.dead_cause.is_none())
+            .map(|n| (n.info.name.clone(), now_ms.saturating_sub(n.last_heartbeat_ms) as f64 / 1000.0))
+            .collect()
+    }
+
+    /// `(node, metrics address)` of each alive node that serves metrics.
+    pub fn metrics_targets(&self) -> Vec<(String, String)> {
+        self.nodes
+            .values()
+            .filter(|n| n.dead_cause.is_none())
+            .filter_map(|n| n.info.metrics_address.clone().map(|a| (n.info.name.clone(), a)))
+            .collect()
+    }
+
     /// A snapshot for `regatta status`.
     pub fn status(&self, now_ms: u64) -> ClusterStatus {
         let secs = |since: u64| now_ms.saturating_sub(since) as f64 / 1000.0;
@@ -718,6 +736,7 @@ mod tests {
             resources: Resources::parse_capacity(resources).unwrap(),
             kinds: vec!["echo".into()],
             pid: 1,
+            metrics_address: None,
         }
     }
 

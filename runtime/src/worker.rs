@@ -43,6 +43,8 @@ pub struct WorkerConfig {
     /// Object store settings (capacity, spill location, UDP port); its advertised host is
     /// the worker's.
     pub objects: ObjectConfig,
+    /// Port of this worker's `/metrics` (0: any free port; `None`: no endpoint).
+    pub metrics_port: Option<u16>,
 }
 
 impl WorkerConfig {
@@ -58,6 +60,7 @@ impl WorkerConfig {
             resources: Resources::new(),
             heartbeat_interval_ms: 500,
             objects: ObjectConfig::new("127.0.0.1"),
+            metrics_port: Some(0),
         }
     }
 }
@@ -77,7 +80,17 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
     objects.advertise_host = host.clone();
     objects.bind = config.bind;
     let store = ObjectService::start(&name, &config.token, objects, link.clone()).await?;
-    let cluster = Cluster::new(link, Some(store));
+    let cluster = Cluster::new(link, Some(store.clone()));
+    let metrics_address = match config.metrics_port {
+        Some(port) => {
+            let node = name.clone();
+            let refresh: Arc<dyn Fn() + Send + Sync> =
+                Arc::new(move || crate::metrics::metrics().publish_objects(&node, &store.stats()));
+            let bound = crate::metrics::serve(std::net::SocketAddr::new(config.bind, port), Some(refresh), None).await?;
+            Some(format!("{host}:{}", bound.port()))
+        }
+        None => None,
+    };
 
     let mut resources = detect::detect_resources();
     resources.override_with(&config.resources);
@@ -87,6 +100,7 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
         resources,
         kinds: registry.kinds(),
         pid: std::process::id(),
+        metrics_address,
     };
     let (agent, _) = Actor::spawn(
         None,
