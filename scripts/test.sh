@@ -18,6 +18,14 @@ if [ ! -x "$venv/bin/moto_server" ]; then
 fi
 export REGATTA_MOTO_SERVER="$venv/bin/moto_server"
 
+# A real Prometheus for the dashboard test, from Debian's package (installed once).
+if ! command -v prometheus >/dev/null 2>&1; then
+    sudo_cmd=""
+    [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+    $sudo_cmd apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq prometheus >/dev/null
+fi
+
 log="$(mktemp -t regatta-tests.XXXXXX)"
 trap 'rm -f "$log"' EXIT
 

@@ -501,6 +501,9 @@ fn carry_out_release(scope: &str, release: Release) {
 }
 
 /// Publishes the cluster's figures and the discovery targets, at most once a second.
+/// Target labels are `regatta_node` and `regatta_role`: a target label named `node` would
+/// clash with the `node` label of the series themselves (Prometheus renames clashing
+/// scraped labels to `exported_node`).
 fn publish_metrics(state: &mut HeadState, now: u64) {
     if state.published_ms.is_some_and(|last| now.saturating_sub(last) < 1_000) {
         return;
@@ -515,13 +518,13 @@ fn publish_metrics(state: &mut HeadState, now: u64) {
         .into_iter()
         .map(|(node, address)| SdTarget {
             targets: vec![address],
-            labels: BTreeMap::from([("node".to_string(), node), ("role".to_string(), "worker".to_string())]),
+            labels: BTreeMap::from([("regatta_node".to_string(), node), ("regatta_role".to_string(), "worker".to_string())]),
         })
         .collect();
     if let Some(head) = &state.head_target {
         targets.push(SdTarget {
             targets: vec![head.clone()],
-            labels: BTreeMap::from([("node".to_string(), HEAD_NODE.to_string()), ("role".to_string(), "head".to_string())]),
+            labels: BTreeMap::from([("regatta_node".to_string(), HEAD_NODE.to_string()), ("regatta_role".to_string(), "head".to_string())]),
         });
     }
     if let Ok(mut shared) = state.targets.lock() {

@@ -94,3 +94,47 @@ fn rand_suffix() -> u128 {
         .map(|d| d.as_nanos())
         .unwrap_or(0)
 }
+
+/// A plain HTTP/1.1 GET: (status, body).
+pub fn http_get(base: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let host = base.trim_start_matches("http://");
+    let Ok(mut stream) = std::net::TcpStream::connect(host) else { return (0, String::new()) };
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).is_err() {
+        return (0, String::new());
+    }
+    let mut reply = Vec::new();
+    let _ = stream.read_to_end(&mut reply);
+    let text = String::from_utf8_lossy(&reply).to_string();
+    let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, dechunk(&text, body))
+}
+
+fn dechunk(head: &str, body: String) -> String {
+    if !head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        return body;
+    }
+    let mut out = String::new();
+    let mut rest = body.as_str();
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
+        if n == 0 || after.len() < n {
+            break;
+        }
+        out.push_str(&after[..n]);
+        rest = after[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// Percent-encodes a query parameter.
+pub fn urlencode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
