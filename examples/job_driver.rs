@@ -35,9 +35,10 @@ async fn run() -> anyhow::Result<()> {
     let client = Client::connect(&address, &token).await?;
     println!("driver of job {:?} connected to {address}", client.job());
 
+    // Restartable, so a worker lost while the job runs costs nothing but a restart.
     let counters = [
-        client.spawn::<Counter>(10, ActorOptions::new()).await?,
-        client.spawn::<Counter>(20, ActorOptions::new()).await?,
+        client.spawn::<Counter>(10, ActorOptions::new().max_restarts(3)).await?,
+        client.spawn::<Counter>(20, ActorOptions::new().max_restarts(3)).await?,
     ];
     for counter in &counters {
         let total = counter.call(CounterOp::Add(1)).await?;

@@ -36,6 +36,12 @@ enum Command {
     /// Submit, follow, stop and list jobs through the head's job API.
     #[command(subcommand)]
     Job(crate::job_cli::JobCommand),
+    /// Exit 0 if an HTTP GET of the URL answers 200 within 5 s (for container health
+    /// checks, e.g. `regatta probe http://127.0.0.1:9181/metrics`).
+    Probe {
+        /// `http://host:port/path`.
+        url: String,
+    },
 }
 
 #[derive(Args, Debug, Clone)]
@@ -203,6 +209,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
             Command::Demo(args) => crate::demo::run(args).await,
             Command::Bench(args) => crate::bench::run(args).await,
             Command::Job(command) => crate::job_cli::run(command).await,
+            Command::Probe { url } => probe(&url).await,
         }
     });
     match outcome {
@@ -307,6 +314,28 @@ async fn worker(args: WorkerArgs, registry: Registry) -> anyhow::Result<ExitCode
             Ok(ExitCode::from(2))
         }
         Err(e) => Err(e.into()),
+    }
+}
+
+async fn probe(url: &str) -> anyhow::Result<ExitCode> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| anyhow::anyhow!("'{url}' is not an http:// URL"))?;
+    let (host, path) = rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
+    let attempt = async {
+        let mut stream = tokio::net::TcpStream::connect(host).await?;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await?;
+        let mut head = [0u8; 12];
+        stream.read_exact(&mut head).await?;
+        std::io::Result::Ok(head.starts_with(b"HTTP/1.1 200") || head.starts_with(b"HTTP/1.0 200"))
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(5), attempt).await {
+        Ok(Ok(true)) => Ok(ExitCode::SUCCESS),
+        Ok(Ok(false)) => anyhow::bail!("{url} did not answer 200"),
+        Ok(Err(e)) => anyhow::bail!("{url}: {e}"),
+        Err(_) => anyhow::bail!("{url} did not answer within 5 s"),
     }
 }
 

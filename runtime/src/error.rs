@@ -92,13 +92,12 @@ pub enum Error {
         reason: String,
     },
     /// A local I/O failure.
-    #[error("{context}: {source}")]
+    #[error("{context}: {cause}")]
     Io {
         /// What was being done.
         context: String,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
+        /// The OS error (in the message, not chained, so it is printed once).
+        cause: std::io::Error,
     },
     /// Every copy of the object was on a node that died.
     #[error("object {id} is lost: its only copy was on node {node}, which died, and it was never spilled")]
@@ -133,10 +132,10 @@ impl From<regatta_object_store::Error> for Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
-    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+    pub(crate) fn io(context: impl Into<String>, cause: std::io::Error) -> Self {
         Self::Io {
             context: context.into(),
-            source,
+            cause,
         }
     }
 }
