@@ -10,19 +10,22 @@ use anyhow::{bail, Context};
 use bytes::Bytes;
 use clap::Args;
 
-use crate::kinds::{Store, StoreOp, StoreReply};
+use crate::kinds::{Caller, Fanout, Noop, Store, StoreOp, StoreReply};
 use crate::local::{LocalCluster, LocalOptions, WorkerSpec};
-use regatta_runtime::{ActorHandle, ActorOptions, Client, Resources};
+use regatta_runtime::{ActorHandle, ActorOptions, ActorPool, Client, Resources, Strategy};
 
 /// Options of `regatta bench`.
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Which cases: `objects` (more to come), or `all`.
+    /// Which cases: `actors`, `objects`, `cluster`, or `all`.
     #[arg(default_value = "all")]
     pub suite: String,
     /// Trials per case (mean and standard deviation are printed).
     #[arg(long, default_value_t = 3)]
     pub trials: usize,
+    /// Small counts (a smoke run for tests, not for figures).
+    #[arg(long)]
+    pub quick: bool,
 }
 
 /// Mean and standard deviation of trial figures.
@@ -40,21 +43,191 @@ fn report(case: &str, unit: &str, values: &[f64]) {
     println!("{case} {unit} {mean:.2} +- {spread:.2}");
 }
 
-/// Runs the benchmark suite on a local cluster started from this binary.
-pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
-    if !matches!(args.suite.as_str(), "all" | "objects") {
-        bail!("unknown benchmark suite '{}'; use objects or all", args.suite);
-    }
-    let workers = vec![WorkerSpec::new("w1", "CPU=2,pin:w1=1"), WorkerSpec::new("w2", "CPU=2,pin:w2=1")];
-    let mut options = LocalOptions::new(workers)?;
+fn workers() -> Vec<WorkerSpec> {
+    vec![WorkerSpec::new("w1", "CPU=2,pin:w1=1"), WorkerSpec::new("w2", "CPU=2,pin:w2=1")]
+}
+
+fn start_cluster() -> anyhow::Result<LocalCluster> {
+    let mut options = LocalOptions::new(workers())?;
     options.binary = std::env::current_exe().context("cannot find this executable")?;
-    let mut cluster = LocalCluster::start(options)?;
-    let outcome = tokio::select! {
-        outcome = objects(&cluster, args.trials.max(1)) => outcome,
-        () = crate::cli::shutdown_signal() => Ok(()),
+    LocalCluster::start(options)
+}
+
+/// Runs the benchmark suite on local clusters started from this binary.
+pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    let suites: Vec<&str> = match args.suite.as_str() {
+        "all" => vec!["cluster", "actors", "objects"],
+        one @ ("actors" | "objects" | "cluster") => vec![one],
+        other => bail!("unknown benchmark suite '{other}'; use actors, objects, cluster or all"),
+    };
+    let trials = args.trials.max(1);
+    for suite in suites {
+        let outcome = tokio::select! {
+            outcome = run_suite(suite, trials, args.quick) => outcome,
+            () = crate::cli::shutdown_signal() => return Ok(ExitCode::from(130)),
+        };
+        outcome?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn run_suite(suite: &str, trials: usize, quick: bool) -> anyhow::Result<()> {
+    if suite == "cluster" {
+        return cluster_start(trials).await;
+    }
+    let mut cluster = start_cluster()?;
+    let outcome = match suite {
+        "actors" => actors(&cluster, trials, quick).await,
+        _ => objects(&cluster, trials, quick).await,
     };
     cluster.shutdown();
-    outcome.map(|()| ExitCode::SUCCESS)
+    outcome
+}
+
+/// Time for a head and 2 workers to be ready, and their idle resident memory.
+async fn cluster_start(trials: usize) -> anyhow::Result<()> {
+    println!("# cluster");
+    let mut ready = Vec::new();
+    let mut memory = Vec::new();
+    for _ in 0..trials {
+        let started = Instant::now();
+        let mut cluster = start_cluster()?;
+        let client = cluster.connect(Duration::from_secs(30)).await?;
+        ready.push(started.elapsed().as_secs_f64());
+        drop(client);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let pids = cluster.pids();
+        memory.push(pids.iter().map(|pid| rss_bytes(*pid)).sum::<u64>() as f64 / 1e6);
+        cluster.shutdown();
+    }
+    report("head and 2 workers ready", "seconds", &ready);
+    report("idle head and 2 workers resident", "megabytes", &memory);
+    Ok(())
+}
+
+/// Resident memory of a process (Linux), 0 when unknown.
+pub fn rss_bytes(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).map(str::to_string))
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+/// Runs `round` `trials` times; each returns the operations it did; prints ops per second.
+async fn rate<F, Fut>(case: &str, trials: usize, mut round: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<usize>>,
+{
+    let mut rates = Vec::with_capacity(trials);
+    for _ in 0..trials {
+        let started = Instant::now();
+        let ops = round().await?;
+        rates.push(ops as f64 / started.elapsed().as_secs_f64());
+    }
+    report(case, "per second", &rates);
+    Ok(())
+}
+
+async fn noops(client: &Client, count: usize) -> anyhow::Result<Vec<ActorHandle<Noop>>> {
+    let mut actors = Vec::with_capacity(count);
+    for _ in 0..count {
+        actors.push(client.spawn::<Noop>((), ActorOptions::new()).await?);
+    }
+    for actor in &actors {
+        actor.wait_ready(Duration::from_secs(30)).await?;
+    }
+    Ok(actors)
+}
+
+async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -> anyhow::Result<()> {
+    let client = cluster.connect(Duration::from_secs(30)).await?;
+    let scale = if quick { 20 } else { 1 };
+    println!("# actors");
+    let one = noops(&client, 1).await?.remove(0);
+    let sync_calls = 5_000 / scale;
+    rate("1:1 actor calls sync", trials, || async {
+        for _ in 0..sync_calls {
+            one.call(Vec::new()).await?;
+        }
+        Ok(sync_calls)
+    })
+    .await?;
+    let batch = 10_000 / scale;
+    rate("1:1 actor calls async", trials, || async {
+        futures::future::try_join_all((0..batch).map(|_| one.call(Vec::new()))).await?;
+        Ok(batch)
+    })
+    .await?;
+    rate("1:1 actor calls concurrent", trials, || async {
+        let per_task = batch / 4;
+        let tasks = (0..4).map(|_| {
+            let one = one.clone();
+            async move {
+                for _ in 0..per_task {
+                    one.call(Vec::new()).await?;
+                }
+                anyhow::Ok(per_task)
+            }
+        });
+        Ok(futures::future::try_join_all(tasks).await?.iter().sum())
+    })
+    .await?;
+    let servers = noops(&client, 4).await?;
+    rate("1:n actor calls async", trials, || async {
+        let calls = servers.iter().flat_map(|s| (0..batch / 4).map(move |_| s.call(Vec::new())));
+        Ok(futures::future::try_join_all(calls).await?.len())
+    })
+    .await?;
+    let mut callers = Vec::new();
+    for _ in 0..4 {
+        callers.push(client.spawn::<Caller>((), ActorOptions::new()).await?);
+    }
+    let targets: Vec<_> = servers.iter().map(|s| s.id()).collect();
+    for (case, arg_bytes) in [("n:n actor calls async", 0usize), ("n:n actor calls with arg async", 1024)] {
+        let per_target = (batch / 16) as u32;
+        rate(case, trials, || async {
+            let fanout = Fanout { targets: targets.clone(), calls_per_target: per_target, arg_bytes };
+            let done = futures::future::try_join_all(callers.iter().map(|c| c.call_timeout(fanout.clone(), Duration::from_secs(120)))).await?;
+            Ok(done.iter().sum::<u64>() as usize)
+        })
+        .await?;
+    }
+    let creations = 1_000 / scale;
+    rate("actor creation (create and call each)", trials, || async {
+        let spawned = futures::future::try_join_all((0..creations).map(|_| client.spawn::<Noop>((), ActorOptions::new()))).await?;
+        futures::future::try_join_all(spawned.iter().map(|a| a.call(Vec::new()))).await?;
+        futures::future::try_join_all(spawned.iter().map(|a| a.kill())).await?;
+        Ok(creations)
+    })
+    .await?;
+    let groups = 1_000 / scale;
+    rate("placement group create/removal", trials, || async {
+        for _ in 0..groups {
+            let group = client
+                .create_placement_group(vec![Resources::parse_request("CPU=0.01")?; 2], Strategy::Pack)
+                .await?;
+            group.ready(Duration::from_secs(10)).await?;
+            group.remove().await?;
+        }
+        Ok(groups)
+    })
+    .await?;
+    let items = 20_000 / scale;
+    let workers = noops(&client, 4).await?;
+    rate("ActorPool map", trials, || {
+        let workers = workers.clone();
+        async move {
+            let mut pool = ActorPool::new(workers);
+            let results = pool.map((0..items).map(|_| Vec::new())).await;
+            anyhow::ensure!(results.iter().all(Result::is_ok), "a pool item failed");
+            Ok(items)
+        }
+    })
+    .await?;
+    Ok(())
 }
 
 async fn store_on(client: &Client, node: &str) -> anyhow::Result<ActorHandle<Store>> {
@@ -65,13 +238,14 @@ async fn store_on(client: &Client, node: &str) -> anyhow::Result<ActorHandle<Sto
     Ok(actor)
 }
 
-async fn objects(cluster: &LocalCluster, trials: usize) -> anyhow::Result<()> {
+async fn objects(cluster: &LocalCluster, trials: usize, quick: bool) -> anyhow::Result<()> {
     let client = cluster.connect(Duration::from_secs(30)).await?;
+    let scale = if quick { 20 } else { 1 };
     println!("# physical limits measured in this run");
-    report("memcpy gigabytes", "per second", &(0..trials).map(|_| memcpy_gbps(1 << 30)).collect::<Vec<_>>());
+    report("memcpy gigabytes", "per second", &(0..trials).map(|_| memcpy_gbps((1 << 30) / scale)).collect::<Vec<_>>());
     let mut tcp = Vec::new();
     for _ in 0..trials {
-        tcp.push(loopback_tcp_gbps(2 << 30)?);
+        tcp.push(loopback_tcp_gbps((2 << 30) / scale)?);
     }
     report("loopback tcp gigabytes", "per second", &tcp);
 
@@ -80,7 +254,7 @@ async fn objects(cluster: &LocalCluster, trials: usize) -> anyhow::Result<()> {
     let mut puts = Vec::new();
     let mut gets = Vec::new();
     for _ in 0..trials {
-        let count = 2_000;
+        let count = 2_000 / scale;
         let started = Instant::now();
         let mut refs = Vec::with_capacity(count);
         for _ in 0..count {
@@ -101,16 +275,17 @@ async fn objects(cluster: &LocalCluster, trials: usize) -> anyhow::Result<()> {
 
     let mut put_gb = Vec::new();
     for _ in 0..trials {
-        let payload = vec![1u8; 1 << 30];
+        let payload = vec![1u8; (1 << 30) / scale];
         let started = Instant::now();
         let reference = client.put_bytes(payload).await?;
-        put_gb.push(1.0 / started.elapsed().as_secs_f64() * (1u64 << 30) as f64 / 1e9);
+        put_gb.push(((1u64 << 30) / scale as u64) as f64 / started.elapsed().as_secs_f64() / 1e9);
         client.free(&reference).await?;
     }
     report("single client put gigabytes", "per second", &put_gb);
 
     let (a, b) = (store_on(&client, "w1").await?, store_on(&client, "w2").await?);
-    for (label, size) in [("100 MB", 100_000_000u64), ("1 GB", 1_000_000_000u64)] {
+    let sizes: &[(&str, u64)] = if quick { &[("100 MB", 100_000_000)] } else { &[("100 MB", 100_000_000), ("1 GB", 1_000_000_000)] };
+    for &(label, size) in sizes {
         let mut rates = Vec::new();
         for seed in 0..trials as u64 {
             let reference = match a.call_timeout(StoreOp::Put { size, seed, keep: false }, Duration::from_secs(300)).await? {

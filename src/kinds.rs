@@ -8,7 +8,12 @@ use regatta_runtime::{Actor, ActorContext, ActorError, ActorId, ObjectRef, Objec
 
 /// The registry of the stock worker binary.
 pub fn builtin() -> Registry {
-    Registry::new().register::<Echo>().register::<Counter>().register::<Store>()
+    Registry::new()
+        .register::<Echo>()
+        .register::<Counter>()
+        .register::<Store>()
+        .register::<Noop>()
+        .register::<Caller>()
 }
 
 /// Deterministic test bytes: `size` bytes from `seed`, fast to make for multi-GB objects.
@@ -275,5 +280,59 @@ impl Actor for Counter {
                 Ok(CounterReply::Total(self.total))
             }
         }
+    }
+}
+
+/// Does nothing with its argument: the benchmarks' trivial actor.
+pub struct Noop;
+
+impl Actor for Noop {
+    const KIND: &'static str = "noop";
+    type Args = ();
+    type Request = Vec<u8>;
+    type Reply = u32;
+
+    async fn create(_: (), _ctx: &ActorContext) -> Result<Self, ActorError> {
+        Ok(Noop)
+    }
+
+    async fn handle(&mut self, arg: Vec<u8>, _ctx: &ActorContext) -> Result<u32, ActorError> {
+        Ok(arg.len() as u32)
+    }
+}
+
+/// Calls other actors from inside the cluster: the n:n benchmarks' client side.
+pub struct Caller;
+
+/// A burst of calls for a [`Caller`] to make.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Fanout {
+    /// The [`Noop`] actors to call.
+    pub targets: Vec<ActorId>,
+    /// Calls to each target, all in flight together.
+    pub calls_per_target: u32,
+    /// Bytes of argument per call.
+    pub arg_bytes: usize,
+}
+
+impl Actor for Caller {
+    const KIND: &'static str = "caller";
+    type Args = ();
+    type Request = Fanout;
+    type Reply = u64;
+
+    async fn create(_: (), _ctx: &ActorContext) -> Result<Self, ActorError> {
+        Ok(Caller)
+    }
+
+    async fn handle(&mut self, fanout: Fanout, ctx: &ActorContext) -> Result<u64, ActorError> {
+        let arg = vec![1u8; fanout.arg_bytes];
+        let handles: Vec<_> = fanout.targets.iter().map(|id| ctx.cluster().handle::<Noop>(*id)).collect();
+        let calls = handles
+            .iter()
+            .flat_map(|h| (0..fanout.calls_per_target).map(move |_| h))
+            .map(|h| h.call(arg.clone()));
+        let done = futures::future::try_join_all(calls).await?;
+        Ok(done.len() as u64)
     }
 }

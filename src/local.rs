@@ -189,6 +189,13 @@ impl LocalCluster {
         )
     }
 
+    /// Process ids of the head and every running worker.
+    pub fn pids(&self) -> Vec<u32> {
+        let mut pids = vec![self.head.id()];
+        pids.extend(self.workers.iter().flatten().map(Child::id));
+        pids
+    }
+
     /// The process id of worker `index`, if it runs.
     pub fn worker_pid(&self, index: usize) -> Option<u32> {
         self.workers.get(index).and_then(|c| c.as_ref()).map(Child::id)

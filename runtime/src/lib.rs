@@ -42,6 +42,7 @@ mod metrics;
 mod node;
 mod objects;
 mod placement;
+mod pool;
 mod protocol;
 mod registry;
 mod resources;
@@ -61,6 +62,7 @@ pub use metrics::{metrics, Metrics, SdTarget};
 pub use objects::{ObjectConfig, ObjectRef, ObjectStats};
 pub use regatta_object_store::{DirectoryStats, ObjectId, FAULT_CORRUPT_ENV};
 pub use placement::{Allocation, Decision, Ledger, Strategy};
+pub use pool::{ActorPool, PoolBook, Seq};
 pub use protocol::{
     ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, GroupId, GroupStatus, NodeStatus, PendingLine,
     RESTART_FOREVER,

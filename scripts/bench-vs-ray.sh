@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs Ray's `ray microbenchmark` (plus ray_bench.py for the cases it lacks: actor
+# creation, ActorPool map, cluster start time, idle memory) and `regatta bench` on this
+# machine, one after the other, and prints one table: case, Ray, Regatta, ratio.
+# Ray goes into its own cached virtualenv (~/.cache/regatta/ray-venv). Takes ~15 minutes
+# on a 2-core machine; run it on an otherwise idle machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ray_version="${RAY_VERSION:-2.60.0}"
+venv="${REGATTA_RAY_VENV:-$HOME/.cache/regatta/ray-venv}"
+if [ ! -x "$venv/bin/ray" ] || ! "$venv/bin/python" -c "import ray, sys; sys.exit(ray.__version__ != '$ray_version')"; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet "ray[default]==$ray_version"
+fi
+export PATH="$venv/bin:$PATH"
+trials="${TRIALS:-3}"
+out="${BENCH_OUT:-target/bench}"
+mkdir -p "$out"
+
+cargo build --release --bin regatta
+echo "== Ray $ray_version: ray microbenchmark"
+ray stop --force >/dev/null 2>&1 || true
+RAY_DISABLE_USAGE_STATS=1 timeout 3600 ray microbenchmark 2>&1 | tee "$out/ray.txt"
+echo "== Ray: cluster start, idle memory, actor creation, ActorPool map"
+RAY_DISABLE_USAGE_STATS=1 python "scripts/ray_bench.py" "$trials" 2>&1 | tee -a "$out/ray.txt"
+ray stop --force >/dev/null 2>&1 || true
+echo "== Regatta: regatta bench"
+./target/release/regatta bench all --trials "$trials" 2>/dev/null | tee "$out/regatta.txt"
+echo
+echo "Machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(lscpu | sed -n 's/^Model name: *//p'); $(date -u +%Y-%m-%d)"
+python3 scripts/bench_table.py "$out/ray.txt" "$out/regatta.txt" | tee "$out/table.md"

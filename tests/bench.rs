@@ -1,0 +1,41 @@
+//! `regatta bench` runs every case and prints lines in `ray microbenchmark`'s format (a
+//! smoke run with small counts; the figures themselves live in BENCHMARKS.md).
+
+use std::process::Command;
+
+#[test]
+fn bench_prints_every_case_in_rays_line_format() {
+    let out = Command::new(env!("CARGO_BIN_EXE_regatta"))
+        .args(["bench", "all", "--quick", "--trials", "1"])
+        .output()
+        .expect("run regatta bench");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let cases = [
+        "1:1 actor calls sync per second",
+        "1:1 actor calls async per second",
+        "1:1 actor calls concurrent per second",
+        "1:n actor calls async per second",
+        "n:n actor calls async per second",
+        "n:n actor calls with arg async per second",
+        "actor creation (create and call each) per second",
+        "placement group create/removal per second",
+        "ActorPool map per second",
+        "single client put calls (Plasma Store) per second",
+        "single client get calls (Plasma Store) per second",
+        "single client put gigabytes per second",
+        "cross-node get 100 MB gigabytes per second",
+        "head and 2 workers ready seconds",
+        "idle head and 2 workers resident megabytes",
+    ];
+    for case in cases {
+        let line = text.lines().find(|l| l.starts_with(case)).unwrap_or_else(|| panic!("no line for '{case}' in:\n{text}"));
+        let value: f64 = line[case.len()..]
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no figure in '{line}'"));
+        assert!(value > 0.0, "{line}");
+        assert!(line.contains(" +- "), "{line}");
+    }
+}
