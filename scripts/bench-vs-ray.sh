@@ -9,9 +9,9 @@ cd "$(dirname "$0")/.."
 
 ray_version="${RAY_VERSION:-2.60.0}"
 venv="${REGATTA_RAY_VENV:-$HOME/.cache/regatta/ray-venv}"
-if [ ! -x "$venv/bin/ray" ] || ! "$venv/bin/python" -c "import ray, sys; sys.exit(ray.__version__ != '$ray_version')"; then
+if [ ! -x "$venv/bin/ray" ] || ! "$venv/bin/python" -c "import numpy, psutil, ray, sys; sys.exit(ray.__version__ != '$ray_version')"; then
     python3 -m venv "$venv"
-    "$venv/bin/pip" install --quiet "ray[default]==$ray_version"
+    "$venv/bin/pip" install --quiet "ray[default]==$ray_version" numpy psutil
 fi
 export PATH="$venv/bin:$PATH"
 trials="${TRIALS:-3}"

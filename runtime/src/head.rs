@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
-use regatta_object_store::{Directory, Missing, Release};
+use regatta_object_store::{Directory, Missing, ObjectId, Release};
 
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
@@ -198,7 +198,13 @@ struct HeadState {
     targets: Arc<Mutex<Vec<SdTarget>>>,
     head_target: Option<String>,
     published_ms: Option<u64>,
+    /// Object requests for ids not registered yet, retried when the id arrives.
+    object_waiters: BTreeMap<ObjectId, Vec<(HeadRequest, RpcReplyPort<Vec<u8>>, u64)>>,
 }
+
+/// How long the head holds a lookup of an object id it has not heard of: registration of
+/// a put is asynchronous, so a reference can overtake it.
+const UNKNOWN_OBJECT_WAIT_MS: u64 = 2_000;
 
 impl HeadState {
     fn now_ms(&self) -> u64 {
@@ -223,6 +229,7 @@ impl Actor for Head {
             targets: args.targets,
             head_target: args.head_target,
             published_ms: None,
+            object_waiters: BTreeMap::new(),
         })
     }
 
@@ -258,6 +265,7 @@ impl Actor for Head {
                     carry_out_release(&state.scope, release);
                 }
                 prune_waiters(state);
+                expire_object_waiters(state, now);
                 publish_metrics(state, now);
                 Vec::new()
             }
@@ -346,12 +354,21 @@ fn handle_request(state: &mut HeadState, request: HeadRequest, port: Option<RpcR
                 .directory
                 .put(id, size, checksum, &node, &node, &address, job)
                 .map_err(Failure::Rejected);
+            if let Err(failure) = &result {
+                tracing::warn!(?failure, "refused an object registration");
+            }
             send(port, wire::encode(&result));
-            Vec::new()
+            let mut effects = Vec::new();
+            for (request, port, _) in state.object_waiters.remove(&id).unwrap_or_default() {
+                effects.extend(handle_request(state, request, Some(port)));
+            }
+            effects
         }
         HeadRequest::ObjectLocate(id) => {
-            let result = state.directory.locate(id).map_err(|missing| object_missing(id, missing));
-            send(port, wire::encode(&result));
+            match (state.directory.locate(id), port) {
+                (Err(Missing::Unknown), Some(port)) => park_object_request(state, id, HeadRequest::ObjectLocate(id), port, now),
+                (result, port) => send(port, wire::encode(&result.map_err(|missing| object_missing(id, missing)))),
+            }
             Vec::new()
         }
         HeadRequest::ObjectAddSource { id, node, address } => {
@@ -366,8 +383,12 @@ fn handle_request(state: &mut HeadState, request: HeadRequest, port: Option<RpcR
             Vec::new()
         }
         HeadRequest::ObjectAddRef { id, holder } => {
-            let result = state.directory.add_ref(id, &holder).map_err(|missing| object_missing(id, missing));
-            send(port, wire::encode(&result));
+            match (state.directory.add_ref(id, &holder), port) {
+                (Err(Missing::Unknown), Some(port)) => {
+                    park_object_request(state, id, HeadRequest::ObjectAddRef { id, holder }, port, now)
+                }
+                (result, port) => send(port, wire::encode(&result.map_err(|missing| object_missing(id, missing)))),
+            }
             Vec::new()
         }
         HeadRequest::ObjectDropRef { id, holder } => {
@@ -529,5 +550,29 @@ fn publish_metrics(state: &mut HeadState, now: u64) {
     }
     if let Ok(mut shared) = state.targets.lock() {
         *shared = targets;
+    }
+}
+
+/// Holds an object request until the id is registered or the wait runs out.
+fn park_object_request(state: &mut HeadState, id: ObjectId, request: HeadRequest, port: RpcReplyPort<Vec<u8>>, now: u64) {
+    state
+        .object_waiters
+        .entry(id)
+        .or_default()
+        .push((request, port, now + UNKNOWN_OBJECT_WAIT_MS));
+}
+
+/// Answers "unknown" to object requests whose id never arrived.
+fn expire_object_waiters(state: &mut HeadState, now: u64) {
+    let ids: Vec<ObjectId> = state.object_waiters.keys().copied().collect();
+    for id in ids {
+        let Some(waiters) = state.object_waiters.remove(&id) else { continue };
+        let (due, keep): (Vec<_>, Vec<_>) = waiters.into_iter().partition(|(_, port, deadline)| *deadline <= now || port.is_closed());
+        for (_, port, _) in due {
+            wire::reply::<()>(port, Err(object_missing(id, Missing::Unknown)));
+        }
+        if !keep.is_empty() {
+            state.object_waiters.insert(id, keep);
+        }
     }
 }

@@ -77,7 +77,16 @@ impl HeadLink {
         reply.map_err(|f| failure_to_error(f, None))
     }
 
-    /// Sends a request without waiting for an answer.
+    /// Sends a request without waiting for an answer; an error when it cannot be sent.
+    pub(crate) fn send(&self, request: &HeadRequest) -> Result<()> {
+        let head = self.head()?;
+        wire::cast_raw(&head, wire::encode(request)).map_err(|cause| Error::Connect {
+            address: self.address.clone(),
+            reason: format!("head request {} could not be sent: {cause}", request.name()),
+        })
+    }
+
+    /// Sends a request without waiting for an answer, logging a failure.
     pub(crate) fn tell(&self, request: &HeadRequest) {
         match self.head() {
             Ok(head) => {

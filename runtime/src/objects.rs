@@ -208,7 +208,10 @@ impl ObjectService {
             address: self.address.clone(),
             job,
         };
-        if let Err(e) = self.link.ask::<()>(&put, Duration::from_secs(30)).await {
+        // Registration is sent, not awaited: the head parks lookups of an id it has not
+        // heard of yet for a short while, so a reference that overtakes its registration
+        // still resolves. A head that cannot be reached fails the put.
+        if let Err(e) = self.link.send(&put) {
             self.memory().remove(id);
             self.uncount_ref(id);
             return Err(e);
@@ -525,14 +528,15 @@ impl Cluster {
             let mut ready = Vec::new();
             let mut waiting = Vec::new();
             for reference in references {
+                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
                 let found = self
-                    .ask_head::<Location>(&HeadRequest::ObjectLocate(reference.id), Duration::from_secs(5))
+                    .ask_head::<Location>(&HeadRequest::ObjectLocate(reference.id), left)
                     .await;
                 match found {
                     Ok(location) if !location.sources.is_empty() || location.spilled.is_some() => {
                         ready.push(reference.clone())
                     }
-                    Ok(_) | Err(Error::ObjectUnknown { .. }) => waiting.push(reference.clone()),
+                    Ok(_) | Err(Error::ObjectUnknown { .. } | Error::Timeout { .. }) => waiting.push(reference.clone()),
                     Err(e) => return Err(e),
                 }
             }
