@@ -14,6 +14,7 @@ if [ ! -x "$venv/bin/ray" ] || ! "$venv/bin/python" -c "import numpy, psutil, ra
     "$venv/bin/pip" install --quiet "ray[default]==$ray_version" numpy psutil
 fi
 export PATH="$venv/bin:$PATH"
+export RAY_AUTH_MODE=disabled RAY_DISABLE_USAGE_STATS=1
 trials="${TRIALS:-3}"
 out="${BENCH_OUT:-target/bench}"
 mkdir -p "$out"
