@@ -199,8 +199,11 @@ struct HeadState {
     head_target: Option<String>,
     published_ms: Option<u64>,
     /// Object requests for ids not registered yet, retried when the id arrives.
-    object_waiters: BTreeMap<ObjectId, Vec<(HeadRequest, RpcReplyPort<Vec<u8>>, u64)>>,
+    object_waiters: BTreeMap<ObjectId, Vec<ParkedRequest>>,
 }
+
+/// An object request waiting for its id to be registered: request, reply port, deadline.
+type ParkedRequest = (HeadRequest, RpcReplyPort<Vec<u8>>, u64);
 
 /// How long the head holds a lookup of an object id it has not heard of: registration of
 /// a put is asynchronous, so a reference can overtake it.

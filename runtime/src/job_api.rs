@@ -26,7 +26,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::job::JobSubmission;
 use crate::job_manager::{JobError, JobManager};
 
@@ -68,15 +68,7 @@ pub(crate) async fn serve(manager: JobManager, token: String, bind: SocketAddr) 
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(api.clone(), authenticate))
         .with_state(api);
-    let listener = tokio::net::TcpListener::bind(bind)
-        .await
-        .map_err(|e| Error::io(format!("cannot listen for the job API on {bind}"), e))?;
-    let address = listener.local_addr().map_err(|e| Error::io("job API address", e))?;
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(error = %e, "the job API stopped");
-        }
-    });
+    let address = crate::http::serve(app, bind, "job API").await?;
     tracing::info!(%address, "job API listening");
     Ok(address)
 }

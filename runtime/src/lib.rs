@@ -32,6 +32,7 @@ mod detect;
 mod error;
 mod head;
 mod headlink;
+mod http;
 mod job;
 mod job_api;
 mod job_client;

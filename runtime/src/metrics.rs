@@ -19,7 +19,7 @@ use prometheus::{
 };
 use serde::Serialize;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::objects::ObjectStats;
 use crate::protocol::ClusterStatus;
 use crate::resources::UNIT;
@@ -235,16 +235,7 @@ pub(crate) async fn serve(
         .route("/metrics", get(scrape))
         .route("/api/prometheus/sd", get(discovery))
         .with_state(state);
-    let listener = tokio::net::TcpListener::bind(bind)
-        .await
-        .map_err(|e| Error::io(format!("cannot listen for metrics on {bind}"), e))?;
-    let address = listener.local_addr().map_err(|e| Error::io("metrics address", e))?;
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(error = %e, "the metrics endpoint stopped");
-        }
-    });
-    Ok(address)
+    crate::http::serve(app, bind, "metrics endpoint").await
 }
 
 async fn scrape(State(state): State<MetricsState>) -> Response {

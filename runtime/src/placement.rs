@@ -179,7 +179,7 @@ impl Ledger {
                 .min_by_key(|slot| (slot.free, slot.index))
                 .map(|slot| vec![(slot.index, amount)]);
         }
-        if amount % UNIT != 0 {
+        if !amount.is_multiple_of(UNIT) {
             return None;
         }
         let wanted = (amount / UNIT) as usize;
@@ -215,7 +215,7 @@ impl Ledger {
 /// Checks the shape of a request before placement: GPU amounts above one must be whole.
 pub fn validate_request(request: &Resources) -> Result<(), String> {
     let gpu = request.fixed(GPU);
-    if gpu > UNIT && gpu % UNIT != 0 {
+    if gpu > UNIT && !gpu.is_multiple_of(UNIT) {
         return Err(format!(
             "GPU={} is not allowed: ask for a fraction of one GPU (below 1) or a whole number",
             format_fixed(gpu)

@@ -159,7 +159,7 @@ async fn keep_membership(
     loop {
         ticker.tick().await;
         if node::first_member(cluster.scope(), node::HEAD_GROUP).is_none() {
-            match local.join(&cluster.head_address().to_string()).await {
+            match local.join(cluster.head_address()).await {
                 Ok(_) => tracing::info!("reconnected to the head"),
                 Err(refused @ Error::TokenRefused { .. }) => return Err(refused),
                 Err(_) => continue,
