@@ -69,10 +69,15 @@ struct Meta {
     unreferenced_since_ms: Option<u64>,
 }
 
+/// Lost objects remembered (so a `get` can say which node took them); older ones are
+/// forgotten and then read as unknown.
+pub const MAX_LOST_OBJECTS: usize = 100_000;
+
 /// Every object in the cluster.
 pub struct Directory {
     objects: HashMap<ObjectId, Meta>,
     lost: HashMap<ObjectId, String>,
+    lost_order: std::collections::VecDeque<ObjectId>,
     grace_ms: u64,
 }
 
@@ -83,6 +88,7 @@ impl Directory {
         Self {
             objects: HashMap::new(),
             lost: HashMap::new(),
+            lost_order: std::collections::VecDeque::new(),
             grace_ms,
         }
     }
@@ -233,6 +239,12 @@ impl Directory {
         for id in &lost {
             self.objects.remove(id);
             self.lost.insert(*id, node.to_string());
+            self.lost_order.push_back(*id);
+        }
+        while self.lost_order.len() > MAX_LOST_OBJECTS {
+            if let Some(oldest) = self.lost_order.pop_front() {
+                self.lost.remove(&oldest);
+            }
         }
         lost
     }

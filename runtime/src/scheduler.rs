@@ -64,9 +64,14 @@ struct GroupRecord {
     waiting_since_ms: u64,
 }
 
+/// Dead actors remembered (for status and for telling callers why); older ones are
+/// forgotten so a long-running head does not grow without bound.
+pub const MAX_DEAD_ACTORS: usize = 10_000;
+
 /// The head's cluster state.
 #[derive(Default)]
 pub struct Scheduler {
+    dead_order: std::collections::VecDeque<ActorId>,
     nodes: BTreeMap<String, NodeRecord>,
     actors: BTreeMap<ActorId, ActorRecord>,
     named: BTreeMap<String, ActorId>,
@@ -372,8 +377,21 @@ impl Scheduler {
     }
 
     fn set_dead(&mut self, id: ActorId, cause: String) {
-        if let Some(actor) = self.actors.get_mut(&id) {
-            actor.state = ActorState::Dead { cause };
+        let Some(actor) = self.actors.get_mut(&id) else { return };
+        let first_time = !matches!(actor.state, ActorState::Dead { .. });
+        actor.state = ActorState::Dead { cause };
+        if first_time {
+            self.dead_order.push_back(id);
+            while self.dead_order.len() > MAX_DEAD_ACTORS {
+                let Some(oldest) = self.dead_order.pop_front() else { break };
+                if let Some(record) = self.actors.remove(&oldest) {
+                    if let Some(name) = record.spec.name {
+                        if self.named.get(&name) == Some(&oldest) {
+                            self.named.remove(&name);
+                        }
+                    }
+                }
+            }
         }
     }
 
@@ -809,6 +827,20 @@ mod tests {
         assert!(matches!(s.actor_view(a).unwrap().state, ActorState::Dead { cause } if cause == "job j1 ended"));
         assert_eq!(s.actor_view(b).unwrap().state, ActorState::Alive);
         assert_eq!(s.status(0).nodes[0].used.fixed("CPU"), 10_000, "the job's CPU was freed");
+    }
+
+    #[test]
+    fn only_the_most_recent_dead_actors_are_remembered() {
+        let mut s = Scheduler::new();
+        s.register(node("w1", "CPU=1"), 0);
+        let first = s.submit(spec("", 0), 0).unwrap();
+        s.kill(first).unwrap();
+        for _ in 0..MAX_DEAD_ACTORS {
+            let id = s.submit(spec("", 0), 0).unwrap();
+            s.kill(id).unwrap();
+        }
+        assert!(s.actor_view(first).is_none(), "the oldest dead actor is forgotten");
+        assert_eq!(s.status(0).actors.len(), MAX_DEAD_ACTORS);
     }
 
     #[test]
