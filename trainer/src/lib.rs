@@ -1,4 +1,14 @@
 //! Regatta's trainer: a ZeRO stage 1/2/3 trainer group on libtorch with NCCL on GPUs and a
 //! CPU collective backend.
 //!
-//! Not built yet: see the trainer issue.
+//! Built so far (the trainer issue is open): the ZeRO partition arithmetic
+//! ([`zero::partition`]) and the collective interface with a ring implementation over any
+//! link ([`collective`]). Still to come: the QUIC ring link between nodes, the NCCL
+//! backend (cudarc), libtorch models and the trainer group; `scripts/setup-libtorch.sh`
+//! already installs libtorch 2.11 from PyPI wheels (see docs/NOTES.md).
+
+pub mod collective;
+pub mod zero;
+
+pub use collective::{chunks, memory_ring, Collective, CollectiveError, MemoryLink, RingCollective, RingLink};
+pub use zero::partition::{bytes_per_rank, gradient_buckets, FlatLayout, Piece, StateBytes, TensorSlot, ZeroStage};
