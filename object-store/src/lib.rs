@@ -30,4 +30,4 @@ pub use id::ObjectId;
 pub use identity::{identity_from_token, TlsIdentity};
 pub use memory::{MemoryStats, MemoryStore, NoRoom};
 pub use spill::{delete as delete_spilled, parse_spill_url, restore, SpillBackend};
-pub use transfer::{ObjectSource, Transfer, CHUNK_BYTES, FAULT_CORRUPT_ENV};
+pub use transfer::{endpoint, ObjectSource, Transfer, CHUNK_BYTES, FAULT_CORRUPT_ENV, SERVER_NAME};

@@ -19,7 +19,8 @@ use quinn::{Endpoint, VarInt};
 use crate::checksum::crc32;
 use crate::error::{Error, Result};
 use crate::id::ObjectId;
-use crate::identity::{TlsIdentity, SERVER_NAME};
+use crate::identity::TlsIdentity;
+pub use crate::identity::SERVER_NAME;
 
 /// Bytes per chunk on the wire.
 pub const CHUNK_BYTES: usize = 1 << 20;
@@ -50,6 +51,22 @@ fn transport() -> Arc<quinn::TransportConfig> {
     Arc::new(config)
 }
 
+/// A QUIC endpoint that accepts and opens connections only with holders of the cluster
+/// token (mutual TLS), tuned for bulk transfers. Also used by the trainer's ring links.
+pub fn endpoint(bind: SocketAddr, identity: &TlsIdentity) -> Result<Endpoint> {
+    let server_crypto = QuicServerConfig::try_from(identity.server.clone())
+        .map_err(|e| Error::Transfer(format!("server TLS config: {e}")))?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
+    server.transport_config(transport());
+    let client_crypto = QuicClientConfig::try_from(identity.client.clone())
+        .map_err(|e| Error::Transfer(format!("client TLS config: {e}")))?;
+    let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
+    client.transport_config(transport());
+    let mut endpoint = Endpoint::server(server, bind).map_err(|e| Error::Transfer(format!("cannot bind UDP {bind}: {e}")))?;
+    endpoint.set_default_client_config(client);
+    Ok(endpoint)
+}
+
 /// A node's QUIC endpoint: serves its objects and fetches from peers.
 #[derive(Clone)]
 pub struct Transfer {
@@ -61,17 +78,7 @@ pub struct Transfer {
 impl Transfer {
     /// Binds a UDP endpoint at `bind` (port 0 picks one).
     pub fn bind(bind: SocketAddr, identity: &TlsIdentity) -> Result<Self> {
-        let server_crypto = QuicServerConfig::try_from(identity.server.clone())
-            .map_err(|e| Error::Transfer(format!("server TLS config: {e}")))?;
-        let mut server = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
-        server.transport_config(transport());
-        let client_crypto = QuicClientConfig::try_from(identity.client.clone())
-            .map_err(|e| Error::Transfer(format!("client TLS config: {e}")))?;
-        let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
-        client.transport_config(transport());
-        let mut endpoint =
-            Endpoint::server(server, bind).map_err(|e| Error::Transfer(format!("cannot bind UDP {bind}: {e}")))?;
-        endpoint.set_default_client_config(client);
+        let endpoint = endpoint(bind, identity)?;
         Ok(Self {
             endpoint,
             connections: Arc::new(Mutex::new(HashMap::new())),

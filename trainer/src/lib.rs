@@ -3,12 +3,14 @@
 //!
 //! Built so far (the trainer issue is open): the ZeRO partition arithmetic
 //! ([`zero::partition`]) and the collective interface with a ring implementation over any
-//! link ([`collective`]). Still to come: the QUIC ring link between nodes, the NCCL
+//! link ([`collective`]), including QUIC between nodes ([`quic_link`]). Still to come: rendezvous through the cluster, the NCCL
 //! backend (cudarc), libtorch models and the trainer group; `scripts/setup-libtorch.sh`
 //! already installs libtorch 2.11 from PyPI wheels (see docs/NOTES.md).
 
 pub mod collective;
+pub mod quic_link;
 pub mod zero;
 
 pub use collective::{chunks, memory_ring, Collective, CollectiveError, MemoryLink, RingCollective, RingLink};
+pub use quic_link::{QuicLink, QuicLinkBuilder};
 pub use zero::partition::{bytes_per_rank, gradient_buckets, FlatLayout, Piece, StateBytes, TensorSlot, ZeroStage};
