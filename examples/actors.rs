@@ -66,9 +66,16 @@ async fn run() -> anyhow::Result<()> {
         println!("counter {}: {reply:?} at {place:?}", counter.id());
     }
     let reply = counters[0]
-        .call(CounterOp::AddToPeer { peer: counters[3].id(), amount: 10 })
+        .call(CounterOp::AddToPeer {
+            peer: counters[3].id(),
+            amount: 10,
+        })
         .await?;
-    println!("counter {} added 10 to counter {}: {reply:?}", counters[0].id(), counters[3].id());
+    println!(
+        "counter {} added 10 to counter {}: {reply:?}",
+        counters[0].id(),
+        counters[3].id()
+    );
 
     let gpu = client
         .spawn::<Echo>(
@@ -77,6 +84,9 @@ async fn run() -> anyhow::Result<()> {
         )
         .await?;
     let echo = gpu.call("the GPU actor".into()).await?;
-    println!("{} on {} with GPUs {:?}", echo.text, echo.placement.node, echo.placement.gpu_ids);
+    println!(
+        "{} on {} with GPUs {:?}",
+        echo.text, echo.placement.node, echo.placement.gpu_ids
+    );
     Ok(())
 }

@@ -45,21 +45,48 @@ async fn run() -> anyhow::Result<()> {
         let placement = counter.call(CounterOp::Where).await?;
         println!("counter {} -> {total:?} at {placement:?}", counter.id());
     }
-    let reply = counters[0].call(CounterOp::AddToPeer { peer: counters[1].id(), amount: 5 }).await?;
-    anyhow::ensure!(reply == CounterReply::Total(26), "actor-to-actor call returned {reply:?}");
+    let reply = counters[0]
+        .call(CounterOp::AddToPeer {
+            peer: counters[1].id(),
+            amount: 5,
+        })
+        .await?;
+    anyhow::ensure!(
+        reply == CounterReply::Total(26),
+        "actor-to-actor call returned {reply:?}"
+    );
 
-    let (a, b) = (client.spawn::<Store>((), ActorOptions::new()).await?, client.spawn::<Store>((), ActorOptions::new()).await?);
-    let (reference, digest) = match a.call(StoreOp::Put { size: 1 << 20, seed: 1, keep: true }).await? {
+    let (a, b) = (
+        client.spawn::<Store>((), ActorOptions::new()).await?,
+        client.spawn::<Store>((), ActorOptions::new()).await?,
+    );
+    let (reference, digest) = match a
+        .call(StoreOp::Put {
+            size: 1 << 20,
+            seed: 1,
+            keep: true,
+        })
+        .await?
+    {
         StoreReply::Put { reference, digest } => (reference, digest),
         other => anyhow::bail!("unexpected reply {other:?}"),
     };
     match b.call(StoreOp::Get(reference.clone())).await? {
-        StoreReply::Got { len, digest: got } if got == digest => println!("object {} ({len} bytes) read back intact", reference.id()),
+        StoreReply::Got { len, digest: got } if got == digest => {
+            println!("object {} ({len} bytes) read back intact", reference.id())
+        }
         other => anyhow::bail!("object read back wrong: {other:?}"),
     }
     let mine = client.put(&vec![1u32, 2, 3]).await?;
     println!("driver object {} -> {:?}", mine.id(), client.get(&mine).await?);
-    println!("actors: {}", counters.iter().map(|c| c.id().to_string()).collect::<Vec<_>>().join(","));
+    println!(
+        "actors: {}",
+        counters
+            .iter()
+            .map(|c| c.id().to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    );
 
     let mut args = std::env::args().skip(1);
     if let (Some(flag), Some(seconds)) = (args.next(), args.next()) {

@@ -44,7 +44,10 @@ fn report(case: &str, unit: &str, values: &[f64]) {
 }
 
 fn workers() -> Vec<WorkerSpec> {
-    vec![WorkerSpec::new("w1", "CPU=2,pin:w1=1"), WorkerSpec::new("w2", "CPU=2,pin:w2=1")]
+    vec![
+        WorkerSpec::new("w1", "CPU=2,pin:w1=1"),
+        WorkerSpec::new("w2", "CPU=2,pin:w2=1"),
+    ]
 }
 
 fn start_cluster() -> anyhow::Result<LocalCluster> {
@@ -179,7 +182,9 @@ async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -> anyhow::R
     .await?;
     let servers = noops(&client, 4).await?;
     rate("1:n actor calls async", trials, || async {
-        let calls = servers.iter().flat_map(|s| (0..batch / 4).map(move |_| s.call(Vec::new())));
+        let calls = servers
+            .iter()
+            .flat_map(|s| (0..batch / 4).map(move |_| s.call(Vec::new())));
         Ok(futures::future::try_join_all(calls).await?.len())
     })
     .await?;
@@ -188,18 +193,32 @@ async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -> anyhow::R
         callers.push(client.spawn::<Caller>((), ActorOptions::new()).await?);
     }
     let targets: Vec<_> = servers.iter().map(|s| s.id()).collect();
-    for (case, arg_bytes) in [("n:n actor calls async", 0usize), ("n:n actor calls with arg async", 1024)] {
+    for (case, arg_bytes) in [
+        ("n:n actor calls async", 0usize),
+        ("n:n actor calls with arg async", 1024),
+    ] {
         let per_target = (batch / 16) as u32;
         rate(case, trials, || async {
-            let fanout = Fanout { targets: targets.clone(), calls_per_target: per_target, arg_bytes };
-            let done = futures::future::try_join_all(callers.iter().map(|c| c.call_timeout(fanout.clone(), Duration::from_secs(120)))).await?;
+            let fanout = Fanout {
+                targets: targets.clone(),
+                calls_per_target: per_target,
+                arg_bytes,
+            };
+            let done = futures::future::try_join_all(
+                callers
+                    .iter()
+                    .map(|c| c.call_timeout(fanout.clone(), Duration::from_secs(120))),
+            )
+            .await?;
             Ok(done.iter().sum::<u64>() as usize)
         })
         .await?;
     }
     let creations = 1_000 / scale;
     rate("actor creation (create and call each)", trials, || async {
-        let spawned = futures::future::try_join_all((0..creations).map(|_| client.spawn::<Noop>((), ActorOptions::new()))).await?;
+        let spawned =
+            futures::future::try_join_all((0..creations).map(|_| client.spawn::<Noop>((), ActorOptions::new())))
+                .await?;
         futures::future::try_join_all(spawned.iter().map(|a| a.call(Vec::new()))).await?;
         futures::future::try_join_all(spawned.iter().map(|a| a.kill())).await?;
         Ok(creations)
@@ -234,7 +253,10 @@ async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -> anyhow::R
 
 async fn store_on(client: &Client, node: &str) -> anyhow::Result<ActorHandle<Store>> {
     let actor = client
-        .spawn::<Store>((), ActorOptions::new().resources(Resources::parse_request(&format!("pin:{node}"))?))
+        .spawn::<Store>(
+            (),
+            ActorOptions::new().resources(Resources::parse_request(&format!("pin:{node}"))?),
+        )
         .await?;
     actor.wait_ready(Duration::from_secs(30)).await?;
     Ok(actor)
@@ -244,7 +266,11 @@ async fn objects(cluster: &LocalCluster, trials: usize, quick: bool) -> anyhow::
     let client = cluster.connect(Duration::from_secs(30)).await?;
     let scale = if quick { 20 } else { 1 };
     println!("# physical limits measured in this run");
-    report("memcpy gigabytes", "per second", &(0..trials).map(|_| memcpy_gbps((1 << 30) / scale)).collect::<Vec<_>>());
+    report(
+        "memcpy gigabytes",
+        "per second",
+        &(0..trials).map(|_| memcpy_gbps((1 << 30) / scale)).collect::<Vec<_>>(),
+    );
     let mut tcp = Vec::new();
     for _ in 0..trials {
         tcp.push(loopback_tcp_gbps((2 << 30) / scale)?);
@@ -286,15 +312,32 @@ async fn objects(cluster: &LocalCluster, trials: usize, quick: bool) -> anyhow::
     report("single client put gigabytes", "per second", &put_gb);
 
     let (a, b) = (store_on(&client, "w1").await?, store_on(&client, "w2").await?);
-    let sizes: &[(&str, u64)] = if quick { &[("100 MB", 100_000_000)] } else { &[("100 MB", 100_000_000), ("1 GB", 1_000_000_000)] };
+    let sizes: &[(&str, u64)] = if quick {
+        &[("100 MB", 100_000_000)]
+    } else {
+        &[("100 MB", 100_000_000), ("1 GB", 1_000_000_000)]
+    };
     for &(label, size) in sizes {
         let mut rates = Vec::new();
         for seed in 0..trials as u64 {
-            let reference = match a.call_timeout(StoreOp::Put { size, seed, keep: false }, Duration::from_secs(300)).await? {
+            let reference = match a
+                .call_timeout(
+                    StoreOp::Put {
+                        size,
+                        seed,
+                        keep: false,
+                    },
+                    Duration::from_secs(300),
+                )
+                .await?
+            {
                 StoreReply::Put { reference, .. } => reference,
                 other => bail!("unexpected reply {other:?}"),
             };
-            match b.call_timeout(StoreOp::Fetch(reference.clone()), Duration::from_secs(300)).await? {
+            match b
+                .call_timeout(StoreOp::Fetch(reference.clone()), Duration::from_secs(300))
+                .await?
+            {
                 StoreReply::Fetched { len, nanos } => rates.push(len as f64 / nanos as f64),
                 other => bail!("unexpected reply {other:?}"),
             }
@@ -344,7 +387,10 @@ pub fn loopback_tcp_gbps(size: usize) -> anyhow::Result<f64> {
     drop(stream);
     let received = reader.join().map_err(|_| anyhow::anyhow!("reader thread panicked"))??;
     let secs = started.elapsed().as_secs_f64();
-    anyhow::ensure!(received == sent, "loopback lost bytes: sent {sent}, received {received}");
+    anyhow::ensure!(
+        received == sent,
+        "loopback lost bytes: sent {sent}, received {received}"
+    );
     Ok(received as f64 / secs / 1e9)
 }
 

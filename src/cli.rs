@@ -82,9 +82,13 @@ impl ObjectArgs {
 /// Parses `1234`, `64KB`, `64KiB`, `512MiB`, `4GB`, `1.5GiB`.
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
     let trimmed = text.trim();
-    let split = trimmed.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(trimmed.len());
+    let split = trimmed
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(trimmed.len());
     let (number, unit) = trimmed.split_at(split);
-    let value: f64 = number.parse().map_err(|_| format!("'{text}' is not a size like 512MiB"))?;
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("'{text}' is not a size like 512MiB"))?;
     let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "kb" => 1e3,
@@ -95,7 +99,11 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
         "gib" | "g" => 1024.0 * 1024.0 * 1024.0,
         "tb" => 1e12,
         "tib" | "t" => 1024.0_f64.powi(4),
-        other => return Err(format!("unknown size unit '{other}' in '{text}'; use B, KB, KiB, MB, MiB, GB, GiB")),
+        other => {
+            return Err(format!(
+                "unknown size unit '{other}' in '{text}'; use B, KB, KiB, MB, MiB, GB, GiB"
+            ))
+        }
     };
     Ok((value * scale) as u64)
 }
@@ -283,7 +291,10 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
     };
     config.metrics_port = (args.metrics_port != 0).then_some(args.metrics_port);
     let head = start_head(config).await?;
-    println!("regatta head listening on {} (bind {}:{})", head.address, args.bind, args.port);
+    println!(
+        "regatta head listening on {} (bind {}:{})",
+        head.address, args.bind, args.port
+    );
     if let Some(metrics) = head.metrics {
         println!("metrics on http://{metrics}/metrics, Prometheus discovery on http://{metrics}/api/prometheus/sd");
     }
@@ -322,7 +333,10 @@ async fn probe(url: &str) -> anyhow::Result<ExitCode> {
     let rest = url
         .strip_prefix("http://")
         .ok_or_else(|| anyhow::anyhow!("'{url}' is not an http:// URL"))?;
-    let (host, path) = rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
+    let (host, path) = rest
+        .split_once('/')
+        .map(|(h, p)| (h, format!("/{p}")))
+        .unwrap_or((rest, "/".into()));
     let attempt = async {
         let mut stream = tokio::net::TcpStream::connect(host).await?;
         let request = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
@@ -391,18 +405,32 @@ pub fn render_status(status: &ClusterStatus) -> String {
             .iter()
             .map(|(r, node)| format!("{{{r}}}@{}", node.as_deref().unwrap_or("-")))
             .collect();
-        let _ = writeln!(out, "  {} {:?} {}  {}", group.id, group.strategy, group.state, bundles.join(" "));
+        let _ = writeln!(
+            out,
+            "  {} {:?} {}  {}",
+            group.id,
+            group.strategy,
+            group.state,
+            bundles.join(" ")
+        );
     }
     let live: Vec<_> = status
         .actors
         .iter()
         .filter(|a| !matches!(a.view.state, regatta_runtime::ActorState::Dead { .. }))
         .collect();
-    let _ = writeln!(out, "Actors: {} live, {} dead", live.len(), status.actors.len() - live.len());
+    let _ = writeln!(
+        out,
+        "Actors: {} live, {} dead",
+        live.len(),
+        status.actors.len() - live.len()
+    );
     let mut by_kind: BTreeMap<(&str, &str, &str), usize> = BTreeMap::new();
     for actor in &live {
         let node = actor.view.node.as_deref().unwrap_or("-");
-        *by_kind.entry((&actor.view.kind, node, actor.view.state.label())).or_insert(0) += 1;
+        *by_kind
+            .entry((&actor.view.kind, node, actor.view.state.label()))
+            .or_insert(0) += 1;
     }
     for ((kind, node, state), count) in by_kind {
         let _ = writeln!(out, "  {kind:<12} on {node:<12} {state:<10} {count}");
@@ -419,7 +447,11 @@ pub fn render_status(status: &ClusterStatus) -> String {
     );
     let _ = writeln!(out, "Waiting for resources: {}", status.pending.len());
     for pending in &status.pending {
-        let _ = writeln!(out, "  {}  wants {}  for {:.1}s", pending.what, pending.resources, pending.waiting_s);
+        let _ = writeln!(
+            out,
+            "  {}  wants {}  for {:.1}s",
+            pending.what, pending.resources, pending.waiting_s
+        );
     }
     out
 }

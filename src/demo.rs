@@ -29,7 +29,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         WorkerSpec::new("w2", "CPU=4"),
     ];
     let options = LocalOptions::new(workers)?;
-    println!("starting a local cluster: head + 2 workers (logs in {})", options.log_dir.display());
+    println!(
+        "starting a local cluster: head + 2 workers (logs in {})",
+        options.log_dir.display()
+    );
     let started = Instant::now();
     let mut cluster = LocalCluster::start(options)?;
     let outcome = tokio::select! {
@@ -46,7 +49,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
 
 async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> anyhow::Result<ExitCode> {
     let client = cluster.connect(Duration::from_secs(30)).await?;
-    println!("cluster ready in {:.2}s at {}", started.elapsed().as_secs_f64(), cluster.address);
+    println!(
+        "cluster ready in {:.2}s at {}",
+        started.elapsed().as_secs_f64(),
+        cluster.address
+    );
 
     let t = Instant::now();
     let mut counters = Vec::with_capacity(args.actors);
@@ -57,7 +64,11 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
     for counter in &counters {
         counter.wait_ready(Duration::from_secs(30)).await?;
     }
-    println!("spawned {} counter actors in {:.2}s", counters.len(), t.elapsed().as_secs_f64());
+    println!(
+        "spawned {} counter actors in {:.2}s",
+        counters.len(),
+        t.elapsed().as_secs_f64()
+    );
 
     let t = Instant::now();
     let calls = futures::future::try_join_all(counters.iter().enumerate().map(|(i, counter)| async move {
@@ -73,13 +84,19 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
     .await?;
     let total_calls = calls.len() * args.calls;
     let secs = t.elapsed().as_secs_f64();
-    println!("{total_calls} actor calls in {secs:.2}s ({:.0} calls/s), every total checked", total_calls as f64 / secs);
+    println!(
+        "{total_calls} actor calls in {secs:.2}s ({:.0} calls/s), every total checked",
+        total_calls as f64 / secs
+    );
 
     let group = client
         .create_placement_group(vec![Resources::parse_request("CPU=1")?; 2], Strategy::StrictSpread)
         .await?;
     let nodes = group.ready(Duration::from_secs(10)).await?;
-    println!("placement group {} (STRICT_SPREAD) reserved bundles on {nodes:?}", group.id());
+    println!(
+        "placement group {} (STRICT_SPREAD) reserved bundles on {nodes:?}",
+        group.id()
+    );
     let gpu = client
         .spawn::<Echo>(
             "gpu actor: ".into(),
@@ -87,17 +104,28 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
         )
         .await?;
     let reply = gpu.call("where am I?".into()).await?;
-    ensure!(reply.placement.gpu_ids.len() == 1, "the GPU actor got {:?}", reply.placement.gpu_ids);
+    ensure!(
+        reply.placement.gpu_ids.len() == 1,
+        "the GPU actor got {:?}",
+        reply.placement.gpu_ids
+    );
     println!(
         "GPU actor {} runs on {} with GPU indices {:?}",
         reply.placement.actor, reply.placement.node, reply.placement.gpu_ids
     );
     let (a, b) = (&counters[0], &counters[counters.len() - 1]);
     let via = a
-        .call(CounterOp::AddToPeer { peer: b.id(), amount: 5 })
+        .call(CounterOp::AddToPeer {
+            peer: b.id(),
+            amount: 5,
+        })
         .await
         .context("actor-to-actor call")?;
-    println!("actor {} added 5 to actor {} across the cluster: {via:?}", a.id(), b.id());
+    println!(
+        "actor {} added 5 to actor {} across the cluster: {via:?}",
+        a.id(),
+        b.id()
+    );
     group.remove().await?;
 
     let status = client.status().await?;

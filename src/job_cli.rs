@@ -120,7 +120,9 @@ pub fn shell_join(args: &[String]) -> String {
     args.iter()
         .map(|arg| {
             let plain = !arg.is_empty()
-                && arg.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c));
+                && arg
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c));
             if plain {
                 arg.clone()
             } else {
@@ -163,7 +165,14 @@ pub(crate) async fn run(command: JobCommand) -> anyhow::Result<ExitCode> {
         }
         JobCommand::Stop(args) => {
             let stopped = args.api.client()?.stop(&args.id).await?;
-            println!("{}", if stopped { format!("job {} stopped", args.id) } else { format!("job {} had already ended", args.id) });
+            println!(
+                "{}",
+                if stopped {
+                    format!("job {} stopped", args.id)
+                } else {
+                    format!("job {} had already ended", args.id)
+                }
+            );
             Ok(ExitCode::SUCCESS)
         }
         JobCommand::List(args) => {
@@ -172,7 +181,12 @@ pub(crate) async fn run(command: JobCommand) -> anyhow::Result<ExitCode> {
                 println!("{}", serde_json::to_string_pretty(&jobs)?);
             } else {
                 for job in jobs {
-                    println!("{:<24} {:<10} {}", job.submission_id, job.status.to_string(), job.entrypoint);
+                    println!(
+                        "{:<24} {:<10} {}",
+                        job.submission_id,
+                        job.status.to_string(),
+                        job.entrypoint
+                    );
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -226,13 +240,23 @@ mod tests {
 
     #[test]
     fn arguments_are_quoted_for_the_shell() {
-        let args: Vec<String> = ["echo", "hello world", "it's", "a=b"].iter().map(|s| s.to_string()).collect();
+        let args: Vec<String> = ["echo", "hello world", "it's", "a=b"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         assert_eq!(shell_join(&args), "echo 'hello world' 'it'\\''s' a=b");
     }
 
     #[test]
     fn exit_codes_reflect_the_job() {
-        let mut record = JobRecord::new("j".into(), &JobSubmission { entrypoint: "x".into(), ..Default::default() }, 0);
+        let mut record = JobRecord::new(
+            "j".into(),
+            &JobSubmission {
+                entrypoint: "x".into(),
+                ..Default::default()
+            },
+            0,
+        );
         record.started(1, 1);
         let mut failed = record.clone();
         failed.exited(Some(7), false, 2);

@@ -121,7 +121,10 @@ impl Actor for Store {
             }
             StoreOp::Get(reference) => {
                 let bytes = cluster.get_bytes(&reference).await?;
-                Ok(StoreReply::Got { len: bytes.len() as u64, digest: digest(&bytes) })
+                Ok(StoreReply::Got {
+                    len: bytes.len() as u64,
+                    digest: digest(&bytes),
+                })
             }
             StoreOp::GetMany(reference, count) => {
                 let gets = (0..count).map(|_| cluster.get_bytes(&reference));
@@ -130,14 +133,20 @@ impl Actor for Store {
                 if all.iter().any(|b| digest(b) != first) {
                     return Err("concurrent gets returned different bytes".into());
                 }
-                Ok(StoreReply::Got { len: all[0].len() as u64, digest: first })
+                Ok(StoreReply::Got {
+                    len: all[0].len() as u64,
+                    digest: first,
+                })
             }
             StoreOp::Fetch(reference) => {
                 cluster.adopt(&reference).await?;
                 let started = std::time::Instant::now();
                 let bytes = cluster.get_bytes(&reference).await?;
                 let nanos = started.elapsed().as_nanos() as u64;
-                Ok(StoreReply::Fetched { len: bytes.len() as u64, nanos })
+                Ok(StoreReply::Fetched {
+                    len: bytes.len() as u64,
+                    nanos,
+                })
             }
             StoreOp::DropAll => {
                 self.kept.clear();
@@ -269,7 +278,10 @@ impl Actor for Counter {
                 Ok(peer.call(CounterOp::Add(amount)).await?)
             }
             CounterOp::CastToPeer { peer, amount } => {
-                ctx.cluster().handle::<Counter>(peer).cast(CounterOp::Add(amount)).await?;
+                ctx.cluster()
+                    .handle::<Counter>(peer)
+                    .cast(CounterOp::Add(amount))
+                    .await?;
                 Ok(CounterReply::Total(self.total))
             }
             CounterOp::Fail(message) => Err(message.into()),
@@ -327,7 +339,11 @@ impl Actor for Caller {
 
     async fn handle(&mut self, fanout: Fanout, ctx: &ActorContext) -> Result<u64, ActorError> {
         let arg = vec![1u8; fanout.arg_bytes];
-        let handles: Vec<_> = fanout.targets.iter().map(|id| ctx.cluster().handle::<Noop>(*id)).collect();
+        let handles: Vec<_> = fanout
+            .targets
+            .iter()
+            .map(|id| ctx.cluster().handle::<Noop>(*id))
+            .collect();
         let calls = handles
             .iter()
             .flat_map(|h| (0..fanout.calls_per_target).map(move |_| h))

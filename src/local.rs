@@ -144,7 +144,13 @@ impl LocalCluster {
             .clone()
             .unwrap_or_else(|| format!("local-{}-{}", std::process::id(), unique()));
         let address = format!("127.0.0.1:{port}");
-        let head = spawn(&options.binary, &options.log_dir.join("head.log"), &head_args(&options, [port, job_port, metrics_port]), &token, &[])?;
+        let head = spawn(
+            &options.binary,
+            &options.log_dir.join("head.log"),
+            &head_args(&options, [port, job_port, metrics_port]),
+            &token,
+            &[],
+        )?;
         let mut cluster = Self {
             head,
             workers: Vec::new(),
@@ -241,10 +247,24 @@ impl LocalCluster {
     pub fn restart_head(&mut self) -> anyhow::Result<()> {
         self.head.kill().context("cannot kill the head")?;
         let _ = self.head.wait();
-        let port: u16 = self.address.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(6380);
+        let port: u16 = self
+            .address
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(6380);
         let port_of = |address: &str| address.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(0);
-        let args = head_args(&self.options, [port, port_of(&self.job_address), port_of(&self.metrics_address)]);
-        self.head = spawn(&self.options.binary, &self.options.log_dir.join("head-restarted.log"), &args, &self.token, &[])?;
+        let args = head_args(
+            &self.options,
+            [port, port_of(&self.job_address), port_of(&self.metrics_address)],
+        );
+        self.head = spawn(
+            &self.options.binary,
+            &self.options.log_dir.join("head-restarted.log"),
+            &args,
+            &self.token,
+            &[],
+        )?;
         Ok(())
     }
 
@@ -262,12 +282,22 @@ impl LocalCluster {
     /// bad tokens and the like), logging to `log_name` in the log folder.
     pub fn run_extra(&self, args: &[&str], token: &str, log_name: &str) -> anyhow::Result<Child> {
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        spawn(&self.options.binary, &self.options.log_dir.join(log_name), &args, token, &[])
+        spawn(
+            &self.options.binary,
+            &self.options.log_dir.join(log_name),
+            &args,
+            token,
+            &[],
+        )
     }
 
     /// The log file of a process (`head`, a worker name, or an extra's log name).
     pub fn log_path(&self, name: &str) -> PathBuf {
-        let file = if name.ends_with(".log") { name.to_string() } else { format!("{name}.log") };
+        let file = if name.ends_with(".log") {
+            name.to_string()
+        } else {
+            format!("{name}.log")
+        };
         self.options.log_dir.join(file)
     }
 

@@ -29,7 +29,10 @@ fn bench_prints_every_case_in_rays_line_format() {
         "idle head and 2 workers resident megabytes",
     ];
     for case in cases {
-        let line = text.lines().find(|l| l.starts_with(case)).unwrap_or_else(|| panic!("no line for '{case}' in:\n{text}"));
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(case))
+            .unwrap_or_else(|| panic!("no line for '{case}' in:\n{text}"));
         let value: f64 = line[case.len()..]
             .split_whitespace()
             .next()

@@ -32,7 +32,11 @@ async fn hundred_actors_are_placed_by_resource_across_workers_and_each_answers()
     let mut handles = Vec::new();
     for i in 0..100 {
         // Every fourth actor needs the H100 tag, which only w3 has.
-        let resources = if i % 4 == 0 { req("CPU=0.01,accelerator_type:H100") } else { req("CPU=0.01") };
+        let resources = if i % 4 == 0 {
+            req("CPU=0.01,accelerator_type:H100")
+        } else {
+            req("CPU=0.01")
+        };
         let handle = cluster
             .client
             .spawn::<Counter>(i, ActorOptions::new().resources(resources))
@@ -53,7 +57,11 @@ async fn hundred_actors_are_placed_by_resource_across_workers_and_each_answers()
     assert_eq!(per_node.len(), 3, "actors spread over all workers: {per_node:?}");
     assert_eq!(per_node.values().sum::<usize>(), 100);
     let status = cluster.client.status().await.expect("status");
-    let live = status.actors.iter().filter(|a| a.view.state == ActorState::Alive).count();
+    let live = status
+        .actors
+        .iter()
+        .filter(|a| a.view.state == ActorState::Alive)
+        .count();
     assert_eq!(live, 100);
 }
 
@@ -71,7 +79,12 @@ async fn strict_spread_puts_three_bundles_on_three_nodes_and_actors_follow_their
     for (bundle, node) in nodes.iter().enumerate() {
         let actor = cluster
             .client
-            .spawn::<Counter>(0, ActorOptions::new().resources(req("CPU=1")).in_group(&group, Some(bundle)))
+            .spawn::<Counter>(
+                0,
+                ActorOptions::new()
+                    .resources(req("CPU=1"))
+                    .in_group(&group, Some(bundle)),
+            )
             .await
             .expect("spawn into bundle");
         assert_eq!(&where_is(&actor).await.node, node, "actor in bundle {bundle}");
@@ -87,7 +100,10 @@ async fn strict_spread_puts_three_bundles_on_three_nodes_and_actors_follow_their
     group.remove().await.expect("remove group");
     let status = cluster.client.status().await.expect("status");
     assert!(status.groups.is_empty());
-    assert!(status.nodes.iter().all(|n| n.used.fixed("CPU") == 0), "removal freed every CPU: {status:?}");
+    assert!(
+        status.nodes.iter().all(|n| n.used.fixed("CPU") == 0),
+        "removal freed every CPU: {status:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -99,7 +115,10 @@ async fn pack_keeps_bundles_on_one_node_when_they_fit() {
         .await
         .expect("create group");
     let nodes = group.ready(Duration::from_secs(10)).await.expect("group ready");
-    assert!(nodes.iter().all(|n| n == &nodes[0]), "PACK spread bundles over {nodes:?}");
+    assert!(
+        nodes.iter().all(|n| n == &nodes[0]),
+        "PACK spread bundles over {nodes:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -108,7 +127,10 @@ async fn infeasible_requests_and_unknown_kinds_fail_at_once_with_what_is_missing
     let started = Instant::now();
     let err = cluster
         .client
-        .spawn::<Echo>(String::new(), ActorOptions::new().resources(req("GPU=8,accelerator_type:H100")))
+        .spawn::<Echo>(
+            String::new(),
+            ActorOptions::new().resources(req("GPU=8,accelerator_type:H100")),
+        )
         .await
         .err()
         .expect("GPU=8 is infeasible");
@@ -131,8 +153,16 @@ async fn infeasible_requests_and_unknown_kinds_fail_at_once_with_what_is_missing
             Ok(())
         }
     }
-    let err = cluster.client.spawn::<Ghost>((), ActorOptions::new()).await.err().expect("unknown kind");
-    assert!(matches!(&err, Error::UnknownKind { kind, .. } if kind == "ghost"), "{err:?}");
+    let err = cluster
+        .client
+        .spawn::<Ghost>((), ActorOptions::new())
+        .await
+        .err()
+        .expect("unknown kind");
+    assert!(
+        matches!(&err, Error::UnknownKind { kind, .. } if kind == "ghost"),
+        "{err:?}"
+    );
     assert!(err.to_string().contains("counter"), "lists the registered kinds: {err}");
 
     let err = cluster
@@ -159,7 +189,10 @@ async fn busy_request_waits_then_runs_when_resources_free_up() {
         .await
         .expect("a busy request is accepted, not refused");
     let waited = second.wait_ready(Duration::from_millis(500)).await;
-    assert!(matches!(waited, Err(Error::Timeout { .. })), "must wait for the GPU: {waited:?}");
+    assert!(
+        matches!(waited, Err(Error::Timeout { .. })),
+        "must wait for the GPU: {waited:?}"
+    );
     let status = cluster.client.status().await.expect("status");
     assert_eq!(status.pending.len(), 1, "{:?}", status.pending);
     assert!(status.pending[0].resources.contains("GPU=1"));
@@ -239,13 +272,20 @@ async fn sigkilled_worker_has_its_actors_restarted_elsewhere_and_rejoins() {
 
     // A slow call in flight on w1 must fail, not hang, when w1 dies.
     let slow = on_w1[0].clone();
-    let in_flight = tokio::spawn(async move { slow.call_timeout(CounterOp::Sleep(20_000), Duration::from_secs(25)).await });
+    let in_flight = tokio::spawn(async move {
+        slow.call_timeout(CounterOp::Sleep(20_000), Duration::from_secs(25))
+            .await
+    });
     tokio::time::sleep(Duration::from_millis(200)).await;
     let killed_at = Instant::now();
     cluster.local.kill_worker(0).expect("kill w1");
     let outcome = in_flight.await.expect("join");
     assert!(outcome.is_err(), "in-flight call must fail: {outcome:?}");
-    assert!(killed_at.elapsed() < Duration::from_secs(10), "the failed call took {:?}", killed_at.elapsed());
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(10),
+        "the failed call took {:?}",
+        killed_at.elapsed()
+    );
 
     cluster.wait_node_state("w1", "dead", Duration::from_secs(10)).await;
     for h in &on_w1 {
@@ -264,10 +304,17 @@ async fn sigkilled_worker_has_its_actors_restarted_elsewhere_and_rejoins() {
         }
     }
     for h in &fragile_on_w1 {
-        let err = h.call(CounterOp::Get).await.err().expect("actor without restarts is dead");
+        let err = h
+            .call(CounterOp::Get)
+            .await
+            .err()
+            .expect("actor without restarts is dead");
         let text = err.to_string();
         assert!(matches!(err, Error::ActorDead { .. }), "{err:?}");
-        assert!(text.contains("node w1 died") && text.contains("max_restarts=0"), "{text}");
+        assert!(
+            text.contains("node w1 died") && text.contains("max_restarts=0"),
+            "{text}"
+        );
     }
     let status = cluster.client.status().await.expect("status");
     let w1 = status.nodes.iter().find(|n| n.name == "w1").expect("w1 listed");
@@ -293,18 +340,39 @@ async fn actors_call_and_cast_each_other_across_nodes_and_are_found_by_name() {
         .expect("spawn b");
     let (pa, pb) = (where_is(&a).await, where_is(&b).await);
     assert_ne!(pa.node, pb.node, "least-loaded placement puts them on different nodes");
-    let reply = a.call(CounterOp::AddToPeer { peer: b.id(), amount: 5 }).await.expect("a calls b");
+    let reply = a
+        .call(CounterOp::AddToPeer {
+            peer: b.id(),
+            amount: 5,
+        })
+        .await
+        .expect("a calls b");
     assert_eq!(reply, CounterReply::Total(15));
-    a.call(CounterOp::CastToPeer { peer: b.id(), amount: 1 }).await.expect("a casts to b");
+    a.call(CounterOp::CastToPeer {
+        peer: b.id(),
+        amount: 1,
+    })
+    .await
+    .expect("a casts to b");
     b.cast(CounterOp::Add(1)).await.expect("driver casts to b");
     eventually("casts applied", Duration::from_secs(5), || async {
         (b.call(CounterOp::Get).await.ok()? == CounterReply::Total(17)).then_some(())
     })
     .await;
 
-    let found = cluster.client.named::<Counter>("beta").await.expect("lookup").expect("beta exists");
+    let found = cluster
+        .client
+        .named::<Counter>("beta")
+        .await
+        .expect("lookup")
+        .expect("beta exists");
     assert_eq!(found.id(), b.id());
-    assert!(cluster.client.named::<Counter>("gamma").await.expect("lookup").is_none());
+    assert!(cluster
+        .client
+        .named::<Counter>("gamma")
+        .await
+        .expect("lookup")
+        .is_none());
     let dup = cluster
         .client
         .spawn::<Counter>(0, ActorOptions::new().name("beta"))
@@ -312,7 +380,10 @@ async fn actors_call_and_cast_each_other_across_nodes_and_are_found_by_name() {
         .err()
         .expect("duplicate name");
     assert!(dup.to_string().contains("already exists"), "{dup}");
-    assert!(cluster.client.named::<Echo>("beta").await.is_err(), "kind mismatch is an error");
+    assert!(
+        cluster.client.named::<Echo>("beta").await.is_err(),
+        "kind mismatch is an error"
+    );
 
     b.kill().await.expect("kill");
     let err = b.call(CounterOp::Get).await.err().expect("killed actor");
@@ -329,9 +400,19 @@ async fn handler_errors_keep_the_actor_and_panics_restart_it_within_budget() {
         .await
         .expect("spawn");
     c.call(CounterOp::Add(5)).await.expect("add");
-    let err = c.call(CounterOp::Fail("nope".into())).await.err().expect("handler error");
-    assert!(matches!(&err, Error::Remote { message, .. } if message == "nope"), "{err:?}");
-    assert_eq!(c.call(CounterOp::Get).await.expect("still alive"), CounterReply::Total(6));
+    let err = c
+        .call(CounterOp::Fail("nope".into()))
+        .await
+        .err()
+        .expect("handler error");
+    assert!(
+        matches!(&err, Error::Remote { message, .. } if message == "nope"),
+        "{err:?}"
+    );
+    assert_eq!(
+        c.call(CounterOp::Get).await.expect("still alive"),
+        CounterReply::Total(6)
+    );
 
     assert!(c.call(CounterOp::Crash).await.is_err(), "the crashing call fails");
     let total = eventually("restart after panic", Duration::from_secs(10), || async {
@@ -347,14 +428,25 @@ async fn handler_errors_keep_the_actor_and_panics_restart_it_within_budget() {
         }
     })
     .await;
-    assert!(err.to_string().contains("panicked") || err.to_string().contains("failed"), "{err}");
+    assert!(
+        err.to_string().contains("panicked") || err.to_string().contains("failed"),
+        "{err}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_constructor_args_and_failing_constructors_report_a_dead_actor() {
     let cluster = TestCluster::start(&[("w1", "CPU=2")]).await;
-    let negative = cluster.client.spawn::<Counter>(-1, ActorOptions::new()).await.expect("accepted");
-    let err = negative.wait_ready(Duration::from_secs(10)).await.err().expect("constructor refuses -1");
+    let negative = cluster
+        .client
+        .spawn::<Counter>(-1, ActorOptions::new())
+        .await
+        .expect("accepted");
+    let err = negative
+        .wait_ready(Duration::from_secs(10))
+        .await
+        .err()
+        .expect("constructor refuses -1");
     assert!(err.to_string().contains("cannot start below zero"), "{err}");
 
     // Same kind name, wrong argument type: the worker cannot decode the arguments.
@@ -371,9 +463,20 @@ async fn bad_constructor_args_and_failing_constructors_report_a_dead_actor() {
             Ok(())
         }
     }
-    let wrong = cluster.client.spawn::<WrongArgs>("x".into(), ActorOptions::new()).await.expect("accepted");
-    let err = wrong.wait_ready(Duration::from_secs(10)).await.err().expect("undecodable args");
-    assert!(err.to_string().contains("could not decode constructor arguments"), "{err}");
+    let wrong = cluster
+        .client
+        .spawn::<WrongArgs>("x".into(), ActorOptions::new())
+        .await
+        .expect("accepted");
+    let err = wrong
+        .wait_ready(Duration::from_secs(10))
+        .await
+        .err()
+        .expect("undecodable args");
+    assert!(
+        err.to_string().contains("could not decode constructor arguments"),
+        "{err}"
+    );
     let status = cluster.client.status().await.expect("status");
     assert_eq!(status.nodes[0].state, "alive", "the worker survived");
 }

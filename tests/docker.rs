@@ -19,7 +19,9 @@ fn root() -> PathBuf {
 }
 
 fn run(command: &mut Command) -> Output {
-    let output = command.output().unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
     assert!(
         output.status.success(),
         "{command:?} failed:\n{}\n{}",
@@ -30,7 +32,11 @@ fn run(command: &mut Command) -> Output {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("port")
+        .local_addr()
+        .expect("addr")
+        .port()
 }
 
 /// A compose project that is torn down (containers and volumes) when dropped.
@@ -74,12 +80,20 @@ fn status(head_port: u16, token: &str) -> Option<ClusterStatus> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compose_cluster_runs_a_job_and_survives_a_stopped_worker() {
     let docker = Command::new("docker").arg("info").output();
-    assert!(docker.is_ok_and(|o| o.status.success()), "Docker Engine is needed for this test (docker info failed)");
+    assert!(
+        docker.is_ok_and(|o| o.status.success()),
+        "Docker Engine is needed for this test (docker info failed)"
+    );
     run(Command::new("bash").arg(root().join("docker/base/build-base.sh")));
     run(Command::new("docker")
         .current_dir(root())
         .args(["build", "-q", "-f", "docker/Dockerfile", "-t", IMAGE])
-        .args(["--build-arg", "BASE_IMAGE=regatta-base:bookworm", "--build-arg", "BUILD_IMAGE=regatta-base:bookworm"])
+        .args([
+            "--build-arg",
+            "BASE_IMAGE=regatta-base:bookworm",
+            "--build-arg",
+            "BUILD_IMAGE=regatta-base:bookworm",
+        ])
         .args(["--build-arg", "BINARIES=prebuilt"])
         .args(["--build-arg", "PROFILE=debug", "."]));
 
@@ -103,35 +117,66 @@ async fn compose_cluster_runs_a_job_and_survives_a_stopped_worker() {
         (status.nodes.iter().filter(|n| n.state == "alive").count() == 2).then_some(status)
     })
     .await;
-    let gpu = ready.nodes.iter().find(|n| n.name == "gpu-worker").expect("the GPU worker joined");
+    let gpu = ready
+        .nodes
+        .iter()
+        .find(|n| n.name == "gpu-worker")
+        .expect("the GPU worker joined");
     assert_eq!(gpu.total.units("GPU"), 2.0);
     assert_eq!(gpu.total.units("accelerator_type:H100"), 1.0);
-    let cpu_worker = ready.nodes.iter().find(|n| n.name != "gpu-worker").expect("the CPU worker").name.clone();
+    let cpu_worker = ready
+        .nodes
+        .iter()
+        .find(|n| n.name != "gpu-worker")
+        .expect("the CPU worker")
+        .name
+        .clone();
 
     let head = compose.container("head");
     let uid = run(Command::new("docker").args(["exec", &head, "id", "-u"]));
-    assert_ne!(String::from_utf8_lossy(&uid.stdout).trim(), "0", "containers run as a non-root user");
+    assert_ne!(
+        String::from_utf8_lossy(&uid.stdout).trim(),
+        "0",
+        "containers run as a non-root user"
+    );
     eventually("the head's health check to pass", Duration::from_secs(60), || async {
-        let out = Command::new("docker").args(["inspect", "--format", "{{.State.Health.Status}}", &head]).output().ok()?;
+        let out = Command::new("docker")
+            .args(["inspect", "--format", "{{.State.Health.Status}}", &head])
+            .output()
+            .ok()?;
         (String::from_utf8_lossy(&out.stdout).trim() == "healthy").then_some(())
     })
     .await;
 
     let jobs = JobClient::new(&format!("http://127.0.0.1:{job_port}"), &token).expect("job client");
     let id = jobs
-        .submit(&JobSubmission { entrypoint: "regatta-example-driver --hold 300".into(), ..Default::default() })
+        .submit(&JobSubmission {
+            entrypoint: "regatta-example-driver --hold 300".into(),
+            ..Default::default()
+        })
         .await
         .expect("submit from the host");
-    let logs = eventually("the driver to finish its work and hold", Duration::from_secs(60), || async {
-        let logs = jobs.logs(&id).await.ok()?;
-        assert!(!logs.contains("job driver failed"), "{logs}");
-        logs.contains("holding").then_some(logs)
-    })
+    let logs = eventually(
+        "the driver to finish its work and hold",
+        Duration::from_secs(60),
+        || async {
+            let logs = jobs.logs(&id).await.ok()?;
+            assert!(!logs.contains("job driver failed"), "{logs}");
+            logs.contains("holding").then_some(logs)
+        },
+    )
     .await;
-    assert!(logs.contains("read back intact"), "an object moved between actors: {logs}");
+    assert!(
+        logs.contains("read back intact"),
+        "an object moved between actors: {logs}"
+    );
 
     let before = status(head_port, &token).expect("status");
-    let job_actors: Vec<_> = before.actors.iter().filter(|a| a.view.state == ActorState::Alive).collect();
+    let job_actors: Vec<_> = before
+        .actors
+        .iter()
+        .filter(|a| a.view.state == ActorState::Alive)
+        .collect();
     let used: std::collections::BTreeSet<_> = job_actors.iter().filter_map(|a| a.view.node.clone()).collect();
     assert_eq!(used.len(), 2, "the job's actors run on both workers: {job_actors:?}");
     let victim = before
@@ -140,17 +185,30 @@ async fn compose_cluster_runs_a_job_and_survives_a_stopped_worker() {
         .find(|a| a.view.kind == "counter" && a.view.state == ActorState::Alive)
         .expect("a counter");
     let victim_node = victim.view.node.clone().expect("placed");
-    let (service, survivor) = if victim_node == "gpu-worker" { ("worker-gpu", cpu_worker.clone()) } else { ("worker", "gpu-worker".to_string()) };
+    let (service, survivor) = if victim_node == "gpu-worker" {
+        ("worker-gpu", cpu_worker.clone())
+    } else {
+        ("worker", "gpu-worker".to_string())
+    };
     run(&mut compose.command(&["stop", "--timeout", "2", service]));
 
-    let after = eventually("the head to report the node dead and restart its actors", Duration::from_secs(60), || async {
-        let status = status(head_port, &token)?;
-        let dead = status.nodes.iter().any(|n| n.name == victim_node && n.state == "dead");
-        let moved = status.actors.iter().find(|a| a.view.id == victim.view.id)?;
-        (dead && moved.view.state == ActorState::Alive && moved.view.node.as_deref() == Some(survivor.as_str())).then_some(status)
-    })
+    let after = eventually(
+        "the head to report the node dead and restart its actors",
+        Duration::from_secs(60),
+        || async {
+            let status = status(head_port, &token)?;
+            let dead = status.nodes.iter().any(|n| n.name == victim_node && n.state == "dead");
+            let moved = status.actors.iter().find(|a| a.view.id == victim.view.id)?;
+            (dead && moved.view.state == ActorState::Alive && moved.view.node.as_deref() == Some(survivor.as_str()))
+                .then_some(status)
+        },
+    )
     .await;
-    let moved = after.actors.iter().find(|a| a.view.id == victim.view.id).expect("victim listed");
+    let moved = after
+        .actors
+        .iter()
+        .find(|a| a.view.id == victim.view.id)
+        .expect("victim listed");
     assert!(moved.view.restarts >= 1, "{moved:?}");
     assert_eq!(jobs.status(&id).await.expect("status").status, JobStatus::Running);
     assert!(jobs.stop(&id).await.expect("stop"));

@@ -13,7 +13,11 @@ use support::{eventually, TestCluster};
 fn job_driver() -> PathBuf {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_regatta"));
     let path = bin.parent().expect("target dir").join("examples").join("job_driver");
-    assert!(path.is_file(), "build the examples first (cargo test builds them): {}", path.display());
+    assert!(
+        path.is_file(),
+        "build the examples first (cargo test builds them): {}",
+        path.display()
+    );
     path
 }
 
@@ -22,14 +26,19 @@ fn jobs(cluster: &TestCluster) -> JobClient {
 }
 
 fn submission(entrypoint: &str) -> JobSubmission {
-    JobSubmission { entrypoint: entrypoint.to_string(), ..Default::default() }
+    JobSubmission {
+        entrypoint: entrypoint.to_string(),
+        ..Default::default()
+    }
 }
 
 /// A raw HTTP/1.1 request: (status, body).
 fn http(base: &str, method: &str, path: &str, token: Option<&str>, body: &[u8]) -> (u16, String) {
     let host = base.trim_start_matches("http://");
     let mut stream = std::net::TcpStream::connect(host).expect("connect to the job API");
-    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
     let head = format!(
         "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
@@ -51,17 +60,35 @@ async fn two_workers() -> TestCluster {
 async fn a_job_uses_actors_and_objects_and_its_actors_and_objects_go_when_it_ends() {
     let cluster = two_workers().await;
     let api = jobs(&cluster);
-    let id = api.submit(&submission(&job_driver().to_string_lossy())).await.expect("submit");
+    let id = api
+        .submit(&submission(&job_driver().to_string_lossy()))
+        .await
+        .expect("submit");
     let record = api.wait(&id, Duration::from_millis(100)).await.expect("wait");
     let logs = api.logs(&id).await.expect("logs");
     assert_eq!(record.status, JobStatus::Succeeded, "{record:?}\n{logs}");
     assert_eq!(record.driver_exit_code, Some(0));
     assert!(record.start_time.is_some() && record.end_time >= record.start_time);
-    assert!(logs.contains("read back intact") && logs.contains("job driver done"), "{logs}");
-    assert!(logs.contains(&format!("driver of job Some(\"{id}\")")), "the driver knows its job: {logs}");
+    assert!(
+        logs.contains("read back intact") && logs.contains("job driver done"),
+        "{logs}"
+    );
+    assert!(
+        logs.contains(&format!("driver of job Some(\"{id}\")")),
+        "the driver knows its job: {logs}"
+    );
     let status = cluster.client.status().await.expect("status");
-    let job_actors: Vec<_> = status.actors.iter().filter(|a| matches!(&a.view.state, ActorState::Dead { cause } if cause == &format!("job {id} ended"))).collect();
-    assert_eq!(job_actors.len(), 4, "the job's 4 actors were cleaned up: {:?}", status.actors);
+    let job_actors: Vec<_> = status
+        .actors
+        .iter()
+        .filter(|a| matches!(&a.view.state, ActorState::Dead { cause } if cause == &format!("job {id} ended")))
+        .collect();
+    assert_eq!(
+        job_actors.len(),
+        4,
+        "the job's 4 actors were cleaned up: {:?}",
+        status.actors
+    );
     eventually("the job's objects to be freed", Duration::from_secs(5), || async {
         (cluster.client.status().await.ok()?.objects.objects == 0).then_some(())
     })
@@ -80,7 +107,9 @@ async fn a_failing_driver_marks_the_job_failed_with_its_exit_code() {
 }
 
 fn group_alive(pgid: u32) -> bool {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return false };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return false;
+    };
     entries.flatten().any(|entry| {
         let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
         // Fields after the command name: state, ppid, pgrp.
@@ -105,11 +134,21 @@ async fn stopping_a_job_ends_its_process_group_and_its_actors() {
     assert!(api.stop(&id).await.expect("stop"), "a running job is stopped");
     let record = api.wait(&id, Duration::from_millis(50)).await.expect("wait");
     assert_eq!(record.status, JobStatus::Stopped);
-    eventually("the whole process group to exit", Duration::from_secs(10), || async { (!group_alive(pid)).then_some(()) }).await;
+    eventually("the whole process group to exit", Duration::from_secs(10), || async {
+        (!group_alive(pid)).then_some(())
+    })
+    .await;
     let status = cluster.client.status().await.expect("status");
-    let live = status.actors.iter().filter(|a| !matches!(a.view.state, ActorState::Dead { .. })).count();
+    let live = status
+        .actors
+        .iter()
+        .filter(|a| !matches!(a.view.state, ActorState::Dead { .. }))
+        .count();
     assert_eq!(live, 0, "the stopped job's actors are gone: {:?}", status.actors);
-    assert!(!api.stop(&id).await.expect("second stop"), "stopping a finished job is a no-op");
+    assert!(
+        !api.stop(&id).await.expect("second stop"),
+        "stopping a finished job is a no-op"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -124,8 +163,17 @@ async fn the_job_list_survives_a_head_restart() {
     })
     .await;
     cluster.local.restart_head().expect("restart head");
-    let listed = eventually("the restarted head's job API", Duration::from_secs(15), || async { api.list().await.ok() }).await;
-    let find = |id: &str| listed.iter().find(|r| r.submission_id == id).cloned().expect("job listed");
+    let listed = eventually("the restarted head's job API", Duration::from_secs(15), || async {
+        api.list().await.ok()
+    })
+    .await;
+    let find = |id: &str| {
+        listed
+            .iter()
+            .find(|r| r.submission_id == id)
+            .cloned()
+            .expect("job listed")
+    };
     assert_eq!(find(&done).status, JobStatus::Succeeded);
     let lost = find(&running);
     assert_eq!(lost.status, JobStatus::Failed);
@@ -146,11 +194,41 @@ async fn requests_without_the_token_get_401_and_bad_input_gets_a_4xx_that_says_w
 
     let cases: Vec<(&str, &str, Vec<u8>, u16, &str)> = vec![
         ("POST", "/api/jobs", b"{not json".to_vec(), 400, "malformed"),
-        ("POST", "/api/jobs", br#"{"metadata": {}}"#.to_vec(), 400, "missing field `entrypoint`"),
-        ("POST", "/api/jobs", br#"{"entrypoint": ""}"#.to_vec(), 400, "entrypoint is empty"),
-        ("POST", "/api/jobs", br#"{"entrypoint": "true", "submission_id": "../../etc/passwd"}"#.to_vec(), 400, "not allowed"),
-        ("POST", "/api/jobs", br#"{"entrypoint": "true", "runtime_env": {"working_dir": "/no/such/dir"}}"#.to_vec(), 400, "not a directory"),
-        ("POST", "/api/jobs", br#"{"entrypoint": "true", "entrypoint_resources": {"GPU": 64}}"#.to_vec(), 200, "submission_id"),
+        (
+            "POST",
+            "/api/jobs",
+            br#"{"metadata": {}}"#.to_vec(),
+            400,
+            "missing field `entrypoint`",
+        ),
+        (
+            "POST",
+            "/api/jobs",
+            br#"{"entrypoint": ""}"#.to_vec(),
+            400,
+            "entrypoint is empty",
+        ),
+        (
+            "POST",
+            "/api/jobs",
+            br#"{"entrypoint": "true", "submission_id": "../../etc/passwd"}"#.to_vec(),
+            400,
+            "not allowed",
+        ),
+        (
+            "POST",
+            "/api/jobs",
+            br#"{"entrypoint": "true", "runtime_env": {"working_dir": "/no/such/dir"}}"#.to_vec(),
+            400,
+            "not a directory",
+        ),
+        (
+            "POST",
+            "/api/jobs",
+            br#"{"entrypoint": "true", "entrypoint_resources": {"GPU": 64}}"#.to_vec(),
+            200,
+            "submission_id",
+        ),
         ("POST", "/api/jobs", vec![b' '; 2 << 20], 413, "limit"),
         ("GET", "/api/jobs/nope", vec![], 404, "no job with id 'nope'"),
         ("GET", "/api/jobs/nope/logs", vec![], 404, "no job"),
@@ -168,16 +246,29 @@ async fn requests_without_the_token_get_401_and_bad_input_gets_a_4xx_that_says_w
     dup.submission_id = Some("same-id".into());
     api.submit(&dup).await.expect("first");
     let err = api.submit(&dup).await.err().expect("duplicate id");
-    assert!(err.to_string().contains("409") && err.to_string().contains("already exists"), "{err}");
-    let err = api.delete("same-id").await.err().expect("running job cannot be deleted");
+    assert!(
+        err.to_string().contains("409") && err.to_string().contains("already exists"),
+        "{err}"
+    );
+    let err = api
+        .delete("same-id")
+        .await
+        .err()
+        .expect("running job cannot be deleted");
     assert!(err.to_string().contains("stop it before deleting"), "{err}");
     api.stop("same-id").await.expect("stop");
     api.delete("same-id").await.expect("delete");
     assert!(matches!(api.status("same-id").await, Err(Error::JobUnknown(_))));
     // An infeasible driver reservation fails the job with the reason.
     let listed = api.list().await.expect("list");
-    let gpu_job = listed.iter().find(|r| r.entrypoint_resources.contains("GPU=64")).expect("GPU job listed");
-    let record = api.wait(&gpu_job.submission_id, Duration::from_millis(50)).await.expect("wait");
+    let gpu_job = listed
+        .iter()
+        .find(|r| r.entrypoint_resources.contains("GPU=64"))
+        .expect("GPU job listed");
+    let record = api
+        .wait(&gpu_job.submission_id, Duration::from_millis(50))
+        .await
+        .expect("wait");
     assert_eq!(record.status, JobStatus::Failed);
     assert!(record.message.contains("GPU"), "{}", record.message);
     let (status, _) = http(&base, "GET", "/api/jobs", Some(&token), b"");
@@ -196,11 +287,30 @@ async fn the_cli_submits_follows_and_manages_jobs() {
             .output()
             .expect("run regatta")
     };
-    let out = cli(&["job", "submit", "--", "sh", "-c", "echo 'hello from the driver'; exit 4"]);
+    let out = cli(&[
+        "job",
+        "submit",
+        "--",
+        "sh",
+        "-c",
+        "echo 'hello from the driver'; exit 4",
+    ]);
     assert_eq!(out.status.code(), Some(4), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("hello from the driver"));
 
-    let out = cli(&["job", "submit", "--no-wait", "--submission-id", "cli-job", "--env", "WHO=cli", "--", "sh", "-c", "echo hi $WHO"]);
+    let out = cli(&[
+        "job",
+        "submit",
+        "--no-wait",
+        "--submission-id",
+        "cli-job",
+        "--env",
+        "WHO=cli",
+        "--",
+        "sh",
+        "-c",
+        "echo hi $WHO",
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "cli-job");
     let follow = cli(&["job", "logs", "--follow", "cli-job"]);
@@ -212,7 +322,11 @@ async fn the_cli_submits_follows_and_manages_jobs() {
     assert!(cli(&["job", "delete", "cli-job"]).status.success());
     let gone = cli(&["job", "status", "cli-job"]);
     assert!(!gone.status.success());
-    assert!(String::from_utf8_lossy(&gone.stderr).contains("unknown job"), "{}", String::from_utf8_lossy(&gone.stderr));
+    assert!(
+        String::from_utf8_lossy(&gone.stderr).contains("unknown job"),
+        "{}",
+        String::from_utf8_lossy(&gone.stderr)
+    );
 
     let unreachable = Command::new(regatta)
         .args(["job", "list", "--address", "http://127.0.0.1:1"])

@@ -44,7 +44,11 @@ fn start_prometheus(head_metrics: &str) -> Prometheus {
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: regatta\n    http_sd_configs:\n      - url: {head_metrics}/api/prometheus/sd\n        refresh_interval: 1s\n"
     );
     std::fs::write(dir.join("prometheus.yml"), config).expect("write config");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("port")
+        .local_addr()
+        .expect("addr")
+        .port();
     let log = std::fs::File::create(dir.join("prometheus.log")).expect("log");
     let child = Command::new(prometheus_binary())
         .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
@@ -54,7 +58,10 @@ fn start_prometheus(head_metrics: &str) -> Prometheus {
         .stderr(log)
         .spawn()
         .expect("start prometheus");
-    Prometheus { child, address: format!("http://127.0.0.1:{port}") }
+    Prometheus {
+        child,
+        address: format!("http://127.0.0.1:{port}"),
+    }
 }
 
 fn query(prometheus: &Prometheus, expr: &str) -> Option<Vec<Value>> {
@@ -69,12 +76,21 @@ fn query(prometheus: &Prometheus, expr: &str) -> Option<Vec<Value>> {
 fn dashboard_queries(dir: &Path) -> Vec<(String, String, String)> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).expect("dashboards dir").flatten() {
-        let board: Value = serde_json::from_str(&std::fs::read_to_string(entry.path()).expect("read")).expect("dashboard JSON");
+        let board: Value =
+            serde_json::from_str(&std::fs::read_to_string(entry.path()).expect("read")).expect("dashboard JSON");
         let title = board["title"].as_str().unwrap_or_default().to_string();
         for panel in board["panels"].as_array().expect("panels") {
             for target in panel["targets"].as_array().expect("targets") {
-                let expr = target["expr"].as_str().expect("expr").replace("$__rate_interval", "30s").replace("$__interval", "5s");
-                out.push((title.clone(), panel["title"].as_str().unwrap_or_default().to_string(), expr));
+                let expr = target["expr"]
+                    .as_str()
+                    .expect("expr")
+                    .replace("$__rate_interval", "30s")
+                    .replace("$__interval", "5s");
+                out.push((
+                    title.clone(),
+                    panel["title"].as_str().unwrap_or_default().to_string(),
+                    expr,
+                ));
             }
         }
     }
@@ -83,7 +99,8 @@ fn dashboard_queries(dir: &Path) -> Vec<(String, String, String)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_panel_returns_data_from_a_real_prometheus() {
-    let w1 = WorkerSpec::new("w1", "CPU=4,GPU=2,accelerator_type:H100=1,pin:w1=1").args(&["--object-store-bytes", "24MiB"]);
+    let w1 =
+        WorkerSpec::new("w1", "CPU=4,GPU=2,accelerator_type:H100=1,pin:w1=1").args(&["--object-store-bytes", "24MiB"]);
     let w2 = WorkerSpec::new("w2", "CPU=4,pin:w2=1");
     let cluster = TestCluster::start_specs(vec![w1, w2], &[]).await;
     let prometheus = start_prometheus(&cluster.local.metrics_address);
@@ -92,35 +109,63 @@ async fn every_dashboard_panel_returns_data_from_a_real_prometheus() {
     // calls, a placement group, objects moved and spilled, a finished job.
     let client = &cluster.client;
     let echo = client
-        .spawn::<Echo>("hi ".into(), ActorOptions::new().resources(Resources::parse_request("GPU=1,accelerator_type:H100").expect("req")))
+        .spawn::<Echo>(
+            "hi ".into(),
+            ActorOptions::new().resources(Resources::parse_request("GPU=1,accelerator_type:H100").expect("req")),
+        )
         .await
         .expect("gpu actor");
-    let counter = client.spawn::<Counter>(0, ActorOptions::new().max_restarts(1)).await.expect("counter");
+    let counter = client
+        .spawn::<Counter>(0, ActorOptions::new().max_restarts(1))
+        .await
+        .expect("counter");
     let group = client
-        .create_placement_group(vec![Resources::parse_request("CPU=1").expect("req"); 2], Strategy::StrictSpread)
+        .create_placement_group(
+            vec![Resources::parse_request("CPU=1").expect("req"); 2],
+            Strategy::StrictSpread,
+        )
         .await
         .expect("group");
     group.ready(Duration::from_secs(10)).await.expect("group ready");
-    let pin = |node: &str| ActorOptions::new().resources(Resources::parse_request(&format!("pin:{node}")).expect("req"));
+    let pin =
+        |node: &str| ActorOptions::new().resources(Resources::parse_request(&format!("pin:{node}")).expect("req"));
     let a = client.spawn::<Store>((), pin("w1")).await.expect("store a");
     let b = client.spawn::<Store>((), pin("w2")).await.expect("store b");
     let jobs = JobClient::new(&cluster.local.job_address, &cluster.local.token).expect("job client");
-    let job = jobs.submit(&JobSubmission { entrypoint: "echo metrics".into(), ..Default::default() }).await.expect("job");
+    let job = jobs
+        .submit(&JobSubmission {
+            entrypoint: "echo metrics".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("job");
     jobs.wait(&job, Duration::from_millis(50)).await.expect("job ends");
     // Keep traffic flowing while Prometheus scrapes, so rates have something to show.
     for round in 0..12u64 {
         echo.call("x".into()).await.expect("echo");
         counter.call(CounterOp::Add(1)).await.expect("count");
-        if let StoreReply::Put { reference, .. } = a.call(StoreOp::Put { size: 10 << 20, seed: round, keep: true }).await.expect("put") {
+        if let StoreReply::Put { reference, .. } = a
+            .call(StoreOp::Put {
+                size: 10 << 20,
+                seed: round,
+                keep: true,
+            })
+            .await
+            .expect("put")
+        {
             b.call(StoreOp::Get(reference)).await.expect("get");
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
-    let up = eventually("Prometheus to discover and scrape head and both workers", Duration::from_secs(60), || async {
-        let series = query(&prometheus, "up == 1")?;
-        (series.len() == 3).then_some(series)
-    })
+    let up = eventually(
+        "Prometheus to discover and scrape head and both workers",
+        Duration::from_secs(60),
+        || async {
+            let series = query(&prometheus, "up == 1")?;
+            (series.len() == 3).then_some(series)
+        },
+    )
     .await;
     let nodes: Vec<&str> = up.iter().filter_map(|s| s["metric"]["regatta_node"].as_str()).collect();
     for node in ["head", "w1", "w2"] {
@@ -131,19 +176,31 @@ async fn every_dashboard_panel_returns_data_from_a_real_prometheus() {
     let queries = dashboard_queries(&dir);
     assert!(queries.len() >= 20, "dashboards hold {} queries", queries.len());
     for (board, panel, expr) in &queries {
-        eventually(&format!("data for '{board}' / '{panel}': {expr}"), Duration::from_secs(30), || async {
-            query(&prometheus, expr).filter(|series| !series.is_empty()).map(|_| ())
-        })
+        eventually(
+            &format!("data for '{board}' / '{panel}': {expr}"),
+            Duration::from_secs(30),
+            || async { query(&prometheus, expr).filter(|series| !series.is_empty()).map(|_| ()) },
+        )
         .await;
     }
     // The figures are real, not just present.
     let gpu_used = query(&prometheus, "regatta_node_resources_used{node=\"w1\",resource=\"GPU\"}").expect("query");
-    assert_eq!(gpu_used.len(), 1, "one series, labelled with the node itself: {gpu_used:?}");
+    assert_eq!(
+        gpu_used.len(),
+        1,
+        "one series, labelled with the node itself: {gpu_used:?}"
+    );
     assert_eq!(gpu_used[0]["value"][1].as_str(), Some("1"), "{gpu_used:?}");
     let clashes = query(&prometheus, "count({exported_node=~\".+\"})").expect("query");
-    assert!(clashes.is_empty(), "no label clashes between targets and series: {clashes:?}");
+    assert!(
+        clashes.is_empty(),
+        "no label clashes between targets and series: {clashes:?}"
+    );
     let spills = query(&prometheus, "sum(regatta_object_spills_total)").expect("query");
-    let spilled: f64 = spills[0]["value"][1].as_str().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    let spilled: f64 = spills[0]["value"][1]
+        .as_str()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
     assert!(spilled >= 1.0, "a 24 MiB store holding 120 MiB spilled: {spills:?}");
     let succeeded = query(&prometheus, "regatta_jobs{state=\"SUCCEEDED\"}").expect("query");
     assert_eq!(succeeded[0]["value"][1].as_str(), Some("1"));

@@ -21,7 +21,10 @@ async fn store_on(cluster: &TestCluster, node: &str) -> ActorHandle<Store> {
         .spawn::<Store>((), ActorOptions::new().resources(resources))
         .await
         .expect("spawn store actor");
-    actor.wait_ready(Duration::from_secs(30)).await.expect("store actor ready");
+    actor
+        .wait_ready(Duration::from_secs(30))
+        .await
+        .expect("store actor ready");
     actor
 }
 
@@ -30,14 +33,20 @@ fn worker(name: &str) -> WorkerSpec {
 }
 
 async fn put(actor: &ActorHandle<Store>, size: u64, seed: u64) -> (ObjectRef<Bytes>, u128) {
-    match actor.call_timeout(StoreOp::Put { size, seed, keep: true }, Duration::from_secs(300)).await {
+    match actor
+        .call_timeout(StoreOp::Put { size, seed, keep: true }, Duration::from_secs(300))
+        .await
+    {
         Ok(StoreReply::Put { reference, digest }) => (reference, digest),
         other => panic!("put of {size} bytes: {other:?}"),
     }
 }
 
 async fn get(actor: &ActorHandle<Store>, reference: &ObjectRef<Bytes>) -> regatta::Result<(u64, u128)> {
-    match actor.call_timeout(StoreOp::Get(reference.clone()), Duration::from_secs(300)).await? {
+    match actor
+        .call_timeout(StoreOp::Get(reference.clone()), Duration::from_secs(300))
+        .await?
+    {
         StoreReply::Got { len, digest } => Ok((len, digest)),
         other => panic!("unexpected reply {other:?}"),
     }
@@ -75,14 +84,15 @@ async fn two_hundred_concurrent_gets_of_one_object_from_several_nodes_agree() {
     let (b, c) = (store_on(&cluster, "w2").await, store_on(&cluster, "w3").await);
     let remote = |actor: ActorHandle<Store>, count| {
         let reference = reference.clone();
-        async move { actor.call_timeout(StoreOp::GetMany(reference, count), Duration::from_secs(120)).await }
+        async move {
+            actor
+                .call_timeout(StoreOp::GetMany(reference, count), Duration::from_secs(120))
+                .await
+        }
     };
     let driver_gets = (0..60).map(|_| cluster.client.get_bytes(&reference));
-    let (on_b, on_c, on_driver) = tokio::join!(
-        remote(b, 70),
-        remote(c, 70),
-        futures::future::try_join_all(driver_gets)
-    );
+    let (on_b, on_c, on_driver) =
+        tokio::join!(remote(b, 70), remote(c, 70), futures::future::try_join_all(driver_gets));
     for reply in [on_b.expect("w2 gets"), on_c.expect("w3 gets")] {
         match reply {
             StoreReply::Got { len, digest } => assert_eq!((len, digest), (16 * MIB, expected)),
@@ -101,7 +111,10 @@ async fn spill_and_restore(cluster: &TestCluster) {
         objects.push(put(&a, 16 * MIB, 100 + seed).await);
     }
     let spilled = stats(&a).await;
-    assert!(spilled.spills >= 2, "a 40 MiB store holding 80 MiB must spill: {spilled:?}");
+    assert!(
+        spilled.spills >= 2,
+        "a 40 MiB store holding 80 MiB must spill: {spilled:?}"
+    );
     assert!(spilled.bytes_in_memory <= 40 * MIB, "{spilled:?}");
     let status = cluster.client.status().await.expect("status");
     assert!(status.objects.spilled_objects >= 2, "{:?}", status.objects);
@@ -111,7 +124,14 @@ async fn spill_and_restore(cluster: &TestCluster) {
     assert!(stats(&b).await.restores >= 2, "w2 restored the spilled copies");
     // An object larger than the whole store fits nowhere: a clear error, nothing grows.
     let too_big = a
-        .call_timeout(StoreOp::Put { size: 64 * MIB, seed: 0, keep: true }, Duration::from_secs(60))
+        .call_timeout(
+            StoreOp::Put {
+                size: 64 * MIB,
+                seed: 0,
+                keep: true,
+            },
+            Duration::from_secs(60),
+        )
         .await
         .err()
         .expect("64 MiB cannot fit a 40 MiB store");
@@ -149,7 +169,9 @@ impl Drop for Moto {
 fn moto_server() -> std::path::PathBuf {
     let candidates = [
         std::env::var("REGATTA_MOTO_SERVER").ok(),
-        std::env::var("HOME").ok().map(|h| format!("{h}/.cache/regatta/test-venv/bin/moto_server")),
+        std::env::var("HOME")
+            .ok()
+            .map(|h| format!("{h}/.cache/regatta/test-venv/bin/moto_server")),
     ];
     for candidate in candidates.into_iter().flatten() {
         if std::path::Path::new(&candidate).is_file() {
@@ -160,7 +182,11 @@ fn moto_server() -> std::path::PathBuf {
 }
 
 async fn start_moto(bucket: &str) -> Moto {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("port").local_addr().expect("addr").port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("port")
+        .local_addr()
+        .expect("addr")
+        .port();
     let child = std::process::Command::new(moto_server())
         .args(["-H", "127.0.0.1", "-p", &port.to_string()])
         .stdout(std::process::Stdio::null())
@@ -170,7 +196,8 @@ async fn start_moto(bucket: &str) -> Moto {
     let endpoint = format!("http://127.0.0.1:{port}");
     let moto = Moto { child, endpoint };
     let address = format!("127.0.0.1:{port}");
-    let request = format!("PUT /{bucket} HTTP/1.1\r\nHost: {address}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    let request =
+        format!("PUT /{bucket} HTTP/1.1\r\nHost: {address}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
     eventually("moto to create the bucket", Duration::from_secs(30), || {
         let (address, request) = (address.clone(), request.clone());
         async move {
@@ -196,7 +223,12 @@ async fn a_full_store_spills_to_an_s3_compatible_server_and_restores_byte_exact(
             .env("AWS_SECRET_ACCESS_KEY", "test")
             .env("AWS_REGION", "us-east-1")
     };
-    let w1 = s3(worker("w1")).args(&["--object-store-bytes", "40MiB", "--spill-url", "s3://regatta-spill/objects"]);
+    let w1 = s3(worker("w1")).args(&[
+        "--object-store-bytes",
+        "40MiB",
+        "--spill-url",
+        "s3://regatta-spill/objects",
+    ]);
     let cluster = TestCluster::start_specs(vec![w1, s3(worker("w2"))], &[]).await;
     spill_and_restore(&cluster).await;
 }
@@ -216,12 +248,26 @@ async fn a_killed_holder_loses_memory_only_objects_but_spilled_copies_still_serv
     cluster.local.kill_worker(0).expect("kill w1");
     cluster.wait_node_state("w1", "dead", Duration::from_secs(10)).await;
     let b = store_on(&cluster, "w2").await;
-    assert_eq!(get(&b, &spilled).await.expect("spilled copy serves"), (16 * MIB, spilled_digest));
+    assert_eq!(
+        get(&b, &spilled).await.expect("spilled copy serves"),
+        (16 * MIB, spilled_digest)
+    );
     let err = get(&b, &memory_only).await.err().expect("memory-only object is lost");
     let text = err.to_string();
-    assert!(text.contains("lost") && text.contains("w1") && text.contains(&memory_only.id().to_string()), "{text}");
-    let direct = cluster.client.get_bytes(&memory_only).await.err().expect("lost for the driver too");
-    assert!(matches!(direct, Error::ObjectLost { ref node, .. } if node == "w1"), "{direct:?}");
+    assert!(
+        text.contains("lost") && text.contains("w1") && text.contains(&memory_only.id().to_string()),
+        "{text}"
+    );
+    let direct = cluster
+        .client
+        .get_bytes(&memory_only)
+        .await
+        .err()
+        .expect("lost for the driver too");
+    assert!(
+        matches!(direct, Error::ObjectLost { ref node, .. } if node == "w1"),
+        "{direct:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -242,7 +288,10 @@ async fn memory_returns_near_baseline_once_every_reference_is_dropped() {
     let baseline = support::rss_bytes(pid);
     let (reference, _) = put(&a, 1024 * MIB, 5).await;
     let loaded = support::rss_bytes(pid);
-    assert!(loaded > baseline + 900 * MIB, "the object is resident: {baseline} -> {loaded}");
+    assert!(
+        loaded > baseline + 900 * MIB,
+        "the object is resident: {baseline} -> {loaded}"
+    );
     a.call(StoreOp::DropAll).await.expect("drop");
     eventually("memory to return near baseline", Duration::from_secs(15), || async {
         (support::rss_bytes(pid) < baseline + 150 * MIB).then_some(())
@@ -260,10 +309,17 @@ async fn driver_put_wait_and_free() {
     assert_eq!(cluster.client.get(&reference).await.expect("get"), value);
     let b = store_on(&cluster, "w1").await;
     let raw = cluster.client.put_bytes(pattern(3000, 1)).await.expect("put bytes");
-    assert_eq!(get(&b, &raw).await.expect("worker reads driver object"), (3000, digest(&pattern(3000, 1))));
+    assert_eq!(
+        get(&b, &raw).await.expect("worker reads driver object"),
+        (3000, digest(&pattern(3000, 1)))
+    );
     let (ready, waiting) = cluster
         .client
-        .wait(&[raw.clone(), ObjectRef::from_id(regatta::ObjectId(42))], 1, Duration::from_millis(300))
+        .wait(
+            &[raw.clone(), ObjectRef::from_id(regatta::ObjectId(42))],
+            1,
+            Duration::from_millis(300),
+        )
         .await
         .expect("wait");
     assert_eq!((ready.len(), waiting.len()), (1, 1));

@@ -20,7 +20,10 @@ async fn assert_cluster_works(cluster: &TestCluster, nodes: usize) {
         .spawn::<Counter>(41, ActorOptions::new())
         .await
         .expect("spawn still works");
-    assert_eq!(counter.call(CounterOp::Add(1)).await.expect("call still works"), CounterReply::Total(42));
+    assert_eq!(
+        counter.call(CounterOp::Add(1)).await.expect("call still works"),
+        CounterReply::Total(42)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -57,15 +60,28 @@ async fn a_worker_with_the_wrong_token_is_refused_and_both_sides_log_it() {
     };
     assert_eq!(code, Some(2), "a refused token exits with status 2");
     let worker_log = cluster.local.log("intruder");
-    assert!(worker_log.contains("cluster token does not match"), "worker log:\n{worker_log}");
+    assert!(
+        worker_log.contains("cluster token does not match"),
+        "worker log:\n{worker_log}"
+    );
     let head_log = cluster.local.log("head");
-    assert!(head_log.contains("did not prove the cluster token"), "head log:\n{head_log}");
+    assert!(
+        head_log.contains("did not prove the cluster token"),
+        "head log:\n{head_log}"
+    );
 
     let client = Client::connect(&cluster.local.address, "also-wrong").await;
-    assert!(matches!(client, Err(Error::TokenRefused { .. })), "client with a wrong token: {:?}", client.err());
+    assert!(
+        matches!(client, Err(Error::TokenRefused { .. })),
+        "client with a wrong token: {:?}",
+        client.err()
+    );
 
     let status = cluster.client.status().await.expect("status");
-    assert!(status.nodes.iter().all(|n| n.name != "intruder"), "the intruder never joined");
+    assert!(
+        status.nodes.iter().all(|n| n.name != "intruder"),
+        "the intruder never joined"
+    );
     assert_cluster_works(&cluster, 1).await;
 }
 
@@ -121,22 +137,41 @@ async fn garbage_bytes_and_bad_frames_on_any_node_port_are_survived() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn well_formed_messages_of_the_wrong_type_get_an_error_reply() {
     let cluster = TestCluster::start(&[("w1", "CPU=2")]).await;
-    let counter = cluster.client.spawn::<Counter>(0, ActorOptions::new()).await.expect("spawn");
+    let counter = cluster
+        .client
+        .spawn::<Counter>(0, ActorOptions::new())
+        .await
+        .expect("spawn");
     counter.call(CounterOp::Get).await.expect("alive");
-    let targets = ["head".to_string(), "agent/w1".to_string(), format!("actor/{}", counter.id())];
+    let targets = [
+        "head".to_string(),
+        "agent/w1".to_string(),
+        format!("actor/{}", counter.id()),
+    ];
     for target in &targets {
-        for junk in [vec![], vec![0xff; 3], vec![9, 0, 0, 0, 0, 0, 0, 0, 1, 2], b"{\"json\": true}".to_vec()] {
+        for junk in [
+            vec![],
+            vec![0xff; 3],
+            vec![9, 0, 0, 0, 0, 0, 0, 0, 1, 2],
+            b"{\"json\": true}".to_vec(),
+        ] {
             let reply = cluster.client.send_raw(target, junk.clone()).await;
             let reply = reply.unwrap_or_else(|e| panic!("{target} did not answer {junk:?}: {e}"));
             let text = String::from_utf8_lossy(&reply);
-            assert!(text.contains("could not decode"), "{target} answered {junk:?} with {text}");
+            assert!(
+                text.contains("could not decode"),
+                "{target} answered {junk:?} with {text}"
+            );
         }
     }
     // A typed handle of the wrong kind is refused before anything is sent.
     let wrong = cluster.client.handle::<regatta::kinds::Echo>(counter.id());
     let err = wrong.call("hi".into()).await.err().expect("kind mismatch");
     assert!(err.to_string().contains("is of kind 'counter', not 'echo'"), "{err}");
-    assert_eq!(counter.call(CounterOp::Add(3)).await.expect("actor survived"), CounterReply::Total(3));
+    assert_eq!(
+        counter.call(CounterOp::Add(3)).await.expect("actor survived"),
+        CounterReply::Total(3)
+    );
     assert_cluster_works(&cluster, 1).await;
 }
 
@@ -155,6 +190,12 @@ async fn workers_rejoin_a_restarted_head() {
     regatta::local::wait_for_nodes(&client, &names, Duration::from_secs(15))
         .await
         .expect("both workers registered again with the new head");
-    let counter = client.spawn::<Counter>(1, ActorOptions::new()).await.expect("spawn on the new head");
-    assert_eq!(counter.call(CounterOp::Get).await.expect("call"), CounterReply::Total(1));
+    let counter = client
+        .spawn::<Counter>(1, ActorOptions::new())
+        .await
+        .expect("spawn on the new head");
+    assert_eq!(
+        counter.call(CounterOp::Get).await.expect("call"),
+        CounterReply::Total(1)
+    );
 }

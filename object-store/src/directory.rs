@@ -207,7 +207,10 @@ impl Directory {
         let due: Vec<ObjectId> = self
             .objects
             .iter()
-            .filter(|(_, m)| m.unreferenced_since_ms.is_some_and(|since| now_ms.saturating_sub(since) >= grace))
+            .filter(|(_, m)| {
+                m.unreferenced_since_ms
+                    .is_some_and(|since| now_ms.saturating_sub(since) >= grace)
+            })
             .map(|(id, _)| *id)
             .collect();
         due.into_iter().filter_map(|id| self.free(id)).collect()
@@ -289,7 +292,14 @@ mod tests {
         assert!(dir.collect(5_000).is_empty(), "adopted within the grace period");
         dir.drop_ref(ObjectId(1), "w3", 6_000);
         let released = dir.collect(7_000);
-        assert_eq!(released, vec![Release { id: ObjectId(1), nodes: vec!["w1".into()], spilled: None }]);
+        assert_eq!(
+            released,
+            vec![Release {
+                id: ObjectId(1),
+                nodes: vec!["w1".into()],
+                spilled: None
+            }]
+        );
         assert_eq!(dir.locate(ObjectId(1)), Err(Missing::Unknown));
     }
 
@@ -303,15 +313,23 @@ mod tests {
         dir.remove_source(ObjectId(3), "w1");
         assert_eq!(dir.node_lost("w1", 0), vec![ObjectId(1)]);
         assert_eq!(dir.locate(ObjectId(1)), Err(Missing::Lost { node: "w1".into() }));
-        assert_eq!(dir.locate(ObjectId(2)).unwrap().sources, vec![("w2".into(), "a2".into())]);
-        assert_eq!(dir.locate(ObjectId(3)).unwrap().spilled.as_deref(), Some("file:///spill/3"));
+        assert_eq!(
+            dir.locate(ObjectId(2)).unwrap().sources,
+            vec![("w2".into(), "a2".into())]
+        );
+        assert_eq!(
+            dir.locate(ObjectId(3)).unwrap().spilled.as_deref(),
+            Some("file:///spill/3")
+        );
     }
 
     #[test]
     fn ending_a_job_frees_its_objects_and_their_spilled_copies() {
         let mut dir = Directory::new(0);
-        dir.put(ObjectId(1), 5, 0, "d", "w1", "a", Some("job-1".into())).unwrap();
-        dir.put(ObjectId(2), 5, 0, "d", "w1", "a", Some("job-2".into())).unwrap();
+        dir.put(ObjectId(1), 5, 0, "d", "w1", "a", Some("job-1".into()))
+            .unwrap();
+        dir.put(ObjectId(2), 5, 0, "d", "w1", "a", Some("job-2".into()))
+            .unwrap();
         dir.spilled(ObjectId(1), "w1", "file:///x");
         let released = dir.end_job("job-1");
         assert_eq!(released.len(), 1);

@@ -73,7 +73,12 @@ impl MemoryStore {
     /// Which objects to spill (least recently used first, never pinned ones) so that
     /// `size` more bytes fit; an error when even spilling everything unpinned is not enough.
     pub fn plan_room(&self, size: u64) -> Result<Vec<ObjectId>, NoRoom> {
-        let pinned: u64 = self.objects.values().filter(|e| e.pins > 0).map(|e| e.bytes.len() as u64).sum();
+        let pinned: u64 = self
+            .objects
+            .values()
+            .filter(|e| e.pins > 0)
+            .map(|e| e.bytes.len() as u64)
+            .sum();
         if size > self.capacity.saturating_sub(pinned) {
             return Err(NoRoom {
                 size,
@@ -178,7 +183,14 @@ mod tests {
         assert_eq!(store.plan_room(10).unwrap(), vec![ObjectId(3)]);
         assert_eq!(store.plan_room(20).unwrap(), vec![ObjectId(3), ObjectId(1)]);
         let err = store.plan_room(25).unwrap_err();
-        assert_eq!(err, NoRoom { size: 25, capacity: 30, pinned: 10 });
+        assert_eq!(
+            err,
+            NoRoom {
+                size: 25,
+                capacity: 30,
+                pinned: 10
+            }
+        );
         store.unpin(ObjectId(2));
         assert_eq!(store.plan_room(30).unwrap().len(), 3);
     }
@@ -197,6 +209,13 @@ mod tests {
         assert!(!store.insert(ObjectId(2), object(61)), "over capacity");
         assert_eq!(store.stats().bytes, 40);
         store.remove(ObjectId(1));
-        assert_eq!(store.stats(), MemoryStats { objects: 0, bytes: 0, capacity: 100 });
+        assert_eq!(
+            store.stats(),
+            MemoryStats {
+                objects: 0,
+                bytes: 0,
+                capacity: 100
+            }
+        );
     }
 }

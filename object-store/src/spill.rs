@@ -48,7 +48,10 @@ pub fn parse_spill_url(text: &str) -> Result<Url> {
     let url = Url::parse(text).map_err(|e| spill_err(text, format!("not a URL or absolute path: {e}")))?;
     match url.scheme() {
         "file" | "s3" => Ok(url),
-        other => Err(spill_err(text, format!("unsupported scheme '{other}'; use file:// or s3://"))),
+        other => Err(spill_err(
+            text,
+            format!("unsupported scheme '{other}'; use file:// or s3://"),
+        )),
     }
 }
 
@@ -58,8 +61,13 @@ fn open_store(url: &Url) -> Result<(Arc<dyn ObjectStore>, Path)> {
             let path = url
                 .to_file_path()
                 .map_err(|_| spill_err(url.as_str(), "not a local path"))?;
-            let dir = if url.as_str().ends_with('/') { path.clone() } else { path.parent().map(|p| p.to_path_buf()).unwrap_or(path.clone()) };
-            std::fs::create_dir_all(&dir).map_err(|e| spill_err(url.as_str(), format!("cannot create {}: {e}", dir.display())))?;
+            let dir = if url.as_str().ends_with('/') {
+                path.clone()
+            } else {
+                path.parent().map(|p| p.to_path_buf()).unwrap_or(path.clone())
+            };
+            std::fs::create_dir_all(&dir)
+                .map_err(|e| spill_err(url.as_str(), format!("cannot create {}: {e}", dir.display())))?;
             let store = LocalFileSystem::new();
             let object_path = Path::from(path.to_string_lossy().trim_start_matches('/'));
             Ok((Arc::new(store), object_path))
@@ -114,7 +122,10 @@ pub async fn restore(url: &str, id: ObjectId, size: u64, checksum: u32) -> Resul
     if bytes.len() as u64 != size || crc32(&bytes) != checksum {
         return Err(Error::Corrupt {
             id,
-            detail: format!("spilled copy at {url} has {} bytes or a bad CRC (expected {size} bytes)", bytes.len()),
+            detail: format!(
+                "spilled copy at {url} has {} bytes or a bad CRC (expected {size} bytes)",
+                bytes.len()
+            ),
         });
     }
     Ok(bytes)
@@ -144,7 +155,9 @@ mod tests {
         assert!(url.starts_with("file://"), "{url}");
         let back = restore(&url, id, bytes.len() as u64, crc32(&bytes)).await.unwrap();
         assert_eq!(back, bytes);
-        let err = restore(&url, id, bytes.len() as u64, crc32(&bytes) ^ 1).await.unwrap_err();
+        let err = restore(&url, id, bytes.len() as u64, crc32(&bytes) ^ 1)
+            .await
+            .unwrap_err();
         assert!(matches!(err, Error::Corrupt { .. }), "{err}");
         delete(&url).await.unwrap();
         delete(&url).await.unwrap();
@@ -154,8 +167,14 @@ mod tests {
 
     #[test]
     fn bad_spill_urls_are_refused_with_the_reason() {
-        assert!(parse_spill_url("relative/dir").unwrap_err().to_string().contains("absolute path"));
-        assert!(parse_spill_url("ftp://x/y").unwrap_err().to_string().contains("unsupported scheme"));
+        assert!(parse_spill_url("relative/dir")
+            .unwrap_err()
+            .to_string()
+            .contains("absolute path"));
+        assert!(parse_spill_url("ftp://x/y")
+            .unwrap_err()
+            .to_string()
+            .contains("unsupported scheme"));
         assert!(parse_spill_url("s3://bucket/prefix").is_ok());
     }
 }

@@ -62,7 +62,8 @@ pub fn endpoint(bind: SocketAddr, identity: &TlsIdentity) -> Result<Endpoint> {
         .map_err(|e| Error::Transfer(format!("client TLS config: {e}")))?;
     let mut client = quinn::ClientConfig::new(Arc::new(client_crypto));
     client.transport_config(transport());
-    let mut endpoint = Endpoint::server(server, bind).map_err(|e| Error::Transfer(format!("cannot bind UDP {bind}: {e}")))?;
+    let mut endpoint =
+        Endpoint::server(server, bind).map_err(|e| Error::Transfer(format!("cannot bind UDP {bind}: {e}")))?;
     endpoint.set_default_client_config(client);
     Ok(endpoint)
 }
@@ -153,7 +154,10 @@ impl Transfer {
         let mut status = [0u8; 1];
         recv.read_exact(&mut status).await.map_err(|e| io(&e))?;
         if status[0] != 1 {
-            return Err(Error::NotHeld { id, peer: peer.to_string() });
+            return Err(Error::NotHeld {
+                id,
+                peer: peer.to_string(),
+            });
         }
         let mut header = [0u8; 12];
         recv.read_exact(&mut header).await.map_err(|e| io(&e))?;
@@ -170,20 +174,30 @@ impl Transfer {
         while filled < length {
             let mut chunk_header = [0u8; 8];
             recv.read_exact(&mut chunk_header).await.map_err(|e| io(&e))?;
-            let chunk_len = u32::from_le_bytes([chunk_header[0], chunk_header[1], chunk_header[2], chunk_header[3]]) as usize;
+            let chunk_len =
+                u32::from_le_bytes([chunk_header[0], chunk_header[1], chunk_header[2], chunk_header[3]]) as usize;
             let chunk_crc = u32::from_le_bytes([chunk_header[4], chunk_header[5], chunk_header[6], chunk_header[7]]);
             if chunk_len == 0 || chunk_len > CHUNK_BYTES || filled + chunk_len > length {
-                return Err(Error::Corrupt { id, detail: format!("bad chunk length {chunk_len} at offset {filled}") });
+                return Err(Error::Corrupt {
+                    id,
+                    detail: format!("bad chunk length {chunk_len} at offset {filled}"),
+                });
             }
             let slot = &mut buffer[filled..filled + chunk_len];
             recv.read_exact(slot).await.map_err(|e| io(&e))?;
             if crc32(slot) != chunk_crc {
-                return Err(Error::Corrupt { id, detail: format!("chunk at offset {filled} from {peer} fails its CRC") });
+                return Err(Error::Corrupt {
+                    id,
+                    detail: format!("chunk at offset {filled} from {peer} fails its CRC"),
+                });
             }
             filled += chunk_len;
         }
         if crc32(&buffer) != checksum {
-            return Err(Error::Corrupt { id, detail: format!("whole-object CRC mismatch from {peer}") });
+            return Err(Error::Corrupt {
+                id,
+                detail: format!("whole-object CRC mismatch from {peer}"),
+            });
         }
         Ok(Bytes::from(buffer))
     }
@@ -285,7 +299,10 @@ mod tests {
         assert!(matches!(missing, Error::NotHeld { .. }), "{missing}");
 
         let stranger = node("another-token");
-        let refused = stranger.fetch(addr, id, bytes.len() as u64, crc32(&bytes)).await.unwrap_err();
+        let refused = stranger
+            .fetch(addr, id, bytes.len() as u64, crc32(&bytes))
+            .await
+            .unwrap_err();
         assert!(refused.to_string().contains("handshake"), "{refused}");
     }
 

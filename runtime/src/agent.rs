@@ -48,7 +48,12 @@ impl Actor for Agent {
         })
     }
 
-    async fn handle(&self, myself: ActorRef<Wire>, message: Wire, state: &mut AgentState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        myself: ActorRef<Wire>,
+        message: Wire,
+        state: &mut AgentState,
+    ) -> Result<(), ActorProcessingErr> {
         match message {
             Wire::Call(bytes, port) => match wire::decode::<AgentRequest>(&bytes, "an agent request") {
                 Ok(request) => {
@@ -89,9 +94,13 @@ impl Actor for Agent {
     ) -> Result<(), ActorProcessingErr> {
         let (cell, cause) = match event {
             SupervisionEvent::ActorFailed(cell, err) => (cell, format!("the actor failed: {err}")),
-            SupervisionEvent::ActorTerminated(cell, _, reason) => {
-                (cell, format!("the actor stopped: {}", reason.unwrap_or_else(|| "no reason given".into())))
-            }
+            SupervisionEvent::ActorTerminated(cell, _, reason) => (
+                cell,
+                format!(
+                    "the actor stopped: {}",
+                    reason.unwrap_or_else(|| "no reason given".into())
+                ),
+            ),
             _ => return Ok(()),
         };
         let Some((actor, attempt)) = state.by_cell.remove(&cell.get_id()) else {
@@ -125,7 +134,12 @@ fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: Agen
                 tracing::warn!(node = %start.node, "ignored a start meant for another node");
                 return;
             }
-            tokio::spawn(start_actor(myself.clone(), state.registry.clone(), state.cluster.clone(), start));
+            tokio::spawn(start_actor(
+                myself.clone(),
+                state.registry.clone(),
+                state.cluster.clone(),
+                start,
+            ));
         }
         AgentRequest::Stop(actor) => {
             if let Some((cell, _)) = state.hosts.remove(&actor) {
@@ -147,7 +161,18 @@ async fn start_actor(agent: ActorRef<Wire>, registry: Registry, cluster: Cluster
     };
     let outcome = match registry.construct(&start.kind, start.args, ctx.clone()).await {
         Err(cause) => Err(cause),
-        Ok(actor) => match Actor::spawn_linked(None, Host, HostArgs { actor, ctx, kind: start.kind.clone() }, agent.get_cell()).await {
+        Ok(actor) => match Actor::spawn_linked(
+            None,
+            Host,
+            HostArgs {
+                actor,
+                ctx,
+                kind: start.kind.clone(),
+            },
+            agent.get_cell(),
+        )
+        .await
+        {
             Err(e) => Err(format!("could not start the actor's host: {e}")),
             Ok((host, _)) => {
                 node::join_group(cluster.scope(), &node::actor_group(start.actor), host.get_cell());

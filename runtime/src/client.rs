@@ -12,15 +12,15 @@ use ractor::ActorCell;
 use serde::de::DeserializeOwned;
 
 use crate::error::{Error, Result};
+use crate::headlink::HeadLink;
 use crate::node::{self, LocalNode};
+use crate::objects::{ObjectConfig, ObjectService};
 use crate::placement::Strategy;
 use crate::protocol::{
     ActorId, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, Failure, GroupId, GroupSpec, HeadRequest,
 };
 use crate::registry::Actor;
 use crate::resources::Resources;
-use crate::headlink::HeadLink;
-use crate::objects::{ObjectConfig, ObjectService};
 use crate::wire::{self, CallError};
 
 /// Default time a call waits for its reply.
@@ -61,7 +61,10 @@ impl ActorOptions {
 
     /// Places the actor in a bundle of a placement group (`None`: any bundle with room).
     pub fn in_group(mut self, group: &PlacementGroup, bundle: Option<usize>) -> Self {
-        self.placement = Some(BundleRef { group: group.id, bundle });
+        self.placement = Some(BundleRef {
+            group: group.id,
+            bundle,
+        });
         self
     }
 }
@@ -178,9 +181,18 @@ impl Cluster {
     /// Reserves bundles of resources, all or nothing. Fails at once if no arrangement could
     /// ever fit; otherwise returns a group that [`PlacementGroup::ready`] waits on.
     pub async fn create_placement_group(&self, bundles: Vec<Resources>, strategy: Strategy) -> Result<PlacementGroup> {
-        let spec = GroupSpec { bundles, strategy, name: None };
-        let id: GroupId = self.ask_head(&HeadRequest::CreateGroup(spec), self.call_timeout).await?;
-        Ok(PlacementGroup { id, cluster: self.clone() })
+        let spec = GroupSpec {
+            bundles,
+            strategy,
+            name: None,
+        };
+        let id: GroupId = self
+            .ask_head(&HeadRequest::CreateGroup(spec), self.call_timeout)
+            .await?;
+        Ok(PlacementGroup {
+            id,
+            cluster: self.clone(),
+        })
     }
 
     /// The whole cluster's state.
@@ -222,7 +234,10 @@ pub(crate) fn failure_to_error(failure: Failure, actor: Option<ActorId>) -> Erro
             what: "a message".into(),
             reason: m,
         },
-        Failure::ObjectMissing { id, lost_with: Some(node) } => Error::ObjectLost { id, node },
+        Failure::ObjectMissing {
+            id,
+            lost_with: Some(node),
+        } => Error::ObjectLost { id, node },
         Failure::ObjectMissing { id, lost_with: None } => Error::ObjectUnknown { id },
     }
 }
@@ -289,11 +304,16 @@ impl<A: Actor> ActorHandle<A> {
     pub async fn call_timeout(&self, request: A::Request, timeout: Duration) -> Result<A::Reply> {
         let deadline = Instant::now() + timeout;
         let cell = self.resolve(deadline).await?;
-        let remaining = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let remaining = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
         let bytes = match wire::call_raw(&cell, wire::encode(&request), remaining).await {
             Ok(bytes) => bytes,
             Err(CallError::Timeout) => {
-                return Err(Error::Timeout { what: format!("call to actor {} ({})", self.id, A::KIND), timeout })
+                return Err(Error::Timeout {
+                    what: format!("call to actor {} ({})", self.id, A::KIND),
+                    timeout,
+                })
             }
             Err(CallError::Unreachable(cause)) => {
                 self.forget();
@@ -303,7 +323,8 @@ impl<A: Actor> ActorHandle<A> {
         let reply: std::result::Result<Vec<u8>, Failure> =
             wire::decode(&bytes, "an actor reply").map_err(|f| failure_to_error(f, Some(self.id)))?;
         let reply = reply.map_err(|f| failure_to_error(f, Some(self.id)))?;
-        wire::decode(&reply, &format!("a reply of actor kind '{}'", A::KIND)).map_err(|f| failure_to_error(f, Some(self.id)))
+        wire::decode(&reply, &format!("a reply of actor kind '{}'", A::KIND))
+            .map_err(|f| failure_to_error(f, Some(self.id)))
     }
 
     /// Sends a message without waiting for it to be handled.
@@ -329,8 +350,20 @@ impl<A: Actor> ActorHandle<A> {
     /// A call that could not complete: say that the actor is dead when it is, else report
     /// the transport failure (the actor may be restarting).
     async fn explain_lost_call(&self, cause: String) -> Error {
-        match self.cluster.ask_head::<ActorView>(&HeadRequest::WaitActor(self.id), Duration::from_millis(200)).await {
-            Ok(ActorView { state: ActorState::Dead { cause }, kind, .. }) => Error::ActorDead { actor: self.id, kind, cause },
+        match self
+            .cluster
+            .ask_head::<ActorView>(&HeadRequest::WaitActor(self.id), Duration::from_millis(200))
+            .await
+        {
+            Ok(ActorView {
+                state: ActorState::Dead { cause },
+                kind,
+                ..
+            }) => Error::ActorDead {
+                actor: self.id,
+                kind,
+                cause,
+            },
             _ => Error::CallFailed { actor: self.id, cause },
         }
     }
@@ -352,11 +385,16 @@ impl<A: Actor> ActorHandle<A> {
             }
         }
         let group = node::actor_group(self.id);
-        let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let timeout = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
         let view: ActorView = match self.cluster.actor_view(self.id, timeout).await {
             Ok(view) => view,
             Err(Error::Timeout { .. }) => {
-                return Err(Error::Timeout { what: format!("actor {} ({}) becoming ready", self.id, A::KIND), timeout })
+                return Err(Error::Timeout {
+                    what: format!("actor {} ({}) becoming ready", self.id, A::KIND),
+                    timeout,
+                })
             }
             Err(e) => return Err(e),
         };
@@ -369,13 +407,22 @@ impl<A: Actor> ActorHandle<A> {
             )));
         }
         if let ActorState::Dead { cause } = view.state {
-            return Err(Error::ActorDead { actor: self.id, kind: view.kind, cause });
+            return Err(Error::ActorDead {
+                actor: self.id,
+                kind: view.kind,
+                cause,
+            });
         }
         let remaining = deadline.saturating_duration_since(Instant::now());
         match node::wait_member(self.cluster.scope(), &group, remaining).await {
             Some(cell) => Ok(self.remember(cell)),
             None => Err(Error::Timeout {
-                what: format!("actor {} ({}) on node {:?} to become reachable", self.id, A::KIND, view.node),
+                what: format!(
+                    "actor {} ({}) on node {:?} to become reachable",
+                    self.id,
+                    A::KIND,
+                    view.node
+                ),
                 timeout,
             }),
         }
@@ -417,7 +464,9 @@ impl Client {
             None
         };
         // A driver started by the job manager belongs to its job.
-        let job = std::env::var(crate::job_manager::JOB_ID_ENV).ok().filter(|j| !j.is_empty());
+        let job = std::env::var(crate::job_manager::JOB_ID_ENV)
+            .ok()
+            .filter(|j| !j.is_empty());
         Ok(Self {
             cluster: Cluster::new(link, objects).with_job(job),
             _node: local,

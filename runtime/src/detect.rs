@@ -58,9 +58,11 @@ pub fn detect_gpus() -> GpuInventory {
 
 /// `NVIDIA H100 80GB HBM3` -> `accelerator_type:H100`.
 pub fn accelerator_tag(model: &str) -> Option<String> {
-    let short = model
-        .split_whitespace()
-        .find(|word| !word.eq_ignore_ascii_case("nvidia") && !word.eq_ignore_ascii_case("tesla") && !word.eq_ignore_ascii_case("geforce"))?;
+    let short = model.split_whitespace().find(|word| {
+        !word.eq_ignore_ascii_case("nvidia")
+            && !word.eq_ignore_ascii_case("tesla")
+            && !word.eq_ignore_ascii_case("geforce")
+    })?;
     Some(format!("accelerator_type:{short}"))
 }
 
@@ -70,8 +72,14 @@ mod tests {
 
     #[test]
     fn accelerator_tags_come_from_model_names() {
-        assert_eq!(accelerator_tag("NVIDIA H100 80GB HBM3").as_deref(), Some("accelerator_type:H100"));
-        assert_eq!(accelerator_tag("Tesla V100-SXM2-16GB").as_deref(), Some("accelerator_type:V100-SXM2-16GB"));
+        assert_eq!(
+            accelerator_tag("NVIDIA H100 80GB HBM3").as_deref(),
+            Some("accelerator_type:H100")
+        );
+        assert_eq!(
+            accelerator_tag("Tesla V100-SXM2-16GB").as_deref(),
+            Some("accelerator_type:V100-SXM2-16GB")
+        );
         assert_eq!(accelerator_tag("NVIDIA"), None);
     }
 

@@ -85,7 +85,15 @@ impl RunningHead {
 /// Starts a head in this process.
 pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     let name = format!("head-{}", node::random_hex(4));
-    let local = LocalNode::start(&name, &config.token, config.bind, config.port, &config.advertise_host, true).await?;
+    let local = LocalNode::start(
+        &name,
+        &config.token,
+        config.bind,
+        config.port,
+        &config.advertise_host,
+        true,
+    )
+    .await?;
     let targets: Arc<Mutex<Vec<SdTarget>>> = Arc::new(Mutex::new(Vec::new()));
     let sources: Arc<OnceLock<(Arc<ObjectService>, Option<JobManager>)>> = Arc::new(OnceLock::new());
     let metrics = match config.metrics_port {
@@ -132,13 +140,20 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
         }
     });
     forward_client_departures(&local, actor.clone());
-    let link = Arc::new(HeadLink::new(local.scope().to_string(), actor.get_cell(), local.address.clone()));
+    let link = Arc::new(HeadLink::new(
+        local.scope().to_string(),
+        actor.get_cell(),
+        local.address.clone(),
+    ));
     let objects = ObjectService::start(HEAD_NODE, &config.token, config.objects.clone(), link.clone()).await?;
     let (job_api, manager) = match &config.jobs {
         Some(jobs) => {
             let manager = JobManager::open(jobs.clone(), local.address.clone(), config.token.clone(), link)?;
             let bind = SocketAddr::new(config.bind, jobs.http_port);
-            (Some(job_api::serve(manager.clone(), config.token.clone(), bind).await?), Some(manager))
+            (
+                Some(job_api::serve(manager.clone(), config.token.clone(), bind).await?),
+                Some(manager),
+            )
         }
         None => (None, None),
     };
@@ -163,9 +178,15 @@ fn forward_client_departures(local: &LocalNode, head: ActorRef<Wire>) {
     tokio::spawn(async move {
         loop {
             match events.recv().await {
-                Ok(SessionEvent::Closed { authenticated: true, name: Some(name) }) if name.starts_with("client-") => {
+                Ok(SessionEvent::Closed {
+                    authenticated: true,
+                    name: Some(name),
+                }) if name.starts_with("client-") => {
                     let gone = HeadRequest::HolderGone(name);
-                    if head.send_message(Wire::Local(LocalSignal::Deferred(wire::encode(&gone)))).is_err() {
+                    if head
+                        .send_message(Wire::Local(LocalSignal::Deferred(wire::encode(&gone))))
+                        .is_err()
+                    {
                         break;
                     }
                 }
@@ -220,7 +241,11 @@ impl Actor for Head {
     type State = HeadState;
     type Arguments = HeadArgs;
 
-    async fn pre_start(&self, _myself: ActorRef<Wire>, args: HeadArgs) -> std::result::Result<HeadState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Wire>,
+        args: HeadArgs,
+    ) -> std::result::Result<HeadState, ActorProcessingErr> {
         Ok(HeadState {
             scope: args.scope,
             heartbeat_timeout_ms: args.heartbeat_timeout_ms,
@@ -236,7 +261,12 @@ impl Actor for Head {
         })
     }
 
-    async fn handle(&self, myself: ActorRef<Wire>, message: Wire, state: &mut HeadState) -> std::result::Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        myself: ActorRef<Wire>,
+        message: Wire,
+        state: &mut HeadState,
+    ) -> std::result::Result<(), ActorProcessingErr> {
         let effects = match message {
             Wire::Call(bytes, port) => match wire::decode::<HeadRequest>(&bytes, "a head request") {
                 Ok(request) => handle_request(state, request, Some(port)),
@@ -313,7 +343,9 @@ fn handle_request(state: &mut HeadState, request: HeadRequest, port: Option<RpcR
         }
         HeadRequest::WaitActor(id) => {
             match (state.scheduler.actor_view(id), port) {
-                (None, Some(port)) => wire::reply::<()>(port, Err(Failure::Rejected(format!("actor {id} does not exist")))),
+                (None, Some(port)) => {
+                    wire::reply::<()>(port, Err(Failure::Rejected(format!("actor {id} does not exist"))))
+                }
                 (Some(_), Some(port)) => state.actor_waiters.entry(id).or_default().push(port),
                 (_, None) => {}
             }
@@ -352,7 +384,14 @@ fn handle_request(state: &mut HeadState, request: HeadRequest, port: Option<RpcR
             send(port, wire::encode(&Ok::<_, Failure>(status)));
             Vec::new()
         }
-        HeadRequest::ObjectPut { id, size, checksum, node, address, job } => {
+        HeadRequest::ObjectPut {
+            id,
+            size,
+            checksum,
+            node,
+            address,
+            job,
+        } => {
             let result = state
                 .directory
                 .put(id, size, checksum, &node, &node, &address, job)
@@ -369,8 +408,13 @@ fn handle_request(state: &mut HeadState, request: HeadRequest, port: Option<RpcR
         }
         HeadRequest::ObjectLocate(id) => {
             match (state.directory.locate(id), port) {
-                (Err(Missing::Unknown), Some(port)) => park_object_request(state, id, HeadRequest::ObjectLocate(id), port, now),
-                (result, port) => send(port, wire::encode(&result.map_err(|missing| object_missing(id, missing)))),
+                (Err(Missing::Unknown), Some(port)) => {
+                    park_object_request(state, id, HeadRequest::ObjectLocate(id), port, now)
+                }
+                (result, port) => send(
+                    port,
+                    wire::encode(&result.map_err(|missing| object_missing(id, missing))),
+                ),
             }
             Vec::new()
         }
@@ -390,7 +434,10 @@ fn handle_request(state: &mut HeadState, request: HeadRequest, port: Option<RpcR
                 (Err(Missing::Unknown), Some(port)) => {
                     park_object_request(state, id, HeadRequest::ObjectAddRef { id, holder }, port, now)
                 }
-                (result, port) => send(port, wire::encode(&result.map_err(|missing| object_missing(id, missing)))),
+                (result, port) => send(
+                    port,
+                    wire::encode(&result.map_err(|missing| object_missing(id, missing))),
+                ),
             }
             Vec::new()
         }
@@ -417,7 +464,11 @@ fn handle_request(state: &mut HeadState, request: HeadRequest, port: Option<RpcR
             state.directory.holder_gone(&holder, now);
             Vec::new()
         }
-        HeadRequest::Started { actor, attempt, outcome } => {
+        HeadRequest::Started {
+            actor,
+            attempt,
+            outcome,
+        } => {
             if let Err(cause) = &outcome {
                 tracing::warn!(%actor, cause = %cause, "actor failed to start");
             }
@@ -438,7 +489,9 @@ fn handle_request(state: &mut HeadState, request: HeadRequest, port: Option<RpcR
 fn answer_waiters(state: &mut HeadState) {
     let ids: Vec<ActorId> = state.actor_waiters.keys().copied().collect();
     for id in ids {
-        let Some(view) = state.scheduler.actor_view(id) else { continue };
+        let Some(view) = state.scheduler.actor_view(id) else {
+            continue;
+        };
         if matches!(view.state, ActorState::Alive | ActorState::Dead { .. }) {
             for port in state.actor_waiters.remove(&id).unwrap_or_default() {
                 wire::reply(port, Ok::<_, Failure>(view.clone()));
@@ -483,7 +536,11 @@ fn carry_out(head: &ActorRef<Wire>, scope: &str, effect: Effect) {
     tokio::spawn(async move {
         let delivered = wire::call_raw(&agent, wire::encode(&request), Duration::from_secs(10)).await;
         if let (Err(_), Some(start)) = (delivered, start) {
-            report_undeliverable(&head, &start, format!("node {}'s agent did not accept the start", start.node));
+            report_undeliverable(
+                &head,
+                &start,
+                format!("node {}'s agent did not accept the start", start.node),
+            );
         }
     });
 }
@@ -509,7 +566,10 @@ fn object_missing(id: regatta_object_store::ObjectId, missing: Missing) -> Failu
 
 /// Tells every holder to drop its copy, and deletes the spilled copy.
 fn carry_out_release(scope: &str, release: Release) {
-    let command = ObjectCommand::Release { id: release.id, spilled: None };
+    let command = ObjectCommand::Release {
+        id: release.id,
+        spilled: None,
+    };
     for node in &release.nodes {
         if let Some(target) = node::first_member(scope, &objects_group(node)) {
             let _ = wire::cast_raw(&target, wire::encode(&command));
@@ -542,13 +602,19 @@ fn publish_metrics(state: &mut HeadState, now: u64) {
         .into_iter()
         .map(|(node, address)| SdTarget {
             targets: vec![address],
-            labels: BTreeMap::from([("regatta_node".to_string(), node), ("regatta_role".to_string(), "worker".to_string())]),
+            labels: BTreeMap::from([
+                ("regatta_node".to_string(), node),
+                ("regatta_role".to_string(), "worker".to_string()),
+            ]),
         })
         .collect();
     if let Some(head) = &state.head_target {
         targets.push(SdTarget {
             targets: vec![head.clone()],
-            labels: BTreeMap::from([("regatta_node".to_string(), HEAD_NODE.to_string()), ("regatta_role".to_string(), "head".to_string())]),
+            labels: BTreeMap::from([
+                ("regatta_node".to_string(), HEAD_NODE.to_string()),
+                ("regatta_role".to_string(), "head".to_string()),
+            ]),
         });
     }
     if let Ok(mut shared) = state.targets.lock() {
@@ -557,7 +623,13 @@ fn publish_metrics(state: &mut HeadState, now: u64) {
 }
 
 /// Holds an object request until the id is registered or the wait runs out.
-fn park_object_request(state: &mut HeadState, id: ObjectId, request: HeadRequest, port: RpcReplyPort<Vec<u8>>, now: u64) {
+fn park_object_request(
+    state: &mut HeadState,
+    id: ObjectId,
+    request: HeadRequest,
+    port: RpcReplyPort<Vec<u8>>,
+    now: u64,
+) {
     state
         .object_waiters
         .entry(id)
@@ -569,8 +641,12 @@ fn park_object_request(state: &mut HeadState, id: ObjectId, request: HeadRequest
 fn expire_object_waiters(state: &mut HeadState, now: u64) {
     let ids: Vec<ObjectId> = state.object_waiters.keys().copied().collect();
     for id in ids {
-        let Some(waiters) = state.object_waiters.remove(&id) else { continue };
-        let (due, keep): (Vec<_>, Vec<_>) = waiters.into_iter().partition(|(_, port, deadline)| *deadline <= now || port.is_closed());
+        let Some(waiters) = state.object_waiters.remove(&id) else {
+            continue;
+        };
+        let (due, keep): (Vec<_>, Vec<_>) = waiters
+            .into_iter()
+            .partition(|(_, port, deadline)| *deadline <= now || port.is_closed());
         for (_, port, _) in due {
             wire::reply::<()>(port, Err(object_missing(id, Missing::Unknown)));
         }

@@ -66,7 +66,10 @@ impl HeadLink {
         let bytes = wire::call_raw(&head, wire::encode(request), timeout)
             .await
             .map_err(|e| match e {
-                CallError::Timeout => Error::Timeout { what: format!("head request {what}"), timeout },
+                CallError::Timeout => Error::Timeout {
+                    what: format!("head request {what}"),
+                    timeout,
+                },
                 CallError::Unreachable(cause) => Error::Connect {
                     address: self.address.clone(),
                     reason: format!("head request {what} failed: {cause}"),

@@ -135,7 +135,9 @@ pub fn validate_id(id: &str) -> Result<(), String> {
     let ok = !id.is_empty()
         && id.len() <= MAX_ID_LEN
         && !id.starts_with('.')
-        && id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
     if ok {
         Ok(())
     } else {
@@ -263,11 +265,21 @@ mod tests {
 
     #[test]
     fn bad_submissions_say_what_is_wrong() {
-        assert!(submission(r#"{"submission_id": "x"}"#).unwrap_err().contains("missing field `entrypoint`"));
-        assert!(submission(r#"{"entrypoint": "  "}"#).unwrap_err().contains("entrypoint is empty"));
-        assert!(submission(r#"{"entrypoint": "x", "submission_id": "../etc"}"#).unwrap_err().contains("not allowed"));
-        assert!(submission(r#"{"entrypoint": "x", "entrypont_num_cpus": 1}"#).unwrap_err().contains("unknown field"));
-        assert!(submission(r#"{"entrypoint": "x", "entrypoint_num_cpus": -1}"#).unwrap_err().contains(">= 0"));
+        assert!(submission(r#"{"submission_id": "x"}"#)
+            .unwrap_err()
+            .contains("missing field `entrypoint`"));
+        assert!(submission(r#"{"entrypoint": "  "}"#)
+            .unwrap_err()
+            .contains("entrypoint is empty"));
+        assert!(submission(r#"{"entrypoint": "x", "submission_id": "../etc"}"#)
+            .unwrap_err()
+            .contains("not allowed"));
+        assert!(submission(r#"{"entrypoint": "x", "entrypont_num_cpus": 1}"#)
+            .unwrap_err()
+            .contains("unknown field"));
+        assert!(submission(r#"{"entrypoint": "x", "entrypoint_num_cpus": -1}"#)
+            .unwrap_err()
+            .contains(">= 0"));
     }
 
     #[test]
@@ -275,12 +287,25 @@ mod tests {
         let mut r = JobRecord::new("j".into(), &submission(r#"{"entrypoint": "x"}"#).unwrap(), 1);
         assert_eq!(r.status, JobStatus::Pending);
         r.started(42, 2);
-        assert_eq!((r.status, r.driver_pid, r.start_time), (JobStatus::Running, Some(42), Some(2)));
+        assert_eq!(
+            (r.status, r.driver_pid, r.start_time),
+            (JobStatus::Running, Some(42), Some(2))
+        );
         r.exited(Some(3), false, 5);
-        assert_eq!((r.status, r.driver_exit_code, r.end_time), (JobStatus::Failed, Some(3), Some(5)));
+        assert_eq!(
+            (r.status, r.driver_exit_code, r.end_time),
+            (JobStatus::Failed, Some(3), Some(5))
+        );
         r.exited(Some(0), false, 6);
         assert_eq!(r.status, JobStatus::Failed, "terminal states stick");
-        let mut stopped = JobRecord::new("k".into(), &JobSubmission { entrypoint: "x".into(), ..Default::default() }, 1);
+        let mut stopped = JobRecord::new(
+            "k".into(),
+            &JobSubmission {
+                entrypoint: "x".into(),
+                ..Default::default()
+            },
+            1,
+        );
         stopped.started(1, 1);
         stopped.exited(None, true, 2);
         assert_eq!(stopped.status, JobStatus::Stopped);

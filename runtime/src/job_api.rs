@@ -82,7 +82,10 @@ async fn authenticate(State(api): State<Api>, request: Request, next: Next) -> R
         .map(str::trim);
     match presented {
         Some(token) if constant_time_eq(token.as_bytes(), api.token.as_bytes()) => next.run(request).await,
-        Some(_) => error(StatusCode::UNAUTHORIZED, "the bearer token does not match the cluster token"),
+        Some(_) => error(
+            StatusCode::UNAUTHORIZED,
+            "the bearer token does not match the cluster token",
+        ),
         None => error(
             StatusCode::UNAUTHORIZED,
             "missing 'Authorization: Bearer <cluster token>' header",
@@ -100,7 +103,10 @@ async fn submit(State(api): State<Api>, body: std::result::Result<Bytes, BytesRe
         Err(rejection) => {
             return error(
                 rejection.status(),
-                format!("cannot read the request body: {} (the limit is {MAX_BODY_BYTES} bytes)", rejection.body_text()),
+                format!(
+                    "cannot read the request body: {} (the limit is {MAX_BODY_BYTES} bytes)",
+                    rejection.body_text()
+                ),
             )
         }
     };
@@ -163,7 +169,10 @@ async fn tail(State(api): State<Api>, Path(id): Path<String>) -> Response {
             let ended = manager.get(&id).map(|r| r.status.is_terminal()).unwrap_or(true);
             let (chunk, next) = read_from(&path, offset);
             if !chunk.is_empty() {
-                return Some((Ok::<Bytes, std::io::Error>(Bytes::from(chunk)), (manager, id, path, next, changes, false)));
+                return Some((
+                    Ok::<Bytes, std::io::Error>(Bytes::from(chunk)),
+                    (manager, id, path, next, changes, false),
+                ));
             }
             if ended {
                 return None;
@@ -181,7 +190,9 @@ async fn tail(State(api): State<Api>, Path(id): Path<String>) -> Response {
 /// a rotation made the file shorter).
 fn read_from(path: &std::path::Path, offset: u64) -> (Vec<u8>, u64) {
     use std::io::{Read, Seek, SeekFrom};
-    let Ok(mut file) = std::fs::File::open(path) else { return (Vec::new(), offset) };
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return (Vec::new(), offset);
+    };
     let len = file.metadata().map(|m| m.len()).unwrap_or(0);
     let start = if len < offset { 0 } else { offset };
     if file.seek(SeekFrom::Start(start)).is_err() {

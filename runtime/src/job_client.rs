@@ -33,8 +33,15 @@ impl JobClient {
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .build()
-            .map_err(|e| Error::Connect { address: base.clone(), reason: e.to_string() })?;
-        Ok(Self { base, token: token.to_string(), http })
+            .map_err(|e| Error::Connect {
+                address: base.clone(),
+                reason: e.to_string(),
+            })?;
+        Ok(Self {
+            base,
+            token: token.to_string(),
+            http,
+        })
     }
 
     async fn send(&self, method: Method, path: &str, body: Option<&JobSubmission>) -> Result<reqwest::Response> {
@@ -65,7 +72,10 @@ impl JobClient {
 
     async fn json<T: DeserializeOwned>(&self, method: Method, path: &str, body: Option<&JobSubmission>) -> Result<T> {
         let response = self.send(method, path, body).await?;
-        response.json().await.map_err(|e| Error::Decode { what: format!("the reply to {path}"), reason: e.to_string() })
+        response.json().await.map_err(|e| Error::Decode {
+            what: format!("the reply to {path}"),
+            reason: e.to_string(),
+        })
     }
 
     /// Submits a job; returns its id.
@@ -75,7 +85,10 @@ impl JobClient {
             .get("submission_id")
             .and_then(Value::as_str)
             .map(str::to_string)
-            .ok_or_else(|| Error::Decode { what: "the submit reply".into(), reason: "no submission_id".into() })
+            .ok_or_else(|| Error::Decode {
+                what: "the submit reply".into(),
+                reason: "no submission_id".into(),
+            })
     }
 
     /// One job.
@@ -91,15 +104,24 @@ impl JobClient {
     /// The job's kept log.
     pub async fn logs(&self, id: &str) -> Result<String> {
         let reply: Value = self.json(Method::GET, &format!("/api/jobs/{id}/logs"), None).await?;
-        Ok(reply.get("logs").and_then(Value::as_str).unwrap_or_default().to_string())
+        Ok(reply
+            .get("logs")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string())
     }
 
     /// The job's log as it is written; the stream ends when the job ends.
     pub async fn follow_logs(&self, id: &str) -> Result<impl Stream<Item = Result<bytes::Bytes>>> {
-        let response = self.send(Method::GET, &format!("/api/jobs/{id}/logs/tail"), None).await?;
+        let response = self
+            .send(Method::GET, &format!("/api/jobs/{id}/logs/tail"), None)
+            .await?;
         let base = self.base.clone();
         Ok(response.bytes_stream().map(move |chunk| {
-            chunk.map_err(|e| Error::Connect { address: base.clone(), reason: format!("log stream broke: {e}") })
+            chunk.map_err(|e| Error::Connect {
+                address: base.clone(),
+                reason: format!("log stream broke: {e}"),
+            })
         }))
     }
 

@@ -39,7 +39,11 @@ impl CappedLog {
     fn rotate(&mut self) -> std::io::Result<()> {
         self.file.flush()?;
         std::fs::rename(&self.path, rotated(&self.path))?;
-        self.file = OpenOptions::new().create(true).write(true).truncate(true).open(&self.path)?;
+        self.file = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .open(&self.path)?;
         self.written = 0;
         Ok(())
     }
@@ -74,12 +78,16 @@ mod tests {
         let path = dir.join("job.log");
         let mut log = CappedLog::create(&path, 1024).unwrap();
         for i in 0..100u32 {
-            log.append(format!("line {i:04} {}\n", "x".repeat(40)).as_bytes()).unwrap();
+            log.append(format!("line {i:04} {}\n", "x".repeat(40)).as_bytes())
+                .unwrap();
         }
         let kept = read_all(&path).unwrap();
         assert!(kept.len() <= 2048, "kept {} bytes", kept.len());
         let text = String::from_utf8(kept).unwrap();
-        assert!(text.ends_with(&format!("line 0099 {}\n", "x".repeat(40))), "newest lines are kept");
+        assert!(
+            text.ends_with(&format!("line 0099 {}\n", "x".repeat(40))),
+            "newest lines are kept"
+        );
         assert!(!text.contains("line 0000"), "oldest lines are dropped");
         std::fs::remove_dir_all(dir).unwrap();
     }

@@ -43,7 +43,9 @@ pub struct JobConfig {
 impl JobConfig {
     /// Defaults: `~/.regatta/head`, 64 MiB logs, 3 s grace, port 8265.
     pub fn new() -> Self {
-        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+        let home = std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("."));
         Self {
             state_dir: home.join(".regatta").join("head"),
             log_cap_bytes: 64 << 20,
@@ -159,7 +161,9 @@ impl JobManager {
         submission.validate().map_err(JobError::Invalid)?;
         if let Some(dir) = &submission.runtime_env.working_dir {
             if !Path::new(dir).is_dir() {
-                return Err(JobError::Invalid(format!("runtime_env.working_dir '{dir}' is not a directory on the head")));
+                return Err(JobError::Invalid(format!(
+                    "runtime_env.working_dir '{dir}' is not a directory on the head"
+                )));
             }
         }
         let resources = submission.resources_text();
@@ -174,7 +178,9 @@ impl JobManager {
         {
             let mut records = self.records();
             if records.contains_key(&id) {
-                return Err(JobError::Conflict(format!("a job with submission_id '{id}' already exists")));
+                return Err(JobError::Conflict(format!(
+                    "a job with submission_id '{id}' already exists"
+                )));
             }
             records.insert(id.clone(), record.clone());
         }
@@ -222,7 +228,11 @@ impl JobManager {
         if record.status.is_terminal() {
             return Ok(false);
         }
-        self.inner.stopping.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_string());
+        self.inner
+            .stopping
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.to_string());
         match record.driver_pid {
             None => self.update(id, |r| r.stopped_before_start(now_ms())),
             Some(pid) => {
@@ -247,7 +257,13 @@ impl JobManager {
             *counts.entry(record.status).or_insert(0) += 1;
         }
         let gauge = &crate::metrics::metrics().jobs;
-        for state in [JobStatus::Pending, JobStatus::Running, JobStatus::Succeeded, JobStatus::Failed, JobStatus::Stopped] {
+        for state in [
+            JobStatus::Pending,
+            JobStatus::Running,
+            JobStatus::Succeeded,
+            JobStatus::Failed,
+            JobStatus::Stopped,
+        ] {
             gauge
                 .with_label_values(&[&state.to_string()])
                 .set(counts.get(&state).copied().unwrap_or(0));
@@ -258,10 +274,16 @@ impl JobManager {
     pub(crate) fn delete(&self, id: &str) -> std::result::Result<(), JobError> {
         let record = self.get(id)?;
         if !record.status.is_terminal() {
-            return Err(JobError::Invalid(format!("job '{id}' is {}; stop it before deleting it", record.status)));
+            return Err(JobError::Invalid(format!(
+                "job '{id}' is {}; stop it before deleting it",
+                record.status
+            )));
         }
         self.records().remove(id);
-        self.inner.store.remove(id).map_err(|e| JobError::Internal(e.to_string()))?;
+        self.inner
+            .store
+            .remove(id)
+            .map_err(|e| JobError::Internal(e.to_string()))?;
         let path = self.log_path(id);
         let _ = std::fs::remove_file(job_log::rotated(&path));
         let _ = std::fs::remove_file(path);
@@ -269,7 +291,11 @@ impl JobManager {
     }
 
     fn is_stopping(&self, id: &str) -> bool {
-        self.inner.stopping.lock().unwrap_or_else(|p| p.into_inner()).contains(id)
+        self.inner
+            .stopping
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(id)
     }
 
     /// The whole life of one job.
@@ -353,7 +379,9 @@ impl JobManager {
         if let Some(dir) = &submission.runtime_env.working_dir {
             command.current_dir(dir);
         }
-        let child = command.spawn().map_err(|e| format!("could not start the driver: {e}"))?;
+        let child = command
+            .spawn()
+            .map_err(|e| format!("could not start the driver: {e}"))?;
         let pid = child.id().unwrap_or(0);
         self.update(id, |r| r.started(pid, now_ms()));
         tracing::info!(job = id, pid, "driver started");
@@ -364,8 +392,14 @@ impl JobManager {
     async fn supervise(&self, id: &str, mut child: tokio::process::Child, log: CappedLog) {
         let log = Arc::new(Mutex::new(log));
         let copies = [
-            child.stdout.take().map(|out| tokio::spawn(copy_into(out, log.clone(), self.inner.changes.clone()))),
-            child.stderr.take().map(|err| tokio::spawn(copy_into(err, log.clone(), self.inner.changes.clone()))),
+            child
+                .stdout
+                .take()
+                .map(|out| tokio::spawn(copy_into(out, log.clone(), self.inner.changes.clone()))),
+            child
+                .stderr
+                .take()
+                .map(|err| tokio::spawn(copy_into(err, log.clone(), self.inner.changes.clone()))),
         ];
         let status = child.wait().await;
         for copy in copies.into_iter().flatten() {
@@ -403,7 +437,10 @@ impl JobManager {
         }
         self.inner.stopping.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
         if let Ok(record) = self.get(id) {
-            let ran_ms = record.end_time.unwrap_or(0).saturating_sub(record.start_time.or(record.end_time).unwrap_or(0));
+            let ran_ms = record
+                .end_time
+                .unwrap_or(0)
+                .saturating_sub(record.start_time.or(record.end_time).unwrap_or(0));
             crate::metrics::metrics()
                 .job_seconds
                 .with_label_values(&[&record.status.to_string()])
@@ -413,7 +450,11 @@ impl JobManager {
     }
 }
 
-async fn copy_into(mut from: impl tokio::io::AsyncRead + Unpin, log: Arc<Mutex<CappedLog>>, changes: watch::Sender<u64>) {
+async fn copy_into(
+    mut from: impl tokio::io::AsyncRead + Unpin,
+    log: Arc<Mutex<CappedLog>>,
+    changes: watch::Sender<u64>,
+) {
     let mut buffer = vec![0u8; 64 * 1024];
     loop {
         match from.read(&mut buffer).await {

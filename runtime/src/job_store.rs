@@ -14,7 +14,8 @@ pub(crate) struct JobStore {
 impl JobStore {
     /// Opens (creating) `dir`.
     pub(crate) fn open(dir: &Path) -> Result<Self> {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("cannot create the job store {}", dir.display()), e))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("cannot create the job store {}", dir.display()), e))?;
         Ok(Self { dir: dir.to_path_buf() })
     }
 
@@ -27,7 +28,8 @@ impl JobStore {
         validate_id(&record.submission_id).map_err(Error::Rejected)?;
         let path = self.path(&record.submission_id);
         let tmp = self.dir.join(format!(".{}.json.tmp", record.submission_id));
-        let text = serde_json::to_vec_pretty(record).map_err(|e| Error::Rejected(format!("cannot encode a job record: {e}")))?;
+        let text = serde_json::to_vec_pretty(record)
+            .map_err(|e| Error::Rejected(format!("cannot encode a job record: {e}")))?;
         std::fs::write(&tmp, text).map_err(|e| Error::io(format!("cannot write {}", tmp.display()), e))?;
         std::fs::rename(&tmp, &path).map_err(|e| Error::io(format!("cannot move {} into place", path.display()), e))
     }
@@ -43,11 +45,15 @@ impl JobStore {
 
     /// Every readable record; unreadable files are reported and skipped, never fatal.
     pub(crate) fn load_all(&self) -> Vec<JobRecord> {
-        let Ok(entries) = std::fs::read_dir(&self.dir) else { return Vec::new() };
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
         let mut records = Vec::new();
         for entry in entries.flatten() {
             let path = entry.path();
-            if path.extension().is_none_or(|e| e != "json") || path.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')) {
+            if path.extension().is_none_or(|e| e != "json")
+                || path.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.'))
+            {
                 continue;
             }
             let parsed = std::fs::read(&path)
@@ -72,7 +78,10 @@ mod tests {
     fn records_survive_a_reopen_and_corrupt_files_are_skipped() {
         let dir = std::env::temp_dir().join(format!("regatta-jobstore-{}", std::process::id()));
         let store = JobStore::open(&dir).unwrap();
-        let sub = JobSubmission { entrypoint: "echo".into(), ..Default::default() };
+        let sub = JobSubmission {
+            entrypoint: "echo".into(),
+            ..Default::default()
+        };
         store.save(&JobRecord::new("a".into(), &sub, 1)).unwrap();
         store.save(&JobRecord::new("b".into(), &sub, 2)).unwrap();
         std::fs::write(dir.join("broken.json"), b"{not json").unwrap();

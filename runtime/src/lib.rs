@@ -61,13 +61,13 @@ pub use job_client::{JobClient, DEFAULT_JOB_ADDRESS};
 pub use job_manager::{JobConfig, ADDRESS_ENV, JOB_ID_ENV};
 pub use metrics::{metrics, Metrics, SdTarget};
 pub use objects::{ObjectConfig, ObjectRef, ObjectStats};
-pub use regatta_object_store::{DirectoryStats, ObjectId, FAULT_CORRUPT_ENV};
 pub use placement::{Allocation, Decision, Ledger, Strategy};
 pub use pool::{ActorPool, PoolBook, Seq};
 pub use protocol::{
-    ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, GroupId, GroupStatus, NodeStatus, PendingLine,
-    RESTART_FOREVER,
+    ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, GroupId, GroupStatus, NodeStatus,
+    PendingLine, RESTART_FOREVER,
 };
+pub use regatta_object_store::{DirectoryStats, ObjectId, FAULT_CORRUPT_ENV};
 pub use registry::{Actor, ActorContext, ActorError, Registry};
 pub use resources::{format_fixed, Resources, GPU, UNIT};
 pub use token::{default_token_file, resolve_token, TokenSource, TOKEN_ENV};

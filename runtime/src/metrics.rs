@@ -57,13 +57,17 @@ pub struct Metrics {
 
 fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
     let metric = IntGaugeVec::new(Opts::new(name, help), labels).expect("metric names and labels are valid");
-    registry.register(Box::new(metric.clone())).expect("each metric registers once");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("each metric registers once");
     metric
 }
 
 fn float_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::GaugeVec {
     let metric = prometheus::GaugeVec::new(Opts::new(name, help), labels).expect("metric names and labels are valid");
-    registry.register(Box::new(metric.clone())).expect("each metric registers once");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("each metric registers once");
     metric
 }
 
@@ -78,44 +82,121 @@ impl Metrics {
         .expect("valid metric");
         r.register(Box::new(actor_messages.clone())).expect("registers once");
         let handler_seconds = HistogramVec::new(
-            HistogramOpts::new("regatta_actor_handler_seconds", "Time an actor's handler took, by kind")
-                .buckets(vec![0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0]),
+            HistogramOpts::new("regatta_actor_handler_seconds", "Time an actor's handler took, by kind").buckets(vec![
+                0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0,
+            ]),
             &["kind"],
         )
         .expect("valid metric");
         r.register(Box::new(handler_seconds.clone())).expect("registers once");
         let job_seconds = HistogramVec::new(
-            HistogramOpts::new("regatta_job_duration_seconds", "How long finished jobs ran, by final state")
-                .buckets(vec![1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0]),
+            HistogramOpts::new(
+                "regatta_job_duration_seconds",
+                "How long finished jobs ran, by final state",
+            )
+            .buckets(vec![1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0]),
             &["state"],
         )
         .expect("valid metric");
         r.register(Box::new(job_seconds.clone())).expect("registers once");
-        let pending = IntGauge::new("regatta_pending_requests", "Actors and placement groups waiting for resources")
-            .expect("valid metric");
+        let pending = IntGauge::new(
+            "regatta_pending_requests",
+            "Actors and placement groups waiting for resources",
+        )
+        .expect("valid metric");
         r.register(Box::new(pending.clone())).expect("registers once");
         Self {
             snapshot: Mutex::new(()),
             actor_messages,
             handler_seconds,
-            mailbox_depth: gauge_vec(r, "regatta_actor_mailbox_depth", "Messages waiting in actor mailboxes, by kind", &["kind"]),
-            object_bytes: gauge_vec(r, "regatta_object_store_bytes", "Bytes of objects in memory on this node", &["node"]),
-            object_count: gauge_vec(r, "regatta_object_store_objects", "Objects in memory on this node", &["node"]),
-            object_capacity: gauge_vec(r, "regatta_object_store_capacity_bytes", "Object store capacity of this node", &["node"]),
-            object_spills: gauge_vec(r, "regatta_object_spills_total", "Objects spilled by this node", &["node"]),
-            object_spilled_bytes: gauge_vec(r, "regatta_object_spilled_bytes_total", "Bytes spilled by this node", &["node"]),
-            object_restores: gauge_vec(r, "regatta_object_restores_total", "Objects restored from spilled copies by this node", &["node"]),
-            object_transfer: gauge_vec(r, "regatta_object_transfer_bytes_total", "Bytes moved between nodes", &["node", "direction"]),
+            mailbox_depth: gauge_vec(
+                r,
+                "regatta_actor_mailbox_depth",
+                "Messages waiting in actor mailboxes, by kind",
+                &["kind"],
+            ),
+            object_bytes: gauge_vec(
+                r,
+                "regatta_object_store_bytes",
+                "Bytes of objects in memory on this node",
+                &["node"],
+            ),
+            object_count: gauge_vec(
+                r,
+                "regatta_object_store_objects",
+                "Objects in memory on this node",
+                &["node"],
+            ),
+            object_capacity: gauge_vec(
+                r,
+                "regatta_object_store_capacity_bytes",
+                "Object store capacity of this node",
+                &["node"],
+            ),
+            object_spills: gauge_vec(
+                r,
+                "regatta_object_spills_total",
+                "Objects spilled by this node",
+                &["node"],
+            ),
+            object_spilled_bytes: gauge_vec(
+                r,
+                "regatta_object_spilled_bytes_total",
+                "Bytes spilled by this node",
+                &["node"],
+            ),
+            object_restores: gauge_vec(
+                r,
+                "regatta_object_restores_total",
+                "Objects restored from spilled copies by this node",
+                &["node"],
+            ),
+            object_transfer: gauge_vec(
+                r,
+                "regatta_object_transfer_bytes_total",
+                "Bytes moved between nodes",
+                &["node", "direction"],
+            ),
             nodes: gauge_vec(r, "regatta_nodes", "Nodes by state", &["state"]),
-            node_total: float_vec(r, "regatta_node_resources_total", "Resources of each node, by name", &["node", "resource"]),
-            node_used: float_vec(r, "regatta_node_resources_used", "Resources in use on each node, by name", &["node", "resource"]),
-            heartbeat_age: float_vec(r, "regatta_node_heartbeat_age_seconds", "Seconds since each node's last heartbeat", &["node"]),
+            node_total: float_vec(
+                r,
+                "regatta_node_resources_total",
+                "Resources of each node, by name",
+                &["node", "resource"],
+            ),
+            node_used: float_vec(
+                r,
+                "regatta_node_resources_used",
+                "Resources in use on each node, by name",
+                &["node", "resource"],
+            ),
+            heartbeat_age: float_vec(
+                r,
+                "regatta_node_heartbeat_age_seconds",
+                "Seconds since each node's last heartbeat",
+                &["node"],
+            ),
             actors: gauge_vec(r, "regatta_actors", "Actors by kind and state", &["kind", "state"]),
-            restarts: gauge_vec(r, "regatta_actor_restarts_total", "Actor restarts so far, by kind", &["kind"]),
+            restarts: gauge_vec(
+                r,
+                "regatta_actor_restarts_total",
+                "Actor restarts so far, by kind",
+                &["kind"],
+            ),
             groups: gauge_vec(r, "regatta_placement_groups", "Placement groups by state", &["state"]),
             pending,
-            directory_objects: gauge_vec(r, "regatta_objects", "Objects in the cluster directory, by state", &["state"]),
-            directory_bytes: gauge_vec(r, "regatta_object_directory_bytes", "Bytes of objects in the directory, by state", &["state"]),
+            directory_objects: gauge_vec(
+                r,
+                "regatta_objects",
+                "Objects in the cluster directory, by state",
+                &["state"],
+            ),
+            directory_bytes: gauge_vec(
+                r,
+                "regatta_object_directory_bytes",
+                "Bytes of objects in the directory, by state",
+                &["state"],
+            ),
             jobs: gauge_vec(r, "regatta_jobs", "Jobs by state", &["state"]),
             job_seconds,
             registry,
@@ -147,14 +228,25 @@ impl Metrics {
         set(&self.object_spills, stats.spills);
         set(&self.object_spilled_bytes, stats.spilled_bytes);
         set(&self.object_restores, stats.restores);
-        self.object_transfer.with_label_values(&[node, "in"]).set(stats.transfer_in_bytes as i64);
-        self.object_transfer.with_label_values(&[node, "out"]).set(stats.transfer_out_bytes as i64);
+        self.object_transfer
+            .with_label_values(&[node, "in"])
+            .set(stats.transfer_in_bytes as i64);
+        self.object_transfer
+            .with_label_values(&[node, "out"])
+            .set(stats.transfer_out_bytes as i64);
     }
 
     /// Publishes the head's view of the cluster (called from the head's timer).
     pub(crate) fn publish_cluster(&self, status: &ClusterStatus, heartbeat_ages: &BTreeMap<String, f64>) {
         let _snapshot = self.snapshot.lock().unwrap_or_else(|p| p.into_inner());
-        for metric in [&self.nodes, &self.actors, &self.restarts, &self.groups, &self.directory_objects, &self.directory_bytes] {
+        for metric in [
+            &self.nodes,
+            &self.actors,
+            &self.restarts,
+            &self.groups,
+            &self.directory_objects,
+            &self.directory_bytes,
+        ] {
             metric.reset();
         }
         for metric in [&self.node_total, &self.node_used, &self.heartbeat_age] {
@@ -169,7 +261,9 @@ impl Metrics {
                 continue;
             }
             for (name, total) in node.total.iter() {
-                self.node_total.with_label_values(&[&node.name, name]).set(total as f64 / UNIT as f64);
+                self.node_total
+                    .with_label_values(&[&node.name, name])
+                    .set(total as f64 / UNIT as f64);
                 self.node_used
                     .with_label_values(&[&node.name, name])
                     .set(node.used.fixed(name) as f64 / UNIT as f64);
@@ -181,7 +275,9 @@ impl Metrics {
         for actor in &status.actors {
             let kind = actor.view.kind.as_str();
             self.actors.with_label_values(&[kind, actor.view.state.label()]).inc();
-            self.restarts.with_label_values(&[kind]).add(i64::from(actor.view.restarts));
+            self.restarts
+                .with_label_values(&[kind])
+                .add(i64::from(actor.view.restarts));
         }
         for state in ["pending", "created", "rescheduling"] {
             self.groups.with_label_values(&[state]).set(0);
@@ -191,11 +287,21 @@ impl Metrics {
         }
         self.pending.set(status.pending.len() as i64);
         let objects = &status.objects;
-        self.directory_objects.with_label_values(&["stored"]).set(objects.objects as i64);
-        self.directory_objects.with_label_values(&["spilled"]).set(objects.spilled_objects as i64);
-        self.directory_objects.with_label_values(&["lost"]).set(objects.lost as i64);
-        self.directory_bytes.with_label_values(&["stored"]).set(objects.bytes as i64);
-        self.directory_bytes.with_label_values(&["spilled"]).set(objects.spilled_bytes as i64);
+        self.directory_objects
+            .with_label_values(&["stored"])
+            .set(objects.objects as i64);
+        self.directory_objects
+            .with_label_values(&["spilled"])
+            .set(objects.spilled_objects as i64);
+        self.directory_objects
+            .with_label_values(&["lost"])
+            .set(objects.lost as i64);
+        self.directory_bytes
+            .with_label_values(&["stored"])
+            .set(objects.bytes as i64);
+        self.directory_bytes
+            .with_label_values(&["spilled"])
+            .set(objects.spilled_bytes as i64);
     }
 }
 
@@ -278,7 +384,10 @@ mod tests {
             String::from_utf8(buf).unwrap()
         };
         assert_eq!(value(&out, "regatta_actor_messages_total{kind=\"echo\"}"), Some(2.0));
-        assert_eq!(value(&out, "regatta_actor_handler_seconds_count{kind=\"echo\"}"), Some(2.0));
+        assert_eq!(
+            value(&out, "regatta_actor_handler_seconds_count{kind=\"echo\"}"),
+            Some(2.0)
+        );
     }
 
     #[test]
@@ -300,7 +409,13 @@ mod tests {
                 actors: 1,
             }],
             actors: vec![ActorLine {
-                view: ActorView { id: crate::ActorId(1), kind: "echo".into(), state: ActorState::Alive, node: None, restarts: 2 },
+                view: ActorView {
+                    id: crate::ActorId(1),
+                    kind: "echo".into(),
+                    state: ActorState::Alive,
+                    node: None,
+                    restarts: 2,
+                },
                 name: None,
                 resources: Resources::new(),
                 gpu_ids: vec![],
@@ -308,14 +423,33 @@ mod tests {
             ..Default::default()
         };
         m.publish_cluster(&status, &BTreeMap::from([("w1".to_string(), 0.25)]));
-        m.publish_objects("w1", &ObjectStats { bytes_in_memory: 10, spills: 3, ..Default::default() });
+        m.publish_objects(
+            "w1",
+            &ObjectStats {
+                bytes_in_memory: 10,
+                spills: 3,
+                ..Default::default()
+            },
+        );
         let out = m.render();
-        assert_eq!(value(&out, "regatta_node_resources_used{node=\"w1\",resource=\"CPU\"}"), Some(1.5));
-        assert_eq!(value(&out, "regatta_node_resources_total{node=\"w1\",resource=\"accelerator_type:H100\"}"), Some(1.0));
+        assert_eq!(
+            value(&out, "regatta_node_resources_used{node=\"w1\",resource=\"CPU\"}"),
+            Some(1.5)
+        );
+        assert_eq!(
+            value(
+                &out,
+                "regatta_node_resources_total{node=\"w1\",resource=\"accelerator_type:H100\"}"
+            ),
+            Some(1.0)
+        );
         assert_eq!(value(&out, "regatta_actors{kind=\"echo\",state=\"alive\"}"), Some(1.0));
         assert_eq!(value(&out, "regatta_actor_restarts_total{kind=\"echo\"}"), Some(2.0));
         assert_eq!(value(&out, "regatta_nodes{state=\"alive\"}"), Some(1.0));
-        assert_eq!(value(&out, "regatta_node_heartbeat_age_seconds{node=\"w1\"}"), Some(0.25));
+        assert_eq!(
+            value(&out, "regatta_node_heartbeat_age_seconds{node=\"w1\"}"),
+            Some(0.25)
+        );
         assert_eq!(value(&out, "regatta_object_spills_total{node=\"w1\"}"), Some(3.0));
     }
 }

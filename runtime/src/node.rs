@@ -63,8 +63,15 @@ impl LocalNode {
         } else {
             NodeConnectionMode::Isolated
         };
-        let server = NodeServer::new(port, token.to_string(), name.to_string(), advertise_host.to_string(), None, Some(mode))
-            .with_listen_addr(bind);
+        let server = NodeServer::new(
+            port,
+            token.to_string(),
+            name.to_string(),
+            advertise_host.to_string(),
+            None,
+            Some(mode),
+        )
+        .with_listen_addr(bind);
         let (server, _) = Actor::spawn(None, server, ())
             .await
             .map_err(|e| Error::Actor(format!("cannot start the cluster listener on {bind}:{port}: {e}")))?;
@@ -122,7 +129,9 @@ impl LocalNode {
                 });
             }
             match tokio::time::timeout(remaining.min(Duration::from_millis(5)), events.recv()).await {
-                Ok(Ok(SessionEvent::Closed { authenticated: false, .. })) => {
+                Ok(Ok(SessionEvent::Closed {
+                    authenticated: false, ..
+                })) => {
                     return Err(Error::TokenRefused {
                         address: head_address.to_string(),
                     });
@@ -207,7 +216,12 @@ pub(crate) fn join_group(scope: &str, group: &str, cell: ActorCell) {
 pub(crate) fn first_member(scope: &str, group: &str) -> Option<ActorCell> {
     ractor::pg::get_scoped_members(&scope.to_string(), &group.to_string())
         .into_iter()
-        .find(|cell| matches!(cell.get_status(), ractor::ActorStatus::Running | ractor::ActorStatus::Starting | ractor::ActorStatus::Upgrading))
+        .find(|cell| {
+            matches!(
+                cell.get_status(),
+                ractor::ActorStatus::Running | ractor::ActorStatus::Starting | ractor::ActorStatus::Upgrading
+            )
+        })
 }
 
 /// Waits (polling the local mirror) until a group has a running member.

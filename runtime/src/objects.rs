@@ -234,13 +234,17 @@ impl ObjectService {
             self.spill_one(victim).await?;
         }
         if !self.memory().insert(id, bytes) {
-            return Err(Error::Rejected(format!("object {id} could not be stored (already present?)")));
+            return Err(Error::Rejected(format!(
+                "object {id} could not be stored (already present?)"
+            )));
         }
         Ok(())
     }
 
     async fn spill_one(&self, id: ObjectId) -> Result<()> {
-        let Some(bytes) = self.memory().pin(id) else { return Ok(()) };
+        let Some(bytes) = self.memory().pin(id) else {
+            return Ok(());
+        };
         let size = bytes.len() as u64;
         let written = self.spill.write(id, bytes).await;
         self.memory().unpin(id);
@@ -269,7 +273,9 @@ impl ObjectService {
                 .entry(id)
                 .or_insert_with(|| {
                     let me = self.clone();
-                    async move { me.pull(id).await.map_err(|e| e.to_string()) }.boxed().shared()
+                    async move { me.pull(id).await.map_err(|e| e.to_string()) }
+                        .boxed()
+                        .shared()
                 })
                 .clone()
         };
@@ -278,20 +284,30 @@ impl ObjectService {
         match outcome {
             Ok(Ok(bytes)) => Ok(bytes),
             Ok(Err(message)) => Err(self.explain(id, message).await),
-            Err(_) => Err(Error::Timeout { what: format!("get of object {id}"), timeout }),
+            Err(_) => Err(Error::Timeout {
+                what: format!("get of object {id}"),
+                timeout,
+            }),
         }
     }
 
     /// Turns a failed pull into the typed error (lost, unknown) when the head knows why.
     async fn explain(&self, id: ObjectId, message: String) -> Error {
-        match self.link.ask::<Location>(&HeadRequest::ObjectLocate(id), Duration::from_secs(5)).await {
+        match self
+            .link
+            .ask::<Location>(&HeadRequest::ObjectLocate(id), Duration::from_secs(5))
+            .await
+        {
             Err(e @ (Error::ObjectLost { .. } | Error::ObjectUnknown { .. })) => e,
             _ => Error::Rejected(format!("object {id} could not be read: {message}")),
         }
     }
 
     async fn pull(self: Arc<Self>, id: ObjectId) -> Result<Bytes> {
-        let location: Location = self.link.ask(&HeadRequest::ObjectLocate(id), Duration::from_secs(30)).await?;
+        let location: Location = self
+            .link
+            .ask(&HeadRequest::ObjectLocate(id), Duration::from_secs(30))
+            .await?;
         let mut failures = Vec::new();
         for (node, address) in &location.sources {
             if node == &self.node {
@@ -379,17 +395,26 @@ impl ObjectService {
     /// Registers one more local reference; the first one tells the head.
     async fn adopt(self: &Arc<Self>, id: ObjectId) -> Result<Arc<RefGuard>> {
         if self.count_ref(id) {
-            let add = HeadRequest::ObjectAddRef { id, holder: self.node.clone() };
+            let add = HeadRequest::ObjectAddRef {
+                id,
+                holder: self.node.clone(),
+            };
             if let Err(e) = self.link.ask::<()>(&add, Duration::from_secs(30)).await {
                 self.uncount_ref(id);
                 return Err(e);
             }
         }
-        Ok(Arc::new(RefGuard { id, service: Arc::downgrade(self) }))
+        Ok(Arc::new(RefGuard {
+            id,
+            service: Arc::downgrade(self),
+        }))
     }
 
     fn guard(self: &Arc<Self>, id: ObjectId) -> Arc<RefGuard> {
-        Arc::new(RefGuard { id, service: Arc::downgrade(self) })
+        Arc::new(RefGuard {
+            id,
+            service: Arc::downgrade(self),
+        })
     }
 }
 
@@ -528,7 +553,9 @@ impl Cluster {
             let mut ready = Vec::new();
             let mut waiting = Vec::new();
             for reference in references {
-                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(10));
+                let left = deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(10));
                 let found = self
                     .ask_head::<Location>(&HeadRequest::ObjectLocate(reference.id), left)
                     .await;
@@ -567,11 +594,20 @@ impl Actor for ObjectsActor {
     type State = Weak<ObjectService>;
     type Arguments = Weak<ObjectService>;
 
-    async fn pre_start(&self, _me: ActorRef<Wire>, service: Weak<ObjectService>) -> std::result::Result<Self::State, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        _me: ActorRef<Wire>,
+        service: Weak<ObjectService>,
+    ) -> std::result::Result<Self::State, ActorProcessingErr> {
         Ok(service)
     }
 
-    async fn handle(&self, _me: ActorRef<Wire>, message: Wire, service: &mut Weak<ObjectService>) -> std::result::Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        _me: ActorRef<Wire>,
+        message: Wire,
+        service: &mut Weak<ObjectService>,
+    ) -> std::result::Result<(), ActorProcessingErr> {
         let (bytes, port) = match message {
             Wire::Cast(bytes) => (bytes, None),
             Wire::Call(bytes, port) => (bytes, Some(port)),

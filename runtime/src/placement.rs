@@ -79,7 +79,11 @@ impl Ledger {
     pub fn for_node(total: Resources) -> Self {
         let count = total.fixed(GPU) / UNIT;
         let gpus = (0..count as u32)
-            .map(|index| GpuSlot { index, cap: UNIT, free: UNIT })
+            .map(|index| GpuSlot {
+                index,
+                cap: UNIT,
+                free: UNIT,
+            })
             .collect();
         Self {
             available: total.clone(),
@@ -295,11 +299,7 @@ pub fn describe_missing(candidates: &[Candidate<'_>], request: &Resources) -> St
 }
 
 /// Picks a node for each bundle of a placement group, all or nothing.
-pub fn place_bundles(
-    candidates: &[Candidate<'_>],
-    bundles: &[Resources],
-    strategy: Strategy,
-) -> Decision<Vec<String>> {
+pub fn place_bundles(candidates: &[Candidate<'_>], bundles: &[Resources], strategy: Strategy) -> Decision<Vec<String>> {
     if bundles.is_empty() {
         return Decision::Infeasible("a placement group needs at least one bundle".into());
     }
@@ -339,18 +339,17 @@ fn assign(
     strategy: Strategy,
     start: impl Fn(&Ledger) -> Ledger,
 ) -> Option<Vec<String>> {
-    let mut ledgers: BTreeMap<&str, Ledger> =
-        candidates.iter().map(|c| (c.node, start(c.ledger))).collect();
+    let mut ledgers: BTreeMap<&str, Ledger> = candidates.iter().map(|c| (c.node, start(c.ledger))).collect();
     match strategy {
         Strategy::StrictPack => pack_on_one(&mut ledgers, bundles),
-        Strategy::Pack => pack_on_one(&mut ledgers.clone(), bundles)
-            .or_else(|| greedy(&mut ledgers, bundles, Prefer::Used)),
+        Strategy::Pack => {
+            pack_on_one(&mut ledgers.clone(), bundles).or_else(|| greedy(&mut ledgers, bundles, Prefer::Used))
+        }
         Strategy::Spread => greedy(&mut ledgers, bundles, Prefer::Unused),
         Strategy::StrictSpread => {
             let names: Vec<&str> = ledgers.keys().copied().collect();
             let mut chosen = vec![None; bundles.len()];
-            distinct(&mut ledgers, &names, bundles, 0, &mut chosen)
-                .then(|| chosen.into_iter().flatten().collect())
+            distinct(&mut ledgers, &names, bundles, 0, &mut chosen).then(|| chosen.into_iter().flatten().collect())
         }
     }
 }
@@ -437,7 +436,11 @@ mod tests {
     fn cands<'a>(nodes: &'a [(&'a str, Ledger)]) -> Vec<Candidate<'a>> {
         nodes
             .iter()
-            .map(|(node, ledger)| Candidate { node, ledger, actors: 0 })
+            .map(|(node, ledger)| Candidate {
+                node,
+                ledger,
+                actors: 0,
+            })
             .collect()
     }
 
@@ -501,7 +504,11 @@ mod tests {
 
     #[test]
     fn strict_spread_uses_distinct_nodes_or_is_infeasible() {
-        let nodes = [("w1", ledger("CPU=8")), ("w2", ledger("CPU=8")), ("w3", ledger("CPU=8"))];
+        let nodes = [
+            ("w1", ledger("CPU=8")),
+            ("w2", ledger("CPU=8")),
+            ("w3", ledger("CPU=8")),
+        ];
         let bundles = vec![req("CPU=1"); 3];
         match place_bundles(&cands(&nodes), &bundles, Strategy::StrictSpread) {
             Decision::Place(placed) => {
@@ -553,7 +560,10 @@ mod tests {
         let mut half = ledger("CPU=4");
         half.allocate(&req("CPU=3")).unwrap();
         let busy = [("w1", half)];
-        assert_eq!(place_bundles(&cands(&busy), &bundles, Strategy::StrictPack), Decision::Busy);
+        assert_eq!(
+            place_bundles(&cands(&busy), &bundles, Strategy::StrictPack),
+            Decision::Busy
+        );
     }
 
     #[test]

@@ -155,12 +155,14 @@ where
 
     fn dispatch(&mut self, seq: Seq, actor: usize, item: A::Request) {
         let Some(handle) = self.actors.get(actor).and_then(|a| a.clone()) else {
-            self.results.insert(seq, Err(Error::Rejected(format!("pool actor {actor} was removed"))));
+            self.results
+                .insert(seq, Err(Error::Rejected(format!("pool actor {actor} was removed"))));
             return;
         };
         let timeout = self.timeout;
-        self.running
-            .push(Box::pin(async move { (seq, actor, handle.call_timeout(item, timeout).await) }));
+        self.running.push(Box::pin(async move {
+            (seq, actor, handle.call_timeout(item, timeout).await)
+        }));
     }
 
     /// Submits one item; it runs on an idle actor now or when one frees up.
@@ -174,7 +176,9 @@ where
 
     /// Waits for one call to finish and hands its actor the next queued item.
     async fn advance(&mut self) -> bool {
-        let Some((seq, actor, result)) = self.running.next().await else { return false };
+        let Some((seq, actor, result)) = self.running.next().await else {
+            return false;
+        };
         self.results.insert(seq, result);
         if let Some((next, actor, item)) = self.book.finished(seq, actor) {
             self.dispatch(next, actor, item);
@@ -263,7 +267,11 @@ mod tests {
         assert_eq!(book.submit("b"), (1, Some((1, "b"))));
         assert_eq!(book.submit("c"), (2, None));
         assert!(!book.has_free());
-        assert_eq!(book.finished(1, 1), Some((2, 1, "c")), "the freed actor takes queued work");
+        assert_eq!(
+            book.finished(1, 1),
+            Some((2, 1, "c")),
+            "the freed actor takes queued work"
+        );
         assert_eq!(book.finished(0, 0), None);
         assert!(book.has_free());
         assert_eq!(book.next_in_order(), 0);

@@ -169,9 +169,17 @@ impl Registry {
     }
 
     /// Constructs an actor of `kind` from encoded arguments.
-    pub(crate) async fn construct(&self, kind: &str, args: Vec<u8>, ctx: ActorContext) -> Result<Box<dyn Hosted>, String> {
+    pub(crate) async fn construct(
+        &self,
+        kind: &str,
+        args: Vec<u8>,
+        ctx: ActorContext,
+    ) -> Result<Box<dyn Hosted>, String> {
         let constructor = self.kinds.get(kind).ok_or_else(|| {
-            format!("unknown actor kind '{kind}' on this worker; it registers: {}", self.kinds().join(", "))
+            format!(
+                "unknown actor kind '{kind}' on this worker; it registers: {}",
+                self.kinds().join(", ")
+            )
         })?;
         constructor(args, ctx).await
     }
@@ -204,11 +212,18 @@ impl ractor::Actor for Host {
         Ok(HostState { queue, kind: args.kind })
     }
 
-    async fn handle(&self, _myself: ActorRef<Wire>, message: Wire, state: &mut HostState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        _myself: ActorRef<Wire>,
+        message: Wire,
+        state: &mut HostState,
+    ) -> Result<(), ActorProcessingErr> {
         if matches!(message, Wire::Local(_)) {
             return Ok(());
         }
-        let depth = crate::metrics::metrics().mailbox_depth.with_label_values(&[&state.kind]);
+        let depth = crate::metrics::metrics()
+            .mailbox_depth
+            .with_label_values(&[&state.kind]);
         if state.queue.send(message).is_ok() {
             depth.inc();
         }

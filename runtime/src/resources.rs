@@ -38,7 +38,9 @@ impl<'de> Deserialize<'de> for Resources {
         let mut set = Resources::new();
         for (name, amount) in units {
             if !amount.is_finite() || amount < 0.0 {
-                return Err(serde::de::Error::custom(format!("resource {name} has amount {amount}; must be >= 0")));
+                return Err(serde::de::Error::custom(format!(
+                    "resource {name} has amount {amount}; must be >= 0"
+                )));
             }
             set.set(&name, amount);
         }

@@ -8,8 +8,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::placement::{self, Allocation, Candidate, Decision, Ledger};
 use crate::protocol::{
-    ActorId, ActorLine, ActorSpec, ActorState, ActorView, ClusterStatus, Failure, GroupId, GroupSpec,
-    GroupStatus, NodeInfo, NodeStatus, PendingLine, StartActor,
+    ActorId, ActorLine, ActorSpec, ActorState, ActorView, ClusterStatus, Failure, GroupId, GroupSpec, GroupStatus,
+    NodeInfo, NodeStatus, PendingLine, StartActor,
 };
 use crate::resources::Resources;
 
@@ -332,7 +332,10 @@ impl Scheduler {
         let effects = actor
             .placed
             .as_ref()
-            .map(|p| Effect::Stop { node: p.node.clone(), actor: id })
+            .map(|p| Effect::Stop {
+                node: p.node.clone(),
+                actor: id,
+            })
             .into_iter()
             .collect();
         self.release(id);
@@ -351,7 +354,10 @@ impl Scheduler {
         let mut effects = Vec::new();
         for id in members {
             if let Some(p) = &self.actors[&id].placed {
-                effects.push(Effect::Stop { node: p.node.clone(), actor: id });
+                effects.push(Effect::Stop {
+                    node: p.node.clone(),
+                    actor: id,
+                });
             }
             self.release(id);
             self.set_dead(id, format!("job {job} ended"));
@@ -383,7 +389,9 @@ impl Scheduler {
         if first_time {
             self.dead_order.push_back(id);
             while self.dead_order.len() > MAX_DEAD_ACTORS {
-                let Some(oldest) = self.dead_order.pop_front() else { break };
+                let Some(oldest) = self.dead_order.pop_front() else {
+                    break;
+                };
                 if let Some(record) = self.actors.remove(&oldest) {
                     if let Some(name) = record.spec.name {
                         if self.named.get(&name) == Some(&oldest) {
@@ -479,7 +487,10 @@ impl Scheduler {
         let mut effects = Vec::new();
         for actor in members {
             if let Some(p) = &self.actors[&actor].placed {
-                effects.push(Effect::Stop { node: p.node.clone(), actor });
+                effects.push(Effect::Stop {
+                    node: p.node.clone(),
+                    actor,
+                });
             }
             self.forget_placement(actor);
             self.set_dead(actor, format!("placement group {id} was removed"));
@@ -519,7 +530,9 @@ impl Scheduler {
 
     fn place_group(&mut self, id: GroupId) {
         let Some(group) = self.groups.get(&id) else { return };
-        let missing: Vec<usize> = (0..group.bundles.len()).filter(|i| group.bundles[*i].is_none()).collect();
+        let missing: Vec<usize> = (0..group.bundles.len())
+            .filter(|i| group.bundles[*i].is_none())
+            .collect();
         if missing.is_empty() {
             return;
         }
@@ -539,7 +552,9 @@ impl Scheduler {
             return;
         };
         for (index, node) in missing.into_iter().zip(nodes) {
-            let Some(ledger) = self.nodes.get_mut(&node).map(|n| &mut n.ledger) else { continue };
+            let Some(ledger) = self.nodes.get_mut(&node).map(|n| &mut n.ledger) else {
+                continue;
+            };
             let Some(reservation) = ledger.allocate(&self.groups[&id].spec.bundles[index]) else {
                 continue;
             };
@@ -567,7 +582,11 @@ impl Scheduler {
                 match placement::place_actor(&candidates, &spec.resources) {
                     Decision::Place(node) => {
                         let allocation = self.nodes.get_mut(&node)?.ledger.allocate(&spec.resources)?;
-                        Some(Placed { node, allocation, bundle: None })
+                        Some(Placed {
+                            node,
+                            allocation,
+                            bundle: None,
+                        })
                     }
                     Decision::Busy => None,
                     Decision::Infeasible(why) => {
@@ -642,7 +661,12 @@ impl Scheduler {
         self.nodes
             .values()
             .filter(|n| n.dead_cause.is_none())
-            .map(|n| (n.info.name.clone(), now_ms.saturating_sub(n.last_heartbeat_ms) as f64 / 1000.0))
+            .map(|n| {
+                (
+                    n.info.name.clone(),
+                    now_ms.saturating_sub(n.last_heartbeat_ms) as f64 / 1000.0,
+                )
+            })
             .collect()
     }
 
@@ -668,7 +692,11 @@ impl Scheduler {
                 since_s: secs(n.since_ms),
                 cause: n.dead_cause.clone(),
                 total: n.ledger.total().clone(),
-                used: if n.dead_cause.is_none() { n.ledger.used() } else { Resources::new() },
+                used: if n.dead_cause.is_none() {
+                    n.ledger.used()
+                } else {
+                    Resources::new()
+                },
                 kinds: n.info.kinds.clone(),
                 actors: self
                     .actors
@@ -717,7 +745,13 @@ impl Scheduler {
             .filter(|(_, g)| g.bundles.iter().any(Option::is_none))
             .map(|(id, g)| PendingLine {
                 what: format!("placement group {id} ({:?})", g.spec.strategy),
-                resources: g.spec.bundles.iter().map(|b| format!("{{{b}}}")).collect::<Vec<_>>().join(" "),
+                resources: g
+                    .spec
+                    .bundles
+                    .iter()
+                    .map(|b| format!("{{{b}}}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
                 waiting_s: secs(g.waiting_since_ms),
             })
             .collect();
@@ -801,11 +835,17 @@ mod tests {
         let effects = s.schedule(5_000);
         let restarted = starts(&effects);
         assert_eq!(restarted.len(), 1);
-        assert_eq!((restarted[0].actor, restarted[0].node.as_str(), restarted[0].attempt), (keep, "w2", 2));
+        assert_eq!(
+            (restarted[0].actor, restarted[0].node.as_str(), restarted[0].attempt),
+            (keep, "w2", 2)
+        );
         let dead = s.actor_view(lose).unwrap();
         match dead.state {
             ActorState::Dead { cause } => {
-                assert!(cause.contains("node w1 died") && cause.contains("max_restarts=0"), "{cause}")
+                assert!(
+                    cause.contains("node w1 died") && cause.contains("max_restarts=0"),
+                    "{cause}"
+                )
             }
             other => panic!("{other:?}"),
         }
@@ -823,10 +863,20 @@ mod tests {
         let effects = s.schedule(0);
         start_all(&mut s, &effects);
         let effects = s.end_job("j1");
-        assert_eq!(effects, vec![Effect::Stop { node: "w1".into(), actor: a }]);
+        assert_eq!(
+            effects,
+            vec![Effect::Stop {
+                node: "w1".into(),
+                actor: a
+            }]
+        );
         assert!(matches!(s.actor_view(a).unwrap().state, ActorState::Dead { cause } if cause == "job j1 ended"));
         assert_eq!(s.actor_view(b).unwrap().state, ActorState::Alive);
-        assert_eq!(s.status(0).nodes[0].used.fixed("CPU"), 10_000, "the job's CPU was freed");
+        assert_eq!(
+            s.status(0).nodes[0].used.fixed("CPU"),
+            10_000,
+            "the job's CPU was freed"
+        );
     }
 
     #[test]
@@ -877,7 +927,10 @@ mod tests {
     #[test]
     fn infeasible_and_unknown_requests_fail_at_once() {
         let mut s = Scheduler::new();
-        assert!(matches!(s.submit(spec("CPU=1", 0), 0), Err(Failure::UnknownKind { .. })));
+        assert!(matches!(
+            s.submit(spec("CPU=1", 0), 0),
+            Err(Failure::UnknownKind { .. })
+        ));
         s.register(node("w1", "CPU=2,GPU=4"), 0);
         match s.submit(spec("GPU=8", 0), 0) {
             Err(Failure::Infeasible(msg)) => assert!(msg.contains("largest: GPU=4 on node w1"), "{msg}"),

@@ -13,7 +13,9 @@ pub const TOKEN_ENV: &str = "REGATTA_TOKEN";
 
 /// The default token file.
 pub fn default_token_file() -> PathBuf {
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     home.join(".regatta").join("token")
 }
 
@@ -96,7 +98,10 @@ mod tests {
         if std::env::var(TOKEN_ENV).is_err() {
             assert_eq!(resolve_token(None, Some(&file), false).unwrap().0, "s3cret");
             std::fs::write(&file, "\n").unwrap();
-            assert!(resolve_token(None, Some(&file), false).unwrap_err().to_string().contains("empty"));
+            assert!(resolve_token(None, Some(&file), false)
+                .unwrap_err()
+                .to_string()
+                .contains("empty"));
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -124,9 +124,9 @@ pub async fn call_raw(target: &ActorCell, request: Vec<u8>, timeout: Duration) -
     match target.call(|port| Wire::Call(request, port), Some(timeout)).await {
         Ok(ractor::rpc::CallResult::Success(bytes)) => Ok(bytes),
         Ok(ractor::rpc::CallResult::Timeout) => Err(CallError::Timeout),
-        Ok(ractor::rpc::CallResult::SenderError) => {
-            Err(CallError::Unreachable("the actor stopped or its node was lost before replying".into()))
-        }
+        Ok(ractor::rpc::CallResult::SenderError) => Err(CallError::Unreachable(
+            "the actor stopped or its node was lost before replying".into(),
+        )),
         Err(e) => Err(CallError::Unreachable(format!("could not deliver the message: {e}"))),
     }
 }
@@ -146,8 +146,15 @@ mod tests {
 
     #[test]
     fn garbage_decodes_to_a_failure_not_a_panic() {
-        for junk in [&b""[..], b"\xff\xff\xff\xff\xff\xff\xff\xff\xff", b"\x07\x00\x00\x00garbage"] {
-            assert!(matches!(decode::<HeadRequest>(junk, "head request"), Err(Failure::BadMessage(_))));
+        for junk in [
+            &b""[..],
+            b"\xff\xff\xff\xff\xff\xff\xff\xff\xff",
+            b"\x07\x00\x00\x00garbage",
+        ] {
+            assert!(matches!(
+                decode::<HeadRequest>(junk, "head request"),
+                Err(Failure::BadMessage(_))
+            ));
         }
     }
 

@@ -11,11 +11,11 @@ use crate::agent::{Agent, AgentArgs};
 use std::sync::Arc;
 
 use crate::client::Cluster;
-use crate::headlink::HeadLink;
-use crate::objects::{ObjectConfig, ObjectService};
 use crate::detect;
 use crate::error::{Error, Result};
+use crate::headlink::HeadLink;
 use crate::node::{self, LocalNode};
+use crate::objects::{ObjectConfig, ObjectService};
 use crate::protocol::{HeadRequest, NodeInfo};
 use crate::registry::Registry;
 use crate::resources::Resources;
@@ -68,14 +68,24 @@ impl WorkerConfig {
 /// Runs a worker until `shutdown` resolves. Fails at once on a refused token; an
 /// unreachable head is retried.
 pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl Future<Output = ()>) -> Result<()> {
-    let name = config.name.clone().unwrap_or_else(|| format!("worker-{}", node::random_hex(3)));
-    let host = config.advertise_host.clone().unwrap_or_else(|| node::route_to(&config.head_address));
+    let name = config
+        .name
+        .clone()
+        .unwrap_or_else(|| format!("worker-{}", node::random_hex(3)));
+    let host = config
+        .advertise_host
+        .clone()
+        .unwrap_or_else(|| node::route_to(&config.head_address));
     // The session name is unique per process so a restarted worker is never mistaken for
     // the old session the head may still hold open.
     let session = format!("{name}-{}", node::random_hex(3));
     let local = LocalNode::start(&session, &config.token, config.bind, config.port, &host, true).await?;
     let head = join_with_retry(&local, &config.head_address).await?;
-    let link = Arc::new(HeadLink::new(local.scope().to_string(), head, config.head_address.clone()));
+    let link = Arc::new(HeadLink::new(
+        local.scope().to_string(),
+        head,
+        config.head_address.clone(),
+    ));
     let mut objects = config.objects.clone();
     objects.advertise_host = host.clone();
     objects.bind = config.bind;
@@ -86,7 +96,8 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
             let node = name.clone();
             let refresh: Arc<dyn Fn() + Send + Sync> =
                 Arc::new(move || crate::metrics::metrics().publish_objects(&node, &store.stats()));
-            let bound = crate::metrics::serve(std::net::SocketAddr::new(config.bind, port), Some(refresh), None).await?;
+            let bound =
+                crate::metrics::serve(std::net::SocketAddr::new(config.bind, port), Some(refresh), None).await?;
             Some(format!("{host}:{}", bound.port()))
         }
         None => None,
@@ -166,7 +177,10 @@ async fn keep_membership(
             }
         }
         let Some(current) = incarnation else {
-            match cluster.ask_head::<u64>(&HeadRequest::Register(info.clone()), interval * 4).await {
+            match cluster
+                .ask_head::<u64>(&HeadRequest::Register(info.clone()), interval * 4)
+                .await
+            {
                 Ok(number) => {
                     tracing::info!(node = %info.name, resources = %info.resources, "registered with the head");
                     incarnation = Some(number);

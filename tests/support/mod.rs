@@ -47,7 +47,10 @@ impl TestCluster {
             if status.nodes.iter().any(|n| n.name == node && n.state == state) {
                 return;
             }
-            assert!(Instant::now() < deadline, "node {node} never became {state}: {status:?}");
+            assert!(
+                Instant::now() < deadline,
+                "node {node} never became {state}: {status:?}"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -99,7 +102,9 @@ fn rand_suffix() -> u128 {
 pub fn http_get(base: &str, path: &str) -> (u16, String) {
     use std::io::{Read, Write};
     let host = base.trim_start_matches("http://");
-    let Ok(mut stream) = std::net::TcpStream::connect(host) else { return (0, String::new()) };
+    let Ok(mut stream) = std::net::TcpStream::connect(host) else {
+        return (0, String::new());
+    };
     let request = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
     if stream.write_all(request.as_bytes()).is_err() {
         return (0, String::new());
@@ -108,7 +113,10 @@ pub fn http_get(base: &str, path: &str) -> (u16, String) {
     let _ = stream.read_to_end(&mut reply);
     let text = String::from_utf8_lossy(&reply).to_string();
     let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     (status, dechunk(&text, body))
 }
 
@@ -119,7 +127,9 @@ fn dechunk(head: &str, body: String) -> String {
     let mut out = String::new();
     let mut rest = body.as_str();
     while let Some((size, after)) = rest.split_once("\r\n") {
-        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
         if n == 0 || after.len() < n {
             break;
         }

@@ -91,11 +91,19 @@ pub struct RingCollective<L: RingLink> {
 impl<L: RingLink> RingCollective<L> {
     /// Rank `rank` of `world`, talking through `link`.
     pub fn new(rank: usize, world: usize, link: L) -> Self {
-        Self { rank, world, link, scratch: Vec::new() }
+        Self {
+            rank,
+            world,
+            link,
+            scratch: Vec::new(),
+        }
     }
 
     fn link_err(&self, reason: String) -> CollectiveError {
-        CollectiveError::Link { rank: self.rank, reason }
+        CollectiveError::Link {
+            rank: self.rank,
+            reason,
+        }
     }
 
     fn exchange(&mut self, send: &[f32], recv_len: usize) -> Result<()> {
@@ -159,14 +167,21 @@ impl<L: RingLink> Collective for RingCollective<L> {
         if input.len() != output.len() * self.world {
             return Err(CollectiveError::Shape {
                 rank: self.rank,
-                reason: format!("reduce_scatter needs input = world x output ({} != {} x {})", input.len(), self.world, output.len()),
+                reason: format!(
+                    "reduce_scatter needs input = world x output ({} != {} x {})",
+                    input.len(),
+                    self.world,
+                    output.len()
+                ),
             });
         }
         let mut buffer = input.to_vec();
         let n = output.len();
         let parts: Vec<Range<usize>> = (0..self.world).map(|r| r * n..(r + 1) * n).collect();
         // Rotate so this rank ends up owning its own chunk: shift chunk indices by one.
-        let rotated: Vec<Range<usize>> = (0..self.world).map(|i| parts[(i + self.world - 1) % self.world].clone()).collect();
+        let rotated: Vec<Range<usize>> = (0..self.world)
+            .map(|i| parts[(i + self.world - 1) % self.world].clone())
+            .collect();
         if self.world > 1 {
             self.ring_reduce_scatter(&mut buffer, &rotated)?;
         }
@@ -179,12 +194,18 @@ impl<L: RingLink> Collective for RingCollective<L> {
         if output.len() != n * self.world {
             return Err(CollectiveError::Shape {
                 rank: self.rank,
-                reason: format!("all_gather needs output = world x input ({} != {} x {n})", output.len(), self.world),
+                reason: format!(
+                    "all_gather needs output = world x input ({} != {} x {n})",
+                    output.len(),
+                    self.world
+                ),
             });
         }
         let parts: Vec<Range<usize>> = (0..self.world).map(|r| r * n..(r + 1) * n).collect();
         output[parts[self.rank].clone()].copy_from_slice(input);
-        let rotated: Vec<Range<usize>> = (0..self.world).map(|i| parts[(i + self.world - 1) % self.world].clone()).collect();
+        let rotated: Vec<Range<usize>> = (0..self.world)
+            .map(|i| parts[(i + self.world - 1) % self.world].clone())
+            .collect();
         if self.world > 1 {
             self.ring_all_gather(output, &rotated)?;
         }
@@ -220,11 +241,16 @@ pub struct MemoryLink {
 
 impl RingLink for MemoryLink {
     fn send(&mut self, data: &[f32]) -> std::result::Result<(), String> {
-        self.next.send(data.to_vec()).map_err(|_| "the next rank is gone".to_string())
+        self.next
+            .send(data.to_vec())
+            .map_err(|_| "the next rank is gone".to_string())
     }
 
     fn recv(&mut self, out: &mut [f32]) -> std::result::Result<(), String> {
-        let data = self.previous.recv().map_err(|_| "the previous rank is gone".to_string())?;
+        let data = self
+            .previous
+            .recv()
+            .map_err(|_| "the previous rank is gone".to_string())?;
         if data.len() != out.len() {
             return Err(format!("expected {} values, got {}", out.len(), data.len()));
         }
@@ -251,7 +277,10 @@ mod tests {
     use super::*;
 
     /// Runs `body` on every rank of an in-memory ring, each on its own thread.
-    fn on_ring<T: Send + 'static>(world: usize, body: impl Fn(&mut RingCollective<MemoryLink>) -> T + Send + Sync + 'static) -> Vec<T> {
+    fn on_ring<T: Send + 'static>(
+        world: usize,
+        body: impl Fn(&mut RingCollective<MemoryLink>) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
         let body = std::sync::Arc::new(body);
         let threads: Vec<_> = memory_ring(world)
             .into_iter()
@@ -283,7 +312,9 @@ mod tests {
                     c.all_reduce(&mut buffer).unwrap();
                     buffer
                 });
-                let expected: Vec<f32> = (0..len).map(|i| (0..world).map(|r| (r * 100 + i) as f32).sum()).collect();
+                let expected: Vec<f32> = (0..len)
+                    .map(|i| (0..world).map(|r| (r * 100 + i) as f32).sum())
+                    .collect();
                 for got in results {
                     assert_eq!(got, expected, "world {world}, len {len}");
                 }
@@ -303,9 +334,15 @@ mod tests {
                 c.all_gather(&shard, &mut whole).unwrap();
                 (c.rank(), shard, whole)
             });
-            let expected: Vec<f32> = (0..n * world).map(|i| (0..world).map(|r| (r * 100 + i) as f32).sum()).collect();
+            let expected: Vec<f32> = (0..n * world)
+                .map(|i| (0..world).map(|r| (r * 100 + i) as f32).sum())
+                .collect();
             for (rank, shard, whole) in results {
-                assert_eq!(shard, expected[rank * n..(rank + 1) * n].to_vec(), "world {world} rank {rank}");
+                assert_eq!(
+                    shard,
+                    expected[rank * n..(rank + 1) * n].to_vec(),
+                    "world {world} rank {rank}"
+                );
                 assert_eq!(whole, expected);
             }
         }
@@ -325,7 +362,13 @@ mod tests {
     #[test]
     fn wrong_shapes_are_refused() {
         let mut c = RingCollective::new(0, 2, memory_ring(2).remove(0));
-        assert!(matches!(c.reduce_scatter(&[1.0; 5], &mut [0.0; 2]), Err(CollectiveError::Shape { .. })));
-        assert!(matches!(c.all_gather(&[1.0; 2], &mut [0.0; 3]), Err(CollectiveError::Shape { .. })));
+        assert!(matches!(
+            c.reduce_scatter(&[1.0; 5], &mut [0.0; 2]),
+            Err(CollectiveError::Shape { .. })
+        ));
+        assert!(matches!(
+            c.all_gather(&[1.0; 2], &mut [0.0; 3]),
+            Err(CollectiveError::Shape { .. })
+        ));
     }
 }

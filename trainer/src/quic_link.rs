@@ -45,13 +45,26 @@ impl QuicLinkBuilder {
     pub async fn connect(self, next: SocketAddr) -> std::result::Result<QuicLink, String> {
         let accept = async {
             let incoming = self.endpoint.accept().await.ok_or("the endpoint closed")?;
-            let connection = incoming.await.map_err(|e| format!("previous rank's handshake failed: {e}"))?;
-            connection.accept_uni().await.map_err(|e| format!("previous rank opened no stream: {e}"))
+            let connection = incoming
+                .await
+                .map_err(|e| format!("previous rank's handshake failed: {e}"))?;
+            connection
+                .accept_uni()
+                .await
+                .map_err(|e| format!("previous rank opened no stream: {e}"))
         };
         let open = async {
-            let connecting = self.endpoint.connect(next, SERVER_NAME).map_err(|e| format!("cannot connect to {next}: {e}"))?;
-            let connection = connecting.await.map_err(|e| format!("handshake with the next rank {next} failed: {e}"))?;
-            let mut stream = connection.open_uni().await.map_err(|e| format!("cannot open a stream to {next}: {e}"))?;
+            let connecting = self
+                .endpoint
+                .connect(next, SERVER_NAME)
+                .map_err(|e| format!("cannot connect to {next}: {e}"))?;
+            let connection = connecting
+                .await
+                .map_err(|e| format!("handshake with the next rank {next} failed: {e}"))?;
+            let mut stream = connection
+                .open_uni()
+                .await
+                .map_err(|e| format!("cannot open a stream to {next}: {e}"))?;
             // A stream becomes visible to the peer only once something is written.
             stream.write_all(&[1]).await.map_err(|e| e.to_string())?;
             Ok::<_, String>(stream)
@@ -59,7 +72,10 @@ impl QuicLinkBuilder {
         let (incoming, outgoing) = tokio::join!(accept, open);
         let mut incoming = incoming?;
         let mut hello = [0u8; 1];
-        incoming.read_exact(&mut hello).await.map_err(|e| format!("previous rank's hello: {e}"))?;
+        incoming
+            .read_exact(&mut hello)
+            .await
+            .map_err(|e| format!("previous rank's hello: {e}"))?;
         Ok(QuicLink {
             runtime: self.runtime,
             outgoing: Some(outgoing?),
@@ -73,7 +89,10 @@ impl QuicLinkBuilder {
 impl QuicLink {
     fn finish_pending(&mut self) -> std::result::Result<(), String> {
         if let Some(task) = self.pending.take() {
-            let stream = self.runtime.block_on(task).map_err(|e| format!("send task failed: {e}"))??;
+            let stream = self
+                .runtime
+                .block_on(task)
+                .map_err(|e| format!("send task failed: {e}"))??;
             self.outgoing = Some(stream);
         }
         Ok(())
@@ -113,7 +132,10 @@ impl RingLink for QuicLink {
             bytes.extend_from_slice(&value.to_le_bytes());
         }
         self.pending = Some(self.runtime.spawn(async move {
-            stream.write_all(&bytes).await.map_err(|e| format!("send to the next rank failed: {e}"))?;
+            stream
+                .write_all(&bytes)
+                .await
+                .map_err(|e| format!("send to the next rank failed: {e}"))?;
             Ok(stream)
         }));
         Ok(())
@@ -124,13 +146,22 @@ impl RingLink for QuicLink {
         let runtime = self.runtime.clone();
         let bytes = runtime.block_on(async {
             let mut header = [0u8; 8];
-            incoming.read_exact(&mut header).await.map_err(|e| format!("receive from the previous rank failed: {e}"))?;
+            incoming
+                .read_exact(&mut header)
+                .await
+                .map_err(|e| format!("receive from the previous rank failed: {e}"))?;
             let count = u64::from_le_bytes(header) as usize;
             if count != out.len() {
-                return Err(format!("expected {} values from the previous rank, it sent {count}", out.len()));
+                return Err(format!(
+                    "expected {} values from the previous rank, it sent {count}",
+                    out.len()
+                ));
             }
             let mut bytes = vec![0u8; count * 4];
-            incoming.read_exact(&mut bytes).await.map_err(|e| format!("receive from the previous rank failed: {e}"))?;
+            incoming
+                .read_exact(&mut bytes)
+                .await
+                .map_err(|e| format!("receive from the previous rank failed: {e}"))?;
             Ok(bytes)
         })?;
         for (value, raw) in out.iter_mut().zip(bytes.chunks_exact(4)) {
@@ -147,15 +178,27 @@ mod tests {
 
     #[test]
     fn a_ring_over_quic_all_reduces_large_buffers_without_deadlock() {
-        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
         let world = 3;
-        let len: usize = std::env::var("RING_TEST_LEN").ok().and_then(|v| v.parse().ok()).unwrap_or(3_000_001); // 12 MB per rank: far beyond one flow-control window.
+        let len: usize = std::env::var("RING_TEST_LEN")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(3_000_001); // 12 MB per rank: far beyond one flow-control window.
         let builders: Vec<QuicLinkBuilder> = runtime.block_on(async {
-            (0..world).map(|_| QuicLinkBuilder::bind("127.0.0.1:0".parse().unwrap(), "ring-token").unwrap()).collect()
+            (0..world)
+                .map(|_| QuicLinkBuilder::bind("127.0.0.1:0".parse().unwrap(), "ring-token").unwrap())
+                .collect()
         });
         let addrs: Vec<SocketAddr> = builders.iter().map(|b| b.local_addr().unwrap()).collect();
         let links: Vec<QuicLink> = runtime.block_on(async {
-            let connects = builders.into_iter().enumerate().map(|(rank, b)| b.connect(addrs[(rank + 1) % world]));
+            let connects = builders
+                .into_iter()
+                .enumerate()
+                .map(|(rank, b)| b.connect(addrs[(rank + 1) % world]));
             futures::future::try_join_all(connects).await.unwrap()
         });
         let threads: Vec<_> = links
@@ -180,7 +223,11 @@ mod tests {
 
     #[test]
     fn a_rank_without_the_token_cannot_join_the_ring() {
-        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
         runtime.block_on(async {
             let member = QuicLinkBuilder::bind("127.0.0.1:0".parse().unwrap(), "ring-token").unwrap();
             let stranger = QuicLinkBuilder::bind("127.0.0.1:0".parse().unwrap(), "other-token").unwrap();

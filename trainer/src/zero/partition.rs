@@ -47,13 +47,22 @@ impl FlatLayout {
         let slots = tensors
             .iter()
             .map(|(name, numel)| {
-                let slot = TensorSlot { name: name.clone(), numel: *numel, offset };
+                let slot = TensorSlot {
+                    name: name.clone(),
+                    numel: *numel,
+                    offset,
+                };
                 offset += numel;
                 slot
             })
             .collect();
         let padded = offset.div_ceil(world) * world;
-        Self { tensors: slots, numel: offset, padded, world }
+        Self {
+            tensors: slots,
+            numel: offset,
+            padded,
+            world,
+        }
     }
 
     /// Elements per shard.
