@@ -199,3 +199,22 @@ async fn workers_rejoin_a_restarted_head() {
         CounterReply::Total(1)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_messages_get_a_clear_error_and_the_session_survives() {
+    let cluster = TestCluster::start(&[("w1", "CPU=2")]).await;
+    let echo = cluster
+        .client
+        .spawn::<regatta::kinds::Echo>(String::new(), ActorOptions::new())
+        .await
+        .expect("spawn");
+    let huge = "x".repeat(20 << 20);
+    let err = echo.call(huge).await.err().expect("a 20 MiB message is refused");
+    assert!(err.to_string().contains("object store"), "{err}");
+    let reply = echo
+        .call("still here".into())
+        .await
+        .expect("the session to the worker survived");
+    assert_eq!(reply.text, "still here");
+    assert_cluster_works(&cluster, 1).await;
+}

@@ -255,7 +255,16 @@ async fn drain(
         match (outcome, port) {
             (Ok(result), Some(port)) => {
                 if !port.is_closed() {
-                    let _ = port.send(wire::encode(&result));
+                    let mut reply = wire::encode(&result);
+                    if reply.len() > wire::MAX_MESSAGE_BYTES {
+                        let failure: Result<Vec<u8>, Failure> = Err(Failure::Handler(format!(
+                            "the reply of {} bytes exceeds the {} byte limit of actor messages; return an ObjectRef instead",
+                            reply.len(),
+                            wire::MAX_MESSAGE_BYTES
+                        )));
+                        reply = wire::encode(&failure);
+                    }
+                    let _ = port.send(reply);
                 }
             }
             (Ok(Err(failure)), None) => tracing::warn!(actor = %ctx.id, ?failure, "cast failed"),

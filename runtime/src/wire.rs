@@ -118,8 +118,24 @@ pub enum CallError {
     Timeout,
 }
 
+/// The largest message payload: ractor_cluster drops a session that receives a frame
+/// over 16 MiB, so larger payloads are refused here, before they are sent.
+pub const MAX_MESSAGE_BYTES: usize = 15 << 20;
+
+fn check_size(payload: &[u8]) -> Result<(), String> {
+    if payload.len() > MAX_MESSAGE_BYTES {
+        return Err(format!(
+            "a message of {} bytes exceeds the {} byte limit of actor messages; put large data in the object store and send the ObjectRef",
+            payload.len(),
+            MAX_MESSAGE_BYTES
+        ));
+    }
+    Ok(())
+}
+
 /// Sends `request` and waits up to `timeout` for the raw reply bytes.
 pub async fn call_raw(target: &ActorCell, request: Vec<u8>, timeout: Duration) -> Result<Vec<u8>, CallError> {
+    check_size(&request).map_err(CallError::Unreachable)?;
     let target: ActorRef<Wire> = target.clone().into();
     match target.call(|port| Wire::Call(request, port), Some(timeout)).await {
         Ok(ractor::rpc::CallResult::Success(bytes)) => Ok(bytes),
@@ -133,6 +149,7 @@ pub async fn call_raw(target: &ActorCell, request: Vec<u8>, timeout: Duration) -
 
 /// Sends a fire-and-forget message.
 pub fn cast_raw(target: &ActorCell, payload: Vec<u8>) -> Result<(), String> {
+    check_size(&payload)?;
     let target: ActorRef<Wire> = target.clone().into();
     target
         .send_message(Wire::Cast(payload))
