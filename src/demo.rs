@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context};
 use clap::Args;
 
-use crate::kinds::{Counter, CounterOp, CounterReply, Echo};
+use crate::kinds::{Counter, CounterOp, CounterReply, Echo, Store, StoreOp, StoreReply};
 use crate::local::{LocalCluster, LocalOptions, WorkerSpec};
 use regatta_runtime::{ActorOptions, Resources, Strategy};
 
@@ -25,8 +25,8 @@ pub struct DemoArgs {
 /// Runs the demo; Ctrl-C stops it and every process it started.
 pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let workers = vec![
-        WorkerSpec::new("w1", "CPU=4,GPU=2,accelerator_type:H100=1"),
-        WorkerSpec::new("w2", "CPU=4"),
+        WorkerSpec::new("w1", "CPU=4,GPU=2,accelerator_type:H100=1,pin:w1=1"),
+        WorkerSpec::new("w2", "CPU=4,pin:w2=1"),
     ];
     let options = LocalOptions::new(workers)?;
     println!(
@@ -128,8 +128,42 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
     );
     group.remove().await?;
 
+    let pin = |node: &str| Resources::parse_request(&format!("pin:{node}")).map(|r| ActorOptions::new().resources(r));
+    let (a, b) = (
+        client.spawn::<Store>((), pin("w1")?).await?,
+        client.spawn::<Store>((), pin("w2")?).await?,
+    );
+    let t = Instant::now();
+    let StoreReply::Put { reference, digest } = a
+        .call(StoreOp::Put {
+            size: 64 << 20,
+            seed: 7,
+            keep: true,
+        })
+        .await?
+    else {
+        anyhow::bail!("the store actor did not put");
+    };
+    let StoreReply::Got { len, digest: got } = b.call(StoreOp::Get(reference.clone())).await? else {
+        anyhow::bail!("the store actor did not get");
+    };
+    ensure!(
+        got == digest && len == 64 << 20,
+        "object {} came back different",
+        reference.id()
+    );
+    println!(
+        "object {} (64 MiB) put on w1 and read byte-exact on w2 over QUIC in {:.2}s",
+        reference.id(),
+        t.elapsed().as_secs_f64()
+    );
+
     let status = client.status().await?;
     print!("{}", crate::cli::render_status(&status));
+    println!(
+        "metrics: {}/metrics (Prometheus discovery: {}/api/prometheus/sd); job API: {}; dashboards: docker/grafana/dashboards",
+        cluster.metrics_address, cluster.metrics_address, cluster.job_address
+    );
     println!("done in {:.2}s", started.elapsed().as_secs_f64());
     Ok(ExitCode::SUCCESS)
 }
