@@ -3,7 +3,7 @@ table: case, Ray, Regatta, ratio. Usage: bench_table.py RAY_OUTPUT REGATTA_OUTPU
 import re
 import sys
 
-LINE = re.compile(r"^(?P<case>.+?) (?P<unit>per second|seconds|megabytes) (?P<value>[0-9.]+) \+- (?P<spread>[0-9.]+)")
+LINE = re.compile(r"^(?P<case>.+?) (?P<unit>per second|milliseconds|seconds|megabytes) (?P<value>[0-9.]+) \+- (?P<spread>[0-9.]+)")
 
 
 def parse(path):

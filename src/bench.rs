@@ -105,7 +105,49 @@ async fn cluster_start(trials: usize) -> anyhow::Result<()> {
     }
     report("head and 2 workers ready", "seconds", &ready);
     report("idle head and 2 workers resident", "megabytes", &memory);
+    scrape_with_many_actors(trials).await
+}
+
+/// How long a `/metrics` scrape of the head takes with thousands of live actors.
+async fn scrape_with_many_actors(trials: usize) -> anyhow::Result<()> {
+    let mut cluster = start_cluster()?;
+    let client = cluster.connect(Duration::from_secs(30)).await?;
+    let actors = 2_000;
+    let spawned =
+        futures::future::try_join_all((0..actors).map(|_| client.spawn::<Noop>((), ActorOptions::new()))).await?;
+    futures::future::try_join_all(spawned.iter().map(|a| a.call(Vec::new()))).await?;
+    // The head refreshes its snapshot once a second.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let host = cluster.metrics_address.trim_start_matches("http://").to_string();
+    let mut millis = Vec::new();
+    for _ in 0..trials.max(3) {
+        let started = Instant::now();
+        let body = http_get(&host, "/metrics")?;
+        millis.push(started.elapsed().as_secs_f64() * 1e3);
+        anyhow::ensure!(
+            body.contains("regatta_actors{kind=\"noop\",state=\"alive\"} 2000"),
+            "the scrape does not show the 2,000 actors"
+        );
+    }
+    report(
+        &format!("metrics scrape of the head with {actors} actors"),
+        "milliseconds",
+        &millis,
+    );
+    cluster.shutdown();
     Ok(())
+}
+
+fn http_get(host: &str, path: &str) -> anyhow::Result<String> {
+    let mut stream = TcpStream::connect(host)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply)?;
+    Ok(reply)
 }
 
 /// Resident memory of a process (Linux), 0 when unknown.

@@ -27,6 +27,7 @@ fn bench_prints_every_case_in_rays_line_format() {
         "cross-node get 100 MB gigabytes per second",
         "head and 2 workers ready seconds",
         "idle head and 2 workers resident megabytes",
+        "metrics scrape of the head with 2000 actors milliseconds",
     ];
     for case in cases {
         let line = text
