@@ -136,9 +136,7 @@ impl LocalCluster {
     pub fn start(options: LocalOptions) -> anyhow::Result<Self> {
         std::fs::create_dir_all(&options.log_dir)
             .with_context(|| format!("cannot create {}", options.log_dir.display()))?;
-        let port = free_port()?;
-        let job_port = free_port()?;
-        let metrics_port = free_port()?;
+        let [port, job_port, metrics_port] = free_ports()?;
         let token = options
             .token
             .clone()
@@ -382,9 +380,27 @@ fn spawn(binary: &Path, log: &Path, args: &[String], token: &str, env: &[(String
         .with_context(|| format!("cannot start {}", binary.display()))
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    let listener = TcpListener::bind("127.0.0.1:0").context("cannot find a free port")?;
-    Ok(listener.local_addr()?.port())
+/// Three distinct free TCP ports for the head, chosen below Linux's ephemeral range
+/// (32768 and up): the head binds them a moment after they are chosen, and a port from the
+/// ephemeral range could be handed to another process (a worker binding port 0) meanwhile.
+fn free_ports() -> anyhow::Result<[u16; 3]> {
+    use std::hash::{BuildHasher, Hasher};
+    let mut seed = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    let mut held = Vec::new();
+    for _ in 0..2_000 {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let candidate = 20_000 + (seed >> 33) as u16 % 12_000;
+        if held.iter().any(|(port, _)| *port == candidate) {
+            continue;
+        }
+        if let Ok(listener) = TcpListener::bind(("127.0.0.1", candidate)) {
+            held.push((candidate, listener));
+            if held.len() == 3 {
+                return Ok([held[0].0, held[1].0, held[2].0]);
+            }
+        }
+    }
+    anyhow::bail!("cannot find three free ports between 20000 and 32000")
 }
 
 fn terminate(child: &Child) {

@@ -20,6 +20,9 @@ use tokio::sync::broadcast;
 use crate::error::{Error, Result};
 use crate::protocol::ActorId;
 
+/// Sessions closed before authenticating, in a row, before a join reports a refused token.
+pub(crate) const REFUSALS_BEFORE_GIVING_UP: u32 = 3;
+
 /// How long a node waits for the head to authenticate it before giving up on that attempt.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -105,9 +108,26 @@ impl LocalNode {
         self.events.subscribe()
     }
 
-    /// Connects to the head at `head_address` and waits until the head's actor is visible.
-    /// A refused token is reported as such; an unreachable head as unreachable.
+    /// Connects to the head and waits until the head's actor is visible. A session closed
+    /// before authenticating usually means a wrong token, but a connection race can close
+    /// one too: only [`REFUSALS_BEFORE_GIVING_UP`] refusals in a row count as a refused token.
     pub(crate) async fn join(&self, head_address: &str) -> Result<ActorCell> {
+        let mut refusals = 0;
+        loop {
+            match self.join_once(head_address).await {
+                Err(Error::TokenRefused { address }) => {
+                    refusals += 1;
+                    if refusals >= REFUSALS_BEFORE_GIVING_UP {
+                        return Err(Error::TokenRefused { address });
+                    }
+                    tokio::time::sleep(Duration::from_millis(200 * refusals as u64)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn join_once(&self, head_address: &str) -> Result<ActorCell> {
         let mut events = self.events();
         ractor_cluster::client_connect(&self.server, head_address)
             .await
