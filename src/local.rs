@@ -129,6 +129,7 @@ pub struct LocalCluster {
     pub job_address: String,
     /// The head's metrics and service discovery, `http://127.0.0.1:PORT`.
     pub metrics_address: String,
+    stopped: bool,
 }
 
 impl LocalCluster {
@@ -156,6 +157,7 @@ impl LocalCluster {
             token,
             job_address: format!("http://127.0.0.1:{job_port}"),
             metrics_address: format!("http://127.0.0.1:{metrics_port}"),
+            stopped: false,
             options,
         };
         for index in 0..cluster.options.workers.len() {
@@ -304,8 +306,12 @@ impl LocalCluster {
         std::fs::read_to_string(self.log_path(name)).unwrap_or_default()
     }
 
-    /// Stops every process (SIGTERM, then SIGKILL after a grace period).
+    /// Stops every process (SIGTERM, then SIGKILL after a grace period). Safe to call again.
     pub fn shutdown(&mut self) {
+        if self.stopped {
+            return;
+        }
+        self.stopped = true;
         let mut children: Vec<Child> = self.workers.iter_mut().filter_map(Option::take).collect();
         for child in &children {
             terminate(child);

@@ -12,10 +12,24 @@ use regatta::Client;
 /// Heartbeat timeout the tests run with, so node loss is seen quickly.
 pub const HEARTBEAT_TIMEOUT_MS: u64 = 1_000;
 
-/// A cluster under test plus a connected client.
+/// A cluster under test plus a connected client. Its processes' logs are removed when a
+/// test passes and kept (and named in the failure) when it fails.
 pub struct TestCluster {
     pub local: LocalCluster,
     pub client: Client,
+}
+
+impl Drop for TestCluster {
+    fn drop(&mut self) {
+        self.local.shutdown();
+        let logs = self.local.log_path("head");
+        let Some(dir) = logs.parent() else { return };
+        if std::thread::panicking() {
+            eprintln!("cluster logs kept in {}", dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }
 
 impl TestCluster {
