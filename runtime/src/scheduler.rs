@@ -345,10 +345,15 @@ impl Scheduler {
 
     /// A job ended: its actors die (no restart) with the cause named.
     pub fn end_job(&mut self, job: &str) -> Vec<Effect> {
+        self.kill_where(|a| a.spec.job.as_deref() == Some(job), &format!("job {job} ended"))
+    }
+
+    /// Kills every live actor matching `doomed` (no restart), stopping it on its node.
+    fn kill_where(&mut self, doomed: impl Fn(&ActorRecord) -> bool, cause: &str) -> Vec<Effect> {
         let members: Vec<ActorId> = self
             .actors
             .iter()
-            .filter(|(_, a)| a.spec.job.as_deref() == Some(job) && !matches!(a.state, ActorState::Dead { .. }))
+            .filter(|(_, a)| !matches!(a.state, ActorState::Dead { .. }) && doomed(a))
             .map(|(id, _)| *id)
             .collect();
         let mut effects = Vec::new();
@@ -360,7 +365,7 @@ impl Scheduler {
                 });
             }
             self.release(id);
-            self.set_dead(id, format!("job {job} ended"));
+            self.set_dead(id, cause.to_string());
         }
         effects
     }
@@ -477,24 +482,10 @@ impl Scheduler {
         if !self.groups.contains_key(&id) {
             return Err(Failure::Rejected(format!("placement group {id} does not exist")));
         }
-        let members: Vec<ActorId> = self
-            .actors
-            .iter()
-            .filter(|(_, a)| a.spec.placement.as_ref().is_some_and(|p| p.group == id))
-            .filter(|(_, a)| !matches!(a.state, ActorState::Dead { .. }))
-            .map(|(id, _)| *id)
-            .collect();
-        let mut effects = Vec::new();
-        for actor in members {
-            if let Some(p) = &self.actors[&actor].placed {
-                effects.push(Effect::Stop {
-                    node: p.node.clone(),
-                    actor,
-                });
-            }
-            self.forget_placement(actor);
-            self.set_dead(actor, format!("placement group {id} was removed"));
-        }
+        let effects = self.kill_where(
+            |a| a.spec.placement.as_ref().is_some_and(|p| p.group == id),
+            &format!("placement group {id} was removed"),
+        );
         if let Some(group) = self.groups.remove(&id) {
             for bundle in group.bundles.into_iter().flatten() {
                 if let Some(node) = self.nodes.get_mut(&bundle.node).filter(|n| n.dead_cause.is_none()) {
