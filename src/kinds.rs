@@ -14,6 +14,7 @@ pub fn builtin() -> Registry {
         .register::<Store>()
         .register::<Noop>()
         .register::<Caller>()
+        .register::<regatta_trainer::RingRank>()
 }
 
 /// Deterministic test bytes: `size` bytes from `seed`, fast to make for multi-GB objects.

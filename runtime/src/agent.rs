@@ -19,12 +19,14 @@ pub(crate) struct Agent;
 
 pub(crate) struct AgentArgs {
     pub(crate) node: String,
+    pub(crate) host: String,
     pub(crate) registry: Registry,
     pub(crate) cluster: Cluster,
 }
 
 pub(crate) struct AgentState {
     node: String,
+    host: String,
     registry: Registry,
     cluster: Cluster,
     hosts: HashMap<ActorId, (ActorCell, u32)>,
@@ -40,6 +42,7 @@ impl Actor for Agent {
     async fn pre_start(&self, _myself: ActorRef<Wire>, args: AgentArgs) -> Result<AgentState, ActorProcessingErr> {
         Ok(AgentState {
             node: args.node,
+            host: args.host,
             registry: args.registry,
             cluster: args.cluster,
             hosts: HashMap::new(),
@@ -138,6 +141,7 @@ fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: Agen
                 myself.clone(),
                 state.registry.clone(),
                 state.cluster.clone(),
+                state.host.clone(),
                 start,
             ));
         }
@@ -150,10 +154,11 @@ fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: Agen
 }
 
 /// Constructs the actor, hosts it, advertises it, then tells the head how it went.
-async fn start_actor(agent: ActorRef<Wire>, registry: Registry, cluster: Cluster, start: StartActor) {
+async fn start_actor(agent: ActorRef<Wire>, registry: Registry, cluster: Cluster, host: String, start: StartActor) {
     let ctx = ActorContext {
         id: start.actor,
         node: start.node.clone(),
+        host,
         gpu_ids: start.gpu_ids.clone(),
         resources: start.resources.clone(),
         name: start.name.clone(),

@@ -69,6 +69,7 @@ pub trait Actor: Send + Sized + 'static {
 pub struct ActorContext {
     pub(crate) id: ActorId,
     pub(crate) node: String,
+    pub(crate) host: String,
     pub(crate) gpu_ids: Vec<u32>,
     pub(crate) resources: Resources,
     pub(crate) name: Option<String>,
@@ -84,6 +85,11 @@ impl ActorContext {
     /// The node it runs on.
     pub fn node(&self) -> &str {
         &self.node
+    }
+
+    /// The address (host name or IP) its node is reached at, for listeners the actor opens.
+    pub fn host(&self) -> &str {
+        &self.host
     }
 
     /// The GPU indices granted to it (empty without GPUs). Indices are the node's device

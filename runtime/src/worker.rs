@@ -118,6 +118,7 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
         Agent,
         AgentArgs {
             node: name.clone(),
+            host: host.clone(),
             registry,
             cluster: cluster.clone(),
         },
