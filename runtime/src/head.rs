@@ -83,17 +83,18 @@ impl RunningHead {
 }
 
 /// Starts a head in this process.
+///
+/// Everything else (head actor, object store, job API, metrics) is up before the cluster
+/// port opens, so a worker or client that can join finds a complete head.
 pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     let name = format!("head-{}", node::random_hex(4));
-    let local = LocalNode::start(
-        &name,
-        &config.token,
-        config.bind,
-        config.port,
-        &config.advertise_host,
-        true,
-    )
-    .await?;
+    let scope = node::scope_for(&config.token);
+    let port = if config.port == 0 {
+        node::free_port(config.bind)?
+    } else {
+        config.port
+    };
+    let address = format!("{}:{port}", config.advertise_host);
     let targets: Arc<Mutex<Vec<SdTarget>>> = Arc::new(Mutex::new(Vec::new()));
     let sources: Arc<OnceLock<(Arc<ObjectService>, Option<JobManager>)>> = Arc::new(OnceLock::new());
     let metrics = match config.metrics_port {
@@ -118,7 +119,7 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
         None,
         Head,
         HeadArgs {
-            scope: local.scope().to_string(),
+            scope: scope.clone(),
             heartbeat_timeout_ms: config.heartbeat_timeout_ms,
             object_grace_ms: config.object_grace_ms,
             targets,
@@ -127,7 +128,7 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     )
     .await
     .map_err(|e| Error::Actor(format!("cannot start the head actor: {e}")))?;
-    node::join_group(local.scope(), node::HEAD_GROUP, actor.get_cell());
+    node::join_group(&scope, node::HEAD_GROUP, actor.get_cell());
     let ticker = actor.clone();
     let tick_every = Duration::from_millis((config.heartbeat_timeout_ms / 10).clamp(20, 250));
     tokio::spawn(async move {
@@ -139,16 +140,11 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
             }
         }
     });
-    forward_client_departures(&local, actor.clone());
-    let link = Arc::new(HeadLink::new(
-        local.scope().to_string(),
-        actor.get_cell(),
-        local.address.clone(),
-    ));
+    let link = Arc::new(HeadLink::new(scope.clone(), actor.get_cell(), address.clone()));
     let objects = ObjectService::start(HEAD_NODE, &config.token, config.objects.clone(), link.clone()).await?;
     let (job_api, manager) = match &config.jobs {
         Some(jobs) => {
-            let manager = JobManager::open(jobs.clone(), local.address.clone(), config.token.clone(), link)?;
+            let manager = JobManager::open(jobs.clone(), address.clone(), config.token.clone(), link)?;
             let bind = SocketAddr::new(config.bind, jobs.http_port);
             (
                 Some(job_api::serve(manager.clone(), config.token.clone(), bind).await?),
@@ -158,6 +154,8 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
         None => (None, None),
     };
     let _ = sources.set((objects.clone(), manager));
+    let local = LocalNode::start(&name, &config.token, config.bind, port, &config.advertise_host, true).await?;
+    forward_client_departures(&local, actor.clone());
     tracing::info!(address = %local.address, "head is up");
     Ok(RunningHead {
         job_api,

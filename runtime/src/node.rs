@@ -260,7 +260,8 @@ pub(crate) async fn wait_member(scope: &str, group: &str, timeout: Duration) -> 
     }
 }
 
-fn scope_for(token: &str) -> String {
+/// The process-group scope of the cluster with this token.
+pub(crate) fn scope_for(token: &str) -> String {
     // FNV-1a: a stable, dependency-free fingerprint; the token itself never appears.
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for byte in token.bytes() {
@@ -270,7 +271,8 @@ fn scope_for(token: &str) -> String {
     format!("regatta-{hash:016x}")
 }
 
-fn free_port(bind: IpAddr) -> Result<u16> {
+/// A free TCP port on `bind` (released at once: bind it soon).
+pub(crate) fn free_port(bind: IpAddr) -> Result<u16> {
     let listener = TcpListener::bind(SocketAddr::new(bind, 0))
         .map_err(|e| Error::io(format!("cannot find a free port on {bind}"), e))?;
     listener
