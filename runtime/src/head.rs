@@ -325,8 +325,11 @@ fn handle_request(state: &mut HeadState, request: HeadRequest, port: Option<RpcR
         HeadRequest::Register(info) => {
             let name = info.name.clone();
             tracing::info!(node = %name, address = %info.address, resources = %info.resources, kinds = ?info.kinds, "node joined");
-            let incarnation = state.scheduler.register(info, now);
-            send(port, wire::encode(&Ok::<u64, Failure>(incarnation)));
+            let result = state.scheduler.register(info, now);
+            if let Err(failure) = &result {
+                tracing::warn!(?failure, "refused a node's registration");
+            }
+            send(port, wire::encode(&result));
             Vec::new()
         }
         HeadRequest::Heartbeat { node, incarnation } => {

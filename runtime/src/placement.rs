@@ -228,6 +228,27 @@ pub fn validate_request(request: &Resources) -> Result<(), String> {
     Ok(())
 }
 
+/// Most whole GPUs one node may declare (each becomes an index the head tracks).
+pub const MAX_GPUS_PER_NODE: u64 = 256;
+
+/// Checks a node's declared capacity: GPUs are whole devices, and a sane number of them.
+pub fn validate_capacity(capacity: &Resources) -> Result<(), String> {
+    let gpu = capacity.fixed(GPU);
+    if !gpu.is_multiple_of(UNIT) {
+        return Err(format!(
+            "GPU={} is not allowed on a node: declare whole GPUs",
+            format_fixed(gpu)
+        ));
+    }
+    if gpu / UNIT > MAX_GPUS_PER_NODE {
+        return Err(format!(
+            "GPU={} is more than {MAX_GPUS_PER_NODE} GPUs on one node; declare the real count",
+            format_fixed(gpu)
+        ));
+    }
+    Ok(())
+}
+
 /// A node as the placement logic sees it.
 #[derive(Clone, Copy, Debug)]
 pub struct Candidate<'a> {
@@ -588,6 +609,16 @@ mod tests {
         got.sort();
         assert_eq!(got, reserved.gpu_ids());
         assert!(bundle.allocate(&req("GPU=1")).is_none());
+    }
+
+    #[test]
+    fn node_capacity_must_be_whole_and_sane_gpus() {
+        let cap = |t: &str| Resources::parse_capacity(t).unwrap();
+        assert!(validate_capacity(&cap("CPU=8,GPU=8")).is_ok());
+        assert!(validate_capacity(&cap("GPU=1.5")).unwrap_err().contains("whole GPUs"));
+        assert!(validate_capacity(&cap("GPU=1000000000"))
+            .unwrap_err()
+            .contains("more than 256"));
     }
 
     #[test]

@@ -90,8 +90,11 @@ impl Scheduler {
     // ----- membership -----
 
     /// A worker joins (or rejoins after a restart). Returns its incarnation number; an
-    /// earlier incarnation of the same name is declared dead first.
-    pub fn register(&mut self, info: NodeInfo, now_ms: u64) -> u64 {
+    /// earlier incarnation of the same name is declared dead first. A node whose declared
+    /// capacity makes no sense is refused.
+    pub fn register(&mut self, info: NodeInfo, now_ms: u64) -> Result<u64, Failure> {
+        placement::validate_capacity(&info.resources)
+            .map_err(|why| Failure::Rejected(format!("node {} refused: {why}", info.name)))?;
         if self.is_alive(&info.name) {
             self.lose_node(&info.name, "the worker re-registered (it restarted)", now_ms);
         }
@@ -105,7 +108,7 @@ impl Scheduler {
             last_heartbeat_ms: now_ms,
         };
         self.nodes.insert(record.info.name.clone(), record);
-        self.next_incarnation
+        Ok(self.next_incarnation)
     }
 
     /// Records a heartbeat; false means the node is unknown, dead or a stale incarnation
@@ -814,13 +817,13 @@ mod tests {
     #[test]
     fn lost_node_restarts_actors_elsewhere_within_budget() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "CPU=2"), 0);
+        s.register(node("w1", "CPU=2"), 0).unwrap();
         let keep = s.submit(spec("CPU=1", 1), 0).unwrap();
         let lose = s.submit(spec("CPU=1", 0), 0).unwrap();
         let effects = s.schedule(0);
         assert!(starts(&effects).iter().all(|st| st.node == "w1"));
         start_all(&mut s, &effects);
-        s.register(node("w2", "CPU=2"), 10);
+        s.register(node("w2", "CPU=2"), 10).unwrap();
         s.heartbeat("w2", 2, 5_000);
         s.expire(5_000, 3_000);
         let effects = s.schedule(5_000);
@@ -846,7 +849,7 @@ mod tests {
     #[test]
     fn ending_a_job_kills_only_its_actors() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "CPU=4"), 0);
+        s.register(node("w1", "CPU=4"), 0).unwrap();
         let mut in_job = spec("CPU=1", 3);
         in_job.job = Some("j1".into());
         let a = s.submit(in_job, 0).unwrap();
@@ -873,7 +876,7 @@ mod tests {
     #[test]
     fn only_the_most_recent_dead_actors_are_remembered() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "CPU=1"), 0);
+        s.register(node("w1", "CPU=1"), 0).unwrap();
         let first = s.submit(spec("", 0), 0).unwrap();
         s.kill(first).unwrap();
         for _ in 0..MAX_DEAD_ACTORS {
@@ -885,9 +888,17 @@ mod tests {
     }
 
     #[test]
+    fn a_node_declaring_absurd_gpus_is_refused() {
+        let mut s = Scheduler::new();
+        let err = s.register(node("w1", "GPU=100000"), 0).unwrap_err();
+        assert!(matches!(err, Failure::Rejected(m) if m.contains("node w1 refused")));
+        assert!(s.status(0).nodes.is_empty());
+    }
+
+    #[test]
     fn stale_start_reports_are_ignored() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "CPU=1"), 0);
+        s.register(node("w1", "CPU=1"), 0).unwrap();
         let id = s.submit(spec("CPU=1", 5), 0).unwrap();
         let first = starts(&s.schedule(0)).remove(0);
         s.exited(id, first.attempt, "panicked", 1);
@@ -901,7 +912,7 @@ mod tests {
     #[test]
     fn busy_request_is_placed_when_resources_free_up() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "GPU=1"), 0);
+        s.register(node("w1", "GPU=1"), 0).unwrap();
         let a = s.submit(spec("GPU=1", 0), 0).unwrap();
         let b = s.submit(spec("GPU=1", 0), 0).unwrap();
         let first = s.schedule(0);
@@ -922,7 +933,7 @@ mod tests {
             s.submit(spec("CPU=1", 0), 0),
             Err(Failure::UnknownKind { .. })
         ));
-        s.register(node("w1", "CPU=2,GPU=4"), 0);
+        s.register(node("w1", "CPU=2,GPU=4"), 0).unwrap();
         match s.submit(spec("GPU=8", 0), 0) {
             Err(Failure::Infeasible(msg)) => assert!(msg.contains("largest: GPU=4 on node w1"), "{msg}"),
             other => panic!("{other:?}"),
@@ -938,7 +949,7 @@ mod tests {
     #[test]
     fn duplicate_live_name_is_rejected() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "CPU=2"), 0);
+        s.register(node("w1", "CPU=2"), 0).unwrap();
         let mut named = spec("", 0);
         named.name = Some("svc".into());
         let id = s.submit(named.clone(), 0).unwrap();
@@ -953,7 +964,7 @@ mod tests {
     fn group_bundles_are_reserved_and_actors_use_them() {
         let mut s = Scheduler::new();
         for name in ["w1", "w2", "w3"] {
-            s.register(node(name, "CPU=4,GPU=1"), 0);
+            s.register(node(name, "CPU=4,GPU=1"), 0).unwrap();
         }
         let group = s
             .create_group(
@@ -987,7 +998,7 @@ mod tests {
     fn group_on_a_lost_node_is_placed_again() {
         let mut s = Scheduler::new();
         for name in ["w1", "w2", "w3"] {
-            s.register(node(name, "CPU=1"), 0);
+            s.register(node(name, "CPU=1"), 0).unwrap();
         }
         let group = s
             .create_group(
@@ -1012,7 +1023,7 @@ mod tests {
     #[test]
     fn status_reports_used_resources_and_dead_nodes() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "CPU=4,accelerator_type:H100=1"), 0);
+        s.register(node("w1", "CPU=4,accelerator_type:H100=1"), 0).unwrap();
         s.submit(spec("CPU=1,accelerator_type:H100", 0), 0).unwrap();
         s.schedule(0);
         let status = s.status(0);

@@ -68,6 +68,12 @@ impl WorkerConfig {
 /// Runs a worker until `shutdown` resolves. Fails at once on a refused token; an
 /// unreachable head is retried.
 pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl Future<Output = ()>) -> Result<()> {
+    let mut resources = detect::detect_resources();
+    resources.override_with(&config.resources);
+    crate::placement::validate_capacity(&resources).map_err(|why| Error::BadResources {
+        input: resources.to_string(),
+        reason: why,
+    })?;
     let name = config
         .name
         .clone()
@@ -103,8 +109,6 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
         None => None,
     };
 
-    let mut resources = detect::detect_resources();
-    resources.override_with(&config.resources);
     let info = NodeInfo {
         name: name.clone(),
         address: local.address.clone(),
@@ -186,6 +190,7 @@ async fn keep_membership(
                     tracing::info!(node = %info.name, resources = %info.resources, "registered with the head");
                     incarnation = Some(number);
                 }
+                Err(refused @ Error::Rejected(_)) => return Err(refused),
                 Err(e) => tracing::warn!(error = %e, "registration failed; retrying"),
             }
             continue;

@@ -87,16 +87,8 @@ where
 }
 
 /// Resident memory of a process in bytes (Linux).
-pub fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|kb| kb.parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .unwrap_or(0)
-}
+#[allow(unused_imports)]
+pub use regatta::bench::rss_bytes;
 
 /// A fresh empty directory under the system temp dir.
 pub fn temp_dir(name: &str) -> PathBuf {
