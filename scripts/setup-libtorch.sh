@@ -7,14 +7,31 @@
 # builds of the trainer.
 set -euo pipefail
 
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+# The repository's .libtorch link is what .cargo/config.toml points cargo at.
+link() {
+    ln -sfn "$1" "$repo/.libtorch"
+    echo "$1"
+}
+# A libtorch the user already points at (LIBTORCH with lib/libtorch.so) is used as is.
+if [ -n "${LIBTORCH:-}" ] && [ -f "$LIBTORCH/lib/libtorch.so" ] && [ -d "$LIBTORCH/include" ]; then
+    link "$(cd "$LIBTORCH" && pwd)"
+    exit 0
+fi
 dest="${LIBTORCH:-$HOME/.cache/regatta/libtorch-2.11.0}"
 if [ -f "$dest/.complete" ]; then
-    echo "$dest"
+    link "$dest"
     exit 0
 fi
 work="$(mktemp -d -t regatta-libtorch.XXXXXX)"
 trap 'rm -rf "$work"' EXIT
-python3 -m pip download --quiet --no-deps --dest "$work" \
+pip=(python3 -m pip)
+if ! python3 -m pip --version >/dev/null 2>&1; then
+    # No pip for the system Python: a throwaway virtualenv brings one.
+    python3 -m venv "$work/venv" >&2
+    pip=("$work/venv/bin/pip")
+fi
+"${pip[@]}" download --quiet --no-deps --dest "$work" \
     "torch==2.11.0" "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-cupti==13.0.85" >&2
 mkdir -p "$dest/lib" "$dest/include"
 cd "$work"
@@ -37,4 +54,4 @@ for wheel in glob.glob("*.whl"):
                 shutil.copyfileobj(src, out)
 PY
 touch "$dest/.complete"
-echo "$dest"
+link "$dest"

@@ -26,6 +26,10 @@ if ! command -v prometheus >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq prometheus >/dev/null
 fi
 
+# libtorch 2.11 for the trainer's executor (regatta-torch), cached outside the clone and
+# linked as .libtorch, which .cargo/config.toml hands to cargo.
+bash scripts/setup-libtorch.sh >/dev/null
+
 log="$(mktemp -t regatta-tests.XXXXXX)"
 trap 'rm -f "$log"' EXIT
 

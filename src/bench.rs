@@ -17,7 +17,7 @@ use regatta_runtime::{ActorHandle, ActorOptions, ActorPool, Client, Resources, S
 /// Options of `regatta bench`.
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Which cases: `actors`, `objects`, `cluster`, or `all`.
+    /// Which cases: `actors`, `objects`, `cluster`, `train`, `score`, or `all`.
     #[arg(default_value = "all")]
     pub suite: String,
     /// Trials per case (mean and standard deviation are printed).
@@ -59,9 +59,9 @@ fn start_cluster() -> anyhow::Result<LocalCluster> {
 /// Runs the benchmark suite on local clusters started from this binary.
 pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let suites: Vec<&str> = match args.suite.as_str() {
-        "all" => vec!["cluster", "actors", "objects"],
-        one @ ("actors" | "objects" | "cluster") => vec![one],
-        other => bail!("unknown benchmark suite '{other}'; use actors, objects, cluster or all"),
+        "all" => vec!["cluster", "actors", "objects", "train", "score"],
+        one @ ("actors" | "objects" | "cluster" | "train" | "score") => vec![one],
+        other => bail!("unknown benchmark suite '{other}'; use actors, objects, cluster, train, score or all"),
     };
     let trials = args.trials.max(1);
     for suite in suites {
@@ -77,6 +77,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
 async fn run_suite(suite: &str, trials: usize, quick: bool) -> anyhow::Result<()> {
     if suite == "cluster" {
         return cluster_start(trials).await;
+    }
+    if suite == "train" {
+        return crate::bench_train::train(trials, quick).await;
+    }
+    if suite == "score" {
+        return crate::bench_score::score(trials, quick).await;
     }
     let mut cluster = start_cluster()?;
     let outcome = match suite {

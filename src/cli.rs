@@ -33,6 +33,11 @@ enum Command {
     Demo(crate::demo::DemoArgs),
     /// Run benchmarks on a local cluster, printed in `ray microbenchmark`'s format.
     Bench(crate::bench::BenchArgs),
+    /// Train the built-in GPT with a ZeRO trainer group (on --address, or a local cluster
+    /// started for the run).
+    Train(crate::train_cli::TrainArgs),
+    /// Score a JSONL dataset with a trainer checkpoint on a pool of scorer actors.
+    Score(crate::score_cli::ScoreArgs),
     /// Submit, follow, stop and list jobs through the head's job API.
     #[command(subcommand)]
     Job(crate::job_cli::JobCommand),
@@ -217,6 +222,8 @@ pub fn main_with(registry: Registry) -> ExitCode {
             Command::Demo(args) => crate::demo::run(args).await,
             Command::Bench(args) => crate::bench::run(args).await,
             Command::Job(command) => crate::job_cli::run(command).await,
+            Command::Train(args) => crate::train_cli::run(args).await,
+            Command::Score(args) => crate::score_cli::run(args).await,
             Command::Probe { url } => probe(&url).await,
         }
     });

@@ -15,6 +15,8 @@ pub fn builtin() -> Registry {
         .register::<Noop>()
         .register::<Caller>()
         .register::<regatta_trainer::RingRank>()
+        .register::<regatta_trainer::TrainRank>()
+        .register::<regatta_scorer::ScorerActor>()
 }
 
 /// Deterministic test bytes: `size` bytes from `seed`, fast to make for multi-GB objects.

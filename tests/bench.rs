@@ -28,6 +28,11 @@ fn bench_prints_every_case_in_rays_line_format() {
         "head and 2 workers ready seconds",
         "idle head and 2 workers resident megabytes",
         "metrics scrape of the head with 2000 actors milliseconds",
+        "train ZeRO-2 1 rank(s) tokens per second",
+        "train ZeRO-2 3 rank(s) step seconds",
+        "train ZeRO-2 2 rank(s) scaling efficiency percent",
+        "score 1 actor(s) batch 32 rows per second",
+        "score 2 actor(s) batch 256 tokens per second",
     ];
     for case in cases {
         let line = text

@@ -1,12 +1,15 @@
 //! The README's main job (`regatta demo`, what `scripts/main-job.sh` runs) does its work
-//! and stops every process it started.
+//! (actors, objects, then train-then-score with a clear drop in perplexity) and stops every
+//! process it started.
 
-use std::process::Command;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 #[test]
 fn the_main_job_runs_its_workload_and_stops_its_cluster() {
     let out = Command::new(env!("CARGO_BIN_EXE_regatta"))
-        .args(["demo", "--actors", "20", "--calls", "3"])
+        .args(["demo", "--actors", "20", "--calls", "3", "--steps", "120"])
         .output()
         .expect("run regatta demo");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -19,10 +22,38 @@ fn the_main_job_runs_its_workload_and_stops_its_cluster() {
         "with GPU indices [0]",
         "read byte-exact on w2",
         "Nodes: 2 alive, 0 dead",
+        "training: ",
+        "ZeRO-2 over 2 ranks",
+        "checkpoint at step 0: ",
+        "checkpoint at step 120: ",
         "cluster stopped",
     ] {
         assert!(text.contains(expected), "missing '{expected}' in:\n{text}");
     }
+    // "mean perplexity B before training, A after"
+    let line = text
+        .lines()
+        .find(|l| l.contains("mean perplexity"))
+        .unwrap_or_else(|| panic!("no perplexity line in:\n{text}"));
+    let numbers: Vec<f64> = line
+        .split("mean perplexity ")
+        .nth(1)
+        .map(|rest| {
+            rest.split(|c: char| !(c.is_ascii_digit() || c == '.'))
+                .filter_map(|n| n.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let (before, after) = match numbers.as_slice() {
+        [before, after, ..] => (*before, *after),
+        _ => panic!("cannot read the perplexities in {line:?}"),
+    };
+    assert!(
+        after < 0.7 * before && after > 1.0,
+        "perplexity did not clearly drop: {line}"
+    );
+    let rows = regatta::pipeline::EVAL_SET.lines().count();
+    assert!(line.contains(&format!(": {rows} rows scored (0 malformed)")), "{line}");
     let logs = text
         .lines()
         .find_map(|l| l.split("logs in ").nth(1))
@@ -40,4 +71,72 @@ fn the_main_job_runs_its_workload_and_stops_its_cluster() {
         })
         .unwrap_or(false);
     assert!(!still_running, "a process of the demo's cluster is still running");
+}
+
+/// Processes whose environment carries `marker` (every process the demo starts inherits it).
+fn processes_with(marker: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+        if environ.split(|b| *b == 0).any(|kv| kv == marker.as_bytes()) {
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            found.push(String::from_utf8_lossy(&cmdline).replace('\0', " "));
+        }
+    }
+    found
+}
+
+#[test]
+fn ctrl_c_during_training_stops_every_process_the_main_job_started() {
+    let marker = format!("REGATTA_DEMO_MARK=ctrl-c-{}", std::process::id());
+    let (key, value) = marker.split_once('=').expect("KEY=VALUE");
+    let mut demo = Command::new(env!("CARGO_BIN_EXE_regatta"))
+        .args(["demo", "--actors", "4", "--calls", "1", "--steps", "1000000"])
+        .env(key, value)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start regatta demo");
+    let stdout = demo.stdout.take().expect("piped stdout");
+    let (lines_tx, lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = lines_tx.send(line);
+        }
+    });
+    // Wait until the ranks are training (a step line after the start line).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut seen = String::new();
+    loop {
+        let line = lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .unwrap_or_else(|_| panic!("no training step within 120 s:\n{seen}"));
+        seen.push_str(&line);
+        seen.push('\n');
+        if line.starts_with("step ") {
+            break;
+        }
+    }
+    let executors = processes_with(&marker);
+    assert!(
+        executors.iter().filter(|c| c.contains("regatta-torch-rank")).count() == 2,
+        "two rank executors run: {executors:#?}"
+    );
+    assert!(Command::new("kill")
+        .args(["-INT", &demo.id().to_string()])
+        .status()
+        .expect("kill")
+        .success());
+    let status = demo.wait().expect("the demo exits");
+    assert_eq!(status.code(), Some(130), "{seen}");
+    // Every process it started is gone (give exiting children a moment to be reaped).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = processes_with(&marker);
+        if left.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still running after Ctrl-C: {left:#?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use regatta::kinds::{digest, pattern, Store, StoreOp, StoreReply};
 use regatta::local::WorkerSpec;
 use regatta::{ActorHandle, ActorOptions, Error, ObjectRef, Resources};
-use support::{eventually, TestCluster};
+use support::{eventually, start_moto, TestCluster};
 
 const MIB: u64 = 1 << 20;
 
@@ -151,66 +151,6 @@ async fn a_full_store_spills_to_a_directory_and_restores_byte_exact() {
     spill_and_restore(&cluster).await;
     let files = std::fs::read_dir(&dir).expect("spill dir").count();
     assert!(files >= 2, "spilled files in {}: {files}", dir.display());
-}
-
-/// Starts moto's S3-compatible server on a free port and creates a bucket.
-struct Moto {
-    child: std::process::Child,
-    endpoint: String,
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn moto_server() -> std::path::PathBuf {
-    let candidates = [
-        std::env::var("REGATTA_MOTO_SERVER").ok(),
-        std::env::var("HOME")
-            .ok()
-            .map(|h| format!("{h}/.cache/regatta/test-venv/bin/moto_server")),
-    ];
-    for candidate in candidates.into_iter().flatten() {
-        if std::path::Path::new(&candidate).is_file() {
-            return candidate.into();
-        }
-    }
-    panic!("moto_server (S3-compatible test server) not found: run ./scripts/test.sh, which installs it, or set REGATTA_MOTO_SERVER");
-}
-
-async fn start_moto(bucket: &str) -> Moto {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("port")
-        .local_addr()
-        .expect("addr")
-        .port();
-    let child = std::process::Command::new(moto_server())
-        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("start moto_server");
-    let endpoint = format!("http://127.0.0.1:{port}");
-    let moto = Moto { child, endpoint };
-    let address = format!("127.0.0.1:{port}");
-    let request =
-        format!("PUT /{bucket} HTTP/1.1\r\nHost: {address}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
-    eventually("moto to create the bucket", Duration::from_secs(30), || {
-        let (address, request) = (address.clone(), request.clone());
-        async move {
-            use std::io::{Read, Write};
-            let mut stream = std::net::TcpStream::connect(&address).ok()?;
-            stream.write_all(request.as_bytes()).ok()?;
-            let mut reply = String::new();
-            stream.read_to_string(&mut reply).ok()?;
-            reply.starts_with("HTTP/1.1 200").then_some(())
-        }
-    })
-    .await;
-    moto
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,6 +20,7 @@ mod error;
 mod id;
 mod identity;
 mod memory;
+mod place;
 mod spill;
 mod transfer;
 
@@ -29,5 +30,6 @@ pub use error::{Error, Result};
 pub use id::ObjectId;
 pub use identity::{identity_from_token, TlsIdentity};
 pub use memory::{MemoryStats, MemoryStore, NoRoom};
-pub use spill::{delete as delete_spilled, parse_spill_url, restore, SpillBackend};
+pub use place::{absolute, Place};
+pub use spill::{delete as delete_spilled, open_store, parse_spill_url, restore, SpillBackend};
 pub use transfer::{endpoint, ObjectSource, Transfer, CHUNK_BYTES, FAULT_CORRUPT_ENV, SERVER_NAME};

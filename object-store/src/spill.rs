@@ -55,7 +55,9 @@ pub fn parse_spill_url(text: &str) -> Result<Url> {
     }
 }
 
-fn open_store(url: &Url) -> Result<(Arc<dyn ObjectStore>, Path)> {
+/// Opens the backend behind a URL from [`parse_spill_url`] and the path inside it (local
+/// directories are created).
+pub fn open_store(url: &Url) -> Result<(Arc<dyn ObjectStore>, Path)> {
     match url.scheme() {
         "file" => {
             let path = url

@@ -204,9 +204,14 @@ impl Cluster {
     /// `agent/<node>`, `actor/<id>`) and returns the raw reply, for protocol robustness tests.
     #[doc(hidden)]
     pub async fn send_raw(&self, group: &str, bytes: Vec<u8>) -> std::result::Result<Vec<u8>, String> {
-        let target = node::wait_member(self.scope(), group, Duration::from_secs(5))
-            .await
-            .ok_or_else(|| format!("no actor in group {group}"))?;
+        // The head through the link (its cached actor): a process-group entry can vanish
+        // when a duplicate session to the head closes, while the link's actor still runs.
+        let target = match group {
+            node::HEAD_GROUP => self.link.head().map_err(|e| e.to_string())?,
+            _ => node::wait_member(self.scope(), group, Duration::from_secs(5))
+                .await
+                .ok_or_else(|| format!("no actor in group {group}"))?,
+        };
         wire::call_raw(&target, bytes, Duration::from_secs(5))
             .await
             .map_err(|e| match e {

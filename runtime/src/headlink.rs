@@ -39,7 +39,7 @@ impl HeadLink {
 
     /// The head's actor: the cached one while it runs, else a fresh lookup (the head may
     /// have restarted and this node rejoined it).
-    fn head(&self) -> Result<ActorCell> {
+    pub(crate) fn head(&self) -> Result<ActorCell> {
         let mut cached = self
             .head
             .lock()

@@ -203,6 +203,11 @@ impl Metrics {
         }
     }
 
+    /// The process's registry, for metrics that other crates define (the trainer's).
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
     /// Text exposition of every metric.
     pub fn render(&self) -> String {
         let _snapshot = self.snapshot.lock().unwrap_or_else(|p| p.into_inner());

@@ -1,4 +1,34 @@
 //! Regatta's scorer: an actor pool that partitions datasets by rank and scores them in
 //! batches, exactly once.
 //!
-//! Not built yet: see the scorer issue.
+//! - [`partition`]: JSONL input split into byte ranges whose rows are each owned by
+//!   exactly one partition; rows parsed with a reason for every malformed one.
+//! - [`parquet_input`]: Parquet input split by row group (and row ranges inside groups),
+//!   read through ranged object_store reads of the footer and one group's columns.
+//! - [`plan`]: the driver's bookkeeping (finished partitions skipped on a rerun, dynamic
+//!   hand-out, retries) and length-sorted batches.
+//! - [`actor`]: the `scorer` actor (in the agent), which launches `regatta-torch-rank score`
+//!   and writes one Parquet file per partition ([`output`]) plus an errors file.
+//! - [`driver`]: [`ScoreRun`], which runs a whole dataset through a pool of scorer actors.
+//! - [`ScorerPool`]: Ray `ActorPool` semantics over any actor kind, scorer actors included.
+
+pub mod actor;
+pub mod driver;
+pub mod output;
+pub mod parquet_input;
+pub mod partition;
+pub mod plan;
+pub mod protocol;
+
+pub use actor::{PartitionReport, PartitionTask, ScorerActor, ScorerArgs, Slice};
+pub use driver::{Progress, ScoreConfig, ScoreManifest, ScoreRun};
+pub use output::{from_parquet, to_parquet, ScoredRow};
+pub use parquet_input::{is_parquet, row_slices, rows_to_parquet, ParquetInput, RowSlice};
+pub use partition::{byte_ranges, owned_lines, parse_row, read_window, Row, RowError};
+pub use plan::{errors_name, length_batches, output_name, partition_of, Plan};
+pub use protocol::is_torchscript;
+
+/// Ray `ActorPool` semantics (`map`, `map_unordered`, `submit`, `get_next`,
+/// `get_next_unordered`, `has_free`, `has_next`, `push`, `pop_idle`) over any registered
+/// actor kind, for example `ScorerPool<ScorerActor>` over actors spawned against GPU tags.
+pub type ScorerPool<A> = regatta_runtime::ActorPool<A>;

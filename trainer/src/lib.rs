@@ -1,19 +1,30 @@
-//! Regatta's trainer: a ZeRO stage 1/2/3 trainer group on libtorch with NCCL on GPUs and a
-//! CPU collective backend.
+//! Regatta's trainer: a ZeRO stage 1/2/3 trainer group on libtorch, with NCCL on GPUs and
+//! a CPU collective backend.
 //!
-//! Built so far (the trainer issue is open): the ZeRO partition arithmetic
-//! ([`zero::partition`]) and the collective interface with a ring implementation over any
-//! link ([`collective`]), including QUIC between nodes ([`quic_link`]), and a ring of rank actors formed through
-//! the cluster ([`ring_group`]). Still to come: the NCCL
-//! backend (cudarc), libtorch models and the trainer group; `scripts/setup-libtorch.sh`
-//! already installs libtorch 2.11 from PyPI wheels (see docs/NOTES.md).
+//! This crate links no libtorch: it holds the pure parts (configuration, ZeRO partition
+//! arithmetic, data partitioning), the CPU collectives ([`collective`] over [`quic_link`]),
+//! the rank actor that runs inside a node's agent and supervises the rank's executor
+//! process ([`rank`]), and the driver's [`TrainerGroup`]. The executor itself, the model,
+//! the ZeRO engine, checkpoints and the NCCL backend live in `regatta-torch`, the one
+//! crate that links libtorch (see ARCHITECTURE.md).
 
 pub mod collective;
+pub mod config;
+pub mod data;
+pub mod group;
+pub mod metrics;
+pub mod protocol;
 pub mod quic_link;
+pub mod rank;
 pub mod ring_group;
 pub mod zero;
 
 pub use collective::{chunks, memory_ring, Collective, CollectiveError, MemoryLink, RingCollective, RingLink};
+pub use config::{TrainConfig, BYTE_VOCAB};
+pub use data::DataLayout;
+pub use group::{TrainError, TrainEvent, TrainSummary, TrainerGroup};
+pub use protocol::{FromExecutor, RankSetup, StepReport, ToExecutor, TrainOp, TrainReply};
 pub use quic_link::{QuicLink, QuicLinkBuilder};
+pub use rank::{executor_path, TrainRank, TrainRankArgs, EXECUTOR_ENV, SECRET_ENV};
 pub use ring_group::{RankArgs, RankOp, RankReply, RingGroup, RingRank};
 pub use zero::partition::{bytes_per_rank, gradient_buckets, FlatLayout, Piece, StateBytes, TensorSlot, ZeroStage};

@@ -127,7 +127,7 @@ impl RingGroup {
             .create_placement_group(vec![per_rank.clone(); world], strategy)
             .await?;
         group.ready(timeout).await?;
-        let secret = random_secret()?;
+        let secret = crate::group::random_secret().map_err(regatta_runtime::Error::Rejected)?;
         let mut ranks = Vec::with_capacity(world);
         for rank in 0..world {
             let options = ActorOptions::new()
@@ -185,12 +185,4 @@ impl RingGroup {
 
 fn unexpected(reply: RankReply) -> regatta_runtime::Error {
     regatta_runtime::Error::Rejected(format!("a rank replied {reply:?} out of turn"))
-}
-
-/// 256 random bits from the OS, hex-encoded: the ring's TLS identity derives from it.
-fn random_secret() -> regatta_runtime::Result<String> {
-    let mut bytes = [0u8; 32];
-    getrandom::getrandom(&mut bytes)
-        .map_err(|e| regatta_runtime::Error::Rejected(format!("no OS randomness for the ring secret: {e}")))?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }

@@ -1,0 +1,452 @@
+//! The driver of a scoring run: split the input into partitions, skip those whose output
+//! exists, hand the rest to a pool of scorer actors as each becomes free (faster actors
+//! take more), retry a partition whose actor died on another actor (spawning a
+//! replacement), and write a manifest once every partition is settled.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::stream::{FuturesUnordered, StreamExt};
+use regatta_object_store::Place;
+use regatta_runtime::{ActorHandle, ActorOptions, Cluster, Resources};
+use serde::{Deserialize, Serialize};
+
+use crate::actor::{PartitionReport, PartitionTask, ScorerActor, ScorerArgs, Slice};
+use crate::parquet_input::{is_parquet, row_slices, ParquetInput};
+use crate::partition::byte_ranges;
+use crate::plan::Plan;
+use crate::protocol::ScorerSetup;
+
+/// How long spawning one scorer actor (placing it and loading its model) may take.
+const SPAWN_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A scoring run: what `score.toml` holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScoreConfig {
+    /// The input (path or URL): JSONL, one `{"id": ..., "text": ...}` per line, or a
+    /// Parquet file (name ending in `.parquet`) with `id` and `text` columns.
+    pub input: String,
+    /// A trainer checkpoint directory (its newest step is used) or one step's directory,
+    /// or a TorchScript file (`.pt`, `.ts`, `.torchscript`) mapping token ids
+    /// `[batch, time]` to logits `[batch, time, vocab]`.
+    pub model: String,
+    /// Longest token sequence a TorchScript model takes (required for one; a checkpoint
+    /// carries its own).
+    pub context: usize,
+    /// Output directory (path or URL): `part-NNNNN.parquet` per partition, errors files,
+    /// `_manifest.json`.
+    pub output: String,
+    /// A `tokenizer.json` overriding the checkpoint's.
+    pub tokenizer: String,
+    /// Scorer actors.
+    pub actors: usize,
+    /// Rows per batch.
+    pub batch_size: usize,
+    /// Partitions (0: four per actor).
+    pub partitions: usize,
+    /// Greedy tokens generated per row.
+    pub max_new_tokens: usize,
+    /// Resources per actor, for example `{ GPU = 1, "accelerator_type:A100" = 1 }`.
+    pub resources: BTreeMap<String, f64>,
+    /// Attempts per partition before the run fails.
+    pub max_attempts: u32,
+    /// `auto`, `cpu` or `cuda`.
+    pub device: String,
+    /// libtorch threads per actor on CPU.
+    pub threads: usize,
+}
+
+impl Default for ScoreConfig {
+    fn default() -> Self {
+        Self {
+            input: String::new(),
+            model: String::new(),
+            context: 0,
+            output: String::new(),
+            tokenizer: String::new(),
+            actors: 2,
+            batch_size: 32,
+            partitions: 0,
+            max_new_tokens: 0,
+            resources: BTreeMap::from([("CPU".to_string(), 1.0)]),
+            max_attempts: 3,
+            device: "auto".into(),
+            threads: 1,
+        }
+    }
+}
+
+impl ScoreConfig {
+    /// Parses `score.toml`; unknown keys are errors.
+    pub fn from_toml(text: &str) -> Result<Self, String> {
+        let config: Self = toml::from_str(text).map_err(|e| format!("score config: {e}"))?;
+        Ok(config)
+    }
+
+    /// Checks the fields.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, value) in [("input", &self.input), ("model", &self.model), ("output", &self.output)] {
+            if value.is_empty() {
+                return Err(format!("{name} must be set"));
+            }
+        }
+        if !(1..=1024).contains(&self.actors) {
+            return Err(format!("actors must be 1..=1024, not {}", self.actors));
+        }
+        if !(1..=65536).contains(&self.batch_size) {
+            return Err(format!("batch_size must be 1..=65536, not {}", self.batch_size));
+        }
+        if self.partitions != 0 && self.partitions < self.actors {
+            return Err(format!(
+                "partitions ({}) must be at least the number of actors ({})",
+                self.partitions, self.actors
+            ));
+        }
+        if crate::protocol::is_torchscript(&self.model) && !(2..=1 << 20).contains(&self.context) {
+            return Err(format!(
+                "a TorchScript model needs `context`, the longest token sequence it takes (2 or more; \
+                 `regatta-torch-rank export` prints it), not {}",
+                self.context
+            ));
+        }
+        if !matches!(self.device.as_str(), "auto" | "cpu" | "cuda") {
+            return Err(format!("device must be auto, cpu or cuda, not {:?}", self.device));
+        }
+        if self.max_new_tokens > 4096 {
+            return Err("max_new_tokens must be at most 4096".into());
+        }
+        Ok(())
+    }
+
+    /// Makes relative local paths absolute against `base`.
+    pub fn resolve_paths(&mut self, base: &std::path::Path) {
+        for path in [&mut self.input, &mut self.model, &mut self.output, &mut self.tokenizer] {
+            *path = regatta_object_store::absolute(path, base);
+        }
+    }
+}
+
+/// Progress of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Progress {
+    /// Partitions done (including skipped).
+    pub partitions_done: usize,
+    /// Partitions in the run.
+    pub partitions: usize,
+    /// Rows scored by this run.
+    pub rows: u64,
+    /// Malformed rows found by this run.
+    pub errors: u64,
+    /// Tokens scored by this run.
+    pub tokens: u64,
+    /// Input bytes covered by finished partitions (of `input_bytes`; for Parquet input, the
+    /// partition's share of the rows times the file size).
+    pub bytes_done: u64,
+    /// Input size.
+    pub input_bytes: u64,
+    /// Seconds since the run started.
+    pub seconds: f64,
+    /// Partitions retried so far.
+    pub retries: u32,
+    /// Partitions skipped because an earlier run finished them.
+    pub skipped: usize,
+}
+
+/// The manifest written at the end of a run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScoreManifest {
+    /// Input.
+    pub input: String,
+    /// Model.
+    pub model: String,
+    /// Partitions, each with its rows (a byte range or a row group's rows) and output file.
+    pub partitions: Vec<(Slice, String)>,
+    /// Rows scored by the last run (earlier runs' rows are in their files).
+    pub rows_this_run: u64,
+    /// Malformed rows found by the last run.
+    pub errors_this_run: u64,
+}
+
+/// What the driver waits for.
+enum Event {
+    /// A partition's call returned.
+    Scored(usize, usize, regatta_runtime::Result<PartitionReport>),
+    /// A replacement actor for a slot was spawned (or not).
+    Replaced(usize, Result<ActorHandle<ScorerActor>, String>),
+}
+
+/// A scoring run on a cluster.
+pub struct ScoreRun {
+    cluster: Cluster,
+    config: ScoreConfig,
+    executor: Option<String>,
+}
+
+fn actor_options(config: &ScoreConfig) -> ActorOptions {
+    let resources = Resources::from_units(config.resources.iter().map(|(k, v)| (k.as_str(), *v)));
+    // The driver replaces a dead actor itself (and retries its partition elsewhere).
+    ActorOptions::new().resources(resources).max_restarts(0)
+}
+
+impl ScoreRun {
+    /// A run of `config` (validated; relative paths resolved against the working directory).
+    pub fn new(cluster: Cluster, mut config: ScoreConfig) -> Result<Self, String> {
+        config.validate()?;
+        let cwd = std::env::current_dir().map_err(|e| format!("no working directory: {e}"))?;
+        config.resolve_paths(&cwd);
+        Ok(Self {
+            cluster,
+            config,
+            executor: None,
+        })
+    }
+
+    /// Scorer actors run this executor binary instead of `regatta-torch-rank`.
+    pub fn executor(mut self, path: impl Into<String>) -> Self {
+        self.executor = Some(path.into());
+        self
+    }
+
+    /// The name prefix of this run's actors: a hash of the output location, so a driver
+    /// started again on the same output finds the actors an earlier, killed driver left.
+    fn actor_prefix(&self) -> String {
+        let hash = self.config.output.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        format!("scorer-{hash:016x}-")
+    }
+
+    /// Stops actors an earlier driver of the same output left running (a driver killed
+    /// with SIGKILL cannot stop its own), so their resources are free again.
+    async fn stop_leftovers(&self) -> Result<usize, String> {
+        let prefix = self.actor_prefix();
+        let status = self.cluster.status().await.map_err(|e| e.to_string())?;
+        let mut stopped = 0;
+        for line in status.actors {
+            let alive = matches!(line.view.state, regatta_runtime::ActorState::Alive);
+            if alive && line.name.as_deref().is_some_and(|n| n.starts_with(&prefix)) {
+                let _ = self.cluster.kill(line.view.id).await;
+                stopped += 1;
+            }
+        }
+        Ok(stopped)
+    }
+
+    async fn spawn_actor(&self) -> Result<ActorHandle<ScorerActor>, String> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let serial = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("{}{}-{serial}", self.actor_prefix(), std::process::id());
+        let args = ScorerArgs {
+            setup: ScorerSetup {
+                checkpoint: self.config.model.clone(),
+                context: self.config.context,
+                tokenizer: self.config.tokenizer.clone(),
+                device: self.config.device.clone(),
+                threads: self.config.threads,
+                max_new_tokens: self.config.max_new_tokens,
+                gpus: Vec::new(),
+            },
+            batch_size: self.config.batch_size,
+            executor: self.executor.clone(),
+        };
+        // A spawn placed on a node that dies before the head notices can wait forever:
+        // give up after a while (an actor that appears later carries this run's name
+        // prefix and is stopped at the end of the run).
+        // Waits until the actor has loaded its model, so no partition is ever handed to an
+        // actor that will not start (placed on a node that is dying, say).
+        let spawn = async {
+            let handle = self
+                .cluster
+                .spawn::<ScorerActor>(args, actor_options(&self.config).name(name))
+                .await
+                .map_err(|e| e.to_string())?;
+            handle.wait_ready(SPAWN_TIMEOUT).await.map_err(|e| e.to_string())?;
+            Ok(handle)
+        };
+        match tokio::time::timeout(SPAWN_TIMEOUT + Duration::from_secs(30), spawn).await {
+            Ok(spawned) => spawned,
+            Err(_) => Err(format!("a scorer actor was not ready within {SPAWN_TIMEOUT:?}")),
+        }
+    }
+
+    /// Scores every partition not finished before; calls `on_progress` after each one.
+    pub async fn run(&self, mut on_progress: impl FnMut(&Progress)) -> Result<Progress, String> {
+        let started = Instant::now();
+        let c = &self.config;
+        let count = if c.partitions == 0 { 4 * c.actors } else { c.partitions };
+        let (slices, size) = plan_slices(&c.input, count).await?;
+        let output = Place::dir(&c.output)?;
+        let existing = output.list().await?;
+        let mut plan = Plan::new(slices.len(), &existing, c.max_attempts);
+        let mut progress = Progress {
+            partitions_done: plan.done(),
+            partitions: slices.len(),
+            rows: 0,
+            errors: 0,
+            tokens: 0,
+            bytes_done: 0,
+            input_bytes: size,
+            seconds: 0.0,
+            retries: 0,
+            skipped: plan.skipped(),
+        };
+        let stopped = self.stop_leftovers().await?;
+        if stopped > 0 {
+            tracing::info!(stopped, "stopped scorer actors an earlier driver of this output left");
+        }
+        let mut actors = Vec::new();
+        if !plan.is_settled() {
+            for _ in 0..c.actors.min(slices.len()) {
+                actors.push(self.spawn_actor().await?);
+            }
+        }
+        let task = |p: usize, retry: bool| PartitionTask {
+            input: c.input.clone(),
+            partition: p,
+            slice: slices[p].0.clone(),
+            output: c.output.clone(),
+            retry,
+        };
+        let mut idle: Vec<usize> = (0..actors.len()).collect();
+        let mut replacements = 0u32;
+        let mut running: FuturesUnordered<futures::future::BoxFuture<'_, Event>> = FuturesUnordered::new();
+        loop {
+            while let Some(slot) = idle.pop() {
+                let Some(partition) = plan.hand_out() else {
+                    idle.push(slot);
+                    break;
+                };
+                let handle = actors[slot].clone();
+                let request = task(partition, plan.is_retry(partition));
+                running.push(Box::pin(async move {
+                    let reply = handle.call_timeout(request, Duration::from_secs(24 * 3600)).await;
+                    Event::Scored(slot, partition, reply)
+                }));
+            }
+            let Some(event) = running.next().await else {
+                break;
+            };
+            match event {
+                Event::Scored(slot, partition, Ok(report)) => {
+                    plan.finished(partition);
+                    progress.rows += report.rows;
+                    progress.errors += report.errors;
+                    progress.tokens += report.tokens;
+                    progress.bytes_done += slices[partition].1;
+                    idle.push(slot);
+                }
+                Event::Scored(slot, partition, Err(error)) => {
+                    let dead = matches!(
+                        error,
+                        regatta_runtime::Error::ActorDead { .. } | regatta_runtime::Error::CallFailed { .. }
+                    );
+                    let reason = error.to_string();
+                    tracing::warn!(partition, %reason, "partition failed");
+                    if dead {
+                        // Its node or executor is gone: the partition goes to another actor
+                        // without using an attempt, and a new actor takes this one's place on
+                        // whatever node has room (the run goes on with fewer if none has).
+                        plan.lost(partition);
+                        replacements += 1;
+                        if replacements as usize > 4 * c.actors.max(1) {
+                            return Err(format!(
+                                "scorer actors keep dying ({replacements} replaced); last: {reason}"
+                            ));
+                        }
+                        // Spawned beside the other actors' work, never blocking it. Until the
+                        // head has declared a dead node dead, a new actor may land on it: back
+                        // off a little more with every replacement.
+                        let backoff = Duration::from_millis(500 * u64::from(replacements.min(20)));
+                        running.push(Box::pin(async move {
+                            tokio::time::sleep(backoff).await;
+                            Event::Replaced(slot, self.spawn_actor().await)
+                        }));
+                    } else {
+                        if !plan.failed(partition, reason) {
+                            break;
+                        }
+                        idle.push(slot);
+                    }
+                }
+                Event::Replaced(slot, Ok(actor)) => {
+                    actors[slot] = actor;
+                    idle.push(slot);
+                }
+                Event::Replaced(_, Err(e)) => tracing::warn!("no replacement scorer: {e}"),
+            }
+            progress.partitions_done = plan.done();
+            progress.retries = plan.retries();
+            progress.seconds = started.elapsed().as_secs_f64();
+            on_progress(&progress);
+            if plan.is_settled() {
+                // Every partition is done: a replacement still being spawned is not needed.
+                break;
+            }
+            if running.is_empty() && idle.is_empty() {
+                return Err("every scorer actor died and none could be replaced".into());
+            }
+        }
+        for actor in &actors {
+            let _ = actor.kill().await;
+        }
+        // Also any actor whose spawn was given up on but which appeared since.
+        let _ = self.stop_leftovers().await;
+        if let Some((partition, reason)) = plan.failures().iter().next() {
+            return Err(format!(
+                "partition {partition} failed {} times; last: {reason}",
+                c.max_attempts
+            ));
+        }
+        let manifest = ScoreManifest {
+            input: c.input.clone(),
+            model: c.model.clone(),
+            partitions: slices
+                .iter()
+                .enumerate()
+                .map(|(p, (slice, _))| (slice.clone(), crate::plan::output_name(p)))
+                .collect(),
+            rows_this_run: progress.rows,
+            errors_this_run: progress.errors,
+        };
+        let body = serde_json::to_vec_pretty(&manifest).map_err(|e| e.to_string())?;
+        output.put("_manifest.json", Bytes::from(body)).await?;
+        progress.seconds = started.elapsed().as_secs_f64();
+        Ok(progress)
+    }
+}
+
+/// The input's partitions, each with its weight in input bytes (for progress and ETA), and
+/// the input's size: JSONL byte ranges, or Parquet row groups (cut into row ranges when
+/// there are fewer groups than `count`).
+async fn plan_slices(input: &str, count: usize) -> Result<(Vec<(Slice, u64)>, u64), String> {
+    if is_parquet(input) {
+        let parquet = ParquetInput::open(input).await?;
+        let (size, rows) = (parquet.size(), parquet.rows().max(1));
+        let slices = row_slices(parquet.group_rows(), count)
+            .into_iter()
+            .map(|rows_slice| {
+                let share = u128::from(rows_slice.rows.end - rows_slice.rows.start) * u128::from(size);
+                let weight = u64::try_from(share / u128::from(rows)).unwrap_or(size);
+                (Slice::Rows(rows_slice), weight)
+            })
+            .collect();
+        return Ok((slices, size));
+    }
+    let (place, name) = Place::file(input)?;
+    let size = place.size(&name).await?;
+    let slices = byte_ranges(size, count)
+        .into_iter()
+        .map(|r| {
+            (
+                Slice::Bytes {
+                    start: r.start,
+                    end: r.end,
+                },
+                r.end - r.start,
+            )
+        })
+        .collect();
+    Ok((slices, size))
+}

@@ -1,0 +1,159 @@
+//! `regatta score`: scores a JSONL or Parquet dataset with a trainer checkpoint on a pool of scorer
+//! actors, on the cluster at `--address` (or `REGATTA_ADDRESS`) or on a local cluster
+//! started for the run.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Args;
+use regatta_runtime::Cluster;
+use regatta_scorer::{Progress, ScoreConfig, ScoreRun};
+
+use crate::cli::TokenArgs;
+use crate::local::{on_cluster, WorkerSpec};
+
+/// Options of `regatta score`; flags override the config file.
+#[derive(Args, Debug, Clone)]
+pub struct ScoreArgs {
+    /// A score.toml (see docs/SCORING.md).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Input (path or URL): JSONL, `{"id": ..., "text": ...}` per line, or a `.parquet` file
+    /// with `id` and `text` columns.
+    #[arg(long)]
+    pub input: Option<String>,
+    /// A trainer checkpoint directory, or a TorchScript file (.pt, .ts, .torchscript).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Output directory.
+    #[arg(long)]
+    pub output: Option<String>,
+    /// Scorer actors.
+    #[arg(long)]
+    pub actors: Option<usize>,
+    /// Rows per batch.
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Partitions (default: four per actor).
+    #[arg(long)]
+    pub partitions: Option<usize>,
+    /// Greedy tokens generated per row.
+    #[arg(long)]
+    pub max_new_tokens: Option<usize>,
+    /// Longest token sequence a TorchScript model takes (required with one).
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Workers of the local cluster (without --address).
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// The cluster to use; without it a local cluster runs for the duration.
+    #[arg(long, env = "REGATTA_ADDRESS")]
+    pub address: Option<String>,
+    #[command(flatten)]
+    pub(crate) token: TokenArgs,
+}
+
+impl ScoreArgs {
+    /// The configuration: the file, then the flags.
+    pub fn config(&self) -> anyhow::Result<ScoreConfig> {
+        let mut config = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+                ScoreConfig::from_toml(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?
+            }
+            None => ScoreConfig::default(),
+        };
+        for (value, field) in [(&self.input, &mut config.input), (&self.model, &mut config.model)] {
+            if let Some(v) = value {
+                *field = v.clone();
+            }
+        }
+        if let Some(v) = &self.output {
+            config.output = v.clone();
+        }
+        if let Some(v) = self.actors {
+            config.actors = v;
+        }
+        if let Some(v) = self.batch_size {
+            config.batch_size = v;
+        }
+        if let Some(v) = self.partitions {
+            config.partitions = v;
+        }
+        if let Some(v) = self.max_new_tokens {
+            config.max_new_tokens = v;
+        }
+        if let Some(v) = self.context {
+            config.context = v;
+        }
+        config.validate().map_err(anyhow::Error::msg)?;
+        Ok(config)
+    }
+}
+
+/// One progress line: rows done, rows/s, ETA.
+pub fn progress_line(p: &Progress) -> String {
+    let rate = p.rows as f64 / p.seconds.max(1e-9);
+    let fraction = p.bytes_done as f64 / p.input_bytes.max(1) as f64;
+    let eta = if fraction > 0.0 {
+        p.seconds * (1.0 - fraction) / fraction
+    } else {
+        f64::NAN
+    };
+    format!(
+        "partitions {}/{}  rows {}  {:.0} rows/s  {:.0} tokens/s  errors {}  retries {}  ETA {:.0}s",
+        p.partitions_done,
+        p.partitions,
+        p.rows,
+        rate,
+        p.tokens as f64 / p.seconds.max(1e-9),
+        p.errors,
+        p.retries,
+        eta
+    )
+}
+
+async fn score(cluster: &Cluster, config: ScoreConfig) -> anyhow::Result<ExitCode> {
+    let output = config.output.clone();
+    let run = ScoreRun::new(cluster.clone(), config).map_err(anyhow::Error::msg)?;
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let done = run
+        .run(|p| {
+            if tty {
+                print!("\r{}", progress_line(p));
+                let _ = std::io::stdout().flush();
+            } else {
+                println!("{}", progress_line(p));
+            }
+        })
+        .await
+        .map_err(anyhow::Error::msg)?;
+    if tty {
+        println!();
+    }
+    println!(
+        "scored {} rows ({} malformed, {} partitions skipped as already done) in {:.1}s; output in {output}",
+        done.rows, done.errors, done.skipped, done.seconds
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs `regatta score`.
+pub async fn run(args: ScoreArgs) -> anyhow::Result<ExitCode> {
+    let config = args.config()?;
+    // Local workers each hold two actors' worth of the per-actor resources.
+    let resources: Vec<String> = config
+        .resources
+        .iter()
+        .map(|(k, v)| format!("{k}={}", v * 2.0))
+        .collect();
+    let workers = (0..args.workers.max(1))
+        .map(|i| WorkerSpec::new(&format!("w{}", i + 1), &resources.join(",")))
+        .collect();
+    on_cluster(args.address.as_deref(), &args.token, workers, |cluster| async move {
+        score(&cluster, config).await
+    })
+    .await
+}

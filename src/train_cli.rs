@@ -1,0 +1,217 @@
+//! `regatta train`: trains the built-in GPT with a ZeRO trainer group, on the cluster at
+//! `--address` (or `REGATTA_ADDRESS`, set for submitted jobs) or on a local cluster started
+//! for the run and stopped after.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use regatta_runtime::Cluster;
+use regatta_trainer::{TrainConfig, TrainEvent, TrainSummary, TrainerGroup};
+
+use crate::cli::TokenArgs;
+use crate::local::{on_cluster, WorkerSpec};
+
+/// Options of `regatta train`; flags override the config file.
+#[derive(Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// A train.toml (every field has a default; see docs/TRAINING.md).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Ranks.
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// ZeRO stage: 1, 2 or 3.
+    #[arg(long)]
+    pub zero_stage: Option<u8>,
+    /// Optimizer steps.
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Sequences per step over all ranks.
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// The token dataset (a text file: a path, file:// or s3:// URL).
+    #[arg(long)]
+    pub data: Option<String>,
+    /// Where checkpoints go: a directory or s3://bucket/prefix.
+    #[arg(long)]
+    pub checkpoint_dir: Option<String>,
+    /// Steps between checkpoints.
+    #[arg(long)]
+    pub checkpoint_interval: Option<u64>,
+    /// Continue from the newest checkpoint in the checkpoint directory.
+    #[arg(long)]
+    pub resume: bool,
+    /// Restarts from the last checkpoint after a lost rank.
+    #[arg(long)]
+    pub max_failures: Option<u32>,
+    /// The cluster to use; without it a local cluster runs for the duration.
+    #[arg(long, env = "REGATTA_ADDRESS")]
+    pub address: Option<String>,
+    #[command(flatten)]
+    pub(crate) token: TokenArgs,
+    /// Print a progress line every this many steps.
+    #[arg(long, default_value_t = 10)]
+    pub log_every: u64,
+    /// Print the summary as one JSON object (losses by step, last step's report).
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl TrainArgs {
+    /// The configuration: the file (or the defaults), then the flags.
+    pub fn config(&self) -> anyhow::Result<TrainConfig> {
+        let mut config = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+                TrainConfig::from_toml(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?
+            }
+            None => TrainConfig::default(),
+        };
+        if let Some(v) = self.world_size {
+            config.world_size = v;
+        }
+        if let Some(v) = self.zero_stage {
+            config.zero_stage = v;
+        }
+        if let Some(v) = self.steps {
+            config.steps = v;
+        }
+        if let Some(v) = self.batch_size {
+            config.batch_size = v;
+        }
+        if let Some(v) = &self.data {
+            config.data.path = v.clone();
+        }
+        if let Some(v) = &self.checkpoint_dir {
+            config.checkpoint.dir = v.clone();
+        }
+        if let Some(v) = self.checkpoint_interval {
+            config.checkpoint.interval = v;
+        }
+        if let Some(v) = self.max_failures {
+            config.max_failures = v;
+        }
+        config.checkpoint.resume |= self.resume;
+        config.validate().map_err(anyhow::Error::msg)?;
+        Ok(config)
+    }
+}
+
+/// Local workers for a run: one per rank, each declaring the per-rank resources.
+pub fn local_workers(config: &TrainConfig) -> Vec<WorkerSpec> {
+    let resources: Vec<String> = config.resources.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let resources = if resources.is_empty() {
+        "CPU=1".to_string()
+    } else {
+        resources.join(",")
+    };
+    (0..config.world_size)
+        .map(|i| WorkerSpec::new(&format!("w{}", i + 1), &resources))
+        .collect()
+}
+
+/// Runs `regatta train`.
+pub async fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
+    let config = args.config()?;
+    let workers = local_workers(&config);
+    // Cancelling the run removes its placement group from a background task.
+    let args = &args;
+    on_cluster(args.address.as_deref(), &args.token, workers, |cluster| async move {
+        train(&cluster, config, args).await
+    })
+    .await
+}
+
+/// One line for an event, as the job log shows it.
+pub fn describe(event: &TrainEvent, config: &TrainConfig, log_every: u64) -> Option<String> {
+    match event {
+        TrainEvent::Started {
+            attempt,
+            start_step,
+            params,
+            nodes,
+            device,
+        } => Some(format!(
+            "training: {params} parameters, ZeRO-{} over {} ranks on {} ({device}){}",
+            config.zero_stage,
+            config.world_size,
+            nodes.join(", "),
+            if *attempt > 0 || *start_step > 0 {
+                format!(", attempt {}, from step {start_step}", attempt + 1)
+            } else {
+                String::new()
+            }
+        )),
+        TrainEvent::Step(s) if s.step % log_every.max(1) == 0 || s.step == config.steps || s.step == 1 => {
+            Some(format!(
+                "step {}/{}  loss {:.4}  {:.0} tokens/s  step {:.3}s  collectives {:.3}s",
+                s.step, config.steps, s.loss, s.tokens_per_sec, s.step_secs, s.collective_secs
+            ))
+        }
+        TrainEvent::Checkpoint { step, url } => Some(format!("checkpoint at step {step}: {url}")),
+        TrainEvent::Restarting {
+            rank,
+            reason,
+            failures,
+            max_failures,
+        } => Some(format!(
+            "rank {rank} lost ({reason}); restarting from the last checkpoint (failure {failures} of at most {max_failures})"
+        )),
+        _ => None,
+    }
+}
+
+async fn train(cluster: &Cluster, config: TrainConfig, args: &TrainArgs) -> anyhow::Result<ExitCode> {
+    let group = TrainerGroup::new(cluster.clone(), config.clone())?;
+    let summary = group
+        .run(|event| {
+            if let Some(line) = describe(event, &config, args.log_every) {
+                println!("{line}");
+            }
+        })
+        .await?;
+    report(&summary, &config, args.json)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn report(summary: &TrainSummary, config: &TrainConfig, json: bool) -> anyhow::Result<()> {
+    let (Some(first), Some(last)) = (summary.losses.values().next(), summary.last.as_ref()) else {
+        bail!("the run finished without reporting a step");
+    };
+    println!(
+        "trained {} steps in {:.1}s: loss {first:.4} -> {:.4}, {:.0} tokens/s, {} restart(s){}",
+        config.steps,
+        summary.seconds,
+        last.loss,
+        last.tokens_per_sec,
+        summary.failures,
+        summary
+            .checkpoint
+            .as_ref()
+            .map(|(step, url)| format!(", checkpoint (step {step}) at {url}"))
+            .unwrap_or_default()
+    );
+    if json {
+        let value = serde_json::json!({
+            "steps": config.steps,
+            "losses": summary.losses.values().collect::<Vec<_>>(),
+            "failures": summary.failures,
+            "params": summary.params,
+            "seconds": summary.seconds,
+            "checkpoint": summary.checkpoint.as_ref().map(|(_, url)| url),
+            "last": {
+                "loss": last.loss,
+                "tokens_per_sec": last.tokens_per_sec,
+                "step_secs": last.step_secs,
+                "collective_secs": last.collective_secs,
+                "param_bytes": last.param_bytes,
+                "grad_bytes": last.grad_bytes,
+                "optimizer_bytes": last.optimizer_bytes,
+            },
+        });
+        println!("{value}");
+    }
+    Ok(())
+}

@@ -1,0 +1,472 @@
+#![allow(clippy::unwrap_used)]
+//! The trainer group across real worker processes: ZeRO stages 1-3 over 2 and 3 ranks
+//! against the single-process AdamW reference, recovery from a SIGKILLed worker through
+//! the last checkpoint, the trainer's metrics on the nodes' /metrics, and clear errors on
+//! bad input. Ranks run in `regatta-torch-rank` executors next to the `regatta` binary
+//! (built by `cargo build --workspace`, which needs libtorch: scripts/setup-libtorch.sh).
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use regatta_trainer::{TrainConfig, TrainEvent, TrainerGroup};
+use support::{http_get, start_moto, temp_dir, TestCluster};
+
+fn bin_dir() -> PathBuf {
+    let regatta = PathBuf::from(env!("CARGO_BIN_EXE_regatta"));
+    let dir = regatta.parent().unwrap().to_path_buf();
+    assert!(
+        dir.join("regatta-torch-rank").is_file(),
+        "regatta-torch-rank is not built next to {}: run `cargo build --workspace` with LIBTORCH set \
+         (scripts/test.sh does both)",
+        regatta.display()
+    );
+    dir
+}
+
+fn corpus() -> String {
+    format!("{}/data/corpus.txt", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A model whose parameter count divides by neither 2 nor 3.
+const SMALL: &str = r#"
+steps = 5
+batch_size = 6
+[model]
+layers = 2
+width = 25
+heads = 5
+context = 17
+"#;
+
+fn write_config(dir: &Path, text: &str) -> PathBuf {
+    let path = dir.join("train.toml");
+    std::fs::write(&path, format!("{text}\n[data]\npath = \"{}\"\n", corpus())).unwrap();
+    path
+}
+
+/// name -> (shape, values) of a safetensors file.
+fn read_weights(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    tensors
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, (view.shape().to_vec(), values))
+        })
+        .collect()
+}
+
+/// The single-process AdamW reference over `partitions` partitions: its loss per step; its
+/// final weights go to `weights`.
+fn reference_run(bins: &Path, config: &Path, partitions: usize, weights: &Path) -> Vec<f64> {
+    let output = Command::new(bins.join("regatta-torch-rank"))
+        .args([
+            "reference",
+            config.to_str().unwrap(),
+            &partitions.to_string(),
+            weights.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|l| l.parse().unwrap())
+        .collect()
+}
+
+fn run_json(args: &[&str]) -> serde_json::Value {
+    let output = Command::new(env!("CARGO_BIN_EXE_regatta"))
+        .args(args)
+        .output()
+        .expect("run regatta train");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "regatta {args:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .expect("a JSON summary");
+    serde_json::from_str(line).unwrap()
+}
+
+#[test]
+fn zero_stages_over_worker_processes_match_single_process_adamw() {
+    let bins = bin_dir();
+    let dir = temp_dir("train-zero");
+    let config = write_config(&dir, SMALL);
+    let config_arg = config.to_str().unwrap();
+    for world in [2usize, 3] {
+        let reference = dir.join(format!("reference-{world}.safetensors"));
+        let ref_losses = reference_run(&bins, &config, world, &reference);
+        assert_eq!(ref_losses.len(), 5);
+        let ref_weights = read_weights(&reference);
+        let params: usize = ref_weights.values().map(|(_, v)| v.len()).sum();
+        assert!(
+            !params.is_multiple_of(2) && !params.is_multiple_of(3),
+            "{params} parameters must not divide by the world"
+        );
+        let full = (params * 4) as f64;
+        for stage in 1..=3u8 {
+            let ckpt = dir.join(format!("ckpt-{world}-{stage}"));
+            let summary = run_json(&[
+                "train",
+                "--config",
+                config_arg,
+                "--world-size",
+                &world.to_string(),
+                "--zero-stage",
+                &stage.to_string(),
+                "--checkpoint-dir",
+                ckpt.to_str().unwrap(),
+                "--json",
+            ]);
+            let losses: Vec<f64> = serde_json::from_value(summary["losses"].clone()).unwrap();
+            assert_eq!(losses.len(), ref_losses.len());
+            for (step, (a, b)) in losses.iter().zip(&ref_losses).enumerate() {
+                assert!(
+                    (a - b).abs() < 1e-5,
+                    "world {world} stage {stage} step {}: {a} vs {b}",
+                    step + 1
+                );
+            }
+            let weights = read_weights(&ckpt.join("step-00000005/model.safetensors"));
+            assert_eq!(weights.len(), ref_weights.len());
+            let mut worst = 0f32;
+            for (name, (shape, values)) in &weights {
+                let (ref_shape, ref_values) = &ref_weights[name];
+                assert_eq!(shape, ref_shape, "{name}");
+                for (a, b) in values.iter().zip(ref_values) {
+                    worst = worst.max((a - b).abs());
+                }
+            }
+            assert!(
+                worst < 1e-5,
+                "world {world} stage {stage}: parameters differ by up to {worst}"
+            );
+            // What rank 0 actually held, against the full amounts.
+            let last = &summary["last"];
+            let share = |key: &str| last[key].as_f64().unwrap() * world as f64 / full;
+            // Master weights and two moments: 3x the parameters, split (plus padding).
+            assert!((share("optimizer_bytes") / 3.0 - 1.0).abs() < 0.01, "{last}");
+            let expect_grads = if stage == 1 { world as f64 } else { 1.0 };
+            let expect_params = if stage == 3 { 1.0 } else { world as f64 };
+            assert!(
+                (share("grad_bytes") / expect_grads - 1.0).abs() < 0.01,
+                "stage {stage}: {last}"
+            );
+            assert!(
+                (share("param_bytes") / expect_params - 1.0).abs() < 0.01,
+                "stage {stage}: {last}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_hugging_face_tokenizer_trains_the_same_over_ranks_as_in_one_process() {
+    let bins = bin_dir();
+    let dir = temp_dir("train-tokenizer");
+    let tokenizer = format!("{}/data/tokenizer.json", env!("CARGO_MANIFEST_DIR"));
+    let config = dir.join("train.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "{SMALL}\n[data]\npath = \"{}\"\ntokenizer = \"{tokenizer}\"\n",
+            corpus()
+        ),
+    )
+    .unwrap();
+    let ref_losses = reference_run(&bins, &config, 2, &dir.join("reference.safetensors"));
+    let ckpt = dir.join("ckpt");
+    let summary = run_json(&[
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--world-size",
+        "2",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+        "--json",
+    ]);
+    let losses: Vec<f64> = serde_json::from_value(summary["losses"].clone()).unwrap();
+    for (a, b) in losses.iter().zip(&ref_losses) {
+        assert!((a - b).abs() < 1e-5, "{losses:?} vs {ref_losses:?}");
+    }
+    // The model embeds the tokenizer's 512 tokens, not 256 bytes.
+    let weights = read_weights(&ckpt.join("step-00000005/model.safetensors"));
+    assert_eq!(weights["wte.weight"].0, vec![512, 25]);
+    assert!(
+        ref_losses[0] > 6.0 && ref_losses[0] < 6.5,
+        "about ln(512) at the start: {ref_losses:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoints_go_to_s3_and_a_resumed_run_continues_from_the_newest() {
+    bin_dir();
+    let moto = start_moto("regatta-ckpt").await;
+    let dir = temp_dir("train-s3");
+    let config = write_config(&dir, SMALL);
+    let train = |steps: &str, resume: bool| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_regatta"));
+        command
+            .args(["train", "--config", config.to_str().unwrap(), "--steps", steps])
+            .args([
+                "--checkpoint-dir",
+                "s3://regatta-ckpt/run",
+                "--checkpoint-interval",
+                "4",
+                "--json",
+            ])
+            .env("AWS_ENDPOINT_URL", &moto.endpoint)
+            .env("AWS_ALLOW_HTTP", "true")
+            .env("AWS_ACCESS_KEY_ID", "test")
+            .env("AWS_SECRET_ACCESS_KEY", "test")
+            .env("AWS_REGION", "us-east-1");
+        if resume {
+            command.arg("--resume");
+        }
+        let output = command.output().unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(
+            output.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        stdout
+    };
+    let first = train("8", false);
+    assert!(
+        first.contains("checkpoint at step 8: s3://regatta-ckpt/run/step-00000008"),
+        "{first}"
+    );
+    let second = train("12", true);
+    assert!(second.contains("from step 8"), "{second}");
+    assert!(
+        second.contains("checkpoint at step 12: s3://regatta-ckpt/run/step-00000012"),
+        "{second}"
+    );
+    // The resumed run reports only steps 9-12, and they continue the curve of one run of 12.
+    let json = second
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .expect("a JSON summary");
+    let summary: serde_json::Value = serde_json::from_str(json).unwrap();
+    let resumed: Vec<f64> = serde_json::from_value(summary["losses"].clone()).unwrap();
+    assert_eq!(resumed.len(), 4, "{second}");
+    let whole = run_json(&["train", "--config", config.to_str().unwrap(), "--steps", "12", "--json"]);
+    let whole: Vec<f64> = serde_json::from_value(whole["losses"].clone()).unwrap();
+    for (a, b) in resumed.iter().zip(&whole[8..]) {
+        assert!((a - b).abs() < 1e-5, "resumed {resumed:?} vs one run {whole:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn recovery_config(checkpoints: &Path) -> TrainConfig {
+    let mut config = TrainConfig::default();
+    config.data.path = corpus();
+    config.world_size = 2;
+    config.zero_stage = 2;
+    config.steps = 150;
+    config.batch_size = 4;
+    config.checkpoint.dir = checkpoints.to_string_lossy().into_owned();
+    config.checkpoint.interval = 10;
+    config.max_failures = 2;
+    config.stall_timeout_secs = 60;
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_rank_resumes_from_the_checkpoint_with_the_same_loss_curve() {
+    bin_dir();
+    let dir = temp_dir("train-recovery");
+    let mut cluster = TestCluster::start(&[("w1", "CPU=1"), ("w2", "CPU=1"), ("w3", "CPU=1")]).await;
+    let handle = cluster.client.cluster().clone();
+
+    let baseline = TrainerGroup::new(handle.clone(), recovery_config(&dir.join("baseline")))
+        .unwrap()
+        .run(|_| {})
+        .await
+        .expect("uninterrupted run");
+    assert_eq!(baseline.losses.len(), 150);
+    assert_eq!(baseline.failures, 0);
+
+    // The trainer's metrics are on the nodes' /metrics, found through the head's discovery.
+    let (code, body) = http_get(&cluster.local.metrics_address, "/api/prometheus/sd");
+    assert_eq!(code, 200);
+    let targets: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let mut exported = String::new();
+    for group in targets.as_array().unwrap() {
+        for target in group["targets"].as_array().unwrap() {
+            exported.push_str(&http_get(&format!("http://{}", target.as_str().unwrap()), "/metrics").1);
+        }
+    }
+    for metric in [
+        "regatta_train_loss{rank=\"0\"}",
+        "regatta_train_step{rank=\"1\"} 150",
+        "regatta_train_tokens_per_second{rank=\"0\"}",
+        "regatta_train_collective_seconds{rank=\"1\"}",
+        "regatta_train_state_bytes{rank=\"0\",state=\"optimizer\"}",
+        "regatta_train_checkpoints_total{rank=\"0\"} 15",
+    ] {
+        assert!(exported.contains(metric), "{metric} missing from:\n{exported}");
+    }
+
+    let mut events = Vec::new();
+    let mut killed = None;
+    let local = &mut cluster.local;
+    let mut rank1_node = None;
+    let summary = TrainerGroup::new(handle, recovery_config(&dir.join("killed")))
+        .unwrap()
+        .run(|event| {
+            match event {
+                TrainEvent::Started { nodes, attempt: 0, .. } => rank1_node = Some(nodes[1].clone()),
+                TrainEvent::Step(step) if step.step >= 25 && killed.is_none() => {
+                    let node = rank1_node.clone().expect("started before stepping");
+                    let index: usize = node.trim_start_matches('w').parse::<usize>().unwrap() - 1;
+                    local.kill_worker(index).unwrap();
+                    killed = Some(step.step);
+                }
+                _ => {}
+            }
+            events.push(event.clone());
+        })
+        .await
+        .expect("the run survives one lost rank");
+    let killed = killed.expect("the worker was killed mid-run");
+    assert!(killed < 150, "killed at step {killed}, before the end");
+    assert_eq!(summary.failures, 1, "{events:?}");
+    let resumed_from = events
+        .iter()
+        .find_map(|e| match e {
+            TrainEvent::Started {
+                attempt: 1, start_step, ..
+            } => Some(*start_step),
+            _ => None,
+        })
+        .expect("a second attempt");
+    assert!(
+        resumed_from >= 20 && resumed_from % 10 == 0,
+        "resumed from step {resumed_from}"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, TrainEvent::Restarting { rank: 1, .. })),
+        "{events:?}"
+    );
+    assert_eq!(summary.losses.len(), 150);
+    for (step, loss) in &baseline.losses {
+        let resumed = summary.losses[step];
+        assert!(
+            (loss - resumed).abs() < 1e-5,
+            "step {step}: {loss} uninterrupted vs {resumed} resumed"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_on_a_driver_stops_its_ranks_on_the_cluster() {
+    bin_dir();
+    let cluster = TestCluster::start(&[("w1", "CPU=1"), ("w2", "CPU=1")]).await;
+    let mut driver = Command::new(env!("CARGO_BIN_EXE_regatta"))
+        .args([
+            "train",
+            "--steps",
+            "1000000",
+            "--data",
+            &corpus(),
+            "--address",
+            &cluster.local.address,
+        ])
+        .env("REGATTA_TOKEN", &cluster.local.token)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let alive_ranks = || async {
+        let status = cluster.client.status().await.unwrap();
+        let ranks = status
+            .actors
+            .iter()
+            .filter(|a| a.view.kind == "train-rank" && format!("{:?}", a.view.state) == "Alive")
+            .count();
+        (ranks, status.groups.len())
+    };
+    support::eventually("two ranks training", Duration::from_secs(60), || async {
+        (alive_ranks().await.0 == 2).then_some(())
+    })
+    .await;
+    let pid = driver.id().to_string();
+    assert!(Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    let status = driver.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    support::eventually("no rank and no group left", Duration::from_secs(30), || async {
+        (alive_ranks().await == (0, 0)).then_some(())
+    })
+    .await;
+}
+
+#[test]
+fn bad_configs_and_missing_data_fail_fast_with_the_cause() {
+    bin_dir();
+    let dir = temp_dir("train-bad");
+    let typo = dir.join("typo.toml");
+    std::fs::write(&typo, "zero_stag = 2\n").unwrap();
+    let missing = dir.join("nothing-here.txt");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec!["--config".into(), typo.to_string_lossy().into()],
+            "unknown field `zero_stag`",
+        ),
+        (vec!["--zero-stage".into(), "4".into()], "zero_stage must be 1, 2 or 3"),
+        (
+            vec!["--world-size".into(), "3".into(), "--batch-size".into(), "4".into()],
+            "must be a positive multiple of world_size",
+        ),
+        (
+            vec![
+                "--data".into(),
+                missing.to_string_lossy().into(),
+                "--steps".into(),
+                "3".into(),
+            ],
+            "nothing-here.txt",
+        ),
+    ];
+    for (args, expected) in cases {
+        let output = Command::new(env!("CARGO_BIN_EXE_regatta"))
+            .arg("train")
+            .args(&args)
+            .output()
+            .unwrap();
+        let all = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(!output.status.success(), "{args:?} succeeded:\n{all}");
+        assert!(all.contains(expected), "{args:?}: expected {expected:?} in:\n{all}");
+        assert!(!all.contains("panicked"), "{all}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,82 @@
+//! `regatta-torch-rank`: a trainer rank's executor (launched by the rank actor; speaks
+//! JSON lines on stdin/stdout), and `regatta-torch-rank reference CONFIG PARTITIONS OUT`:
+//! the single-process AdamW reference run the ZeRO tests compare against (prints one loss
+//! per line, writes the final weights to OUT as safetensors); `regatta-torch-rank score`:
+//! a scorer actor's executor; `regatta-torch-rank export CHECKPOINT OUT.pt`: a checkpoint's
+//! model as a traced TorchScript module the scorer (or PyTorch) can load.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use regatta_torch::{builtin_model, checkpoint, executor_main, reference_run};
+use regatta_trainer::TrainConfig;
+
+fn reference(args: &[String]) -> Result<(), String> {
+    let [config, partitions, out] = args else {
+        return Err("usage: regatta-torch-rank reference CONFIG.toml PARTITIONS OUT.safetensors".into());
+    };
+    let text = std::fs::read_to_string(config).map_err(|e| format!("cannot read {config}: {e}"))?;
+    let mut config = TrainConfig::from_toml(&text)?;
+    config.resolve_paths(&std::env::current_dir().map_err(|e| e.to_string())?);
+    let partitions: usize = partitions.parse().map_err(|e| format!("bad partition count: {e}"))?;
+    let (losses, weights) = reference_run(&config, partitions, &builtin_model)?;
+    for loss in losses {
+        println!("{loss}");
+    }
+    let bytes = checkpoint::to_safetensors(&weights)?;
+    std::fs::write(out, bytes).map_err(|e| format!("cannot write {out}: {e}"))
+}
+
+/// An executor belongs to the agent that launched it. When the agent dies without cleaning
+/// up (SIGKILL), the executor is re-parented: it then exits rather than go on alone.
+fn exit_when_orphaned() {
+    let parent = std::os::unix::process::parent_id();
+    std::thread::spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(200));
+        if std::os::unix::process::parent_id() != parent {
+            eprintln!("regatta-torch-rank: the agent that started this executor is gone; exiting");
+            std::process::exit(3);
+        }
+    });
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        None => {
+            exit_when_orphaned();
+            executor_main(&builtin_model)
+        }
+        Some("score") => {
+            exit_when_orphaned();
+            regatta_torch::score_executor::score_main()
+        }
+        Some("export") => match &args[1..] {
+            [checkpoint, out] => match regatta_torch::score_executor::export(checkpoint, out) {
+                Ok(context) => {
+                    println!("wrote {out}: a TorchScript module over token ids [batch, time], time up to {context}; score it with --context {context}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(1)
+                }
+            },
+            _ => {
+                eprintln!("usage: regatta-torch-rank export CHECKPOINT_DIR OUT.pt");
+                ExitCode::from(2)
+            }
+        },
+        Some("reference") => match reference(&args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Some(other) => {
+            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`");
+            ExitCode::from(2)
+        }
+    }
+}

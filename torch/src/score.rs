@@ -1,0 +1,329 @@
+//! Batched inference with a trainer checkpoint: per-row log-likelihood and perplexity, and
+//! greedy generation. Rows in a batch are right-padded; the model is causal, so padding
+//! never changes the scores of real positions, and only real positions are counted.
+
+use regatta_trainer::config::ModelConfig;
+use tch::{Device, Kind, Tensor};
+
+use crate::checkpoint::Manifest;
+use crate::data::TextTokenizer;
+use crate::executor::NamedTensors;
+use crate::model::{Gpt, LayeredModel};
+
+/// One scored row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scored {
+    /// Tokens scored (the text's first `context` tokens).
+    pub tokens: usize,
+    /// Whether the text was longer than the context and cut.
+    pub truncated: bool,
+    /// Sum of log p(token | tokens before) over every token after the first.
+    pub log_likelihood: f64,
+    /// exp(-log_likelihood / (tokens - 1)).
+    pub perplexity: f64,
+    /// Greedy continuation (empty when no new tokens were asked for).
+    pub generated: String,
+}
+
+/// The network behind a scorer.
+enum Net {
+    /// The built-in GPT with a checkpoint's weights.
+    Gpt { gpt: Gpt, params: Vec<Vec<Tensor>> },
+    /// A TorchScript module: `forward(Long[batch, time]) -> Float[batch, time, vocab]`.
+    Script(tch::CModule),
+}
+
+/// A model loaded for inference.
+pub struct Scorer {
+    net: Net,
+    context: usize,
+    tokenizer: TextTokenizer,
+    device: Device,
+}
+
+impl Scorer {
+    /// The built-in GPT from a checkpoint's consolidated weights.
+    pub fn from_weights(
+        model: ModelConfig,
+        vocab: usize,
+        weights: NamedTensors,
+        tokenizer: TextTokenizer,
+        device: Device,
+    ) -> Result<Self, String> {
+        if tokenizer.vocab() != vocab {
+            return Err(format!(
+                "the checkpoint's model embeds {vocab} tokens but the tokenizer has {}",
+                tokenizer.vocab()
+            ));
+        }
+        let gpt = Gpt::new(model, vocab);
+        let mut by_name: std::collections::HashMap<String, Tensor> = weights.into_iter().collect();
+        let mut params = Vec::new();
+        for block in gpt.blocks() {
+            let mut tensors = Vec::new();
+            for spec in block {
+                let tensor = by_name
+                    .remove(&spec.name)
+                    .ok_or_else(|| format!("the checkpoint has no {}", spec.name))?;
+                if tensor.size() != spec.shape {
+                    return Err(format!(
+                        "{} has shape {:?}, the model needs {:?}",
+                        spec.name,
+                        tensor.size(),
+                        spec.shape
+                    ));
+                }
+                tensors.push(tensor.to_kind(Kind::Float).to_device(device));
+            }
+            params.push(tensors);
+        }
+        Ok(Self {
+            context: gpt.config().context,
+            net: Net::Gpt { gpt, params },
+            tokenizer,
+            device,
+        })
+    }
+
+    /// The built-in GPT from a manifest and its weights.
+    pub fn from_checkpoint(
+        manifest: &Manifest,
+        weights: NamedTensors,
+        tokenizer: TextTokenizer,
+        device: Device,
+    ) -> Result<Self, String> {
+        Self::from_weights(manifest.model.clone(), manifest.vocab, weights, tokenizer, device)
+    }
+
+    /// A TorchScript module (the bytes of a file `torch.jit.save` or [`Scorer::export`]
+    /// wrote) whose `forward` maps token ids `[batch, time]` to logits
+    /// `[batch, time, vocab]`, for texts of up to `context` tokens. The contract is checked
+    /// here with a two-token batch, so a module that does not fit fails at load.
+    pub fn from_torchscript(
+        bytes: &[u8],
+        context: usize,
+        tokenizer: TextTokenizer,
+        device: Device,
+    ) -> Result<Self, String> {
+        if context < 2 {
+            return Err(format!(
+                "a TorchScript model needs a context of at least 2 tokens, not {context}"
+            ));
+        }
+        let mut module = tch::CModule::load_data_on_device(&mut std::io::Cursor::new(bytes), device)
+            .map_err(|e| format!("not a TorchScript module: {e}"))?;
+        module.set_eval();
+        let scorer = Self {
+            net: Net::Script(module),
+            context,
+            tokenizer,
+            device,
+        };
+        let probe = Tensor::from_slice(&[0i64, 1, 0, 1]).view([2, 2]).to_device(device);
+        let logits = scorer
+            .logits(&probe)
+            .map_err(|e| format!("the TorchScript module does not take token ids [batch, time]: {e}"))?;
+        let shape = logits.size();
+        let vocab = scorer.tokenizer.vocab() as i64;
+        match shape.as_slice() {
+            [2, 2, v] if *v >= vocab => Ok(scorer),
+            [2, 2, v] => Err(format!(
+                "the TorchScript module gives logits over {v} tokens but the tokenizer has {vocab}"
+            )),
+            other => Err(format!(
+                "the TorchScript module maps token ids [2, 2] to {other:?}, not logits [2, 2, vocab]"
+            )),
+        }
+    }
+
+    /// This scorer's model (the built-in GPT only) as a TorchScript module: traced, so it
+    /// takes token ids of any `[batch, time]` with time up to the model's context.
+    pub fn export(&self) -> Result<tch::CModule, String> {
+        let Net::Gpt { gpt, params } = &self.net else {
+            return Err("only a checkpoint of the built-in GPT can be exported".into());
+        };
+        let example = Tensor::zeros([2, self.context as i64], (Kind::Int64, self.device));
+        let mut forward = |inputs: &[Tensor]| vec![gpt.logits(params, &inputs[0])];
+        tch::no_grad(|| tch::CModule::create_by_tracing("RegattaGpt", "forward", &[example], &mut forward))
+            .map_err(|e| format!("cannot trace the model: {e}"))
+    }
+
+    /// Token ids of a text as the scorer sees them (at most the context; at least 2 needed).
+    pub fn tokenize(&self, text: &str) -> Result<(Vec<i64>, bool), String> {
+        let mut ids = self.tokenizer.encode(text.as_bytes())?;
+        let context = self.context;
+        let truncated = ids.len() > context;
+        ids.truncate(context);
+        if ids.len() < 2 {
+            return Err(format!("the text has {} token(s); scoring needs at least 2", ids.len()));
+        }
+        Ok((ids, truncated))
+    }
+
+    fn logits(&self, batch: &Tensor) -> Result<Tensor, String> {
+        tch::no_grad(|| match &self.net {
+            Net::Gpt { gpt, params } => Ok(gpt.logits(params, batch)),
+            Net::Script(module) => module
+                .forward_ts(&[batch])
+                .map_err(|e| format!("the TorchScript module failed: {e}")),
+        })
+    }
+
+    /// Scores rows already tokenized by [`Scorer::tokenize`], as one batch.
+    pub fn score(&self, rows: &[(Vec<i64>, bool)], max_new_tokens: usize) -> Result<Vec<Scored>, String> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let width = rows.iter().map(|(ids, _)| ids.len()).max().unwrap_or(0);
+        let mut flat = Vec::with_capacity(rows.len() * width);
+        for (ids, _) in rows {
+            flat.extend_from_slice(ids);
+            flat.extend(std::iter::repeat_n(0, width - ids.len()));
+        }
+        let batch = Tensor::from_slice(&flat)
+            .view([rows.len() as i64, width as i64])
+            .to_device(self.device);
+        let log_probs = self.logits(&batch)?.log_softmax(-1, Kind::Float);
+        // log p(token t+1 | tokens up to t), for every position t < width - 1.
+        let next = batch.narrow(1, 1, width as i64 - 1).unsqueeze(-1);
+        let picked = log_probs
+            .narrow(1, 0, width as i64 - 1)
+            .gather(-1, &next, false)
+            .squeeze_dim(-1);
+        let picked = picked.to_device(Device::Cpu);
+        rows.iter()
+            .enumerate()
+            .map(|(i, (ids, truncated))| {
+                let n = ids.len();
+                let log_likelihood = picked
+                    .get(i as i64)
+                    .narrow(0, 0, n as i64 - 1)
+                    .sum(Kind::Double)
+                    .double_value(&[]);
+                Ok(Scored {
+                    tokens: n,
+                    truncated: *truncated,
+                    log_likelihood,
+                    perplexity: (-log_likelihood / (n - 1) as f64).exp(),
+                    generated: self.generate(ids, max_new_tokens)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Greedy continuation of `ids` by up to `max_new_tokens` tokens.
+    pub fn generate(&self, ids: &[i64], max_new_tokens: usize) -> Result<String, String> {
+        let context = self.context;
+        let mut sequence = ids.to_vec();
+        let mut new = Vec::with_capacity(max_new_tokens);
+        for _ in 0..max_new_tokens {
+            let window = &sequence[sequence.len().saturating_sub(context)..];
+            let input = Tensor::from_slice(window)
+                .view([1, window.len() as i64])
+                .to_device(self.device);
+            let logits = self.logits(&input)?;
+            let next = logits
+                .get(0)
+                .get(window.len() as i64 - 1)
+                .argmax(0, false)
+                .int64_value(&[]);
+            sequence.push(next);
+            new.push(next);
+        }
+        Ok(self.tokenizer.decode(&new))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::initial_values;
+
+    fn scorer() -> Scorer {
+        let config = ModelConfig {
+            layers: 1,
+            width: 16,
+            heads: 2,
+            context: 12,
+        };
+        let gpt = Gpt::new(config.clone(), 256);
+        let weights = gpt
+            .blocks()
+            .into_iter()
+            .flatten()
+            .map(|spec| {
+                let values = Tensor::from_slice(&initial_values(&spec, 5)).view(spec.shape.as_slice());
+                (spec.name, values)
+            })
+            .collect();
+        Scorer::from_weights(config, 256, weights, TextTokenizer::Bytes, Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn padding_in_a_batch_changes_no_score() {
+        let s = scorer();
+        let rows: Vec<_> = ["hello there", "hi", "a longer text than the context"]
+            .iter()
+            .map(|t| s.tokenize(t).unwrap())
+            .collect();
+        assert!(rows[2].1, "the long text is truncated to the context");
+        let together = s.score(&rows, 3).unwrap();
+        for (row, scored) in rows.iter().zip(&together) {
+            let alone = &s.score(std::slice::from_ref(row), 3).unwrap()[0];
+            assert!(
+                (alone.log_likelihood - scored.log_likelihood).abs() < 1e-4,
+                "{alone:?} vs {scored:?}"
+            );
+            assert_eq!(alone.generated, scored.generated);
+            let ppl = (-scored.log_likelihood / (scored.tokens - 1) as f64).exp();
+            assert!((scored.perplexity - ppl).abs() < 1e-9 && scored.perplexity > 1.0);
+            // Three bytes; invalid UTF-8 among them reads as replacement characters.
+            let chars = scored.generated.chars().count();
+            assert!(
+                (1..=3).contains(&chars),
+                "three bytes generated: {:?}",
+                scored.generated
+            );
+        }
+        assert!(s.tokenize("x").unwrap_err().contains("at least 2"));
+    }
+
+    #[test]
+    fn a_checkpoint_missing_a_tensor_is_refused_by_name() {
+        let config = ModelConfig {
+            layers: 1,
+            width: 16,
+            heads: 2,
+            context: 12,
+        };
+        let error = Scorer::from_weights(config, 256, Vec::new(), TextTokenizer::Bytes, Device::Cpu)
+            .err()
+            .unwrap();
+        assert!(error.contains("no wte.weight"), "{error}");
+    }
+
+    #[test]
+    fn a_traced_export_scores_like_the_checkpoint_at_any_batch_shape() {
+        let s = scorer();
+        let module = s.export().unwrap();
+        let path = std::env::temp_dir().join(format!("regatta-export-{}.pt", std::process::id()));
+        module.save(&path).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let script = Scorer::from_torchscript(&bytes, 12, TextTokenizer::Bytes, Device::Cpu).unwrap();
+        // Traced at [2, 12]; scored at other batch sizes and widths.
+        let texts = ["hello there", "hi", "a longer text than the context", "abc"];
+        let rows: Vec<_> = texts.iter().map(|t| s.tokenize(t).unwrap()).collect();
+        for shape in [&rows[..1], &rows[1..2], &rows[..]] {
+            let (a, b) = (s.score(shape, 2).unwrap(), script.score(shape, 2).unwrap());
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x.log_likelihood - y.log_likelihood).abs() < 1e-4, "{x:?} vs {y:?}");
+                assert_eq!(x.generated, y.generated);
+            }
+        }
+        assert!(Scorer::from_torchscript(b"junk", 12, TextTokenizer::Bytes, Device::Cpu)
+            .err()
+            .unwrap()
+            .contains("not a TorchScript module"));
+    }
+}

@@ -1,0 +1,154 @@
+//! `regatta-torch-rank score`: the scorer actor's executor. Reads [`ToScorer`] lines on
+//! stdin (a setup, then batches), writes [`FromScorer`] lines on stdout; exits when stdin
+//! closes.
+
+use std::io::{BufRead, Write};
+use std::process::ExitCode;
+
+use regatta_object_store::Place;
+use regatta_scorer::protocol::{is_torchscript, FromScorer, RowScore, ScorerSetup, ToScorer};
+use tch::Device;
+
+use crate::checkpoint::load_weights;
+use crate::data::TextTokenizer;
+use crate::score::Scorer;
+
+fn emit(message: &FromScorer) {
+    if let Ok(line) = serde_json::to_string(message) {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+    }
+}
+
+fn load(setup: &ScorerSetup) -> Result<(Scorer, u64, Device), String> {
+    tch::set_num_threads(setup.threads.max(1) as i32);
+    let cuda = tch::Cuda::is_available();
+    let device = match setup.device.as_str() {
+        "cuda" if !cuda => return Err("device = \"cuda\" but libtorch sees no CUDA device".into()),
+        "cuda" => Device::Cuda(0),
+        "auto" if cuda && !setup.gpus.is_empty() => Device::Cuda(0),
+        _ => Device::Cpu,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    if is_torchscript(&setup.checkpoint) {
+        let (place, name) = Place::file(&setup.checkpoint)?;
+        let bytes = runtime.block_on(place.get(&name))?;
+        let tokenizer = runtime.block_on(TextTokenizer::load(&setup.tokenizer))?;
+        let scorer = Scorer::from_torchscript(&bytes, setup.context, tokenizer, device)
+            .map_err(|e| format!("{}: {e}", setup.checkpoint))?;
+        return Ok((scorer, 0, device));
+    }
+    let (manifest, weights) = runtime.block_on(load_weights(&setup.checkpoint))?;
+    let spec = if setup.tokenizer.is_empty() {
+        &manifest.tokenizer
+    } else {
+        &setup.tokenizer
+    };
+    let tokenizer = runtime.block_on(TextTokenizer::load(spec))?;
+    let params = weights.iter().map(|(_, t)| t.numel() as u64).sum();
+    Ok((
+        Scorer::from_checkpoint(&manifest, weights, tokenizer, device)?,
+        params,
+        device,
+    ))
+}
+
+/// `regatta-torch-rank export CHECKPOINT OUT.pt`: the checkpoint's model as a traced
+/// TorchScript module (any batch size, up to the model's context); returns the context.
+pub fn export(checkpoint: &str, out: &str) -> Result<usize, String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let (manifest, weights) = runtime.block_on(load_weights(checkpoint))?;
+    let tokenizer = runtime.block_on(TextTokenizer::load(&manifest.tokenizer))?;
+    let scorer = Scorer::from_checkpoint(&manifest, weights, tokenizer, Device::Cpu)?;
+    let module = scorer.export()?;
+    let file = tempfile_beside(out);
+    module
+        .save(&file)
+        .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
+    let bytes = std::fs::read(&file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+    let _ = std::fs::remove_file(&file);
+    let (place, name) = Place::file(out)?;
+    runtime.block_on(place.put(&name, bytes.into()))?;
+    Ok(manifest.model.context)
+}
+
+/// A local scratch file for libtorch's writer (the export itself may go to S3).
+fn tempfile_beside(out: &str) -> std::path::PathBuf {
+    let name = out.rsplit('/').next().unwrap_or("model.pt");
+    std::env::temp_dir().join(format!("regatta-export-{}-{name}", std::process::id()))
+}
+
+/// Serves scoring requests on stdin/stdout.
+pub fn score_main() -> ExitCode {
+    let stdin = std::io::stdin();
+    let mut lines = stdin.lock().lines();
+    let mut next = || -> Option<ToScorer> {
+        loop {
+            let line = lines.next()?.ok()?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            match serde_json::from_str(&line) {
+                Ok(message) => return Some(message),
+                Err(e) => eprintln!("ignored a malformed request: {e}"),
+            }
+        }
+    };
+    let Some(ToScorer::Setup(setup)) = next() else {
+        emit(&FromScorer::Failed("expected a setup line first".into()));
+        return ExitCode::from(2);
+    };
+    let (scorer, params, device) = match load(&setup) {
+        Ok(loaded) => loaded,
+        Err(reason) => {
+            eprintln!("scorer failed: {reason}");
+            emit(&FromScorer::Failed(reason));
+            return ExitCode::from(1);
+        }
+    };
+    emit(&FromScorer::Ready {
+        params,
+        device: format!("{device:?}").to_lowercase(),
+    });
+    while let Some(message) = next() {
+        let ToScorer::Batch(rows) = message else {
+            eprintln!("ignored a second setup");
+            continue;
+        };
+        let tokenized: Vec<Result<(Vec<i64>, bool), String>> =
+            rows.iter().map(|(_, text)| scorer.tokenize(text)).collect();
+        let valid: Vec<(Vec<i64>, bool)> = tokenized.iter().filter_map(|r| r.as_ref().ok().cloned()).collect();
+        let mut scored = match scorer.score(&valid, setup.max_new_tokens) {
+            Ok(scored) => scored.into_iter(),
+            Err(reason) => {
+                // The model itself failed (not one row): the partition fails with the cause.
+                emit(&FromScorer::Failed(reason));
+                continue;
+            }
+        };
+        let results = tokenized
+            .into_iter()
+            .map(|r| {
+                r.and_then(|_| {
+                    let s = scored.next().ok_or("a score is missing")?;
+                    Ok(RowScore {
+                        tokens: s.tokens as u64,
+                        truncated: s.truncated,
+                        log_likelihood: s.log_likelihood,
+                        perplexity: s.perplexity,
+                        generated: s.generated,
+                    })
+                })
+            })
+            .collect();
+        emit(&FromScorer::Scored(results));
+    }
+    ExitCode::SUCCESS
+}

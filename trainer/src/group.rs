@@ -1,0 +1,445 @@
+//! The trainer group as the driver sees it: reserve one bundle per rank (a placement
+//! group with the per-rank resources), spawn a rank actor in each, hand every rank its
+//! successor's ring address (rank 0's ring is the list of addresses the ranks bound, sent
+//! through the cluster), then watch: loss per step from rank 0, checkpoints, failures.
+//! A rank lost (its node died, its executor crashed, or it stopped making progress)
+//! removes the whole group and starts it again from the newest checkpoint, up to
+//! `max_failures` times; each restart is reported as an event (the job log shows it).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use regatta_runtime::{ActorHandle, ActorOptions, Cluster, Resources, Strategy};
+
+use crate::config::TrainConfig;
+use crate::protocol::{FromExecutor, RankSetup, StepReport, TrainOp, TrainReply};
+use crate::rank::{TrainRank, TrainRankArgs};
+
+/// How often the driver asks the ranks for events.
+const POLL_EVERY: Duration = Duration::from_millis(200);
+/// How long a placement group may wait for resources.
+const PLACEMENT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// What happens during a run, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TrainEvent {
+    /// The group is placed and bound; training starts after `start_step`.
+    Started {
+        /// 0 for the first attempt.
+        attempt: u32,
+        /// Steps already done (from a checkpoint).
+        start_step: u64,
+        /// Model parameters.
+        params: u64,
+        /// Node of each rank.
+        nodes: Vec<String>,
+        /// Device of rank 0.
+        device: String,
+    },
+    /// A step finished (rank 0's report; every rank sees the same loss).
+    Step(StepReport),
+    /// A checkpoint was committed.
+    Checkpoint {
+        /// Steps it holds.
+        step: u64,
+        /// Where.
+        url: String,
+    },
+    /// A rank was lost; the group restarts from the newest checkpoint.
+    Restarting {
+        /// The rank that failed.
+        rank: usize,
+        /// Why.
+        reason: String,
+        /// Failures so far.
+        failures: u32,
+        /// The limit.
+        max_failures: u32,
+    },
+}
+
+/// The result of a finished run.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TrainSummary {
+    /// Loss of every step, by step (a restarted step keeps its latest value).
+    pub losses: BTreeMap<u64, f64>,
+    /// The last step's report.
+    pub last: Option<StepReport>,
+    /// Rank failures survived.
+    pub failures: u32,
+    /// The newest checkpoint.
+    pub checkpoint: Option<(u64, String)>,
+    /// Model parameters.
+    pub params: u64,
+    /// Wall time of the whole run.
+    pub seconds: f64,
+}
+
+/// Why a run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The configuration or the data cannot work; nothing was retried.
+    #[error("training cannot run: {0}")]
+    Fatal(String),
+    /// Ranks kept failing.
+    #[error("training failed after {failures} restart(s) (max_failures = {max}): rank {rank}: {reason}")]
+    TooManyFailures {
+        /// Restarts done.
+        failures: u32,
+        /// The limit.
+        max: u32,
+        /// The last rank to fail.
+        rank: usize,
+        /// Why.
+        reason: String,
+    },
+    /// The cluster refused something (placement, spawn).
+    #[error(transparent)]
+    Cluster(#[from] regatta_runtime::Error),
+}
+
+enum AttemptError {
+    Lost { rank: usize, reason: String },
+    Fatal(String),
+    Cluster(regatta_runtime::Error),
+}
+
+/// A trainer group on a cluster.
+pub struct TrainerGroup {
+    cluster: Cluster,
+    config: TrainConfig,
+    executor: Option<String>,
+}
+
+impl TrainerGroup {
+    /// A group for `config` (validated here).
+    pub fn new(cluster: Cluster, mut config: TrainConfig) -> Result<Self, TrainError> {
+        config.validate().map_err(TrainError::Fatal)?;
+        let cwd = std::env::current_dir().map_err(|e| TrainError::Fatal(format!("no working directory: {e}")))?;
+        config.resolve_paths(&cwd);
+        Ok(Self {
+            cluster,
+            config,
+            executor: None,
+        })
+    }
+
+    /// Runs the ranks with another executor binary: one built on
+    /// `regatta_torch::executor_main` with the user's own model. It must exist on every node.
+    pub fn executor(mut self, path: impl Into<String>) -> Self {
+        self.executor = Some(path.into());
+        self
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    /// Trains to the last step, calling `on_event` as things happen.
+    pub async fn run(&self, mut on_event: impl FnMut(&TrainEvent)) -> Result<TrainSummary, TrainError> {
+        let started = Instant::now();
+        let mut summary = TrainSummary::default();
+        let mut resume = self.config.checkpoint.resume;
+        let max = self.config.max_failures;
+        for attempt in 0.. {
+            match self.attempt(attempt, resume, &mut summary, &mut on_event).await {
+                Ok(()) => {
+                    summary.seconds = started.elapsed().as_secs_f64();
+                    return Ok(summary);
+                }
+                Err(AttemptError::Lost { rank, reason }) => {
+                    if summary.failures >= max {
+                        return Err(TrainError::TooManyFailures {
+                            failures: summary.failures,
+                            max,
+                            rank,
+                            reason,
+                        });
+                    }
+                    summary.failures += 1;
+                    on_event(&TrainEvent::Restarting {
+                        rank,
+                        reason,
+                        failures: summary.failures,
+                        max_failures: max,
+                    });
+                    resume = !self.config.checkpoint.dir.is_empty();
+                }
+                Err(AttemptError::Fatal(reason)) => return Err(TrainError::Fatal(reason)),
+                Err(AttemptError::Cluster(error)) => return Err(TrainError::Cluster(error)),
+            }
+        }
+        unreachable!("the attempt loop only ends by returning")
+    }
+
+    async fn attempt(
+        &self,
+        attempt: u32,
+        resume: bool,
+        summary: &mut TrainSummary,
+        on_event: &mut impl FnMut(&TrainEvent),
+    ) -> Result<(), AttemptError> {
+        let world = self.config.world_size;
+        let per_rank = Resources::from_units(self.config.resources.iter().map(|(k, v)| (k.as_str(), *v)));
+        let strategy: Strategy = self.config.strategy.parse().map_err(AttemptError::Fatal)?;
+        let group = self
+            .cluster
+            .create_placement_group(vec![per_rank.clone(); world], strategy)
+            .await
+            .map_err(AttemptError::Cluster)?;
+        // Removes the group even when this future is dropped (Ctrl-C in the driver).
+        let mut guard = RemoveOnDrop(Some(group.clone()));
+        let result = async {
+            let nodes = group.ready(PLACEMENT_TIMEOUT).await.map_err(AttemptError::Cluster)?;
+            let secret = random_secret().map_err(AttemptError::Fatal)?;
+            let mut ranks = Vec::with_capacity(world);
+            for rank in 0..world {
+                let args = TrainRankArgs {
+                    setup: RankSetup {
+                        rank,
+                        world,
+                        host: String::new(),
+                        config: self.config.clone(),
+                        resume,
+                        gpus: Vec::new(),
+                    },
+                    secret: secret.clone(),
+                    executor: self.executor.clone(),
+                };
+                let options = ActorOptions::new()
+                    .resources(per_rank.clone())
+                    .in_group(&group, Some(rank));
+                let handle = self
+                    .cluster
+                    .spawn::<TrainRank>(args, options)
+                    .await
+                    .map_err(|e| classify(rank, e))?;
+                ranks.push(handle);
+            }
+            let (addresses, params, start_step, device, nccl_id) = bind_all(&ranks).await?;
+            summary.params = params;
+            on_event(&TrainEvent::Started {
+                attempt,
+                start_step,
+                params,
+                nodes,
+                device,
+            });
+            let (addresses, nccl_id) = (&addresses, &nccl_id);
+            let connects = ranks.iter().enumerate().map(|(i, rank)| async move {
+                let op = TrainOp::Connect(addresses[(i + 1) % world].clone(), nccl_id.clone());
+                rank.call_timeout(op, PLACEMENT_TIMEOUT)
+                    .await
+                    .map_err(|e| AttemptError::Lost {
+                        rank: i,
+                        reason: e.to_string(),
+                    })
+            });
+            futures::future::try_join_all(connects).await?;
+            self.watch(&ranks, summary, on_event).await
+        }
+        .await;
+        // Removing the group stops every rank actor, which kills its executor.
+        let _ = group.remove().await;
+        guard.0 = None;
+        result
+    }
+
+    async fn watch(
+        &self,
+        ranks: &[ActorHandle<TrainRank>],
+        summary: &mut TrainSummary,
+        on_event: &mut impl FnMut(&TrainEvent),
+    ) -> Result<(), AttemptError> {
+        let mut seen = Seen::new(ranks.len());
+        let outcome = self.watch_until_done(ranks, summary, on_event, &mut seen).await;
+        if outcome.is_err() {
+            // Ranks still alive may hold steps and checkpoints not polled yet (a checkpoint
+            // the restart resumes from must not leave a hole in the loss curve): drain them.
+            for (rank, handle) in ranks.iter().enumerate() {
+                if let Ok(TrainReply::Events { events, .. }) =
+                    handle.call_timeout(TrainOp::Poll, Duration::from_secs(5)).await
+                {
+                    let _ = seen.absorb(rank, events, summary, on_event);
+                }
+            }
+        }
+        outcome
+    }
+
+    async fn watch_until_done(
+        &self,
+        ranks: &[ActorHandle<TrainRank>],
+        summary: &mut TrainSummary,
+        on_event: &mut impl FnMut(&TrainEvent),
+        seen: &mut Seen,
+    ) -> Result<(), AttemptError> {
+        let stall = Duration::from_secs(self.config.stall_timeout_secs.max(1));
+        loop {
+            for (rank, handle) in ranks.iter().enumerate() {
+                let reply = handle
+                    .call_timeout(TrainOp::Poll, Duration::from_secs(30))
+                    .await
+                    .map_err(|e| AttemptError::Lost {
+                        rank,
+                        reason: e.to_string(),
+                    })?;
+                let TrainReply::Events { events, exited } = reply else {
+                    return Err(AttemptError::Lost {
+                        rank,
+                        reason: "the rank replied out of turn".into(),
+                    });
+                };
+                seen.absorb(rank, events, summary, on_event)?;
+                if let (Some(exited), false) = (exited, seen.finished[rank]) {
+                    return Err(AttemptError::Lost { rank, reason: exited });
+                }
+            }
+            if seen.finished.iter().all(|done| *done) {
+                return Ok(());
+            }
+            if seen.last_progress.elapsed() > stall {
+                return Err(AttemptError::Lost {
+                    rank: 0,
+                    reason: format!("no step finished for {stall:?}"),
+                });
+            }
+            tokio::time::sleep(POLL_EVERY).await;
+        }
+    }
+}
+
+/// What one attempt has heard from its ranks.
+struct Seen {
+    steps: std::collections::BTreeSet<u64>,
+    finished: Vec<bool>,
+    last_progress: Instant,
+}
+
+impl Seen {
+    fn new(world: usize) -> Self {
+        Self {
+            steps: Default::default(),
+            finished: vec![false; world],
+            last_progress: Instant::now(),
+        }
+    }
+
+    /// Takes in a rank's events. Every rank reports the same loss for a step; the first
+    /// report of a step counts, so a step is recorded even when rank 0 died before its
+    /// report was polled. Rank 0 alone reports checkpoints and sets the last report.
+    fn absorb(
+        &mut self,
+        rank: usize,
+        events: Vec<FromExecutor>,
+        summary: &mut TrainSummary,
+        on_event: &mut impl FnMut(&TrainEvent),
+    ) -> Result<(), AttemptError> {
+        for event in events {
+            match event {
+                FromExecutor::Step(report) => {
+                    self.last_progress = Instant::now();
+                    if rank == 0 {
+                        summary.last = Some(report.clone());
+                    }
+                    if self.steps.insert(report.step) {
+                        summary.losses.insert(report.step, report.loss);
+                        on_event(&TrainEvent::Step(report));
+                    }
+                }
+                FromExecutor::Checkpoint { step, url } if rank == 0 => {
+                    summary.checkpoint = Some((step, url.clone()));
+                    on_event(&TrainEvent::Checkpoint { step, url });
+                }
+                FromExecutor::Finished { .. } => self.finished[rank] = true,
+                FromExecutor::Failed { reason, fatal: true } => {
+                    return Err(AttemptError::Fatal(format!("rank {rank}: {reason}")))
+                }
+                FromExecutor::Failed { reason, fatal: false } => return Err(AttemptError::Lost { rank, reason }),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Removes a placement group (stopping its ranks and their executors) when dropped, from
+/// a background task: the driver may be cancelled at any await.
+struct RemoveOnDrop(Option<regatta_runtime::PlacementGroup>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let (Some(group), Ok(runtime)) = (self.0.take(), tokio::runtime::Handle::try_current()) {
+            runtime.spawn(async move {
+                let _ = group.remove().await;
+            });
+        }
+    }
+}
+
+type Bound = (Vec<String>, u64, u64, String, Option<String>);
+
+async fn bind_all(ranks: &[ActorHandle<TrainRank>]) -> Result<Bound, AttemptError> {
+    let binds = ranks.iter().enumerate().map(|(rank, handle)| async move {
+        handle
+            .call_timeout(TrainOp::Bind, Duration::from_secs(330))
+            .await
+            .map_err(|e| classify(rank, e))
+    });
+    let mut addresses = Vec::with_capacity(ranks.len());
+    let mut first = None;
+    let mut starts = Vec::new();
+    for reply in futures::future::try_join_all(binds).await? {
+        let TrainReply::Bound {
+            addr,
+            params,
+            start_step,
+            device,
+            nccl_id,
+        } = reply
+        else {
+            return Err(AttemptError::Fatal("a rank replied out of turn".into()));
+        };
+        addresses.push(addr);
+        starts.push(start_step);
+        first.get_or_insert((params, start_step, device, nccl_id));
+    }
+    let (params, start_step, device, nccl_id) =
+        first.ok_or_else(|| AttemptError::Fatal("a group of no ranks".into()))?;
+    if starts.iter().any(|s| *s != start_step) {
+        return Err(AttemptError::Fatal(format!(
+            "the ranks loaded checkpoints of different steps: {starts:?}"
+        )));
+    }
+    Ok((addresses, params, start_step, device, nccl_id))
+}
+
+/// Marks a rank's error that retrying cannot fix (the executor said so).
+pub(crate) const FATAL_MARK: &str = "[fatal] ";
+
+/// A spawn or bind failure is fatal when the cause is in the run's own inputs (a missing
+/// executor, bad data, a bad checkpoint); a lost node or a crashed executor is worth a
+/// restart.
+fn classify(rank: usize, error: regatta_runtime::Error) -> AttemptError {
+    use regatta_runtime::Error;
+    let text = error.to_string();
+    let lost = match &error {
+        Error::ActorDead { cause, .. } => cause.contains("node "),
+        Error::CallFailed { .. } | Error::Timeout { .. } => true,
+        Error::Remote { message, .. } => !message.contains(FATAL_MARK),
+        _ => false,
+    };
+    if lost {
+        AttemptError::Lost { rank, reason: text }
+    } else {
+        AttemptError::Fatal(format!("rank {rank}: {}", text.replace(FATAL_MARK, "")))
+    }
+}
+
+/// 256 random bits from the OS, hex-encoded: the ring's TLS identity derives from it.
+pub(crate) fn random_secret() -> Result<String, String> {
+    let mut bytes = [0u8; 32];
+    getrandom::getrandom(&mut bytes).map_err(|e| format!("no OS randomness for the ring secret: {e}"))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}

@@ -1,0 +1,92 @@
+//! The trainer's metrics, on the node's `/metrics` next to the runtime's: each rank actor
+//! publishes what its executor reports. Labels: `rank` only (bounded by the world size).
+
+use std::sync::OnceLock;
+
+use prometheus::{GaugeVec, IntCounterVec, Opts};
+
+use crate::protocol::FromExecutor;
+
+/// Every trainer metric.
+pub struct TrainMetrics {
+    loss: GaugeVec,
+    step: GaugeVec,
+    step_seconds: GaugeVec,
+    tokens_per_second: GaugeVec,
+    collective_seconds: GaugeVec,
+    state_bytes: GaugeVec,
+    mfu: GaugeVec,
+    checkpoints: IntCounterVec,
+}
+
+fn gauge(name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    let metric = GaugeVec::new(Opts::new(name, help), labels).expect("metric names and labels are valid");
+    // A second registration (two groups in one process) keeps the first; both update it.
+    let _ = regatta_runtime::metrics().registry().register(Box::new(metric.clone()));
+    metric
+}
+
+impl TrainMetrics {
+    /// The process's trainer metrics, registered on first use.
+    pub fn get() -> &'static TrainMetrics {
+        static METRICS: OnceLock<TrainMetrics> = OnceLock::new();
+        METRICS.get_or_init(|| {
+            let checkpoints = IntCounterVec::new(
+                Opts::new("regatta_train_checkpoints_total", "Checkpoints committed, by rank"),
+                &["rank"],
+            )
+            .expect("metric names and labels are valid");
+            let _ = regatta_runtime::metrics()
+                .registry()
+                .register(Box::new(checkpoints.clone()));
+            TrainMetrics {
+                loss: gauge("regatta_train_loss", "Mean loss of the last step", &["rank"]),
+                step: gauge("regatta_train_step", "Steps done", &["rank"]),
+                step_seconds: gauge("regatta_train_step_seconds", "Wall time of the last step", &["rank"]),
+                tokens_per_second: gauge(
+                    "regatta_train_tokens_per_second",
+                    "Tokens per second over the whole group, last step",
+                    &["rank"],
+                ),
+                collective_seconds: gauge(
+                    "regatta_train_collective_seconds",
+                    "Time in collectives during the last step",
+                    &["rank"],
+                ),
+                state_bytes: gauge(
+                    "regatta_train_state_bytes",
+                    "Bytes held by the rank: parameters, gradients, optimizer",
+                    &["rank", "state"],
+                ),
+                mfu: gauge("regatta_train_mfu", "Model FLOPs utilisation estimate (GPU)", &["rank"]),
+                checkpoints,
+            }
+        })
+    }
+
+    /// Records what an executor reported.
+    pub fn observe(&self, rank: usize, event: &FromExecutor) {
+        let r = rank.to_string();
+        match event {
+            FromExecutor::Step(s) => {
+                self.loss.with_label_values(&[&r]).set(s.loss);
+                self.step.with_label_values(&[&r]).set(s.step as f64);
+                self.step_seconds.with_label_values(&[&r]).set(s.step_secs);
+                self.tokens_per_second.with_label_values(&[&r]).set(s.tokens_per_sec);
+                self.collective_seconds.with_label_values(&[&r]).set(s.collective_secs);
+                for (state, bytes) in [
+                    ("parameters", s.param_bytes),
+                    ("gradients", s.grad_bytes),
+                    ("optimizer", s.optimizer_bytes),
+                ] {
+                    self.state_bytes.with_label_values(&[&r, state]).set(bytes as f64);
+                }
+                if let Some(mfu) = s.mfu {
+                    self.mfu.with_label_values(&[&r]).set(mfu);
+                }
+            }
+            FromExecutor::Checkpoint { .. } => self.checkpoints.with_label_values(&[&r]).inc(),
+            _ => {}
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! What passes between a rank actor (inside a node's agent) and its executor process (the
+//! one that links libtorch), as one JSON object per line on the executor's stdin and
+//! stdout, and between the driver and the rank actors. Enums are externally tagged: the
+//! actor messages travel as bincode, which cannot decode internally tagged enums.
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::TrainConfig;
+
+/// Everything a rank needs to start.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RankSetup {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the group.
+    pub world: usize,
+    /// The address this rank's ring endpoint binds (its node's host).
+    pub host: String,
+    /// The run.
+    pub config: TrainConfig,
+    /// Continue from the newest checkpoint in `config.checkpoint.dir`, if there is one.
+    pub resume: bool,
+    /// GPU indices granted to this rank (empty on CPU).
+    pub gpus: Vec<u32>,
+}
+
+/// Agent to executor.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToExecutor {
+    /// The first line.
+    Setup(Box<RankSetup>),
+    /// The next rank's ring address; the executor connects and starts training.
+    Connect {
+        /// `host:port`.
+        next: String,
+        /// Rank 0's NCCL unique id (hex), when the group runs on GPUs.
+        nccl_id: Option<String>,
+    },
+}
+
+/// One finished step, as a rank saw it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepReport {
+    /// Steps done (1 after the first).
+    pub step: u64,
+    /// Mean loss of the step over the whole batch (all ranks).
+    pub loss: f64,
+    /// Wall time of the step.
+    pub step_secs: f64,
+    /// Tokens per second over all ranks.
+    pub tokens_per_sec: f64,
+    /// Time this rank spent in collectives during the step.
+    pub collective_secs: f64,
+    /// Bytes of parameters this rank holds between steps.
+    pub param_bytes: u64,
+    /// Bytes of gradients this rank held at the end of backward.
+    pub grad_bytes: u64,
+    /// Bytes of optimizer state (master weights and both moments) this rank holds.
+    pub optimizer_bytes: u64,
+    /// Model FLOPs utilisation estimate (GPU only).
+    pub mfu: Option<f64>,
+}
+
+/// Executor to agent.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FromExecutor {
+    /// The ring endpoint is listening.
+    Bound {
+        /// `host:port`.
+        addr: String,
+        /// Parameters of the model (real, without padding).
+        params: u64,
+        /// The step training starts after (0, or the checkpoint's step).
+        start_step: u64,
+        /// `cpu` or `cuda:N`.
+        device: String,
+        /// Rank 0 on GPUs: the NCCL unique id (hex) every rank joins with.
+        nccl_id: Option<String>,
+    },
+    /// A step finished.
+    Step(StepReport),
+    /// A checkpoint was committed (rank 0 reports it once every rank's shard is written).
+    Checkpoint {
+        /// Steps it holds.
+        step: u64,
+        /// Where it is.
+        url: String,
+    },
+    /// Training finished.
+    Finished {
+        /// Steps done.
+        steps: u64,
+    },
+    /// The rank gave up.
+    Failed {
+        /// Why.
+        reason: String,
+        /// True when retrying cannot help (bad data, bad checkpoint, bad config).
+        fatal: bool,
+    },
+}
+
+/// Driver to rank actor.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum TrainOp {
+    /// Wait until the executor listens; replies [`TrainReply::Bound`].
+    Bind,
+    /// Give the executor its successor's address (and rank 0's NCCL id); training starts.
+    Connect(String, Option<String>),
+    /// Events since the last poll.
+    Poll,
+}
+
+/// Rank actor to driver.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum TrainReply {
+    /// The executor's ring address and what it loaded.
+    Bound {
+        /// `host:port`.
+        addr: String,
+        /// Model parameters.
+        params: u64,
+        /// First step's predecessor.
+        start_step: u64,
+        /// Device.
+        device: String,
+        /// Rank 0 on GPUs: the NCCL id.
+        nccl_id: Option<String>,
+    },
+    /// Sent.
+    Connected,
+    /// Events, and the executor's exit when it has exited.
+    Events {
+        /// In order.
+        events: Vec<FromExecutor>,
+        /// Set once the executor process is gone: how it ended and its last log lines.
+        exited: Option<String>,
+    },
+}

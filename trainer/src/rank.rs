@@ -1,0 +1,252 @@
+//! The rank actor: a light actor inside a node's agent that launches and supervises the
+//! rank's executor process (the one that links libtorch and drives the device), relays
+//! the driver's instructions to it and its events back, and publishes its metrics on the
+//! node's `/metrics`. A crash inside libtorch, CUDA or NCCL costs the executor, which the
+//! driver sees as this rank failing with the executor's last log lines as the cause.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use regatta_runtime::{Actor, ActorContext, ActorError};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin, Command};
+
+use crate::metrics::TrainMetrics;
+use crate::protocol::{FromExecutor, RankSetup, ToExecutor, TrainOp, TrainReply};
+
+/// Names the executor binary (default: `regatta-torch-rank` next to the running binary).
+pub const EXECUTOR_ENV: &str = "REGATTA_TORCH_RANK";
+/// The ring's shared secret, handed to the executor through its environment.
+pub const SECRET_ENV: &str = "REGATTA_RING_SECRET";
+/// Lines of the executor's stderr kept for the cause of a failure.
+const STDERR_TAIL: usize = 20;
+/// How long an executor may take to load libtorch, the data and a checkpoint.
+const BIND_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Constructor arguments of a rank actor.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TrainRankArgs {
+    /// What the executor is told (host and GPUs are filled in on the node).
+    pub setup: RankSetup,
+    /// The ring secret.
+    pub secret: String,
+    /// The executor binary; `None`: the node's default.
+    pub executor: Option<String>,
+}
+
+#[derive(Default)]
+struct Shared {
+    events: Vec<FromExecutor>,
+    bound: Option<FromExecutor>,
+    stderr: VecDeque<String>,
+    exited: Option<String>,
+}
+
+/// One rank of a trainer group.
+pub struct TrainRank {
+    rank: usize,
+    stdin: ChildStdin,
+    shared: Arc<Mutex<Shared>>,
+    _child: Arc<tokio::sync::Mutex<Child>>,
+}
+
+/// Where the executor binary is: the argument, `REGATTA_TORCH_RANK`, or next to this binary.
+pub fn executor_path(explicit: Option<&str>) -> Result<PathBuf, String> {
+    if let Some(path) = explicit
+        .map(str::to_string)
+        .or_else(|| std::env::var(EXECUTOR_ENV).ok())
+    {
+        let path = PathBuf::from(path);
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(format!("the trainer executor {} does not exist", path.display()))
+        };
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find the running binary: {e}"))?;
+    let beside = exe.with_file_name("regatta-torch-rank");
+    if beside.is_file() {
+        return Ok(beside);
+    }
+    Err(format!(
+        "the trainer executor regatta-torch-rank is not next to {} on this node; build it with \
+         `scripts/setup-libtorch.sh` then `cargo build -p regatta-torch` (see README), or set {EXECUTOR_ENV}",
+        exe.display()
+    ))
+}
+
+/// The command that starts an executor: stdin and stdout piped (the JSON-lines protocol),
+/// killed when the returned child is dropped, and limited to the actor's GPUs.
+pub fn executor_command(path: &std::path::Path, gpus: &[u32]) -> Command {
+    let mut command = Command::new(path);
+    command.stdin(Stdio::piped()).stdout(Stdio::piped()).kill_on_drop(true);
+    if !gpus.is_empty() {
+        let visible: Vec<String> = gpus.iter().map(u32::to_string).collect();
+        command.env("CUDA_VISIBLE_DEVICES", visible.join(","));
+    }
+    command
+}
+
+fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
+    shared.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Actor for TrainRank {
+    const KIND: &'static str = "train-rank";
+    type Args = TrainRankArgs;
+    type Request = TrainOp;
+    type Reply = TrainReply;
+
+    async fn create(args: TrainRankArgs, ctx: &ActorContext) -> Result<Self, ActorError> {
+        let mut setup = args.setup;
+        if setup.world == 0 || setup.rank >= setup.world {
+            return Err(format!("rank {} does not fit a group of {}", setup.rank, setup.world).into());
+        }
+        setup.host = ctx.host().to_string();
+        setup.gpus = ctx.gpu_ids().to_vec();
+        let path = executor_path(args.executor.as_deref())?;
+        let mut child = executor_command(&path, &setup.gpus)
+            .env(SECRET_ENV, &args.secret)
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start the trainer executor {}: {e}", path.display()))?;
+        let (Some(mut stdin), Some(stdout), Some(stderr)) =
+            (child.stdin.take(), child.stdout.take(), child.stderr.take())
+        else {
+            return Err("the executor's pipes are missing".into());
+        };
+        let rank = setup.rank;
+        let line = serde_json::to_string(&ToExecutor::Setup(Box::new(setup))).map_err(|e| e.to_string())?;
+        stdin
+            .write_all(format!("{line}\n").as_bytes())
+            .await
+            .map_err(|e| format!("cannot write to the trainer executor: {e}"))?;
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let metrics = TrainMetrics::get();
+        let events = shared.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                match serde_json::from_str::<FromExecutor>(&line) {
+                    Ok(event) => {
+                        metrics.observe(rank, &event);
+                        let mut shared = lock(&events);
+                        if matches!(event, FromExecutor::Bound { .. }) {
+                            shared.bound = Some(event);
+                        } else {
+                            shared.events.push(event);
+                        }
+                    }
+                    Err(_) => tracing::info!(rank, "executor: {line}"),
+                }
+            }
+        });
+        let tail = shared.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                tracing::info!(rank, "executor: {line}");
+                let mut shared = lock(&tail);
+                if shared.stderr.len() == STDERR_TAIL {
+                    shared.stderr.pop_front();
+                }
+                shared.stderr.push_back(line);
+            }
+        });
+        let child = Arc::new(tokio::sync::Mutex::new(child));
+        let (waiter, ended) = (Arc::downgrade(&child), shared.clone());
+        tokio::spawn(async move {
+            // Polls through a weak reference, so dropping the actor drops (and kills) the child.
+            loop {
+                let Some(child) = waiter.upgrade() else { return };
+                let status = child.lock().await.try_wait();
+                drop(child);
+                match status {
+                    Ok(Some(status)) => {
+                        // Let the output readers drain what the executor wrote last.
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        let mut shared = lock(&ended);
+                        let tail: Vec<String> = shared.stderr.iter().cloned().collect();
+                        shared.exited = Some(format!(
+                            "executor exited with {status}; last output: {}",
+                            tail.join(" | ")
+                        ));
+                        return;
+                    }
+                    Ok(None) => tokio::time::sleep(Duration::from_millis(100)).await,
+                    Err(e) => {
+                        lock(&ended).exited = Some(format!("cannot watch the executor: {e}"));
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Self {
+            rank,
+            stdin,
+            shared,
+            _child: child,
+        })
+    }
+
+    async fn handle(&mut self, op: TrainOp, _ctx: &ActorContext) -> Result<TrainReply, ActorError> {
+        match op {
+            TrainOp::Bind => {
+                let deadline = tokio::time::Instant::now() + BIND_TIMEOUT;
+                loop {
+                    {
+                        let shared = lock(&self.shared);
+                        if let Some(FromExecutor::Bound {
+                            addr,
+                            params,
+                            start_step,
+                            device,
+                            nccl_id,
+                        }) = &shared.bound
+                        {
+                            return Ok(TrainReply::Bound {
+                                addr: addr.clone(),
+                                params: *params,
+                                start_step: *start_step,
+                                device: device.clone(),
+                                nccl_id: nccl_id.clone(),
+                            });
+                        }
+                        if let Some(FromExecutor::Failed { reason, fatal }) = shared.events.last() {
+                            let mark = if *fatal { crate::group::FATAL_MARK } else { "" };
+                            return Err(format!("{mark}rank {}: {reason}", self.rank).into());
+                        }
+                        if let Some(exited) = &shared.exited {
+                            return Err(format!("rank {}: {exited}", self.rank).into());
+                        }
+                    }
+                    if tokio::time::Instant::now() > deadline {
+                        return Err(
+                            format!("rank {}: the executor did not start within {BIND_TIMEOUT:?}", self.rank).into(),
+                        );
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            TrainOp::Connect(next, nccl_id) => {
+                let line = serde_json::to_string(&ToExecutor::Connect { next, nccl_id }).map_err(|e| e.to_string())?;
+                self.stdin
+                    .write_all(format!("{line}\n").as_bytes())
+                    .await
+                    .map_err(|e| format!("rank {}: cannot reach the executor: {e}", self.rank))?;
+                Ok(TrainReply::Connected)
+            }
+            TrainOp::Poll => {
+                let mut shared = lock(&self.shared);
+                Ok(TrainReply::Events {
+                    events: std::mem::take(&mut shared.events),
+                    exited: shared.exited.clone(),
+                })
+            }
+        }
+    }
+}
