@@ -11,8 +11,12 @@ use regatta::{ActorState, Error, JobClient, JobStatus, JobSubmission};
 use support::{eventually, TestCluster};
 
 fn job_driver() -> PathBuf {
+    example("job_driver")
+}
+
+fn example(name: &str) -> PathBuf {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_regatta"));
-    let path = bin.parent().expect("target dir").join("examples").join("job_driver");
+    let path = bin.parent().expect("target dir").join("examples").join(name);
     assert!(
         path.is_file(),
         "build the examples first (cargo test builds them): {}",
@@ -54,6 +58,36 @@ fn http(base: &str, method: &str, path: &str, token: Option<&str>, body: &[u8]) 
 
 async fn two_workers() -> TestCluster {
     TestCluster::start(&[("w1", "CPU=4"), ("w2", "CPU=4")]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pipeline_example_trains_and_scores_as_a_submitted_job() {
+    let cluster = two_workers().await;
+    let api = jobs(&cluster);
+    let entrypoint = format!("{} --steps 80", example("pipeline_job").display());
+    let id = api.submit(&submission(&entrypoint)).await.expect("submit");
+    let record = api.wait(&id, Duration::from_millis(200)).await.expect("wait");
+    let logs = api.logs(&id).await.expect("logs");
+    assert_eq!(record.status, JobStatus::Succeeded, "{record:?}\n{logs}");
+    for expected in [
+        "ZeRO-2 over 2 ranks",
+        "checkpoint at step 0: ",
+        "checkpoint at step 80: ",
+        "scoring with step-00000000: partitions 8/8",
+        "mean perplexity",
+    ] {
+        assert!(logs.contains(expected), "missing {expected:?} in:\n{logs}");
+    }
+    // Its ranks and scorers belonged to the job and are gone with it.
+    eventually("the job's actors are gone", Duration::from_secs(10), || async {
+        let status = cluster.client.status().await.ok()?;
+        status
+            .actors
+            .iter()
+            .all(|a| !matches!(a.view.state, ActorState::Alive))
+            .then_some(())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
