@@ -326,6 +326,36 @@ async fn sigkilled_worker_has_its_actors_restarted_elsewhere_and_rejoins() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_made_just_after_a_node_died_fails_once_the_head_declares_it_dead() {
+    let mut cluster = TestCluster::start(&[("w1", "CPU=2,pin:w1=1"), ("w2", "CPU=2")]).await;
+    let options = ActorOptions::new()
+        .resources(Resources::parse_request("pin:w1").expect("resources"))
+        .max_restarts(0);
+    let counter = cluster.client.spawn::<Counter>(0, options).await.expect("spawn");
+    counter.call(CounterOp::Get).await.expect("alive");
+    cluster.local.kill_worker(0).expect("kill w1");
+    // This process drops w1's actors at once; the head declares w1 dead only after its
+    // heartbeat timeout. A call made in between must not wait out its own long timeout.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let err = counter
+        .call_timeout(CounterOp::Get, Duration::from_secs(60))
+        .await
+        .err()
+        .expect("the actor is gone");
+    assert!(
+        matches!(err, Error::ActorDead { .. } | Error::CallFailed { .. }),
+        "{err:?} after {:?}",
+        started.elapsed()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn actors_call_and_cast_each_other_across_nodes_and_are_found_by_name() {
     let cluster = TestCluster::start(&[("w1", "CPU=2"), ("w2", "CPU=2")]).await;
     let a = cluster

@@ -276,6 +276,19 @@ async fn parquet_input_is_partitioned_by_row_group_and_scores_like_jsonl_and_lik
         "{errors}"
     );
 
+    // The same output with another layout or model would skip the wrong rows: refused.
+    let mut other = config(parquet.to_str().unwrap(), &model, &from_parquet_dir, 3);
+    other.partitions = 4;
+    let err = ScoreRun::new(handle.clone(), other)
+        .unwrap()
+        .run(|_| {})
+        .await
+        .unwrap_err();
+    assert!(
+        err.contains("holds the output of another run") && err.contains("6 partitions"),
+        "{err}"
+    );
+
     let from_jsonl_dir = dir.join("from-jsonl");
     run(&jsonl, &from_jsonl_dir).run(|_| {}).await.unwrap();
     let (a, b) = (outputs(&from_parquet_dir), outputs(&from_jsonl_dir));

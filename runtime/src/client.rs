@@ -390,46 +390,54 @@ impl<A: Actor> ActorHandle<A> {
             }
         }
         let group = node::actor_group(self.id);
-        let timeout = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1));
-        let view: ActorView = match self.cluster.actor_view(self.id, timeout).await {
-            Ok(view) => view,
-            Err(Error::Timeout { .. }) => {
-                return Err(Error::Timeout {
-                    what: format!("actor {} ({}) becoming ready", self.id, A::KIND),
-                    timeout,
-                })
-            }
-            Err(e) => return Err(e),
-        };
-        if view.kind != A::KIND {
-            return Err(Error::Rejected(format!(
-                "actor {} is of kind '{}', not '{}'",
-                self.id,
-                view.kind,
-                A::KIND
-            )));
-        }
-        if let ActorState::Dead { cause } = view.state {
-            return Err(Error::ActorDead {
-                actor: self.id,
-                kind: view.kind,
-                cause,
-            });
-        }
-        let remaining = deadline.saturating_duration_since(Instant::now());
-        match node::wait_member(self.cluster.scope(), &group, remaining).await {
-            Some(cell) => Ok(self.remember(cell)),
-            None => Err(Error::Timeout {
-                what: format!(
-                    "actor {} ({}) on node {:?} to become reachable",
+        loop {
+            let timeout = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            let view: ActorView = match self.cluster.actor_view(self.id, timeout).await {
+                Ok(view) => view,
+                Err(Error::Timeout { .. }) => {
+                    return Err(Error::Timeout {
+                        what: format!("actor {} ({}) becoming ready", self.id, A::KIND),
+                        timeout,
+                    })
+                }
+                Err(e) => return Err(e),
+            };
+            if view.kind != A::KIND {
+                return Err(Error::Rejected(format!(
+                    "actor {} is of kind '{}', not '{}'",
                     self.id,
-                    A::KIND,
-                    view.node
-                ),
-                timeout,
-            }),
+                    view.kind,
+                    A::KIND
+                )));
+            }
+            if let ActorState::Dead { cause } = view.state {
+                return Err(Error::ActorDead {
+                    actor: self.id,
+                    kind: view.kind,
+                    cause,
+                });
+            }
+            // The head says it is alive; wait for this process to see it, a little at a time:
+            // when its node has just died (this process already dropped the node's actors,
+            // the head has not yet declared it dead), the next look at the head says so,
+            // instead of this call waiting out its whole timeout.
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if let Some(cell) = node::wait_member(self.cluster.scope(), &group, remaining.min(REACH_RECHECK)).await {
+                return Ok(self.remember(cell));
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "actor {} ({}) on node {:?} to become reachable",
+                        self.id,
+                        A::KIND,
+                        view.node
+                    ),
+                    timeout,
+                });
+            }
         }
     }
 
@@ -440,6 +448,9 @@ impl<A: Actor> ActorHandle<A> {
         cell
     }
 }
+
+/// How long a call waits to see an actor the head calls alive before asking the head again.
+const REACH_RECHECK: Duration = Duration::from_secs(1);
 
 /// A driver's connection to a cluster: this process joins as a client node.
 pub struct Client {

@@ -169,6 +169,41 @@ pub struct ScoreManifest {
     pub errors_this_run: u64,
 }
 
+/// Where a run records its layout in its output, before any partition is written.
+const PLAN_FILE: &str = "_plan.json";
+
+/// What makes partition files of one run valid for another: the same input (and size),
+/// model and partition layout.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct OutputLayout {
+    input: String,
+    input_bytes: u64,
+    model: String,
+    partitions: Vec<Slice>,
+}
+
+impl OutputLayout {
+    /// What differs from `other`, in words; `None` when they match.
+    fn difference(&self, other: &Self) -> Option<String> {
+        if self.input != other.input || self.input_bytes != other.input_bytes {
+            Some(format!(
+                "input {} of {} bytes, not {} of {} bytes",
+                self.input, self.input_bytes, other.input, other.input_bytes
+            ))
+        } else if self.model != other.model {
+            Some(format!("model {}, not {}", self.model, other.model))
+        } else if self.partitions != other.partitions {
+            Some(format!(
+                "{} partitions laid out differently from these {}",
+                self.partitions.len(),
+                other.partitions.len()
+            ))
+        } else {
+            None
+        }
+    }
+}
+
 /// What the driver waits for.
 enum Event {
     /// A partition's call returned.
@@ -271,6 +306,46 @@ impl ScoreRun {
         }
     }
 
+    /// Makes sure the partition files already in `output` belong to this very run (same
+    /// input, size, model and partitions), so a rerun that skips them loses and repeats no
+    /// row; records the run's layout in `_plan.json` before any partition is written.
+    async fn claim_output(
+        &self,
+        output: &Place,
+        existing: &[String],
+        slices: &[(Slice, u64)],
+        size: u64,
+    ) -> Result<(), String> {
+        let layout = OutputLayout {
+            input: self.config.input.clone(),
+            input_bytes: size,
+            model: self.config.model.clone(),
+            partitions: slices.iter().map(|(slice, _)| slice.clone()).collect(),
+        };
+        match output.get_opt(PLAN_FILE).await? {
+            Some(bytes) => {
+                let earlier: OutputLayout = serde_json::from_slice(&bytes)
+                    .map_err(|e| format!("{}/{PLAN_FILE} is not a scoring plan: {e}", output.url()))?;
+                if let Some(difference) = earlier.difference(&layout) {
+                    return Err(format!(
+                        "{} holds the output of another run ({difference}); use a new output location, \
+                         or rerun with the same input, model and partitions to finish it",
+                        output.url()
+                    ));
+                }
+                Ok(())
+            }
+            None if existing.iter().any(|name| crate::plan::partition_of(name).is_some()) => Err(format!(
+                "{} already holds partition files but no {PLAN_FILE}; use an empty output location",
+                output.url()
+            )),
+            None => {
+                let body = serde_json::to_vec_pretty(&layout).map_err(|e| e.to_string())?;
+                output.put(PLAN_FILE, Bytes::from(body)).await
+            }
+        }
+    }
+
     /// Scores every partition not finished before; calls `on_progress` after each one.
     pub async fn run(&self, mut on_progress: impl FnMut(&Progress)) -> Result<Progress, String> {
         let started = Instant::now();
@@ -279,6 +354,7 @@ impl ScoreRun {
         let (slices, size) = plan_slices(&c.input, count).await?;
         let output = Place::dir(&c.output)?;
         let existing = output.list().await?;
+        self.claim_output(&output, &existing, &slices, size).await?;
         let mut plan = Plan::new(slices.len(), &existing, c.max_attempts);
         let mut progress = Progress {
             partitions_done: plan.done(),
@@ -449,4 +525,31 @@ async fn plan_slices(input: &str, count: usize) -> Result<(Vec<(Slice, u64)>, u6
         })
         .collect();
     Ok((slices, size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_output_belongs_to_one_input_model_and_layout() {
+        let layout = |input: &str, bytes: u64, model: &str, parts: u64| OutputLayout {
+            input: input.into(),
+            input_bytes: bytes,
+            model: model.into(),
+            partitions: (0..parts).map(|p| Slice::Bytes { start: p, end: p + 1 }).collect(),
+        };
+        let run = layout("/d/rows.jsonl", 4, "/ckpt", 4);
+        assert_eq!(run.difference(&run.clone()), None);
+        let grown = run.difference(&layout("/d/rows.jsonl", 5, "/ckpt", 4)).unwrap();
+        assert!(grown.contains("of 4 bytes, not /d/rows.jsonl of 5 bytes"), "{grown}");
+        assert!(run
+            .difference(&layout("/d/rows.jsonl", 4, "/other", 4))
+            .unwrap()
+            .contains("model"));
+        assert!(run
+            .difference(&layout("/d/rows.jsonl", 4, "/ckpt", 3))
+            .unwrap()
+            .contains("4 partitions laid out differently from these 3"));
+    }
 }
