@@ -157,15 +157,17 @@ async fn a_sigkilled_worker_loses_no_row_and_a_restarted_driver_skips_finished_p
     let killed_dir = dir.join("killed");
     let mut killed = false;
     let local = &mut cluster.local;
-    let done = ScoreRun::new(handle.clone(), config(&input, &model, &killed_dir, 3))
-        .unwrap()
-        .run(|progress| {
-            if !killed && progress.partitions_done >= 8 {
-                local.kill_worker(1).unwrap();
-                killed = true;
-            }
-        })
+    let run = ScoreRun::new(handle.clone(), config(&input, &model, &killed_dir, 3)).unwrap();
+    let scoring = run.run(|progress| {
+        if !killed && progress.partitions_done >= 8 {
+            local.kill_worker(1).unwrap();
+            killed = true;
+        }
+    });
+    // The run takes about 20 s here; a hang must fail the test, not stall the suite.
+    let done = tokio::time::timeout(Duration::from_secs(600), scoring)
         .await
+        .expect("the run finishes within 10 minutes")
         .expect("the run finishes without w2");
     assert!(killed);
     assert!(
