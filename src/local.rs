@@ -137,19 +137,12 @@ impl LocalCluster {
     pub fn start(options: LocalOptions) -> anyhow::Result<Self> {
         std::fs::create_dir_all(&options.log_dir)
             .with_context(|| format!("cannot create {}", options.log_dir.display()))?;
-        let [port, job_port, metrics_port] = free_ports()?;
         let token = options
             .token
             .clone()
             .unwrap_or_else(|| format!("local-{}-{}", std::process::id(), unique()));
+        let (head, [port, job_port, metrics_port]) = start_head(&options, &token)?;
         let address = format!("127.0.0.1:{port}");
-        let head = spawn(
-            &options.binary,
-            &options.log_dir.join("head.log"),
-            &head_args(&options, [port, job_port, metrics_port]),
-            &token,
-            &[],
-        )?;
         let mut cluster = Self {
             head,
             workers: Vec::new(),
@@ -384,6 +377,39 @@ fn spawn(binary: &Path, log: &Path, args: &[String], token: &str, env: &[(String
         .stderr(err)
         .spawn()
         .with_context(|| format!("cannot start {}", binary.display()))
+}
+
+/// Starts the head on three free ports and waits until it is up (it logs `head is up` once
+/// its cluster port is open). A port is free when chosen but may be taken before the head
+/// binds it (another cluster starting beside this one): the head then exits with "Address
+/// already in use" and is started again on other ports, up to five times.
+fn start_head(options: &LocalOptions, token: &str) -> anyhow::Result<(Child, [u16; 3])> {
+    let log = options.log_dir.join("head.log");
+    let mut last = String::new();
+    for _ in 0..5 {
+        let ports = free_ports()?;
+        let mut head = spawn(&options.binary, &log, &head_args(options, ports), token, &[])?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.contains("head is up") {
+                return Ok((head, ports));
+            }
+            if let Some(status) = head.try_wait().context("cannot wait for the head")? {
+                if !text.contains("Address already in use") {
+                    bail!("the local head exited ({status}):\n{text}");
+                }
+                last = text;
+                break;
+            }
+            if Instant::now() >= deadline {
+                // Slow, not failed: the caller's connect reports what happens next.
+                return Ok((head, ports));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    bail!("the local head found no free ports in five tries; last log:\n{last}")
 }
 
 /// Three distinct free TCP ports for the head, chosen below Linux's ephemeral range
