@@ -150,6 +150,14 @@ fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: Agen
                 stop_host(state, &cell);
             }
         }
+        AgentRequest::Announce(actor) => {
+            // Re-joining sends the membership to every connected peer again (ractor's pg
+            // notifies joins of existing members too), healing a peer's mirror that missed it.
+            if let Some((cell, _)) = state.hosts.get(&actor) {
+                tracing::info!(%actor, "advertising the actor again: a peer could not see it");
+                node::join_group(state.cluster.scope(), &node::actor_group(actor), cell.clone());
+            }
+        }
     }
 }
 

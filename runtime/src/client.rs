@@ -427,6 +427,13 @@ impl<A: Actor> ActorHandle<A> {
             if let Some(cell) = node::wait_member(self.cluster.scope(), &group, remaining.min(REACH_RECHECK)).await {
                 return Ok(self.remember(cell));
             }
+            // Still not visible here although the head calls it alive: this process's
+            // mirror may have missed its membership (seen under load); have its agent
+            // advertise it again.
+            let _ = self
+                .cluster
+                .ask_head::<()>(&HeadRequest::Announce(self.id), Duration::from_secs(1))
+                .await;
             if Instant::now() >= deadline {
                 return Err(Error::Timeout {
                     what: format!(

@@ -18,7 +18,7 @@ use crate::job_manager::{JobConfig, JobManager};
 use crate::metrics::{SdTarget, TargetSource};
 use crate::node::{self, LocalNode, SessionEvent};
 use crate::objects::{objects_group, ObjectConfig, ObjectService};
-use crate::protocol::{ActorId, ActorState, AgentRequest, Failure, GroupId, HeadRequest, ObjectCommand};
+use crate::protocol::{ActorId, ActorState, ActorView, AgentRequest, Failure, GroupId, HeadRequest, ObjectCommand};
 use crate::scheduler::{Effect, Scheduler};
 use crate::wire::{self, LocalSignal, Wire};
 
@@ -352,6 +352,17 @@ fn handle_request(state: &mut HeadState, request: HeadRequest, port: Option<RpcR
             }
             Vec::new()
         }
+        HeadRequest::Announce(id) => {
+            send(port, wire::encode(&Ok::<(), Failure>(())));
+            match state.scheduler.actor_view(id) {
+                Some(ActorView {
+                    state: ActorState::Alive,
+                    node: Some(node),
+                    ..
+                }) => vec![Effect::Announce { node, actor: id }],
+                _ => Vec::new(),
+            }
+        }
         HeadRequest::Named(name) => {
             send(port, wire::encode(&Ok::<_, Failure>(state.scheduler.named(&name))));
             Vec::new()
@@ -526,6 +537,7 @@ fn carry_out(head: &ActorRef<Wire>, scope: &str, effect: Effect) {
     let (node, request, start) = match effect {
         Effect::Start(start) => (start.node.clone(), AgentRequest::Start(start.clone()), Some(start)),
         Effect::Stop { node, actor } => (node, AgentRequest::Stop(actor), None),
+        Effect::Announce { node, actor } => (node, AgentRequest::Announce(actor), None),
     };
     let Some(agent) = node::first_member(scope, &node::agent_group(&node)) else {
         if let Some(start) = start {

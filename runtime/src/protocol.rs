@@ -228,6 +228,9 @@ pub enum HeadRequest {
         /// Why it stopped.
         cause: String,
     },
+    /// From a process that cannot see a live actor in its process-group mirror: have the
+    /// actor's agent advertise it again: replies `()`.
+    Announce(ActorId),
 }
 
 impl HeadRequest {
@@ -255,6 +258,7 @@ impl HeadRequest {
             Self::HolderGone(_) => "holder-gone",
             Self::EndJob(_) => "end-job",
             Self::Exited { .. } => "exited",
+            Self::Announce(_) => "announce",
         }
     }
 }
@@ -324,6 +328,8 @@ pub enum AgentRequest {
     Start(StartActor),
     /// Stop an actor: replies `()`.
     Stop(ActorId),
+    /// Advertise a hosted actor to every peer again (re-join its process group): `()`.
+    Announce(ActorId),
 }
 
 /// The head's order to construct one actor on one node.

@@ -25,6 +25,13 @@ pub enum Effect {
         /// The actor.
         actor: ActorId,
     },
+    /// Advertise an actor there again (see [`crate::protocol::HeadRequest::Announce`]).
+    Announce {
+        /// The node.
+        node: String,
+        /// The actor.
+        actor: ActorId,
+    },
 }
 
 struct NodeRecord {
