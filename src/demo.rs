@@ -29,7 +29,8 @@ pub struct DemoArgs {
     /// Scorer actors.
     #[arg(long, default_value_t = 2)]
     pub scorers: usize,
-    /// Where the data, checkpoints and scores go (emptied first); default: a folder in the
+    /// Where the data, checkpoints and scores go (a new or empty folder, or one an earlier
+    /// run made, which is emptied); default: a folder in the
     /// system's temporary directory named after this process.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,

@@ -19,7 +19,8 @@ pub const EVAL_SET: &str = include_str!("../data/eval.jsonl");
 /// What the pipeline runs.
 #[derive(Clone, Debug)]
 pub struct PipelineOptions {
-    /// Where the data, checkpoints and scores go (emptied first).
+    /// Where the data, checkpoints and scores go (a new or empty folder, or one an earlier run made:
+    /// emptied first; any other folder is refused).
     pub dir: PathBuf,
     /// Optimizer steps.
     pub steps: u64,
@@ -57,10 +58,7 @@ pub async fn train_then_score(
     mut say: impl FnMut(String),
 ) -> anyhow::Result<PipelineReport> {
     let dir = &options.dir;
-    if dir.exists() {
-        std::fs::remove_dir_all(dir).with_context(|| format!("cannot empty {}", dir.display()))?;
-    }
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    prepare_dir(dir)?;
     let corpus = dir.join("corpus.txt");
     let eval = dir.join("eval.jsonl");
     std::fs::write(&corpus, CORPUS).with_context(|| format!("cannot write {}", corpus.display()))?;
@@ -109,6 +107,30 @@ pub async fn train_then_score(
         checkpoints,
         scores,
     })
+}
+
+/// Marks a folder the pipeline made, so a later run may empty it.
+const MARKER: &str = ".regatta-pipeline";
+
+/// Makes `dir` an empty folder of the pipeline's own: a folder from an earlier run (it has
+/// the marker) is emptied; any other non-empty folder is refused, never deleted.
+fn prepare_dir(dir: &Path) -> anyhow::Result<()> {
+    let has_entries = std::fs::read_dir(dir).map(|mut d| d.next().is_some()).unwrap_or(false);
+    if has_entries {
+        if !dir.join(MARKER).is_file() {
+            bail!(
+                "{} is not empty and was not made by an earlier run: choose a new or empty folder",
+                dir.display()
+            );
+        }
+        std::fs::remove_dir_all(dir).with_context(|| format!("cannot empty {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    std::fs::write(
+        dir.join(MARKER),
+        "made by regatta's train-then-score pipeline; emptied by the next run\n",
+    )
+    .with_context(|| format!("cannot write in {}", dir.display()))
 }
 
 /// Scores the evaluation set with one checkpoint; returns rows, malformed rows and the
@@ -161,4 +183,28 @@ async fn score(
         bail!("no row of the evaluation set could be scored");
     }
     Ok((done.rows, done.errors, sum / count as f64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_pipelines_own_folders_are_emptied() {
+        let root = std::env::temp_dir().join(format!("regatta-pipeline-dir-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let mine = root.join("mine");
+        prepare_dir(&mine).unwrap();
+        std::fs::write(mine.join("scores.txt"), "old").unwrap();
+        prepare_dir(&mine).unwrap();
+        assert!(!mine.join("scores.txt").exists(), "an earlier run's folder is emptied");
+        let theirs = root.join("theirs");
+        std::fs::create_dir_all(&theirs).unwrap();
+        std::fs::write(theirs.join("thesis.tex"), "precious").unwrap();
+        let err = prepare_dir(&theirs).unwrap_err().to_string();
+        assert!(err.contains("not made by an earlier run"), "{err}");
+        assert!(theirs.join("thesis.tex").exists(), "a user's folder is never deleted");
+        prepare_dir(&root.join("empty")).unwrap();
+        let _ = std::fs::remove_dir_all(&root);
+    }
 }
