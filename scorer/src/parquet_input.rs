@@ -4,13 +4,16 @@
 //! ranged reads of any object_store location. The slicing arithmetic is pure.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use bytes::{Buf, Bytes};
 use parquet::basic::Compression;
 use parquet::data_type::{ByteArray, ByteArrayType};
 use parquet::errors::ParquetError;
-use parquet::file::properties::WriterProperties;
-use parquet::file::reader::{ChunkReader, FileReader, Length, SerializedFileReader};
+use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataReader};
+use parquet::file::properties::{ReaderProperties, WriterProperties};
+use parquet::file::reader::{ChunkReader, Length, RowGroupReader};
+use parquet::file::serialized_reader::SerializedRowGroupReader;
 use parquet::file::writer::SerializedFileWriter;
 use parquet::record::Field;
 use parquet::schema::parser::parse_message_type;
@@ -105,13 +108,14 @@ impl ChunkReader for Pieces {
     }
 }
 
-/// A Parquet input opened through its footer: the row groups' sizes and, once a slice's
-/// row group is fetched, its rows.
+/// A Parquet input opened through its footer (parsed once): the row groups' sizes and,
+/// once a slice's row group is fetched, its rows.
 pub struct ParquetInput {
     place: Place,
     name: String,
     url: String,
-    pieces: Pieces,
+    size: u64,
+    metadata: ParquetMetaData,
     group_rows: Vec<u64>,
     id_column: usize,
     text_column: usize,
@@ -145,10 +149,11 @@ impl ParquetInput {
         }
         let pieces = Pieces {
             size,
-            pieces: vec![(tail_offset, tail.clone())],
+            pieces: vec![(tail_offset, tail)],
         };
-        let reader = SerializedFileReader::new(pieces).map_err(|e| not_parquet(e.to_string()))?;
-        let metadata = reader.metadata();
+        let metadata = ParquetMetaDataReader::new()
+            .parse_and_finish(&pieces)
+            .map_err(|e| not_parquet(e.to_string()))?;
         let columns: Vec<String> = metadata
             .file_metadata()
             .schema_descr()
@@ -174,10 +179,8 @@ impl ParquetInput {
             place,
             name,
             url: input.to_string(),
-            pieces: Pieces {
-                size,
-                pieces: vec![(tail_offset, tail)],
-            },
+            size,
+            metadata,
             group_rows,
             id_column,
             text_column,
@@ -196,7 +199,7 @@ impl ParquetInput {
 
     /// The file's size in bytes.
     pub fn size(&self) -> u64 {
-        self.pieces.size
+        self.size
     }
 
     /// The rows of `slice`, each with its row number in the file, and the rows that cannot
@@ -210,46 +213,36 @@ impl ParquetInput {
                 slice.group + 1
             )
         })?;
-        let footer = SerializedFileReader::new(Pieces {
-            size: self.pieces.size,
-            pieces: self.pieces.pieces.clone(),
-        })
-        .map_err(|e| format!("{}: {e}", self.url))?;
-        let group = footer.metadata().row_group(slice.group);
-        let mut span: Option<Range<u64>> = None;
-        for column in [self.id_column, self.text_column] {
+        let group = self.metadata.row_group(slice.group);
+        let column_range = |column: usize| {
             let (start, len) = group.column(column).byte_range();
-            let range = start..start + len;
-            span = Some(match span {
-                None => range,
-                Some(s) => s.start.min(range.start)..s.end.max(range.end),
-            });
-        }
-        let span = span.expect("two columns give a byte span");
-        if span.end > self.pieces.size {
+            start..start.saturating_add(len)
+        };
+        let (id, text) = (column_range(self.id_column), column_range(self.text_column));
+        let span = id.start.min(text.start)..id.end.max(text.end);
+        if span.end > self.size {
             return Err(format!(
                 "{}: row group {} runs past the end of the file",
                 self.url, slice.group
             ));
         }
         let data = self.place.get_range(&self.name, span.clone()).await?;
-        let mut pieces = self.pieces.pieces.clone();
-        pieces.push((span.start, data));
-        let reader = SerializedFileReader::new(Pieces {
-            size: self.pieces.size,
-            pieces,
-        })
-        .map_err(|e| format!("{}: {e}", self.url))?;
+        let pieces = Pieces {
+            size: self.size,
+            pieces: vec![(span.start, data)],
+        };
+        let in_group = |e: ParquetError| format!("{}: row group {}: {e}", self.url, slice.group);
+        let reader = SerializedRowGroupReader::new(
+            Arc::new(pieces),
+            group,
+            None,
+            Arc::new(ReaderProperties::builder().build()),
+        )
+        .map_err(in_group)?;
+        let iter = reader.get_row_iter(Some(self.projection()?)).map_err(in_group)?;
         let first_row: u64 = self.group_rows[..slice.group].iter().sum();
         let take = slice.rows.end.min(rows_in_group).saturating_sub(slice.rows.start);
         let (mut rows, mut errors) = (Vec::new(), Vec::new());
-        let group_reader = reader
-            .get_row_group(slice.group)
-            .map_err(|e| format!("{}: row group {}: {e}", self.url, slice.group))?;
-        let projection = self.projection(&reader)?;
-        let iter = group_reader
-            .get_row_iter(Some(projection))
-            .map_err(|e| format!("{}: row group {}: {e}", self.url, slice.group))?;
         for (i, row) in iter.skip(slice.rows.start as usize).take(take as usize).enumerate() {
             let number = first_row + slice.rows.start + i as u64;
             let row = row.map_err(|e| format!("{}: row {number}: {e}", self.url))?;
@@ -266,8 +259,8 @@ impl ParquetInput {
     }
 
     /// The schema of just the `id` and `text` columns, in that order.
-    fn projection(&self, reader: &SerializedFileReader<Pieces>) -> Result<parquet::schema::types::Type, String> {
-        let schema = reader.metadata().file_metadata().schema_descr();
+    fn projection(&self) -> Result<parquet::schema::types::Type, String> {
+        let schema = self.metadata.file_metadata().schema_descr();
         let fields = [self.id_column, self.text_column]
             .iter()
             .map(|c| schema.get_column_root_ptr(*c))
