@@ -36,7 +36,7 @@ async fn run() -> anyhow::Result<()> {
     let mut config = TrainConfig::default(); // the built-in GPT: 2 layers, width 64, context 64
     config.data.path = corpus.to_string_lossy().into_owned();
     config.world_size = 2;
-    config.zero_stage = 2;
+    config.zero_stage = regatta_trainer::ZeroStage::Two;
     config.steps = 60;
     config.checkpoint.dir = dir.join("checkpoints").to_string_lossy().into_owned();
     config.checkpoint.interval = 30;

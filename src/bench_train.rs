@@ -19,8 +19,8 @@ fn config(world: usize, quick: bool) -> TrainConfig {
         config.data.path = path;
     }
     config.world_size = world;
-    config.zero_stage = 2;
-    config.batch_size = 4 * world;
+    config.zero_stage = regatta_trainer::ZeroStage::Two;
+    config.micro_batch_size = 4;
     config.steps = if quick { 6 } else { 40 };
     if !quick {
         config.model.layers = 4;

@@ -68,9 +68,9 @@ pub async fn train_then_score(
     let mut config = TrainConfig::default();
     config.data.path = corpus.to_string_lossy().into_owned();
     config.world_size = options.world_size;
-    config.zero_stage = 2;
+    config.zero_stage = regatta_trainer::ZeroStage::Two;
     config.steps = options.steps;
-    config.batch_size = 8 * options.world_size.max(1);
+    config.micro_batch_size = 8;
     config.checkpoint.dir = checkpoints.to_string_lossy().into_owned();
     config.checkpoint.interval = options.steps.max(1);
     config.checkpoint.initial = true;

@@ -23,14 +23,20 @@ pub struct TrainArgs {
     #[arg(long)]
     pub world_size: Option<usize>,
     /// ZeRO stage: 1, 2 or 3.
+    #[arg(long, value_parser = parse_stage)]
+    pub zero_stage: Option<regatta_trainer::ZeroStage>,
+    /// A Hugging Face model folder (local or s3://...) to fine-tune.
     #[arg(long)]
-    pub zero_stage: Option<u8>,
+    pub model: Option<String>,
     /// Optimizer steps.
     #[arg(long)]
     pub steps: Option<u64>,
-    /// Sequences per step over all ranks.
+    /// Sequences per rank and micro-batch.
     #[arg(long)]
-    pub batch_size: Option<usize>,
+    pub micro_batch_size: Option<usize>,
+    /// Micro-batches per optimizer step (global batch = micro-batch x this x world size).
+    #[arg(long)]
+    pub gradient_accumulation: Option<usize>,
     /// The token dataset (a text file: a path, file:// or s3:// URL).
     #[arg(long)]
     pub data: Option<String>,
@@ -59,6 +65,13 @@ pub struct TrainArgs {
     pub json: bool,
 }
 
+fn parse_stage(text: &str) -> Result<regatta_trainer::ZeroStage, String> {
+    let number: u8 = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not a ZeRO stage; use 1, 2 or 3"))?;
+    regatta_trainer::ZeroStage::try_from(number)
+}
+
 impl TrainArgs {
     /// The configuration: the file (or the defaults), then the flags.
     pub fn config(&self) -> anyhow::Result<TrainConfig> {
@@ -78,8 +91,14 @@ impl TrainArgs {
         if let Some(v) = self.steps {
             config.steps = v;
         }
-        if let Some(v) = self.batch_size {
-            config.batch_size = v;
+        if let Some(v) = self.micro_batch_size {
+            config.micro_batch_size = v;
+        }
+        if let Some(v) = self.gradient_accumulation {
+            config.gradient_accumulation = v;
+        }
+        if let Some(v) = &self.model {
+            config.model.path = v.clone();
         }
         if let Some(v) = &self.data {
             config.data.path = v.clone();

@@ -185,6 +185,15 @@ async fn a_killed_holder_loses_memory_only_objects_but_spilled_copies_still_serv
     put(&a, 16 * MIB, 3).await;
     let (memory_only, _) = put(&a, 1024, 4).await;
     assert!(stats(&a).await.spills >= 1);
+    // A put registers with the head asynchronously: kill the holder only once the head
+    // knows where both objects are, or a registration still in w1's send queue dies with
+    // it and the object reads as never put (seen in CI under load).
+    let (ready, _) = cluster
+        .client
+        .wait(&[spilled.clone(), memory_only.clone()], 2, Duration::from_secs(30))
+        .await
+        .expect("wait for registration");
+    assert_eq!(ready.len(), 2, "the head learned of both objects");
     cluster.local.kill_worker(0).expect("kill w1");
     cluster.wait_node_state("w1", "dead", Duration::from_secs(10)).await;
     let b = store_on(&cluster, "w2").await;

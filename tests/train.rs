@@ -34,7 +34,8 @@ fn corpus() -> String {
 /// A model whose parameter count divides by neither 2 nor 3.
 const SMALL: &str = r#"
 steps = 5
-batch_size = 6
+micro_batch_size = 1
+gradient_accumulation = 2
 [model]
 layers = 2
 width = 25
@@ -45,6 +46,20 @@ context = 17
 fn write_config(dir: &Path, text: &str) -> PathBuf {
     let path = dir.join("train.toml");
     std::fs::write(&path, format!("{text}\n[data]\npath = \"{}\"\n", corpus())).unwrap();
+    path
+}
+
+/// The Qwen2 fixture made by transformers (tied embeddings, q/k/v biases) with its
+/// 512-token tokenizer; clipping acts on every step.
+fn qwen2_config(dir: &Path) -> PathBuf {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let path = dir.join("qwen2.toml");
+    let text = format!(
+        "steps = 3\nmicro_batch_size = 1\ngradient_accumulation = 2\n[model]\npath = \"{root}/torch/tests/fixtures/qwen2\"\ncontext = 16\n\
+         [optimizer]\nmax_grad_norm = 0.5\n[data]\npath = \"{}\"\ntokenizer = \"{root}/data/tokenizer.json\"\n",
+        corpus()
+    );
+    std::fs::write(&path, text).unwrap();
     path
 }
 
@@ -109,71 +124,74 @@ fn run_json(args: &[&str]) -> serde_json::Value {
 fn zero_stages_over_worker_processes_match_single_process_adamw() {
     let bins = bin_dir();
     let dir = temp_dir("train-zero");
-    let config = write_config(&dir, SMALL);
-    let config_arg = config.to_str().unwrap();
-    for world in [2usize, 3] {
-        let reference = dir.join(format!("reference-{world}.safetensors"));
-        let ref_losses = reference_run(&bins, &config, world, &reference);
-        assert_eq!(ref_losses.len(), 5);
-        let ref_weights = read_weights(&reference);
-        let params: usize = ref_weights.values().map(|(_, v)| v.len()).sum();
-        assert!(
-            !params.is_multiple_of(2) && !params.is_multiple_of(3),
-            "{params} parameters must not divide by the world"
-        );
-        let full = (params * 4) as f64;
-        for stage in 1..=3u8 {
-            let ckpt = dir.join(format!("ckpt-{world}-{stage}"));
-            let summary = run_json(&[
-                "train",
-                "--config",
-                config_arg,
-                "--world-size",
-                &world.to_string(),
-                "--zero-stage",
-                &stage.to_string(),
-                "--checkpoint-dir",
-                ckpt.to_str().unwrap(),
-                "--json",
-            ]);
-            let losses: Vec<f64> = serde_json::from_value(summary["losses"].clone()).unwrap();
-            assert_eq!(losses.len(), ref_losses.len());
-            for (step, (a, b)) in losses.iter().zip(&ref_losses).enumerate() {
+    let gpt = write_config(&dir, SMALL);
+    let qwen2 = qwen2_config(&dir);
+    for (model, config, steps) in [("gpt", &gpt, 5u64), ("qwen2", &qwen2, 3)] {
+        let config_arg = config.to_str().unwrap();
+        for world in [2usize, 3] {
+            let reference = dir.join(format!("reference-{model}-{world}.safetensors"));
+            let ref_losses = reference_run(&bins, config, world, &reference);
+            assert_eq!(ref_losses.len() as u64, steps);
+            let ref_weights = read_weights(&reference);
+            let params: usize = ref_weights.values().map(|(_, v)| v.len()).sum();
+            assert!(
+                model != "gpt" || (!params.is_multiple_of(2) && !params.is_multiple_of(3)),
+                "{params} parameters must not divide by the world"
+            );
+            let full = (params * 4) as f64;
+            for stage in 1..=3u8 {
+                let ckpt = dir.join(format!("ckpt-{model}-{world}-{stage}"));
+                let summary = run_json(&[
+                    "train",
+                    "--config",
+                    config_arg,
+                    "--world-size",
+                    &world.to_string(),
+                    "--zero-stage",
+                    &stage.to_string(),
+                    "--checkpoint-dir",
+                    ckpt.to_str().unwrap(),
+                    "--json",
+                ]);
+                let losses: Vec<f64> = serde_json::from_value(summary["losses"].clone()).unwrap();
+                assert_eq!(losses.len(), ref_losses.len());
+                for (step, (a, b)) in losses.iter().zip(&ref_losses).enumerate() {
+                    assert!(
+                        (a - b).abs() < 1e-5,
+                        "world {world} stage {stage} step {}: {a} vs {b}",
+                        step + 1
+                    );
+                }
+                let weights = read_weights(&ckpt.join(format!("step-{steps:08}/model.safetensors")));
+                assert_eq!(weights.len(), ref_weights.len());
+                let mut worst = 0f32;
+                for (name, (shape, values)) in &weights {
+                    let (ref_shape, ref_values) = &ref_weights[name];
+                    assert_eq!(shape, ref_shape, "{name}");
+                    for (a, b) in values.iter().zip(ref_values) {
+                        worst = worst.max((a - b).abs());
+                    }
+                }
                 assert!(
-                    (a - b).abs() < 1e-5,
-                    "world {world} stage {stage} step {}: {a} vs {b}",
-                    step + 1
+                    worst < 1e-5,
+                    "world {world} stage {stage}: parameters differ by up to {worst}"
+                );
+                // What rank 0 actually held, against the full amounts.
+                let last = &summary["last"];
+                let share = |key: &str| last[key].as_f64().unwrap() * world as f64 / full;
+                // Master weights and two moments: 3x the parameters, split (plus padding).
+                assert!((share("optimizer_bytes") / 3.0 - 1.0).abs() < 0.01, "{last}");
+                let expect_grads = if stage == 1 { world as f64 } else { 1.0 };
+                let expect_params = if stage == 3 { 1.0 } else { world as f64 };
+                assert!(
+                    (share("grad_bytes") / expect_grads - 1.0).abs() < 0.01,
+                    "stage {stage}: {last}"
+                );
+                assert!(
+                    (share("param_bytes") / expect_params - 1.0).abs() < 0.01,
+                    "stage {stage}: {last}"
                 );
             }
-            let weights = read_weights(&ckpt.join("step-00000005/model.safetensors"));
-            assert_eq!(weights.len(), ref_weights.len());
-            let mut worst = 0f32;
-            for (name, (shape, values)) in &weights {
-                let (ref_shape, ref_values) = &ref_weights[name];
-                assert_eq!(shape, ref_shape, "{name}");
-                for (a, b) in values.iter().zip(ref_values) {
-                    worst = worst.max((a - b).abs());
-                }
-            }
-            assert!(
-                worst < 1e-5,
-                "world {world} stage {stage}: parameters differ by up to {worst}"
-            );
-            // What rank 0 actually held, against the full amounts.
-            let last = &summary["last"];
-            let share = |key: &str| last[key].as_f64().unwrap() * world as f64 / full;
-            // Master weights and two moments: 3x the parameters, split (plus padding).
-            assert!((share("optimizer_bytes") / 3.0 - 1.0).abs() < 0.01, "{last}");
-            let expect_grads = if stage == 1 { world as f64 } else { 1.0 };
-            let expect_params = if stage == 3 { 1.0 } else { world as f64 };
-            assert!(
-                (share("grad_bytes") / expect_grads - 1.0).abs() < 0.01,
-                "stage {stage}: {last}"
-            );
-            assert!(
-                (share("param_bytes") / expect_params - 1.0).abs() < 0.01,
-                "stage {stage}: {last}"
-            );
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -285,9 +303,9 @@ fn recovery_config(checkpoints: &Path) -> TrainConfig {
     let mut config = TrainConfig::default();
     config.data.path = corpus();
     config.world_size = 2;
-    config.zero_stage = 2;
+    config.zero_stage = regatta_trainer::ZeroStage::Two;
     config.steps = 150;
-    config.batch_size = 4;
+    config.micro_batch_size = 2;
     config.checkpoint.dir = checkpoints.to_string_lossy().into_owned();
     config.checkpoint.interval = 10;
     config.max_failures = 2;
@@ -438,10 +456,14 @@ fn bad_configs_and_missing_data_fail_fast_with_the_cause() {
             vec!["--config".into(), typo.to_string_lossy().into()],
             "unknown field `zero_stag`",
         ),
-        (vec!["--zero-stage".into(), "4".into()], "zero_stage must be 1, 2 or 3"),
+        (vec!["--zero-stage".into(), "4".into()], "ZeRO stage 4 does not exist"),
         (
-            vec!["--world-size".into(), "3".into(), "--batch-size".into(), "4".into()],
-            "must be a positive multiple of world_size",
+            vec!["--micro-batch-size".into(), "0".into()],
+            "micro_batch_size must be 1..=4096",
+        ),
+        (
+            vec!["--model".into(), missing.to_string_lossy().into()],
+            "has no config.json",
         ),
         (
             vec![

@@ -28,8 +28,9 @@ pub struct ScoreConfig {
     /// The input (path or URL): JSONL, one `{"id": ..., "text": ...}` per line, or a
     /// Parquet file (name ending in `.parquet`) with `id` and `text` columns.
     pub input: String,
-    /// A trainer checkpoint directory (its newest step is used) or one step's directory,
-    /// or a TorchScript file (`.pt`, `.ts`, `.torchscript`) mapping token ids
+    /// A Hugging Face model folder (Llama, Mistral, Qwen2; local or by URL), a trainer
+    /// checkpoint directory (its newest step is used) or one step's directory, or a
+    /// TorchScript file (`.pt`, `.ts`, `.torchscript`) mapping token ids
     /// `[batch, time]` to logits `[batch, time, vocab]`.
     pub model: String,
     /// Longest token sequence a TorchScript model takes (required for one; a checkpoint

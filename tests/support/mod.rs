@@ -9,8 +9,10 @@ use std::time::{Duration, Instant};
 use regatta::local::{LocalCluster, LocalOptions, WorkerSpec};
 use regatta::Client;
 
-/// Heartbeat timeout the tests run with, so node loss is seen quickly.
-pub const HEARTBEAT_TIMEOUT_MS: u64 = 1_000;
+/// Heartbeat timeout the tests run with, so node loss is seen quickly. Four heartbeat
+/// intervals (500 ms): at two, one late heartbeat on a busy 2-core machine (a 2 GiB object
+/// moving between workers) declared a live worker dead in a clean-clone CI run.
+pub const HEARTBEAT_TIMEOUT_MS: u64 = 2_000;
 
 /// A cluster under test plus a connected client. Its processes' logs are removed when a
 /// test passes and kept (and named in the failure) when it fails.

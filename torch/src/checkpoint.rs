@@ -1,16 +1,22 @@
-//! Checkpoints through `object_store`: a directory per step holding each rank's optimizer
-//! slice (`optim-rank-R-of-N.safetensors`), the consolidated weights (`model.safetensors`,
-//! loadable by PyTorch's `safetensors.torch.load_file`) and `manifest.json`; then `latest`
-//! names the directory. Every rank writes its slice before a barrier, and rank 0 writes the
-//! manifest and `latest` after it, so `latest` only ever names a complete checkpoint.
+//! Checkpoints through `object_store`: a directory per step that is a Hugging Face model
+//! folder (`config.json`, weights in `model.safetensors` or shards with
+//! `model.safetensors.index.json`, the tokenizer files), plus each rank's optimizer slice
+//! (`optim-rank-R-of-N.safetensors`) and `manifest.json`; then `latest` names the
+//! directory. Weight shards hold whole blocks; shard i is written by rank i mod N, which
+//! gathers its blocks one at a time, so no rank ever holds the whole model (ZeRO-3
+//! included). Every rank writes before a barrier, and rank 0 writes the manifest and
+//! `latest` after it, so `latest` only ever names a complete checkpoint.
 
 use bytes::Bytes;
-use regatta_trainer::config::ModelConfig;
+use regatta_trainer::config::{DataConfig, ModelConfig};
+use regatta_trainer::ZeroStage;
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 use tokio::runtime::Runtime;
 
 use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::hf::{encode_safetensors, HfModel, ShardPlan, INDEX};
 use regatta_object_store::Place;
 
 /// What a checkpoint holds, besides the tensors.
@@ -21,7 +27,7 @@ pub struct Manifest {
     /// Ranks that wrote it.
     pub world: usize,
     /// ZeRO stage.
-    pub zero_stage: u8,
+    pub zero_stage: ZeroStage,
     /// Model shape.
     pub model: ModelConfig,
     /// Vocabulary.
@@ -35,6 +41,46 @@ pub struct Manifest {
     pub positions: Vec<u64>,
     /// Files, relative to the step directory.
     pub files: Vec<String>,
+    /// The dataset the positions index into.
+    pub data: DataConfig,
+    /// Sequences per rank and micro-batch.
+    pub micro_batch_size: usize,
+    /// Micro-batches per step.
+    pub gradient_accumulation: usize,
+}
+
+impl Manifest {
+    /// Why resuming this checkpoint with `config` would skip or repeat data or fail, if it
+    /// would.
+    pub fn resume_conflict(&self, config: &regatta_trainer::TrainConfig, vocab: usize) -> Option<String> {
+        fn differs<T: PartialEq + std::fmt::Debug>(
+            what: &'static str,
+            then: &T,
+            now: &T,
+        ) -> Option<(&'static str, String, String)> {
+            (then != now).then(|| (what, format!("{then:?}"), format!("{now:?}")))
+        }
+        differs("world_size", &self.world, &config.world_size)
+            .or_else(|| differs("zero_stage", &u8::from(self.zero_stage), &u8::from(config.zero_stage)))
+            .or_else(|| differs("model", &self.model, &config.model))
+            .or_else(|| differs("the vocabulary", &self.vocab, &vocab))
+            .or_else(|| differs("data", &self.data, &config.data))
+            .or_else(|| differs("micro_batch_size", &self.micro_batch_size, &config.micro_batch_size))
+            .or_else(|| {
+                differs(
+                    "gradient_accumulation",
+                    &self.gradient_accumulation,
+                    &config.gradient_accumulation,
+                )
+            })
+            .map(|(what, then, now)| {
+                format!(
+                    "the checkpoint at step {} was written with {what} = {then}, this run has {now}: resuming would \
+                 skip or repeat data; start a new checkpoint.dir or restore the setting",
+                    self.step
+                )
+            })
+    }
 }
 
 /// The directory name of a step.
@@ -49,34 +95,48 @@ fn temp_path(tag: &str) -> std::path::PathBuf {
 }
 
 /// Tensors as safetensors bytes.
-pub fn to_safetensors(tensors: &[(String, Tensor)]) -> Result<Bytes, String> {
-    let path = temp_path("write.safetensors");
-    let result = Tensor::write_safetensors(tensors, &path)
-        .map_err(|e| format!("cannot encode safetensors: {e}"))
-        .and_then(|()| std::fs::read(&path).map_err(|e| e.to_string()));
-    let _ = std::fs::remove_file(&path);
-    result.map(Bytes::from)
+pub fn to_safetensors(tensors: &[(String, Tensor)]) -> Result<Bytes> {
+    encode_safetensors(tensors)
 }
 
 /// Tensors from safetensors bytes (an error, never a panic, on bad bytes).
-pub fn from_safetensors(bytes: &[u8], what: &str) -> Result<Vec<(String, Tensor)>, String> {
+pub fn from_safetensors(bytes: &[u8], what: &str) -> Result<Vec<(String, Tensor)>> {
     let path = temp_path("read.safetensors");
-    std::fs::write(&path, bytes).map_err(|e| format!("cannot stage {what}: {e}"))?;
-    let result = Tensor::read_safetensors(&path).map_err(|e| format!("{what} is not a valid safetensors file: {e}"));
+    std::fs::write(&path, bytes).map_err(|e| Error::Storage(format!("cannot stage {what}: {e}")))?;
+    let result = Tensor::read_safetensors(&path).map_err(|e| Error::ModelFile {
+        path: what.to_string(),
+        problem: format!("is not a valid safetensors file: {e}"),
+    });
     let _ = std::fs::remove_file(&path);
     result
 }
 
+fn storage(e: String) -> Error {
+    Error::Storage(e)
+}
+
 /// The newest complete checkpoint in `place`, if any.
-pub async fn latest(place: &Place) -> Result<Option<Manifest>, String> {
-    let Some(name) = place.get_opt("latest").await? else {
+pub async fn latest(place: &Place) -> Result<Option<Manifest>> {
+    let Some(name) = place.get_opt("latest").await.map_err(storage)? else {
         return Ok(None);
     };
     let name = String::from_utf8_lossy(&name).trim().to_string();
-    let bytes = place.child(&name).get("manifest.json").await?;
-    let manifest: Manifest = serde_json::from_slice(&bytes)
-        .map_err(|e| format!("{}/{name}/manifest.json is not a valid manifest: {e}", place.url()))?;
+    let bytes = place.child(&name).get("manifest.json").await.map_err(storage)?;
+    let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| Error::ModelFile {
+        path: format!("{}/{name}/manifest.json", place.url()),
+        problem: format!("is not a valid manifest: {e}"),
+    })?;
     Ok(Some(manifest))
+}
+
+/// What a checkpoint writes besides the engine's state.
+pub struct SaveSpec<'a> {
+    /// The manifest (its step names the directory).
+    pub manifest: Manifest,
+    /// Tokenizer and generation files copied into the folder.
+    pub side_files: &'a [(String, Bytes)],
+    /// Largest weight shard.
+    pub shard_bytes: u64,
 }
 
 /// Writes this rank's part of a checkpoint at the engine's current step (a collective:
@@ -88,54 +148,130 @@ pub fn save(
     engine: &mut Engine,
     rank: usize,
     world: usize,
-    manifest: Manifest,
-) -> Result<String, String> {
-    let dir = place.child(&step_dir(manifest.step));
+    spec: SaveSpec,
+) -> Result<String> {
+    let dir = place.child(&step_dir(spec.manifest.step));
     let shard = format!("optim-rank-{rank}-of-{world}.safetensors");
-    runtime.block_on(dir.put(&shard, to_safetensors(&engine.optimizer_state())?))?;
-    let weights = engine.consolidated()?;
+    runtime
+        .block_on(dir.put(&shard, to_safetensors(&engine.optimizer_state())?))
+        .map_err(storage)?;
+    let plan = ShardPlan::new(engine.specs(), spec.shard_bytes);
+    for (i, (file, blocks)) in plan.files.iter().enumerate() {
+        let owner = i % world;
+        let mut tensors = Vec::new();
+        for &block in blocks {
+            let gathered = engine.gather_block(block)?;
+            if rank == owner {
+                tensors.extend(gathered);
+            }
+        }
+        if rank == owner {
+            runtime
+                .block_on(dir.put(file, to_safetensors(&tensors)?))
+                .map_err(storage)?;
+        }
+    }
     if rank == 0 {
-        runtime.block_on(dir.put("model.safetensors", to_safetensors(&weights)?))?;
+        let json = |value: &serde_json::Value| -> Result<Bytes> {
+            serde_json::to_vec_pretty(value)
+                .map(Bytes::from)
+                .map_err(|e| Error::Invalid(e.to_string()))
+        };
+        if plan.files.len() > 1 {
+            runtime
+                .block_on(dir.put(INDEX, json(&plan.index(engine.specs()))?))
+                .map_err(storage)?;
+        }
+        runtime
+            .block_on(dir.put("config.json", json(&engine.model().hf_config())?))
+            .map_err(storage)?;
+        for (name, bytes) in spec.side_files {
+            runtime.block_on(dir.put(name, bytes.clone())).map_err(storage)?;
+        }
     }
     engine.barrier()?;
     if rank == 0 {
-        let body = serde_json::to_vec_pretty(&manifest).map_err(|e| e.to_string())?;
-        runtime.block_on(dir.put("manifest.json", Bytes::from(body)))?;
-        runtime.block_on(place.put("latest", Bytes::from(step_dir(manifest.step))))?;
+        let body = serde_json::to_vec_pretty(&spec.manifest).map_err(|e| Error::Invalid(e.to_string()))?;
+        runtime
+            .block_on(dir.put("manifest.json", Bytes::from(body)))
+            .map_err(storage)?;
+        runtime
+            .block_on(place.put("latest", Bytes::from(step_dir(spec.manifest.step))))
+            .map_err(storage)?;
     }
     Ok(dir.url().to_string())
 }
 
 /// Loads this rank's optimizer slice from the checkpoint `manifest` describes (a
 /// collective: every rank calls it).
-pub fn restore(
-    runtime: &Runtime,
-    place: &Place,
-    engine: &mut Engine,
-    rank: usize,
-    manifest: &Manifest,
-) -> Result<(), String> {
+pub fn restore(runtime: &Runtime, place: &Place, engine: &mut Engine, rank: usize, manifest: &Manifest) -> Result<()> {
     let dir = place.child(&step_dir(manifest.step));
     let name = format!("optim-rank-{rank}-of-{}.safetensors", manifest.world);
-    let bytes = runtime.block_on(dir.get(&name))?;
+    let bytes = runtime.block_on(dir.get(&name)).map_err(storage)?;
     let tensors = from_safetensors(&bytes, &format!("{}/{name}", dir.url()))?;
     engine.load_optimizer_state(tensors, manifest.step)
 }
 
-/// Reads a checkpoint's consolidated weights (`model.safetensors` in a step directory, or
-/// the newest one under a checkpoint directory).
-pub async fn load_weights(url: &str) -> Result<(Manifest, Vec<(String, Tensor)>), String> {
-    let place = Place::dir(url)?;
-    let (dir, manifest) = match latest(&place).await? {
-        Some(manifest) => (place.child(&step_dir(manifest.step)), manifest),
-        None => {
-            let bytes = place.get("manifest.json").await?;
-            let manifest: Manifest = serde_json::from_slice(&bytes)
-                .map_err(|e| format!("{url}/manifest.json is not a valid manifest: {e}"))?;
-            (place, manifest)
-        }
+/// Opens a model folder: a Hugging Face folder, a checkpoint's step directory, or a
+/// checkpoint directory (its newest step). Returns the manifest when there is one.
+pub async fn open_model(url: &str) -> Result<(Option<Manifest>, HfModel)> {
+    let place = Place::dir(url).map_err(storage)?;
+    if let Some(manifest) = latest(&place).await? {
+        let dir = place.child(&step_dir(manifest.step));
+        return Ok((Some(manifest), HfModel::open(dir.url()).await?));
+    }
+    let manifest = match place.get_opt("manifest.json").await.map_err(storage)? {
+        Some(bytes) => serde_json::from_slice(&bytes).ok(),
+        None => None,
     };
-    let bytes = dir.get("model.safetensors").await?;
-    let tensors = from_safetensors(&bytes, &format!("{}/model.safetensors", dir.url()))?;
-    Ok((manifest, tensors))
+    Ok((manifest, HfModel::open(url).await?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use regatta_trainer::TrainConfig;
+
+    fn manifest(config: &TrainConfig) -> Manifest {
+        Manifest {
+            step: 7,
+            world: config.world_size,
+            zero_stage: config.zero_stage,
+            model: config.model.clone(),
+            vocab: 256,
+            tokenizer: String::new(),
+            params: 1,
+            positions: vec![28; config.world_size],
+            files: Vec::new(),
+            data: config.data.clone(),
+            micro_batch_size: config.micro_batch_size,
+            gradient_accumulation: config.gradient_accumulation,
+        }
+    }
+
+    #[test]
+    fn a_resume_that_would_skip_or_repeat_data_is_refused_with_the_setting() {
+        let config = TrainConfig::default();
+        let written = manifest(&config);
+        assert_eq!(written.resume_conflict(&config, 256), None);
+        let changes: [(&str, fn(&mut TrainConfig)); 5] = [
+            ("world_size = 2, this run has 3", |c| c.world_size = 3),
+            ("micro_batch_size = 4, this run has 8", |c| c.micro_batch_size = 8),
+            ("gradient_accumulation", |c| c.gradient_accumulation = 2),
+            ("data", |c| c.data.path = "other.txt".into()),
+            ("zero_stage = 2, this run has 3", |c| {
+                c.zero_stage = regatta_trainer::ZeroStage::Three
+            }),
+        ];
+        for (expected, change) in changes {
+            let mut changed = config.clone();
+            change(&mut changed);
+            let reason = written.resume_conflict(&changed, 256).unwrap();
+            assert!(reason.contains(expected) && reason.contains("step 7"), "{reason}");
+        }
+        assert!(written
+            .resume_conflict(&config, 512)
+            .unwrap()
+            .contains("the vocabulary"));
+    }
 }

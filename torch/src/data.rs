@@ -24,8 +24,13 @@ impl TextTokenizer {
         }
         let (place, name) = Place::file(spec)?;
         let bytes = place.get(&name).await?;
-        let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| format!("{spec} is not a valid tokenizer.json: {e}"))?;
+        Self::from_json(&bytes, spec)
+    }
+
+    /// A tokenizer from the bytes of a `tokenizer.json`; `what` names it in errors.
+    pub fn from_json(bytes: &[u8], what: &str) -> Result<Self, String> {
+        let tokenizer = tokenizers::Tokenizer::from_bytes(bytes)
+            .map_err(|e| format!("{what} is not a valid tokenizer.json: {e}"))?;
         Ok(Self::Hf(Box::new(tokenizer)))
     }
 

@@ -15,25 +15,146 @@ use regatta_trainer::config::TrainConfig;
 use regatta_trainer::{FromExecutor, QuicLinkBuilder, RankSetup, RingCollective, StepReport, ToExecutor, SECRET_ENV};
 use tch::{Device, Kind};
 
-use crate::checkpoint::{self, Manifest};
+use bytes::Bytes;
+
+use crate::checkpoint::{self, Manifest, SaveSpec};
 use crate::collective::{CpuCollective, Solo, TensorCollective};
 use crate::data::{RankData, TextTokenizer};
-use crate::engine::{stage, Engine};
-use crate::model::{Gpt, LayeredModel};
+use crate::engine::{seeded, Engine, EngineSettings, MicroBatch};
+use crate::error::Error;
+use crate::hf::{model_from_config, HfModel};
+use crate::model::{Gpt, Model, ParamSpec};
 use regatta_object_store::Place;
 
 /// Peak dense bf16 FLOP/s assumed for the MFU estimate (an H100 SXM).
 pub const PEAK_FLOPS: f64 = 989e12;
 
-/// Tensors by name, as checkpoints hold them.
-pub type NamedTensors = Vec<(String, tch::Tensor)>;
+/// Largest weight shard a checkpoint writes.
+pub const SHARD_BYTES: u64 = 2 << 30;
 
-/// Makes the model a run trains, for the tokenizer's vocabulary.
-pub type ModelFactory = dyn Fn(&TrainConfig, usize) -> Box<dyn LayeredModel>;
+pub use crate::reference::NamedTensors;
+
+/// Makes the model a run trains when `[model]` names no Hugging Face model, for the
+/// tokenizer's vocabulary.
+pub type ModelFactory = dyn Fn(&TrainConfig, usize) -> Box<dyn Model>;
 
 /// The built-in GPT for a configuration and vocabulary.
-pub fn builtin_model(config: &TrainConfig, vocab: usize) -> Box<dyn LayeredModel> {
+pub fn builtin_model(config: &TrainConfig, vocab: usize) -> Box<dyn Model> {
     Box::new(Gpt::new(config.model.clone(), vocab))
+}
+
+impl From<Error> for Failure {
+    fn from(error: Error) -> Self {
+        Failure {
+            fatal: !error.is_transient(),
+            reason: error.to_string(),
+        }
+    }
+}
+
+/// The `tokenizer.json` a run uses: `data.tokenizer`, else the model folder's, else none
+/// (bytes are tokens).
+pub fn tokenizer_spec(config: &TrainConfig) -> String {
+    if !config.data.tokenizer.is_empty() {
+        config.data.tokenizer.clone()
+    } else if !config.model.path.is_empty() {
+        format!("{}/tokenizer.json", config.model.path.trim_end_matches('/'))
+    } else {
+        String::new()
+    }
+}
+
+/// The model a run trains, the folder its first weights come from (none: seeded random
+/// weights) and the files its checkpoints copy (tokenizer and generation settings).
+pub struct RunModel {
+    /// The model.
+    pub model: Box<dyn Model>,
+    /// The Hugging Face folder it loads from.
+    pub source: Option<HfModel>,
+    /// Files copied into checkpoints.
+    pub side_files: Vec<(String, Bytes)>,
+    /// The tokenizer.
+    pub tokenizer: TextTokenizer,
+}
+
+impl RunModel {
+    /// Partitions `which` of `partitions` of the run's dataset, tokenized by this model's
+    /// tokenizer into sequences of the run's context.
+    pub async fn data(&self, config: &TrainConfig, partitions: usize, which: &[usize]) -> Result<RankData, String> {
+        RankData::load(
+            &config.data.path,
+            &self.tokenizer,
+            config.model.context,
+            partitions,
+            which,
+        )
+        .await
+    }
+}
+
+/// Opens the model and tokenizer `config` names (a folder, a config, or `make_model`'s).
+pub async fn open_run_model(config: &TrainConfig, make_model: &ModelFactory) -> Result<RunModel, Error> {
+    // The model folder first: a wrong path is named as a missing model, not a tokenizer.
+    let hf = if config.model.path.is_empty() {
+        None
+    } else {
+        Some(HfModel::open(&config.model.path).await?)
+    };
+    let spec = tokenizer_spec(config);
+    let tokenizer = TextTokenizer::load(&spec).await.map_err(|problem| Error::ModelFile {
+        path: spec.clone(),
+        problem,
+    })?;
+    let (model, source, mut side_files) = if let Some(hf) = hf {
+        let model = hf.model()?;
+        hf.check(model.as_ref())?;
+        let side = hf.side_files().await?;
+        (model, Some(hf), side)
+    } else if let Some(json) = &config.model.config {
+        (model_from_config(json, "model.config")?, None, Vec::new())
+    } else {
+        (make_model(config, tokenizer.vocab()), None, Vec::new())
+    };
+    if tokenizer.vocab() > model.vocab() {
+        return Err(Error::ModelFile {
+            path: if spec.is_empty() {
+                "the byte tokenizer".into()
+            } else {
+                spec.clone()
+            },
+            problem: format!(
+                "has {} tokens but the model embeds only {}; use the model's own tokenizer.json",
+                tokenizer.vocab(),
+                model.vocab()
+            ),
+        });
+    }
+    if source.is_none() && !config.data.tokenizer.is_empty() {
+        let (place, name) = Place::file(&config.data.tokenizer).map_err(Error::Storage)?;
+        side_files.push(("tokenizer.json".into(), place.get(&name).await.map_err(Error::Storage)?));
+    }
+    Ok(RunModel {
+        model,
+        source,
+        side_files,
+        tokenizer,
+    })
+}
+
+/// The micro-batches a process takes at `step` from `data` (each of its partitions gives
+/// `micro_batch_size` sequences per micro-batch).
+pub fn step_batches(config: &TrainConfig, data: &RankData, step: u64) -> Vec<MicroBatch> {
+    let (micro, accum) = (config.micro_batch_size, config.gradient_accumulation);
+    (0..accum as u64)
+        .map(|k| {
+            let (tokens, targets) = data.batch((step * accum as u64 + k) * micro as u64, micro);
+            MicroBatch {
+                tokens,
+                targets,
+                documents: None,
+            }
+        })
+        .collect()
 }
 
 /// A rank's failure: `fatal` when retrying cannot help.
@@ -156,43 +277,27 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
     tch::set_num_threads(config.threads as i32);
     let device = pick_device(&config, &setup.gpus).map_err(fatal)?;
     let compute = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
-    let zero = stage(config.zero_stage).map_err(fatal)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|e| fatal(format!("cannot start a runtime: {e}")))?;
-    let tokenizer = runtime
-        .block_on(TextTokenizer::load(&config.data.tokenizer))
-        .map_err(fatal)?;
-    let vocab = tokenizer.vocab();
+    let run_model = runtime.block_on(open_run_model(&config, make_model))?;
+    let vocab = run_model.model.vocab();
     let data = runtime
-        .block_on(RankData::load(
-            &config.data.path,
-            &tokenizer,
-            config.model.context,
-            world,
-            &[rank],
-        ))
+        .block_on(run_model.data(&config, world, &[rank]))
         .map_err(fatal)?;
     let place = if config.checkpoint.dir.is_empty() {
         None
     } else {
         Some(Place::dir(&config.checkpoint.dir).map_err(fatal)?)
     };
-    let model = make_model(&config, vocab);
     let manifest = match (&place, setup.resume) {
-        (Some(place), true) => runtime.block_on(checkpoint::latest(place)).map_err(fatal)?,
+        (Some(place), true) => runtime.block_on(checkpoint::latest(place))?,
         _ => None,
     };
-    if let Some(m) = &manifest {
-        if m.world != world || m.zero_stage != config.zero_stage || m.model != config.model || m.vocab != vocab {
-            return Err(fatal(format!(
-                "the checkpoint at step {} was written by {} ranks at ZeRO stage {} with model {:?} over {} \
-                 tokens; this run has {world} ranks, stage {} and model {:?} over {vocab} tokens",
-                m.step, m.world, m.zero_stage, m.model, m.vocab, config.zero_stage, config.model
-            )));
-        }
+    if let Some(conflict) = manifest.as_ref().and_then(|m| m.resume_conflict(&config, vocab)) {
+        return Err(fatal(conflict));
     }
     let start_step = manifest.as_ref().map_or(0, |m| m.step);
     let nccl = device.is_cuda() && world > 1;
@@ -215,7 +320,7 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         Some(b) => b.local_addr().map_err(fatal)?.to_string(),
         None => String::new(),
     };
-    let params = model.blocks().iter().flatten().map(|p| p.numel() as u64).sum();
+    let params = crate::model::parameter_count(run_model.model.as_ref());
     emit(&FromExecutor::Bound {
         addr,
         params,
@@ -241,28 +346,32 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         let link = runtime.block_on(builder.connect(next)).map_err(lost)?;
         Box::new(CpuCollective::new(Box::new(RingCollective::new(rank, world, link))))
     };
-    let mut engine = Engine::new(
-        model,
-        coll,
-        zero,
-        config.optimizer.clone(),
+    let settings = EngineSettings {
+        stage: config.zero_stage,
+        optimizer: config.optimizer.clone(),
+        steps: config.steps,
         device,
         compute,
-        config.seed,
-    )
-    .map_err(lost)?;
+        activation_checkpointing: config.activation_checkpointing,
+    };
+    let RunModel {
+        model,
+        source,
+        side_files,
+        ..
+    } = run_model;
+    let seed = config.seed;
+    let mut init = |spec: &ParamSpec| match &source {
+        Some(hf) => runtime.block_on(hf.read(spec, device)),
+        None => Ok(seeded(spec, seed)),
+    };
+    let mut engine = Engine::new(model, coll, settings, &mut init)?;
     if let (Some(place), Some(m)) = (&place, &manifest) {
-        checkpoint::restore(&runtime, place, &mut engine, rank, m).map_err(|e| {
-            if e.contains("link") {
-                lost(e)
-            } else {
-                fatal(e)
-            }
-        })?;
+        checkpoint::restore(&runtime, place, &mut engine, rank, m)?;
         eprintln!("rank {rank}: resumed from the checkpoint at step {}", m.step);
     }
     let per_rank = config.per_rank_batch();
-    let flops_per_token = engine.model().flops_per_token();
+    let flops_per_token = engine.model().flops_per_token(config.model.context);
     let save = |engine: &mut Engine, done: u64, place: &Place| -> Result<(), Failure> {
         let manifest = Manifest {
             step: done,
@@ -270,15 +379,23 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
             zero_stage: config.zero_stage,
             model: config.model.clone(),
             vocab,
-            tokenizer: config.data.tokenizer.clone(),
+            tokenizer: tokenizer_spec(&config),
             params: engine.parameter_count(),
             positions: vec![done * per_rank as u64; world],
             files: (0..world)
                 .map(|r| format!("optim-rank-{r}-of-{world}.safetensors"))
-                .chain(["model.safetensors".to_string(), "manifest.json".to_string()])
+                .chain(["config.json".to_string(), "manifest.json".to_string()])
                 .collect(),
+            data: config.data.clone(),
+            micro_batch_size: config.micro_batch_size,
+            gradient_accumulation: config.gradient_accumulation,
         };
-        let url = checkpoint::save(&runtime, place, engine, rank, world, manifest).map_err(lost)?;
+        let spec = SaveSpec {
+            manifest,
+            side_files: &side_files,
+            shard_bytes: SHARD_BYTES,
+        };
+        let url = checkpoint::save(&runtime, place, engine, rank, world, spec)?;
         if rank == 0 {
             emit(&FromExecutor::Checkpoint { step: done, url });
         }
@@ -288,9 +405,9 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         save(&mut engine, 0, place)?;
     }
     for step in start_step..config.steps {
-        let (inputs, targets) = data.batch(step * per_rank as u64, per_rank);
+        let batches = step_batches(&config, &data, step);
         let started = Instant::now();
-        let outcome = engine.train_step(&inputs, &targets).map_err(lost)?;
+        let outcome = engine.train_step(&batches)?;
         let secs = started.elapsed().as_secs_f64().max(1e-9);
         let held = engine.held();
         let tokens_per_sec = config.tokens_per_step() as f64 / secs;
@@ -321,42 +438,31 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
     Ok(())
 }
 
-/// The single-process reference: AdamW on the full batch (every partition of a
-/// `partitions`-rank layout, as the ranks together would see it), from the same initial
-/// weights. Returns the loss of every step and the final weights.
+/// The plain single-process reference ([`crate::reference::plain_run`]: libtorch autograd
+/// and AdamW, no ZeRO engine) on the global batch every rank of a `partitions`-rank layout
+/// would see, from the same initial weights. Returns the loss of every step and the final
+/// weights.
 pub fn reference_run(
     config: &TrainConfig,
     partitions: usize,
     make_model: &ModelFactory,
-) -> Result<(Vec<f64>, NamedTensors), String> {
+) -> Result<(Vec<f64>, NamedTensors), Error> {
     tch::set_num_threads(config.threads as i32);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| Error::Invalid(e.to_string()))?;
+    let run_model = runtime.block_on(open_run_model(config, make_model))?;
     let which: Vec<usize> = (0..partitions).collect();
-    let tokenizer = runtime.block_on(TextTokenizer::load(&config.data.tokenizer))?;
-    let data = runtime.block_on(RankData::load(
-        &config.data.path,
-        &tokenizer,
-        config.model.context,
-        partitions,
-        &which,
-    ))?;
-    let mut engine = Engine::new(
-        make_model(config, tokenizer.vocab()),
-        Box::new(Solo),
-        stage(config.zero_stage)?,
-        config.optimizer.clone(),
-        Device::Cpu,
-        Kind::Float,
-        config.seed,
-    )?;
-    let per_partition = config.batch_size / partitions.max(1);
-    let mut losses = Vec::new();
-    for step in 0..config.steps {
-        let (inputs, targets) = data.batch(step * per_partition as u64, per_partition);
-        losses.push(engine.train_step(&inputs, &targets)?.loss);
-    }
-    Ok((losses, engine.consolidated()?))
+    let data = runtime
+        .block_on(run_model.data(config, partitions, &which))
+        .map_err(Error::Invalid)?;
+    let steps: Vec<Vec<MicroBatch>> = (0..config.steps).map(|s| step_batches(config, &data, s)).collect();
+    let seed = config.seed;
+    let source = run_model.source;
+    let mut init = |spec: &ParamSpec| match &source {
+        Some(hf) => runtime.block_on(hf.read(spec, Device::Cpu)),
+        None => Ok(seeded(spec, seed)),
+    };
+    crate::reference::plain_run(run_model.model.as_ref(), &mut init, &steps, &config.optimizer)
 }

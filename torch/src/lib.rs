@@ -1,19 +1,28 @@
 //! The part of Regatta that links libtorch: the trainer's rank executor
-//! (`regatta-torch-rank`), the built-in GPT model, the ZeRO engine, checkpoints in
-//! safetensors through `object_store`, and the NCCL backend (cudarc, loaded at run time).
+//! (`regatta-torch-rank`), the [`Model`] trait with its two families (the built-in GPT and
+//! Hugging Face Llama / Mistral / Qwen2 models, [`Llama`], loaded from and saved to
+//! Hugging Face folders by [`hf`]), the ZeRO engine, checkpoints through `object_store`,
+//! the plain libtorch reference loop, and the NCCL backend (cudarc, loaded at run time).
 //! Nodes never link this crate: a rank actor in the agent launches the executor binary.
 
 pub mod checkpoint;
 pub mod collective;
 pub mod data;
 pub mod engine;
+pub mod error;
 pub mod executor;
+pub mod hf;
+pub mod llama;
 pub mod model;
 pub mod nccl;
+pub mod reference;
 pub mod score;
 pub mod score_executor;
 
-pub use engine::{Engine, Held, StepOutcome};
+pub use engine::{Engine, EngineSettings, Held, MicroBatch, StepOutcome};
+pub use error::{Error, Result};
 pub use executor::{builtin_model, executor_main, reference_run};
-pub use model::{Gpt, Init, LayeredModel, ParamSpec};
+pub use hf::HfModel;
+pub use llama::Llama;
+pub use model::{Batch, Gpt, Init, Model, ParamSpec};
 pub use tch;

@@ -4,8 +4,15 @@
 //! stage 3 can gather one block at a time. [`Gpt`] is the built-in model; a user's own tch
 //! model implements [`LayeredModel`] the same way.
 
+use std::collections::HashMap;
+
 use regatta_trainer::config::ModelConfig;
 use tch::{Kind, Tensor};
+
+use crate::error::{Error, Result};
+
+/// `architectures` in the `config.json` of a built-in GPT checkpoint.
+pub const GPT_ARCHITECTURE: &str = "RegattaGptForCausalLM";
 
 /// How a parameter starts.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -21,20 +28,33 @@ pub enum Init {
 /// One parameter of a block.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamSpec {
-    /// Its name in checkpoints (PyTorch style, dots).
+    /// Its name in checkpoints (Hugging Face / PyTorch style, dots).
     pub name: String,
     /// Its shape.
     pub shape: Vec<i64>,
     /// Its initial values.
     pub init: Init,
+    /// The parameter of an earlier block this one is (tied embeddings): it has no storage
+    /// of its own, is not saved, and its gradient adds to the other's.
+    pub tied_to: Option<String>,
 }
 
 impl ParamSpec {
-    fn new(name: impl Into<String>, shape: &[i64], init: Init) -> Self {
+    /// A parameter with storage of its own.
+    pub fn new(name: impl Into<String>, shape: &[i64], init: Init) -> Self {
         Self {
             name: name.into(),
             shape: shape.to_vec(),
             init,
+            tied_to: None,
+        }
+    }
+
+    /// A parameter that is `source` (same shape).
+    pub fn tied(name: impl Into<String>, shape: &[i64], source: impl Into<String>) -> Self {
+        Self {
+            tied_to: Some(source.into()),
+            ..Self::new(name, shape, Init::Zeros)
         }
     }
 
@@ -42,19 +62,140 @@ impl ParamSpec {
     pub fn numel(&self) -> usize {
         self.shape.iter().product::<i64>() as usize
     }
+
+    /// Whether weight decay applies: matrices do; norms and biases (vectors) do not.
+    pub fn decays(&self) -> bool {
+        self.shape.len() >= 2
+    }
 }
 
-/// A model the ZeRO engine can train: blocks in forward order.
-pub trait LayeredModel: Send {
+/// What every block of one forward pass shares besides the hidden states: each token's
+/// position (restarting at 0 for each packed document) and, for packed batches, which
+/// positions a token may attend to. Models add their own per-batch tensors (rotary
+/// tables) in [`Model::prepare`].
+pub struct Batch {
+    /// Position of every token, `[batch, time]`, int64.
+    pub positions: Tensor,
+    /// `[batch, 1, time, time]`, true where a query may attend to a key (causal and inside
+    /// its document); `None`: plain causal attention.
+    pub mask: Option<Tensor>,
+    /// Tensors the model derived from the above.
+    pub derived: Vec<Tensor>,
+}
+
+impl Batch {
+    /// Unpacked rows: positions 0, 1, 2, ... and causal attention. Sizes are derived with
+    /// tensor ops only, so a traced export accepts any `[batch, time]`.
+    pub fn plain(tokens: &Tensor) -> Self {
+        Self {
+            positions: tokens.ones_like().cumsum(1, Kind::Int64) - 1,
+            mask: None,
+            derived: Vec::new(),
+        }
+    }
+
+    /// Packed rows: `documents[b, t]` numbers the document token t of row b belongs to;
+    /// positions restart at each document and attention stays inside it.
+    pub fn packed(documents: &Tensor) -> Self {
+        let documents = documents.to_kind(Kind::Int64);
+        let time = documents.size()[1];
+        let device = documents.device();
+        let index = Tensor::arange(time, (Kind::Int64, device));
+        // A document's first token: its index; carried forward with a running maximum.
+        let changed = documents
+            .narrow(1, 1, time - 1)
+            .ne_tensor(&documents.narrow(1, 0, time - 1));
+        let starts = Tensor::cat(&[documents.narrow(1, 0, 1).ones_like().to_kind(Kind::Bool), changed], 1);
+        let start_index = index.unsqueeze(0).expand_as(&documents) * starts.to_kind(Kind::Int64);
+        let (first, _) = start_index.cummax(1);
+        let positions = index.unsqueeze(0) - first;
+        let same = documents.unsqueeze(2).eq_tensor(&documents.unsqueeze(1));
+        let causal = Tensor::ones([time, time], (Kind::Bool, device)).tril(0);
+        Self {
+            positions,
+            mask: Some(same.logical_and(&causal).unsqueeze(1)),
+            derived: Vec::new(),
+        }
+    }
+
+    /// Moves the batch's tensors to `device`.
+    pub fn to_device(self, device: tch::Device) -> Self {
+        Self {
+            positions: self.positions.to_device(device),
+            mask: self.mask.map(|m| m.to_device(device)),
+            derived: self.derived.into_iter().map(|t| t.to_device(device)).collect(),
+        }
+    }
+}
+
+/// A model the ZeRO engine trains, checkpoints save and the scorer runs: blocks in
+/// forward order, each a function of its own parameters, the previous block's output and
+/// the [`Batch`]. The first block takes token ids; the last gives logits `[batch, time,
+/// vocab]`. The engine owns the parameters (flattened per block, sharded by the ZeRO
+/// stage) and hands a block views of them when it runs, so stage 3 gathers one block at a
+/// time.
+pub trait Model: Send {
     /// Every block's parameters, in forward order.
     fn blocks(&self) -> Vec<Vec<ParamSpec>>;
-    /// Runs block `block` on `input` (token ids for the first block, the previous block's
-    /// output after) with its parameters, in [`LayeredModel::blocks`] order.
-    fn forward(&self, block: usize, params: &[Tensor], input: &Tensor) -> Tensor;
-    /// The mean loss of the last block's output against the targets.
-    fn loss(&self, output: &Tensor, targets: &Tensor) -> Tensor;
-    /// Training FLOPs per token (forward and backward), for the MFU estimate.
-    fn flops_per_token(&self) -> f64;
+    /// Adds the model's per-batch tensors (rotary tables) to `batch`.
+    fn prepare(&self, _batch: &mut Batch) {}
+    /// Runs block `block` with its parameters in [`Model::blocks`] order.
+    fn forward(&self, block: usize, params: &[Tensor], input: &Tensor, batch: &Batch) -> Tensor;
+    /// Token ids embedded.
+    fn vocab(&self) -> usize;
+    /// Training FLOPs per token (forward and backward) at `context` tokens, for MFU.
+    fn flops_per_token(&self, context: usize) -> f64;
+    /// The `config.json` checkpoints carry (Hugging Face layout).
+    fn hf_config(&self) -> serde_json::Value;
+}
+
+/// Logits of every position for token ids `[batch, time]` (unpacked, causal), with
+/// parameters given per block.
+pub fn logits(model: &dyn Model, params: &[Vec<Tensor>], tokens: &Tensor) -> Tensor {
+    let mut batch = Batch::plain(tokens);
+    model.prepare(&mut batch);
+    let mut hidden = tokens.shallow_clone();
+    for (block, block_params) in params.iter().enumerate() {
+        hidden = model.forward(block, block_params, &hidden, &batch);
+    }
+    hidden
+}
+
+/// Every block's parameters from the stored ones by name (a tied parameter is its
+/// source's tensor), in [`Model::blocks`] order.
+pub fn arrange(model: &dyn Model, stored: &HashMap<String, Tensor>) -> Result<Vec<Vec<Tensor>>> {
+    model
+        .blocks()
+        .iter()
+        .map(|block| {
+            block
+                .iter()
+                .map(|spec| {
+                    let name = spec.tied_to.as_ref().unwrap_or(&spec.name);
+                    stored
+                        .get(name)
+                        .map(Tensor::shallow_clone)
+                        .ok_or_else(|| Error::Invalid(format!("no weights for {name} (parameter {})", spec.name)))
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Parameters of a model (tied ones counted once).
+pub fn parameter_count(model: &dyn Model) -> u64 {
+    model
+        .blocks()
+        .iter()
+        .flatten()
+        .filter(|p| p.tied_to.is_none())
+        .map(|p| p.numel() as u64)
+        .sum()
+}
+
+/// 6 FLOPs per parameter and token plus attention's score and value products.
+pub fn transformer_flops_per_token(params: u64, layers: usize, attention_width: usize, context: usize) -> f64 {
+    6.0 * params as f64 + 12.0 * layers as f64 * attention_width as f64 * context as f64
 }
 
 /// The built-in GPT-style decoder: token and position embeddings, pre-norm transformer
@@ -76,19 +217,24 @@ impl Gpt {
         &self.config
     }
 
-    /// Logits of every position for token ids `[batch, time]`, with parameters given per
-    /// block (as the engine or a checkpoint holds them).
-    pub fn logits(&self, params: &[Vec<Tensor>], tokens: &Tensor) -> Tensor {
-        let mut hidden = tokens.shallow_clone();
-        for (block, block_params) in params.iter().enumerate() {
-            hidden = self.forward(block, block_params, &hidden);
-        }
-        hidden
+    /// The shape and vocabulary of a checkpoint's `config.json`.
+    pub fn from_hf_config(config: &serde_json::Value) -> Option<Self> {
+        let field = |name: &str| config.get(name).and_then(serde_json::Value::as_u64).map(|n| n as usize);
+        Some(Self::new(
+            ModelConfig {
+                layers: field("layers")?,
+                width: field("width")?,
+                heads: field("heads")?,
+                context: field("context")?,
+                ..ModelConfig::default()
+            },
+            field("vocab_size")?,
+        ))
     }
 
     // Batch and time sizes are never read here (only derived by tensor ops), so a traced
     // TorchScript export of the model accepts any [batch, time].
-    fn attention(&self, x: &Tensor, p: &[Tensor]) -> Tensor {
+    fn attention(&self, x: &Tensor, p: &[Tensor], batch: &Batch) -> Tensor {
         let d = self.config.width as i64;
         let heads = self.config.heads as i64;
         let hd = d / heads;
@@ -97,10 +243,13 @@ impl Gpt {
         let shape = |z: &Tensor| z.unflatten(-1, [heads, hd]).transpose(1, 2);
         let (q, k, v) = (shape(&parts[0]), shape(&parts[1]), shape(&parts[2]));
         let scores = q.matmul(&k.transpose(-2, -1)) * (1.0 / (hd as f64).sqrt());
-        // [time, time], true above the diagonal.
-        let future = scores.get(0).get(0).ones_like().triu(1).to_kind(Kind::Bool);
+        let blocked = match &batch.mask {
+            Some(mask) => mask.logical_not(),
+            // [time, time], true above the diagonal.
+            None => scores.get(0).get(0).ones_like().triu(1).to_kind(Kind::Bool),
+        };
         let weights = scores
-            .masked_fill(&future, f64::NEG_INFINITY)
+            .masked_fill(&blocked, f64::NEG_INFINITY)
             .softmax(-1, scores.kind());
         weights
             .matmul(&v)
@@ -115,7 +264,7 @@ fn norm(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Tensor {
     x.layer_norm([width], Some(weight), Some(bias), 1e-5, false)
 }
 
-impl LayeredModel for Gpt {
+impl Model for Gpt {
     fn blocks(&self) -> Vec<Vec<ParamSpec>> {
         let (v, d, t) = (self.vocab as i64, self.config.width as i64, self.config.context as i64);
         let std = 0.02;
@@ -149,16 +298,15 @@ impl LayeredModel for Gpt {
         blocks
     }
 
-    fn forward(&self, block: usize, p: &[Tensor], input: &Tensor) -> Tensor {
+    fn forward(&self, block: usize, p: &[Tensor], input: &Tensor, batch: &Batch) -> Tensor {
         let last = self.config.layers + 1;
         if block == 0 {
-            // 0, 1, 2, ... along time, derived from the input (see `attention`).
-            let positions = input.ones_like().cumsum(1, Kind::Int64) - 1;
-            Tensor::embedding(&p[0], input, -1, false, false) + Tensor::embedding(&p[1], &positions, -1, false, false)
+            Tensor::embedding(&p[0], input, -1, false, false)
+                + Tensor::embedding(&p[1], &batch.positions, -1, false, false)
         } else if block == last {
             norm(input, &p[0], &p[1]).linear::<Tensor>(&p[2], None)
         } else {
-            let h = input + self.attention(&norm(input, &p[0], &p[1]), &p[2..6]);
+            let h = input + self.attention(&norm(input, &p[0], &p[1]), &p[2..6], batch);
             let mlp = norm(&h, &p[6], &p[7])
                 .linear(&p[8], Some(&p[9]))
                 .gelu("none")
@@ -167,20 +315,23 @@ impl LayeredModel for Gpt {
         }
     }
 
-    fn loss(&self, output: &Tensor, targets: &Tensor) -> Tensor {
-        output
-            .view([-1, self.vocab as i64])
-            .to_kind(Kind::Float)
-            .cross_entropy_for_logits(&targets.view([-1]))
+    fn vocab(&self) -> usize {
+        self.vocab
     }
 
-    fn flops_per_token(&self) -> f64 {
-        let params: usize = self.blocks().iter().flatten().map(ParamSpec::numel).sum();
-        let (l, d, t) = (
-            self.config.layers as f64,
-            self.config.width as f64,
-            self.config.context as f64,
-        );
-        6.0 * params as f64 + 12.0 * l * d * t
+    fn flops_per_token(&self, context: usize) -> f64 {
+        transformer_flops_per_token(parameter_count(self), self.config.layers, self.config.width, context)
+    }
+
+    fn hf_config(&self) -> serde_json::Value {
+        serde_json::json!({
+            "architectures": [GPT_ARCHITECTURE],
+            "model_type": "regatta_gpt",
+            "layers": self.config.layers,
+            "width": self.config.width,
+            "heads": self.config.heads,
+            "context": self.config.context,
+            "vocab_size": self.vocab,
+        })
     }
 }

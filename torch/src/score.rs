@@ -2,13 +2,11 @@
 //! greedy generation. Rows in a batch are right-padded; the model is causal, so padding
 //! never changes the scores of real positions, and only real positions are counted.
 
-use regatta_trainer::config::ModelConfig;
 use tch::{Device, Kind, Tensor};
 
-use crate::checkpoint::Manifest;
 use crate::data::TextTokenizer;
-use crate::executor::NamedTensors;
-use crate::model::{Gpt, LayeredModel};
+use crate::hf::HfModel;
+use crate::model::{arrange, logits, parameter_count, Model};
 
 /// One scored row.
 #[derive(Clone, Debug, PartialEq)]
@@ -27,8 +25,11 @@ pub struct Scored {
 
 /// The network behind a scorer.
 enum Net {
-    /// The built-in GPT with a checkpoint's weights.
-    Gpt { gpt: Gpt, params: Vec<Vec<Tensor>> },
+    /// A [`Model`] (the built-in GPT or a Llama-family model) with its weights per block.
+    Model {
+        model: Box<dyn Model>,
+        params: Vec<Vec<Tensor>>,
+    },
     /// A TorchScript module: `forward(Long[batch, time]) -> Float[batch, time, vocab]`.
     Script(tch::CModule),
 }
@@ -42,57 +43,53 @@ pub struct Scorer {
 }
 
 impl Scorer {
-    /// The built-in GPT from a checkpoint's consolidated weights.
-    pub fn from_weights(
-        model: ModelConfig,
-        vocab: usize,
-        weights: NamedTensors,
+    /// A model folder (Hugging Face layout, or a trainer checkpoint) with its weights,
+    /// scoring texts of up to `context` tokens (0: the model's own limit).
+    pub async fn from_folder(
+        hf: &HfModel,
+        context: usize,
         tokenizer: TextTokenizer,
         device: Device,
     ) -> Result<Self, String> {
-        if tokenizer.vocab() != vocab {
+        let model = hf.model().map_err(|e| e.to_string())?;
+        hf.check(model.as_ref()).map_err(|e| e.to_string())?;
+        if tokenizer.vocab() > model.vocab() {
             return Err(format!(
-                "the checkpoint's model embeds {vocab} tokens but the tokenizer has {}",
+                "the model embeds {} tokens but the tokenizer has {}",
+                model.vocab(),
                 tokenizer.vocab()
             ));
         }
-        let gpt = Gpt::new(model, vocab);
-        let mut by_name: std::collections::HashMap<String, Tensor> = weights.into_iter().collect();
-        let mut params = Vec::new();
-        for block in gpt.blocks() {
-            let mut tensors = Vec::new();
-            for spec in block {
-                let tensor = by_name
-                    .remove(&spec.name)
-                    .ok_or_else(|| format!("the checkpoint has no {}", spec.name))?;
-                if tensor.size() != spec.shape {
-                    return Err(format!(
-                        "{} has shape {:?}, the model needs {:?}",
-                        spec.name,
-                        tensor.size(),
-                        spec.shape
-                    ));
-                }
-                tensors.push(tensor.to_kind(Kind::Float).to_device(device));
-            }
-            params.push(tensors);
+        let mut stored = std::collections::HashMap::new();
+        for spec in model.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
+            let tensor = hf.read(&spec, device).await.map_err(|e| e.to_string())?;
+            stored.insert(spec.name, tensor.to_device(device));
         }
-        Ok(Self {
-            context: gpt.config().context,
-            net: Net::Gpt { gpt, params },
-            tokenizer,
-            device,
-        })
+        let params = arrange(model.as_ref(), &stored).map_err(|e| e.to_string())?;
+        let limit = model_context(hf.config_json());
+        let context = match (context, limit) {
+            (0, Some(limit)) => limit,
+            (0, None) => 2048,
+            (asked, _) => asked,
+        };
+        Ok(Self::from_model(model, params, context, tokenizer, device))
     }
 
-    /// The built-in GPT from a manifest and its weights.
-    pub fn from_checkpoint(
-        manifest: &Manifest,
-        weights: NamedTensors,
+    /// A model with its weights per block (tied ones included), for texts of up to
+    /// `context` tokens.
+    pub fn from_model(
+        model: Box<dyn Model>,
+        params: Vec<Vec<Tensor>>,
+        context: usize,
         tokenizer: TextTokenizer,
         device: Device,
-    ) -> Result<Self, String> {
-        Self::from_weights(manifest.model.clone(), manifest.vocab, weights, tokenizer, device)
+    ) -> Self {
+        Self {
+            context,
+            net: Net::Model { model, params },
+            tokenizer,
+            device,
+        }
     }
 
     /// A TorchScript module (the bytes of a file `torch.jit.save` or [`Scorer::export`]
@@ -136,14 +133,27 @@ impl Scorer {
         }
     }
 
-    /// This scorer's model (the built-in GPT only) as a TorchScript module: traced, so it
+    /// Parameters of the model (0 for a TorchScript module).
+    pub fn parameters(&self) -> u64 {
+        match &self.net {
+            Net::Model { model, .. } => parameter_count(model.as_ref()),
+            Net::Script(_) => 0,
+        }
+    }
+
+    /// The longest text (in tokens) the scorer reads.
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
+    /// This scorer's model as a TorchScript module: traced, so it
     /// takes token ids of any `[batch, time]` with time up to the model's context.
     pub fn export(&self) -> Result<tch::CModule, String> {
-        let Net::Gpt { gpt, params } = &self.net else {
-            return Err("only a checkpoint of the built-in GPT can be exported".into());
+        let Net::Model { model, params } = &self.net else {
+            return Err("a TorchScript module is exported already".into());
         };
         let example = Tensor::zeros([2, self.context as i64], (Kind::Int64, self.device));
-        let mut forward = |inputs: &[Tensor]| vec![gpt.logits(params, &inputs[0])];
+        let mut forward = |inputs: &[Tensor]| vec![logits(model.as_ref(), params, &inputs[0])];
         tch::no_grad(|| tch::CModule::create_by_tracing("RegattaGpt", "forward", &[example], &mut forward))
             .map_err(|e| format!("cannot trace the model: {e}"))
     }
@@ -162,7 +172,7 @@ impl Scorer {
 
     fn logits(&self, batch: &Tensor) -> Result<Tensor, String> {
         tch::no_grad(|| match &self.net {
-            Net::Gpt { gpt, params } => Ok(gpt.logits(params, batch)),
+            Net::Model { model, params } => Ok(logits(model.as_ref(), params, batch)),
             Net::Script(module) => module
                 .forward_ts(&[batch])
                 .map_err(|e| format!("the TorchScript module failed: {e}")),
@@ -234,10 +244,21 @@ impl Scorer {
     }
 }
 
+/// The context a `config.json` gives: the GPT's `context`, or a Llama's
+/// `max_position_embeddings`.
+fn model_context(json: &serde_json::Value) -> Option<usize> {
+    ["context", "max_position_embeddings"]
+        .iter()
+        .find_map(|k| json.get(*k).and_then(serde_json::Value::as_u64))
+        .map(|n| n as usize)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::initial_values;
+    use crate::engine::seeded;
+    use crate::model::Gpt;
+    use regatta_trainer::config::ModelConfig;
 
     fn scorer() -> Scorer {
         let config = ModelConfig {
@@ -245,18 +266,15 @@ mod tests {
             width: 16,
             heads: 2,
             context: 12,
+            ..ModelConfig::default()
         };
-        let gpt = Gpt::new(config.clone(), 256);
-        let weights = gpt
+        let gpt = Gpt::new(config, 256);
+        let params = gpt
             .blocks()
             .into_iter()
-            .flatten()
-            .map(|spec| {
-                let values = Tensor::from_slice(&initial_values(&spec, 5)).view(spec.shape.as_slice());
-                (spec.name, values)
-            })
+            .map(|block| block.iter().map(|spec| seeded(spec, 5)).collect())
             .collect();
-        Scorer::from_weights(config, 256, weights, TextTokenizer::Bytes, Device::Cpu).unwrap()
+        Scorer::from_model(Box::new(gpt), params, 12, TextTokenizer::Bytes, Device::Cpu)
     }
 
     #[test]
@@ -286,20 +304,6 @@ mod tests {
             );
         }
         assert!(s.tokenize("x").unwrap_err().contains("at least 2"));
-    }
-
-    #[test]
-    fn a_checkpoint_missing_a_tensor_is_refused_by_name() {
-        let config = ModelConfig {
-            layers: 1,
-            width: 16,
-            heads: 2,
-            context: 12,
-        };
-        let error = Scorer::from_weights(config, 256, Vec::new(), TextTokenizer::Bytes, Device::Cpu)
-            .err()
-            .unwrap();
-        assert!(error.contains("no wte.weight"), "{error}");
     }
 
     #[test]

@@ -9,7 +9,7 @@ use regatta_object_store::Place;
 use regatta_scorer::protocol::{is_torchscript, FromScorer, RowScore, ScorerSetup, ToScorer};
 use tch::Device;
 
-use crate::checkpoint::load_weights;
+use crate::checkpoint::open_model;
 use crate::data::TextTokenizer;
 use crate::score::Scorer;
 
@@ -42,19 +42,24 @@ fn load(setup: &ScorerSetup) -> Result<(Scorer, u64, Device), String> {
             .map_err(|e| format!("{}: {e}", setup.checkpoint))?;
         return Ok((scorer, 0, device));
     }
-    let (manifest, weights) = runtime.block_on(load_weights(&setup.checkpoint))?;
-    let spec = if setup.tokenizer.is_empty() {
-        &manifest.tokenizer
+    let (scorer, params) = runtime.block_on(open_scorer(&setup.checkpoint, &setup.tokenizer, setup.context, device))?;
+    Ok((scorer, params, device))
+}
+
+/// The scorer of a model folder or checkpoint: its tokenizer is `tokenizer` when given,
+/// else the folder's `tokenizer.json`, else the one the training run named, else bytes.
+async fn open_scorer(url: &str, tokenizer: &str, context: usize, device: Device) -> Result<(Scorer, u64), String> {
+    let (manifest, hf) = open_model(url).await.map_err(|e| e.to_string())?;
+    let tokenizer = if !tokenizer.is_empty() {
+        TextTokenizer::load(tokenizer).await?
+    } else if let Some(bytes) = hf.file("tokenizer.json").await.map_err(|e| e.to_string())? {
+        TextTokenizer::from_json(&bytes, &format!("{}/tokenizer.json", hf.url()))?
     } else {
-        &setup.tokenizer
+        TextTokenizer::load(&manifest.map(|m| m.tokenizer).unwrap_or_default()).await?
     };
-    let tokenizer = runtime.block_on(TextTokenizer::load(spec))?;
-    let params = weights.iter().map(|(_, t)| t.numel() as u64).sum();
-    Ok((
-        Scorer::from_checkpoint(&manifest, weights, tokenizer, device)?,
-        params,
-        device,
-    ))
+    let scorer = Scorer::from_folder(&hf, context, tokenizer, device).await?;
+    let params = scorer.parameters();
+    Ok((scorer, params))
 }
 
 /// `regatta-torch-rank export CHECKPOINT OUT.pt`: the checkpoint's model as a traced
@@ -64,9 +69,7 @@ pub fn export(checkpoint: &str, out: &str) -> Result<usize, String> {
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    let (manifest, weights) = runtime.block_on(load_weights(checkpoint))?;
-    let tokenizer = runtime.block_on(TextTokenizer::load(&manifest.tokenizer))?;
-    let scorer = Scorer::from_checkpoint(&manifest, weights, tokenizer, Device::Cpu)?;
+    let (scorer, _) = runtime.block_on(open_scorer(checkpoint, "", 0, Device::Cpu))?;
     let module = scorer.export()?;
     let file = tempfile_beside(out);
     module
@@ -76,7 +79,7 @@ pub fn export(checkpoint: &str, out: &str) -> Result<usize, String> {
     let _ = std::fs::remove_file(&file);
     let (place, name) = Place::file(out)?;
     runtime.block_on(place.put(&name, bytes.into()))?;
-    Ok(manifest.model.context)
+    Ok(scorer.context())
 }
 
 /// A local scratch file for libtorch's writer (the export itself may go to S3).

@@ -5,11 +5,14 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::zero::partition::ZeroStage;
+
 /// A whole training run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainConfig {
-    /// The built-in GPT model.
+    /// The model: a Hugging Face Llama-family folder, a config to initialise one from, or
+    /// the built-in GPT.
     pub model: ModelConfig,
     /// The token dataset.
     pub data: DataConfig,
@@ -18,13 +21,19 @@ pub struct TrainConfig {
     /// Checkpoints.
     pub checkpoint: CheckpointConfig,
     /// ZeRO stage: 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters).
-    pub zero_stage: u8,
+    pub zero_stage: ZeroStage,
     /// Ranks.
     pub world_size: usize,
     /// Optimizer steps.
     pub steps: u64,
-    /// Sequences per step over all ranks (a multiple of `world_size`).
-    pub batch_size: usize,
+    /// Sequences each rank runs through forward and backward at once.
+    pub micro_batch_size: usize,
+    /// Micro-batches whose gradients are summed before each optimizer step; the global
+    /// batch is `micro_batch_size * gradient_accumulation * world_size` sequences.
+    pub gradient_accumulation: usize,
+    /// Recompute each block's activations in backward instead of keeping them (always so
+    /// at ZeRO stage 3).
+    pub activation_checkpointing: bool,
     /// Seed of the initial weights.
     pub seed: u64,
     /// Resources each rank reserves, for example `{ CPU = 1 }` or `{ GPU = 1, "accelerator_type:H100" = 1 }`.
@@ -41,10 +50,18 @@ pub struct TrainConfig {
     pub stall_timeout_secs: u64,
 }
 
-/// The built-in GPT-style decoder.
+/// The model. `path` (a Hugging Face folder, local or by URL) or `config` (a Hugging Face
+/// `config.json` as a table: a randomly initialised Llama-family model) choose a
+/// Llama-family model; with neither, `layers`, `width` and `heads` shape the built-in GPT.
+/// `context` is the training sequence length for every model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelConfig {
+    /// A Hugging Face model folder: `config.json`, `model.safetensors` or shards with
+    /// `model.safetensors.index.json`, `tokenizer.json`. Local path or URL (`s3://...`).
+    pub path: String,
+    /// A Hugging Face `config.json` inline: the model starts from seeded random weights.
+    pub config: Option<serde_json::Value>,
     /// Transformer blocks.
     pub layers: usize,
     /// Embedding width.
@@ -81,6 +98,25 @@ pub struct OptimizerConfig {
     pub weight_decay: f64,
     /// Steps over which the learning rate rises linearly from lr/warmup_steps to lr.
     pub warmup_steps: u64,
+    /// After warm-up: `constant`, or `linear` / `cosine` decay to `min_lr` at the last step.
+    pub schedule: Schedule,
+    /// The floor the schedule decays to.
+    pub min_lr: f64,
+    /// Gradients are scaled so their global L2 norm (over every rank's shard) is at most
+    /// this, as `torch.nn.utils.clip_grad_norm_` defines it; 0 turns clipping off.
+    pub max_grad_norm: f64,
+}
+
+/// The learning rate after warm-up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// Stays at `lr`.
+    Constant,
+    /// Falls linearly to `min_lr`.
+    Linear,
+    /// Falls along a half cosine to `min_lr`.
+    Cosine,
 }
 
 /// Where and how often checkpoints are written.
@@ -105,10 +141,12 @@ impl Default for TrainConfig {
             data: DataConfig::default(),
             optimizer: OptimizerConfig::default(),
             checkpoint: CheckpointConfig::default(),
-            zero_stage: 2,
+            zero_stage: ZeroStage::Two,
             world_size: 2,
             steps: 100,
-            batch_size: 8,
+            micro_batch_size: 4,
+            gradient_accumulation: 1,
+            activation_checkpointing: false,
             seed: 1234,
             resources: BTreeMap::from([("CPU".to_string(), 1.0)]),
             strategy: "SPREAD".into(),
@@ -123,6 +161,8 @@ impl Default for TrainConfig {
 impl Default for ModelConfig {
     fn default() -> Self {
         Self {
+            path: String::new(),
+            config: None,
             layers: 2,
             width: 64,
             heads: 4,
@@ -149,6 +189,9 @@ impl Default for OptimizerConfig {
             eps: 1e-8,
             weight_decay: 0.01,
             warmup_steps: 10,
+            schedule: Schedule::Cosine,
+            min_lr: 3e-4,
+            max_grad_norm: 1.0,
         }
     }
 }
@@ -168,12 +211,21 @@ impl Default for CheckpointConfig {
 pub const BYTE_VOCAB: usize = 256;
 
 impl OptimizerConfig {
-    /// The learning rate of step `step` (1 for the first).
-    pub fn lr_at(&self, step: u64) -> f64 {
-        if step >= self.warmup_steps {
-            self.lr
-        } else {
-            self.lr * step.max(1) as f64 / self.warmup_steps as f64
+    /// The learning rate of step `step` (1 for the first) of a run of `steps` steps.
+    pub fn lr_at(&self, step: u64, steps: u64) -> f64 {
+        if step < self.warmup_steps {
+            return self.lr * step.max(1) as f64 / self.warmup_steps as f64;
+        }
+        let span = steps.saturating_sub(self.warmup_steps);
+        if span == 0 {
+            return self.lr;
+        }
+        let progress = ((step - self.warmup_steps) as f64 / span as f64).min(1.0);
+        let drop = self.lr - self.min_lr;
+        match self.schedule {
+            Schedule::Constant => self.lr,
+            Schedule::Linear => self.lr - drop * progress,
+            Schedule::Cosine => self.min_lr + drop * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()),
         }
     }
 }
@@ -191,23 +243,23 @@ impl TrainConfig {
     pub fn validate(&self) -> Result<(), String> {
         let m = &self.model;
         let o = &self.optimizer;
-        let checks: [(bool, String); 14] = [
+        let checks: [(bool, String); 16] = [
             (
-                (1..=3).contains(&self.zero_stage),
-                format!("zero_stage must be 1, 2 or 3, not {}", self.zero_stage),
+                (1..=4096).contains(&self.micro_batch_size),
+                format!("micro_batch_size must be 1..=4096, not {}", self.micro_batch_size),
+            ),
+            (
+                (1..=4096).contains(&self.gradient_accumulation),
+                format!(
+                    "gradient_accumulation must be 1..=4096, not {}",
+                    self.gradient_accumulation
+                ),
             ),
             (
                 (1..=64).contains(&self.world_size),
                 format!("world_size must be 1..=64, not {}", self.world_size),
             ),
             (self.steps >= 1, "steps must be at least 1".into()),
-            (
-                self.batch_size >= self.world_size && self.batch_size.is_multiple_of(self.world_size),
-                format!(
-                    "batch_size ({}) must be a positive multiple of world_size ({})",
-                    self.batch_size, self.world_size
-                ),
-            ),
             (
                 (1..=128).contains(&m.layers),
                 format!("model.layers must be 1..=128, not {}", m.layers),
@@ -237,6 +289,17 @@ impl TrainConfig {
                 "optimizer.eps must be positive and weight_decay non-negative".into(),
             ),
             (
+                o.min_lr.is_finite() && o.min_lr >= 0.0 && o.min_lr <= o.lr,
+                format!("optimizer.min_lr must lie in [0, lr = {}], not {}", o.lr, o.min_lr),
+            ),
+            (
+                o.max_grad_norm.is_finite() && o.max_grad_norm >= 0.0,
+                format!(
+                    "optimizer.max_grad_norm must be 0 (off) or positive, not {}",
+                    o.max_grad_norm
+                ),
+            ),
+            (
                 matches!(self.device.as_str(), "auto" | "cpu" | "cuda"),
                 format!("device must be auto, cpu or cuda, not {:?}", self.device),
             ),
@@ -249,6 +312,14 @@ impl TrainConfig {
                 "data.path must name the token dataset".into(),
             ),
         ];
+        if !self.model.path.is_empty() && self.model.config.is_some() {
+            return Err(
+                "model.path and model.config are exclusive: load a model or initialise one from a config".into(),
+            );
+        }
+        if let Some(config) = &self.model.config {
+            crate::hf::LlamaConfig::from_json(config, "model.config").map_err(|e| e.to_string())?;
+        }
         if let Some((_, message)) = checks.into_iter().find(|(ok, _)| !ok) {
             return Err(message);
         }
@@ -270,19 +341,34 @@ impl TrainConfig {
     /// Makes relative local paths (data, checkpoints) absolute against `base`, so ranks on
     /// any node resolve them the same way. URLs are left alone.
     pub fn resolve_paths(&mut self, base: &std::path::Path) {
-        for path in [&mut self.data.path, &mut self.data.tokenizer, &mut self.checkpoint.dir] {
+        for path in [
+            &mut self.data.path,
+            &mut self.data.tokenizer,
+            &mut self.checkpoint.dir,
+            &mut self.model.path,
+        ] {
             *path = regatta_object_store::absolute(path, base);
         }
     }
 
-    /// Sequences each rank takes per step.
+    /// Sequences each rank takes per optimizer step (every micro-batch).
     pub fn per_rank_batch(&self) -> usize {
-        self.batch_size / self.world_size.max(1)
+        self.micro_batch_size * self.gradient_accumulation
+    }
+
+    /// Sequences one optimizer step trains on, over all ranks.
+    pub fn global_batch(&self) -> usize {
+        self.per_rank_batch() * self.world_size
     }
 
     /// Tokens one step trains on, over all ranks.
     pub fn tokens_per_step(&self) -> u64 {
-        (self.batch_size * self.model.context) as u64
+        (self.global_batch() * self.model.context) as u64
+    }
+
+    /// The learning rate of step `step` (1 for the first).
+    pub fn lr_at(&self, step: u64) -> f64 {
+        self.optimizer.lr_at(step, self.steps)
     }
 }
 
@@ -300,7 +386,7 @@ mod tests {
         let text = r#"
             zero_stage = 3
             world_size = 3
-            batch_size = 6
+            micro_batch_size = 2
             resources = { GPU = 1, "accelerator_type:H100" = 1 }
             [model]
             layers = 4
@@ -309,22 +395,74 @@ mod tests {
             interval = 10
         "#;
         let config = TrainConfig::from_toml(text).unwrap();
-        assert_eq!((config.zero_stage, config.world_size, config.model.layers), (3, 3, 4));
+        assert_eq!(
+            (config.zero_stage, config.world_size, config.model.layers),
+            (ZeroStage::Three, 3, 4)
+        );
         assert_eq!(config.resources["accelerator_type:H100"], 1.0);
         assert_eq!(config.checkpoint.dir, "s3://bucket/run");
-        assert_eq!(config.per_rank_batch(), 2);
+        assert_eq!((config.per_rank_batch(), config.global_batch()), (2, 6));
     }
 
     #[test]
-    fn warmup_rises_linearly_to_the_learning_rate() {
+    fn every_world_size_works_with_the_defaults() {
+        for world in 1..=8 {
+            let config = TrainConfig::from_toml(&format!("world_size = {world}")).unwrap();
+            assert_eq!(config.global_batch(), 4 * world);
+        }
+        let config = TrainConfig::from_toml("world_size = 3\ngradient_accumulation = 4").unwrap();
+        assert_eq!(config.global_batch(), 48);
+    }
+
+    #[test]
+    fn a_hugging_face_model_is_named_by_path_or_config() {
+        let config = TrainConfig::from_toml("[model]\npath = \"s3://models/llama\"").unwrap();
+        assert_eq!(config.model.path, "s3://models/llama");
+        let text = r#"
+            [model.config]
+            architectures = ["Qwen2ForCausalLM"]
+            hidden_size = 64
+            intermediate_size = 96
+            num_hidden_layers = 2
+            num_attention_heads = 4
+            vocab_size = 300
+        "#;
+        let config = TrainConfig::from_toml(text).unwrap();
+        assert_eq!(config.model.config.as_ref().unwrap()["hidden_size"], 64);
+        let error = TrainConfig::from_toml(&text.replace("Qwen2", "Gemma")).unwrap_err();
+        assert!(
+            error.contains("GemmaForCausalLM") && error.contains("model.config"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn warmup_rises_linearly_then_decays_to_the_floor() {
         let o = OptimizerConfig {
             lr: 1.0,
             warmup_steps: 4,
+            schedule: Schedule::Constant,
+            min_lr: 0.0,
             ..OptimizerConfig::default()
         };
-        let rates: Vec<f64> = (1..=6).map(|s| o.lr_at(s)).collect();
+        let rates: Vec<f64> = (1..=6).map(|s| o.lr_at(s, 6)).collect();
         assert_eq!(rates, vec![0.25, 0.5, 0.75, 1.0, 1.0, 1.0]);
-        assert_eq!(OptimizerConfig { warmup_steps: 0, ..o }.lr_at(1), 1.0);
+        let linear = OptimizerConfig {
+            schedule: Schedule::Linear,
+            min_lr: 0.2,
+            ..o.clone()
+        };
+        let rates: Vec<f64> = (4..=8).map(|s| linear.lr_at(s, 8)).collect();
+        for (got, want) in rates.iter().zip([1.0, 0.8, 0.6, 0.4, 0.2]) {
+            assert!((got - want).abs() < 1e-12, "{rates:?}");
+        }
+        let cosine = OptimizerConfig {
+            schedule: Schedule::Cosine,
+            ..linear
+        };
+        assert!((cosine.lr_at(6, 8) - 0.6).abs() < 1e-12, "halfway is the mean");
+        assert!((cosine.lr_at(8, 8) - 0.2).abs() < 1e-12 && cosine.lr_at(9, 8) >= 0.2);
+        assert_eq!(OptimizerConfig { warmup_steps: 0, ..o }.lr_at(1, 6), 1.0);
     }
 
     #[test]
@@ -340,10 +478,11 @@ mod tests {
     fn bad_values_and_typos_are_named() {
         let cases = [
             ("zero_stage = 4", "zero_stage"),
-            (
-                "world_size = 3\nbatch_size = 8",
-                "batch_size (8) must be a positive multiple of world_size (3)",
-            ),
+            ("batch_size = 8", "unknown field `batch_size`"),
+            ("micro_batch_size = 0", "micro_batch_size must be"),
+            ("[optimizer]\nmin_lr = 1.0", "optimizer.min_lr"),
+            ("[optimizer]\nschedule = \"step\"", "unknown variant"),
+            ("[model]\npath = \"m\"\n[model.config]\nvocab_size = 3", "exclusive"),
             ("[model]\nheads = 5", "model.heads (5) must divide"),
             ("strategy = \"EVERYWHERE\"", "unknown placement strategy"),
             ("zero_stag = 1", "unknown field"),

@@ -19,11 +19,11 @@ fn reference(args: &[String]) -> Result<(), String> {
     let mut config = TrainConfig::from_toml(&text)?;
     config.resolve_paths(&std::env::current_dir().map_err(|e| e.to_string())?);
     let partitions: usize = partitions.parse().map_err(|e| format!("bad partition count: {e}"))?;
-    let (losses, weights) = reference_run(&config, partitions, &builtin_model)?;
+    let (losses, weights) = reference_run(&config, partitions, &builtin_model).map_err(|e| e.to_string())?;
     for loss in losses {
         println!("{loss}");
     }
-    let bytes = checkpoint::to_safetensors(&weights)?;
+    let bytes = checkpoint::to_safetensors(&weights).map_err(|e| e.to_string())?;
     std::fs::write(out, bytes).map_err(|e| format!("cannot write {out}: {e}"))
 }
 

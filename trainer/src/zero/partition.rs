@@ -100,8 +100,9 @@ impl FlatLayout {
     }
 }
 
-/// What ZeRO partitions, by stage.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What ZeRO partitions, by stage. In configs and manifests it is the number 1, 2 or 3.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "u8", into = "u8")]
 pub enum ZeroStage {
     /// Optimizer state.
     One,
@@ -109,6 +110,35 @@ pub enum ZeroStage {
     Two,
     /// Optimizer state, gradients and parameters.
     Three,
+}
+
+impl TryFrom<u8> for ZeroStage {
+    type Error = String;
+
+    fn try_from(number: u8) -> Result<Self, String> {
+        match number {
+            1 => Ok(Self::One),
+            2 => Ok(Self::Two),
+            3 => Ok(Self::Three),
+            other => Err(format!("ZeRO stage {other} does not exist; use 1, 2 or 3")),
+        }
+    }
+}
+
+impl From<ZeroStage> for u8 {
+    fn from(stage: ZeroStage) -> u8 {
+        match stage {
+            ZeroStage::One => 1,
+            ZeroStage::Two => 2,
+            ZeroStage::Three => 3,
+        }
+    }
+}
+
+impl std::fmt::Display for ZeroStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", u8::from(*self))
+    }
 }
 
 /// Bytes of training state one rank holds (fp32 parameters and gradients; AdamW keeps a

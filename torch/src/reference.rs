@@ -1,0 +1,84 @@
+//! The plain single-process training loop the ZeRO engine is proven against: the model's
+//! parameters as libtorch variables, one forward over the whole global batch, libtorch's
+//! own autograd (`backward`), `clip_grad_norm` and libtorch's `AdamW` (weight decay only
+//! on matrices, as the engine does). It shares nothing with [`crate::engine`] but the
+//! model's forward.
+
+use regatta_trainer::config::OptimizerConfig;
+use tch::nn::{self, OptimizerConfig as _};
+use tch::{Device, Kind, Tensor};
+
+use crate::engine::{token_loss_sum, MicroBatch, IGNORE};
+use std::collections::HashMap;
+
+use crate::error::Result;
+use crate::model::{arrange, Batch, Model, ParamSpec};
+
+/// Tensors by name.
+pub type NamedTensors = Vec<(String, Tensor)>;
+
+/// Trains `model` from `init`'s weights for one step per entry of `steps` (each a global
+/// batch, as micro-batches concatenated into one forward); returns each step's loss and the
+/// final weights (stored parameters, by name).
+pub fn plain_run(
+    model: &dyn Model,
+    init: &mut dyn FnMut(&ParamSpec) -> Result<Tensor>,
+    steps: &[Vec<MicroBatch>],
+    optimizer: &OptimizerConfig,
+) -> Result<(Vec<f64>, NamedTensors)> {
+    let store = nn::VarStore::new(Device::Cpu);
+    let root = store.root();
+    let mut stored = Vec::new();
+    for spec in model.blocks().iter().flatten().filter(|s| s.tied_to.is_none()) {
+        let group = if spec.decays() { 0 } else { 1 };
+        // VarStore names may not hold dots.
+        let var = root
+            .set_group(group)
+            .var_copy(&spec.name.replace('.', "_"), &init(spec)?.to_kind(Kind::Float));
+        stored.push((spec.name.clone(), var));
+    }
+    let by_name: HashMap<String, Tensor> = stored.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    let params = arrange(model, &by_name)?;
+    let mut opt = nn::AdamW {
+        beta1: optimizer.beta1,
+        beta2: optimizer.beta2,
+        wd: optimizer.weight_decay,
+        eps: optimizer.eps,
+        amsgrad: false,
+    }
+    .build(&store, optimizer.lr)?;
+    opt.set_weight_decay_group(0, optimizer.weight_decay);
+    opt.set_weight_decay_group(1, 0.0);
+    let total = steps.len() as u64;
+    let mut losses = Vec::with_capacity(steps.len());
+    for (step, micro) in steps.iter().enumerate() {
+        let cat = |pick: &dyn Fn(&MicroBatch) -> Tensor| Tensor::cat(&micro.iter().map(pick).collect::<Vec<_>>(), 0);
+        let tokens = cat(&|m| m.tokens.shallow_clone());
+        let targets = cat(&|m| m.targets.shallow_clone());
+        let mut batch = match micro.first().and_then(|m| m.documents.as_ref()) {
+            Some(_) => Batch::packed(&cat(&|m| {
+                m.documents
+                    .as_ref()
+                    .map_or_else(|| m.tokens.zeros_like(), Tensor::shallow_clone)
+            })),
+            None => Batch::plain(&tokens),
+        };
+        model.prepare(&mut batch);
+        opt.zero_grad();
+        let mut hidden = tokens.shallow_clone();
+        for (block, p) in params.iter().enumerate() {
+            hidden = model.forward(block, p, &hidden, &batch);
+        }
+        let count = targets.ne(IGNORE).sum(Kind::Float);
+        let loss = token_loss_sum(&hidden, &targets) / count;
+        loss.backward();
+        if optimizer.max_grad_norm > 0.0 {
+            opt.clip_grad_norm(optimizer.max_grad_norm);
+        }
+        opt.set_lr(optimizer.lr_at(step as u64 + 1, total));
+        opt.step();
+        losses.push(loss.double_value(&[]));
+    }
+    let weights = stored.into_iter().map(|(name, t)| (name, t.detach().copy())).collect();
+    Ok((losses, weights))
+}

@@ -1,0 +1,372 @@
+#![allow(clippy::unwrap_used)]
+//! Regatta's Llama-family models against Hugging Face `transformers`, on fixtures that
+//! `scripts/make-hf-fixtures.py` made with it (randomly initialised Llama with Llama 3
+//! rope scaling and sharded weights, Mistral with one KV head, Qwen2 with q/k/v biases and
+//! tied embeddings): logits, loss and every parameter's gradient; checkpoints in Hugging
+//! Face layout; packed documents; gradient accumulation.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use regatta_torch::checkpoint::{self, Manifest, SaveSpec};
+use regatta_torch::collective::Solo;
+use regatta_torch::engine::{token_loss_sum, IGNORE};
+use regatta_torch::model::{arrange, logits};
+use regatta_torch::{tch, Batch, Engine, EngineSettings, HfModel, MicroBatch, Model};
+use regatta_trainer::config::OptimizerConfig;
+use regatta_trainer::{TrainConfig, ZeroStage};
+use tch::{Device, Kind, Tensor};
+
+const FIXTURES: [&str; 3] = ["llama", "mistral", "qwen2"];
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn reference(name: &str) -> HashMap<String, Tensor> {
+    Tensor::read_safetensors(fixture(name).join("reference.safetensors"))
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+/// The model of a folder with its weights as leaves that require gradients (tied
+/// parameters share their source's tensor); returns the stored leaves by name too.
+fn load(dir: &Path) -> (Box<dyn Model>, Vec<Vec<Tensor>>, Vec<(String, Tensor)>) {
+    let rt = runtime();
+    let hf = rt.block_on(HfModel::open(dir.to_str().unwrap())).unwrap();
+    let model = hf.model().unwrap();
+    hf.check(model.as_ref()).unwrap();
+    let stored: Vec<(String, Tensor)> = model
+        .blocks()
+        .into_iter()
+        .flatten()
+        .filter(|spec| spec.tied_to.is_none())
+        .map(|spec| {
+            let t = rt
+                .block_on(hf.read(&spec, Device::Cpu))
+                .unwrap()
+                .set_requires_grad(true);
+            (spec.name, t)
+        })
+        .collect();
+    let by_name: HashMap<String, Tensor> = stored.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    let params = arrange(model.as_ref(), &by_name).unwrap();
+    (model, params, stored)
+}
+
+fn max_abs(t: &Tensor) -> f64 {
+    t.abs().max().double_value(&[])
+}
+
+#[test]
+fn logits_loss_and_every_gradient_match_transformers() {
+    tch::set_num_threads(1);
+    for name in FIXTURES {
+        let expected = reference(name);
+        let (model, params, stored) = load(&fixture(name));
+        let ids = &expected["input_ids"];
+        let labels = &expected["labels"];
+        let out = logits(model.as_ref(), &params, ids);
+        let logit_diff = max_abs(&(&out - &expected["logits"]));
+        assert!(logit_diff < 1e-4, "{name}: logits differ by {logit_diff}");
+        // transformers shifts: position t predicts label t + 1.
+        let time = ids.size()[1];
+        let targets = labels.narrow(1, 1, time - 1);
+        let count = targets.ne(IGNORE).sum(Kind::Float);
+        let loss = token_loss_sum(&out.narrow(1, 0, time - 1), &targets) / count;
+        let loss_diff = (loss.double_value(&[]) - expected["loss"].double_value(&[0])).abs();
+        assert!(loss_diff < 1e-5, "{name}: loss differs by {loss_diff}");
+        loss.backward();
+        let mut seen = 0;
+        for (pname, leaf) in &stored {
+            let want = &expected[&format!("grad.{pname}")];
+            let got = leaf.grad();
+            assert_eq!(got.size(), want.size(), "{name}: {pname}");
+            let relative = max_abs(&(&got - want)) / max_abs(want).max(1e-12);
+            assert!(
+                relative < 1e-4,
+                "{name}: gradient of {pname} differs by {relative} (relative)"
+            );
+            seen += 1;
+        }
+        let expected_grads = expected.keys().filter(|k| k.starts_with("grad.")).count();
+        assert_eq!(seen, expected_grads, "{name}: every parameter's gradient is compared");
+    }
+}
+
+#[test]
+fn a_changed_document_changes_nothing_in_the_next_one_of_a_packed_row() {
+    tch::set_num_threads(1);
+    let (model, params, _) = load(&fixture("llama"));
+    let run = |tokens: &[i64], documents: &[i64]| {
+        let tokens = Tensor::from_slice(tokens).view([1, -1]);
+        let mut batch = Batch::packed(&Tensor::from_slice(documents).view([1, -1]));
+        model.prepare(&mut batch);
+        let mut hidden = tokens;
+        for (block, p) in params.iter().enumerate() {
+            hidden = model.forward(block, p, &hidden, &batch);
+        }
+        hidden.detach()
+    };
+    let docs = [0i64, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1];
+    let a = run(&[5, 6, 7, 8, 9, 40, 41, 42, 43, 44, 45], &docs);
+    let b = run(&[100, 200, 300, 301, 302, 40, 41, 42, 43, 44, 45], &docs);
+    let first = |t: &Tensor| t.narrow(1, 0, 5);
+    let second = |t: &Tensor| t.narrow(1, 5, 6);
+    assert!(
+        max_abs(&(first(&a) - first(&b))) > 1e-3,
+        "the changed document's logits change"
+    );
+    assert!(
+        max_abs(&(second(&a) - second(&b))) < 1e-6,
+        "the next document's logits do not change"
+    );
+    // And the second document reads exactly as if it stood alone (positions restart).
+    let alone = run(&[40, 41, 42, 43, 44, 45], &[0; 6]);
+    assert!(max_abs(&(second(&a) - alone)) < 1e-5);
+}
+
+fn settings(steps: u64) -> EngineSettings {
+    EngineSettings {
+        stage: ZeroStage::Two,
+        optimizer: OptimizerConfig {
+            max_grad_norm: 0.0,
+            ..OptimizerConfig::default()
+        },
+        steps,
+        device: Device::Cpu,
+        compute: Kind::Float,
+        activation_checkpointing: false,
+    }
+}
+
+fn engine_from(dir: &Path, settings: EngineSettings) -> Engine {
+    let rt = runtime();
+    let hf = rt.block_on(HfModel::open(dir.to_str().unwrap())).unwrap();
+    let model = hf.model().unwrap();
+    let mut init = |spec: &regatta_torch::ParamSpec| rt.block_on(hf.read(spec, Device::Cpu));
+    Engine::new(model, Box::new(Solo), settings, &mut init).unwrap()
+}
+
+fn sequences(rows: i64, seed: i64) -> (Tensor, Tensor) {
+    let all = (Tensor::arange(rows * 17, (Kind::Int64, Device::Cpu)) * 7 + seed * 13).remainder(509) + 3;
+    let all = all.view([rows, 17]);
+    (all.narrow(1, 0, 16).copy(), all.narrow(1, 1, 16).copy())
+}
+
+#[test]
+fn four_micro_batches_of_b_equal_one_batch_of_4b() {
+    tch::set_num_threads(1);
+    let (tokens, targets) = sequences(8, 1);
+    // A prompt: no loss on the first tokens of every row.
+    let _ = targets.narrow(1, 0, 3).fill_(IGNORE);
+    let whole = vec![MicroBatch {
+        tokens: tokens.shallow_clone(),
+        targets: targets.shallow_clone(),
+        documents: None,
+    }];
+    let parts: Vec<MicroBatch> = (0..4)
+        .map(|i| MicroBatch {
+            tokens: tokens.narrow(0, 2 * i, 2),
+            targets: targets.narrow(0, 2 * i, 2),
+            documents: None,
+        })
+        .collect();
+    for name in ["llama", "qwen2"] {
+        let mut one = engine_from(&fixture(name), settings(2));
+        let mut four = engine_from(&fixture(name), settings(2));
+        for _ in 0..2 {
+            let a = one.train_step(&whole).unwrap();
+            let b = four.train_step(&parts).unwrap();
+            assert!((a.loss - b.loss).abs() < 1e-5, "{name}: {} vs {}", a.loss, b.loss);
+            assert_eq!(a.target_tokens, 8 * 13);
+        }
+        let (wa, wb) = (one.consolidated().unwrap(), four.consolidated().unwrap());
+        for ((n, a), (_, b)) in wa.iter().zip(&wb) {
+            assert!(max_abs(&(a - b)) < 1e-5, "{name}: {n}");
+        }
+    }
+}
+
+fn dtype_and_shapes(dir: &Path) -> Vec<(String, String, Vec<i64>)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let file = path.file_name().unwrap().to_string_lossy().to_string();
+        if !file.starts_with("model") || !file.ends_with(".safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        for (name, info) in header.as_object().unwrap() {
+            if name == "__metadata__" {
+                continue;
+            }
+            let shape = info["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_i64().unwrap())
+                .collect();
+            out.push((name.clone(), info["dtype"].as_str().unwrap().to_string(), shape));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn a_checkpoint_reloads_with_identical_logits_and_the_fixtures_names_shapes_and_dtypes() {
+    tch::set_num_threads(1);
+    let rt = runtime();
+    for name in FIXTURES {
+        let dir = std::env::temp_dir().join(format!("regatta-hf-ckpt-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut engine = engine_from(&fixture(name), settings(1));
+        let (tokens, targets) = sequences(2, 3);
+        engine
+            .train_step(&[MicroBatch {
+                tokens,
+                targets,
+                documents: None,
+            }])
+            .unwrap();
+        let place = regatta_object_store::Place::dir(dir.to_str().unwrap()).unwrap();
+        let hf = rt.block_on(HfModel::open(fixture(name).to_str().unwrap())).unwrap();
+        let side = rt.block_on(hf.side_files()).unwrap();
+        let config = TrainConfig::default();
+        let manifest = Manifest {
+            step: 1,
+            world: 1,
+            zero_stage: ZeroStage::Two,
+            model: config.model.clone(),
+            vocab: 512,
+            tokenizer: String::new(),
+            params: engine.parameter_count(),
+            positions: vec![2],
+            files: Vec::new(),
+            data: config.data.clone(),
+            micro_batch_size: 2,
+            gradient_accumulation: 1,
+        };
+        // Small shards: the trained model is written in several files with an index.
+        let spec = SaveSpec {
+            manifest,
+            side_files: &side,
+            shard_bytes: 100_000,
+        };
+        let url = checkpoint::save(&rt, &place, &mut engine, 0, 1, spec).unwrap();
+        assert!(url.ends_with("step-00000001"), "{url}");
+        let step_dir = dir.join("step-00000001");
+        assert!(
+            step_dir.join("model.safetensors.index.json").is_file(),
+            "{name}: sharded with an index"
+        );
+        assert!(step_dir.join("tokenizer.json").is_file() && step_dir.join("config.json").is_file());
+        assert_eq!(dtype_and_shapes(&step_dir), dtype_and_shapes(&fixture(name)), "{name}");
+        // Reloaded by the checkpoint reader: the same logits as the engine's weights.
+        let (model, params, _) = load(&step_dir);
+        let ids = &reference(name)["input_ids"];
+        let reloaded = logits(model.as_ref(), &params, ids);
+        let weights: HashMap<String, Tensor> = engine.consolidated().unwrap().into_iter().collect();
+        let direct = arrange(engine.model(), &weights).unwrap();
+        let fresh = logits(engine.model(), &direct, ids);
+        assert_eq!(max_abs(&(reloaded - fresh)), 0.0, "{name}: identical logits");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn bad_model_folders_name_the_file_and_the_problem() {
+    let rt = runtime();
+    let dir = std::env::temp_dir().join(format!("regatta-hf-bad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let open = |d: &Path| {
+        rt.block_on(HfModel::open(d.to_str().unwrap()))
+            .err()
+            .map(|e| e.to_string())
+    };
+    let error = open(&dir).unwrap();
+    assert!(error.contains("has no config.json"), "{error}");
+    let config = std::fs::read_to_string(fixture("qwen2").join("config.json")).unwrap();
+    std::fs::write(dir.join("config.json"), &config).unwrap();
+    let error = open(&dir).unwrap();
+    assert!(
+        error.contains("model.safetensors") && error.contains("cannot be read"),
+        "{error}"
+    );
+    std::fs::write(dir.join("model.safetensors"), b"\xff\xff\xff\xff\xff\xff\xff\x7fjunk").unwrap();
+    let error = open(&dir).unwrap();
+    assert!(error.contains("not a safetensors file"), "{error}");
+    // Weights of another shape than config.json implies.
+    std::fs::copy(
+        fixture("qwen2").join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        config.replace("\"intermediate_size\": 160", "\"intermediate_size\": 128"),
+    )
+    .unwrap();
+    let hf = rt.block_on(HfModel::open(dir.to_str().unwrap())).unwrap();
+    let error = hf.check(hf.model().unwrap().as_ref()).unwrap_err().to_string();
+    assert!(
+        error.contains("mlp.gate_proj.weight") && error.contains("[160, 64]") && error.contains("[128, 64]"),
+        "{error}"
+    );
+    std::fs::write(
+        dir.join("config.json"),
+        config.replace("Qwen2ForCausalLM", "GPTNeoXForCausalLM"),
+    )
+    .unwrap();
+    let hf = rt.block_on(HfModel::open(dir.to_str().unwrap())).unwrap();
+    let error = hf.model().err().unwrap().to_string();
+    assert!(
+        error.contains("GPTNeoXForCausalLM") && error.contains("config.json"),
+        "{error}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_scorer_reads_a_model_folder_and_scores_as_transformers_logits_imply() {
+    tch::set_num_threads(1);
+    use regatta_torch::data::TextTokenizer;
+    use regatta_torch::score::Scorer;
+    let rt = runtime();
+    for name in FIXTURES {
+        let hf = rt.block_on(HfModel::open(fixture(name).to_str().unwrap())).unwrap();
+        let tokenizer = rt
+            .block_on(TextTokenizer::load(
+                fixture(name).join("tokenizer.json").to_str().unwrap(),
+            ))
+            .unwrap();
+        let scorer = rt
+            .block_on(Scorer::from_folder(&hf, 0, tokenizer, Device::Cpu))
+            .unwrap();
+        assert_eq!(scorer.context(), 128, "{name}: max_position_embeddings");
+        let expected = reference(name);
+        let ids: Vec<i64> = Vec::<i64>::try_from(expected["input_ids"].get(1)).unwrap();
+        let scored = scorer.score(&[(ids.clone(), false)], 0).unwrap();
+        let log_probs = expected["logits"].get(1).log_softmax(-1, Kind::Double);
+        let want: f64 = (0..ids.len() - 1)
+            .map(|t| log_probs.double_value(&[t as i64, ids[t + 1]]))
+            .sum();
+        let got = scored[0].log_likelihood;
+        assert!(
+            (got - want).abs() < 1e-3,
+            "{name}: log-likelihood {got} vs transformers' {want}"
+        );
+    }
+}
