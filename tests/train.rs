@@ -63,6 +63,43 @@ fn qwen2_config(dir: &Path) -> PathBuf {
     path
 }
 
+/// The Mistral fixture (one KV head) fine-tuned on instruction rows in JSONL: prompt and
+/// response pairs and chats rendered with a ChatML template, packed into rows of 16 with
+/// attention and loss kept inside each document and off the prompts.
+fn mistral_sft_config(dir: &Path) -> PathBuf {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let tokenizer = dir.join("tokenizer");
+    std::fs::create_dir_all(&tokenizer).unwrap();
+    std::fs::copy(format!("{root}/data/tokenizer.json"), tokenizer.join("tokenizer.json")).unwrap();
+    let template = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+    let settings = serde_json::json!({"eos_token": "</s>", "chat_template": template});
+    std::fs::write(tokenizer.join("tokenizer_config.json"), settings.to_string()).unwrap();
+    let rows: String = (0..60)
+        .map(|i| {
+            let row = if i % 2 == 0 {
+                serde_json::json!({"prompt": format!("Question {i}: what is {i} plus one?"), "response": format!(" It is {}.", i + 1)})
+            } else {
+                serde_json::json!({"messages": [
+                    {"role": "system", "content": "Answer briefly."},
+                    {"role": "user", "content": format!("Say {i} twice.")},
+                    {"role": "assistant", "content": format!("{i} {i}")}]})
+            };
+            format!("{row}\n")
+        })
+        .collect();
+    let data = dir.join("sft.jsonl");
+    std::fs::write(&data, rows).unwrap();
+    let path = dir.join("mistral-sft.toml");
+    let text = format!(
+        "steps = 3\nmicro_batch_size = 2\ngradient_accumulation = 2\n[model]\npath = \"{root}/torch/tests/fixtures/mistral\"\ncontext = 16\n\
+         [data]\npath = \"{}\"\ntokenizer = \"{}\"\n",
+        data.display(),
+        tokenizer.join("tokenizer.json").display()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
 /// name -> (shape, values) of a safetensors file.
 fn read_weights(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -126,7 +163,8 @@ fn zero_stages_over_worker_processes_match_single_process_adamw() {
     let dir = temp_dir("train-zero");
     let gpt = write_config(&dir, SMALL);
     let qwen2 = qwen2_config(&dir);
-    for (model, config, steps) in [("gpt", &gpt, 5u64), ("qwen2", &qwen2, 3)] {
+    let sft = mistral_sft_config(&dir);
+    for (model, config, steps) in [("gpt", &gpt, 5u64), ("qwen2", &qwen2, 3), ("mistral-sft", &sft, 3)] {
         let config_arg = config.to_str().unwrap();
         for world in [2usize, 3] {
             let reference = dir.join(format!("reference-{model}-{world}.safetensors"));

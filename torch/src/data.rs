@@ -1,8 +1,14 @@
-//! The token dataset as a rank reads it: only its own partitions' byte ranges, through
-//! `object_store`. Tokens are bytes by default (token id = byte value); with a Hugging Face
-//! `tokenizer.json` the file is split into byte ranges per partition and each range is
-//! tokenized by the rank that owns it.
+//! The dataset as a rank reads it, through `object_store`: only its own partitions.
+//! A text file is one token stream (bytes are tokens by default; with a Hugging Face
+//! `tokenizer.json` each partition's byte range is tokenized by the rank that owns it).
+//! JSONL (split by byte ranges, a line belonging to the range it starts in) and Parquet
+//! (split by rows) hold documents: `text`, `prompt`/`response` or chat `messages`, turned
+//! into token ids with loss marks by [`regatta_trainer::documents`] and packed into rows
+//! whose attention and loss stay inside each document.
 
+use regatta_scorer::{byte_ranges, owned_lines, read_window};
+use regatta_trainer::config::DataFormat;
+use regatta_trainer::documents::{Document, Packed, Record, TokenizerSettings};
 use regatta_trainer::{chunks, DataLayout, BYTE_VOCAB};
 use tch::{Kind, Tensor};
 
@@ -71,82 +77,229 @@ impl TextTokenizer {
     }
 }
 
+/// One loaded partition: a slice of a text stream, or packed document rows.
+enum Part {
+    /// Token ids and the sequences they make.
+    Stream(Vec<i64>, usize),
+    /// Documents packed into rows.
+    Packed(Packed),
+}
+
+impl Part {
+    fn sequences(&self) -> usize {
+        match self {
+            Self::Stream(_, sequences) => *sequences,
+            Self::Packed(packed) => packed.rows(),
+        }
+    }
+}
+
 /// The partitions one process trains on (one for a rank; all of them for the
 /// single-process reference run).
 pub struct RankData {
     context: usize,
-    /// Token ids and sequence count of each loaded partition.
-    loaded: Vec<(Vec<i64>, usize)>,
+    loaded: Vec<Part>,
+    /// Whether rows are packed documents (attention stays inside each).
+    documents: bool,
+}
+
+/// Where partition `p` of a dataset is and how it reads.
+pub struct DataSource<'a> {
+    /// The dataset's path or URL.
+    pub path: &'a str,
+    /// How it reads.
+    pub format: DataFormat,
+    /// Text to token ids.
+    pub tokenizer: &'a TextTokenizer,
+    /// Special tokens and chat template for document rows.
+    pub settings: &'a TokenizerSettings,
 }
 
 impl RankData {
-    /// Reads partitions `which` of `partitions` from the dataset at `path`.
+    /// Reads partitions `which` of `partitions` of `source`.
     pub async fn load(
-        path: &str,
-        tokenizer: &TextTokenizer,
+        source: &DataSource<'_>,
         context: usize,
         partitions: usize,
         which: &[usize],
     ) -> Result<Self, String> {
-        let (place, name) = Place::file(path)?;
-        let size = place.size(&name).await?;
-        let layout = DataLayout::new(size, context, partitions)?;
-        let byte_ranges = chunks(size as usize, partitions.max(1));
+        if let Some(&p) = which.iter().find(|&&p| p >= partitions) {
+            return Err(format!("partition {p} of {partitions} does not exist"));
+        }
+        let path = source.path;
+        let format = source.format.resolve(path);
         let mut loaded = Vec::with_capacity(which.len());
         for &p in which {
-            if p >= partitions {
-                return Err(format!("partition {p} of {partitions} does not exist"));
-            }
-            let (range, sequences) = match tokenizer {
-                TextTokenizer::Bytes => (layout.token_range(p), layout.partitions[p].len()),
-                TextTokenizer::Hf(_) => {
-                    let r = &byte_ranges[p];
-                    (r.start as u64..r.end as u64, 0)
+            let part = match format {
+                DataFormat::Jsonl | DataFormat::Parquet => {
+                    let records = if format == DataFormat::Jsonl {
+                        jsonl_records(path, partitions, p).await?
+                    } else {
+                        parquet_records(path, partitions, p).await?
+                    };
+                    let documents = records
+                        .iter()
+                        .map(|(at, record)| document(source, record).map_err(|e| format!("{path}: {at}: {e}")))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    Part::Packed(Packed::new(&documents, context))
                 }
+                DataFormat::Text | DataFormat::Auto => text_part(path, source.tokenizer, context, partitions, p).await?,
             };
-            let bytes = place.get_range(&name, range).await?;
-            let tokens = tokenizer.encode(&bytes)?;
-            let sequences = if sequences > 0 {
-                sequences
-            } else {
-                tokens.len().saturating_sub(1) / context.max(1)
-            };
-            if sequences == 0 {
+            if part.sequences() == 0 {
                 return Err(format!(
-                    "partition {p} of {path} holds {} tokens, fewer than one sequence of {}",
-                    tokens.len(),
+                    "partition {p} of {partitions} of {path} fills no sequence of {} tokens; use fewer ranks, a \
+                     shorter context or more data",
                     context + 1
                 ));
             }
-            loaded.push((tokens, sequences));
+            loaded.push(part);
         }
-        Ok(Self { context, loaded })
+        Ok(Self {
+            context,
+            loaded,
+            documents: format != DataFormat::Text,
+        })
     }
 
-    /// Tokens this process holds.
-    pub fn tokens(&self) -> usize {
-        self.loaded.iter().map(|(t, _)| t.len()).sum()
+    /// Sequences in each loaded partition.
+    pub fn sequences(&self) -> Vec<usize> {
+        self.loaded.iter().map(Part::sequences).collect()
     }
 
-    /// Inputs and targets (`[n, context]` token ids) of the batch at `position`: `per_partition`
-    /// sequences from each loaded partition, in partition order, wrapping at its end.
-    pub fn batch(&self, position: u64, per_partition: usize) -> (Tensor, Tensor) {
+    /// Inputs, targets (`[n, context]` token ids; [`crate::engine::IGNORE`] where no loss) and, for
+    /// packed documents, each input's document, of the batch at `position`:
+    /// `per_partition` sequences from each loaded partition, in partition order, wrapping
+    /// at its end.
+    pub fn batch(&self, position: u64, per_partition: usize) -> (Tensor, Tensor, Option<Tensor>) {
         let t = self.context;
         let mut inputs = Vec::with_capacity(self.loaded.len() * per_partition * t);
         let mut targets = Vec::with_capacity(inputs.capacity());
-        for (tokens, sequences) in &self.loaded {
+        let mut documents = Vec::new();
+        for (number, part) in self.loaded.iter().enumerate() {
             for j in 0..per_partition as u64 {
-                let index = ((position + j) % *sequences as u64) as usize;
-                let sequence = &tokens[index * t..index * t + t + 1];
-                inputs.extend_from_slice(&sequence[..t]);
-                targets.extend_from_slice(&sequence[1..]);
+                let index = ((position + j) % part.sequences() as u64) as usize;
+                match part {
+                    Part::Stream(tokens, _) => {
+                        let sequence = &tokens[index * t..index * t + t + 1];
+                        inputs.extend_from_slice(&sequence[..t]);
+                        targets.extend_from_slice(&sequence[1..]);
+                    }
+                    Part::Packed(packed) => {
+                        let row = packed.row(index);
+                        inputs.extend(row.inputs);
+                        targets.extend(row.targets);
+                        // Partitions number their documents apart.
+                        documents.extend(row.documents.iter().map(|d| d + ((number as i64) << 32)));
+                    }
+                }
             }
         }
         let rows = (inputs.len() / t) as i64;
         let shape = [rows, t as i64];
+        let tensor = |values: &[i64]| Tensor::from_slice(values).view(shape).to_kind(Kind::Int64);
         (
-            Tensor::from_slice(&inputs).view(shape).to_kind(Kind::Int64),
-            Tensor::from_slice(&targets).view(shape).to_kind(Kind::Int64),
+            tensor(&inputs),
+            tensor(&targets),
+            self.documents.then(|| tensor(&documents)),
         )
     }
+}
+
+/// A record's token ids, each marked with whether it carries loss.
+fn document(source: &DataSource<'_>, record: &Record) -> Result<Document, String> {
+    let mut document = Document::default();
+    for segment in source.settings.segments(record).map_err(|e| e.to_string())? {
+        document.push(&source.tokenizer.encode(segment.text.as_bytes())?, segment.loss);
+    }
+    Ok(document)
+}
+
+/// Partition `p` of `partitions` of a text stream: a slice of the file's bytes, as tokens.
+async fn text_part(
+    path: &str,
+    tokenizer: &TextTokenizer,
+    context: usize,
+    partitions: usize,
+    p: usize,
+) -> Result<Part, String> {
+    let (place, name) = Place::file(path)?;
+    let size = place.size(&name).await?;
+    let (range, sequences) = match tokenizer {
+        TextTokenizer::Bytes => {
+            let layout = DataLayout::new(size, context, partitions)?;
+            (layout.token_range(p), layout.partitions[p].len())
+        }
+        TextTokenizer::Hf(_) => {
+            let r = &chunks(size as usize, partitions.max(1))[p];
+            (r.start as u64..r.end as u64, 0)
+        }
+    };
+    let bytes = place.get_range(&name, range).await?;
+    let tokens = tokenizer.encode(&bytes)?;
+    let sequences = if sequences > 0 {
+        sequences
+    } else {
+        tokens.len().saturating_sub(1) / context.max(1)
+    };
+    Ok(Part::Stream(tokens, sequences))
+}
+
+/// The rows of partition `p` of a JSONL file (the lines starting in its byte range), each
+/// with where it starts. A line that is not a usable row is an error naming its offset:
+/// training never skips data silently.
+async fn jsonl_records(path: &str, partitions: usize, p: usize) -> Result<Vec<(String, Record)>, String> {
+    let (place, name) = Place::file(path)?;
+    let size = place.size(&name).await?;
+    let ranges = byte_ranges(size, partitions);
+    let Some(range) = ranges.get(p).cloned() else {
+        return Err(format!(
+            "{path} ({size} bytes) is too small to split into {partitions} partitions"
+        ));
+    };
+    let mut window = read_window(&range);
+    loop {
+        let buf = place.get_range(&name, window.clone()).await?;
+        let (lines, more) = owned_lines(&buf, window.start, &range, window.end >= size);
+        if more.is_some() {
+            let grow = (window.end - window.start).max(64 << 10);
+            window.end = (window.end + grow).min(size);
+            continue;
+        }
+        let mut records = Vec::with_capacity(lines.len());
+        for (offset, line) in lines {
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            let at = format!("the line at byte {offset}");
+            let value: serde_json::Value =
+                serde_json::from_slice(line).map_err(|e| format!("{path}: {at} is not valid JSON: {e}"))?;
+            let record = Record::parse(&value).map_err(|e| format!("{path}: {at}: {e}"))?;
+            records.push((at, record));
+        }
+        return Ok(records);
+    }
+}
+
+/// The rows of partition `p` of a Parquet file (an even share of its rows), read from the
+/// columns `text`, `prompt`/`response` or `messages`.
+async fn parquet_records(path: &str, partitions: usize, p: usize) -> Result<Vec<(String, Record)>, String> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let (place, name) = Place::file(path)?;
+    let bytes = place.get(&name).await?;
+    let not_parquet = |e: parquet::errors::ParquetError| format!("{path} is not a readable Parquet file: {e}");
+    let reader = SerializedFileReader::new(bytes).map_err(not_parquet)?;
+    let rows = usize::try_from(reader.metadata().file_metadata().num_rows()).unwrap_or(0);
+    let mine = chunks(rows, partitions.max(1))
+        .get(p)
+        .cloned()
+        .ok_or_else(|| format!("{path} ({rows} rows) is too small to split into {partitions} partitions"))?;
+    let mut records = Vec::with_capacity(mine.len());
+    let iter = reader.get_row_iter(None).map_err(not_parquet)?;
+    for (number, row) in iter.enumerate().skip(mine.start).take(mine.len()) {
+        let at = format!("row {number}");
+        let row = row.map_err(|e| format!("{path}: {at}: {e}"))?;
+        let record = Record::parse(&row.to_json_value()).map_err(|e| format!("{path}: {at}: {e}"))?;
+        records.push((at, record));
+    }
+    Ok(records)
 }

@@ -32,8 +32,8 @@ use crate::collective::{TensorCollective, Timed};
 use crate::error::{Error, Result};
 use crate::model::{Batch, Init, Model, ParamSpec};
 
-/// Target ids that carry no loss (prompt tokens, padding), as PyTorch's `ignore_index`.
-pub const IGNORE: i64 = -100;
+/// The target id that carries no loss.
+pub use regatta_trainer::documents::IGNORE;
 
 /// What one step did.
 #[derive(Clone, Debug, PartialEq)]

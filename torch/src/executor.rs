@@ -19,7 +19,8 @@ use bytes::Bytes;
 
 use crate::checkpoint::{self, Manifest, SaveSpec};
 use crate::collective::{CpuCollective, Solo, TensorCollective};
-use crate::data::{RankData, TextTokenizer};
+use crate::data::{DataSource, RankData, TextTokenizer};
+use regatta_trainer::documents::TokenizerSettings;
 use crate::engine::{seeded, Engine, EngineSettings, MicroBatch};
 use crate::error::Error;
 use crate::hf::{model_from_config, HfModel};
@@ -75,20 +76,21 @@ pub struct RunModel {
     pub side_files: Vec<(String, Bytes)>,
     /// The tokenizer.
     pub tokenizer: TextTokenizer,
+    /// Special tokens and chat template (`tokenizer_config.json` beside the tokenizer).
+    pub settings: TokenizerSettings,
 }
 
 impl RunModel {
     /// Partitions `which` of `partitions` of the run's dataset, tokenized by this model's
     /// tokenizer into sequences of the run's context.
     pub async fn data(&self, config: &TrainConfig, partitions: usize, which: &[usize]) -> Result<RankData, String> {
-        RankData::load(
-            &config.data.path,
-            &self.tokenizer,
-            config.model.context,
-            partitions,
-            which,
-        )
-        .await
+        let source = DataSource {
+            path: &config.data.path,
+            format: config.data.format,
+            tokenizer: &self.tokenizer,
+            settings: &self.settings,
+        };
+        RankData::load(&source, config.model.context, partitions, which).await
     }
 }
 
@@ -133,12 +135,30 @@ pub async fn open_run_model(config: &TrainConfig, make_model: &ModelFactory) -> 
         let (place, name) = Place::file(&config.data.tokenizer).map_err(Error::Storage)?;
         side_files.push(("tokenizer.json".into(), place.get(&name).await.map_err(Error::Storage)?));
     }
+    let settings = tokenizer_settings(&spec).await?;
     Ok(RunModel {
         model,
         source,
         side_files,
         tokenizer,
+        settings,
     })
+}
+
+/// The `tokenizer_config.json` beside the tokenizer at `spec`, when there is one.
+async fn tokenizer_settings(spec: &str) -> Result<TokenizerSettings, Error> {
+    if spec.is_empty() {
+        return Ok(TokenizerSettings::default());
+    }
+    let (place, _) = Place::file(spec).map_err(Error::Storage)?;
+    let Some(bytes) = place.get_opt("tokenizer_config.json").await.map_err(Error::Storage)? else {
+        return Ok(TokenizerSettings::default());
+    };
+    let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::ModelFile {
+        path: format!("{}/tokenizer_config.json", place.url()),
+        problem: format!("is not valid JSON: {e}"),
+    })?;
+    Ok(TokenizerSettings::from_json(&json))
 }
 
 /// The micro-batches a process takes at `step` from `data` (each of its partitions gives
@@ -147,11 +167,11 @@ pub fn step_batches(config: &TrainConfig, data: &RankData, step: u64) -> Vec<Mic
     let (micro, accum) = (config.micro_batch_size, config.gradient_accumulation);
     (0..accum as u64)
         .map(|k| {
-            let (tokens, targets) = data.batch((step * accum as u64 + k) * micro as u64, micro);
+            let (tokens, targets, documents) = data.batch((step * accum as u64 + k) * micro as u64, micro);
             MicroBatch {
                 tokens,
                 targets,
-                documents: None,
+                documents,
             }
         })
         .collect()

@@ -72,14 +72,51 @@ pub struct ModelConfig {
     pub context: usize,
 }
 
-/// The token dataset: a text file, tokenized byte by byte or by a Hugging Face tokenizer.
+/// The dataset: a text file (one token stream), or rows of JSONL or Parquet holding
+/// `text`, `prompt` + `response`, or chat `messages`, packed into sequences with
+/// attention kept inside each row.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DataConfig {
     /// A local path or an object-store URL (`file://`, `s3://bucket/key`).
     pub path: String,
-    /// A Hugging Face `tokenizer.json` (path or URL); empty: bytes are tokens (vocab 256).
+    /// A Hugging Face `tokenizer.json` (path or URL); empty: the model folder's, or bytes
+    /// are tokens (vocab 256) for the built-in GPT.
     pub tokenizer: String,
+    /// How the file is read; `auto` goes by its name (`.jsonl`, `.json`, `.parquet`, else text).
+    pub format: DataFormat,
+}
+
+/// How a dataset file is read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataFormat {
+    /// By the file's name.
+    #[default]
+    Auto,
+    /// One stream of text, cut into sequences.
+    Text,
+    /// One JSON object a line.
+    Jsonl,
+    /// A Parquet file with `text`, `prompt`/`response` or `messages` columns.
+    Parquet,
+}
+
+impl DataFormat {
+    /// The format `path` is read in: `auto` resolved by the name.
+    pub fn resolve(self, path: &str) -> Self {
+        if self != Self::Auto {
+            return self;
+        }
+        let name = path.rsplit('/').next().unwrap_or(path).to_ascii_lowercase();
+        if name.ends_with(".jsonl") || name.ends_with(".json") || name.ends_with(".ndjson") {
+            Self::Jsonl
+        } else if name.ends_with(".parquet") {
+            Self::Parquet
+        } else {
+            Self::Text
+        }
+    }
 }
 
 /// AdamW with decoupled weight decay.
@@ -176,6 +213,7 @@ impl Default for DataConfig {
         Self {
             path: "data/corpus.txt".into(),
             tokenizer: String::new(),
+            format: DataFormat::Auto,
         }
     }
 }

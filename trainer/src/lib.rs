@@ -11,6 +11,7 @@
 pub mod collective;
 pub mod config;
 pub mod data;
+pub mod documents;
 pub mod group;
 pub mod hf;
 pub mod metrics;
@@ -21,8 +22,9 @@ pub mod ring_group;
 pub mod zero;
 
 pub use collective::{chunks, memory_ring, Collective, CollectiveError, MemoryLink, RingCollective, RingLink};
-pub use config::{Schedule, TrainConfig, BYTE_VOCAB};
+pub use config::{DataFormat, Schedule, TrainConfig, BYTE_VOCAB};
 pub use data::DataLayout;
+pub use documents::{Document, DocumentError, Message, Packed, PackedRow, Record, Segment, TokenizerSettings};
 pub use group::{TrainError, TrainEvent, TrainSummary, TrainerGroup};
 pub use hf::{Architecture, HfConfigError, LlamaConfig, RopeScaling};
 pub use protocol::{FromExecutor, RankSetup, StepReport, ToExecutor, TrainOp, TrainReply};
