@@ -26,6 +26,10 @@ pub struct BenchArgs {
     /// Small counts (a smoke run for tests, not for figures).
     #[arg(long)]
     pub quick: bool,
+    /// `train` only: a Hugging Face model folder (local or URL), or a `config.json` file
+    /// of a Llama-family model to initialise randomly; default: the built-in GPT.
+    #[arg(long)]
+    pub model: Option<String>,
 }
 
 /// Mean and standard deviation of trial figures.
@@ -66,7 +70,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let trials = args.trials.max(1);
     for suite in suites {
         let outcome = tokio::select! {
-            outcome = run_suite(suite, trials, args.quick) => outcome,
+            outcome = run_suite(suite, trials, args.quick, args.model.as_deref()) => outcome,
             () = crate::cli::shutdown_signal() => return Ok(ExitCode::from(130)),
         };
         outcome?;
@@ -74,12 +78,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn run_suite(suite: &str, trials: usize, quick: bool) -> anyhow::Result<()> {
+async fn run_suite(suite: &str, trials: usize, quick: bool, model: Option<&str>) -> anyhow::Result<()> {
     if suite == "cluster" {
         return cluster_start(trials).await;
     }
     if suite == "train" {
-        return crate::bench_train::train(trials, quick).await;
+        return crate::bench_train::train(trials, quick, model).await;
     }
     if suite == "score" {
         return crate::bench_score::score(trials, quick).await;

@@ -1,18 +1,23 @@
-//! `regatta bench train`: tokens per second and step time of the built-in GPT trained
-//! with ZeRO-2 over 1, 2 and 3 ranks (one worker process each, on CPU), and the scaling
-//! efficiency against one rank. Each rank keeps the same batch (weak scaling), so perfect
-//! scaling multiplies tokens/s by the number of ranks.
+//! `regatta bench train`: tokens per second, step time and model FLOPs utilisation of a
+//! model trained with ZeRO-2 over 1, 2 and 3 ranks (one worker process each, on CPU), and
+//! the scaling efficiency against one rank. Each rank keeps the same batch (weak scaling),
+//! so perfect scaling multiplies tokens/s by the number of ranks. MFU is measured against
+//! the machine's own matrix-multiply peak, timed in the same run by libtorch at the model's
+//! weight shapes with every core (`regatta-torch-rank peak`).
 
+use std::path::Path;
 use std::time::Duration;
 
+use anyhow::Context;
 use regatta_trainer::{TrainConfig, TrainEvent, TrainerGroup};
 
 use crate::bench::mean_spread;
 use crate::local::{LocalCluster, LocalOptions};
 use crate::train_cli::local_workers;
 
-/// Steps timed per run after the warm-up steps.
-fn config(world: usize, quick: bool) -> TrainConfig {
+/// The run for `world` ranks: the built-in GPT, or `model` (a Hugging Face folder, or a
+/// `config.json` file to initialise a Llama-family model from).
+fn config(world: usize, quick: bool, model: Option<&str>) -> anyhow::Result<TrainConfig> {
     let mut config = TrainConfig::default();
     config.data.path = format!("{}/data/corpus.txt", env!("CARGO_MANIFEST_DIR"));
     if let Ok(path) = std::env::var("REGATTA_BENCH_CORPUS") {
@@ -27,19 +32,63 @@ fn config(world: usize, quick: bool) -> TrainConfig {
         config.model.width = 128;
         config.model.context = 128;
     }
-    config
+    match model {
+        Some(file) if file.ends_with(".json") => {
+            let text = std::fs::read_to_string(file).with_context(|| format!("cannot read {file}"))?;
+            config.model.config = Some(serde_json::from_str(&text).with_context(|| format!("{file} is not JSON"))?);
+        }
+        Some(path) => config.model.path = path.to_string(),
+        None => {}
+    }
+    config.resolve_paths(&std::env::current_dir()?);
+    config.validate().map_err(anyhow::Error::msg)?;
+    Ok(config)
+}
+
+/// The machine's matmul FLOP/s at the model's shapes with every core, and the model's
+/// FLOPs per token, from the executor (the one binary that links libtorch).
+fn measure_peak(config: &TrainConfig) -> anyhow::Result<(f64, f64, u64)> {
+    let executor = regatta_trainer::executor_path(None).map_err(anyhow::Error::msg)?;
+    let file = std::env::temp_dir().join(format!("regatta-bench-train-{}.json", std::process::id()));
+    std::fs::write(&file, serde_json::to_vec(config)?)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let output = std::process::Command::new(&executor)
+        .args(["peak", path_str(&file)?, &cores.to_string()])
+        .output()
+        .with_context(|| format!("cannot run {}", executor.display()))?;
+    let _ = std::fs::remove_file(&file);
+    anyhow::ensure!(
+        output.status.success(),
+        "measuring the GEMM peak failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let peak: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    let field = |name: &str| peak[name].as_f64().with_context(|| format!("no {name} in {peak}"));
+    Ok((
+        field("flops_per_sec")?,
+        field("model_flops_per_token")?,
+        field("parameters")? as u64,
+    ))
+}
+
+fn path_str(path: &Path) -> anyhow::Result<&str> {
+    path.to_str().context("a temporary path is not UTF-8")
 }
 
 /// Runs the training benchmark and prints one line per figure.
-pub async fn train(trials: usize, quick: bool) -> anyhow::Result<()> {
+pub async fn train(trials: usize, quick: bool, model: Option<&str>) -> anyhow::Result<()> {
     let warmup = if quick { 2 } else { 5 };
+    let (peak, flops_per_token, parameters) = measure_peak(&config(1, quick, model)?)?;
+    let name = model.map_or("built-in GPT".to_string(), |m| m.rsplit('/').next().unwrap_or(m).to_string());
+    println!("train model {name} parameters {parameters}");
+    println!("train machine GEMM peak at the model's shapes GFLOP/s {:.2} +- 0.00", peak / 1e9);
     let mut base = None;
     for world in 1..=3usize {
         let mut tokens = Vec::new();
         let mut step_secs = Vec::new();
         let mut collective = Vec::new();
         for _ in 0..trials {
-            let config = config(world, quick);
+            let config = config(world, quick, model)?;
             let mut cluster = LocalCluster::start(LocalOptions::new(local_workers(&config))?)?;
             let outcome = async {
                 let client = cluster.connect(Duration::from_secs(30)).await?;
@@ -69,6 +118,9 @@ pub async fn train(trials: usize, quick: bool) -> anyhow::Result<()> {
         println!("train ZeRO-2 {world} rank(s) tokens per second {tps:.2} +- {tps_spread:.2}");
         println!("train ZeRO-2 {world} rank(s) step seconds {secs:.4} +- {secs_spread:.4}");
         println!("train ZeRO-2 {world} rank(s) collective seconds per step {coll:.4} +- {coll_spread:.4}");
+        let mfu = 100.0 * flops_per_token * tps / peak;
+        let mfu_spread = 100.0 * flops_per_token * tps_spread / peak;
+        println!("train ZeRO-2 {world} rank(s) MFU percent of the machine's GEMM peak {mfu:.1} +- {mfu_spread:.1}");
         let one = *base.get_or_insert(tps);
         let efficiency = 100.0 * tps / (one * world as f64);
         println!("train ZeRO-2 {world} rank(s) scaling efficiency percent {efficiency:.1} +- 0.0");

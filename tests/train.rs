@@ -236,6 +236,33 @@ fn zero_stages_over_worker_processes_match_single_process_adamw() {
 }
 
 #[test]
+fn an_inline_config_trains_a_random_llama_over_worker_processes_and_saves_hugging_face_layout() {
+    let dir = temp_dir("train-inline");
+    let ckpt = dir.join("ckpt");
+    let text = format!(
+        "steps = 4\nworld_size = 2\nzero_stage = 3\nmicro_batch_size = 2\n[model]\ncontext = 16\n\
+         [model.config]\narchitectures = [\"LlamaForCausalLM\"]\nhidden_size = 32\nintermediate_size = 64\n\
+         num_hidden_layers = 2\nnum_attention_heads = 4\nnum_key_value_heads = 2\nvocab_size = 300\n\
+         tie_word_embeddings = true\n[data]\npath = \"{}\"\n[checkpoint]\ndir = \"{}\"\n",
+        corpus(),
+        ckpt.display()
+    );
+    let config = dir.join("inline.toml");
+    std::fs::write(&config, text).unwrap();
+    let summary = run_json(&["train", "--config", config.to_str().unwrap(), "--json"]);
+    let losses: Vec<f64> = serde_json::from_value(summary["losses"].clone()).unwrap();
+    assert_eq!(losses.len(), 4, "{summary}");
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    let step = ckpt.join("step-00000004");
+    let written: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(step.join("config.json")).unwrap()).unwrap();
+    assert_eq!(written["architectures"][0], "LlamaForCausalLM");
+    let weights = read_weights(&step.join("model.safetensors"));
+    assert_eq!(weights["model.layers.1.self_attn.k_proj.weight"].0, vec![16, 32]);
+    assert!(!weights.contains_key("lm_head.weight"), "a tied head is not saved");
+}
+
+#[test]
 fn a_hugging_face_tokenizer_trains_the_same_over_ranks_as_in_one_process() {
     let bins = bin_dir();
     let dir = temp_dir("train-tokenizer");

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use regatta_trainer::config::TrainConfig;
 use regatta_trainer::{FromExecutor, QuicLinkBuilder, RankSetup, RingCollective, StepReport, ToExecutor, SECRET_ENV};
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 
 use bytes::Bytes;
 
@@ -485,4 +485,65 @@ pub fn reference_run(
         None => Ok(seeded(spec, seed)),
     };
     crate::reference::plain_run(run_model.model.as_ref(), &mut init, &steps, &config.optimizer)
+}
+
+/// What the machine's matrix multiplies reach at a model's shapes, for model FLOPs
+/// utilisation: the peak MFU is measured against, not a datasheet constant.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct GemmPeak {
+    /// Float32 FLOP/s of libtorch matmuls at the model's weight shapes, `tokens` rows each.
+    pub flops_per_sec: f64,
+    /// Threads libtorch used.
+    pub threads: usize,
+    /// Rows of each product (micro-batch × context).
+    pub tokens: usize,
+    /// The model's training FLOPs per token at the run's context.
+    pub model_flops_per_token: f64,
+    /// The model's parameters.
+    pub parameters: u64,
+}
+
+/// Times libtorch's matmul on the CPU at every weight shape of `config`'s model (inputs of
+/// `micro_batch_size × context` rows), with `threads` threads, best of a few rounds.
+pub fn gemm_peak(config: &TrainConfig, threads: usize, make_model: &ModelFactory) -> Result<GemmPeak, Error> {
+    tch::set_num_threads(threads.max(1) as i32);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Invalid(e.to_string()))?;
+    let run_model = runtime.block_on(open_run_model(config, make_model))?;
+    let model = run_model.model.as_ref();
+    let tokens = config.micro_batch_size * config.model.context;
+    let operands: Vec<(Tensor, Tensor)> = model
+        .blocks()
+        .iter()
+        .flatten()
+        .filter(|spec| spec.shape.len() == 2 && spec.tied_to.is_none())
+        .map(|spec| {
+            let options = (Kind::Float, Device::Cpu);
+            (
+                Tensor::randn([tokens as i64, spec.shape[1]], options),
+                Tensor::randn([spec.shape[1], spec.shape[0]], options),
+            )
+        })
+        .collect();
+    let flops: f64 = operands
+        .iter()
+        .map(|(a, b)| 2.0 * (a.size()[0] * a.size()[1] * b.size()[1]) as f64)
+        .sum();
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let start = Instant::now();
+        for (a, b) in &operands {
+            let _ = a.matmul(b);
+        }
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Ok(GemmPeak {
+        flops_per_sec: flops / best.max(1e-9),
+        threads: threads.max(1),
+        tokens,
+        model_flops_per_token: model.flops_per_token(config.model.context),
+        parameters: crate::model::parameter_count(model),
+    })
 }

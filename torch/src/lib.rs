@@ -21,7 +21,7 @@ pub mod score_executor;
 
 pub use engine::{Engine, EngineSettings, Held, MicroBatch, StepOutcome};
 pub use error::{Error, Result};
-pub use executor::{builtin_model, executor_main, reference_run};
+pub use executor::{builtin_model, executor_main, gemm_peak, reference_run, GemmPeak};
 pub use hf::HfModel;
 pub use llama::Llama;
 pub use model::{Batch, Gpt, Init, Model, ParamSpec};

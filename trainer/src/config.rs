@@ -61,6 +61,7 @@ pub struct ModelConfig {
     /// `model.safetensors.index.json`, `tokenizer.json`. Local path or URL (`s3://...`).
     pub path: String,
     /// A Hugging Face `config.json` inline: the model starts from seeded random weights.
+    #[serde(with = "inline_json")]
     pub config: Option<serde_json::Value>,
     /// Transformer blocks.
     pub layers: usize,
@@ -142,6 +143,31 @@ pub struct OptimizerConfig {
     /// Gradients are scaled so their global L2 norm (over every rank's shard) is at most
     /// this, as `torch.nn.utils.clip_grad_norm_` defines it; 0 turns clipping off.
     pub max_grad_norm: f64,
+}
+
+/// An inline JSON document in a config: a table in TOML and JSON, its JSON text in
+/// binary encodings (bincode carries spawn arguments to the ranks and cannot decode a
+/// self-describing `serde_json::Value`).
+mod inline_json {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &Option<serde_json::Value>, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            value.serialize(s)
+        } else {
+            value.as_ref().map(|v| v.to_string()).serialize(s)
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<serde_json::Value>, D::Error> {
+        if d.is_human_readable() {
+            Option::<serde_json::Value>::deserialize(d)
+        } else {
+            Option::<String>::deserialize(d)?
+                .map(|text| serde_json::from_str(&text).map_err(serde::de::Error::custom))
+                .transpose()
+        }
+    }
 }
 
 /// The learning rate after warm-up.
@@ -467,6 +493,9 @@ mod tests {
         "#;
         let config = TrainConfig::from_toml(text).unwrap();
         assert_eq!(config.model.config.as_ref().unwrap()["hidden_size"], 64);
+        // Spawn arguments travel as bincode: the inline config must survive it.
+        let bytes = bincode::serialize(&config).unwrap();
+        assert_eq!(bincode::deserialize::<TrainConfig>(&bytes).unwrap(), config);
         let error = TrainConfig::from_toml(&text.replace("Qwen2", "Gemma")).unwrap_err();
         assert!(
             error.contains("GemmaForCausalLM") && error.contains("model.config"),

@@ -3,12 +3,14 @@
 //! the single-process AdamW reference run the ZeRO tests compare against (prints one loss
 //! per line, writes the final weights to OUT as safetensors); `regatta-torch-rank score`:
 //! a scorer actor's executor; `regatta-torch-rank export CHECKPOINT OUT.pt`: a checkpoint's
-//! model as a traced TorchScript module the scorer (or PyTorch) can load.
+//! model as a traced TorchScript module the scorer (or PyTorch) can load;
+//! `regatta-torch-rank peak CONFIG THREADS`: libtorch's matmul FLOP/s at the run's model
+//! shapes, as JSON (what `regatta bench train` measures MFU against).
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use regatta_torch::{builtin_model, checkpoint, executor_main, reference_run};
+use regatta_torch::{builtin_model, checkpoint, executor_main, gemm_peak, reference_run};
 use regatta_trainer::TrainConfig;
 
 fn reference(args: &[String]) -> Result<(), String> {
@@ -25,6 +27,26 @@ fn reference(args: &[String]) -> Result<(), String> {
     }
     let bytes = checkpoint::to_safetensors(&weights).map_err(|e| e.to_string())?;
     std::fs::write(out, bytes).map_err(|e| format!("cannot write {out}: {e}"))
+}
+
+fn peak(args: &[String]) -> Result<(), String> {
+    let [config, threads] = args else {
+        return Err("usage: regatta-torch-rank peak CONFIG.toml THREADS".into());
+    };
+    let text = std::fs::read_to_string(config).map_err(|e| format!("cannot read {config}: {e}"))?;
+    // `regatta bench train` hands the run's config over as JSON.
+    let mut config = if text.trim_start().starts_with('{') {
+        let config: TrainConfig = serde_json::from_str(&text).map_err(|e| format!("train config: {e}"))?;
+        config.validate()?;
+        config
+    } else {
+        TrainConfig::from_toml(&text)?
+    };
+    config.resolve_paths(&std::env::current_dir().map_err(|e| e.to_string())?);
+    let threads: usize = threads.parse().map_err(|e| format!("bad thread count: {e}"))?;
+    let peak = gemm_peak(&config, threads, &builtin_model).map_err(|e| e.to_string())?;
+    println!("{}", serde_json::to_string(&peak).map_err(|e| e.to_string())?);
+    Ok(())
 }
 
 /// An executor belongs to the agent that launched it. When the agent dies without cleaning
@@ -67,6 +89,13 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
+        Some("peak") => match peak(&args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
         Some("reference") => match reference(&args[1..]) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -75,7 +104,7 @@ fn main() -> ExitCode {
             }
         },
         Some(other) => {
-            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`");
+            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`, `peak`");
             ExitCode::from(2)
         }
     }
