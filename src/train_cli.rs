@@ -65,10 +65,10 @@ pub struct TrainArgs {
     pub json: bool,
 }
 
-fn parse_stage(text: &str) -> Result<regatta_trainer::ZeroStage, String> {
+fn parse_stage(text: &str) -> Result<regatta_trainer::ZeroStage, regatta_trainer::Error> {
     let number: u8 = text
         .parse()
-        .map_err(|_| format!("{text:?} is not a ZeRO stage; use 1, 2 or 3"))?;
+        .map_err(|_| regatta_trainer::Error::Config(format!("{text:?} is not a ZeRO stage; use 1, 2 or 3")))?;
     regatta_trainer::ZeroStage::try_from(number)
 }
 

@@ -286,6 +286,8 @@ async fn parquet_input_is_partitioned_by_row_group_and_scores_like_jsonl_and_lik
         .run(|_| {})
         .await
         .unwrap_err();
+    assert!(matches!(err, regatta_scorer::Error::Output(_)), "{err:?}");
+    let err = err.to_string();
     assert!(
         err.contains("holds the output of another run") && err.contains("6 partitions"),
         "{err}"
@@ -320,7 +322,7 @@ async fn parquet_input_is_partitioned_by_row_group_and_scores_like_jsonl_and_lik
     assert!(said.contains("--context 64"), "{said}");
     let script_dir = dir.join("from-torchscript");
     let mut script_config = config(parquet.to_str().unwrap(), exported.to_str().unwrap(), &script_dir, 2);
-    let err = ScoreRun::new(handle.clone(), script_config.clone()).err().unwrap();
+    let err = ScoreRun::new(handle.clone(), script_config.clone()).err().unwrap().to_string();
     assert!(err.contains("needs `context`"), "{err}");
     script_config.context = 64;
     ScoreRun::new(handle.clone(), script_config)
@@ -343,6 +345,8 @@ async fn parquet_input_is_partitioned_by_row_group_and_scores_like_jsonl_and_lik
     let fake = dir.join("fake.parquet");
     std::fs::write(&fake, b"{\"id\": 1}\n").unwrap();
     let err = run(&fake, &dir.join("out-fake")).run(|_| {}).await.unwrap_err();
+    assert!(matches!(err, regatta_scorer::Error::Input(_)), "{err:?}");
+    let err = err.to_string();
     assert!(err.contains("is not a readable Parquet file"), "{err}");
     let scored = dir.join("scored.parquet");
     std::fs::write(
@@ -351,6 +355,8 @@ async fn parquet_input_is_partitioned_by_row_group_and_scores_like_jsonl_and_lik
     )
     .unwrap();
     let err = run(&scored, &dir.join("out-scored")).run(|_| {}).await.unwrap_err();
+    assert!(matches!(err, regatta_scorer::Error::Input(_)), "{err:?}");
+    let err = err.to_string();
     assert!(err.contains("has no `text` column"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -5,6 +5,7 @@
 //! file first, then the Parquet file under its final name, so the Parquet file's existence
 //! means the partition is done).
 
+use crate::error::{Error, Result};
 use std::ops::Range;
 use std::process::Stdio;
 use std::sync::OnceLock;
@@ -134,29 +135,29 @@ pub struct ScorerActor {
 }
 
 impl ScorerActor {
-    async fn request(&mut self, message: &ToScorer) -> Result<FromScorer, String> {
-        let line = serde_json::to_string(message).map_err(|e| e.to_string())?;
+    async fn request(&mut self, message: &ToScorer) -> Result<FromScorer> {
+        let line = serde_json::to_string(message)?;
         self.stdin
             .write_all(format!("{line}\n").as_bytes())
             .await
-            .map_err(|e| format!("the scorer executor is gone: {e}"))?;
+            .map_err(|e| Error::Executor(format!("the scorer executor is gone: {e}")))?;
         read_reply(&mut self.stdout).await
     }
 
-    async fn read_rows(task: &PartitionTask) -> Result<(Vec<(u64, Row)>, Vec<RowError>), String> {
+    async fn read_rows(task: &PartitionTask) -> Result<(Vec<(u64, Row)>, Vec<RowError>)> {
         match &task.slice {
             Slice::Bytes { start, end } => Self::read_lines(&task.input, *start..*end).await,
             Slice::Rows(rows) => ParquetInput::open(&task.input).await?.read(rows).await,
         }
     }
 
-    async fn read_lines(input: &str, range: Range<u64>) -> Result<(Vec<(u64, Row)>, Vec<RowError>), String> {
-        let (place, name) = Place::file(input)?;
-        let size = place.size(&name).await?;
+    async fn read_lines(input: &str, range: Range<u64>) -> Result<(Vec<(u64, Row)>, Vec<RowError>)> {
+        let (place, name) = Place::file(input).map_err(Error::Storage)?;
+        let size = place.size(&name).await.map_err(Error::Storage)?;
         let range = range.start..range.end.min(size);
         let mut window = read_window(&range);
         loop {
-            let buf = place.get_range(&name, window.clone()).await?;
+            let buf = place.get_range(&name, window.clone()).await.map_err(Error::Storage)?;
             let (lines, more) = owned_lines(&buf, window.start, &range, window.end >= size);
             if more.is_some() {
                 // Grow geometrically: a very long line costs O(n) bytes fetched, not O(n^2).
@@ -179,15 +180,15 @@ impl ScorerActor {
     }
 }
 
-async fn read_reply(stdout: &mut Lines<BufReader<ChildStdout>>) -> Result<FromScorer, String> {
+async fn read_reply(stdout: &mut Lines<BufReader<ChildStdout>>) -> Result<FromScorer> {
     loop {
         match stdout.next_line().await {
             Ok(Some(line)) => match serde_json::from_str(&line) {
                 Ok(message) => return Ok(message),
                 Err(_) => tracing::info!("scorer executor: {line}"),
             },
-            Ok(None) => return Err("the scorer executor exited (see the node's log)".into()),
-            Err(e) => return Err(format!("cannot read from the scorer executor: {e}")),
+            Ok(None) => return Err(Error::Executor("the scorer executor exited (see the node's log)".into())),
+            Err(e) => return Err(Error::Executor(format!("cannot read from the scorer executor: {e}"))),
         }
     }
 }
@@ -198,17 +199,17 @@ impl Actor for ScorerActor {
     type Request = PartitionTask;
     type Reply = PartitionReport;
 
-    async fn create(args: ScorerArgs, ctx: &ActorContext) -> Result<Self, ActorError> {
+    async fn create(args: ScorerArgs, ctx: &ActorContext) -> std::result::Result<Self, ActorError> {
         let mut setup = args.setup;
         setup.gpus = ctx.gpu_ids().to_vec();
-        let path = regatta_trainer::executor_path(args.executor.as_deref())?;
+        let path = regatta_trainer::executor_path(args.executor.as_deref()).map_err(|e| Error::Executor(e.to_string()))?;
         let mut child = regatta_trainer::rank::executor_command(&path, &setup.gpus)
             .arg("score")
             .stderr(Stdio::inherit())
             .spawn()
-            .map_err(|e| format!("cannot start the scorer executor {}: {e}", path.display()))?;
+            .map_err(|e| Error::Executor(format!("cannot start the scorer executor {}: {e}", path.display())))?;
         let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-            return Err("the executor's pipes are missing".into());
+            return Err(Error::Executor("the executor's pipes are missing".into()).into());
         };
         let mut actor = Self {
             batch_size: args.batch_size.max(1),
@@ -216,22 +217,22 @@ impl Actor for ScorerActor {
             stdout: BufReader::new(stdout).lines(),
             _child: child,
         };
-        let line = serde_json::to_string(&ToScorer::Setup(setup)).map_err(|e| e.to_string())?;
+        let line = serde_json::to_string(&ToScorer::Setup(setup))?;
         actor
             .stdin
             .write_all(format!("{line}\n").as_bytes())
             .await
-            .map_err(|e| format!("the scorer executor is gone: {e}"))?;
+            .map_err(|e| Error::Executor(format!("the scorer executor is gone: {e}")))?;
         match tokio::time::timeout(READY_TIMEOUT, read_reply(&mut actor.stdout)).await {
             Ok(Ok(FromScorer::Ready { .. })) => Ok(actor),
-            Ok(Ok(FromScorer::Failed(reason))) => Err(format!("the scorer cannot load its model: {reason}").into()),
-            Ok(Ok(other)) => Err(format!("the scorer executor said {other:?} before it was ready").into()),
+            Ok(Ok(FromScorer::Failed(reason))) => Err(Error::Executor(format!("the scorer cannot load its model: {reason}")).into()),
+            Ok(Ok(other)) => Err(Error::Executor(format!("the scorer executor said {other:?} before it was ready")).into()),
             Ok(Err(e)) => Err(e.into()),
-            Err(_) => Err(format!("the scorer executor did not load its model within {READY_TIMEOUT:?}").into()),
+            Err(_) => Err(Error::Executor(format!("the scorer executor did not load its model within {READY_TIMEOUT:?}")).into()),
         }
     }
 
-    async fn handle(&mut self, task: PartitionTask, ctx: &ActorContext) -> Result<PartitionReport, ActorError> {
+    async fn handle(&mut self, task: PartitionTask, ctx: &ActorContext) -> std::result::Result<PartitionReport, ActorError> {
         let started = Instant::now();
         let m = metrics();
         if task.retry {
@@ -254,10 +255,10 @@ impl Actor for ScorerActor {
                     .with_label_values(&[] as &[&str])
                     .observe(timer.elapsed().as_secs_f64());
                 let FromScorer::Scored(results) = reply else {
-                    return Err(format!("the scorer executor replied {reply:?} to a batch"));
+                    return Err(Error::Executor(format!("the scorer executor replied {reply:?} to a batch")));
                 };
                 if results.len() != batch.len() {
-                    return Err(format!("{} results for a batch of {}", results.len(), batch.len()));
+                    return Err(Error::Executor(format!("{} results for a batch of {}", results.len(), batch.len())));
                 }
                 for (i, result) in batch.into_iter().zip(results) {
                     match result {
@@ -281,16 +282,16 @@ impl Actor for ScorerActor {
                 }
             }
             let scored: Vec<ScoredRow> = scored.into_iter().flatten().collect();
-            let out = Place::dir(&task.output)?;
+            let out = Place::dir(&task.output).map_err(Error::Storage)?;
             if !errors.is_empty() {
                 let mut text = String::new();
                 for error in &errors {
-                    text.push_str(&serde_json::to_string(error).map_err(|e| e.to_string())?);
+                    text.push_str(&serde_json::to_string(error).map_err(|e| Error::Output(e.to_string()))?);
                     text.push('\n');
                 }
-                out.put(&errors_name(task.partition), Bytes::from(text)).await?;
+                out.put(&errors_name(task.partition), Bytes::from(text)).await.map_err(Error::Storage)?;
             }
-            out.put(&output_name(task.partition), to_parquet(&scored)?).await?;
+            out.put(&output_name(task.partition), to_parquet(&scored)?).await.map_err(Error::Storage)?;
             m.rows.with_label_values(&["scored"]).inc_by(scored.len() as u64);
             m.rows.with_label_values(&["malformed"]).inc_by(errors.len() as u64);
             m.tokens.with_label_values(&[] as &[&str]).inc_by(tokens);

@@ -3,6 +3,7 @@
 //! take more), retry a partition whose actor died on another actor (spawning a
 //! replacement), and write a manifest once every partition is settled.
 
+use crate::error::{Error, Result};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -81,42 +82,42 @@ impl Default for ScoreConfig {
 
 impl ScoreConfig {
     /// Parses `score.toml`; unknown keys are errors.
-    pub fn from_toml(text: &str) -> Result<Self, String> {
-        let config: Self = toml::from_str(text).map_err(|e| format!("score config: {e}"))?;
+    pub fn from_toml(text: &str) -> Result<Self> {
+        let config: Self = toml::from_str(text).map_err(|e| Error::Config(e.to_string()))?;
         Ok(config)
     }
 
     /// Checks the fields.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<()> {
         for (name, value) in [("input", &self.input), ("model", &self.model), ("output", &self.output)] {
             if value.is_empty() {
-                return Err(format!("{name} must be set"));
+                return Err(Error::Config(format!("{name} must be set")));
             }
         }
         if !(1..=1024).contains(&self.actors) {
-            return Err(format!("actors must be 1..=1024, not {}", self.actors));
+            return Err(Error::Config(format!("actors must be 1..=1024, not {}", self.actors)));
         }
         if !(1..=65536).contains(&self.batch_size) {
-            return Err(format!("batch_size must be 1..=65536, not {}", self.batch_size));
+            return Err(Error::Config(format!("batch_size must be 1..=65536, not {}", self.batch_size)));
         }
         if self.partitions != 0 && self.partitions < self.actors {
-            return Err(format!(
+            return Err(Error::Config(format!(
                 "partitions ({}) must be at least the number of actors ({})",
                 self.partitions, self.actors
-            ));
+            )));
         }
         if crate::protocol::is_torchscript(&self.model) && !(2..=1 << 20).contains(&self.context) {
-            return Err(format!(
+            return Err(Error::Config(format!(
                 "a TorchScript model needs `context`, the longest token sequence it takes (2 or more; \
                  `regatta-torch-rank export` prints it), not {}",
                 self.context
-            ));
+            )));
         }
         if !matches!(self.device.as_str(), "auto" | "cpu" | "cuda") {
-            return Err(format!("device must be auto, cpu or cuda, not {:?}", self.device));
+            return Err(Error::Config(format!("device must be auto, cpu or cuda, not {:?}", self.device)));
         }
         if self.max_new_tokens > 4096 {
-            return Err("max_new_tokens must be at most 4096".into());
+            return Err(Error::Config("max_new_tokens must be at most 4096".into()));
         }
         Ok(())
     }
@@ -210,7 +211,7 @@ enum Event {
     /// A partition's call returned.
     Scored(usize, usize, regatta_runtime::Result<PartitionReport>),
     /// A replacement actor for a slot was spawned (or not).
-    Replaced(usize, Result<ActorHandle<ScorerActor>, String>),
+    Replaced(usize, Result<ActorHandle<ScorerActor>>),
 }
 
 /// A scoring run on a cluster.
@@ -228,9 +229,9 @@ fn actor_options(config: &ScoreConfig) -> ActorOptions {
 
 impl ScoreRun {
     /// A run of `config` (validated; relative paths resolved against the working directory).
-    pub fn new(cluster: Cluster, mut config: ScoreConfig) -> Result<Self, String> {
+    pub fn new(cluster: Cluster, mut config: ScoreConfig) -> Result<Self> {
         config.validate()?;
-        let cwd = std::env::current_dir().map_err(|e| format!("no working directory: {e}"))?;
+        let cwd = std::env::current_dir().map_err(|e| Error::Run(format!("no working directory: {e}")))?;
         config.resolve_paths(&cwd);
         Ok(Self {
             cluster,
@@ -256,9 +257,9 @@ impl ScoreRun {
 
     /// Stops actors an earlier driver of the same output left running (a driver killed
     /// with SIGKILL cannot stop its own), so their resources are free again.
-    async fn stop_leftovers(&self) -> Result<usize, String> {
+    async fn stop_leftovers(&self) -> Result<usize> {
         let prefix = self.actor_prefix();
-        let status = self.cluster.status().await.map_err(|e| e.to_string())?;
+        let status = self.cluster.status().await?;
         let mut stopped = 0;
         for line in status.actors {
             let alive = matches!(line.view.state, regatta_runtime::ActorState::Alive);
@@ -270,7 +271,7 @@ impl ScoreRun {
         Ok(stopped)
     }
 
-    async fn spawn_actor(&self) -> Result<ActorHandle<ScorerActor>, String> {
+    async fn spawn_actor(&self) -> Result<ActorHandle<ScorerActor>> {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let serial = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let name = format!("{}{}-{serial}", self.actor_prefix(), std::process::id());
@@ -297,13 +298,13 @@ impl ScoreRun {
                 .cluster
                 .spawn::<ScorerActor>(args, actor_options(&self.config).name(name))
                 .await
-                .map_err(|e| e.to_string())?;
-            handle.wait_ready(SPAWN_TIMEOUT).await.map_err(|e| e.to_string())?;
+                ?;
+            handle.wait_ready(SPAWN_TIMEOUT).await?;
             Ok(handle)
         };
         match tokio::time::timeout(SPAWN_TIMEOUT + Duration::from_secs(30), spawn).await {
             Ok(spawned) => spawned,
-            Err(_) => Err(format!("a scorer actor was not ready within {SPAWN_TIMEOUT:?}")),
+            Err(_) => Err(Error::Run(format!("a scorer actor was not ready within {SPAWN_TIMEOUT:?}"))),
         }
     }
 
@@ -316,45 +317,45 @@ impl ScoreRun {
         existing: &[String],
         slices: &[(Slice, u64)],
         size: u64,
-    ) -> Result<(), String> {
+    ) -> Result<()> {
         let layout = OutputLayout {
             input: self.config.input.clone(),
             input_bytes: size,
             model: self.config.model.clone(),
             partitions: slices.iter().map(|(slice, _)| slice.clone()).collect(),
         };
-        match output.get_opt(PLAN_FILE).await? {
+        match output.get_opt(PLAN_FILE).await.map_err(Error::Storage)? {
             Some(bytes) => {
                 let earlier: OutputLayout = serde_json::from_slice(&bytes)
-                    .map_err(|e| format!("{}/{PLAN_FILE} is not a scoring plan: {e}", output.url()))?;
+                    .map_err(|e| Error::Output(format!("{}/{PLAN_FILE} is not a scoring plan: {e}", output.url())))?;
                 if let Some(difference) = earlier.difference(&layout) {
-                    return Err(format!(
+                    return Err(Error::Output(format!(
                         "{} holds the output of another run ({difference}); use a new output location, \
                          or rerun with the same input, model and partitions to finish it",
                         output.url()
-                    ));
+                    )));
                 }
                 Ok(())
             }
-            None if existing.iter().any(|name| crate::plan::partition_of(name).is_some()) => Err(format!(
+            None if existing.iter().any(|name| crate::plan::partition_of(name).is_some()) => Err(Error::Output(format!(
                 "{} already holds partition files but no {PLAN_FILE}; use an empty output location",
                 output.url()
-            )),
+            ))),
             None => {
-                let body = serde_json::to_vec_pretty(&layout).map_err(|e| e.to_string())?;
-                output.put(PLAN_FILE, Bytes::from(body)).await
+                let body = serde_json::to_vec_pretty(&layout)?;
+                output.put(PLAN_FILE, Bytes::from(body)).await.map_err(Error::Storage)
             }
         }
     }
 
     /// Scores every partition not finished before; calls `on_progress` after each one.
-    pub async fn run(&self, mut on_progress: impl FnMut(&Progress)) -> Result<Progress, String> {
+    pub async fn run(&self, mut on_progress: impl FnMut(&Progress)) -> Result<Progress> {
         let started = Instant::now();
         let c = &self.config;
         let count = if c.partitions == 0 { 4 * c.actors } else { c.partitions };
         let (slices, size) = plan_slices(&c.input, count).await?;
-        let output = Place::dir(&c.output)?;
-        let existing = output.list().await?;
+        let output = Place::dir(&c.output).map_err(Error::Storage)?;
+        let existing = output.list().await.map_err(Error::Storage)?;
         self.claim_output(&output, &existing, &slices, size).await?;
         let mut plan = Plan::new(slices.len(), &existing, c.max_attempts);
         let mut progress = Progress {
@@ -428,9 +429,9 @@ impl ScoreRun {
                         plan.lost(partition);
                         replacements += 1;
                         if replacements as usize > 4 * c.actors.max(1) {
-                            return Err(format!(
+                            return Err(Error::Run(format!(
                                 "scorer actors keep dying ({replacements} replaced); last: {reason}"
-                            ));
+                            )));
                         }
                         // Spawned beside the other actors' work, never blocking it. Until the
                         // head has declared a dead node dead, a new actor may land on it: back
@@ -462,7 +463,7 @@ impl ScoreRun {
                 break;
             }
             if running.is_empty() && idle.is_empty() {
-                return Err("every scorer actor died and none could be replaced".into());
+                return Err(Error::Run("every scorer actor died and none could be replaced".into()));
             }
         }
         for actor in &actors {
@@ -471,10 +472,10 @@ impl ScoreRun {
         // Also any actor whose spawn was given up on but which appeared since.
         let _ = self.stop_leftovers().await;
         if let Some((partition, reason)) = plan.failures().iter().next() {
-            return Err(format!(
+            return Err(Error::Run(format!(
                 "partition {partition} failed {} times; last: {reason}",
                 c.max_attempts
-            ));
+            )));
         }
         let manifest = ScoreManifest {
             input: c.input.clone(),
@@ -487,8 +488,8 @@ impl ScoreRun {
             rows_this_run: progress.rows,
             errors_this_run: progress.errors,
         };
-        let body = serde_json::to_vec_pretty(&manifest).map_err(|e| e.to_string())?;
-        output.put("_manifest.json", Bytes::from(body)).await?;
+        let body = serde_json::to_vec_pretty(&manifest)?;
+        output.put("_manifest.json", Bytes::from(body)).await.map_err(Error::Storage)?;
         progress.seconds = started.elapsed().as_secs_f64();
         Ok(progress)
     }
@@ -497,7 +498,7 @@ impl ScoreRun {
 /// The input's partitions, each with its weight in input bytes (for progress and ETA), and
 /// the input's size: JSONL byte ranges, or Parquet row groups (cut into row ranges when
 /// there are fewer groups than `count`).
-async fn plan_slices(input: &str, count: usize) -> Result<(Vec<(Slice, u64)>, u64), String> {
+async fn plan_slices(input: &str, count: usize) -> Result<(Vec<(Slice, u64)>, u64)> {
     if is_parquet(input) {
         let parquet = ParquetInput::open(input).await?;
         let (size, rows) = (parquet.size(), parquet.rows().max(1));
@@ -511,8 +512,8 @@ async fn plan_slices(input: &str, count: usize) -> Result<(Vec<(Slice, u64)>, u6
             .collect();
         return Ok((slices, size));
     }
-    let (place, name) = Place::file(input)?;
-    let size = place.size(&name).await?;
+    let (place, name) = Place::file(input).map_err(Error::Storage)?;
+    let size = place.size(&name).await.map_err(Error::Storage)?;
     let slices = byte_ranges(size, count)
         .into_iter()
         .map(|r| {

@@ -14,6 +14,7 @@
 
 pub mod actor;
 pub mod driver;
+pub mod error;
 pub mod output;
 pub mod parquet_input;
 pub mod partition;
@@ -22,6 +23,7 @@ pub mod protocol;
 
 pub use actor::{PartitionReport, PartitionTask, ScorerActor, ScorerArgs, Slice};
 pub use driver::{Progress, ScoreConfig, ScoreManifest, ScoreRun};
+pub use error::{Error, Result};
 pub use output::{from_parquet, to_parquet, ScoredRow};
 pub use parquet_input::{is_parquet, row_slices, rows_to_parquet, ParquetInput, RowSlice};
 pub use partition::{byte_ranges, owned_lines, parse_row, read_window, Row, RowError};

@@ -2,6 +2,7 @@
 //! its final name, so a reader sees all of it or nothing) and a JSONL file of the rows
 //! that could not be scored. Written with parquet's own column writers (no Arrow).
 
+use crate::error::{Error, Result};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -47,14 +48,14 @@ fn text_column(rows: &[ScoredRow], pick: fn(&ScoredRow) -> &str) -> Vec<ByteArra
 }
 
 /// The rows as a Parquet file (one row group, snappy).
-pub fn to_parquet(rows: &[ScoredRow]) -> Result<Bytes, String> {
-    let schema = Arc::new(parse_message_type(SCHEMA).map_err(|e| e.to_string())?);
+pub fn to_parquet(rows: &[ScoredRow]) -> Result<Bytes> {
+    let schema = Arc::new(parse_message_type(SCHEMA).map_err(|e| Error::Output(e.to_string()))?);
     let props = Arc::new(WriterProperties::builder().set_compression(Compression::SNAPPY).build());
     let mut out = Vec::new();
-    let mut writer = SerializedFileWriter::new(&mut out, schema, props).map_err(|e| e.to_string())?;
-    let mut group = writer.next_row_group().map_err(|e| e.to_string())?;
+    let mut writer = SerializedFileWriter::new(&mut out, schema, props).map_err(|e| Error::Output(e.to_string()))?;
+    let mut group = writer.next_row_group().map_err(|e| Error::Output(e.to_string()))?;
     let mut index = 0;
-    while let Some(mut column) = group.next_column().map_err(|e| e.to_string())? {
+    while let Some(mut column) = group.next_column().map_err(|e| Error::Output(e.to_string()))? {
         let written = match index {
             0 => column
                 .typed::<ByteArrayType>()
@@ -83,22 +84,22 @@ pub fn to_parquet(rows: &[ScoredRow]) -> Result<Bytes, String> {
                 .typed::<ByteArrayType>()
                 .write_batch(&text_column(rows, |r| &r.generated), None, None),
         };
-        written.map_err(|e| e.to_string())?;
-        column.close().map_err(|e| e.to_string())?;
+        written.map_err(|e| Error::Output(e.to_string()))?;
+        column.close().map_err(|e| Error::Output(e.to_string()))?;
         index += 1;
     }
-    group.close().map_err(|e| e.to_string())?;
-    writer.close().map_err(|e| e.to_string())?;
+    group.close().map_err(|e| Error::Output(e.to_string()))?;
+    writer.close().map_err(|e| Error::Output(e.to_string()))?;
     Ok(Bytes::from(out))
 }
 
 /// Rows back from a file written by [`to_parquet`].
-pub fn from_parquet(bytes: Bytes) -> Result<Vec<ScoredRow>, String> {
-    let reader = SerializedFileReader::new(bytes).map_err(|e| format!("not a Parquet file: {e}"))?;
+pub fn from_parquet(bytes: Bytes) -> Result<Vec<ScoredRow>> {
+    let reader = SerializedFileReader::new(bytes).map_err(|e| Error::Output(format!("not a Parquet file: {e}")))?;
     let mut rows = Vec::new();
-    for row in reader.get_row_iter(None).map_err(|e| e.to_string())? {
-        let row = row.map_err(|e| e.to_string())?;
-        let field = |e: parquet::errors::ParquetError| format!("unexpected column: {e}");
+    for row in reader.get_row_iter(None).map_err(|e| Error::Output(e.to_string()))? {
+        let row = row.map_err(|e| Error::Output(e.to_string()))?;
+        let field = |e: parquet::errors::ParquetError| Error::Output(format!("unexpected column: {e}"));
         rows.push(ScoredRow {
             id: row.get_string(0).map_err(field)?.clone(),
             tokens: row.get_long(1).map_err(field)?,
@@ -132,6 +133,7 @@ mod tests {
         assert_eq!(from_parquet(bytes).unwrap(), rows);
         assert!(from_parquet(Bytes::from_static(b"not parquet"))
             .unwrap_err()
+            .to_string()
             .contains("not a Parquet file"));
         assert!(from_parquet(to_parquet(&[]).unwrap()).unwrap().is_empty());
     }

@@ -3,6 +3,7 @@
 //! Only the footer and the column chunks of a partition's row group are fetched, through
 //! ranged reads of any object_store location. The slicing arithmetic is pure.
 
+use crate::error::{Error, Result};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -123,15 +124,15 @@ pub struct ParquetInput {
 
 impl ParquetInput {
     /// Reads the footer of `input` (path or URL) and checks it has `id` and `text` columns.
-    pub async fn open(input: &str) -> Result<Self, String> {
-        let (place, name) = Place::file(input)?;
-        let size = place.size(&name).await?;
-        let not_parquet = |why: String| format!("{input} is not a readable Parquet file: {why}");
+    pub async fn open(input: &str) -> Result<Self> {
+        let (place, name) = Place::file(input).map_err(Error::Storage)?;
+        let size = place.size(&name).await.map_err(Error::Storage)?;
+        let not_parquet = |why: String| Error::Input(format!("{input} is not a readable Parquet file: {why}"));
         if size < 12 {
             return Err(not_parquet(format!("{size} bytes")));
         }
         let tail_start = size.saturating_sub(64 << 10);
-        let mut tail = place.get_range(&name, tail_start..size).await?;
+        let mut tail = place.get_range(&name, tail_start..size).await.map_err(Error::Storage)?;
         if &tail[tail.len() - 4..] != b"PAR1" {
             return Err(not_parquet("no PAR1 footer magic".into()));
         }
@@ -145,7 +146,7 @@ impl ParquetInput {
         let mut tail_offset = tail_start;
         if footer > tail.len() as u64 {
             tail_offset = size - footer;
-            tail = place.get_range(&name, tail_offset..size).await?;
+            tail = place.get_range(&name, tail_offset..size).await.map_err(Error::Storage)?;
         }
         let pieces = Pieces {
             size,
@@ -163,10 +164,10 @@ impl ParquetInput {
             .collect();
         let column = |wanted: &str| {
             columns.iter().position(|c| c == wanted).ok_or_else(|| {
-                format!(
+                Error::Input(format!(
                     "{input} has no `{wanted}` column (its columns: {}); Parquet input needs `id` and `text`",
                     columns.join(", ")
-                )
+                ))
             })
         };
         let (id_column, text_column) = (column("id")?, column("text")?);
@@ -204,14 +205,14 @@ impl ParquetInput {
 
     /// The rows of `slice`, each with its row number in the file, and the rows that cannot
     /// be scored (the error's `offset` is the row number).
-    pub async fn read(&self, slice: &RowSlice) -> Result<(Vec<(u64, Row)>, Vec<RowError>), String> {
+    pub async fn read(&self, slice: &RowSlice) -> Result<(Vec<(u64, Row)>, Vec<RowError>)> {
         let rows_in_group = *self.group_rows.get(slice.group).ok_or_else(|| {
-            format!(
+            Error::Input(format!(
                 "{} has {} row groups, not {}",
                 self.url,
                 self.group_rows.len(),
                 slice.group + 1
-            )
+            ))
         })?;
         let group = self.metadata.row_group(slice.group);
         let column_range = |column: usize| {
@@ -221,17 +222,17 @@ impl ParquetInput {
         let (id, text) = (column_range(self.id_column), column_range(self.text_column));
         let span = id.start.min(text.start)..id.end.max(text.end);
         if span.end > self.size {
-            return Err(format!(
+            return Err(Error::Input(format!(
                 "{}: row group {} runs past the end of the file",
                 self.url, slice.group
-            ));
+            )));
         }
-        let data = self.place.get_range(&self.name, span.clone()).await?;
+        let data = self.place.get_range(&self.name, span.clone()).await.map_err(Error::Storage)?;
         let pieces = Pieces {
             size: self.size,
             pieces: vec![(span.start, data)],
         };
-        let in_group = |e: ParquetError| format!("{}: row group {}: {e}", self.url, slice.group);
+        let in_group = |e: ParquetError| Error::Input(format!("{}: row group {}: {e}", self.url, slice.group));
         let reader = SerializedRowGroupReader::new(
             Arc::new(pieces),
             group,
@@ -245,10 +246,10 @@ impl ParquetInput {
         let (mut rows, mut errors) = (Vec::new(), Vec::new());
         for (i, row) in iter.skip(slice.rows.start as usize).take(take as usize).enumerate() {
             let number = first_row + slice.rows.start + i as u64;
-            let row = row.map_err(|e| format!("{}: row {number}: {e}", self.url))?;
+            let row = row.map_err(|e| Error::Input(format!("{}: row {number}: {e}", self.url)))?;
             let mut fields = row.get_column_iter();
             let (Some((_, id)), Some((_, text))) = (fields.next(), fields.next()) else {
-                return Err(format!("{}: row {number} lacks the id or text column", self.url));
+                return Err(Error::Input(format!("{}: row {number} lacks the id or text column", self.url)));
             };
             match parse_fields(id, text, number) {
                 Ok(row) => rows.push((number, row)),
@@ -259,7 +260,7 @@ impl ParquetInput {
     }
 
     /// The schema of just the `id` and `text` columns, in that order.
-    fn projection(&self) -> Result<parquet::schema::types::Type, String> {
+    fn projection(&self) -> Result<parquet::schema::types::Type> {
         let schema = self.metadata.file_metadata().schema_descr();
         let fields = [self.id_column, self.text_column]
             .iter()
@@ -269,12 +270,12 @@ impl ParquetInput {
         parquet::schema::types::Type::group_type_builder(schema.root_schema().name())
             .with_fields(fields)
             .build()
-            .map_err(|e| format!("{}: {e}", self.url))
+            .map_err(|e| Error::Input(format!("{}: {e}", self.url)))
     }
 }
 
 /// One row from its `id` and `text` fields.
-fn parse_fields(id: &Field, text: &Field, number: u64) -> Result<Row, RowError> {
+fn parse_fields(id: &Field, text: &Field, number: u64) -> std::result::Result<Row, RowError> {
     let fail = |id: Option<String>, reason: String| RowError {
         id,
         offset: number,
@@ -308,38 +309,38 @@ fn parse_fields(id: &Field, text: &Field, number: u64) -> Result<Row, RowError> 
 
 /// A Parquet dataset of `(id, text)` rows (`text` may be null), `group_rows` rows per row
 /// group: for tests, benchmarks and users who want to try Parquet input.
-pub fn rows_to_parquet(rows: &[(String, Option<String>)], group_rows: usize) -> Result<Bytes, String> {
+pub fn rows_to_parquet(rows: &[(String, Option<String>)], group_rows: usize) -> Result<Bytes> {
     let schema = parse_message_type("message rows { REQUIRED BYTE_ARRAY id (UTF8); OPTIONAL BYTE_ARRAY text (UTF8); }")
-        .map_err(|e| e.to_string())?;
+        ?;
     let props = WriterProperties::builder().set_compression(Compression::SNAPPY).build();
     let mut out = Vec::new();
-    let mut writer = SerializedFileWriter::new(&mut out, schema.into(), props.into()).map_err(|e| e.to_string())?;
+    let mut writer = SerializedFileWriter::new(&mut out, schema.into(), props.into())?;
     for chunk in rows.chunks(group_rows.max(1)) {
-        let mut group = writer.next_row_group().map_err(|e| e.to_string())?;
+        let mut group = writer.next_row_group()?;
         let ids: Vec<ByteArray> = chunk.iter().map(|(id, _)| ByteArray::from(id.as_str())).collect();
         let texts: Vec<ByteArray> = chunk
             .iter()
             .filter_map(|(_, t)| t.as_deref().map(ByteArray::from))
             .collect();
         let levels: Vec<i16> = chunk.iter().map(|(_, t)| i16::from(t.is_some())).collect();
-        let mut column = group.next_column().map_err(|e| e.to_string())?.ok_or("no id column")?;
+        let mut column = group.next_column()?.ok_or_else(|| Error::Output("no id column".into()))?;
         column
             .typed::<ByteArrayType>()
             .write_batch(&ids, None, None)
-            .map_err(|e| e.to_string())?;
-        column.close().map_err(|e| e.to_string())?;
+            ?;
+        column.close()?;
         let mut column = group
             .next_column()
-            .map_err(|e| e.to_string())?
-            .ok_or("no text column")?;
+            ?
+            .ok_or_else(|| Error::Output("no text column".into()))?;
         column
             .typed::<ByteArrayType>()
             .write_batch(&texts, Some(&levels), None)
-            .map_err(|e| e.to_string())?;
-        column.close().map_err(|e| e.to_string())?;
-        group.close().map_err(|e| e.to_string())?;
+            ?;
+        column.close()?;
+        group.close()?;
     }
-    writer.close().map_err(|e| e.to_string())?;
+    writer.close()?;
     Ok(Bytes::from(out))
 }
 

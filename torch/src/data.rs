@@ -12,6 +12,8 @@ use regatta_trainer::documents::{Document, Packed, Record, TokenizerSettings};
 use regatta_trainer::{chunks, DataLayout, BYTE_VOCAB};
 use tch::{Kind, Tensor};
 
+use crate::error::{Error, Result};
+
 use regatta_object_store::Place;
 
 /// How text becomes token ids.
@@ -24,19 +26,19 @@ pub enum TextTokenizer {
 
 impl TextTokenizer {
     /// Loads `tokenizer.json` from a path or URL; an empty spec means bytes.
-    pub async fn load(spec: &str) -> Result<Self, String> {
+    pub async fn load(spec: &str) -> Result<Self> {
         if spec.is_empty() {
             return Ok(Self::Bytes);
         }
-        let (place, name) = Place::file(spec)?;
-        let bytes = place.get(&name).await?;
+        let (place, name) = Place::file(spec).map_err(Error::Storage)?;
+        let bytes = place.get(&name).await.map_err(Error::Storage)?;
         Self::from_json(&bytes, spec)
     }
 
     /// A tokenizer from the bytes of a `tokenizer.json`; `what` names it in errors.
-    pub fn from_json(bytes: &[u8], what: &str) -> Result<Self, String> {
+    pub fn from_json(bytes: &[u8], what: &str) -> Result<Self> {
         let tokenizer = tokenizers::Tokenizer::from_bytes(bytes)
-            .map_err(|e| format!("{what} is not a valid tokenizer.json: {e}"))?;
+            .map_err(|e| Error::Dataset(format!("{what} is not a valid tokenizer.json: {e}")))?;
         Ok(Self::Hf(Box::new(tokenizer)))
     }
 
@@ -49,14 +51,14 @@ impl TextTokenizer {
     }
 
     /// Token ids of some text (invalid UTF-8 is replaced for a tokenizer).
-    pub fn encode(&self, text: &[u8]) -> Result<Vec<i64>, String> {
+    pub fn encode(&self, text: &[u8]) -> Result<Vec<i64>> {
         match self {
             Self::Bytes => Ok(text.iter().map(|b| i64::from(*b)).collect()),
             Self::Hf(t) => {
                 let text = String::from_utf8_lossy(text);
                 let encoding = t
                     .encode(text.as_ref(), false)
-                    .map_err(|e| format!("cannot tokenize: {e}"))?;
+                    .map_err(|e| Error::Dataset(format!("cannot tokenize: {e}")))?;
                 Ok(encoding.get_ids().iter().map(|id| i64::from(*id)).collect())
             }
         }
@@ -122,9 +124,9 @@ impl RankData {
         context: usize,
         partitions: usize,
         which: &[usize],
-    ) -> Result<Self, String> {
+    ) -> Result<Self> {
         if let Some(&p) = which.iter().find(|&&p| p >= partitions) {
-            return Err(format!("partition {p} of {partitions} does not exist"));
+            return Err(Error::Dataset(format!("partition {p} of {partitions} does not exist")));
         }
         let path = source.path;
         let format = source.format.resolve(path);
@@ -139,18 +141,18 @@ impl RankData {
                     };
                     let documents = records
                         .iter()
-                        .map(|(at, record)| document(source, record).map_err(|e| format!("{path}: {at}: {e}")))
-                        .collect::<Result<Vec<_>, _>>()?;
+                        .map(|(at, record)| document(source, record).map_err(|e| Error::Dataset(format!("{path}: {at}: {e}"))))
+                        .collect::<Result<Vec<_>>>()?;
                     Part::Packed(Packed::new(&documents, context))
                 }
                 DataFormat::Text | DataFormat::Auto => text_part(path, source.tokenizer, context, partitions, p).await?,
             };
             if part.sequences() == 0 {
-                return Err(format!(
+                return Err(Error::Dataset(format!(
                     "partition {p} of {partitions} of {path} fills no sequence of {} tokens; use fewer ranks, a \
                      shorter context or more data",
                     context + 1
-                ));
+                )));
             }
             loaded.push(part);
         }
@@ -206,9 +208,9 @@ impl RankData {
 }
 
 /// A record's token ids, each marked with whether it carries loss.
-fn document(source: &DataSource<'_>, record: &Record) -> Result<Document, String> {
+fn document(source: &DataSource<'_>, record: &Record) -> Result<Document> {
     let mut document = Document::default();
-    for segment in source.settings.segments(record).map_err(|e| e.to_string())? {
+    for segment in source.settings.segments(record).map_err(regatta_trainer::Error::from)? {
         document.push(&source.tokenizer.encode(segment.text.as_bytes())?, segment.loss);
     }
     Ok(document)
@@ -221,9 +223,9 @@ async fn text_part(
     context: usize,
     partitions: usize,
     p: usize,
-) -> Result<Part, String> {
-    let (place, name) = Place::file(path)?;
-    let size = place.size(&name).await?;
+) -> Result<Part> {
+    let (place, name) = Place::file(path).map_err(Error::Storage)?;
+    let size = place.size(&name).await.map_err(Error::Storage)?;
     let (range, sequences) = match tokenizer {
         TextTokenizer::Bytes => {
             let layout = DataLayout::new(size, context, partitions)?;
@@ -234,7 +236,7 @@ async fn text_part(
             (r.start as u64..r.end as u64, 0)
         }
     };
-    let bytes = place.get_range(&name, range).await?;
+    let bytes = place.get_range(&name, range).await.map_err(Error::Storage)?;
     let tokens = tokenizer.encode(&bytes)?;
     let sequences = if sequences > 0 {
         sequences
@@ -247,18 +249,18 @@ async fn text_part(
 /// The rows of partition `p` of a JSONL file (the lines starting in its byte range), each
 /// with where it starts. A line that is not a usable row is an error naming its offset:
 /// training never skips data silently.
-async fn jsonl_records(path: &str, partitions: usize, p: usize) -> Result<Vec<(String, Record)>, String> {
-    let (place, name) = Place::file(path)?;
-    let size = place.size(&name).await?;
+async fn jsonl_records(path: &str, partitions: usize, p: usize) -> Result<Vec<(String, Record)>> {
+    let (place, name) = Place::file(path).map_err(Error::Storage)?;
+    let size = place.size(&name).await.map_err(Error::Storage)?;
     let ranges = byte_ranges(size, partitions);
     let Some(range) = ranges.get(p).cloned() else {
-        return Err(format!(
+        return Err(Error::Dataset(format!(
             "{path} ({size} bytes) is too small to split into {partitions} partitions"
-        ));
+        )));
     };
     let mut window = read_window(&range);
     loop {
-        let buf = place.get_range(&name, window.clone()).await?;
+        let buf = place.get_range(&name, window.clone()).await.map_err(Error::Storage)?;
         let (lines, more) = owned_lines(&buf, window.start, &range, window.end >= size);
         if more.is_some() {
             let grow = (window.end - window.start).max(64 << 10);
@@ -272,8 +274,8 @@ async fn jsonl_records(path: &str, partitions: usize, p: usize) -> Result<Vec<(S
             }
             let at = format!("the line at byte {offset}");
             let value: serde_json::Value =
-                serde_json::from_slice(line).map_err(|e| format!("{path}: {at} is not valid JSON: {e}"))?;
-            let record = Record::parse(&value).map_err(|e| format!("{path}: {at}: {e}"))?;
+                serde_json::from_slice(line).map_err(|e| Error::Dataset(format!("{path}: {at} is not valid JSON: {e}")))?;
+            let record = Record::parse(&value).map_err(|e| Error::Dataset(format!("{path}: {at}: {e}")))?;
             records.push((at, record));
         }
         return Ok(records);
@@ -282,23 +284,24 @@ async fn jsonl_records(path: &str, partitions: usize, p: usize) -> Result<Vec<(S
 
 /// The rows of partition `p` of a Parquet file (an even share of its rows), read from the
 /// columns `text`, `prompt`/`response` or `messages`.
-async fn parquet_records(path: &str, partitions: usize, p: usize) -> Result<Vec<(String, Record)>, String> {
+async fn parquet_records(path: &str, partitions: usize, p: usize) -> Result<Vec<(String, Record)>> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
-    let (place, name) = Place::file(path)?;
-    let bytes = place.get(&name).await?;
-    let not_parquet = |e: parquet::errors::ParquetError| format!("{path} is not a readable Parquet file: {e}");
+    let (place, name) = Place::file(path).map_err(Error::Storage)?;
+    let bytes = place.get(&name).await.map_err(Error::Storage)?;
+    let not_parquet =
+        |e: parquet::errors::ParquetError| Error::Dataset(format!("{path} is not a readable Parquet file: {e}"));
     let reader = SerializedFileReader::new(bytes).map_err(not_parquet)?;
     let rows = usize::try_from(reader.metadata().file_metadata().num_rows()).unwrap_or(0);
     let mine = chunks(rows, partitions.max(1))
         .get(p)
         .cloned()
-        .ok_or_else(|| format!("{path} ({rows} rows) is too small to split into {partitions} partitions"))?;
+        .ok_or_else(|| Error::Dataset(format!("{path} ({rows} rows) is too small to split into {partitions} partitions")))?;
     let mut records = Vec::with_capacity(mine.len());
     let iter = reader.get_row_iter(None).map_err(not_parquet)?;
     for (number, row) in iter.enumerate().skip(mine.start).take(mine.len()) {
         let at = format!("row {number}");
-        let row = row.map_err(|e| format!("{path}: {at}: {e}"))?;
-        let record = Record::parse(&row.to_json_value()).map_err(|e| format!("{path}: {at}: {e}"))?;
+        let row = row.map_err(|e| Error::Dataset(format!("{path}: {at}: {e}")))?;
+        let record = Record::parse(&row.to_json_value()).map_err(|e| Error::Dataset(format!("{path}: {at}: {e}")))?;
         records.push((at, record));
     }
     Ok(records)

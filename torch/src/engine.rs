@@ -104,9 +104,6 @@ fn bytes(tensor: &Tensor) -> u64 {
     (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64
 }
 
-fn coll(e: String) -> Error {
-    Error::Collective(e)
-}
 
 /// One micro-batch: inputs and targets `[batch, time]` (targets of [`IGNORE`] carry no
 /// loss) and, for packed rows, each token's document number.
@@ -319,7 +316,7 @@ impl Engine {
             return Ok(());
         }
         for block in 0..self.master.len() {
-            let full = self.coll.all_gather(&self.master[block]).map_err(coll)?;
+            let full = self.coll.all_gather(&self.master[block])?;
             self.full[block] = Some(full.to_kind(self.settings.compute));
         }
         Ok(())
@@ -332,7 +329,7 @@ impl Engine {
             None => Ok(self
                 .coll
                 .all_gather(&self.master[block])
-                .map_err(coll)?
+                ?
                 .to_kind(self.settings.compute)),
         }
     }
@@ -497,7 +494,7 @@ impl Engine {
         let (slot, grad) = if self.settings.stage == ZeroStage::One {
             (&mut self.full_grads[block], grad)
         } else {
-            let shard = self.coll.reduce_scatter(&grad).map_err(coll)?;
+            let shard = self.coll.reduce_scatter(&grad)?;
             (&mut self.grad_shards[block], shard)
         };
         let total = match slot.take() {
@@ -523,7 +520,7 @@ impl Engine {
             let grad = match self.settings.stage {
                 ZeroStage::One => {
                     let full = self.full_grads[block].take().ok_or_else(missing)?;
-                    self.coll.reduce_scatter(&full).map_err(coll)?
+                    self.coll.reduce_scatter(&full)?
                 }
                 _ => self.grad_shards[block].take().ok_or_else(missing)?,
             };
@@ -635,7 +632,7 @@ impl Engine {
         let full = self
             .coll
             .all_gather(&self.master[block])
-            .map_err(coll)?
+            ?
             .to_device(Device::Cpu);
         let names: Vec<String> = self.specs[block]
             .iter()
@@ -661,13 +658,13 @@ impl Engine {
 
     /// Waits for every rank.
     pub fn barrier(&mut self) -> Result<()> {
-        self.coll.barrier().map_err(coll)
+        self.coll.barrier()
     }
 
     /// Sums a scalar over ranks.
     pub fn sum_over_ranks(&mut self, value: f64) -> Result<f64> {
         let t = Tensor::from_slice(&[value as f32]).to_device(self.settings.device);
-        Ok(self.coll.all_reduce(&t).map_err(coll)?.double_value(&[0]))
+        Ok(self.coll.all_reduce(&t)?.double_value(&[0]))
     }
 }
 

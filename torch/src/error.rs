@@ -23,7 +23,7 @@ pub enum Error {
     },
     /// `config.json` cannot be used.
     #[error(transparent)]
-    Config(#[from] regatta_trainer::HfConfigError),
+    Config(regatta_trainer::HfConfigError),
     /// Reading or writing through `object_store` failed.
     #[error("storage: {0}")]
     Storage(String),
@@ -33,9 +33,33 @@ pub enum Error {
     /// A collective with the other ranks failed (a lost peer).
     #[error("collective: {0}")]
     Collective(String),
+    /// A dataset cannot be read or does not fit the run; the text names the file and row.
+    #[error("{0}")]
+    Dataset(String),
+    /// A training setting, model config or dataset row was refused by the trainer's rules.
+    #[error(transparent)]
+    Trainer(regatta_trainer::Error),
+    /// A local file or the async runtime failed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
     /// A training or checkpoint invariant does not hold.
     #[error("{0}")]
     Invalid(String),
+}
+
+impl From<regatta_trainer::HfConfigError> for Error {
+    fn from(error: regatta_trainer::HfConfigError) -> Self {
+        Self::Config(error)
+    }
+}
+
+impl From<regatta_trainer::Error> for Error {
+    fn from(error: regatta_trainer::Error) -> Self {
+        match error {
+            regatta_trainer::Error::ModelConfig(config) => Self::Config(config),
+            other => Self::Trainer(other),
+        }
+    }
 }
 
 /// `Result` with [`Error`].

@@ -83,7 +83,7 @@ pub struct RunModel {
 impl RunModel {
     /// Partitions `which` of `partitions` of the run's dataset, tokenized by this model's
     /// tokenizer into sequences of the run's context.
-    pub async fn data(&self, config: &TrainConfig, partitions: usize, which: &[usize]) -> Result<RankData, String> {
+    pub async fn data(&self, config: &TrainConfig, partitions: usize, which: &[usize]) -> Result<RankData, Error> {
         let source = DataSource {
             path: &config.data.path,
             format: config.data.format,
@@ -103,9 +103,12 @@ pub async fn open_run_model(config: &TrainConfig, make_model: &ModelFactory) -> 
         Some(HfModel::open(&config.model.path).await?)
     };
     let spec = tokenizer_spec(config);
-    let tokenizer = TextTokenizer::load(&spec).await.map_err(|problem| Error::ModelFile {
-        path: spec.clone(),
-        problem,
+    let tokenizer = TextTokenizer::load(&spec).await.map_err(|e| match e {
+        Error::Storage(problem) => Error::ModelFile {
+            path: spec.clone(),
+            problem,
+        },
+        other => other,
     })?;
     let (model, source, mut side_files) = if let Some(hf) = hf {
         let model = hf.model()?;
@@ -186,16 +189,16 @@ pub struct Failure {
     pub fatal: bool,
 }
 
-fn fatal(reason: impl Into<String>) -> Failure {
+fn fatal(reason: impl ToString) -> Failure {
     Failure {
-        reason: reason.into(),
+        reason: reason.to_string(),
         fatal: true,
     }
 }
 
-fn lost(reason: impl Into<String>) -> Failure {
+fn lost(reason: impl ToString) -> Failure {
     Failure {
-        reason: reason.into(),
+        reason: reason.to_string(),
         fatal: false,
     }
 }
@@ -475,8 +478,7 @@ pub fn reference_run(
     let run_model = runtime.block_on(open_run_model(config, make_model))?;
     let which: Vec<usize> = (0..partitions).collect();
     let data = runtime
-        .block_on(run_model.data(config, partitions, &which))
-        .map_err(Error::Invalid)?;
+        .block_on(run_model.data(config, partitions, &which))?;
     let steps: Vec<Vec<MicroBatch>> = (0..config.steps).map(|s| step_batches(config, &data, s)).collect();
     let seed = config.seed;
     let source = run_model.source;

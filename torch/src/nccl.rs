@@ -6,17 +6,18 @@
 #![allow(unsafe_code)]
 
 use cudarc::nccl::{result, sys};
+use crate::error::{Error, Result};
 use tch::{Kind, Tensor};
 
 use crate::collective::{CollResult, TensorCollective};
 
 /// Is libnccl loadable? Errors with what to do when it is not.
-pub fn check_library() -> Result<(), String> {
+pub fn check_library() -> Result<()> {
     // SAFETY: only tries to dlopen candidate library names; no NCCL function is called.
     if unsafe { sys::is_culib_present() } {
         Ok(())
     } else {
-        Err(format!(
+        Err(Error::Collective(format!(
             "NCCL is not available: none of {:?} could be loaded. Install NCCL (for example the \
              nvidia-nccl-cu13 wheel), create a `libnccl.so` link next to its libnccl.so.2 (cudarc \
              does not look for that name), and put that directory on LD_LIBRARY_PATH",
@@ -24,14 +25,14 @@ pub fn check_library() -> Result<(), String> {
                 .iter()
                 .take(3)
                 .collect::<Vec<_>>()
-        ))
+        )))
     }
 }
 
 /// A new unique id (rank 0), as bytes to send through the cluster.
-pub fn unique_id() -> Result<Vec<u8>, String> {
+pub fn unique_id() -> Result<Vec<u8>> {
     check_library()?;
-    let id = result::get_uniqueid().map_err(|e| format!("ncclGetUniqueId: {e:?}"))?;
+    let id = result::get_uniqueid().map_err(|e| Error::Collective(format!("ncclGetUniqueId: {e:?}")))?;
     Ok(id.internal.iter().map(|c| *c as u8).collect())
 }
 
@@ -47,10 +48,10 @@ unsafe impl Send for NcclCollective {}
 
 impl NcclCollective {
     /// Joins the group `id` as `rank` of `world`; blocks until every rank has joined.
-    pub fn join(id: &[u8], rank: usize, world: usize) -> Result<Self, String> {
+    pub fn join(id: &[u8], rank: usize, world: usize) -> Result<Self> {
         check_library()?;
         if id.len() != 128 {
-            return Err(format!("an NCCL id has 128 bytes, not {}", id.len()));
+            return Err(Error::Collective(format!("an NCCL id has 128 bytes, not {}", id.len())));
         }
         let mut unique = sys::ncclUniqueId { internal: [0; 128] };
         for (slot, byte) in unique.internal.iter_mut().zip(id) {
@@ -59,13 +60,13 @@ impl NcclCollective {
         let mut comm = std::ptr::null_mut();
         // SAFETY: `comm` is a valid out-pointer; the id came from ncclGetUniqueId on rank 0.
         unsafe { result::comm_init_rank(&mut comm, world as i32, unique, rank as i32) }
-            .map_err(|e| format!("ncclCommInitRank: {e:?}"))?;
+            .map_err(|e| Error::Collective(format!("ncclCommInitRank: {e:?}")))?;
         Ok(Self { comm, rank, world })
     }
 
     fn check(tensor: &Tensor) -> CollResult<()> {
         if !tensor.device().is_cuda() || tensor.kind() != Kind::Float || !tensor.is_contiguous() {
-            return Err("NCCL collectives take contiguous f32 CUDA tensors".into());
+            return Err(Error::Collective("NCCL collectives take contiguous f32 CUDA tensors".into()));
         }
         Ok(())
     }
@@ -102,7 +103,7 @@ impl TensorCollective for NcclCollective {
                 STREAM,
             )
         }
-        .map_err(|e| format!("ncclAllReduce: {e:?}"))?;
+        .map_err(|e| Error::Collective(format!("ncclAllReduce: {e:?}")))?;
         Ok(out)
     }
     fn reduce_scatter(&mut self, input: &Tensor) -> CollResult<Tensor> {
@@ -121,7 +122,7 @@ impl TensorCollective for NcclCollective {
                 STREAM,
             )
         }
-        .map_err(|e| format!("ncclReduceScatter: {e:?}"))?;
+        .map_err(|e| Error::Collective(format!("ncclReduceScatter: {e:?}")))?;
         Ok(out)
     }
     fn all_gather(&mut self, input: &Tensor) -> CollResult<Tensor> {
@@ -138,7 +139,7 @@ impl TensorCollective for NcclCollective {
                 STREAM,
             )
         }
-        .map_err(|e| format!("ncclAllGather: {e:?}"))?;
+        .map_err(|e| Error::Collective(format!("ncclAllGather: {e:?}")))?;
         Ok(out)
     }
     fn broadcast(&mut self, input: &Tensor, root: usize) -> CollResult<Tensor> {
@@ -156,7 +157,7 @@ impl TensorCollective for NcclCollective {
                 STREAM,
             )
         }
-        .map_err(|e| format!("ncclBroadcast: {e:?}"))?;
+        .map_err(|e| Error::Collective(format!("ncclBroadcast: {e:?}")))?;
         Ok(out)
     }
     fn barrier(&mut self) -> CollResult<()> {
@@ -175,9 +176,11 @@ mod tests {
             // A GPU host with NCCL: joining needs a device, covered by the GPU benchmark.
             Ok(()) => assert!(unique_id().is_ok()),
             Err(message) => {
+                assert!(matches!(message, Error::Collective(_)), "{message:?}");
+                let message = message.to_string();
                 assert!(message.contains("NCCL is not available"), "{message}");
                 assert!(message.contains("LD_LIBRARY_PATH"), "{message}");
-                assert!(unique_id().unwrap_err().contains("NCCL is not available"));
+                assert!(unique_id().unwrap_err().to_string().contains("NCCL is not available"));
                 assert!(NcclCollective::join(&[0; 128], 0, 1).is_err());
             }
         }

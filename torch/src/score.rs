@@ -2,6 +2,7 @@
 //! greedy generation. Rows in a batch are right-padded; the model is causal, so padding
 //! never changes the scores of real positions, and only real positions are counted.
 
+use crate::error::{Error, Result};
 use tch::{Device, Kind, Tensor};
 
 use crate::data::TextTokenizer;
@@ -50,22 +51,22 @@ impl Scorer {
         context: usize,
         tokenizer: TextTokenizer,
         device: Device,
-    ) -> Result<Self, String> {
-        let model = hf.model().map_err(|e| e.to_string())?;
-        hf.check(model.as_ref()).map_err(|e| e.to_string())?;
+    ) -> Result<Self> {
+        let model = hf.model()?;
+        hf.check(model.as_ref())?;
         if tokenizer.vocab() > model.vocab() {
-            return Err(format!(
+            return Err(Error::Invalid(format!(
                 "the model embeds {} tokens but the tokenizer has {}",
                 model.vocab(),
                 tokenizer.vocab()
-            ));
+            )));
         }
         let mut stored = std::collections::HashMap::new();
         for spec in model.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
-            let tensor = hf.read(&spec, device).await.map_err(|e| e.to_string())?;
+            let tensor = hf.read(&spec, device).await?;
             stored.insert(spec.name, tensor.to_device(device));
         }
-        let params = arrange(model.as_ref(), &stored).map_err(|e| e.to_string())?;
+        let params = arrange(model.as_ref(), &stored)?;
         let limit = model_context(hf.config_json());
         let context = match (context, limit) {
             (0, Some(limit)) => limit,
@@ -101,14 +102,14 @@ impl Scorer {
         context: usize,
         tokenizer: TextTokenizer,
         device: Device,
-    ) -> Result<Self, String> {
+    ) -> Result<Self> {
         if context < 2 {
-            return Err(format!(
+            return Err(Error::Invalid(format!(
                 "a TorchScript model needs a context of at least 2 tokens, not {context}"
-            ));
+            )));
         }
         let mut module = tch::CModule::load_data_on_device(&mut std::io::Cursor::new(bytes), device)
-            .map_err(|e| format!("not a TorchScript module: {e}"))?;
+            .map_err(|e| Error::Invalid(format!("not a TorchScript module: {e}")))?;
         module.set_eval();
         let scorer = Self {
             net: Net::Script(module),
@@ -119,17 +120,17 @@ impl Scorer {
         let probe = Tensor::from_slice(&[0i64, 1, 0, 1]).view([2, 2]).to_device(device);
         let logits = scorer
             .logits(&probe)
-            .map_err(|e| format!("the TorchScript module does not take token ids [batch, time]: {e}"))?;
+            .map_err(|e| Error::Invalid(format!("the TorchScript module does not take token ids [batch, time]: {e}")))?;
         let shape = logits.size();
         let vocab = scorer.tokenizer.vocab() as i64;
         match shape.as_slice() {
             [2, 2, v] if *v >= vocab => Ok(scorer),
-            [2, 2, v] => Err(format!(
+            [2, 2, v] => Err(Error::Invalid(format!(
                 "the TorchScript module gives logits over {v} tokens but the tokenizer has {vocab}"
-            )),
-            other => Err(format!(
+            ))),
+            other => Err(Error::Invalid(format!(
                 "the TorchScript module maps token ids [2, 2] to {other:?}, not logits [2, 2, vocab]"
-            )),
+            ))),
         }
     }
 
@@ -148,39 +149,39 @@ impl Scorer {
 
     /// This scorer's model as a TorchScript module: traced, so it
     /// takes token ids of any `[batch, time]` with time up to the model's context.
-    pub fn export(&self) -> Result<tch::CModule, String> {
+    pub fn export(&self) -> Result<tch::CModule> {
         let Net::Model { model, params } = &self.net else {
-            return Err("a TorchScript module is exported already".into());
+            return Err(Error::Invalid("a TorchScript module is exported already".into()));
         };
         let example = Tensor::zeros([2, self.context as i64], (Kind::Int64, self.device));
         let mut forward = |inputs: &[Tensor]| vec![logits(model.as_ref(), params, &inputs[0])];
         tch::no_grad(|| tch::CModule::create_by_tracing("RegattaGpt", "forward", &[example], &mut forward))
-            .map_err(|e| format!("cannot trace the model: {e}"))
+            .map_err(|e| Error::Invalid(format!("cannot trace the model: {e}")))
     }
 
     /// Token ids of a text as the scorer sees them (at most the context; at least 2 needed).
-    pub fn tokenize(&self, text: &str) -> Result<(Vec<i64>, bool), String> {
+    pub fn tokenize(&self, text: &str) -> Result<(Vec<i64>, bool)> {
         let mut ids = self.tokenizer.encode(text.as_bytes())?;
         let context = self.context;
         let truncated = ids.len() > context;
         ids.truncate(context);
         if ids.len() < 2 {
-            return Err(format!("the text has {} token(s); scoring needs at least 2", ids.len()));
+            return Err(Error::Invalid(format!("the text has {} token(s); scoring needs at least 2", ids.len())));
         }
         Ok((ids, truncated))
     }
 
-    fn logits(&self, batch: &Tensor) -> Result<Tensor, String> {
+    fn logits(&self, batch: &Tensor) -> Result<Tensor> {
         tch::no_grad(|| match &self.net {
             Net::Model { model, params } => Ok(logits(model.as_ref(), params, batch)),
             Net::Script(module) => module
                 .forward_ts(&[batch])
-                .map_err(|e| format!("the TorchScript module failed: {e}")),
+                .map_err(|e| Error::Invalid(format!("the TorchScript module failed: {e}"))),
         })
     }
 
     /// Scores rows already tokenized by [`Scorer::tokenize`], as one batch.
-    pub fn score(&self, rows: &[(Vec<i64>, bool)], max_new_tokens: usize) -> Result<Vec<Scored>, String> {
+    pub fn score(&self, rows: &[(Vec<i64>, bool)], max_new_tokens: usize) -> Result<Vec<Scored>> {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
@@ -222,7 +223,7 @@ impl Scorer {
     }
 
     /// Greedy continuation of `ids` by up to `max_new_tokens` tokens.
-    pub fn generate(&self, ids: &[i64], max_new_tokens: usize) -> Result<String, String> {
+    pub fn generate(&self, ids: &[i64], max_new_tokens: usize) -> Result<String> {
         let context = self.context;
         let mut sequence = ids.to_vec();
         let mut new = Vec::with_capacity(max_new_tokens);
@@ -303,7 +304,7 @@ mod tests {
                 scored.generated
             );
         }
-        assert!(s.tokenize("x").unwrap_err().contains("at least 2"));
+        assert!(s.tokenize("x").unwrap_err().to_string().contains("at least 2"));
     }
 
     #[test]
@@ -328,6 +329,7 @@ mod tests {
         assert!(Scorer::from_torchscript(b"junk", 12, TextTokenizer::Bytes, Device::Cpu)
             .err()
             .unwrap()
+            .to_string()
             .contains("not a TorchScript module"));
     }
 }

@@ -10,6 +10,7 @@ use regatta_scorer::protocol::{is_torchscript, FromScorer, RowScore, ScorerSetup
 use tch::Device;
 
 use crate::checkpoint::open_model;
+use crate::error::{Error, Result};
 use crate::data::TextTokenizer;
 use crate::score::Scorer;
 
@@ -21,11 +22,11 @@ fn emit(message: &FromScorer) {
     }
 }
 
-fn load(setup: &ScorerSetup) -> Result<(Scorer, u64, Device), String> {
+fn load(setup: &ScorerSetup) -> Result<(Scorer, u64, Device)> {
     tch::set_num_threads(setup.threads.max(1) as i32);
     let cuda = tch::Cuda::is_available();
     let device = match setup.device.as_str() {
-        "cuda" if !cuda => return Err("device = \"cuda\" but libtorch sees no CUDA device".into()),
+        "cuda" if !cuda => return Err(Error::Invalid("device = \"cuda\" but libtorch sees no CUDA device".into())),
         "cuda" => Device::Cuda(0),
         "auto" if cuda && !setup.gpus.is_empty() => Device::Cuda(0),
         _ => Device::Cpu,
@@ -33,13 +34,13 @@ fn load(setup: &ScorerSetup) -> Result<(Scorer, u64, Device), String> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| e.to_string())?;
+        ?;
     if is_torchscript(&setup.checkpoint) {
-        let (place, name) = Place::file(&setup.checkpoint)?;
-        let bytes = runtime.block_on(place.get(&name))?;
+        let (place, name) = Place::file(&setup.checkpoint).map_err(Error::Storage)?;
+        let bytes = runtime.block_on(place.get(&name)).map_err(Error::Storage)?;
         let tokenizer = runtime.block_on(TextTokenizer::load(&setup.tokenizer))?;
         let scorer = Scorer::from_torchscript(&bytes, setup.context, tokenizer, device)
-            .map_err(|e| format!("{}: {e}", setup.checkpoint))?;
+            .map_err(|e| Error::Invalid(format!("{}: {e}", setup.checkpoint)))?;
         return Ok((scorer, 0, device));
     }
     let (scorer, params) = runtime.block_on(open_scorer(&setup.checkpoint, &setup.tokenizer, setup.context, device))?;
@@ -48,11 +49,11 @@ fn load(setup: &ScorerSetup) -> Result<(Scorer, u64, Device), String> {
 
 /// The scorer of a model folder or checkpoint: its tokenizer is `tokenizer` when given,
 /// else the folder's `tokenizer.json`, else the one the training run named, else bytes.
-async fn open_scorer(url: &str, tokenizer: &str, context: usize, device: Device) -> Result<(Scorer, u64), String> {
-    let (manifest, hf) = open_model(url).await.map_err(|e| e.to_string())?;
+async fn open_scorer(url: &str, tokenizer: &str, context: usize, device: Device) -> Result<(Scorer, u64)> {
+    let (manifest, hf) = open_model(url).await?;
     let tokenizer = if !tokenizer.is_empty() {
         TextTokenizer::load(tokenizer).await?
-    } else if let Some(bytes) = hf.file("tokenizer.json").await.map_err(|e| e.to_string())? {
+    } else if let Some(bytes) = hf.file("tokenizer.json").await? {
         TextTokenizer::from_json(&bytes, &format!("{}/tokenizer.json", hf.url()))?
     } else {
         TextTokenizer::load(&manifest.map(|m| m.tokenizer).unwrap_or_default()).await?
@@ -64,21 +65,21 @@ async fn open_scorer(url: &str, tokenizer: &str, context: usize, device: Device)
 
 /// `regatta-torch-rank export CHECKPOINT OUT.pt`: the checkpoint's model as a traced
 /// TorchScript module (any batch size, up to the model's context); returns the context.
-pub fn export(checkpoint: &str, out: &str) -> Result<usize, String> {
+pub fn export(checkpoint: &str, out: &str) -> Result<usize> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| e.to_string())?;
+        ?;
     let (scorer, _) = runtime.block_on(open_scorer(checkpoint, "", 0, Device::Cpu))?;
     let module = scorer.export()?;
     let file = tempfile_beside(out);
     module
         .save(&file)
-        .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
-    let bytes = std::fs::read(&file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+        .map_err(|e| Error::Invalid(format!("cannot write {}: {e}", file.display())))?;
+    let bytes = std::fs::read(&file).map_err(|e| Error::Invalid(format!("cannot read {}: {e}", file.display())))?;
     let _ = std::fs::remove_file(&file);
-    let (place, name) = Place::file(out)?;
-    runtime.block_on(place.put(&name, bytes.into()))?;
+    let (place, name) = Place::file(out).map_err(Error::Storage)?;
+    runtime.block_on(place.put(&name, bytes.into())).map_err(Error::Storage)?;
     Ok(scorer.context())
 }
 
@@ -112,7 +113,7 @@ pub fn score_main() -> ExitCode {
         Ok(loaded) => loaded,
         Err(reason) => {
             eprintln!("scorer failed: {reason}");
-            emit(&FromScorer::Failed(reason));
+            emit(&FromScorer::Failed(reason.to_string()));
             return ExitCode::from(1);
         }
     };
@@ -125,21 +126,23 @@ pub fn score_main() -> ExitCode {
             eprintln!("ignored a second setup");
             continue;
         };
-        let tokenized: Vec<Result<(Vec<i64>, bool), String>> =
+        let tokenized: Vec<Result<(Vec<i64>, bool)>> =
             rows.iter().map(|(_, text)| scorer.tokenize(text)).collect();
         let valid: Vec<(Vec<i64>, bool)> = tokenized.iter().filter_map(|r| r.as_ref().ok().cloned()).collect();
         let mut scored = match scorer.score(&valid, setup.max_new_tokens) {
             Ok(scored) => scored.into_iter(),
             Err(reason) => {
                 // The model itself failed (not one row): the partition fails with the cause.
-                emit(&FromScorer::Failed(reason));
+                emit(&FromScorer::Failed(reason.to_string()));
                 continue;
             }
         };
         let results = tokenized
             .into_iter()
             .map(|r| {
-                r.and_then(|_| {
+                // Row errors travel to the scorer actor as text: they are written to the
+                // partition's errors file for people.
+                r.map_err(|e| e.to_string()).and_then(|_| {
                     let s = scored.next().ok_or("a score is missing")?;
                     Ok(RowScore {
                         tokens: s.tokens as u64,

@@ -34,7 +34,7 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }
 
-fn load(path: &Path, format: DataFormat, context: usize, partitions: usize, which: &[usize]) -> Result<RankData, String> {
+fn load(path: &Path, format: DataFormat, context: usize, partitions: usize, which: &[usize]) -> regatta_torch::Result<RankData> {
     let (tokenizer, settings) = (tokenizer(), settings());
     let source = DataSource {
         path: path.to_str().unwrap(),
@@ -128,10 +128,10 @@ fn bad_rows_are_errors_that_name_the_file_and_the_row() {
     let dir = temp_dir("bad");
     let path = dir.join("bad.jsonl");
     std::fs::write(&path, "{\"text\": \"fine\"}\n{\"prompt\": \"no response\"}\n").unwrap();
-    let error = load(&path, DataFormat::Auto, 4, 1, &[0]).err().unwrap();
+    let error = load(&path, DataFormat::Auto, 4, 1, &[0]).err().unwrap().to_string();
     assert!(error.contains("bad.jsonl") && error.contains("byte 17") && error.contains("no `response`"), "{error}");
     std::fs::write(&path, "{\"text\": \"fine\"}\nnot json\n").unwrap();
-    let error = load(&path, DataFormat::Auto, 4, 1, &[0]).err().unwrap();
+    let error = load(&path, DataFormat::Auto, 4, 1, &[0]).err().unwrap().to_string();
     assert!(error.contains("not valid JSON"), "{error}");
     let chat = dir.join("chat.jsonl");
     std::fs::write(&chat, "{\"messages\": [{\"role\": \"assistant\", \"content\": \"x\"}]}\n").unwrap();
@@ -142,10 +142,10 @@ fn bad_rows_are_errors_that_name_the_file_and_the_row() {
         tokenizer: &tokenizer,
         settings: &none,
     };
-    let error = runtime().block_on(RankData::load(&source, 4, 1, &[0])).err().unwrap();
+    let error = runtime().block_on(RankData::load(&source, 4, 1, &[0])).err().unwrap().to_string();
     assert!(error.contains("chat_template"), "{error}");
     let not_parquet = dir.join("x.parquet");
     std::fs::write(&not_parquet, "plain text").unwrap();
-    let error = load(&not_parquet, DataFormat::Auto, 4, 1, &[0]).err().unwrap();
+    let error = load(&not_parquet, DataFormat::Auto, 4, 1, &[0]).err().unwrap().to_string();
     assert!(error.contains("not a readable Parquet file"), "{error}");
 }

@@ -31,6 +31,23 @@ pub enum CollectiveError {
     },
 }
 
+/// Why a ring link failed to send or receive.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct LinkError(pub String);
+
+impl From<String> for LinkError {
+    fn from(reason: String) -> Self {
+        Self(reason)
+    }
+}
+
+impl From<&str> for LinkError {
+    fn from(reason: &str) -> Self {
+        Self(reason.to_string())
+    }
+}
+
 /// Result of a collective.
 pub type Result<T> = std::result::Result<T, CollectiveError>;
 
@@ -59,9 +76,9 @@ pub trait Collective: Send {
 /// previous one. Sends must not wait for the matching receive (so they overlap).
 pub trait RingLink: Send {
     /// Sends to the next rank.
-    fn send(&mut self, data: &[f32]) -> std::result::Result<(), String>;
+    fn send(&mut self, data: &[f32]) -> std::result::Result<(), LinkError>;
     /// Receives exactly `out.len()` values from the previous rank.
-    fn recv(&mut self, out: &mut [f32]) -> std::result::Result<(), String>;
+    fn recv(&mut self, out: &mut [f32]) -> std::result::Result<(), LinkError>;
 }
 
 /// The chunk boundaries of a buffer of `len` split `world` ways (the last chunks may be
@@ -99,10 +116,10 @@ impl<L: RingLink> RingCollective<L> {
         }
     }
 
-    fn link_err(&self, reason: String) -> CollectiveError {
+    fn link_err(&self, reason: LinkError) -> CollectiveError {
         CollectiveError::Link {
             rank: self.rank,
-            reason,
+            reason: reason.0,
         }
     }
 
@@ -240,19 +257,19 @@ pub struct MemoryLink {
 }
 
 impl RingLink for MemoryLink {
-    fn send(&mut self, data: &[f32]) -> std::result::Result<(), String> {
+    fn send(&mut self, data: &[f32]) -> std::result::Result<(), LinkError> {
         self.next
             .send(data.to_vec())
-            .map_err(|_| "the next rank is gone".to_string())
+            .map_err(|_| LinkError("the next rank is gone".into()))
     }
 
-    fn recv(&mut self, out: &mut [f32]) -> std::result::Result<(), String> {
+    fn recv(&mut self, out: &mut [f32]) -> std::result::Result<(), LinkError> {
         let data = self
             .previous
             .recv()
-            .map_err(|_| "the previous rank is gone".to_string())?;
+            .map_err(|_| LinkError("the previous rank is gone".into()))?;
         if data.len() != out.len() {
-            return Err(format!("expected {} values, got {}", out.len(), data.len()));
+            return Err(LinkError(format!("expected {} values, got {}", out.len(), data.len())));
         }
         out.copy_from_slice(&data);
         Ok(())

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::Error;
 use crate::zero::partition::ZeroStage;
 
 /// A whole training run.
@@ -297,14 +298,14 @@ impl OptimizerConfig {
 impl TrainConfig {
     /// Parses `train.toml` text; unknown keys are errors (a typo never silently falls back
     /// to a default).
-    pub fn from_toml(text: &str) -> Result<Self, String> {
-        let config: Self = toml::from_str(text).map_err(|e| format!("train config: {e}"))?;
+    pub fn from_toml(text: &str) -> crate::Result<Self> {
+        let config: Self = toml::from_str(text).map_err(|e| Error::Config(e.to_string()))?;
         config.validate()?;
         Ok(config)
     }
 
     /// Checks every field; the message names the field and the accepted values.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> crate::Result<()> {
         let m = &self.model;
         let o = &self.optimizer;
         let checks: [(bool, String); 16] = [
@@ -377,28 +378,32 @@ impl TrainConfig {
             ),
         ];
         if !self.model.path.is_empty() && self.model.config.is_some() {
-            return Err(
+            return Err(Error::Config(
                 "model.path and model.config are exclusive: load a model or initialise one from a config".into(),
-            );
+            ));
         }
         if let Some(config) = &self.model.config {
-            crate::hf::LlamaConfig::from_json(config, "model.config").map_err(|e| e.to_string())?;
+            crate::hf::LlamaConfig::from_json(config, "model.config")?;
         }
         if let Some((_, message)) = checks.into_iter().find(|(ok, _)| !ok) {
-            return Err(message);
+            return Err(Error::Config(message));
         }
         if self.checkpoint.interval == 0 {
-            return Err("checkpoint.interval must be at least 1".into());
+            return Err(Error::Config("checkpoint.interval must be at least 1".into()));
         }
         if self.checkpoint.resume && self.checkpoint.dir.is_empty() {
-            return Err("checkpoint.resume needs checkpoint.dir".into());
+            return Err(Error::Config("checkpoint.resume needs checkpoint.dir".into()));
         }
         for (name, amount) in &self.resources {
             if !amount.is_finite() || *amount < 0.0 {
-                return Err(format!("resources.{name} must be a non-negative number, not {amount}"));
+                return Err(Error::Config(format!(
+                    "resources.{name} must be a non-negative number, not {amount}"
+                )));
             }
         }
-        self.strategy.parse::<regatta_runtime::Strategy>()?;
+        self.strategy
+            .parse::<regatta_runtime::Strategy>()
+            .map_err(|e| Error::Config(format!("strategy: {e}")))?;
         Ok(())
     }
 
@@ -439,6 +444,7 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hf::HfConfigError;
 
     #[test]
     fn an_empty_file_gives_the_defaults() {
@@ -498,9 +504,10 @@ mod tests {
         assert_eq!(bincode::deserialize::<TrainConfig>(&bytes).unwrap(), config);
         let error = TrainConfig::from_toml(&text.replace("Qwen2", "Gemma")).unwrap_err();
         assert!(
-            error.contains("GemmaForCausalLM") && error.contains("model.config"),
-            "{error}"
+            matches!(&error, crate::Error::ModelConfig(HfConfigError::Architecture { found, .. }) if found == "GemmaForCausalLM"),
+            "{error:?}"
         );
+        assert!(error.to_string().contains("model.config"), "{error}");
     }
 
     #[test]
@@ -559,7 +566,8 @@ mod tests {
         ];
         for (text, expected) in cases {
             let error = TrainConfig::from_toml(text).unwrap_err();
-            assert!(error.contains(expected), "{text:?}: {error}");
+            assert!(matches!(error, crate::Error::Config(_)), "{text:?}: {error:?}");
+            assert!(error.to_string().contains(expected), "{text:?}: {error}");
         }
     }
 }

@@ -25,15 +25,15 @@ pub struct DataLayout {
 impl DataLayout {
     /// Lays out `tokens` tokens for `partitions` ranks; errors when some rank would get
     /// no sequence at all.
-    pub fn new(tokens: u64, context: usize, partitions: usize) -> Result<Self, String> {
+    pub fn new(tokens: u64, context: usize, partitions: usize) -> crate::Result<Self> {
         let context = context.max(1);
         let sequences = (tokens.saturating_sub(1) / context as u64) as usize;
         if sequences < partitions.max(1) {
-            return Err(format!(
+            return Err(crate::Error::Dataset(format!(
                 "the dataset is too small: {tokens} tokens make {sequences} sequences of {} tokens, \
                  fewer than the {partitions} ranks that each need one",
                 context + 1
-            ));
+            )));
         }
         Ok(Self {
             context,
@@ -88,7 +88,7 @@ mod tests {
 
     #[test]
     fn too_small_a_dataset_is_refused_with_the_numbers() {
-        let error = DataLayout::new(30, 10, 3).unwrap_err();
+        let error = DataLayout::new(30, 10, 3).unwrap_err().to_string();
         assert!(error.contains("30 tokens make 2 sequences of 11 tokens"), "{error}");
     }
 }

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use regatta_runtime::{ActorHandle, ActorOptions, Cluster, Resources, Strategy};
 
 use crate::config::TrainConfig;
+use crate::error::TrainError;
 use crate::protocol::{FromExecutor, RankSetup, StepReport, TrainOp, TrainReply};
 use crate::rank::{TrainRank, TrainRankArgs};
 
@@ -75,28 +76,6 @@ pub struct TrainSummary {
     pub seconds: f64,
 }
 
-/// Why a run failed.
-#[derive(Debug, thiserror::Error)]
-pub enum TrainError {
-    /// The configuration or the data cannot work; nothing was retried.
-    #[error("training cannot run: {0}")]
-    Fatal(String),
-    /// Ranks kept failing.
-    #[error("training failed after {failures} restart(s) (max_failures = {max}): rank {rank}: {reason}")]
-    TooManyFailures {
-        /// Restarts done.
-        failures: u32,
-        /// The limit.
-        max: u32,
-        /// The last rank to fail.
-        rank: usize,
-        /// Why.
-        reason: String,
-    },
-    /// The cluster refused something (placement, spawn).
-    #[error(transparent)]
-    Cluster(#[from] regatta_runtime::Error),
-}
 
 enum AttemptError {
     Lost { rank: usize, reason: String },
@@ -114,7 +93,7 @@ pub struct TrainerGroup {
 impl TrainerGroup {
     /// A group for `config` (validated here).
     pub fn new(cluster: Cluster, mut config: TrainConfig) -> Result<Self, TrainError> {
-        config.validate().map_err(TrainError::Fatal)?;
+        config.validate().map_err(|e| TrainError::Fatal(e.to_string()))?;
         let cwd = std::env::current_dir().map_err(|e| TrainError::Fatal(format!("no working directory: {e}")))?;
         config.resolve_paths(&cwd);
         Ok(Self {
@@ -192,7 +171,7 @@ impl TrainerGroup {
         let mut guard = RemoveOnDrop(Some(group.clone()));
         let result = async {
             let nodes = group.ready(PLACEMENT_TIMEOUT).await.map_err(AttemptError::Cluster)?;
-            let secret = random_secret().map_err(AttemptError::Fatal)?;
+            let secret = random_secret().map_err(|e| AttemptError::Fatal(e.to_string()))?;
             let mut ranks = Vec::with_capacity(world);
             for rank in 0..world {
                 let args = TrainRankArgs {
@@ -390,7 +369,14 @@ async fn bind_all(ranks: &[ActorHandle<TrainRank>]) -> Result<Bound, AttemptErro
     let mut addresses = Vec::with_capacity(ranks.len());
     let mut first = None;
     let mut starts = Vec::new();
-    for reply in futures::future::try_join_all(binds).await? {
+    for (rank, reply) in futures::future::try_join_all(binds).await?.into_iter().enumerate() {
+        if let TrainReply::Failed { reason, fatal } = reply {
+            return Err(if fatal {
+                AttemptError::Fatal(reason)
+            } else {
+                AttemptError::Lost { rank, reason }
+            });
+        }
         let TrainReply::Bound {
             addr,
             params,
@@ -415,9 +401,6 @@ async fn bind_all(ranks: &[ActorHandle<TrainRank>]) -> Result<Bound, AttemptErro
     Ok((addresses, params, start_step, device, nccl_id))
 }
 
-/// Marks a rank's error that retrying cannot fix (the executor said so).
-pub(crate) const FATAL_MARK: &str = "[fatal] ";
-
 /// A spawn or bind failure is fatal when the cause is in the run's own inputs (a missing
 /// executor, bad data, a bad checkpoint); a lost node or a crashed executor is worth a
 /// restart.
@@ -427,19 +410,19 @@ fn classify(rank: usize, error: regatta_runtime::Error) -> AttemptError {
     let lost = match &error {
         Error::ActorDead { cause, .. } => cause.contains("node "),
         Error::CallFailed { .. } | Error::Timeout { .. } => true,
-        Error::Remote { message, .. } => !message.contains(FATAL_MARK),
+        Error::Remote { .. } => true,
         _ => false,
     };
     if lost {
         AttemptError::Lost { rank, reason: text }
     } else {
-        AttemptError::Fatal(format!("rank {rank}: {}", text.replace(FATAL_MARK, "")))
+        AttemptError::Fatal(format!("rank {rank}: {text}"))
     }
 }
 
 /// 256 random bits from the OS, hex-encoded: the ring's TLS identity derives from it.
-pub(crate) fn random_secret() -> Result<String, String> {
+pub(crate) fn random_secret() -> crate::Result<String> {
     let mut bytes = [0u8; 32];
-    getrandom::getrandom(&mut bytes).map_err(|e| format!("no OS randomness for the ring secret: {e}"))?;
+    getrandom::getrandom(&mut bytes).map_err(|e| crate::Error::Secret(e.to_string()))?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }

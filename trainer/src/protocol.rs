@@ -129,6 +129,14 @@ pub enum TrainReply {
         /// Rank 0 on GPUs: the NCCL id.
         nccl_id: Option<String>,
     },
+    /// The executor failed before binding; `fatal` when retrying cannot help (bad data, a
+    /// bad model folder) rather than a lost peer.
+    Failed {
+        /// The executor's words.
+        reason: String,
+        /// Whether a restart of the group could succeed.
+        fatal: bool,
+    },
     /// Sent.
     Connected,
     /// Events, and the executor's exit when it has exited.

@@ -10,13 +10,13 @@ use regatta_object_store::{endpoint, identity_from_token, SERVER_NAME};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
-use crate::collective::RingLink;
+use crate::collective::{LinkError, RingLink};
 
 /// A rank's QUIC ring link.
 pub struct QuicLink {
     runtime: Handle,
     outgoing: Option<quinn::SendStream>,
-    pending: Option<JoinHandle<std::result::Result<quinn::SendStream, String>>>,
+    pending: Option<JoinHandle<std::result::Result<quinn::SendStream, LinkError>>>,
     incoming: quinn::RecvStream,
     endpoint: Option<quinn::Endpoint>,
 }
@@ -29,7 +29,7 @@ pub struct QuicLinkBuilder {
 
 impl QuicLinkBuilder {
     /// Binds this rank's endpoint (port 0 picks one); call from inside a tokio runtime.
-    pub fn bind(bind: SocketAddr, token: &str) -> std::result::Result<Self, String> {
+    pub fn bind(bind: SocketAddr, token: &str) -> std::result::Result<Self, LinkError> {
         let identity = identity_from_token(token).map_err(|e| e.to_string())?;
         let endpoint = endpoint(bind, &identity).map_err(|e| e.to_string())?;
         let runtime = Handle::try_current().map_err(|e| format!("no tokio runtime: {e}"))?;
@@ -37,12 +37,12 @@ impl QuicLinkBuilder {
     }
 
     /// The address the previous rank connects to.
-    pub fn local_addr(&self) -> std::result::Result<SocketAddr, String> {
-        self.endpoint.local_addr().map_err(|e| e.to_string())
+    pub fn local_addr(&self) -> std::result::Result<SocketAddr, LinkError> {
+        self.endpoint.local_addr().map_err(|e| LinkError(e.to_string()))
     }
 
     /// Connects to the next rank and accepts the previous one.
-    pub async fn connect(self, next: SocketAddr) -> std::result::Result<QuicLink, String> {
+    pub async fn connect(self, next: SocketAddr) -> std::result::Result<QuicLink, LinkError> {
         let accept = async {
             let incoming = self.endpoint.accept().await.ok_or("the endpoint closed")?;
             let connection = incoming
@@ -67,7 +67,7 @@ impl QuicLinkBuilder {
                 .map_err(|e| format!("cannot open a stream to {next}: {e}"))?;
             // A stream becomes visible to the peer only once something is written.
             stream.write_all(&[1]).await.map_err(|e| e.to_string())?;
-            Ok::<_, String>(stream)
+            Ok::<_, LinkError>(stream)
         };
         let (incoming, outgoing) = tokio::join!(accept, open);
         let mut incoming = incoming?;
@@ -87,7 +87,7 @@ impl QuicLinkBuilder {
 }
 
 impl QuicLink {
-    fn finish_pending(&mut self) -> std::result::Result<(), String> {
+    fn finish_pending(&mut self) -> std::result::Result<(), LinkError> {
         if let Some(task) = self.pending.take() {
             let stream = self
                 .runtime
@@ -123,7 +123,7 @@ impl Drop for QuicLink {
 }
 
 impl RingLink for QuicLink {
-    fn send(&mut self, data: &[f32]) -> std::result::Result<(), String> {
+    fn send(&mut self, data: &[f32]) -> std::result::Result<(), LinkError> {
         self.finish_pending()?;
         let mut stream = self.outgoing.take().ok_or("the link to the next rank is closed")?;
         let mut bytes = Vec::with_capacity(8 + data.len() * 4);
@@ -141,7 +141,7 @@ impl RingLink for QuicLink {
         Ok(())
     }
 
-    fn recv(&mut self, out: &mut [f32]) -> std::result::Result<(), String> {
+    fn recv(&mut self, out: &mut [f32]) -> std::result::Result<(), LinkError> {
         let incoming = &mut self.incoming;
         let runtime = self.runtime.clone();
         let bytes = runtime.block_on(async {

@@ -55,7 +55,7 @@ pub struct TrainRank {
 }
 
 /// Where the executor binary is: the argument, `REGATTA_TORCH_RANK`, or next to this binary.
-pub fn executor_path(explicit: Option<&str>) -> Result<PathBuf, String> {
+pub fn executor_path(explicit: Option<&str>) -> crate::Result<PathBuf> {
     if let Some(path) = explicit
         .map(str::to_string)
         .or_else(|| std::env::var(EXECUTOR_ENV).ok())
@@ -64,19 +64,23 @@ pub fn executor_path(explicit: Option<&str>) -> Result<PathBuf, String> {
         return if path.is_file() {
             Ok(path)
         } else {
-            Err(format!("the trainer executor {} does not exist", path.display()))
+            Err(crate::Error::Executor(format!(
+                "the trainer executor {} does not exist",
+                path.display()
+            )))
         };
     }
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find the running binary: {e}"))?;
+    let exe = std::env::current_exe()
+        .map_err(|e| crate::Error::Executor(format!("cannot find the running binary: {e}")))?;
     let beside = exe.with_file_name("regatta-torch-rank");
     if beside.is_file() {
         return Ok(beside);
     }
-    Err(format!(
+    Err(crate::Error::Executor(format!(
         "the trainer executor regatta-torch-rank is not next to {} on this node; build it with \
          `scripts/setup-libtorch.sh` then `cargo build -p regatta-torch` (see README), or set {EXECUTOR_ENV}",
         exe.display()
-    ))
+    )))
 }
 
 /// The command that starts an executor: stdin and stdout piped (the JSON-lines protocol),
@@ -217,8 +221,10 @@ impl Actor for TrainRank {
                             });
                         }
                         if let Some(FromExecutor::Failed { reason, fatal }) = shared.events.last() {
-                            let mark = if *fatal { crate::group::FATAL_MARK } else { "" };
-                            return Err(format!("{mark}rank {}: {reason}", self.rank).into());
+                            return Ok(TrainReply::Failed {
+                                reason: format!("rank {}: {reason}", self.rank),
+                                fatal: *fatal,
+                            });
                         }
                         if let Some(exited) = &shared.exited {
                             return Err(format!("rank {}: {exited}", self.rank).into());

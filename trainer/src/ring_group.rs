@@ -127,7 +127,7 @@ impl RingGroup {
             .create_placement_group(vec![per_rank.clone(); world], strategy)
             .await?;
         group.ready(timeout).await?;
-        let secret = crate::group::random_secret().map_err(regatta_runtime::Error::Rejected)?;
+        let secret = crate::group::random_secret().map_err(|e| regatta_runtime::Error::Rejected(e.to_string()))?;
         let mut ranks = Vec::with_capacity(world);
         for rank in 0..world {
             let options = ActorOptions::new()

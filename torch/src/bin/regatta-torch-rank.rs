@@ -13,39 +13,39 @@ use std::time::Duration;
 use regatta_torch::{builtin_model, checkpoint, executor_main, gemm_peak, reference_run};
 use regatta_trainer::TrainConfig;
 
-fn reference(args: &[String]) -> Result<(), String> {
+fn reference(args: &[String]) -> anyhow::Result<()> {
     let [config, partitions, out] = args else {
-        return Err("usage: regatta-torch-rank reference CONFIG.toml PARTITIONS OUT.safetensors".into());
+        anyhow::bail!("usage: regatta-torch-rank reference CONFIG.toml PARTITIONS OUT.safetensors");
     };
-    let text = std::fs::read_to_string(config).map_err(|e| format!("cannot read {config}: {e}"))?;
+    let text = std::fs::read_to_string(config).map_err(|e| anyhow::anyhow!("cannot read {config}: {e}"))?;
     let mut config = TrainConfig::from_toml(&text)?;
-    config.resolve_paths(&std::env::current_dir().map_err(|e| e.to_string())?);
-    let partitions: usize = partitions.parse().map_err(|e| format!("bad partition count: {e}"))?;
-    let (losses, weights) = reference_run(&config, partitions, &builtin_model).map_err(|e| e.to_string())?;
+    config.resolve_paths(&std::env::current_dir()?);
+    let partitions: usize = partitions.parse().map_err(|e| anyhow::anyhow!("bad partition count: {e}"))?;
+    let (losses, weights) = reference_run(&config, partitions, &builtin_model)?;
     for loss in losses {
         println!("{loss}");
     }
-    let bytes = checkpoint::to_safetensors(&weights).map_err(|e| e.to_string())?;
-    std::fs::write(out, bytes).map_err(|e| format!("cannot write {out}: {e}"))
+    let bytes = checkpoint::to_safetensors(&weights)?;
+    std::fs::write(out, bytes).map_err(|e| anyhow::anyhow!("cannot write {out}: {e}"))
 }
 
-fn peak(args: &[String]) -> Result<(), String> {
+fn peak(args: &[String]) -> anyhow::Result<()> {
     let [config, threads] = args else {
-        return Err("usage: regatta-torch-rank peak CONFIG.toml THREADS".into());
+        anyhow::bail!("usage: regatta-torch-rank peak CONFIG.toml THREADS");
     };
-    let text = std::fs::read_to_string(config).map_err(|e| format!("cannot read {config}: {e}"))?;
+    let text = std::fs::read_to_string(config).map_err(|e| anyhow::anyhow!("cannot read {config}: {e}"))?;
     // `regatta bench train` hands the run's config over as JSON.
     let mut config = if text.trim_start().starts_with('{') {
-        let config: TrainConfig = serde_json::from_str(&text).map_err(|e| format!("train config: {e}"))?;
+        let config: TrainConfig = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("train config: {e}"))?;
         config.validate()?;
         config
     } else {
         TrainConfig::from_toml(&text)?
     };
-    config.resolve_paths(&std::env::current_dir().map_err(|e| e.to_string())?);
-    let threads: usize = threads.parse().map_err(|e| format!("bad thread count: {e}"))?;
-    let peak = gemm_peak(&config, threads, &builtin_model).map_err(|e| e.to_string())?;
-    println!("{}", serde_json::to_string(&peak).map_err(|e| e.to_string())?);
+    config.resolve_paths(&std::env::current_dir()?);
+    let threads: usize = threads.parse().map_err(|e| anyhow::anyhow!("bad thread count: {e}"))?;
+    let peak = gemm_peak(&config, threads, &builtin_model)?;
+    println!("{}", serde_json::to_string(&peak)?);
     Ok(())
 }
 

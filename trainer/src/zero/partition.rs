@@ -113,14 +113,16 @@ pub enum ZeroStage {
 }
 
 impl TryFrom<u8> for ZeroStage {
-    type Error = String;
+    type Error = crate::Error;
 
-    fn try_from(number: u8) -> Result<Self, String> {
+    fn try_from(number: u8) -> crate::Result<Self> {
         match number {
             1 => Ok(Self::One),
             2 => Ok(Self::Two),
             3 => Ok(Self::Three),
-            other => Err(format!("ZeRO stage {other} does not exist; use 1, 2 or 3")),
+            other => Err(crate::Error::Config(format!(
+                "ZeRO stage {other} does not exist; use 1, 2 or 3"
+            ))),
         }
     }
 }
