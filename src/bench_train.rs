@@ -79,9 +79,14 @@ fn path_str(path: &Path) -> anyhow::Result<&str> {
 pub async fn train(trials: usize, quick: bool, model: Option<&str>) -> anyhow::Result<()> {
     let warmup = if quick { 2 } else { 5 };
     let (peak, flops_per_token, parameters) = measure_peak(&config(1, quick, model)?)?;
-    let name = model.map_or("built-in GPT".to_string(), |m| m.rsplit('/').next().unwrap_or(m).to_string());
+    let name = model.map_or("built-in GPT".to_string(), |m| {
+        m.rsplit('/').next().unwrap_or(m).to_string()
+    });
     println!("train model {name} parameters {parameters}");
-    println!("train machine GEMM peak at the model's shapes GFLOP/s {:.2} +- 0.00", peak / 1e9);
+    println!(
+        "train machine GEMM peak at the model's shapes GFLOP/s {:.2} +- 0.00",
+        peak / 1e9
+    );
     let mut base = None;
     for world in 1..=3usize {
         let mut tokens = Vec::new();

@@ -322,7 +322,10 @@ async fn parquet_input_is_partitioned_by_row_group_and_scores_like_jsonl_and_lik
     assert!(said.contains("--context 64"), "{said}");
     let script_dir = dir.join("from-torchscript");
     let mut script_config = config(parquet.to_str().unwrap(), exported.to_str().unwrap(), &script_dir, 2);
-    let err = ScoreRun::new(handle.clone(), script_config.clone()).err().unwrap().to_string();
+    let err = ScoreRun::new(handle.clone(), script_config.clone())
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("needs `context`"), "{err}");
     script_config.context = 64;
     ScoreRun::new(handle.clone(), script_config)

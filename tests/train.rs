@@ -254,8 +254,7 @@ fn an_inline_config_trains_a_random_llama_over_worker_processes_and_saves_huggin
     assert_eq!(losses.len(), 4, "{summary}");
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
     let step = ckpt.join("step-00000004");
-    let written: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(step.join("config.json")).unwrap()).unwrap();
+    let written: serde_json::Value = serde_json::from_slice(&std::fs::read(step.join("config.json")).unwrap()).unwrap();
     assert_eq!(written["architectures"][0], "LlamaForCausalLM");
     let weights = read_weights(&step.join("model.safetensors"));
     assert_eq!(weights["model.layers.1.self_attn.k_proj.weight"].0, vec![16, 32]);

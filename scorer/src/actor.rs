@@ -187,7 +187,11 @@ async fn read_reply(stdout: &mut Lines<BufReader<ChildStdout>>) -> Result<FromSc
                 Ok(message) => return Ok(message),
                 Err(_) => tracing::info!("scorer executor: {line}"),
             },
-            Ok(None) => return Err(Error::Executor("the scorer executor exited (see the node's log)".into())),
+            Ok(None) => {
+                return Err(Error::Executor(
+                    "the scorer executor exited (see the node's log)".into(),
+                ))
+            }
             Err(e) => return Err(Error::Executor(format!("cannot read from the scorer executor: {e}"))),
         }
     }
@@ -202,7 +206,8 @@ impl Actor for ScorerActor {
     async fn create(args: ScorerArgs, ctx: &ActorContext) -> std::result::Result<Self, ActorError> {
         let mut setup = args.setup;
         setup.gpus = ctx.gpu_ids().to_vec();
-        let path = regatta_trainer::executor_path(args.executor.as_deref()).map_err(|e| Error::Executor(e.to_string()))?;
+        let path =
+            regatta_trainer::executor_path(args.executor.as_deref()).map_err(|e| Error::Executor(e.to_string()))?;
         let mut child = regatta_trainer::rank::executor_command(&path, &setup.gpus)
             .arg("score")
             .stderr(Stdio::inherit())
@@ -225,14 +230,25 @@ impl Actor for ScorerActor {
             .map_err(|e| Error::Executor(format!("the scorer executor is gone: {e}")))?;
         match tokio::time::timeout(READY_TIMEOUT, read_reply(&mut actor.stdout)).await {
             Ok(Ok(FromScorer::Ready { .. })) => Ok(actor),
-            Ok(Ok(FromScorer::Failed(reason))) => Err(Error::Executor(format!("the scorer cannot load its model: {reason}")).into()),
-            Ok(Ok(other)) => Err(Error::Executor(format!("the scorer executor said {other:?} before it was ready")).into()),
+            Ok(Ok(FromScorer::Failed(reason))) => {
+                Err(Error::Executor(format!("the scorer cannot load its model: {reason}")).into())
+            }
+            Ok(Ok(other)) => {
+                Err(Error::Executor(format!("the scorer executor said {other:?} before it was ready")).into())
+            }
             Ok(Err(e)) => Err(e.into()),
-            Err(_) => Err(Error::Executor(format!("the scorer executor did not load its model within {READY_TIMEOUT:?}")).into()),
+            Err(_) => Err(Error::Executor(format!(
+                "the scorer executor did not load its model within {READY_TIMEOUT:?}"
+            ))
+            .into()),
         }
     }
 
-    async fn handle(&mut self, task: PartitionTask, ctx: &ActorContext) -> std::result::Result<PartitionReport, ActorError> {
+    async fn handle(
+        &mut self,
+        task: PartitionTask,
+        ctx: &ActorContext,
+    ) -> std::result::Result<PartitionReport, ActorError> {
         let started = Instant::now();
         let m = metrics();
         if task.retry {
@@ -255,10 +271,16 @@ impl Actor for ScorerActor {
                     .with_label_values(&[] as &[&str])
                     .observe(timer.elapsed().as_secs_f64());
                 let FromScorer::Scored(results) = reply else {
-                    return Err(Error::Executor(format!("the scorer executor replied {reply:?} to a batch")));
+                    return Err(Error::Executor(format!(
+                        "the scorer executor replied {reply:?} to a batch"
+                    )));
                 };
                 if results.len() != batch.len() {
-                    return Err(Error::Executor(format!("{} results for a batch of {}", results.len(), batch.len())));
+                    return Err(Error::Executor(format!(
+                        "{} results for a batch of {}",
+                        results.len(),
+                        batch.len()
+                    )));
                 }
                 for (i, result) in batch.into_iter().zip(results) {
                     match result {
@@ -289,9 +311,13 @@ impl Actor for ScorerActor {
                     text.push_str(&serde_json::to_string(error).map_err(|e| Error::Output(e.to_string()))?);
                     text.push('\n');
                 }
-                out.put(&errors_name(task.partition), Bytes::from(text)).await.map_err(Error::Storage)?;
+                out.put(&errors_name(task.partition), Bytes::from(text))
+                    .await
+                    .map_err(Error::Storage)?;
             }
-            out.put(&output_name(task.partition), to_parquet(&scored)?).await.map_err(Error::Storage)?;
+            out.put(&output_name(task.partition), to_parquet(&scored)?)
+                .await
+                .map_err(Error::Storage)?;
             m.rows.with_label_values(&["scored"]).inc_by(scored.len() as u64);
             m.rows.with_label_values(&["malformed"]).inc_by(errors.len() as u64);
             m.tokens.with_label_values(&[] as &[&str]).inc_by(tokens);

@@ -98,7 +98,10 @@ impl ScoreConfig {
             return Err(Error::Config(format!("actors must be 1..=1024, not {}", self.actors)));
         }
         if !(1..=65536).contains(&self.batch_size) {
-            return Err(Error::Config(format!("batch_size must be 1..=65536, not {}", self.batch_size)));
+            return Err(Error::Config(format!(
+                "batch_size must be 1..=65536, not {}",
+                self.batch_size
+            )));
         }
         if self.partitions != 0 && self.partitions < self.actors {
             return Err(Error::Config(format!(
@@ -114,7 +117,10 @@ impl ScoreConfig {
             )));
         }
         if !matches!(self.device.as_str(), "auto" | "cpu" | "cuda") {
-            return Err(Error::Config(format!("device must be auto, cpu or cuda, not {:?}", self.device)));
+            return Err(Error::Config(format!(
+                "device must be auto, cpu or cuda, not {:?}",
+                self.device
+            )));
         }
         if self.max_new_tokens > 4096 {
             return Err(Error::Config("max_new_tokens must be at most 4096".into()));
@@ -297,14 +303,15 @@ impl ScoreRun {
             let handle = self
                 .cluster
                 .spawn::<ScorerActor>(args, actor_options(&self.config).name(name))
-                .await
-                ?;
+                .await?;
             handle.wait_ready(SPAWN_TIMEOUT).await?;
             Ok(handle)
         };
         match tokio::time::timeout(SPAWN_TIMEOUT + Duration::from_secs(30), spawn).await {
             Ok(spawned) => spawned,
-            Err(_) => Err(Error::Run(format!("a scorer actor was not ready within {SPAWN_TIMEOUT:?}"))),
+            Err(_) => Err(Error::Run(format!(
+                "a scorer actor was not ready within {SPAWN_TIMEOUT:?}"
+            ))),
         }
     }
 
@@ -337,10 +344,12 @@ impl ScoreRun {
                 }
                 Ok(())
             }
-            None if existing.iter().any(|name| crate::plan::partition_of(name).is_some()) => Err(Error::Output(format!(
-                "{} already holds partition files but no {PLAN_FILE}; use an empty output location",
-                output.url()
-            ))),
+            None if existing.iter().any(|name| crate::plan::partition_of(name).is_some()) => {
+                Err(Error::Output(format!(
+                    "{} already holds partition files but no {PLAN_FILE}; use an empty output location",
+                    output.url()
+                )))
+            }
             None => {
                 let body = serde_json::to_vec_pretty(&layout)?;
                 output.put(PLAN_FILE, Bytes::from(body)).await.map_err(Error::Storage)
@@ -489,7 +498,10 @@ impl ScoreRun {
             errors_this_run: progress.errors,
         };
         let body = serde_json::to_vec_pretty(&manifest)?;
-        output.put("_manifest.json", Bytes::from(body)).await.map_err(Error::Storage)?;
+        output
+            .put("_manifest.json", Bytes::from(body))
+            .await
+            .map_err(Error::Storage)?;
         progress.seconds = started.elapsed().as_secs_f64();
         Ok(progress)
     }

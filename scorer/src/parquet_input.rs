@@ -146,7 +146,10 @@ impl ParquetInput {
         let mut tail_offset = tail_start;
         if footer > tail.len() as u64 {
             tail_offset = size - footer;
-            tail = place.get_range(&name, tail_offset..size).await.map_err(Error::Storage)?;
+            tail = place
+                .get_range(&name, tail_offset..size)
+                .await
+                .map_err(Error::Storage)?;
         }
         let pieces = Pieces {
             size,
@@ -227,7 +230,11 @@ impl ParquetInput {
                 self.url, slice.group
             )));
         }
-        let data = self.place.get_range(&self.name, span.clone()).await.map_err(Error::Storage)?;
+        let data = self
+            .place
+            .get_range(&self.name, span.clone())
+            .await
+            .map_err(Error::Storage)?;
         let pieces = Pieces {
             size: self.size,
             pieces: vec![(span.start, data)],
@@ -249,7 +256,10 @@ impl ParquetInput {
             let row = row.map_err(|e| Error::Input(format!("{}: row {number}: {e}", self.url)))?;
             let mut fields = row.get_column_iter();
             let (Some((_, id)), Some((_, text))) = (fields.next(), fields.next()) else {
-                return Err(Error::Input(format!("{}: row {number} lacks the id or text column", self.url)));
+                return Err(Error::Input(format!(
+                    "{}: row {number} lacks the id or text column",
+                    self.url
+                )));
             };
             match parse_fields(id, text, number) {
                 Ok(row) => rows.push((number, row)),
@@ -310,8 +320,8 @@ fn parse_fields(id: &Field, text: &Field, number: u64) -> std::result::Result<Ro
 /// A Parquet dataset of `(id, text)` rows (`text` may be null), `group_rows` rows per row
 /// group: for tests, benchmarks and users who want to try Parquet input.
 pub fn rows_to_parquet(rows: &[(String, Option<String>)], group_rows: usize) -> Result<Bytes> {
-    let schema = parse_message_type("message rows { REQUIRED BYTE_ARRAY id (UTF8); OPTIONAL BYTE_ARRAY text (UTF8); }")
-        ?;
+    let schema =
+        parse_message_type("message rows { REQUIRED BYTE_ARRAY id (UTF8); OPTIONAL BYTE_ARRAY text (UTF8); }")?;
     let props = WriterProperties::builder().set_compression(Compression::SNAPPY).build();
     let mut out = Vec::new();
     let mut writer = SerializedFileWriter::new(&mut out, schema.into(), props.into())?;
@@ -323,20 +333,17 @@ pub fn rows_to_parquet(rows: &[(String, Option<String>)], group_rows: usize) -> 
             .filter_map(|(_, t)| t.as_deref().map(ByteArray::from))
             .collect();
         let levels: Vec<i16> = chunk.iter().map(|(_, t)| i16::from(t.is_some())).collect();
-        let mut column = group.next_column()?.ok_or_else(|| Error::Output("no id column".into()))?;
-        column
-            .typed::<ByteArrayType>()
-            .write_batch(&ids, None, None)
-            ?;
+        let mut column = group
+            .next_column()?
+            .ok_or_else(|| Error::Output("no id column".into()))?;
+        column.typed::<ByteArrayType>().write_batch(&ids, None, None)?;
         column.close()?;
         let mut column = group
-            .next_column()
-            ?
+            .next_column()?
             .ok_or_else(|| Error::Output("no text column".into()))?;
         column
             .typed::<ByteArrayType>()
-            .write_batch(&texts, Some(&levels), None)
-            ?;
+            .write_batch(&texts, Some(&levels), None)?;
         column.close()?;
         group.close()?;
     }

@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use regatta_trainer::Collective;
 use crate::error::{Error, Result};
+use regatta_trainer::Collective;
 use tch::{Device, Kind, Tensor};
 
 /// A failed collective.
@@ -96,7 +96,9 @@ impl TensorCollective for CpuCollective {
     }
     fn all_reduce(&mut self, input: &Tensor) -> CollResult<Tensor> {
         let mut values = to_vec(input);
-        self.ring.all_reduce(&mut values).map_err(|e| Error::Collective(e.to_string()))?;
+        self.ring
+            .all_reduce(&mut values)
+            .map_err(|e| Error::Collective(e.to_string()))?;
         Ok(like(&values, input))
     }
     fn reduce_scatter(&mut self, input: &Tensor) -> CollResult<Tensor> {
@@ -109,18 +111,24 @@ impl TensorCollective for CpuCollective {
             )));
         }
         let mut out = vec![0f32; values.len() / world];
-        self.ring.reduce_scatter(&values, &mut out).map_err(|e| Error::Collective(e.to_string()))?;
+        self.ring
+            .reduce_scatter(&values, &mut out)
+            .map_err(|e| Error::Collective(e.to_string()))?;
         Ok(like(&out, input))
     }
     fn all_gather(&mut self, input: &Tensor) -> CollResult<Tensor> {
         let values = to_vec(input);
         let mut out = vec![0f32; values.len() * self.world()];
-        self.ring.all_gather(&values, &mut out).map_err(|e| Error::Collective(e.to_string()))?;
+        self.ring
+            .all_gather(&values, &mut out)
+            .map_err(|e| Error::Collective(e.to_string()))?;
         Ok(like(&out, input))
     }
     fn broadcast(&mut self, input: &Tensor, root: usize) -> CollResult<Tensor> {
         let mut values = to_vec(input);
-        self.ring.broadcast(&mut values, root).map_err(|e| Error::Collective(e.to_string()))?;
+        self.ring
+            .broadcast(&mut values, root)
+            .map_err(|e| Error::Collective(e.to_string()))?;
         Ok(like(&values, input))
     }
     fn barrier(&mut self) -> CollResult<()> {

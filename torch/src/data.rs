@@ -119,12 +119,7 @@ pub struct DataSource<'a> {
 
 impl RankData {
     /// Reads partitions `which` of `partitions` of `source`.
-    pub async fn load(
-        source: &DataSource<'_>,
-        context: usize,
-        partitions: usize,
-        which: &[usize],
-    ) -> Result<Self> {
+    pub async fn load(source: &DataSource<'_>, context: usize, partitions: usize, which: &[usize]) -> Result<Self> {
         if let Some(&p) = which.iter().find(|&&p| p >= partitions) {
             return Err(Error::Dataset(format!("partition {p} of {partitions} does not exist")));
         }
@@ -141,11 +136,15 @@ impl RankData {
                     };
                     let documents = records
                         .iter()
-                        .map(|(at, record)| document(source, record).map_err(|e| Error::Dataset(format!("{path}: {at}: {e}"))))
+                        .map(|(at, record)| {
+                            document(source, record).map_err(|e| Error::Dataset(format!("{path}: {at}: {e}")))
+                        })
                         .collect::<Result<Vec<_>>>()?;
                     Part::Packed(Packed::new(&documents, context))
                 }
-                DataFormat::Text | DataFormat::Auto => text_part(path, source.tokenizer, context, partitions, p).await?,
+                DataFormat::Text | DataFormat::Auto => {
+                    text_part(path, source.tokenizer, context, partitions, p).await?
+                }
             };
             if part.sequences() == 0 {
                 return Err(Error::Dataset(format!(
@@ -217,13 +216,7 @@ fn document(source: &DataSource<'_>, record: &Record) -> Result<Document> {
 }
 
 /// Partition `p` of `partitions` of a text stream: a slice of the file's bytes, as tokens.
-async fn text_part(
-    path: &str,
-    tokenizer: &TextTokenizer,
-    context: usize,
-    partitions: usize,
-    p: usize,
-) -> Result<Part> {
+async fn text_part(path: &str, tokenizer: &TextTokenizer, context: usize, partitions: usize, p: usize) -> Result<Part> {
     let (place, name) = Place::file(path).map_err(Error::Storage)?;
     let size = place.size(&name).await.map_err(Error::Storage)?;
     let (range, sequences) = match tokenizer {
@@ -273,8 +266,8 @@ async fn jsonl_records(path: &str, partitions: usize, p: usize) -> Result<Vec<(S
                 continue;
             }
             let at = format!("the line at byte {offset}");
-            let value: serde_json::Value =
-                serde_json::from_slice(line).map_err(|e| Error::Dataset(format!("{path}: {at} is not valid JSON: {e}")))?;
+            let value: serde_json::Value = serde_json::from_slice(line)
+                .map_err(|e| Error::Dataset(format!("{path}: {at} is not valid JSON: {e}")))?;
             let record = Record::parse(&value).map_err(|e| Error::Dataset(format!("{path}: {at}: {e}")))?;
             records.push((at, record));
         }
@@ -292,10 +285,11 @@ async fn parquet_records(path: &str, partitions: usize, p: usize) -> Result<Vec<
         |e: parquet::errors::ParquetError| Error::Dataset(format!("{path} is not a readable Parquet file: {e}"));
     let reader = SerializedFileReader::new(bytes).map_err(not_parquet)?;
     let rows = usize::try_from(reader.metadata().file_metadata().num_rows()).unwrap_or(0);
-    let mine = chunks(rows, partitions.max(1))
-        .get(p)
-        .cloned()
-        .ok_or_else(|| Error::Dataset(format!("{path} ({rows} rows) is too small to split into {partitions} partitions")))?;
+    let mine = chunks(rows, partitions.max(1)).get(p).cloned().ok_or_else(|| {
+        Error::Dataset(format!(
+            "{path} ({rows} rows) is too small to split into {partitions} partitions"
+        ))
+    })?;
     let mut records = Vec::with_capacity(mine.len());
     let iter = reader.get_row_iter(None).map_err(not_parquet)?;
     for (number, row) in iter.enumerate().skip(mine.start).take(mine.len()) {

@@ -104,7 +104,6 @@ fn bytes(tensor: &Tensor) -> u64 {
     (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64
 }
 
-
 /// One micro-batch: inputs and targets `[batch, time]` (targets of [`IGNORE`] carry no
 /// loss) and, for packed rows, each token's document number.
 pub struct MicroBatch {
@@ -328,8 +327,7 @@ impl Engine {
             Some(full) => Ok(full.shallow_clone()),
             None => Ok(self
                 .coll
-                .all_gather(&self.master[block])
-                ?
+                .all_gather(&self.master[block])?
                 .to_kind(self.settings.compute)),
         }
     }
@@ -629,11 +627,7 @@ impl Engine {
     /// One block's stored parameters by name, fp32 on the CPU (a collective: every rank
     /// calls it; only this block is gathered).
     pub fn gather_block(&mut self, block: usize) -> Result<Vec<(String, Tensor)>> {
-        let full = self
-            .coll
-            .all_gather(&self.master[block])
-            ?
-            .to_device(Device::Cpu);
+        let full = self.coll.all_gather(&self.master[block])?.to_device(Device::Cpu);
         let names: Vec<String> = self.specs[block]
             .iter()
             .filter(|s| s.tied_to.is_none())

@@ -20,12 +20,12 @@ use bytes::Bytes;
 use crate::checkpoint::{self, Manifest, SaveSpec};
 use crate::collective::{CpuCollective, Solo, TensorCollective};
 use crate::data::{DataSource, RankData, TextTokenizer};
-use regatta_trainer::documents::TokenizerSettings;
 use crate::engine::{seeded, Engine, EngineSettings, MicroBatch};
 use crate::error::Error;
 use crate::hf::{model_from_config, HfModel};
 use crate::model::{Gpt, Model, ParamSpec};
 use regatta_object_store::Place;
+use regatta_trainer::documents::TokenizerSettings;
 
 /// Peak dense bf16 FLOP/s assumed for the MFU estimate (an H100 SXM).
 pub const PEAK_FLOPS: f64 = 989e12;
@@ -477,8 +477,7 @@ pub fn reference_run(
         .map_err(|e| Error::Invalid(e.to_string()))?;
     let run_model = runtime.block_on(open_run_model(config, make_model))?;
     let which: Vec<usize> = (0..partitions).collect();
-    let data = runtime
-        .block_on(run_model.data(config, partitions, &which))?;
+    let data = runtime.block_on(run_model.data(config, partitions, &which))?;
     let steps: Vec<Vec<MicroBatch>> = (0..config.steps).map(|s| step_batches(config, &data, s)).collect();
     let seed = config.seed;
     let source = run_model.source;

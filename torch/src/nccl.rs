@@ -5,8 +5,8 @@
 //! (cudarc would panic on first use).
 #![allow(unsafe_code)]
 
-use cudarc::nccl::{result, sys};
 use crate::error::{Error, Result};
+use cudarc::nccl::{result, sys};
 use tch::{Kind, Tensor};
 
 use crate::collective::{CollResult, TensorCollective};
@@ -66,7 +66,9 @@ impl NcclCollective {
 
     fn check(tensor: &Tensor) -> CollResult<()> {
         if !tensor.device().is_cuda() || tensor.kind() != Kind::Float || !tensor.is_contiguous() {
-            return Err(Error::Collective("NCCL collectives take contiguous f32 CUDA tensors".into()));
+            return Err(Error::Collective(
+                "NCCL collectives take contiguous f32 CUDA tensors".into(),
+            ));
         }
         Ok(())
     }

@@ -46,12 +46,7 @@ pub struct Scorer {
 impl Scorer {
     /// A model folder (Hugging Face layout, or a trainer checkpoint) with its weights,
     /// scoring texts of up to `context` tokens (0: the model's own limit).
-    pub async fn from_folder(
-        hf: &HfModel,
-        context: usize,
-        tokenizer: TextTokenizer,
-        device: Device,
-    ) -> Result<Self> {
+    pub async fn from_folder(hf: &HfModel, context: usize, tokenizer: TextTokenizer, device: Device) -> Result<Self> {
         let model = hf.model()?;
         hf.check(model.as_ref())?;
         if tokenizer.vocab() > model.vocab() {
@@ -97,12 +92,7 @@ impl Scorer {
     /// wrote) whose `forward` maps token ids `[batch, time]` to logits
     /// `[batch, time, vocab]`, for texts of up to `context` tokens. The contract is checked
     /// here with a two-token batch, so a module that does not fit fails at load.
-    pub fn from_torchscript(
-        bytes: &[u8],
-        context: usize,
-        tokenizer: TextTokenizer,
-        device: Device,
-    ) -> Result<Self> {
+    pub fn from_torchscript(bytes: &[u8], context: usize, tokenizer: TextTokenizer, device: Device) -> Result<Self> {
         if context < 2 {
             return Err(Error::Invalid(format!(
                 "a TorchScript model needs a context of at least 2 tokens, not {context}"
@@ -118,9 +108,11 @@ impl Scorer {
             device,
         };
         let probe = Tensor::from_slice(&[0i64, 1, 0, 1]).view([2, 2]).to_device(device);
-        let logits = scorer
-            .logits(&probe)
-            .map_err(|e| Error::Invalid(format!("the TorchScript module does not take token ids [batch, time]: {e}")))?;
+        let logits = scorer.logits(&probe).map_err(|e| {
+            Error::Invalid(format!(
+                "the TorchScript module does not take token ids [batch, time]: {e}"
+            ))
+        })?;
         let shape = logits.size();
         let vocab = scorer.tokenizer.vocab() as i64;
         match shape.as_slice() {
@@ -166,7 +158,10 @@ impl Scorer {
         let truncated = ids.len() > context;
         ids.truncate(context);
         if ids.len() < 2 {
-            return Err(Error::Invalid(format!("the text has {} token(s); scoring needs at least 2", ids.len())));
+            return Err(Error::Invalid(format!(
+                "the text has {} token(s); scoring needs at least 2",
+                ids.len()
+            )));
         }
         Ok((ids, truncated))
     }

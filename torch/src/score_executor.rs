@@ -10,8 +10,8 @@ use regatta_scorer::protocol::{is_torchscript, FromScorer, RowScore, ScorerSetup
 use tch::Device;
 
 use crate::checkpoint::open_model;
-use crate::error::{Error, Result};
 use crate::data::TextTokenizer;
+use crate::error::{Error, Result};
 use crate::score::Scorer;
 
 fn emit(message: &FromScorer) {
@@ -26,15 +26,16 @@ fn load(setup: &ScorerSetup) -> Result<(Scorer, u64, Device)> {
     tch::set_num_threads(setup.threads.max(1) as i32);
     let cuda = tch::Cuda::is_available();
     let device = match setup.device.as_str() {
-        "cuda" if !cuda => return Err(Error::Invalid("device = \"cuda\" but libtorch sees no CUDA device".into())),
+        "cuda" if !cuda => {
+            return Err(Error::Invalid(
+                "device = \"cuda\" but libtorch sees no CUDA device".into(),
+            ))
+        }
         "cuda" => Device::Cuda(0),
         "auto" if cuda && !setup.gpus.is_empty() => Device::Cuda(0),
         _ => Device::Cpu,
     };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        ?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     if is_torchscript(&setup.checkpoint) {
         let (place, name) = Place::file(&setup.checkpoint).map_err(Error::Storage)?;
         let bytes = runtime.block_on(place.get(&name)).map_err(Error::Storage)?;
@@ -66,10 +67,7 @@ async fn open_scorer(url: &str, tokenizer: &str, context: usize, device: Device)
 /// `regatta-torch-rank export CHECKPOINT OUT.pt`: the checkpoint's model as a traced
 /// TorchScript module (any batch size, up to the model's context); returns the context.
 pub fn export(checkpoint: &str, out: &str) -> Result<usize> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        ?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let (scorer, _) = runtime.block_on(open_scorer(checkpoint, "", 0, Device::Cpu))?;
     let module = scorer.export()?;
     let file = tempfile_beside(out);
@@ -79,7 +77,9 @@ pub fn export(checkpoint: &str, out: &str) -> Result<usize> {
     let bytes = std::fs::read(&file).map_err(|e| Error::Invalid(format!("cannot read {}: {e}", file.display())))?;
     let _ = std::fs::remove_file(&file);
     let (place, name) = Place::file(out).map_err(Error::Storage)?;
-    runtime.block_on(place.put(&name, bytes.into())).map_err(Error::Storage)?;
+    runtime
+        .block_on(place.put(&name, bytes.into()))
+        .map_err(Error::Storage)?;
     Ok(scorer.context())
 }
 
@@ -126,8 +126,7 @@ pub fn score_main() -> ExitCode {
             eprintln!("ignored a second setup");
             continue;
         };
-        let tokenized: Vec<Result<(Vec<i64>, bool)>> =
-            rows.iter().map(|(_, text)| scorer.tokenize(text)).collect();
+        let tokenized: Vec<Result<(Vec<i64>, bool)>> = rows.iter().map(|(_, text)| scorer.tokenize(text)).collect();
         let valid: Vec<(Vec<i64>, bool)> = tokenized.iter().filter_map(|r| r.as_ref().ok().cloned()).collect();
         let mut scored = match scorer.score(&valid, setup.max_new_tokens) {
             Ok(scored) => scored.into_iter(),

@@ -31,10 +31,19 @@ fn settings() -> TokenizerSettings {
 }
 
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
-fn load(path: &Path, format: DataFormat, context: usize, partitions: usize, which: &[usize]) -> regatta_torch::Result<RankData> {
+fn load(
+    path: &Path,
+    format: DataFormat,
+    context: usize,
+    partitions: usize,
+    which: &[usize],
+) -> regatta_torch::Result<RankData> {
     let (tokenizer, settings) = (tokenizer(), settings());
     let source = DataSource {
         path: path.to_str().unwrap(),
@@ -100,7 +109,10 @@ fn parquet_rows_load_like_the_same_jsonl_rows() {
     let texts: Vec<String> = (0..40)
         .map(|i| format!("Document number {i} talks about the sea and ships."))
         .collect();
-    let jsonl: String = texts.iter().map(|t| format!("{}\n", serde_json::json!({"text": t}))).collect();
+    let jsonl: String = texts
+        .iter()
+        .map(|t| format!("{}\n", serde_json::json!({"text": t})))
+        .collect();
     std::fs::write(dir.join("docs.jsonl"), jsonl).unwrap();
     let rows: Vec<(String, Option<String>)> = texts
         .iter()
@@ -117,10 +129,18 @@ fn parquet_rows_load_like_the_same_jsonl_rows() {
     assert!(ta.equal(&tb) && ya.equal(&yb) && da.unwrap().equal(&db.unwrap()));
     // Two partitions split the documents between them and together hold them all.
     let halves: Vec<usize> = (0..2)
-        .map(|p| load(&dir.join("docs.parquet"), DataFormat::Auto, 16, 2, &[p]).unwrap().sequences()[0])
+        .map(|p| {
+            load(&dir.join("docs.parquet"), DataFormat::Auto, 16, 2, &[p])
+                .unwrap()
+                .sequences()[0]
+        })
         .collect();
     assert!(halves.iter().all(|n| *n > 0));
-    assert!(halves.iter().sum::<usize>() + 2 >= a.sequences()[0], "{halves:?} vs {:?}", a.sequences());
+    assert!(
+        halves.iter().sum::<usize>() + 2 >= a.sequences()[0],
+        "{halves:?} vs {:?}",
+        a.sequences()
+    );
 }
 
 #[test]
@@ -129,12 +149,19 @@ fn bad_rows_are_errors_that_name_the_file_and_the_row() {
     let path = dir.join("bad.jsonl");
     std::fs::write(&path, "{\"text\": \"fine\"}\n{\"prompt\": \"no response\"}\n").unwrap();
     let error = load(&path, DataFormat::Auto, 4, 1, &[0]).err().unwrap().to_string();
-    assert!(error.contains("bad.jsonl") && error.contains("byte 17") && error.contains("no `response`"), "{error}");
+    assert!(
+        error.contains("bad.jsonl") && error.contains("byte 17") && error.contains("no `response`"),
+        "{error}"
+    );
     std::fs::write(&path, "{\"text\": \"fine\"}\nnot json\n").unwrap();
     let error = load(&path, DataFormat::Auto, 4, 1, &[0]).err().unwrap().to_string();
     assert!(error.contains("not valid JSON"), "{error}");
     let chat = dir.join("chat.jsonl");
-    std::fs::write(&chat, "{\"messages\": [{\"role\": \"assistant\", \"content\": \"x\"}]}\n").unwrap();
+    std::fs::write(
+        &chat,
+        "{\"messages\": [{\"role\": \"assistant\", \"content\": \"x\"}]}\n",
+    )
+    .unwrap();
     let (tokenizer, none) = (tokenizer(), TokenizerSettings::default());
     let source = DataSource {
         path: chat.to_str().unwrap(),
@@ -142,10 +169,17 @@ fn bad_rows_are_errors_that_name_the_file_and_the_row() {
         tokenizer: &tokenizer,
         settings: &none,
     };
-    let error = runtime().block_on(RankData::load(&source, 4, 1, &[0])).err().unwrap().to_string();
+    let error = runtime()
+        .block_on(RankData::load(&source, 4, 1, &[0]))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(error.contains("chat_template"), "{error}");
     let not_parquet = dir.join("x.parquet");
     std::fs::write(&not_parquet, "plain text").unwrap();
-    let error = load(&not_parquet, DataFormat::Auto, 4, 1, &[0]).err().unwrap().to_string();
+    let error = load(&not_parquet, DataFormat::Auto, 4, 1, &[0])
+        .err()
+        .unwrap()
+        .to_string();
     assert!(error.contains("not a readable Parquet file"), "{error}");
 }

@@ -196,6 +196,39 @@ fn four_micro_batches_of_b_equal_one_batch_of_4b() {
     }
 }
 
+#[test]
+fn activation_checkpointing_recomputes_blocks_to_the_same_loss_and_weights() {
+    tch::set_num_threads(1);
+    let (tokens, targets) = sequences(4, 2);
+    let batch = || {
+        vec![MicroBatch {
+            tokens: tokens.shallow_clone(),
+            targets: targets.shallow_clone(),
+            documents: None,
+        }]
+    };
+    let mut kept = engine_from(&fixture("mistral"), settings(3));
+    let mut recomputed = engine_from(
+        &fixture("mistral"),
+        EngineSettings {
+            activation_checkpointing: true,
+            ..settings(3)
+        },
+    );
+    for _ in 0..3 {
+        let (a, b) = (
+            kept.train_step(&batch()).unwrap(),
+            recomputed.train_step(&batch()).unwrap(),
+        );
+        assert!((a.loss - b.loss).abs() < 1e-6, "{} vs {}", a.loss, b.loss);
+    }
+    let (wa, wb) = (kept.consolidated().unwrap(), recomputed.consolidated().unwrap());
+    assert_eq!(wa.len(), wb.len());
+    for ((n, a), (_, b)) in wa.iter().zip(&wb) {
+        assert!(max_abs(&(a - b)) < 1e-6, "{n}");
+    }
+}
+
 fn dtype_and_shapes(dir: &Path) -> Vec<(String, String, Vec<i64>)> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap() {

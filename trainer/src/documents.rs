@@ -79,7 +79,9 @@ impl Record {
         let prompt = text_field(object, "prompt")?;
         let response = text_field(object, "response")?;
         match (prompt, response) {
-            (Some(prompt), Some(response)) if !response.is_empty() => return Ok(Self::Instruction { prompt, response }),
+            (Some(prompt), Some(response)) if !response.is_empty() => {
+                return Ok(Self::Instruction { prompt, response })
+            }
             (Some(_), Some(_)) => return Err(DocumentError::Row("`response` is empty".into())),
             (Some(_), None) => return Err(DocumentError::Row("`prompt` has no `response` beside it".into())),
             (None, Some(_)) => return Err(DocumentError::Row("`response` has no `prompt` beside it".into())),
@@ -101,12 +103,16 @@ impl Record {
         let mut out = Vec::with_capacity(list.len());
         for (i, message) in list.iter().enumerate() {
             let field = |name: &str| {
-                message.get(name).and_then(Value::as_str).map(str::to_string).ok_or_else(|| {
-                    DocumentError::Row(format!(
-                        "messages[{i}] needs a string `{name}` (got {})",
-                        short(message)
-                    ))
-                })
+                message
+                    .get(name)
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+                    .ok_or_else(|| {
+                        DocumentError::Row(format!(
+                            "messages[{i}] needs a string `{name}` (got {})",
+                            short(message)
+                        ))
+                    })
             };
             out.push(Message {
                 role: field("role")?,
@@ -203,7 +209,10 @@ impl TokenizerSettings {
                 .collect(),
             Record::Instruction { prompt, response } => bos()
                 .into_iter()
-                .chain([Segment::new(prompt.clone(), false), Segment::new(response.clone(), true)])
+                .chain([
+                    Segment::new(prompt.clone(), false),
+                    Segment::new(response.clone(), true),
+                ])
                 .chain(eos())
                 .collect(),
             Record::Chat(messages) => self.chat_segments(messages)?,
@@ -265,9 +274,12 @@ impl<'a> ChatRenderer<'a> {
             .map_err(|e| DocumentError::Template(e.to_string()))?;
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |message: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
-        });
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
+            },
+        );
         env.add_template_owned("chat", template.to_string())
             .map_err(|e| DocumentError::Template(format!("does not parse: {e}")))?;
         Ok(Self { env, settings })
@@ -387,7 +399,10 @@ mod tests {
 
     #[test]
     fn rows_parse_into_their_kind_or_say_what_is_missing() {
-        assert_eq!(Record::parse(&json!({"text": "hi"})).unwrap(), Record::Text("hi".into()));
+        assert_eq!(
+            Record::parse(&json!({"text": "hi"})).unwrap(),
+            Record::Text("hi".into())
+        );
         assert_eq!(
             Record::parse(&json!({"prompt": "q", "response": "a", "id": 3})).unwrap(),
             Record::Instruction {
@@ -404,8 +419,14 @@ mod tests {
             (json!({"text": 5}), "must be a string"),
             (json!({"prompt": "q"}), "no `response`"),
             (json!({"messages": "x"}), "must be a list"),
-            (json!({"messages": [{"role": "user"}]}), "messages[0] needs a string `content`"),
-            (json!({"messages": [{"role": "user", "content": "q"}]}), "no assistant message"),
+            (
+                json!({"messages": [{"role": "user"}]}),
+                "messages[0] needs a string `content`",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "q"}]}),
+                "no assistant message",
+            ),
         ];
         for (row, expected) in cases {
             let error = Record::parse(&row).unwrap_err().to_string();
@@ -458,7 +479,8 @@ mod tests {
         let broken = settings("{% for %}").segments(&record).unwrap_err().to_string();
         assert!(broken.contains("does not parse"), "{broken}");
         // Generation prompt that the full rendering does not start with.
-        let odd = settings("{% if add_generation_prompt %}GEN{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}");
+        let odd =
+            settings("{% if add_generation_prompt %}GEN{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}");
         let error = odd.segments(&record).unwrap_err().to_string();
         assert!(error.contains("does not extend"), "{error}");
         // The template above is fine.
@@ -476,7 +498,9 @@ mod tests {
             .unwrap();
         let marks: Vec<(&str, bool)> = segments.iter().map(|s| (s.text.as_str(), s.loss)).collect();
         assert_eq!(marks, vec![("<s>", false), ("q", false), ("a", true), ("</s>", true)]);
-        let plain = TokenizerSettings::default().segments(&Record::Text("t".into())).unwrap();
+        let plain = TokenizerSettings::default()
+            .segments(&Record::Text("t".into()))
+            .unwrap();
         assert_eq!(plain, vec![Segment::new("t", true)]);
     }
 

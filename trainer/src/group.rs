@@ -76,7 +76,6 @@ pub struct TrainSummary {
     pub seconds: f64,
 }
 
-
 enum AttemptError {
     Lost { rank: usize, reason: String },
     Fatal(String),

@@ -22,7 +22,9 @@ pub mod rank;
 pub mod ring_group;
 pub mod zero;
 
-pub use collective::{chunks, memory_ring, Collective, CollectiveError, LinkError, MemoryLink, RingCollective, RingLink};
+pub use collective::{
+    chunks, memory_ring, Collective, CollectiveError, LinkError, MemoryLink, RingCollective, RingLink,
+};
 pub use config::{DataFormat, Schedule, TrainConfig, BYTE_VOCAB};
 pub use data::DataLayout;
 pub use documents::{Document, DocumentError, Message, Packed, PackedRow, Record, Segment, TokenizerSettings};

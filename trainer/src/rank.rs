@@ -70,8 +70,8 @@ pub fn executor_path(explicit: Option<&str>) -> crate::Result<PathBuf> {
             )))
         };
     }
-    let exe = std::env::current_exe()
-        .map_err(|e| crate::Error::Executor(format!("cannot find the running binary: {e}")))?;
+    let exe =
+        std::env::current_exe().map_err(|e| crate::Error::Executor(format!("cannot find the running binary: {e}")))?;
     let beside = exe.with_file_name("regatta-torch-rank");
     if beside.is_file() {
         return Ok(beside);

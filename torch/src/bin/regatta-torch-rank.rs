@@ -20,7 +20,9 @@ fn reference(args: &[String]) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(config).map_err(|e| anyhow::anyhow!("cannot read {config}: {e}"))?;
     let mut config = TrainConfig::from_toml(&text)?;
     config.resolve_paths(&std::env::current_dir()?);
-    let partitions: usize = partitions.parse().map_err(|e| anyhow::anyhow!("bad partition count: {e}"))?;
+    let partitions: usize = partitions
+        .parse()
+        .map_err(|e| anyhow::anyhow!("bad partition count: {e}"))?;
     let (losses, weights) = reference_run(&config, partitions, &builtin_model)?;
     for loss in losses {
         println!("{loss}");
