@@ -17,7 +17,7 @@ use regatta_runtime::{ActorHandle, ActorOptions, ActorPool, Client, Resources, S
 /// Options of `regatta bench`.
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Which cases: `actors`, `objects`, `cluster`, `train`, `score`, or `all`.
+    /// Which cases: `actors`, `objects`, `cluster`, `train`, `score`, `generate`, or `all`.
     #[arg(default_value = "all")]
     pub suite: String,
     /// Trials per case (mean and standard deviation are printed).
@@ -26,8 +26,9 @@ pub struct BenchArgs {
     /// Small counts (a smoke run for tests, not for figures).
     #[arg(long)]
     pub quick: bool,
-    /// `train` only: a Hugging Face model folder (local or URL), or a `config.json` file
-    /// of a Llama-family model to initialise randomly; default: the built-in GPT.
+    /// `train` and `generate`: a Hugging Face model folder (local or URL), or a
+    /// `config.json` file of a Llama-family model to initialise randomly; default: the
+    /// built-in GPT for `train`, data/bench-llama-110m.json for `generate`.
     #[arg(long)]
     pub model: Option<String>,
 }
@@ -64,8 +65,10 @@ fn start_cluster() -> anyhow::Result<LocalCluster> {
 pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let suites: Vec<&str> = match args.suite.as_str() {
         "all" => vec!["cluster", "actors", "objects", "train", "score"],
-        one @ ("actors" | "objects" | "cluster" | "train" | "score") => vec![one],
-        other => bail!("unknown benchmark suite '{other}'; use actors, objects, cluster, train, score or all"),
+        one @ ("actors" | "objects" | "cluster" | "train" | "score" | "generate") => vec![one],
+        other => {
+            bail!("unknown benchmark suite '{other}'; use actors, objects, cluster, train, score, generate or all")
+        }
     };
     let trials = args.trials.max(1);
     for suite in suites {
@@ -88,6 +91,9 @@ async fn run_suite(suite: &str, trials: usize, quick: bool, model: Option<&str>)
     if suite == "score" {
         return crate::bench_score::score(trials, quick).await;
     }
+    if suite == "generate" {
+        return generate(model);
+    }
     let mut cluster = start_cluster()?;
     let outcome = match suite {
         "actors" => actors(&cluster, trials, quick).await,
@@ -95,6 +101,20 @@ async fn run_suite(suite: &str, trials: usize, quick: bool, model: Option<&str>)
     };
     cluster.shutdown();
     outcome
+}
+
+/// KV-cache generation in the executor (the one binary that links libtorch), with every
+/// core: output tokens/s at batch limits 1 to 128 beside the machine's bounds.
+fn generate(model: Option<&str>) -> anyhow::Result<()> {
+    let executor = regatta_trainer::executor_path(None).map_err(anyhow::Error::msg)?;
+    let model = model.unwrap_or("data/bench-llama-110m.json");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let status = std::process::Command::new(&executor)
+        .args(["bench-generate", model, &cores.to_string()])
+        .status()
+        .with_context(|| format!("cannot run {}", executor.display()))?;
+    anyhow::ensure!(status.success(), "the generation benchmark failed ({status})");
+    Ok(())
 }
 
 /// Time for a head and 2 workers to be ready, and their idle resident memory.

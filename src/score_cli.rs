@@ -39,9 +39,38 @@ pub struct ScoreArgs {
     /// Partitions (default: four per actor).
     #[arg(long)]
     pub partitions: Option<usize>,
-    /// Greedy tokens generated per row.
+    /// Tokens generated per row (with --generate: the default a row's `params` may
+    /// override, 256 when unset; without: a greedy continuation beside the scores).
     #[arg(long)]
     pub max_new_tokens: Option<usize>,
+    /// Generate continuations of each row's `prompt`, `text` or chat `messages` with the
+    /// KV cache and continuous batching, instead of scoring `text`.
+    #[arg(long)]
+    pub generate: bool,
+    /// Sampling temperature (0: greedy).
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// Nucleus sampling's probability mass (1: off).
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    /// Sample from the k most likely tokens only (0: off).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Seed of the rows' random streams (each row's stream also depends on its id).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// A string that ends a row's text (repeat for several).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Write each generated token's log-probability.
+    #[arg(long)]
+    pub logprobs: bool,
+    /// Sequences each actor decodes together.
+    #[arg(long)]
+    pub max_batch: Option<usize>,
+    /// Each actor's KV cache budget in MiB.
+    #[arg(long)]
+    pub kv_cache_mb: Option<u64>,
     /// Longest token sequence a TorchScript model takes (required with one).
     #[arg(long)]
     pub context: Option<usize>,
@@ -88,6 +117,29 @@ impl ScoreArgs {
         if let Some(v) = self.context {
             config.context = v;
         }
+        config.generate |= self.generate;
+        config.logprobs |= self.logprobs;
+        if !self.stop.is_empty() {
+            config.stop = self.stop.clone();
+        }
+        if let Some(v) = self.temperature {
+            config.temperature = v;
+        }
+        if let Some(v) = self.top_p {
+            config.top_p = v;
+        }
+        if let Some(v) = self.top_k {
+            config.top_k = v;
+        }
+        if let Some(v) = self.seed {
+            config.seed = v;
+        }
+        if let Some(v) = self.max_batch {
+            config.max_batch = v;
+        }
+        if let Some(v) = self.kv_cache_mb {
+            config.kv_cache_mb = v;
+        }
         config.validate().map_err(anyhow::Error::msg)?;
         Ok(config)
     }
@@ -102,8 +154,13 @@ pub fn progress_line(p: &Progress) -> String {
     } else {
         f64::NAN
     };
+    let output = if p.output_tokens > 0 {
+        format!("  {:.0} output tokens/s", p.output_tokens as f64 / p.seconds.max(1e-9))
+    } else {
+        String::new()
+    };
     format!(
-        "partitions {}/{}  rows {}  {:.0} rows/s  {:.0} tokens/s  errors {}  retries {}  ETA {:.0}s",
+        "partitions {}/{}  rows {}  {:.0} rows/s  {:.0} tokens/s{output}  errors {}  retries {}  ETA {:.0}s",
         p.partitions_done,
         p.partitions,
         p.rows,
@@ -117,6 +174,7 @@ pub fn progress_line(p: &Progress) -> String {
 
 async fn score(cluster: &Cluster, config: ScoreConfig) -> anyhow::Result<ExitCode> {
     let output = config.output.clone();
+    let generate = config.generate;
     let run = ScoreRun::new(cluster.clone(), config).map_err(anyhow::Error::msg)?;
     let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let done = run
@@ -133,10 +191,18 @@ async fn score(cluster: &Cluster, config: ScoreConfig) -> anyhow::Result<ExitCod
     if tty {
         println!();
     }
+    let verb = if generate { "generated for" } else { "scored" };
     println!(
-        "scored {} rows ({} malformed, {} partitions skipped as already done) in {:.1}s; output in {output}",
+        "{verb} {} rows ({} malformed, {} partitions skipped as already done) in {:.1}s; output in {output}",
         done.rows, done.errors, done.skipped, done.seconds
     );
+    if generate {
+        println!(
+            "{} output tokens, {:.1} output tokens/s",
+            done.output_tokens,
+            done.output_tokens as f64 / done.seconds.max(1e-9)
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 

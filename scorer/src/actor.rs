@@ -12,16 +12,18 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts};
+use prometheus::{GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts};
 use regatta_object_store::Place;
 use regatta_runtime::{Actor, ActorContext, ActorError};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout};
 
-use crate::output::{to_parquet, ScoredRow};
+use crate::generate::{parse_prompt_row, GenRequest, GenStats, Prompt, PromptRow, SamplingParams};
+use crate::jsonl::read_owned_lines;
+use crate::output::{generated_to_parquet, to_parquet, GeneratedRow, ScoredRow};
 use crate::parquet_input::{ParquetInput, RowSlice};
-use crate::partition::{owned_lines, parse_row, read_window, Row, RowError};
+use crate::partition::{parse_row, Row, RowError};
 use crate::plan::{errors_name, length_batches, output_name};
 use crate::protocol::{FromScorer, ScorerSetup, ToScorer};
 
@@ -33,6 +35,10 @@ const READY_TIMEOUT: Duration = Duration::from_secs(300);
 pub struct ScorerArgs {
     /// How the executor loads the model (GPUs are filled in on the node).
     pub setup: ScorerSetup,
+    /// The run's sampling defaults when it generates (rows lay their `params` over them);
+    /// `None`: the run scores.
+    #[serde(default)]
+    pub sampling: Option<SamplingParams>,
     /// Rows per batch.
     pub batch_size: usize,
     /// The executor binary; `None`: `regatta-torch-rank` next to the node's binary.
@@ -78,8 +84,11 @@ pub struct PartitionReport {
     pub rows: u64,
     /// Rows that went to the errors file.
     pub errors: u64,
-    /// Tokens scored.
+    /// Tokens scored (prompt tokens, when generating).
     pub tokens: u64,
+    /// Tokens generated.
+    #[serde(default)]
+    pub output_tokens: u64,
     /// Wall time.
     pub seconds: f64,
     /// The node that scored it.
@@ -89,8 +98,30 @@ pub struct PartitionReport {
 struct Metrics {
     rows: IntCounterVec,
     tokens: IntCounterVec,
+    output_tokens: IntCounterVec,
     partitions: IntCounterVec,
     batch_seconds: HistogramVec,
+    running: IntGaugeVec,
+    waiting: IntGaugeVec,
+    occupancy: GaugeVec,
+    kv_cache: GaugeVec,
+}
+
+impl Metrics {
+    /// Publishes an executor's generation figures under the actor's id.
+    fn generation(&self, actor: &str, stats: &GenStats) {
+        self.output_tokens
+            .with_label_values(&[] as &[&str])
+            .inc_by(stats.new_tokens);
+        self.running.with_label_values(&[actor]).set(stats.running as i64);
+        self.waiting.with_label_values(&[actor]).set(stats.waiting as i64);
+        self.occupancy
+            .with_label_values(&[actor])
+            .set(stats.running as f64 / stats.max_batch.max(1) as f64);
+        self.kv_cache
+            .with_label_values(&[actor])
+            .set(stats.used_blocks as f64 / stats.blocks.max(1) as f64);
+    }
 }
 
 fn metrics() -> &'static Metrics {
@@ -109,7 +140,31 @@ fn metrics() -> &'static Metrics {
         )
         .expect("valid metric");
         let _ = registry.register(Box::new(batch_seconds.clone()));
+        let int_gauge = |name: &str, help: &str| {
+            let metric = IntGaugeVec::new(Opts::new(name, help), &["actor"]).expect("valid metric");
+            let _ = registry.register(Box::new(metric.clone()));
+            metric
+        };
+        let gauge = |name: &str, help: &str| {
+            let metric = GaugeVec::new(Opts::new(name, help), &["actor"]).expect("valid metric");
+            let _ = registry.register(Box::new(metric.clone()));
+            metric
+        };
         Metrics {
+            output_tokens: counter("regatta_score_output_tokens_total", "Tokens generated", &[]),
+            running: int_gauge("regatta_score_running_sequences", "Sequences a scorer is decoding"),
+            waiting: int_gauge(
+                "regatta_score_waiting_sequences",
+                "Sequences waiting for a batch slot or KV cache blocks (the queue)",
+            ),
+            occupancy: gauge(
+                "regatta_score_batch_occupancy",
+                "Running sequences as a fraction of the batch limit",
+            ),
+            kv_cache: gauge(
+                "regatta_score_kv_cache_usage",
+                "Fraction of the KV cache's blocks in use",
+            ),
             rows: counter(
                 "regatta_score_rows_total",
                 "Rows scored, and rows refused as malformed",
@@ -126,22 +181,206 @@ fn metrics() -> &'static Metrics {
     })
 }
 
+/// A partition's output before it is written.
+struct Outcome {
+    rows: u64,
+    file: Bytes,
+    errors: Vec<RowError>,
+    tokens: u64,
+    output_tokens: u64,
+}
+
 /// A scorer actor.
 pub struct ScorerActor {
     batch_size: usize,
+    sampling: Option<SamplingParams>,
     stdin: ChildStdin,
     stdout: Lines<BufReader<ChildStdout>>,
     _child: Child,
 }
 
 impl ScorerActor {
-    async fn request(&mut self, message: &ToScorer) -> Result<FromScorer> {
+    async fn send(&mut self, message: &ToScorer) -> Result<()> {
         let line = serde_json::to_string(message)?;
         self.stdin
             .write_all(format!("{line}\n").as_bytes())
             .await
-            .map_err(|e| Error::Executor(format!("the scorer executor is gone: {e}")))?;
+            .map_err(|e| Error::Executor(format!("the scorer executor is gone: {e}")))
+    }
+
+    async fn request(&mut self, message: &ToScorer) -> Result<FromScorer> {
+        self.send(message).await?;
         read_reply(&mut self.stdout).await
+    }
+
+    /// A generating run's rows: JSONL lines with `prompt`, `text` or `messages` (and
+    /// `params`); Parquet rows' `text` as the prompt.
+    async fn read_prompt_rows(task: &PartitionTask) -> Result<(Vec<(u64, PromptRow)>, Vec<RowError>)> {
+        match &task.slice {
+            Slice::Bytes { start, end } => {
+                let (place, name) = Place::file(&task.input).map_err(Error::Storage)?;
+                let size = place.size(&name).await.map_err(Error::Storage)?;
+                let (mut rows, mut errors) = (Vec::new(), Vec::new());
+                for (offset, line) in read_owned_lines(&place, &name, size, *start..*end).await? {
+                    match parse_prompt_row(&line, offset) {
+                        Ok(row) => rows.push((offset, row)),
+                        Err(error) => errors.push(error),
+                    }
+                }
+                Ok((rows, errors))
+            }
+            Slice::Rows(_) => {
+                let (rows, errors) = Self::read_rows(task).await?;
+                let rows = rows
+                    .into_iter()
+                    .map(|(offset, row)| {
+                        let prompt = PromptRow {
+                            id: row.id,
+                            prompt: Prompt::Text(row.text),
+                            params: None,
+                        };
+                        (offset, prompt)
+                    })
+                    .collect();
+                Ok((rows, errors))
+            }
+        }
+    }
+
+    /// Generates for a partition's rows: every row with valid settings goes to the
+    /// executor in one request (it batches them continuously); rows it cannot run, and
+    /// rows with bad settings, go to the errors file.
+    async fn generate(&mut self, task: &PartitionTask, defaults: &SamplingParams, actor: &str) -> Result<Outcome> {
+        let (rows, mut errors) = Self::read_prompt_rows(task).await?;
+        let mut requests = Vec::with_capacity(rows.len());
+        let mut offsets = Vec::with_capacity(rows.len());
+        for (offset, row) in rows {
+            match defaults.with_overrides(row.params.as_ref()) {
+                Ok(params) => {
+                    offsets.push(offset);
+                    requests.push(GenRequest {
+                        id: row.id,
+                        prompt: row.prompt,
+                        params,
+                    });
+                }
+                Err(reason) => errors.push(RowError {
+                    id: Some(row.id),
+                    offset,
+                    reason,
+                }),
+            }
+        }
+        let m = metrics();
+        let results = if requests.is_empty() {
+            Vec::new()
+        } else {
+            self.send(&ToScorer::Generate(requests.clone())).await?;
+            loop {
+                match read_reply(&mut self.stdout).await? {
+                    FromScorer::Stats(stats) => m.generation(actor, &stats),
+                    FromScorer::Generated(results) if results.len() == requests.len() => break results,
+                    FromScorer::Failed(reason) => return Err(Error::Executor(format!("generation failed: {reason}"))),
+                    other => {
+                        return Err(Error::Executor(format!(
+                            "the scorer executor replied {other:?} to {} rows to generate",
+                            requests.len()
+                        )))
+                    }
+                }
+            }
+        };
+        let mut out = Vec::with_capacity(results.len());
+        let (mut prompt_tokens, mut output_tokens) = (0, 0);
+        for ((request, offset), result) in requests.into_iter().zip(offsets).zip(results) {
+            match result {
+                Ok(g) => {
+                    prompt_tokens += g.prompt_tokens;
+                    output_tokens += g.generated_tokens;
+                    out.push(GeneratedRow {
+                        id: request.id,
+                        generated: g.text,
+                        prompt_tokens: g.prompt_tokens as i64,
+                        generated_tokens: g.generated_tokens as i64,
+                        finish_reason: g.finish_reason,
+                        token_logprobs: g.logprobs,
+                    });
+                }
+                Err(reason) => errors.push(RowError {
+                    id: Some(request.id),
+                    offset,
+                    reason,
+                }),
+            }
+        }
+        Ok(Outcome {
+            rows: out.len() as u64,
+            file: generated_to_parquet(&out)?,
+            errors,
+            tokens: prompt_tokens,
+            output_tokens,
+        })
+    }
+
+    /// Scores a partition's rows in length-sorted batches.
+    async fn score(&mut self, task: &PartitionTask) -> Result<Outcome> {
+        let m = metrics();
+        let (rows, mut errors) = Self::read_rows(task).await?;
+        let (offsets, rows): (Vec<u64>, Vec<Row>) = rows.into_iter().unzip();
+        let lengths: Vec<usize> = rows.iter().map(|r| r.text.len()).collect();
+        let mut scored: Vec<Option<ScoredRow>> = vec![None; rows.len()];
+        let mut tokens = 0u64;
+        for batch in length_batches(&lengths, self.batch_size) {
+            let request: Vec<(String, String)> = batch
+                .iter()
+                .map(|i| (rows[*i].id.clone(), rows[*i].text.clone()))
+                .collect();
+            let timer = Instant::now();
+            let reply = self.request(&ToScorer::Batch(request)).await?;
+            m.batch_seconds
+                .with_label_values(&[] as &[&str])
+                .observe(timer.elapsed().as_secs_f64());
+            let FromScorer::Scored(results) = reply else {
+                return Err(Error::Executor(format!(
+                    "the scorer executor replied {reply:?} to a batch"
+                )));
+            };
+            if results.len() != batch.len() {
+                return Err(Error::Executor(format!(
+                    "{} results for a batch of {}",
+                    results.len(),
+                    batch.len()
+                )));
+            }
+            for (i, result) in batch.into_iter().zip(results) {
+                match result {
+                    Ok(score) => {
+                        tokens += score.tokens;
+                        scored[i] = Some(ScoredRow {
+                            id: rows[i].id.clone(),
+                            tokens: score.tokens as i64,
+                            truncated: score.truncated,
+                            log_likelihood: score.log_likelihood,
+                            perplexity: score.perplexity,
+                            generated: score.generated,
+                        });
+                    }
+                    Err(reason) => errors.push(RowError {
+                        id: Some(rows[i].id.clone()),
+                        offset: offsets[i],
+                        reason,
+                    }),
+                }
+            }
+        }
+        let scored: Vec<ScoredRow> = scored.into_iter().flatten().collect();
+        Ok(Outcome {
+            rows: scored.len() as u64,
+            file: to_parquet(&scored)?,
+            errors,
+            tokens,
+            output_tokens: 0,
+        })
     }
 
     async fn read_rows(task: &PartitionTask) -> Result<(Vec<(u64, Row)>, Vec<RowError>)> {
@@ -154,29 +393,14 @@ impl ScorerActor {
     async fn read_lines(input: &str, range: Range<u64>) -> Result<(Vec<(u64, Row)>, Vec<RowError>)> {
         let (place, name) = Place::file(input).map_err(Error::Storage)?;
         let size = place.size(&name).await.map_err(Error::Storage)?;
-        let range = range.start..range.end.min(size);
-        let mut window = read_window(&range);
-        loop {
-            let buf = place.get_range(&name, window.clone()).await.map_err(Error::Storage)?;
-            let (lines, more) = owned_lines(&buf, window.start, &range, window.end >= size);
-            if more.is_some() {
-                // Grow geometrically: a very long line costs O(n) bytes fetched, not O(n^2).
-                let grow = (window.end - window.start).max(64 << 10);
-                window.end = (window.end + grow).min(size);
-                continue;
+        let (mut rows, mut errors) = (Vec::new(), Vec::new());
+        for (offset, line) in read_owned_lines(&place, &name, size, range).await? {
+            match parse_row(&line, offset) {
+                Ok(row) => rows.push((offset, row)),
+                Err(error) => errors.push(error),
             }
-            let (mut rows, mut errors) = (Vec::new(), Vec::new());
-            for (offset, line) in lines {
-                if line.iter().all(u8::is_ascii_whitespace) {
-                    continue;
-                }
-                match parse_row(line, offset) {
-                    Ok(row) => rows.push((offset, row)),
-                    Err(error) => errors.push(error),
-                }
-            }
-            return Ok((rows, errors));
         }
+        Ok((rows, errors))
     }
 }
 
@@ -218,6 +442,7 @@ impl Actor for ScorerActor {
         };
         let mut actor = Self {
             batch_size: args.batch_size.max(1),
+            sampling: args.sampling,
             stdin,
             stdout: BufReader::new(stdout).lines(),
             _child: child,
@@ -254,60 +479,16 @@ impl Actor for ScorerActor {
         if task.retry {
             m.partitions.with_label_values(&["retried"]).inc();
         }
+        let actor = ctx.id().to_string();
         let outcome = async {
-            let (rows, mut errors) = Self::read_rows(&task).await?;
-            let (offsets, rows): (Vec<u64>, Vec<Row>) = rows.into_iter().unzip();
-            let lengths: Vec<usize> = rows.iter().map(|r| r.text.len()).collect();
-            let mut scored: Vec<Option<ScoredRow>> = vec![None; rows.len()];
-            let mut tokens = 0u64;
-            for batch in length_batches(&lengths, self.batch_size) {
-                let request: Vec<(String, String)> = batch
-                    .iter()
-                    .map(|i| (rows[*i].id.clone(), rows[*i].text.clone()))
-                    .collect();
-                let timer = Instant::now();
-                let reply = self.request(&ToScorer::Batch(request)).await?;
-                m.batch_seconds
-                    .with_label_values(&[] as &[&str])
-                    .observe(timer.elapsed().as_secs_f64());
-                let FromScorer::Scored(results) = reply else {
-                    return Err(Error::Executor(format!(
-                        "the scorer executor replied {reply:?} to a batch"
-                    )));
-                };
-                if results.len() != batch.len() {
-                    return Err(Error::Executor(format!(
-                        "{} results for a batch of {}",
-                        results.len(),
-                        batch.len()
-                    )));
-                }
-                for (i, result) in batch.into_iter().zip(results) {
-                    match result {
-                        Ok(score) => {
-                            tokens += score.tokens;
-                            scored[i] = Some(ScoredRow {
-                                id: rows[i].id.clone(),
-                                tokens: score.tokens as i64,
-                                truncated: score.truncated,
-                                log_likelihood: score.log_likelihood,
-                                perplexity: score.perplexity,
-                                generated: score.generated,
-                            });
-                        }
-                        Err(reason) => errors.push(RowError {
-                            id: Some(rows[i].id.clone()),
-                            offset: offsets[i],
-                            reason,
-                        }),
-                    }
-                }
-            }
-            let scored: Vec<ScoredRow> = scored.into_iter().flatten().collect();
+            let done = match self.sampling.clone() {
+                Some(defaults) => self.generate(&task, &defaults, &actor).await?,
+                None => self.score(&task).await?,
+            };
             let out = Place::dir(&task.output).map_err(Error::Storage)?;
-            if !errors.is_empty() {
+            if !done.errors.is_empty() {
                 let mut text = String::new();
-                for error in &errors {
+                for error in &done.errors {
                     text.push_str(&serde_json::to_string(error).map_err(|e| Error::Output(e.to_string()))?);
                     text.push('\n');
                 }
@@ -315,17 +496,20 @@ impl Actor for ScorerActor {
                     .await
                     .map_err(Error::Storage)?;
             }
-            out.put(&output_name(task.partition), to_parquet(&scored)?)
+            out.put(&output_name(task.partition), done.file)
                 .await
                 .map_err(Error::Storage)?;
-            m.rows.with_label_values(&["scored"]).inc_by(scored.len() as u64);
-            m.rows.with_label_values(&["malformed"]).inc_by(errors.len() as u64);
-            m.tokens.with_label_values(&[] as &[&str]).inc_by(tokens);
-            Ok(PartitionReport {
+            m.rows.with_label_values(&["scored"]).inc_by(done.rows);
+            m.rows
+                .with_label_values(&["malformed"])
+                .inc_by(done.errors.len() as u64);
+            m.tokens.with_label_values(&[] as &[&str]).inc_by(done.tokens);
+            Ok::<_, Error>(PartitionReport {
                 partition: task.partition,
-                rows: scored.len() as u64,
-                errors: errors.len() as u64,
-                tokens,
+                rows: done.rows,
+                errors: done.errors.len() as u64,
+                tokens: done.tokens,
+                output_tokens: done.output_tokens,
                 seconds: started.elapsed().as_secs_f64(),
                 node: ctx.node().to_string(),
             })

@@ -9,12 +9,16 @@
 //!   hand-out, retries) and length-sorted batches.
 //! - [`actor`]: the `scorer` actor (in the agent), which launches `regatta-torch-rank score`
 //!   and writes one Parquet file per partition ([`output`]) plus an errors file.
+//! - [`generate`]: generation without tensors: prompt rows, sampling settings, the
+//!   continuous batcher over a paged KV cache, token choice and stop strings.
 //! - [`driver`]: [`ScoreRun`], which runs a whole dataset through a pool of scorer actors.
 //! - [`ScorerPool`]: Ray `ActorPool` semantics over any actor kind, scorer actors included.
 
 pub mod actor;
 pub mod driver;
 pub mod error;
+pub mod generate;
+pub mod jsonl;
 pub mod output;
 pub mod parquet_input;
 pub mod partition;
@@ -24,7 +28,8 @@ pub mod protocol;
 pub use actor::{PartitionReport, PartitionTask, ScorerActor, ScorerArgs, Slice};
 pub use driver::{Progress, ScoreConfig, ScoreManifest, ScoreRun};
 pub use error::{Error, Result};
-pub use output::{from_parquet, to_parquet, ScoredRow};
+pub use jsonl::read_owned_lines;
+pub use output::{from_parquet, generated_from_parquet, generated_to_parquet, to_parquet, GeneratedRow, ScoredRow};
 pub use parquet_input::{is_parquet, row_slices, rows_to_parquet, ParquetInput, RowSlice};
 pub use partition::{byte_ranges, owned_lines, parse_row, read_window, Row, RowError};
 pub use plan::{errors_name, length_batches, output_name, partition_of, Plan};

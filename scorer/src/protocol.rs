@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::generate::{GenRequest, GenStats, Generation, GenerationSetup};
+
 /// Whether a model location names a TorchScript file (`.pt`, `.ts` or `.torchscript`)
 /// rather than a trainer checkpoint directory.
 pub fn is_torchscript(model: &str) -> bool {
@@ -34,6 +36,9 @@ pub struct ScorerSetup {
     pub max_new_tokens: usize,
     /// GPUs granted to the actor.
     pub gpus: Vec<u32>,
+    /// Set for a generating run: the KV cache and batch limits.
+    #[serde(default)]
+    pub generation: Option<GenerationSetup>,
 }
 
 /// Agent to executor.
@@ -44,6 +49,8 @@ pub enum ToScorer {
     Setup(ScorerSetup),
     /// Rows to score as one batch: (id, text).
     Batch(Vec<(String, String)>),
+    /// Rows to generate for, all queued at once and run with continuous batching.
+    Generate(Vec<GenRequest>),
 }
 
 /// A scored row.
@@ -74,6 +81,11 @@ pub enum FromScorer {
     },
     /// One result per row of the batch, in order: a score or why the row cannot be scored.
     Scored(Vec<Result<RowScore, String>>),
+    /// One result per row of a [`ToScorer::Generate`], in order: a generation or why the
+    /// row cannot be generated for.
+    Generated(Vec<Result<Generation, String>>),
+    /// Figures while generating (sent about twice a second, before `Generated`).
+    Stats(GenStats),
     /// The executor gave up.
     Failed(String),
 }

@@ -6,7 +6,7 @@
 //! into token ids with loss marks by [`regatta_trainer::documents`] and packed into rows
 //! whose attention and loss stay inside each document.
 
-use regatta_scorer::{byte_ranges, owned_lines, read_window};
+use regatta_scorer::{byte_ranges, read_owned_lines};
 use regatta_trainer::config::DataFormat;
 use regatta_trainer::documents::{Document, Packed, Record, TokenizerSettings};
 use regatta_trainer::{chunks, DataLayout, BYTE_VOCAB};
@@ -251,28 +251,21 @@ async fn jsonl_records(path: &str, partitions: usize, p: usize) -> Result<Vec<(S
             "{path} ({size} bytes) is too small to split into {partitions} partitions"
         )));
     };
-    let mut window = read_window(&range);
-    loop {
-        let buf = place.get_range(&name, window.clone()).await.map_err(Error::Storage)?;
-        let (lines, more) = owned_lines(&buf, window.start, &range, window.end >= size);
-        if more.is_some() {
-            let grow = (window.end - window.start).max(64 << 10);
-            window.end = (window.end + grow).min(size);
-            continue;
-        }
-        let mut records = Vec::with_capacity(lines.len());
-        for (offset, line) in lines {
-            if line.iter().all(u8::is_ascii_whitespace) {
-                continue;
-            }
-            let at = format!("the line at byte {offset}");
-            let value: serde_json::Value = serde_json::from_slice(line)
-                .map_err(|e| Error::Dataset(format!("{path}: {at} is not valid JSON: {e}")))?;
-            let record = Record::parse(&value).map_err(|e| Error::Dataset(format!("{path}: {at}: {e}")))?;
-            records.push((at, record));
-        }
-        return Ok(records);
+    let lines = read_owned_lines(&place, &name, size, range)
+        .await
+        .map_err(|e| match e {
+            regatta_scorer::Error::Storage(problem) => Error::Storage(problem),
+            other => Error::Dataset(format!("{path}: {other}")),
+        })?;
+    let mut records = Vec::with_capacity(lines.len());
+    for (offset, line) in lines {
+        let at = format!("the line at byte {offset}");
+        let value: serde_json::Value = serde_json::from_slice(&line)
+            .map_err(|e| Error::Dataset(format!("{path}: {at} is not valid JSON: {e}")))?;
+        let record = Record::parse(&value).map_err(|e| Error::Dataset(format!("{path}: {at}: {e}")))?;
+        records.push((at, record));
     }
+    Ok(records)
 }
 
 /// The rows of partition `p` of a Parquet file (an even share of its rows), read from the

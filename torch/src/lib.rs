@@ -5,12 +5,14 @@
 //! the plain libtorch reference loop, and the NCCL backend (cudarc, loaded at run time).
 //! Nodes never link this crate: a rank actor in the agent launches the executor binary.
 
+pub mod bench_generate;
 pub mod checkpoint;
 pub mod collective;
 pub mod data;
 pub mod engine;
 pub mod error;
 pub mod executor;
+pub mod generate;
 pub mod hf;
 pub mod llama;
 pub mod model;
@@ -19,10 +21,12 @@ pub mod reference;
 pub mod score;
 pub mod score_executor;
 
+pub use bench_generate::bench_generate;
 pub use engine::{Engine, EngineSettings, Held, MicroBatch, StepOutcome};
 pub use error::{Error, Result};
 pub use executor::{builtin_model, executor_main, gemm_peak, reference_run, GemmPeak};
+pub use generate::{Generator, KvCache, Output, Prepared};
 pub use hf::HfModel;
 pub use llama::Llama;
-pub use model::{Batch, Gpt, Init, Model, ParamSpec};
+pub use model::{Batch, Gpt, Init, KvLayout, KvStep, Model, ParamSpec};
 pub use tch;

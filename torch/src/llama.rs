@@ -10,7 +10,7 @@
 use regatta_trainer::hf::{LlamaConfig, RopeScaling};
 use tch::{Kind, Tensor};
 
-use crate::model::{parameter_count, transformer_flops_per_token, Batch, Init, Model, ParamSpec};
+use crate::model::{parameter_count, transformer_flops_per_token, Batch, Init, KvLayout, Model, ParamSpec};
 
 /// The embedding's name, which a tied LM head points at.
 const EMBED: &str = "model.embed_tokens.weight";
@@ -109,7 +109,7 @@ impl Llama {
         weight * normed.to_kind(kind)
     }
 
-    fn layer(&self, p: &[Tensor], x: &Tensor, batch: &Batch) -> Tensor {
+    fn layer(&self, layer: usize, p: &[Tensor], x: &Tensor, batch: &Batch) -> Tensor {
         let c = &self.config;
         let (heads, kv_heads, hd) = (
             c.num_attention_heads as i64,
@@ -133,12 +133,21 @@ impl Llama {
         let (cos, sin) = (cos.to_kind(q.kind()), sin.to_kind(q.kind()));
         let q = &q * &cos + rotate_half(&q) * &sin;
         let k = &k * &cos + rotate_half(&k) * &sin;
-        let mask = batch.mask.as_ref().map(|m| self.windowed(m));
-        let causal_window = match (&mask, c.sliding_window) {
-            (None, Some(_)) => Some(self.windowed(&causal(&q))),
-            _ => None,
+        let (k, v, mask) = match &batch.kv {
+            // The cached path's mask already holds causality, lengths and the window.
+            Some(kv) => {
+                let (k, v) = kv.store_and_read(layer, &k, &v);
+                (k, v, batch.mask.as_ref().map(Tensor::shallow_clone))
+            }
+            None => {
+                let mask = batch.mask.as_ref().map(|m| self.windowed(m));
+                let causal_window = match (&mask, c.sliding_window) {
+                    (None, Some(_)) => Some(self.windowed(&causal(&q))),
+                    _ => None,
+                };
+                (k, v, mask.or(causal_window))
+            }
         };
-        let mask = mask.or(causal_window);
         let attended = Tensor::scaled_dot_product_attention(
             &q,
             &k,
@@ -213,7 +222,7 @@ impl Model for Llama {
         } else if block == last {
             self.rms_norm(input, &p[0]).linear::<Tensor>(&p[1], None)
         } else {
-            self.layer(p, input, batch)
+            self.layer(block - 1, p, input, batch)
         }
     }
 
@@ -246,5 +255,15 @@ impl Model for Llama {
             object.insert("dtype".into(), "float32".into());
         }
         json
+    }
+
+    fn kv_layout(&self) -> Option<KvLayout> {
+        let c = &self.config;
+        Some(KvLayout {
+            layers: c.num_hidden_layers,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            sliding_window: c.sliding_window,
+        })
     }
 }

@@ -81,6 +81,62 @@ pub struct Batch {
     pub mask: Option<Tensor>,
     /// Tensors the model derived from the above.
     pub derived: Vec<Tensor>,
+    /// Set when the forward runs against a KV cache: where the new tokens' keys and values
+    /// go and which cached ones each row attends to; `mask` is then `[batch, 1, time,
+    /// keys]` over those keys.
+    pub kv: Option<KvStep>,
+}
+
+/// The shape of a model's attention cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Decoder layers (one key and one value cache each).
+    pub layers: usize,
+    /// Key/value heads per layer.
+    pub kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// A query sees only this many most recent keys (Mistral's sliding window).
+    pub sliding_window: Option<usize>,
+}
+
+/// The caches one cached forward reads and writes: per layer, keys and values of every
+/// token slot (`[slots, kv_heads, head_dim]`, shared with the cache that owns them), the
+/// slots the batch's new tokens are written to (`[batch * time]`) and the slots each row
+/// attends to, in position order (`[batch, keys]`).
+pub struct KvStep {
+    /// Keys per layer.
+    pub keys: Vec<Tensor>,
+    /// Values per layer.
+    pub values: Vec<Tensor>,
+    /// Slots of the new tokens, row-major over `[batch, time]`.
+    pub write: Tensor,
+    /// Slots of the keys each row attends to.
+    pub read: Tensor,
+}
+
+impl KvStep {
+    /// Stores layer `layer`'s new keys and values (`[batch, kv_heads, time, head_dim]`)
+    /// in their slots and returns the keys and values the queries attend to,
+    /// `[batch, kv_heads, keys, head_dim]`.
+    pub fn store_and_read(&self, layer: usize, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
+        let (batch, heads, time, dim) = k.size4().expect("keys are [batch, heads, time, dim]");
+        let keys = self.read.size()[1];
+        let exchange = |cache: &Tensor, new: &Tensor| {
+            let mut cache = cache.shallow_clone();
+            let rows = new
+                .transpose(1, 2)
+                .reshape([batch * time, heads, dim])
+                .to_kind(cache.kind());
+            let _ = cache.index_copy_(0, &self.write, &rows);
+            cache
+                .index_select(0, &self.read.view([-1]))
+                .view([batch, keys, heads, dim])
+                .transpose(1, 2)
+                .to_kind(new.kind())
+        };
+        (exchange(&self.keys[layer], k), exchange(&self.values[layer], v))
+    }
 }
 
 impl Batch {
@@ -91,6 +147,7 @@ impl Batch {
             positions: tokens.ones_like().cumsum(1, Kind::Int64) - 1,
             mask: None,
             derived: Vec::new(),
+            kv: None,
         }
     }
 
@@ -115,6 +172,7 @@ impl Batch {
             positions,
             mask: Some(same.logical_and(&causal).unsqueeze(1)),
             derived: Vec::new(),
+            kv: None,
         }
     }
 
@@ -124,6 +182,7 @@ impl Batch {
             positions: self.positions.to_device(device),
             mask: self.mask.map(|m| m.to_device(device)),
             derived: self.derived.into_iter().map(|t| t.to_device(device)).collect(),
+            kv: self.kv,
         }
     }
 }
@@ -147,6 +206,11 @@ pub trait Model: Send {
     fn flops_per_token(&self, context: usize) -> f64;
     /// The `config.json` checkpoints carry (Hugging Face layout).
     fn hf_config(&self) -> serde_json::Value;
+    /// The attention cache's shape, for models whose blocks honour [`Batch::kv`] (block
+    /// `1 + layer` is decoder layer `layer`); `None`: generation recomputes every window.
+    fn kv_layout(&self) -> Option<KvLayout> {
+        None
+    }
 }
 
 /// Logits of every position for token ids `[batch, time]` (unpacked, causal), with
@@ -234,7 +298,7 @@ impl Gpt {
 
     // Batch and time sizes are never read here (only derived by tensor ops), so a traced
     // TorchScript export of the model accepts any [batch, time].
-    fn attention(&self, x: &Tensor, p: &[Tensor], batch: &Batch) -> Tensor {
+    fn attention(&self, layer: usize, x: &Tensor, p: &[Tensor], batch: &Batch) -> Tensor {
         let d = self.config.width as i64;
         let heads = self.config.heads as i64;
         let hd = d / heads;
@@ -242,6 +306,10 @@ impl Gpt {
         let parts = qkv.split(d, 2);
         let shape = |z: &Tensor| z.unflatten(-1, [heads, hd]).transpose(1, 2);
         let (q, k, v) = (shape(&parts[0]), shape(&parts[1]), shape(&parts[2]));
+        let (k, v) = match &batch.kv {
+            Some(kv) => kv.store_and_read(layer, &k, &v),
+            None => (k, v),
+        };
         let scores = q.matmul(&k.transpose(-2, -1)) * (1.0 / (hd as f64).sqrt());
         let blocked = match &batch.mask {
             Some(mask) => mask.logical_not(),
@@ -306,7 +374,7 @@ impl Model for Gpt {
         } else if block == last {
             norm(input, &p[0], &p[1]).linear::<Tensor>(&p[2], None)
         } else {
-            let h = input + self.attention(&norm(input, &p[0], &p[1]), &p[2..6], batch);
+            let h = input + self.attention(block - 1, &norm(input, &p[0], &p[1]), &p[2..6], batch);
             let mlp = norm(&h, &p[6], &p[7])
                 .linear(&p[8], Some(&p[9]))
                 .gelu("none")
@@ -332,6 +400,15 @@ impl Model for Gpt {
             "heads": self.config.heads,
             "context": self.config.context,
             "vocab_size": self.vocab,
+        })
+    }
+
+    fn kv_layout(&self) -> Option<KvLayout> {
+        Some(KvLayout {
+            layers: self.config.layers,
+            kv_heads: self.config.heads,
+            head_dim: self.config.width / self.config.heads,
+            sliding_window: None,
         })
     }
 }

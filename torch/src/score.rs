@@ -5,7 +5,11 @@
 use crate::error::{Error, Result};
 use tch::{Device, Kind, Tensor};
 
+use regatta_scorer::generate::{stop_at, GenRequest, GenStats, Generation, GenerationSetup, Prompt, RowStream};
+use regatta_trainer::documents::{Message, TokenizerSettings};
+
 use crate::data::TextTokenizer;
+use crate::generate::{Generator, Prepared};
 use crate::hf::HfModel;
 use crate::model::{arrange, logits, parameter_count, Model};
 
@@ -41,6 +45,10 @@ pub struct Scorer {
     context: usize,
     tokenizer: TextTokenizer,
     device: Device,
+    /// Special tokens and chat template (`tokenizer_config.json`), for generation.
+    settings: TokenizerSettings,
+    /// Token ids that end a generation.
+    eos: Vec<i64>,
 }
 
 impl Scorer {
@@ -68,7 +76,31 @@ impl Scorer {
             (0, None) => 2048,
             (asked, _) => asked,
         };
-        Ok(Self::from_model(model, params, context, tokenizer, device))
+        let settings = match hf.file("tokenizer_config.json").await? {
+            Some(bytes) => {
+                let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::ModelFile {
+                    path: format!("{}/tokenizer_config.json", hf.url()),
+                    problem: format!("is not valid JSON: {e}"),
+                })?;
+                TokenizerSettings::from_json(&json)
+            }
+            None => TokenizerSettings::default(),
+        };
+        let mut eos = eos_ids(hf.config_json());
+        if let Some(bytes) = hf.file("generation_config.json").await? {
+            if let Ok(json) = serde_json::from_slice::<serde_json::Value>(&bytes) {
+                eos.extend(eos_ids(&json));
+            }
+        }
+        if let (Some(text), TextTokenizer::Hf(t)) = (&settings.eos_token, &tokenizer) {
+            eos.extend(t.token_to_id(text).map(i64::from));
+        }
+        eos.sort_unstable();
+        eos.dedup();
+        let mut scorer = Self::from_model(model, params, context, tokenizer, device);
+        scorer.settings = settings;
+        scorer.eos = eos;
+        Ok(scorer)
     }
 
     /// A model with its weights per block (tied ones included), for texts of up to
@@ -85,6 +117,8 @@ impl Scorer {
             net: Net::Model { model, params },
             tokenizer,
             device,
+            settings: TokenizerSettings::default(),
+            eos: Vec::new(),
         }
     }
 
@@ -106,6 +140,8 @@ impl Scorer {
             context,
             tokenizer,
             device,
+            settings: TokenizerSettings::default(),
+            eos: Vec::new(),
         };
         let probe = Tensor::from_slice(&[0i64, 1, 0, 1]).view([2, 2]).to_device(device);
         let logits = scorer.logits(&probe).map_err(|e| {
@@ -217,6 +253,87 @@ impl Scorer {
             .collect()
     }
 
+    /// The token ids of a generation prompt: text as is (after a BOS when the tokenizer
+    /// adds one), chat messages through the model's chat template.
+    pub fn prompt_ids(&self, prompt: &Prompt) -> std::result::Result<Vec<i64>, String> {
+        let text = match prompt {
+            Prompt::Text(text) => match (&self.settings.bos_token, self.settings.add_bos_token) {
+                (Some(bos), true) => format!("{bos}{text}"),
+                _ => text.clone(),
+            },
+            Prompt::Chat(messages) => {
+                let messages: Vec<Message> = messages
+                    .iter()
+                    .map(|m| Message {
+                        role: m.role.clone(),
+                        content: m.content.clone(),
+                    })
+                    .collect();
+                self.settings.chat_prompt(&messages).map_err(|e| e.to_string())?
+            }
+        };
+        self.tokenizer.encode(text.as_bytes()).map_err(|e| e.to_string())
+    }
+
+    /// Generates for every request with the KV cache and continuous batching; a row that
+    /// cannot run gets its reason, the model failing fails the whole call.
+    pub fn generate_rows(
+        &self,
+        requests: &[GenRequest],
+        setup: &GenerationSetup,
+        on_stats: &mut dyn FnMut(GenStats),
+    ) -> Result<Vec<std::result::Result<Generation, String>>> {
+        let Net::Model { model, params } = &self.net else {
+            return Err(Error::Invalid(
+                "generation needs a model folder or checkpoint; a TorchScript module has no KV cache".into(),
+            ));
+        };
+        let generator = Generator::new(
+            model.as_ref(),
+            params,
+            setup.clone(),
+            self.context,
+            self.eos.clone(),
+            self.device,
+        )?;
+        let mut prepared = Vec::with_capacity(requests.len());
+        let mut slots = Vec::with_capacity(requests.len());
+        for request in requests {
+            match self.prompt_ids(&request.prompt) {
+                Ok(prompt) => {
+                    slots.push(Ok(prepared.len()));
+                    prepared.push(Prepared {
+                        prompt,
+                        params: request.params.clone(),
+                        stream: RowStream::new(request.params.seed, &request.id),
+                    });
+                }
+                Err(reason) => slots.push(Err(reason)),
+            }
+        }
+        let decode = |ids: &[i64]| self.tokenizer.decode(ids);
+        let mut outputs = generator.run(&prepared, &decode, on_stats)?.into_iter();
+        let mut results = Vec::with_capacity(requests.len());
+        for (request, slot) in requests.iter().zip(slots) {
+            let result = slot.and_then(|n| {
+                let output = outputs.next().ok_or("a generation is missing")??;
+                let mut text = self.tokenizer.decode(&output.tokens);
+                if let Some(cut) = stop_at(&text, &request.params.stop) {
+                    text.truncate(cut);
+                }
+                Ok(Generation {
+                    text,
+                    prompt_tokens: prepared[n].prompt.len() as u64,
+                    generated_tokens: output.tokens.len() as u64,
+                    finish_reason: output.finish.as_str().to_string(),
+                    logprobs: request.params.logprobs.then_some(output.logprobs),
+                })
+            });
+            results.push(result);
+        }
+        Ok(results)
+    }
+
     /// Greedy continuation of `ids` by up to `max_new_tokens` tokens.
     pub fn generate(&self, ids: &[i64], max_new_tokens: usize) -> Result<String> {
         let context = self.context;
@@ -237,6 +354,15 @@ impl Scorer {
             new.push(next);
         }
         Ok(self.tokenizer.decode(&new))
+    }
+}
+
+/// `eos_token_id` of a `config.json` or `generation_config.json`: one id or a list.
+fn eos_ids(json: &serde_json::Value) -> Vec<i64> {
+    match json.get("eos_token_id") {
+        Some(serde_json::Value::Number(n)) => n.as_i64().into_iter().collect(),
+        Some(serde_json::Value::Array(list)) => list.iter().filter_map(serde_json::Value::as_i64).collect(),
+        _ => Vec::new(),
     }
 }
 

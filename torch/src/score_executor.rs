@@ -122,9 +122,22 @@ pub fn score_main() -> ExitCode {
         device: format!("{device:?}").to_lowercase(),
     });
     while let Some(message) = next() {
-        let ToScorer::Batch(rows) = message else {
-            eprintln!("ignored a second setup");
-            continue;
+        let rows = match message {
+            ToScorer::Batch(rows) => rows,
+            ToScorer::Generate(requests) => {
+                let setup = setup.generation.clone().unwrap_or_default();
+                let mut stats = |s| emit(&FromScorer::Stats(s));
+                match scorer.generate_rows(&requests, &setup, &mut stats) {
+                    Ok(results) => emit(&FromScorer::Generated(results)),
+                    // The model itself failed (not one row): the partition fails with it.
+                    Err(reason) => emit(&FromScorer::Failed(reason.to_string())),
+                }
+                continue;
+            }
+            ToScorer::Setup(_) => {
+                eprintln!("ignored a second setup");
+                continue;
+            }
         };
         let tokenized: Vec<Result<(Vec<i64>, bool)>> = rows.iter().map(|(_, text)| scorer.tokenize(text)).collect();
         let valid: Vec<(Vec<i64>, bool)> = tokenized.iter().filter_map(|r| r.as_ref().ok().cloned()).collect();

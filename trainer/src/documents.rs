@@ -220,6 +220,18 @@ impl TokenizerSettings {
         Ok(out)
     }
 
+    /// The text a model continues for a conversation: the chat template rendered with the
+    /// generation prompt added (what `apply_chat_template(..., add_generation_prompt=True)`
+    /// gives).
+    pub fn chat_prompt(&self, messages: &[Message]) -> Result<String, DocumentError> {
+        let template = self.chat_template.as_deref().ok_or_else(|| {
+            DocumentError::Template(
+                "rows with `messages` need a chat_template in the model's tokenizer_config.json".into(),
+            )
+        })?;
+        ChatRenderer::new(template, self)?.render(messages, true)
+    }
+
     /// Renders the conversation one assistant turn at a time: the text up to the turn
     /// with the generation prompt carries no loss, the turn itself does. A template whose
     /// renderings do not extend each other cannot mark the turns and is refused.

@@ -5,12 +5,14 @@
 //! a scorer actor's executor; `regatta-torch-rank export CHECKPOINT OUT.pt`: a checkpoint's
 //! model as a traced TorchScript module the scorer (or PyTorch) can load;
 //! `regatta-torch-rank peak CONFIG THREADS`: libtorch's matmul FLOP/s at the run's model
-//! shapes, as JSON (what `regatta bench train` measures MFU against).
+//! shapes, as JSON (what `regatta bench train` measures MFU against);
+//! `regatta-torch-rank bench-generate MODEL THREADS`: KV-cache generation's output tokens/s
+//! against the machine's memory and compute bounds (what `regatta bench generate` prints).
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use regatta_torch::{builtin_model, checkpoint, executor_main, gemm_peak, reference_run};
+use regatta_torch::{bench_generate, builtin_model, checkpoint, executor_main, gemm_peak, reference_run};
 use regatta_trainer::TrainConfig;
 
 fn reference(args: &[String]) -> anyhow::Result<()> {
@@ -91,6 +93,19 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
+        Some("bench-generate") => {
+            let (Some(model), Some(threads)) = (args.get(1), args.get(2).and_then(|t| t.parse::<usize>().ok())) else {
+                eprintln!("usage: regatta-torch-rank bench-generate MODEL_DIR_OR_CONFIG.json THREADS");
+                return ExitCode::from(2);
+            };
+            match bench_generate(model, threads) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Some("peak") => match peak(&args[1..]) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -106,7 +121,7 @@ fn main() -> ExitCode {
             }
         },
         Some(other) => {
-            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`, `peak`");
+            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`, `peak`, `bench-generate`");
             ExitCode::from(2)
         }
     }

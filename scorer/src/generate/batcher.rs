@@ -1,0 +1,482 @@
+//! Continuous batching over a paged KV cache, as bookkeeping only (no tensors): sequences
+//! wait in arrival order, join the running batch when a slot and their cache blocks are
+//! free, have their prompts prefilled in chunks under a per-step token budget, then decode
+//! one token per step; a finished sequence leaves at once and frees its blocks, so a
+//! waiting one joins at the next step without the batch draining.
+//!
+//! The cache is `blocks` blocks of `block_tokens` token slots (block 0 is a scratch block
+//! that padding writes to and no sequence owns). A sequence is admitted only when blocks
+//! for its whole length (prompt plus its generation limit, capped at the context) are free,
+//! so a running sequence never runs out of cache and nothing is ever evicted: when the
+//! cache is full, new sequences wait. Slot `block * block_tokens + offset` holds the keys
+//! and values of one token of one sequence.
+
+use std::collections::VecDeque;
+
+/// The shape of the cache and the batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BatcherConfig {
+    /// Token slots per block.
+    pub block_tokens: usize,
+    /// Blocks sequences may own (the scratch block comes on top).
+    pub blocks: usize,
+    /// Sequences running at once (the batch limit).
+    pub max_running: usize,
+    /// Prompt tokens prefilled per step, over all sequences (chunked prefill).
+    pub prefill_tokens: usize,
+    /// The model's context: a sequence never grows past it.
+    pub context: usize,
+    /// Token ids that end a sequence.
+    pub eos: Vec<i64>,
+}
+
+/// Why a sequence ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// It produced an end-of-sequence token.
+    Eos,
+    /// It reached its generation limit or the model's context.
+    Length,
+    /// Its text reached a stop string.
+    Stop,
+}
+
+impl Finish {
+    /// The name written in outputs (`eos`, `length`, `stop`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Eos => "eos",
+            Self::Length => "length",
+            Self::Stop => "stop",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum State {
+    Waiting,
+    Running,
+    Finished(Finish),
+}
+
+#[derive(Clone, Debug)]
+struct Sequence {
+    tokens: Vec<i64>,
+    prompt: usize,
+    /// Tokens whose keys and values are in the cache.
+    computed: usize,
+    /// The length the sequence may reach.
+    limit: usize,
+    blocks: Vec<usize>,
+    state: State,
+}
+
+/// Tokens `start..end` of sequence `seq` go through the model this step; when `sample`,
+/// the logits of the last one give the sequence's next token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Work {
+    /// The sequence.
+    pub seq: usize,
+    /// First token fed.
+    pub start: usize,
+    /// One past the last token fed.
+    pub end: usize,
+    /// Whether the step samples a token for this sequence.
+    pub sample: bool,
+}
+
+/// What one step runs: single-token decodes (one forward for all of them) and prompt
+/// chunks.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Step {
+    /// Sequences decoding their next token.
+    pub decode: Vec<Work>,
+    /// Prompt chunks being prefilled.
+    pub prefill: Vec<Work>,
+}
+
+impl Step {
+    /// Whether there is nothing to run.
+    pub fn is_empty(&self) -> bool {
+        self.decode.is_empty() && self.prefill.is_empty()
+    }
+}
+
+/// What the model is fed for one [`Work`]: token ids, their positions, the cache slots
+/// their keys and values are written to, and the slots of every key they attend to
+/// (positions `0..end`, in order).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Feed {
+    /// Token ids fed.
+    pub tokens: Vec<i64>,
+    /// Their positions.
+    pub positions: Vec<i64>,
+    /// Where their keys and values go.
+    pub write: Vec<i64>,
+    /// Where the keys of positions `0..end` are.
+    pub read: Vec<i64>,
+}
+
+/// Occupancy figures for metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Occupancy {
+    /// Sequences running.
+    pub running: usize,
+    /// Sequences waiting to join.
+    pub waiting: usize,
+    /// Cache blocks owned by running sequences.
+    pub used_blocks: usize,
+    /// Cache blocks in all.
+    pub blocks: usize,
+}
+
+/// The continuous batcher.
+#[derive(Clone, Debug)]
+pub struct Batcher {
+    config: BatcherConfig,
+    free: Vec<usize>,
+    sequences: Vec<Sequence>,
+    waiting: VecDeque<usize>,
+    running: Vec<usize>,
+}
+
+impl Batcher {
+    /// An empty batcher; sizes of 0 are raised to 1.
+    pub fn new(mut config: BatcherConfig) -> Self {
+        config.block_tokens = config.block_tokens.max(1);
+        config.max_running = config.max_running.max(1);
+        config.prefill_tokens = config.prefill_tokens.max(1);
+        // Popped from the end: lower block ids first.
+        let free = (1..=config.blocks).rev().collect();
+        Self {
+            config,
+            free,
+            sequences: Vec::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &BatcherConfig {
+        &self.config
+    }
+
+    /// Queues a prompt to be continued by up to `max_new_tokens`; returns its sequence
+    /// number, or why it can never run (empty, as long as the context, or needing more
+    /// cache than there is).
+    pub fn add(&mut self, prompt: Vec<i64>, max_new_tokens: usize) -> Result<usize, String> {
+        let context = self.config.context;
+        if prompt.is_empty() {
+            return Err("the prompt has no tokens".into());
+        }
+        if prompt.len() >= context {
+            return Err(format!(
+                "the prompt has {} tokens; the model's context is {context}, so nothing is left to generate",
+                prompt.len()
+            ));
+        }
+        let limit = (prompt.len() + max_new_tokens.max(1)).min(context);
+        let needed = limit.div_ceil(self.config.block_tokens);
+        if needed > self.config.blocks {
+            return Err(format!(
+                "the sequence needs {limit} tokens of KV cache ({needed} blocks of {}); the cache holds {} blocks: \
+                 raise the KV cache budget or lower max_new_tokens",
+                self.config.block_tokens, self.config.blocks
+            ));
+        }
+        let seq = self.sequences.len();
+        self.sequences.push(Sequence {
+            prompt: prompt.len(),
+            tokens: prompt,
+            computed: 0,
+            limit,
+            blocks: Vec::new(),
+            state: State::Waiting,
+        });
+        self.waiting.push_back(seq);
+        Ok(seq)
+    }
+
+    /// Admits waiting sequences in order while a batch slot and their blocks are free,
+    /// then plans the step: a decode for every running sequence whose prompt is in the
+    /// cache, and prompt chunks in admission order within the prefill budget.
+    pub fn schedule(&mut self) -> Step {
+        while self.running.len() < self.config.max_running {
+            let Some(&seq) = self.waiting.front() else { break };
+            let needed = self.sequences[seq].limit.div_ceil(self.config.block_tokens);
+            if needed > self.free.len() {
+                break;
+            }
+            self.waiting.pop_front();
+            let blocks = self.free.split_off(self.free.len() - needed);
+            let s = &mut self.sequences[seq];
+            s.blocks = blocks.into_iter().rev().collect();
+            s.state = State::Running;
+            self.running.push(seq);
+        }
+        let mut step = Step::default();
+        let mut budget = self.config.prefill_tokens;
+        for &seq in &self.running {
+            let s = &self.sequences[seq];
+            let pending = s.tokens.len() - s.computed;
+            if s.computed >= s.prompt {
+                step.decode.push(Work {
+                    seq,
+                    start: s.computed,
+                    end: s.tokens.len(),
+                    sample: true,
+                });
+            } else if budget > 0 {
+                let take = pending.min(budget);
+                budget -= take;
+                step.prefill.push(Work {
+                    seq,
+                    start: s.computed,
+                    end: s.computed + take,
+                    sample: s.computed + take == s.tokens.len(),
+                });
+            }
+        }
+        step
+    }
+
+    /// The model's inputs for `work`.
+    pub fn feed(&self, work: &Work) -> Feed {
+        let s = &self.sequences[work.seq];
+        let slot = |position: usize| {
+            let block = s.blocks[position / self.config.block_tokens];
+            (block * self.config.block_tokens + position % self.config.block_tokens) as i64
+        };
+        Feed {
+            tokens: s.tokens[work.start..work.end].to_vec(),
+            positions: (work.start..work.end).map(|p| p as i64).collect(),
+            write: (work.start..work.end).map(slot).collect(),
+            read: (0..work.end).map(slot).collect(),
+        }
+    }
+
+    /// Records that `work` ran and, when it sampled, the token chosen; returns how the
+    /// sequence ended if it did (an end-of-sequence token, its limit or the context).
+    pub fn advance(&mut self, work: &Work, token: Option<i64>) -> Option<Finish> {
+        let s = &mut self.sequences[work.seq];
+        s.computed = work.end;
+        let token = token?;
+        s.tokens.push(token);
+        if self.config.eos.contains(&token) {
+            Some(Finish::Eos)
+        } else if s.tokens.len() >= s.limit {
+            Some(Finish::Length)
+        } else {
+            None
+        }
+    }
+
+    /// Ends a running sequence: it leaves the batch and its blocks are free for the next.
+    pub fn finish(&mut self, seq: usize, reason: Finish) {
+        let s = &mut self.sequences[seq];
+        if s.state != State::Running {
+            return;
+        }
+        s.state = State::Finished(reason);
+        self.free.extend(s.blocks.drain(..).rev());
+        self.running.retain(|r| *r != seq);
+    }
+
+    /// Tokens generated so far by `seq`.
+    pub fn generated(&self, seq: usize) -> &[i64] {
+        let s = &self.sequences[seq];
+        &s.tokens[s.prompt..]
+    }
+
+    /// How `seq` ended, once it has.
+    pub fn finished(&self, seq: usize) -> Option<Finish> {
+        match self.sequences[seq].state {
+            State::Finished(reason) => Some(reason),
+            _ => None,
+        }
+    }
+
+    /// Whether every sequence has finished.
+    pub fn is_done(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// Running and waiting sequences and blocks in use.
+    pub fn occupancy(&self) -> Occupancy {
+        Occupancy {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            used_blocks: self.config.blocks - self.free.len(),
+            blocks: self.config.blocks,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batcher(blocks: usize, max_running: usize, prefill_tokens: usize) -> Batcher {
+        Batcher::new(BatcherConfig {
+            block_tokens: 4,
+            blocks,
+            max_running,
+            prefill_tokens,
+            context: 64,
+            eos: vec![2],
+        })
+    }
+
+    /// Runs every step, answering each sample with `next(seq, generated so far)`, and
+    /// returns the steps taken.
+    fn drive(b: &mut Batcher, mut next: impl FnMut(usize, usize) -> i64) -> Vec<Step> {
+        let mut steps = Vec::new();
+        while !b.is_done() {
+            let step = b.schedule();
+            assert!(!step.is_empty(), "a step with nothing to run while sequences remain");
+            for work in step.decode.iter().chain(&step.prefill) {
+                let token = work.sample.then(|| next(work.seq, b.generated(work.seq).len()));
+                if let Some(reason) = b.advance(work, token) {
+                    b.finish(work.seq, reason);
+                }
+            }
+            steps.push(step);
+            assert!(steps.len() < 1000, "no progress");
+        }
+        steps
+    }
+
+    #[test]
+    fn a_finished_sequence_makes_room_for_a_waiting_one_at_the_next_step() {
+        let mut b = batcher(100, 2, 100);
+        let short = b.add(vec![5; 3], 2).unwrap();
+        let long = b.add(vec![6; 3], 6).unwrap();
+        let late = b.add(vec![7; 3], 2).unwrap();
+        let steps = drive(&mut b, |_, _| 9);
+        // Step 0 prefills both admitted prompts and samples their first tokens; the short
+        // one finishes at step 1; the waiting one joins at step 2 while the long one runs.
+        assert_eq!(
+            steps[0].prefill.iter().map(|w| w.seq).collect::<Vec<_>>(),
+            vec![short, long]
+        );
+        assert_eq!(steps[1].decode.len(), 2);
+        assert_eq!(steps[2].prefill.iter().map(|w| w.seq).collect::<Vec<_>>(), vec![late]);
+        assert_eq!(steps[2].decode.iter().map(|w| w.seq).collect::<Vec<_>>(), vec![long]);
+        assert_eq!(b.generated(long).len(), 6);
+        assert_eq!(b.finished(short), Some(Finish::Length));
+        assert_eq!(b.occupancy().used_blocks, 0, "every block is free again");
+    }
+
+    #[test]
+    fn long_prompts_are_prefilled_in_chunks_within_the_budget() {
+        let mut b = batcher(100, 4, 5);
+        let long = b.add((10..22).collect(), 1).unwrap();
+        let short = b.add(vec![3, 4], 1).unwrap();
+        let first = b.schedule();
+        assert_eq!(
+            first.prefill,
+            vec![Work {
+                seq: long,
+                start: 0,
+                end: 5,
+                sample: false
+            }]
+        );
+        b.advance(&first.prefill[0], None);
+        let second = b.schedule();
+        assert_eq!(
+            second.prefill[0],
+            Work {
+                seq: long,
+                start: 5,
+                end: 10,
+                sample: false
+            }
+        );
+        b.advance(&second.prefill[0], None);
+        let third = b.schedule();
+        // 2 tokens finish the long prompt, 2 more fit for the short one's whole prompt.
+        assert_eq!(
+            third.prefill,
+            vec![
+                Work {
+                    seq: long,
+                    start: 10,
+                    end: 12,
+                    sample: true
+                },
+                Work {
+                    seq: short,
+                    start: 0,
+                    end: 2,
+                    sample: true
+                }
+            ]
+        );
+        let feed = b.feed(&third.prefill[0]);
+        assert_eq!(feed.tokens, vec![20, 21]);
+        assert_eq!(feed.positions, vec![10, 11]);
+        assert_eq!(feed.read.len(), 12);
+        assert_eq!(&feed.read[10..], &feed.write[..]);
+    }
+
+    #[test]
+    fn slots_are_private_to_a_sequence_and_never_the_scratch_block() {
+        let mut b = batcher(8, 3, 100);
+        for n in [5, 7, 2] {
+            b.add(vec![1; n], 3).unwrap();
+        }
+        let step = b.schedule();
+        let mut seen = std::collections::HashSet::new();
+        for work in &step.prefill {
+            let feed = b.feed(work);
+            assert_eq!(feed.read, feed.write, "a whole prompt reads what it writes");
+            for slot in feed.write {
+                assert!(slot >= 4, "slot {slot} is in the scratch block");
+                assert!(seen.insert(slot), "slot {slot} is shared");
+            }
+        }
+    }
+
+    #[test]
+    fn when_the_cache_is_full_new_sequences_wait_instead_of_overcommitting() {
+        // 4 blocks of 4 tokens; each sequence needs 3 + 5 = 8 tokens = 2 blocks.
+        let mut b = batcher(4, 8, 100);
+        for _ in 0..5 {
+            b.add(vec![1, 1, 1], 5).unwrap();
+        }
+        let (mut most_running, mut most_blocks) = (0, 0);
+        while !b.is_done() {
+            let step = b.schedule();
+            let o = b.occupancy();
+            most_running = most_running.max(o.running);
+            most_blocks = most_blocks.max(o.used_blocks);
+            assert!(o.used_blocks <= o.blocks);
+            for work in step.decode.iter().chain(&step.prefill) {
+                if let Some(reason) = b.advance(work, work.sample.then_some(7)) {
+                    b.finish(work.seq, reason);
+                }
+            }
+        }
+        assert_eq!((most_running, most_blocks), (2, 4));
+        assert!(b
+            .add(vec![1; 10], 20)
+            .unwrap_err()
+            .contains("raise the KV cache budget"));
+    }
+
+    #[test]
+    fn eos_context_and_bad_prompts_end_or_refuse_a_sequence() {
+        let mut b = batcher(100, 4, 100);
+        let stops = b.add(vec![1, 1], 10).unwrap();
+        let capped = b.add(vec![1; 60], 10).unwrap();
+        drive(&mut b, |seq, n| if seq == stops && n == 2 { 2 } else { 9 });
+        assert_eq!(b.finished(stops), Some(Finish::Eos));
+        assert_eq!(b.generated(stops), &[9, 9, 2], "the eos token is part of the output");
+        assert_eq!(b.finished(capped), Some(Finish::Length));
+        assert_eq!(b.generated(capped).len(), 4, "stopped at the context of 64");
+        assert!(b.add(vec![1; 64], 1).unwrap_err().contains("context is 64"));
+        assert!(b.add(Vec::new(), 1).unwrap_err().contains("no tokens"));
+    }
+}

@@ -1,0 +1,212 @@
+//! Generation as the scorer runs it, without tensors: rows with prompts and sampling
+//! settings ([`params`]), the continuous batcher over a paged KV cache ([`batcher`]), token
+//! choice ([`sample`]), stop strings, and the messages between the scorer actor and its
+//! executor. The executor (regatta-torch) runs the model where this module says.
+
+pub mod batcher;
+pub mod params;
+pub mod sample;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::partition::RowError;
+
+pub use batcher::{Batcher, BatcherConfig, Feed, Finish, Occupancy, Step, Work};
+pub use params::SamplingParams;
+pub use sample::{argmax, choose, Choice, RowStream};
+
+/// One chat message of a prompt.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, or whatever the model's chat template knows.
+    pub role: String,
+    /// Its text.
+    pub content: String,
+}
+
+/// A row's prompt: text as is, or chat messages rendered with the model's chat template
+/// (with the generation prompt added).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Prompt {
+    /// Plain text (`prompt` or `text`).
+    Text(String),
+    /// Chat `messages`.
+    Chat(Vec<ChatMessage>),
+}
+
+/// A generation row as read from the input.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptRow {
+    /// The row's id.
+    pub id: String,
+    /// Its prompt.
+    pub prompt: Prompt,
+    /// Its own `params` object, laid over the run's defaults.
+    pub params: Option<Value>,
+}
+
+fn row_id(value: &Value) -> Result<String, String> {
+    match value.get("id") {
+        Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+        Some(Value::Number(n)) if n.is_u64() || n.is_i64() => Ok(n.to_string()),
+        Some(other) => Err(format!("`id` must be a non-empty string or an integer, not {other}")),
+        None => Err("no `id` field".into()),
+    }
+}
+
+/// Parses one JSONL line of a generation input: an `id` and one of `messages` (a list of
+/// `{role, content}`), `prompt` or `text`, and optionally `params`.
+pub fn parse_prompt_row(line: &[u8], offset: u64) -> Result<PromptRow, RowError> {
+    let fail = |id: Option<String>, reason: String| RowError { id, offset, reason };
+    let value: Value = serde_json::from_slice(line).map_err(|e| fail(None, format!("not valid JSON: {e}")))?;
+    let id = row_id(&value).map_err(|reason| fail(None, reason))?;
+    let prompt = if let Some(messages) = value.get("messages").filter(|m| !m.is_null()) {
+        let messages: Vec<ChatMessage> = serde_json::from_value(messages.clone()).map_err(|e| {
+            fail(
+                Some(id.clone()),
+                format!("`messages` must be a list of {{\"role\", \"content\"}} strings: {e}"),
+            )
+        })?;
+        if messages.is_empty() {
+            return Err(fail(Some(id), "`messages` is empty".into()));
+        }
+        Prompt::Chat(messages)
+    } else {
+        let field = ["prompt", "text"]
+            .into_iter()
+            .find_map(|k| value.get(k).map(|v| (k, v)));
+        match field {
+            Some((_, Value::String(text))) if !text.is_empty() => Prompt::Text(text.clone()),
+            Some((name, Value::String(_))) => return Err(fail(Some(id), format!("`{name}` is empty"))),
+            Some((name, other)) => return Err(fail(Some(id), format!("`{name}` must be a string, not {other}"))),
+            None => return Err(fail(Some(id), "no `prompt`, `text` or `messages` field".into())),
+        }
+    };
+    Ok(PromptRow {
+        id,
+        prompt,
+        params: value.get("params").cloned(),
+    })
+}
+
+/// Where generated `text` must end because of a stop string: the byte offset of the
+/// earliest occurrence of any of `stops`.
+pub fn stop_at(text: &str, stops: &[String]) -> Option<usize> {
+    stops.iter().filter_map(|s| text.find(s.as_str())).min()
+}
+
+/// How an executor generates: the KV cache's budget and the batch's limits.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GenerationSetup {
+    /// Bytes of keys and values the cache may hold (all layers).
+    pub kv_cache_bytes: u64,
+    /// Sequences decoded together at most.
+    pub max_batch: usize,
+    /// Prompt tokens prefilled per step (longer prompts take several steps).
+    pub prefill_tokens: usize,
+    /// Token slots per cache block.
+    pub block_tokens: usize,
+}
+
+impl Default for GenerationSetup {
+    fn default() -> Self {
+        Self {
+            kv_cache_bytes: 1 << 30,
+            max_batch: 32,
+            prefill_tokens: 512,
+            block_tokens: 16,
+        }
+    }
+}
+
+/// One row to generate, with its settings already merged and checked.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GenRequest {
+    /// The row's id (it keys the row's random stream).
+    pub id: String,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// How to generate.
+    pub params: SamplingParams,
+}
+
+/// One row's generation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Generation {
+    /// The generated text (up to a stop string, without special tokens).
+    pub text: String,
+    /// Tokens in the prompt.
+    pub prompt_tokens: u64,
+    /// Tokens generated (an end-of-sequence token included).
+    pub generated_tokens: u64,
+    /// `stop`, `length` or `eos`.
+    pub finish_reason: String,
+    /// Each generated token's log-probability, when asked for.
+    pub logprobs: Option<Vec<f64>>,
+}
+
+/// The executor's figures while it generates, for metrics.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GenStats {
+    /// Sequences running.
+    pub running: usize,
+    /// Sequences waiting for a batch slot or cache blocks.
+    pub waiting: usize,
+    /// The batch limit.
+    pub max_batch: usize,
+    /// Cache blocks in use.
+    pub used_blocks: usize,
+    /// Cache blocks in all.
+    pub blocks: usize,
+    /// Tokens generated since the last report.
+    pub new_tokens: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_rows_take_messages_then_prompt_then_text() {
+        let row = parse_prompt_row(
+            br#"{"id": 1, "messages": [{"role": "user", "content": "hi"}], "params": {"top_k": 3}}"#,
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            row.prompt,
+            Prompt::Chat(vec![ChatMessage {
+                role: "user".into(),
+                content: "hi".into()
+            }])
+        );
+        assert_eq!(row.params, Some(serde_json::json!({"top_k": 3})));
+        let row = parse_prompt_row(br#"{"id": "a", "prompt": "p", "text": "t"}"#, 0).unwrap();
+        assert_eq!(row.prompt, Prompt::Text("p".into()));
+        let row = parse_prompt_row(br#"{"id": "a", "text": "t"}"#, 0).unwrap();
+        assert_eq!(row.prompt, Prompt::Text("t".into()));
+        let cases: [(&[u8], &str); 5] = [
+            (br#"{"id": "a"}"#, "no `prompt`, `text` or `messages`"),
+            (br#"{"id": "a", "prompt": ""}"#, "`prompt` is empty"),
+            (br#"{"id": "a", "messages": []}"#, "`messages` is empty"),
+            (br#"{"id": "a", "messages": [{"role": 1}]}"#, "list of"),
+            (br#"{"prompt": "x"}"#, "no `id`"),
+        ];
+        for (line, reason) in cases {
+            let error = parse_prompt_row(line, 9).unwrap_err();
+            assert!(error.reason.contains(reason), "{error:?}");
+            assert_eq!(error.offset, 9);
+        }
+    }
+
+    #[test]
+    fn the_earliest_stop_string_wins() {
+        let stops = vec!["END".to_string(), "\n".to_string()];
+        assert_eq!(stop_at("one\ntwo END", &stops), Some(3));
+        assert_eq!(stop_at("one END\n", &stops), Some(4));
+        assert_eq!(stop_at("none", &stops), None);
+    }
+}

@@ -1,0 +1,202 @@
+#![allow(clippy::unwrap_used)]
+//! `regatta score --generate` across real worker processes, on the Qwen2 fixture model
+//! (a Hugging Face folder that `transformers` made): a seeded sampled run writes every
+//! row's text the same with 1 actor and with 3, a worker SIGKILLed mid-generation still
+//! leaves every row exactly once with the same texts, rows with bad settings or prompts
+//! too long for the context land in the errors file, and a rerun with other sampling
+//! settings on the same output is refused.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use regatta_scorer::{generated_from_parquet, GeneratedRow, ScoreConfig, ScoreRun};
+use support::{temp_dir, TestCluster};
+
+const ROWS: usize = 240;
+
+fn model() -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("torch/tests/fixtures/qwen2")
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Prompts from the corpus in `prompt` or `text`, some with their own `params`; three rows
+/// that must fail: a temperature out of range, an unknown setting, a prompt longer than
+/// the model's 128-token context.
+fn dataset(dir: &Path) -> (PathBuf, usize) {
+    let corpus = std::fs::read_to_string(format!("{}/data/corpus.txt", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let words: Vec<&str> = corpus.split_whitespace().collect();
+    let mut text = String::new();
+    for i in 0..ROWS {
+        let start = (i * 7919) % (words.len() - 40);
+        let prompt = words[start..start + 3 + i % 17].join(" ");
+        let row = match i % 4 {
+            0 => serde_json::json!({"id": format!("g{i:04}"), "prompt": prompt}),
+            1 => serde_json::json!({"id": format!("g{i:04}"), "text": prompt, "params": {"max_new_tokens": 6}}),
+            2 => {
+                serde_json::json!({"id": format!("g{i:04}"), "prompt": prompt, "params": {"temperature": 0, "logprobs": true}})
+            }
+            _ => serde_json::json!({"id": format!("g{i:04}"), "prompt": prompt, "params": {"top_k": 5, "seed": 99}}),
+        };
+        text.push_str(&row.to_string());
+        text.push('\n');
+    }
+    let bad = [
+        serde_json::json!({"id": "hot", "prompt": "a b c", "params": {"temperature": -2}}),
+        serde_json::json!({"id": "beam", "prompt": "a b c", "params": {"num_beams": 4}}),
+        serde_json::json!({"id": "long", "prompt": words[..400].join(" ")}),
+    ];
+    for row in &bad {
+        text.push_str(&row.to_string());
+        text.push('\n');
+    }
+    let path = dir.join("prompts.jsonl");
+    std::fs::write(&path, text).unwrap();
+    (path, bad.len())
+}
+
+fn config(input: &Path, output: &Path, actors: usize) -> ScoreConfig {
+    ScoreConfig {
+        input: input.to_string_lossy().into_owned(),
+        model: model(),
+        output: output.to_string_lossy().into_owned(),
+        actors,
+        partitions: 12,
+        generate: true,
+        max_new_tokens: 16,
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: 5,
+        max_batch: 8,
+        kv_cache_mb: 4,
+        prefill_tokens: 24,
+        ..ScoreConfig::default()
+    }
+}
+
+/// Every generated row by id, asserting no id appears twice.
+fn outputs(dir: &Path) -> BTreeMap<String, GeneratedRow> {
+    let mut rows = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        if entry.file_name().to_string_lossy().ends_with(".parquet") {
+            for row in generated_from_parquet(std::fs::read(entry.path()).unwrap().into()).unwrap() {
+                let id = row.id.clone();
+                assert!(rows.insert(id.clone(), row).is_none(), "{id} appears twice");
+            }
+        }
+    }
+    rows
+}
+
+fn errors(dir: &Path) -> String {
+    let mut all = String::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        if entry.file_name().to_string_lossy().ends_with(".errors.jsonl") {
+            all.push_str(&std::fs::read_to_string(entry.path()).unwrap());
+        }
+    }
+    all
+}
+
+fn assert_same_texts(dir: &Path, reference: &BTreeMap<String, GeneratedRow>) {
+    let rows = outputs(dir);
+    assert_eq!(rows.len(), ROWS, "every row exactly once");
+    for (id, row) in &rows {
+        assert_eq!(row, &reference[id], "{id}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_generation_is_the_same_with_1_and_3_actors_and_survives_a_killed_worker() {
+    let dir = temp_dir("generate");
+    let (input, bad) = dataset(&dir);
+    let mut cluster = TestCluster::start(&[("w1", "CPU=3"), ("w2", "CPU=3")]).await;
+    let handle = cluster.client.cluster().clone();
+
+    let reference_dir = dir.join("one-actor");
+    let done = ScoreRun::new(handle.clone(), config(&input, &reference_dir, 1))
+        .unwrap()
+        .run(|_| {})
+        .await
+        .unwrap();
+    assert_eq!((done.rows, done.errors), (ROWS as u64, bad as u64));
+    let reference = outputs(&reference_dir);
+    assert_eq!(reference.len(), ROWS);
+    assert_eq!(
+        done.output_tokens,
+        reference.values().map(|r| r.generated_tokens as u64).sum::<u64>()
+    );
+    for (id, row) in &reference {
+        let n: usize = id[1..].parse().unwrap();
+        let limit = if n % 4 == 1 { 6 } else { 16 };
+        assert!(row.generated_tokens >= 1 && row.generated_tokens <= limit, "{row:?}");
+        assert!(row.prompt_tokens >= 3, "{row:?}");
+        match row.finish_reason.as_str() {
+            "length" => assert_eq!(row.generated_tokens, limit, "{row:?}"),
+            "eos" => {}
+            other => panic!("finish reason {other} without stop strings: {row:?}"),
+        }
+        let logprobs = row.token_logprobs.as_ref();
+        assert_eq!(logprobs.is_some(), n % 4 == 2, "{row:?}");
+        if let Some(list) = logprobs {
+            assert_eq!(list.len() as i64, row.generated_tokens);
+            assert!(list.iter().all(|l| *l <= 0.0));
+        }
+    }
+    let errors = errors(&reference_dir);
+    assert!(
+        errors.contains(r#""id":"hot""#) && errors.contains("temperature must be 0..=100"),
+        "{errors}"
+    );
+    assert!(errors.contains("unknown key `num_beams`"), "{errors}");
+    assert!(
+        errors.contains(r#""id":"long""#) && errors.contains("context is 128"),
+        "{errors}"
+    );
+
+    let three_dir = dir.join("three-actors");
+    ScoreRun::new(handle.clone(), config(&input, &three_dir, 3))
+        .unwrap()
+        .run(|_| {})
+        .await
+        .unwrap();
+    assert_same_texts(&three_dir, &reference);
+
+    // Three actors over two workers; w2 is SIGKILLed once two partitions are done.
+    let killed_dir = dir.join("killed");
+    let mut killed = false;
+    let local = &mut cluster.local;
+    let run = ScoreRun::new(handle.clone(), config(&input, &killed_dir, 3)).unwrap();
+    let generating = run.run(|progress| {
+        if !killed && progress.partitions_done >= 2 {
+            local.kill_worker(1).unwrap();
+            killed = true;
+        }
+    });
+    let done = tokio::time::timeout(Duration::from_secs(600), generating)
+        .await
+        .expect("the run finishes within 10 minutes")
+        .expect("the run finishes without w2");
+    assert!(killed);
+    assert!(
+        done.retries >= 1,
+        "a partition of the killed worker was retried: {done:?}"
+    );
+    assert_same_texts(&killed_dir, &reference);
+
+    // Other sampling settings on the same output are refused before anything is written.
+    let mut other = config(&input, &reference_dir, 1);
+    other.temperature = 0.5;
+    let error = ScoreRun::new(handle, other)
+        .unwrap()
+        .run(|_| {})
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("generation settings"), "{error}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,191 @@
+//! `regatta-torch-rank bench-generate MODEL THREADS`: output tokens/s of KV-cache generation
+//! with continuous batching at batch limits 1, 8, 32 and 128, beside this machine's own
+//! limits measured in the same run: memory bandwidth (a large tensor copy) gives the
+//! batch-1 decode bound, weight bytes ÷ bandwidth; GEMM FLOP/s at the model's shapes gives
+//! the compute bound, 2 × parameters FLOPs a token. Also the old path (one row at a time,
+//! the whole window recomputed per token) for the speed-up. Prints one line per figure.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use regatta_scorer::generate::{GenerationSetup, RowStream, SamplingParams};
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+use crate::generate::{Generator, Prepared};
+use crate::hf::{model_from_config, HfModel};
+use crate::model::{arrange, logits, parameter_count, Model};
+
+/// Batch limits measured.
+pub const BATCH_LIMITS: [usize; 4] = [1, 8, 32, 128];
+/// Tokens generated per row.
+const OUTPUT_TOKENS: usize = 32;
+
+/// A model folder, or a Llama-family `config.json` initialised at random.
+fn load(model: &str) -> Result<(Box<dyn Model>, Vec<Vec<Tensor>>, usize)> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let context_of = |json: &serde_json::Value| {
+        json.get("max_position_embeddings")
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or(2048) as usize
+    };
+    if model.ends_with(".json") {
+        let text = std::fs::read(model).map_err(|e| Error::Invalid(format!("cannot read {model}: {e}")))?;
+        let json: serde_json::Value =
+            serde_json::from_slice(&text).map_err(|e| Error::Invalid(format!("{model} is not JSON: {e}")))?;
+        let built = model_from_config(&json, model)?;
+        tch::manual_seed(7);
+        let mut stored = HashMap::new();
+        for spec in built.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
+            let tensor = Tensor::randn(spec.shape.as_slice(), (Kind::Float, Device::Cpu)) * 0.02;
+            stored.insert(spec.name, tensor);
+        }
+        let params = arrange(built.as_ref(), &stored)?;
+        return Ok((built, params, context_of(&json)));
+    }
+    let hf = runtime.block_on(HfModel::open(model))?;
+    let built = hf.model()?;
+    hf.check(built.as_ref())?;
+    let mut stored = HashMap::new();
+    for spec in built.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
+        let tensor = runtime.block_on(hf.read(&spec, Device::Cpu))?;
+        stored.insert(spec.name, tensor);
+    }
+    let params = arrange(built.as_ref(), &stored)?;
+    Ok((built, params, context_of(hf.config_json())))
+}
+
+/// Bytes per second of a large copy, counting what is read and what is written.
+fn memory_bandwidth() -> f64 {
+    let elements = 64 << 20; // 256 MiB of f32
+    let source = Tensor::ones([elements], (Kind::Float, Device::Cpu));
+    let mut target = Tensor::zeros([elements], (Kind::Float, Device::Cpu));
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let start = Instant::now();
+        target.copy_(&source);
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    2.0 * 4.0 * elements as f64 / best
+}
+
+/// FLOP/s of `[tokens, in] x [in, out]` products over the model's weight matrices.
+fn gemm_flops(model: &dyn Model, tokens: i64) -> f64 {
+    let operands: Vec<(Tensor, Tensor)> = model
+        .blocks()
+        .iter()
+        .flatten()
+        .filter(|s| s.shape.len() == 2 && s.tied_to.is_none())
+        .map(|s| {
+            let options = (Kind::Float, Device::Cpu);
+            (
+                Tensor::randn([tokens, s.shape[1]], options),
+                Tensor::randn([s.shape[1], s.shape[0]], options),
+            )
+        })
+        .collect();
+    let flops: f64 = operands
+        .iter()
+        .map(|(a, b)| 2.0 * (a.size()[0] * a.size()[1] * b.size()[1]) as f64)
+        .sum();
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let start = Instant::now();
+        for (a, b) in &operands {
+            let _ = a.matmul(b);
+        }
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    flops / best
+}
+
+/// Prompts of 32 to 96 tokens (a fixed mix), `rows` of them.
+fn prompts(rows: usize, vocab: usize) -> Vec<Prepared> {
+    (0..rows)
+        .map(|i| Prepared {
+            prompt: (0..32 + (i * 37) % 65)
+                .map(|t| 3 + ((t * 131 + i * 17) % (vocab - 3)) as i64)
+                .collect(),
+            params: SamplingParams {
+                max_new_tokens: OUTPUT_TOKENS,
+                ..SamplingParams::default()
+            },
+            stream: RowStream::new(0, &i.to_string()),
+        })
+        .collect()
+}
+
+/// Output tokens/s of the old path: one row, the whole window through the model per token.
+fn old_path(model: &dyn Model, params: &[Vec<Tensor>], row: &Prepared) -> f64 {
+    let mut sequence = row.prompt.clone();
+    let start = Instant::now();
+    for _ in 0..OUTPUT_TOKENS {
+        let input = Tensor::from_slice(&sequence).view([1, -1]);
+        let out = tch::no_grad(|| logits(model, params, &input));
+        sequence.push(
+            out.get(0)
+                .get(sequence.len() as i64 - 1)
+                .argmax(0, false)
+                .int64_value(&[]),
+        );
+    }
+    OUTPUT_TOKENS as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Runs the benchmark and prints its lines.
+pub fn bench_generate(model_path: &str, threads: usize) -> Result<()> {
+    tch::set_num_threads(threads.max(1) as i32);
+    let (model, params, context) = load(model_path)?;
+    let parameters = parameter_count(model.as_ref());
+    let weight_bytes = 4.0 * parameters as f64;
+    let bandwidth = memory_bandwidth();
+    let peak = gemm_flops(model.as_ref(), 128);
+    let memory_bound = bandwidth / weight_bytes;
+    let compute_bound = peak / (2.0 * parameters as f64);
+    println!(
+        "model {model_path}: {parameters} parameters ({:.1} MB fp32), {threads} threads, prompts 32-96 tokens, {OUTPUT_TOKENS} output tokens a row",
+        weight_bytes / 1e6
+    );
+    println!(
+        "machine: memory bandwidth {:.2} GB/s (copy, read + write) -> batch-1 decode bound {memory_bound:.1} tokens/s; \
+         GEMM {:.1} GFLOP/s at the model's shapes -> compute bound {compute_bound:.1} tokens/s",
+        bandwidth / 1e9,
+        peak / 1e9
+    );
+    let mut batch_one = 0.0;
+    for limit in BATCH_LIMITS {
+        let rows = prompts((2 * limit).max(4), model.vocab());
+        let setup = GenerationSetup {
+            kv_cache_bytes: 2 << 30,
+            max_batch: limit,
+            prefill_tokens: 1024,
+            block_tokens: 16,
+        };
+        let generator = Generator::new(model.as_ref(), &params, setup, context, Vec::new(), Device::Cpu)?;
+        let start = Instant::now();
+        let outputs = generator.run(&rows, &|_| String::new(), &mut |_| {})?;
+        let seconds = start.elapsed().as_secs_f64();
+        let tokens: usize = outputs
+            .iter()
+            .filter_map(|o| o.as_ref().ok())
+            .map(|o| o.tokens.len())
+            .sum();
+        let rate = tokens as f64 / seconds;
+        if limit == 1 {
+            batch_one = rate;
+        }
+        println!(
+            "generate batch limit {limit:>3}: {} rows, {rate:.1} output tokens/s = {:.1}% of the memory bound, {:.1}% of the compute bound",
+            rows.len(),
+            100.0 * rate / memory_bound,
+            100.0 * rate / compute_bound
+        );
+    }
+    let rows = prompts(3, model.vocab());
+    let old: f64 = rows.iter().map(|r| old_path(model.as_ref(), &params, r)).sum::<f64>() / rows.len() as f64;
+    println!(
+        "old path (one row, whole window per token): {old:.1} output tokens/s; KV cache at batch limit 1 is {:.1}x faster",
+        batch_one / old
+    );
+    Ok(())
+}

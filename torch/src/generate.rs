@@ -1,0 +1,345 @@
+//! Generation with a paged KV cache and continuous batching: the tensor half of
+//! [`regatta_scorer::generate`]. The batcher decides which sequences run, which prompt
+//! chunks are prefilled and which cache slots each token uses; this module owns the cache
+//! tensors, turns a step's work into at most two forwards (every decoding sequence in one,
+//! prompt chunks in the other), reads the logits of each sequence's last token, and picks
+//! tokens with the row's own random stream.
+
+use std::time::{Duration, Instant};
+
+use regatta_scorer::generate::{
+    choose, stop_at, Batcher, BatcherConfig, Feed, Finish, GenStats, GenerationSetup, RowStream, SamplingParams, Work,
+};
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+use crate::model::{Batch, KvLayout, KvStep, Model};
+
+/// How often progress figures are reported while generating.
+const STATS_EVERY: Duration = Duration::from_millis(500);
+
+/// Keys and values of every token slot, per layer: `[slots, kv_heads, head_dim]`.
+pub struct KvCache {
+    keys: Vec<Tensor>,
+    values: Vec<Tensor>,
+}
+
+impl KvCache {
+    /// Bytes one token occupies in the cache (keys and values of every layer).
+    pub fn bytes_per_token(layout: &KvLayout, kind: Kind) -> u64 {
+        2 * (layout.layers * layout.kv_heads * layout.head_dim) as u64 * kind.elt_size_in_bytes() as u64
+    }
+
+    /// A cache of `slots` token slots.
+    pub fn new(layout: &KvLayout, slots: usize, kind: Kind, device: Device) -> Self {
+        let shape = [slots as i64, layout.kv_heads as i64, layout.head_dim as i64];
+        let make = || {
+            (0..layout.layers)
+                .map(|_| Tensor::zeros(shape, (kind, device)))
+                .collect()
+        };
+        Self {
+            keys: make(),
+            values: make(),
+        }
+    }
+}
+
+/// A row ready to generate: its prompt's token ids, settings and random stream.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    /// Prompt token ids.
+    pub prompt: Vec<i64>,
+    /// How to generate.
+    pub params: SamplingParams,
+    /// The row's random stream.
+    pub stream: RowStream,
+}
+
+/// One row's output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Output {
+    /// Generated token ids (an end-of-sequence token included; cut at a stop string).
+    pub tokens: Vec<i64>,
+    /// Why it ended.
+    pub finish: Finish,
+    /// Each token's log-probability (empty unless asked for).
+    pub logprobs: Vec<f64>,
+    /// The logits each token was chosen from (only with [`Generator::keep_logits`]).
+    pub logits: Vec<Vec<f32>>,
+}
+
+/// Generation with one model.
+pub struct Generator<'a> {
+    model: &'a dyn Model,
+    params: &'a [Vec<Tensor>],
+    layout: KvLayout,
+    setup: GenerationSetup,
+    context: usize,
+    eos: Vec<i64>,
+    device: Device,
+    kind: Kind,
+    keep_logits: bool,
+    stats_every: Duration,
+}
+
+impl<'a> Generator<'a> {
+    /// Generation with `model` (weights per block) on `device`, sequences up to `context`
+    /// tokens, ending at any of `eos`.
+    pub fn new(
+        model: &'a dyn Model,
+        params: &'a [Vec<Tensor>],
+        setup: GenerationSetup,
+        context: usize,
+        eos: Vec<i64>,
+        device: Device,
+    ) -> Result<Self> {
+        let layout = model.kv_layout().ok_or_else(|| {
+            Error::Invalid("this model has no KV cache path; generation needs a Llama-family or GPT model".into())
+        })?;
+        let kind = params
+            .first()
+            .and_then(|block| block.first())
+            .map(Tensor::kind)
+            .unwrap_or(Kind::Float);
+        Ok(Self {
+            model,
+            params,
+            layout,
+            setup,
+            context,
+            eos,
+            device,
+            kind,
+            keep_logits: false,
+            stats_every: STATS_EVERY,
+        })
+    }
+
+    /// Also return the logits every token was chosen from (for tests).
+    pub fn keep_logits(mut self) -> Self {
+        self.keep_logits = true;
+        self
+    }
+
+    /// Report figures at most this often (default: twice a second; zero: every step).
+    pub fn stats_every(mut self, every: Duration) -> Self {
+        self.stats_every = every;
+        self
+    }
+
+    /// The cache blocks the budget buys (the scratch block not counted).
+    pub fn blocks(&self) -> usize {
+        let block_bytes = KvCache::bytes_per_token(&self.layout, self.kind) * self.setup.block_tokens.max(1) as u64;
+        (self.setup.kv_cache_bytes / block_bytes.max(1)).saturating_sub(1) as usize
+    }
+
+    /// Generates for every row, `max_batch` sequences at a time with continuous batching.
+    /// A row that can never run (too long for the context or the cache) gets its reason;
+    /// `text` decodes generated tokens (for stop strings); `on_stats` hears progress.
+    pub fn run(
+        &self,
+        rows: &[Prepared],
+        text: &dyn Fn(&[i64]) -> String,
+        on_stats: &mut dyn FnMut(GenStats),
+    ) -> Result<Vec<std::result::Result<Output, String>>> {
+        let blocks = self.blocks();
+        if blocks == 0 {
+            return Err(Error::Invalid(format!(
+                "a KV cache of {} bytes holds no block of {} tokens ({} bytes a token); raise the budget",
+                self.setup.kv_cache_bytes,
+                self.setup.block_tokens,
+                KvCache::bytes_per_token(&self.layout, self.kind)
+            )));
+        }
+        let block_tokens = self.setup.block_tokens.max(1);
+        let cache = KvCache::new(&self.layout, (blocks + 1) * block_tokens, self.kind, self.device);
+        let mut batcher = Batcher::new(BatcherConfig {
+            block_tokens,
+            blocks,
+            max_running: self.setup.max_batch,
+            prefill_tokens: self.setup.prefill_tokens,
+            context: self.context,
+            eos: self.eos.clone(),
+        });
+        let mut results: Vec<std::result::Result<Output, String>> = Vec::with_capacity(rows.len());
+        let mut sequences = vec![usize::MAX; rows.len()];
+        for (i, row) in rows.iter().enumerate() {
+            match batcher.add(row.prompt.clone(), row.params.max_new_tokens) {
+                Ok(seq) => {
+                    sequences[i] = seq;
+                    results.push(Ok(Output {
+                        tokens: Vec::new(),
+                        finish: Finish::Length,
+                        logprobs: Vec::new(),
+                        logits: Vec::new(),
+                    }));
+                }
+                Err(reason) => results.push(Err(reason)),
+            }
+        }
+        let row_of: std::collections::HashMap<usize, usize> = sequences
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| **s != usize::MAX)
+            .map(|(r, s)| (*s, r))
+            .collect();
+        let mut reported = Instant::now();
+        let mut new_tokens = 0u64;
+        while !batcher.is_done() {
+            let step = batcher.schedule();
+            if step.is_empty() {
+                return Err(Error::Invalid(
+                    "the batcher planned an empty step with sequences left".into(),
+                ));
+            }
+            for works in [&step.decode, &step.prefill] {
+                if works.is_empty() {
+                    continue;
+                }
+                let feeds: Vec<Feed> = works.iter().map(|w| batcher.feed(w)).collect();
+                let last_logits = self.forward(&cache, &feeds)?;
+                for (n, work) in works.iter().enumerate() {
+                    let token = if work.sample {
+                        let row = row_of[&work.seq];
+                        let logits = last_logits
+                            .get(n)
+                            .ok_or_else(|| Error::Invalid("a logits row is missing".into()))?;
+                        let params = &rows[row].params;
+                        let index = batcher.generated(work.seq).len();
+                        let choice = choose(logits, params, rows[row].stream, index);
+                        if let Ok(out) = &mut results[row] {
+                            if params.logprobs {
+                                out.logprobs.push(choice.logprob);
+                            }
+                            if self.keep_logits {
+                                out.logits.push(logits.clone());
+                            }
+                        }
+                        new_tokens += 1;
+                        Some(choice.token)
+                    } else {
+                        None
+                    };
+                    self.settle(&mut batcher, work, token, &rows[row_of[&work.seq]].params.stop, text);
+                }
+            }
+            if reported.elapsed() >= self.stats_every {
+                on_stats(self.stats(&batcher, new_tokens));
+                new_tokens = 0;
+                reported = Instant::now();
+            }
+        }
+        on_stats(self.stats(&batcher, new_tokens));
+        for (row, seq) in sequences.iter().enumerate() {
+            if let (Ok(out), true) = (&mut results[row], *seq != usize::MAX) {
+                out.tokens = batcher.generated(*seq).to_vec();
+                out.finish = batcher.finished(*seq).unwrap_or(Finish::Length);
+                out.logprobs.truncate(out.tokens.len());
+                out.logits.truncate(out.tokens.len());
+            }
+        }
+        Ok(results)
+    }
+
+    /// Records a work's outcome and ends its sequence on eos, its limit or a stop string.
+    fn settle(
+        &self,
+        batcher: &mut Batcher,
+        work: &Work,
+        token: Option<i64>,
+        stops: &[String],
+        text: &dyn Fn(&[i64]) -> String,
+    ) {
+        let sampled = token.is_some();
+        if let Some(reason) = batcher.advance(work, token) {
+            batcher.finish(work.seq, reason);
+        } else if sampled && !stops.is_empty() && stop_at(&text(batcher.generated(work.seq)), stops).is_some() {
+            batcher.finish(work.seq, Finish::Stop);
+        }
+    }
+
+    fn stats(&self, batcher: &Batcher, new_tokens: u64) -> GenStats {
+        let o = batcher.occupancy();
+        GenStats {
+            running: o.running,
+            waiting: o.waiting,
+            max_batch: batcher.config().max_running,
+            used_blocks: o.used_blocks,
+            blocks: o.blocks,
+            new_tokens,
+        }
+    }
+
+    /// One forward of `feeds` (padded into `[rows, time]`) against the cache; returns the
+    /// logits of each row's last fed token, on the CPU.
+    fn forward(&self, cache: &KvCache, feeds: &[Feed]) -> Result<Vec<Vec<f32>>> {
+        let rows = feeds.len() as i64;
+        let time = feeds.iter().map(|f| f.tokens.len()).max().unwrap_or(1) as i64;
+        let keys = feeds.iter().map(|f| f.read.len()).max().unwrap_or(1) as i64;
+        let block_tokens = self.setup.block_tokens.max(1) as i64;
+        let (mut tokens, mut positions, mut write, mut read) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut lengths = Vec::with_capacity(feeds.len());
+        let mut last = Vec::with_capacity(feeds.len());
+        for (r, feed) in feeds.iter().enumerate() {
+            let n = feed.tokens.len() as i64;
+            // Padding writes go to the scratch block (slots 0..block_tokens) and reads of
+            // padding keys are masked.
+            for t in 0..time {
+                let real = t < n;
+                tokens.push(if real { feed.tokens[t as usize] } else { 0 });
+                positions.push(if real { feed.positions[t as usize] } else { 0 });
+                write.push(if real { feed.write[t as usize] } else { t % block_tokens });
+            }
+            read.extend_from_slice(&feed.read);
+            read.extend(std::iter::repeat_n(0, keys as usize - feed.read.len()));
+            lengths.push(feed.read.len() as i64);
+            last.push(r as i64 * time + n - 1);
+        }
+        let device = self.device;
+        let int = |v: &[i64]| Tensor::from_slice(v).to_device(device);
+        let tokens = int(&tokens).view([rows, time]);
+        let positions = int(&positions).view([rows, time]);
+        // Query at position p sees keys 0..=p of its own row (and, with a sliding window,
+        // only the last `window` of them); a padding query sees key 0.
+        let key_index = Tensor::arange(keys, (Kind::Int64, device)).view([1, 1, 1, keys]);
+        let query_position = positions.view([rows, 1, time, 1]);
+        let mut mask = key_index
+            .le_tensor(&query_position)
+            .logical_and(&key_index.lt_tensor(&int(&lengths).view([rows, 1, 1, 1])));
+        if let Some(window) = self.layout.sliding_window {
+            mask = mask.logical_and(&key_index.gt_tensor(&(&query_position - window as i64)));
+        }
+        let mut batch = Batch {
+            positions,
+            mask: Some(mask),
+            derived: Vec::new(),
+            kv: Some(KvStep {
+                keys: cache.keys.iter().map(Tensor::shallow_clone).collect(),
+                values: cache.values.iter().map(Tensor::shallow_clone).collect(),
+                write: int(&write),
+                read: int(&read).view([rows, keys]),
+            }),
+        };
+        self.model.prepare(&mut batch);
+        let last_block = self.params.len() - 1;
+        let logits = tch::no_grad(|| {
+            let mut hidden = tokens;
+            for (block, params) in self.params.iter().enumerate().take(last_block) {
+                hidden = self.model.forward(block, params, &hidden, &batch);
+            }
+            // Only each row's last token needs logits: the head runs on those alone.
+            let width = hidden.size()[2];
+            let picked = hidden
+                .view([rows * time, width])
+                .index_select(0, &int(&last))
+                .view([rows, 1, width]);
+            self.model
+                .forward(last_block, &self.params[last_block], &picked, &batch)
+        });
+        let logits = logits.to_kind(Kind::Float).to_device(Device::Cpu).view([rows, -1]);
+        let vocab = logits.size()[1] as usize;
+        let flat = Vec::<f32>::try_from(logits.contiguous().view([-1]))?;
+        Ok(flat.chunks(vocab).map(<[f32]>::to_vec).collect())
+    }
+}

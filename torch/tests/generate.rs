@@ -1,0 +1,314 @@
+#![allow(clippy::unwrap_used)]
+//! Generation with the paged KV cache and continuous batching, against `transformers`'
+//! own `generate` (greedy, fixtures made by scripts/make-generate-fixtures.py) and against
+//! recomputing the whole window for every token: prompts of different lengths join and
+//! leave the batch at different steps, long prompts are prefilled in chunks, and a cache
+//! too small for every sequence makes some wait.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use regatta_scorer::generate::{Finish, GenStats, GenerationSetup, RowStream, SamplingParams};
+use regatta_torch::engine::seeded;
+use regatta_torch::model::{arrange, logits};
+use regatta_torch::{tch, Generator, Gpt, HfModel, Model, Output, Prepared};
+use regatta_trainer::config::ModelConfig;
+use tch::{Device, Tensor};
+
+const FIXTURES: [&str; 3] = ["llama", "mistral", "qwen2"];
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+fn load(dir: &Path) -> (Box<dyn Model>, Vec<Vec<Tensor>>) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let hf = rt.block_on(HfModel::open(dir.to_str().unwrap())).unwrap();
+    let model = hf.model().unwrap();
+    let stored: HashMap<String, Tensor> = model
+        .blocks()
+        .into_iter()
+        .flatten()
+        .filter(|spec| spec.tied_to.is_none())
+        .map(|spec| {
+            let t = rt.block_on(hf.read(&spec, Device::Cpu)).unwrap();
+            (spec.name, t)
+        })
+        .collect();
+    let params = arrange(model.as_ref(), &stored).unwrap();
+    (model, params)
+}
+
+fn greedy(max_new_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        max_new_tokens,
+        ..SamplingParams::default()
+    }
+}
+
+fn setup(kv_cache_bytes: u64, max_batch: usize, prefill_tokens: usize) -> GenerationSetup {
+    GenerationSetup {
+        kv_cache_bytes,
+        max_batch,
+        prefill_tokens,
+        block_tokens: 4,
+    }
+}
+
+fn ids(t: &Tensor) -> Vec<i64> {
+    Vec::<i64>::try_from(t.to_kind(tch::Kind::Int64)).unwrap()
+}
+
+fn run(generator: &Generator, rows: &[Prepared]) -> (Vec<Output>, Vec<GenStats>) {
+    let mut stats = Vec::new();
+    let outputs = generator
+        .run(rows, &|_| String::new(), &mut |s| stats.push(s))
+        .unwrap()
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    (outputs, stats)
+}
+
+/// Greedy tokens and their logits by running the whole sequence through the model for
+/// every new token (no cache).
+fn full_window(model: &dyn Model, params: &[Vec<Tensor>], prompt: &[i64], new: usize) -> (Vec<i64>, Vec<Tensor>) {
+    let mut sequence = prompt.to_vec();
+    let (mut tokens, mut steps) = (Vec::new(), Vec::new());
+    for _ in 0..new {
+        let input = Tensor::from_slice(&sequence).view([1, -1]);
+        let out = tch::no_grad(|| logits(model, params, &input));
+        let last = out.get(0).get(sequence.len() as i64 - 1);
+        let next = last.argmax(0, false).int64_value(&[]);
+        steps.push(last);
+        tokens.push(next);
+        sequence.push(next);
+    }
+    (tokens, steps)
+}
+
+fn max_diff(a: &[f32], b: &Tensor) -> f64 {
+    (Tensor::from_slice(a) - b).abs().max().double_value(&[])
+}
+
+#[test]
+fn cached_continuous_batching_equals_transformers_generate() {
+    tch::set_num_threads(1);
+    for name in FIXTURES {
+        let (model, params) = load(&fixture(name));
+        let expected: HashMap<String, Tensor> = Tensor::read_safetensors(fixture(name).join("generate.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+        let count = expected.keys().filter(|k| k.starts_with("prompt.")).count();
+        assert_eq!(count, 4);
+        let rows: Vec<Prepared> = (0..count)
+            .map(|i| Prepared {
+                prompt: ids(&expected[&format!("prompt.{i}")]),
+                params: greedy(16),
+                stream: RowStream::new(0, &i.to_string()),
+            })
+            .collect();
+        // Two sequences at a time, prompts prefilled 8 tokens a step (the 50-token prompt
+        // takes 7 steps while another sequence decodes beside it).
+        let generator = Generator::new(model.as_ref(), &params, setup(1 << 20, 2, 8), 128, vec![2], Device::Cpu)
+            .unwrap()
+            .keep_logits()
+            .stats_every(std::time::Duration::ZERO);
+        let (outputs, stats) = run(&generator, &rows);
+        assert!(
+            stats.iter().any(|s| s.waiting > 0),
+            "{name}: no sequence ever waited for a batch slot"
+        );
+        for (i, out) in outputs.iter().enumerate() {
+            assert_eq!(
+                out.tokens,
+                ids(&expected[&format!("tokens.{i}")]),
+                "{name} prompt {i}: tokens"
+            );
+            let scores = &expected[&format!("scores.{i}")];
+            for (step, row) in out.logits.iter().enumerate() {
+                let diff = max_diff(row, &scores.get(step as i64));
+                assert!(diff < 1e-4, "{name} prompt {i} token {step}: logits differ by {diff}");
+            }
+            assert_eq!(out.finish, Finish::Length);
+        }
+    }
+}
+
+#[test]
+fn sequences_joining_and_leaving_at_different_steps_equal_full_window_recomputation() {
+    tch::set_num_threads(1);
+    let (model, params) = load(&fixture("llama"));
+    let lengths = [5usize, 40, 2, 17, 9, 33];
+    let new = [3usize, 12, 7, 1, 9, 5];
+    let rows: Vec<Prepared> = lengths
+        .iter()
+        .zip(new)
+        .enumerate()
+        .map(|(i, (&n, max_new))| Prepared {
+            prompt: (0..n as i64).map(|t| 3 + (t * 37 + i as i64 * 101) % 500).collect(),
+            params: greedy(max_new),
+            stream: RowStream::new(0, &i.to_string()),
+        })
+        .collect();
+    let bytes_per_token = 2 * 2 * 2 * 16 * 4; // K and V, 2 layers, 2 KV heads of 16 floats
+                                              // Room for about 80 tokens: the cache, not the batch limit, holds sequences back.
+    let budget = 21 * 4 * bytes_per_token;
+    let generator = Generator::new(
+        model.as_ref(),
+        &params,
+        setup(budget, 8, 6),
+        128,
+        Vec::new(),
+        Device::Cpu,
+    )
+    .unwrap()
+    .keep_logits()
+    .stats_every(std::time::Duration::ZERO);
+    let (outputs, stats) = run(&generator, &rows);
+    assert!(
+        stats.iter().all(|s| s.used_blocks <= s.blocks) && stats.last().unwrap().used_blocks == 0,
+        "{stats:?}"
+    );
+    // The cache (20 blocks of 4 tokens), not the batch limit of 8, held sequences back.
+    assert!(stats.iter().any(|s| s.waiting > 0 && s.running < 8), "{stats:?}");
+    assert!(stats.iter().map(|s| s.used_blocks).max().unwrap() > 10, "{stats:?}");
+    for (i, out) in outputs.iter().enumerate() {
+        let (tokens, steps) = full_window(model.as_ref(), &params, &rows[i].prompt, new[i]);
+        assert_eq!(out.tokens, tokens, "row {i}");
+        for (step, expected) in steps.iter().enumerate() {
+            let diff = max_diff(&out.logits[step], expected);
+            assert!(diff < 1e-4, "row {i} token {step}: logits differ by {diff}");
+        }
+    }
+    // One row alone gives the same tokens as in company.
+    let (alone, _) = run(&generator, &rows[1..2]);
+    assert_eq!(alone[0].tokens, outputs[1].tokens);
+}
+
+#[test]
+fn the_builtin_gpt_generates_the_same_with_and_without_the_cache() {
+    tch::set_num_threads(1);
+    let config = ModelConfig {
+        layers: 2,
+        width: 32,
+        heads: 4,
+        context: 48,
+        ..ModelConfig::default()
+    };
+    let gpt = Gpt::new(config, 256);
+    let params: Vec<Vec<Tensor>> = gpt
+        .blocks()
+        .iter()
+        .map(|block| block.iter().map(|spec| seeded(spec, 9)).collect())
+        .collect();
+    let prompts: Vec<Vec<i64>> = vec![
+        b"hello".iter().map(|b| i64::from(*b)).collect(),
+        vec![7; 30],
+        vec![1, 2],
+    ];
+    let rows: Vec<Prepared> = prompts
+        .iter()
+        .map(|p| Prepared {
+            prompt: p.clone(),
+            params: greedy(20),
+            stream: RowStream::new(0, "x"),
+        })
+        .collect();
+    let generator = Generator::new(&gpt, &params, setup(1 << 20, 2, 7), 48, Vec::new(), Device::Cpu).unwrap();
+    let (outputs, _) = run(&generator, &rows);
+    for (row, out) in rows.iter().zip(&outputs) {
+        // The context of 48 caps the 30-token prompt at 18 new tokens.
+        let new = 20.min(48 - row.prompt.len());
+        assert_eq!(out.tokens, full_window(&gpt, &params, &row.prompt, new).0);
+        assert_eq!(out.finish, Finish::Length);
+    }
+}
+
+#[test]
+fn seeded_sampling_gives_a_row_the_same_text_in_any_company() {
+    tch::set_num_threads(1);
+    let (model, params) = load(&fixture("qwen2"));
+    let sampled = SamplingParams {
+        max_new_tokens: 12,
+        temperature: 1.0,
+        top_p: 0.9,
+        top_k: 50,
+        seed: 42,
+        logprobs: true,
+        ..SamplingParams::default()
+    };
+    let rows: Vec<Prepared> = (0..5)
+        .map(|i| Prepared {
+            prompt: vec![3 + i, 50, 60 + i],
+            params: sampled.clone(),
+            stream: RowStream::new(42, &format!("row-{i}")),
+        })
+        .collect();
+    let generator = |batch| {
+        Generator::new(
+            model.as_ref(),
+            &params,
+            setup(1 << 20, batch, 64),
+            128,
+            Vec::new(),
+            Device::Cpu,
+        )
+        .unwrap()
+    };
+    let (together, _) = run(&generator(5), &rows);
+    let (one_at_a_time, _) = run(&generator(1), &rows);
+    let reversed: Vec<Prepared> = rows.iter().rev().cloned().collect();
+    let (backwards, _) = run(&generator(3), &reversed);
+    for i in 0..rows.len() {
+        assert_eq!(together[i].tokens, one_at_a_time[i].tokens, "row {i}");
+        assert_eq!(together[i].tokens, backwards[rows.len() - 1 - i].tokens, "row {i}");
+        assert_eq!(together[i].logprobs.len(), 12);
+        assert!(together[i].logprobs.iter().all(|l| *l <= 0.0 && l.is_finite()));
+    }
+    // Sampling differs from greedy and between rows with different streams.
+    let greedy_rows: Vec<Prepared> = rows
+        .iter()
+        .map(|r| Prepared {
+            params: greedy(12),
+            ..r.clone()
+        })
+        .collect();
+    let (greedy_out, _) = run(&generator(5), &greedy_rows);
+    assert!(
+        together.iter().zip(&greedy_out).any(|(s, g)| s.tokens != g.tokens),
+        "sampling was greedy"
+    );
+}
+
+#[test]
+fn rows_that_cannot_run_get_a_reason_and_the_others_still_run() {
+    let (model, params) = load(&fixture("llama"));
+    let generator = Generator::new(
+        model.as_ref(),
+        &params,
+        setup(1 << 20, 4, 64),
+        128,
+        Vec::new(),
+        Device::Cpu,
+    )
+    .unwrap();
+    let rows = [vec![5; 128], vec![5; 4]].map(|prompt| Prepared {
+        prompt,
+        params: greedy(3),
+        stream: RowStream::new(0, "r"),
+    });
+    let results = generator.run(&rows, &|_| String::new(), &mut |_| {}).unwrap();
+    assert!(results[0].as_ref().unwrap_err().contains("context is 128"));
+    assert_eq!(results[1].as_ref().unwrap().tokens.len(), 3);
+    let tiny = Generator::new(model.as_ref(), &params, setup(100, 4, 64), 128, Vec::new(), Device::Cpu).unwrap();
+    let error = tiny
+        .run(&rows[1..], &|_| String::new(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("raise the budget"), "{error}");
+}
