@@ -69,6 +69,19 @@ pub struct Output {
     pub logits: Vec<Vec<f32>>,
 }
 
+/// Where a run's time went: forwards of single-token decodes and of prompt chunks.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Timings {
+    /// Seconds in decode forwards (sampling included).
+    pub decode_seconds: f64,
+    /// Tokens those forwards produced.
+    pub decode_tokens: u64,
+    /// Seconds in prefill forwards (sampling of a prompt's first token included).
+    pub prefill_seconds: f64,
+    /// Prompt tokens prefilled.
+    pub prefill_tokens: u64,
+}
+
 /// Generation with one model.
 pub struct Generator<'a> {
     model: &'a dyn Model,
@@ -143,6 +156,17 @@ impl<'a> Generator<'a> {
         text: &dyn Fn(&[i64]) -> String,
         on_stats: &mut dyn FnMut(GenStats),
     ) -> Result<Vec<std::result::Result<Output, String>>> {
+        Ok(self.run_timed(rows, text, on_stats)?.0)
+    }
+
+    /// [`Generator::run`], also saying where the time went.
+    pub fn run_timed(
+        &self,
+        rows: &[Prepared],
+        text: &dyn Fn(&[i64]) -> String,
+        on_stats: &mut dyn FnMut(GenStats),
+    ) -> Result<(Vec<std::result::Result<Output, String>>, Timings)> {
+        let mut timings = Timings::default();
         let blocks = self.blocks();
         if blocks == 0 {
             return Err(Error::Invalid(format!(
@@ -193,10 +217,11 @@ impl<'a> Generator<'a> {
                     "the batcher planned an empty step with sequences left".into(),
                 ));
             }
-            for works in [&step.decode, &step.prefill] {
+            for (decoding, works) in [(true, &step.decode), (false, &step.prefill)] {
                 if works.is_empty() {
                     continue;
                 }
+                let started = Instant::now();
                 let feeds: Vec<Feed> = works.iter().map(|w| batcher.feed(w)).collect();
                 let last_logits = self.forward(&cache, &feeds)?;
                 for (n, work) in works.iter().enumerate() {
@@ -223,6 +248,14 @@ impl<'a> Generator<'a> {
                     };
                     self.settle(&mut batcher, work, token, &rows[row_of[&work.seq]].params.stop, text);
                 }
+                let seconds = started.elapsed().as_secs_f64();
+                if decoding {
+                    timings.decode_seconds += seconds;
+                    timings.decode_tokens += works.len() as u64;
+                } else {
+                    timings.prefill_seconds += seconds;
+                    timings.prefill_tokens += works.iter().map(|w| (w.end - w.start) as u64).sum::<u64>();
+                }
             }
             if reported.elapsed() >= self.stats_every {
                 on_stats(self.stats(&batcher, new_tokens));
@@ -239,7 +272,7 @@ impl<'a> Generator<'a> {
                 out.logits.truncate(out.tokens.len());
             }
         }
-        Ok(results)
+        Ok((results, timings))
     }
 
     /// Records a work's outcome and ends its sequence on eos, its limit or a stop string.

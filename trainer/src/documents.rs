@@ -479,6 +479,24 @@ mod tests {
     }
 
     #[test]
+    fn a_generation_prompt_ends_with_the_assistant_header() {
+        let messages = vec![
+            Message {
+                role: "system".into(),
+                content: "be brief".into(),
+            },
+            Message {
+                role: "user".into(),
+                content: "2+2?".into(),
+            },
+        ];
+        let prompt = settings(TEMPLATE).chat_prompt(&messages).unwrap();
+        assert_eq!(prompt, "<s>[SYSTEM] be brief\n[USER] 2+2?\n[ASSISTANT] ");
+        let error = TokenizerSettings::default().chat_prompt(&messages).unwrap_err();
+        assert!(error.to_string().contains("need a chat_template"), "{error}");
+    }
+
+    #[test]
     fn templates_that_cannot_mark_turns_or_fail_are_errors() {
         let record = Record::parse(&json!({"messages": [
             {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}))
