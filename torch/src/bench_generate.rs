@@ -21,8 +21,11 @@ pub const BATCH_LIMITS: [usize; 4] = [1, 8, 32, 128];
 /// Tokens generated per row.
 const OUTPUT_TOKENS: usize = 32;
 
+/// A model, its weights per block and its context.
+type Loaded = (Box<dyn Model>, Vec<Vec<Tensor>>, usize);
+
 /// A model folder, or a Llama-family `config.json` initialised at random.
-fn load(model: &str) -> Result<(Box<dyn Model>, Vec<Vec<Tensor>>, usize)> {
+fn load(model: &str) -> Result<Loaded> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let context_of = |json: &serde_json::Value| {
         json.get("max_position_embeddings")
