@@ -175,6 +175,28 @@ async fn every_dashboard_panel_returns_data_from_a_real_prometheus() {
     .await
     .expect("scoring");
     assert_eq!((scored.rows, scored.errors), (400, 1));
+    // Generate for some prompts with a Hugging Face fixture model, for the generation panels
+    // (output tokens, batch occupancy, KV cache use, queue depth).
+    let generated = regatta_scorer::ScoreRun::new(
+        client.cluster().clone(),
+        regatta_scorer::ScoreConfig {
+            input: rows.to_string_lossy().into_owned(),
+            model: format!("{}/torch/tests/fixtures/qwen2", env!("CARGO_MANIFEST_DIR")),
+            output: checkpoints.join("generated").to_string_lossy().into_owned(),
+            actors: 2,
+            generate: true,
+            max_new_tokens: 4,
+            max_batch: 8,
+            kv_cache_mb: 4,
+            ..Default::default()
+        },
+    )
+    .expect("generate config")
+    .run(|_| {})
+    .await
+    .expect("generating");
+    assert_eq!((generated.rows, generated.errors), (400, 1));
+    assert!(generated.output_tokens >= 400, "{generated:?}");
     // Keep traffic flowing while Prometheus scrapes, so rates have something to show.
     for round in 0..12u64 {
         echo.call("x".into()).await.expect("echo");

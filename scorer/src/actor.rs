@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use prometheus::{GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts};
 use regatta_object_store::Place;
 use regatta_runtime::{Actor, ActorContext, ActorError};
 use serde::{Deserialize, Serialize};
@@ -101,26 +101,26 @@ struct Metrics {
     output_tokens: IntCounterVec,
     partitions: IntCounterVec,
     batch_seconds: HistogramVec,
-    running: IntGaugeVec,
-    waiting: IntGaugeVec,
-    occupancy: GaugeVec,
-    kv_cache: GaugeVec,
+    /// Generation figures summed over the process's scorer actors: each actor adds the
+    /// change since its last report and takes its share back when it stops, so the series
+    /// are one per node whatever the number of actors it ever hosted.
+    running: IntGauge,
+    waiting: IntGauge,
+    capacity: IntGauge,
+    kv_used: IntGauge,
+    kv_blocks: IntGauge,
 }
 
 impl Metrics {
-    /// Publishes an executor's generation figures under the actor's id.
-    fn generation(&self, actor: &str, stats: &GenStats) {
-        self.output_tokens
-            .with_label_values(&[] as &[&str])
-            .inc_by(stats.new_tokens);
-        self.running.with_label_values(&[actor]).set(stats.running as i64);
-        self.waiting.with_label_values(&[actor]).set(stats.waiting as i64);
-        self.occupancy
-            .with_label_values(&[actor])
-            .set(stats.running as f64 / stats.max_batch.max(1) as f64);
-        self.kv_cache
-            .with_label_values(&[actor])
-            .set(stats.used_blocks as f64 / stats.blocks.max(1) as f64);
+    /// Applies the change from `before` to `after` of one actor's generation figures.
+    fn generation(&self, before: &GenStats, after: &GenStats) {
+        let delta = |a: usize, b: usize| b as i64 - a as i64;
+        self.running.add(delta(before.running, after.running));
+        self.waiting.add(delta(before.waiting, after.waiting));
+        self.capacity.add(delta(before.max_batch, after.max_batch));
+        self.kv_used.add(delta(before.used_blocks, after.used_blocks));
+        self.kv_blocks.add(delta(before.blocks, after.blocks));
+        self.output_tokens.with_label_values(&[] as &[&str]).inc_by(after.new_tokens);
     }
 }
 
@@ -140,31 +140,24 @@ fn metrics() -> &'static Metrics {
         )
         .expect("valid metric");
         let _ = registry.register(Box::new(batch_seconds.clone()));
-        let int_gauge = |name: &str, help: &str| {
-            let metric = IntGaugeVec::new(Opts::new(name, help), &["actor"]).expect("valid metric");
-            let _ = registry.register(Box::new(metric.clone()));
-            metric
-        };
         let gauge = |name: &str, help: &str| {
-            let metric = GaugeVec::new(Opts::new(name, help), &["actor"]).expect("valid metric");
+            let metric = IntGauge::new(name, help).expect("valid metric");
             let _ = registry.register(Box::new(metric.clone()));
             metric
         };
         Metrics {
             output_tokens: counter("regatta_score_output_tokens_total", "Tokens generated", &[]),
-            running: int_gauge("regatta_score_running_sequences", "Sequences a scorer is decoding"),
-            waiting: int_gauge(
+            running: gauge("regatta_score_running_sequences", "Sequences the node's scorers are decoding"),
+            waiting: gauge(
                 "regatta_score_waiting_sequences",
                 "Sequences waiting for a batch slot or KV cache blocks (the queue)",
             ),
-            occupancy: gauge(
-                "regatta_score_batch_occupancy",
-                "Running sequences as a fraction of the batch limit",
+            capacity: gauge(
+                "regatta_score_batch_capacity",
+                "Sequences the node's generating scorers may decode at once (their max_batch)",
             ),
-            kv_cache: gauge(
-                "regatta_score_kv_cache_usage",
-                "Fraction of the KV cache's blocks in use",
-            ),
+            kv_used: gauge("regatta_score_kv_blocks_used", "KV cache blocks in use"),
+            kv_blocks: gauge("regatta_score_kv_blocks", "KV cache blocks of the node's generating scorers"),
             rows: counter(
                 "regatta_score_rows_total",
                 "Rows scored, and rows refused as malformed",
@@ -192,6 +185,8 @@ struct Outcome {
 
 /// A scorer actor.
 pub struct ScorerActor {
+    /// The generation figures this actor last added to the node's gauges.
+    reported: GenStats,
     batch_size: usize,
     sampling: Option<SamplingParams>,
     stdin: ChildStdin,
@@ -250,7 +245,7 @@ impl ScorerActor {
     /// Generates for a partition's rows: every row with valid settings goes to the
     /// executor in one request (it batches them continuously); rows it cannot run, and
     /// rows with bad settings, go to the errors file.
-    async fn generate(&mut self, task: &PartitionTask, defaults: &SamplingParams, actor: &str) -> Result<Outcome> {
+    async fn generate(&mut self, task: &PartitionTask, defaults: &SamplingParams) -> Result<Outcome> {
         let (rows, mut errors) = Self::read_prompt_rows(task).await?;
         let mut requests = Vec::with_capacity(rows.len());
         let mut offsets = Vec::with_capacity(rows.len());
@@ -278,7 +273,10 @@ impl ScorerActor {
             self.send(&ToScorer::Generate(requests.clone())).await?;
             loop {
                 match read_reply(&mut self.stdout).await? {
-                    FromScorer::Stats(stats) => m.generation(actor, &stats),
+                    FromScorer::Stats(stats) => {
+                        m.generation(&self.reported, &stats);
+                        self.reported = GenStats { new_tokens: 0, ..stats };
+                    }
                     FromScorer::Generated(results) if results.len() == requests.len() => break results,
                     FromScorer::Failed(reason) => return Err(Error::Executor(format!("generation failed: {reason}"))),
                     other => {
@@ -404,6 +402,12 @@ impl ScorerActor {
     }
 }
 
+impl Drop for ScorerActor {
+    fn drop(&mut self) {
+        metrics().generation(&self.reported, &GenStats::default());
+    }
+}
+
 async fn read_reply(stdout: &mut Lines<BufReader<ChildStdout>>) -> Result<FromScorer> {
     loop {
         match stdout.next_line().await {
@@ -441,6 +445,7 @@ impl Actor for ScorerActor {
             return Err(Error::Executor("the executor's pipes are missing".into()).into());
         };
         let mut actor = Self {
+            reported: GenStats::default(),
             batch_size: args.batch_size.max(1),
             sampling: args.sampling,
             stdin,
@@ -479,10 +484,9 @@ impl Actor for ScorerActor {
         if task.retry {
             m.partitions.with_label_values(&["retried"]).inc();
         }
-        let actor = ctx.id().to_string();
         let outcome = async {
             let done = match self.sampling.clone() {
-                Some(defaults) => self.generate(&task, &defaults, &actor).await?,
+                Some(defaults) => self.generate(&task, &defaults).await?,
                 None => self.score(&task).await?,
             };
             let out = Place::dir(&task.output).map_err(Error::Storage)?;
