@@ -120,7 +120,9 @@ impl Metrics {
         self.capacity.add(delta(before.max_batch, after.max_batch));
         self.kv_used.add(delta(before.used_blocks, after.used_blocks));
         self.kv_blocks.add(delta(before.blocks, after.blocks));
-        self.output_tokens.with_label_values(&[] as &[&str]).inc_by(after.new_tokens);
+        self.output_tokens
+            .with_label_values(&[] as &[&str])
+            .inc_by(after.new_tokens);
     }
 }
 
@@ -147,7 +149,10 @@ fn metrics() -> &'static Metrics {
         };
         Metrics {
             output_tokens: counter("regatta_score_output_tokens_total", "Tokens generated", &[]),
-            running: gauge("regatta_score_running_sequences", "Sequences the node's scorers are decoding"),
+            running: gauge(
+                "regatta_score_running_sequences",
+                "Sequences the node's scorers are decoding",
+            ),
             waiting: gauge(
                 "regatta_score_waiting_sequences",
                 "Sequences waiting for a batch slot or KV cache blocks (the queue)",
@@ -157,7 +162,10 @@ fn metrics() -> &'static Metrics {
                 "Sequences the node's generating scorers may decode at once (their max_batch)",
             ),
             kv_used: gauge("regatta_score_kv_blocks_used", "KV cache blocks in use"),
-            kv_blocks: gauge("regatta_score_kv_blocks", "KV cache blocks of the node's generating scorers"),
+            kv_blocks: gauge(
+                "regatta_score_kv_blocks",
+                "KV cache blocks of the node's generating scorers",
+            ),
             rows: counter(
                 "regatta_score_rows_total",
                 "Rows scored, and rows refused as malformed",

@@ -177,6 +177,17 @@ impl<'a> Generator<'a> {
             )));
         }
         let block_tokens = self.setup.block_tokens.max(1);
+        // No more cache than these rows could fill if all ran at once: a small partition
+        // does not take the whole budget's memory.
+        let could_use: usize = rows
+            .iter()
+            .map(|r| {
+                (r.prompt.len() + r.params.max_new_tokens)
+                    .min(self.context)
+                    .div_ceil(block_tokens)
+            })
+            .sum();
+        let blocks = blocks.min(could_use.max(1));
         let cache = KvCache::new(&self.layout, (blocks + 1) * block_tokens, self.kind, self.device);
         let mut batcher = Batcher::new(BatcherConfig {
             block_tokens,
