@@ -312,3 +312,51 @@ fn rows_that_cannot_run_get_a_reason_and_the_others_still_run() {
         .to_string();
     assert!(error.contains("raise the budget"), "{error}");
 }
+
+#[test]
+fn a_sliding_window_limits_cached_attention_as_it_limits_full_windows() {
+    tch::set_num_threads(1);
+    // The Mistral fixture's weights under a config whose window (6 keys) is shorter than
+    // the prompts: the cached path's mask must drop old keys exactly as the full forward.
+    let (_, params) = load(&fixture("mistral"));
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("mistral").join("config.json")).unwrap()).unwrap();
+    json["sliding_window"] = serde_json::json!(6);
+    let windowed = regatta_torch::hf::model_from_config(&json, "config.json").unwrap();
+    assert_eq!(windowed.kv_layout().unwrap().sliding_window, Some(6));
+    let rows: Vec<Prepared> = [14usize, 3, 25]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| Prepared {
+            prompt: (0..n as i64).map(|t| 5 + (t * 53 + i as i64 * 7) % 500).collect(),
+            params: greedy(10),
+            stream: RowStream::new(0, "w"),
+        })
+        .collect();
+    let generator = Generator::new(
+        windowed.as_ref(),
+        &params,
+        setup(1 << 20, 2, 5),
+        128,
+        Vec::new(),
+        Device::Cpu,
+    )
+    .unwrap()
+    .keep_logits();
+    let (outputs, _) = run(&generator, &rows);
+    let (unwindowed, _) = load(&fixture("mistral"));
+    let mut differs_from_full_attention = false;
+    for (row, out) in rows.iter().zip(&outputs) {
+        let (tokens, steps) = full_window(windowed.as_ref(), &params, &row.prompt, 10);
+        assert_eq!(out.tokens, tokens);
+        for (step, expected) in steps.iter().enumerate() {
+            assert!(max_diff(&out.logits[step], expected) < 1e-4);
+        }
+        let (_, plain) = full_window(unwindowed.as_ref(), &params, &row.prompt, 1);
+        differs_from_full_attention |= max_diff(&out.logits[0], &plain[0]) > 1e-3;
+    }
+    assert!(
+        differs_from_full_attention,
+        "the window changed nothing: the test proves nothing"
+    );
+}
