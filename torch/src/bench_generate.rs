@@ -107,7 +107,7 @@ fn prompts(rows: usize, vocab: usize) -> Vec<Prepared> {
     (0..rows)
         .map(|i| Prepared {
             prompt: (0..32 + (i * 37) % 65)
-                .map(|t| 3 + ((t * 131 + i * 17) % (vocab - 3)) as i64)
+                .map(|t| ((t * 131 + i * 17) % vocab.max(1)) as i64)
                 .collect(),
             params: SamplingParams {
                 max_new_tokens: OUTPUT_TOKENS,

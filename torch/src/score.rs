@@ -88,9 +88,11 @@ impl Scorer {
         };
         let mut eos = eos_ids(hf.config_json());
         if let Some(bytes) = hf.file("generation_config.json").await? {
-            if let Ok(json) = serde_json::from_slice::<serde_json::Value>(&bytes) {
-                eos.extend(eos_ids(&json));
-            }
+            let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::ModelFile {
+                path: format!("{}/generation_config.json", hf.url()),
+                problem: format!("is not valid JSON: {e}"),
+            })?;
+            eos.extend(eos_ids(&json));
         }
         if let (Some(text), TextTokenizer::Hf(t)) = (&settings.eos_token, &tokenizer) {
             eos.extend(t.token_to_id(text).map(i64::from));
