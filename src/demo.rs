@@ -201,6 +201,12 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
     );
     println!("  checkpoints: {}", report.checkpoints.display());
     println!("  scores (Parquet): {}", report.scores.display());
+    let g = &report.generated;
+    println!(
+        "  generation: {} continuations with the KV cache and continuous batching, {} output tokens ({:.0} output tokens/s), e.g. {:?} -> {:?}",
+        g.rows, g.output_tokens, g.tokens_per_sec, g.example.0, g.example.1
+    );
+    println!("  continuations (Parquet): {}", g.output.display());
     println!(
         "  metrics: {}/metrics (Prometheus discovery: {}/api/prometheus/sd); job API: {}",
         cluster.metrics_address, cluster.metrics_address, cluster.job_address

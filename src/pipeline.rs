@@ -1,13 +1,15 @@
 //! Train, then score: the main job's real work. A ZeRO trainer group trains the built-in GPT
 //! on the corpus shipped in the binary, writing the initial and final weights as
 //! checkpoints; a pool of scorer actors scores the shipped evaluation set with each, so the
-//! report shows the perplexity before and after training.
+//! report shows the perplexity before and after training; then the pool generates
+//! continuations of the evaluation texts' openings with the trained model (KV cache,
+//! continuous batching).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use regatta_runtime::Cluster;
-use regatta_scorer::{from_parquet, Progress, ScoreConfig, ScoreRun};
+use regatta_scorer::{from_parquet, generated_from_parquet, Progress, ScoreConfig, ScoreRun};
 use regatta_trainer::{TrainConfig, TrainEvent, TrainerGroup};
 
 /// The training text shipped with Regatta (Python's standard-library docstrings, PSF
@@ -49,7 +51,29 @@ pub struct PipelineReport {
     pub checkpoints: PathBuf,
     /// The scores with the trained weights.
     pub scores: PathBuf,
+    /// Continuations generated with the trained weights.
+    pub generated: Generated,
 }
+
+/// What the generation stage did.
+#[derive(Clone, Debug)]
+pub struct Generated {
+    /// Prompts continued.
+    pub rows: u64,
+    /// Tokens generated, and per second over the run.
+    pub output_tokens: u64,
+    /// Output tokens per second.
+    pub tokens_per_sec: f64,
+    /// One prompt and its continuation.
+    pub example: (String, String),
+    /// Where the Parquet files are.
+    pub output: PathBuf,
+}
+
+/// Bytes of each evaluation text the generation stage takes as its prompt.
+const PROMPT_CHARS: usize = 24;
+/// Tokens (bytes) generated per prompt.
+const NEW_TOKENS: usize = 32;
 
 /// Writes the shipped data, trains, scores before and after; `say` gets progress lines.
 pub async fn train_then_score(
@@ -97,6 +121,9 @@ pub async fn train_then_score(
     let (_, _, ppl_after) = score(cluster, options, &eval, &checkpoints, &scores, &mut say)
         .await
         .context("scoring with the trained weights")?;
+    let generated = generate(cluster, options, &eval, &checkpoints, &dir.join("generated"))
+        .await
+        .context("generating with the trained weights")?;
     Ok(PipelineReport {
         loss: (*first, last.loss),
         tokens_per_sec: last.tokens_per_sec,
@@ -106,6 +133,80 @@ pub async fn train_then_score(
         perplexity: (ppl_before, ppl_after),
         checkpoints,
         scores,
+        generated,
+    })
+}
+
+/// Continues the opening of every evaluation text with the trained model.
+async fn generate(
+    cluster: &Cluster,
+    options: &PipelineOptions,
+    eval: &Path,
+    model: &Path,
+    output: &Path,
+) -> anyhow::Result<Generated> {
+    let mut prompts = String::new();
+    for line in EVAL_SET.lines() {
+        let Ok(row) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let (Some(id), Some(text)) = (row.get("id"), row.get("text").and_then(|t| t.as_str())) else {
+            continue;
+        };
+        let prompt: String = text.chars().take(PROMPT_CHARS).collect();
+        prompts.push_str(&serde_json::json!({"id": id, "prompt": prompt}).to_string());
+        prompts.push('\n');
+    }
+    let input = eval.with_file_name("prompts.jsonl");
+    std::fs::write(&input, prompts).with_context(|| format!("cannot write {}", input.display()))?;
+    let config = ScoreConfig {
+        input: input.to_string_lossy().into_owned(),
+        model: model.to_string_lossy().into_owned(),
+        output: output.to_string_lossy().into_owned(),
+        actors: options.actors,
+        generate: true,
+        max_new_tokens: NEW_TOKENS,
+        max_batch: 16,
+        kv_cache_mb: 16,
+        ..ScoreConfig::default()
+    };
+    let done = ScoreRun::new(cluster.clone(), config)
+        .map_err(anyhow::Error::msg)?
+        .run(|_| {})
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let mut example = None;
+    let mut count = 0u64;
+    for entry in std::fs::read_dir(output).with_context(|| format!("cannot list {}", output.display()))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "parquet") {
+            let bytes = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+            for row in generated_from_parquet(bytes.into()).map_err(anyhow::Error::msg)? {
+                count += 1;
+                example.get_or_insert((row.id, row.generated));
+            }
+        }
+    }
+    if count != done.rows || count == 0 {
+        bail!(
+            "{} rows were generated for but {count} are in {}",
+            done.rows,
+            output.display()
+        );
+    }
+    let (id, continuation) = example.unwrap_or_default();
+    let prompt = std::fs::read_to_string(&input)?
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|row| row["id"].to_string().trim_matches('"') == id)
+        .and_then(|row| row["prompt"].as_str().map(str::to_string))
+        .unwrap_or_default();
+    Ok(Generated {
+        rows: done.rows,
+        output_tokens: done.output_tokens,
+        tokens_per_sec: done.output_tokens as f64 / done.seconds.max(1e-9),
+        example: (prompt, continuation),
+        output: output.to_path_buf(),
     })
 }
 

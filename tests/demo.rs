@@ -26,6 +26,7 @@ fn the_main_job_runs_its_workload_and_stops_its_cluster() {
         "ZeRO-2 over 2 ranks",
         "checkpoint at step 0: ",
         "checkpoint at step 120: ",
+        "continuations with the KV cache",
         "cluster stopped",
     ] {
         assert!(text.contains(expected), "missing '{expected}' in:\n{text}");
@@ -54,6 +55,14 @@ fn the_main_job_runs_its_workload_and_stops_its_cluster() {
     );
     let rows = regatta::pipeline::EVAL_SET.lines().count();
     assert!(line.contains(&format!(": {rows} rows scored (0 malformed)")), "{line}");
+    let generation = text
+        .lines()
+        .find(|l| l.contains("continuations with the KV cache"))
+        .unwrap_or_else(|| panic!("no generation line in:\n{text}"));
+    assert!(
+        generation.contains(&format!("generation: {rows} continuations")),
+        "every evaluation text is continued: {generation}"
+    );
     let logs = text
         .lines()
         .find_map(|l| l.split("logs in ").nth(1))
