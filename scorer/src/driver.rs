@@ -144,6 +144,11 @@ impl ScoreConfig {
                 self.partitions, self.actors
             )));
         }
+        if self.generate && crate::protocol::is_torchscript(&self.model) {
+            return Err(Error::Config(
+                "generate needs a model folder or checkpoint: a TorchScript module has no KV cache".into(),
+            ));
+        }
         if crate::protocol::is_torchscript(&self.model) && !(2..=1 << 20).contains(&self.context) {
             return Err(Error::Config(format!(
                 "a TorchScript model needs `context`, the longest token sequence it takes (2 or more; \
@@ -162,11 +167,6 @@ impl ScoreConfig {
                 return Err(Error::Config("max_new_tokens must be at most 4096".into()));
             }
             return Ok(());
-        }
-        if crate::protocol::is_torchscript(&self.model) {
-            return Err(Error::Config(
-                "generate needs a model folder or checkpoint: a TorchScript module has no KV cache".into(),
-            ));
         }
         self.sampling().validate().map_err(Error::Config)?;
         if !(1..=4096).contains(&self.max_batch) {
@@ -660,6 +660,41 @@ async fn plan_slices(input: &str, count: usize) -> Result<(Vec<(Slice, u64)>, u6
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn generating_configs_are_checked_with_the_field_named() {
+        let base = ScoreConfig {
+            input: "rows.jsonl".into(),
+            model: "/models/llama".into(),
+            output: "/tmp/out".into(),
+            generate: true,
+            ..ScoreConfig::default()
+        };
+        base.validate().unwrap();
+        assert_eq!(base.sampling().max_new_tokens, DEFAULT_MAX_NEW_TOKENS);
+        let parsed = ScoreConfig::from_toml(
+            "input = \"a\"\nmodel = \"m\"\noutput = \"o\"\ngenerate = true\ntemperature = 0.7\nstop = [\"\\n\"]\nkv_cache_mb = 64",
+        )
+        .unwrap();
+        assert_eq!(
+            (parsed.temperature, parsed.stop.clone(), parsed.kv_cache_mb),
+            (0.7, vec!["\n".to_string()], 64)
+        );
+        assert_eq!(parsed.generation_setup().kv_cache_bytes, 64 << 20);
+        let cases: [(fn(&mut ScoreConfig), &str); 5] = [
+            (|c| c.model = "/m/model.pt".into(), "TorchScript module has no KV cache"),
+            (|c| c.temperature = -0.5, "temperature must be"),
+            (|c| c.top_p = 2.0, "top_p must be"),
+            (|c| c.max_batch = 0, "max_batch must be"),
+            (|c| c.kv_cache_mb = 0, "kv_cache_mb must be"),
+        ];
+        for (change, expected) in cases {
+            let mut config = base.clone();
+            change(&mut config);
+            let error = config.validate().unwrap_err().to_string();
+            assert!(error.contains(expected), "{error}");
+        }
+    }
 
     #[test]
     fn an_output_belongs_to_one_input_model_and_layout() {
