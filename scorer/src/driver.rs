@@ -681,7 +681,8 @@ mod tests {
             (0.7, vec!["\n".to_string()], 64)
         );
         assert_eq!(parsed.generation_setup().kv_cache_bytes, 64 << 20);
-        let cases: [(fn(&mut ScoreConfig), &str); 5] = [
+        type Change = fn(&mut ScoreConfig);
+        let cases: [(Change, &str); 5] = [
             (|c| c.model = "/m/model.pt".into(), "TorchScript module has no KV cache"),
             (|c| c.temperature = -0.5, "temperature must be"),
             (|c| c.top_p = 2.0, "top_p must be"),
