@@ -10,7 +10,7 @@ pub mod sample;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::partition::RowError;
+use crate::partition::{row_id, RowError};
 
 pub use batcher::{Batcher, BatcherConfig, Feed, Finish, Occupancy, Step, Work};
 pub use params::SamplingParams;
@@ -45,15 +45,6 @@ pub struct PromptRow {
     pub prompt: Prompt,
     /// Its own `params` object, laid over the run's defaults.
     pub params: Option<Value>,
-}
-
-fn row_id(value: &Value) -> Result<String, String> {
-    match value.get("id") {
-        Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
-        Some(Value::Number(n)) if n.is_u64() || n.is_i64() => Ok(n.to_string()),
-        Some(other) => Err(format!("`id` must be a non-empty string or an integer, not {other}")),
-        None => Err("no `id` field".into()),
-    }
 }
 
 /// Parses one JSONL line of a generation input: an `id` and one of `messages` (a list of
