@@ -93,13 +93,7 @@ fn outputs(dir: &Path) -> BTreeMap<String, GeneratedRow> {
 }
 
 fn errors(dir: &Path) -> String {
-    let mut all = String::new();
-    for entry in std::fs::read_dir(dir).unwrap().flatten() {
-        if entry.file_name().to_string_lossy().ends_with(".errors.jsonl") {
-            all.push_str(&std::fs::read_to_string(entry.path()).unwrap());
-        }
-    }
-    all
+    support::errors_text(dir)
 }
 
 fn assert_same_texts(dir: &Path, reference: &BTreeMap<String, GeneratedRow>) {

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use regatta::local::{LocalCluster, LocalOptions, WorkerSpec};
@@ -215,4 +215,15 @@ pub async fn start_moto(bucket: &str) -> Moto {
     })
     .await;
     moto
+}
+
+/// The text of every `*.errors.jsonl` file of a scoring or generating run's output.
+pub fn errors_text(dir: &Path) -> String {
+    let mut all = String::new();
+    for entry in std::fs::read_dir(dir).expect("the output folder").flatten() {
+        if entry.file_name().to_string_lossy().ends_with(".errors.jsonl") {
+            all.push_str(&std::fs::read_to_string(entry.path()).expect("an errors file"));
+        }
+    }
+    all
 }

@@ -12,6 +12,7 @@ use regatta_scorer::generate::{GenerationSetup, RowStream, SamplingParams};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
+use crate::executor::matmul_flops_per_sec;
 use crate::generate::{Generator, Prepared};
 use crate::hf::{model_from_config, HfModel};
 use crate::model::{arrange, logits, parameter_count, Model};
@@ -46,7 +47,8 @@ fn load(model: &str) -> Result<Loaded> {
         let params = arrange(built.as_ref(), &stored)?;
         return Ok((built, params, context_of(&json)));
     }
-    let hf = runtime.block_on(HfModel::open(model))?;
+    let cwd = std::env::current_dir()?;
+    let hf = runtime.block_on(HfModel::open(&regatta_object_store::absolute(model, &cwd)))?;
     let built = hf.model()?;
     hf.check(built.as_ref())?;
     let mut stored = HashMap::new();
@@ -70,36 +72,6 @@ fn memory_bandwidth() -> f64 {
         best = best.min(start.elapsed().as_secs_f64());
     }
     2.0 * 4.0 * elements as f64 / best
-}
-
-/// FLOP/s of `[tokens, in] x [in, out]` products over the model's weight matrices.
-fn gemm_flops(model: &dyn Model, tokens: i64) -> f64 {
-    let operands: Vec<(Tensor, Tensor)> = model
-        .blocks()
-        .iter()
-        .flatten()
-        .filter(|s| s.shape.len() == 2 && s.tied_to.is_none())
-        .map(|s| {
-            let options = (Kind::Float, Device::Cpu);
-            (
-                Tensor::randn([tokens, s.shape[1]], options),
-                Tensor::randn([s.shape[1], s.shape[0]], options),
-            )
-        })
-        .collect();
-    let flops: f64 = operands
-        .iter()
-        .map(|(a, b)| 2.0 * (a.size()[0] * a.size()[1] * b.size()[1]) as f64)
-        .sum();
-    let mut best = f64::INFINITY;
-    for _ in 0..3 {
-        let start = Instant::now();
-        for (a, b) in &operands {
-            let _ = a.matmul(b);
-        }
-        best = best.min(start.elapsed().as_secs_f64());
-    }
-    flops / best
 }
 
 /// Prompts of 32 to 96 tokens (a fixed mix), `rows` of them.
@@ -143,11 +115,11 @@ pub fn bench_generate(model_path: &str, threads: usize) -> Result<()> {
     let weight_bytes = 4.0 * parameters as f64;
     let bandwidth = memory_bandwidth();
     // The best of a decode-sized and a prefill-sized product: the machine's peak at these shapes.
-    let peak = gemm_flops(model.as_ref(), 128).max(gemm_flops(model.as_ref(), 512));
+    let peak = matmul_flops_per_sec(model.as_ref(), 128).max(matmul_flops_per_sec(model.as_ref(), 512));
     let memory_bound = bandwidth / weight_bytes;
     // What libtorch's matrix-vector products reach on their own at batch 1 (every weight
     // matrix applied to one token): how much of the batch-1 gap is the kernels'.
-    let gemv_rate = gemm_flops(model.as_ref(), 1) / (2.0 * parameters as f64);
+    let gemv_rate = matmul_flops_per_sec(model.as_ref(), 1) / (2.0 * parameters as f64);
     let compute_bound = peak / (2.0 * parameters as f64);
     println!(
         "model {model_path}: {parameters} parameters ({:.1} MB fp32), {threads} threads, prompts 32-96 tokens, {OUTPUT_TOKENS} output tokens a row",

@@ -504,17 +504,9 @@ pub struct GemmPeak {
     pub parameters: u64,
 }
 
-/// Times libtorch's matmul on the CPU at every weight shape of `config`'s model (inputs of
-/// `micro_batch_size × context` rows), with `threads` threads, best of a few rounds.
-pub fn gemm_peak(config: &TrainConfig, threads: usize, make_model: &ModelFactory) -> Result<GemmPeak, Error> {
-    tch::set_num_threads(threads.max(1) as i32);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| Error::Invalid(e.to_string()))?;
-    let run_model = runtime.block_on(open_run_model(config, make_model))?;
-    let model = run_model.model.as_ref();
-    let tokens = config.micro_batch_size * config.model.context;
+/// FLOP/s of libtorch's float32 matmuls on the CPU, `[rows, in] x [in, out]` at every
+/// weight matrix of `model` (tied ones once), best of 5 rounds.
+pub fn matmul_flops_per_sec(model: &dyn Model, rows: usize) -> f64 {
     let operands: Vec<(Tensor, Tensor)> = model
         .blocks()
         .iter()
@@ -523,7 +515,7 @@ pub fn gemm_peak(config: &TrainConfig, threads: usize, make_model: &ModelFactory
         .map(|spec| {
             let options = (Kind::Float, Device::Cpu);
             (
-                Tensor::randn([tokens as i64, spec.shape[1]], options),
+                Tensor::randn([rows as i64, spec.shape[1]], options),
                 Tensor::randn([spec.shape[1], spec.shape[0]], options),
             )
         })
@@ -540,8 +532,22 @@ pub fn gemm_peak(config: &TrainConfig, threads: usize, make_model: &ModelFactory
         }
         best = best.min(start.elapsed().as_secs_f64());
     }
+    flops / best.max(1e-9)
+}
+
+/// Times libtorch's matmul on the CPU at every weight shape of `config`'s model (inputs of
+/// `micro_batch_size × context` rows), with `threads` threads, best of a few rounds.
+pub fn gemm_peak(config: &TrainConfig, threads: usize, make_model: &ModelFactory) -> Result<GemmPeak, Error> {
+    tch::set_num_threads(threads.max(1) as i32);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Invalid(e.to_string()))?;
+    let run_model = runtime.block_on(open_run_model(config, make_model))?;
+    let model = run_model.model.as_ref();
+    let tokens = config.micro_batch_size * config.model.context;
     Ok(GemmPeak {
-        flops_per_sec: flops / best.max(1e-9),
+        flops_per_sec: matmul_flops_per_sec(model, tokens),
         threads: threads.max(1),
         tokens,
         model_flops_per_token: model.flops_per_token(config.model.context),
