@@ -183,7 +183,7 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
         actors: args.scorers,
     };
     println!(
-        "training the built-in GPT: ZeRO-2 over 2 ranks, {} steps, then scoring the evaluation set before and after",
+        "training the built-in GPT: ZeRO-2 over 2 ranks, {} steps, then scoring the evaluation set before and after, and generating with the trained model",
         args.steps
     );
     let report = train_then_score(client.cluster(), &options, |line| println!("{line}")).await?;
