@@ -27,6 +27,9 @@ pub struct ScoreArgs {
     /// A trainer checkpoint directory, or a TorchScript file (.pt, .ts, .torchscript).
     #[arg(long)]
     pub model: Option<String>,
+    /// A LoRA adapter (PEFT folder or LoRA checkpoint) applied to --model without merging.
+    #[arg(long)]
+    pub adapter: Option<String>,
     /// Output directory.
     #[arg(long)]
     pub output: Option<String>,
@@ -94,7 +97,11 @@ impl ScoreArgs {
             }
             None => ScoreConfig::default(),
         };
-        for (value, field) in [(&self.input, &mut config.input), (&self.model, &mut config.model)] {
+        for (value, field) in [
+            (&self.input, &mut config.input),
+            (&self.model, &mut config.model),
+            (&self.adapter, &mut config.adapter),
+        ] {
             if let Some(v) = value {
                 *field = v.clone();
             }

@@ -52,6 +52,13 @@ pub struct TrainArgs {
     /// Restarts from the last checkpoint after a lost rank.
     #[arg(long)]
     pub max_failures: Option<u32>,
+    /// Train LoRA adapters of this rank (the rest of [lora] from the file, or its defaults:
+    /// alpha 32, every projection) on the frozen model.
+    #[arg(long)]
+    pub lora_rank: Option<usize>,
+    /// Keep optimizer state in host memory and run AdamW there (ZeRO-Offload).
+    #[arg(long)]
+    pub offload_optimizer: bool,
     /// The cluster to use; without it a local cluster runs for the duration.
     #[arg(long, env = "REGATTA_ADDRESS")]
     pub address: Option<String>,
@@ -112,6 +119,13 @@ impl TrainArgs {
         if let Some(v) = self.max_failures {
             config.max_failures = v;
         }
+        if let Some(rank) = self.lora_rank {
+            let lora = config.lora.get_or_insert_with(Default::default);
+            lora.rank = rank;
+        }
+        if self.offload_optimizer {
+            config.zero.offload_optimizer = regatta_trainer::Offload::Cpu;
+        }
         config.checkpoint.resume |= self.resume;
         config.validate().map_err(anyhow::Error::msg)?;
         Ok(config)
@@ -143,6 +157,27 @@ pub async fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     .await
 }
 
+/// What a rank holds by kind, on the device and on the host: `device p 1.2M g 0.3M o 3.6M
+/// host p 0 g 0 o 0` (MiB; parameters include frozen ones).
+pub fn held(s: &regatta_trainer::StepReport) -> String {
+    let mib = |bytes: u64| {
+        if bytes == 0 {
+            "0".to_string()
+        } else {
+            format!("{:.1}M", bytes as f64 / (1 << 20) as f64)
+        }
+    };
+    format!(
+        "device p {} g {} o {}  host p {} g {} o {}",
+        mib(s.param_bytes - s.host_param_bytes.min(s.param_bytes)),
+        mib(s.grad_bytes - s.host_grad_bytes.min(s.grad_bytes)),
+        mib(s.optimizer_bytes - s.host_optimizer_bytes.min(s.optimizer_bytes)),
+        mib(s.host_param_bytes),
+        mib(s.host_grad_bytes),
+        mib(s.host_optimizer_bytes)
+    )
+}
+
 /// One line for an event, as the job log shows it.
 pub fn describe(event: &TrainEvent, config: &TrainConfig, log_every: u64) -> Option<String> {
     match event {
@@ -153,8 +188,18 @@ pub fn describe(event: &TrainEvent, config: &TrainConfig, log_every: u64) -> Opt
             nodes,
             device,
         } => Some(format!(
-            "training: {params} parameters, ZeRO-{} over {} ranks on {} ({device}){}",
+            "training: {params} parameters{}, ZeRO-{}{} over {} ranks on {} ({device}){}",
+            config
+                .lora
+                .as_ref()
+                .map(|l| format!(" with LoRA adapters (r {}, alpha {}) on {}", l.rank, l.alpha, l.targeted().join(", ")))
+                .unwrap_or_default(),
             config.zero_stage,
+            match (config.zero.offload_optimizer, config.zero.offload_params) {
+                (regatta_trainer::Offload::Cpu, regatta_trainer::Offload::Cpu) => " (optimizer and parameters offloaded to CPU)",
+                (regatta_trainer::Offload::Cpu, _) => " (optimizer offloaded to CPU)",
+                _ => "",
+            },
             config.world_size,
             nodes.join(", "),
             if *attempt > 0 || *start_step > 0 {
@@ -165,8 +210,14 @@ pub fn describe(event: &TrainEvent, config: &TrainConfig, log_every: u64) -> Opt
         )),
         TrainEvent::Step(s) if s.step % log_every.max(1) == 0 || s.step == config.steps || s.step == 1 => {
             Some(format!(
-                "step {}/{}  loss {:.4}  {:.0} tokens/s  step {:.3}s  collectives {:.3}s",
-                s.step, config.steps, s.loss, s.tokens_per_sec, s.step_secs, s.collective_secs
+                "step {}/{}  loss {:.4}  {:.0} tokens/s  step {:.3}s  collectives {:.3}s  {}",
+                s.step,
+                config.steps,
+                s.loss,
+                s.tokens_per_sec,
+                s.step_secs,
+                s.collective_secs,
+                held(s)
             ))
         }
         TrainEvent::Checkpoint { step, url } => Some(format!("checkpoint at step {step}: {url}")),
@@ -228,6 +279,10 @@ fn report(summary: &TrainSummary, config: &TrainConfig, json: bool) -> anyhow::R
                 "param_bytes": last.param_bytes,
                 "grad_bytes": last.grad_bytes,
                 "optimizer_bytes": last.optimizer_bytes,
+                "host_param_bytes": last.host_param_bytes,
+                "host_grad_bytes": last.host_grad_bytes,
+                "host_optimizer_bytes": last.host_optimizer_bytes,
+                "frozen_param_bytes": last.frozen_param_bytes,
             },
         });
         println!("{value}");

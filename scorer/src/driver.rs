@@ -35,6 +35,10 @@ pub struct ScoreConfig {
     /// TorchScript file (`.pt`, `.ts`, `.torchscript`) mapping token ids
     /// `[batch, time]` to logits `[batch, time, vocab]`.
     pub model: String,
+    /// A LoRA adapter applied to `model` without merging: a PEFT folder
+    /// (`adapter_config.json` + `adapter_model.safetensors`) or a LoRA training run's
+    /// checkpoint directory (its newest step) or step directory. Empty: none.
+    pub adapter: String,
     /// Longest token sequence a TorchScript model takes (required for one; a checkpoint
     /// carries its own).
     pub context: usize,
@@ -90,6 +94,7 @@ impl Default for ScoreConfig {
         Self {
             input: String::new(),
             model: String::new(),
+            adapter: String::new(),
             context: 0,
             output: String::new(),
             tokenizer: String::new(),
@@ -122,6 +127,16 @@ impl ScoreConfig {
         Ok(config)
     }
 
+    /// The model, and the adapter applied to it when there is one (what the output's
+    /// plan and manifest record).
+    pub fn model_and_adapter(&self) -> String {
+        if self.adapter.is_empty() {
+            self.model.clone()
+        } else {
+            format!("{} + adapter {}", self.model, self.adapter)
+        }
+    }
+
     /// Checks the fields.
     pub fn validate(&self) -> Result<()> {
         for (name, value) in [("input", &self.input), ("model", &self.model), ("output", &self.output)] {
@@ -147,6 +162,11 @@ impl ScoreConfig {
         if self.generate && crate::protocol::is_torchscript(&self.model) {
             return Err(Error::Config(
                 "generate needs a model folder or checkpoint: a TorchScript module has no KV cache".into(),
+            ));
+        }
+        if !self.adapter.is_empty() && crate::protocol::is_torchscript(&self.model) {
+            return Err(Error::Config(
+                "adapter needs a Hugging Face model folder or checkpoint as model, not a TorchScript module".into(),
             ));
         }
         if crate::protocol::is_torchscript(&self.model) && !(2..=1 << 20).contains(&self.context) {
@@ -219,7 +239,13 @@ impl ScoreConfig {
 
     /// Makes relative local paths absolute against `base`.
     pub fn resolve_paths(&mut self, base: &std::path::Path) {
-        for path in [&mut self.input, &mut self.model, &mut self.output, &mut self.tokenizer] {
+        for path in [
+            &mut self.input,
+            &mut self.model,
+            &mut self.adapter,
+            &mut self.output,
+            &mut self.tokenizer,
+        ] {
             *path = regatta_object_store::absolute(path, base);
         }
     }
@@ -391,6 +417,7 @@ impl ScoreRun {
         let args = ScorerArgs {
             setup: ScorerSetup {
                 checkpoint: self.config.model.clone(),
+                adapter: self.config.adapter.clone(),
                 context: self.config.context,
                 tokenizer: self.config.tokenizer.clone(),
                 device: self.config.device.clone(),
@@ -441,7 +468,7 @@ impl ScoreRun {
         let layout = OutputLayout {
             input: self.config.input.clone(),
             input_bytes: size,
-            model: self.config.model.clone(),
+            model: self.config.model_and_adapter(),
             partitions: slices.iter().map(|(slice, _)| slice.clone()).collect(),
             generation: self.config.generate.then(|| self.config.sampling()),
         };
@@ -604,7 +631,7 @@ impl ScoreRun {
         }
         let manifest = ScoreManifest {
             input: c.input.clone(),
-            model: c.model.clone(),
+            model: c.model_and_adapter(),
             partitions: slices
                 .iter()
                 .enumerate()

@@ -24,6 +24,9 @@ pub struct ScorerSetup {
     /// A trainer checkpoint directory (its newest step) or one step's directory, or a
     /// TorchScript file (see [`is_torchscript`]).
     pub checkpoint: String,
+    /// A LoRA adapter folder applied to the model unmerged; empty: none.
+    #[serde(default)]
+    pub adapter: String,
     /// Longest token sequence a TorchScript model takes (checkpoints carry their own).
     pub context: usize,
     /// A `tokenizer.json` overriding the checkpoint's; empty: the checkpoint's own.

@@ -9,7 +9,7 @@
 
 use bytes::Bytes;
 use regatta_trainer::config::{DataConfig, ModelConfig};
-use regatta_trainer::ZeroStage;
+use regatta_trainer::{LoraConfig, ZeroStage};
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 use tokio::runtime::Runtime;
@@ -17,7 +17,9 @@ use tokio::runtime::Runtime;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::hf::{encode_safetensors, HfModel, ShardPlan, INDEX};
+use crate::model::ParamSpec;
 use regatta_object_store::Place;
+use regatta_trainer::lora::{is_adapter, ADAPTER_CONFIG};
 
 /// What a checkpoint holds, besides the tensors.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -43,6 +45,10 @@ pub struct Manifest {
     pub files: Vec<String>,
     /// The dataset the positions index into.
     pub data: DataConfig,
+    /// The run's adapters, for a LoRA run (its step directories hold the adapter, not
+    /// the base).
+    #[serde(default)]
+    pub lora: Option<LoraConfig>,
     /// Sequences per rank and micro-batch.
     pub micro_batch_size: usize,
     /// Micro-batches per step.
@@ -65,6 +71,15 @@ impl Manifest {
             .or_else(|| differs("model", &self.model, &config.model))
             .or_else(|| differs("the vocabulary", &self.vocab, &vocab))
             .or_else(|| differs("data", &self.data, &config.data))
+            .or_else(|| {
+                let adapters = |l: &Option<LoraConfig>| {
+                    l.clone().map(|l| LoraConfig {
+                        merge_on_save: false,
+                        ..l
+                    })
+                };
+                differs("lora", &adapters(&self.lora), &adapters(&config.lora))
+            })
             .or_else(|| differs("micro_batch_size", &self.micro_batch_size, &config.micro_batch_size))
             .or_else(|| {
                 differs(
@@ -155,12 +170,34 @@ pub fn save(
     runtime
         .block_on(dir.put(&shard, to_safetensors(&engine.optimizer_state())?))
         .map_err(storage)?;
-    let plan = ShardPlan::new(engine.specs(), spec.shard_bytes);
-    for (i, (file, blocks)) in plan.files.iter().enumerate() {
+    let lora = engine.model().lora().cloned();
+    if let Some(lora) = &lora {
+        // The adapter: small, gathered whole; rank 0 writes it in PEFT's layout.
+        let adapter = engine.consolidated()?;
+        if rank == 0 {
+            let base = spec.manifest.model.path.clone();
+            for (name, bytes) in crate::lora::adapter_files(lora, &base, &adapter)? {
+                runtime.block_on(dir.put(&name, bytes)).map_err(storage)?;
+            }
+        }
+    }
+    let write_weights = lora.as_ref().is_none_or(|l| l.merge_on_save);
+    // The base's own blocks (a LoRA run's merged weights carry no adapter tensors).
+    let base_specs: Vec<Vec<ParamSpec>> = engine
+        .specs()
+        .iter()
+        .map(|block| block.iter().filter(|s| !is_adapter(&s.name)).cloned().collect())
+        .collect();
+    let plan = ShardPlan::new(&base_specs, spec.shard_bytes);
+    for (i, (file, blocks)) in plan.files.iter().enumerate().filter(|_| write_weights) {
         let owner = i % world;
         let mut tensors = Vec::new();
         for &block in blocks {
-            let gathered = engine.gather_block(block)?;
+            let gathered = if lora.is_some() {
+                engine.merged_block(block)?
+            } else {
+                engine.gather_block(block)?
+            };
             if rank == owner {
                 tensors.extend(gathered);
             }
@@ -177,14 +214,16 @@ pub fn save(
                 .map(Bytes::from)
                 .map_err(|e| Error::Invalid(e.to_string()))
         };
-        if plan.files.len() > 1 {
+        if write_weights && plan.files.len() > 1 {
             runtime
-                .block_on(dir.put(INDEX, json(&plan.index(engine.specs()))?))
+                .block_on(dir.put(INDEX, json(&plan.index(&base_specs))?))
                 .map_err(storage)?;
         }
-        runtime
-            .block_on(dir.put("config.json", json(&engine.model().hf_config())?))
-            .map_err(storage)?;
+        if write_weights {
+            runtime
+                .block_on(dir.put("config.json", json(&engine.model().hf_config())?))
+                .map_err(storage)?;
+        }
         for (name, bytes) in spec.side_files {
             runtime.block_on(dir.put(name, bytes.clone())).map_err(storage)?;
         }
@@ -215,16 +254,28 @@ pub fn restore(runtime: &Runtime, place: &Place, engine: &mut Engine, rank: usiz
 /// Opens a model folder: a Hugging Face folder, a checkpoint's step directory, or a
 /// checkpoint directory (its newest step). Returns the manifest when there is one.
 pub async fn open_model(url: &str) -> Result<(Option<Manifest>, HfModel)> {
-    let place = Place::dir(url).map_err(storage)?;
-    if let Some(manifest) = latest(&place).await? {
-        let dir = place.child(&step_dir(manifest.step));
-        return Ok((Some(manifest), HfModel::open(dir.url()).await?));
+    let mut place = Place::dir(url).map_err(storage)?;
+    let mut manifest = latest(&place).await?;
+    match &manifest {
+        Some(m) => place = place.child(&step_dir(m.step)),
+        None => {
+            manifest = match place.get_opt("manifest.json").await.map_err(storage)? {
+                Some(bytes) => serde_json::from_slice(&bytes).ok(),
+                None => None,
+            }
+        }
     }
-    let manifest = match place.get_opt("manifest.json").await.map_err(storage)? {
-        Some(bytes) => serde_json::from_slice(&bytes).ok(),
-        None => None,
-    };
-    Ok((manifest, HfModel::open(url).await?))
+    if place.get_opt("config.json").await.map_err(storage)?.is_none()
+        && place.get_opt(ADAPTER_CONFIG).await.map_err(storage)?.is_some()
+    {
+        return Err(Error::ModelFile {
+            path: place.url().to_string(),
+            problem: "holds a LoRA adapter, not a model: score it with --model BASE --adapter THIS_FOLDER, or write \
+                      merged weights with `regatta-torch-rank merge BASE THIS_FOLDER OUT` (or [lora] merge_on_save)"
+                .into(),
+        });
+    }
+    Ok((manifest, HfModel::open(place.url()).await?))
 }
 
 #[cfg(test)]
@@ -244,6 +295,7 @@ mod tests {
             positions: vec![28; config.world_size],
             files: Vec::new(),
             data: config.data.clone(),
+            lora: None,
             micro_batch_size: config.micro_batch_size,
             gradient_accumulation: config.gradient_accumulation,
         }

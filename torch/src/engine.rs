@@ -25,7 +25,7 @@
 use std::collections::HashMap;
 
 use regatta_trainer::config::OptimizerConfig;
-use regatta_trainer::{FlatLayout, ZeroStage};
+use regatta_trainer::{FlatLayout, Offload, ZeroConfig, ZeroStage};
 use tch::{Device, Kind, Reduction, Tensor};
 
 use crate::collective::{TensorCollective, Timed};
@@ -44,21 +44,33 @@ pub struct StepOutcome {
     pub collective_secs: f64,
     /// Bytes of gradients held at the end of backward.
     pub grad_bytes: u64,
+    /// Of `grad_bytes`, in host memory (optimizer offload).
+    pub host_grad_bytes: u64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     /// Target tokens the loss averaged over (every rank and micro-batch).
     pub target_tokens: u64,
 }
 
-/// Bytes of training state this rank holds, from the tensors themselves.
+/// Bytes of training state this rank holds, from the tensors themselves: each kind in
+/// all, and of that what lies in host memory rather than on the compute device (ZeRO-Offload;
+/// on a CPU run the compute device is host memory too, and only offloaded state counts as host).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Held {
-    /// Parameters kept between steps.
+    /// Parameters kept between steps (trained and frozen).
     pub parameters: u64,
     /// Gradients kept (stage 1 keeps full ones; 2 and 3 keep none between steps).
     pub gradients: u64,
     /// Master weights and both AdamW moments.
     pub optimizer: u64,
+    /// Of `parameters`, on the host.
+    pub host_parameters: u64,
+    /// Of `gradients`, on the host.
+    pub host_gradients: u64,
+    /// Of `optimizer`, on the host.
+    pub host_optimizer: u64,
+    /// Of `parameters`, frozen ones (a LoRA run's base).
+    pub frozen_parameters: u64,
 }
 
 /// A parameter's initial values: a pure function of the seed and the parameter's name
@@ -66,10 +78,11 @@ pub struct Held {
 /// way without sharing libtorch's global generator.
 pub fn initial_values(spec: &ParamSpec, seed: u64) -> Vec<f32> {
     let n = spec.numel();
-    let std = match spec.init {
+    let (std, uniform) = match spec.init {
         Init::Zeros => return vec![0.0; n],
         Init::Ones => return vec![1.0; n],
-        Init::Normal(std) => std,
+        Init::Normal(std) => (std, false),
+        Init::Uniform(bound) => (bound, true),
     };
     let mut state = spec.name.bytes().fold(seed ^ 0x9e37_79b9_7f4a_7c15, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
@@ -83,6 +96,9 @@ pub fn initial_values(spec: &ParamSpec, seed: u64) -> Vec<f32> {
         // A uniform in (0, 1]: never 0, so the logarithm below is finite.
         ((z >> 11) as f64 + 1.0) / (1u64 << 53) as f64
     };
+    if uniform {
+        return (0..n).map(|_| ((2.0 * next() - 1.0) * std) as f32).collect();
+    }
     let mut out = Vec::with_capacity(n + 1);
     while out.len() < n {
         let (u1, u2) = (next(), next());
@@ -139,10 +155,29 @@ pub struct EngineSettings {
     pub compute: Kind,
     /// Recompute blocks in backward (always at stage 3).
     pub activation_checkpointing: bool,
+    /// Where optimizer state and parameters live (ZeRO-Offload).
+    pub offload: ZeroConfig,
+    /// Seeds the dropout masks (LoRA dropout).
+    pub seed: u64,
 }
 
-/// Where a tied parameter's storage is: (block, index among the block's stored specs).
-type Source = (usize, usize);
+/// Where a parameter's storage is inside its block: the trainable buffer or the frozen one,
+/// at a slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Store {
+    Train(usize),
+    Frozen(usize),
+}
+
+/// Where a tied parameter's storage is: (block, store of the block it lives in).
+type Source = (usize, Store);
+
+/// Each spec of a block: stored in this block, or tied to an earlier block's storage.
+#[derive(Clone, Copy, Debug)]
+enum Slot {
+    Own(Store),
+    Tied(Source),
+}
 
 /// Sum of the cross-entropy of every target token (float32).
 pub fn token_loss_sum(logits: &Tensor, targets: &Tensor) -> Tensor {
@@ -153,20 +188,46 @@ pub fn token_loss_sum(logits: &Tensor, targets: &Tensor) -> Tensor {
         .cross_entropy_loss::<Tensor>(&targets.reshape([-1]), None, Reduction::Sum, IGNORE, 0.0)
 }
 
+/// One block's flat buffers: which tensors they hold and in what shapes.
+struct Flat {
+    layout: FlatLayout,
+    shapes: Vec<Vec<i64>>,
+}
+
+impl Flat {
+    fn view(&self, slot: usize, flat: &Tensor) -> Tensor {
+        let s = &self.layout.tensors[slot];
+        flat.narrow(0, s.offset as i64, s.numel as i64)
+            .view(self.shapes[slot].as_slice())
+    }
+
+    fn is_empty(&self) -> bool {
+        self.layout.padded == 0
+    }
+}
+
 /// One rank of a ZeRO group.
 pub struct Engine {
     model: Box<dyn Model>,
     specs: Vec<Vec<ParamSpec>>,
-    /// Per block, per spec: `Ok(slot)` when stored in the block's buffer, or the source of
-    /// a tied one.
-    stored: Vec<Vec<std::result::Result<usize, Source>>>,
-    layouts: Vec<FlatLayout>,
-    /// Per block, the shape of each stored parameter (by slot).
-    shapes: Vec<Vec<Vec<i64>>>,
+    slots: Vec<Vec<Slot>>,
+    /// Per block, the trained parameters' buffer layout.
+    train: Vec<Flat>,
+    /// Per block, the frozen parameters' buffer layout.
+    frozen_flat: Vec<Flat>,
     settings: EngineSettings,
+    /// Where optimizer state lives: the device, or the host with `offload_optimizer`.
+    host: Device,
     coll: Timed,
     step: u64,
+    /// Stages 1 and 2: full trained parameters in the compute type, on the device.
     full: Vec<Option<Tensor>>,
+    /// Stage 3 with optimizer offload but not parameter offload: this rank's parameter
+    /// slice in the compute type, on the device.
+    param_shards: Vec<Option<Tensor>>,
+    /// Frozen parameters in the compute type: full (stages 1 and 2) or this rank's slice
+    /// (stage 3); on the host with `offload_params`.
+    frozen: Vec<Tensor>,
     master: Vec<Tensor>,
     exp_avg: Vec<Tensor>,
     exp_avg_sq: Vec<Tensor>,
@@ -174,13 +235,41 @@ pub struct Engine {
     decay: Vec<Tensor>,
     full_grads: Vec<Option<Tensor>>,
     grad_shards: Vec<Option<Tensor>>,
+    /// Micro-batches run so far (the dropout masks' seed).
+    micro_batches: u64,
 }
 
-/// A block's parameters as leaves of one backward: the flat buffer and the tied
-/// parameters it borrowed.
+/// A block's parameters as leaves of one backward: the trained buffer, the frozen one and
+/// the tied parameters it borrowed.
 struct Leaves {
     flat: Tensor,
+    frozen: Tensor,
     tied: Vec<(Source, Tensor)>,
+}
+
+impl Leaves {
+    /// The leaves backward differentiates against (frozen ones excluded).
+    fn trained(&self) -> Vec<Tensor> {
+        let mut out = Vec::new();
+        if self.flat.numel() > 0 {
+            out.push(self.flat.shallow_clone());
+        }
+        out.extend(
+            self.tied
+                .iter()
+                .filter(|((_, store), _)| matches!(store, Store::Train(_)))
+                .map(|(_, t)| t.shallow_clone()),
+        );
+        out
+    }
+}
+
+fn pinned(tensor: Tensor, device: Device) -> Tensor {
+    if device.is_cuda() && tensor.device() == Device::Cpu {
+        tensor.pin_memory(device)
+    } else {
+        tensor
+    }
 }
 
 impl Engine {
@@ -194,18 +283,34 @@ impl Engine {
     ) -> Result<Self> {
         let specs = model.blocks();
         let (world, rank) = (coll.world(), coll.rank());
+        let device = settings.device;
+        let host = if settings.offload.offload_optimizer == Offload::Cpu {
+            Device::Cpu
+        } else {
+            device
+        };
+        let three = settings.stage == ZeroStage::Three;
         let mut where_stored: HashMap<String, Source> = HashMap::new();
-        let mut stored = Vec::with_capacity(specs.len());
-        let mut layouts = Vec::with_capacity(specs.len());
+        let mut slots = Vec::with_capacity(specs.len());
+        let (mut train, mut frozen_flat) = (Vec::new(), Vec::new());
         for (b, block) in specs.iter().enumerate() {
-            let mut slots = Vec::new();
-            let mut sizes = Vec::new();
+            let mut block_slots = Vec::new();
+            let (mut sizes, mut frozen_sizes) = (Vec::new(), Vec::new());
+            let (mut shapes, mut frozen_shapes) = (Vec::new(), Vec::new());
             for spec in block {
                 match &spec.tied_to {
                     None => {
-                        where_stored.insert(spec.name.clone(), (b, sizes.len()));
-                        slots.push(Ok(sizes.len()));
-                        sizes.push((spec.name.clone(), spec.numel()));
+                        let store = if spec.frozen {
+                            frozen_sizes.push((spec.name.clone(), spec.numel()));
+                            frozen_shapes.push(spec.shape.clone());
+                            Store::Frozen(frozen_sizes.len() - 1)
+                        } else {
+                            sizes.push((spec.name.clone(), spec.numel()));
+                            shapes.push(spec.shape.clone());
+                            Store::Train(sizes.len() - 1)
+                        };
+                        where_stored.insert(spec.name.clone(), (b, store));
+                        block_slots.push(Slot::Own(store));
                     }
                     Some(source) => {
                         let found = where_stored.get(source).copied().filter(|(sb, _)| *sb < b);
@@ -215,20 +320,30 @@ impl Engine {
                                 spec.name
                             ))
                         })?;
-                        slots.push(Err(found));
+                        block_slots.push(Slot::Tied(found));
                     }
                 }
             }
-            stored.push(slots);
-            layouts.push(FlatLayout::new(&sizes, world));
+            slots.push(block_slots);
+            train.push(Flat {
+                layout: FlatLayout::new(&sizes, world),
+                shapes,
+            });
+            frozen_flat.push(Flat {
+                layout: FlatLayout::new(&frozen_sizes, world),
+                shapes: frozen_shapes,
+            });
         }
         let mut master = Vec::with_capacity(specs.len());
         let mut decay = Vec::with_capacity(specs.len());
-        for (b, layout) in layouts.iter().enumerate() {
-            let flat = Tensor::zeros([layout.padded as i64], (Kind::Float, Device::Cpu));
-            let mask = Tensor::zeros([layout.padded as i64], (Kind::Float, Device::Cpu));
-            let own = specs[b].iter().filter(|s| s.tied_to.is_none());
-            for (spec, slot) in own.zip(&layout.tensors) {
+        let mut frozen = Vec::with_capacity(specs.len());
+        for (b, block) in specs.iter().enumerate() {
+            let (t, f) = (&train[b].layout, &frozen_flat[b].layout);
+            let flat = Tensor::zeros([t.padded as i64], (Kind::Float, Device::Cpu));
+            let mask = Tensor::zeros([t.padded as i64], (Kind::Float, Device::Cpu));
+            let frozen_full = Tensor::zeros([f.padded as i64], (settings.compute, Device::Cpu));
+            for (spec, slot) in block.iter().zip(&slots[b]) {
+                let Slot::Own(store) = slot else { continue };
                 let values = init(spec)?;
                 if values.size() != spec.shape {
                     return Err(Error::Invalid(format!(
@@ -238,50 +353,59 @@ impl Engine {
                         spec.shape
                     )));
                 }
-                let region = |t: &Tensor| t.narrow(0, slot.offset as i64, slot.numel as i64);
-                region(&flat).copy_(&values.to_kind(Kind::Float).view(-1));
-                if spec.decays() {
+                let (buffer, place) = match store {
+                    Store::Train(i) => (&flat, &t.tensors[*i]),
+                    Store::Frozen(i) => (&frozen_full, &f.tensors[*i]),
+                };
+                let region = |t: &Tensor| t.narrow(0, place.offset as i64, place.numel as i64);
+                region(buffer).copy_(&values.to_kind(buffer.kind()).view(-1));
+                if matches!(store, Store::Train(_)) && spec.decays() {
                     let _ = region(&mask).fill_(1.0);
                 }
             }
-            let range = layout.shard_range(rank);
-            let shard = |t: &Tensor| {
-                t.narrow(0, range.start as i64, range.len() as i64)
-                    .to_device(settings.device)
-                    .copy()
+            let range = t.shard_range(rank);
+            let shard = |x: &Tensor| {
+                let part = x.narrow(0, range.start as i64, range.len() as i64).copy();
+                pinned(part.to_device(host), device)
             };
             master.push(shard(&flat));
             decay.push(shard(&mask));
+            let frozen_home = if settings.offload.offload_params == Offload::Cpu {
+                Device::Cpu
+            } else {
+                device
+            };
+            frozen.push(if three {
+                let range = f.shard_range(rank);
+                let part = frozen_full.narrow(0, range.start as i64, range.len() as i64).copy();
+                pinned(part.to_device(frozen_home), device)
+            } else {
+                frozen_full.to_device(device)
+            });
         }
         let blocks = specs.len();
-        let shapes = specs
-            .iter()
-            .map(|block| {
-                block
-                    .iter()
-                    .filter(|s| s.tied_to.is_none())
-                    .map(|s| s.shape.clone())
-                    .collect()
-            })
-            .collect();
         let mut engine = Self {
             model,
             specs,
-            stored,
-            layouts,
-            shapes,
+            slots,
+            train,
+            frozen_flat,
             settings,
+            host,
             coll: Timed::new(coll),
             step: 0,
             full: (0..blocks).map(|_| None).collect(),
-            exp_avg: master.iter().map(Tensor::zeros_like).collect(),
-            exp_avg_sq: master.iter().map(Tensor::zeros_like).collect(),
+            param_shards: (0..blocks).map(|_| None).collect(),
+            frozen,
+            exp_avg: master.iter().map(|m| pinned(m.zeros_like(), device)).collect(),
+            exp_avg_sq: master.iter().map(|m| pinned(m.zeros_like(), device)).collect(),
             master,
             decay,
             full_grads: (0..blocks).map(|_| None).collect(),
             grad_shards: (0..blocks).map(|_| None).collect(),
+            micro_batches: 0,
         };
-        engine.refresh_full()?;
+        engine.refresh_params()?;
         Ok(engine)
     }
 
@@ -290,9 +414,18 @@ impl Engine {
         self.step
     }
 
-    /// Real (unpadded) parameters of the model.
+    /// Real (unpadded) parameters of the model, trained and frozen.
     pub fn parameter_count(&self) -> u64 {
-        self.layouts.iter().map(|l| l.numel as u64).sum()
+        self.train
+            .iter()
+            .chain(&self.frozen_flat)
+            .map(|f| f.layout.numel as u64)
+            .sum()
+    }
+
+    /// Real parameters that train (a LoRA run: the adapters).
+    pub fn trained_parameter_count(&self) -> u64 {
+        self.train.iter().map(|f| f.layout.numel as u64).sum()
     }
 
     /// The model.
@@ -309,58 +442,100 @@ impl Engine {
         self.settings.stage == ZeroStage::Three
     }
 
-    /// Stages 1 and 2 keep full parameters: rebuilt from every rank's master slice.
-    fn refresh_full(&mut self) -> Result<()> {
-        if self.three() {
-            return Ok(());
-        }
+    fn offload_params(&self) -> bool {
+        self.settings.offload.offload_params == Offload::Cpu
+    }
+
+    /// After an update: stages 1 and 2 rebuild full parameters from every rank's master
+    /// slice; stage 3 with the optimizer on the host copies its slice to the device
+    /// (unless parameters are offloaded too).
+    fn refresh_params(&mut self) -> Result<()> {
+        let (device, compute) = (self.settings.device, self.settings.compute);
         for block in 0..self.master.len() {
-            let full = self.coll.all_gather(&self.master[block])?;
-            self.full[block] = Some(full.to_kind(self.settings.compute));
+            if self.train[block].is_empty() {
+                continue;
+            }
+            if !self.three() {
+                let full = self.coll.all_gather(&self.master[block].to_device(device))?;
+                self.full[block] = Some(full.to_kind(compute));
+            } else if self.settings.offload.offload_optimizer == Offload::Cpu && !self.offload_params() {
+                self.param_shards[block] = Some(self.master[block].to_device(device).to_kind(compute));
+            }
         }
         Ok(())
     }
 
-    /// A block's full flat parameters in the compute type.
+    /// A block's full flat trained parameters in the compute type, on the device.
     fn block_params(&mut self, block: usize) -> Result<Tensor> {
-        match &self.full[block] {
-            Some(full) => Ok(full.shallow_clone()),
-            None => Ok(self
-                .coll
-                .all_gather(&self.master[block])?
-                .to_kind(self.settings.compute)),
+        let (device, compute) = (self.settings.device, self.settings.compute);
+        if self.train[block].is_empty() {
+            return Ok(Tensor::zeros([0], (compute, device)));
+        }
+        if let Some(full) = &self.full[block] {
+            return Ok(full.shallow_clone());
+        }
+        let shard = match &self.param_shards[block] {
+            Some(shard) => shard.to_kind(Kind::Float),
+            None => self.master[block].to_device(device),
+        };
+        Ok(self.coll.all_gather(&shard)?.to_kind(compute))
+    }
+
+    /// A block's full flat frozen parameters in the compute type, on the device.
+    fn frozen_params(&mut self, block: usize) -> Result<Tensor> {
+        let (device, compute) = (self.settings.device, self.settings.compute);
+        if !self.three() || self.frozen_flat[block].is_empty() {
+            return Ok(self.frozen[block].shallow_clone());
+        }
+        let shard = self.frozen[block].to_device(device).to_kind(Kind::Float);
+        Ok(self.coll.all_gather(&shard)?.to_kind(compute))
+    }
+
+    fn store_view(&self, block: usize, store: Store, trained: &Tensor, frozen: &Tensor) -> Tensor {
+        match store {
+            Store::Train(slot) => self.train[block].view(slot, trained),
+            Store::Frozen(slot) => self.frozen_flat[block].view(slot, frozen),
         }
     }
 
-    fn slot_view(&self, block: usize, slot: usize, flat: &Tensor) -> Tensor {
-        let s = &self.layouts[block].tensors[slot];
-        flat.narrow(0, s.offset as i64, s.numel as i64)
-            .view(self.shapes[block][slot].as_slice())
-    }
-
-    /// The block's parameters as leaves (`grad`: whether they require gradients).
+    /// The block's parameters as leaves (`grad`: whether trained ones require gradients).
     fn leaves(&mut self, block: usize, grad: bool) -> Result<Leaves> {
         let flat = self.block_params(block)?.detach().set_requires_grad(grad);
+        let frozen = self.frozen_params(block)?;
         let mut tied = Vec::new();
-        let sources: Vec<Source> = self.stored[block].iter().filter_map(|s| s.err()).collect();
-        for (source_block, slot) in sources {
-            let source_flat = self.block_params(source_block)?;
-            let view = self
-                .slot_view(source_block, slot, &source_flat)
-                .detach()
-                .set_requires_grad(grad);
-            tied.push(((source_block, slot), view));
+        let sources: Vec<Source> = self.slots[block]
+            .iter()
+            .filter_map(|s| match s {
+                Slot::Tied(source) => Some(*source),
+                Slot::Own(_) => None,
+            })
+            .collect();
+        for (source_block, store) in sources {
+            let view = match store {
+                Store::Train(slot) => {
+                    let source_flat = self.block_params(source_block)?;
+                    self.train[source_block]
+                        .view(slot, &source_flat)
+                        .detach()
+                        .set_requires_grad(grad)
+                }
+                Store::Frozen(slot) => {
+                    let source_flat = self.frozen_params(source_block)?;
+                    self.frozen_flat[source_block].view(slot, &source_flat)
+                }
+            };
+            tied.push(((source_block, store), view));
         }
-        Ok(Leaves { flat, tied })
+        Ok(Leaves { flat, frozen, tied })
     }
 
     fn views(&self, block: usize, leaves: &Leaves) -> Vec<Tensor> {
         let mut tied = leaves.tied.iter();
-        self.stored[block]
+        self.slots[block]
             .iter()
             .map(|s| match s {
-                Ok(slot) => self.slot_view(block, *slot, &leaves.flat),
-                Err(_) => tied
+                Slot::Own(store) => self.store_view(block, *store, &leaves.flat, &leaves.frozen),
+                Slot::Tied(_) => tied
                     .next()
                     .map(|(_, t)| t.shallow_clone())
                     .expect("leaves hold one tensor per tied parameter"),
@@ -382,7 +557,7 @@ impl Engine {
             ));
         }
         let mut local_loss = 0.0;
-        let mut grad_bytes = 0;
+        let mut grad_bytes = (0, 0);
         for m in micro {
             let (loss, held) = self.accumulate(m, count)?;
             local_loss += loss;
@@ -393,21 +568,25 @@ impl Engine {
         Ok(StepOutcome {
             loss,
             collective_secs: self.coll.take_spent().as_secs_f64(),
-            grad_bytes,
+            grad_bytes: grad_bytes.0,
+            host_grad_bytes: grad_bytes.1,
             grad_norm,
             target_tokens: count as u64,
         })
     }
 
     /// Forward and backward of one micro-batch, adding the gradients of its loss sum
-    /// divided by `count` to the held ones. Returns its loss sum and the gradient bytes held.
-    fn accumulate(&mut self, m: &MicroBatch, count: f64) -> Result<(f64, u64)> {
+    /// divided by `count` to the held ones. Returns its loss sum and the gradient bytes
+    /// held (all, and of those on the host).
+    fn accumulate(&mut self, m: &MicroBatch, count: f64) -> Result<(f64, (u64, u64))> {
         let blocks = self.specs.len();
         let recompute = self.three() || self.settings.activation_checkpointing;
         let device = self.settings.device;
         let tokens = m.tokens.to_device(device);
         let targets = m.targets.to_device(device);
         let mut batch = m.batch(device);
+        self.micro_batches += 1;
+        batch.dropout_seed = Some(self.settings.seed ^ self.micro_batches.wrapping_mul(0x2545_f491_4f6c_dd1d));
         self.model.prepare(&mut batch);
         // Forward: keep each block's input (recompute) or its whole graph.
         let mut inputs = Vec::with_capacity(blocks);
@@ -437,8 +616,16 @@ impl Engine {
         let mut grad_out: Option<Tensor> = None;
         let mut pending: HashMap<Source, Tensor> = HashMap::new();
         let mut loss_sum = 0.0;
-        let mut grad_bytes = 0;
+        let mut held = (0, 0);
         for block in (0..blocks).rev() {
+            let trains = !self.train[block].is_empty()
+                || self.slots[block]
+                    .iter()
+                    .any(|s| matches!(s, Slot::Tied((_, Store::Train(_)))));
+            // A frozen first block needs no backward at all (nothing before it).
+            if block == 0 && !trains {
+                break;
+            }
             let (leaves, input, out) = if recompute {
                 let leaves = self.leaves(block, true)?;
                 let input = (block > 0).then(|| inputs[block].detach().set_requires_grad(true));
@@ -460,13 +647,22 @@ impl Engine {
                     .ok_or_else(|| Error::Invalid("a block's output gradient is missing".into()))?;
                 (&out * upstream).sum(Kind::Float)
             };
-            let mut wrt = vec![leaves.flat.shallow_clone()];
-            wrt.extend(leaves.tied.iter().map(|(_, t)| t.shallow_clone()));
+            let mut wrt = leaves.trained();
+            let trained = wrt.len();
             wrt.extend(input.iter().map(Tensor::shallow_clone));
             let grads = Tensor::f_run_backward(&[&target], &wrt, false, false)?;
-            let grad = grads[0].to_kind(Kind::Float);
-            for (i, (source, _)) in leaves.tied.iter().enumerate() {
-                let g = grads[1 + i].to_kind(Kind::Float);
+            let own = usize::from(leaves.flat.numel() > 0);
+            let grad = if own == 1 {
+                grads[0].to_kind(Kind::Float)
+            } else {
+                Tensor::zeros([0], (Kind::Float, device))
+            };
+            let tied_trained = leaves
+                .tied
+                .iter()
+                .filter(|((_, store), _)| matches!(store, Store::Train(_)));
+            for (i, (source, _)) in tied_trained.enumerate() {
+                let g = grads[own + i].to_kind(Kind::Float);
                 let sum = match pending.remove(source) {
                     Some(earlier) => earlier + g,
                     None => g,
@@ -475,37 +671,49 @@ impl Engine {
             }
             let here: Vec<Source> = pending.keys().filter(|(b, _)| *b == block).copied().collect();
             for source in here {
-                if let Some(g) = pending.remove(&source) {
-                    let mut region = self.slot_view(source.0, source.1, &grad);
+                if let (Some(g), Store::Train(slot)) = (pending.remove(&source), source.1) {
+                    let mut region = self.train[block].view(slot, &grad);
                     let _ = tch::no_grad(|| region.g_add_(&g));
                 }
             }
-            grad_out = grads.get(1 + leaves.tied.len()).map(Tensor::shallow_clone);
-            grad_bytes += self.hold_gradient(block, grad)?;
+            grad_out = grads.get(trained).map(Tensor::shallow_clone);
+            if !self.train[block].is_empty() {
+                let (bytes, on_host) = self.hold_gradient(block, grad)?;
+                held.0 += bytes;
+                held.1 += on_host;
+            }
         }
-        Ok((loss_sum, grad_bytes))
+        Ok((loss_sum, held))
     }
 
-    /// Adds a block's gradient to the held ones (stage 1: full; 2 and 3: this rank's
-    /// reduced slice). Returns the bytes held for the block.
-    fn hold_gradient(&mut self, block: usize, grad: Tensor) -> Result<u64> {
+    /// Adds a block's gradient to the held ones (stage 1: full, on the device; 2 and 3:
+    /// this rank's reduced slice, moved to the host with optimizer offload). Returns the
+    /// bytes held for the block, and of those on the host.
+    fn hold_gradient(&mut self, block: usize, grad: Tensor) -> Result<(u64, u64)> {
         let (slot, grad) = if self.settings.stage == ZeroStage::One {
             (&mut self.full_grads[block], grad)
         } else {
-            let shard = self.coll.reduce_scatter(&grad)?;
+            let shard = self.coll.reduce_scatter(&grad)?.to_device(self.host);
             (&mut self.grad_shards[block], shard)
         };
         let total = match slot.take() {
-            Some(held) => held + grad,
+            Some(mut held) => {
+                let _ = tch::no_grad(|| held.g_add_(&grad));
+                held
+            }
             None => grad,
         };
         let held = bytes(&total);
+        let offloaded =
+            self.settings.offload.offload_optimizer == Offload::Cpu && self.settings.stage != ZeroStage::One;
+        let on_host = if offloaded { held } else { 0 };
         *slot = Some(total);
-        Ok(held)
+        Ok((held, on_host))
     }
 
-    /// Clips by the global norm and updates the master slices; returns the norm before
-    /// clipping.
+    /// Clips by the global norm and updates the master slices in place (AdamW as
+    /// `torch.optim.AdamW` computes it, over each block's flat buffer: vectorised libtorch
+    /// kernels on the host with offload); returns the norm before clipping.
     fn apply_adamw(&mut self) -> Result<f64> {
         self.step += 1;
         let o = self.settings.optimizer.clone();
@@ -514,18 +722,23 @@ impl Engine {
         let lr = o.lr_at(self.step, self.settings.steps);
         let mut shards = Vec::with_capacity(self.master.len());
         for block in 0..self.master.len() {
+            if self.train[block].is_empty() {
+                shards.push(None);
+                continue;
+            }
             let missing = || Error::Invalid(format!("no gradient for block {block}"));
             let grad = match self.settings.stage {
                 ZeroStage::One => {
                     let full = self.full_grads[block].take().ok_or_else(missing)?;
-                    self.coll.reduce_scatter(&full)?
+                    self.coll.reduce_scatter(&full)?.to_device(self.host)
                 }
                 _ => self.grad_shards[block].take().ok_or_else(missing)?,
             };
-            shards.push(grad);
+            shards.push(Some(grad));
         }
         let local: f64 = shards
             .iter()
+            .flatten()
             .map(|g| g.pow_tensor_scalar(2).sum(Kind::Double).double_value(&[]))
             .sum();
         let norm = self.sum_over_ranks(local)?.sqrt();
@@ -534,56 +747,77 @@ impl Engine {
         } else {
             1.0
         };
+        let step_size = lr / bc1;
+        let bc2_sqrt = bc2.sqrt();
         for (block, grad) in shards.into_iter().enumerate() {
-            let grad = grad * clip;
-            let (master, m, v) = tch::no_grad(|| {
-                let m = &self.exp_avg[block] * o.beta1 + &grad * (1.0 - o.beta1);
-                let v = &self.exp_avg_sq[block] * o.beta2 + (&grad * &grad) * (1.0 - o.beta2);
-                let denom = (&v / bc2).sqrt() + o.eps;
-                let keep = (&self.decay[block] * (-lr * o.weight_decay)) + 1.0;
-                let master = &self.master[block] * keep - (&m / bc1) / denom * lr;
-                (master, m, v)
+            let Some(mut grad) = grad else { continue };
+            tch::no_grad(|| {
+                if clip < 1.0 {
+                    let _ = grad.g_mul_scalar_(clip);
+                }
+                let master = &mut self.master[block];
+                if o.weight_decay > 0.0 {
+                    let _ = master.g_mul_(&((&self.decay[block] * (-lr * o.weight_decay)) + 1.0));
+                }
+                let m = &mut self.exp_avg[block];
+                let _ = m.g_mul_scalar_(o.beta1);
+                let _ = m.g_add_(&(&grad * (1.0 - o.beta1)));
+                let v = &mut self.exp_avg_sq[block];
+                let _ = v.g_mul_scalar_(o.beta2);
+                let _ = grad.g_mul_(&grad.shallow_clone());
+                let _ = grad.g_mul_scalar_(1.0 - o.beta2);
+                let _ = v.g_add_(&grad);
+                // grad is free now: it becomes the denominator, then the update.
+                let _ = grad.copy_(v);
+                let _ = grad.sqrt_().g_div_scalar_(bc2_sqrt).g_add_scalar_(o.eps);
+                let mut update = m.shallow_clone() / &grad;
+                let _ = update.g_mul_scalar_(step_size);
+                let _ = self.master[block].g_sub_(&update);
             });
-            self.master[block] = master;
-            self.exp_avg[block] = m;
-            self.exp_avg_sq[block] = v;
         }
-        self.refresh_full()?;
+        self.refresh_params()?;
         Ok(norm)
     }
 
-    /// Bytes of state held now.
+    /// Bytes of state held now, by kind and where the configuration places it (on a CPU
+    /// run the offloaded state counts as host although the device is host memory too).
     pub fn held(&self) -> Held {
-        let optimizer = self
-            .master
-            .iter()
-            .chain(&self.exp_avg)
-            .chain(&self.exp_avg_sq)
-            .map(bytes)
-            .sum();
-        let parameters = if self.three() {
-            self.master.iter().map(bytes).sum()
+        let sum = |tensors: &mut dyn Iterator<Item = &Tensor>| tensors.map(bytes).sum::<u64>();
+        let offload_optimizer = self.settings.offload.offload_optimizer == Offload::Cpu;
+        let optimizer = sum(&mut self.master.iter().chain(&self.exp_avg).chain(&self.exp_avg_sq));
+        let trained = if self.three() {
+            if self.offload_params() || !offload_optimizer {
+                // The master slice is the parameter slice (on the host when offloaded).
+                sum(&mut self.master.iter())
+            } else {
+                sum(&mut self.param_shards.iter().flatten())
+            }
         } else {
-            self.full.iter().flatten().map(bytes).sum()
+            sum(&mut self.full.iter().flatten())
         };
-        let gradients = self
-            .full_grads
-            .iter()
-            .chain(&self.grad_shards)
-            .flatten()
-            .map(bytes)
-            .sum();
+        let frozen = sum(&mut self.frozen.iter());
+        let full_grads = sum(&mut self.full_grads.iter().flatten());
+        let grad_shards = sum(&mut self.grad_shards.iter().flatten());
+        let on_host = |offloaded: bool, bytes: u64| if offloaded { bytes } else { 0 };
         Held {
-            parameters,
-            gradients,
+            parameters: trained + frozen,
+            gradients: full_grads + grad_shards,
             optimizer,
+            host_parameters: on_host(self.offload_params(), trained + frozen),
+            host_gradients: on_host(offload_optimizer, grad_shards),
+            host_optimizer: on_host(offload_optimizer, optimizer),
+            frozen_parameters: frozen,
         }
     }
 
-    /// This rank's optimizer state (master slice and moments per block), on the CPU.
+    /// This rank's optimizer state (master slice and moments per block with trained
+    /// parameters), on the CPU.
     pub fn optimizer_state(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
         for block in 0..self.master.len() {
+            if self.train[block].is_empty() {
+                continue;
+            }
             for (name, tensor) in [
                 ("master", &self.master[block]),
                 ("exp_avg", &self.exp_avg[block]),
@@ -599,9 +833,12 @@ impl Engine {
     /// rank calls it).
     pub fn load_optimizer_state(&mut self, tensors: Vec<(String, Tensor)>, step: u64) -> Result<()> {
         let mut by_name: HashMap<String, Tensor> = tensors.into_iter().collect();
-        let device = self.settings.device;
+        let (host, device) = (self.host, self.settings.device);
         for block in 0..self.master.len() {
-            let expected = self.layouts[block].shard_len() as i64;
+            if self.train[block].is_empty() {
+                continue;
+            }
+            let expected = self.train[block].layout.shard_len() as i64;
             let mut take = |name: &str| {
                 let key = format!("block{block}.{name}");
                 let tensor = by_name
@@ -613,39 +850,96 @@ impl Engine {
                         tensor.size()
                     )));
                 }
-                Ok(tensor.to_kind(Kind::Float).to_device(device))
+                Ok(pinned(tensor.to_kind(Kind::Float).to_device(host), device))
             };
             let (master, m, v) = (take("master")?, take("exp_avg")?, take("exp_avg_sq")?);
             self.master[block] = master;
             self.exp_avg[block] = m;
             self.exp_avg_sq[block] = v;
         }
+        if let Some(extra) = by_name.keys().next() {
+            return Err(Error::Invalid(format!(
+                "the checkpoint holds {extra}, which this model's trained parameters do not have (was it written with other [lora] settings?)"
+            )));
+        }
         self.step = step;
-        self.refresh_full()
+        self.refresh_params()
     }
 
-    /// One block's stored parameters by name, fp32 on the CPU (a collective: every rank
+    /// One block's trained parameters by name, fp32 on the CPU (a collective: every rank
     /// calls it; only this block is gathered).
     pub fn gather_block(&mut self, block: usize) -> Result<Vec<(String, Tensor)>> {
-        let full = self.coll.all_gather(&self.master[block])?.to_device(Device::Cpu);
-        let names: Vec<String> = self.specs[block]
+        if self.train[block].is_empty() {
+            return Ok(Vec::new());
+        }
+        let shard = self.master[block].to_device(self.settings.device);
+        let full = self.coll.all_gather(&shard)?.to_device(Device::Cpu);
+        let flat = &self.train[block];
+        Ok(flat
+            .layout
+            .tensors
             .iter()
-            .filter(|s| s.tied_to.is_none())
-            .map(|s| s.name.clone())
-            .collect();
-        Ok(names
-            .into_iter()
             .enumerate()
-            .map(|(slot, name)| (name, self.slot_view(block, slot, &full).copy()))
+            .map(|(slot, place)| (place.name.clone(), flat.view(slot, &full).copy()))
             .collect())
     }
 
-    /// Every stored parameter by name with its real shape, fp32 on the CPU (a collective;
+    /// One block's base parameters with the adapters merged in (each targeted weight plus
+    /// `scale * B A`), float32 on the CPU, by the base's names (a collective). For a model
+    /// without adapters, the block's parameters.
+    pub fn merged_block(&mut self, block: usize) -> Result<Vec<(String, Tensor)>> {
+        let trained: HashMap<String, Tensor> = self.gather_block(block)?.into_iter().collect();
+        let scale = self.model.lora().map_or(0.0, |l| l.scale());
+        let full = self.frozen_params(block)?.to_device(Device::Cpu).to_kind(Kind::Float);
+        let flat = &self.frozen_flat[block];
+        let mut out: Vec<(String, Tensor)> = Vec::new();
+        for spec in self.specs[block].iter().filter(|s| s.tied_to.is_none()) {
+            if let Some(t) = trained
+                .get(&spec.name)
+                .filter(|_| !regatta_trainer::lora::is_adapter(&spec.name))
+            {
+                out.push((spec.name.clone(), t.shallow_clone()));
+                continue;
+            }
+            let Some(slot) = flat.layout.tensors.iter().position(|t| t.name == spec.name) else {
+                continue;
+            };
+            let mut weight = flat.view(slot, &full).copy();
+            if let Some(module) = spec.name.strip_suffix(".weight") {
+                let a = trained.get(&format!("{module}.lora_A.weight"));
+                let b = trained.get(&format!("{module}.lora_B.weight"));
+                if let (Some(a), Some(b)) = (a, b) {
+                    weight = weight + b.matmul(a) * scale;
+                }
+            }
+            out.push((spec.name.clone(), weight));
+        }
+        Ok(out)
+    }
+
+    /// Every trained parameter by name with its real shape, fp32 on the CPU (a collective;
     /// the whole model at once: for tests and small models).
     pub fn consolidated(&mut self) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
         for block in 0..self.specs.len() {
             out.extend(self.gather_block(block)?);
+        }
+        Ok(out)
+    }
+
+    /// Every frozen parameter by name, in the compute type on the CPU (a collective).
+    pub fn frozen_consolidated(&mut self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for block in 0..self.specs.len() {
+            let full = self.frozen_params(block)?.to_device(Device::Cpu);
+            let flat = &self.frozen_flat[block];
+            out.extend(
+                flat.layout
+                    .tensors
+                    .iter()
+                    .enumerate()
+                    .map(|(slot, place)| (place.name.clone(), flat.view(slot, &full).copy())),
+            );
         }
         Ok(out)
     }
@@ -673,6 +967,7 @@ mod tests {
             shape: vec![100, 100],
             init: Init::Normal(0.02),
             tied_to: None,
+            frozen: false,
         };
         let a = initial_values(&spec, 7);
         assert_eq!(a, initial_values(&spec, 7));

@@ -94,6 +94,20 @@ impl RunModel {
     }
 }
 
+/// A parameter's first values: read from the model folder, or drawn from `seed` when there
+/// is none or the parameter is a new LoRA adapter (A uniform as PEFT draws it, B zero).
+pub async fn initial_weights(
+    source: Option<&HfModel>,
+    spec: &ParamSpec,
+    seed: u64,
+    device: Device,
+) -> Result<Tensor, Error> {
+    match source {
+        Some(hf) if !regatta_trainer::lora::is_adapter(&spec.name) => hf.read(spec, device).await,
+        _ => Ok(seeded(spec, seed)),
+    }
+}
+
 /// Opens the model and tokenizer `config` names (a folder, a config, or `make_model`'s).
 pub async fn open_run_model(config: &TrainConfig, make_model: &ModelFactory) -> Result<RunModel, Error> {
     // The model folder first: a wrong path is named as a missing model, not a tokenizer.
@@ -110,7 +124,7 @@ pub async fn open_run_model(config: &TrainConfig, make_model: &ModelFactory) -> 
         },
         other => other,
     })?;
-    let (model, source, mut side_files) = if let Some(hf) = hf {
+    let (mut model, source, mut side_files) = if let Some(hf) = hf {
         let model = hf.model()?;
         hf.check(model.as_ref())?;
         let side = hf.side_files().await?;
@@ -120,6 +134,9 @@ pub async fn open_run_model(config: &TrainConfig, make_model: &ModelFactory) -> 
     } else {
         (make_model(config, tokenizer.vocab()), None, Vec::new())
     };
+    if let Some(lora) = &config.lora {
+        model.set_lora(lora)?;
+    }
     if tokenizer.vocab() > model.vocab() {
         return Err(Error::ModelFile {
             path: if spec.is_empty() {
@@ -376,6 +393,8 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         device,
         compute,
         activation_checkpointing: config.activation_checkpointing,
+        offload: config.zero.clone(),
+        seed: config.seed,
     };
     let RunModel {
         model,
@@ -384,10 +403,7 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         ..
     } = run_model;
     let seed = config.seed;
-    let mut init = |spec: &ParamSpec| match &source {
-        Some(hf) => runtime.block_on(hf.read(spec, device)),
-        None => Ok(seeded(spec, seed)),
-    };
+    let mut init = |spec: &ParamSpec| runtime.block_on(initial_weights(source.as_ref(), spec, seed, device));
     let mut engine = Engine::new(model, coll, settings, &mut init)?;
     if let (Some(place), Some(m)) = (&place, &manifest) {
         checkpoint::restore(&runtime, place, &mut engine, rank, m)?;
@@ -410,6 +426,7 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
                 .chain(["config.json".to_string(), "manifest.json".to_string()])
                 .collect(),
             data: config.data.clone(),
+            lora: config.lora.clone(),
             micro_batch_size: config.micro_batch_size,
             gradient_accumulation: config.gradient_accumulation,
         };
@@ -446,6 +463,10 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
             param_bytes: held.parameters,
             grad_bytes: outcome.grad_bytes,
             optimizer_bytes: held.optimizer,
+            host_param_bytes: held.host_parameters,
+            host_grad_bytes: outcome.host_grad_bytes,
+            host_optimizer_bytes: held.host_optimizer,
+            frozen_param_bytes: held.frozen_parameters,
             mfu,
         }));
         let done = step + 1;
@@ -481,10 +502,7 @@ pub fn reference_run(
     let steps: Vec<Vec<MicroBatch>> = (0..config.steps).map(|s| step_batches(config, &data, s)).collect();
     let seed = config.seed;
     let source = run_model.source;
-    let mut init = |spec: &ParamSpec| match &source {
-        Some(hf) => runtime.block_on(hf.read(spec, Device::Cpu)),
-        None => Ok(seeded(spec, seed)),
-    };
+    let mut init = |spec: &ParamSpec| runtime.block_on(initial_weights(source.as_ref(), spec, seed, Device::Cpu));
     crate::reference::plain_run(run_model.model.as_ref(), &mut init, &steps, &config.optimizer)
 }
 

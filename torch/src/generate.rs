@@ -364,6 +364,7 @@ impl<'a> Generator<'a> {
                 write: int(&write),
                 read: int(&read).view([rows, keys]),
             }),
+            dropout_seed: None,
         };
         self.model.prepare(&mut batch);
         let last_block = self.params.len() - 1;

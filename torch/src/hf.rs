@@ -196,7 +196,8 @@ impl HfModel {
     /// Checks that the weight files hold exactly the model's tensors with their shapes.
     pub fn check(&self, model: &dyn Model) -> Result<()> {
         let specs: Vec<ParamSpec> = model.blocks().into_iter().flatten().collect();
-        for spec in specs.iter().filter(|s| s.tied_to.is_none()) {
+        let base = |s: &&ParamSpec| s.tied_to.is_none() && !regatta_trainer::lora::is_adapter(&s.name);
+        for spec in specs.iter().filter(base) {
             self.entry(spec)?;
         }
         let known: std::collections::HashSet<&str> = specs.iter().map(|s| s.name.as_str()).collect();

@@ -15,6 +15,7 @@ pub mod executor;
 pub mod generate;
 pub mod hf;
 pub mod llama;
+pub mod lora;
 pub mod model;
 pub mod nccl;
 pub mod reference;

@@ -8,9 +8,10 @@
 //! Blocks: the embedding, one per decoder layer, then the final norm with the LM head.
 
 use regatta_trainer::hf::{LlamaConfig, RopeScaling};
+use regatta_trainer::lora::{LoraConfig, PROJECTIONS};
 use tch::{Kind, Tensor};
 
-use crate::model::{parameter_count, transformer_flops_per_token, Batch, Init, KvLayout, Model, ParamSpec};
+use crate::model::{dropout, parameter_count, transformer_flops_per_token, Batch, Init, KvLayout, Model, ParamSpec};
 
 /// The embedding's name, which a tied LM head points at.
 const EMBED: &str = "model.embed_tokens.weight";
@@ -22,6 +23,8 @@ pub struct Llama {
     /// The `config.json` it came from (written back into checkpoints).
     json: serde_json::Value,
     inv_freq: Vec<f32>,
+    /// Adapters on the targeted projections; the base is then frozen.
+    lora: Option<LoraConfig>,
 }
 
 /// Rotary inverse frequencies, with the config's scaling (as `transformers` computes them).
@@ -59,12 +62,54 @@ impl Llama {
     /// A model for a parsed config; `json` is the `config.json` it was parsed from.
     pub fn new(config: LlamaConfig, json: serde_json::Value) -> Self {
         let inv_freq = inverse_frequencies(&config);
-        Self { config, json, inv_freq }
+        Self {
+            config,
+            json,
+            inv_freq,
+            lora: None,
+        }
     }
 
     /// The typed config.
     pub fn config(&self) -> &LlamaConfig {
         &self.config
+    }
+
+    /// A base parameter: frozen when the model carries adapters.
+    fn base(&self, spec: ParamSpec) -> ParamSpec {
+        if self.lora.is_some() {
+            spec.frozen()
+        } else {
+            spec
+        }
+    }
+
+    /// A projection's parameters: weight `[out, in]`, the bias when it has one, then the
+    /// adapter's A `[r, in]` and B `[out, r]` when it is targeted.
+    fn projection_specs(&self, specs: &mut Vec<ParamSpec>, module: &str, (out, inp): (i64, i64), bias: bool) {
+        let proj = module.rsplit('.').next().unwrap_or(module);
+        specs.push(self.base(ParamSpec::new(
+            format!("{module}.weight"),
+            &[out, inp],
+            Init::Normal(0.02),
+        )));
+        if bias {
+            specs.push(self.base(ParamSpec::new(format!("{module}.bias"), &[out], Init::Zeros)));
+        }
+        if let Some(lora) = self.lora.as_ref().filter(|l| l.targets(proj)) {
+            let r = lora.rank as i64;
+            let bound = 1.0 / (inp as f64).sqrt();
+            specs.push(ParamSpec::new(
+                format!("{module}.lora_A.weight"),
+                &[r, inp],
+                Init::Uniform(bound),
+            ));
+            specs.push(ParamSpec::new(
+                format!("{module}.lora_B.weight"),
+                &[out, r],
+                Init::Zeros,
+            ));
+        }
     }
 
     fn layer_specs(&self, layer: usize) -> Vec<ParamSpec> {
@@ -74,31 +119,55 @@ impl Llama {
             (c.num_attention_heads * c.head_dim) as i64,
             (c.num_key_value_heads * c.head_dim) as i64,
         );
-        let std = 0.02;
         let n = |name: &str| format!("model.layers.{layer}.{name}");
-        let mut specs = vec![ParamSpec::new(n("input_layernorm.weight"), &[d], Init::Ones)];
+        let mut specs = vec![self.base(ParamSpec::new(n("input_layernorm.weight"), &[d], Init::Ones))];
         for (proj, out) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
-            specs.push(ParamSpec::new(
-                n(&format!("self_attn.{proj}.weight")),
-                &[out, d],
-                Init::Normal(std),
-            ));
-            if c.qkv_bias {
-                specs.push(ParamSpec::new(
-                    n(&format!("self_attn.{proj}.bias")),
-                    &[out],
-                    Init::Zeros,
-                ));
-            }
+            self.projection_specs(&mut specs, &n(&format!("self_attn.{proj}")), (out, d), c.qkv_bias);
         }
-        specs.extend([
-            ParamSpec::new(n("self_attn.o_proj.weight"), &[d, q], Init::Normal(std)),
-            ParamSpec::new(n("post_attention_layernorm.weight"), &[d], Init::Ones),
-            ParamSpec::new(n("mlp.gate_proj.weight"), &[i, d], Init::Normal(std)),
-            ParamSpec::new(n("mlp.up_proj.weight"), &[i, d], Init::Normal(std)),
-            ParamSpec::new(n("mlp.down_proj.weight"), &[d, i], Init::Normal(std)),
-        ]);
+        self.projection_specs(&mut specs, &n("self_attn.o_proj"), (d, q), false);
+        specs.push(self.base(ParamSpec::new(n("post_attention_layernorm.weight"), &[d], Init::Ones)));
+        self.projection_specs(&mut specs, &n("mlp.gate_proj"), (i, d), false);
+        self.projection_specs(&mut specs, &n("mlp.up_proj"), (i, d), false);
+        self.projection_specs(&mut specs, &n("mlp.down_proj"), (d, i), false);
         specs
+    }
+
+    /// `x W^T + b`, plus `scale * B(A(dropout(x)))` when `proj` carries an adapter; takes
+    /// the projection's parameters from `next` in [`Self::projection_specs`] order.
+    fn linear(
+        &self,
+        next: &mut std::slice::Iter<Tensor>,
+        proj: usize,
+        x: &Tensor,
+        batch: &Batch,
+        layer: usize,
+    ) -> Tensor {
+        let mut take = || {
+            next.next()
+                .expect("a Llama layer block holds every parameter its specs list")
+        };
+        let weight = take();
+        let bias = if self.config.qkv_bias && proj < 3 {
+            Some(take())
+        } else {
+            None
+        };
+        let base = x.linear(weight, bias);
+        match self.lora.as_ref().filter(|l| l.targets(PROJECTIONS[proj])) {
+            Some(lora) => {
+                let (a, b) = (take(), take());
+                let input = match batch.dropout_seed {
+                    Some(seed) if lora.dropout > 0.0 => dropout(
+                        x,
+                        lora.dropout,
+                        seed ^ ((layer as u64) << 8 | proj as u64).wrapping_mul(0x9e37_79b9),
+                    ),
+                    _ => x.shallow_clone(),
+                };
+                base + input.linear::<Tensor>(a, None).linear::<Tensor>(b, None) * lora.scale()
+            }
+            None => base,
+        }
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
@@ -117,18 +186,14 @@ impl Llama {
             c.head_dim as i64,
         );
         let mut next = p.iter();
-        let mut take = || {
-            next.next()
-                .expect("a Llama layer block holds every parameter its specs list")
-        };
-        let norm_in = take();
+        let norm_in = next.next().expect("a Llama layer block starts with its input norm");
         let h = self.rms_norm(x, norm_in);
-        let mut project = |n_heads: i64| {
-            let weight = take();
-            let bias = if c.qkv_bias { Some(take()) } else { None };
-            h.linear(weight, bias).unflatten(-1, [n_heads, hd]).transpose(1, 2)
+        let mut project = |proj: usize, n_heads: i64| {
+            self.linear(&mut next, proj, &h, batch, layer)
+                .unflatten(-1, [n_heads, hd])
+                .transpose(1, 2)
         };
-        let (q, k, v) = (project(heads), project(kv_heads), project(kv_heads));
+        let (q, k, v) = (project(0, heads), project(1, kv_heads), project(2, kv_heads));
         let (cos, sin) = (&batch.derived[0], &batch.derived[1]);
         let (cos, sin) = (cos.to_kind(q.kind()), sin.to_kind(q.kind()));
         let q = &q * &cos + rotate_half(&q) * &sin;
@@ -158,12 +223,13 @@ impl Llama {
             1.0 / (hd as f64).sqrt(),
             kv_heads != heads,
         );
-        let o_proj = take();
-        let h = x + attended.transpose(1, 2).flatten(2, 3).linear::<Tensor>(o_proj, None);
-        let norm_post = take();
+        let attended = attended.transpose(1, 2).flatten(2, 3);
+        let h = x + self.linear(&mut next, 3, &attended, batch, layer);
+        let norm_post = next.next().expect("a Llama layer block holds its post-attention norm");
         let m = self.rms_norm(&h, norm_post);
-        let (gate, up, down) = (take(), take(), take());
-        let mlp = (m.linear::<Tensor>(gate, None).silu() * m.linear::<Tensor>(up, None)).linear::<Tensor>(down, None);
+        let gate = self.linear(&mut next, 4, &m, batch, layer);
+        let up = self.linear(&mut next, 5, &m, batch, layer);
+        let mlp = self.linear(&mut next, 6, &(gate.silu() * up), batch, layer);
         h + mlp
     }
 
@@ -195,14 +261,17 @@ impl Model for Llama {
     fn blocks(&self) -> Vec<Vec<ParamSpec>> {
         let c = &self.config;
         let (v, d) = (c.vocab_size as i64, c.hidden_size as i64);
-        let mut blocks = vec![vec![ParamSpec::new(EMBED, &[v, d], Init::Normal(0.02))]];
+        let mut blocks = vec![vec![self.base(ParamSpec::new(EMBED, &[v, d], Init::Normal(0.02)))]];
         blocks.extend((0..c.num_hidden_layers).map(|layer| self.layer_specs(layer)));
         let head = if c.tie_word_embeddings {
             ParamSpec::tied("lm_head.weight", &[v, d], EMBED)
         } else {
             ParamSpec::new("lm_head.weight", &[v, d], Init::Normal(0.02))
         };
-        blocks.push(vec![ParamSpec::new("model.norm.weight", &[d], Init::Ones), head]);
+        blocks.push(vec![
+            self.base(ParamSpec::new("model.norm.weight", &[d], Init::Ones)),
+            self.base(head),
+        ]);
         blocks
     }
 
@@ -255,6 +324,17 @@ impl Model for Llama {
             object.insert("dtype".into(), "float32".into());
         }
         json
+    }
+
+    fn set_lora(&mut self, lora: &LoraConfig) -> crate::error::Result<()> {
+        lora.validate()
+            .map_err(|e| crate::error::Error::Invalid(e.to_string()))?;
+        self.lora = Some(lora.clone());
+        Ok(())
+    }
+
+    fn lora(&self) -> Option<&LoraConfig> {
+        self.lora.as_ref()
     }
 
     fn kv_layout(&self) -> Option<KvLayout> {

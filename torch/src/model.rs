@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 
 use regatta_trainer::config::ModelConfig;
+use regatta_trainer::LoraConfig;
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
@@ -23,6 +24,9 @@ pub enum Init {
     Zeros,
     /// All ones.
     Ones,
+    /// Uniform in `[-bound, bound]` (PEFT's `kaiming_uniform_(a=sqrt(5))` for LoRA's A is
+    /// `bound = 1 / sqrt(fan_in)`).
+    Uniform(f64),
 }
 
 /// One parameter of a block.
@@ -37,6 +41,8 @@ pub struct ParamSpec {
     /// The parameter of an earlier block this one is (tied embeddings): it has no storage
     /// of its own, is not saved, and its gradient adds to the other's.
     pub tied_to: Option<String>,
+    /// Loaded but never trained: no gradient, no optimizer state (a LoRA run's base).
+    pub frozen: bool,
 }
 
 impl ParamSpec {
@@ -47,7 +53,13 @@ impl ParamSpec {
             shape: shape.to_vec(),
             init,
             tied_to: None,
+            frozen: false,
         }
+    }
+
+    /// The same parameter, frozen.
+    pub fn frozen(self) -> Self {
+        Self { frozen: true, ..self }
     }
 
     /// A parameter that is `source` (same shape).
@@ -85,6 +97,9 @@ pub struct Batch {
     /// go and which cached ones each row attends to; `mask` is then `[batch, 1, time,
     /// keys]` over those keys.
     pub kv: Option<KvStep>,
+    /// Set while training with dropout: the seed of this forward's masks (the same for a
+    /// block's recomputation, so backward sees the forward's masks).
+    pub dropout_seed: Option<u64>,
 }
 
 /// The shape of a model's attention cache.
@@ -148,6 +163,7 @@ impl Batch {
             mask: None,
             derived: Vec::new(),
             kv: None,
+            dropout_seed: None,
         }
     }
 
@@ -173,6 +189,7 @@ impl Batch {
             mask: Some(same.logical_and(&causal).unsqueeze(1)),
             derived: Vec::new(),
             kv: None,
+            dropout_seed: None,
         }
     }
 
@@ -183,6 +200,7 @@ impl Batch {
             mask: self.mask.map(|m| m.to_device(device)),
             derived: self.derived.into_iter().map(|t| t.to_device(device)).collect(),
             kv: self.kv,
+            dropout_seed: self.dropout_seed,
         }
     }
 }
@@ -209,6 +227,16 @@ pub trait Model: Send {
     /// The attention cache's shape, for models whose blocks honour [`Batch::kv`] (block
     /// `1 + layer` is decoder layer `layer`); `None`: generation recomputes every window.
     fn kv_layout(&self) -> Option<KvLayout> {
+        None
+    }
+    /// Adds LoRA adapters ([`Model::blocks`] then lists them, and the base as frozen).
+    fn set_lora(&mut self, _lora: &LoraConfig) -> Result<()> {
+        Err(Error::Invalid(
+            "LoRA adapters need a Llama-family model ([model] path or config); this model has none".into(),
+        ))
+    }
+    /// The adapters' settings, when the model has them.
+    fn lora(&self) -> Option<&LoraConfig> {
         None
     }
 }
@@ -244,6 +272,27 @@ pub fn arrange(model: &dyn Model, stored: &HashMap<String, Tensor>) -> Result<Ve
                 .collect()
         })
         .collect()
+}
+
+/// Inverted dropout with a mask that is a pure function of `seed` and each element's
+/// index (a 31-bit integer hash in tensor ops on the tensor's device): the same seed gives
+/// the same mask, so a block recomputed for backward drops what its forward dropped.
+/// Kept elements are scaled by `1 / (1 - p)`.
+pub fn dropout(x: &Tensor, p: f64, seed: u64) -> Tensor {
+    const MASK: i64 = 0x7fff_ffff;
+    let mix = |h: Tensor, shift: i64, factor: i64| {
+        let h = h.bitwise_xor_tensor(&h.bitwise_right_shift_tensor_scalar(shift));
+        (h * factor).bitwise_and(MASK)
+    };
+    let salt = ((seed ^ (seed >> 31) ^ (seed >> 62)) & MASK as u64) as i64;
+    let index = Tensor::arange(x.numel() as i64, (Kind::Int64, x.device())).view(x.size().as_slice());
+    let h = ((index * 0x9e37_79b1_i64) + salt).bitwise_and(MASK);
+    let h = mix(h, 15, 0x2c1b_3c6d);
+    let h = mix(h, 12, 0x297a_2d39);
+    let h = h.bitwise_xor_tensor(&h.bitwise_right_shift_tensor_scalar(15));
+    let threshold = (p * (1u64 << 31) as f64) as i64;
+    let keep = h.ge(threshold);
+    x * keep.to_kind(x.kind()) * (1.0 / (1.0 - p))
 }
 
 /// Parameters of a model (tied ones counted once).

@@ -19,7 +19,7 @@ pub type NamedTensors = Vec<(String, Tensor)>;
 
 /// Trains `model` from `init`'s weights for one step per entry of `steps` (each a global
 /// batch, as micro-batches concatenated into one forward); returns each step's loss and the
-/// final weights (stored parameters, by name).
+/// final weights (trained parameters, by name; frozen ones never change and are not returned).
 pub fn plain_run(
     model: &dyn Model,
     init: &mut dyn FnMut(&ParamSpec) -> Result<Tensor>,
@@ -29,15 +29,24 @@ pub fn plain_run(
     let store = nn::VarStore::new(Device::Cpu);
     let root = store.root();
     let mut stored = Vec::new();
+    let mut frozen = Vec::new();
     for spec in model.blocks().iter().flatten().filter(|s| s.tied_to.is_none()) {
+        let values = init(spec)?.to_kind(Kind::Float);
+        if spec.frozen {
+            // Not a variable: no gradient, no optimizer state.
+            frozen.push((spec.name.clone(), values));
+            continue;
+        }
         let group = if spec.decays() { 0 } else { 1 };
         // VarStore names may not hold dots.
-        let var = root
-            .set_group(group)
-            .var_copy(&spec.name.replace('.', "_"), &init(spec)?.to_kind(Kind::Float));
+        let var = root.set_group(group).var_copy(&spec.name.replace('.', "_"), &values);
         stored.push((spec.name.clone(), var));
     }
-    let by_name: HashMap<String, Tensor> = stored.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
+    let by_name: HashMap<String, Tensor> = stored
+        .iter()
+        .chain(&frozen)
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
     let params = arrange(model, &by_name)?;
     let mut opt = nn::AdamW {
         beta1: optimizer.beta1,
@@ -47,8 +56,15 @@ pub fn plain_run(
         amsgrad: false,
     }
     .build(&store, optimizer.lr)?;
-    opt.set_weight_decay_group(0, optimizer.weight_decay);
-    opt.set_weight_decay_group(1, 0.0);
+    // A group exists once a variable is in it (a LoRA run's adapters are all matrices).
+    let blocks = model.blocks();
+    let trained = || blocks.iter().flatten().filter(|s| s.tied_to.is_none() && !s.frozen);
+    if trained().any(|s| s.decays()) {
+        opt.set_weight_decay_group(0, optimizer.weight_decay);
+    }
+    if trained().any(|s| !s.decays()) {
+        opt.set_weight_decay_group(1, 0.0);
+    }
     let total = steps.len() as u64;
     let mut losses = Vec::with_capacity(steps.len());
     for (step, micro) in steps.iter().enumerate() {

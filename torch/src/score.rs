@@ -11,6 +11,7 @@ use regatta_trainer::documents::{Message, TokenizerSettings};
 use crate::data::TextTokenizer;
 use crate::generate::{Generator, Prepared};
 use crate::hf::HfModel;
+use crate::lora::Adapter;
 use crate::model::{arrange, logits, parameter_count, Model};
 
 /// One scored row.
@@ -54,9 +55,19 @@ pub struct Scorer {
 impl Scorer {
     /// A model folder (Hugging Face layout, or a trainer checkpoint) with its weights,
     /// scoring texts of up to `context` tokens (0: the model's own limit).
-    pub async fn from_folder(hf: &HfModel, context: usize, tokenizer: TextTokenizer, device: Device) -> Result<Self> {
-        let model = hf.model()?;
+    pub async fn from_folder(
+        hf: &HfModel,
+        adapter: Option<&Adapter>,
+        context: usize,
+        tokenizer: TextTokenizer,
+        device: Device,
+    ) -> Result<Self> {
+        let mut model = hf.model()?;
         hf.check(model.as_ref())?;
+        if let Some(adapter) = adapter {
+            model.set_lora(&adapter.config)?;
+            adapter.check(model.as_ref())?;
+        }
         if tokenizer.vocab() > model.vocab() {
             return Err(Error::Invalid(format!(
                 "the model embeds {} tokens but the tokenizer has {}",
@@ -66,7 +77,10 @@ impl Scorer {
         }
         let mut stored = std::collections::HashMap::new();
         for spec in model.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
-            let tensor = hf.read(&spec, device).await?;
+            let tensor = match adapter.and_then(|a| a.tensors.get(&spec.name)) {
+                Some(tensor) => tensor.shallow_clone(),
+                None => hf.read(&spec, device).await?,
+            };
             stored.insert(spec.name, tensor.to_device(device));
         }
         let params = arrange(model.as_ref(), &stored)?;

@@ -12,6 +12,7 @@ use tch::Device;
 use crate::checkpoint::open_model;
 use crate::data::TextTokenizer;
 use crate::error::{Error, Result};
+use crate::lora::Adapter;
 use crate::score::Scorer;
 
 fn emit(message: &FromScorer) {
@@ -44,14 +45,31 @@ fn load(setup: &ScorerSetup) -> Result<(Scorer, u64, Device)> {
             .map_err(|e| Error::Invalid(format!("{}: {e}", setup.checkpoint)))?;
         return Ok((scorer, 0, device));
     }
-    let (scorer, params) = runtime.block_on(open_scorer(&setup.checkpoint, &setup.tokenizer, setup.context, device))?;
+    let (scorer, params) = runtime.block_on(open_scorer(
+        &setup.checkpoint,
+        &setup.adapter,
+        &setup.tokenizer,
+        setup.context,
+        device,
+    ))?;
     Ok((scorer, params, device))
 }
 
 /// The scorer of a model folder or checkpoint: its tokenizer is `tokenizer` when given,
 /// else the folder's `tokenizer.json`, else the one the training run named, else bytes.
-async fn open_scorer(url: &str, tokenizer: &str, context: usize, device: Device) -> Result<(Scorer, u64)> {
+async fn open_scorer(
+    url: &str,
+    adapter: &str,
+    tokenizer: &str,
+    context: usize,
+    device: Device,
+) -> Result<(Scorer, u64)> {
     let (manifest, hf) = open_model(url).await?;
+    let adapter = if adapter.is_empty() {
+        None
+    } else {
+        Some(Adapter::open(adapter).await?)
+    };
     let tokenizer = if !tokenizer.is_empty() {
         TextTokenizer::load(tokenizer).await?
     } else if let Some(bytes) = hf.file("tokenizer.json").await? {
@@ -59,7 +77,7 @@ async fn open_scorer(url: &str, tokenizer: &str, context: usize, device: Device)
     } else {
         TextTokenizer::load(&manifest.map(|m| m.tokenizer).unwrap_or_default()).await?
     };
-    let scorer = Scorer::from_folder(&hf, context, tokenizer, device).await?;
+    let scorer = Scorer::from_folder(&hf, adapter.as_ref(), context, tokenizer, device).await?;
     let params = scorer.parameters();
     Ok((scorer, params))
 }
@@ -68,7 +86,7 @@ async fn open_scorer(url: &str, tokenizer: &str, context: usize, device: Device)
 /// TorchScript module (any batch size, up to the model's context); returns the context.
 pub fn export(checkpoint: &str, out: &str) -> Result<usize> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (scorer, _) = runtime.block_on(open_scorer(checkpoint, "", 0, Device::Cpu))?;
+    let (scorer, _) = runtime.block_on(open_scorer(checkpoint, "", "", 0, Device::Cpu))?;
     let module = scorer.export()?;
     let file = tempfile_beside(out);
     module

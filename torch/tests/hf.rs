@@ -145,6 +145,8 @@ fn settings(steps: u64) -> EngineSettings {
         device: Device::Cpu,
         compute: Kind::Float,
         activation_checkpointing: false,
+        offload: Default::default(),
+        seed: 0,
     }
 }
 
@@ -288,6 +290,7 @@ fn a_checkpoint_reloads_with_identical_logits_and_the_fixtures_names_shapes_and_
             positions: vec![2],
             files: Vec::new(),
             data: config.data.clone(),
+            lora: None,
             micro_batch_size: 2,
             gradient_accumulation: 1,
         };
@@ -386,7 +389,7 @@ fn the_scorer_reads_a_model_folder_and_scores_as_transformers_logits_imply() {
             ))
             .unwrap();
         let scorer = rt
-            .block_on(Scorer::from_folder(&hf, 0, tokenizer, Device::Cpu))
+            .block_on(Scorer::from_folder(&hf, None, 0, tokenizer, Device::Cpu))
             .unwrap();
         assert_eq!(scorer.context(), 128, "{name}: max_position_embeddings");
         let expected = reference(name);

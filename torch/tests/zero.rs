@@ -94,6 +94,8 @@ fn run_ranks(config: &TrainConfig) -> Vec<RankRun> {
                     device: tch::Device::Cpu,
                     compute: tch::Kind::Float,
                     activation_checkpointing: false,
+                    offload: Default::default(),
+                    seed: 0,
                 };
                 let source = run_model.source;
                 let mut init = |spec: &regatta_torch::ParamSpec| match &source {

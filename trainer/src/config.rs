@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
+use crate::lora::{LoraConfig, Offload, ZeroConfig};
 use crate::zero::partition::ZeroStage;
 
 /// A whole training run.
@@ -49,6 +50,10 @@ pub struct TrainConfig {
     pub threads: usize,
     /// Seconds without progress after which a rank counts as failed.
     pub stall_timeout_secs: u64,
+    /// `[lora]`: train low-rank adapters on a frozen base; absent: every weight trains.
+    pub lora: Option<LoraConfig>,
+    /// `[zero]`: optimizer state and parameters offloaded to host memory.
+    pub zero: ZeroConfig,
 }
 
 /// The model. `path` (a Hugging Face folder, local or by URL) or `config` (a Hugging Face
@@ -218,6 +223,8 @@ impl Default for TrainConfig {
             device: "auto".into(),
             threads: 1,
             stall_timeout_secs: 300,
+            lora: None,
+            zero: ZeroConfig::default(),
         }
     }
 }
@@ -401,6 +408,24 @@ impl TrainConfig {
                 )));
             }
         }
+        if let Some(lora) = &self.lora {
+            lora.validate()?;
+            if self.model.path.is_empty() && self.model.config.is_none() {
+                return Err(Error::Config(
+                    "[lora] needs a Llama-family model (model.path or model.config); the built-in GPT has no adapters"
+                        .into(),
+                ));
+            }
+        }
+        if self.zero.offload_params == Offload::Cpu
+            && (self.zero_stage != ZeroStage::Three || self.zero.offload_optimizer != Offload::Cpu)
+        {
+            return Err(Error::Config(
+                "zero.offload_params = \"cpu\" needs zero_stage = 3 and zero.offload_optimizer = \"cpu\" (the host's \
+                 master weights are the parameters it fetches)"
+                    .into(),
+            ));
+        }
         self.strategy
             .parse::<regatta_runtime::Strategy>()
             .map_err(|e| Error::Config(format!("strategy: {e}")))?;
@@ -511,6 +536,31 @@ mod tests {
     }
 
     #[test]
+    fn lora_and_offload_sections_parse() {
+        let text = r#"
+            zero_stage = 3
+            [model]
+            path = "s3://models/llama"
+            [lora]
+            rank = 16
+            alpha = 32
+            dropout = 0.05
+            target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+            [zero]
+            offload_optimizer = "cpu"
+            offload_params = "cpu"
+        "#;
+        let config = TrainConfig::from_toml(text).unwrap();
+        let lora = config.lora.as_ref().unwrap();
+        assert_eq!((lora.rank, lora.alpha, lora.dropout), (16, 32.0, 0.05));
+        assert_eq!(lora.targeted().len(), 7);
+        assert_eq!(config.zero.offload_params, Offload::Cpu);
+        let bytes = bincode::serialize(&config).unwrap();
+        assert_eq!(bincode::deserialize::<TrainConfig>(&bytes).unwrap(), config);
+        assert_eq!(TrainConfig::from_toml("").unwrap().lora, None);
+    }
+
+    #[test]
     fn warmup_rises_linearly_then_decays_to_the_floor() {
         let o = OptimizerConfig {
             lr: 1.0,
@@ -563,6 +613,19 @@ mod tests {
             ("steps = \"ten\"", "invalid type"),
             ("resources = { CPU = -1 }", "resources.CPU"),
             ("[checkpoint]\nresume = true", "checkpoint.resume needs checkpoint.dir"),
+            ("[lora]\nrank = 4", "needs a Llama-family model"),
+            ("[model]\npath = \"m\"\n[lora]\nrank = 0", "lora.rank"),
+            (
+                "[model]\npath = \"m\"\n[lora]\ntarget_modules = [\"c_attn\"]",
+                "\"c_attn\" is not a projection",
+            ),
+            ("[model]\npath = \"m\"\n[lora]\ndropout = 1.5", "lora.dropout"),
+            ("[zero]\noffload_optimizer = \"disk\"", "unknown variant"),
+            (
+                "zero_stage = 2\n[zero]\noffload_optimizer = \"cpu\"\noffload_params = \"cpu\"",
+                "needs zero_stage = 3",
+            ),
+            ("zero_stage = 3\n[zero]\noffload_params = \"cpu\"", "offload_optimizer"),
         ];
         for (text, expected) in cases {
             let error = TrainConfig::from_toml(text).unwrap_err();

@@ -15,6 +15,7 @@ pub mod documents;
 pub mod error;
 pub mod group;
 pub mod hf;
+pub mod lora;
 pub mod metrics;
 pub mod protocol;
 pub mod quic_link;
@@ -31,6 +32,7 @@ pub use documents::{Document, DocumentError, Message, Packed, PackedRow, Record,
 pub use error::{Error, Result, TrainError};
 pub use group::{TrainEvent, TrainSummary, TrainerGroup};
 pub use hf::{Architecture, HfConfigError, LlamaConfig, RopeScaling};
+pub use lora::{LoraConfig, Offload, ZeroConfig};
 pub use protocol::{FromExecutor, RankSetup, StepReport, ToExecutor, TrainOp, TrainReply};
 pub use quic_link::{QuicLink, QuicLinkBuilder};
 pub use rank::{executor_path, TrainRank, TrainRankArgs, EXECUTOR_ENV, SECRET_ENV};

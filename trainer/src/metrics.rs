@@ -15,6 +15,7 @@ pub struct TrainMetrics {
     tokens_per_second: GaugeVec,
     collective_seconds: GaugeVec,
     state_bytes: GaugeVec,
+    host_state_bytes: GaugeVec,
     mfu: GaugeVec,
     checkpoints: IntCounterVec,
 }
@@ -58,6 +59,11 @@ impl TrainMetrics {
                     "Bytes held by the rank: parameters, gradients, optimizer",
                     &["rank", "state"],
                 ),
+                host_state_bytes: gauge(
+                    "regatta_train_host_state_bytes",
+                    "Of regatta_train_state_bytes, bytes in host memory (ZeRO-Offload): parameters, gradients, optimizer",
+                    &["rank", "state"],
+                ),
                 mfu: gauge("regatta_train_mfu", "Model FLOPs utilisation estimate (GPU)", &["rank"]),
                 checkpoints,
             }
@@ -80,6 +86,13 @@ impl TrainMetrics {
                     ("optimizer", s.optimizer_bytes),
                 ] {
                     self.state_bytes.with_label_values(&[&r, state]).set(bytes as f64);
+                }
+                for (state, bytes) in [
+                    ("parameters", s.host_param_bytes),
+                    ("gradients", s.host_grad_bytes),
+                    ("optimizer", s.host_optimizer_bytes),
+                ] {
+                    self.host_state_bytes.with_label_values(&[&r, state]).set(bytes as f64);
                 }
                 if let Some(mfu) = s.mfu {
                     self.mfu.with_label_values(&[&r]).set(mfu);

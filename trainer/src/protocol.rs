@@ -58,6 +58,18 @@ pub struct StepReport {
     pub grad_bytes: u64,
     /// Bytes of optimizer state (master weights and both moments) this rank holds.
     pub optimizer_bytes: u64,
+    /// Of `param_bytes`, in host memory (`offload_params`).
+    #[serde(default)]
+    pub host_param_bytes: u64,
+    /// Of `grad_bytes`, in host memory (`offload_optimizer`: reduced shards go to the host).
+    #[serde(default)]
+    pub host_grad_bytes: u64,
+    /// Of `optimizer_bytes`, in host memory (`offload_optimizer`).
+    #[serde(default)]
+    pub host_optimizer_bytes: u64,
+    /// Of `param_bytes`, frozen parameters (a LoRA run's base).
+    #[serde(default)]
+    pub frozen_param_bytes: u64,
     /// Model FLOPs utilisation estimate (GPU only).
     pub mfu: Option<f64>,
 }

@@ -7,7 +7,9 @@
 //! `regatta-torch-rank peak CONFIG THREADS`: libtorch's matmul FLOP/s at the run's model
 //! shapes, as JSON (what `regatta bench train` measures MFU against);
 //! `regatta-torch-rank bench-generate MODEL THREADS`: KV-cache generation's output tokens/s
-//! against the machine's memory and compute bounds (what `regatta bench generate` prints).
+//! against the machine's memory and compute bounds (what `regatta bench generate` prints);
+//! `regatta-torch-rank merge BASE ADAPTER OUT`: a LoRA adapter merged into its base model,
+//! written as a plain Hugging Face folder.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -31,6 +33,22 @@ fn reference(args: &[String]) -> anyhow::Result<()> {
     }
     let bytes = checkpoint::to_safetensors(&weights)?;
     std::fs::write(out, bytes).map_err(|e| anyhow::anyhow!("cannot write {out}: {e}"))
+}
+
+fn merge(args: &[String]) -> anyhow::Result<()> {
+    let [base, adapter, out] = args else {
+        anyhow::bail!("usage: regatta-torch-rank merge BASE_MODEL_DIR ADAPTER_DIR OUT_DIR");
+    };
+    let cwd = std::env::current_dir()?;
+    let [base, adapter, out] = [base, adapter, out].map(|p| regatta_object_store::absolute(p, &cwd));
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let written = runtime.block_on(async {
+        let hf = regatta_torch::HfModel::open(&base).await?;
+        let adapter = regatta_torch::lora::Adapter::open(&adapter).await?;
+        regatta_torch::lora::merge(&hf, &adapter, &out, regatta_torch::executor::SHARD_BYTES).await
+    })?;
+    println!("wrote {out}: {}", written.join(", "));
+    Ok(())
 }
 
 fn peak(args: &[String]) -> anyhow::Result<()> {
@@ -113,6 +131,13 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
+        Some("merge") => match merge(&args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(1)
+            }
+        },
         Some("reference") => match reference(&args[1..]) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -121,7 +146,7 @@ fn main() -> ExitCode {
             }
         },
         Some(other) => {
-            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`, `peak`, `bench-generate`");
+            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`, `merge`, `peak`, `bench-generate`");
             ExitCode::from(2)
         }
     }

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Makes the LoRA fixtures that prove Regatta's adapters equal `peft`'s: for the Llama and
+Qwen2 fixtures of scripts/make-hf-fixtures.py, a PEFT LoRA adapter saved with
+`save_pretrained` (adapter_config.json + adapter_model.safetensors, PEFT's names and
+layout) whose A and B matrices are random (PEFT starts B at zero, which would make the
+adapter a no-op), plus `lora-reference.safetensors`: fixed token ids, the PEFT model's
+logits (base + adapter, unmerged) and the logits of `merge_and_unload()`'s model.
+
+    Llama: every projection, r = 4, alpha = 8.
+    Qwen2 (q/k/v biases, tied embeddings): q_proj and v_proj only, r = 2, alpha = 4, rsLoRA.
+
+Run once where `torch`, `transformers` and `peft` are installed; the output is committed
+under torch/tests/fixtures/*-lora/ and the tests need no Python:
+
+    ~/.cache/regatta/fixture-venv/bin/pip install torch==2.11.0 transformers safetensors peft
+    ~/.cache/regatta/fixture-venv/bin/python scripts/make-lora-fixtures.py
+"""
+import pathlib
+
+import peft
+import torch
+import transformers
+from safetensors.torch import save_file
+
+root = pathlib.Path(__file__).resolve().parent.parent
+fixtures = root / "torch" / "tests" / "fixtures"
+
+ADAPTERS = {
+    "llama": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
+    "qwen2": dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], use_rslora=True),
+}
+
+
+def main():
+    for name, settings in ADAPTERS.items():
+        base = fixtures / name
+        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        model.eval()
+        config = peft.LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, **settings)
+        lora = peft.get_peft_model(model, config)
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for param_name, param in lora.named_parameters():
+                if "lora_" in param_name:
+                    param.copy_(torch.randn(param.shape, generator=g) * 0.05)
+        out = fixtures / f"{name}-lora"
+        out.mkdir(exist_ok=True)
+        # base_model_name_or_path as the repository names the base.
+        lora.peft_config["default"].base_model_name_or_path = f"torch/tests/fixtures/{name}"
+        lora.save_pretrained(out)
+        ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            logits = lora(input_ids=ids).logits
+            base_logits = lora.get_base_model()
+            with lora.disable_adapter():
+                base_logits = lora(input_ids=ids).logits
+            merged = lora.merge_and_unload()(input_ids=ids).logits
+        save_file(
+            {
+                "input_ids": ids.contiguous(),
+                "logits": logits.contiguous(),
+                "base_logits": base_logits.contiguous(),
+                "merged_logits": merged.contiguous(),
+            },
+            out / "lora-reference.safetensors",
+        )
+        print(out, "max |lora - base| =", (logits - base_logits).abs().max().item())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+//! LoRA adapters in PEFT's layout, through `object_store`: a folder with
+//! `adapter_config.json` and `adapter_model.safetensors` (tensors named
+//! `base_model.model.<module>.lora_A.weight` / `lora_B.weight`). Opened adapters are
+//! checked against the base model tensor by tensor; [`save`] writes what `peft` loads;
+//! [`merge`] writes base + `scale * B A` as a plain Hugging Face folder, one weight shard
+//! at a time. The settings themselves (and the name mapping) are pure, in
+//! `regatta_trainer::lora`.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use regatta_object_store::Place;
+use regatta_trainer::lora::{from_peft_name, is_adapter, peft_name, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+use regatta_trainer::LoraConfig;
+use tch::{Device, Kind, Tensor};
+
+use crate::checkpoint::{from_safetensors, latest, step_dir, to_safetensors};
+use crate::error::{Error, Result};
+use crate::hf::{HfModel, ShardPlan, INDEX};
+use crate::model::{Model, ParamSpec};
+
+fn storage(e: String) -> Error {
+    Error::Storage(e)
+}
+
+/// An adapter read from a folder.
+pub struct Adapter {
+    /// Its settings, from `adapter_config.json`.
+    pub config: LoraConfig,
+    /// Its tensors by Regatta's names (`model.layers.0.self_attn.q_proj.lora_A.weight`).
+    pub tensors: HashMap<String, Tensor>,
+    /// The folder.
+    pub url: String,
+    /// `base_model_name_or_path` from its config, if any.
+    pub base: Option<String>,
+}
+
+impl Adapter {
+    /// Opens the adapter at `url`: a PEFT folder, a LoRA checkpoint's step directory, or
+    /// a checkpoint directory (its newest step).
+    pub async fn open(url: &str) -> Result<Self> {
+        let mut place = Place::dir(url).map_err(storage)?;
+        if let Some(manifest) = latest(&place).await? {
+            place = place.child(&step_dir(manifest.step));
+        }
+        let url = place.url().to_string();
+        let config_path = format!("{url}/{ADAPTER_CONFIG}");
+        let bytes = place
+            .get_opt(ADAPTER_CONFIG)
+            .await
+            .map_err(storage)?
+            .ok_or_else(|| Error::ModelFile {
+                path: url.clone(),
+                problem: format!("has no {ADAPTER_CONFIG}: not a LoRA adapter folder (PEFT's save_pretrained layout)"),
+            })?;
+        let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::ModelFile {
+            path: config_path.clone(),
+            problem: format!("is not valid JSON: {e}"),
+        })?;
+        let config = LoraConfig::from_peft_json(&json, &config_path)?;
+        let base = json
+            .get("base_model_name_or_path")
+            .and_then(|v| v.as_str())
+            .map(str::to_string);
+        let weights_path = format!("{url}/{ADAPTER_WEIGHTS}");
+        let bytes = place
+            .get_opt(ADAPTER_WEIGHTS)
+            .await
+            .map_err(storage)?
+            .ok_or_else(|| Error::ModelFile {
+                path: url.clone(),
+                problem: format!("has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}"),
+            })?;
+        let mut tensors = HashMap::new();
+        for (name, tensor) in from_safetensors(&bytes, &weights_path)? {
+            let ours = from_peft_name(&name)
+                .filter(|n| is_adapter(n))
+                .ok_or_else(|| Error::Tensor {
+                    path: weights_path.clone(),
+                    name: name.clone(),
+                    problem: "is not a LoRA tensor (base_model.model.<module>.lora_A.weight or lora_B.weight)".into(),
+                })?;
+            tensors.insert(ours, tensor.to_kind(Kind::Float));
+        }
+        Ok(Self {
+            config,
+            tensors,
+            url,
+            base,
+        })
+    }
+
+    /// Checks that the adapter holds exactly the tensors `model` (with these adapters set)
+    /// expects, with their shapes; the error names the tensor and the expected shape.
+    pub fn check(&self, model: &dyn Model) -> Result<()> {
+        let path = format!("{}/{ADAPTER_WEIGHTS}", self.url);
+        let specs: Vec<ParamSpec> = model
+            .blocks()
+            .into_iter()
+            .flatten()
+            .filter(|s| is_adapter(&s.name))
+            .collect();
+        for spec in &specs {
+            let tensor = self.tensors.get(&spec.name).ok_or_else(|| Error::Tensor {
+                path: path.clone(),
+                name: peft_name(&spec.name),
+                problem: format!(
+                    "is missing: adapter_config.json targets this module, so shape {:?} is expected (is the adapter for another base model?)",
+                    spec.shape
+                ),
+            })?;
+            if tensor.size() != spec.shape {
+                return Err(Error::Tensor {
+                    path: path.clone(),
+                    name: peft_name(&spec.name),
+                    problem: format!(
+                        "has shape {:?}; r = {} and the base model's projection imply {:?} (wrong rank, or an adapter for another base model)",
+                        tensor.size(),
+                        self.config.rank,
+                        spec.shape
+                    ),
+                });
+            }
+        }
+        let known: std::collections::HashSet<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+        let mut extra: Vec<&String> = self.tensors.keys().filter(|n| !known.contains(n.as_str())).collect();
+        extra.sort();
+        if let Some(name) = extra.first() {
+            return Err(Error::Tensor {
+                path,
+                name: peft_name(name),
+                problem: format!(
+                    "targets a module the base model does not have or adapter_config.json does not list ({} unexpected tensor(s))",
+                    extra.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The adapter's tensors in PEFT's names, with `adapter_config.json`, as bytes to write.
+pub fn adapter_files(config: &LoraConfig, base: &str, tensors: &[(String, Tensor)]) -> Result<Vec<(String, Bytes)>> {
+    let renamed: Vec<(String, Tensor)> = tensors
+        .iter()
+        .filter(|(name, _)| is_adapter(name))
+        .map(|(name, t)| (peft_name(name), t.shallow_clone()))
+        .collect();
+    let json = serde_json::to_vec_pretty(&config.peft_json(base)).map_err(|e| Error::Invalid(e.to_string()))?;
+    Ok(vec![
+        (ADAPTER_CONFIG.to_string(), Bytes::from(json)),
+        (ADAPTER_WEIGHTS.to_string(), to_safetensors(&renamed)?),
+    ])
+}
+
+/// Writes `base` + `adapter` merged (each targeted weight plus `scale * B A`, float32) as
+/// a Hugging Face folder at `out`, with the base's tokenizer and generation files; one
+/// weight shard in memory at a time. Returns the files written.
+pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u64) -> Result<Vec<String>> {
+    let mut model = base.model()?;
+    base.check(model.as_ref())?;
+    model.set_lora(&adapter.config)?;
+    adapter.check(model.as_ref())?;
+    let scale = adapter.config.scale();
+    let plain = base.model()?;
+    let blocks = plain.blocks();
+    let place = Place::dir(out).map_err(storage)?;
+    let plan = ShardPlan::new(&blocks, shard_bytes);
+    let mut written = Vec::new();
+    for (file, members) in &plan.files {
+        let mut tensors = Vec::new();
+        for &block in members {
+            for spec in blocks[block].iter().filter(|s| s.tied_to.is_none()) {
+                let mut weight = base.read(spec, Device::Cpu).await?;
+                if let Some(module) = spec.name.strip_suffix(".weight") {
+                    let a = adapter.tensors.get(&format!("{module}.lora_A.weight"));
+                    let b = adapter.tensors.get(&format!("{module}.lora_B.weight"));
+                    if let (Some(a), Some(b)) = (a, b) {
+                        weight = weight + b.matmul(a) * scale;
+                    }
+                }
+                tensors.push((spec.name.clone(), weight));
+            }
+        }
+        place.put(file, to_safetensors(&tensors)?).await.map_err(storage)?;
+        written.push(file.clone());
+    }
+    let json = |value: &serde_json::Value| -> Result<Bytes> {
+        serde_json::to_vec_pretty(value)
+            .map(Bytes::from)
+            .map_err(|e| Error::Invalid(e.to_string()))
+    };
+    if plan.files.len() > 1 {
+        place.put(INDEX, json(&plan.index(&blocks))?).await.map_err(storage)?;
+        written.push(INDEX.to_string());
+    }
+    place
+        .put("config.json", json(&plain.hf_config())?)
+        .await
+        .map_err(storage)?;
+    written.push("config.json".to_string());
+    for (name, bytes) in base.side_files().await? {
+        place.put(&name, bytes).await.map_err(storage)?;
+        written.push(name);
+    }
+    Ok(written)
+}
