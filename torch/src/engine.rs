@@ -235,8 +235,6 @@ pub struct Engine {
     decay: Vec<Tensor>,
     full_grads: Vec<Option<Tensor>>,
     grad_shards: Vec<Option<Tensor>>,
-    /// Micro-batches run so far (the dropout masks' seed).
-    micro_batches: u64,
 }
 
 /// A block's parameters as leaves of one backward: the trained buffer, the frozen one and
@@ -403,7 +401,6 @@ impl Engine {
             decay,
             full_grads: (0..blocks).map(|_| None).collect(),
             grad_shards: (0..blocks).map(|_| None).collect(),
-            micro_batches: 0,
         };
         engine.refresh_params()?;
         Ok(engine)
@@ -558,8 +555,11 @@ impl Engine {
         }
         let mut local_loss = 0.0;
         let mut grad_bytes = (0, 0);
-        for m in micro {
-            let (loss, held) = self.accumulate(m, count)?;
+        for (k, m) in micro.iter().enumerate() {
+            // Dropout masks: a function of the run's seed, the step and the micro-batch, so a
+            // resumed run draws what an uninterrupted one would.
+            let salt = (self.step << 16 | k as u64).wrapping_mul(0x2545_f491_4f6c_dd1d);
+            let (loss, held) = self.accumulate(m, count, self.settings.seed ^ salt)?;
             local_loss += loss;
             grad_bytes = held;
         }
@@ -578,15 +578,14 @@ impl Engine {
     /// Forward and backward of one micro-batch, adding the gradients of its loss sum
     /// divided by `count` to the held ones. Returns its loss sum and the gradient bytes
     /// held (all, and of those on the host).
-    fn accumulate(&mut self, m: &MicroBatch, count: f64) -> Result<(f64, (u64, u64))> {
+    fn accumulate(&mut self, m: &MicroBatch, count: f64, dropout_seed: u64) -> Result<(f64, (u64, u64))> {
         let blocks = self.specs.len();
         let recompute = self.three() || self.settings.activation_checkpointing;
         let device = self.settings.device;
         let tokens = m.tokens.to_device(device);
         let targets = m.targets.to_device(device);
         let mut batch = m.batch(device);
-        self.micro_batches += 1;
-        batch.dropout_seed = Some(self.settings.seed ^ self.micro_batches.wrapping_mul(0x2545_f491_4f6c_dd1d));
+        batch.dropout_seed = Some(dropout_seed);
         self.model.prepare(&mut batch);
         // Forward: keep each block's input (recompute) or its whole graph.
         let mut inputs = Vec::with_capacity(blocks);
