@@ -23,6 +23,7 @@
 //! block before.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use regatta_trainer::config::OptimizerConfig;
 use regatta_trainer::{FlatLayout, Offload, ZeroConfig, ZeroStage};
@@ -206,6 +207,59 @@ impl Flat {
     }
 }
 
+/// The settings of one AdamW update.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamwStep {
+    /// This step's learning rate.
+    pub lr: f64,
+    /// First-moment decay.
+    pub beta1: f64,
+    /// Second-moment decay.
+    pub beta2: f64,
+    /// Denominator epsilon.
+    pub eps: f64,
+    /// Decoupled weight decay (where `decay` is 1).
+    pub weight_decay: f64,
+    /// The step's number, from 1 (bias corrections).
+    pub step: u64,
+}
+
+/// One AdamW update of flat fp32 buffers in place, as `torch.optim.AdamW` computes it
+/// (decoupled weight decay on the `decay` ranges only), in nine whole-buffer libtorch
+/// kernels (vectorised, on every intra-op thread; no per-tensor loop, no temporaries:
+/// `grad` is the scratch buffer). With ZeRO-Offload every buffer is in host memory.
+pub fn adamw_update(
+    master: &mut Tensor,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    decay: &[Range<usize>],
+    mut grad: Tensor,
+    s: &AdamwStep,
+) {
+    let t = s.step.min(i32::MAX as u64) as i32;
+    let (bc1, bc2) = (1.0 - s.beta1.powi(t), 1.0 - s.beta2.powi(t));
+    tch::no_grad(|| {
+        if s.weight_decay > 0.0 {
+            for range in decay {
+                let _ = master
+                    .narrow(0, range.start as i64, range.len() as i64)
+                    .g_mul_scalar_(1.0 - s.lr * s.weight_decay);
+            }
+        }
+        // m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
+        let _ = m.lerp_(&grad, 1.0 - s.beta1);
+        let _ = grad.g_mul_(&grad.shallow_clone());
+        let _ = v.lerp_(&grad, 1.0 - s.beta2);
+        // p <- p - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
+        //    = p - (lr sqrt(bc2) / bc1) * m / (sqrt(v) + eps sqrt(bc2))
+        let _ = v.sqrt_out(&grad);
+        let _ = grad.g_add_scalar_(s.eps * bc2.sqrt());
+        let _ = m.div_out(&grad, &grad.shallow_clone());
+        let _ = grad.g_mul_scalar_(-s.lr * bc2.sqrt() / bc1);
+        let _ = master.g_add_(&grad);
+    });
+}
+
 /// One rank of a ZeRO group.
 pub struct Engine {
     model: Box<dyn Model>,
@@ -231,8 +285,8 @@ pub struct Engine {
     master: Vec<Tensor>,
     exp_avg: Vec<Tensor>,
     exp_avg_sq: Vec<Tensor>,
-    /// 1 where weight decay applies, per block shard.
-    decay: Vec<Tensor>,
+    /// Where weight decay applies inside each block's shard (matrices, not norms or biases).
+    decay: Vec<Vec<Range<usize>>>,
     full_grads: Vec<Option<Tensor>>,
     grad_shards: Vec<Option<Tensor>>,
 }
@@ -338,7 +392,6 @@ impl Engine {
         for (b, block) in specs.iter().enumerate() {
             let (t, f) = (&train[b].layout, &frozen_flat[b].layout);
             let flat = Tensor::zeros([t.padded as i64], (Kind::Float, Device::Cpu));
-            let mask = Tensor::zeros([t.padded as i64], (Kind::Float, Device::Cpu));
             let frozen_full = Tensor::zeros([f.padded as i64], (settings.compute, Device::Cpu));
             for (spec, slot) in block.iter().zip(&slots[b]) {
                 let Slot::Own(store) = slot else { continue };
@@ -357,9 +410,6 @@ impl Engine {
                 };
                 let region = |t: &Tensor| t.narrow(0, place.offset as i64, place.numel as i64);
                 region(buffer).copy_(&values.to_kind(buffer.kind()).view(-1));
-                if matches!(store, Store::Train(_)) && spec.decays() {
-                    let _ = region(&mask).fill_(1.0);
-                }
             }
             let range = t.shard_range(rank);
             let shard = |x: &Tensor| {
@@ -367,7 +417,21 @@ impl Engine {
                 pinned(part.to_device(host), device)
             };
             master.push(shard(&flat));
-            decay.push(shard(&mask));
+            // The decaying pieces of this rank's shard, adjacent ones joined.
+            let decaying: Vec<bool> = block
+                .iter()
+                .zip(&slots[b])
+                .filter(|(_, slot)| matches!(slot, Slot::Own(Store::Train(_))))
+                .map(|(spec, _)| spec.decays())
+                .collect();
+            let mut ranges: Vec<Range<usize>> = Vec::new();
+            for piece in t.pieces(rank).into_iter().filter(|p| decaying[p.tensor]) {
+                match ranges.last_mut() {
+                    Some(last) if last.end == piece.in_shard.start => last.end = piece.in_shard.end,
+                    _ => ranges.push(piece.in_shard),
+                }
+            }
+            decay.push(ranges);
             let frozen_home = if settings.offload.offload_params == Offload::Cpu {
                 Device::Cpu
             } else {
@@ -716,8 +780,6 @@ impl Engine {
     fn apply_adamw(&mut self) -> Result<f64> {
         self.step += 1;
         let o = self.settings.optimizer.clone();
-        let t = self.step as i32;
-        let (bc1, bc2) = (1.0 - o.beta1.powi(t), 1.0 - o.beta2.powi(t));
         let lr = o.lr_at(self.step, self.settings.steps);
         let mut shards = Vec::with_capacity(self.master.len());
         for block in 0..self.master.len() {
@@ -746,33 +808,27 @@ impl Engine {
         } else {
             1.0
         };
-        let step_size = lr / bc1;
-        let bc2_sqrt = bc2.sqrt();
+        let hyper = AdamwStep {
+            lr,
+            beta1: o.beta1,
+            beta2: o.beta2,
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+            step: self.step,
+        };
         for (block, grad) in shards.into_iter().enumerate() {
             let Some(mut grad) = grad else { continue };
-            tch::no_grad(|| {
-                if clip < 1.0 {
-                    let _ = grad.g_mul_scalar_(clip);
-                }
-                let master = &mut self.master[block];
-                if o.weight_decay > 0.0 {
-                    let _ = master.g_mul_(&((&self.decay[block] * (-lr * o.weight_decay)) + 1.0));
-                }
-                let m = &mut self.exp_avg[block];
-                let _ = m.g_mul_scalar_(o.beta1);
-                let _ = m.g_add_(&(&grad * (1.0 - o.beta1)));
-                let v = &mut self.exp_avg_sq[block];
-                let _ = v.g_mul_scalar_(o.beta2);
-                let _ = grad.g_mul_(&grad.shallow_clone());
-                let _ = grad.g_mul_scalar_(1.0 - o.beta2);
-                let _ = v.g_add_(&grad);
-                // grad is free now: it becomes the denominator, then the update.
-                let _ = grad.copy_(v);
-                let _ = grad.sqrt_().g_div_scalar_(bc2_sqrt).g_add_scalar_(o.eps);
-                let mut update = m.shallow_clone() / &grad;
-                let _ = update.g_mul_scalar_(step_size);
-                let _ = self.master[block].g_sub_(&update);
-            });
+            if clip < 1.0 {
+                let _ = tch::no_grad(|| grad.g_mul_scalar_(clip));
+            }
+            adamw_update(
+                &mut self.master[block],
+                &mut self.exp_avg[block],
+                &mut self.exp_avg_sq[block],
+                &self.decay[block],
+                grad,
+                &hyper,
+            );
         }
         self.refresh_params()?;
         Ok(norm)
