@@ -31,6 +31,12 @@ pub struct BenchArgs {
     /// built-in GPT for `train`, data/bench-llama-110m.json for `generate`.
     #[arg(long)]
     pub model: Option<String>,
+    /// `train`: compare full fine-tuning with LoRA adapters of this rank (ZeRO-3, 2 ranks).
+    #[arg(long)]
+    pub lora: Option<usize>,
+    /// `train`: compare with the optimizer state offloaded to the host (ZeRO-3, 2 ranks).
+    #[arg(long)]
+    pub offload: bool,
 }
 
 /// Mean and standard deviation of trial figures.
@@ -73,7 +79,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let trials = args.trials.max(1);
     for suite in suites {
         let outcome = tokio::select! {
-            outcome = run_suite(suite, trials, args.quick, args.model.as_deref()) => outcome,
+            outcome = run_suite(suite, trials, &args) => outcome,
             () = crate::cli::shutdown_signal() => return Ok(ExitCode::from(130)),
         };
         outcome?;
@@ -81,9 +87,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn run_suite(suite: &str, trials: usize, quick: bool, model: Option<&str>) -> anyhow::Result<()> {
+async fn run_suite(suite: &str, trials: usize, args: &BenchArgs) -> anyhow::Result<()> {
+    let (quick, model) = (args.quick, args.model.as_deref());
     if suite == "cluster" {
         return cluster_start(trials).await;
+    }
+    if suite == "train" && (args.lora.is_some() || args.offload) {
+        return crate::bench_train::variants(trials, quick, model, args.lora, args.offload).await;
     }
     if suite == "train" {
         return crate::bench_train::train(trials, quick, model).await;

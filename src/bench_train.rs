@@ -132,3 +132,123 @@ pub async fn train(trials: usize, quick: bool, model: Option<&str>) -> anyhow::R
     }
     Ok(())
 }
+
+/// One variant of `regatta bench train --lora R --offload`.
+struct Variant {
+    name: String,
+    lora: Option<usize>,
+    offload: bool,
+}
+
+/// Full fine-tuning against LoRA and/or optimizer offload, each over 2 ranks with ZeRO-3 on
+/// the same model and batches: tokens/s and the bytes each rank holds, by kind, on the
+/// device and on the host (from the tensors, as the step reports give them); then the host
+/// AdamW update's memory traffic against a plain copy on this machine
+/// (`regatta-torch-rank bench-adamw`).
+pub async fn variants(
+    trials: usize,
+    quick: bool,
+    model: Option<&str>,
+    lora: Option<usize>,
+    offload: bool,
+) -> anyhow::Result<()> {
+    let warmup = if quick { 2 } else { 5 };
+    // Adapters need a Llama-family model: the benchmark's own by default.
+    let default_model = format!("{}/data/bench-llama.json", env!("CARGO_MANIFEST_DIR"));
+    let model = Some(model.unwrap_or(&default_model));
+    let mut variants = vec![Variant {
+        name: "full".into(),
+        lora: None,
+        offload: false,
+    }];
+    if offload {
+        variants.push(Variant {
+            name: "full + offload".into(),
+            lora: None,
+            offload: true,
+        });
+    }
+    if let Some(rank) = lora {
+        variants.push(Variant {
+            name: format!("LoRA r{rank}"),
+            lora: Some(rank),
+            offload: false,
+        });
+        if offload {
+            variants.push(Variant {
+                name: format!("LoRA r{rank} + offload"),
+                lora: Some(rank),
+                offload: true,
+            });
+        }
+    }
+    let name = model.map_or("built-in GPT".to_string(), |m| m.rsplit('/').next().unwrap_or(m).to_string());
+    println!("train model {name}, ZeRO-3 over 2 ranks");
+    for variant in &variants {
+        let mut tokens = Vec::new();
+        let mut last = None;
+        for _ in 0..trials {
+            let mut config = config(2, quick, model)?;
+            config.zero_stage = regatta_trainer::ZeroStage::Three;
+            if let Some(rank) = variant.lora {
+                config.lora = Some(regatta_trainer::LoraConfig {
+                    rank,
+                    alpha: 2.0 * rank as f64,
+                    ..Default::default()
+                });
+            }
+            if variant.offload {
+                config.zero.offload_optimizer = regatta_trainer::Offload::Cpu;
+            }
+            config.validate().map_err(anyhow::Error::msg)?;
+            let mut cluster = LocalCluster::start(LocalOptions::new(local_workers(&config))?)?;
+            let outcome = async {
+                let client = cluster.connect(Duration::from_secs(30)).await?;
+                let mut steps = Vec::new();
+                TrainerGroup::new(client.cluster().clone(), config)?
+                    .run(|event| {
+                        if let TrainEvent::Step(step) = event {
+                            steps.push(step.clone());
+                        }
+                    })
+                    .await?;
+                anyhow::Ok(steps)
+            }
+            .await;
+            cluster.shutdown();
+            let timed: Vec<_> = outcome?.into_iter().skip(warmup).collect();
+            anyhow::ensure!(!timed.is_empty(), "no step was timed");
+            tokens.push(timed.iter().map(|s| s.tokens_per_sec).sum::<f64>() / timed.len() as f64);
+            last = timed.last().cloned();
+        }
+        let (tps, spread) = mean_spread(&tokens);
+        println!("train {} tokens per second {tps:.2} +- {spread:.2}", variant.name);
+        if let Some(s) = last {
+            println!("train {} bytes per rank {}", variant.name, crate::train_cli::held(&s));
+        }
+    }
+    if offload {
+        let executor = regatta_trainer::executor_path(None).map_err(anyhow::Error::msg)?;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let elements = if quick { 1 << 20 } else { 50_000_000 };
+        let output = std::process::Command::new(&executor)
+            .args(["bench-adamw", &elements.to_string(), &cores.to_string()])
+            .output()
+            .with_context(|| format!("cannot run {}", executor.display()))?;
+        anyhow::ensure!(
+            output.status.success(),
+            "bench-adamw failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let figures: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+        let field = |name: &str| figures[name].as_f64().with_context(|| format!("no {name} in {figures}"));
+        println!(
+            "train host AdamW over {elements} parameters with {cores} thread(s): {:.1} M parameters/s, {:.2} GB/s of the 28 bytes a parameter a fused update moves, {:.2} of this machine's copy bandwidth ({:.2} GB/s)",
+            field("parameters_per_sec")? / 1e6,
+            field("adamw_gbps")?,
+            field("fraction_of_copy_bandwidth")?,
+            field("copy_gbps")?
+        );
+    }
+    Ok(())
+}
