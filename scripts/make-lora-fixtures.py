@@ -14,7 +14,16 @@ under torch/tests/fixtures/*-lora/ and the tests need no Python:
 
     ~/.cache/regatta/fixture-venv/bin/pip install torch==2.11.0 transformers safetensors peft
     ~/.cache/regatta/fixture-venv/bin/python scripts/make-lora-fixtures.py
+
+`--check-load STEP_DIR` instead loads a LoRA checkpoint Regatta wrote (with
+`merge_on_save`) twice: its adapter with `PeftModel.from_pretrained` on the base its
+adapter_config.json names, and its merged weights (STEP_DIR/merged) with
+`from_pretrained`; it prints the
+largest difference of their logits on fixed token ids (the note of issue 16 says where
+this ran).
 """
+import argparse
+import json
 import pathlib
 
 import peft
@@ -35,7 +44,29 @@ ADAPTERS = {
 }
 
 
+def check_load(step_dir):
+    step = pathlib.Path(step_dir)
+    base_path = json.loads((step / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, step).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(step / "merged", dtype=torch.float32).eval()
+    ids = torch.randint(3, base.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        a = with_adapter(input_ids=ids).logits
+        b = merged(input_ids=ids).logits
+        with with_adapter.disable_adapter():
+            plain = with_adapter(input_ids=ids).logits
+    print(f"peft adapter vs merged weights: max |logits difference| = {(a - b).abs().max().item():.3e}")
+    print(f"adapter effect: max |adapter - base| = {(a - plain).abs().max().item():.3e}")
+
+
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--check-load", metavar="STEP_DIR")
+    args = parser.parse_args()
+    if args.check_load:
+        check_load(args.check_load)
+        return
     for name, settings in ADAPTERS.items():
         base = fixtures / name
         model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

@@ -182,7 +182,9 @@ pub async fn variants(
             });
         }
     }
-    let name = model.map_or("built-in GPT".to_string(), |m| m.rsplit('/').next().unwrap_or(m).to_string());
+    let name = model.map_or("built-in GPT".to_string(), |m| {
+        m.rsplit('/').next().unwrap_or(m).to_string()
+    });
     println!("train model {name}, ZeRO-3 over 2 ranks");
     for variant in &variants {
         let mut tokens = Vec::new();
@@ -241,7 +243,11 @@ pub async fn variants(
             String::from_utf8_lossy(&output.stderr)
         );
         let figures: serde_json::Value = serde_json::from_slice(&output.stdout)?;
-        let field = |name: &str| figures[name].as_f64().with_context(|| format!("no {name} in {figures}"));
+        let field = |name: &str| {
+            figures[name]
+                .as_f64()
+                .with_context(|| format!("no {name} in {figures}"))
+        };
         println!(
             "train host AdamW over {elements} parameters with {cores} thread(s): {:.1} M parameters/s, {:.2} GB/s of the 28 bytes a parameter a fused update moves, {:.2} of this machine's copy bandwidth ({:.2} GB/s)",
             field("parameters_per_sec")? / 1e6,

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use regatta_scorer::{from_parquet, ScoredRow};
+use regatta_scorer::{from_parquet, generated_from_parquet, ScoredRow};
 use support::temp_dir;
 
 fn regatta() -> Command {
@@ -154,13 +154,16 @@ fn lora_with_zero3_offload_over_worker_processes_matches_the_reference_resumes_a
         .chunks_exact(4)
         .any(|v| f32::from_le_bytes([v[0], v[1], v[2], v[3]]).abs() > 1e-4));
 
-    // The checkpoint: the adapter in PEFT's layout, merged weights, optimizer slices.
+    // The checkpoint: the adapter in PEFT's layout, merged weights in a folder of their own
+    // (transformers would apply an adapter_config.json beside them again), optimizer slices.
     let step = checkpoints.join("step-00000006");
+    assert!(!step.join("config.json").exists() && !step.join("model.safetensors").exists());
     for file in [
         "adapter_config.json",
         "adapter_model.safetensors",
-        "config.json",
-        "model.safetensors",
+        "merged/config.json",
+        "merged/model.safetensors",
+        "merged/tokenizer.json",
         "optim-rank-0-of-2.safetensors",
         "optim-rank-1-of-2.safetensors",
         "manifest.json",
@@ -224,9 +227,35 @@ fn lora_with_zero3_offload_over_worker_processes_matches_the_reference_resumes_a
         moved = moved.max((row.log_likelihood - plain[id].log_likelihood).abs());
     }
     assert!(moved > 1e-3, "the trained adapter changes the scores ({moved})");
+    // Greedy generation with the adapter unmerged equals generation with merged weights.
+    let generate = |tag: &str, extra: &[&str]| {
+        let out = dir.join(tag);
+        run(regatta()
+            .args(["score", "--generate", "--max-new-tokens", "6", "--actors", "1"])
+            .args(["--input", rows.to_str().unwrap(), "--output", out.to_str().unwrap()])
+            .args(extra));
+        let mut texts = BTreeMap::new();
+        for entry in std::fs::read_dir(&out).unwrap().flatten() {
+            if entry.file_name().to_string_lossy().ends_with(".parquet") {
+                for row in generated_from_parquet(std::fs::read(entry.path()).unwrap().into()).unwrap() {
+                    texts.insert(row.id.clone(), row.generated.clone());
+                }
+            }
+        }
+        texts
+    };
+    let with_adapter = generate(
+        "gen-adapter",
+        &["--model", &base, "--adapter", checkpoints.to_str().unwrap()],
+    );
+    assert_eq!(with_adapter.len(), 40);
+    assert_eq!(
+        with_adapter,
+        generate("gen-merged", &["--model", merged.to_str().unwrap()])
+    );
 
     // A LoRA checkpoint without merged weights, scored as a model: the error says what to do.
-    std::fs::remove_file(step.join("config.json")).unwrap();
+    std::fs::remove_dir_all(step.join("merged")).unwrap();
     let output = regatta()
         .args([
             "score",

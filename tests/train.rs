@@ -408,6 +408,7 @@ async fn a_sigkilled_rank_resumes_from_the_checkpoint_with_the_same_loss_curve()
         "regatta_train_tokens_per_second{rank=\"0\"}",
         "regatta_train_collective_seconds{rank=\"1\"}",
         "regatta_train_state_bytes{rank=\"0\",state=\"optimizer\"}",
+        "regatta_train_host_state_bytes{rank=\"0\",state=\"optimizer\"} 0",
         "regatta_train_checkpoints_total{rank=\"0\"} 15",
     ] {
         assert!(exported.contains(metric), "{metric} missing from:\n{exported}");

@@ -98,6 +98,9 @@ impl Manifest {
     }
 }
 
+/// Where a LoRA checkpoint's merged weights go inside its step directory (`merge_on_save`).
+pub const MERGED: &str = "merged";
+
 /// The directory name of a step.
 pub fn step_dir(step: u64) -> String {
     format!("step-{step:08}")
@@ -182,6 +185,9 @@ pub fn save(
         }
     }
     let write_weights = lora.as_ref().is_none_or(|l| l.merge_on_save);
+    // A LoRA run's merged weights go to a folder of their own: `transformers` would apply
+    // an adapter_config.json beside them a second time.
+    let weights_dir = if lora.is_some() { dir.child(MERGED) } else { dir.clone() };
     // The base's own blocks (a LoRA run's merged weights carry no adapter tensors).
     let base_specs: Vec<Vec<ParamSpec>> = engine
         .specs()
@@ -204,7 +210,7 @@ pub fn save(
         }
         if rank == owner {
             runtime
-                .block_on(dir.put(file, to_safetensors(&tensors)?))
+                .block_on(weights_dir.put(file, to_safetensors(&tensors)?))
                 .map_err(storage)?;
         }
     }
@@ -216,16 +222,21 @@ pub fn save(
         };
         if write_weights && plan.files.len() > 1 {
             runtime
-                .block_on(dir.put(INDEX, json(&plan.index(&base_specs))?))
+                .block_on(weights_dir.put(INDEX, json(&plan.index(&base_specs))?))
                 .map_err(storage)?;
         }
         if write_weights {
             runtime
-                .block_on(dir.put("config.json", json(&engine.model().hf_config())?))
+                .block_on(weights_dir.put("config.json", json(&engine.model().hf_config())?))
                 .map_err(storage)?;
         }
         for (name, bytes) in spec.side_files {
             runtime.block_on(dir.put(name, bytes.clone())).map_err(storage)?;
+            if lora.is_some() && write_weights {
+                runtime
+                    .block_on(weights_dir.put(name, bytes.clone()))
+                    .map_err(storage)?;
+            }
         }
     }
     engine.barrier()?;
@@ -265,9 +276,12 @@ pub async fn open_model(url: &str) -> Result<(Option<Manifest>, HfModel)> {
             }
         }
     }
-    if place.get_opt("config.json").await.map_err(storage)?.is_none()
-        && place.get_opt(ADAPTER_CONFIG).await.map_err(storage)?.is_some()
-    {
+    let has_config = |place: Place| async move { place.get_opt("config.json").await.map_err(storage) };
+    if has_config(place.clone()).await?.is_none() && has_config(place.child(MERGED)).await?.is_some() {
+        // A LoRA checkpoint with merged weights.
+        place = place.child(MERGED);
+    }
+    if has_config(place.clone()).await?.is_none() && place.get_opt(ADAPTER_CONFIG).await.map_err(storage)?.is_some() {
         return Err(Error::ModelFile {
             path: place.url().to_string(),
             problem: "holds a LoRA adapter, not a model: score it with --model BASE --adapter THIS_FOLDER, or write \
@@ -306,7 +320,10 @@ mod tests {
         let config = TrainConfig::default();
         let written = manifest(&config);
         assert_eq!(written.resume_conflict(&config, 256), None);
-        let changes: [(&str, fn(&mut TrainConfig)); 5] = [
+        let changes: [(&str, fn(&mut TrainConfig)); 6] = [
+            ("lora = None, this run has Some", |c| {
+                c.lora = Some(LoraConfig::default())
+            }),
             ("world_size = 2, this run has 3", |c| c.world_size = 3),
             ("micro_batch_size = 4, this run has 8", |c| c.micro_batch_size = 8),
             ("gradient_accumulation", |c| c.gradient_accumulation = 2),
