@@ -59,6 +59,27 @@ impl Manifest {
     /// Why resuming this checkpoint with `config` would skip or repeat data or fail, if it
     /// would.
     pub fn resume_conflict(&self, config: &regatta_trainer::TrainConfig, vocab: usize) -> Option<String> {
+        // The adapters' shapes and scale: what the saved adapter and optimizer state fit
+        // (dropout and merge_on_save may change).
+        let adapters = |l: &Option<LoraConfig>| {
+            l.as_ref()
+                .map(|l| format!("r {}, scale {}, on {}", l.rank, l.scale(), l.targeted().join(", ")))
+        };
+        let (then, now) = (adapters(&self.lora), adapters(&config.lora));
+        if then != now {
+            let describe = |a: Option<String>| {
+                a.map_or("no adapters (full fine-tuning)".to_string(), |a| {
+                    format!("adapters {a}")
+                })
+            };
+            return Some(format!(
+                "the checkpoint at step {} holds {}, this run asks for {}: its state would not fit; start a new \
+                 checkpoint.dir or restore [lora]",
+                self.step,
+                describe(then),
+                describe(now)
+            ));
+        }
         fn differs<T: PartialEq + std::fmt::Debug>(
             what: &'static str,
             then: &T,
@@ -71,15 +92,6 @@ impl Manifest {
             .or_else(|| differs("model", &self.model, &config.model))
             .or_else(|| differs("the vocabulary", &self.vocab, &vocab))
             .or_else(|| differs("data", &self.data, &config.data))
-            .or_else(|| {
-                let adapters = |l: &Option<LoraConfig>| {
-                    l.clone().map(|l| LoraConfig {
-                        merge_on_save: false,
-                        ..l
-                    })
-                };
-                differs("lora", &adapters(&self.lora), &adapters(&config.lora))
-            })
             .or_else(|| differs("micro_batch_size", &self.micro_batch_size, &config.micro_batch_size))
             .or_else(|| {
                 differs(
@@ -320,10 +332,12 @@ mod tests {
         let config = TrainConfig::default();
         let written = manifest(&config);
         assert_eq!(written.resume_conflict(&config, 256), None);
-        let changes: [(&str, fn(&mut TrainConfig)); 6] = [
-            ("lora = None, this run has Some", |c| {
-                c.lora = Some(LoraConfig::default())
-            }),
+        type Change = (&'static str, fn(&mut TrainConfig));
+        let changes: [Change; 6] = [
+            (
+                "holds no adapters (full fine-tuning), this run asks for adapters r 16",
+                |c| c.lora = Some(LoraConfig::default()),
+            ),
             ("world_size = 2, this run has 3", |c| c.world_size = 3),
             ("micro_batch_size = 4, this run has 8", |c| c.micro_batch_size = 8),
             ("gradient_accumulation", |c| c.gradient_accumulation = 2),

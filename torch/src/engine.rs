@@ -964,7 +964,7 @@ impl Engine {
                 let a = trained.get(&format!("{module}.lora_A.weight"));
                 let b = trained.get(&format!("{module}.lora_B.weight"));
                 if let (Some(a), Some(b)) = (a, b) {
-                    weight = weight + b.matmul(a) * scale;
+                    weight += b.matmul(a) * scale;
                 }
             }
             out.push((spec.name.clone(), weight));

@@ -423,7 +423,20 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
             positions: vec![done * per_rank as u64; world],
             files: (0..world)
                 .map(|r| format!("optim-rank-{r}-of-{world}.safetensors"))
-                .chain(["config.json".to_string(), "manifest.json".to_string()])
+                .chain(match &config.lora {
+                    None => vec!["config.json".to_string()],
+                    Some(lora) => {
+                        let mut files = vec![
+                            regatta_trainer::lora::ADAPTER_CONFIG.to_string(),
+                            regatta_trainer::lora::ADAPTER_WEIGHTS.to_string(),
+                        ];
+                        if lora.merge_on_save {
+                            files.push(format!("{}/config.json", checkpoint::MERGED));
+                        }
+                        files
+                    }
+                })
+                .chain(["manifest.json".to_string()])
                 .collect(),
             data: config.data.clone(),
             lora: config.lora.clone(),

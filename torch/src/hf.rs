@@ -260,10 +260,9 @@ impl HfModel {
     /// `device` CPU (a CPU run trains in float32 from float32 weights).
     pub async fn read(&self, spec: &ParamSpec, device: Device) -> Result<Tensor> {
         let (entry, kind) = self.entry(spec)?;
-        let path = format!("{}/{}", self.place.url(), entry.file);
         if kind != Kind::Float && device == Device::Cpu {
             return Err(Error::Tensor {
-                path,
+                path: format!("{}/{}", self.place.url(), entry.file),
                 name: spec.name.clone(),
                 problem: format!(
                     "is {}: a CPU run trains float32 weights; convert the model to float32 (torch_dtype=float32 in save_pretrained) or train on a GPU",
@@ -271,6 +270,13 @@ impl HfModel {
                 ),
             });
         }
+        self.read_exact(spec).await
+    }
+
+    /// One parameter's values as float32 on the CPU, whatever its dtype in the file (for
+    /// merging adapters, where nothing trains).
+    pub async fn read_exact(&self, spec: &ParamSpec) -> Result<Tensor> {
+        let (entry, kind) = self.entry(spec)?;
         let bytes = self
             .place
             .get_range(&entry.file, entry.start..entry.end)

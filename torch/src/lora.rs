@@ -12,7 +12,7 @@ use bytes::Bytes;
 use regatta_object_store::Place;
 use regatta_trainer::lora::{from_peft_name, is_adapter, peft_name, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 use regatta_trainer::LoraConfig;
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use crate::checkpoint::{from_safetensors, latest, step_dir, to_safetensors};
 use crate::error::{Error, Result};
@@ -171,12 +171,13 @@ pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u6
         let mut tensors = Vec::new();
         for &block in members {
             for spec in blocks[block].iter().filter(|s| s.tied_to.is_none()) {
-                let mut weight = base.read(spec, Device::Cpu).await?;
+                // Any dtype: merging trains nothing (a bf16 base merges in float32).
+                let mut weight = base.read_exact(spec).await?;
                 if let Some(module) = spec.name.strip_suffix(".weight") {
                     let a = adapter.tensors.get(&format!("{module}.lora_A.weight"));
                     let b = adapter.tensors.get(&format!("{module}.lora_B.weight"));
                     if let (Some(a), Some(b)) = (a, b) {
-                        weight = weight + b.matmul(a) * scale;
+                        weight += b.matmul(a) * scale;
                     }
                 }
                 tensors.push((spec.name.clone(), weight));

@@ -40,7 +40,10 @@ fn temp_dir(tag: &str) -> PathBuf {
 }
 
 /// The fixture's base with its PEFT adapter applied (unmerged), and the PEFT reference.
-fn load_with_adapter(name: &str, adapter: &Path) -> (Box<dyn Model>, Vec<Vec<Tensor>>, HashMap<String, Tensor>) {
+/// A model, its parameters per block, and the PEFT reference tensors by name.
+type Loaded = (Box<dyn Model>, Vec<Vec<Tensor>>, HashMap<String, Tensor>);
+
+fn load_with_adapter(name: &str, adapter: &Path) -> Loaded {
     let rt = runtime();
     let hf = rt.block_on(HfModel::open(fixture(name).to_str().unwrap())).unwrap();
     let adapter = rt.block_on(Adapter::open(adapter.to_str().unwrap())).unwrap();
@@ -109,6 +112,48 @@ fn an_adapter_from_peft_gives_peft_logits_and_merging_keeps_them() {
         }
         let _ = std::fs::remove_dir_all(&out);
     }
+}
+
+#[test]
+fn a_bf16_base_merges_in_float32() {
+    tch::set_num_threads(1);
+    let dir = temp_dir("bf16");
+    let base = dir.join("base");
+    copy_dir(&fixture("llama"), &base);
+    for entry in std::fs::read_dir(&base).unwrap().flatten() {
+        let path = entry.path();
+        if path.extension().is_some_and(|e| e == "safetensors") && path.file_name().unwrap() != "generate.safetensors" {
+            let tensors: Vec<(String, Tensor)> = Tensor::read_safetensors(&path)
+                .unwrap()
+                .into_iter()
+                .map(|(n, t)| (n, t.to_kind(Kind::BFloat16)))
+                .collect();
+            Tensor::write_safetensors(&tensors, &path).unwrap();
+        }
+    }
+    let rt = runtime();
+    let hf = rt.block_on(HfModel::open(base.to_str().unwrap())).unwrap();
+    let adapter = rt
+        .block_on(Adapter::open(fixture("llama-lora").to_str().unwrap()))
+        .unwrap();
+    let out = dir.join("merged");
+    rt.block_on(merge(&hf, &adapter, out.to_str().unwrap(), 1 << 30))
+        .unwrap();
+    let merged: HashMap<String, Tensor> = Tensor::read_safetensors(out.join("model.safetensors"))
+        .unwrap()
+        .into_iter()
+        .collect();
+    let name = "model.layers.1.self_attn.v_proj";
+    let original: HashMap<String, Tensor> = (1..=10)
+        .flat_map(|i| Tensor::read_safetensors(base.join(format!("model-{i:05}-of-00010.safetensors"))).unwrap())
+        .collect();
+    let weight = &merged[&format!("{name}.weight")];
+    assert_eq!(weight.kind(), Kind::Float);
+    let expected = original[&format!("{name}.weight")].to_kind(Kind::Float)
+        + adapter.tensors[&format!("{name}.lora_B.weight")].matmul(&adapter.tensors[&format!("{name}.lora_A.weight")])
+            * adapter.config.scale();
+    assert!(max_abs(&(weight - expected)) < 1e-6);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn copy_dir(from: &Path, to: &Path) {

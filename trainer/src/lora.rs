@@ -193,6 +193,7 @@ impl LoraConfig {
             "layers_to_transform",
             "trainable_token_indices",
             "target_parameters",
+            "exclude_modules",
         ] {
             if get(key).is_some_and(|v| !v.as_array().is_some_and(|a| a.is_empty())) {
                 return Err(bad(format!("sets {key}, which Regatta's LoRA does not implement")));
@@ -315,6 +316,11 @@ mod tests {
             ("rank_pattern", serde_json::json!({"q_proj": 4}), "rank_pattern"),
             ("bias", serde_json::json!("all"), "bias"),
             ("modules_to_save", serde_json::json!(["lm_head"]), "modules_to_save"),
+            (
+                "exclude_modules",
+                serde_json::json!(["layers.0.self_attn.q_proj"]),
+                "exclude_modules",
+            ),
             ("peft_type", serde_json::json!("IA3"), "only LORA"),
             ("r", serde_json::json!(0), "lora.rank"),
             ("target_modules", serde_json::json!(["wq"]), "\"wq\""),

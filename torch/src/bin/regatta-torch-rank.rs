@@ -63,6 +63,7 @@ fn bench_adamw(args: &[String]) -> anyhow::Result<()> {
     let n: i64 = elements
         .parse()
         .map_err(|e| anyhow::anyhow!("bad element count: {e}"))?;
+    anyhow::ensure!(n >= 1, "ELEMENTS must be at least 1, not {n}");
     let threads: i32 = threads.parse().map_err(|e| anyhow::anyhow!("bad thread count: {e}"))?;
     regatta_torch::tch::set_num_threads(threads.max(1));
     let options = (Kind::Float, Device::Cpu);
@@ -71,7 +72,8 @@ fn bench_adamw(args: &[String]) -> anyhow::Result<()> {
         Tensor::zeros([n], options),
         Tensor::zeros([n], options),
     );
-    let decay = [0..n as usize];
+    // One range: every element decays.
+    let decay = std::iter::once(0..n as usize).collect::<Vec<_>>();
     let grads: Vec<Tensor> = (0..6).map(|_| Tensor::randn([n], options)).collect();
     let mut best_update = f64::INFINITY;
     for (step, grad) in grads.into_iter().enumerate() {
