@@ -536,6 +536,40 @@ fn lora_training_over_two_ranks_matches_the_reference_at_every_stage_and_trains_
 }
 
 #[test]
+fn lora_on_a_model_with_tied_embeddings_and_biases_matches_the_reference() {
+    // Qwen2: the LM head is the (frozen) embedding, q/k/v carry biases.
+    tch::set_num_threads(1);
+    let dir = temp_dir("qwen2");
+    let data = corpus(&dir);
+    let qwen2 = |stage: u8| {
+        let mut config = lora_config(
+            data.clone(),
+            stage,
+            Some(adapters(2, &["q_proj", "v_proj", "up_proj"])),
+            ZeroConfig::default(),
+        );
+        config.model.path = fixture("qwen2").to_string_lossy().into_owned();
+        config
+    };
+    let (ref_losses, ref_weights) = reference_run(&qwen2(1), 2, &builtin_model).unwrap();
+    assert_eq!(ref_weights.len(), 2 * 3 * 2);
+    for stage in [1u8, 3] {
+        for run in run_ranks(&qwen2(stage)) {
+            for (a, b) in run.losses.iter().zip(&ref_losses) {
+                assert!((a - b).abs() < 1e-5, "stage {stage}: {a} vs {b}");
+            }
+            let diff = max_difference(&run.trained, &ref_weights);
+            assert!(diff < 1e-5, "stage {stage}: adapters differ by {diff}");
+            assert!(
+                run.frozen.iter().all(|(n, _)| n != "lm_head.weight"),
+                "the tied head is not stored"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn optimizer_offload_gives_the_same_run_with_the_state_on_the_host() {
     tch::set_num_threads(1);
     let dir = temp_dir("offload");
