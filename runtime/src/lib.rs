@@ -53,7 +53,10 @@ mod wire;
 mod worker;
 
 pub use client::{ActorHandle, ActorOptions, Client, Cluster, PlacementGroup, DEFAULT_CALL_TIMEOUT};
-pub use detect::{accelerator_tag, detect_gpus, detect_resources, GpuInventory};
+pub use detect::{
+    accelerator_tag, accelerator_type, detect_gpus, detect_resources, parse_nvidia_smi, visible_devices, GpuDevice,
+    GpuInventory,
+};
 pub use error::{Error, Result};
 pub use head::{start_head, HeadConfig, RunningHead, HEAD_NODE};
 pub use job::{JobRecord, JobStatus, JobSubmission, RuntimeEnv};
