@@ -17,6 +17,11 @@ if [ ! -x "$venv/bin/moto_server" ]; then
     "$venv/bin/pip" install --quiet 'moto[server]'
 fi
 export REGATTA_MOTO_SERVER="$venv/bin/moto_server"
+# kubernetes-validate (bundled API schemas, no cluster) for the manifests' test.
+if [ ! -x "$venv/bin/kubernetes-validate" ]; then
+    "$venv/bin/pip" install --quiet kubernetes-validate
+fi
+export REGATTA_TEST_VENV="$venv"
 
 # A real Prometheus for the dashboard test, from Debian's package (installed once).
 if ! command -v prometheus >/dev/null 2>&1; then
