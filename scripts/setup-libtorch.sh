@@ -14,8 +14,10 @@ link() {
     echo "$1"
 }
 # A libtorch the user already points at (LIBTORCH with lib/libtorch.so) is used as is.
+# Resolved physically: LIBTORCH may be this repository's own .libtorch link (cargo sets it
+# so for processes it starts), which must never be linked to itself.
 if [ -n "${LIBTORCH:-}" ] && [ -f "$LIBTORCH/lib/libtorch.so" ] && [ -d "$LIBTORCH/include" ]; then
-    link "$(cd "$LIBTORCH" && pwd)"
+    link "$(cd "$LIBTORCH" && pwd -P)"
     exit 0
 fi
 dest="${LIBTORCH:-$HOME/.cache/regatta/libtorch-2.11.0}"
