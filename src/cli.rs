@@ -158,7 +158,7 @@ struct WorkerArgs {
     #[arg(long, env = "REGATTA_ADDRESS")]
     address: String,
     /// Resources, overriding detected ones: 'CPU=8,GPU=2,accelerator_type:H100=1'.
-    #[arg(long, default_value = "")]
+    #[arg(long, env = "REGATTA_RESOURCES", default_value = "")]
     resources: String,
     /// Node name (default: worker-<random>).
     #[arg(long)]
