@@ -6,11 +6,15 @@
 #   cuda: torch/lib of the PyPI `torch==2.11.0` wheel (CUDA 13) with the NVIDIA runtime
 #         wheels' libraries (cuBLAS, cuDNN, NCCL, ...), downloaded once into
 #         ~/.cache/regatta/libtorch-cuda-2.11.0 (several GB).
-# Idempotent.
+# Idempotent; staging one flavour removes the other's staged files.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 flavour="${1:-cpu}"
 out="$repo/target/docker-libtorch/$flavour/lib"
+# One flavour at a time in the build context (the other would be sent with every build).
+for other in cpu cuda; do
+    [ "$other" != "$flavour" ] && rm -rf "$repo/target/docker-libtorch/$other"
+done
 mkdir -p "$out"
 link_all() {
     for file in "$1"/*.so*; do
