@@ -9,7 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Context;
-use regatta_trainer::{TrainConfig, TrainEvent, TrainerGroup};
+use regatta_trainer::{StepReport, TrainConfig, TrainEvent, TrainerGroup};
 
 use crate::bench::mean_spread;
 use crate::local::{LocalCluster, LocalOptions};
@@ -43,6 +43,29 @@ fn config(world: usize, quick: bool, model: Option<&str>) -> anyhow::Result<Trai
     config.resolve_paths(&std::env::current_dir()?);
     config.validate().map_err(anyhow::Error::msg)?;
     Ok(config)
+}
+
+/// Trains `config` on a local cluster started for it (one worker per rank) and returns
+/// the step reports after the first `warmup` steps.
+async fn timed_steps(config: TrainConfig, warmup: usize) -> anyhow::Result<Vec<StepReport>> {
+    let mut cluster = LocalCluster::start(LocalOptions::new(local_workers(&config))?)?;
+    let outcome = async {
+        let client = cluster.connect(Duration::from_secs(30)).await?;
+        let mut steps = Vec::new();
+        TrainerGroup::new(client.cluster().clone(), config)?
+            .run(|event| {
+                if let TrainEvent::Step(step) = event {
+                    steps.push(step.clone());
+                }
+            })
+            .await?;
+        anyhow::Ok(steps)
+    }
+    .await;
+    cluster.shutdown();
+    let timed: Vec<_> = outcome?.into_iter().skip(warmup).collect();
+    anyhow::ensure!(!timed.is_empty(), "no step was timed");
+    Ok(timed)
 }
 
 /// The machine's matmul FLOP/s at the model's shapes with every core, and the model's
@@ -94,23 +117,7 @@ pub async fn train(trials: usize, quick: bool, model: Option<&str>) -> anyhow::R
         let mut collective = Vec::new();
         for _ in 0..trials {
             let config = config(world, quick, model)?;
-            let mut cluster = LocalCluster::start(LocalOptions::new(local_workers(&config))?)?;
-            let outcome = async {
-                let client = cluster.connect(Duration::from_secs(30)).await?;
-                let mut steps = Vec::new();
-                TrainerGroup::new(client.cluster().clone(), config)?
-                    .run(|event| {
-                        if let TrainEvent::Step(step) = event {
-                            steps.push(step.clone());
-                        }
-                    })
-                    .await?;
-                anyhow::Ok(steps)
-            }
-            .await;
-            cluster.shutdown();
-            let timed: Vec<_> = outcome?.into_iter().skip(warmup).collect();
-            anyhow::ensure!(!timed.is_empty(), "no step was timed");
+            let timed = timed_steps(config, warmup).await?;
             let n = timed.len() as f64;
             let secs = timed.iter().map(|s| s.step_secs).sum::<f64>() / n;
             step_secs.push(secs);
@@ -203,23 +210,7 @@ pub async fn variants(
                 config.zero.offload_optimizer = regatta_trainer::Offload::Cpu;
             }
             config.validate().map_err(anyhow::Error::msg)?;
-            let mut cluster = LocalCluster::start(LocalOptions::new(local_workers(&config))?)?;
-            let outcome = async {
-                let client = cluster.connect(Duration::from_secs(30)).await?;
-                let mut steps = Vec::new();
-                TrainerGroup::new(client.cluster().clone(), config)?
-                    .run(|event| {
-                        if let TrainEvent::Step(step) = event {
-                            steps.push(step.clone());
-                        }
-                    })
-                    .await?;
-                anyhow::Ok(steps)
-            }
-            .await;
-            cluster.shutdown();
-            let timed: Vec<_> = outcome?.into_iter().skip(warmup).collect();
-            anyhow::ensure!(!timed.is_empty(), "no step was timed");
+            let timed = timed_steps(config, warmup).await?;
             tokens.push(timed.iter().map(|s| s.tokens_per_sec).sum::<f64>() / timed.len() as f64);
             last = timed.last().cloned();
         }
