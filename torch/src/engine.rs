@@ -959,15 +959,11 @@ impl Engine {
             let Some(slot) = flat.layout.tensors.iter().position(|t| t.name == spec.name) else {
                 continue;
             };
-            let mut weight = flat.view(slot, &full).copy();
-            if let Some(module) = spec.name.strip_suffix(".weight") {
-                let a = trained.get(&format!("{module}.lora_A.weight"));
-                let b = trained.get(&format!("{module}.lora_B.weight"));
-                if let (Some(a), Some(b)) = (a, b) {
-                    weight += b.matmul(a) * scale;
-                }
-            }
-            out.push((spec.name.clone(), weight));
+            let weight = flat.view(slot, &full).copy();
+            out.push((
+                spec.name.clone(),
+                crate::lora::merged_weight(&spec.name, weight, &trained, scale),
+            ));
         }
         Ok(out)
     }

@@ -31,8 +31,6 @@ pub struct Adapter {
     pub tensors: HashMap<String, Tensor>,
     /// The folder.
     pub url: String,
-    /// `base_model_name_or_path` from its config, if any.
-    pub base: Option<String>,
 }
 
 impl Adapter {
@@ -58,10 +56,6 @@ impl Adapter {
             problem: format!("is not valid JSON: {e}"),
         })?;
         let config = LoraConfig::from_peft_json(&json, &config_path)?;
-        let base = json
-            .get("base_model_name_or_path")
-            .and_then(|v| v.as_str())
-            .map(str::to_string);
         let weights_path = format!("{url}/{ADAPTER_WEIGHTS}");
         let bytes = place
             .get_opt(ADAPTER_WEIGHTS)
@@ -82,12 +76,7 @@ impl Adapter {
                 })?;
             tensors.insert(ours, tensor.to_kind(Kind::Float));
         }
-        Ok(Self {
-            config,
-            tensors,
-            url,
-            base,
-        })
+        Ok(Self { config, tensors, url })
     }
 
     /// Checks that the adapter holds exactly the tensors `model` (with these adapters set)
@@ -139,6 +128,19 @@ impl Adapter {
     }
 }
 
+/// A base weight `name` (`<module>.weight`) plus `scale * B A` when `adapters` (by
+/// Regatta's names) hold that module's A and B; other parameters as they are.
+pub fn merged_weight(name: &str, mut weight: Tensor, adapters: &HashMap<String, Tensor>, scale: f64) -> Tensor {
+    if let Some(module) = name.strip_suffix(".weight") {
+        let a = adapters.get(&format!("{module}.lora_A.weight"));
+        let b = adapters.get(&format!("{module}.lora_B.weight"));
+        if let (Some(a), Some(b)) = (a, b) {
+            weight += b.matmul(a) * scale;
+        }
+    }
+    weight
+}
+
 /// The adapter's tensors in PEFT's names, with `adapter_config.json`, as bytes to write.
 pub fn adapter_files(config: &LoraConfig, base: &str, tensors: &[(String, Tensor)]) -> Result<Vec<(String, Bytes)>> {
     let renamed: Vec<(String, Tensor)> = tensors
@@ -172,15 +174,11 @@ pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u6
         for &block in members {
             for spec in blocks[block].iter().filter(|s| s.tied_to.is_none()) {
                 // Any dtype: merging trains nothing (a bf16 base merges in float32).
-                let mut weight = base.read_exact(spec).await?;
-                if let Some(module) = spec.name.strip_suffix(".weight") {
-                    let a = adapter.tensors.get(&format!("{module}.lora_A.weight"));
-                    let b = adapter.tensors.get(&format!("{module}.lora_B.weight"));
-                    if let (Some(a), Some(b)) = (a, b) {
-                        weight += b.matmul(a) * scale;
-                    }
-                }
-                tensors.push((spec.name.clone(), weight));
+                let weight = base.read_exact(spec).await?;
+                tensors.push((
+                    spec.name.clone(),
+                    merged_weight(&spec.name, weight, &adapter.tensors, scale),
+                ));
             }
         }
         place.put(file, to_safetensors(&tensors)?).await.map_err(storage)?;
