@@ -17,7 +17,8 @@ use regatta_runtime::{ActorHandle, ActorOptions, ActorPool, Client, Resources, S
 /// Options of `regatta bench`.
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Which cases: `actors`, `objects`, `cluster`, `train`, `score`, `generate`, or `all`.
+    /// Which cases: `actors`, `objects`, `cluster`, `train`, `score`, `generate`, `data`,
+    /// or `all` (the first five).
     #[arg(default_value = "all")]
     pub suite: String,
     /// Trials per case (mean and standard deviation are printed).
@@ -37,6 +38,12 @@ pub struct BenchArgs {
     /// `train`: compare with the optimizer state offloaded to the host (ZeRO-3, 2 ranks).
     #[arg(long)]
     pub offload: bool,
+    /// `data`: the corpus size in GB (made once under ~/.cache/regatta).
+    #[arg(long, default_value_t = 2.0)]
+    pub data_gb: f64,
+    /// `data`: seconds each source is read.
+    #[arg(long, default_value_t = 60.0)]
+    pub seconds: f64,
 }
 
 /// Mean and standard deviation of trial figures.
@@ -71,9 +78,11 @@ fn start_cluster() -> anyhow::Result<LocalCluster> {
 pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let suites: Vec<&str> = match args.suite.as_str() {
         "all" => vec!["cluster", "actors", "objects", "train", "score"],
-        one @ ("actors" | "objects" | "cluster" | "train" | "score" | "generate") => vec![one],
+        one @ ("actors" | "objects" | "cluster" | "train" | "score" | "generate" | "data") => vec![one],
         other => {
-            bail!("unknown benchmark suite '{other}'; use actors, objects, cluster, train, score, generate or all")
+            bail!(
+                "unknown benchmark suite '{other}'; use actors, objects, cluster, train, score, generate, data or all"
+            )
         }
     };
     let trials = args.trials.max(1);
@@ -103,6 +112,14 @@ async fn run_suite(suite: &str, trials: usize, args: &BenchArgs) -> anyhow::Resu
     }
     if suite == "generate" {
         return generate(model);
+    }
+    if suite == "data" {
+        let bench = crate::bench_data::DataBench {
+            gigabytes: if args.quick { 0.05 } else { args.data_gb },
+            seconds: if args.quick { 5.0 } else { args.seconds },
+            shards: 64,
+        };
+        return tokio::task::block_in_place(|| crate::bench_data::run(&bench));
     }
     let mut cluster = start_cluster()?;
     let outcome = match suite {

@@ -14,6 +14,7 @@
 //! ```
 
 pub mod bench;
+mod bench_data;
 mod bench_score;
 mod bench_train;
 pub mod cli;

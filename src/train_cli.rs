@@ -89,9 +89,6 @@ impl TrainArgs {
             }
             None => TrainConfig::default(),
         };
-        if let Some(v) = self.world_size {
-            config.world_size = v;
-        }
         if let Some(v) = self.zero_stage {
             config.zero_stage = v;
         }
@@ -127,6 +124,18 @@ impl TrainArgs {
             config.zero.offload_optimizer = regatta_trainer::Offload::Cpu;
         }
         config.checkpoint.resume |= self.resume;
+        if let Some(world) = self.world_size {
+            // A streaming run keeps its global batch on another number of ranks (gradient
+            // accumulation adapts) unless the accumulation is given too.
+            config = if config.streaming() && self.gradient_accumulation.is_none() {
+                config.rescale(world).map_err(anyhow::Error::msg)?
+            } else {
+                TrainConfig {
+                    world_size: world,
+                    ..config
+                }
+            };
+        }
         config.validate().map_err(anyhow::Error::msg)?;
         Ok(config)
     }
@@ -140,7 +149,8 @@ pub fn local_workers(config: &TrainConfig) -> Vec<WorkerSpec> {
     } else {
         resources.join(",")
     };
-    (0..config.world_size)
+    let workers = config.scaling.as_ref().map_or(config.world_size, |s| s.max_workers);
+    (0..workers)
         .map(|i| WorkerSpec::new(&format!("w{}", i + 1), &resources))
         .collect()
 }
@@ -187,6 +197,7 @@ pub fn describe(event: &TrainEvent, config: &TrainConfig, log_every: u64) -> Opt
             params,
             nodes,
             device,
+            world,
         } => Some(format!(
             "training: {params} parameters{}, ZeRO-{}{} over {} ranks on {} ({device}){}",
             config
@@ -200,7 +211,7 @@ pub fn describe(event: &TrainEvent, config: &TrainConfig, log_every: u64) -> Opt
                 (regatta_trainer::Offload::Cpu, _) => " (optimizer offloaded to CPU)",
                 _ => "",
             },
-            config.world_size,
+            world,
             nodes.join(", "),
             if *attempt > 0 || *start_step > 0 {
                 format!(", attempt {}, from step {start_step}", attempt + 1)
@@ -221,6 +232,16 @@ pub fn describe(event: &TrainEvent, config: &TrainConfig, log_every: u64) -> Opt
             ))
         }
         TrainEvent::Checkpoint { step, url } => Some(format!("checkpoint at step {step}: {url}")),
+        TrainEvent::Rescaled { from, to, reason } => Some(format!(
+            "world size {from} -> {to} ({reason}); gradient accumulation {} -> {}, global batch {} sequences",
+            config.rescale(*from).map_or(0, |c| c.gradient_accumulation),
+            config.rescale(*to).map_or(0, |c| c.gradient_accumulation),
+            config.global_batch()
+        )),
+        TrainEvent::Skipped { rank, what, count: 1 } => Some(format!("rank {rank} skipped a dataset row: {what}")),
+        TrainEvent::Skipped { rank, what, count } => Some(format!(
+            "rank {rank} skipped {count} dataset rows this step (each is in the rank's log), the first: {what}"
+        )),
         TrainEvent::Restarting {
             rank,
             reason,
@@ -251,12 +272,20 @@ fn report(summary: &TrainSummary, config: &TrainConfig, json: bool) -> anyhow::R
         bail!("the run finished without reporting a step");
     };
     println!(
-        "trained {} steps in {:.1}s: loss {first:.4} -> {:.4}, {:.0} tokens/s, {} restart(s){}",
-        config.steps,
+        "trained {} steps in {:.1}s: loss {first:.4} -> {:.4}, {:.0} tokens/s, {} restart(s){}{}",
+        summary.losses.keys().last().copied().unwrap_or(config.steps),
         summary.seconds,
         last.loss,
         last.tokens_per_sec,
         summary.failures,
+        if summary.rescales > 0 {
+            format!(
+                ", {} world size change(s), ending on {} ranks",
+                summary.rescales, summary.world
+            )
+        } else {
+            String::new()
+        },
         summary
             .checkpoint
             .as_ref()
@@ -265,7 +294,9 @@ fn report(summary: &TrainSummary, config: &TrainConfig, json: bool) -> anyhow::R
     );
     if json {
         let value = serde_json::json!({
-            "steps": config.steps,
+            "steps": summary.losses.keys().last().copied().unwrap_or(config.steps),
+            "world": summary.world,
+            "rescales": summary.rescales,
             "losses": summary.losses.values().collect::<Vec<_>>(),
             "failures": summary.failures,
             "params": summary.params,

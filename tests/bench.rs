@@ -3,6 +3,20 @@
 
 use std::process::Command;
 
+/// The line of `text` that starts with `case`, and the figure right after it.
+fn figure<'a>(text: &'a str, case: &str) -> (&'a str, f64) {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(case))
+        .unwrap_or_else(|| panic!("no line for '{case}' in:\n{text}"));
+    let value = line[case.len()..]
+        .split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no figure in '{line}'"));
+    (line, value)
+}
+
 #[test]
 fn bench_prints_every_case_in_rays_line_format() {
     let out = Command::new(env!("CARGO_BIN_EXE_regatta"))
@@ -35,16 +49,26 @@ fn bench_prints_every_case_in_rays_line_format() {
         "score 2 actor(s) batch 256 tokens per second",
     ];
     for case in cases {
-        let line = text
-            .lines()
-            .find(|l| l.starts_with(case))
-            .unwrap_or_else(|| panic!("no line for '{case}' in:\n{text}"));
-        let value: f64 = line[case.len()..]
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no figure in '{line}'"));
+        let (line, value) = figure(&text, case);
         assert!(value > 0.0, "{line}");
         assert!(line.contains(" +- "), "{line}");
     }
+}
+
+#[test]
+fn bench_data_prints_the_loaders_tokens_per_second_and_memory_locally_and_on_s3() {
+    let out = Command::new(env!("CARGO_BIN_EXE_regatta"))
+        .args(["bench", "data", "--quick"])
+        .output()
+        .expect("run regatta bench data");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    for case in [
+        "data local loader tokens per second per worker",
+        "data s3 (moto) loader tokens per second per worker",
+    ] {
+        let (line, value) = figure(&text, case);
+        assert!(value > 0.0, "{line}");
+    }
+    assert!(text.contains("data local loader resident MiB every 10s:"), "{text}");
 }

@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use regatta_trainer::{TrainConfig, TrainEvent, TrainerGroup};
-use support::{http_get, start_moto, temp_dir, TestCluster};
+use support::{http_get, run_json, start_moto, temp_dir, TestCluster};
 
 fn bin_dir() -> PathBuf {
     let regatta = PathBuf::from(env!("CARGO_BIN_EXE_regatta"));
@@ -136,25 +136,6 @@ fn reference_run(bins: &Path, config: &Path, partitions: usize, weights: &Path) 
         .lines()
         .map(|l| l.parse().unwrap())
         .collect()
-}
-
-fn run_json(args: &[&str]) -> serde_json::Value {
-    let output = Command::new(env!("CARGO_BIN_EXE_regatta"))
-        .args(args)
-        .output()
-        .expect("run regatta train");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "regatta {args:?} failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .expect("a JSON summary");
-    serde_json::from_str(line).unwrap()
 }
 
 #[test]

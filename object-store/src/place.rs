@@ -94,8 +94,11 @@ impl Place {
         }
     }
 
+    /// A file's path; `/` in `name` separates folders (as [`Place::list_all`] gives them).
     fn path(&self, name: &str) -> Path {
-        self.prefix.child(name)
+        name.split('/')
+            .filter(|part| !part.is_empty())
+            .fold(self.prefix.clone(), |path, part| path.child(part))
     }
 
     /// The size of a file.
@@ -148,6 +151,33 @@ impl Place {
             .into_iter()
             .filter_map(|meta| meta.location.filename().map(str::to_string))
             .collect())
+    }
+
+    /// Every file under this directory, at any depth: names relative to it (with `/`
+    /// between folders) and sizes, sorted by name.
+    pub async fn list_all(&self) -> Result<Vec<(String, u64)>, String> {
+        use futures::TryStreamExt;
+        let prefix = self.prefix.as_ref().to_string();
+        let metas: Vec<object_store::ObjectMeta> = match self.store.list(Some(&self.prefix)).try_collect().await {
+            Ok(metas) => metas,
+            Err(object_store::Error::NotFound { .. }) => Vec::new(),
+            Err(e) => return Err(format!("cannot list {}: {e}", self.url)),
+        };
+        let mut files: Vec<(String, u64)> = metas
+            .into_iter()
+            .map(|meta| {
+                let full = meta.location.as_ref();
+                let name = full
+                    .strip_prefix(prefix.as_str())
+                    .unwrap_or(full)
+                    .trim_start_matches('/')
+                    .to_string();
+                (name, meta.size)
+            })
+            .filter(|(name, _)| !name.is_empty())
+            .collect();
+        files.sort();
+        Ok(files)
     }
 
     /// Writes a whole file (atomic on both backends: a reader sees the old or the new one).

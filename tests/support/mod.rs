@@ -157,6 +157,27 @@ pub fn urlencode(text: &str) -> String {
         .collect()
 }
 
+/// Runs the `regatta` binary with `args` (which include `--json`), asserts it succeeded
+/// and returns the JSON summary it printed last.
+pub fn run_json(args: &[&str]) -> serde_json::Value {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_regatta"))
+        .args(args)
+        .output()
+        .expect("run regatta");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "regatta {args:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .expect("a JSON summary");
+    serde_json::from_str(line).expect("the summary is JSON")
+}
+
 /// Starts moto's S3-compatible server on a free port and creates a bucket.
 pub struct Moto {
     pub child: std::process::Child,

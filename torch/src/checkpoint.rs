@@ -39,8 +39,11 @@ pub struct Manifest {
     pub tokenizer: String,
     /// Real parameters.
     pub params: u64,
-    /// Each rank's loader position (sequences taken from its partition).
+    /// Each rank's loader position (sequences taken from its partition; `data.path` runs).
     pub positions: Vec<u64>,
+    /// A streaming run's loader states, one file per rank (its shards' cursors).
+    #[serde(default)]
+    pub loader_files: Vec<String>,
     /// Files, relative to the step directory.
     pub files: Vec<String>,
     /// The dataset the positions index into.
@@ -87,17 +90,49 @@ impl Manifest {
         ) -> Option<(&'static str, String, String)> {
             (then != now).then(|| (what, format!("{then:?}"), format!("{now:?}")))
         }
-        differs("world_size", &self.world, &config.world_size)
+        if config.streaming() {
+            // The streaming loader's state is the same on any number of ranks: only the
+            // global batch must stay, or the steps would mean other amounts of data.
+            let global = self.micro_batch_size * self.gradient_accumulation * self.world;
+            if global != config.global_batch() {
+                let allowed =
+                    regatta_trainer::stream::allowed_worlds(config.data.shards, global, config.micro_batch_size);
+                return Some(format!(
+                    "the checkpoint at step {} trained on global batches of {global} sequences, this run's is {} \
+                     ({} ranks x {} micro-batches of {}); at micro_batch_size {} the world sizes that keep it are \
+                     {allowed:?}",
+                    self.step,
+                    config.global_batch(),
+                    config.world_size,
+                    config.gradient_accumulation,
+                    config.micro_batch_size,
+                    config.micro_batch_size
+                ));
+            }
+        }
+        let world = if config.streaming() {
+            None
+        } else {
+            differs("world_size", &self.world, &config.world_size)
+        };
+        let batch = |then: usize, now: usize, what: &'static str| {
+            if config.streaming() {
+                None
+            } else {
+                differs(what, &then, &now)
+            }
+        };
+        world
             .or_else(|| differs("zero_stage", &u8::from(self.zero_stage), &u8::from(config.zero_stage)))
             .or_else(|| differs("model", &self.model, &config.model))
             .or_else(|| differs("the vocabulary", &self.vocab, &vocab))
-            .or_else(|| differs("data", &self.data, &config.data))
-            .or_else(|| differs("micro_batch_size", &self.micro_batch_size, &config.micro_batch_size))
+            .or_else(|| differs("data", &order_of(&self.data), &order_of(&config.data)))
+            .or_else(|| batch(self.micro_batch_size, config.micro_batch_size, "micro_batch_size"))
             .or_else(|| {
-                differs(
+                batch(
+                    self.gradient_accumulation,
+                    config.gradient_accumulation,
                     "gradient_accumulation",
-                    &self.gradient_accumulation,
-                    &config.gradient_accumulation,
                 )
             })
             .map(|(what, then, now)| {
@@ -107,6 +142,17 @@ impl Manifest {
                     self.step
                 )
             })
+    }
+}
+
+/// The data settings that decide what a step trains on (not how far ahead the loader
+/// reads, where its ledger goes or how many epochs the run lasts).
+fn order_of(data: &DataConfig) -> DataConfig {
+    DataConfig {
+        prefetch: 0,
+        ledger: String::new(),
+        epochs: None,
+        ..data.clone()
     }
 }
 
@@ -167,6 +213,8 @@ pub struct SaveSpec<'a> {
     pub side_files: &'a [(String, Bytes)],
     /// Largest weight shard.
     pub shard_bytes: u64,
+    /// This rank's loader state file (streaming runs): name and bytes.
+    pub loader: Option<(String, Bytes)>,
 }
 
 /// Writes this rank's part of a checkpoint at the engine's current step (a collective:
@@ -185,6 +233,9 @@ pub fn save(
     runtime
         .block_on(dir.put(&shard, to_safetensors(&engine.optimizer_state())?))
         .map_err(storage)?;
+    if let Some((name, bytes)) = &spec.loader {
+        runtime.block_on(dir.put(name, bytes.clone())).map_err(storage)?;
+    }
     let lora = engine.model().lora().cloned();
     if let Some(lora) = &lora {
         // The adapter: small, gathered whole; rank 0 writes it in PEFT's layout.
@@ -265,13 +316,109 @@ pub fn save(
 }
 
 /// Loads this rank's optimizer slice from the checkpoint `manifest` describes (a
-/// collective: every rank calls it).
-pub fn restore(runtime: &Runtime, place: &Place, engine: &mut Engine, rank: usize, manifest: &Manifest) -> Result<()> {
+/// collective: every rank calls it). A checkpoint written by another number of ranks is
+/// resharded: each block's flat state is cut from the slices of the ranks that held it.
+pub fn restore(
+    runtime: &Runtime,
+    place: &Place,
+    engine: &mut Engine,
+    rank: usize,
+    world: usize,
+    manifest: &Manifest,
+) -> Result<()> {
     let dir = place.child(&step_dir(manifest.step));
-    let name = format!("optim-rank-{rank}-of-{}.safetensors", manifest.world);
-    let bytes = runtime.block_on(dir.get(&name)).map_err(storage)?;
-    let tensors = from_safetensors(&bytes, &format!("{}/{name}", dir.url()))?;
+    let read = |old: usize| -> Result<std::collections::HashMap<String, Tensor>> {
+        let name = format!("optim-rank-{old}-of-{}.safetensors", manifest.world);
+        let bytes = runtime.block_on(dir.get(&name)).map_err(storage)?;
+        Ok(from_safetensors(&bytes, &format!("{}/{name}", dir.url()))?
+            .into_iter()
+            .collect())
+    };
+    if manifest.world == world {
+        return engine.load_optimizer_state(read(rank)?.into_iter().collect(), manifest.step);
+    }
+    let mut slices: std::collections::BTreeMap<usize, std::collections::HashMap<String, Tensor>> = Default::default();
+    let mut tensors = Vec::new();
+    for (block, numel) in engine.trained_numels().into_iter().enumerate().filter(|(_, n)| *n > 0) {
+        let pieces = regatta_trainer::reshard(numel, manifest.world, world, rank);
+        let len = regatta_trainer::FlatLayout::new(&[(String::new(), numel)], world).shard_len();
+        for name in ["master", "exp_avg", "exp_avg_sq"] {
+            let key = format!("block{block}.{name}");
+            let out = Tensor::zeros([len as i64], (tch::Kind::Float, tch::Device::Cpu));
+            for (old, from, to) in &pieces {
+                if !slices.contains_key(old) {
+                    slices.insert(*old, read(*old)?);
+                }
+                let source = slices[old]
+                    .get(&key)
+                    .ok_or_else(|| Error::Invalid(format!("optim-rank-{old}-of-{} has no {key}", manifest.world)))?;
+                if (source.size()[0] as usize) < from.end {
+                    return Err(Error::Invalid(format!(
+                        "{key} of optim-rank-{old}-of-{} holds {} elements, the model needs {}",
+                        manifest.world,
+                        source.size()[0],
+                        from.end
+                    )));
+                }
+                out.narrow(0, to.start as i64, to.len() as i64).copy_(
+                    &source
+                        .narrow(0, from.start as i64, from.len() as i64)
+                        .to_kind(tch::Kind::Float),
+                );
+            }
+            tensors.push((key, out));
+        }
+    }
     engine.load_optimizer_state(tensors, manifest.step)
+}
+
+/// The loader state of a streaming run's checkpoint: every rank's shards joined, and
+/// the shard each rank took its last row from (by the rank that wrote it).
+pub fn loader_state(
+    runtime: &Runtime,
+    place: &Place,
+    manifest: &Manifest,
+    plan: &regatta_trainer::stream::DataPlan,
+) -> Result<(regatta_trainer::stream::LoaderState, Vec<Option<usize>>)> {
+    let dir = place.child(&step_dir(manifest.step));
+    if manifest.loader_files.is_empty() {
+        return Err(Error::Dataset(format!(
+            "the checkpoint at step {} holds no streaming loader state (it was written by a data.path run)",
+            manifest.step
+        )));
+    }
+    let mut parts = Vec::with_capacity(manifest.loader_files.len());
+    let mut lasts = Vec::with_capacity(manifest.loader_files.len());
+    let mut fingerprint = None;
+    for name in &manifest.loader_files {
+        let bytes = runtime.block_on(dir.get(name)).map_err(storage)?;
+        let saved: SavedShards = serde_json::from_slice(&bytes).map_err(|e| Error::ModelFile {
+            path: format!("{}/{name}", dir.url()),
+            problem: format!("is not a loader state: {e}"),
+        })?;
+        fingerprint.get_or_insert(saved.fingerprint);
+        parts.push(saved.shards);
+        lasts.push(saved.last_shard);
+    }
+    let state = regatta_trainer::stream::merge_states(fingerprint.unwrap_or(plan.fingerprint), plan.shards, parts)?;
+    Ok((state, lasts))
+}
+
+/// What one rank of a streaming run saves: its shards' states.
+#[derive(Serialize, Deserialize)]
+pub struct SavedShards {
+    /// The dataset's fingerprint.
+    pub fingerprint: u64,
+    /// Shard index and state.
+    pub shards: Vec<(usize, regatta_trainer::stream::ShardState)>,
+    /// The shard the rank took its last row from.
+    #[serde(default)]
+    pub last_shard: Option<usize>,
+}
+
+/// The file a rank's loader state goes to.
+pub fn loader_file(rank: usize, world: usize) -> String {
+    format!("loader-rank-{rank}-of-{world}.json")
 }
 
 /// Opens a model folder: a Hugging Face folder, a checkpoint's step directory, or a
@@ -319,6 +466,7 @@ mod tests {
             tokenizer: String::new(),
             params: 1,
             positions: vec![28; config.world_size],
+            loader_files: Vec::new(),
             files: Vec::new(),
             data: config.data.clone(),
             lora: None,

@@ -208,9 +208,15 @@ impl RankData {
 
 /// A record's token ids, each marked with whether it carries loss.
 fn document(source: &DataSource<'_>, record: &Record) -> Result<Document> {
+    encode_record(source.tokenizer, source.settings, record)
+}
+
+/// A record's token ids through `tokenizer`, each marked with whether it carries loss
+/// (BOS, EOS and chat turns as `settings` say).
+pub fn encode_record(tokenizer: &TextTokenizer, settings: &TokenizerSettings, record: &Record) -> Result<Document> {
     let mut document = Document::default();
-    for segment in source.settings.segments(record).map_err(regatta_trainer::Error::from)? {
-        document.push(&source.tokenizer.encode(segment.text.as_bytes())?, segment.loss);
+    for segment in settings.segments(record).map_err(regatta_trainer::Error::from)? {
+        document.push(&tokenizer.encode(segment.text.as_bytes())?, segment.loss);
     }
     Ok(document)
 }

@@ -995,6 +995,15 @@ impl Engine {
         Ok(out)
     }
 
+    /// Real elements of each block's trained flat buffer (0: nothing trains in it), the
+    /// layout a checkpoint's optimizer slices cut.
+    pub fn trained_numels(&self) -> Vec<usize> {
+        self.train
+            .iter()
+            .map(|f| if f.is_empty() { 0 } else { f.layout.numel })
+            .collect()
+    }
+
     /// Waits for every rank.
     pub fn barrier(&mut self) -> Result<()> {
         self.coll.barrier()

@@ -24,6 +24,7 @@ use crate::engine::{seeded, Engine, EngineSettings, MicroBatch};
 use crate::error::Error;
 use crate::hf::{model_from_config, HfModel};
 use crate::model::{Gpt, Model, ParamSpec};
+use crate::stream::{Loader, LoaderSpec};
 use regatta_object_store::Place;
 use regatta_trainer::documents::TokenizerSettings;
 
@@ -75,7 +76,7 @@ pub struct RunModel {
     /// Files copied into checkpoints.
     pub side_files: Vec<(String, Bytes)>,
     /// The tokenizer.
-    pub tokenizer: TextTokenizer,
+    pub tokenizer: std::sync::Arc<TextTokenizer>,
     /// Special tokens and chat template (`tokenizer_config.json` beside the tokenizer).
     pub settings: TokenizerSettings,
 }
@@ -160,7 +161,7 @@ pub async fn open_run_model(config: &TrainConfig, make_model: &ModelFactory) -> 
         model,
         source,
         side_files,
-        tokenizer,
+        tokenizer: std::sync::Arc::new(tokenizer),
         settings,
     })
 }
@@ -324,9 +325,6 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         .map_err(|e| fatal(format!("cannot start a runtime: {e}")))?;
     let run_model = runtime.block_on(open_run_model(&config, make_model))?;
     let vocab = run_model.model.vocab();
-    let data = runtime
-        .block_on(run_model.data(&config, world, &[rank]))
-        .map_err(fatal)?;
     let place = if config.checkpoint.dir.is_empty() {
         None
     } else {
@@ -340,6 +338,49 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         return Err(fatal(conflict));
     }
     let start_step = manifest.as_ref().map_or(0, |m| m.step);
+    let per_rank = config.per_rank_batch();
+    let mut feed = if config.streaming() {
+        let plan = std::sync::Arc::new(runtime.block_on(crate::stream::plan(&config.data, config.seed))?);
+        let (state, after) = match (&place, &manifest) {
+            (Some(place), Some(m)) => {
+                let (state, lasts) = checkpoint::loader_state(&runtime, place, m, &plan)?;
+                // The round-robin continues where this rank left it on the same world size.
+                let after = if m.world == world {
+                    lasts.get(rank).copied().flatten()
+                } else {
+                    None
+                };
+                (state, after)
+            }
+            _ => (plan.start(), None),
+        };
+        let spec = LoaderSpec {
+            shards: regatta_trainer::stream::rank_shards(plan.shards, world, rank),
+            plan,
+            state,
+            context: config.model.context,
+            prefetch: config.data.prefetch,
+            after,
+        };
+        let settings = std::sync::Arc::new(run_model.settings.clone());
+        let loader = Loader::start(spec, run_model.tokenizer.clone(), settings, runtime.handle().clone())?;
+        let ledger = if config.data.ledger.is_empty() {
+            None
+        } else {
+            Some(Ledger::open(&config.data.ledger, rank, world, setup.attempt).map_err(fatal)?)
+        };
+        Feed::Stream(Box::new(StreamFeed {
+            loader,
+            ledger,
+            reported: 0,
+        }))
+    } else {
+        Feed::Fixed(
+            runtime
+                .block_on(run_model.data(&config, world, &[rank]))
+                .map_err(fatal)?,
+        )
+    };
     let nccl = device.is_cuda() && world > 1;
     let nccl_id = if nccl && rank == 0 {
         Some(hex(&crate::nccl::unique_id().map_err(fatal)?))
@@ -406,59 +447,77 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
     let mut init = |spec: &ParamSpec| runtime.block_on(initial_weights(source.as_ref(), spec, seed, device));
     let mut engine = Engine::new(model, coll, settings, &mut init)?;
     if let (Some(place), Some(m)) = (&place, &manifest) {
-        checkpoint::restore(&runtime, place, &mut engine, rank, m)?;
+        checkpoint::restore(&runtime, place, &mut engine, rank, world, m)?;
         eprintln!("rank {rank}: resumed from the checkpoint at step {}", m.step);
     }
-    let per_rank = config.per_rank_batch();
     let flops_per_token = engine.model().flops_per_token(config.model.context);
-    let save = |engine: &mut Engine, done: u64, place: &Place| -> Result<(), Failure> {
-        let manifest = Manifest {
-            step: done,
-            world,
-            zero_stage: config.zero_stage,
-            model: config.model.clone(),
-            vocab,
-            tokenizer: tokenizer_spec(&config),
-            params: engine.parameter_count(),
-            positions: vec![done * per_rank as u64; world],
-            files: (0..world)
-                .map(|r| format!("optim-rank-{r}-of-{world}.safetensors"))
-                .chain(match &config.lora {
-                    None => vec!["config.json".to_string()],
-                    Some(lora) => {
-                        let mut files = vec![
-                            regatta_trainer::lora::ADAPTER_CONFIG.to_string(),
-                            regatta_trainer::lora::ADAPTER_WEIGHTS.to_string(),
-                        ];
-                        if lora.merge_on_save {
-                            files.push(format!("{}/config.json", checkpoint::MERGED));
+    let streaming = config.streaming();
+    let save =
+        |engine: &mut Engine, done: u64, place: &Place, loader: Option<(String, Bytes)>| -> Result<(), Failure> {
+            let manifest = Manifest {
+                step: done,
+                world,
+                zero_stage: config.zero_stage,
+                model: config.model.clone(),
+                vocab,
+                tokenizer: tokenizer_spec(&config),
+                params: engine.parameter_count(),
+                positions: vec![done * per_rank as u64; world],
+                loader_files: if streaming {
+                    (0..world).map(|r| checkpoint::loader_file(r, world)).collect()
+                } else {
+                    Vec::new()
+                },
+                files: (0..world)
+                    .map(|r| format!("optim-rank-{r}-of-{world}.safetensors"))
+                    .chain(
+                        (0..world)
+                            .filter(|_| streaming)
+                            .map(|r| checkpoint::loader_file(r, world)),
+                    )
+                    .chain(match &config.lora {
+                        None => vec!["config.json".to_string()],
+                        Some(lora) => {
+                            let mut files = vec![
+                                regatta_trainer::lora::ADAPTER_CONFIG.to_string(),
+                                regatta_trainer::lora::ADAPTER_WEIGHTS.to_string(),
+                            ];
+                            if lora.merge_on_save {
+                                files.push(format!("{}/config.json", checkpoint::MERGED));
+                            }
+                            files
                         }
-                        files
-                    }
-                })
-                .chain(["manifest.json".to_string()])
-                .collect(),
-            data: config.data.clone(),
-            lora: config.lora.clone(),
-            micro_batch_size: config.micro_batch_size,
-            gradient_accumulation: config.gradient_accumulation,
+                    })
+                    .chain(["manifest.json".to_string()])
+                    .collect(),
+                data: config.data.clone(),
+                lora: config.lora.clone(),
+                micro_batch_size: config.micro_batch_size,
+                gradient_accumulation: config.gradient_accumulation,
+            };
+            let spec = SaveSpec {
+                manifest,
+                side_files: &side_files,
+                shard_bytes: SHARD_BYTES,
+                loader,
+            };
+            let url = checkpoint::save(&runtime, place, engine, rank, world, spec)?;
+            if rank == 0 {
+                emit(&FromExecutor::Checkpoint { step: done, url });
+            }
+            Ok(())
         };
-        let spec = SaveSpec {
-            manifest,
-            side_files: &side_files,
-            shard_bytes: SHARD_BYTES,
-        };
-        let url = checkpoint::save(&runtime, place, engine, rank, world, spec)?;
-        if rank == 0 {
-            emit(&FromExecutor::Checkpoint { step: done, url });
-        }
-        Ok(())
-    };
     if let (Some(place), None, true) = (&place, &manifest, config.checkpoint.initial) {
-        save(&mut engine, 0, place)?;
+        save(&mut engine, 0, place, feed.saved(rank, world)?)?;
     }
+    let mut last = start_step;
     for step in start_step..config.steps {
-        let batches = step_batches(&config, &data, step);
+        if step == start_step && config.data.epochs.is_some() && !feed.data_left(&mut engine)? {
+            // Resumed from the checkpoint written when the data ran out.
+            eprintln!("rank {rank}: the checkpoint at step {step} ends the data's epochs");
+            break;
+        }
+        let (batches, keys) = feed.batches(&config, step)?;
         let started = Instant::now();
         let outcome = engine.train_step(&batches)?;
         let secs = started.elapsed().as_secs_f64().max(1e-9);
@@ -483,16 +542,164 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
             mfu,
         }));
         let done = step + 1;
+        last = done;
+        let data_over = feed.after_step(done, keys, config.data.epochs.is_some(), &mut engine)?;
         if let Some(place) = &place {
-            if done % config.checkpoint.interval == 0 || done == config.steps {
-                save(&mut engine, done, place)?;
+            if done % config.checkpoint.interval == 0 || done == config.steps || data_over {
+                save(&mut engine, done, place, feed.saved(rank, world)?)?;
             }
         }
+        if data_over {
+            eprintln!(
+                "rank {rank}: every source has had its {} epoch(s) at step {done}",
+                config.data.epochs.unwrap_or(0)
+            );
+            break;
+        }
     }
-    emit(&FromExecutor::Finished { steps: config.steps });
+    emit(&FromExecutor::Finished { steps: last });
     // Let the agent read the last lines before the pipes close.
     std::thread::sleep(Duration::from_millis(50));
     Ok(())
+}
+
+/// Where a rank's batches come from.
+enum Feed {
+    /// `data.path`: a fixed partition per rank.
+    Fixed(RankData),
+    /// `[[data.sources]]`: the streaming loader.
+    Stream(Box<StreamFeed>),
+}
+
+struct StreamFeed {
+    loader: Loader,
+    ledger: Option<Ledger>,
+    /// Skipped rows reported one by one so far.
+    reported: u64,
+}
+
+/// Skipped rows a rank reports one by one; past these, one report a step.
+const SKIPPED_REPORTS: u64 = 100;
+
+/// Where a rank writes which documents it trained on: `attempt<TAB>step<TAB>document`
+/// lines in `rank-R-of-N-attempt-A.tsv`. A step redone after a restart appears again
+/// under a later attempt, which supersedes the earlier lines of that step.
+struct Ledger {
+    out: std::io::BufWriter<std::fs::File>,
+    attempt: u64,
+}
+
+impl Ledger {
+    fn open(dir: &str, rank: usize, world: usize, attempt: u64) -> std::io::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let path = std::path::Path::new(dir).join(format!("rank-{rank}-of-{world}-attempt-{attempt}.tsv"));
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(Self {
+            out: std::io::BufWriter::new(file),
+            attempt,
+        })
+    }
+
+    fn write(&mut self, step: u64, keys: &[String]) -> std::io::Result<()> {
+        for key in keys {
+            writeln!(self.out, "{}\t{step}\t{key}", self.attempt)?;
+        }
+        self.out.flush()
+    }
+}
+
+impl Feed {
+    /// The micro-batches of `step` and the documents that start in them.
+    fn batches(&mut self, config: &TrainConfig, step: u64) -> Result<(Vec<MicroBatch>, Vec<String>), Failure> {
+        match self {
+            Self::Fixed(data) => Ok((step_batches(config, data, step), Vec::new())),
+            Self::Stream(feed) => {
+                let rows = feed.loader.take(config.per_rank_batch())?;
+                let keys = rows.iter().flat_map(|r| r.keys.iter().cloned()).collect();
+                Ok((
+                    stream_batches(&rows, config.micro_batch_size, config.model.context),
+                    keys,
+                ))
+            }
+        }
+    }
+
+    /// After step `done`: the ledger, skipped rows reported; with `epochs`, whether every
+    /// rank's shards are exhausted (a collective).
+    fn after_step(&mut self, done: u64, keys: Vec<String>, epochs: bool, engine: &mut Engine) -> Result<bool, Failure> {
+        let Self::Stream(feed) = self else {
+            return Ok(false);
+        };
+        if let Some(ledger) = &mut feed.ledger {
+            ledger
+                .write(done, &keys)
+                .map_err(|e| fatal(format!("cannot write the data ledger: {e}")))?;
+        }
+        let skipped = feed.loader.take_skipped();
+        for s in &skipped {
+            eprintln!("data: skipped {}", s.what);
+        }
+        let one_by_one = (SKIPPED_REPORTS.saturating_sub(feed.reported) as usize).min(skipped.len());
+        for s in &skipped[..one_by_one] {
+            emit(&FromExecutor::Skipped {
+                what: s.what.clone(),
+                count: 1,
+            });
+        }
+        feed.reported += one_by_one as u64;
+        if let Some(first) = skipped.get(one_by_one) {
+            emit(&FromExecutor::Skipped {
+                what: first.what.clone(),
+                count: (skipped.len() - one_by_one) as u64,
+            });
+        }
+        if !epochs {
+            return Ok(false);
+        }
+        Ok(!self.data_left(engine)?)
+    }
+
+    /// Whether any rank has a row of data left (a collective; `data.path` always has).
+    fn data_left(&mut self, engine: &mut Engine) -> Result<bool, Failure> {
+        let Self::Stream(feed) = self else {
+            return Ok(true);
+        };
+        let more = if feed.loader.has_more() { 1.0 } else { 0.0 };
+        Ok(engine.sum_over_ranks(more)? > 0.5)
+    }
+
+    /// This rank's loader state file for a checkpoint.
+    fn saved(&self, rank: usize, world: usize) -> Result<Option<(String, Bytes)>, Failure> {
+        let Self::Stream(feed) = self else {
+            return Ok(None);
+        };
+        let saved = checkpoint::SavedShards {
+            fingerprint: feed.loader.fingerprint(),
+            shards: feed.loader.states(),
+            last_shard: feed.loader.last_shard(),
+        };
+        let bytes = serde_json::to_vec(&saved).map_err(|e| fatal(format!("cannot encode the loader state: {e}")))?;
+        Ok(Some((checkpoint::loader_file(rank, world), Bytes::from(bytes))))
+    }
+}
+
+/// Streaming rows as micro-batches of `micro` rows (the documents tensor keeps attention
+/// inside each document).
+pub fn stream_batches(rows: &[crate::stream::Row], micro: usize, context: usize) -> Vec<MicroBatch> {
+    rows.chunks(micro.max(1))
+        .map(|chunk| {
+            let shape = [chunk.len() as i64, context as i64];
+            let tensor = |pick: fn(&crate::stream::Row) -> &Vec<i64>| {
+                let flat: Vec<i64> = chunk.iter().flat_map(|r| pick(r).iter().copied()).collect();
+                Tensor::from_slice(&flat).view(shape)
+            };
+            MicroBatch {
+                tokens: tensor(|r| &r.inputs),
+                targets: tensor(|r| &r.targets),
+                documents: Some(tensor(|r| &r.documents)),
+            }
+        })
+        .collect()
 }
 
 /// The plain single-process reference ([`crate::reference::plain_run`]: libtorch autograd

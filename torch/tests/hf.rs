@@ -288,6 +288,7 @@ fn a_checkpoint_reloads_with_identical_logits_and_the_fixtures_names_shapes_and_
             tokenizer: String::new(),
             params: engine.parameter_count(),
             positions: vec![2],
+            loader_files: Vec::new(),
             files: Vec::new(),
             data: config.data.clone(),
             lora: None,
@@ -299,6 +300,7 @@ fn a_checkpoint_reloads_with_identical_logits_and_the_fixtures_names_shapes_and_
             manifest,
             side_files: &side,
             shard_bytes: 100_000,
+            loader: None,
         };
         let url = checkpoint::save(&rt, &place, &mut engine, 0, 1, spec).unwrap();
         assert!(url.ends_with("step-00000001"), "{url}");

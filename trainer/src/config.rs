@@ -54,6 +54,8 @@ pub struct TrainConfig {
     pub lora: Option<LoraConfig>,
     /// `[zero]`: optimizer state and parameters offloaded to host memory.
     pub zero: ZeroConfig,
+    /// `[scaling]`: an elastic run; absent: exactly `world_size` ranks.
+    pub scaling: Option<ScalingConfig>,
 }
 
 /// The model. `path` (a Hugging Face folder, local or by URL) or `config` (a Hugging Face
@@ -92,7 +94,67 @@ pub struct DataConfig {
     pub tokenizer: String,
     /// How the file is read; `auto` goes by its name (`.jsonl`, `.json`, `.parquet`, else text).
     pub format: DataFormat,
+    /// `[[data.sources]]`: the streaming loader over folders or prefixes of JSONL
+    /// (plain, `.zst`, `.gz`) and Parquet files, weighted; instead of `path`. Its state is
+    /// independent of the world size: a run resumes on any allowed number of ranks.
+    pub sources: Vec<SourceConfig>,
+    /// Logical shards of the streaming loader (the most ranks a run can have).
+    pub shards: usize,
+    /// Passes over each source after which the run ends (streaming only); none: sources
+    /// repeat, reshuffled, and `steps` ends the run.
+    pub epochs: Option<u32>,
+    /// Training rows each rank's loader reads ahead in its background thread.
+    pub prefetch: usize,
+    /// A local folder where each rank appends which documents it trained on at which step
+    /// (`step<TAB>document`), for audits of what a run saw.
+    pub ledger: String,
 }
+
+/// One source of a streaming dataset.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SourceConfig {
+    /// A folder, an object-store prefix (`s3://bucket/corpus/web/`) or one file.
+    pub path: String,
+    /// Its share of the training tokens, relative to the other sources' weights.
+    pub weight: f64,
+}
+
+impl Default for SourceConfig {
+    fn default() -> Self {
+        Self {
+            path: String::new(),
+            weight: 1.0,
+        }
+    }
+}
+
+/// `[scaling]`: an elastic run's range of ranks (as Ray Train's `ScalingConfig`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScalingConfig {
+    /// The run starts once this many ranks can be placed, and continues with at least
+    /// this many after a loss.
+    pub min_workers: usize,
+    /// It grows back to at most this many at a checkpoint when capacity returns.
+    pub max_workers: usize,
+    /// How long a restart waits for a lost rank's replacement before it continues with
+    /// fewer ranks.
+    pub replacement_timeout_secs: u64,
+}
+
+impl Default for ScalingConfig {
+    fn default() -> Self {
+        Self {
+            min_workers: 1,
+            max_workers: 1,
+            replacement_timeout_secs: 30,
+        }
+    }
+}
+
+/// The default `data.path`, which `[[data.sources]]` replaces.
+pub const DEFAULT_DATA_PATH: &str = "data/corpus.txt";
 
 /// How a dataset file is read.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -225,6 +287,7 @@ impl Default for TrainConfig {
             stall_timeout_secs: 300,
             lora: None,
             zero: ZeroConfig::default(),
+            scaling: None,
         }
     }
 }
@@ -245,9 +308,14 @@ impl Default for ModelConfig {
 impl Default for DataConfig {
     fn default() -> Self {
         Self {
-            path: "data/corpus.txt".into(),
+            path: DEFAULT_DATA_PATH.into(),
             tokenizer: String::new(),
             format: DataFormat::Auto,
+            sources: Vec::new(),
+            shards: 64,
+            epochs: None,
+            prefetch: 64,
+            ledger: String::new(),
         }
     }
 }
@@ -380,8 +448,8 @@ impl TrainConfig {
                 format!("threads must be 1..=256, not {}", self.threads),
             ),
             (
-                !self.data.path.is_empty(),
-                "data.path must name the token dataset".into(),
+                !self.data.path.is_empty() || self.streaming(),
+                "data.path (or [[data.sources]]) must name the token dataset".into(),
             ),
         ];
         if !self.model.path.is_empty() && self.model.config.is_some() {
@@ -426,6 +494,7 @@ impl TrainConfig {
                     .into(),
             ));
         }
+        self.validate_streaming()?;
         self.strategy
             .parse::<regatta_runtime::Strategy>()
             .map_err(|e| Error::Config(format!("strategy: {e}")))?;
@@ -440,9 +509,112 @@ impl TrainConfig {
             &mut self.data.tokenizer,
             &mut self.checkpoint.dir,
             &mut self.model.path,
+            &mut self.data.ledger,
         ] {
             *path = regatta_object_store::absolute(path, base);
         }
+        for source in &mut self.data.sources {
+            source.path = regatta_object_store::absolute(&source.path, base);
+        }
+    }
+
+    /// Whether the data comes from the streaming loader (`[[data.sources]]`).
+    pub fn streaming(&self) -> bool {
+        !self.data.sources.is_empty()
+    }
+
+    fn validate_streaming(&self) -> crate::Result<()> {
+        let d = &self.data;
+        let fail = |m: String| Err(Error::Config(m));
+        if !self.streaming() {
+            if self.scaling.is_some() {
+                return fail(
+                    "[scaling] needs the streaming loader ([[data.sources]]): data.path's fixed layout cannot change \
+                     its number of ranks"
+                        .into(),
+                );
+            }
+            return Ok(());
+        }
+        if !d.path.is_empty() && d.path != DEFAULT_DATA_PATH {
+            return fail("data.path and [[data.sources]] are exclusive: list the file as a source".into());
+        }
+        if d.format != DataFormat::Auto {
+            return fail("data.format applies to data.path; sources go by their files' names".into());
+        }
+        for (i, source) in d.sources.iter().enumerate() {
+            if source.path.is_empty() {
+                return fail(format!("data.sources[{i}].path is empty"));
+            }
+            if !source.weight.is_finite() || source.weight <= 0.0 {
+                return fail(format!(
+                    "data.sources[{i}].weight must be positive, not {}",
+                    source.weight
+                ));
+            }
+        }
+        if !(1..=65536).contains(&d.shards) {
+            return fail(format!("data.shards must be 1..=65536, not {}", d.shards));
+        }
+        if d.epochs == Some(0) {
+            return fail("data.epochs must be at least 1 (or absent: endless)".into());
+        }
+        if !(1..=65536).contains(&d.prefetch) {
+            return fail(format!("data.prefetch must be 1..=65536 rows, not {}", d.prefetch));
+        }
+        if self.world_size > d.shards {
+            return fail(format!(
+                "world_size = {} exceeds data.shards = {}: every rank needs a logical shard",
+                self.world_size, d.shards
+            ));
+        }
+        if let Some(s) = &self.scaling {
+            if s.min_workers < 1 || s.min_workers > s.max_workers {
+                return fail(format!(
+                    "scaling.min_workers ({}) must be 1..=max_workers ({})",
+                    s.min_workers, s.max_workers
+                ));
+            }
+            if s.max_workers > d.shards.min(64) {
+                return fail(format!(
+                    "scaling.max_workers = {} exceeds {} (data.shards, at most 64)",
+                    s.max_workers,
+                    d.shards.min(64)
+                ));
+            }
+            for w in s.min_workers..=s.max_workers {
+                self.rescale(w)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// This run on `world` ranks with the same global batch (gradient accumulation
+    /// adapts); errors with the world sizes that can keep it.
+    pub fn rescale(&self, world: usize) -> crate::Result<Self> {
+        if world == self.world_size {
+            return Ok(self.clone());
+        }
+        if !self.streaming() {
+            return Err(Error::Config(format!(
+                "the run has {} ranks and data.path's layout is fixed by them; use [[data.sources]] (the streaming \
+                 loader) to change the number of ranks",
+                self.world_size
+            )));
+        }
+        let global = self.global_batch();
+        let allowed = crate::stream::allowed_worlds(self.data.shards, global, self.micro_batch_size);
+        if !allowed.contains(&world) {
+            return Err(Error::Config(format!(
+                "{world} ranks cannot keep the global batch of {global} sequences at micro_batch_size {} over \
+                 data.shards = {}; allowed world sizes: {allowed:?}",
+                self.micro_batch_size, self.data.shards
+            )));
+        }
+        let mut config = self.clone();
+        config.gradient_accumulation = global / (self.micro_batch_size * world);
+        config.world_size = world;
+        Ok(config)
     }
 
     /// Sequences each rank takes per optimizer step (every micro-batch).
@@ -470,6 +642,55 @@ impl TrainConfig {
 mod tests {
     use super::*;
     use crate::hf::HfConfigError;
+
+    #[test]
+    fn streaming_sources_and_scaling_parse_and_rescale_keeps_the_global_batch() {
+        let text = r#"
+            world_size = 2
+            micro_batch_size = 1
+            gradient_accumulation = 3
+            [data]
+            shards = 12
+            epochs = 1
+            [[data.sources]]
+            path = "s3://corpus/web/"
+            weight = 0.7
+            [[data.sources]]
+            path = "code"
+            [scaling]
+            min_workers = 1
+            max_workers = 3
+        "#;
+        let mut config = TrainConfig::from_toml(text).unwrap();
+        assert!(config.streaming());
+        assert_eq!(config.data.sources[1].weight, 1.0);
+        assert_eq!(config.scaling.as_ref().unwrap().max_workers, 3);
+        config.resolve_paths(std::path::Path::new("/runs"));
+        assert_eq!(config.data.sources[1].path, "/runs/code");
+        let three = config.rescale(3).unwrap();
+        assert_eq!(
+            (three.world_size, three.gradient_accumulation, three.global_batch()),
+            (3, 2, 6)
+        );
+        let err = config.rescale(4).unwrap_err().to_string();
+        assert!(err.contains("allowed world sizes: [1, 2, 3, 6]"), "{err}");
+        let legacy = TrainConfig::default().rescale(3).unwrap_err().to_string();
+        assert!(legacy.contains("[[data.sources]]"), "{legacy}");
+        let bad = [
+            ("[scaling]\nmax_workers = 2", "needs the streaming loader"),
+            ("[data]\npath = \"a.txt\"\n[[data.sources]]\npath = \"b\"", "exclusive"),
+            ("[[data.sources]]\npath = \"b\"\nweight = 0", "weight must be positive"),
+            ("world_size = 5\n[data]\nshards = 4\n[[data.sources]]\npath = \"b\"", "exceeds data.shards = 4"),
+            (
+                "micro_batch_size = 1\ngradient_accumulation = 2\n[[data.sources]]\npath = \"b\"\n[scaling]\nmin_workers = 2\nmax_workers = 3",
+                "allowed world sizes",
+            ),
+        ];
+        for (text, expected) in bad {
+            let err = TrainConfig::from_toml(text).unwrap_err().to_string();
+            assert!(err.contains(expected), "{text}: {err}");
+        }
+    }
 
     #[test]
     fn an_empty_file_gives_the_defaults() {

@@ -5,6 +5,13 @@
 //! A rank lost (its node died, its executor crashed, or it stopped making progress)
 //! removes the whole group and starts it again from the newest checkpoint, up to
 //! `max_failures` times; each restart is reported as an event (the job log shows it).
+//!
+//! An elastic run (`[scaling] min_workers..=max_workers`, streaming data) places as many
+//! ranks as it can in that range: after a loss it waits `replacement_timeout_secs` for a
+//! replacement, then continues with fewer ranks from the newest checkpoint; while it runs
+//! short, each checkpoint probes for capacity and, when the missing ranks fit again, the
+//! group restarts from that checkpoint at full size. The global batch stays (gradient
+//! accumulation adapts, [`TrainConfig::rescale`]).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -36,6 +43,27 @@ pub enum TrainEvent {
         nodes: Vec<String>,
         /// Device of rank 0.
         device: String,
+        /// Ranks in this attempt.
+        world: usize,
+    },
+    /// The number of ranks changes (an elastic run lost a rank without a replacement, or
+    /// regained capacity).
+    Rescaled {
+        /// Ranks before.
+        from: usize,
+        /// Ranks now.
+        to: usize,
+        /// Why.
+        reason: String,
+    },
+    /// A rank skipped dataset rows it cannot read (`url@offset: why` of the first).
+    Skipped {
+        /// The rank.
+        rank: usize,
+        /// What and why.
+        what: String,
+        /// Rows skipped (1, or a step's rows past a rank's first 100 reports).
+        count: u64,
     },
     /// A step finished (rank 0's report; every rank sees the same loss).
     Step(StepReport),
@@ -74,10 +102,21 @@ pub struct TrainSummary {
     pub params: u64,
     /// Wall time of the whole run.
     pub seconds: f64,
+    /// Ranks of the last attempt.
+    pub world: usize,
+    /// Changes of the number of ranks.
+    pub rescales: u32,
 }
 
 enum AttemptError {
-    Lost { rank: usize, reason: String },
+    Lost {
+        rank: usize,
+        reason: String,
+    },
+    /// Capacity for more ranks returned (an elastic run restarts larger).
+    Grow {
+        to: usize,
+    },
     Fatal(String),
     Cluster(regatta_runtime::Error),
 }
@@ -87,6 +126,9 @@ pub struct TrainerGroup {
     cluster: Cluster,
     config: TrainConfig,
     executor: Option<String>,
+    /// Checkpoints an elastic attempt lets pass before it probes for capacity: doubled
+    /// (up to 16) each time a restart to grow got no more ranks than before.
+    probe_skip: std::sync::atomic::AtomicU32,
 }
 
 impl TrainerGroup {
@@ -99,6 +141,7 @@ impl TrainerGroup {
             cluster,
             config,
             executor: None,
+            probe_skip: std::sync::atomic::AtomicU32::new(0),
         })
     }
 
@@ -120,8 +163,47 @@ impl TrainerGroup {
         let mut summary = TrainSummary::default();
         let mut resume = self.config.checkpoint.resume;
         let max = self.config.max_failures;
+        let mut wait = Duration::from_secs(3);
+        let mut previous: Option<usize> = None;
+        let mut grew_from: Option<usize> = None;
         for attempt in 0.. {
-            match self.attempt(attempt, resume, &mut summary, &mut on_event).await {
+            let (group, world) = self.reserve(wait).await.map_err(|e| match e {
+                AttemptError::Cluster(error) => TrainError::Cluster(error),
+                AttemptError::Fatal(reason) => TrainError::Fatal(reason),
+                AttemptError::Lost { reason, .. } => TrainError::Fatal(reason),
+                AttemptError::Grow { .. } => TrainError::Fatal("placement grew unasked".into()),
+            })?;
+            if let Some(from) = previous.filter(|from| *from != world) {
+                summary.rescales += 1;
+                let reason = if world < from {
+                    format!(
+                        "no replacement could be placed within {}s",
+                        self.scaling().map_or(0, |s| s.replacement_timeout_secs)
+                    )
+                } else {
+                    "capacity returned".to_string()
+                };
+                on_event(&TrainEvent::Rescaled {
+                    from,
+                    to: world,
+                    reason,
+                });
+            }
+            if let Some(from) = grew_from.take() {
+                use std::sync::atomic::Ordering::Relaxed;
+                let skip = if world > from {
+                    0
+                } else {
+                    (self.probe_skip.load(Relaxed) * 2).clamp(1, 16)
+                };
+                self.probe_skip.store(skip, Relaxed);
+            }
+            previous = Some(world);
+            summary.world = world;
+            match self
+                .attempt(attempt, group, world, resume, &mut summary, &mut on_event)
+                .await
+            {
                 Ok(()) => {
                     summary.seconds = started.elapsed().as_secs_f64();
                     return Ok(summary);
@@ -143,6 +225,13 @@ impl TrainerGroup {
                         max_failures: max,
                     });
                     resume = !self.config.checkpoint.dir.is_empty();
+                    wait = Duration::from_secs(self.scaling().map_or(0, |s| s.replacement_timeout_secs));
+                }
+                Err(AttemptError::Grow { to }) => {
+                    grew_from = Some(world);
+                    tracing::info!(to, "capacity for {to} ranks: restarting from the newest checkpoint");
+                    resume = true;
+                    wait = Duration::from_secs(3);
                 }
                 Err(AttemptError::Fatal(reason)) => return Err(TrainError::Fatal(reason)),
                 Err(AttemptError::Cluster(error)) => return Err(TrainError::Cluster(error)),
@@ -151,26 +240,146 @@ impl TrainerGroup {
         unreachable!("the attempt loop only ends by returning")
     }
 
+    fn scaling(&self) -> Option<&crate::config::ScalingConfig> {
+        self.config.scaling.as_ref()
+    }
+
+    fn bundle(&self) -> Resources {
+        Resources::from_units(self.config.resources.iter().map(|(k, v)| (k.as_str(), *v)))
+    }
+
+    /// A placement group for the next attempt and its size: `world_size` bundles, or for
+    /// an elastic run the most in `min_workers..=max_workers` that can be placed (the
+    /// largest waited for `wait`, smaller ones briefly, the smallest until
+    /// [`PLACEMENT_TIMEOUT`]).
+    async fn reserve(&self, wait: Duration) -> Result<(regatta_runtime::PlacementGroup, usize), AttemptError> {
+        let strategy: Strategy = self.config.strategy.parse().map_err(AttemptError::Fatal)?;
+        let Some(scaling) = self.scaling() else {
+            // A fixed-size run: a cluster too small for it is an error at once.
+            let world = self.config.world_size;
+            let group = self
+                .cluster
+                .create_placement_group(vec![self.bundle(); world], strategy)
+                .await
+                .map_err(AttemptError::Cluster)?;
+            let mut guard = RemoveOnDrop(Some(group.clone()));
+            let ready = group.ready(PLACEMENT_TIMEOUT).await;
+            guard.0 = None;
+            if let Err(error) = ready {
+                let _ = group.remove().await;
+                return Err(AttemptError::Cluster(error));
+            }
+            return Ok((group, world));
+        };
+        let (min, max) = (scaling.min_workers, scaling.max_workers);
+        for world in (min..=max).rev() {
+            let patience = if world == min {
+                PLACEMENT_TIMEOUT
+            } else if world == max {
+                wait
+            } else {
+                Duration::from_secs(2)
+            };
+            match self.place(world, strategy, patience).await {
+                Ok(Some(group)) => return Ok((group, world)),
+                Ok(None) if world > min => {}
+                Ok(None) => {
+                    return Err(AttemptError::Cluster(regatta_runtime::Error::Timeout {
+                        what: format!("placing {world} ranks"),
+                        timeout: patience,
+                    }))
+                }
+                Err(error) => return Err(AttemptError::Cluster(error)),
+            }
+        }
+        Err(AttemptError::Fatal("no world size to place".into()))
+    }
+
+    /// A placement group of `world` bundles once it is placed, waiting up to `patience`
+    /// (also while the cluster is too small for it at all: a node may be joining);
+    /// `None` when it was not placed in time.
+    async fn place(
+        &self,
+        world: usize,
+        strategy: Strategy,
+        patience: Duration,
+    ) -> Result<Option<regatta_runtime::PlacementGroup>, regatta_runtime::Error> {
+        let deadline = Instant::now() + patience;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self
+                .cluster
+                .create_placement_group(vec![self.bundle(); world], strategy)
+                .await
+            {
+                Ok(group) => {
+                    // Removed if this future is dropped while it waits (Ctrl-C in the driver).
+                    let mut guard = RemoveOnDrop(Some(group.clone()));
+                    let ready = group.ready(left.max(Duration::from_millis(100))).await;
+                    guard.0 = None;
+                    return match ready {
+                        Ok(_) => Ok(Some(group)),
+                        Err(_) => {
+                            let _ = group.remove().await;
+                            Ok(None)
+                        }
+                    };
+                }
+                Err(regatta_runtime::Error::Infeasible(_)) if left > Duration::from_secs(1) => {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(regatta_runtime::Error::Infeasible(_)) => return Ok(None),
+                Err(other) => return Err(other),
+            }
+        }
+    }
+
+    /// Whether `extra` more ranks could be placed now (a placement group is created and
+    /// removed again).
+    async fn capacity_for(&self, extra: usize) -> bool {
+        let Ok(strategy) = self.config.strategy.parse::<Strategy>() else {
+            return false;
+        };
+        let Ok(probe) = self
+            .cluster
+            .create_placement_group(vec![self.bundle(); extra], strategy)
+            .await
+        else {
+            return false;
+        };
+        let mut guard = RemoveOnDrop(Some(probe.clone()));
+        let ready = probe.ready(Duration::from_secs(2)).await.is_ok();
+        guard.0 = None;
+        let _ = probe.remove().await;
+        ready
+    }
+
     async fn attempt(
         &self,
         attempt: u32,
+        group: regatta_runtime::PlacementGroup,
+        world: usize,
         resume: bool,
         summary: &mut TrainSummary,
         on_event: &mut impl FnMut(&TrainEvent),
     ) -> Result<(), AttemptError> {
-        let world = self.config.world_size;
-        let per_rank = Resources::from_units(self.config.resources.iter().map(|(k, v)| (k.as_str(), *v)));
-        let strategy: Strategy = self.config.strategy.parse().map_err(AttemptError::Fatal)?;
-        let group = self
-            .cluster
-            .create_placement_group(vec![per_rank.clone(); world], strategy)
-            .await
-            .map_err(AttemptError::Cluster)?;
         // Removes the group even when this future is dropped (Ctrl-C in the driver).
         let mut guard = RemoveOnDrop(Some(group.clone()));
+        let per_rank = self.bundle();
+        let config = match self.config.rescale(world) {
+            Ok(config) => config,
+            Err(e) => {
+                let _ = group.remove().await;
+                guard.0 = None;
+                return Err(AttemptError::Fatal(e.to_string()));
+            }
+        };
         let result = async {
             let nodes = group.ready(PLACEMENT_TIMEOUT).await.map_err(AttemptError::Cluster)?;
             let secret = random_secret().map_err(|e| AttemptError::Fatal(e.to_string()))?;
+            let stamp = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
             let mut ranks = Vec::with_capacity(world);
             for rank in 0..world {
                 let args = TrainRankArgs {
@@ -178,9 +387,11 @@ impl TrainerGroup {
                         rank,
                         world,
                         host: String::new(),
-                        config: self.config.clone(),
+                        config: config.clone(),
                         resume,
                         gpus: Vec::new(),
+                        rescales: summary.rescales,
+                        attempt: stamp,
                     },
                     secret: secret.clone(),
                     executor: self.executor.clone(),
@@ -203,6 +414,7 @@ impl TrainerGroup {
                 params,
                 nodes,
                 device,
+                world,
             });
             let (addresses, nccl_id) = (&addresses, &nccl_id);
             let connects = ranks.iter().enumerate().map(|(i, rank)| async move {
@@ -277,6 +489,23 @@ impl TrainerGroup {
             if seen.finished.iter().all(|done| *done) {
                 return Ok(());
             }
+            if let (Some(scaling), Some(step)) = (self.scaling(), seen.new_checkpoint.take()) {
+                let missing = scaling.max_workers.saturating_sub(ranks.len());
+                // Not at the last step's checkpoint: the run is about to finish.
+                let last = step >= self.config.steps;
+                let waiting = seen.checkpoints <= self.probe_skip.load(std::sync::atomic::Ordering::Relaxed);
+                if missing > 0
+                    && !last
+                    && !waiting
+                    && !seen.finished.iter().any(|d| *d)
+                    && self.capacity_for(missing).await
+                {
+                    tracing::info!(step, missing, "capacity returned at the checkpoint of step {step}");
+                    return Err(AttemptError::Grow {
+                        to: scaling.max_workers,
+                    });
+                }
+            }
             if seen.last_progress.elapsed() > stall {
                 return Err(AttemptError::Lost {
                     rank: 0,
@@ -290,6 +519,8 @@ impl TrainerGroup {
 
 /// What one attempt has heard from its ranks.
 struct Seen {
+    new_checkpoint: Option<u64>,
+    checkpoints: u32,
     steps: std::collections::BTreeSet<u64>,
     finished: Vec<bool>,
     last_progress: Instant,
@@ -298,6 +529,8 @@ struct Seen {
 impl Seen {
     fn new(world: usize) -> Self {
         Self {
+            new_checkpoint: None,
+            checkpoints: 0,
             steps: Default::default(),
             finished: vec![false; world],
             last_progress: Instant::now(),
@@ -327,10 +560,13 @@ impl Seen {
                     }
                 }
                 FromExecutor::Checkpoint { step, url } if rank == 0 => {
+                    self.new_checkpoint = Some(step);
+                    self.checkpoints += 1;
                     summary.checkpoint = Some((step, url.clone()));
                     on_event(&TrainEvent::Checkpoint { step, url });
                 }
                 FromExecutor::Finished { .. } => self.finished[rank] = true,
+                FromExecutor::Skipped { what, count } => on_event(&TrainEvent::Skipped { rank, what, count }),
                 FromExecutor::Failed { reason, fatal: true } => {
                     return Err(AttemptError::Fatal(format!("rank {rank}: {reason}")))
                 }

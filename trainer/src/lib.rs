@@ -21,12 +21,13 @@ pub mod protocol;
 pub mod quic_link;
 pub mod rank;
 pub mod ring_group;
+pub mod stream;
 pub mod zero;
 
 pub use collective::{
     chunks, memory_ring, Collective, CollectiveError, LinkError, MemoryLink, RingCollective, RingLink,
 };
-pub use config::{DataFormat, Schedule, TrainConfig, BYTE_VOCAB};
+pub use config::{DataFormat, ScalingConfig, Schedule, SourceConfig, TrainConfig, BYTE_VOCAB};
 pub use data::DataLayout;
 pub use documents::{Document, DocumentError, Message, Packed, PackedRow, Record, Segment, TokenizerSettings};
 pub use error::{Error, Result, TrainError};
@@ -37,4 +38,6 @@ pub use protocol::{FromExecutor, RankSetup, StepReport, ToExecutor, TrainOp, Tra
 pub use quic_link::{QuicLink, QuicLinkBuilder};
 pub use rank::{executor_path, TrainRank, TrainRankArgs, EXECUTOR_ENV, SECRET_ENV};
 pub use ring_group::{RankArgs, RankOp, RankReply, RingGroup, RingRank};
-pub use zero::partition::{bytes_per_rank, gradient_buckets, FlatLayout, Piece, StateBytes, TensorSlot, ZeroStage};
+pub use zero::partition::{
+    bytes_per_rank, gradient_buckets, reshard, FlatLayout, Piece, StateBytes, TensorSlot, ZeroStage,
+};

@@ -17,7 +17,16 @@ pub struct TrainMetrics {
     state_bytes: GaugeVec,
     host_state_bytes: GaugeVec,
     mfu: GaugeVec,
+    world_size: GaugeVec,
+    rescales: GaugeVec,
     checkpoints: IntCounterVec,
+    skipped_rows: IntCounterVec,
+}
+
+fn counter(name: &str, help: &str) -> IntCounterVec {
+    let metric = IntCounterVec::new(Opts::new(name, help), &["rank"]).expect("metric names and labels are valid");
+    let _ = regatta_runtime::metrics().registry().register(Box::new(metric.clone()));
+    metric
 }
 
 fn gauge(name: &str, help: &str, labels: &[&str]) -> GaugeVec {
@@ -31,43 +40,51 @@ impl TrainMetrics {
     /// The process's trainer metrics, registered on first use.
     pub fn get() -> &'static TrainMetrics {
         static METRICS: OnceLock<TrainMetrics> = OnceLock::new();
-        METRICS.get_or_init(|| {
-            let checkpoints = IntCounterVec::new(
-                Opts::new("regatta_train_checkpoints_total", "Checkpoints committed, by rank"),
+        METRICS.get_or_init(|| TrainMetrics {
+            loss: gauge("regatta_train_loss", "Mean loss of the last step", &["rank"]),
+            step: gauge("regatta_train_step", "Steps done", &["rank"]),
+            step_seconds: gauge("regatta_train_step_seconds", "Wall time of the last step", &["rank"]),
+            tokens_per_second: gauge(
+                "regatta_train_tokens_per_second",
+                "Tokens per second over the whole group, last step",
                 &["rank"],
-            )
-            .expect("metric names and labels are valid");
-            let _ = regatta_runtime::metrics()
-                .registry()
-                .register(Box::new(checkpoints.clone()));
-            TrainMetrics {
-                loss: gauge("regatta_train_loss", "Mean loss of the last step", &["rank"]),
-                step: gauge("regatta_train_step", "Steps done", &["rank"]),
-                step_seconds: gauge("regatta_train_step_seconds", "Wall time of the last step", &["rank"]),
-                tokens_per_second: gauge(
-                    "regatta_train_tokens_per_second",
-                    "Tokens per second over the whole group, last step",
-                    &["rank"],
-                ),
-                collective_seconds: gauge(
-                    "regatta_train_collective_seconds",
-                    "Time in collectives during the last step",
-                    &["rank"],
-                ),
-                state_bytes: gauge(
-                    "regatta_train_state_bytes",
-                    "Bytes held by the rank: parameters, gradients, optimizer",
-                    &["rank", "state"],
-                ),
-                host_state_bytes: gauge(
-                    "regatta_train_host_state_bytes",
-                    "Of regatta_train_state_bytes, bytes in host memory (ZeRO-Offload): parameters, gradients, optimizer",
-                    &["rank", "state"],
-                ),
-                mfu: gauge("regatta_train_mfu", "Model FLOPs utilisation estimate (GPU)", &["rank"]),
-                checkpoints,
-            }
+            ),
+            collective_seconds: gauge(
+                "regatta_train_collective_seconds",
+                "Time in collectives during the last step",
+                &["rank"],
+            ),
+            state_bytes: gauge(
+                "regatta_train_state_bytes",
+                "Bytes held by the rank: parameters, gradients, optimizer",
+                &["rank", "state"],
+            ),
+            host_state_bytes: gauge(
+                "regatta_train_host_state_bytes",
+                "Of regatta_train_state_bytes, bytes in host memory (ZeRO-Offload): parameters, gradients, optimizer",
+                &["rank", "state"],
+            ),
+            mfu: gauge("regatta_train_mfu", "Model FLOPs utilisation estimate (GPU)", &["rank"]),
+            world_size: gauge("regatta_train_world_size", "Ranks in the rank's group", &["rank"]),
+            rescales: gauge(
+                "regatta_train_rescales",
+                "Changes of the group's number of ranks during the run (elastic training)",
+                &["rank"],
+            ),
+            checkpoints: counter("regatta_train_checkpoints_total", "Checkpoints committed, by rank"),
+            skipped_rows: counter(
+                "regatta_train_skipped_rows_total",
+                "Dataset rows a rank skipped because they cannot be read (each is in the job log)",
+            ),
         })
+    }
+
+    /// Records a rank's start: its group's size and the rescales before it.
+    pub fn started(&self, rank: usize, world: usize, rescales: u32) {
+        let r = rank.to_string();
+        self.world_size.with_label_values(&[&r]).set(world as f64);
+        self.rescales.with_label_values(&[&r]).set(f64::from(rescales));
+        self.skipped_rows.with_label_values(&[&r]).inc_by(0);
     }
 
     /// Records what an executor reported.
@@ -99,6 +116,7 @@ impl TrainMetrics {
                 }
             }
             FromExecutor::Checkpoint { .. } => self.checkpoints.with_label_values(&[&r]).inc(),
+            FromExecutor::Skipped { count, .. } => self.skipped_rows.with_label_values(&[&r]).inc_by(*count),
             _ => {}
         }
     }

@@ -22,6 +22,13 @@ pub struct RankSetup {
     pub resume: bool,
     /// GPU indices granted to this rank (empty on CPU).
     pub gpus: Vec<u32>,
+    /// Changes of the group's number of ranks so far (elastic runs).
+    #[serde(default)]
+    pub rescales: u32,
+    /// The attempt this rank belongs to: the driver's clock (ms since the Unix epoch) when
+    /// the attempt started, the same for every rank of it and larger for a later one.
+    #[serde(default)]
+    pub attempt: u64,
 }
 
 /// Agent to executor.
@@ -100,6 +107,14 @@ pub enum FromExecutor {
         /// Where it is.
         url: String,
     },
+    /// Dataset rows were skipped (not trained on): the first's `url@offset` and why.
+    Skipped {
+        /// What and why.
+        what: String,
+        /// Rows this report stands for (past the first 100 of a rank, one report a step).
+        #[serde(default = "one")]
+        count: u64,
+    },
     /// Training finished.
     Finished {
         /// Steps done.
@@ -112,6 +127,10 @@ pub enum FromExecutor {
         /// True when retrying cannot help (bad data, bad checkpoint, bad config).
         fatal: bool,
     },
+}
+
+fn one() -> u64 {
+    1
 }
 
 /// Driver to rank actor.

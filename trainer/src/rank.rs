@@ -123,7 +123,7 @@ impl Actor for TrainRank {
         else {
             return Err("the executor's pipes are missing".into());
         };
-        let rank = setup.rank;
+        let (rank, world, rescales) = (setup.rank, setup.world, setup.rescales);
         let line = serde_json::to_string(&ToExecutor::Setup(Box::new(setup))).map_err(|e| e.to_string())?;
         stdin
             .write_all(format!("{line}\n").as_bytes())
@@ -131,6 +131,7 @@ impl Actor for TrainRank {
             .map_err(|e| format!("cannot write to the trainer executor: {e}"))?;
         let shared = Arc::new(Mutex::new(Shared::default()));
         let metrics = TrainMetrics::get();
+        metrics.started(rank, world, rescales);
         let events = shared.clone();
         tokio::spawn(async move {
             let mut lines = BufReader::new(stdout).lines();

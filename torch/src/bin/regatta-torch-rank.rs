@@ -10,7 +10,9 @@
 //! against the machine's memory and compute bounds (what `regatta bench generate` prints);
 //! `regatta-torch-rank merge BASE ADAPTER OUT`: a LoRA adapter merged into its base model,
 //! written as a plain Hugging Face folder; `regatta-torch-rank bench-adamw ELEMENTS
-//! THREADS`: the host AdamW update's memory traffic against a plain copy, as JSON.
+//! THREADS`: the host AdamW update's memory traffic against a plain copy, as JSON;
+//! `regatta-torch-rank bench-data SPEC_JSON`: the streaming loader's tokens/s and memory
+//! with a no-op training step, as JSON (what `regatta bench data` prints).
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -197,6 +199,32 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
+        Some("bench-data") => {
+            let spec = match args
+                .get(1)
+                .map(|s| serde_json::from_str::<regatta_torch::bench_data::BenchDataSpec>(s))
+            {
+                Some(Ok(spec)) => spec,
+                Some(Err(e)) => {
+                    eprintln!("error: bad spec: {e}");
+                    return ExitCode::from(2);
+                }
+                None => {
+                    eprintln!("usage: regatta-torch-rank bench-data SPEC_JSON");
+                    return ExitCode::from(2);
+                }
+            };
+            match regatta_torch::bench_data::bench_data(&spec) {
+                Ok(result) => {
+                    println!("{}", serde_json::to_string(&result).unwrap_or_default());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Some("bench-adamw") => match bench_adamw(&args[1..]) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -219,7 +247,7 @@ fn main() -> ExitCode {
             }
         },
         Some(other) => {
-            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`, `merge`, `peak`, `bench-generate`, `bench-adamw`");
+            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`, `merge`, `peak`, `bench-generate`, `bench-adamw`, `bench-data`");
             ExitCode::from(2)
         }
     }

@@ -100,6 +100,36 @@ impl FlatLayout {
     }
 }
 
+/// Where rank `rank`'s shard of a `numel`-element flat buffer laid out for `new_world`
+/// ranks comes from in the same buffer laid out for `old_world` ranks: pieces of
+/// `(old rank, range in its shard, range in the new shard)`. Padding has no piece (it
+/// stays zero). How a checkpoint's optimizer slices reach a run with another world size.
+pub fn reshard(
+    numel: usize,
+    old_world: usize,
+    new_world: usize,
+    rank: usize,
+) -> Vec<(usize, Range<usize>, Range<usize>)> {
+    let old = FlatLayout::new(&[(String::new(), numel)], old_world);
+    let new = FlatLayout::new(&[(String::new(), numel)], new_world);
+    let mine = new.shard_range(rank);
+    let mine = mine.start.min(numel)..mine.end.min(numel);
+    (0..old.world)
+        .filter_map(|o| {
+            let theirs = old.shard_range(o);
+            let start = mine.start.max(theirs.start);
+            let end = mine.end.min(theirs.end);
+            (start < end).then(|| {
+                (
+                    o,
+                    start - theirs.start..end - theirs.start,
+                    start - mine.start..end - mine.start,
+                )
+            })
+        })
+        .collect()
+}
+
 /// What ZeRO partitions, by stage. In configs and manifests it is the number 1, 2 or 3.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "u8", into = "u8")]
@@ -237,5 +267,32 @@ mod tests {
     fn buckets_follow_backward_order() {
         let l = layout(&[4, 4, 4, 4, 1], 2);
         assert_eq!(gradient_buckets(&l, 8), vec![vec![4, 3, 2], vec![1, 0]]);
+    }
+
+    #[test]
+    fn reshard_moves_every_real_element_once() {
+        for (numel, old, new) in [(10, 3, 2), (10, 2, 3), (7, 1, 4), (100, 4, 1), (5, 3, 3)] {
+            let flat: Vec<usize> = (0..numel).collect();
+            let old_layout = FlatLayout::new(&[(String::new(), numel)], old);
+            let old_shards: Vec<Vec<usize>> = (0..old)
+                .map(|r| {
+                    old_layout
+                        .shard_range(r)
+                        .map(|i| flat.get(i).copied().unwrap_or(usize::MAX))
+                        .collect()
+                })
+                .collect();
+            let new_len = FlatLayout::new(&[(String::new(), numel)], new).shard_len();
+            let mut rebuilt = Vec::new();
+            for rank in 0..new {
+                let mut shard = vec![usize::MAX; new_len];
+                for (o, from, to) in reshard(numel, old, new, rank) {
+                    shard[to].copy_from_slice(&old_shards[o][from]);
+                }
+                rebuilt.extend(shard);
+            }
+            rebuilt.truncate(numel);
+            assert_eq!(rebuilt, flat, "{numel} elements from {old} to {new} ranks");
+        }
     }
 }
