@@ -2,7 +2,7 @@
 //! ask it typed questions.
 
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ractor::ActorCell;
 use serde::de::DeserializeOwned;
@@ -12,6 +12,9 @@ use crate::error::{Error, Result};
 use crate::node;
 use crate::protocol::{Failure, HeadRequest};
 use crate::wire::{self, CallError};
+
+/// How long a request lost with its session waits for the next session to the head.
+const RESESSION_GRACE: Duration = Duration::from_secs(2);
 
 /// How a process reaches the head.
 pub(crate) struct HeadLink {
@@ -59,25 +62,53 @@ impl HeadLink {
         }
     }
 
-    /// Sends a request to the head and decodes its reply.
+    /// Sends a request to the head and decodes its reply. A [`HeadRequest::retryable`]
+    /// request whose session closed before the reply is sent again once the head is
+    /// reachable again, within `timeout`.
     pub(crate) async fn ask<T: DeserializeOwned>(&self, request: &HeadRequest, timeout: Duration) -> Result<T> {
         let what = request.name();
-        let head = self.head()?;
-        let bytes = wire::call_raw(&head, wire::encode(request), timeout)
-            .await
-            .map_err(|e| match e {
-                CallError::Timeout => Error::Timeout {
-                    what: format!("head request {what}"),
-                    timeout,
-                },
-                CallError::Unreachable(cause) => Error::Connect {
-                    address: self.address.clone(),
-                    reason: format!("head request {what} failed: {cause}"),
-                },
-            })?;
+        let deadline = Instant::now() + timeout;
+        let bytes = loop {
+            let head = self.head()?;
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            match wire::call_raw(&head, wire::encode(request), remaining).await {
+                Ok(bytes) => break bytes,
+                Err(CallError::Timeout) => {
+                    return Err(Error::Timeout {
+                        what: format!("head request {what}"),
+                        timeout,
+                    })
+                }
+                Err(CallError::Unreachable(cause)) => {
+                    let again = deadline.saturating_duration_since(Instant::now()).min(RESESSION_GRACE);
+                    if request.retryable() && self.wait_for_another(&head, again).await {
+                        tracing::debug!(what, %cause, "the head's session was replaced; asking again");
+                        continue;
+                    }
+                    return Err(Error::Connect {
+                        address: self.address.clone(),
+                        reason: format!("head request {what} failed: {cause}"),
+                    });
+                }
+            }
+        };
         let reply: std::result::Result<T, Failure> =
             wire::decode(&bytes, "the head's reply").map_err(|f| failure_to_error(f, None))?;
         reply.map_err(|f| failure_to_error(f, None))
+    }
+
+    /// Waits up to `grace` for a running head other than `lost` (the next session's).
+    async fn wait_for_another(&self, lost: &ActorCell, grace: Duration) -> bool {
+        let until = Instant::now() + grace;
+        loop {
+            if self.head().is_ok_and(|head| head.get_id() != lost.get_id()) {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 
     /// Sends a request without waiting for an answer; an error when it cannot be sent.

@@ -261,6 +261,22 @@ impl HeadRequest {
             Self::Announce(_) => "announce",
         }
     }
+
+    /// Whether sending the request twice changes nothing beyond sending it once, so that a
+    /// request lost with its session (a duplicate connection closed by `ractor_cluster`, a
+    /// head restart) can be sent again on the next session.
+    pub fn retryable(&self) -> bool {
+        matches!(
+            self,
+            Self::Heartbeat { .. }
+                | Self::WaitActor(_)
+                | Self::Named(_)
+                | Self::WaitGroup(_)
+                | Self::Status
+                | Self::ObjectLocate(_)
+                | Self::Announce(_)
+        )
+    }
 }
 
 /// Orders to a process's object service (process group `objects/<node>`).
