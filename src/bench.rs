@@ -133,7 +133,7 @@ async fn run_suite(suite: &str, trials: usize, args: &BenchArgs) -> anyhow::Resu
 /// KV-cache generation in the executor (the one binary that links libtorch), with every
 /// core: output tokens/s at batch limits 1 to 128 beside the machine's bounds.
 fn generate(model: Option<&str>) -> anyhow::Result<()> {
-    let executor = regatta_trainer::executor_path(None).map_err(anyhow::Error::msg)?;
+    let executor = regatta_runtime::executor::executor_path(None).map_err(anyhow::Error::msg)?;
     let model = model.unwrap_or("data/bench-llama-110m.json");
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let status = std::process::Command::new(&executor)

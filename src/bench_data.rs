@@ -229,7 +229,7 @@ fn print(case: &str, r: &Measured, shards: usize) {
 
 /// Runs the benchmark: the local folder, then moto when it is installed.
 pub fn run(bench: &DataBench) -> anyhow::Result<()> {
-    let executor = regatta_trainer::executor_path(None).map_err(anyhow::Error::msg)?;
+    let executor = regatta_runtime::executor::executor_path(None).map_err(anyhow::Error::msg)?;
     let bytes = (bench.gigabytes * 1e9) as u64;
     let dir = corpus(bytes)?;
     let tokenizer = format!("{}/data/tokenizer.json", env!("CARGO_MANIFEST_DIR"));

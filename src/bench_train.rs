@@ -71,7 +71,7 @@ async fn timed_steps(config: TrainConfig, warmup: usize) -> anyhow::Result<Vec<S
 /// The machine's matmul FLOP/s at the model's shapes with every core, and the model's
 /// FLOPs per token, from the executor (the one binary that links libtorch).
 fn measure_peak(config: &TrainConfig) -> anyhow::Result<(f64, f64, u64)> {
-    let executor = regatta_trainer::executor_path(None).map_err(anyhow::Error::msg)?;
+    let executor = regatta_runtime::executor::executor_path(None).map_err(anyhow::Error::msg)?;
     let file = std::env::temp_dir().join(format!("regatta-bench-train-{}.json", std::process::id()));
     std::fs::write(&file, serde_json::to_vec(config)?)?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -221,7 +221,7 @@ pub async fn variants(
         }
     }
     if offload {
-        let executor = regatta_trainer::executor_path(None).map_err(anyhow::Error::msg)?;
+        let executor = regatta_runtime::executor::executor_path(None).map_err(anyhow::Error::msg)?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let elements = if quick { 1 << 20 } else { 50_000_000 };
         let output = std::process::Command::new(&executor)

@@ -71,6 +71,9 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// An executor process could not be found or started.
+    #[error("{0}")]
+    Executor(String),
     /// The head refused this node's token.
     #[error("the head at {address} refused this node: the cluster token does not match (set --token, REGATTA_TOKEN or --token-file to the head's token)")]
     TokenRefused {

@@ -30,6 +30,7 @@ mod agent;
 mod client;
 mod detect;
 mod error;
+pub mod executor;
 mod head;
 mod headlink;
 mod http;

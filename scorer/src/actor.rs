@@ -7,13 +7,13 @@
 
 use crate::error::{Error, Result};
 use std::ops::Range;
-use std::process::Stdio;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts};
 use regatta_object_store::Place;
+use regatta_runtime::executor::{launch, Launch};
 use regatta_runtime::{Actor, ActorContext, ActorError};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
@@ -442,16 +442,15 @@ impl Actor for ScorerActor {
     async fn create(args: ScorerArgs, ctx: &ActorContext) -> std::result::Result<Self, ActorError> {
         let mut setup = args.setup;
         setup.gpus = ctx.gpu_ids().to_vec();
-        let path =
-            regatta_trainer::executor_path(args.executor.as_deref()).map_err(|e| Error::Executor(e.to_string()))?;
-        let mut child = regatta_trainer::rank::executor_command(&path, &setup.gpus)
-            .arg("score")
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| Error::Executor(format!("cannot start the scorer executor {}: {e}", path.display())))?;
-        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-            return Err(Error::Executor("the executor's pipes are missing".into()).into());
-        };
+        let executor = launch(&Launch {
+            executor: args.executor.clone(),
+            args: vec!["score".into()],
+            env: Vec::new(),
+            gpus: setup.gpus.clone(),
+            capture_stderr: false,
+        })
+        .map_err(|e| Error::Executor(e.to_string()))?;
+        let (child, stdin, stdout) = (executor.child, executor.stdin, executor.stdout);
         let mut actor = Self {
             reported: GenStats::default(),
             batch_size: args.batch_size.max(1),

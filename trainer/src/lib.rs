@@ -36,7 +36,8 @@ pub use hf::{Architecture, HfConfigError, LlamaConfig, RopeScaling};
 pub use lora::{LoraConfig, Offload, ZeroConfig};
 pub use protocol::{FromExecutor, RankSetup, StepReport, ToExecutor, TrainOp, TrainReply};
 pub use quic_link::{QuicLink, QuicLinkBuilder};
-pub use rank::{executor_path, TrainRank, TrainRankArgs, EXECUTOR_ENV, SECRET_ENV};
+pub use rank::{TrainRank, TrainRankArgs, SECRET_ENV};
+pub use regatta_runtime::executor::{executor_path, EXECUTOR_ENV};
 pub use ring_group::{RankArgs, RankOp, RankReply, RingGroup, RingRank};
 pub use zero::partition::{
     bytes_per_rank, gradient_buckets, reshard, FlatLayout, Piece, StateBytes, TensorSlot, ZeroStage,

@@ -5,21 +5,18 @@
 //! driver sees as this rank failing with the executor's last log lines as the cause.
 
 use std::collections::VecDeque;
-use std::path::PathBuf;
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use regatta_runtime::executor::{launch, Launch};
 use regatta_runtime::{Actor, ActorContext, ActorError};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::process::{Child, ChildStdin, Command};
+use tokio::process::{Child, ChildStdin};
 
 use crate::metrics::TrainMetrics;
 use crate::protocol::{FromExecutor, RankSetup, ToExecutor, TrainOp, TrainReply};
 
-/// Names the executor binary (default: `regatta-torch-rank` next to the running binary).
-pub const EXECUTOR_ENV: &str = "REGATTA_TORCH_RANK";
 /// The ring's shared secret, handed to the executor through its environment.
 pub const SECRET_ENV: &str = "REGATTA_RING_SECRET";
 /// Lines of the executor's stderr kept for the cause of a failure.
@@ -54,47 +51,6 @@ pub struct TrainRank {
     _child: Arc<tokio::sync::Mutex<Child>>,
 }
 
-/// Where the executor binary is: the argument, `REGATTA_TORCH_RANK`, or next to this binary.
-pub fn executor_path(explicit: Option<&str>) -> crate::Result<PathBuf> {
-    if let Some(path) = explicit
-        .map(str::to_string)
-        .or_else(|| std::env::var(EXECUTOR_ENV).ok())
-    {
-        let path = PathBuf::from(path);
-        return if path.is_file() {
-            Ok(path)
-        } else {
-            Err(crate::Error::Executor(format!(
-                "the trainer executor {} does not exist",
-                path.display()
-            )))
-        };
-    }
-    let exe =
-        std::env::current_exe().map_err(|e| crate::Error::Executor(format!("cannot find the running binary: {e}")))?;
-    let beside = exe.with_file_name("regatta-torch-rank");
-    if beside.is_file() {
-        return Ok(beside);
-    }
-    Err(crate::Error::Executor(format!(
-        "the trainer executor regatta-torch-rank is not next to {} on this node; build it with \
-         `scripts/setup-libtorch.sh` then `cargo build -p regatta-torch` (see README), or set {EXECUTOR_ENV}",
-        exe.display()
-    )))
-}
-
-/// The command that starts an executor: stdin and stdout piped (the JSON-lines protocol),
-/// killed when the returned child is dropped, and limited to the actor's GPUs.
-pub fn executor_command(path: &std::path::Path, gpus: &[u32]) -> Command {
-    let mut command = Command::new(path);
-    command.stdin(Stdio::piped()).stdout(Stdio::piped()).kill_on_drop(true);
-    if !gpus.is_empty() {
-        let visible: Vec<String> = gpus.iter().map(u32::to_string).collect();
-        command.env("CUDA_VISIBLE_DEVICES", visible.join(","));
-    }
-    command
-}
-
 fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
     shared.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -112,16 +68,16 @@ impl Actor for TrainRank {
         }
         setup.host = ctx.host().to_string();
         setup.gpus = ctx.gpu_ids().to_vec();
-        let path = executor_path(args.executor.as_deref())?;
-        let mut child = executor_command(&path, &setup.gpus)
-            .env(SECRET_ENV, &args.secret)
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot start the trainer executor {}: {e}", path.display()))?;
-        let (Some(mut stdin), Some(stdout), Some(stderr)) =
-            (child.stdin.take(), child.stdout.take(), child.stderr.take())
-        else {
-            return Err("the executor's pipes are missing".into());
+        let executor = launch(&Launch {
+            executor: args.executor.clone(),
+            args: Vec::new(),
+            env: vec![(SECRET_ENV.to_string(), args.secret.clone())],
+            gpus: setup.gpus.clone(),
+            capture_stderr: true,
+        })?;
+        let (child, mut stdin, stdout) = (executor.child, executor.stdin, executor.stdout);
+        let Some(stderr) = executor.stderr else {
+            return Err("the executor's stderr is missing".into());
         };
         let (rank, world, rescales) = (setup.rank, setup.world, setup.rescales);
         let line = serde_json::to_string(&ToExecutor::Setup(Box::new(setup))).map_err(|e| e.to_string())?;

@@ -15,7 +15,6 @@
 //! with a no-op training step, as JSON (what `regatta bench data` prints).
 
 use std::process::ExitCode;
-use std::time::Duration;
 
 use regatta_torch::{bench_generate, builtin_model, checkpoint, executor_main, gemm_peak, reference_run};
 use regatta_trainer::TrainConfig;
@@ -139,28 +138,15 @@ fn peak(args: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// An executor belongs to the agent that launched it. When the agent dies without cleaning
-/// up (SIGKILL), the executor is re-parented: it then exits rather than go on alone.
-fn exit_when_orphaned() {
-    let parent = std::os::unix::process::parent_id();
-    std::thread::spawn(move || loop {
-        std::thread::sleep(Duration::from_millis(200));
-        if std::os::unix::process::parent_id() != parent {
-            eprintln!("regatta-torch-rank: the agent that started this executor is gone; exiting");
-            std::process::exit(3);
-        }
-    });
-}
-
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         None => {
-            exit_when_orphaned();
+            regatta_runtime::executor::exit_when_orphaned();
             executor_main(&builtin_model)
         }
         Some("score") => {
-            exit_when_orphaned();
+            regatta_runtime::executor::exit_when_orphaned();
             regatta_torch::score_executor::score_main()
         }
         Some("export") => match &args[1..] {
