@@ -14,16 +14,12 @@
 //! ```
 
 pub mod bench;
-mod bench_data;
-mod bench_score;
-mod bench_train;
 pub mod cli;
-pub mod demo;
-mod job_cli;
 pub mod kinds;
 pub mod local;
 pub mod pipeline;
-pub mod score_cli;
-pub mod train_cli;
+mod signal;
+
+pub use cli::{demo, score as score_cli, train as train_cli};
 
 pub use regatta_runtime::*;

@@ -454,57 +454,6 @@ fn wait_or_kill(child: &mut Child, deadline: Instant) {
     let _ = child.wait();
 }
 
-/// Runs `work` for a CLI command on the cluster at `address` (token from `token`), or on
-/// a local cluster of `workers` started for it and stopped after. Ctrl-C cancels `work`
-/// (whose drop guards clean up on the remote cluster, given a moment) or stops every
-/// process of the local cluster; the exit code is then 130.
-pub(crate) async fn on_cluster<F, Fut>(
-    address: Option<&str>,
-    token: &crate::cli::TokenArgs,
-    workers: Vec<WorkerSpec>,
-    work: F,
-) -> anyhow::Result<std::process::ExitCode>
-where
-    F: FnOnce(regatta_runtime::Cluster) -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<std::process::ExitCode>>,
-{
-    use std::process::ExitCode;
-    if let Some(address) = address {
-        let (token, _) = regatta_runtime::resolve_token(token.token.as_deref(), token.token_file.as_deref(), false)?;
-        let client = Client::connect(address, &token)
-            .await
-            .with_context(|| format!("cannot reach the cluster at {address}"))?;
-        return tokio::select! {
-            outcome = work(client.cluster().clone()) => outcome,
-            () = crate::cli::shutdown_signal() => {
-                println!("interrupted: stopping what this command started on the cluster");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                Ok(ExitCode::from(130))
-            }
-        };
-    }
-    let options = LocalOptions::new(workers)?;
-    println!(
-        "starting a local cluster: head + {} workers (logs in {})",
-        options.workers.len(),
-        options.log_dir.display()
-    );
-    let mut cluster = LocalCluster::start(options)?;
-    let outcome = tokio::select! {
-        outcome = async {
-            let client = cluster.connect(Duration::from_secs(30)).await?;
-            work(client.cluster().clone()).await
-        } => outcome,
-        () = crate::cli::shutdown_signal() => {
-            println!("interrupted: stopping the cluster");
-            Ok(ExitCode::from(130))
-        }
-    };
-    cluster.shutdown();
-    println!("cluster stopped");
-    outcome
-}
-
 /// A client of the cluster at `$REGATTA_ADDRESS` (token as [`regatta_runtime::resolve_token`]
 /// finds it) or, when that is unset, of a local cluster of `workers` started for the caller
 /// and stopped when the returned [`LocalCluster`] is dropped. For examples and drivers that

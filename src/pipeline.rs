@@ -102,7 +102,7 @@ pub async fn train_then_score(
     let group = TrainerGroup::new(cluster.clone(), config.clone())?;
     let summary = group
         .run(|event| {
-            if let Some(line) = crate::train_cli::describe(event, &config, log_every) {
+            if let Some(line) = crate::cli::train::describe(event, &config, log_every) {
                 say(line);
             } else if let TrainEvent::Restarting { .. } = event {
                 say(format!("{event:?}"));
@@ -260,7 +260,7 @@ async fn score(
     let done: Progress = run
         .run(|p| {
             if p.partitions_done == p.partitions {
-                say(format!("scoring with {name}: {}", crate::score_cli::progress_line(p)));
+                say(format!("scoring with {name}: {}", crate::cli::score::progress_line(p)));
             }
         })
         .await

@@ -11,8 +11,9 @@ use clap::Args;
 use regatta_runtime::Cluster;
 use regatta_scorer::{Progress, ScoreConfig, ScoreRun};
 
-use crate::cli::TokenArgs;
-use crate::local::{on_cluster, WorkerSpec};
+use super::common::on_cluster;
+use super::common::TokenArgs;
+use crate::local::WorkerSpec;
 
 /// Options of `regatta score`; flags override the config file.
 #[derive(Args, Debug, Clone)]

@@ -10,8 +10,9 @@ use clap::Args;
 use regatta_runtime::Cluster;
 use regatta_trainer::{TrainConfig, TrainEvent, TrainSummary, TrainerGroup};
 
-use crate::cli::TokenArgs;
-use crate::local::{on_cluster, WorkerSpec};
+use super::common::on_cluster;
+use super::common::TokenArgs;
+use crate::local::WorkerSpec;
 
 /// Options of `regatta train`; flags override the config file.
 #[derive(Args, Debug, Clone)]

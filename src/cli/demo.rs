@@ -51,7 +51,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let mut cluster = LocalCluster::start(options)?;
     let outcome = tokio::select! {
         outcome = workload(&cluster, &args, started) => outcome,
-        () = crate::cli::shutdown_signal() => {
+        () = crate::signal::shutdown_signal() => {
             println!("interrupted: stopping the cluster");
             Ok(ExitCode::from(130))
         }
@@ -189,7 +189,7 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
     let report = train_then_score(client.cluster(), &options, |line| println!("{line}")).await?;
 
     let status = client.status().await?;
-    print!("{}", crate::cli::render_status(&status));
+    print!("{}", super::status::render_status(&status));
     println!("report:");
     println!(
         "  training loss {:.3} -> {:.3} over {} steps ({} parameters, {:.0} tokens/s over 2 ranks)",

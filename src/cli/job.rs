@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 use futures::StreamExt;
 
-use crate::cli::TokenArgs;
+use super::common::TokenArgs;
 use regatta_runtime::{resolve_token, JobClient, JobRecord, JobStatus, JobSubmission, RuntimeEnv};
 
 /// Exit status of `job submit` for a job that was stopped.

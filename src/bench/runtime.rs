@@ -1,65 +1,17 @@
-//! `regatta bench`: Regatta's counterparts of `ray microbenchmark` cases, printed in Ray's
-//! line format (`<case> per second <value> +- <spread>`) so the two outputs line up.
+//! The runtime's own cases: a cluster's start and idle memory, actor calls and creation,
+//! placement groups, actor pools, and the object store within and across nodes.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::process::ExitCode;
+use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use bytes::Bytes;
-use clap::Args;
 
+use super::measure::{loopback_tcp_gbps, memcpy_gbps, report, rss_bytes};
 use crate::kinds::{Caller, Fanout, Noop, Store, StoreOp, StoreReply};
 use crate::local::{LocalCluster, LocalOptions, WorkerSpec};
 use regatta_runtime::{ActorHandle, ActorOptions, ActorPool, Client, Resources, Strategy};
-
-/// Options of `regatta bench`.
-#[derive(Args, Debug, Clone)]
-pub struct BenchArgs {
-    /// Which cases: `actors`, `objects`, `cluster`, `train`, `score`, `generate`, `data`,
-    /// or `all` (the first five).
-    #[arg(default_value = "all")]
-    pub suite: String,
-    /// Trials per case (mean and standard deviation are printed).
-    #[arg(long, default_value_t = 3)]
-    pub trials: usize,
-    /// Small counts (a smoke run for tests, not for figures).
-    #[arg(long)]
-    pub quick: bool,
-    /// `train` and `generate`: a Hugging Face model folder (local or URL), or a
-    /// `config.json` file of a Llama-family model to initialise randomly; default: the
-    /// built-in GPT for `train`, data/bench-llama-110m.json for `generate`.
-    #[arg(long)]
-    pub model: Option<String>,
-    /// `train`: compare full fine-tuning with LoRA adapters of this rank (ZeRO-3, 2 ranks).
-    #[arg(long)]
-    pub lora: Option<usize>,
-    /// `train`: compare with the optimizer state offloaded to the host (ZeRO-3, 2 ranks).
-    #[arg(long)]
-    pub offload: bool,
-    /// `data`: the corpus size in GB (made once under ~/.cache/regatta).
-    #[arg(long, default_value_t = 2.0)]
-    pub data_gb: f64,
-    /// `data`: seconds each source is read.
-    #[arg(long, default_value_t = 60.0)]
-    pub seconds: f64,
-}
-
-/// Mean and standard deviation of trial figures.
-pub fn mean_spread(values: &[f64]) -> (f64, f64) {
-    if values.is_empty() {
-        return (0.0, 0.0);
-    }
-    let mean = values.iter().sum::<f64>() / values.len() as f64;
-    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / values.len() as f64;
-    (mean, var.sqrt())
-}
-
-fn report(case: &str, unit: &str, values: &[f64]) {
-    let (mean, spread) = mean_spread(values);
-    println!("{case} {unit} {mean:.2} +- {spread:.2}");
-}
 
 fn workers() -> Vec<WorkerSpec> {
     vec![
@@ -68,84 +20,14 @@ fn workers() -> Vec<WorkerSpec> {
     ]
 }
 
-fn start_cluster() -> anyhow::Result<LocalCluster> {
+pub(super) fn start_cluster() -> anyhow::Result<LocalCluster> {
     let mut options = LocalOptions::new(workers())?;
     options.binary = std::env::current_exe().context("cannot find this executable")?;
     LocalCluster::start(options)
 }
 
-/// Runs the benchmark suite on local clusters started from this binary.
-pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
-    let suites: Vec<&str> = match args.suite.as_str() {
-        "all" => vec!["cluster", "actors", "objects", "train", "score"],
-        one @ ("actors" | "objects" | "cluster" | "train" | "score" | "generate" | "data") => vec![one],
-        other => {
-            bail!(
-                "unknown benchmark suite '{other}'; use actors, objects, cluster, train, score, generate, data or all"
-            )
-        }
-    };
-    let trials = args.trials.max(1);
-    for suite in suites {
-        let outcome = tokio::select! {
-            outcome = run_suite(suite, trials, &args) => outcome,
-            () = crate::cli::shutdown_signal() => return Ok(ExitCode::from(130)),
-        };
-        outcome?;
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-async fn run_suite(suite: &str, trials: usize, args: &BenchArgs) -> anyhow::Result<()> {
-    let (quick, model) = (args.quick, args.model.as_deref());
-    if suite == "cluster" {
-        return cluster_start(trials).await;
-    }
-    if suite == "train" && (args.lora.is_some() || args.offload) {
-        return crate::bench_train::variants(trials, quick, model, args.lora, args.offload).await;
-    }
-    if suite == "train" {
-        return crate::bench_train::train(trials, quick, model).await;
-    }
-    if suite == "score" {
-        return crate::bench_score::score(trials, quick).await;
-    }
-    if suite == "generate" {
-        return generate(model);
-    }
-    if suite == "data" {
-        let bench = crate::bench_data::DataBench {
-            gigabytes: if args.quick { 0.05 } else { args.data_gb },
-            seconds: if args.quick { 5.0 } else { args.seconds },
-            shards: 64,
-        };
-        return tokio::task::block_in_place(|| crate::bench_data::run(&bench));
-    }
-    let mut cluster = start_cluster()?;
-    let outcome = match suite {
-        "actors" => actors(&cluster, trials, quick).await,
-        _ => objects(&cluster, trials, quick).await,
-    };
-    cluster.shutdown();
-    outcome
-}
-
-/// KV-cache generation in the executor (the one binary that links libtorch), with every
-/// core: output tokens/s at batch limits 1 to 128 beside the machine's bounds.
-fn generate(model: Option<&str>) -> anyhow::Result<()> {
-    let executor = regatta_runtime::executor::executor_path(None).map_err(anyhow::Error::msg)?;
-    let model = model.unwrap_or("data/bench-llama-110m.json");
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let status = std::process::Command::new(&executor)
-        .args(["bench-generate", model, &cores.to_string()])
-        .status()
-        .with_context(|| format!("cannot run {}", executor.display()))?;
-    anyhow::ensure!(status.success(), "the generation benchmark failed ({status})");
-    Ok(())
-}
-
 /// Time for a head and 2 workers to be ready, and their idle resident memory.
-async fn cluster_start(trials: usize) -> anyhow::Result<()> {
+pub(super) async fn cluster_start(trials: usize) -> anyhow::Result<()> {
     println!("# cluster");
     let mut ready = Vec::new();
     let mut memory = Vec::new();
@@ -207,16 +89,6 @@ fn http_get(host: &str, path: &str) -> anyhow::Result<String> {
     Ok(reply)
 }
 
-/// Resident memory of a process (Linux), 0 when unknown.
-pub fn rss_bytes(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).map(str::to_string))
-        .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
-        .map(|kb| kb * 1024)
-        .unwrap_or(0)
-}
-
 /// Runs `round` `trials` times; each returns the operations it did; prints ops per second.
 async fn rate<F, Fut>(case: &str, trials: usize, mut round: F) -> anyhow::Result<()>
 where
@@ -244,7 +116,7 @@ async fn noops(client: &Client, count: usize) -> anyhow::Result<Vec<ActorHandle<
     Ok(actors)
 }
 
-async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -> anyhow::Result<()> {
+pub(super) async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -> anyhow::Result<()> {
     let client = cluster.connect(Duration::from_secs(30)).await?;
     let scale = if quick { 20 } else { 1 };
     println!("# actors");
@@ -361,7 +233,7 @@ async fn store_on(client: &Client, node: &str) -> anyhow::Result<ActorHandle<Sto
     Ok(actor)
 }
 
-async fn objects(cluster: &LocalCluster, trials: usize, quick: bool) -> anyhow::Result<()> {
+pub(super) async fn objects(cluster: &LocalCluster, trials: usize, quick: bool) -> anyhow::Result<()> {
     let client = cluster.connect(Duration::from_secs(30)).await?;
     let scale = if quick { 20 } else { 1 };
     println!("# physical limits measured in this run");
@@ -445,61 +317,4 @@ async fn objects(cluster: &LocalCluster, trials: usize, quick: bool) -> anyhow::
         report(&format!("cross-node get {label} gigabytes"), "per second", &rates);
     }
     Ok(())
-}
-
-/// Copies `size` bytes between two buffers and returns GB/s.
-pub fn memcpy_gbps(size: usize) -> f64 {
-    let source = vec![3u8; size];
-    // Touch every target page first, so the figure is copy bandwidth, not page faults.
-    let mut target = vec![1u8; size];
-    let started = Instant::now();
-    target.copy_from_slice(&source);
-    let secs = started.elapsed().as_secs_f64();
-    std::hint::black_box(&target);
-    size as f64 / secs / 1e9
-}
-
-/// Streams `size` bytes over a loopback TCP connection and returns GB/s.
-pub fn loopback_tcp_gbps(size: usize) -> anyhow::Result<f64> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let address = listener.local_addr()?;
-    let reader = std::thread::spawn(move || -> std::io::Result<usize> {
-        let (mut stream, _) = listener.accept()?;
-        let mut buffer = vec![0u8; 1 << 20];
-        let mut total = 0;
-        loop {
-            let n = stream.read(&mut buffer)?;
-            if n == 0 {
-                return Ok(total);
-            }
-            total += n;
-        }
-    });
-    let chunk = vec![5u8; 1 << 20];
-    let started = Instant::now();
-    let mut stream = TcpStream::connect(address)?;
-    let mut sent = 0;
-    while sent < size {
-        stream.write_all(&chunk)?;
-        sent += chunk.len();
-    }
-    drop(stream);
-    let received = reader.join().map_err(|_| anyhow::anyhow!("reader thread panicked"))??;
-    let secs = started.elapsed().as_secs_f64();
-    anyhow::ensure!(
-        received == sent,
-        "loopback lost bytes: sent {sent}, received {received}"
-    );
-    Ok(received as f64 / secs / 1e9)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn mean_and_spread() {
-        assert_eq!(mean_spread(&[2.0, 4.0]), (3.0, 1.0));
-        assert_eq!(mean_spread(&[]), (0.0, 0.0));
-    }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use regatta_scorer::{ScoreConfig, ScoreRun};
 use regatta_trainer::{TrainConfig, TrainerGroup};
 
-use crate::bench::mean_spread;
+use super::measure::mean_spread;
 use crate::local::{LocalCluster, LocalOptions, WorkerSpec};
 
 fn dataset(path: &std::path::Path, rows: usize) -> anyhow::Result<()> {

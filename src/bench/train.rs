@@ -11,9 +11,9 @@ use std::time::Duration;
 use anyhow::Context;
 use regatta_trainer::{StepReport, TrainConfig, TrainEvent, TrainerGroup};
 
-use crate::bench::mean_spread;
+use super::measure::mean_spread;
+use crate::cli::train::local_workers;
 use crate::local::{LocalCluster, LocalOptions};
-use crate::train_cli::local_workers;
 
 /// The run for `world` ranks: the built-in GPT, or `model` (a Hugging Face folder, or a
 /// `config.json` file to initialise a Llama-family model from).
@@ -217,7 +217,7 @@ pub async fn variants(
         let (tps, spread) = mean_spread(&tokens);
         println!("train {} tokens per second {tps:.2} +- {spread:.2}", variant.name);
         if let Some(s) = last {
-            println!("train {} bytes per rank {}", variant.name, crate::train_cli::held(&s));
+            println!("train {} bytes per rank {}", variant.name, crate::cli::train::held(&s));
         }
     }
     if offload {

@@ -1,15 +1,23 @@
 //! The `regatta` command line.
 
+mod common;
+pub mod demo;
+mod job;
+pub mod score;
+mod status;
+pub mod train;
+
+use common::TokenArgs;
+pub use status::render_status;
+
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
 use regatta_runtime::{
-    format_fixed, resolve_token, run_worker, start_head, ClusterStatus, HeadConfig, Registry, Resources, TokenSource,
-    WorkerConfig,
+    resolve_token, run_worker, start_head, HeadConfig, Registry, Resources, TokenSource, WorkerConfig,
 };
 
 /// Regatta: an actor cluster runtime for ML training and batch scoring.
@@ -27,36 +35,26 @@ enum Command {
     /// Start a worker node that joins a head.
     Worker(WorkerArgs),
     /// Print the cluster's nodes, resources, placement groups, actors and waiting requests.
-    Status(StatusArgs),
+    Status(status::StatusArgs),
     /// Start a local cluster (head and 2 workers as processes), run an actor workload on
     /// it, print a report and shut it down.
-    Demo(crate::demo::DemoArgs),
+    Demo(demo::DemoArgs),
     /// Run benchmarks on a local cluster, printed in `ray microbenchmark`'s format.
     Bench(crate::bench::BenchArgs),
     /// Train the built-in GPT with a ZeRO trainer group (on --address, or a local cluster
     /// started for the run).
-    Train(crate::train_cli::TrainArgs),
+    Train(train::TrainArgs),
     /// Score a JSONL dataset with a trainer checkpoint on a pool of scorer actors.
-    Score(crate::score_cli::ScoreArgs),
+    Score(score::ScoreArgs),
     /// Submit, follow, stop and list jobs through the head's job API.
     #[command(subcommand)]
-    Job(crate::job_cli::JobCommand),
+    Job(job::JobCommand),
     /// Exit 0 if an HTTP GET of the URL answers 200 within 5 s (for container health
     /// checks, e.g. `regatta probe http://127.0.0.1:9181/metrics`).
     Probe {
         /// `http://host:port/path`.
         url: String,
     },
-}
-
-#[derive(Args, Debug, Clone)]
-pub(crate) struct TokenArgs {
-    /// Cluster token (else REGATTA_TOKEN, --token-file, or ~/.regatta/token).
-    #[arg(long, env = "REGATTA_TOKEN", hide_env_values = true)]
-    pub(crate) token: Option<String>,
-    /// File holding the cluster token.
-    #[arg(long)]
-    pub(crate) token_file: Option<PathBuf>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -185,18 +183,6 @@ struct WorkerArgs {
     token: TokenArgs,
 }
 
-#[derive(Args, Debug)]
-struct StatusArgs {
-    /// The head's cluster address, HOST:PORT.
-    #[arg(long, env = "REGATTA_ADDRESS", default_value = "127.0.0.1:6380")]
-    address: String,
-    /// Print JSON for scripts.
-    #[arg(long)]
-    json: bool,
-    #[command(flatten)]
-    token: TokenArgs,
-}
-
 /// Whether this process was started as a cluster node (`head` or `worker` as the first
 /// argument), so that a driver binary can double as its own head and worker.
 pub fn is_node_command() -> bool {
@@ -218,12 +204,12 @@ pub fn main_with(registry: Registry) -> ExitCode {
         match cli.command {
             Command::Head(args) => head(args).await,
             Command::Worker(args) => worker(args, registry).await,
-            Command::Status(args) => status(args).await,
-            Command::Demo(args) => crate::demo::run(args).await,
+            Command::Status(args) => status::run(args).await,
+            Command::Demo(args) => demo::run(args).await,
             Command::Bench(args) => crate::bench::run(args).await,
-            Command::Job(command) => crate::job_cli::run(command).await,
-            Command::Train(args) => crate::train_cli::run(args).await,
-            Command::Score(args) => crate::score_cli::run(args).await,
+            Command::Job(command) => job::run(command).await,
+            Command::Train(args) => train::run(args).await,
+            Command::Score(args) => score::run(args).await,
             Command::Probe { url } => probe(&url).await,
         }
     });
@@ -248,29 +234,6 @@ fn init_logging() {
         .with_writer(std::io::stderr)
         .with_ansi(color)
         .init();
-}
-
-/// Resolves once Ctrl-C or SIGTERM arrives.
-pub(crate) async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
 }
 
 async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
@@ -308,7 +271,7 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
     if let Some(api) = head.job_api {
         println!("job API on http://{api}");
     }
-    shutdown_signal().await;
+    crate::signal::shutdown_signal().await;
     tracing::info!("head shutting down");
     head.stop();
     Ok(ExitCode::SUCCESS)
@@ -325,7 +288,7 @@ async fn worker(args: WorkerArgs, registry: Registry) -> anyhow::Result<ExitCode
     config.heartbeat_interval_ms = args.heartbeat_interval_ms;
     config.objects = args.objects.config("127.0.0.1", args.bind);
     config.metrics_port = Some(args.metrics_port);
-    match run_worker(config, registry, shutdown_signal()).await {
+    match run_worker(config, registry, crate::signal::shutdown_signal()).await {
         Ok(()) => Ok(ExitCode::SUCCESS),
         Err(e @ regatta_runtime::Error::TokenRefused { .. }) => {
             tracing::error!("{e}");
@@ -358,109 +321,6 @@ async fn probe(url: &str) -> anyhow::Result<ExitCode> {
         Ok(Err(e)) => anyhow::bail!("{url}: {e}"),
         Err(_) => anyhow::bail!("{url} did not answer within 5 s"),
     }
-}
-
-async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
-    let (token, _) = resolve_token(args.token.token.as_deref(), args.token.token_file.as_deref(), false)?;
-    let client = regatta_runtime::Client::connect_with(&args.address, &token, false)
-        .await
-        .with_context(|| format!("cannot reach the head at {}", args.address))?;
-    let status = client.status().await?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&status)?);
-    } else {
-        print!("{}", render_status(&status));
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-/// Formats a status snapshot for people.
-pub fn render_status(status: &ClusterStatus) -> String {
-    use std::collections::BTreeMap;
-    use std::fmt::Write;
-    let mut out = String::new();
-    let alive = status.nodes.iter().filter(|n| n.state == "alive").count();
-    let _ = writeln!(out, "Nodes: {alive} alive, {} dead", status.nodes.len() - alive);
-    for node in &status.nodes {
-        let _ = writeln!(
-            out,
-            "  {:<12} {:<5} for {:>7.1}s  {}  actors {}",
-            node.name, node.state, node.since_s, node.address, node.actors
-        );
-        if let Some(cause) = &node.cause {
-            let _ = writeln!(out, "      cause: {cause}");
-        }
-        let usage: Vec<String> = node
-            .total
-            .iter()
-            .map(|(name, total)| {
-                let used = node.used.fixed(name);
-                if name == "memory" {
-                    let gib = |fixed: u64| fixed as f64 / regatta_runtime::UNIT as f64 / (1u64 << 30) as f64;
-                    format!("{name} {:.1}/{:.1} GiB", gib(used), gib(total))
-                } else {
-                    format!("{name} {}/{}", format_fixed(used), format_fixed(total))
-                }
-            })
-            .collect();
-        let _ = writeln!(out, "      used/total: {}", usage.join(", "));
-    }
-    let _ = writeln!(out, "Placement groups: {}", status.groups.len());
-    for group in &status.groups {
-        let bundles: Vec<String> = group
-            .bundles
-            .iter()
-            .map(|(r, node)| format!("{{{r}}}@{}", node.as_deref().unwrap_or("-")))
-            .collect();
-        let _ = writeln!(
-            out,
-            "  {} {:?} {}  {}",
-            group.id,
-            group.strategy,
-            group.state,
-            bundles.join(" ")
-        );
-    }
-    let live: Vec<_> = status
-        .actors
-        .iter()
-        .filter(|a| !matches!(a.view.state, regatta_runtime::ActorState::Dead { .. }))
-        .collect();
-    let _ = writeln!(
-        out,
-        "Actors: {} live, {} dead",
-        live.len(),
-        status.actors.len() - live.len()
-    );
-    let mut by_kind: BTreeMap<(&str, &str, &str), usize> = BTreeMap::new();
-    for actor in &live {
-        let node = actor.view.node.as_deref().unwrap_or("-");
-        *by_kind
-            .entry((&actor.view.kind, node, actor.view.state.label()))
-            .or_insert(0) += 1;
-    }
-    for ((kind, node, state), count) in by_kind {
-        let _ = writeln!(out, "  {kind:<12} on {node:<12} {state:<10} {count}");
-    }
-    let objects = &status.objects;
-    let _ = writeln!(
-        out,
-        "Objects: {} ({:.1} MiB), {} spilled ({:.1} MiB), {} lost",
-        objects.objects,
-        objects.bytes as f64 / 1048576.0,
-        objects.spilled_objects,
-        objects.spilled_bytes as f64 / 1048576.0,
-        objects.lost
-    );
-    let _ = writeln!(out, "Waiting for resources: {}", status.pending.len());
-    for pending in &status.pending {
-        let _ = writeln!(
-            out,
-            "  {}  wants {}  for {:.1}s",
-            pending.what, pending.resources, pending.waiting_s
-        );
-    }
-    out
 }
 
 #[cfg(test)]

@@ -1,0 +1,117 @@
+//! `regatta bench`: Regatta's counterparts of `ray microbenchmark` cases, printed in Ray's
+//! line format (`<case> per second <value> +- <spread>`) so the two outputs line up.
+
+mod data;
+mod measure;
+mod runtime;
+mod score;
+mod train;
+
+pub use measure::{loopback_tcp_gbps, mean_spread, memcpy_gbps, rss_bytes};
+
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::Args;
+
+/// Options of `regatta bench`.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Which cases: `actors`, `objects`, `cluster`, `train`, `score`, `generate`, `data`,
+    /// or `all` (the first five).
+    #[arg(default_value = "all")]
+    pub suite: String,
+    /// Trials per case (mean and standard deviation are printed).
+    #[arg(long, default_value_t = 3)]
+    pub trials: usize,
+    /// Small counts (a smoke run for tests, not for figures).
+    #[arg(long)]
+    pub quick: bool,
+    /// `train` and `generate`: a Hugging Face model folder (local or URL), or a
+    /// `config.json` file of a Llama-family model to initialise randomly; default: the
+    /// built-in GPT for `train`, data/bench-llama-110m.json for `generate`.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// `train`: compare full fine-tuning with LoRA adapters of this rank (ZeRO-3, 2 ranks).
+    #[arg(long)]
+    pub lora: Option<usize>,
+    /// `train`: compare with the optimizer state offloaded to the host (ZeRO-3, 2 ranks).
+    #[arg(long)]
+    pub offload: bool,
+    /// `data`: the corpus size in GB (made once under ~/.cache/regatta).
+    #[arg(long, default_value_t = 2.0)]
+    pub data_gb: f64,
+    /// `data`: seconds each source is read.
+    #[arg(long, default_value_t = 60.0)]
+    pub seconds: f64,
+}
+
+/// Runs the benchmark suite on local clusters started from this binary.
+pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    let suites: Vec<&str> = match args.suite.as_str() {
+        "all" => vec!["cluster", "actors", "objects", "train", "score"],
+        one @ ("actors" | "objects" | "cluster" | "train" | "score" | "generate" | "data") => vec![one],
+        other => {
+            bail!(
+                "unknown benchmark suite '{other}'; use actors, objects, cluster, train, score, generate, data or all"
+            )
+        }
+    };
+    let trials = args.trials.max(1);
+    for suite in suites {
+        let outcome = tokio::select! {
+            outcome = run_suite(suite, trials, &args) => outcome,
+            () = crate::signal::shutdown_signal() => return Ok(ExitCode::from(130)),
+        };
+        outcome?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn run_suite(suite: &str, trials: usize, args: &BenchArgs) -> anyhow::Result<()> {
+    let (quick, model) = (args.quick, args.model.as_deref());
+    if suite == "cluster" {
+        return runtime::cluster_start(trials).await;
+    }
+    if suite == "train" && (args.lora.is_some() || args.offload) {
+        return train::variants(trials, quick, model, args.lora, args.offload).await;
+    }
+    if suite == "train" {
+        return train::train(trials, quick, model).await;
+    }
+    if suite == "score" {
+        return score::score(trials, quick).await;
+    }
+    if suite == "generate" {
+        return generate(model);
+    }
+    if suite == "data" {
+        let bench = data::DataBench {
+            gigabytes: if args.quick { 0.05 } else { args.data_gb },
+            seconds: if args.quick { 5.0 } else { args.seconds },
+            shards: 64,
+        };
+        return tokio::task::block_in_place(|| data::run(&bench));
+    }
+    let mut cluster = runtime::start_cluster()?;
+    let outcome = match suite {
+        "actors" => runtime::actors(&cluster, trials, quick).await,
+        _ => runtime::objects(&cluster, trials, quick).await,
+    };
+    cluster.shutdown();
+    outcome
+}
+
+/// KV-cache generation in the executor (the one binary that links libtorch), with every
+/// core: output tokens/s at batch limits 1 to 128 beside the machine's bounds.
+fn generate(model: Option<&str>) -> anyhow::Result<()> {
+    let executor = regatta_runtime::executor::executor_path(None).map_err(anyhow::Error::msg)?;
+    let model = model.unwrap_or("data/bench-llama-110m.json");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let status = std::process::Command::new(&executor)
+        .args(["bench-generate", model, &cores.to_string()])
+        .status()
+        .with_context(|| format!("cannot run {}", executor.display()))?;
+    anyhow::ensure!(status.success(), "the generation benchmark failed ({status})");
+    Ok(())
+}
