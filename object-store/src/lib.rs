@@ -15,14 +15,14 @@
 //! ```
 
 mod checksum;
-mod directory;
 mod error;
-mod id;
 mod identity;
-mod memory;
 mod place;
 mod spill;
 mod transfer;
+
+// The bookkeeping (ids, the directory, the memory store) is pure and lives in regatta-proto.
+use regatta_proto::object::{directory, id, memory};
 
 pub use checksum::crc32;
 pub use directory::{Directory, DirectoryStats, Location, Missing, Release};

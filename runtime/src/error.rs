@@ -4,6 +4,14 @@ use std::time::Duration;
 
 use crate::protocol::ActorId;
 
+impl From<regatta_proto::Error> for Error {
+    fn from(error: regatta_proto::Error) -> Self {
+        match error {
+            regatta_proto::Error::BadResources { input, reason } => Self::BadResources { input, reason },
+        }
+    }
+}
+
 /// Everything that can go wrong in the runtime, each with the input that caused it.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

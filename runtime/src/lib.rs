@@ -26,6 +26,9 @@
 //! # Ok(()) }
 //! ```
 
+// The pure core, under the names the runtime has always used for it.
+use regatta_proto::{job, placement, protocol, resources, scheduler};
+
 mod agent;
 mod client;
 mod detect;
@@ -34,7 +37,6 @@ pub mod executor;
 mod head;
 mod headlink;
 mod http;
-mod job;
 mod job_api;
 mod job_client;
 mod job_log;
@@ -43,12 +45,8 @@ mod job_store;
 mod metrics;
 mod node;
 mod objects;
-mod placement;
 mod pool;
-mod protocol;
 mod registry;
-mod resources;
-mod scheduler;
 mod token;
 mod wire;
 mod worker;

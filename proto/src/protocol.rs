@@ -1,13 +1,13 @@
 //! What crosses the wire between the head, node agents, actor hosts and clients.
 //!
-//! Every remote actor in Regatta receives [`crate::wire::Wire`] envelopes whose payload is one
+//! Every remote actor in Regatta receives `Wire` envelopes whose payload is one
 //! of these types encoded with bincode; replies are `Result<T, Failure>` encoded the same way.
 
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use regatta_object_store::{DirectoryStats, ObjectId};
+use crate::object::{DirectoryStats, ObjectId};
 
 use crate::placement::Strategy;
 use crate::resources::Resources;
@@ -179,7 +179,7 @@ pub enum HeadRequest {
         /// The job that put it (freed when the job ends).
         job: Option<String>,
     },
-    /// Where to read an object: replies [`regatta_object_store::Location`].
+    /// Where to read an object: replies [`crate::object::Location`].
     ObjectLocate(ObjectId),
     /// A node now holds a copy in memory: no reply.
     ObjectAddSource {

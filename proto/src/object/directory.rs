@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 
-use crate::id::ObjectId;
+use super::id::ObjectId;
 
 /// Where an object can be read from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

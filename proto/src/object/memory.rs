@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 
-use crate::id::ObjectId;
+use super::id::ObjectId;
 
 struct Entry {
     bytes: Bytes,

@@ -1,0 +1,30 @@
+//! Regatta's decisions without I/O, as `quinn-proto` is to `quinn`: everything the runtime
+//! decides that needs no socket, actor, process or clock — ids, resources, placement, the
+//! typed protocol messages, job records and their lifecycle, the object directory and a
+//! node's memory store bookkeeping, and the head's scheduler. Time comes in as arguments.
+//! Its tests are its own and run in seconds; `regatta-runtime` wraps it in actors.
+//!
+//! ```
+//! use regatta_proto::{Resources, Strategy};
+//! let need = Resources::parse_request("CPU=1,GPU=1").unwrap();
+//! assert_eq!(need.to_string(), "CPU=1,GPU=1");
+//! assert_ne!(Strategy::Pack, Strategy::StrictSpread);
+//! ```
+
+mod error;
+pub mod job;
+pub mod object;
+pub mod placement;
+pub mod protocol;
+pub mod resources;
+pub mod scheduler;
+
+pub use error::{Error, Result};
+pub use job::{JobRecord, JobStatus, JobSubmission, RuntimeEnv};
+pub use object::{Directory, DirectoryStats, Location, MemoryStats, MemoryStore, Missing, NoRoom, ObjectId, Release};
+pub use placement::{Allocation, Decision, Ledger, Strategy};
+pub use protocol::{
+    ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, GroupId, GroupStatus, NodeStatus,
+    PendingLine, RESTART_FOREVER,
+};
+pub use resources::{format_fixed, Resources, GPU, UNIT};
