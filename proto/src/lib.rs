@@ -12,6 +12,7 @@
 //! ```
 
 mod error;
+pub mod head;
 pub mod job;
 pub mod object;
 pub mod placement;
@@ -20,6 +21,7 @@ pub mod resources;
 pub mod scheduler;
 
 pub use error::{Error, Result};
+pub use head::{Answer, HeadCore, Notice, Output, ReplyTo};
 pub use job::{JobRecord, JobStatus, JobSubmission, RuntimeEnv};
 pub use object::{Directory, DirectoryStats, Location, MemoryStats, MemoryStore, Missing, NoRoom, ObjectId, Release};
 pub use placement::{Allocation, Decision, Ledger, Strategy};

@@ -1,15 +1,17 @@
-//! The head node: a thin actor shell around the [`Scheduler`]. It answers head requests,
-//! runs the liveness timer, and carries out the scheduler's effects by talking to node
-//! agents.
+//! The head node: a thin actor shell around [`HeadCore`], the state machine that decides.
+//! It decodes requests, holds the reply ports of those the core parks, runs the liveness
+//! timer, and carries out the core's outputs: answers, starts and stops sent to node
+//! agents, object releases, log lines.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
-use regatta_object_store::{Directory, Missing, ObjectId, Release};
+use regatta_object_store::Release;
+use regatta_proto::head::{Answer, HeadCore, Notice, Output, ReplyTo};
 
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
@@ -18,8 +20,8 @@ use crate::job_manager::{JobConfig, JobManager};
 use crate::metrics::{SdTarget, TargetSource};
 use crate::node::{self, LocalNode, SessionEvent};
 use crate::objects::{objects_group, ObjectConfig, ObjectService};
-use crate::protocol::{ActorId, ActorState, ActorView, AgentRequest, Failure, GroupId, HeadRequest, ObjectCommand};
-use crate::scheduler::{Effect, Scheduler};
+use crate::protocol::{AgentRequest, Failure, HeadRequest, ObjectCommand};
+use crate::scheduler::Effect;
 use crate::wire::{self, LocalSignal, Wire};
 
 /// How a head runs.
@@ -209,31 +211,29 @@ struct HeadArgs {
     head_target: Option<String>,
 }
 
+/// The actor's state: the core that decides, and the reply ports of the requests it holds.
 struct HeadState {
     scope: String,
-    heartbeat_timeout_ms: u64,
-    scheduler: Scheduler,
-    directory: Directory,
+    core: HeadCore,
     epoch: Instant,
-    actor_waiters: BTreeMap<ActorId, Vec<RpcReplyPort<Vec<u8>>>>,
-    group_waiters: BTreeMap<GroupId, Vec<RpcReplyPort<Vec<u8>>>>,
+    ports: BTreeMap<ReplyTo, RpcReplyPort<Vec<u8>>>,
+    next_port: u64,
     targets: Arc<Mutex<Vec<SdTarget>>>,
     head_target: Option<String>,
     published_ms: Option<u64>,
-    /// Object requests for ids not registered yet, retried when the id arrives.
-    object_waiters: BTreeMap<ObjectId, Vec<ParkedRequest>>,
 }
-
-/// An object request waiting for its id to be registered: request, reply port, deadline.
-type ParkedRequest = (HeadRequest, RpcReplyPort<Vec<u8>>, u64);
-
-/// How long the head holds a lookup of an object id it has not heard of: registration of
-/// a put is asynchronous, so a reference can overtake it.
-const UNKNOWN_OBJECT_WAIT_MS: u64 = 2_000;
 
 impl HeadState {
     fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Keeps a reply port until the core answers through its token.
+    fn hold(&mut self, port: RpcReplyPort<Vec<u8>>) -> ReplyTo {
+        self.next_port += 1;
+        let to = ReplyTo(self.next_port);
+        self.ports.insert(to, port);
+        to
     }
 }
 
@@ -249,16 +249,13 @@ impl Actor for Head {
     ) -> std::result::Result<HeadState, ActorProcessingErr> {
         Ok(HeadState {
             scope: args.scope,
-            heartbeat_timeout_ms: args.heartbeat_timeout_ms,
-            scheduler: Scheduler::new(),
-            directory: Directory::new(args.object_grace_ms),
+            core: HeadCore::new(args.heartbeat_timeout_ms, args.object_grace_ms),
             epoch: Instant::now(),
-            actor_waiters: BTreeMap::new(),
-            group_waiters: BTreeMap::new(),
+            ports: BTreeMap::new(),
+            next_port: 0,
             targets: args.targets,
             head_target: args.head_target,
             published_ms: None,
-            object_waiters: BTreeMap::new(),
         })
     }
 
@@ -268,9 +265,13 @@ impl Actor for Head {
         message: Wire,
         state: &mut HeadState,
     ) -> std::result::Result<(), ActorProcessingErr> {
-        let effects = match message {
+        let now = state.now_ms();
+        let outputs = match message {
             Wire::Call(bytes, port) => match wire::decode::<HeadRequest>(&bytes, "a head request") {
-                Ok(request) => handle_request(state, request, Some(port)),
+                Ok(request) => {
+                    let to = state.hold(port);
+                    state.core.handle(request, Some(to), now)
+                }
                 Err(failure) => {
                     tracing::warn!(?failure, "ignored a malformed head request");
                     wire::reply::<()>(port, Err(failure));
@@ -279,7 +280,7 @@ impl Actor for Head {
             },
             Wire::Cast(bytes) | Wire::Local(LocalSignal::Deferred(bytes)) => {
                 match wire::decode::<HeadRequest>(&bytes, "a head request") {
-                    Ok(request) => handle_request(state, request, None),
+                    Ok(request) => state.core.handle(request, None, now),
                     Err(failure) => {
                         tracing::warn!(?failure, "ignored a malformed head message");
                         Vec::new()
@@ -287,252 +288,76 @@ impl Actor for Head {
                 }
             }
             Wire::Local(LocalSignal::Tick) => {
-                let now = state.now_ms();
-                for (node, cause) in state.scheduler.expire(now, state.heartbeat_timeout_ms) {
-                    tracing::warn!(node = %node, cause = %cause, "node declared dead; its actors restart elsewhere or are reported dead");
-                    let lost = state.directory.node_lost(&node, now);
-                    if !lost.is_empty() {
-                        tracing::warn!(node = %node, objects = lost.len(), "objects lost with their node");
-                    }
-                }
-                for release in state.directory.collect(now) {
-                    carry_out_release(&state.scope, release);
-                }
-                prune_waiters(state);
-                expire_object_waiters(state, now);
+                // Callers that gave up leave no waiter behind.
+                let closed: BTreeSet<ReplyTo> = state
+                    .ports
+                    .iter()
+                    .filter(|(_, port)| port.is_closed())
+                    .map(|(to, _)| *to)
+                    .collect();
+                state.ports.retain(|to, _| !closed.contains(to));
+                state.core.forget(|to| closed.contains(&to));
+                let outputs = state.core.tick(now);
                 publish_metrics(state, now);
-                Vec::new()
+                outputs
             }
             Wire::Local(_) => Vec::new(),
         };
-        let now = state.now_ms();
-        let mut all = effects;
-        all.extend(state.scheduler.schedule(now));
-        for effect in all {
-            carry_out(&myself, &state.scope, effect);
+        for output in outputs {
+            match output {
+                Output::Reply(to, answer) => {
+                    if let Some(port) = state.ports.remove(&to) {
+                        let _ = port.send(encode_answer(answer));
+                    }
+                }
+                Output::Effect(effect) => carry_out(&myself, &state.scope, effect),
+                Output::Release(release) => carry_out_release(&state.scope, release),
+                Output::Notice(notice) => log_notice(notice),
+            }
         }
-        answer_waiters(state);
         Ok(())
     }
 }
 
-/// Handles one request; `port` is `None` for casts (no reply wanted).
-fn handle_request(state: &mut HeadState, request: HeadRequest, port: Option<RpcReplyPort<Vec<u8>>>) -> Vec<Effect> {
-    let now = state.now_ms();
-    let send = |port: Option<RpcReplyPort<Vec<u8>>>, bytes: Vec<u8>| {
-        if let Some(port) = port {
-            let _ = port.send(bytes);
-        }
-    };
-    match request {
-        HeadRequest::Register(info) => {
-            let name = info.name.clone();
-            tracing::info!(node = %name, address = %info.address, resources = %info.resources, kinds = ?info.kinds, "node joined");
-            let result = state.scheduler.register(info, now);
-            if let Err(failure) = &result {
-                tracing::warn!(?failure, "refused a node's registration");
-            }
-            send(port, wire::encode(&result));
-            Vec::new()
-        }
-        HeadRequest::Heartbeat { node, incarnation } => {
-            let known = state.scheduler.heartbeat(&node, incarnation, now);
-            send(port, wire::encode(&Ok::<bool, Failure>(known)));
-            Vec::new()
-        }
-        HeadRequest::Spawn(spec) => {
-            let result = state.scheduler.submit(spec, now);
-            send(port, wire::encode(&result));
-            Vec::new()
-        }
-        HeadRequest::WaitActor(id) => {
-            match (state.scheduler.actor_view(id), port) {
-                (None, Some(port)) => {
-                    wire::reply::<()>(port, Err(Failure::Rejected(format!("actor {id} does not exist"))))
-                }
-                (Some(_), Some(port)) => state.actor_waiters.entry(id).or_default().push(port),
-                (_, None) => {}
-            }
-            Vec::new()
-        }
-        HeadRequest::Announce(id) => {
-            send(port, wire::encode(&Ok::<(), Failure>(())));
-            match state.scheduler.actor_view(id) {
-                Some(ActorView {
-                    state: ActorState::Alive,
-                    node: Some(node),
-                    ..
-                }) => vec![Effect::Announce { node, actor: id }],
-                _ => Vec::new(),
-            }
-        }
-        HeadRequest::Named(name) => {
-            send(port, wire::encode(&Ok::<_, Failure>(state.scheduler.named(&name))));
-            Vec::new()
-        }
-        HeadRequest::Kill(id) => {
-            let result = state.scheduler.kill(id);
-            let effects = result.as_ref().cloned().unwrap_or_default();
-            send(port, wire::encode(&result.map(|_| ())));
-            effects
-        }
-        HeadRequest::CreateGroup(spec) => {
-            let result = state.scheduler.create_group(spec, now);
-            send(port, wire::encode(&result));
-            Vec::new()
-        }
-        HeadRequest::WaitGroup(id) => {
-            if let Some(port) = port {
-                state.group_waiters.entry(id).or_default().push(port);
-            }
-            Vec::new()
-        }
-        HeadRequest::RemoveGroup(id) => {
-            let result = state.scheduler.remove_group(id);
-            let effects = result.as_ref().cloned().unwrap_or_default();
-            send(port, wire::encode(&result.map(|_| ())));
-            effects
-        }
-        HeadRequest::Status => {
-            let mut status = state.scheduler.status(now);
-            status.objects = state.directory.stats();
-            send(port, wire::encode(&Ok::<_, Failure>(status)));
-            Vec::new()
-        }
-        HeadRequest::ObjectPut {
-            id,
-            size,
-            checksum,
+/// Encodes an answer as the `Result<T, Failure>` its caller decodes.
+fn encode_answer(answer: Answer) -> Vec<u8> {
+    match answer {
+        Answer::Registered(r) => wire::encode(&r),
+        Answer::Heartbeat(known) => wire::encode(&Ok::<bool, Failure>(known)),
+        Answer::Spawned(r) => wire::encode(&r),
+        Answer::Actor(r) => wire::encode(&r),
+        Answer::Named(view) => wire::encode(&Ok::<_, Failure>(view)),
+        Answer::GroupCreated(r) => wire::encode(&r),
+        Answer::GroupPlaced(r) => wire::encode(&r),
+        Answer::Status(status) => wire::encode(&Ok::<_, Failure>(*status)),
+        Answer::Location(r) => wire::encode(&r),
+        Answer::Done(r) => wire::encode(&r),
+    }
+}
+
+fn log_notice(notice: Notice) {
+    match notice {
+        Notice::NodeJoined {
             node,
             address,
-            job,
+            resources,
+            kinds,
+        } => tracing::info!(node = %node, address = %address, resources = %resources, kinds = ?kinds, "node joined"),
+        Notice::RegistrationRefused(failure) => tracing::warn!(?failure, "refused a node's registration"),
+        Notice::NodeDead {
+            node,
+            cause,
+            objects_lost,
         } => {
-            let result = state
-                .directory
-                .put(id, size, checksum, &node, &node, &address, job)
-                .map_err(Failure::Rejected);
-            if let Err(failure) = &result {
-                tracing::warn!(?failure, "refused an object registration");
+            tracing::warn!(node = %node, cause = %cause, "node declared dead; its actors restart elsewhere or are reported dead");
+            if objects_lost > 0 {
+                tracing::warn!(node = %node, objects = objects_lost, "objects lost with their node");
             }
-            send(port, wire::encode(&result));
-            let mut effects = Vec::new();
-            for (request, port, _) in state.object_waiters.remove(&id).unwrap_or_default() {
-                effects.extend(handle_request(state, request, Some(port)));
-            }
-            effects
         }
-        HeadRequest::ObjectLocate(id) => {
-            match (state.directory.locate(id), port) {
-                (Err(Missing::Unknown), Some(port)) => {
-                    park_object_request(state, id, HeadRequest::ObjectLocate(id), port, now)
-                }
-                (result, port) => send(
-                    port,
-                    wire::encode(&result.map_err(|missing| object_missing(id, missing))),
-                ),
-            }
-            Vec::new()
-        }
-        HeadRequest::ObjectAddSource { id, node, address } => {
-            state.directory.add_source(id, &node, &address);
-            Vec::new()
-        }
-        HeadRequest::ObjectRemoveSource { id, node, spilled_to } => {
-            if let Some(url) = &spilled_to {
-                state.directory.spilled(id, &node, url);
-            }
-            state.directory.remove_source(id, &node);
-            Vec::new()
-        }
-        HeadRequest::ObjectAddRef { id, holder } => {
-            match (state.directory.add_ref(id, &holder), port) {
-                (Err(Missing::Unknown), Some(port)) => {
-                    park_object_request(state, id, HeadRequest::ObjectAddRef { id, holder }, port, now)
-                }
-                (result, port) => send(
-                    port,
-                    wire::encode(&result.map_err(|missing| object_missing(id, missing))),
-                ),
-            }
-            Vec::new()
-        }
-        HeadRequest::ObjectDropRef { id, holder } => {
-            state.directory.drop_ref(id, &holder, now);
-            Vec::new()
-        }
-        HeadRequest::ObjectFree(id) => {
-            if let Some(release) = state.directory.free(id) {
-                carry_out_release(&state.scope, release);
-            }
-            send(port, wire::encode(&Ok::<(), Failure>(())));
-            Vec::new()
-        }
-        HeadRequest::EndJob(job) => {
-            let effects = state.scheduler.end_job(&job);
-            for release in state.directory.end_job(&job) {
-                carry_out_release(&state.scope, release);
-            }
-            send(port, wire::encode(&Ok::<(), Failure>(())));
-            effects
-        }
-        HeadRequest::HolderGone(holder) => {
-            state.directory.holder_gone(&holder, now);
-            Vec::new()
-        }
-        HeadRequest::Started {
-            actor,
-            attempt,
-            outcome,
-        } => {
-            if let Err(cause) = &outcome {
-                tracing::warn!(%actor, cause = %cause, "actor failed to start");
-            }
-            state.scheduler.started(actor, attempt, outcome);
-            send(port, wire::encode(&Ok::<(), Failure>(())));
-            Vec::new()
-        }
-        HeadRequest::Exited { actor, attempt, cause } => {
-            tracing::warn!(%actor, cause = %cause, "actor exited");
-            state.scheduler.exited(actor, attempt, &cause, now);
-            send(port, wire::encode(&Ok::<(), Failure>(())));
-            Vec::new()
-        }
+        Notice::StartFailed { actor, cause } => tracing::warn!(%actor, cause = %cause, "actor failed to start"),
+        Notice::Exited { actor, cause } => tracing::warn!(%actor, cause = %cause, "actor exited"),
+        Notice::ObjectRefused(failure) => tracing::warn!(?failure, "refused an object registration"),
     }
-}
-
-/// Replies to everyone waiting on an actor or group whose wait is over.
-fn answer_waiters(state: &mut HeadState) {
-    let ids: Vec<ActorId> = state.actor_waiters.keys().copied().collect();
-    for id in ids {
-        let Some(view) = state.scheduler.actor_view(id) else {
-            continue;
-        };
-        if matches!(view.state, ActorState::Alive | ActorState::Dead { .. }) {
-            for port in state.actor_waiters.remove(&id).unwrap_or_default() {
-                wire::reply(port, Ok::<_, Failure>(view.clone()));
-            }
-        }
-    }
-    let groups: Vec<GroupId> = state.group_waiters.keys().copied().collect();
-    for id in groups {
-        let outcome = match state.scheduler.group_nodes(id) {
-            Ok(Some(nodes)) => Ok(nodes),
-            Ok(None) => continue,
-            Err(failure) => Err(failure),
-        };
-        for port in state.group_waiters.remove(&id).unwrap_or_default() {
-            wire::reply(port, outcome.clone());
-        }
-    }
-}
-
-/// Drops waiters whose callers gave up, so abandoned waits do not pile up.
-fn prune_waiters(state: &mut HeadState) {
-    for ports in state.actor_waiters.values_mut().chain(state.group_waiters.values_mut()) {
-        ports.retain(|port| !port.is_closed());
-    }
-    state.actor_waiters.retain(|_, ports| !ports.is_empty());
-    state.group_waiters.retain(|_, ports| !ports.is_empty());
 }
 
 /// Sends a start or stop to the node's agent without blocking the head.
@@ -570,16 +395,6 @@ fn report_undeliverable(head: &ActorRef<Wire>, start: &crate::protocol::StartAct
     let _ = head.send_message(Wire::Local(LocalSignal::Deferred(wire::encode(&report))));
 }
 
-fn object_missing(id: regatta_object_store::ObjectId, missing: Missing) -> Failure {
-    Failure::ObjectMissing {
-        id,
-        lost_with: match missing {
-            Missing::Unknown => None,
-            Missing::Lost { node } => Some(node),
-        },
-    }
-}
-
 /// Tells every holder to drop its copy, and deletes the spilled copy.
 fn carry_out_release(scope: &str, release: Release) {
     let command = ObjectCommand::Release {
@@ -609,11 +424,11 @@ fn publish_metrics(state: &mut HeadState, now: u64) {
         return;
     }
     state.published_ms = Some(now);
-    let mut status = state.scheduler.status(now);
-    status.objects = state.directory.stats();
-    crate::metrics::metrics().publish_cluster(&status, &state.scheduler.heartbeat_ages(now));
+    let status = state.core.status(now);
+    crate::metrics::metrics().publish_cluster(&status, &state.core.scheduler().heartbeat_ages(now));
     let mut targets: Vec<SdTarget> = state
-        .scheduler
+        .core
+        .scheduler()
         .metrics_targets()
         .into_iter()
         .map(|(node, address)| SdTarget {
@@ -635,39 +450,5 @@ fn publish_metrics(state: &mut HeadState, now: u64) {
     }
     if let Ok(mut shared) = state.targets.lock() {
         *shared = targets;
-    }
-}
-
-/// Holds an object request until the id is registered or the wait runs out.
-fn park_object_request(
-    state: &mut HeadState,
-    id: ObjectId,
-    request: HeadRequest,
-    port: RpcReplyPort<Vec<u8>>,
-    now: u64,
-) {
-    state
-        .object_waiters
-        .entry(id)
-        .or_default()
-        .push((request, port, now + UNKNOWN_OBJECT_WAIT_MS));
-}
-
-/// Answers "unknown" to object requests whose id never arrived.
-fn expire_object_waiters(state: &mut HeadState, now: u64) {
-    let ids: Vec<ObjectId> = state.object_waiters.keys().copied().collect();
-    for id in ids {
-        let Some(waiters) = state.object_waiters.remove(&id) else {
-            continue;
-        };
-        let (due, keep): (Vec<_>, Vec<_>) = waiters
-            .into_iter()
-            .partition(|(_, port, deadline)| *deadline <= now || port.is_closed());
-        for (_, port, _) in due {
-            wire::reply::<()>(port, Err(object_missing(id, Missing::Unknown)));
-        }
-        if !keep.is_empty() {
-            state.object_waiters.insert(id, keep);
-        }
     }
 }

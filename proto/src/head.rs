@@ -1,0 +1,616 @@
+//! The head as a state machine: [`HeadCore::handle`] takes one request (and the time) and
+//! returns what to answer and what to do, [`HeadCore::tick`] does the same for the
+//! liveness timer. Requests that must wait — for an actor to come alive, a group to be
+//! placed, an object id to be registered — are parked here, not in the actor shell, which
+//! only maps [`ReplyTo`] tokens to its reply ports, encodes [`Answer`]s and carries out
+//! [`Output`]s.
+
+use std::collections::BTreeMap;
+
+use crate::object::{Directory, Location, Missing, ObjectId, Release};
+use crate::protocol::{ActorId, ActorState, ActorView, ClusterStatus, Failure, GroupId, HeadRequest};
+use crate::scheduler::{Effect, Scheduler};
+
+/// How long the head holds a lookup of an object id it has not heard of: registration of
+/// a put is asynchronous, so a reference can overtake it.
+pub const UNKNOWN_OBJECT_WAIT_MS: u64 = 2_000;
+
+/// Who an answer goes to: a token the shell maps to the caller's reply port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ReplyTo(pub u64);
+
+/// A reply, typed by the request it answers (the shell encodes each as the
+/// `Result<T, Failure>` its caller decodes).
+#[derive(Clone, Debug)]
+pub enum Answer {
+    /// `Register`: the node's incarnation.
+    Registered(Result<u64, Failure>),
+    /// `Heartbeat`: whether the head knows the node (false: re-register).
+    Heartbeat(bool),
+    /// `Spawn`: the new actor's id.
+    Spawned(Result<ActorId, Failure>),
+    /// `WaitActor`: the actor once alive or dead.
+    Actor(Result<ActorView, Failure>),
+    /// `Named`: the actor of that name, if any.
+    Named(Option<ActorView>),
+    /// `CreateGroup`: the new group's id.
+    GroupCreated(Result<GroupId, Failure>),
+    /// `WaitGroup`: the node of each bundle once placed.
+    GroupPlaced(Result<Vec<String>, Failure>),
+    /// `Status`: the whole cluster.
+    Status(Box<ClusterStatus>),
+    /// `ObjectLocate`: where to read the object.
+    Location(Result<Location, Failure>),
+    /// Requests with no value to return.
+    Done(Result<(), Failure>),
+}
+
+/// Something the head noticed that an operator should read in its log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Notice {
+    /// A node registered.
+    NodeJoined {
+        /// Its name.
+        node: String,
+        /// Its cluster address.
+        address: String,
+        /// Its resources, formatted.
+        resources: String,
+        /// The kinds it can construct.
+        kinds: Vec<String>,
+    },
+    /// A node's registration was refused.
+    RegistrationRefused(Failure),
+    /// A node stopped heartbeating: its actors restart elsewhere or die.
+    NodeDead {
+        /// Its name.
+        node: String,
+        /// Why.
+        cause: String,
+        /// Objects whose only copy was there.
+        objects_lost: usize,
+    },
+    /// An actor's constructor failed.
+    StartFailed {
+        /// The actor.
+        actor: ActorId,
+        /// Why.
+        cause: String,
+    },
+    /// A running actor stopped on its own.
+    Exited {
+        /// The actor.
+        actor: ActorId,
+        /// Why.
+        cause: String,
+    },
+    /// An object registration was refused.
+    ObjectRefused(Failure),
+}
+
+/// What the shell does after a request or a tick.
+#[derive(Clone, Debug)]
+pub enum Output {
+    /// Send an answer.
+    Reply(ReplyTo, Answer),
+    /// Start, stop or re-advertise an actor on a node.
+    Effect(Effect),
+    /// Tell an object's holders to drop their copies and delete its spilled copy.
+    Release(Release),
+    /// Log it.
+    Notice(Notice),
+}
+
+/// An object request waiting for its id to be registered.
+struct Parked {
+    request: HeadRequest,
+    to: ReplyTo,
+    deadline_ms: u64,
+}
+
+/// The head's whole decision state: the scheduler, the object directory and the requests
+/// waiting on them.
+pub struct HeadCore {
+    scheduler: Scheduler,
+    directory: Directory,
+    heartbeat_timeout_ms: u64,
+    actor_waiters: BTreeMap<ActorId, Vec<ReplyTo>>,
+    group_waiters: BTreeMap<GroupId, Vec<ReplyTo>>,
+    object_waiters: BTreeMap<ObjectId, Vec<Parked>>,
+}
+
+impl HeadCore {
+    /// A head with no nodes; nodes silent for `heartbeat_timeout_ms` are declared dead and
+    /// unreferenced objects are released `object_grace_ms` after their last reference.
+    pub fn new(heartbeat_timeout_ms: u64, object_grace_ms: u64) -> Self {
+        Self {
+            scheduler: Scheduler::new(),
+            directory: Directory::new(object_grace_ms),
+            heartbeat_timeout_ms,
+            actor_waiters: BTreeMap::new(),
+            group_waiters: BTreeMap::new(),
+            object_waiters: BTreeMap::new(),
+        }
+    }
+
+    /// The scheduler, for reading (metrics, discovery targets).
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    /// The cluster's status, objects included.
+    pub fn status(&self, now_ms: u64) -> ClusterStatus {
+        let mut status = self.scheduler.status(now_ms);
+        status.objects = self.directory.stats();
+        status
+    }
+
+    /// Handles one request; `to` is `None` for casts (no answer wanted).
+    pub fn handle(&mut self, request: HeadRequest, to: Option<ReplyTo>, now_ms: u64) -> Vec<Output> {
+        let mut out = Vec::new();
+        self.request(request, to, now_ms, &mut out);
+        self.settle(now_ms, &mut out);
+        out
+    }
+
+    /// The liveness timer: declares silent nodes dead, releases unreferenced objects and
+    /// answers object lookups whose id never arrived.
+    pub fn tick(&mut self, now_ms: u64) -> Vec<Output> {
+        let mut out = Vec::new();
+        for (node, cause) in self.scheduler.expire(now_ms, self.heartbeat_timeout_ms) {
+            let objects_lost = self.directory.node_lost(&node, now_ms).len();
+            out.push(Output::Notice(Notice::NodeDead {
+                node,
+                cause,
+                objects_lost,
+            }));
+        }
+        out.extend(self.directory.collect(now_ms).into_iter().map(Output::Release));
+        for (id, parked) in std::mem::take(&mut self.object_waiters) {
+            let (due, keep): (Vec<_>, Vec<_>) = parked.into_iter().partition(|p| p.deadline_ms <= now_ms);
+            for p in due {
+                out.push(Output::Reply(p.to, missing_answer(&p.request, id, Missing::Unknown)));
+            }
+            if !keep.is_empty() {
+                self.object_waiters.insert(id, keep);
+            }
+        }
+        self.settle(now_ms, &mut out);
+        out
+    }
+
+    /// Forgets waiters whose callers gave up (the shell knows which ports closed), so
+    /// abandoned waits do not pile up.
+    pub fn forget(&mut self, gone: impl Fn(ReplyTo) -> bool) {
+        for waiters in self.actor_waiters.values_mut().chain(self.group_waiters.values_mut()) {
+            waiters.retain(|to| !gone(*to));
+        }
+        for parked in self.object_waiters.values_mut() {
+            parked.retain(|p| !gone(p.to));
+        }
+        self.actor_waiters.retain(|_, w| !w.is_empty());
+        self.group_waiters.retain(|_, w| !w.is_empty());
+        self.object_waiters.retain(|_, w| !w.is_empty());
+    }
+
+    /// How many requests are parked (actor, group and object waits).
+    pub fn parked(&self) -> usize {
+        self.actor_waiters.values().map(Vec::len).sum::<usize>()
+            + self.group_waiters.values().map(Vec::len).sum::<usize>()
+            + self.object_waiters.values().map(Vec::len).sum::<usize>()
+    }
+
+    /// After any change: place what waits, then answer the waits that are over.
+    fn settle(&mut self, now_ms: u64, out: &mut Vec<Output>) {
+        out.extend(self.scheduler.schedule(now_ms).into_iter().map(Output::Effect));
+        for (id, waiters) in std::mem::take(&mut self.actor_waiters) {
+            match self.scheduler.actor_view(id) {
+                Some(view) if matches!(view.state, ActorState::Alive | ActorState::Dead { .. }) => {
+                    for to in waiters {
+                        out.push(Output::Reply(to, Answer::Actor(Ok(view.clone()))));
+                    }
+                }
+                Some(_) => {
+                    self.actor_waiters.insert(id, waiters);
+                }
+                None => {}
+            }
+        }
+        for (id, waiters) in std::mem::take(&mut self.group_waiters) {
+            let outcome = match self.scheduler.group_nodes(id) {
+                Ok(Some(nodes)) => Ok(nodes),
+                Ok(None) => {
+                    self.group_waiters.insert(id, waiters);
+                    continue;
+                }
+                Err(failure) => Err(failure),
+            };
+            for to in waiters {
+                out.push(Output::Reply(to, Answer::GroupPlaced(outcome.clone())));
+            }
+        }
+    }
+
+    fn request(&mut self, request: HeadRequest, to: Option<ReplyTo>, now: u64, out: &mut Vec<Output>) {
+        let reply = |answer: Answer, out: &mut Vec<Output>| {
+            if let Some(to) = to {
+                out.push(Output::Reply(to, answer));
+            }
+        };
+        let ok = || Answer::Done(Ok(()));
+        match request {
+            HeadRequest::Register(info) => {
+                let joined = Notice::NodeJoined {
+                    node: info.name.clone(),
+                    address: info.address.clone(),
+                    resources: info.resources.to_string(),
+                    kinds: info.kinds.clone(),
+                };
+                let result = self.scheduler.register(info, now);
+                out.push(Output::Notice(match &result {
+                    Ok(_) => joined,
+                    Err(failure) => Notice::RegistrationRefused(failure.clone()),
+                }));
+                reply(Answer::Registered(result), out);
+            }
+            HeadRequest::Heartbeat { node, incarnation } => {
+                let known = self.scheduler.heartbeat(&node, incarnation, now);
+                reply(Answer::Heartbeat(known), out);
+            }
+            HeadRequest::Spawn(spec) => {
+                let result = self.scheduler.submit(spec, now);
+                reply(Answer::Spawned(result), out);
+            }
+            HeadRequest::WaitActor(id) => match (self.scheduler.actor_view(id), to) {
+                (None, Some(to)) => out.push(Output::Reply(
+                    to,
+                    Answer::Actor(Err(Failure::Rejected(format!("actor {id} does not exist")))),
+                )),
+                (Some(_), Some(to)) => self.actor_waiters.entry(id).or_default().push(to),
+                (_, None) => {}
+            },
+            HeadRequest::Announce(id) => {
+                reply(ok(), out);
+                if let Some(ActorView {
+                    state: ActorState::Alive,
+                    node: Some(node),
+                    ..
+                }) = self.scheduler.actor_view(id)
+                {
+                    out.push(Output::Effect(Effect::Announce { node, actor: id }));
+                }
+            }
+            HeadRequest::Named(name) => reply(Answer::Named(self.scheduler.named(&name)), out),
+            HeadRequest::Kill(id) => {
+                let result = self.scheduler.kill(id);
+                let effects = result.as_ref().cloned().unwrap_or_default();
+                reply(Answer::Done(result.map(|_| ())), out);
+                out.extend(effects.into_iter().map(Output::Effect));
+            }
+            HeadRequest::CreateGroup(spec) => {
+                let result = self.scheduler.create_group(spec, now);
+                reply(Answer::GroupCreated(result), out);
+            }
+            HeadRequest::WaitGroup(id) => {
+                if let Some(to) = to {
+                    self.group_waiters.entry(id).or_default().push(to);
+                }
+            }
+            HeadRequest::RemoveGroup(id) => {
+                let result = self.scheduler.remove_group(id);
+                let effects = result.as_ref().cloned().unwrap_or_default();
+                reply(Answer::Done(result.map(|_| ())), out);
+                out.extend(effects.into_iter().map(Output::Effect));
+            }
+            HeadRequest::Status => reply(Answer::Status(Box::new(self.status(now))), out),
+            HeadRequest::ObjectPut {
+                id,
+                size,
+                checksum,
+                node,
+                address,
+                job,
+            } => {
+                let result = self
+                    .directory
+                    .put(id, size, checksum, &node, &node, &address, job)
+                    .map_err(Failure::Rejected);
+                if let Err(failure) = &result {
+                    out.push(Output::Notice(Notice::ObjectRefused(failure.clone())));
+                }
+                reply(Answer::Done(result), out);
+                for parked in self.object_waiters.remove(&id).unwrap_or_default() {
+                    self.request(parked.request, Some(parked.to), now, out);
+                }
+            }
+            HeadRequest::ObjectLocate(id) => match (self.directory.locate(id), to) {
+                (Err(Missing::Unknown), Some(to)) => self.park(id, HeadRequest::ObjectLocate(id), to, now),
+                (result, _) => reply(
+                    Answer::Location(result.map_err(|missing| object_missing(id, missing))),
+                    out,
+                ),
+            },
+            HeadRequest::ObjectAddSource { id, node, address } => self.directory.add_source(id, &node, &address),
+            HeadRequest::ObjectRemoveSource { id, node, spilled_to } => {
+                if let Some(url) = &spilled_to {
+                    self.directory.spilled(id, &node, url);
+                }
+                self.directory.remove_source(id, &node);
+            }
+            HeadRequest::ObjectAddRef { id, holder } => match (self.directory.add_ref(id, &holder), to) {
+                (Err(Missing::Unknown), Some(to)) => self.park(id, HeadRequest::ObjectAddRef { id, holder }, to, now),
+                (result, _) => reply(Answer::Done(result.map_err(|missing| object_missing(id, missing))), out),
+            },
+            HeadRequest::ObjectDropRef { id, holder } => self.directory.drop_ref(id, &holder, now),
+            HeadRequest::ObjectFree(id) => {
+                out.extend(self.directory.free(id).map(Output::Release));
+                reply(ok(), out);
+            }
+            HeadRequest::EndJob(job) => {
+                let effects = self.scheduler.end_job(&job);
+                out.extend(self.directory.end_job(&job).into_iter().map(Output::Release));
+                reply(ok(), out);
+                out.extend(effects.into_iter().map(Output::Effect));
+            }
+            HeadRequest::HolderGone(holder) => self.directory.holder_gone(&holder, now),
+            HeadRequest::Started {
+                actor,
+                attempt,
+                outcome,
+            } => {
+                if let Err(cause) = &outcome {
+                    out.push(Output::Notice(Notice::StartFailed {
+                        actor,
+                        cause: cause.clone(),
+                    }));
+                }
+                self.scheduler.started(actor, attempt, outcome);
+                reply(ok(), out);
+            }
+            HeadRequest::Exited { actor, attempt, cause } => {
+                out.push(Output::Notice(Notice::Exited {
+                    actor,
+                    cause: cause.clone(),
+                }));
+                self.scheduler.exited(actor, attempt, &cause, now);
+                reply(ok(), out);
+            }
+        }
+    }
+
+    /// Holds an object request until the id is registered or the wait runs out.
+    fn park(&mut self, id: ObjectId, request: HeadRequest, to: ReplyTo, now: u64) {
+        self.object_waiters.entry(id).or_default().push(Parked {
+            request,
+            to,
+            deadline_ms: now + UNKNOWN_OBJECT_WAIT_MS,
+        });
+    }
+}
+
+fn object_missing(id: ObjectId, missing: Missing) -> Failure {
+    Failure::ObjectMissing {
+        id,
+        lost_with: match missing {
+            Missing::Unknown => None,
+            Missing::Lost { node } => Some(node),
+        },
+    }
+}
+
+/// The "missing" answer to a parked object request, typed as that request's answer.
+fn missing_answer(request: &HeadRequest, id: ObjectId, missing: Missing) -> Answer {
+    let failure = object_missing(id, missing);
+    match request {
+        HeadRequest::ObjectLocate(_) => Answer::Location(Err(failure)),
+        _ => Answer::Done(Err(failure)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::Strategy;
+    use crate::protocol::{ActorSpec, GroupSpec, NodeInfo};
+    use crate::resources::Resources;
+
+    fn node(name: &str, resources: &str) -> HeadRequest {
+        HeadRequest::Register(NodeInfo {
+            name: name.into(),
+            address: format!("{name}:1"),
+            resources: Resources::parse_capacity(resources).unwrap(),
+            kinds: vec!["echo".into()],
+            pid: 1,
+            metrics_address: None,
+        })
+    }
+
+    fn spawn(resources: &str) -> HeadRequest {
+        HeadRequest::Spawn(ActorSpec {
+            kind: "echo".into(),
+            args: Vec::new(),
+            resources: Resources::parse_request(resources).unwrap(),
+            name: None,
+            max_restarts: 0,
+            placement: None,
+            job: None,
+        })
+    }
+
+    fn replies(out: &[Output]) -> Vec<(ReplyTo, Answer)> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::Reply(to, answer) => Some((*to, answer.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn starts(out: &[Output]) -> Vec<crate::protocol::StartActor> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::Effect(Effect::Start(start)) => Some(start.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn spawned(out: &[Output]) -> ActorId {
+        match replies(out).as_slice() {
+            [(_, Answer::Spawned(Ok(id)))] => *id,
+            other => panic!("expected one spawned reply, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_wait_for_an_actor_is_parked_until_it_is_alive() {
+        let mut head = HeadCore::new(3_000, 10_000);
+        head.handle(node("w1", "CPU=2"), Some(ReplyTo(1)), 0);
+        let out = head.handle(spawn("CPU=1"), Some(ReplyTo(2)), 0);
+        let id = spawned(&out);
+        let start = starts(&out).pop().expect("the actor is started at once");
+        assert_eq!(start.node, "w1");
+        assert!(replies(&head.handle(HeadRequest::WaitActor(id), Some(ReplyTo(3)), 1)).is_empty());
+        assert_eq!(head.parked(), 1);
+        let out = head.handle(
+            HeadRequest::Started {
+                actor: id,
+                attempt: start.attempt,
+                outcome: Ok(()),
+            },
+            None,
+            2,
+        );
+        match replies(&out).as_slice() {
+            [(ReplyTo(3), Answer::Actor(Ok(view)))] => assert_eq!(view.state, ActorState::Alive),
+            other => panic!("expected the waiter's answer, got {other:?}"),
+        }
+        assert_eq!(head.parked(), 0);
+    }
+
+    #[test]
+    fn a_wait_for_an_unknown_actor_is_refused_at_once() {
+        let mut head = HeadCore::new(3_000, 10_000);
+        let out = head.handle(HeadRequest::WaitActor(ActorId(42)), Some(ReplyTo(7)), 0);
+        assert!(matches!(
+            replies(&out).as_slice(),
+            [(ReplyTo(7), Answer::Actor(Err(Failure::Rejected(_))))]
+        ));
+    }
+
+    #[test]
+    fn a_lookup_of_an_unregistered_object_waits_for_its_put_or_runs_out() {
+        let mut head = HeadCore::new(3_000, 10_000);
+        let (early, never) = (ObjectId::random(), ObjectId::random());
+        assert!(head
+            .handle(HeadRequest::ObjectLocate(early), Some(ReplyTo(1)), 0)
+            .is_empty());
+        assert!(head
+            .handle(HeadRequest::ObjectLocate(never), Some(ReplyTo(2)), 0)
+            .is_empty());
+        let put = HeadRequest::ObjectPut {
+            id: early,
+            size: 5,
+            checksum: 9,
+            node: "w1".into(),
+            address: "w1:2".into(),
+            job: None,
+        };
+        let out = head.handle(put, Some(ReplyTo(3)), 10);
+        let answers = replies(&out);
+        assert!(
+            answers
+                .iter()
+                .any(|(to, a)| *to == ReplyTo(3) && matches!(a, Answer::Done(Ok(())))),
+            "{answers:?}"
+        );
+        assert!(
+            answers
+                .iter()
+                .any(|(to, a)| *to == ReplyTo(1) && matches!(a, Answer::Location(Ok(l)) if l.size == 5)),
+            "{answers:?}"
+        );
+        assert!(replies(&head.tick(UNKNOWN_OBJECT_WAIT_MS - 1)).is_empty());
+        let out = head.tick(UNKNOWN_OBJECT_WAIT_MS);
+        assert!(matches!(
+            replies(&out).as_slice(),
+            [(
+                ReplyTo(2),
+                Answer::Location(Err(Failure::ObjectMissing { lost_with: None, .. }))
+            )]
+        ));
+        assert_eq!(head.parked(), 0);
+    }
+
+    #[test]
+    fn forgotten_callers_leave_no_waiter_behind() {
+        let mut head = HeadCore::new(3_000, 10_000);
+        head.handle(node("w1", "CPU=1"), None, 0);
+        head.handle(spawn("CPU=1"), Some(ReplyTo(1)), 0);
+        let waiting = spawned(&head.handle(spawn("CPU=1"), Some(ReplyTo(2)), 0));
+        head.handle(HeadRequest::WaitActor(waiting), Some(ReplyTo(3)), 0);
+        head.handle(HeadRequest::ObjectLocate(ObjectId::random()), Some(ReplyTo(4)), 0);
+        assert_eq!(head.parked(), 2);
+        head.forget(|to| to == ReplyTo(4));
+        assert_eq!(head.parked(), 1);
+        head.forget(|_| true);
+        assert_eq!(head.parked(), 0);
+    }
+
+    #[test]
+    fn a_group_wait_is_answered_once_its_bundles_can_be_placed() {
+        let mut head = HeadCore::new(3_000, 10_000);
+        head.handle(node("w1", "CPU=2"), None, 0);
+        let out = head.handle(spawn("CPU=2"), Some(ReplyTo(1)), 0);
+        let hog = spawned(&out);
+        let start = starts(&out).pop().expect("started");
+        head.handle(
+            HeadRequest::Started {
+                actor: hog,
+                attempt: start.attempt,
+                outcome: Ok(()),
+            },
+            None,
+            0,
+        );
+        let out = head.handle(
+            HeadRequest::CreateGroup(GroupSpec {
+                bundles: vec![Resources::parse_request("CPU=1").unwrap(); 2],
+                strategy: Strategy::Pack,
+                name: None,
+            }),
+            Some(ReplyTo(2)),
+            1,
+        );
+        let id = match replies(&out).as_slice() {
+            [(_, Answer::GroupCreated(Ok(id)))] => *id,
+            other => panic!("{other:?}"),
+        };
+        assert!(replies(&head.handle(HeadRequest::WaitGroup(id), Some(ReplyTo(3)), 2)).is_empty());
+        let out = head.handle(HeadRequest::Kill(hog), Some(ReplyTo(4)), 3);
+        let answers = replies(&out);
+        assert!(
+            answers
+                .iter()
+                .any(|(to, a)| *to == ReplyTo(3)
+                    && matches!(a, Answer::GroupPlaced(Ok(nodes)) if nodes == &["w1", "w1"])),
+            "{answers:?}"
+        );
+    }
+
+    #[test]
+    fn a_silent_node_is_declared_dead_on_a_tick_and_named_in_a_notice() {
+        let mut head = HeadCore::new(3_000, 10_000);
+        head.handle(node("w1", "CPU=2"), None, 0);
+        assert!(head
+            .tick(2_999)
+            .iter()
+            .all(|o| !matches!(o, Output::Notice(Notice::NodeDead { .. }))));
+        let out = head.tick(3_001);
+        assert!(
+            out.iter()
+                .any(|o| matches!(o, Output::Notice(Notice::NodeDead { node, .. }) if node == "w1")),
+            "{out:?}"
+        );
+    }
+}
