@@ -10,6 +10,9 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+/// Environment variable a driver finds its job id in.
+pub const JOB_ID_ENV: &str = "REGATTA_JOB_ID";
+
 /// A job's state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "UPPERCASE")]

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::protocol::ActorId;
+use crate::protocol::{ActorId, Failure};
 
 impl From<regatta_proto::Error> for Error {
     fn from(error: regatta_proto::Error) -> Self {
@@ -148,5 +148,33 @@ impl Error {
             context: context.into(),
             cause,
         }
+    }
+}
+
+/// The error a caller sees for a failure the head, an agent or an actor sent back;
+/// `actor` names the actor a call went to.
+pub(crate) fn failure_to_error(failure: Failure, actor: Option<ActorId>) -> Error {
+    match failure {
+        Failure::Infeasible(m) => Error::Infeasible(m),
+        Failure::UnknownKind { kind, detail } => Error::UnknownKind { kind, detail },
+        Failure::Rejected(m) => Error::Rejected(m),
+        Failure::Dead { kind, cause } => Error::ActorDead {
+            actor: actor.unwrap_or(ActorId(0)),
+            kind,
+            cause,
+        },
+        Failure::Handler(message) => Error::Remote {
+            actor: actor.unwrap_or(ActorId(0)),
+            message,
+        },
+        Failure::BadMessage(m) => Error::Decode {
+            what: "a message".into(),
+            reason: m,
+        },
+        Failure::ObjectMissing {
+            id,
+            lost_with: Some(node),
+        } => Error::ObjectLost { id, node },
+        Failure::ObjectMissing { id, lost_with: None } => Error::ObjectUnknown { id },
     }
 }

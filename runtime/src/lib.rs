@@ -26,31 +26,25 @@
 //! # Ok(()) }
 //! ```
 
-// The pure core, under the names the runtime has always used for it.
-use regatta_proto::{job, placement, protocol, resources, scheduler};
-
-mod agent;
 mod client;
-mod detect;
 mod error;
 pub mod executor;
 mod head;
-mod headlink;
-mod http;
-mod job_api;
-mod job_client;
-mod job_log;
-mod job_manager;
-mod job_store;
 mod metrics;
-mod node;
+mod net;
 mod objects;
-mod pool;
-mod registry;
-mod token;
-mod wire;
 mod worker;
 
+// The pure core, under the names the runtime has always used for it.
+use regatta_proto::{job, placement, protocol, resources, scheduler};
+// Short paths for the parts every folder uses.
+use client::{job_client, pool};
+use head::{job_log, job_manager, job_store};
+use net::{headlink, http, node, token, wire};
+use worker::{agent, detect, registry};
+
+pub use client::ObjectRef;
+pub use client::{Actor, ActorContext, ActorError};
 pub use client::{ActorHandle, ActorOptions, Client, Cluster, PlacementGroup, DEFAULT_CALL_TIMEOUT};
 pub use detect::{
     accelerator_tag, accelerator_type, detect_gpus, detect_resources, parse_nvidia_smi, visible_devices, GpuDevice,
@@ -58,11 +52,12 @@ pub use detect::{
 };
 pub use error::{Error, Result};
 pub use head::{start_head, HeadConfig, RunningHead, HEAD_NODE};
+pub use job::JOB_ID_ENV;
 pub use job::{JobRecord, JobStatus, JobSubmission, RuntimeEnv};
 pub use job_client::{JobClient, DEFAULT_JOB_ADDRESS};
-pub use job_manager::{JobConfig, ADDRESS_ENV, JOB_ID_ENV};
+pub use job_manager::{JobConfig, ADDRESS_ENV};
 pub use metrics::{metrics, Metrics, SdTarget};
-pub use objects::{ObjectConfig, ObjectRef, ObjectStats};
+pub use objects::{ObjectConfig, ObjectStats};
 pub use placement::{Allocation, Decision, Ledger, Strategy};
 pub use pool::{ActorPool, PoolBook, Seq};
 pub use protocol::{
@@ -70,7 +65,7 @@ pub use protocol::{
     PendingLine, RESTART_FOREVER,
 };
 pub use regatta_object_store::{DirectoryStats, ObjectId, FAULT_CORRUPT_ENV};
-pub use registry::{Actor, ActorContext, ActorError, Registry};
+pub use registry::Registry;
 pub use resources::{format_fixed, Resources, GPU, UNIT};
 pub use token::{default_token_file, resolve_token, TokenSource, TOKEN_ENV};
 pub use worker::{run_worker, WorkerConfig};

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use ractor::ActorCell;
 use serde::de::DeserializeOwned;
 
-use crate::client::failure_to_error;
+use crate::error::failure_to_error;
 use crate::error::{Error, Result};
 use crate::node;
 use crate::protocol::{Failure, HeadRequest};

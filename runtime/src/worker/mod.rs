@@ -1,6 +1,10 @@
 //! A worker process: joins the head (retrying until it is up), runs the node agent,
 //! registers its resources and kinds, and keeps the head informed with heartbeats.
 
+pub(crate) mod agent;
+pub(crate) mod detect;
+pub(crate) mod registry;
+
 use std::future::Future;
 use std::net::IpAddr;
 use std::time::Duration;
@@ -11,7 +15,6 @@ use crate::agent::{Agent, AgentArgs};
 use std::sync::Arc;
 
 use crate::client::Cluster;
-use crate::detect;
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::node::{self, LocalNode};

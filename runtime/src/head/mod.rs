@@ -3,6 +3,11 @@
 //! timer, and carries out the core's outputs: answers, starts and stops sent to node
 //! agents, object releases, log lines.
 
+pub(crate) mod job_api;
+pub(crate) mod job_log;
+pub(crate) mod job_manager;
+pub(crate) mod job_store;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -15,7 +20,6 @@ use regatta_proto::head::{Answer, HeadCore, Notice, Output, ReplyTo};
 
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
-use crate::job_api;
 use crate::job_manager::{JobConfig, JobManager};
 use crate::metrics::{SdTarget, TargetSource};
 use crate::node::{self, LocalNode, SessionEvent};

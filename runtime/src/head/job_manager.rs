@@ -15,6 +15,7 @@ use tokio::sync::watch;
 
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
+use crate::job::JOB_ID_ENV;
 use crate::job::{JobRecord, JobStatus, JobSubmission};
 use crate::job_log::{self, CappedLog};
 use crate::job_store::JobStore;
@@ -22,8 +23,6 @@ use crate::placement::Strategy;
 use crate::protocol::{GroupId, GroupSpec, HeadRequest};
 use crate::resources::Resources;
 
-/// Environment variable a driver finds its job id in.
-pub const JOB_ID_ENV: &str = "REGATTA_JOB_ID";
 /// Environment variable a driver finds the cluster address in.
 pub const ADDRESS_ENV: &str = "REGATTA_ADDRESS";
 

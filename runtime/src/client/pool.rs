@@ -11,9 +11,9 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
 
-use crate::client::ActorHandle;
+use super::actor::Actor;
+use super::handle::ActorHandle;
 use crate::error::{Error, Result};
-use crate::registry::Actor;
 
 /// Sequence number of a submitted item.
 pub type Seq = u64;
@@ -143,7 +143,7 @@ where
             book,
             running: FuturesUnordered::new(),
             results: BTreeMap::new(),
-            timeout: crate::client::DEFAULT_CALL_TIMEOUT,
+            timeout: super::cluster::DEFAULT_CALL_TIMEOUT,
         }
     }
 

@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
 
+use crate::client::ActorContext;
 use crate::client::Cluster;
 use crate::node;
 use crate::protocol::{ActorId, AgentRequest, Failure, HeadRequest, StartActor};
-use crate::registry::{ActorContext, Host, HostArgs, Registry};
+use crate::registry::{Host, HostArgs, Registry};
 use crate::wire::{self, LocalSignal, Wire};
 
 /// How long an agent waits for the head to take a report.

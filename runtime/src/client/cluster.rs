@@ -1,0 +1,191 @@
+//! [`Cluster`], the handle drivers and actors share (spawn by spec, kill, look at actors,
+//! reserve placement groups, ask the head), and [`ActorOptions`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+
+use crate::error::{Error, Result};
+use crate::headlink::HeadLink;
+use crate::node;
+use crate::objects::ObjectService;
+use crate::placement::Strategy;
+use crate::protocol::{ActorId, ActorView, BundleRef, ClusterStatus, GroupId, GroupSpec, HeadRequest};
+use crate::resources::Resources;
+use crate::wire::{self, CallError};
+
+/// Default time a call waits for its reply.
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Options for spawning an actor.
+#[derive(Clone, Debug, Default)]
+pub struct ActorOptions {
+    pub(super) resources: Resources,
+    pub(super) name: Option<String>,
+    pub(super) max_restarts: u32,
+    pub(super) placement: Option<BundleRef>,
+}
+
+impl ActorOptions {
+    /// No resources, no name, no restarts.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Resources the actor holds, e.g. `Resources::parse_request("GPU=1,accelerator_type:H100")`.
+    pub fn resources(mut self, resources: Resources) -> Self {
+        self.resources = resources;
+        self
+    }
+
+    /// A cluster-unique name for [`Cluster::named`].
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// Restarts after its node or process dies ([`crate::RESTART_FOREVER`] for no limit).
+    pub fn max_restarts(mut self, restarts: u32) -> Self {
+        self.max_restarts = restarts;
+        self
+    }
+
+    /// Places the actor in a bundle of a placement group (`None`: any bundle with room).
+    pub fn in_group(mut self, group: &PlacementGroup, bundle: Option<usize>) -> Self {
+        self.placement = Some(BundleRef {
+            group: group.id,
+            bundle,
+        });
+        self
+    }
+}
+
+/// A handle on the cluster, shared by drivers and by actors (through their context).
+#[derive(Clone)]
+pub struct Cluster {
+    pub(super) link: Arc<HeadLink>,
+    objects: Option<Arc<ObjectService>>,
+    pub(super) call_timeout: Duration,
+    pub(super) job: Option<String>,
+}
+
+impl Cluster {
+    pub(crate) fn new(link: Arc<HeadLink>, objects: Option<Arc<ObjectService>>) -> Self {
+        Self {
+            link,
+            objects,
+            call_timeout: DEFAULT_CALL_TIMEOUT,
+            job: None,
+        }
+    }
+
+    /// The same cluster, with actors and objects created through it belonging to `job`
+    /// (they are cleaned up when the job ends).
+    pub fn with_job(&self, job: Option<String>) -> Self {
+        Self { job, ..self.clone() }
+    }
+
+    /// The job actors and objects created through this handle belong to.
+    pub fn job(&self) -> Option<&str> {
+        self.job.as_deref()
+    }
+
+    /// The head's cluster address.
+    pub fn head_address(&self) -> &str {
+        self.link.address()
+    }
+
+    pub(crate) fn scope(&self) -> &str {
+        self.link.scope()
+    }
+
+    pub(crate) fn object_service(&self) -> Result<&Arc<ObjectService>> {
+        self.objects
+            .as_ref()
+            .ok_or_else(|| Error::Rejected("this connection has no object store (status-only client)".into()))
+    }
+
+    /// Sends a request to the head and decodes its reply.
+    pub(crate) async fn ask_head<T: DeserializeOwned>(&self, request: &HeadRequest, timeout: Duration) -> Result<T> {
+        self.link.ask(request, timeout).await
+    }
+
+    /// Kills an actor for good (no restart).
+    pub async fn kill(&self, id: ActorId) -> Result<()> {
+        self.ask_head(&HeadRequest::Kill(id), self.call_timeout).await
+    }
+
+    /// Where an actor is and how it is doing.
+    pub async fn actor_view(&self, id: ActorId, wait: Duration) -> Result<ActorView> {
+        self.ask_head(&HeadRequest::WaitActor(id), wait).await
+    }
+
+    /// Reserves bundles of resources, all or nothing. Fails at once if no arrangement could
+    /// ever fit; otherwise returns a group that [`PlacementGroup::ready`] waits on.
+    pub async fn create_placement_group(&self, bundles: Vec<Resources>, strategy: Strategy) -> Result<PlacementGroup> {
+        let spec = GroupSpec {
+            bundles,
+            strategy,
+            name: None,
+        };
+        let id: GroupId = self
+            .ask_head(&HeadRequest::CreateGroup(spec), self.call_timeout)
+            .await?;
+        Ok(PlacementGroup {
+            id,
+            cluster: self.clone(),
+        })
+    }
+
+    /// The whole cluster's state.
+    pub async fn status(&self) -> Result<ClusterStatus> {
+        self.ask_head(&HeadRequest::Status, self.call_timeout).await
+    }
+
+    /// Sends raw bytes as a call to the actor in process group `group` (`head`,
+    /// `agent/<node>`, `actor/<id>`) and returns the raw reply, for protocol robustness tests.
+    #[doc(hidden)]
+    pub async fn send_raw(&self, group: &str, bytes: Vec<u8>) -> std::result::Result<Vec<u8>, String> {
+        // The head through the link (its cached actor): a process-group entry can vanish
+        // when a duplicate session to the head closes, while the link's actor still runs.
+        let target = match group {
+            node::HEAD_GROUP => self.link.head().map_err(|e| e.to_string())?,
+            _ => node::wait_member(self.scope(), group, Duration::from_secs(5))
+                .await
+                .ok_or_else(|| format!("no actor in group {group}"))?,
+        };
+        wire::call_raw(&target, bytes, Duration::from_secs(5))
+            .await
+            .map_err(|e| match e {
+                CallError::Timeout => "timeout".to_string(),
+                CallError::Unreachable(c) => c,
+            })
+    }
+}
+
+/// A reserved placement group.
+#[derive(Clone)]
+pub struct PlacementGroup {
+    id: GroupId,
+    cluster: Cluster,
+}
+
+impl PlacementGroup {
+    /// The group's id.
+    pub fn id(&self) -> GroupId {
+        self.id
+    }
+
+    /// Waits until every bundle is reserved; returns the node of each bundle.
+    pub async fn ready(&self, timeout: Duration) -> Result<Vec<String>> {
+        self.cluster.ask_head(&HeadRequest::WaitGroup(self.id), timeout).await
+    }
+
+    /// Removes the group, killing the actors placed in it and freeing its resources.
+    pub async fn remove(&self) -> Result<()> {
+        self.cluster
+            .ask_head(&HeadRequest::RemoveGroup(self.id), self.cluster.call_timeout)
+            .await
+    }
+}

@@ -1,0 +1,72 @@
+//! The client library: connect to a head, spawn and call actors, reserve placement groups.
+//!
+//! A [`Client`] makes this process a member of the cluster (drivers talk to actors
+//! directly, not through the head). [`Cluster`] is the handle drivers and actors share.
+
+mod actor;
+mod cluster;
+mod handle;
+pub(crate) mod job_client;
+mod objects;
+pub(crate) mod pool;
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+pub use actor::{Actor, ActorContext, ActorError};
+pub use cluster::{ActorOptions, Cluster, PlacementGroup, DEFAULT_CALL_TIMEOUT};
+pub use handle::ActorHandle;
+pub use objects::ObjectRef;
+
+use crate::error::{Error, Result};
+use crate::headlink::HeadLink;
+use crate::node::{self, LocalNode};
+use crate::objects::{ObjectConfig, ObjectService};
+
+/// A driver's connection to a cluster: this process joins as a client node.
+pub struct Client {
+    cluster: Cluster,
+    _node: LocalNode,
+}
+
+impl Client {
+    /// Connects to the head at `address` (`host:port`) with the cluster token.
+    pub async fn connect(address: &str, token: &str) -> Result<Self> {
+        Self::connect_with(address, token, true).await
+    }
+
+    /// Like [`Client::connect`]; `direct` false makes a lighter client that talks only to
+    /// the head (enough for status and spawning, not for calling actors on workers).
+    pub async fn connect_with(address: &str, token: &str, direct: bool) -> Result<Self> {
+        let host = node::route_to(address);
+        let bind: IpAddr = "0.0.0.0".parse().map_err(|_| Error::Actor("bad bind address".into()))?;
+        let name = format!("client-{}", node::random_hex(6));
+        let local = LocalNode::start(&name, token, bind, 0, &host, direct).await?;
+        let head = local.join(address).await?;
+        let link = Arc::new(HeadLink::new(local.scope().to_string(), head, address.to_string()));
+        let objects = if direct {
+            let config = ObjectConfig::for_client(&host);
+            Some(ObjectService::start(&name, token, config, link.clone()).await?)
+        } else {
+            None
+        };
+        // A driver started by the job manager belongs to its job.
+        let job = std::env::var(crate::job::JOB_ID_ENV).ok().filter(|j| !j.is_empty());
+        Ok(Self {
+            cluster: Cluster::new(link, objects).with_job(job),
+            _node: local,
+        })
+    }
+
+    /// The cluster handle.
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
+    }
+}
+
+impl std::ops::Deref for Client {
+    type Target = Cluster;
+    fn deref(&self) -> &Cluster {
+        &self.cluster
+    }
+}
