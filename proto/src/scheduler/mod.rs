@@ -1,0 +1,371 @@
+//! The head's bookkeeping: node membership and liveness, the resource ledger, the actor
+//! directory with restart budgets, placement groups and the queue of waiting requests.
+//!
+//! Pure state machine: every method takes the time as `now_ms` and returns the [`Effect`]s
+//! the head actor must carry out (start or stop an actor on a node). No sockets, no clock.
+//! The records and the [`Scheduler`] are here; its methods are in one file per concern:
+//! `nodes.rs` (membership and liveness), `actors.rs` (actors and restarts), `groups.rs`
+//! (placement groups), `placing.rs` (placing what waits) and `status.rs` (views).
+
+use std::collections::BTreeMap;
+
+use crate::placement::{Allocation, Ledger};
+use crate::protocol::{ActorId, ActorSpec, ActorState, GroupId, GroupSpec, NodeInfo, StartActor};
+
+mod actors;
+mod groups;
+mod nodes;
+mod placing;
+mod status;
+
+/// Something the head must do on a node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Effect {
+    /// Construct an actor there.
+    Start(StartActor),
+    /// Stop an actor there.
+    Stop {
+        /// The node.
+        node: String,
+        /// The actor.
+        actor: ActorId,
+    },
+    /// Advertise an actor there again (see [`crate::protocol::HeadRequest::Announce`]).
+    Announce {
+        /// The node.
+        node: String,
+        /// The actor.
+        actor: ActorId,
+    },
+}
+
+struct NodeRecord {
+    info: NodeInfo,
+    incarnation: u64,
+    ledger: Ledger,
+    dead_cause: Option<String>,
+    since_ms: u64,
+    last_heartbeat_ms: u64,
+}
+
+struct Placed {
+    node: String,
+    allocation: Allocation,
+    bundle: Option<(GroupId, usize)>,
+}
+
+struct ActorRecord {
+    spec: ActorSpec,
+    state: ActorState,
+    restarts: u32,
+    attempt: u32,
+    placed: Option<Placed>,
+    waiting_since_ms: u64,
+}
+
+struct Bundle {
+    node: String,
+    reservation: Allocation,
+    ledger: Ledger,
+}
+
+struct GroupRecord {
+    spec: GroupSpec,
+    bundles: Vec<Option<Bundle>>,
+    created: bool,
+    waiting_since_ms: u64,
+}
+
+/// Dead actors remembered (for status and for telling callers why); older ones are
+/// forgotten so a long-running head does not grow without bound.
+pub const MAX_DEAD_ACTORS: usize = 10_000;
+
+/// The head's cluster state.
+#[derive(Default)]
+pub struct Scheduler {
+    dead_order: std::collections::VecDeque<ActorId>,
+    nodes: BTreeMap<String, NodeRecord>,
+    actors: BTreeMap<ActorId, ActorRecord>,
+    named: BTreeMap<String, ActorId>,
+    groups: BTreeMap<GroupId, GroupRecord>,
+    next_actor: u64,
+    next_group: u64,
+    next_incarnation: u64,
+}
+
+impl Scheduler {
+    /// An empty cluster.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+    use crate::placement::Strategy;
+    use crate::protocol::BundleRef;
+    use crate::protocol::Failure;
+    use crate::resources::Resources;
+
+    fn node(name: &str, resources: &str) -> NodeInfo {
+        NodeInfo {
+            name: name.into(),
+            address: format!("{name}:1"),
+            resources: Resources::parse_capacity(resources).unwrap(),
+            kinds: vec!["echo".into()],
+            pid: 1,
+            metrics_address: None,
+        }
+    }
+
+    fn spec(resources: &str, max_restarts: u32) -> ActorSpec {
+        ActorSpec {
+            kind: "echo".into(),
+            args: Vec::new(),
+            resources: Resources::parse_request(resources).unwrap(),
+            name: None,
+            max_restarts,
+            placement: None,
+            job: None,
+        }
+    }
+
+    fn starts(effects: &[Effect]) -> Vec<StartActor> {
+        effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Start(s) => Some(s.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn start_all(s: &mut Scheduler, effects: &[Effect]) {
+        for st in starts(effects) {
+            s.started(st.actor, st.attempt, Ok(()));
+        }
+    }
+
+    #[test]
+    fn lost_node_restarts_actors_elsewhere_within_budget() {
+        let mut s = Scheduler::new();
+        s.register(node("w1", "CPU=2"), 0).unwrap();
+        let keep = s.submit(spec("CPU=1", 1), 0).unwrap();
+        let lose = s.submit(spec("CPU=1", 0), 0).unwrap();
+        let effects = s.schedule(0);
+        assert!(starts(&effects).iter().all(|st| st.node == "w1"));
+        start_all(&mut s, &effects);
+        s.register(node("w2", "CPU=2"), 10).unwrap();
+        s.heartbeat("w2", 2, 5_000);
+        s.expire(5_000, 3_000);
+        let effects = s.schedule(5_000);
+        let restarted = starts(&effects);
+        assert_eq!(restarted.len(), 1);
+        assert_eq!(
+            (restarted[0].actor, restarted[0].node.as_str(), restarted[0].attempt),
+            (keep, "w2", 2)
+        );
+        let dead = s.actor_view(lose).unwrap();
+        match dead.state {
+            ActorState::Dead { cause } => {
+                assert!(
+                    cause.contains("node w1 died") && cause.contains("max_restarts=0"),
+                    "{cause}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(s.actor_view(keep).unwrap().restarts, 1);
+    }
+
+    #[test]
+    fn ending_a_job_kills_only_its_actors() {
+        let mut s = Scheduler::new();
+        s.register(node("w1", "CPU=4"), 0).unwrap();
+        let mut in_job = spec("CPU=1", 3);
+        in_job.job = Some("j1".into());
+        let a = s.submit(in_job, 0).unwrap();
+        let b = s.submit(spec("CPU=1", 0), 0).unwrap();
+        let effects = s.schedule(0);
+        start_all(&mut s, &effects);
+        let effects = s.end_job("j1");
+        assert_eq!(
+            effects,
+            vec![Effect::Stop {
+                node: "w1".into(),
+                actor: a
+            }]
+        );
+        assert!(matches!(s.actor_view(a).unwrap().state, ActorState::Dead { cause } if cause == "job j1 ended"));
+        assert_eq!(s.actor_view(b).unwrap().state, ActorState::Alive);
+        assert_eq!(
+            s.status(0).nodes[0].used.fixed("CPU"),
+            10_000,
+            "the job's CPU was freed"
+        );
+    }
+
+    #[test]
+    fn only_the_most_recent_dead_actors_are_remembered() {
+        let mut s = Scheduler::new();
+        s.register(node("w1", "CPU=1"), 0).unwrap();
+        let first = s.submit(spec("", 0), 0).unwrap();
+        s.kill(first).unwrap();
+        for _ in 0..MAX_DEAD_ACTORS {
+            let id = s.submit(spec("", 0), 0).unwrap();
+            s.kill(id).unwrap();
+        }
+        assert!(s.actor_view(first).is_none(), "the oldest dead actor is forgotten");
+        assert_eq!(s.status(0).actors.len(), MAX_DEAD_ACTORS);
+    }
+
+    #[test]
+    fn a_node_declaring_absurd_gpus_is_refused() {
+        let mut s = Scheduler::new();
+        let err = s.register(node("w1", "GPU=100000"), 0).unwrap_err();
+        assert!(matches!(err, Failure::Rejected(m) if m.contains("node w1 refused")));
+        assert!(s.status(0).nodes.is_empty());
+    }
+
+    #[test]
+    fn stale_start_reports_are_ignored() {
+        let mut s = Scheduler::new();
+        s.register(node("w1", "CPU=1"), 0).unwrap();
+        let id = s.submit(spec("CPU=1", 5), 0).unwrap();
+        let first = starts(&s.schedule(0)).remove(0);
+        s.exited(id, first.attempt, "panicked", 1);
+        let second = starts(&s.schedule(1)).remove(0);
+        s.started(id, first.attempt, Ok(()));
+        assert_eq!(s.actor_view(id).unwrap().state, ActorState::Starting);
+        s.started(id, second.attempt, Ok(()));
+        assert_eq!(s.actor_view(id).unwrap().state, ActorState::Alive);
+    }
+
+    #[test]
+    fn busy_request_is_placed_when_resources_free_up() {
+        let mut s = Scheduler::new();
+        s.register(node("w1", "GPU=1"), 0).unwrap();
+        let a = s.submit(spec("GPU=1", 0), 0).unwrap();
+        let b = s.submit(spec("GPU=1", 0), 0).unwrap();
+        let first = s.schedule(0);
+        assert_eq!(starts(&first).len(), 1);
+        assert_eq!(s.status(0).pending.len(), 1);
+        start_all(&mut s, &first);
+        assert!(s.schedule(1).is_empty());
+        s.kill(a).unwrap();
+        let next = starts(&s.schedule(2));
+        assert_eq!(next.len(), 1);
+        assert_eq!((next[0].actor, next[0].gpu_ids.clone()), (b, vec![0]));
+    }
+
+    #[test]
+    fn infeasible_and_unknown_requests_fail_at_once() {
+        let mut s = Scheduler::new();
+        assert!(matches!(
+            s.submit(spec("CPU=1", 0), 0),
+            Err(Failure::UnknownKind { .. })
+        ));
+        s.register(node("w1", "CPU=2,GPU=4"), 0).unwrap();
+        match s.submit(spec("GPU=8", 0), 0) {
+            Err(Failure::Infeasible(msg)) => assert!(msg.contains("largest: GPU=4 on node w1"), "{msg}"),
+            other => panic!("{other:?}"),
+        }
+        let mut unknown = spec("", 0);
+        unknown.kind = "nope".into();
+        match s.submit(unknown, 0) {
+            Err(Failure::UnknownKind { detail, .. }) => assert!(detail.contains("echo"), "{detail}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn duplicate_live_name_is_rejected() {
+        let mut s = Scheduler::new();
+        s.register(node("w1", "CPU=2"), 0).unwrap();
+        let mut named = spec("", 0);
+        named.name = Some("svc".into());
+        let id = s.submit(named.clone(), 0).unwrap();
+        assert!(matches!(s.submit(named.clone(), 0), Err(Failure::Rejected(_))));
+        assert_eq!(s.named("svc").unwrap().id, id);
+        s.kill(id).unwrap();
+        assert!(s.named("svc").is_none());
+        assert!(s.submit(named, 0).is_ok());
+    }
+
+    #[test]
+    fn group_bundles_are_reserved_and_actors_use_them() {
+        let mut s = Scheduler::new();
+        for name in ["w1", "w2", "w3"] {
+            s.register(node(name, "CPU=4,GPU=1"), 0).unwrap();
+        }
+        let group = s
+            .create_group(
+                GroupSpec {
+                    bundles: vec![Resources::parse_request("CPU=1,GPU=1").unwrap(); 3],
+                    strategy: Strategy::StrictSpread,
+                    name: None,
+                },
+                0,
+            )
+            .unwrap();
+        s.schedule(0);
+        let nodes = s.group_nodes(group).unwrap().unwrap();
+        assert_eq!(nodes.iter().collect::<BTreeSet<_>>().len(), 3);
+        // The reservation holds every GPU: a plain GPU actor must wait.
+        let outside = s.submit(spec("GPU=1", 0), 0).unwrap();
+        let mut inside = spec("GPU=1", 0);
+        inside.placement = Some(BundleRef { group, bundle: Some(2) });
+        let inside = s.submit(inside, 0).unwrap();
+        let placed = starts(&s.schedule(0));
+        assert_eq!(placed.len(), 1);
+        assert_eq!((placed[0].actor, placed[0].node.clone()), (inside, nodes[2].clone()));
+        assert_eq!(s.actor_view(outside).unwrap().state, ActorState::Pending);
+        let effects = s.remove_group(group).unwrap();
+        assert_eq!(effects.len(), 1);
+        assert!(matches!(s.actor_view(inside).unwrap().state, ActorState::Dead { .. }));
+        assert_eq!(starts(&s.schedule(1)).len(), 1, "freed GPUs go to the waiting actor");
+    }
+
+    #[test]
+    fn group_on_a_lost_node_is_placed_again() {
+        let mut s = Scheduler::new();
+        for name in ["w1", "w2", "w3"] {
+            s.register(node(name, "CPU=1"), 0).unwrap();
+        }
+        let group = s
+            .create_group(
+                GroupSpec {
+                    bundles: vec![Resources::parse_request("CPU=1").unwrap(); 2],
+                    strategy: Strategy::StrictSpread,
+                    name: None,
+                },
+                0,
+            )
+            .unwrap();
+        s.schedule(0);
+        let before = s.group_nodes(group).unwrap().unwrap();
+        s.lose_node(&before[0], "killed", 1);
+        s.schedule(1);
+        let after = s.group_nodes(group).unwrap().unwrap();
+        assert_ne!(after[0], before[0]);
+        assert_ne!(after[0], after[1]);
+        assert_eq!(after[1], before[1]);
+    }
+
+    #[test]
+    fn status_reports_used_resources_and_dead_nodes() {
+        let mut s = Scheduler::new();
+        s.register(node("w1", "CPU=4,accelerator_type:H100=1"), 0).unwrap();
+        s.submit(spec("CPU=1,accelerator_type:H100", 0), 0).unwrap();
+        s.schedule(0);
+        let status = s.status(0);
+        assert_eq!(status.nodes[0].used.to_string(), "CPU=1,accelerator_type:H100=0.001");
+        s.lose_node("w1", "test", 2_000);
+        let status = s.status(3_000);
+        assert_eq!(status.nodes[0].state, "dead");
+        assert_eq!(status.nodes[0].since_s, 1.0);
+    }
+}

@@ -1,0 +1,127 @@
+//! What the head shows: status, heartbeat ages, metrics targets.
+
+use std::collections::BTreeMap;
+
+use super::Scheduler;
+use crate::protocol::{ActorLine, ActorState, ClusterStatus, GroupStatus, NodeStatus, PendingLine};
+use crate::resources::Resources;
+
+impl Scheduler {
+    /// Seconds since each alive node's last heartbeat.
+    pub fn heartbeat_ages(&self, now_ms: u64) -> BTreeMap<String, f64> {
+        self.nodes
+            .values()
+            .filter(|n| n.dead_cause.is_none())
+            .map(|n| {
+                (
+                    n.info.name.clone(),
+                    now_ms.saturating_sub(n.last_heartbeat_ms) as f64 / 1000.0,
+                )
+            })
+            .collect()
+    }
+
+    /// `(node, metrics address)` of each alive node that serves metrics.
+    pub fn metrics_targets(&self) -> Vec<(String, String)> {
+        self.nodes
+            .values()
+            .filter(|n| n.dead_cause.is_none())
+            .filter_map(|n| n.info.metrics_address.clone().map(|a| (n.info.name.clone(), a)))
+            .collect()
+    }
+
+    /// A snapshot for `regatta status`.
+    pub fn status(&self, now_ms: u64) -> ClusterStatus {
+        let secs = |since: u64| now_ms.saturating_sub(since) as f64 / 1000.0;
+        let nodes = self
+            .nodes
+            .values()
+            .map(|n| NodeStatus {
+                name: n.info.name.clone(),
+                address: n.info.address.clone(),
+                state: if n.dead_cause.is_none() { "alive" } else { "dead" }.to_string(),
+                since_s: secs(n.since_ms),
+                cause: n.dead_cause.clone(),
+                total: n.ledger.total().clone(),
+                used: if n.dead_cause.is_none() {
+                    n.ledger.used()
+                } else {
+                    Resources::new()
+                },
+                kinds: n.info.kinds.clone(),
+                actors: self
+                    .actors
+                    .values()
+                    .filter(|a| a.placed.as_ref().is_some_and(|p| p.node == n.info.name))
+                    .count(),
+            })
+            .collect();
+        let groups = self
+            .groups
+            .iter()
+            .map(|(id, g)| GroupStatus {
+                id: *id,
+                name: g.spec.name.clone(),
+                strategy: g.spec.strategy,
+                state: match (g.created, g.bundles.iter().all(Option::is_some)) {
+                    (_, true) => "created",
+                    (false, false) => "pending",
+                    (true, false) => "rescheduling",
+                }
+                .to_string(),
+                bundles: g
+                    .spec
+                    .bundles
+                    .iter()
+                    .zip(&g.bundles)
+                    .map(|(r, b)| (r.clone(), b.as_ref().map(|b| b.node.clone())))
+                    .collect(),
+            })
+            .collect();
+        let actors = self
+            .actors
+            .iter()
+            .filter_map(|(id, a)| {
+                Some(ActorLine {
+                    view: self.actor_view(*id)?,
+                    name: a.spec.name.clone(),
+                    resources: a.spec.resources.clone(),
+                    gpu_ids: a.placed.as_ref().map(|p| p.allocation.gpu_ids()).unwrap_or_default(),
+                })
+            })
+            .collect();
+        let mut pending: Vec<PendingLine> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| g.bundles.iter().any(Option::is_none))
+            .map(|(id, g)| PendingLine {
+                what: format!("placement group {id} ({:?})", g.spec.strategy),
+                resources: g
+                    .spec
+                    .bundles
+                    .iter()
+                    .map(|b| format!("{{{b}}}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                waiting_s: secs(g.waiting_since_ms),
+            })
+            .collect();
+        pending.extend(
+            self.actors
+                .iter()
+                .filter(|(_, a)| matches!(a.state, ActorState::Pending | ActorState::Restarting))
+                .map(|(id, a)| PendingLine {
+                    what: format!("actor {id} ({})", a.spec.kind),
+                    resources: a.spec.resources.to_string(),
+                    waiting_s: secs(a.waiting_since_ms),
+                }),
+        );
+        ClusterStatus {
+            nodes,
+            groups,
+            actors,
+            pending,
+            objects: Default::default(),
+        }
+    }
+}
