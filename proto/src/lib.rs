@@ -1,7 +1,8 @@
 //! Regatta's decisions without I/O, as `quinn-proto` is to `quinn`: everything the runtime
 //! decides that needs no socket, actor, process or clock — ids, resources, placement, the
 //! typed protocol messages, job records and their lifecycle, the object directory and a
-//! node's memory store bookkeeping, and the head's scheduler. Time comes in as arguments.
+//! node's memory store bookkeeping, the actor pool's bookkeeping, the head's scheduler and
+//! the head itself as a state machine ([`HeadCore`]). Time comes in as arguments.
 //! Its tests are its own and run in seconds; `regatta-runtime` wraps it in actors.
 //!
 //! ```
@@ -16,6 +17,7 @@ pub mod head;
 pub mod job;
 pub mod object;
 pub mod placement;
+pub mod pool;
 pub mod protocol;
 pub mod resources;
 pub mod scheduler;
@@ -25,6 +27,7 @@ pub use head::{Answer, HeadCore, Notice, Output, ReplyTo};
 pub use job::{JobRecord, JobStatus, JobSubmission, RuntimeEnv};
 pub use object::{Directory, DirectoryStats, Location, MemoryStats, MemoryStore, Missing, NoRoom, ObjectId, Release};
 pub use placement::{Allocation, Decision, Ledger, Strategy};
+pub use pool::{PoolBook, Seq};
 pub use protocol::{
     ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, GroupId, GroupStatus, NodeStatus,
     PendingLine, RESTART_FOREVER,

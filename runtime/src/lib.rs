@@ -36,7 +36,7 @@ mod objects;
 mod worker;
 
 // The pure core, under the names the runtime has always used for it.
-use regatta_proto::{job, placement, protocol, resources, scheduler};
+use regatta_proto::{job, placement, pool as pool_book, protocol, resources, scheduler};
 // Short paths for the parts every folder uses.
 use client::{job_client, pool};
 use head::{job_log, job_manager, job_store};
@@ -59,7 +59,8 @@ pub use job_manager::{JobConfig, ADDRESS_ENV};
 pub use metrics::{metrics, Metrics, SdTarget};
 pub use objects::{ObjectConfig, ObjectStats};
 pub use placement::{Allocation, Decision, Ledger, Strategy};
-pub use pool::{ActorPool, PoolBook, Seq};
+pub use pool::ActorPool;
+pub use pool_book::{PoolBook, Seq};
 pub use protocol::{
     ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, GroupId, GroupStatus, NodeStatus,
     PendingLine, RESTART_FOREVER,
