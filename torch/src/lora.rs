@@ -14,7 +14,7 @@ use regatta_trainer::lora::{from_peft_name, is_adapter, peft_name, ADAPTER_CONFI
 use regatta_trainer::LoraConfig;
 use tch::{Kind, Tensor};
 
-use crate::checkpoint::{from_safetensors, latest, step_dir, to_safetensors};
+use crate::checkpoint::manifest::{from_safetensors, latest, step_dir, to_safetensors};
 use crate::error::{Error, Result};
 use crate::hf::{HfModel, ShardPlan, INDEX};
 use crate::model::{Model, ParamSpec};
