@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use crate::object::{Directory, Location, Missing, ObjectId, Release};
-use crate::protocol::{ActorId, ActorState, ActorView, ClusterStatus, Failure, GroupId, HeadRequest};
+use crate::protocol::{ActorId, ActorState, ActorView, ClusterStatus, Failure, GroupId, HeadRequest, NodeInfo};
 use crate::scheduler::{Effect, Scheduler};
 
 /// How long the head holds a lookup of an object id it has not heard of: registration of
@@ -231,65 +231,24 @@ impl HeadCore {
         }
     }
 
+    /// Routes one request to its handler; each answers `to` (when given) through `out`.
     fn request(&mut self, request: HeadRequest, to: Option<ReplyTo>, now: u64, out: &mut Vec<Output>) {
-        let reply = |answer: Answer, out: &mut Vec<Output>| {
-            if let Some(to) = to {
-                out.push(Output::Reply(to, answer));
-            }
-        };
-        let ok = || Answer::Done(Ok(()));
         match request {
-            HeadRequest::Register(info) => {
-                let joined = Notice::NodeJoined {
-                    node: info.name.clone(),
-                    address: info.address.clone(),
-                    resources: info.resources.to_string(),
-                    kinds: info.kinds.clone(),
-                };
-                let result = self.scheduler.register(info, now);
-                out.push(Output::Notice(match &result {
-                    Ok(_) => joined,
-                    Err(failure) => Notice::RegistrationRefused(failure.clone()),
-                }));
-                reply(Answer::Registered(result), out);
-            }
+            HeadRequest::Register(info) => self.register(info, to, now, out),
             HeadRequest::Heartbeat { node, incarnation } => {
                 let known = self.scheduler.heartbeat(&node, incarnation, now);
-                reply(Answer::Heartbeat(known), out);
+                answer(to, Answer::Heartbeat(known), out);
             }
-            HeadRequest::Spawn(spec) => {
-                let result = self.scheduler.submit(spec, now);
-                reply(Answer::Spawned(result), out);
-            }
-            HeadRequest::WaitActor(id) => match (self.scheduler.actor_view(id), to) {
-                (None, Some(to)) => out.push(Output::Reply(
-                    to,
-                    Answer::Actor(Err(Failure::Rejected(format!("actor {id} does not exist")))),
-                )),
-                (Some(_), Some(to)) => self.actor_waiters.entry(id).or_default().push(to),
-                (_, None) => {}
-            },
-            HeadRequest::Announce(id) => {
-                reply(ok(), out);
-                if let Some(ActorView {
-                    state: ActorState::Alive,
-                    node: Some(node),
-                    ..
-                }) = self.scheduler.actor_view(id)
-                {
-                    out.push(Output::Effect(Effect::Announce { node, actor: id }));
-                }
-            }
-            HeadRequest::Named(name) => reply(Answer::Named(self.scheduler.named(&name)), out),
+            HeadRequest::Spawn(spec) => answer(to, Answer::Spawned(self.scheduler.submit(spec, now)), out),
+            HeadRequest::WaitActor(id) => self.wait_actor(id, to, out),
+            HeadRequest::Announce(id) => self.announce(id, to, out),
+            HeadRequest::Named(name) => answer(to, Answer::Named(self.scheduler.named(&name)), out),
             HeadRequest::Kill(id) => {
                 let result = self.scheduler.kill(id);
-                let effects = result.as_ref().cloned().unwrap_or_default();
-                reply(Answer::Done(result.map(|_| ())), out);
-                out.extend(effects.into_iter().map(Output::Effect));
+                answer_with_effects(to, result, out);
             }
             HeadRequest::CreateGroup(spec) => {
-                let result = self.scheduler.create_group(spec, now);
-                reply(Answer::GroupCreated(result), out);
+                answer(to, Answer::GroupCreated(self.scheduler.create_group(spec, now)), out);
             }
             HeadRequest::WaitGroup(id) => {
                 if let Some(to) = to {
@@ -298,11 +257,94 @@ impl HeadCore {
             }
             HeadRequest::RemoveGroup(id) => {
                 let result = self.scheduler.remove_group(id);
-                let effects = result.as_ref().cloned().unwrap_or_default();
-                reply(Answer::Done(result.map(|_| ())), out);
-                out.extend(effects.into_iter().map(Output::Effect));
+                answer_with_effects(to, result, out);
             }
-            HeadRequest::Status => reply(Answer::Status(Box::new(self.status(now))), out),
+            HeadRequest::Status => answer(to, Answer::Status(Box::new(self.status(now))), out),
+            HeadRequest::EndJob(job) => self.end_job(&job, to, out),
+            HeadRequest::Started {
+                actor,
+                attempt,
+                outcome,
+            } => self.started(actor, attempt, outcome, to, out),
+            HeadRequest::Exited { actor, attempt, cause } => {
+                out.push(Output::Notice(Notice::Exited {
+                    actor,
+                    cause: cause.clone(),
+                }));
+                self.scheduler.exited(actor, attempt, &cause, now);
+                answer(to, Answer::Done(Ok(())), out);
+            }
+            object => self.object_request(object, to, now, out),
+        }
+    }
+
+    fn register(&mut self, info: NodeInfo, to: Option<ReplyTo>, now: u64, out: &mut Vec<Output>) {
+        let joined = Notice::NodeJoined {
+            node: info.name.clone(),
+            address: info.address.clone(),
+            resources: info.resources.to_string(),
+            kinds: info.kinds.clone(),
+        };
+        let result = self.scheduler.register(info, now);
+        out.push(Output::Notice(match &result {
+            Ok(_) => joined,
+            Err(failure) => Notice::RegistrationRefused(failure.clone()),
+        }));
+        answer(to, Answer::Registered(result), out);
+    }
+
+    /// Parks a wait for an actor until it is alive or dead; an unknown actor is refused.
+    fn wait_actor(&mut self, id: ActorId, to: Option<ReplyTo>, out: &mut Vec<Output>) {
+        let Some(to) = to else { return };
+        if self.scheduler.actor_view(id).is_some() {
+            self.actor_waiters.entry(id).or_default().push(to);
+        } else {
+            let refused = Failure::Rejected(format!("actor {id} does not exist"));
+            out.push(Output::Reply(to, Answer::Actor(Err(refused))));
+        }
+    }
+
+    /// Has a live actor's agent advertise it again.
+    fn announce(&mut self, id: ActorId, to: Option<ReplyTo>, out: &mut Vec<Output>) {
+        answer(to, Answer::Done(Ok(())), out);
+        if let Some(ActorView {
+            state: ActorState::Alive,
+            node: Some(node),
+            ..
+        }) = self.scheduler.actor_view(id)
+        {
+            out.push(Output::Effect(Effect::Announce { node, actor: id }));
+        }
+    }
+
+    fn end_job(&mut self, job: &str, to: Option<ReplyTo>, out: &mut Vec<Output>) {
+        let effects = self.scheduler.end_job(job);
+        out.extend(self.directory.end_job(job).into_iter().map(Output::Release));
+        answer(to, Answer::Done(Ok(())), out);
+        out.extend(effects.into_iter().map(Output::Effect));
+    }
+
+    fn started(
+        &mut self,
+        actor: ActorId,
+        attempt: u32,
+        outcome: Result<(), String>,
+        to: Option<ReplyTo>,
+        out: &mut Vec<Output>,
+    ) {
+        if let Err(cause) = &outcome {
+            out.push(Output::Notice(Notice::StartFailed {
+                actor,
+                cause: cause.clone(),
+            }));
+        }
+        self.scheduler.started(actor, attempt, outcome);
+        answer(to, Answer::Done(Ok(())), out);
+    }
+
+    /// The object directory's requests.
+    fn object_request(&mut self, request: HeadRequest, to: Option<ReplyTo>, now: u64, out: &mut Vec<Output>) {
+        match request {
             HeadRequest::ObjectPut {
                 id,
                 size,
@@ -318,17 +360,14 @@ impl HeadCore {
                 if let Err(failure) = &result {
                     out.push(Output::Notice(Notice::ObjectRefused(failure.clone())));
                 }
-                reply(Answer::Done(result), out);
+                answer(to, Answer::Done(result), out);
                 for parked in self.object_waiters.remove(&id).unwrap_or_default() {
                     self.request(parked.request, Some(parked.to), now, out);
                 }
             }
             HeadRequest::ObjectLocate(id) => match (self.directory.locate(id), to) {
                 (Err(Missing::Unknown), Some(to)) => self.park(id, HeadRequest::ObjectLocate(id), to, now),
-                (result, _) => reply(
-                    Answer::Location(result.map_err(|missing| object_missing(id, missing))),
-                    out,
-                ),
+                (result, _) => answer(to, Answer::Location(result.map_err(|m| object_missing(id, m))), out),
             },
             HeadRequest::ObjectAddSource { id, node, address } => self.directory.add_source(id, &node, &address),
             HeadRequest::ObjectRemoveSource { id, node, spilled_to } => {
@@ -339,41 +378,19 @@ impl HeadCore {
             }
             HeadRequest::ObjectAddRef { id, holder } => match (self.directory.add_ref(id, &holder), to) {
                 (Err(Missing::Unknown), Some(to)) => self.park(id, HeadRequest::ObjectAddRef { id, holder }, to, now),
-                (result, _) => reply(Answer::Done(result.map_err(|missing| object_missing(id, missing))), out),
+                (result, _) => answer(to, Answer::Done(result.map_err(|m| object_missing(id, m))), out),
             },
             HeadRequest::ObjectDropRef { id, holder } => self.directory.drop_ref(id, &holder, now),
             HeadRequest::ObjectFree(id) => {
                 out.extend(self.directory.free(id).map(Output::Release));
-                reply(ok(), out);
-            }
-            HeadRequest::EndJob(job) => {
-                let effects = self.scheduler.end_job(&job);
-                out.extend(self.directory.end_job(&job).into_iter().map(Output::Release));
-                reply(ok(), out);
-                out.extend(effects.into_iter().map(Output::Effect));
+                answer(to, Answer::Done(Ok(())), out);
             }
             HeadRequest::HolderGone(holder) => self.directory.holder_gone(&holder, now),
-            HeadRequest::Started {
-                actor,
-                attempt,
-                outcome,
-            } => {
-                if let Err(cause) = &outcome {
-                    out.push(Output::Notice(Notice::StartFailed {
-                        actor,
-                        cause: cause.clone(),
-                    }));
-                }
-                self.scheduler.started(actor, attempt, outcome);
-                reply(ok(), out);
-            }
-            HeadRequest::Exited { actor, attempt, cause } => {
-                out.push(Output::Notice(Notice::Exited {
-                    actor,
-                    cause: cause.clone(),
-                }));
-                self.scheduler.exited(actor, attempt, &cause, now);
-                reply(ok(), out);
+            other => {
+                // `request` routes every other kind itself; refuse rather than drop one
+                // that a future change forgets to route.
+                let refused = Failure::Rejected(format!("the head does not route '{}' requests", other.name()));
+                answer(to, Answer::Done(Err(refused)), out);
             }
         }
     }
@@ -386,6 +403,20 @@ impl HeadCore {
             deadline_ms: now + UNKNOWN_OBJECT_WAIT_MS,
         });
     }
+}
+
+/// Sends `answer` to `to`, when the request wanted one.
+fn answer(to: Option<ReplyTo>, answer: Answer, out: &mut Vec<Output>) {
+    if let Some(to) = to {
+        out.push(Output::Reply(to, answer));
+    }
+}
+
+/// Answers a request that may have effects on nodes (a kill, a group's removal).
+fn answer_with_effects(to: Option<ReplyTo>, result: Result<Vec<Effect>, Failure>, out: &mut Vec<Output>) {
+    let effects = result.as_ref().cloned().unwrap_or_default();
+    answer(to, Answer::Done(result.map(|_| ())), out);
+    out.extend(effects.into_iter().map(Output::Effect));
 }
 
 fn object_missing(id: ObjectId, missing: Missing) -> Failure {
@@ -435,6 +466,30 @@ mod tests {
             placement: None,
             job: None,
         })
+    }
+
+    fn spawn_with(resources: &str, max_restarts: u32) -> HeadRequest {
+        match spawn(resources) {
+            HeadRequest::Spawn(spec) => HeadRequest::Spawn(ActorSpec { max_restarts, ..spec }),
+            other => other,
+        }
+    }
+
+    /// Spawns and starts an actor; returns its id, the node it runs on and its attempt.
+    fn running(head: &mut HeadCore, request: HeadRequest, now: u64) -> (ActorId, String, u32) {
+        let out = head.handle(request, Some(ReplyTo(0)), now);
+        let id = spawned(&out);
+        let start = starts(&out).pop().expect("placed at once");
+        head.handle(
+            HeadRequest::Started {
+                actor: id,
+                attempt: start.attempt,
+                outcome: Ok(()),
+            },
+            None,
+            now,
+        );
+        (id, start.node, start.attempt)
     }
 
     fn replies(out: &[Output]) -> Vec<(ReplyTo, Answer)> {
@@ -596,6 +651,99 @@ mod tests {
                     && matches!(a, Answer::GroupPlaced(Ok(nodes)) if nodes == &["w1", "w1"])),
             "{answers:?}"
         );
+    }
+
+    #[test]
+    fn a_node_dies_with_actors_and_a_pending_group_and_each_goes_where_it_should() {
+        let mut head = HeadCore::new(3_000, 10_000);
+        head.handle(node("w1", "CPU=2"), None, 0);
+        let (restartable, on, first) = running(&mut head, spawn_with("CPU=1", 1), 0);
+        let (fragile, _, _) = running(&mut head, spawn_with("CPU=1", 0), 0);
+        assert_eq!(on, "w1");
+        // w1 is full: the group waits, and so do its caller and a wait on the fragile actor.
+        let out = head.handle(
+            HeadRequest::CreateGroup(GroupSpec {
+                bundles: vec![Resources::parse_request("CPU=2").unwrap()],
+                strategy: Strategy::Pack,
+                name: None,
+            }),
+            Some(ReplyTo(1)),
+            10,
+        );
+        let group = match replies(&out).as_slice() {
+            [(_, Answer::GroupCreated(Ok(id)))] => *id,
+            other => panic!("{other:?}"),
+        };
+        head.handle(HeadRequest::WaitGroup(group), Some(ReplyTo(2)), 10);
+        head.handle(node("w2", "CPU=1"), None, 2_500);
+        // w1 goes silent: the restartable actor moves to w2, the fragile one dies, the
+        // group still cannot fit (w2 is too small) and keeps waiting.
+        let out = head.tick(3_001);
+        assert!(out
+            .iter()
+            .any(|o| matches!(o, Output::Notice(Notice::NodeDead { node, .. }) if node == "w1")));
+        let moved = starts(&out);
+        assert_eq!(moved.len(), 1, "{out:?}");
+        assert_eq!(
+            (moved[0].actor, moved[0].node.as_str(), moved[0].attempt),
+            (restartable, "w2", first + 1)
+        );
+        let out = head.handle(HeadRequest::WaitActor(fragile), Some(ReplyTo(3)), 3_002);
+        match replies(&out).as_slice() {
+            [(ReplyTo(3), Answer::Actor(Ok(view)))] => {
+                assert!(
+                    matches!(&view.state, ActorState::Dead { cause } if cause.contains("w1")),
+                    "{view:?}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(replies(&out).iter().all(|(to, _)| *to != ReplyTo(2)));
+        // Capacity arrives: the group is placed and its waiter answered.
+        let out = head.handle(node("w3", "CPU=2"), None, 3_100);
+        match replies(&out).as_slice() {
+            [(ReplyTo(2), Answer::GroupPlaced(Ok(nodes)))] => assert_eq!(nodes, &["w3"]),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(head.parked(), 0);
+    }
+
+    #[test]
+    fn an_actor_that_keeps_exiting_is_restarted_until_its_budget_runs_out() {
+        let mut head = HeadCore::new(3_000, 10_000);
+        head.handle(node("w1", "CPU=1"), None, 0);
+        let (id, _, first) = running(&mut head, spawn_with("CPU=1", 1), 0);
+        let exit = |attempt| HeadRequest::Exited {
+            actor: id,
+            attempt,
+            cause: format!("crash {attempt}"),
+        };
+        let out = head.handle(exit(first), None, 5);
+        let again = starts(&out);
+        assert_eq!(again.len(), 1, "one restart is within the budget: {out:?}");
+        assert_eq!(again[0].attempt, first + 1);
+        head.handle(
+            HeadRequest::Started {
+                actor: id,
+                attempt: first + 1,
+                outcome: Ok(()),
+            },
+            None,
+            6,
+        );
+        let out = head.handle(exit(first + 1), None, 7);
+        assert!(starts(&out).is_empty(), "the budget is spent: {out:?}");
+        let out = head.handle(HeadRequest::WaitActor(id), Some(ReplyTo(9)), 8);
+        match replies(&out).as_slice() {
+            [(ReplyTo(9), Answer::Actor(Ok(view)))] => {
+                assert!(
+                    matches!(&view.state, ActorState::Dead { cause } if cause.contains(&format!("crash {}", first + 1))),
+                    "{view:?}"
+                );
+                assert_eq!(view.restarts, 1);
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

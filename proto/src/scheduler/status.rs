@@ -32,15 +32,23 @@ impl Scheduler {
 
     /// A snapshot for `regatta status`.
     pub fn status(&self, now_ms: u64) -> ClusterStatus {
-        let secs = |since: u64| now_ms.saturating_sub(since) as f64 / 1000.0;
-        let nodes = self
-            .nodes
+        ClusterStatus {
+            nodes: self.node_lines(now_ms),
+            groups: self.group_lines(),
+            actors: self.actor_lines(),
+            pending: self.pending_lines(now_ms),
+            objects: Default::default(),
+        }
+    }
+
+    fn node_lines(&self, now_ms: u64) -> Vec<NodeStatus> {
+        self.nodes
             .values()
             .map(|n| NodeStatus {
                 name: n.info.name.clone(),
                 address: n.info.address.clone(),
                 state: if n.dead_cause.is_none() { "alive" } else { "dead" }.to_string(),
-                since_s: secs(n.since_ms),
+                since_s: seconds_since(now_ms, n.since_ms),
                 cause: n.dead_cause.clone(),
                 total: n.ledger.total().clone(),
                 used: if n.dead_cause.is_none() {
@@ -55,9 +63,11 @@ impl Scheduler {
                     .filter(|a| a.placed.as_ref().is_some_and(|p| p.node == n.info.name))
                     .count(),
             })
-            .collect();
-        let groups = self
-            .groups
+            .collect()
+    }
+
+    fn group_lines(&self) -> Vec<GroupStatus> {
+        self.groups
             .iter()
             .map(|(id, g)| GroupStatus {
                 id: *id,
@@ -77,9 +87,11 @@ impl Scheduler {
                     .map(|(r, b)| (r.clone(), b.as_ref().map(|b| b.node.clone())))
                     .collect(),
             })
-            .collect();
-        let actors = self
-            .actors
+            .collect()
+    }
+
+    fn actor_lines(&self) -> Vec<ActorLine> {
+        self.actors
             .iter()
             .filter_map(|(id, a)| {
                 Some(ActorLine {
@@ -89,8 +101,12 @@ impl Scheduler {
                     gpu_ids: a.placed.as_ref().map(|p| p.allocation.gpu_ids()).unwrap_or_default(),
                 })
             })
-            .collect();
-        let mut pending: Vec<PendingLine> = self
+            .collect()
+    }
+
+    /// Groups with unplaced bundles, then actors waiting for resources.
+    fn pending_lines(&self, now_ms: u64) -> Vec<PendingLine> {
+        let groups = self
             .groups
             .iter()
             .filter(|(_, g)| g.bundles.iter().any(Option::is_none))
@@ -103,25 +119,21 @@ impl Scheduler {
                     .map(|b| format!("{{{b}}}"))
                     .collect::<Vec<_>>()
                     .join(" "),
-                waiting_s: secs(g.waiting_since_ms),
-            })
-            .collect();
-        pending.extend(
-            self.actors
-                .iter()
-                .filter(|(_, a)| matches!(a.state, ActorState::Pending | ActorState::Restarting))
-                .map(|(id, a)| PendingLine {
-                    what: format!("actor {id} ({})", a.spec.kind),
-                    resources: a.spec.resources.to_string(),
-                    waiting_s: secs(a.waiting_since_ms),
-                }),
-        );
-        ClusterStatus {
-            nodes,
-            groups,
-            actors,
-            pending,
-            objects: Default::default(),
-        }
+                waiting_s: seconds_since(now_ms, g.waiting_since_ms),
+            });
+        let actors = self
+            .actors
+            .iter()
+            .filter(|(_, a)| matches!(a.state, ActorState::Pending | ActorState::Restarting))
+            .map(|(id, a)| PendingLine {
+                what: format!("actor {id} ({})", a.spec.kind),
+                resources: a.spec.resources.to_string(),
+                waiting_s: seconds_since(now_ms, a.waiting_since_ms),
+            });
+        groups.chain(actors).collect()
     }
+}
+
+fn seconds_since(now_ms: u64, since_ms: u64) -> f64 {
+    now_ms.saturating_sub(since_ms) as f64 / 1000.0
 }
