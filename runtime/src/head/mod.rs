@@ -135,17 +135,7 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     .await
     .map_err(|e| Error::Actor(format!("cannot start the head actor: {e}")))?;
     node::join_group(&scope, node::HEAD_GROUP, actor.get_cell());
-    let ticker = actor.clone();
-    let tick_every = Duration::from_millis((config.heartbeat_timeout_ms / 10).clamp(20, 250));
-    tokio::spawn(async move {
-        let mut interval = tokio::time::interval(tick_every);
-        loop {
-            interval.tick().await;
-            if ticker.send_message(Wire::Local(LocalSignal::Tick)).is_err() {
-                break;
-            }
-        }
-    });
+    start_ticker(actor.clone(), config.heartbeat_timeout_ms);
     let link = Arc::new(HeadLink::new(scope.clone(), actor.get_cell(), address.clone()));
     let objects = ObjectService::start(HEAD_NODE, &config.token, config.objects.clone(), link.clone()).await?;
     let (job_api, manager) = match &config.jobs {
@@ -174,6 +164,20 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
         _node: local,
         _objects: objects,
     })
+}
+
+/// Sends the head actor its liveness tick, a tenth of the heartbeat timeout apart.
+fn start_ticker(head: ActorRef<Wire>, heartbeat_timeout_ms: u64) {
+    let tick_every = Duration::from_millis((heartbeat_timeout_ms / 10).clamp(20, 250));
+    tokio::spawn(async move {
+        let mut interval = tokio::time::interval(tick_every);
+        loop {
+            interval.tick().await;
+            if head.send_message(Wire::Local(LocalSignal::Tick)).is_err() {
+                break;
+            }
+        }
+    });
 }
 
 /// The head's own name as an object holder.
