@@ -1,0 +1,237 @@
+//! A training step: micro-batches forward and backward block by block (with ZeRO-3's
+//! gathers and recomputation), gradients reduced and held by kind, then AdamW on this
+//! rank's slice.
+
+use super::*;
+
+impl Engine {
+    /// One optimizer step over this rank's micro-batches (a collective: every rank calls it
+    /// with the same number of micro-batches).
+    pub fn train_step(&mut self, micro: &[MicroBatch]) -> Result<StepOutcome> {
+        let local_targets: i64 = micro
+            .iter()
+            .map(|m| m.targets.ne(IGNORE).sum(Kind::Int64).int64_value(&[]))
+            .sum();
+        let count = self.sum_over_ranks(local_targets as f64)?.round();
+        if count < 1.0 {
+            return Err(Error::Invalid(
+                "no target token in this step's batch on any rank (every label is -100)".into(),
+            ));
+        }
+        let mut local_loss = 0.0;
+        let mut grad_bytes = (0, 0);
+        for (k, m) in micro.iter().enumerate() {
+            // Dropout masks: a function of the run's seed, the step and the micro-batch, so a
+            // resumed run draws what an uninterrupted one would.
+            let salt = (self.step << 16 | k as u64).wrapping_mul(0x2545_f491_4f6c_dd1d);
+            let (loss, held) = self.accumulate(m, count, self.settings.seed ^ salt)?;
+            local_loss += loss;
+            grad_bytes = held;
+        }
+        let loss = self.sum_over_ranks(local_loss)? / count;
+        let grad_norm = self.apply_adamw()?;
+        Ok(StepOutcome {
+            loss,
+            collective_secs: self.coll.take_spent().as_secs_f64(),
+            grad_bytes: grad_bytes.0,
+            host_grad_bytes: grad_bytes.1,
+            grad_norm,
+            target_tokens: count as u64,
+        })
+    }
+
+    /// Forward and backward of one micro-batch, adding the gradients of its loss sum
+    /// divided by `count` to the held ones. Returns its loss sum and the gradient bytes
+    /// held (all, and of those on the host).
+    fn accumulate(&mut self, m: &MicroBatch, count: f64, dropout_seed: u64) -> Result<(f64, (u64, u64))> {
+        let blocks = self.specs.len();
+        let recompute = self.three() || self.settings.activation_checkpointing;
+        let device = self.settings.device;
+        let tokens = m.tokens.to_device(device);
+        let targets = m.targets.to_device(device);
+        let mut batch = m.batch(device);
+        batch.dropout_seed = Some(dropout_seed);
+        self.model.prepare(&mut batch);
+        // Forward: keep each block's input (recompute) or its whole graph.
+        let mut inputs = Vec::with_capacity(blocks);
+        let mut saved = Vec::with_capacity(blocks);
+        let mut hidden = tokens.shallow_clone();
+        for block in 0..blocks {
+            if recompute {
+                inputs.push(hidden.shallow_clone());
+                if block + 1 < blocks {
+                    let leaves = self.leaves(block, false)?;
+                    let views = self.views(block, &leaves);
+                    hidden = tch::no_grad(|| self.model.forward(block, &views, &hidden, &batch));
+                }
+            } else {
+                let leaves = self.leaves(block, true)?;
+                let input = if block == 0 {
+                    hidden.shallow_clone()
+                } else {
+                    hidden.detach().set_requires_grad(true)
+                };
+                let out = self.model.forward(block, &self.views(block, &leaves), &input, &batch);
+                hidden = out.shallow_clone();
+                saved.push((leaves, (block > 0).then_some(input), out));
+            }
+        }
+        // Backward, block by block from the last.
+        let mut grad_out: Option<Tensor> = None;
+        let mut pending: HashMap<Source, Tensor> = HashMap::new();
+        let mut loss_sum = 0.0;
+        let mut held = (0, 0);
+        for block in (0..blocks).rev() {
+            let trains = !self.train[block].is_empty()
+                || self.slots[block]
+                    .iter()
+                    .any(|s| matches!(s, Slot::Tied((_, Store::Train(_)))));
+            // A frozen first block needs no backward at all (nothing before it).
+            if block == 0 && !trains {
+                break;
+            }
+            let (leaves, input, out) = if recompute {
+                let leaves = self.leaves(block, true)?;
+                let input = (block > 0).then(|| inputs[block].detach().set_requires_grad(true));
+                let x = input.as_ref().unwrap_or(&inputs[0]);
+                let out = self.model.forward(block, &self.views(block, &leaves), x, &batch);
+                (leaves, input, out)
+            } else {
+                saved
+                    .pop()
+                    .ok_or_else(|| Error::Invalid("backward ran past the saved blocks".into()))?
+            };
+            let target = if block + 1 == blocks {
+                let sum = token_loss_sum(&out, &targets);
+                loss_sum = sum.double_value(&[]);
+                sum / count
+            } else {
+                let upstream = grad_out
+                    .take()
+                    .ok_or_else(|| Error::Invalid("a block's output gradient is missing".into()))?;
+                (&out * upstream).sum(Kind::Float)
+            };
+            let mut wrt = leaves.trained();
+            let trained = wrt.len();
+            wrt.extend(input.iter().map(Tensor::shallow_clone));
+            let grads = Tensor::f_run_backward(&[&target], &wrt, false, false)?;
+            let own = usize::from(leaves.flat.numel() > 0);
+            let grad = if own == 1 {
+                grads[0].to_kind(Kind::Float)
+            } else {
+                Tensor::zeros([0], (Kind::Float, device))
+            };
+            let tied_trained = leaves
+                .tied
+                .iter()
+                .filter(|((_, store), _)| matches!(store, Store::Train(_)));
+            for (i, (source, _)) in tied_trained.enumerate() {
+                let g = grads[own + i].to_kind(Kind::Float);
+                let sum = match pending.remove(source) {
+                    Some(earlier) => earlier + g,
+                    None => g,
+                };
+                pending.insert(*source, sum);
+            }
+            let here: Vec<Source> = pending.keys().filter(|(b, _)| *b == block).copied().collect();
+            for source in here {
+                if let (Some(g), Store::Train(slot)) = (pending.remove(&source), source.1) {
+                    let mut region = self.train[block].view(slot, &grad);
+                    let _ = tch::no_grad(|| region.g_add_(&g));
+                }
+            }
+            grad_out = grads.get(trained).map(Tensor::shallow_clone);
+            if !self.train[block].is_empty() {
+                let (bytes, on_host) = self.hold_gradient(block, grad)?;
+                held.0 += bytes;
+                held.1 += on_host;
+            }
+        }
+        Ok((loss_sum, held))
+    }
+
+    /// Adds a block's gradient to the held ones (stage 1: full, on the device; 2 and 3:
+    /// this rank's reduced slice, moved to the host with optimizer offload). Returns the
+    /// bytes held for the block, and of those on the host.
+    fn hold_gradient(&mut self, block: usize, grad: Tensor) -> Result<(u64, u64)> {
+        let (slot, grad) = if self.settings.stage == ZeroStage::One {
+            (&mut self.full_grads[block], grad)
+        } else {
+            let shard = self.coll.reduce_scatter(&grad)?.to_device(self.host);
+            (&mut self.grad_shards[block], shard)
+        };
+        let total = match slot.take() {
+            Some(mut held) => {
+                let _ = tch::no_grad(|| held.g_add_(&grad));
+                held
+            }
+            None => grad,
+        };
+        let held = bytes(&total);
+        let offloaded =
+            self.settings.offload.offload_optimizer == Offload::Cpu && self.settings.stage != ZeroStage::One;
+        let on_host = if offloaded { held } else { 0 };
+        *slot = Some(total);
+        Ok((held, on_host))
+    }
+
+    /// Clips by the global norm and updates the master slices in place (AdamW as
+    /// `torch.optim.AdamW` computes it, over each block's flat buffer: vectorised libtorch
+    /// kernels on the host with offload); returns the norm before clipping.
+    fn apply_adamw(&mut self) -> Result<f64> {
+        self.step += 1;
+        let o = self.settings.optimizer.clone();
+        let lr = o.lr_at(self.step, self.settings.steps);
+        let mut shards = Vec::with_capacity(self.master.len());
+        for block in 0..self.master.len() {
+            if self.train[block].is_empty() {
+                shards.push(None);
+                continue;
+            }
+            let missing = || Error::Invalid(format!("no gradient for block {block}"));
+            let grad = match self.settings.stage {
+                ZeroStage::One => {
+                    let full = self.full_grads[block].take().ok_or_else(missing)?;
+                    self.coll.reduce_scatter(&full)?.to_device(self.host)
+                }
+                _ => self.grad_shards[block].take().ok_or_else(missing)?,
+            };
+            shards.push(Some(grad));
+        }
+        let local: f64 = shards
+            .iter()
+            .flatten()
+            .map(|g| g.pow_tensor_scalar(2).sum(Kind::Double).double_value(&[]))
+            .sum();
+        let norm = self.sum_over_ranks(local)?.sqrt();
+        let clip = if o.max_grad_norm > 0.0 {
+            (o.max_grad_norm / (norm + 1e-6)).min(1.0)
+        } else {
+            1.0
+        };
+        let hyper = AdamwStep {
+            lr,
+            beta1: o.beta1,
+            beta2: o.beta2,
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+            step: self.step,
+        };
+        for (block, grad) in shards.into_iter().enumerate() {
+            let Some(mut grad) = grad else { continue };
+            if clip < 1.0 {
+                let _ = tch::no_grad(|| grad.g_mul_scalar_(clip));
+            }
+            adamw_update(
+                &mut self.master[block],
+                &mut self.exp_avg[block],
+                &mut self.exp_avg_sq[block],
+                &self.decay[block],
+                grad,
+                &hyper,
+            );
+        }
+        self.refresh_params()?;
+        Ok(norm)
+    }
+}
