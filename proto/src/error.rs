@@ -11,6 +11,9 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A view query (page, filter) that cannot be answered as asked.
+    #[error("bad query: {0}")]
+    BadQuery(String),
 }
 
 /// The pure core's result type.

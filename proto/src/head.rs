@@ -9,7 +9,9 @@ use std::collections::BTreeMap;
 
 use crate::object::{Directory, Location, Missing, ObjectId, Release};
 use crate::protocol::{ActorId, ActorState, ActorView, ClusterStatus, Failure, GroupId, HeadRequest, NodeInfo};
+use crate::runs::RunBook;
 use crate::scheduler::{Effect, Scheduler};
+use crate::view::{View, ViewQuery};
 
 /// How long the head holds a lookup of an object id it has not heard of: registration of
 /// a put is asynchronous, so a reference can overtake it.
@@ -39,6 +41,8 @@ pub enum Answer {
     GroupPlaced(Result<Vec<String>, Failure>),
     /// `Status`: the whole cluster.
     Status(Box<ClusterStatus>),
+    /// `View`: the page asked for.
+    View(Box<crate::view::View>),
     /// `ObjectLocate`: where to read the object.
     Location(Result<Location, Failure>),
     /// Requests with no value to return.
@@ -117,6 +121,7 @@ pub struct HeadCore {
     actor_waiters: BTreeMap<ActorId, Vec<ReplyTo>>,
     group_waiters: BTreeMap<GroupId, Vec<ReplyTo>>,
     object_waiters: BTreeMap<ObjectId, Vec<Parked>>,
+    runs: RunBook,
 }
 
 impl HeadCore {
@@ -130,6 +135,7 @@ impl HeadCore {
             actor_waiters: BTreeMap::new(),
             group_waiters: BTreeMap::new(),
             object_waiters: BTreeMap::new(),
+            runs: RunBook::new(),
         }
     }
 
@@ -143,6 +149,26 @@ impl HeadCore {
         let mut status = self.scheduler.status(now_ms);
         status.objects = self.directory.stats();
         status
+    }
+
+    /// Answers a dashboard query.
+    pub fn view(&self, query: ViewQuery, now_ms: u64) -> View {
+        match query {
+            ViewQuery::Overview => {
+                let mut overview = self.scheduler.overview();
+                overview.objects = self.directory.stats();
+                overview.runs = self.runs.len();
+                View::Overview(overview)
+            }
+            ViewQuery::Nodes(page) => {
+                View::Nodes(self.scheduler.node_page(page, now_ms, &self.directory.bytes_by_node()))
+            }
+            ViewQuery::Actors(filter, page) => View::Actors(self.scheduler.actor_page(&filter, page, now_ms)),
+            ViewQuery::Actor(id) => View::Actor(self.scheduler.actor_row(id, now_ms)),
+            ViewQuery::Groups(page) => View::Groups(self.scheduler.group_page(page)),
+            ViewQuery::Runs => View::Runs(self.runs.summaries(now_ms)),
+            ViewQuery::Run(name) => View::Run(self.runs.detail(&name, now_ms)),
+        }
     }
 
     /// Handles one request; `to` is `None` for casts (no answer wanted).
@@ -243,6 +269,11 @@ impl HeadCore {
             HeadRequest::WaitActor(id) => self.wait_actor(id, to, out),
             HeadRequest::Announce(id) => self.announce(id, to, out),
             HeadRequest::Named(name) => answer(to, Answer::Named(self.scheduler.named(&name)), out),
+            HeadRequest::View(query) => answer(to, Answer::View(Box::new(self.view(query, now))), out),
+            HeadRequest::RunReport(point) => {
+                let result = self.runs.report(point, now).map_err(Failure::Rejected);
+                answer(to, Answer::Done(result), out);
+            }
             HeadRequest::Kill(id) => {
                 let result = self.scheduler.kill(id);
                 answer_with_effects(to, result, out);
@@ -760,5 +791,97 @@ mod tests {
                 .any(|o| matches!(o, Output::Notice(Notice::NodeDead { node, .. }) if node == "w1")),
             "{out:?}"
         );
+    }
+
+    #[test]
+    fn views_count_page_and_filter_the_cluster() {
+        use crate::view::{ActorFilter, PageRequest};
+        let mut head = HeadCore::new(3_000, 10_000);
+        head.handle(node("w1", "CPU=2,GPU=1"), None, 0);
+        head.handle(node("w2", "CPU=2"), None, 0);
+        let (gpu, on, _) = running(&mut head, spawn("GPU=1"), 10);
+        assert_eq!(on, "w1");
+        for _ in 0..3 {
+            running(&mut head, spawn("CPU=1"), 10);
+        }
+        // One more CPU actor than there is room for waits.
+        head.handle(spawn("CPU=2"), Some(ReplyTo(9)), 20);
+        let View::Overview(overview) = head.view(ViewQuery::Overview, 1_000) else {
+            panic!("overview")
+        };
+        assert_eq!((overview.nodes_alive, overview.nodes_dead), (2, 0));
+        assert_eq!(overview.actors["alive"], 4);
+        assert_eq!(overview.actors["pending"], 1);
+        assert_eq!(overview.waiting, 1);
+        let cpu = overview.resources.iter().find(|r| r.name == "CPU").unwrap();
+        assert_eq!((cpu.total, cpu.used), (4.0, 3.0));
+        let View::Nodes(nodes) = head.view(ViewQuery::Nodes(PageRequest::default()), 1_000) else {
+            panic!("nodes")
+        };
+        assert_eq!(nodes.total, 2);
+        assert_eq!(nodes.items.iter().map(|n| n.actors).sum::<usize>(), 4);
+        assert_eq!(nodes.items[0].heartbeat_age_s, Some(1.0));
+        let page = |filter: ActorFilter, offset, limit| match head.view(
+            ViewQuery::Actors(filter, PageRequest::new(Some(offset), Some(limit)).unwrap()),
+            1_000,
+        ) {
+            View::Actors(page) => page,
+            _ => panic!("actors"),
+        };
+        let all = page(ActorFilter::default(), 1, 2);
+        assert_eq!((all.total, all.items.len()), (5, 2));
+        let waiting = page(
+            ActorFilter {
+                state: Some("pending".into()),
+                ..Default::default()
+            },
+            0,
+            10,
+        );
+        assert_eq!(waiting.total, 1);
+        assert_eq!(waiting.items[0].waiting_s, Some(0.98));
+        let on_w1 = page(
+            ActorFilter {
+                node: Some("w1".into()),
+                ..Default::default()
+            },
+            0,
+            10,
+        );
+        assert!(on_w1.items.iter().any(|a| a.id == gpu && a.gpu_ids == vec![0]));
+        let View::Actor(Some(row)) = head.view(ViewQuery::Actor(gpu), 1_000) else {
+            panic!("actor")
+        };
+        assert_eq!((row.state.as_str(), row.node.as_deref()), ("alive", Some("w1")));
+        assert!(matches!(
+            head.view(ViewQuery::Actor(ActorId(999)), 0),
+            View::Actor(None)
+        ));
+    }
+
+    #[test]
+    fn run_reports_are_kept_and_bad_ones_refused() {
+        use crate::runs::RunPoint;
+        let mut head = HeadCore::new(3_000, 10_000);
+        let report = |run: &str, step| {
+            HeadRequest::RunReport(RunPoint {
+                run: run.into(),
+                kind: "train".into(),
+                job: None,
+                step,
+                values: [("loss".to_string(), 1.0 / step as f64)].into(),
+                finished: false,
+            })
+        };
+        head.handle(report("r", 1), None, 0);
+        head.handle(report("r", 2), None, 500);
+        let out = head.handle(report("", 3), Some(ReplyTo(1)), 600);
+        assert!(matches!(&replies(&out)[0].1, Answer::Done(Err(Failure::Rejected(_)))));
+        let View::Run(Some(run)) = head.view(ViewQuery::Run("r".into()), 1_000) else {
+            panic!("run")
+        };
+        assert_eq!(run.points.len(), 2);
+        assert_eq!(run.summary.last["loss"], 0.5);
+        assert!(matches!(head.view(ViewQuery::Runs, 0), View::Runs(runs) if runs.len() == 1));
     }
 }

@@ -12,6 +12,7 @@
 //! assert_ne!(Strategy::Pack, Strategy::StrictSpread);
 //! ```
 
+pub mod actor_log;
 mod error;
 pub mod head;
 pub mod job;
@@ -20,7 +21,9 @@ pub mod placement;
 pub mod pool;
 pub mod protocol;
 pub mod resources;
+pub mod runs;
 pub mod scheduler;
+pub mod view;
 
 pub use error::{Error, Result};
 pub use head::{Answer, HeadCore, Notice, Output, ReplyTo};
@@ -33,3 +36,5 @@ pub use protocol::{
     PendingLine, RESTART_FOREVER,
 };
 pub use resources::{format_fixed, Resources, GPU, UNIT};
+pub use runs::{RunBook, RunDetail, RunPoint, RunSample, RunSummary};
+pub use view::{ActorFilter, ActorRow, NodeRow, Overview, Page, PageRequest, ResourceUse, View, ViewQuery};

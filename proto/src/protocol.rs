@@ -231,6 +231,10 @@ pub enum HeadRequest {
     /// From a process that cannot see a live actor in its process-group mirror: have the
     /// actor's agent advertise it again: replies `()`.
     Announce(ActorId),
+    /// A paged view of the cluster for the dashboard and scripts: replies [`crate::View`].
+    View(crate::view::ViewQuery),
+    /// From a training or scoring driver: a point of its run: replies `()` (usually cast).
+    RunReport(crate::runs::RunPoint),
 }
 
 impl HeadRequest {
@@ -258,6 +262,8 @@ impl HeadRequest {
             Self::HolderGone(_) => "holder-gone",
             Self::EndJob(_) => "end-job",
             Self::Exited { .. } => "exited",
+            Self::View(_) => "view",
+            Self::RunReport(_) => "run-report",
             Self::Announce(_) => "announce",
         }
     }
@@ -273,6 +279,7 @@ impl HeadRequest {
                 | Self::Named(_)
                 | Self::WaitGroup(_)
                 | Self::Status
+                | Self::View(_)
                 | Self::ObjectLocate(_)
                 | Self::Announce(_)
         )
@@ -346,6 +353,8 @@ pub enum AgentRequest {
     Stop(ActorId),
     /// Advertise a hosted actor to every peer again (re-join its process group): `()`.
     Announce(ActorId),
+    /// The actor's recent log lines on this node: replies `Vec<crate::actor_log::LogLine>`.
+    Logs(ActorId),
 }
 
 /// The head's order to construct one actor on one node.
@@ -412,7 +421,7 @@ pub struct NodeStatus {
 }
 
 /// One placement group in [`ClusterStatus`].
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GroupStatus {
     /// Id.
     pub id: GroupId,

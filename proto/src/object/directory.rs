@@ -252,6 +252,17 @@ impl Directory {
         lost
     }
 
+    /// Bytes of objects each node holds in memory, by node.
+    pub fn bytes_by_node(&self) -> BTreeMap<String, u64> {
+        let mut bytes = BTreeMap::<String, u64>::new();
+        for meta in self.objects.values() {
+            for node in meta.sources.keys() {
+                *bytes.entry(node.clone()).or_default() += meta.size;
+            }
+        }
+        bytes
+    }
+
     /// Figures for metrics.
     pub fn stats(&self) -> DirectoryStats {
         let mut stats = DirectoryStats {

@@ -45,6 +45,7 @@ impl Scheduler {
                 restarts: 0,
                 attempt: 0,
                 placed: None,
+                last_node: None,
                 waiting_since_ms: now_ms,
             },
         );

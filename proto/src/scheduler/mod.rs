@@ -5,7 +5,8 @@
 //! the head actor must carry out (start or stop an actor on a node). No sockets, no clock.
 //! The records and the [`Scheduler`] are here; its methods are in one file per concern:
 //! `nodes.rs` (membership and liveness), `actors.rs` (actors and restarts), `groups.rs`
-//! (placement groups), `placing.rs` (placing what waits) and `status.rs` (views).
+//! (placement groups), `placing.rs` (placing what waits), `status.rs` (`regatta status`) and `view.rs` (the
+//! dashboard's pages).
 
 use std::collections::BTreeMap;
 
@@ -17,6 +18,7 @@ mod groups;
 mod nodes;
 mod placing;
 mod status;
+mod view;
 
 /// Something the head must do on a node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -60,6 +62,8 @@ struct ActorRecord {
     restarts: u32,
     attempt: u32,
     placed: Option<Placed>,
+    /// The node of its latest placement (kept after it dies, for its logs there).
+    last_node: Option<String>,
     waiting_since_ms: u64,
 }
 

@@ -112,6 +112,7 @@ impl Scheduler {
             name: spec.name,
             job: spec.job,
         };
+        actor.last_node = Some(placed.node.clone());
         actor.placed = Some(placed);
         Some(Effect::Start(start))
     }

@@ -42,6 +42,12 @@ impl Scheduler {
     }
 
     fn node_lines(&self, now_ms: u64) -> Vec<NodeStatus> {
+        let mut placed = BTreeMap::<&str, usize>::new();
+        for actor in self.actors.values() {
+            if let Some(p) = &actor.placed {
+                *placed.entry(p.node.as_str()).or_default() += 1;
+            }
+        }
         self.nodes
             .values()
             .map(|n| NodeStatus {
@@ -57,16 +63,12 @@ impl Scheduler {
                     Resources::new()
                 },
                 kinds: n.info.kinds.clone(),
-                actors: self
-                    .actors
-                    .values()
-                    .filter(|a| a.placed.as_ref().is_some_and(|p| p.node == n.info.name))
-                    .count(),
+                actors: placed.get(n.info.name.as_str()).copied().unwrap_or(0),
             })
             .collect()
     }
 
-    fn group_lines(&self) -> Vec<GroupStatus> {
+    pub(super) fn group_lines(&self) -> Vec<GroupStatus> {
         self.groups
             .iter()
             .map(|(id, g)| GroupStatus {
