@@ -8,6 +8,7 @@ impl From<regatta_proto::Error> for Error {
     fn from(error: regatta_proto::Error) -> Self {
         match error {
             regatta_proto::Error::BadResources { input, reason } => Self::BadResources { input, reason },
+            regatta_proto::Error::BadQuery(reason) => Self::Rejected(format!("bad query: {reason}")),
         }
     }
 }

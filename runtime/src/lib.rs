@@ -43,9 +43,9 @@ use head::{job_log, job_manager, job_store};
 use net::{headlink, http, node, token, wire};
 use worker::{agent, detect, registry};
 
-pub use client::ObjectRef;
 pub use client::{Actor, ActorContext, ActorError};
 pub use client::{ActorHandle, ActorOptions, Client, Cluster, PlacementGroup, DEFAULT_CALL_TIMEOUT};
+pub use client::{ObjectRef, RunReporter};
 pub use detect::{
     accelerator_tag, accelerator_type, detect_gpus, detect_resources, parse_nvidia_smi, visible_devices, GpuDevice,
     GpuInventory,
@@ -66,7 +66,14 @@ pub use protocol::{
     PendingLine, RESTART_FOREVER,
 };
 pub use regatta_object_store::{DirectoryStats, ObjectId, FAULT_CORRUPT_ENV};
+pub use regatta_proto::runs::{RunDetail, RunPoint, RunSample, RunSummary};
+pub use regatta_proto::view::{
+    ActorFilter, ActorRow, NodeRow, Overview, Page, PageRequest, ResourceUse, View, ViewQuery, MAX_PAGE,
+};
 pub use registry::Registry;
 pub use resources::{format_fixed, Resources, GPU, UNIT};
 pub use token::{default_token_file, resolve_token, TokenSource, TOKEN_ENV};
+/// The node protocol's encoding (for benchmarks and robustness tests).
+#[doc(hidden)]
+pub use wire::{decode as wire_decode, encode as wire_encode};
 pub use worker::{run_worker, WorkerConfig};

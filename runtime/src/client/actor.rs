@@ -67,9 +67,31 @@ pub struct ActorContext {
     pub(crate) resources: Resources,
     pub(crate) name: Option<String>,
     pub(crate) cluster: Cluster,
+    pub(crate) logs: LogBook,
+}
+
+/// A worker's recent log lines per actor, shared by its agent and the actors it hosts.
+pub(crate) type LogBook = std::sync::Arc<std::sync::Mutex<regatta_proto::actor_log::ActorLogBook>>;
+
+/// Milliseconds since the Unix epoch.
+pub(crate) fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 impl ActorContext {
+    /// Writes `text` to this actor's log: kept on its node (the last 200 lines), shown on
+    /// the dashboard's actor page, and logged by the worker process too.
+    pub fn log(&self, text: impl AsRef<str>) {
+        let text = text.as_ref();
+        tracing::info!(actor = %self.id, "{text}");
+        if let Ok(mut book) = self.logs.lock() {
+            book.push(self.id, unix_ms(), text);
+        }
+    }
+
     /// This actor's id.
     pub fn id(&self) -> ActorId {
         self.id

@@ -14,6 +14,8 @@ use crate::placement::Strategy;
 use crate::protocol::{ActorId, ActorView, BundleRef, ClusterStatus, GroupId, GroupSpec, HeadRequest};
 use crate::resources::Resources;
 use crate::wire::{self, CallError};
+use regatta_proto::runs::RunPoint;
+use regatta_proto::view::{View, ViewQuery};
 
 /// Default time a call waits for its reply.
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -141,6 +143,17 @@ impl Cluster {
     /// The whole cluster's state.
     pub async fn status(&self) -> Result<ClusterStatus> {
         self.ask_head(&HeadRequest::Status, self.call_timeout).await
+    }
+
+    /// A page of the cluster's state, as the dashboard reads it.
+    pub async fn view(&self, query: ViewQuery) -> Result<View> {
+        self.ask_head(&HeadRequest::View(query), self.call_timeout).await
+    }
+
+    /// Reports a point of a training or scoring run to the head's dashboard; never waits
+    /// and never fails the caller (a lost point is a gap in a chart).
+    pub fn report_run(&self, point: RunPoint) {
+        self.link.tell(&HeadRequest::RunReport(point));
     }
 
     /// Sends raw bytes as a call to the actor in process group `group` (`head`,

@@ -3,12 +3,13 @@
 //! A [`Client`] makes this process a member of the cluster (drivers talk to actors
 //! directly, not through the head). [`Cluster`] is the handle drivers and actors share.
 
-mod actor;
+pub(crate) mod actor;
 mod cluster;
 mod handle;
 pub(crate) mod job_client;
 mod objects;
 pub(crate) mod pool;
+mod runs;
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -17,6 +18,7 @@ pub use actor::{Actor, ActorContext, ActorError};
 pub use cluster::{ActorOptions, Cluster, PlacementGroup, DEFAULT_CALL_TIMEOUT};
 pub use handle::ActorHandle;
 pub use objects::ObjectRef;
+pub use runs::RunReporter;
 
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;

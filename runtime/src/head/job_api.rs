@@ -6,19 +6,21 @@
 //! | `GET /api/jobs` | list every job |
 //! | `GET /api/jobs/{id}` | one job's [`crate::JobRecord`] |
 //! | `GET /api/jobs/{id}/logs` | `{"logs": "..."}` |
+//! | `GET /api/jobs/{id}/logs?offset=N` | the current log part from byte `N`: `{"logs", "offset", "ended"}` (up to 1 MiB; ask again from `offset`) |
 //! | `GET /api/jobs/{id}/logs/tail` | the log as a stream that ends with the job |
 //! | `POST /api/jobs/{id}/stop` | `{"stopped": bool}` |
 //! | `DELETE /api/jobs/{id}` | `{"deleted": true}` (finished jobs only) |
 //!
 //! Every request carries `Authorization: Bearer <cluster token>`; without it: 401. Errors
-//! are `{"error": "..."}` with a 4xx status that says what is wrong.
+//! are `{"error": "..."}` with a 4xx status that says what is wrong. The same port serves
+//! the dashboard and its data endpoints ([`super::dashboard`]).
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -26,7 +28,11 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 
+use std::sync::Arc;
+
+use super::dashboard;
 use crate::error::Result;
+use crate::headlink::HeadLink;
 use crate::job::JobSubmission;
 use crate::job_manager::{JobError, JobManager};
 
@@ -34,12 +40,13 @@ use crate::job_manager::{JobError, JobManager};
 pub const MAX_BODY_BYTES: usize = 1 << 20;
 
 #[derive(Clone)]
-struct Api {
-    manager: JobManager,
+pub(crate) struct Api {
+    pub(crate) manager: JobManager,
+    pub(crate) link: Arc<HeadLink>,
     token: String,
 }
 
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
+pub(crate) fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(json!({ "error": message.into() }))).into_response()
 }
 
@@ -55,19 +62,29 @@ impl IntoResponse for JobError {
 }
 
 /// Serves the job API on `bind`; returns the bound address.
-pub(crate) async fn serve(manager: JobManager, token: String, bind: SocketAddr) -> Result<SocketAddr> {
-    let api = Api { manager, token };
-    let app = Router::new()
+pub(crate) async fn serve(
+    manager: JobManager,
+    link: Arc<HeadLink>,
+    token: String,
+    bind: SocketAddr,
+) -> Result<SocketAddr> {
+    let api = Api { manager, link, token };
+    let protected = Router::new()
         .route("/api/jobs", post(submit).get(list))
         .route("/api/jobs/", post(submit).get(list))
         .route("/api/jobs/{id}", get(status).delete(delete))
         .route("/api/jobs/{id}/logs", get(logs))
         .route("/api/jobs/{id}/logs/tail", get(tail))
         .route("/api/jobs/{id}/stop", post(stop))
+        .merge(dashboard::endpoints())
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such endpoint; see /api/jobs") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn(dashboard::same_origin))
         .layer(middleware::from_fn_with_state(api.clone(), authenticate))
         .with_state(api);
+    let app = dashboard::pages()
+        .merge(protected)
+        .layer(middleware::map_response(dashboard::security_headers));
     let address = crate::http::serve(app, bind, "job API").await?;
     tracing::info!(%address, "job API listening");
     Ok(address)
@@ -131,7 +148,42 @@ async fn status(State(api): State<Api>, Path(id): Path<String>) -> Response {
     }
 }
 
-async fn logs(State(api): State<Api>, Path(id): Path<String>) -> Response {
+#[derive(serde::Deserialize)]
+struct LogQuery {
+    offset: Option<u64>,
+}
+
+async fn logs(
+    State(api): State<Api>,
+    Path(id): Path<String>,
+    query: std::result::Result<Query<LogQuery>, QueryRejection>,
+) -> Response {
+    let offset = match query {
+        Ok(Query(query)) => query.offset,
+        Err(rejection) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("bad query string: {}", rejection.body_text()),
+            )
+        }
+    };
+    if let Some(offset) = offset {
+        let record = match api.manager.get(&id) {
+            Ok(record) => record,
+            Err(e) => return e.into_response(),
+        };
+        let (mut chunk, mut next) = read_from(&api.manager.log_path(&id), offset);
+        // A chunk cut inside a character keeps that character for the next read.
+        let whole = utf8_prefix_len(&chunk);
+        next -= (chunk.len() - whole) as u64;
+        chunk.truncate(whole);
+        return Json(json!({
+            "logs": String::from_utf8_lossy(&chunk),
+            "offset": next,
+            "ended": record.status.is_terminal(),
+        }))
+        .into_response();
+    }
     match api.manager.logs(&id) {
         Ok(bytes) => Json(json!({ "logs": String::from_utf8_lossy(&bytes) })).into_response(),
         Err(e) => e.into_response(),
@@ -184,6 +236,16 @@ async fn tail(State(api): State<Api>, Path(id): Path<String>) -> Response {
         .header(header::CONTENT_TYPE, "text/plain; charset=utf-8")
         .body(Body::from_stream(stream))
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "cannot build the log stream"))
+}
+
+/// The length of `bytes` without a character cut at its end (invalid bytes elsewhere stay
+/// and show as replacement characters).
+fn utf8_prefix_len(bytes: &[u8]) -> usize {
+    match std::str::from_utf8(bytes) {
+        Ok(_) => bytes.len(),
+        Err(e) if e.error_len().is_none() => e.valid_up_to(),
+        Err(_) => bytes.len(),
+    }
 }
 
 /// Up to 1 MiB of new bytes of the current log part after `offset` (starting over after

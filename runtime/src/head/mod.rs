@@ -3,6 +3,7 @@
 //! timer, and carries out the core's outputs: answers, starts and stops sent to node
 //! agents, object releases, log lines.
 
+mod dashboard;
 pub(crate) mod job_api;
 pub(crate) mod job_log;
 pub(crate) mod job_manager;
@@ -140,10 +141,10 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     let objects = ObjectService::start(HEAD_NODE, &config.token, config.objects.clone(), link.clone()).await?;
     let (job_api, manager) = match &config.jobs {
         Some(jobs) => {
-            let manager = JobManager::open(jobs.clone(), address.clone(), config.token.clone(), link)?;
+            let manager = JobManager::open(jobs.clone(), address.clone(), config.token.clone(), link.clone())?;
             let bind = SocketAddr::new(config.bind, jobs.http_port);
             (
-                Some(job_api::serve(manager.clone(), config.token.clone(), bind).await?),
+                Some(job_api::serve(manager.clone(), link, config.token.clone(), bind).await?),
                 Some(manager),
             )
         }
@@ -338,6 +339,7 @@ fn encode_answer(answer: Answer) -> Vec<u8> {
         Answer::GroupCreated(r) => wire::encode(&r),
         Answer::GroupPlaced(r) => wire::encode(&r),
         Answer::Status(status) => wire::encode(&Ok::<_, Failure>(*status)),
+        Answer::View(view) => wire::encode(&Ok::<_, Failure>(*view)),
         Answer::Location(r) => wire::encode(&r),
         Answer::Done(r) => wire::encode(&r),
     }

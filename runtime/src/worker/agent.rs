@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
 
+use crate::client::actor::{unix_ms, LogBook};
 use crate::client::ActorContext;
 use crate::client::Cluster;
 use crate::node;
@@ -33,6 +34,20 @@ pub(crate) struct AgentState {
     hosts: HashMap<ActorId, (ActorCell, u32)>,
     by_cell: HashMap<ractor::ActorId, (ActorId, u32)>,
     stopping: HashSet<ractor::ActorId>,
+    logs: LogBook,
+}
+
+impl AgentState {
+    /// A line in `actor`'s log on this node.
+    fn log(&self, actor: ActorId, text: &str) {
+        log_to(&self.logs, actor, text);
+    }
+}
+
+fn log_to(logs: &LogBook, actor: ActorId, text: &str) {
+    if let Ok(mut book) = logs.lock() {
+        book.push(actor, unix_ms(), text);
+    }
 }
 
 impl Actor for Agent {
@@ -49,6 +64,7 @@ impl Actor for Agent {
             hosts: HashMap::new(),
             by_cell: HashMap::new(),
             stopping: HashSet::new(),
+            logs: Default::default(),
         })
     }
 
@@ -60,6 +76,10 @@ impl Actor for Agent {
     ) -> Result<(), ActorProcessingErr> {
         match message {
             Wire::Call(bytes, port) => match wire::decode::<AgentRequest>(&bytes, "an agent request") {
+                Ok(AgentRequest::Logs(actor)) => {
+                    let lines = state.logs.lock().map(|book| book.lines(actor)).unwrap_or_default();
+                    wire::reply(port, Ok::<_, Failure>(lines));
+                }
                 Ok(request) => {
                     handle_request(&myself, state, request);
                     wire::reply(port, Ok::<(), Failure>(()));
@@ -80,8 +100,9 @@ impl Actor for Agent {
                 }
             }
             Wire::Local(LocalSignal::Reset) => {
-                let hosts: Vec<ActorCell> = state.hosts.drain().map(|(_, (cell, _))| cell).collect();
-                for cell in hosts {
+                let hosts: Vec<(ActorId, ActorCell)> = state.hosts.drain().map(|(id, (cell, _))| (id, cell)).collect();
+                for (actor, cell) in hosts {
+                    state.log(actor, "stopped: the head no longer knows this node (it re-registers)");
                     stop_host(state, &cell);
                 }
             }
@@ -115,6 +136,7 @@ impl Actor for Agent {
         }
         state.hosts.remove(&actor);
         tracing::warn!(%actor, cause = %cause, "actor exited");
+        state.log(actor, &format!("exited: {cause}"));
         let cluster = state.cluster.clone();
         tokio::spawn(async move {
             let report = HeadRequest::Exited { actor, attempt, cause };
@@ -138,19 +160,41 @@ fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: Agen
                 tracing::warn!(node = %start.node, "ignored a start meant for another node");
                 return;
             }
+            state.log(
+                start.actor,
+                &format!(
+                    "starting {} on {} (attempt {}, resources {{{}}}{})",
+                    start.kind,
+                    start.node,
+                    start.attempt,
+                    start.resources,
+                    if start.gpu_ids.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", GPUs {:?}", start.gpu_ids)
+                    }
+                ),
+            );
             tokio::spawn(start_actor(
                 myself.clone(),
                 state.registry.clone(),
                 state.cluster.clone(),
                 state.host.clone(),
+                state.logs.clone(),
                 start,
             ));
         }
         AgentRequest::Stop(actor) => {
             if let Some((cell, _)) = state.hosts.remove(&actor) {
+                state.log(
+                    actor,
+                    "stopped by the head (killed, its group removed or its job ended)",
+                );
                 stop_host(state, &cell);
             }
         }
+        // Answered in `handle` (it has a reply).
+        AgentRequest::Logs(_) => {}
         AgentRequest::Announce(actor) => {
             // Re-joining sends the membership to every connected peer again (ractor's pg
             // notifies joins of existing members too), healing a peer's mirror that missed it.
@@ -163,8 +207,16 @@ fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: Agen
 }
 
 /// Constructs the actor, hosts it, advertises it, then tells the head how it went.
-async fn start_actor(agent: ActorRef<Wire>, registry: Registry, cluster: Cluster, host: String, start: StartActor) {
+async fn start_actor(
+    agent: ActorRef<Wire>,
+    registry: Registry,
+    cluster: Cluster,
+    host: String,
+    logs: LogBook,
+    start: StartActor,
+) {
     let ctx = ActorContext {
+        logs: logs.clone(),
         id: start.actor,
         node: start.node.clone(),
         host,
@@ -204,6 +256,10 @@ async fn start_actor(agent: ActorRef<Wire>, registry: Registry, cluster: Cluster
             }
         },
     };
+    match &outcome {
+        Ok(()) => log_to(&logs, start.actor, "alive"),
+        Err(cause) => log_to(&logs, start.actor, &format!("could not start: {cause}")),
+    }
     let report = HeadRequest::Started {
         actor: start.actor,
         attempt: start.attempt,

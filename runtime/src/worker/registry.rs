@@ -157,6 +157,9 @@ async fn drain(
         let started = std::time::Instant::now();
         let outcome = AssertUnwindSafe(actor.handle(request, &ctx)).catch_unwind().await;
         metrics.handled(&kind, started.elapsed().as_secs_f64());
+        if let Ok(Err(failure)) = &outcome {
+            ctx.log(format!("a call failed: {failure:?}"));
+        }
         match (outcome, port) {
             (Ok(result), Some(port)) => {
                 if !port.is_closed() {
@@ -180,6 +183,7 @@ async fn drain(
                     .cloned()
                     .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_else(|| "unknown panic".into());
+                ctx.log(format!("panicked: {reason}"));
                 host.stop(Some(format!("the actor panicked: {reason}")));
                 break;
             }
