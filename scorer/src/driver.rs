@@ -279,6 +279,21 @@ pub struct Progress {
     pub skipped: usize,
 }
 
+/// Progress as the dashboard charts it.
+fn progress_figures(p: &Progress) -> std::collections::BTreeMap<String, f64> {
+    let per_sec = |n: u64| if p.seconds > 0.0 { n as f64 / p.seconds } else { 0.0 };
+    std::collections::BTreeMap::from([
+        ("partitions_done".to_string(), p.partitions_done as f64),
+        ("partitions".to_string(), p.partitions as f64),
+        ("rows".to_string(), p.rows as f64),
+        ("rows_per_sec".to_string(), per_sec(p.rows)),
+        ("output_tokens_per_sec".to_string(), per_sec(p.output_tokens)),
+        ("tokens_per_sec".to_string(), per_sec(p.tokens)),
+        ("errors".to_string(), p.errors as f64),
+        ("retries".to_string(), p.retries as f64),
+    ])
+}
+
 /// The manifest written at the end of a run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ScoreManifest {
@@ -498,8 +513,21 @@ impl ScoreRun {
         }
     }
 
-    /// Scores every partition not finished before; calls `on_progress` after each one.
+    /// Scores every partition not finished before; calls `on_progress` after each one and
+    /// reports each to the head's dashboard as a point of this run.
     pub async fn run(&self, mut on_progress: impl FnMut(&Progress)) -> Result<Progress> {
+        let mut reporter = regatta_runtime::RunReporter::new(&self.cluster, "score");
+        let outcome = self
+            .run_partitions(|progress| {
+                reporter.report(progress.partitions_done as u64, progress_figures(progress));
+                on_progress(progress)
+            })
+            .await;
+        reporter.finish(outcome.is_err());
+        outcome
+    }
+
+    async fn run_partitions(&self, mut on_progress: impl FnMut(&Progress)) -> Result<Progress> {
         let started = Instant::now();
         let c = &self.config;
         let count = if c.partitions == 0 { 4 * c.actors } else { c.partitions };

@@ -16,7 +16,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use regatta_runtime::{ActorHandle, ActorOptions, Cluster, Resources, Strategy};
+use regatta_runtime::{ActorHandle, ActorOptions, Cluster, Resources, RunReporter, Strategy};
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
@@ -157,8 +157,23 @@ impl TrainerGroup {
         &self.config
     }
 
-    /// Trains to the last step, calling `on_event` as things happen.
+    /// Trains to the last step, calling `on_event` as things happen. Each step is also
+    /// reported to the head's dashboard as a point of this run.
     pub async fn run(&self, mut on_event: impl FnMut(&TrainEvent)) -> Result<TrainSummary, TrainError> {
+        let mut reporter = RunReporter::new(&self.cluster, "train");
+        let outcome = self
+            .run_attempts(|event| {
+                if let TrainEvent::Step(report) = event {
+                    reporter.report(report.step, step_figures(report));
+                }
+                on_event(event)
+            })
+            .await;
+        reporter.finish(outcome.is_err());
+        outcome
+    }
+
+    async fn run_attempts(&self, mut on_event: impl FnMut(&TrainEvent)) -> Result<TrainSummary, TrainError> {
         let started = Instant::now();
         let mut summary = TrainSummary::default();
         let mut resume = self.config.checkpoint.resume;
@@ -444,18 +459,22 @@ impl TrainerGroup {
     ) -> Result<(), AttemptError> {
         let mut seen = Seen::new(ranks.len());
         let outcome = self.watch_until_done(ranks, summary, on_event, &mut seen).await;
-        if outcome.is_err() {
-            // Ranks still alive may hold steps and checkpoints not polled yet (a checkpoint
-            // the restart resumes from must not leave a hole in the loss curve): drain them.
-            for (rank, handle) in ranks.iter().enumerate() {
-                if let Ok(TrainReply::Events { events, .. }) =
-                    handle.call_timeout(TrainOp::Poll, Duration::from_secs(5)).await
-                {
+        let Err(error) = outcome else {
+            return Ok(());
+        };
+        // Ranks still alive may hold steps and checkpoints not polled yet (a checkpoint
+        // the restart resumes from must not leave a hole in the loss curve): drain them.
+        let mut unreachable = Vec::new();
+        for (rank, handle) in ranks.iter().enumerate() {
+            match handle.call_timeout(TrainOp::Poll, Duration::from_secs(5)).await {
+                Ok(TrainReply::Events { events, .. }) => {
                     let _ = seen.absorb(rank, events, summary, on_event);
                 }
+                Ok(_) => {}
+                Err(e) => unreachable.push((rank, e.to_string())),
             }
         }
-        outcome
+        Err(blame(error, &unreachable))
     }
 
     async fn watch_until_done(
@@ -578,6 +597,24 @@ impl Seen {
     }
 }
 
+/// A step's figures as the dashboard charts them.
+fn step_figures(report: &StepReport) -> BTreeMap<String, f64> {
+    let mut figures = BTreeMap::from([
+        ("loss".to_string(), report.loss),
+        ("tokens_per_sec".to_string(), report.tokens_per_sec),
+        ("step_secs".to_string(), report.step_secs),
+        ("collective_secs".to_string(), report.collective_secs),
+        (
+            "bytes_per_rank".to_string(),
+            (report.param_bytes + report.grad_bytes + report.optimizer_bytes) as f64,
+        ),
+    ]);
+    if let Some(mfu) = report.mfu {
+        figures.insert("mfu".to_string(), mfu);
+    }
+    figures
+}
+
 /// Removes a placement group (stopping its ranks and their executors) when dropped, from
 /// a background task: the driver may be cancelled at any await.
 struct RemoveOnDrop(Option<regatta_runtime::PlacementGroup>);
@@ -589,6 +626,22 @@ impl Drop for RemoveOnDrop {
                 let _ = group.remove().await;
             });
         }
+    }
+}
+
+/// The rank a lost attempt is blamed on. A rank whose executor exited because its ring
+/// peer vanished is a victim, not the cause: when the blamed rank still answers and
+/// another does not, the unreachable one is the lost rank.
+fn blame(error: AttemptError, unreachable: &[(usize, String)]) -> AttemptError {
+    match error {
+        AttemptError::Lost { rank, reason } => match unreachable.first() {
+            Some((gone, cause)) if unreachable.iter().all(|(r, _)| *r != rank) => AttemptError::Lost {
+                rank: *gone,
+                reason: format!("{cause} (rank {rank}: {reason})"),
+            },
+            _ => AttemptError::Lost { rank, reason },
+        },
+        other => other,
     }
 }
 
@@ -660,4 +713,42 @@ pub(crate) fn random_secret() -> crate::Result<String> {
     let mut bytes = [0u8; 32];
     getrandom::getrandom(&mut bytes).map_err(|e| crate::Error::Secret(e.to_string()))?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lost(rank: usize) -> AttemptError {
+        AttemptError::Lost {
+            rank,
+            reason: "ring peer closed".into(),
+        }
+    }
+
+    fn blamed(error: AttemptError) -> Option<usize> {
+        match error {
+            AttemptError::Lost { rank, .. } => Some(rank),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_rank_that_still_answers_passes_the_blame_to_the_unreachable_one() {
+        let gone = [(1, "node w2 lost".to_string())];
+        assert_eq!(blamed(blame(lost(0), &gone)), Some(1));
+    }
+
+    #[test]
+    fn an_unreachable_blamed_rank_keeps_the_blame() {
+        let gone = [(0, "node w1 lost".to_string()), (1, "node w2 lost".to_string())];
+        assert_eq!(blamed(blame(lost(1), &gone)), Some(1));
+        assert_eq!(blamed(blame(lost(0), &[])), Some(0));
+    }
+
+    #[test]
+    fn only_lost_attempts_are_reattributed() {
+        let gone = [(1, "node w2 lost".to_string())];
+        assert!(matches!(blame(AttemptError::Grow { to: 3 }, &gone), AttemptError::Grow { to: 3 }));
+    }
 }
