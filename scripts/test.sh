@@ -23,12 +23,17 @@ if [ ! -x "$venv/bin/kubernetes-validate" ]; then
 fi
 export REGATTA_TEST_VENV="$venv"
 
-# A real Prometheus for the dashboard test, from Debian's package (installed once).
-if ! command -v prometheus >/dev/null 2>&1; then
+# A real Prometheus for the Grafana dashboard test, and headless Chromium with its WebDriver
+# for the web dashboard's test, from Debian's packages (installed once).
+missing=()
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+if [ "${#missing[@]}" -gt 0 ]; then
     sudo_cmd=""
     [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
     $sudo_cmd apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq prometheus >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 # libtorch 2.11 for the trainer's executor (regatta-torch), cached outside the clone and

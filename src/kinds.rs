@@ -191,7 +191,8 @@ impl Actor for Echo {
     type Request = String;
     type Reply = EchoReply;
 
-    async fn create(prefix: String, _ctx: &ActorContext) -> Result<Self, ActorError> {
+    async fn create(prefix: String, ctx: &ActorContext) -> Result<Self, ActorError> {
+        ctx.log(format!("echo ready, prefix {prefix:?}"));
         Ok(Self { prefix })
     }
 

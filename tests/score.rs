@@ -146,6 +146,19 @@ async fn a_sigkilled_worker_loses_no_row_and_a_restarted_driver_skips_finished_p
     let reference = outputs(&reference_dir);
     assert_eq!(reference.len(), ROWS);
     assert!(reference.values().all(|r| r.perplexity > 1.0 && r.log_likelihood < 0.0));
+    // The run reported itself to the head's dashboard as it went: every partition, the
+    // rows and the malformed ones, and its end.
+    let runs = match handle.view(regatta::ViewQuery::Runs).await.unwrap() {
+        regatta::View::Runs(runs) => runs,
+        other => panic!("not runs: {other:?}"),
+    };
+    let scored = runs.iter().find(|r| r.kind == "score").unwrap_or_else(|| panic!("no score run: {runs:?}"));
+    assert!(scored.finished, "{scored:?}");
+    assert_eq!(scored.last["partitions_done"], scored.last["partitions"], "{scored:?}");
+    assert_eq!(scored.last["rows"], ROWS as f64, "{scored:?}");
+    assert_eq!(scored.last["errors"], MALFORMED.len() as f64, "{scored:?}");
+    assert_eq!(scored.last["failed"], 0.0, "{scored:?}");
+    assert!(scored.last["rows_per_sec"] > 0.0, "{scored:?}");
 
     // Three actors over two workers; w2 is SIGKILLed once a third of the partitions are done.
     let killed_dir = dir.join("killed");

@@ -1,6 +1,7 @@
 //! `regatta bench`: Regatta's counterparts of `ray microbenchmark` cases, printed in Ray's
 //! line format (`<case> per second <value> +- <spread>`) so the two outputs line up.
 
+mod dashboard;
 mod data;
 mod measure;
 mod runtime;
@@ -18,7 +19,7 @@ use clap::Args;
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Which cases: `actors`, `objects`, `cluster`, `train`, `score`, `generate`, `data`,
-    /// or `all` (the first five).
+    /// `dashboard`, or `all` (the first five).
     #[arg(default_value = "all")]
     pub suite: String,
     /// Trials per case (mean and standard deviation are printed).
@@ -50,10 +51,10 @@ pub struct BenchArgs {
 pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let suites: Vec<&str> = match args.suite.as_str() {
         "all" => vec!["cluster", "actors", "objects", "train", "score"],
-        one @ ("actors" | "objects" | "cluster" | "train" | "score" | "generate" | "data") => vec![one],
+        one @ ("actors" | "objects" | "cluster" | "train" | "score" | "generate" | "data" | "dashboard") => vec![one],
         other => {
             bail!(
-                "unknown benchmark suite '{other}'; use actors, objects, cluster, train, score, generate, data or all"
+                "unknown benchmark suite '{other}'; use actors, objects, cluster, train, score, generate, data, dashboard or all"
             )
         }
     };
@@ -61,7 +62,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     for suite in suites {
         let outcome = tokio::select! {
             outcome = run_suite(suite, trials, &args) => outcome,
-            () = crate::signal::shutdown_signal() => return Ok(ExitCode::from(130)),
+            () = crate::signal::shutdown_signal() => {
+                // The dashboard suite is a blocking loop in this process with nothing to
+                // clean up: end the process rather than wait for it.
+                if suite == "dashboard" {
+                    std::process::exit(130);
+                }
+                return Ok(ExitCode::from(130));
+            }
         };
         outcome?;
     }
@@ -84,6 +92,10 @@ async fn run_suite(suite: &str, trials: usize, args: &BenchArgs) -> anyhow::Resu
     }
     if suite == "generate" {
         return generate(model);
+    }
+    if suite == "dashboard" {
+        // On a blocking thread, so that Ctrl-C is still seen while it runs.
+        return tokio::task::spawn_blocking(move || dashboard::dashboard(trials, quick)).await?;
     }
     if suite == "data" {
         let bench = data::DataBench {

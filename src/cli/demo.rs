@@ -188,8 +188,11 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
     );
     let report = train_then_score(client.cluster(), &options, |line| println!("{line}")).await?;
 
-    let status = client.status().await?;
-    print!("{}", super::status::render_status(&status));
+    let all = regatta_runtime::PageRequest::new(None, Some(20))?;
+    print!(
+        "{}",
+        super::status::render(client.cluster(), regatta_runtime::ActorFilter::default(), all).await?
+    );
     println!("report:");
     println!(
         "  training loss {:.3} -> {:.3} over {} steps ({} parameters, {:.0} tokens/s over 2 ranks)",

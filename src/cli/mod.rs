@@ -8,7 +8,7 @@ mod status;
 pub mod train;
 
 use common::TokenArgs;
-pub use status::render_status;
+pub use status::render as render_status;
 
 use std::net::IpAddr;
 use std::path::PathBuf;

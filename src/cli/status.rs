@@ -1,10 +1,16 @@
-//! `regatta status`: the cluster's nodes, actors, groups and waiting requests.
+//! `regatta status`: the cluster's nodes, groups, actors and waiting requests, read from the
+//! same paged views of the head that back the dashboard's JSON endpoints, so a
+//! 100,000-actor cluster answers as quickly as a small one.
 
+use std::fmt::Write;
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
-use regatta_runtime::{format_fixed, resolve_token, ClusterStatus};
+use regatta_runtime::{
+    format_fixed, resolve_token, ActorFilter, ActorRow, Cluster, GroupStatus, NodeRow, Overview, Page, PageRequest,
+    View, ViewQuery, UNIT,
+};
 
 use super::common::TokenArgs;
 
@@ -13,11 +19,51 @@ pub(crate) struct StatusArgs {
     /// The head's cluster address, HOST:PORT.
     #[arg(long, env = "REGATTA_ADDRESS", default_value = "127.0.0.1:6380")]
     address: String,
-    /// Print JSON for scripts.
+    /// Print JSON for scripts: the whole cluster (every actor) without filters, or the page
+    /// of actors that `--state`, `--kind`, `--node`, `--job`, `--name`, `--offset` and
+    /// `--limit` select.
     #[arg(long)]
     json: bool,
+    /// Only actors in this state: pending, starting, alive, restarting or dead.
+    #[arg(long)]
+    state: Option<String>,
+    /// Only actors of this kind.
+    #[arg(long)]
+    kind: Option<String>,
+    /// Only actors on this node.
+    #[arg(long)]
+    node: Option<String>,
+    /// Only actors of this job.
+    #[arg(long)]
+    job: Option<String>,
+    /// Only actors whose name contains this.
+    #[arg(long)]
+    name: Option<String>,
+    /// Actors skipped before the ones listed.
+    #[arg(long)]
+    offset: Option<usize>,
+    /// Actors listed (1 to 1000; default 20).
+    #[arg(long)]
+    limit: Option<usize>,
     #[command(flatten)]
     token: TokenArgs,
+}
+
+impl StatusArgs {
+    fn filter(&self) -> ActorFilter {
+        ActorFilter {
+            kind: self.kind.clone(),
+            state: self.state.clone(),
+            node: self.node.clone(),
+            job: self.job.clone(),
+            name: self.name.clone(),
+        }
+    }
+
+    /// Whether the caller asked for a particular page of actors.
+    fn selects_actors(&self) -> bool {
+        self.filter() != ActorFilter::default() || self.offset.is_some() || self.limit.is_some()
+    }
 }
 
 pub(crate) async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
@@ -25,26 +71,77 @@ pub(crate) async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let client = regatta_runtime::Client::connect_with(&args.address, &token, false)
         .await
         .with_context(|| format!("cannot reach the head at {}", args.address))?;
-    let status = client.status().await?;
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&status)?);
+    let filter = args.filter().checked()?;
+    let page = PageRequest::new(args.offset, Some(args.limit.unwrap_or(20)))?;
+    if args.json && !args.selects_actors() {
+        println!("{}", serde_json::to_string_pretty(&client.status().await?)?);
+    } else if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&actors(client.cluster(), filter, page).await?)?
+        );
     } else {
-        print!("{}", render_status(&status));
+        print!("{}", render(client.cluster(), filter, page).await?);
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// Formats a status snapshot for people.
-pub fn render_status(status: &ClusterStatus) -> String {
-    use std::collections::BTreeMap;
-    use std::fmt::Write;
+async fn actors(cluster: &Cluster, filter: ActorFilter, page: PageRequest) -> anyhow::Result<Page<ActorRow>> {
+    match cluster.view(ViewQuery::Actors(filter, page)).await? {
+        View::Actors(page) => Ok(page),
+        other => anyhow::bail!("the head answered another view: {other:?}"),
+    }
+}
+
+/// The cluster for people: counts, every node, placement groups, and one page of actors.
+pub async fn render(cluster: &Cluster, filter: ActorFilter, page: PageRequest) -> anyhow::Result<String> {
+    let View::Overview(overview) = cluster.view(ViewQuery::Overview).await? else {
+        anyhow::bail!("the head answered another view");
+    };
+    let all = PageRequest::new(None, Some(regatta_runtime::MAX_PAGE))?;
+    let View::Nodes(nodes) = cluster.view(ViewQuery::Nodes(all)).await? else {
+        anyhow::bail!("the head answered another view");
+    };
+    let View::Groups(groups) = cluster.view(ViewQuery::Groups(all)).await? else {
+        anyhow::bail!("the head answered another view");
+    };
+    let listed = actors(cluster, filter.clone(), page).await?;
     let mut out = String::new();
-    let alive = status.nodes.iter().filter(|n| n.state == "alive").count();
-    let _ = writeln!(out, "Nodes: {alive} alive, {} dead", status.nodes.len() - alive);
-    for node in &status.nodes {
+    render_nodes(&mut out, &overview, &nodes);
+    render_groups(&mut out, &groups);
+    render_actors(&mut out, &overview, &filter, &listed);
+    let objects = &overview.objects;
+    let _ = writeln!(
+        out,
+        "Objects: {} ({:.1} MiB), {} spilled ({:.1} MiB), {} lost",
+        objects.objects,
+        objects.bytes as f64 / 1048576.0,
+        objects.spilled_objects,
+        objects.spilled_bytes as f64 / 1048576.0,
+        objects.lost
+    );
+    let _ = writeln!(
+        out,
+        "Waiting for resources: {} (regatta status --state pending lists the actors)",
+        overview.waiting
+    );
+    Ok(out)
+}
+
+fn render_nodes(out: &mut String, overview: &Overview, nodes: &Page<NodeRow>) {
+    let _ = writeln!(
+        out,
+        "Nodes: {} alive, {} dead",
+        overview.nodes_alive, overview.nodes_dead
+    );
+    for node in &nodes.items {
+        let heartbeat = node
+            .heartbeat_age_s
+            .map(|age| format!("  heartbeat {age:.1}s ago"))
+            .unwrap_or_default();
         let _ = writeln!(
             out,
-            "  {:<12} {:<5} for {:>7.1}s  {}  actors {}",
+            "  {:<12} {:<5} for {:>7.1}s  {}  actors {}{heartbeat}",
             node.name, node.state, node.since_s, node.address, node.actors
         );
         if let Some(cause) = &node.cause {
@@ -56,7 +153,7 @@ pub fn render_status(status: &ClusterStatus) -> String {
             .map(|(name, total)| {
                 let used = node.used.fixed(name);
                 if name == "memory" {
-                    let gib = |fixed: u64| fixed as f64 / regatta_runtime::UNIT as f64 / (1u64 << 30) as f64;
+                    let gib = |fixed: u64| fixed as f64 / UNIT as f64 / (1u64 << 30) as f64;
                     format!("{name} {:.1}/{:.1} GiB", gib(used), gib(total))
                 } else {
                     format!("{name} {}/{}", format_fixed(used), format_fixed(total))
@@ -65,8 +162,14 @@ pub fn render_status(status: &ClusterStatus) -> String {
             .collect();
         let _ = writeln!(out, "      used/total: {}", usage.join(", "));
     }
-    let _ = writeln!(out, "Placement groups: {}", status.groups.len());
-    for group in &status.groups {
+    if nodes.total > nodes.items.len() {
+        let _ = writeln!(out, "  ... {} more nodes", nodes.total - nodes.items.len());
+    }
+}
+
+fn render_groups(out: &mut String, groups: &Page<GroupStatus>) {
+    let _ = writeln!(out, "Placement groups: {}", groups.total);
+    for group in &groups.items {
         let bundles: Vec<String> = group
             .bundles
             .iter()
@@ -81,44 +184,67 @@ pub fn render_status(status: &ClusterStatus) -> String {
             bundles.join(" ")
         );
     }
-    let live: Vec<_> = status
-        .actors
-        .iter()
-        .filter(|a| !matches!(a.view.state, regatta_runtime::ActorState::Dead { .. }))
-        .collect();
+}
+
+fn render_actors(out: &mut String, overview: &Overview, filter: &ActorFilter, listed: &Page<ActorRow>) {
+    let count = |state: &str| overview.actors.get(state).copied().unwrap_or(0);
     let _ = writeln!(
         out,
-        "Actors: {} live, {} dead",
-        live.len(),
-        status.actors.len() - live.len()
+        "Actors: {} live ({} alive, {} pending, {} starting, {} restarting), {} dead",
+        count("alive") + count("pending") + count("starting") + count("restarting"),
+        count("alive"),
+        count("pending"),
+        count("starting"),
+        count("restarting"),
+        count("dead")
     );
-    let mut by_kind: BTreeMap<(&str, &str, &str), usize> = BTreeMap::new();
-    for actor in &live {
-        let node = actor.view.node.as_deref().unwrap_or("-");
-        *by_kind
-            .entry((&actor.view.kind, node, actor.view.state.label()))
-            .or_insert(0) += 1;
-    }
-    for ((kind, node, state), count) in by_kind {
-        let _ = writeln!(out, "  {kind:<12} on {node:<12} {state:<10} {count}");
-    }
-    let objects = &status.objects;
+    let selection = if *filter == ActorFilter::default() {
+        String::new()
+    } else {
+        " matching the filter".to_string()
+    };
+    let shown = listed.items.len();
     let _ = writeln!(
         out,
-        "Objects: {} ({:.1} MiB), {} spilled ({:.1} MiB), {} lost",
-        objects.objects,
-        objects.bytes as f64 / 1048576.0,
-        objects.spilled_objects,
-        objects.spilled_bytes as f64 / 1048576.0,
-        objects.lost
+        "  {}{selection}: {} of {}",
+        if shown == 0 { "none listed" } else { "listed" },
+        if shown == 0 {
+            "0".to_string()
+        } else {
+            format!("{}-{}", listed.offset + 1, listed.offset + shown)
+        },
+        listed.total
     );
-    let _ = writeln!(out, "Waiting for resources: {}", status.pending.len());
-    for pending in &status.pending {
+    for actor in &listed.items {
+        let mut line = format!(
+            "  {:>6} {:<12} {:<10} {:<10}",
+            actor.id.0,
+            actor.kind,
+            actor.state,
+            actor.node.as_deref().unwrap_or("-")
+        );
+        if let Some(name) = &actor.name {
+            let _ = write!(line, " name {name}");
+        }
+        if let Some(job) = &actor.job {
+            let _ = write!(line, " job {job}");
+        }
+        if actor.restarts > 0 {
+            let _ = write!(line, " restarts {}", actor.restarts);
+        }
+        if let Some(waiting) = actor.waiting_s {
+            let _ = write!(line, " waiting {waiting:.1}s for {{{}}}", actor.resources);
+        }
+        if let Some(cause) = &actor.cause {
+            let _ = write!(line, " cause: {cause}");
+        }
+        let _ = writeln!(out, "{line}");
+    }
+    if listed.offset + shown < listed.total {
         let _ = writeln!(
             out,
-            "  {}  wants {}  for {:.1}s",
-            pending.what, pending.resources, pending.waiting_s
+            "  ... more with --offset {} (filters: --state --kind --node --job --name)",
+            listed.offset + shown
         );
     }
-    out
 }

@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 use regatta::local::{LocalCluster, LocalOptions, WorkerSpec};
 use regatta::Client;
 
+pub mod browser;
+
 /// Heartbeat timeout the tests run with, so node loss is seen quickly. Four heartbeat
 /// intervals (500 ms): at two, one late heartbeat on a busy 2-core machine (a 2 GiB object
 /// moving between workers) declared a live worker dead in a clean-clone CI run.
