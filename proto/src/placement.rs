@@ -141,6 +141,11 @@ impl Ledger {
         fresh
     }
 
+    /// Whether `request` fits now ([`Ledger::allocate`] would succeed), without taking it.
+    pub fn fits_now(&self, request: &Resources) -> bool {
+        self.available.covers(request) && self.choose_gpus(request.fixed(GPU)).is_some()
+    }
+
     /// Takes `request` from this ledger, choosing GPU indices; `None` if it does not fit now.
     pub fn allocate(&mut self, request: &Resources) -> Option<Allocation> {
         if !self.available.covers(request) {
@@ -198,7 +203,7 @@ impl Ledger {
     }
 
     /// Share of the busiest requested resource after placing `request`: lower is emptier.
-    fn load_after(&self, request: &Resources) -> u64 {
+    pub(crate) fn load_after(&self, request: &Resources) -> u64 {
         let mut names: BTreeSet<&str> = request.iter().map(|(name, _)| name).collect();
         if names.is_empty() {
             names = self.total.iter().map(|(name, _)| name).collect();
@@ -275,7 +280,7 @@ pub enum Decision<T> {
 pub fn place_actor(candidates: &[Candidate<'_>], request: &Resources) -> Decision<String> {
     let best = candidates
         .iter()
-        .filter(|c| c.ledger.available.covers(request) && c.ledger.clone().allocate(request).is_some())
+        .filter(|c| c.ledger.fits_now(request))
         .min_by_key(|c| (c.ledger.load_after(request), c.actors, c.node));
     if let Some(best) = best {
         return Decision::Place(best.node.to_string());

@@ -23,7 +23,7 @@ pub const GPU: &str = "GPU";
 
 /// A set of named resource amounts, in fixed point ([`UNIT`] per whole unit). Serialized
 /// as a map of whole units (`{"CPU": 0.5}`), which round-trips exactly.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Resources(BTreeMap<String, u64>);
 
 impl Serialize for Resources {

@@ -1,7 +1,5 @@
 //! Actors: submission checks, starts and exits, restarts within their budget, kills.
 
-use std::collections::BTreeSet;
-
 use super::{ActorRecord, Effect, Scheduler, MAX_DEAD_ACTORS};
 use crate::placement::{self, Allocation, Decision, Ledger};
 use crate::protocol::{ActorId, ActorSpec, ActorState, ActorView, Failure, GroupId};
@@ -23,8 +21,7 @@ impl Scheduler {
         match &spec.placement {
             Some(bundle_ref) => self.check_bundle_fit(&spec, bundle_ref.group, bundle_ref.bundle)?,
             None => {
-                let candidates = self.candidates(Some(&spec.kind));
-                if let Decision::Infeasible(why) = placement::place_actor(&candidates, &spec.resources) {
+                if let Decision::Infeasible(why) = self.decide(&spec.kind, &spec.resources) {
                     return Err(Failure::Infeasible(format!(
                         "actor of kind '{}' asks for {}: {why}",
                         spec.kind, spec.resources
@@ -36,6 +33,9 @@ impl Scheduler {
         let id = ActorId(self.next_actor);
         if let Some(name) = &spec.name {
             self.named.insert(name.clone(), id);
+        }
+        if let Some(group) = spec.placement.as_ref().and_then(|at| self.groups.get_mut(&at.group)) {
+            group.members.insert(id);
         }
         self.actors.insert(
             id,
@@ -49,19 +49,15 @@ impl Scheduler {
                 waiting_since_ms: now_ms,
             },
         );
+        self.enqueue(id);
         Ok(id)
     }
 
     pub(super) fn check_kind(&self, kind: &str) -> Result<(), Failure> {
-        let alive = self.nodes.values().filter(|n| n.dead_cause.is_none());
-        let mut known: BTreeSet<&str> = BTreeSet::new();
-        for node in alive {
-            known.extend(node.info.kinds.iter().map(String::as_str));
-        }
-        if known.contains(kind) {
+        if self.kinds.contains_key(kind) {
             return Ok(());
         }
-        let list: Vec<&str> = known.into_iter().collect();
+        let list: Vec<&str> = self.kinds.keys().map(String::as_str).collect();
         Err(Failure::UnknownKind {
             kind: kind.to_string(),
             detail: if list.is_empty() {
@@ -184,16 +180,25 @@ impl Scheduler {
 
     /// A job ended: its actors die (no restart) with the cause named.
     pub fn end_job(&mut self, job: &str) -> Vec<Effect> {
-        self.kill_where(|a| a.spec.job.as_deref() == Some(job), &format!("job {job} ended"))
+        let all: Vec<ActorId> = self.actors.keys().copied().collect();
+        self.kill_where(all, |a| a.spec.job.as_deref() == Some(job), &format!("job {job} ended"))
     }
 
-    /// Kills every live actor matching `doomed` (no restart), stopping it on its node.
-    pub(super) fn kill_where(&mut self, doomed: impl Fn(&ActorRecord) -> bool, cause: &str) -> Vec<Effect> {
-        let members: Vec<ActorId> = self
-            .actors
-            .iter()
-            .filter(|(_, a)| !matches!(a.state, ActorState::Dead { .. }) && doomed(a))
-            .map(|(id, _)| *id)
+    /// Kills every live actor among `among` matching `doomed` (no restart), stopping it on
+    /// its node.
+    pub(super) fn kill_where(
+        &mut self,
+        among: impl IntoIterator<Item = ActorId>,
+        doomed: impl Fn(&ActorRecord) -> bool,
+        cause: &str,
+    ) -> Vec<Effect> {
+        let members: Vec<ActorId> = among
+            .into_iter()
+            .filter(|id| {
+                self.actors
+                    .get(id)
+                    .is_some_and(|a| !matches!(a.state, ActorState::Dead { .. }) && doomed(a))
+            })
             .collect();
         let mut effects = Vec::new();
         for id in members {
@@ -220,6 +225,7 @@ impl Scheduler {
             actor.restarts += 1;
             actor.state = ActorState::Restarting;
             actor.waiting_since_ms = now_ms;
+            self.enqueue(id);
         } else {
             let budget = actor.spec.max_restarts;
             self.set_dead(id, format!("{cause}; restart budget exhausted (max_restarts={budget})"));
@@ -227,6 +233,7 @@ impl Scheduler {
     }
 
     pub(super) fn set_dead(&mut self, id: ActorId, cause: String) {
+        self.dequeue(id);
         let Some(actor) = self.actors.get_mut(&id) else { return };
         let first_time = !matches!(actor.state, ActorState::Dead { .. });
         actor.state = ActorState::Dead { cause };
@@ -269,11 +276,12 @@ impl Scheduler {
         if let Some(ledger) = ledger {
             ledger.release(&placed.allocation);
         }
+        self.unhost(&placed.node, id);
     }
 
     pub(super) fn forget_placement(&mut self, id: ActorId) {
-        if let Some(actor) = self.actors.get_mut(&id) {
-            actor.placed = None;
+        if let Some(placed) = self.actors.get_mut(&id).and_then(|a| a.placed.take()) {
+            self.unhost(&placed.node, id);
         }
     }
 }

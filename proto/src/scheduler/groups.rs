@@ -24,6 +24,7 @@ impl Scheduler {
                 bundles,
                 created: false,
                 waiting_since_ms: now_ms,
+                members: Default::default(),
             },
         );
         Ok(id)
@@ -47,7 +48,9 @@ impl Scheduler {
         if !self.groups.contains_key(&id) {
             return Err(Failure::Rejected(format!("placement group {id} does not exist")));
         }
+        let members: Vec<_> = self.groups[&id].members.iter().copied().collect();
         let effects = self.kill_where(
+            members,
             |a| a.spec.placement.as_ref().is_some_and(|p| p.group == id),
             &format!("placement group {id} was removed"),
         );
@@ -56,6 +59,7 @@ impl Scheduler {
                 if let Some(node) = self.nodes.get_mut(&bundle.node).filter(|n| n.dead_cause.is_none()) {
                     node.ledger.release(&bundle.reservation);
                 }
+                self.touch(&bundle.node);
             }
         }
         Ok(effects)

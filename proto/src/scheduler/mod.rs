@@ -5,16 +5,22 @@
 //! the head actor must carry out (start or stop an actor on a node). No sockets, no clock.
 //! The records and the [`Scheduler`] are here; its methods are in one file per concern:
 //! `nodes.rs` (membership and liveness), `actors.rs` (actors and restarts), `groups.rs`
-//! (placement groups), `placing.rs` (placing what waits), `status.rs` (`regatta status`) and `view.rs` (the
-//! dashboard's pages).
+//! (placement groups), `placing.rs` (placing what waits), `index.rs` (the placement index
+//! by request shape), `status.rs` (`regatta status`) and `view.rs` (the dashboard's pages).
+//!
+//! Cost does not grow with the cluster in the common case: free actors are placed from
+//! the index (the first node of their shape), each node keeps the actors it hosts and each
+//! group its members (a lost node or a removed group touches only theirs), and waiting
+//! actors queue by what they ask for, so a pass stops trying a request once it failed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::placement::{Allocation, Ledger};
 use crate::protocol::{ActorId, ActorSpec, ActorState, GroupId, GroupSpec, NodeInfo, StartActor};
 
 mod actors;
 mod groups;
+mod index;
 mod nodes;
 mod placing;
 mod status;
@@ -48,6 +54,8 @@ struct NodeRecord {
     dead_cause: Option<String>,
     since_ms: u64,
     last_heartbeat_ms: u64,
+    /// Actors placed here (on the node or in its bundles).
+    hosted: BTreeSet<ActorId>,
 }
 
 struct Placed {
@@ -78,6 +86,38 @@ struct GroupRecord {
     bundles: Vec<Option<Bundle>>,
     created: bool,
     waiting_since_ms: u64,
+    /// Actors submitted into the group (some may be dead or forgotten).
+    members: BTreeSet<ActorId>,
+}
+
+/// What a waiting actor waits for: in one scheduling pass, once a request failed, the
+/// others with the same key fail too (placing only takes resources), so they are skipped.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum WaitKey {
+    /// A free actor: its kind and resources.
+    Free(index::Shape),
+    /// An actor in a placement group's bundle (or any bundle of it).
+    Bundle {
+        group: GroupId,
+        bundle: Option<usize>,
+        request: crate::resources::Resources,
+    },
+}
+
+impl WaitKey {
+    fn of(spec: &ActorSpec) -> Self {
+        match &spec.placement {
+            Some(at) => WaitKey::Bundle {
+                group: at.group,
+                bundle: at.bundle,
+                request: spec.resources.clone(),
+            },
+            None => WaitKey::Free(index::Shape {
+                kind: spec.kind.clone(),
+                request: spec.resources.clone(),
+            }),
+        }
+    }
 }
 
 /// Dead actors remembered (for status and for telling callers why); older ones are
@@ -92,6 +132,11 @@ pub struct Scheduler {
     actors: BTreeMap<ActorId, ActorRecord>,
     named: BTreeMap<String, ActorId>,
     groups: BTreeMap<GroupId, GroupRecord>,
+    /// Actors waiting to be placed (pending or restarting), by what they wait for.
+    waiting: BTreeMap<WaitKey, BTreeSet<ActorId>>,
+    /// Alive nodes registering each kind.
+    kinds: BTreeMap<String, usize>,
+    index: index::ShapeIndex,
     next_actor: u64,
     next_group: u64,
     next_incarnation: u64,
@@ -109,7 +154,7 @@ mod tests {
     use std::collections::BTreeSet;
 
     use super::*;
-    use crate::placement::Strategy;
+    use crate::placement::{Decision, Strategy};
     use crate::protocol::BundleRef;
     use crate::protocol::Failure;
     use crate::resources::Resources;
@@ -371,5 +416,113 @@ mod tests {
         let status = s.status(3_000);
         assert_eq!(status.nodes[0].state, "dead");
         assert_eq!(status.nodes[0].since_s, 1.0);
+    }
+
+    /// The scheduler's own bookkeeping (hosted actors per node, the waiting queue, the
+    /// placement index) against a recount from its records, after every step of random
+    /// submissions, starts, exits, kills, group changes and node losses and joins; and the
+    /// index's decision against the exhaustive placement over the same nodes.
+    #[test]
+    fn the_indexes_agree_with_a_recount_through_random_histories() {
+        let shapes = ["CPU=1", "CPU=2", "GPU=1", "GPU=0.5", "CPU=1,GPU=1"];
+        for seed in 1..=12u64 {
+            let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let mut next = move |n: u64| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng % n
+            };
+            let mut s = Scheduler::new();
+            let mut groups: Vec<GroupId> = Vec::new();
+            for n in 0..4 {
+                s.register(node(&format!("w{n}"), "CPU=4,GPU=2"), 0).unwrap();
+            }
+            for step in 0..300u64 {
+                let now = step * 10;
+                match next(9) {
+                    0..=2 => {
+                        let mut spec = spec(shapes[next(shapes.len() as u64) as usize], 1);
+                        if next(4) == 0 && !groups.is_empty() {
+                            spec.placement = Some(BundleRef {
+                                group: groups[next(groups.len() as u64) as usize],
+                                bundle: None,
+                            });
+                            spec.resources = Resources::parse_request("CPU=1").unwrap();
+                        }
+                        let _ = s.submit(spec, now);
+                    }
+                    3 => {
+                        let live: Vec<ActorId> = s.actors.keys().copied().collect();
+                        if let Some(id) = live.get(next(live.len() as u64 + 1) as usize) {
+                            let attempt = s.actors[id].attempt;
+                            s.exited(*id, attempt, "panicked", now);
+                        }
+                    }
+                    4 => {
+                        let live: Vec<ActorId> = s.actors.keys().copied().collect();
+                        if let Some(id) = live.get(next(live.len() as u64 + 1) as usize) {
+                            let _ = s.kill(*id);
+                        }
+                    }
+                    5 => {
+                        let spec = GroupSpec {
+                            bundles: vec![Resources::parse_request("CPU=1").unwrap(); 1 + next(3) as usize],
+                            strategy: Strategy::Spread,
+                            name: None,
+                        };
+                        if let Ok(id) = s.create_group(spec, now) {
+                            groups.push(id);
+                        }
+                    }
+                    6 if !groups.is_empty() => {
+                        let id = groups.swap_remove(next(groups.len() as u64) as usize);
+                        let _ = s.remove_group(id);
+                    }
+                    7 => {
+                        let name = format!("w{}", next(5));
+                        if s.is_alive(&name) {
+                            s.lose_node(&name, "test", now);
+                        } else {
+                            s.register(node(&name, "CPU=4,GPU=2"), now).unwrap();
+                        }
+                    }
+                    _ => {}
+                }
+                let effects = s.schedule(now);
+                start_all(&mut s, &effects);
+                check_bookkeeping(&mut s, &shapes, seed, step);
+            }
+        }
+    }
+
+    fn check_bookkeeping(s: &mut Scheduler, shapes: &[&str], seed: u64, step: u64) {
+        let mut hosted: BTreeMap<String, BTreeSet<ActorId>> = BTreeMap::new();
+        let mut waiting: BTreeSet<ActorId> = BTreeSet::new();
+        for (id, actor) in &s.actors {
+            if let Some(p) = &actor.placed {
+                hosted.entry(p.node.clone()).or_default().insert(*id);
+            }
+            if matches!(actor.state, ActorState::Pending | ActorState::Restarting) {
+                waiting.insert(*id);
+            }
+        }
+        for (name, rec) in &s.nodes {
+            if rec.dead_cause.is_none() {
+                let expected = hosted.remove(name).unwrap_or_default();
+                assert_eq!(rec.hosted, expected, "seed {seed} step {step}: actors on {name}");
+            }
+        }
+        let queued: BTreeSet<ActorId> = s.waiting.values().flatten().copied().collect();
+        assert_eq!(queued, waiting, "seed {seed} step {step}: the waiting queue");
+        for shape in shapes {
+            let request = Resources::parse_request(shape).unwrap();
+            let exhaustive = crate::placement::place_actor(&s.candidates(Some("echo")), &request);
+            let indexed = s.decide("echo", &request);
+            match (&exhaustive, &indexed) {
+                (Decision::Infeasible(_), Decision::Infeasible(_)) => {}
+                _ => assert_eq!(indexed, exhaustive, "seed {seed} step {step}: {shape}"),
+            }
+        }
     }
 }

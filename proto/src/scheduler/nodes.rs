@@ -22,8 +22,14 @@ impl Scheduler {
             dead_cause: None,
             since_ms: now_ms,
             last_heartbeat_ms: now_ms,
+            hosted: Default::default(),
         };
-        self.nodes.insert(record.info.name.clone(), record);
+        for kind in &record.info.kinds {
+            *self.kinds.entry(kind.clone()).or_insert(0) += 1;
+        }
+        let name = record.info.name.clone();
+        self.nodes.insert(name.clone(), record);
+        self.touch(&name);
         Ok(self.next_incarnation)
     }
 
@@ -68,6 +74,16 @@ impl Scheduler {
         }
         rec.dead_cause = Some(cause.to_string());
         rec.since_ms = now_ms;
+        let lost: Vec<ActorId> = rec.hosted.iter().copied().collect();
+        for kind in &rec.info.kinds {
+            if let Some(count) = self.kinds.get_mut(kind) {
+                *count -= 1;
+                if *count == 0 {
+                    self.kinds.remove(kind);
+                }
+            }
+        }
+        self.touch(node);
         for group in self.groups.values_mut() {
             for slot in &mut group.bundles {
                 if slot.as_ref().is_some_and(|b| b.node == node) {
@@ -76,12 +92,6 @@ impl Scheduler {
                 }
             }
         }
-        let lost: Vec<ActorId> = self
-            .actors
-            .iter()
-            .filter(|(_, a)| a.placed.as_ref().is_some_and(|p| p.node == node))
-            .map(|(id, _)| *id)
-            .collect();
         for id in lost {
             self.actor_lost(id, &format!("node {node} died: {cause}"), false, now_ms);
         }

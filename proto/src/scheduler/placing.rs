@@ -1,32 +1,111 @@
 //! Placing what waits: groups first, then actors, against the ledger.
 
-use std::collections::BTreeMap;
+use std::collections::BTreeSet;
 
-use super::{Bundle, Effect, Placed, Scheduler};
+use super::index::{Lookup, NodeState, Shape};
+use super::{Bundle, Effect, NodeRecord, Placed, Scheduler, WaitKey};
 use crate::placement::{self, Candidate, Decision, Ledger};
 use crate::protocol::{ActorId, ActorState, GroupId, StartActor};
 use crate::resources::Resources;
 
 impl Scheduler {
-    /// Places whatever can be placed now: groups first (in order), then actors (in order).
+    /// Places whatever can be placed now: groups first (in order), then waiting actors in
+    /// the order they were submitted, skipping requests like one that already failed in
+    /// this pass.
     pub fn schedule(&mut self, now_ms: u64) -> Vec<Effect> {
-        let group_ids: Vec<GroupId> = self.groups.keys().copied().collect();
+        let group_ids: Vec<GroupId> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| g.bundles.iter().any(Option::is_none))
+            .map(|(id, _)| *id)
+            .collect();
         for id in group_ids {
             self.place_group(id);
         }
-        let waiting: Vec<ActorId> = self
-            .actors
-            .iter()
-            .filter(|(_, a)| matches!(a.state, ActorState::Pending | ActorState::Restarting))
-            .map(|(id, _)| *id)
-            .collect();
         let mut effects = Vec::new();
-        for id in waiting {
-            if let Some(effect) = self.place_one(id, now_ms) {
-                effects.push(effect);
+        let mut failed: BTreeSet<WaitKey> = BTreeSet::new();
+        loop {
+            let next = self
+                .waiting
+                .iter()
+                .filter(|(key, _)| !failed.contains(*key))
+                .filter_map(|(key, ids)| ids.first().map(|id| (*id, key)))
+                .min();
+            let Some((id, key)) = next else { break };
+            let key = key.clone();
+            match self.place_one(id, now_ms) {
+                Some(effect) => effects.push(effect),
+                None if self.is_waiting(id) => {
+                    failed.insert(key);
+                }
+                None => {}
             }
         }
         effects
+    }
+
+    fn is_waiting(&self, id: ActorId) -> bool {
+        self.actors
+            .get(&id)
+            .is_some_and(|a| matches!(a.state, ActorState::Pending | ActorState::Restarting))
+    }
+
+    /// Queues an actor that waits to be placed (pending or restarting).
+    pub(super) fn enqueue(&mut self, id: ActorId) {
+        if let Some(actor) = self.actors.get(&id) {
+            self.waiting.entry(WaitKey::of(&actor.spec)).or_default().insert(id);
+        }
+    }
+
+    /// Takes an actor out of the waiting queue (placed or dead).
+    pub(super) fn dequeue(&mut self, id: ActorId) {
+        let Some(actor) = self.actors.get(&id) else { return };
+        let key = WaitKey::of(&actor.spec);
+        if let Some(ids) = self.waiting.get_mut(&key) {
+            ids.remove(&id);
+            if ids.is_empty() {
+                self.waiting.remove(&key);
+            }
+        }
+    }
+
+    /// Refreshes a node's place in the placement index after its ledger, actors or
+    /// liveness changed.
+    pub(super) fn touch(&mut self, node: &str) {
+        if let Some(rec) = self.nodes.get(node) {
+            self.index.refresh(rec.state());
+        }
+    }
+
+    /// Records that `id` now runs (or is starting) on `node`.
+    pub(super) fn host(&mut self, node: &str, id: ActorId) {
+        if let Some(rec) = self.nodes.get_mut(node) {
+            rec.hosted.insert(id);
+        }
+        self.touch(node);
+    }
+
+    /// Records that `id` left `node`.
+    pub(super) fn unhost(&mut self, node: &str, id: ActorId) {
+        if let Some(rec) = self.nodes.get_mut(node) {
+            rec.hosted.remove(&id);
+        }
+        self.touch(node);
+    }
+
+    /// Where a free actor of `kind` asking for `request` goes: the placement index's
+    /// answer, which is [`placement::place_actor`]'s over the alive nodes of that kind.
+    pub(super) fn decide(&mut self, kind: &str, request: &Resources) -> Decision<String> {
+        let shape = Shape {
+            kind: kind.to_string(),
+            request: request.clone(),
+        };
+        let nodes = &self.nodes;
+        match self.index.lookup(&shape, || nodes.values().map(NodeRecord::state)) {
+            Lookup::Fits(node) => Decision::Place(node),
+            Lookup::Busy => Decision::Busy,
+            Lookup::Never => Decision::Infeasible(placement::describe_missing(&self.candidates(Some(kind)), request)),
+        }
     }
 
     pub(super) fn place_group(&mut self, id: GroupId) {
@@ -59,6 +138,7 @@ impl Scheduler {
             let Some(reservation) = ledger.allocate(&self.groups[&id].spec.bundles[index]) else {
                 continue;
             };
+            self.touch(&node);
             let bundle = Bundle {
                 ledger: Ledger::for_bundle(&reservation),
                 node,
@@ -79,8 +159,7 @@ impl Scheduler {
         let placed = match &spec.placement {
             Some(bundle_ref) => self.allocate_in_group(bundle_ref.group, bundle_ref.bundle, &spec.resources),
             None => {
-                let candidates = self.candidates(Some(&spec.kind));
-                match placement::place_actor(&candidates, &spec.resources) {
+                match self.decide(&spec.kind, &spec.resources) {
                     Decision::Place(node) => {
                         let allocation = self.nodes.get_mut(&node)?.ledger.allocate(&spec.resources)?;
                         Some(Placed {
@@ -113,7 +192,10 @@ impl Scheduler {
             job: spec.job,
         };
         actor.last_node = Some(placed.node.clone());
+        let node = placed.node.clone();
         actor.placed = Some(placed);
+        self.dequeue(id);
+        self.host(&node, id);
         Some(Effect::Start(start))
     }
 
@@ -143,12 +225,6 @@ impl Scheduler {
     }
 
     pub(super) fn candidates(&self, kind: Option<&str>) -> Vec<Candidate<'_>> {
-        let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-        for actor in self.actors.values() {
-            if let Some(p) = &actor.placed {
-                *counts.entry(p.node.as_str()).or_insert(0) += 1;
-            }
-        }
         self.nodes
             .values()
             .filter(|n| n.dead_cause.is_none())
@@ -156,8 +232,20 @@ impl Scheduler {
             .map(|n| Candidate {
                 node: &n.info.name,
                 ledger: &n.ledger,
-                actors: counts.get(n.info.name.as_str()).copied().unwrap_or(0),
+                actors: n.hosted.len(),
             })
             .collect()
+    }
+}
+
+impl NodeRecord {
+    fn state(&self) -> NodeState<'_> {
+        NodeState {
+            name: &self.info.name,
+            kinds: &self.info.kinds,
+            ledger: &self.ledger,
+            actors: self.hosted.len(),
+            alive: self.dead_cause.is_none(),
+        }
     }
 }
