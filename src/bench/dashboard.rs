@@ -16,7 +16,8 @@ use super::measure::report;
 /// A head with `nodes` nodes of 100 CPUs and `actors` alive actors of one CPU each, a
 /// tenth of them named, spread over ten jobs; kinds alternate, and placement spreads actors
 /// round the nodes, so even-numbered nodes hold the `echo` actors.
-fn synthetic(nodes: usize, actors: usize) -> anyhow::Result<HeadCore> {
+/// Also returns each actor's spawn-and-start time through the core, in microseconds.
+fn synthetic(nodes: usize, actors: usize) -> anyhow::Result<(HeadCore, Vec<f64>)> {
     let mut head = HeadCore::new(3_000, 10_000);
     for n in 0..nodes {
         head.handle(
@@ -33,7 +34,9 @@ fn synthetic(nodes: usize, actors: usize) -> anyhow::Result<HeadCore> {
         );
     }
     let one_cpu = Resources::parse_request("CPU=1")?;
+    let mut micros = Vec::with_capacity(actors);
     for a in 0..actors {
+        let started = Instant::now();
         let out = head.handle(
             HeadRequest::Spawn(ActorSpec {
                 kind: if a % 2 == 0 { "echo" } else { "counter" }.into(),
@@ -60,8 +63,16 @@ fn synthetic(nodes: usize, actors: usize) -> anyhow::Result<HeadCore> {
                 );
             }
         }
+        micros.push(started.elapsed().as_secs_f64() * 1e6);
     }
-    Ok(head)
+    Ok((head, micros))
+}
+
+/// The `q` quantile (0..=1) of `values`, sorted in place.
+fn quantile(values: &mut [f64], q: f64) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let index = ((values.len() as f64 - 1.0) * q).round() as usize;
+    values.get(index).copied().unwrap_or(0.0)
 }
 
 /// One request's path without the socket: view, head-link round trip, JSON.
@@ -83,11 +94,22 @@ pub(super) fn dashboard(trials: usize, quick: bool) -> anyhow::Result<()> {
     };
     for &(nodes, actors) in sizes {
         let built = Instant::now();
-        let head = synthetic(nodes, actors)?;
-        println!(
-            "# synthetic head: {nodes} nodes, {actors} actors placed and started in {:.1} s",
-            built.elapsed().as_secs_f64()
+        let (head, mut micros) = synthetic(nodes, actors)?;
+        let seconds = built.elapsed().as_secs_f64();
+        println!("# synthetic head: {nodes} nodes, {actors} actors placed and started in {seconds:.1} s");
+        // The head's core alone (no sockets): what placement costs as the cluster fills.
+        report(
+            &format!("core spawn+start at {nodes} nodes, {actors} actors"),
+            "actors/s",
+            &[actors as f64 / seconds],
         );
+        for (name, q) in [("p50", 0.5), ("p99", 0.99), ("max", 1.0)] {
+            report(
+                &format!("core spawn+start {name} at {nodes} nodes, {actors} actors"),
+                "microseconds",
+                &[quantile(&mut micros, q)],
+            );
+        }
         let page = |offset| PageRequest { offset, limit: 100 };
         let filter = |f: ActorFilter| ViewQuery::Actors(f, page(0));
         let cases: Vec<(&str, ViewQuery)> = vec![

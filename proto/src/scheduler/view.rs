@@ -57,12 +57,6 @@ impl Scheduler {
 
     /// A page of nodes by name; `object_bytes` gives each node's object bytes.
     pub fn node_page(&self, page: PageRequest, now_ms: u64, object_bytes: &BTreeMap<String, u64>) -> Page<NodeRow> {
-        let mut placed = BTreeMap::<&str, usize>::new();
-        for actor in self.actors.values() {
-            if let Some(p) = &actor.placed {
-                *placed.entry(p.node.as_str()).or_default() += 1;
-            }
-        }
         page.take(self.nodes.values().map(|n| {
             let alive = n.dead_cause.is_none();
             NodeRow {
@@ -75,7 +69,7 @@ impl Scheduler {
                 total: n.ledger.total().clone(),
                 used: if alive { n.ledger.used() } else { Resources::new() },
                 kinds: n.info.kinds.clone(),
-                actors: placed.get(n.info.name.as_str()).copied().unwrap_or(0),
+                actors: n.hosted.len(),
                 object_bytes: object_bytes.get(&n.info.name).copied().unwrap_or(0),
             }
         }))
@@ -97,7 +91,16 @@ impl Scheduler {
                     .as_deref()
                     .is_none_or(|part| a.spec.name.as_deref().is_some_and(|n| n.contains(part)))
         };
-        let matching = self.actors.iter().filter(|(_, a)| quick(a));
+        // A node filter reads that node's actors only.
+        let hosted = filter.node.as_deref().map(|n| self.nodes.get(n).map(|rec| &rec.hosted));
+        let ids: Box<dyn Iterator<Item = &ActorId>> = match hosted {
+            None => Box::new(self.actors.keys()),
+            Some(Some(ids)) => Box::new(ids.iter()),
+            Some(None) => Box::new(std::iter::empty()),
+        };
+        let matching = ids
+            .filter_map(|id| self.actors.get(id).map(|a| (id, a)))
+            .filter(|(_, a)| quick(a));
         // Only the page's rows are built.
         let mut total = 0;
         let mut items = Vec::new();
