@@ -72,3 +72,35 @@ fn bench_data_prints_the_loaders_tokens_per_second_and_memory_locally_and_on_s3(
     }
     assert!(text.contains("data local loader resident MiB every 10s:"), "{text}");
 }
+
+/// The scale simulator itself cannot rot: 200 simulated nodes over real sessions, 10,000
+/// actors, groups held, a tenth of the nodes killed at once; every node is seen alive,
+/// every actor placed and started, and every actor running again after the loss.
+#[test]
+fn bench_scale_quick_places_every_actor_on_simulated_nodes() {
+    let out = Command::new(env!("CARGO_BIN_EXE_regatta"))
+        .args(["bench", "scale", "--quick"])
+        .output()
+        .expect("run regatta bench scale");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    for line in [
+        "nodes alive 200/200",
+        "actors alive 10000/10000",
+        "groups held 200/200",
+        "actors alive after 20 nodes died 10000/10000",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no '{line}' in:\n{text}");
+    }
+    for case in [
+        "scale nodes joined per second",
+        "scale actors placed (64 spawns in flight) per second",
+        "scale spawn round trip p99, one at a time microseconds",
+        "scale head memory per actor bytes",
+        "scale placement group of 40 bundles created, ready and removed per second",
+        "scale 20 nodes dead at once: their actors running again seconds",
+    ] {
+        let (line, value) = figure(&text, case);
+        assert!(value > 0.0, "{line}");
+    }
+}

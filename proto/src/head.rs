@@ -184,12 +184,7 @@ impl HeadCore {
     pub fn tick(&mut self, now_ms: u64) -> Vec<Output> {
         let mut out = Vec::new();
         for (node, cause) in self.scheduler.expire(now_ms, self.heartbeat_timeout_ms) {
-            let objects_lost = self.directory.node_lost(&node, now_ms).len();
-            out.push(Output::Notice(Notice::NodeDead {
-                node,
-                cause,
-                objects_lost,
-            }));
+            self.node_dead(node, cause, now_ms, &mut out);
         }
         out.extend(self.directory.collect(now_ms).into_iter().map(Output::Release));
         for (id, parked) in std::mem::take(&mut self.object_waiters) {
@@ -203,6 +198,16 @@ impl HeadCore {
         }
         self.settle(now_ms, &mut out);
         out
+    }
+
+    /// A node the scheduler declared dead: its objects are lost too.
+    fn node_dead(&mut self, node: String, cause: String, now_ms: u64, out: &mut Vec<Output>) {
+        let objects_lost = self.directory.node_lost(&node, now_ms).len();
+        out.push(Output::Notice(Notice::NodeDead {
+            node,
+            cause,
+            objects_lost,
+        }));
     }
 
     /// Forgets waiters whose callers gave up (the shell knows which ports closed), so
@@ -303,6 +308,14 @@ impl HeadCore {
                     cause: cause.clone(),
                 }));
                 self.scheduler.exited(actor, attempt, &cause, now);
+                answer(to, Answer::Done(Ok(())), out);
+            }
+            HeadRequest::Undelivered { actor, attempt, cause } => {
+                if let Some(node) = self.scheduler.undelivered(actor, attempt, now) {
+                    let cause = format!("start of actor {actor} undeliverable: {cause}");
+                    self.scheduler.lose_node(&node, &cause, now);
+                    self.node_dead(node, cause, now, out);
+                }
                 answer(to, Answer::Done(Ok(())), out);
             }
             object => self.object_request(object, to, now, out),
@@ -775,6 +788,45 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn an_undeliverable_start_loses_the_node_and_spends_no_restart() {
+        let mut head = HeadCore::new(3_000, 10_000);
+        head.handle(node("w1", "CPU=1"), None, 0);
+        let out = head.handle(spawn_with("CPU=1", 0), Some(ReplyTo(1)), 1);
+        let first = starts(&out);
+        assert_eq!(first.len(), 1);
+        assert_eq!(first[0].node, "w1");
+        head.handle(node("w2", "CPU=1"), None, 2);
+        let out = head.handle(
+            HeadRequest::Undelivered {
+                actor: first[0].actor,
+                attempt: first[0].attempt,
+                cause: "node w1's agent is not reachable".into(),
+            },
+            None,
+            3,
+        );
+        assert!(
+            out.iter()
+                .any(|o| matches!(o, Output::Notice(Notice::NodeDead { node, cause, .. }) if node == "w1" && cause.contains("not reachable"))),
+            "{out:?}"
+        );
+        let again = starts(&out);
+        assert_eq!(again.len(), 1, "placed again though its budget is 0: {out:?}");
+        assert_eq!((again[0].node.as_str(), again[0].attempt), ("w2", first[0].attempt + 1));
+        // A stale report changes nothing.
+        let out = head.handle(
+            HeadRequest::Undelivered {
+                actor: first[0].actor,
+                attempt: first[0].attempt,
+                cause: "late".into(),
+            },
+            None,
+            4,
+        );
+        assert!(starts(&out).is_empty() && !out.iter().any(|o| matches!(o, Output::Notice(_))), "{out:?}");
     }
 
     #[test]

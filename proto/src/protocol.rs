@@ -228,6 +228,17 @@ pub enum HeadRequest {
         /// Why it stopped.
         cause: String,
     },
+    /// From the head's shell to its core: a start could not be delivered because the
+    /// node's agent is not reachable (no session to it). The node is lost; the actor waits
+    /// again without spending a restart, since it never ran there. Replies `()`.
+    Undelivered {
+        /// The actor.
+        actor: ActorId,
+        /// The attempt number of the start.
+        attempt: u32,
+        /// Why it could not be delivered.
+        cause: String,
+    },
     /// From a process that cannot see a live actor in its process-group mirror: have the
     /// actor's agent advertise it again: replies `()`.
     Announce(ActorId),
@@ -262,6 +273,7 @@ impl HeadRequest {
             Self::HolderGone(_) => "holder-gone",
             Self::EndJob(_) => "end-job",
             Self::Exited { .. } => "exited",
+            Self::Undelivered { .. } => "undelivered",
             Self::View(_) => "view",
             Self::RunReport(_) => "run-report",
             Self::Announce(_) => "announce",

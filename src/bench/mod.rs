@@ -5,6 +5,7 @@ mod dashboard;
 mod data;
 mod measure;
 mod runtime;
+mod scale;
 mod score;
 mod train;
 
@@ -19,7 +20,7 @@ use clap::Args;
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Which cases: `actors`, `objects`, `cluster`, `train`, `score`, `generate`, `data`,
-    /// `dashboard`, or `all` (the first five).
+    /// `dashboard`, `scale`, or `all` (the first five).
     #[arg(default_value = "all")]
     pub suite: String,
     /// Trials per case (mean and standard deviation are printed).
@@ -45,16 +46,30 @@ pub struct BenchArgs {
     /// `data`: seconds each source is read.
     #[arg(long, default_value_t = 60.0)]
     pub seconds: f64,
+    /// `scale`: simulated nodes.
+    #[arg(long, default_value_t = 1_000)]
+    pub nodes: usize,
+    /// `scale`: actors spawned on them (CPU=1 each).
+    #[arg(long, default_value_t = 100_000)]
+    pub actors: usize,
+    /// `scale`: placement groups held at once.
+    #[arg(long, default_value_t = 10_000)]
+    pub groups: usize,
+    /// `scale`: simulator processes the nodes are shared among.
+    #[arg(long, default_value_t = 4)]
+    pub processes: usize,
 }
 
 /// Runs the benchmark suite on local clusters started from this binary.
 pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let suites: Vec<&str> = match args.suite.as_str() {
         "all" => vec!["cluster", "actors", "objects", "train", "score"],
-        one @ ("actors" | "objects" | "cluster" | "train" | "score" | "generate" | "data" | "dashboard") => vec![one],
+        one @ ("actors" | "objects" | "cluster" | "train" | "score" | "generate" | "data" | "dashboard" | "scale") => {
+            vec![one]
+        }
         other => {
             bail!(
-                "unknown benchmark suite '{other}'; use actors, objects, cluster, train, score, generate, data, dashboard or all"
+                "unknown benchmark suite '{other}'; use actors, objects, cluster, train, score, generate, data, dashboard, scale or all"
             )
         }
     };
@@ -96,6 +111,19 @@ async fn run_suite(suite: &str, trials: usize, args: &BenchArgs) -> anyhow::Resu
     if suite == "dashboard" {
         // On a blocking thread, so that Ctrl-C is still seen while it runs.
         return tokio::task::spawn_blocking(move || dashboard::dashboard(trials, quick)).await?;
+    }
+    if suite == "scale" {
+        let bench = if quick {
+            scale::ScaleBench::quick()
+        } else {
+            scale::ScaleBench {
+                nodes: args.nodes,
+                actors: args.actors,
+                groups: args.groups,
+                processes: args.processes,
+            }
+        };
+        return scale::scale(&bench).await;
     }
     if suite == "data" {
         let bench = data::DataBench {

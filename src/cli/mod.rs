@@ -49,6 +49,10 @@ enum Command {
     /// Submit, follow, stop and list jobs through the head's job API.
     #[command(subcommand)]
     Job(job::JobCommand),
+    /// Run many simulated nodes in this process against a head (`regatta bench scale`
+    /// starts them): each registers, heartbeats and starts actors like a worker.
+    #[command(hide = true)]
+    SimulateNodes(SimulateArgs),
     /// Exit 0 if an HTTP GET of the URL answers 200 within 5 s (for container health
     /// checks, e.g. `regatta probe http://127.0.0.1:9181/metrics`).
     Probe {
@@ -183,6 +187,30 @@ struct WorkerArgs {
     token: TokenArgs,
 }
 
+#[derive(Args, Debug)]
+struct SimulateArgs {
+    /// The head's cluster address, HOST:PORT.
+    #[arg(long, env = "REGATTA_ADDRESS")]
+    address: String,
+    /// Node names are PREFIX-NNNNN.
+    #[arg(long, default_value = "sim")]
+    prefix: String,
+    /// Index of the first node.
+    #[arg(long, default_value_t = 0)]
+    first: usize,
+    /// How many nodes.
+    #[arg(long)]
+    count: usize,
+    /// What each node declares.
+    #[arg(long, default_value = "CPU=128")]
+    resources: String,
+    /// Interval between each node's heartbeats.
+    #[arg(long, default_value_t = 500)]
+    heartbeat_interval_ms: u64,
+    #[command(flatten)]
+    token: TokenArgs,
+}
+
 /// Whether this process was started as a cluster node (`head` or `worker` as the first
 /// argument), so that a driver binary can double as its own head and worker.
 pub fn is_node_command() -> bool {
@@ -211,6 +239,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
             Command::Train(args) => train::run(args).await,
             Command::Score(args) => score::run(args).await,
             Command::Probe { url } => probe(&url).await,
+            Command::SimulateNodes(args) => simulate_nodes(args, registry).await,
         }
     });
     match outcome {
@@ -296,6 +325,21 @@ async fn worker(args: WorkerArgs, registry: Registry) -> anyhow::Result<ExitCode
         }
         Err(e) => Err(e.into()),
     }
+}
+
+async fn simulate_nodes(args: SimulateArgs, registry: Registry) -> anyhow::Result<ExitCode> {
+    let (token, _) = resolve_token(args.token.token.as_deref(), args.token.token_file.as_deref(), false)?;
+    let config = regatta_runtime::SimulatedNodes {
+        head_address: args.address,
+        token,
+        prefix: args.prefix,
+        first: args.first,
+        count: args.count,
+        resources: Resources::parse_capacity(&args.resources)?,
+        heartbeat_interval_ms: args.heartbeat_interval_ms,
+    };
+    regatta_runtime::run_simulated_nodes(config, registry, crate::signal::shutdown_signal()).await?;
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn probe(url: &str) -> anyhow::Result<ExitCode> {

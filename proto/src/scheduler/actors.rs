@@ -155,6 +155,27 @@ impl Scheduler {
         }
     }
 
+    /// A start that never reached its node (the node's agent is unreachable): the actor
+    /// waits again without spending a restart. Returns the node, which the caller declares
+    /// lost; `None` for a stale report.
+    pub fn undelivered(&mut self, id: ActorId, attempt: u32, now_ms: u64) -> Option<String> {
+        let actor = self.actors.get(&id)?;
+        if actor.attempt != attempt || actor.state != ActorState::Starting {
+            return None;
+        }
+        let node = actor.placed.as_ref()?.node.clone();
+        self.release(id);
+        let actor = self.actors.get_mut(&id)?;
+        actor.state = if actor.restarts == 0 {
+            ActorState::Pending
+        } else {
+            ActorState::Restarting
+        };
+        actor.waiting_since_ms = now_ms;
+        self.enqueue(id);
+        Some(node)
+    }
+
     /// Kills an actor for good.
     pub fn kill(&mut self, id: ActorId) -> Result<Vec<Effect>, Failure> {
         let actor = self

@@ -379,7 +379,13 @@ fn carry_out(head: &ActorRef<Wire>, scope: &str, effect: Effect) {
     };
     let Some(agent) = node::first_member(scope, &node::agent_group(&node)) else {
         if let Some(start) = start {
-            report_undeliverable(head, &start, format!("node {node}'s agent is not reachable"));
+            // No session to the node: it is lost, and the actor never ran there.
+            let report = HeadRequest::Undelivered {
+                actor: start.actor,
+                attempt: start.attempt,
+                cause: format!("node {node}'s agent is not reachable"),
+            };
+            let _ = head.send_message(Wire::Local(LocalSignal::Deferred(wire::encode(&report))));
         }
         return;
     };

@@ -1,0 +1,107 @@
+//! Simulated nodes for scale tests: many node agents in one process, each registering,
+//! heartbeating and starting actors over the process's one real session to the head,
+//! exactly as a worker's agent does (the same [`Agent`] and membership loop), without an
+//! object store or a metrics endpoint. `regatta bench scale` runs a few such processes.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use ractor::Actor;
+
+use super::{join_with_retry, keep_membership};
+use crate::agent::{Agent, AgentArgs};
+use crate::client::Cluster;
+use crate::error::{Error, Result};
+use crate::headlink::HeadLink;
+use crate::node::{self, LocalNode};
+use crate::protocol::NodeInfo;
+use crate::registry::Registry;
+use crate::resources::Resources;
+
+/// How many simulated nodes one process runs, and what each declares.
+#[derive(Clone, Debug)]
+pub struct SimulatedNodes {
+    /// The head's cluster address, `host:port`.
+    pub head_address: String,
+    /// The cluster token.
+    pub token: String,
+    /// Node names are `<prefix>-<index>` (index from `first`).
+    pub prefix: String,
+    /// The first index.
+    pub first: usize,
+    /// How many nodes.
+    pub count: usize,
+    /// What each node declares.
+    pub resources: Resources,
+    /// Interval between each node's heartbeats.
+    pub heartbeat_interval_ms: u64,
+}
+
+/// The name of simulated node `index`.
+pub fn simulated_name(prefix: &str, index: usize) -> String {
+    format!("{prefix}-{index:05}")
+}
+
+/// Runs the simulated nodes until `shutdown` resolves (or a node is refused).
+pub async fn run_simulated_nodes(
+    config: SimulatedNodes,
+    registry: Registry,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()> {
+    crate::placement::validate_capacity(&config.resources).map_err(|why| Error::BadResources {
+        input: config.resources.to_string(),
+        reason: why,
+    })?;
+    let host = "127.0.0.1".to_string();
+    let session = format!("{}-{}-{}", config.prefix, config.first, node::random_hex(3));
+    let local = LocalNode::start(&session, &config.token, "127.0.0.1".parse().expect("an IP"), 0, &host, true).await?;
+    let head = join_with_retry(&local, &config.head_address).await?;
+    let link = Arc::new(HeadLink::new(
+        local.scope().to_string(),
+        head,
+        config.head_address.clone(),
+    ));
+    let cluster = Cluster::new(link, None);
+    let mut members = Vec::with_capacity(config.count);
+    for index in config.first..config.first + config.count {
+        let name = simulated_name(&config.prefix, index);
+        let (agent, _) = Actor::spawn(
+            None,
+            Agent,
+            AgentArgs {
+                node: name.clone(),
+                host: host.clone(),
+                registry: registry.clone(),
+                cluster: cluster.clone(),
+            },
+        )
+        .await
+        .map_err(|e| Error::Actor(format!("cannot start simulated node {name}'s agent: {e}")))?;
+        node::join_group(local.scope(), &node::agent_group(&name), agent.get_cell());
+        let info = NodeInfo {
+            name,
+            address: local.address.clone(),
+            resources: config.resources.clone(),
+            kinds: registry.kinds(),
+            pid: std::process::id(),
+            metrics_address: None,
+        };
+        members.push((agent, info));
+    }
+    // Staggered like independent machines, not all heartbeating in the same instant.
+    let (local, cluster, interval_ms) = (&local, &cluster, config.heartbeat_interval_ms);
+    let count = members.len().max(1) as u64;
+    let loops = members.iter().enumerate().map(|(i, (agent, info))| async move {
+        tokio::time::sleep(std::time::Duration::from_millis(interval_ms * i as u64 / count)).await;
+        keep_membership(local, cluster, agent, info, interval_ms).await
+    });
+    tokio::select! {
+        results = futures::future::join_all(loops) => results.into_iter().collect::<Result<Vec<()>>>().map(|_| ()),
+        () = shutdown => {
+            for (agent, _) in &members {
+                agent.stop(None);
+            }
+            Ok(())
+        }
+    }
+}
