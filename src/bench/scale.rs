@@ -95,6 +95,18 @@ async fn wait_for(
     }
 }
 
+/// The simulator processes, killed on every way out of the run (a failed phase included).
+struct Simulators(Vec<std::process::Child>);
+
+impl Drop for Simulators {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 fn alive(o: &Overview) -> usize {
     o.actors.get("alive").copied().unwrap_or(0)
 }
@@ -143,7 +155,7 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
         shares.push(rest / others + usize::from(p < rest % others));
     }
     let joined = Instant::now();
-    let mut simulators = Vec::new();
+    let mut simulators = Simulators(Vec::new());
     let mut first = 0;
     for (p, count) in shares.iter().enumerate() {
         if *count == 0 {
@@ -164,7 +176,7 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
             "--heartbeat-interval-ms",
             &hb,
         ];
-        simulators.push(cluster.run_extra(&args, &cluster.token, &format!("simulator-{p}.log"))?);
+        simulators.0.push(cluster.run_extra(&args, &cluster.token, &format!("simulator-{p}.log"))?);
         first += count;
     }
     let nodes = bench.nodes;
@@ -282,7 +294,7 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
     groups(&client, bench).await?;
 
     // Nodes dying at once: the doomed simulator process is killed.
-    let mut doomed_process = simulators.remove(0);
+    let mut doomed_process = simulators.0.remove(0);
     let killed = Instant::now();
     doomed_process.kill().context("cannot kill a simulator process")?;
     let _ = doomed_process.wait();
@@ -303,10 +315,7 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
         &[noticed],
     );
     report(&format!("scale {doomed} nodes dead at once: their actors running again"), "seconds", &[recovered]);
-    for mut simulator in simulators {
-        let _ = simulator.kill();
-        let _ = simulator.wait();
-    }
+    drop(simulators);
     Ok(())
 }
 
