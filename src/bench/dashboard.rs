@@ -94,9 +94,16 @@ pub(super) fn dashboard(trials: usize, quick: bool) -> anyhow::Result<()> {
     };
     for &(nodes, actors) in sizes {
         let built = Instant::now();
+        let rss_before = super::measure::rss_bytes(std::process::id());
         let (head, mut micros) = synthetic(nodes, actors)?;
+        let rss_after = super::measure::rss_bytes(std::process::id());
         let seconds = built.elapsed().as_secs_f64();
         println!("# synthetic head: {nodes} nodes, {actors} actors placed and started in {seconds:.1} s");
+        report(
+            &format!("core memory per actor at {nodes} nodes, {actors} actors (records, indexes)"),
+            "bytes",
+            &[rss_after.saturating_sub(rss_before) as f64 / actors as f64],
+        );
         // The head's core alone (no sockets): what placement costs as the cluster fills.
         report(
             &format!("core spawn+start at {nodes} nodes, {actors} actors"),
