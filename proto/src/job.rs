@@ -246,6 +246,22 @@ impl JobRecord {
     }
 }
 
+/// Finished jobs the head keeps (records and logs); older finished ones are deleted when a
+/// new job is submitted, so a long-lived head does not grow without bound.
+pub const MAX_FINISHED_JOBS: usize = 1_000;
+
+/// The finished jobs beyond the newest `keep` (by end time, then submission time), oldest
+/// first: what to delete. Running jobs are never chosen.
+pub fn finished_beyond<'a>(records: impl IntoIterator<Item = &'a JobRecord>, keep: usize) -> Vec<String> {
+    let mut finished: Vec<&JobRecord> = records.into_iter().filter(|r| r.status.is_terminal()).collect();
+    if finished.len() <= keep {
+        return Vec::new();
+    }
+    finished.sort_by_key(|r| (r.end_time.unwrap_or(0), r.submitted_at, r.submission_id.clone()));
+    let excess = finished.len() - keep;
+    finished.into_iter().take(excess).map(|r| r.submission_id.clone()).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -253,6 +269,24 @@ mod tests {
     fn submission(json: &str) -> Result<JobSubmission, String> {
         let parsed: JobSubmission = serde_json::from_str(json).map_err(|e| e.to_string())?;
         parsed.validate().map(|()| parsed)
+    }
+
+    #[test]
+    fn only_the_oldest_finished_jobs_beyond_the_bound_are_pruned() {
+        let base = submission(r#"{"entrypoint": "x"}"#).unwrap();
+        let mut records = Vec::new();
+        for (i, end) in [(0, Some(50)), (1, None), (2, Some(10)), (3, Some(30)), (4, None)] {
+            let mut record = JobRecord::new(format!("job-{i}"), &base, i);
+            if let Some(end) = end {
+                record.started(1, end - 1);
+                record.exited(Some(0), false, end);
+            }
+            records.push(record);
+        }
+        // Three finished (ends 50, 10, 30), two running: keep the newest two finished.
+        assert_eq!(finished_beyond(&records, 2), vec!["job-2".to_string()]);
+        assert_eq!(finished_beyond(&records, 0), vec!["job-2", "job-3", "job-0"]);
+        assert!(finished_beyond(&records, 3).is_empty());
     }
 
     #[test]

@@ -258,6 +258,10 @@ impl Scheduler {
         let Some(actor) = self.actors.get_mut(&id) else { return };
         let first_time = !matches!(actor.state, ActorState::Dead { .. });
         actor.state = ActorState::Dead { cause };
+        // A dead actor is no longer its group's to kill: members stay bounded by the live.
+        if let Some(group) = actor.spec.placement.as_ref().and_then(|at| self.groups.get_mut(&at.group)) {
+            group.members.remove(&id);
+        }
         if first_time {
             self.dead_order.push_back(id);
             while self.dead_order.len() > MAX_DEAD_ACTORS {

@@ -513,6 +513,15 @@ mod tests {
                 assert_eq!(rec.hosted, expected, "seed {seed} step {step}: actors on {name}");
             }
         }
+        for (id, group) in &s.groups {
+            for member in &group.members {
+                let actor = &s.actors[member];
+                assert!(
+                    !matches!(actor.state, ActorState::Dead { .. }),
+                    "seed {seed} step {step}: dead {member} kept as a member of {id}"
+                );
+            }
+        }
         let queued: BTreeSet<ActorId> = s.waiting.values().flatten().copied().collect();
         assert_eq!(queued, waiting, "seed {seed} step {step}: the waiting queue");
         for shape in shapes {

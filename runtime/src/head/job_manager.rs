@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::job::JOB_ID_ENV;
-use crate::job::{JobRecord, JobStatus, JobSubmission};
+use crate::job::{finished_beyond, JobRecord, JobStatus, JobSubmission, MAX_FINISHED_JOBS};
 use crate::job_log::{self, CappedLog};
 use crate::job_store::JobStore;
 use crate::placement::Strategy;
@@ -191,7 +191,19 @@ impl JobManager {
         let job = id.clone();
         tokio::spawn(async move { manager.run(job, submission).await });
         tracing::info!(job = %id, "job submitted");
+        self.prune_finished();
         Ok(id)
+    }
+
+    /// Deletes the oldest finished jobs beyond [`MAX_FINISHED_JOBS`] (records and logs).
+    fn prune_finished(&self) {
+        let doomed = finished_beyond(self.records().values(), MAX_FINISHED_JOBS);
+        for id in doomed {
+            match self.delete(&id) {
+                Ok(()) => tracing::info!(job = %id, "deleted a finished job past the {MAX_FINISHED_JOBS} kept"),
+                Err(e) => tracing::warn!(job = %id, error = ?e, "could not delete an old finished job"),
+            }
+        }
     }
 
     /// One job's record.
