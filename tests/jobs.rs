@@ -353,6 +353,20 @@ async fn the_cli_submits_follows_and_manages_jobs() {
     assert!(String::from_utf8_lossy(&status.stdout).contains("\"SUCCEEDED\""));
     let list = cli(&["job", "list"]);
     assert!(String::from_utf8_lossy(&list.stdout).contains("cli-job"));
+    // Filtered by state, and paged to the newest.
+    let failed = String::from_utf8_lossy(&cli(&["job", "list", "--state", "failed"]).stdout).to_string();
+    assert!(failed.contains("FAILED") && !failed.contains("cli-job"), "{failed}");
+    let newest = String::from_utf8_lossy(&cli(&["job", "list", "--limit", "1"]).stdout).to_string();
+    assert!(newest.starts_with("# the newest 1 of 2 jobs"), "{newest}");
+    assert_eq!(newest.lines().count(), 2, "{newest}");
+    assert!(newest.contains("cli-job"), "{newest}");
+    let bad = cli(&["job", "list", "--state", "done"]);
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("unknown job state 'done'"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
     assert!(cli(&["job", "delete", "cli-job"]).status.success());
     let gone = cli(&["job", "status", "cli-job"]);
     assert!(!gone.status.success());

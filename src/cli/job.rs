@@ -103,9 +103,40 @@ pub struct LogsArgs {
 pub struct ListArgs {
     #[command(flatten)]
     api: ApiArgs,
+    /// Only jobs in this state: pending, running, succeeded, failed or stopped.
+    #[arg(long)]
+    state: Option<String>,
+    /// The newest this many jobs (0: all).
+    #[arg(long, default_value_t = 50)]
+    limit: usize,
     /// Print JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// The newest `limit` jobs in `state` (any when `None`), and how many matched in all.
+fn select_jobs(
+    mut jobs: Vec<regatta_runtime::JobRecord>,
+    state: Option<&str>,
+    limit: usize,
+) -> anyhow::Result<(Vec<regatta_runtime::JobRecord>, usize)> {
+    const STATES: [&str; 5] = ["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"];
+    if let Some(state) = state {
+        let wanted = state.to_ascii_uppercase();
+        if !STATES.contains(&wanted.as_str()) {
+            anyhow::bail!(
+                "unknown job state '{state}'; use one of {}",
+                STATES.map(|s| s.to_ascii_lowercase()).join(", ")
+            );
+        }
+        jobs.retain(|job| job.status.to_string() == wanted);
+    }
+    jobs.sort_by_key(|job| std::cmp::Reverse((job.submitted_at, job.submission_id.clone())));
+    let matched = jobs.len();
+    if limit > 0 {
+        jobs.truncate(limit);
+    }
+    Ok((jobs, matched))
 }
 
 fn key_value(text: &str) -> Result<(String, String), String> {
@@ -176,10 +207,14 @@ pub(crate) async fn run(command: JobCommand) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         JobCommand::List(args) => {
-            let jobs = args.api.client()?.list().await?;
+            let all = args.api.client()?.list().await?;
+            let (jobs, matched) = select_jobs(all, args.state.as_deref(), args.limit)?;
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&jobs)?);
             } else {
+                if jobs.len() < matched {
+                    println!("# the newest {} of {matched} jobs (--limit 0 for all)", jobs.len());
+                }
                 for job in jobs {
                     println!(
                         "{:<24} {:<10} {}",
