@@ -367,10 +367,8 @@ fn assign(
 ) -> Option<Vec<String>> {
     let mut ledgers: BTreeMap<&str, Ledger> = candidates.iter().map(|c| (c.node, start(c.ledger))).collect();
     match strategy {
-        Strategy::StrictPack => pack_on_one(&mut ledgers, bundles),
-        Strategy::Pack => {
-            pack_on_one(&mut ledgers.clone(), bundles).or_else(|| greedy(&mut ledgers, bundles, Prefer::Used))
-        }
+        Strategy::StrictPack => pack_on_one(&ledgers, bundles),
+        Strategy::Pack => pack_on_one(&ledgers, bundles).or_else(|| greedy(&mut ledgers, bundles, Prefer::Used)),
         Strategy::Spread => greedy(&mut ledgers, bundles, Prefer::Unused),
         Strategy::StrictSpread => {
             let names: Vec<&str> = ledgers.keys().copied().collect();
@@ -380,11 +378,17 @@ fn assign(
     }
 }
 
-fn pack_on_one(ledgers: &mut BTreeMap<&str, Ledger>, bundles: &[Resources]) -> Option<Vec<String>> {
-    let mut order: Vec<(&str, Ledger)> = ledgers.iter().map(|(n, l)| (*n, l.clone())).collect();
-    // Prefer the fullest node that still fits everything, so emptier nodes stay free.
-    order.sort_by_key(|(node, ledger)| (std::cmp::Reverse(ledger.load_after(&Resources::new())), *node));
-    for (node, mut ledger) in order {
+fn pack_on_one(ledgers: &BTreeMap<&str, Ledger>, bundles: &[Resources]) -> Option<Vec<String>> {
+    // Prefer the fullest node that still fits everything, so emptier nodes stay free. Only
+    // the ledger being tried is copied.
+    let nothing = Resources::new();
+    let mut order: Vec<(std::cmp::Reverse<u64>, &str)> = ledgers
+        .iter()
+        .map(|(node, ledger)| (std::cmp::Reverse(ledger.load_after(&nothing)), *node))
+        .collect();
+    order.sort_unstable();
+    for (_, node) in order {
+        let mut ledger = ledgers.get(node)?.clone();
         if bundles.iter().all(|bundle| ledger.allocate(bundle).is_some()) {
             return Some(vec![node.to_string(); bundles.len()]);
         }
