@@ -152,7 +152,10 @@ async fn a_sigkilled_worker_loses_no_row_and_a_restarted_driver_skips_finished_p
         regatta::View::Runs(runs) => runs,
         other => panic!("not runs: {other:?}"),
     };
-    let scored = runs.iter().find(|r| r.kind == "score").unwrap_or_else(|| panic!("no score run: {runs:?}"));
+    let scored = runs
+        .iter()
+        .find(|r| r.kind == "score")
+        .unwrap_or_else(|| panic!("no score run: {runs:?}"));
     assert!(scored.finished, "{scored:?}");
     assert_eq!(scored.last["partitions_done"], scored.last["partitions"], "{scored:?}");
     assert_eq!(scored.last["rows"], ROWS as f64, "{scored:?}");

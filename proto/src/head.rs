@@ -826,7 +826,10 @@ mod tests {
             None,
             4,
         );
-        assert!(starts(&out).is_empty() && !out.iter().any(|o| matches!(o, Output::Notice(_))), "{out:?}");
+        assert!(
+            starts(&out).is_empty() && !out.iter().any(|o| matches!(o, Output::Notice(_))),
+            "{out:?}"
+        );
     }
 
     #[test]

@@ -259,7 +259,11 @@ pub fn finished_beyond<'a>(records: impl IntoIterator<Item = &'a JobRecord>, kee
     }
     finished.sort_by_key(|r| (r.end_time.unwrap_or(0), r.submitted_at, r.submission_id.clone()));
     let excess = finished.len() - keep;
-    finished.into_iter().take(excess).map(|r| r.submission_id.clone()).collect()
+    finished
+        .into_iter()
+        .take(excess)
+        .map(|r| r.submission_id.clone())
+        .collect()
 }
 
 #[cfg(test)]

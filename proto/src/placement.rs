@@ -687,7 +687,8 @@ mod tests {
                 }
                 ledgers.insert(name, ledger);
             }
-            let bundle = Resources::parse_request(["CPU=1", "CPU=2", "GPU=1", "CPU=1,GPU=0.5"][next(4) as usize]).unwrap();
+            let bundle =
+                Resources::parse_request(["CPU=1", "CPU=2", "GPU=1", "CPU=1,GPU=0.5"][next(4) as usize]).unwrap();
             let count = 1 + next(12) as usize;
             for (prefer, again) in [(Prefer::Used, Prefer::Used), (Prefer::Unused, Prefer::Unused)] {
                 let heap = greedy_alike(&mut ledgers.clone(), &bundle, count, &prefer);

@@ -11,7 +11,7 @@ use regatta_proto::scheduler::Effect;
 use regatta_proto::view::{ActorFilter, PageRequest, View, ViewQuery};
 use regatta_proto::{ActorId, HeadCore, Output, ReplyTo, Resources};
 
-use super::measure::report;
+use super::measure::{quantile, report};
 
 /// A head with `nodes` nodes of 100 CPUs and `actors` alive actors of one CPU each, a
 /// tenth of them named, spread over ten jobs; kinds alternate, and placement spreads actors
@@ -66,13 +66,6 @@ fn synthetic(nodes: usize, actors: usize) -> anyhow::Result<(HeadCore, Vec<f64>)
         micros.push(started.elapsed().as_secs_f64() * 1e6);
     }
     Ok((head, micros))
-}
-
-/// The `q` quantile (0..=1) of `values`, sorted in place.
-fn quantile(values: &mut [f64], q: f64) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let index = ((values.len() as f64 - 1.0) * q).round() as usize;
-    values.get(index).copied().unwrap_or(0.0)
 }
 
 /// One request's path without the socket: view, head-link round trip, JSON.

@@ -21,6 +21,13 @@ pub(super) fn report(case: &str, unit: &str, values: &[f64]) {
     println!("{case} {unit} {mean:.2} +- {spread:.2}");
 }
 
+/// The `q` quantile (0 to 1) of `values`, sorted in place; 0 for none.
+pub(super) fn quantile(values: &mut [f64], q: f64) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let index = ((values.len() as f64 - 1.0) * q).round() as usize;
+    values.get(index).copied().unwrap_or(0.0)
+}
+
 /// Resident memory of a process (Linux), 0 when unknown.
 pub fn rss_bytes(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))

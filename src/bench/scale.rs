@@ -12,7 +12,7 @@ use anyhow::{bail, Context};
 use futures::StreamExt;
 use regatta_runtime::{ActorOptions, Client, Resources, Strategy};
 
-use super::measure::{report, rss_bytes};
+use super::measure::{quantile, report, rss_bytes};
 use crate::kinds::Noop;
 use crate::local::{LocalCluster, LocalOptions};
 use regatta_proto::view::{Overview, View, ViewQuery};
@@ -111,12 +111,6 @@ fn alive(o: &Overview) -> usize {
     o.actors.get("alive").copied().unwrap_or(0)
 }
 
-fn quantile(values: &mut [f64], q: f64) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let index = ((values.len() as f64 - 1.0) * q).round() as usize;
-    values.get(index).copied().unwrap_or(0.0)
-}
-
 /// Runs the benchmark; fails if any node or actor is missing at the end of a phase.
 pub async fn scale(bench: &ScaleBench) -> anyhow::Result<()> {
     if bench.nodes == 0 || bench.processes == 0 {
@@ -176,7 +170,9 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
             "--heartbeat-interval-ms",
             &hb,
         ];
-        simulators.0.push(cluster.run_extra(&args, &cluster.token, &format!("simulator-{p}.log"))?);
+        simulators
+            .0
+            .push(cluster.run_extra(&args, &cluster.token, &format!("simulator-{p}.log"))?);
         first += count;
     }
     let nodes = bench.nodes;
@@ -185,7 +181,10 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
     })
     .await?;
     let join_secs = joined.elapsed().as_secs_f64();
-    println!("# {nodes} simulated nodes in {} processes joined in {join_secs:.2} s", shares.len());
+    println!(
+        "# {nodes} simulated nodes in {} processes joined in {join_secs:.2} s",
+        shares.len()
+    );
     println!("nodes alive {nodes}/{nodes}");
     report("scale nodes joined", "per second", &[nodes as f64 / join_secs]);
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -204,7 +203,11 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
         "per second",
         &[nodes as f64 * 1000.0 / HEARTBEAT_MS as f64],
     );
-    report("scale head CPU while idle with every node heartbeating", "cores", &[busy]);
+    report(
+        "scale head CPU while idle with every node heartbeating",
+        "cores",
+        &[busy],
+    );
 
     // Placement latency of one spawn at a time (the head's reply comes after placing).
     let one = ActorOptions::new()
@@ -258,7 +261,11 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
     .await?;
     let alive_secs = placing.elapsed().as_secs_f64();
     println!("actors alive {}/{actors}", alive(&seen));
-    report("scale actors placed and started", "per second", &[remaining as f64 / alive_secs]);
+    report(
+        "scale actors placed and started",
+        "per second",
+        &[remaining as f64 / alive_secs],
+    );
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_actors = rss_bytes(head);
     report(
@@ -272,7 +279,10 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
         ("overview", ViewQuery::Overview),
         (
             "actors page",
-            ViewQuery::Actors(Default::default(), regatta_proto::view::PageRequest { offset: 0, limit: 100 }),
+            ViewQuery::Actors(
+                Default::default(),
+                regatta_proto::view::PageRequest { offset: 0, limit: 100 },
+            ),
         ),
     ] {
         let mut millis = Vec::new();
@@ -294,18 +304,25 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
     groups(&client, bench).await?;
 
     // Nodes dying at once: the doomed simulator process is killed.
-    let mut doomed_process = simulators.0.remove(0);
+    // The guard still holds it: killed and reaped here, and again (harmlessly) on drop.
+    let doomed_process = &mut simulators.0[0];
     let killed = Instant::now();
     doomed_process.kill().context("cannot kill a simulator process")?;
     let _ = doomed_process.wait();
-    wait_for(&client, "the killed nodes declared dead", Duration::from_secs(120), |o| {
-        o.nodes_dead >= doomed
-    })
+    wait_for(
+        &client,
+        "the killed nodes declared dead",
+        Duration::from_secs(120),
+        |o| o.nodes_dead >= doomed,
+    )
     .await?;
     let noticed = killed.elapsed().as_secs_f64();
-    let seen = wait_for(&client, "the lost actors running again", Duration::from_secs(300), |o| {
-        alive(&o) == actors && o.waiting == 0
-    })
+    let seen = wait_for(
+        &client,
+        "the lost actors running again",
+        Duration::from_secs(300),
+        |o| alive(o) == actors && o.waiting == 0,
+    )
     .await?;
     let recovered = killed.elapsed().as_secs_f64();
     println!("actors alive after {doomed} nodes died {}/{actors}", alive(&seen));
@@ -314,7 +331,11 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
         "seconds",
         &[noticed],
     );
-    report(&format!("scale {doomed} nodes dead at once: their actors running again"), "seconds", &[recovered]);
+    report(
+        &format!("scale {doomed} nodes dead at once: their actors running again"),
+        "seconds",
+        &[recovered],
+    );
     drop(simulators);
     Ok(())
 }
@@ -365,7 +386,10 @@ async fn groups(client: &Client, bench: &ScaleBench) -> anyhow::Result<()> {
     }
     println!("groups held {ready}/{}", bench.groups);
     report(
-        &format!("scale {} placement groups created and ready ({IN_FLIGHT} in flight)", bench.groups),
+        &format!(
+            "scale {} placement groups created and ready ({IN_FLIGHT} in flight)",
+            bench.groups
+        ),
         "per second",
         &[bench.groups as f64 / secs],
     );

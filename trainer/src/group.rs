@@ -749,6 +749,9 @@ mod tests {
     #[test]
     fn only_lost_attempts_are_reattributed() {
         let gone = [(1, "node w2 lost".to_string())];
-        assert!(matches!(blame(AttemptError::Grow { to: 3 }, &gone), AttemptError::Grow { to: 3 }));
+        assert!(matches!(
+            blame(AttemptError::Grow { to: 3 }, &gone),
+            AttemptError::Grow { to: 3 }
+        ));
     }
 }

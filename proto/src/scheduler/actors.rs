@@ -259,7 +259,12 @@ impl Scheduler {
         let first_time = !matches!(actor.state, ActorState::Dead { .. });
         actor.state = ActorState::Dead { cause };
         // A dead actor is no longer its group's to kill: members stay bounded by the live.
-        if let Some(group) = actor.spec.placement.as_ref().and_then(|at| self.groups.get_mut(&at.group)) {
+        if let Some(group) = actor
+            .spec
+            .placement
+            .as_ref()
+            .and_then(|at| self.groups.get_mut(&at.group))
+        {
             group.members.remove(&id);
         }
         if first_time {

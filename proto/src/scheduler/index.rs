@@ -226,7 +226,11 @@ mod tests {
             rng.below(4),
             1000 * (1 + rng.below(4))
         );
-        let kinds = if rng.below(4) == 0 { vec!["other"] } else { vec!["echo", "other"] };
+        let kinds = if rng.below(4) == 0 {
+            vec!["other"]
+        } else {
+            vec!["echo", "other"]
+        };
         Node {
             name,
             kinds: kinds.into_iter().map(String::from).collect(),

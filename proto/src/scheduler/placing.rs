@@ -158,24 +158,22 @@ impl Scheduler {
         let spec = actor.spec.clone();
         let placed = match &spec.placement {
             Some(bundle_ref) => self.allocate_in_group(bundle_ref.group, bundle_ref.bundle, &spec.resources),
-            None => {
-                match self.decide(&spec.kind, &spec.resources) {
-                    Decision::Place(node) => {
-                        let allocation = self.nodes.get_mut(&node)?.ledger.allocate(&spec.resources)?;
-                        Some(Placed {
-                            node,
-                            allocation,
-                            bundle: None,
-                        })
-                    }
-                    Decision::Busy => None,
-                    Decision::Infeasible(why) => {
-                        self.set_dead(id, format!("cannot be placed any more: {why}"));
-                        let _ = now_ms;
-                        return None;
-                    }
+            None => match self.decide(&spec.kind, &spec.resources) {
+                Decision::Place(node) => {
+                    let allocation = self.nodes.get_mut(&node)?.ledger.allocate(&spec.resources)?;
+                    Some(Placed {
+                        node,
+                        allocation,
+                        bundle: None,
+                    })
                 }
-            }
+                Decision::Busy => None,
+                Decision::Infeasible(why) => {
+                    self.set_dead(id, format!("cannot be placed any more: {why}"));
+                    let _ = now_ms;
+                    return None;
+                }
+            },
         }?;
         let actor = self.actors.get_mut(&id)?;
         actor.attempt += 1;
