@@ -125,6 +125,14 @@ pub enum Failure {
         /// The node whose loss took the last copy, if it was lost.
         lost_with: Option<String>,
     },
+    /// A call reached a node that does not host the actor (it died, or was restarted
+    /// elsewhere since the caller looked it up): ask the head where it is now.
+    NotHosted {
+        /// The actor.
+        actor: ActorId,
+        /// The node that answered.
+        node: String,
+    },
 }
 
 /// Requests the head answers.

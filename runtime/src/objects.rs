@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::node;
-use crate::protocol::{HeadRequest, ObjectCommand};
+use crate::protocol::{Failure, HeadRequest, ObjectCommand};
 use crate::wire::{self, Wire};
 
 /// Default share of this machine's memory an object store may hold.
@@ -464,7 +464,14 @@ impl Actor for ObjectsActor {
         let (bytes, port) = match message {
             Wire::Cast(bytes) => (bytes, None),
             Wire::Call(bytes, port) => (bytes, Some(port)),
-            Wire::Local(_) => return Ok(()),
+            Wire::CallActor(actor, _, port) => {
+                let failure = Failure::BadMessage(format!(
+                    "could not decode an object command: the message is addressed to actor {actor}"
+                ));
+                wire::reply::<()>(port, Err(failure));
+                return Ok(());
+            }
+            Wire::CastActor(..) | Wire::Local(_) => return Ok(()),
         };
         let outcome = wire::decode::<ObjectCommand>(&bytes, "an object command");
         if let (Ok(ObjectCommand::Release { id, spilled }), Some(service)) = (&outcome, service.upgrade()) {

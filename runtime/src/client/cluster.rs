@@ -156,24 +156,35 @@ impl Cluster {
         self.link.tell(&HeadRequest::RunReport(point));
     }
 
-    /// Sends raw bytes as a call to the actor in process group `group` (`head`,
-    /// `agent/<node>`, `actor/<id>`) and returns the raw reply, for protocol robustness tests.
+    /// Sends raw bytes as a call to `target` (`head`, `agent/<node>`, `router/<node>`, or
+    /// `actor/<id>`: a user actor, through its node's router) and returns the raw reply, for
+    /// protocol robustness tests.
     #[doc(hidden)]
-    pub async fn send_raw(&self, group: &str, bytes: Vec<u8>) -> std::result::Result<Vec<u8>, String> {
-        // The head through the link (its cached actor): a process-group entry can vanish
-        // when a duplicate session to the head closes, while the link's actor still runs.
-        let target = match group {
-            node::HEAD_GROUP => self.link.head().map_err(|e| e.to_string())?,
-            _ => node::wait_member(self.scope(), group, Duration::from_secs(5))
+    pub async fn send_raw(&self, target: &str, bytes: Vec<u8>) -> std::result::Result<Vec<u8>, String> {
+        const TIMEOUT: Duration = Duration::from_secs(5);
+        let outcome = if let Some(id) = target.strip_prefix("actor/") {
+            let actor = ActorId(id.parse().map_err(|_| format!("'{target}' names no actor id"))?);
+            let view = self.actor_view(actor, TIMEOUT).await.map_err(|e| e.to_string())?;
+            let node = view.node.ok_or_else(|| format!("actor {actor} is not placed"))?;
+            let router = node::wait_member(self.scope(), &node::router_group(&node), TIMEOUT)
                 .await
-                .ok_or_else(|| format!("no actor in group {group}"))?,
+                .ok_or_else(|| format!("node {node}'s router is not visible"))?;
+            wire::call_actor_raw(&router, actor, bytes, TIMEOUT).await
+        } else {
+            // The head through the link (its cached actor): a process-group entry can vanish
+            // when a duplicate session to the head closes, while the link's actor still runs.
+            let cell = match target {
+                node::HEAD_GROUP => self.link.head().map_err(|e| e.to_string())?,
+                _ => node::wait_member(self.scope(), target, TIMEOUT)
+                    .await
+                    .ok_or_else(|| format!("no actor in group {target}"))?,
+            };
+            wire::call_raw(&cell, bytes, TIMEOUT).await
         };
-        wire::call_raw(&target, bytes, Duration::from_secs(5))
-            .await
-            .map_err(|e| match e {
-                CallError::Timeout => "timeout".to_string(),
-                CallError::Unreachable(c) => c,
-            })
+        outcome.map_err(|e| match e {
+            CallError::Timeout => "timeout".to_string(),
+            CallError::Unreachable(c) => c,
+        })
     }
 }
 

@@ -69,6 +69,7 @@ impl Cluster {
 pub struct ActorHandle<A: Actor> {
     id: ActorId,
     cluster: Cluster,
+    /// The router of the node that hosted the actor when last looked up.
     cell: Arc<Mutex<Option<ActorCell>>>,
     _kind: PhantomData<fn() -> A>,
 }
@@ -100,34 +101,49 @@ impl<A: Actor> ActorHandle<A> {
     /// [`ActorHandle::call`] with an explicit timeout covering placement and the reply.
     pub async fn call_timeout(&self, request: A::Request, timeout: Duration) -> Result<A::Reply> {
         let deadline = Instant::now() + timeout;
-        let cell = self.resolve(deadline).await?;
-        let remaining = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1));
-        let bytes = match wire::call_raw(&cell, wire::encode(&request), remaining).await {
-            Ok(bytes) => bytes,
-            Err(CallError::Timeout) => {
-                return Err(Error::Timeout {
-                    what: format!("call to actor {} ({})", self.id, A::KIND),
-                    timeout,
-                })
-            }
-            Err(CallError::Unreachable(cause)) => {
-                self.forget();
-                return Err(self.explain_lost_call(cause).await);
+        let reply = loop {
+            let router = self.resolve(deadline).await?;
+            let remaining = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
+            let bytes = match wire::call_actor_raw(&router, self.id, wire::encode(&request), remaining).await {
+                Ok(bytes) => bytes,
+                Err(CallError::Timeout) => {
+                    return Err(Error::Timeout {
+                        what: format!("call to actor {} ({})", self.id, A::KIND),
+                        timeout,
+                    })
+                }
+                Err(CallError::Unreachable(cause)) => {
+                    self.forget();
+                    return Err(self.explain_lost_call(cause).await);
+                }
+            };
+            let reply: std::result::Result<Vec<u8>, Failure> =
+                wire::decode(&bytes, "an actor reply").map_err(|f| failure_to_error(f, Some(self.id)))?;
+            match reply {
+                // Its node no longer hosts it: the head says where it runs now (or that it
+                // is dead); nothing was delivered, so asking again is safe.
+                Err(Failure::NotHosted { node, .. }) => {
+                    self.forget();
+                    if Instant::now() >= deadline {
+                        return Err(self.explain_lost_call(format!("node {node} no longer hosts the actor")).await);
+                    }
+                    tokio::time::sleep(NOT_HOSTED_BACKOFF).await;
+                }
+                other => break other,
             }
         };
-        let reply: std::result::Result<Vec<u8>, Failure> =
-            wire::decode(&bytes, "an actor reply").map_err(|f| failure_to_error(f, Some(self.id)))?;
         let reply = reply.map_err(|f| failure_to_error(f, Some(self.id)))?;
         wire::decode(&reply, &format!("a reply of actor kind '{}'", A::KIND))
             .map_err(|f| failure_to_error(f, Some(self.id)))
     }
 
-    /// Sends a message without waiting for it to be handled.
+    /// Sends a message without waiting for it to be handled (a message to an actor that
+    /// has just died is dropped, as any message in its queue would be).
     pub async fn cast(&self, request: A::Request) -> Result<()> {
-        let cell = self.resolve(Instant::now() + DEFAULT_CALL_TIMEOUT).await?;
-        wire::cast_raw(&cell, wire::encode(&request)).map_err(|cause| {
+        let router = self.resolve(Instant::now() + DEFAULT_CALL_TIMEOUT).await?;
+        wire::cast_actor_raw(&router, self.id, wire::encode(&request)).map_err(|cause| {
             self.forget();
             Error::CallFailed { actor: self.id, cause }
         })
@@ -171,17 +187,16 @@ impl<A: Actor> ActorHandle<A> {
         }
     }
 
-    /// Finds a live cell for the actor: the cached one, else ask the head (waiting while it
-    /// is placed or restarted) and then the local mirror of its process group. The head is
-    /// asked first so that a killed or dead actor whose host is still stopping is reported
-    /// dead rather than reached.
+    /// Finds the router of the node that hosts the actor: the cached one, else ask the head
+    /// (waiting while it is placed or restarted) and then the local mirror of the router's
+    /// process group. The head is asked first so that a killed or dead actor whose host is
+    /// still stopping is reported dead rather than reached.
     async fn resolve(&self, deadline: Instant) -> Result<ActorCell> {
         if let Some(cell) = self.cell.lock().ok().and_then(|c| c.clone()) {
             if cell.get_status() == ractor::ActorStatus::Running {
                 return Ok(cell);
             }
         }
-        let group = node::actor_group(self.id);
         loop {
             let timeout = deadline
                 .saturating_duration_since(Instant::now())
@@ -211,17 +226,20 @@ impl<A: Actor> ActorHandle<A> {
                     cause,
                 });
             }
-            // The head says it is alive; wait for this process to see it, a little at a time:
-            // when its node has just died (this process already dropped the node's actors,
-            // the head has not yet declared it dead), the next look at the head says so,
-            // instead of this call waiting out its whole timeout.
+            // The head says it is alive; wait for this process to see its node's router, a
+            // little at a time: when its node has just died (this process already dropped
+            // the node's router, the head has not yet declared it dead), the next look at
+            // the head says so, instead of this call waiting out its whole timeout.
             let remaining = deadline.saturating_duration_since(Instant::now());
-            if let Some(cell) = node::wait_member(self.cluster.scope(), &group, remaining.min(REACH_RECHECK)).await {
-                return Ok(self.remember(cell));
+            if let Some(node) = &view.node {
+                let group = node::router_group(node);
+                if let Some(cell) = node::wait_member(self.cluster.scope(), &group, remaining.min(REACH_RECHECK)).await {
+                    return Ok(self.remember(cell));
+                }
             }
             // Still not visible here although the head calls it alive: this process's
-            // mirror may have missed its membership (seen under load); have its agent
-            // advertise it again.
+            // mirror may have missed the router's membership (seen under load); have the
+            // actor's agent advertise it again.
             let _ = self
                 .cluster
                 .ask_head::<()>(&HeadRequest::Announce(self.id), Duration::from_secs(1))
@@ -250,3 +268,7 @@ impl<A: Actor> ActorHandle<A> {
 
 /// How long a call waits to see an actor the head calls alive before asking the head again.
 const REACH_RECHECK: Duration = Duration::from_secs(1);
+
+/// How long a call waits before asking the head again after the node it was told of no
+/// longer hosts the actor (the head learns of the exit a moment later).
+const NOT_HOSTED_BACKOFF: Duration = Duration::from_millis(5);

@@ -296,6 +296,12 @@ impl Actor for Head {
                     }
                 }
             }
+            Wire::CallActor(actor, _, port) => {
+                let failure = Failure::BadMessage(format!("could not decode a head request: the message is addressed to actor {actor}, which the head does not host"));
+                wire::reply::<()>(port, Err(failure));
+                Vec::new()
+            }
+            Wire::CastActor(..) => Vec::new(),
             Wire::Local(LocalSignal::Tick) => {
                 // Callers that gave up leave no waiter behind.
                 let closed: BTreeSet<ReplyTo> = state

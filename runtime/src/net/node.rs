@@ -18,7 +18,6 @@ use ractor_cluster::{NodeEventSubscription, NodeServer, NodeServerMessage};
 use tokio::sync::broadcast;
 
 use crate::error::{Error, Result};
-use crate::protocol::ActorId;
 
 /// Sessions closed before authenticating, in a row, before a join reports a refused token.
 pub(crate) const REFUSALS_BEFORE_GIVING_UP: u32 = 3;
@@ -224,9 +223,9 @@ pub(crate) fn agent_group(node: &str) -> String {
     format!("agent/{node}")
 }
 
-/// The process group of an actor (stable across its restarts).
-pub(crate) fn actor_group(actor: ActorId) -> String {
-    format!("actor/{actor}")
+/// The process group of the router on `node`, through which its user actors are called.
+pub(crate) fn router_group(node: &str) -> String {
+    format!("router/{node}")
 }
 
 /// Adds a local actor to a group in `scope`.

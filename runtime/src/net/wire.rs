@@ -14,7 +14,7 @@ use ractor::{ActorCell, ActorRef, RpcReplyPort};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::protocol::Failure;
+use crate::protocol::{ActorId, Failure};
 
 /// Largest payload decoded from the wire; ractor_cluster frames are capped below this anyway.
 const MAX_DECODE_BYTES: u64 = 64 << 20;
@@ -25,6 +25,12 @@ pub enum Wire {
     Cast(Vec<u8>),
     /// Request/reply: the reply is `Result<T, Failure>` encoded with [`encode`].
     Call(Vec<u8>, RpcReplyPort<Vec<u8>>),
+    /// A call to a user actor hosted on the receiving node, sent to that node's router
+    /// (user actors are not remote-capable themselves: see `worker/router.rs`). The reply is
+    /// the actor's, or [`Failure::NotHosted`].
+    CallActor(ActorId, Vec<u8>, RpcReplyPort<Vec<u8>>),
+    /// A cast to a user actor hosted on the receiving node, sent to that node's router.
+    CastActor(ActorId, Vec<u8>),
     /// Node-local signal (never crosses the network), for the actor's own timers.
     Local(LocalSignal),
 }
@@ -51,6 +57,22 @@ pub enum LocalSignal {
 const CAST: &str = "cast";
 const CALL: &str = "call";
 
+/// A routed message carries its actor's id as the metadata: 8 bytes, little-endian.
+fn actor_metadata(actor: ActorId) -> Option<Vec<u8>> {
+    Some(actor.0.to_le_bytes().to_vec())
+}
+
+/// The actor a message's metadata names: `Ok(None)` without metadata, `Err` for metadata
+/// that is not an actor id (the message is then dropped, as any undecodable one).
+fn routed_actor(metadata: Option<Vec<u8>>) -> Result<Option<ActorId>, BoxedDowncastErr> {
+    match metadata {
+        None => Ok(None),
+        Some(bytes) => <[u8; 8]>::try_from(bytes.as_slice())
+            .map(|id| Some(ActorId(u64::from_le_bytes(id))))
+            .map_err(|_| BoxedDowncastErr),
+    }
+}
+
 impl ractor::Message for Wire {
     fn serializable() -> bool {
         true
@@ -69,16 +91,40 @@ impl ractor::Message for Wire {
                 reply,
                 metadata: None,
             }),
+            Wire::CallActor(actor, args, reply) => Ok(SerializedMessage::Call {
+                variant: CALL.to_string(),
+                args,
+                reply,
+                metadata: actor_metadata(actor),
+            }),
+            Wire::CastActor(actor, args) => Ok(SerializedMessage::Cast {
+                variant: CAST.to_string(),
+                args,
+                metadata: actor_metadata(actor),
+            }),
             Wire::Local(_) => Err(BoxedDowncastErr),
         }
     }
 
     fn deserialize(bytes: SerializedMessage) -> Result<Self, BoxedDowncastErr> {
         match bytes {
-            SerializedMessage::Cast { variant, args, .. } if variant == CAST => Ok(Wire::Cast(args)),
+            SerializedMessage::Cast {
+                variant,
+                args,
+                metadata,
+            } if variant == CAST => Ok(match routed_actor(metadata)? {
+                None => Wire::Cast(args),
+                Some(actor) => Wire::CastActor(actor, args),
+            }),
             SerializedMessage::Call {
-                variant, args, reply, ..
-            } if variant == CALL => Ok(Wire::Call(args, reply)),
+                variant,
+                args,
+                reply,
+                metadata,
+            } if variant == CALL => Ok(match routed_actor(metadata)? {
+                None => Wire::Call(args, reply),
+                Some(actor) => Wire::CallActor(actor, args, reply),
+            }),
             _ => Err(BoxedDowncastErr),
         }
     }
@@ -136,8 +182,37 @@ fn check_size(payload: &[u8]) -> Result<(), String> {
 /// Sends `request` and waits up to `timeout` for the raw reply bytes.
 pub async fn call_raw(target: &ActorCell, request: Vec<u8>, timeout: Duration) -> Result<Vec<u8>, CallError> {
     check_size(&request).map_err(CallError::Unreachable)?;
+    call_with(target, |port| Wire::Call(request, port), timeout).await
+}
+
+/// Sends `request` to user actor `actor` through its node's `router` and waits up to
+/// `timeout` for the raw reply bytes.
+pub async fn call_actor_raw(
+    router: &ActorCell,
+    actor: ActorId,
+    request: Vec<u8>,
+    timeout: Duration,
+) -> Result<Vec<u8>, CallError> {
+    check_size(&request).map_err(CallError::Unreachable)?;
+    call_with(router, |port| Wire::CallActor(actor, request, port), timeout).await
+}
+
+/// Sends a fire-and-forget message to user actor `actor` through its node's `router`.
+pub fn cast_actor_raw(router: &ActorCell, actor: ActorId, payload: Vec<u8>) -> Result<(), String> {
+    check_size(&payload)?;
+    let router: ActorRef<Wire> = router.clone().into();
+    router
+        .send_message(Wire::CastActor(actor, payload))
+        .map_err(|e| format!("could not deliver the message: {e}"))
+}
+
+async fn call_with(
+    target: &ActorCell,
+    message: impl FnOnce(RpcReplyPort<Vec<u8>>) -> Wire,
+    timeout: Duration,
+) -> Result<Vec<u8>, CallError> {
     let target: ActorRef<Wire> = target.clone().into();
-    match target.call(|port| Wire::Call(request, port), Some(timeout)).await {
+    match target.call(message, Some(timeout)).await {
         Ok(ractor::rpc::CallResult::Success(bytes)) => Ok(bytes),
         Ok(ractor::rpc::CallResult::Timeout) => Err(CallError::Timeout),
         Ok(ractor::rpc::CallResult::SenderError) => Err(CallError::Unreachable(
@@ -173,6 +248,28 @@ mod tests {
                 Err(Failure::BadMessage(_))
             ));
         }
+    }
+
+    #[test]
+    fn a_routed_cast_keeps_its_actor_and_bad_metadata_is_refused() {
+        use ractor::Message;
+        let sent = Wire::CastActor(ActorId(0x0102_0304_0506_0708), vec![7, 8]);
+        let serialized = sent.serialize().map_err(|_| "serialize").unwrap();
+        match Wire::deserialize(serialized) {
+            Ok(Wire::CastActor(ActorId(id), payload)) => {
+                assert_eq!(id, 0x0102_0304_0506_0708);
+                assert_eq!(payload, vec![7, 8]);
+            }
+            _ => panic!("a routed cast came back as something else"),
+        }
+        let plain = Wire::Cast(vec![1]).serialize().map_err(|_| "serialize").unwrap();
+        assert!(matches!(Wire::deserialize(plain), Ok(Wire::Cast(_))));
+        let bad = SerializedMessage::Cast {
+            variant: CAST.to_string(),
+            args: vec![],
+            metadata: Some(vec![1, 2, 3]),
+        };
+        assert!(Wire::deserialize(bad).is_err());
     }
 
     #[test]

@@ -14,6 +14,8 @@ use crate::protocol::{ActorId, AgentRequest, Failure, HeadRequest, StartActor};
 use crate::registry::{Host, HostArgs, Registry};
 use crate::wire::{self, LocalSignal, Wire};
 
+use super::router::{Router, Routes};
+
 /// How long an agent waits for the head to take a report.
 const REPORT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -35,6 +37,10 @@ pub(crate) struct AgentState {
     by_cell: HashMap<ractor::ActorId, (ActorId, u32)>,
     stopping: HashSet<ractor::ActorId>,
     logs: LogBook,
+    /// Where the router finds each hosted actor's queue.
+    routes: Routes,
+    /// The node's router (process group `router/<node>`).
+    router: ActorRef<Wire>,
 }
 
 impl AgentState {
@@ -55,8 +61,13 @@ impl Actor for Agent {
     type State = AgentState;
     type Arguments = AgentArgs;
 
-    async fn pre_start(&self, _myself: ActorRef<Wire>, args: AgentArgs) -> Result<AgentState, ActorProcessingErr> {
+    async fn pre_start(&self, myself: ActorRef<Wire>, args: AgentArgs) -> Result<AgentState, ActorProcessingErr> {
+        let routes = Routes::default();
+        let (router, _) = Actor::spawn_linked(None, Router, (args.node.clone(), routes.clone()), myself.get_cell()).await?;
+        node::join_group(args.cluster.scope(), &node::router_group(&args.node), router.get_cell());
         Ok(AgentState {
+            routes,
+            router,
             node: args.node,
             host: args.host,
             registry: args.registry,
@@ -100,14 +111,21 @@ impl Actor for Agent {
                 }
             }
             Wire::Local(LocalSignal::Reset) => {
+                state.routes.clear();
                 let hosts: Vec<(ActorId, ActorCell)> = state.hosts.drain().map(|(id, (cell, _))| (id, cell)).collect();
                 for (actor, cell) in hosts {
                     state.log(actor, "stopped: the head no longer knows this node (it re-registers)");
                     stop_host(state, &cell);
                 }
             }
-            Wire::Local(_) => {}
+            Wire::Local(_) | Wire::CallActor(..) | Wire::CastActor(..) => {}
         }
+        Ok(())
+    }
+
+    async fn post_stop(&self, _myself: ActorRef<Wire>, state: &mut AgentState) -> Result<(), ActorProcessingErr> {
+        state.routes.clear();
+        state.router.stop(None);
         Ok(())
     }
 
@@ -129,8 +147,12 @@ impl Actor for Agent {
             _ => return Ok(()),
         };
         let Some((actor, attempt)) = state.by_cell.remove(&cell.get_id()) else {
+            if cell.get_id() == state.router.get_id() {
+                tracing::error!(node = %state.node, cause = %cause, "the node's router exited; its actors cannot be called");
+            }
             return Ok(());
         };
+        state.routes.remove(actor, attempt);
         if state.stopping.remove(&cell.get_id()) {
             return Ok(());
         }
@@ -177,6 +199,7 @@ fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: Agen
             );
             tokio::spawn(start_actor(
                 myself.clone(),
+                state.routes.clone(),
                 state.registry.clone(),
                 state.cluster.clone(),
                 state.host.clone(),
@@ -185,7 +208,8 @@ fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: Agen
             ));
         }
         AgentRequest::Stop(actor) => {
-            if let Some((cell, _)) = state.hosts.remove(&actor) {
+            if let Some((cell, attempt)) = state.hosts.remove(&actor) {
+                state.routes.remove(actor, attempt);
                 state.log(
                     actor,
                     "stopped by the head (killed, its group removed or its job ended)",
@@ -197,10 +221,15 @@ fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: Agen
         AgentRequest::Logs(_) => {}
         AgentRequest::Announce(actor) => {
             // Re-joining sends the membership to every connected peer again (ractor's pg
-            // notifies joins of existing members too), healing a peer's mirror that missed it.
-            if let Some((cell, _)) = state.hosts.get(&actor) {
-                tracing::info!(%actor, "advertising the actor again: a peer could not see it");
-                node::join_group(state.cluster.scope(), &node::actor_group(actor), cell.clone());
+            // notifies joins of existing members too), healing a peer's mirror that missed
+            // the router through which the actor is reached.
+            if state.hosts.contains_key(&actor) {
+                tracing::info!(%actor, "advertising the node's router again: a peer could not see it");
+                node::join_group(
+                    state.cluster.scope(),
+                    &node::router_group(&state.node),
+                    state.router.get_cell(),
+                );
             }
         }
     }
@@ -209,6 +238,7 @@ fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: Agen
 /// Constructs the actor, hosts it, advertises it, then tells the head how it went.
 async fn start_actor(
     agent: ActorRef<Wire>,
+    routes: Routes,
     registry: Registry,
     cluster: Cluster,
     host: String,
@@ -225,6 +255,7 @@ async fn start_actor(
         name: start.name.clone(),
         cluster: cluster.with_job(start.job.clone()),
     };
+    let (queue, inbox) = tokio::sync::mpsc::unbounded_channel();
     let outcome = match registry.construct(&start.kind, start.args, ctx.clone()).await {
         Err(cause) => Err(cause),
         Ok(actor) => match Actor::spawn_linked(
@@ -234,6 +265,8 @@ async fn start_actor(
                 actor,
                 ctx,
                 kind: start.kind.clone(),
+                queue: queue.clone(),
+                inbox,
             },
             agent.get_cell(),
         )
@@ -241,7 +274,9 @@ async fn start_actor(
         {
             Err(e) => Err(format!("could not start the actor's host: {e}")),
             Ok((host, _)) => {
-                node::join_group(cluster.scope(), &node::actor_group(start.actor), host.get_cell());
+                // Routed before the head hears it started: a caller told "alive" reaches it.
+                routes.insert(start.actor, start.attempt, &queue, &start.kind);
+                drop(queue);
                 let hosted = LocalSignal::Hosted {
                     actor: start.actor,
                     attempt: start.attempt,

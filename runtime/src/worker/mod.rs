@@ -4,6 +4,7 @@
 pub(crate) mod agent;
 pub(crate) mod detect;
 pub(crate) mod registry;
+pub(crate) mod router;
 pub(crate) mod simulate;
 
 use std::future::Future;

@@ -90,56 +90,55 @@ impl Registry {
     }
 }
 
-/// The ractor actor that runs one user actor. Its ractor mailbox only forwards into a
-/// queue drained by one task, so the queue's length is a true mailbox depth for metrics
-/// and the user's handler runs one message at a time, as before.
+/// The ractor actor that runs one user actor: it owns the actor's queue (the node's router
+/// puts calls and casts in it), runs the actor over it on one task, and is what the agent
+/// supervises. It takes no messages itself, so it is not remote-capable and peers never
+/// mirror it (see `router.rs`).
 pub(crate) struct Host;
+
+/// The host of a user actor takes no messages: it exists to be supervised and stopped.
+pub(crate) enum HostMessage {}
+
+impl ractor::Message for HostMessage {}
 
 pub(crate) struct HostArgs {
     pub(crate) actor: Box<dyn Hosted>,
     pub(crate) ctx: ActorContext,
     pub(crate) kind: String,
+    /// The actor's queue: the host keeps its only strong sender, so the queue closes (and
+    /// the router stops reaching it) when the host stops.
+    pub(crate) queue: tokio::sync::mpsc::UnboundedSender<Wire>,
+    pub(crate) inbox: tokio::sync::mpsc::UnboundedReceiver<Wire>,
 }
 
 pub(crate) struct HostState {
-    queue: tokio::sync::mpsc::UnboundedSender<Wire>,
-    kind: String,
+    _queue: tokio::sync::mpsc::UnboundedSender<Wire>,
 }
 
 impl ractor::Actor for Host {
-    type Msg = Wire;
+    type Msg = HostMessage;
     type State = HostState;
     type Arguments = HostArgs;
 
-    async fn pre_start(&self, myself: ActorRef<Wire>, args: HostArgs) -> Result<HostState, ActorProcessingErr> {
-        let (queue, inbox) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(drain(myself, inbox, args.actor, args.ctx, args.kind.clone()));
-        Ok(HostState { queue, kind: args.kind })
+    async fn pre_start(&self, myself: ActorRef<HostMessage>, args: HostArgs) -> Result<HostState, ActorProcessingErr> {
+        tokio::spawn(drain(myself, args.inbox, args.actor, args.ctx, args.kind));
+        Ok(HostState { _queue: args.queue })
     }
 
     async fn handle(
         &self,
-        _myself: ActorRef<Wire>,
-        message: Wire,
-        state: &mut HostState,
+        _myself: ActorRef<HostMessage>,
+        message: HostMessage,
+        _state: &mut HostState,
     ) -> Result<(), ActorProcessingErr> {
-        if matches!(message, Wire::Local(_)) {
-            return Ok(());
-        }
-        let depth = crate::metrics::metrics()
-            .mailbox_depth
-            .with_label_values(&[&state.kind]);
-        if state.queue.send(message).is_ok() {
-            depth.inc();
-        }
-        Ok(())
+        match message {}
     }
 }
 
 /// Runs the user actor over its queue until the host stops (or the handler panics, which
 /// stops the host with the panic as the reason).
 async fn drain(
-    host: ActorRef<Wire>,
+    host: ActorRef<HostMessage>,
     mut inbox: tokio::sync::mpsc::UnboundedReceiver<Wire>,
     mut actor: Box<dyn Hosted>,
     ctx: ActorContext,
@@ -152,7 +151,7 @@ async fn drain(
         let (request, port) = match message {
             Wire::Call(request, port) => (request, Some(port)),
             Wire::Cast(request) => (request, None),
-            Wire::Local(_) => continue,
+            Wire::CallActor(..) | Wire::CastActor(..) | Wire::Local(_) => continue,
         };
         let started = std::time::Instant::now();
         let outcome = AssertUnwindSafe(actor.handle(request, &ctx)).catch_unwind().await;
