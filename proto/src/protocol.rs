@@ -125,6 +125,9 @@ pub enum Failure {
         /// The node whose loss took the last copy, if it was lost.
         lost_with: Option<String>,
     },
+    /// The call reached the actor but will get no reply: the actor stopped or panicked
+    /// before answering it (whether it will be restarted, the head knows).
+    Lost(String),
     /// A call reached a node that does not host the actor (it died, or was restarted
     /// elsewhere since the caller looked it up): ask the head where it is now.
     NotHosted {
@@ -292,6 +295,41 @@ impl HeadRequest {
     /// request lost with its session (a duplicate connection closed by `ractor_cluster`, a
     /// head restart) can be sent again on the next session.
     pub fn retryable(&self) -> bool {
+        self.retryable_kind()
+    }
+
+    /// The request's kind, for metrics (`regatta_head_request_seconds{request}`).
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Self::Register(_) => "register",
+            Self::Heartbeat { .. } => "heartbeat",
+            Self::Spawn(_) => "spawn",
+            Self::WaitActor(_) => "wait_actor",
+            Self::Named(_) => "named",
+            Self::Kill(_) => "kill",
+            Self::CreateGroup(_) => "create_group",
+            Self::WaitGroup(_) => "wait_group",
+            Self::RemoveGroup(_) => "remove_group",
+            Self::Status => "status",
+            Self::Started { .. } => "started",
+            Self::ObjectPut { .. } => "object_put",
+            Self::ObjectLocate(_) => "object_locate",
+            Self::ObjectAddSource { .. } => "object_add_source",
+            Self::ObjectRemoveSource { .. } => "object_remove_source",
+            Self::ObjectAddRef { .. } => "object_add_ref",
+            Self::ObjectDropRef { .. } => "object_drop_ref",
+            Self::ObjectFree(_) => "object_free",
+            Self::HolderGone(_) => "holder_gone",
+            Self::EndJob(_) => "end_job",
+            Self::Exited { .. } => "exited",
+            Self::Undelivered { .. } => "undelivered",
+            Self::Announce(_) => "announce",
+            Self::View(_) => "view",
+            Self::RunReport(_) => "run_report",
+        }
+    }
+
+    fn retryable_kind(&self) -> bool {
         matches!(
             self,
             Self::Heartbeat { .. }

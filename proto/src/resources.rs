@@ -173,6 +173,12 @@ impl Resources {
         }
     }
 
+    /// Whether this set and `other` are one shared map (not merely equal).
+    #[cfg(test)]
+    pub(crate) fn shares_map_with(&self, other: &Resources) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     /// Whole-unit view for display and JSON.
     pub fn to_units(&self) -> BTreeMap<String, f64> {
         self.0

@@ -177,6 +177,10 @@ pub(crate) fn failure_to_error(failure: Failure, actor: Option<ActorId>) -> Erro
             lost_with: Some(node),
         } => Error::ObjectLost { id, node },
         Failure::ObjectMissing { id, lost_with: None } => Error::ObjectUnknown { id },
+        Failure::Lost(cause) => Error::CallFailed {
+            actor: actor.unwrap_or(ActorId(0)),
+            cause,
+        },
         Failure::NotHosted { actor, node } => Error::CallFailed {
             actor,
             cause: format!("node {node} no longer hosts the actor (it died or moved)"),

@@ -53,7 +53,14 @@ pub struct Metrics {
     directory_bytes: IntGaugeVec,
     pub(crate) jobs: IntGaugeVec,
     pub(crate) job_seconds: HistogramVec,
+    /// How long the head's loop took per request, by kind (a spawn's includes placing it).
+    pub(crate) head_request_seconds: HistogramVec,
 }
+
+/// Buckets for the head's per-request time: microseconds to a second.
+const HEAD_REQUEST_BUCKETS: [f64; 14] = [
+    5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 0.1, 0.5, 1.0,
+];
 
 fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
     let metric = IntGaugeVec::new(Opts::new(name, help), labels).expect("metric names and labels are valid");
@@ -105,7 +112,18 @@ impl Metrics {
         )
         .expect("valid metric");
         r.register(Box::new(pending.clone())).expect("registers once");
+        let head_request_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "regatta_head_request_seconds",
+                "Time the head took to handle a request, by kind (spawn includes placing the actor)",
+            )
+            .buckets(HEAD_REQUEST_BUCKETS.to_vec()),
+            &["request"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(head_request_seconds.clone())).expect("registers once");
         Self {
+            head_request_seconds,
             snapshot: Mutex::new(()),
             actor_messages,
             handler_seconds,

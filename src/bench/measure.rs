@@ -3,7 +3,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Mean and standard deviation of trial figures.
 pub fn mean_spread(values: &[f64]) -> (f64, f64) {
@@ -26,6 +26,43 @@ pub(super) fn quantile(values: &mut [f64], q: f64) -> f64 {
     values.sort_by(f64::total_cmp);
     let index = ((values.len() as f64 - 1.0) * q).round() as usize;
     values.get(index).copied().unwrap_or(0.0)
+}
+
+/// A plain HTTP GET of `path` on `host` (`ip:port`): the whole reply, headers included.
+pub(super) fn http_get(host: &str, path: &str) -> anyhow::Result<String> {
+    let mut stream = TcpStream::connect(host)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply)?;
+    Ok(reply)
+}
+
+/// The upper bound of the bucket holding the `q` quantile (0 to 1) of a Prometheus
+/// histogram in exposition text: `series` is the metric name with its labels but without
+/// `le` (`name_bucket{request="spawn"`). `None` when the series has no observations;
+/// `f64::INFINITY` when the quantile lies beyond the last finite bucket.
+pub(super) fn histogram_quantile(text: &str, series: &str, q: f64) -> Option<f64> {
+    let prefix = format!("{series},le=\"");
+    let mut buckets: Vec<(f64, f64)> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix(&prefix))
+        .filter_map(|rest| {
+            let (bound, count) = rest.split_once("\"} ")?;
+            let bound = if bound == "+Inf" { f64::INFINITY } else { bound.parse().ok()? };
+            Some((bound, count.trim().parse().ok()?))
+        })
+        .collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total = buckets.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = (q * total).ceil().max(1.0);
+    buckets.iter().find(|(_, cumulative)| *cumulative >= rank).map(|(bound, _)| *bound)
 }
 
 /// Resident memory of a process (Linux), 0 when unknown.
@@ -92,5 +129,24 @@ mod tests {
     fn mean_and_spread() {
         assert_eq!(mean_spread(&[2.0, 4.0]), (3.0, 1.0));
         assert_eq!(mean_spread(&[]), (0.0, 0.0));
+    }
+
+    const TEXT: &str = "# TYPE x histogram
+x_bucket{request=\"spawn\",le=\"0.00001\"} 50
+x_bucket{request=\"spawn\",le=\"0.0001\"} 98
+x_bucket{request=\"spawn\",le=\"0.001\"} 100
+x_bucket{request=\"spawn\",le=\"+Inf\"} 100
+x_bucket{request=\"view\",le=\"0.00001\"} 0
+x_bucket{request=\"view\",le=\"+Inf\"} 1
+";
+
+    #[test]
+    fn quantiles_come_from_the_bucket_that_holds_them() {
+        let spawn = "x_bucket{request=\"spawn\"";
+        assert_eq!(histogram_quantile(TEXT, spawn, 0.5), Some(0.00001));
+        assert_eq!(histogram_quantile(TEXT, spawn, 0.51), Some(0.0001));
+        assert_eq!(histogram_quantile(TEXT, spawn, 0.99), Some(0.001));
+        assert_eq!(histogram_quantile(TEXT, "x_bucket{request=\"view\"", 0.5), Some(f64::INFINITY));
+        assert_eq!(histogram_quantile(TEXT, "x_bucket{request=\"kill\"", 0.5), None);
     }
 }

@@ -1,14 +1,12 @@
 //! The runtime's own cases: a cluster's start and idle memory, actor calls and creation,
 //! placement groups, actor pools, and the object store within and across nodes.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use bytes::Bytes;
 
-use super::measure::{loopback_tcp_gbps, memcpy_gbps, report, rss_bytes};
+use super::measure::{http_get, loopback_tcp_gbps, memcpy_gbps, report, rss_bytes};
 use crate::kinds::{Caller, Fanout, Noop, Store, StoreOp, StoreReply};
 use crate::local::{LocalCluster, LocalOptions, WorkerSpec};
 use regatta_runtime::{ActorHandle, ActorOptions, ActorPool, Client, Resources, Strategy};
@@ -75,18 +73,6 @@ async fn scrape_with_many_actors(trials: usize) -> anyhow::Result<()> {
     );
     cluster.shutdown();
     Ok(())
-}
-
-fn http_get(host: &str, path: &str) -> anyhow::Result<String> {
-    let mut stream = TcpStream::connect(host)?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply)?;
-    Ok(reply)
 }
 
 /// Runs `round` `trials` times; each returns the operations it did; prints ops per second.

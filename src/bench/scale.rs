@@ -12,7 +12,7 @@ use anyhow::{bail, Context};
 use futures::StreamExt;
 use regatta_runtime::{ActorOptions, Client, Resources, Strategy};
 
-use super::measure::{quantile, report, rss_bytes};
+use super::measure::{histogram_quantile, http_get, quantile, report, rss_bytes};
 use crate::kinds::Noop;
 use crate::local::{LocalCluster, LocalOptions};
 use regatta_proto::view::{Overview, View, ViewQuery};
@@ -266,6 +266,7 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
         "per second",
         &[remaining as f64 / alive_secs],
     );
+    placement_in_head(cluster, actors)?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_actors = rss_bytes(head);
     report(
@@ -395,6 +396,25 @@ async fn groups(client: &Client, bench: &ScaleBench) -> anyhow::Result<()> {
     );
     for group in held {
         group.remove().await?;
+    }
+    Ok(())
+}
+
+/// The head's own time to handle a spawn (placing the actor included), from its
+/// `regatta_head_request_seconds` histogram over every spawn so far: the bound of the
+/// bucket holding each quantile, so a figure reads "at most".
+fn placement_in_head(cluster: &LocalCluster, spawns: usize) -> anyhow::Result<()> {
+    let host = cluster.metrics_address.trim_start_matches("http://");
+    let text = http_get(host, "/metrics")?;
+    let series = "regatta_head_request_seconds_bucket{request=\"spawn\"";
+    for (name, q) in [("p50", 0.5), ("p99", 0.99), ("p99.9", 0.999)] {
+        let bound = histogram_quantile(&text, series, q)
+            .with_context(|| format!("the head's metrics have no spawn timings:\n{text}"))?;
+        report(
+            &format!("scale placement in the head {name} of {spawns} spawns (bucket bound, at most)"),
+            "microseconds",
+            &[bound * 1e6],
+        );
     }
     Ok(())
 }

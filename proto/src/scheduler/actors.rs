@@ -37,9 +37,13 @@ impl Scheduler {
         if let Some(group) = spec.placement.as_ref().and_then(|at| self.groups.get_mut(&at.group)) {
             group.members.insert(id);
         }
+        let spec = ActorSpec {
+            resources: self.share(spec.resources),
+            ..spec
+        };
         self.actors.insert(
             id,
-            ActorRecord {
+            Box::new(ActorRecord {
                 spec,
                 state: ActorState::Pending,
                 restarts: 0,
@@ -47,7 +51,7 @@ impl Scheduler {
                 placed: None,
                 last_node: None,
                 waiting_since_ms: now_ms,
-            },
+            }),
         );
         self.enqueue(id);
         Ok(id)

@@ -129,7 +129,9 @@ pub const MAX_DEAD_ACTORS: usize = 10_000;
 pub struct Scheduler {
     dead_order: std::collections::VecDeque<ActorId>,
     nodes: BTreeMap<String, NodeRecord>,
-    actors: BTreeMap<ActorId, ActorRecord>,
+    /// Boxed: a map node holds 11 entries and is often half full, so unboxed records
+    /// (about 300 bytes each) would waste more than they hold.
+    actors: BTreeMap<ActorId, Box<ActorRecord>>,
     named: BTreeMap<String, ActorId>,
     groups: BTreeMap<GroupId, GroupRecord>,
     /// Actors waiting to be placed (pending or restarting), by what they wait for.
@@ -140,12 +142,30 @@ pub struct Scheduler {
     next_actor: u64,
     next_group: u64,
     next_incarnation: u64,
+    /// Distinct resource requests seen (up to [`MAX_SHARED_SHAPES`]): actors of one shape
+    /// share one map instead of holding one each.
+    shapes: BTreeSet<crate::resources::Resources>,
 }
+
+/// How many distinct resource requests the head shares; requests beyond that many shapes
+/// keep their own map (correct, only larger).
+const MAX_SHARED_SHAPES: usize = 4_096;
 
 impl Scheduler {
     /// An empty cluster.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The shared copy of `resources` (see [`Scheduler::shapes`]).
+    fn share(&mut self, resources: crate::resources::Resources) -> crate::resources::Resources {
+        if let Some(shared) = self.shapes.get(&resources) {
+            return shared.clone();
+        }
+        if self.shapes.len() < MAX_SHARED_SHAPES {
+            self.shapes.insert(resources.clone());
+        }
+        resources
     }
 }
 
@@ -196,6 +216,27 @@ mod tests {
         for st in starts(effects) {
             s.started(st.actor, st.attempt, Ok(()));
         }
+    }
+
+    #[test]
+    fn actors_of_one_shape_share_one_resource_map_and_placement_still_counts_each() {
+        let mut s = Scheduler::new();
+        s.register(node("w1", "CPU=4"), 0).unwrap();
+        let a = s.submit(spec("CPU=1", 0), 0).unwrap();
+        let b = s.submit(spec("CPU=1", 0), 0).unwrap();
+        let c = s.submit(spec("CPU=2", 0), 0).unwrap();
+        let (ra, rb, rc) = (&s.actors[&a].spec.resources, &s.actors[&b].spec.resources, &s.actors[&c].spec.resources);
+        assert!(ra.shares_map_with(rb), "two requests of CPU=1 hold separate maps");
+        assert!(!ra.shares_map_with(rc));
+        let effects = s.schedule(0);
+        assert_eq!(starts(&effects).len(), 3);
+        // Sharing is copy-on-write: taking from the ledger changed no actor's request.
+        assert_eq!(s.actors[&a].spec.resources, Resources::parse_request("CPU=1").unwrap());
+        let extra = s.submit(spec("CPU=1", 0), 0).unwrap();
+        assert!(starts(&s.schedule(0)).is_empty(), "a fourth CPU on a 4-CPU node with 4 taken");
+        s.kill(a).unwrap();
+        let effects = s.schedule(2);
+        assert_eq!(starts(&effects).iter().map(|st| st.actor).collect::<Vec<_>>(), vec![extra]);
     }
 
     #[test]

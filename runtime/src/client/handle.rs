@@ -131,6 +131,11 @@ impl<A: Actor> ActorHandle<A> {
                     }
                     tokio::time::sleep(NOT_HOSTED_BACKOFF).await;
                 }
+                // It took the call and stopped before answering: say whether it is dead.
+                Err(Failure::Lost(cause)) => {
+                    self.forget();
+                    return Err(self.explain_lost_call(cause).await);
+                }
                 other => break other,
             }
         };

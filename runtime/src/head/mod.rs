@@ -279,7 +279,10 @@ impl Actor for Head {
             Wire::Call(bytes, port) => match wire::decode::<HeadRequest>(&bytes, "a head request") {
                 Ok(request) => {
                     let to = state.hold(port);
-                    state.core.handle(request, Some(to), now)
+                    let (kind, started) = (request.kind_name(), std::time::Instant::now());
+                    let outputs = state.core.handle(request, Some(to), now);
+                    observe_request(kind, started);
+                    outputs
                 }
                 Err(failure) => {
                     tracing::warn!(?failure, "ignored a malformed head request");
@@ -289,7 +292,12 @@ impl Actor for Head {
             },
             Wire::Cast(bytes) | Wire::Local(LocalSignal::Deferred(bytes)) => {
                 match wire::decode::<HeadRequest>(&bytes, "a head request") {
-                    Ok(request) => state.core.handle(request, None, now),
+                    Ok(request) => {
+                        let (kind, started) = (request.kind_name(), std::time::Instant::now());
+                        let outputs = state.core.handle(request, None, now);
+                        observe_request(kind, started);
+                        outputs
+                    }
                     Err(failure) => {
                         tracing::warn!(?failure, "ignored a malformed head message");
                         Vec::new()
@@ -473,4 +481,12 @@ fn publish_metrics(state: &mut HeadState, now: u64) {
     if let Ok(mut shared) = state.targets.lock() {
         *shared = targets;
     }
+}
+
+/// Records how long the head's core took for one request.
+fn observe_request(kind: &str, started: std::time::Instant) {
+    crate::metrics::metrics()
+        .head_request_seconds
+        .with_label_values(&[kind])
+        .observe(started.elapsed().as_secs_f64());
 }

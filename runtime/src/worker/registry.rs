@@ -113,6 +113,8 @@ pub(crate) struct HostArgs {
 
 pub(crate) struct HostState {
     _queue: tokio::sync::mpsc::UnboundedSender<Wire>,
+    /// Dropped with the state when the host stops: tells the drain to stop.
+    _running: tokio::sync::oneshot::Sender<()>,
 }
 
 impl ractor::Actor for Host {
@@ -121,8 +123,12 @@ impl ractor::Actor for Host {
     type Arguments = HostArgs;
 
     async fn pre_start(&self, myself: ActorRef<HostMessage>, args: HostArgs) -> Result<HostState, ActorProcessingErr> {
-        tokio::spawn(drain(myself, args.inbox, args.actor, args.ctx, args.kind));
-        Ok(HostState { _queue: args.queue })
+        let (running, stopped) = tokio::sync::oneshot::channel();
+        tokio::spawn(drain(myself, args.inbox, stopped, args.actor, args.ctx, args.kind));
+        Ok(HostState {
+            _queue: args.queue,
+            _running: running,
+        })
     }
 
     async fn handle(
@@ -136,17 +142,29 @@ impl ractor::Actor for Host {
 }
 
 /// Runs the user actor over its queue until the host stops (or the handler panics, which
-/// stops the host with the panic as the reason).
+/// stops the host with the panic as the reason). Every call it takes gets an answer: a call
+/// cut short by the host stopping, or still queued then, is answered [`Failure::Lost`] (a
+/// dropped reply port would leave a remote caller waiting out its whole timeout).
 async fn drain(
     host: ActorRef<HostMessage>,
     mut inbox: tokio::sync::mpsc::UnboundedReceiver<Wire>,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
     mut actor: Box<dyn Hosted>,
     ctx: ActorContext,
     kind: String,
 ) {
     let metrics = crate::metrics::metrics();
     let depth = metrics.mailbox_depth.with_label_values(&[&kind]);
-    while let Some(message) = inbox.recv().await {
+    let mut why = "the actor was stopped".to_string();
+    loop {
+        let message = tokio::select! {
+            biased;
+            _ = &mut stopped => break,
+            message = inbox.recv() => match message {
+                Some(message) => message,
+                None => break,
+            },
+        };
         depth.dec();
         let (request, port) = match message {
             Wire::Call(request, port) => (request, Some(port)),
@@ -154,7 +172,16 @@ async fn drain(
             Wire::CallActor(..) | Wire::CastActor(..) | Wire::Local(_) => continue,
         };
         let started = std::time::Instant::now();
-        let outcome = AssertUnwindSafe(actor.handle(request, &ctx)).catch_unwind().await;
+        let outcome = tokio::select! {
+            biased;
+            outcome = AssertUnwindSafe(actor.handle(request, &ctx)).catch_unwind() => outcome,
+            _ = &mut stopped => {
+                if let Some(port) = port {
+                    answer_lost(port, "the actor was stopped during the call");
+                }
+                break;
+            }
+        };
         metrics.handled(&kind, started.elapsed().as_secs_f64());
         if let Ok(Err(failure)) = &outcome {
             ctx.log(format!("a call failed: {failure:?}"));
@@ -176,19 +203,32 @@ async fn drain(
             }
             (Ok(Err(failure)), None) => tracing::warn!(actor = %ctx.id, ?failure, "cast failed"),
             (Ok(Ok(_)), None) => {}
-            (Err(panic), _) => {
+            (Err(panic), port) => {
                 let reason = panic
                     .downcast_ref::<String>()
                     .cloned()
                     .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_else(|| "unknown panic".into());
                 ctx.log(format!("panicked: {reason}"));
-                host.stop(Some(format!("the actor panicked: {reason}")));
+                why = format!("the actor panicked: {reason}");
+                if let Some(port) = port {
+                    answer_lost(port, &why);
+                }
+                host.stop(Some(why.clone()));
                 break;
             }
         }
     }
     inbox.close();
-    let left = inbox.len() as i64;
-    depth.sub(left);
+    while let Ok(message) = inbox.try_recv() {
+        depth.dec();
+        if let Wire::Call(_, port) = message {
+            answer_lost(port, &why);
+        }
+    }
+}
+
+/// Answers a call that the actor will not handle.
+fn answer_lost(port: ractor::RpcReplyPort<Vec<u8>>, cause: &str) {
+    wire::reply::<()>(port, Err(Failure::Lost(cause.to_string())));
 }
