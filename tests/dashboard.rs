@@ -217,6 +217,22 @@ async fn every_endpoint_needs_the_token_and_a_stop_from_another_site_is_refused(
         (Value::from(3), Value::from("status-gamma")),
         "{page}"
     );
+    // The whole cluster as JSON, streamed two actors per request: every actor once, in order.
+    let (ok, text) = status(&["--json", "--json-page", "2"]);
+    assert!(ok, "{text}");
+    let whole: regatta_runtime::ClusterStatus = serde_json::from_str(&text).expect("status --json is a ClusterStatus");
+    let ids: Vec<u64> = whole.actors.iter().map(|line| line.view.id.0).collect();
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(ids, sorted, "actors out of order or repeated across pages");
+    for name in ["status-alpha", "status-beta", "status-gamma"] {
+        assert!(
+            whole.actors.iter().any(|line| line.name.as_deref() == Some(name)),
+            "{name} missing from {text}"
+        );
+    }
+    assert!(whole.actors.len() >= 3 && !whole.nodes.is_empty(), "{text}");
     let (ok, text) = status(&["--state", "running"]);
     assert!(
         !ok && text.contains("state must be one of pending, starting, alive, restarting, dead"),

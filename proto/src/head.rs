@@ -151,6 +151,28 @@ impl HeadCore {
         status
     }
 
+    /// One page of [`HeadRequest::StatusPage`].
+    pub fn status_page(&self, after: Option<ActorId>, limit: usize, now_ms: u64) -> ClusterStatus {
+        let mut page = match after {
+            None => self.status_without_actors(now_ms),
+            Some(_) => ClusterStatus {
+                nodes: Vec::new(),
+                groups: Vec::new(),
+                actors: Vec::new(),
+                pending: Vec::new(),
+                objects: Default::default(),
+            },
+        };
+        page.actors = self.scheduler.actor_lines_after(after, limit);
+        page
+    }
+
+    fn status_without_actors(&self, now_ms: u64) -> ClusterStatus {
+        let mut status = self.scheduler.status_without_actors(now_ms);
+        status.objects = self.directory.stats();
+        status
+    }
+
     /// Answers a dashboard query.
     pub fn view(&self, query: ViewQuery, now_ms: u64) -> View {
         match query {
@@ -296,6 +318,10 @@ impl HeadCore {
                 answer_with_effects(to, result, out);
             }
             HeadRequest::Status => answer(to, Answer::Status(Box::new(self.status(now))), out),
+            HeadRequest::StatusPage { after, limit } => {
+                let page = self.status_page(after, limit as usize, now);
+                answer(to, Answer::Status(Box::new(page)), out);
+            }
             HeadRequest::EndJob(job) => self.end_job(&job, to, out),
             HeadRequest::Started {
                 actor,

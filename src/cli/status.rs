@@ -19,11 +19,14 @@ pub(crate) struct StatusArgs {
     /// The head's cluster address, HOST:PORT.
     #[arg(long, env = "REGATTA_ADDRESS", default_value = "127.0.0.1:6380")]
     address: String,
-    /// Print JSON for scripts: the whole cluster (every actor) without filters, or the page
-    /// of actors that `--state`, `--kind`, `--node`, `--job`, `--name`, `--offset` and
-    /// `--limit` select.
+    /// Print JSON for scripts: the whole cluster (every actor, streamed from the head a page
+    /// at a time) without filters, or the page of actors that `--state`, `--kind`,
+    /// `--node`, `--job`, `--name`, `--offset` and `--limit` select.
     #[arg(long)]
     json: bool,
+    /// Actors per request while `--json` streams the whole cluster (tests use small pages).
+    #[arg(long, default_value_t = 1_000, hide = true, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    json_page: u32,
     /// Only actors in this state: pending, starting, alive, restarting or dead.
     #[arg(long)]
     state: Option<String>,
@@ -74,7 +77,7 @@ pub(crate) async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let filter = args.filter().checked()?;
     let page = PageRequest::new(args.offset, Some(args.limit.unwrap_or(20)))?;
     if args.json && !args.selects_actors() {
-        println!("{}", serde_json::to_string_pretty(&client.status().await?)?);
+        stream_status(client.cluster(), args.json_page, &mut std::io::stdout().lock()).await?;
     } else if args.json {
         println!(
             "{}",
@@ -84,6 +87,42 @@ pub(crate) async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
         print!("{}", render(client.cluster(), filter, page).await?);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Writes the whole cluster's state as one JSON object (a `ClusterStatus`), asking the
+/// head a page of actors at a time and writing each page as it comes: memory and message
+/// sizes stay bounded however many actors the cluster holds.
+pub async fn stream_status(cluster: &Cluster, page_size: u32, out: &mut impl std::io::Write) -> anyhow::Result<()> {
+    let first = cluster.status_page(None, page_size).await?;
+    write!(
+        out,
+        "{{\"nodes\":{},\"groups\":{},\"pending\":{},\"objects\":{},\"actors\":[",
+        serde_json::to_string(&first.nodes)?,
+        serde_json::to_string(&first.groups)?,
+        serde_json::to_string(&first.pending)?,
+        serde_json::to_string(&first.objects)?,
+    )?;
+    let mut page = first.actors;
+    let mut written = 0usize;
+    loop {
+        for line in &page {
+            if written > 0 {
+                out.write_all(b",\n")?;
+            }
+            serde_json::to_writer(&mut *out, line)?;
+            written += 1;
+        }
+        match page.last() {
+            Some(last) if page.len() == page_size as usize => {
+                let after = last.view.id;
+                page = cluster.status_page(Some(after), page_size).await?.actors;
+            }
+            _ => break,
+        }
+    }
+    writeln!(out, "]}}")?;
+    out.flush()?;
+    Ok(())
 }
 
 async fn actors(cluster: &Cluster, filter: ActorFilter, page: PageRequest) -> anyhow::Result<Page<ActorRow>> {

@@ -240,6 +240,31 @@ mod tests {
     }
 
     #[test]
+    fn status_pages_list_every_actor_once_in_id_order() {
+        let mut s = Scheduler::new();
+        s.register(node("w1", "CPU=8"), 0).unwrap();
+        let ids: Vec<ActorId> = (0..7).map(|_| s.submit(spec("CPU=1", 0), 0).unwrap()).collect();
+        start_all(&mut s, &s.schedule(0));
+        let mut seen = Vec::new();
+        let mut after = None;
+        loop {
+            let page = s.actor_lines_after(after, 3);
+            assert!(page.len() <= 3);
+            seen.extend(page.iter().map(|line| line.view.id));
+            match page.last() {
+                Some(last) if page.len() == 3 => after = Some(last.view.id),
+                _ => break,
+            }
+        }
+        assert_eq!(seen, ids);
+        let whole = s.status(0);
+        assert_eq!(whole.actors.len(), 7);
+        let first = s.status_without_actors(0);
+        assert!(first.actors.is_empty());
+        assert_eq!(first.nodes[0].actors, 7, "nodes still count their actors");
+    }
+
+    #[test]
     fn lost_node_restarts_actors_elsewhere_within_budget() {
         let mut s = Scheduler::new();
         s.register(node("w1", "CPU=2"), 0).unwrap();

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use super::Scheduler;
-use crate::protocol::{ActorLine, ActorState, ClusterStatus, GroupStatus, NodeStatus, PendingLine};
+use crate::protocol::{ActorId, ActorLine, ActorState, ClusterStatus, GroupStatus, NodeStatus, PendingLine};
 use crate::resources::Resources;
 
 impl Scheduler {
@@ -33,12 +33,38 @@ impl Scheduler {
     /// A snapshot for `regatta status`.
     pub fn status(&self, now_ms: u64) -> ClusterStatus {
         ClusterStatus {
+            actors: self.actor_lines_after(None, usize::MAX),
+            ..self.status_without_actors(now_ms)
+        }
+    }
+
+    /// [`Scheduler::status`] with no actors listed (nodes still count theirs).
+    pub fn status_without_actors(&self, now_ms: u64) -> ClusterStatus {
+        ClusterStatus {
             nodes: self.node_lines(now_ms),
             groups: self.group_lines(),
-            actors: self.actor_lines(),
+            actors: Vec::new(),
             pending: self.pending_lines(now_ms),
             objects: Default::default(),
         }
+    }
+
+    /// At most `limit` actor lines of ids above `after`, in id order.
+    pub fn actor_lines_after(&self, after: Option<ActorId>, limit: usize) -> Vec<ActorLine> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let from = after.map_or(Unbounded, Excluded);
+        self.actors
+            .range((from, Unbounded))
+            .filter_map(|(id, a)| {
+                Some(ActorLine {
+                    view: self.actor_view(*id)?,
+                    name: a.spec.name.clone(),
+                    resources: a.spec.resources.clone(),
+                    gpu_ids: a.placed.as_ref().map(|p| p.allocation.gpu_ids()).unwrap_or_default(),
+                })
+            })
+            .take(limit)
+            .collect()
     }
 
     fn node_lines(&self, now_ms: u64) -> Vec<NodeStatus> {
@@ -88,20 +114,6 @@ impl Scheduler {
                     .zip(&g.bundles)
                     .map(|(r, b)| (r.clone(), b.as_ref().map(|b| b.node.clone())))
                     .collect(),
-            })
-            .collect()
-    }
-
-    fn actor_lines(&self) -> Vec<ActorLine> {
-        self.actors
-            .iter()
-            .filter_map(|(id, a)| {
-                Some(ActorLine {
-                    view: self.actor_view(*id)?,
-                    name: a.spec.name.clone(),
-                    resources: a.spec.resources.clone(),
-                    gpu_ids: a.placed.as_ref().map(|p| p.allocation.gpu_ids()).unwrap_or_default(),
-                })
             })
             .collect()
     }

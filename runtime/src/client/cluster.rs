@@ -140,9 +140,18 @@ impl Cluster {
         })
     }
 
-    /// The whole cluster's state.
+    /// The whole cluster's state, in one answer (see [`Cluster::status_page`] for large
+    /// clusters).
     pub async fn status(&self) -> Result<ClusterStatus> {
         self.ask_head(&HeadRequest::Status, self.call_timeout).await
+    }
+
+    /// The cluster's state with at most `limit` actors of ids above `after`; nodes, groups
+    /// and pending requests only on the first page (`after` = `None`). Fewer than `limit`
+    /// actors means the last page.
+    pub async fn status_page(&self, after: Option<ActorId>, limit: u32) -> Result<ClusterStatus> {
+        self.ask_head(&HeadRequest::StatusPage { after, limit }, self.call_timeout)
+            .await
     }
 
     /// A page of the cluster's state, as the dashboard reads it.
