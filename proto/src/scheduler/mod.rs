@@ -244,7 +244,8 @@ mod tests {
         let mut s = Scheduler::new();
         s.register(node("w1", "CPU=8"), 0).unwrap();
         let ids: Vec<ActorId> = (0..7).map(|_| s.submit(spec("CPU=1", 0), 0).unwrap()).collect();
-        start_all(&mut s, &s.schedule(0));
+        let effects = s.schedule(0);
+        start_all(&mut s, &effects);
         let mut seen = Vec::new();
         let mut after = None;
         loop {
