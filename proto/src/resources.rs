@@ -5,8 +5,8 @@
 //! exactly: ten actors asking for `GPU=0.1` fill one GPU, never 0.9999.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::fmt;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 

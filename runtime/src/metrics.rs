@@ -121,7 +121,8 @@ impl Metrics {
             &["request"],
         )
         .expect("valid metric");
-        r.register(Box::new(head_request_seconds.clone())).expect("registers once");
+        r.register(Box::new(head_request_seconds.clone()))
+            .expect("registers once");
         Self {
             head_request_seconds,
             snapshot: Mutex::new(()),

@@ -52,7 +52,11 @@ pub(super) fn histogram_quantile(text: &str, series: &str, q: f64) -> Option<f64
         .filter_map(|line| line.strip_prefix(&prefix))
         .filter_map(|rest| {
             let (bound, count) = rest.split_once("\"} ")?;
-            let bound = if bound == "+Inf" { f64::INFINITY } else { bound.parse().ok()? };
+            let bound = if bound == "+Inf" {
+                f64::INFINITY
+            } else {
+                bound.parse().ok()?
+            };
             Some((bound, count.trim().parse().ok()?))
         })
         .collect();
@@ -62,7 +66,10 @@ pub(super) fn histogram_quantile(text: &str, series: &str, q: f64) -> Option<f64
         return None;
     }
     let rank = (q * total).ceil().max(1.0);
-    buckets.iter().find(|(_, cumulative)| *cumulative >= rank).map(|(bound, _)| *bound)
+    buckets
+        .iter()
+        .find(|(_, cumulative)| *cumulative >= rank)
+        .map(|(bound, _)| *bound)
 }
 
 /// Resident memory of a process (Linux), 0 when unknown.
@@ -146,7 +153,10 @@ x_bucket{request=\"view\",le=\"+Inf\"} 1
         assert_eq!(histogram_quantile(TEXT, spawn, 0.5), Some(0.00001));
         assert_eq!(histogram_quantile(TEXT, spawn, 0.51), Some(0.0001));
         assert_eq!(histogram_quantile(TEXT, spawn, 0.99), Some(0.001));
-        assert_eq!(histogram_quantile(TEXT, "x_bucket{request=\"view\"", 0.5), Some(f64::INFINITY));
+        assert_eq!(
+            histogram_quantile(TEXT, "x_bucket{request=\"view\"", 0.5),
+            Some(f64::INFINITY)
+        );
         assert_eq!(histogram_quantile(TEXT, "x_bucket{request=\"kill\"", 0.5), None);
     }
 }

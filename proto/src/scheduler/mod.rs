@@ -225,7 +225,11 @@ mod tests {
         let a = s.submit(spec("CPU=1", 0), 0).unwrap();
         let b = s.submit(spec("CPU=1", 0), 0).unwrap();
         let c = s.submit(spec("CPU=2", 0), 0).unwrap();
-        let (ra, rb, rc) = (&s.actors[&a].spec.resources, &s.actors[&b].spec.resources, &s.actors[&c].spec.resources);
+        let (ra, rb, rc) = (
+            &s.actors[&a].spec.resources,
+            &s.actors[&b].spec.resources,
+            &s.actors[&c].spec.resources,
+        );
         assert!(ra.shares_map_with(rb), "two requests of CPU=1 hold separate maps");
         assert!(!ra.shares_map_with(rc));
         let effects = s.schedule(0);
@@ -233,10 +237,16 @@ mod tests {
         // Sharing is copy-on-write: taking from the ledger changed no actor's request.
         assert_eq!(s.actors[&a].spec.resources, Resources::parse_request("CPU=1").unwrap());
         let extra = s.submit(spec("CPU=1", 0), 0).unwrap();
-        assert!(starts(&s.schedule(0)).is_empty(), "a fourth CPU on a 4-CPU node with 4 taken");
+        assert!(
+            starts(&s.schedule(0)).is_empty(),
+            "a fourth CPU on a 4-CPU node with 4 taken"
+        );
         s.kill(a).unwrap();
         let effects = s.schedule(2);
-        assert_eq!(starts(&effects).iter().map(|st| st.actor).collect::<Vec<_>>(), vec![extra]);
+        assert_eq!(
+            starts(&effects).iter().map(|st| st.actor).collect::<Vec<_>>(),
+            vec![extra]
+        );
     }
 
     #[test]

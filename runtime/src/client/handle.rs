@@ -127,7 +127,9 @@ impl<A: Actor> ActorHandle<A> {
                 Err(Failure::NotHosted { node, .. }) => {
                     self.forget();
                     if Instant::now() >= deadline {
-                        return Err(self.explain_lost_call(format!("node {node} no longer hosts the actor")).await);
+                        return Err(self
+                            .explain_lost_call(format!("node {node} no longer hosts the actor"))
+                            .await);
                     }
                     tokio::time::sleep(NOT_HOSTED_BACKOFF).await;
                 }
@@ -238,7 +240,8 @@ impl<A: Actor> ActorHandle<A> {
             let remaining = deadline.saturating_duration_since(Instant::now());
             if let Some(node) = &view.node {
                 let group = node::router_group(node);
-                if let Some(cell) = node::wait_member(self.cluster.scope(), &group, remaining.min(REACH_RECHECK)).await {
+                if let Some(cell) = node::wait_member(self.cluster.scope(), &group, remaining.min(REACH_RECHECK)).await
+                {
                     return Ok(self.remember(cell));
                 }
             }

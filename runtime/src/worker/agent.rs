@@ -63,7 +63,8 @@ impl Actor for Agent {
 
     async fn pre_start(&self, myself: ActorRef<Wire>, args: AgentArgs) -> Result<AgentState, ActorProcessingErr> {
         let routes = Routes::default();
-        let (router, _) = Actor::spawn_linked(None, Router, (args.node.clone(), routes.clone()), myself.get_cell()).await?;
+        let (router, _) =
+            Actor::spawn_linked(None, Router, (args.node.clone(), routes.clone()), myself.get_cell()).await?;
         node::join_group(args.cluster.scope(), &node::router_group(&args.node), router.get_cell());
         Ok(AgentState {
             routes,

@@ -118,7 +118,12 @@ impl Actor for Router {
         Ok(RouterState { node, routes })
     }
 
-    async fn handle(&self, _myself: ActorRef<Wire>, message: Wire, state: &mut RouterState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        _myself: ActorRef<Wire>,
+        message: Wire,
+        state: &mut RouterState,
+    ) -> Result<(), ActorProcessingErr> {
         match message {
             Wire::CallActor(actor, payload, port) => {
                 if let Err(Wire::Call(_, port)) = state.routes.deliver(actor, Wire::Call(payload, port)) {
