@@ -306,42 +306,6 @@ impl HeadRequest {
     /// request lost with its session (a duplicate connection closed by `ractor_cluster`, a
     /// head restart) can be sent again on the next session.
     pub fn retryable(&self) -> bool {
-        self.retryable_kind()
-    }
-
-    /// The request's kind, for metrics (`regatta_head_request_seconds{request}`).
-    pub fn kind_name(&self) -> &'static str {
-        match self {
-            Self::Register(_) => "register",
-            Self::Heartbeat { .. } => "heartbeat",
-            Self::Spawn(_) => "spawn",
-            Self::WaitActor(_) => "wait_actor",
-            Self::Named(_) => "named",
-            Self::Kill(_) => "kill",
-            Self::CreateGroup(_) => "create_group",
-            Self::WaitGroup(_) => "wait_group",
-            Self::RemoveGroup(_) => "remove_group",
-            Self::Status => "status",
-            Self::StatusPage { .. } => "status_page",
-            Self::Started { .. } => "started",
-            Self::ObjectPut { .. } => "object_put",
-            Self::ObjectLocate(_) => "object_locate",
-            Self::ObjectAddSource { .. } => "object_add_source",
-            Self::ObjectRemoveSource { .. } => "object_remove_source",
-            Self::ObjectAddRef { .. } => "object_add_ref",
-            Self::ObjectDropRef { .. } => "object_drop_ref",
-            Self::ObjectFree(_) => "object_free",
-            Self::HolderGone(_) => "holder_gone",
-            Self::EndJob(_) => "end_job",
-            Self::Exited { .. } => "exited",
-            Self::Undelivered { .. } => "undelivered",
-            Self::Announce(_) => "announce",
-            Self::View(_) => "view",
-            Self::RunReport(_) => "run_report",
-        }
-    }
-
-    fn retryable_kind(&self) -> bool {
         matches!(
             self,
             Self::Heartbeat { .. }

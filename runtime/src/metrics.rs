@@ -115,7 +115,7 @@ impl Metrics {
         let head_request_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "regatta_head_request_seconds",
-                "Time the head took to handle a request, by kind (spawn includes placing the actor)",
+                "Time the head took to handle a request, by kind (`HeadRequest::name`; spawn includes placing the actor)",
             )
             .buckets(HEAD_REQUEST_BUCKETS.to_vec()),
             &["request"],

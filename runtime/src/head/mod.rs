@@ -279,7 +279,7 @@ impl Actor for Head {
             Wire::Call(bytes, port) => match wire::decode::<HeadRequest>(&bytes, "a head request") {
                 Ok(request) => {
                     let to = state.hold(port);
-                    let (kind, started) = (request.kind_name(), std::time::Instant::now());
+                    let (kind, started) = (request.name(), std::time::Instant::now());
                     let outputs = state.core.handle(request, Some(to), now);
                     observe_request(kind, started);
                     outputs
@@ -293,7 +293,7 @@ impl Actor for Head {
             Wire::Cast(bytes) | Wire::Local(LocalSignal::Deferred(bytes)) => {
                 match wire::decode::<HeadRequest>(&bytes, "a head request") {
                     Ok(request) => {
-                        let (kind, started) = (request.kind_name(), std::time::Instant::now());
+                        let (kind, started) = (request.name(), std::time::Instant::now());
                         let outputs = state.core.handle(request, None, now);
                         observe_request(kind, started);
                         outputs
