@@ -1,6 +1,7 @@
 //! Regatta's shared object store, the parts that need no cluster: the head's
 //! [`Directory`] of every object, a node's [`MemoryStore`] (capacity and LRU spilling,
-//! zero-copy local reads), the QUIC [`Transfer`] between nodes with mutual TLS derived from
+//! zero-copy local reads), the QUIC [`Transfer`] between nodes (and shared-memory
+//! [`Segment`]s between processes on one host) with mutual TLS derived from
 //! the cluster token, and [`SpillBackend`]s on `object_store` (local directory or S3).
 //!
 //! The runtime crate wires these into the head, workers and clients (`put`, `get`, `wait`,
@@ -18,6 +19,7 @@ mod checksum;
 mod error;
 mod identity;
 mod place;
+mod shm;
 mod spill;
 mod transfer;
 
@@ -31,5 +33,8 @@ pub use id::ObjectId;
 pub use identity::{identity_from_token, TlsIdentity};
 pub use memory::{MemoryStats, MemoryStore, NoRoom};
 pub use place::{absolute, Place};
+pub use shm::{Handle as SharedHandle, HostKey, Segment};
 pub use spill::{delete as delete_spilled, open_store, parse_spill_url, restore, SpillBackend};
-pub use transfer::{endpoint, ObjectSource, Transfer, CHUNK_BYTES, FAULT_CORRUPT_ENV, SERVER_NAME};
+pub use transfer::{
+    endpoint, Fetched, ObjectSource, Transfer, CHUNK_BYTES, FAULT_CORRUPT_ENV, NO_SHARED_MEMORY_ENV, SERVER_NAME,
+};

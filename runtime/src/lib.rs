@@ -65,7 +65,7 @@ pub use protocol::{
     ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, GroupId, GroupStatus, NodeStatus,
     PendingLine, RESTART_FOREVER,
 };
-pub use regatta_object_store::{DirectoryStats, ObjectId, FAULT_CORRUPT_ENV};
+pub use regatta_object_store::{DirectoryStats, ObjectId, FAULT_CORRUPT_ENV, NO_SHARED_MEMORY_ENV};
 pub use regatta_proto::runs::{RunDetail, RunPoint, RunSample, RunSummary};
 pub use regatta_proto::view::{
     ActorFilter, ActorRow, NodeRow, Overview, Page, PageRequest, ResourceUse, View, ViewQuery, MAX_PAGE,

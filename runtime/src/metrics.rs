@@ -173,7 +173,7 @@ impl Metrics {
             object_transfer: gauge_vec(
                 r,
                 "regatta_object_transfer_bytes_total",
-                "Bytes moved between nodes",
+                "Bytes moved between nodes (direction in or out; in_shared_memory: the part of in mapped from a same-host peer)",
                 &["node", "direction"],
             ),
             nodes: gauge_vec(r, "regatta_nodes", "Nodes by state", &["state"]),
@@ -255,6 +255,9 @@ impl Metrics {
         self.object_transfer
             .with_label_values(&[node, "in"])
             .set(stats.transfer_in_bytes as i64);
+        self.object_transfer
+            .with_label_values(&[node, "in_shared_memory"])
+            .set(stats.shared_in_bytes as i64);
         self.object_transfer
             .with_label_values(&[node, "out"])
             .set(stats.transfer_out_bytes as i64);

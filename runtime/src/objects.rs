@@ -13,7 +13,7 @@ use bytes::Bytes;
 use futures::future::{BoxFuture, FutureExt, Shared};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use regatta_object_store::{
-    crc32, identity_from_token, Location, MemoryStore, ObjectId, ObjectSource, SpillBackend, Transfer,
+    crc32, identity_from_token, Fetched, Location, MemoryStore, ObjectId, ObjectSource, Segment, SpillBackend, Transfer,
 };
 use serde::{Deserialize, Serialize};
 
@@ -76,6 +76,8 @@ pub struct ObjectStats {
     pub restores: u64,
     /// Bytes received from peers.
     pub transfer_in_bytes: u64,
+    /// Of those, bytes mapped from a same-host peer's shared memory (no socket copy).
+    pub shared_in_bytes: u64,
     /// Bytes sent to peers.
     pub transfer_out_bytes: u64,
 }
@@ -86,10 +88,23 @@ struct Counters {
     spilled_bytes: AtomicU64,
     restores: AtomicU64,
     transfer_in: AtomicU64,
+    shared_in: AtomicU64,
     transfer_out: AtomicU64,
 }
 
-type Fetch = Shared<BoxFuture<'static, std::result::Result<Bytes, String>>>;
+type Fetch = Shared<BoxFuture<'static, std::result::Result<Bytes, PullFailure>>>;
+
+/// Why a pull found no copy, and whether asking the head again may help.
+#[derive(Clone, Debug)]
+struct PullFailure {
+    message: String,
+    /// Every holder failed to answer (not corrupt, not refused): it may be dying, and the
+    /// head will say so once it notices.
+    transient: bool,
+}
+
+/// Pause before pulling again from holders that did not answer.
+const PULL_RETRY: Duration = Duration::from_millis(250);
 
 /// One process's object store.
 pub struct ObjectService {
@@ -102,6 +117,9 @@ pub struct ObjectService {
     transfer: Transfer,
     refs: Mutex<HashMap<ObjectId, usize>>,
     inflight: Mutex<HashMap<ObjectId, Fetch>>,
+    /// Shared-memory segments of objects held here, made on a same-host peer's first pull
+    /// (or mapped from the holder's), kept while the object is in memory here.
+    segments: Mutex<HashMap<ObjectId, Arc<Segment>>>,
     counters: Counters,
 }
 
@@ -126,6 +144,10 @@ impl ObjectSource for Source {
         if let Some(service) = self.0.upgrade() {
             service.counters.transfer_out.fetch_add(bytes, Ordering::Relaxed);
         }
+    }
+
+    fn share(&self, id: ObjectId) -> Option<Arc<Segment>> {
+        self.0.upgrade()?.share(id)
     }
 }
 
@@ -158,6 +180,7 @@ impl ObjectService {
             transfer,
             refs: Mutex::new(HashMap::new()),
             inflight: Mutex::new(HashMap::new()),
+            segments: Mutex::new(HashMap::new()),
             counters: Counters::default(),
         });
         service.transfer.serve(Arc::new(Source(Arc::downgrade(&service))));
@@ -165,7 +188,14 @@ impl ObjectService {
             .await
             .map_err(|e| Error::Actor(format!("cannot start the object service actor: {e}")))?;
         node::join_group(link.scope(), &objects_group(node), actor.get_cell());
-        tracing::info!(node, address = %service.address, capacity_bytes = capacity, spill = service.spill.url(), "object store up");
+        tracing::info!(
+            node,
+            address = %service.address,
+            capacity_bytes = capacity,
+            spill = service.spill.url(),
+            shared_memory = service.transfer.shared_memory(),
+            "object store up"
+        );
         Ok(service)
     }
 
@@ -180,6 +210,7 @@ impl ObjectService {
             spilled_bytes: self.counters.spilled_bytes.load(Ordering::Relaxed),
             restores: self.counters.restores.load(Ordering::Relaxed),
             transfer_in_bytes: self.counters.transfer_in.load(Ordering::Relaxed),
+            shared_in_bytes: self.counters.shared_in.load(Ordering::Relaxed),
             transfer_out_bytes: self.counters.transfer_out.load(Ordering::Relaxed),
         }
     }
@@ -187,6 +218,40 @@ impl ObjectService {
     fn memory(&self) -> std::sync::MutexGuard<'_, MemoryStore> {
         // A panic while holding this lock would be a bug in MemoryStore; keep serving.
         self.memory.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn segments(&self) -> std::sync::MutexGuard<'_, HashMap<ObjectId, Arc<Segment>>> {
+        self.segments.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The object's shared-memory segment for a same-host peer: the one made (or mapped)
+    /// before, else a new one, one copy of the bytes, after which this store holds the
+    /// mapping instead of its own copy (the object is in memory once on the host however
+    /// many processes read it). Blocking: runs on a blocking thread.
+    fn share(&self, id: ObjectId) -> Option<Arc<Segment>> {
+        let mut segments = self.segments();
+        if let Some(segment) = segments.get(&id) {
+            return Some(segment.clone());
+        }
+        let bytes = self.memory().pin(id)?;
+        let made = Segment::create(&bytes).map(Arc::new).and_then(|segment| {
+            let mapped = segment.map()?;
+            Ok((segment, mapped))
+        });
+        let outcome = match made {
+            Ok((segment, mapped)) => {
+                drop(bytes);
+                self.memory().replace(id, mapped);
+                segments.insert(id, segment.clone());
+                Some(segment)
+            }
+            Err(e) => {
+                tracing::warn!(%id, error = %e, "cannot make a shared-memory segment; peers will stream the object");
+                None
+            }
+        };
+        self.memory().unpin(id);
+        outcome
     }
 
     /// Stores bytes (no copy) and registers them with the head; this process holds the
@@ -247,6 +312,7 @@ impl ObjectService {
         self.memory().unpin(id);
         let url = written?;
         self.memory().remove(id);
+        self.segments().remove(&id);
         self.counters.spills.fetch_add(1, Ordering::Relaxed);
         self.counters.spilled_bytes.fetch_add(size, Ordering::Relaxed);
         tracing::debug!(%id, size, url = %url, "spilled");
@@ -258,38 +324,52 @@ impl ObjectService {
         Ok(())
     }
 
-    /// The object's bytes: from memory without a copy, else pulled from a peer (or restored
-    /// from its spilled copy), checked, and cached here.
+    /// The object's bytes: from memory without a copy, else pulled from a peer (mapped from
+    /// a same-host peer's shared memory, or streamed; or restored from its spilled copy),
+    /// checked, and cached here. A holder that cannot be reached is tried again until the
+    /// head says what became of it (lost with its node) or the timeout ends.
     pub async fn get(self: &Arc<Self>, id: ObjectId, timeout: Duration) -> Result<Bytes> {
         if let Some(bytes) = self.memory().get(id) {
             return Ok(bytes);
         }
-        let fetch = {
-            let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
-            inflight
-                .entry(id)
-                .or_insert_with(|| {
-                    let me = self.clone();
-                    async move { me.pull(id).await.map_err(|e| e.to_string()) }
-                        .boxed()
-                        .shared()
-                })
-                .clone()
-        };
-        let outcome = tokio::time::timeout(timeout, fetch).await;
-        self.inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-        match outcome {
-            Ok(Ok(bytes)) => Ok(bytes),
-            Ok(Err(message)) => Err(self.explain(id, message).await),
-            Err(_) => Err(Error::Timeout {
-                what: format!("get of object {id}"),
-                timeout,
-            }),
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let fetch = {
+                let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+                inflight
+                    .entry(id)
+                    .or_insert_with(|| {
+                        let me = self.clone();
+                        async move { me.pull(id).await }.boxed().shared()
+                    })
+                    .clone()
+            };
+            let outcome = tokio::time::timeout_at(deadline, fetch).await;
+            self.inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            match outcome {
+                Ok(Ok(bytes)) => return Ok(bytes),
+                Ok(Err(failure)) => {
+                    let error = self.explain(id, &failure.message).await;
+                    let again = tokio::time::Instant::now() + PULL_RETRY;
+                    if failure.transient && matches!(error, Error::Rejected(_)) && again < deadline {
+                        tracing::debug!(%id, reason = %failure.message, "no holder answered; asking again");
+                        tokio::time::sleep_until(again).await;
+                        continue;
+                    }
+                    return Err(error);
+                }
+                Err(_) => {
+                    return Err(Error::Timeout {
+                        what: format!("get of object {id}"),
+                        timeout,
+                    })
+                }
+            }
         }
     }
 
     /// Turns a failed pull into the typed error (lost, unknown) when the head knows why.
-    async fn explain(&self, id: ObjectId, message: String) -> Error {
+    async fn explain(&self, id: ObjectId, message: &str) -> Error {
         match self
             .link
             .ask::<Location>(&HeadRequest::ObjectLocate(id), Duration::from_secs(5))
@@ -300,28 +380,46 @@ impl ObjectService {
         }
     }
 
-    async fn pull(self: Arc<Self>, id: ObjectId) -> Result<Bytes> {
+    async fn pull(self: Arc<Self>, id: ObjectId) -> std::result::Result<Bytes, PullFailure> {
         let location: Location = self
             .link
             .ask(&HeadRequest::ObjectLocate(id), Duration::from_secs(30))
-            .await?;
+            .await
+            .map_err(|e| PullFailure {
+                message: e.to_string(),
+                transient: false,
+            })?;
         let mut failures = Vec::new();
+        // Whether every copy failed only for want of an answer (its holder may be dying).
+        let mut transient = true;
         for (node, address) in &location.sources {
             if node == &self.node {
                 continue;
             }
             let Ok(peer) = address.parse::<SocketAddr>() else {
                 failures.push(format!("{node}: bad address {address}"));
+                transient = false;
                 continue;
             };
             match self.transfer.fetch(peer, id, location.size, location.checksum).await {
-                Ok(bytes) => {
+                Ok(Fetched { bytes, segment }) => {
                     self.counters.transfer_in.fetch_add(location.size, Ordering::Relaxed);
-                    self.cache(id, bytes.clone()).await;
+                    if segment.is_some() {
+                        self.counters.shared_in.fetch_add(location.size, Ordering::Relaxed);
+                    }
+                    if self.cache(id, bytes.clone()).await {
+                        if let Some(segment) = segment {
+                            self.segments().insert(id, segment);
+                        }
+                    }
                     return Ok(bytes);
                 }
                 Err(e) => {
                     tracing::warn!(%id, node = %node, error = %e, "pull failed; trying the next copy");
+                    transient &= matches!(
+                        e,
+                        regatta_object_store::Error::Transfer(_) | regatta_object_store::Error::NotHeld { .. }
+                    );
                     failures.push(format!("{node}: {e}"));
                 }
             }
@@ -333,33 +431,47 @@ impl ObjectService {
                     self.cache(id, bytes.clone()).await;
                     return Ok(bytes);
                 }
-                Err(e) => failures.push(format!("spilled copy: {e}")),
+                Err(e) => {
+                    failures.push(format!("spilled copy: {e}"));
+                    transient = false;
+                }
             }
         }
         if failures.is_empty() {
             failures.push("no copy is held anywhere".into());
+            transient = false;
         }
-        Err(Error::Rejected(failures.join("; ")))
+        Err(PullFailure {
+            message: failures.join("; "),
+            transient,
+        })
     }
 
-    /// Keeps a pulled copy here if there is room, and tells the head.
-    async fn cache(&self, id: ObjectId, bytes: Bytes) {
+    /// Keeps a pulled copy here if there is room, and tells the head; true when it is kept.
+    async fn cache(&self, id: ObjectId, bytes: Bytes) -> bool {
         if self.memory().contains(id) {
-            return;
+            return false;
         }
         match self.store(id, bytes).await {
-            Ok(()) => self.link.tell(&HeadRequest::ObjectAddSource {
-                id,
-                node: self.node.clone(),
-                address: self.address.clone(),
-            }),
-            Err(e) => tracing::debug!(%id, error = %e, "not caching a pulled object"),
+            Ok(()) => {
+                self.link.tell(&HeadRequest::ObjectAddSource {
+                    id,
+                    node: self.node.clone(),
+                    address: self.address.clone(),
+                });
+                true
+            }
+            Err(e) => {
+                tracing::debug!(%id, error = %e, "not caching a pulled object");
+                false
+            }
         }
     }
 
     /// Drops this node's copy (and the spilled copy it wrote) on the head's order.
     async fn release(&self, id: ObjectId, spilled: Option<String>) {
         self.memory().remove(id);
+        self.segments().remove(&id);
         if let Some(url) = spilled {
             if let Err(e) = regatta_object_store::delete_spilled(&url).await {
                 tracing::warn!(%id, error = %e, "could not delete a spilled copy");

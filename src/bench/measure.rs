@@ -74,11 +74,19 @@ pub(super) fn histogram_quantile(text: &str, series: &str, q: f64) -> Option<f64
 
 /// Resident memory of a process (Linux), 0 when unknown.
 pub fn rss_bytes(pid: u32) -> u64 {
+    status_kib(pid, "VmRSS:") * 1024
+}
+
+/// The most resident memory a process has had so far (Linux `VmHWM`), 0 when unknown.
+pub fn peak_rss_bytes(pid: u32) -> u64 {
+    status_kib(pid, "VmHWM:") * 1024
+}
+
+fn status_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).map(str::to_string))
+        .and_then(|s| s.lines().find(|l| l.starts_with(field)).map(str::to_string))
         .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
-        .map(|kb| kb * 1024)
         .unwrap_or(0)
 }
 

@@ -9,7 +9,7 @@ mod scale;
 mod score;
 mod train;
 
-pub use measure::{loopback_tcp_gbps, mean_spread, memcpy_gbps, rss_bytes};
+pub use measure::{loopback_tcp_gbps, mean_spread, memcpy_gbps, peak_rss_bytes, rss_bytes};
 
 use std::process::ExitCode;
 

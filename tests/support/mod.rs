@@ -92,7 +92,7 @@ where
 
 /// Resident memory of a process in bytes (Linux).
 #[allow(unused_imports)]
-pub use regatta::bench::rss_bytes;
+pub use regatta::bench::{peak_rss_bytes, rss_bytes};
 
 /// A fresh empty directory under the system temp dir.
 pub fn temp_dir(name: &str) -> PathBuf {

@@ -130,6 +130,19 @@ impl MemoryStore {
         Some(entry.bytes)
     }
 
+    /// Swaps an object's bytes for the same bytes held elsewhere (a shared-memory mapping
+    /// of them, say), keeping its pins and recency. Refuses (false) an unknown id or bytes of
+    /// another length, so the accounting cannot drift.
+    pub fn replace(&mut self, id: ObjectId, bytes: Bytes) -> bool {
+        match self.objects.get_mut(&id) {
+            Some(entry) if entry.bytes.len() == bytes.len() => {
+                entry.bytes = bytes;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Keeps an object from being chosen for spilling (while it is served or spilled).
     pub fn pin(&mut self, id: ObjectId) -> Option<Bytes> {
         let entry = self.objects.get_mut(&id)?;
@@ -157,6 +170,20 @@ impl MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replace_swaps_same_length_bytes_only_and_keeps_the_accounting() {
+        let mut store = MemoryStore::new(100);
+        let id = ObjectId(1);
+        assert!(store.insert(id, Bytes::from_static(b"abcd")));
+        assert!(!store.replace(id, Bytes::from_static(b"abc")), "another length");
+        assert!(!store.replace(ObjectId(2), Bytes::from_static(b"wxyz")), "unknown id");
+        assert!(store.replace(id, Bytes::from_static(b"ABCD")));
+        assert_eq!(&store.get(id).unwrap()[..], b"ABCD");
+        assert_eq!(store.stats().bytes, 4);
+        assert_eq!(store.remove(id).map(|b| b.len()), Some(4));
+        assert_eq!(store.stats().bytes, 0);
+    }
 
     fn object(size: usize) -> Bytes {
         Bytes::from(vec![7u8; size])

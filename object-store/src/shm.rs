@@ -1,0 +1,342 @@
+//! Same-host hand-over of objects through shared memory, with no socket copy.
+//!
+//! A holder copies an object once into a sealed `memfd` (a [`Segment`]): sealed against
+//! writes, growing and shrinking, so its bytes can never change and a mapping of it can
+//! never fault. A peer process on the same host (same kernel boot, same PID namespace)
+//! opens that file through `/proc/<holder pid>/fd/<fd>`, checks it is the announced file
+//! (device and inode) and sealed, and maps it read-only. Every later peer maps the same
+//! pages: one copy on the host however many processes read the object. The holder keeps
+//! the segment while the object is in its store; a mapping outlives it (the kernel frees
+//! the pages when the last mapping and descriptor go).
+//!
+//! Opening another process's descriptor needs the same user (or `CAP_SYS_PTRACE`) and the
+//! same PID namespace; where either is missing the open fails and the caller falls back to
+//! the network path. Nothing here is trusted across the network: the handle comes over the
+//! token-authenticated QUIC stream, and a forged one can only name a file the caller could
+//! open anyway, which the device, inode, size and seal checks then refuse.
+
+#![allow(unsafe_code)]
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::MetadataExt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+/// Which kernel and PID namespace a process runs in: two processes with the same key can
+/// hand objects over through [`Segment`]s.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostKey {
+    boot: [u8; 16],
+    pid_namespace: u64,
+}
+
+impl HostKey {
+    /// Encoded length.
+    pub const LEN: usize = 24;
+
+    /// This process's key; `None` where `/proc` does not tell (then no shared memory).
+    pub fn this_process() -> Option<Self> {
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        let hex: String = boot.trim().chars().filter(|c| *c != '-').collect();
+        if hex.len() != 32 {
+            return None;
+        }
+        let mut bytes = [0u8; 16];
+        for (i, byte) in bytes.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+        }
+        let pid_namespace = std::fs::metadata("/proc/self/ns/pid").ok()?.ino();
+        Some(Self {
+            boot: bytes,
+            pid_namespace,
+        })
+    }
+
+    /// The 24-byte wire form.
+    pub fn to_bytes(self) -> [u8; Self::LEN] {
+        let mut out = [0u8; Self::LEN];
+        out[..16].copy_from_slice(&self.boot);
+        out[16..].copy_from_slice(&self.pid_namespace.to_le_bytes());
+        out
+    }
+
+    /// Reads the wire form back.
+    pub fn from_bytes(raw: &[u8; Self::LEN]) -> Self {
+        let mut boot = [0u8; 16];
+        boot.copy_from_slice(&raw[..16]);
+        let mut ns = [0u8; 8];
+        ns.copy_from_slice(&raw[16..]);
+        Self {
+            boot,
+            pid_namespace: u64::from_le_bytes(ns),
+        }
+    }
+}
+
+/// Where a peer finds a segment: the holder's pid and descriptor, and the file's identity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Handle {
+    /// Holder's process id.
+    pub pid: u32,
+    /// Descriptor number in the holder.
+    pub fd: i32,
+    /// Device of the file (checked by the opener).
+    pub dev: u64,
+    /// Inode of the file (checked by the opener).
+    pub inode: u64,
+    /// Object length.
+    pub len: u64,
+}
+
+impl Handle {
+    /// Encoded length.
+    pub const LEN: usize = 32;
+
+    /// The 32-byte wire form.
+    pub fn to_bytes(self) -> [u8; Self::LEN] {
+        let mut out = [0u8; Self::LEN];
+        out[..4].copy_from_slice(&self.pid.to_le_bytes());
+        out[4..8].copy_from_slice(&self.fd.to_le_bytes());
+        out[8..16].copy_from_slice(&self.dev.to_le_bytes());
+        out[16..24].copy_from_slice(&self.inode.to_le_bytes());
+        out[24..].copy_from_slice(&self.len.to_le_bytes());
+        out
+    }
+
+    /// Reads the wire form back.
+    pub fn from_bytes(raw: &[u8; Self::LEN]) -> Self {
+        let u32_at = |at: usize| u32::from_le_bytes([raw[at], raw[at + 1], raw[at + 2], raw[at + 3]]);
+        let u64_at = |at: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&raw[at..at + 8]);
+            u64::from_le_bytes(b)
+        };
+        Self {
+            pid: u32_at(0),
+            fd: u32_at(4) as i32,
+            dev: u64_at(8),
+            inode: u64_at(16),
+            len: u64_at(24),
+        }
+    }
+}
+
+const SEALS: libc::c_int = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+
+/// An object's bytes in a sealed memfd.
+#[derive(Debug)]
+pub struct Segment {
+    file: File,
+    dev: u64,
+    inode: u64,
+    len: u64,
+}
+
+impl Segment {
+    /// Copies `bytes` into a new sealed memfd (the one copy of the same-host path).
+    pub fn create(bytes: &[u8]) -> io::Result<Self> {
+        let name = c"regatta-object";
+        // SAFETY: `name` is a valid NUL-terminated string; the flags are plain constants.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: memfd_create returned a fresh descriptor nothing else owns.
+        let mut file = unsafe { File::from_raw_fd(fd) };
+        file.write_all(bytes)?;
+        // SAFETY: fcntl on a descriptor this function owns, with integer arguments.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Self::from_file(file, Some(bytes.len() as u64))
+    }
+
+    pub(crate) fn from_file(file: File, expect_len: Option<u64>) -> io::Result<Self> {
+        let meta = file.metadata()?;
+        if let Some(len) = expect_len {
+            if meta.len() != len {
+                return Err(io::Error::other(format!(
+                    "segment holds {} bytes, not {len}",
+                    meta.len()
+                )));
+            }
+        }
+        Ok(Self {
+            dev: meta.dev(),
+            inode: meta.ino(),
+            len: meta.len(),
+            file,
+        })
+    }
+
+    /// Opens a peer's segment named by `handle` and checks it is that file, of that length,
+    /// and sealed against any change.
+    pub fn open(handle: &Handle) -> io::Result<Self> {
+        let file = File::open(format!("/proc/{}/fd/{}", handle.pid, handle.fd))?;
+        let segment = Self::from_file(file, Some(handle.len))?;
+        if (segment.dev, segment.inode) != (handle.dev, handle.inode) {
+            return Err(io::Error::other("the descriptor names another file now"));
+        }
+        // SAFETY: fcntl on a descriptor `segment` owns.
+        let seals = unsafe { libc::fcntl(segment.file.as_raw_fd(), libc::F_GET_SEALS) };
+        let needed = libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK;
+        if seals < 0 || seals & needed != needed {
+            return Err(io::Error::other(
+                "the segment is not sealed against writes and shrinking",
+            ));
+        }
+        Ok(segment)
+    }
+
+    /// How a peer on this host opens the segment.
+    pub fn handle(&self) -> Handle {
+        Handle {
+            pid: std::process::id(),
+            fd: self.file.as_raw_fd(),
+            dev: self.dev,
+            inode: self.inode,
+            len: self.len,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the segment is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes, mapped read-only with every page populated up front (so a read never
+    /// waits on a fault later). The mapping keeps the segment's pages alive on its own.
+    pub fn map(self: &Arc<Self>) -> io::Result<Bytes> {
+        if self.len == 0 {
+            return Ok(Bytes::new());
+        }
+        let len = usize::try_from(self.len).map_err(|_| io::Error::other("segment larger than the address space"))?;
+        // SAFETY: a fresh read-only shared mapping of a file this segment owns, of exactly
+        // its length; the file is sealed against shrinking and writing, so the mapped bytes
+        // stay valid and unchanged for the mapping's whole life.
+        let address = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                self.file.as_raw_fd(),
+                0,
+            )
+        };
+        if address == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Bytes::from_owner(Mapping {
+            address: address.cast(),
+            len,
+        }))
+    }
+}
+
+/// A read-only mapping, unmapped on drop.
+struct Mapping {
+    address: *const u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only and immutable (sealed file), so sharing and sending the
+// pointer between threads is sound.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl AsRef<[u8]> for Mapping {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `address` is a live mapping of `len` readable bytes until drop.
+        unsafe { std::slice::from_raw_parts(self.address, self.len) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the region mmap returned; nothing borrows it any more.
+        unsafe {
+            libc::munmap(self.address as *mut libc::c_void, self.len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_segment_is_sealed_mapped_and_opened_by_handle() {
+        let payload: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        let segment = Arc::new(Segment::create(&payload).unwrap());
+        assert_eq!(segment.len(), payload.len() as u64);
+        assert_eq!(&segment.map().unwrap()[..], &payload[..]);
+
+        // Opened again through /proc, as a peer process would.
+        let peer = Arc::new(Segment::open(&segment.handle()).unwrap());
+        let mapped = peer.map().unwrap();
+        drop(segment);
+        drop(peer);
+        assert_eq!(&mapped[..], &payload[..], "a mapping outlives its segment");
+
+        // The seals hold: no write through a writable descriptor of the same file.
+        let again = Segment::create(b"fixed").unwrap();
+        let mut writable = std::fs::OpenOptions::new()
+            .write(true)
+            .open(format!("/proc/self/fd/{}", again.file.as_raw_fd()))
+            .unwrap();
+        assert!(writable.write_all(b"changed").is_err());
+    }
+
+    #[test]
+    fn a_handle_naming_another_file_or_length_is_refused() {
+        let segment = Segment::create(b"hello").unwrap();
+        let mut wrong = segment.handle();
+        wrong.inode += 1;
+        assert!(Segment::open(&wrong).is_err());
+        let mut longer = segment.handle();
+        longer.len = 6;
+        assert!(Segment::open(&longer).is_err());
+        let mut gone = segment.handle();
+        gone.fd = 1_000_000;
+        assert!(Segment::open(&gone).is_err());
+
+        // An ordinary (unsealed) file is refused even when named exactly.
+        let path = std::env::temp_dir().join(format!("regatta-shm-test-{}", std::process::id()));
+        std::fs::write(&path, b"hello").unwrap();
+        let file = File::open(&path).unwrap();
+        let plain = Segment::from_file(file, None).unwrap();
+        assert!(Segment::open(&plain.handle()).is_err());
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn empty_objects_map_to_empty_bytes() {
+        let segment = Arc::new(Segment::create(b"").unwrap());
+        assert!(segment.is_empty());
+        assert!(segment.map().unwrap().is_empty());
+    }
+
+    #[test]
+    fn keys_and_handles_round_trip() {
+        let key = HostKey::this_process().expect("linux /proc");
+        assert_eq!(HostKey::from_bytes(&key.to_bytes()), key);
+        let handle = Handle {
+            pid: 7,
+            fd: -1,
+            dev: 3,
+            inode: u64::MAX,
+            len: 42,
+        };
+        assert_eq!(Handle::from_bytes(&handle.to_bytes()), handle);
+    }
+}
