@@ -4,6 +4,8 @@
 # machine, one after the other, and prints one table: case, Ray, Regatta, ratio.
 # Ray goes into its own cached virtualenv (~/.cache/regatta/ray-venv). Takes ~15 minutes
 # on a 2-core machine; run it on an otherwise idle machine.
+# `scripts/bench-vs-ray.sh objects` runs only the object cases (cross-node get between two
+# Ray nodes with their own object stores on this machine, against `regatta bench objects`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +21,18 @@ trials="${TRIALS:-3}"
 out="${BENCH_OUT:-target/bench}"
 mkdir -p "$out"
 
+suite="${1:-all}"
 cargo build --release --bin regatta
+if [ "$suite" = "objects" ]; then
+    echo "== Ray $ray_version: cross-node get"
+    python "scripts/ray_bench.py" "$trials" objects 2>&1 | tee "$out/ray.txt"
+    echo "== Regatta: regatta bench objects"
+    ./target/release/regatta bench objects --trials "$trials" 2>/dev/null | tee "$out/regatta.txt"
+    echo
+    echo "Machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(lscpu | sed -n 's/^Model name: *//p'); $(date -u +%Y-%m-%d)"
+    python3 scripts/bench_table.py "$out/ray.txt" "$out/regatta.txt" | tee "$out/table.md"
+    exit 0
+fi
 echo "== Ray $ray_version: ray microbenchmark"
 ray stop --force >/dev/null 2>&1 || true
 RAY_DISABLE_USAGE_STATS=1 timeout 3600 ray microbenchmark 2>&1 | tee "$out/ray.txt"

@@ -93,7 +93,54 @@ def actor_cases(trials):
     ray.shutdown()
 
 
+def cross_node_get(trials):
+    """Two Ray nodes on this machine, each with its own object store (as two Regatta
+    workers): an actor on one puts a numpy array, an actor on the other times `ray.get` of
+    it, which Ray's object manager pulls between the stores. Printed under both of
+    Regatta's path names so the table sets Ray's one figure beside each."""
+    import numpy as np
+
+    subprocess.run(["ray", "stop", "--force"], capture_output=True)
+    subprocess.run(["ray", "start", "--head", "--port=6379", "--num-cpus=1", '--resources={"n0": 1}',
+                    "--disable-usage-stats"], check=True, capture_output=True)
+    subprocess.run(["ray", "start", "--address=127.0.0.1:6379", "--num-cpus=1", '--resources={"n1": 1}'],
+                   check=True, capture_output=True)
+    ray.init(address="127.0.0.1:6379", logging_level="ERROR")
+    while sum(1 for n in ray.nodes() if n["Alive"]) < 2:
+        time.sleep(0.05)
+
+    @ray.remote(num_cpus=0, resources={"n0": 0.01})
+    class Holder:
+        def put(self, size, seed):
+            array = (np.arange(size, dtype=np.uint64) * 31 + seed).astype(np.uint8)
+            return [ray.put(array)]
+
+    @ray.remote(num_cpus=0, resources={"n1": 0.01})
+    class Reader:
+        def fetch(self, refs):
+            started = time.perf_counter()
+            array = ray.get(refs[0])
+            return array.nbytes / (time.perf_counter() - started) / 1e9
+
+    holder, reader = Holder.remote(), Reader.remote()
+    for label, size in [("100 MB", 100_000_000), ("1 GB", 1_000_000_000)]:
+        rates = []
+        for seed in range(trials):
+            refs = ray.get(holder.put.remote(size, seed))
+            rates.append(ray.get(reader.fetch.remote(refs)))
+            del refs
+        for path in ("shared memory", "network"):
+            report(f"cross-node get {label} ({path}) gigabytes", "per second", rates)
+    ray.shutdown()
+    subprocess.run(["ray", "stop", "--force"], capture_output=True)
+
+
 if __name__ == "__main__":
     trials = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    cluster_start(trials)
-    actor_cases(trials)
+    cases = sys.argv[2] if len(sys.argv) > 2 else "all"
+    if cases in ("all", "cluster"):
+        cluster_start(trials)
+    if cases in ("all", "actors"):
+        actor_cases(trials)
+    if cases in ("all", "objects"):
+        cross_node_get(trials)

@@ -215,6 +215,16 @@ impl Segment {
     /// The bytes, mapped read-only with every page populated up front (so a read never
     /// waits on a fault later). The mapping keeps the segment's pages alive on its own.
     pub fn map(self: &Arc<Self>) -> io::Result<Bytes> {
+        self.map_with(libc::MAP_POPULATE)
+    }
+
+    /// The bytes mapped read-only, pages mapped on first touch: for the holder, whose
+    /// copy the mapping replaces and which may never read it again.
+    pub fn map_lazily(self: &Arc<Self>) -> io::Result<Bytes> {
+        self.map_with(0)
+    }
+
+    fn map_with(self: &Arc<Self>, flags: libc::c_int) -> io::Result<Bytes> {
         if self.len == 0 {
             return Ok(Bytes::new());
         }
@@ -227,7 +237,7 @@ impl Segment {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
+                libc::MAP_SHARED | flags,
                 self.file.as_raw_fd(),
                 0,
             )

@@ -235,14 +235,18 @@ impl ObjectService {
         }
         let bytes = self.memory().pin(id)?;
         let made = Segment::create(&bytes).map(Arc::new).and_then(|segment| {
-            let mapped = segment.map()?;
+            let mapped = segment.map_lazily()?;
             Ok((segment, mapped))
         });
         let outcome = match made {
             Ok((segment, mapped)) => {
-                drop(bytes);
-                self.memory().replace(id, mapped);
+                let replaced = self.memory().replace(id, mapped);
                 segments.insert(id, segment.clone());
+                // Unmapping a large heap copy takes a while: not on the way to the reply.
+                let old = (bytes, replaced);
+                let _ = std::thread::Builder::new()
+                    .name("regatta-free".into())
+                    .spawn(move || drop(old));
                 Some(segment)
             }
             Err(e) => {

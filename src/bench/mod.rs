@@ -133,7 +133,11 @@ async fn run_suite(suite: &str, trials: usize, args: &BenchArgs) -> anyhow::Resu
         };
         return tokio::task::block_in_place(|| data::run(&bench));
     }
-    let mut cluster = runtime::start_cluster()?;
+    let mut cluster = if suite == "objects" {
+        runtime::start_with(runtime::object_workers(runtime::object_fanout(quick)))?
+    } else {
+        runtime::start_cluster()?
+    };
     let outcome = match suite {
         "actors" => runtime::actors(&cluster, trials, quick).await,
         _ => runtime::objects(&cluster, trials, quick).await,

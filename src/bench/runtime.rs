@@ -19,7 +19,39 @@ fn workers() -> Vec<WorkerSpec> {
 }
 
 pub(super) fn start_cluster() -> anyhow::Result<LocalCluster> {
-    let mut options = LocalOptions::new(workers())?;
+    start_with(workers())
+}
+
+/// Nodes for the object cases: `s0` (holder) to `s<fanout>` with the same-host shared-memory
+/// path, `n0` to `n<fanout>` with it off (every byte through the network stack, as between
+/// hosts).
+pub(super) fn object_workers(fanout: usize) -> Vec<WorkerSpec> {
+    let mut specs = Vec::new();
+    for prefix in ["s", "n"] {
+        for i in 0..=fanout {
+            let name = format!("{prefix}{i}");
+            let spec = WorkerSpec::new(&name, &format!("CPU=1,pin:{name}=1"));
+            specs.push(if prefix == "n" {
+                spec.env(regatta_runtime::NO_SHARED_MEMORY_ENV, "1")
+            } else {
+                spec
+            });
+        }
+    }
+    specs
+}
+
+/// Broadcast fan-out of the object cases (targets besides the holder).
+pub(super) fn object_fanout(quick: bool) -> usize {
+    if quick {
+        2
+    } else {
+        8
+    }
+}
+
+pub(super) fn start_with(specs: Vec<WorkerSpec>) -> anyhow::Result<LocalCluster> {
+    let mut options = LocalOptions::new(specs)?;
     options.binary = std::env::current_exe().context("cannot find this executable")?;
     LocalCluster::start(options)
 }
@@ -268,39 +300,74 @@ pub(super) async fn objects(cluster: &LocalCluster, trials: usize, quick: bool) 
     }
     report("single client put gigabytes", "per second", &put_gb);
 
-    let (a, b) = (store_on(&client, "w1").await?, store_on(&client, "w2").await?);
+    let fanout = object_fanout(quick);
     let sizes: &[(&str, u64)] = if quick {
         &[("100 MB", 100_000_000)]
     } else {
         &[("100 MB", 100_000_000), ("1 GB", 1_000_000_000)]
     };
-    for &(label, size) in sizes {
-        let mut rates = Vec::new();
-        for seed in 0..trials as u64 {
-            let reference = match a
-                .call_timeout(
-                    StoreOp::Put {
-                        size,
-                        seed,
-                        keep: false,
-                    },
-                    Duration::from_secs(300),
-                )
-                .await?
-            {
-                StoreReply::Put { reference, .. } => reference,
-                other => bail!("unexpected reply {other:?}"),
-            };
-            match b
-                .call_timeout(StoreOp::Fetch(reference.clone()), Duration::from_secs(300))
-                .await?
-            {
-                StoreReply::Fetched { len, nanos } => rates.push(len as f64 / nanos as f64),
-                other => bail!("unexpected reply {other:?}"),
+    for (prefix, path) in [("s", "shared memory"), ("n", "network")] {
+        let mut stores = Vec::new();
+        for i in 0..=fanout {
+            stores.push(store_on(&client, &format!("{prefix}{i}")).await?);
+        }
+        for &(label, size) in sizes {
+            let mut rates = Vec::new();
+            for seed in 0..trials as u64 {
+                let reference = put_on(&stores[0], size, seed).await?;
+                let (len, nanos) = fetch_on(&stores[1], &reference).await?;
+                rates.push(len as f64 / nanos as f64);
+                client.free(&reference).await?;
             }
+            report(
+                &format!("cross-node get {label} ({path}) gigabytes"),
+                "per second",
+                &rates,
+            );
+        }
+        // One object to every other node at once: each pulls it (by the same-host path,
+        // every node maps the one segment the holder made).
+        let (label, size) = *sizes.last().context("no sizes")?;
+        let mut seconds = Vec::new();
+        for seed in 0..trials as u64 {
+            let reference = put_on(&stores[0], size, seed).await?;
+            let started = Instant::now();
+            let pulls = stores[1..].iter().map(|store| fetch_on(store, &reference));
+            futures::future::try_join_all(pulls).await?;
+            seconds.push(started.elapsed().as_secs_f64());
             client.free(&reference).await?;
         }
-        report(&format!("cross-node get {label} gigabytes"), "per second", &rates);
+        report(
+            &format!("{label} to {fanout} nodes at once ({path})"),
+            "seconds",
+            &seconds,
+        );
     }
     Ok(())
+}
+
+async fn put_on(store: &ActorHandle<Store>, size: u64, seed: u64) -> anyhow::Result<regatta_runtime::ObjectRef<Bytes>> {
+    let op = StoreOp::Put {
+        size,
+        seed,
+        keep: false,
+    };
+    match store.call_timeout(op, Duration::from_secs(300)).await? {
+        StoreReply::Put { reference, .. } => Ok(reference),
+        other => bail!("unexpected reply {other:?}"),
+    }
+}
+
+/// Has `store` get the object; the length and nanoseconds its get took.
+async fn fetch_on(
+    store: &ActorHandle<Store>,
+    reference: &regatta_runtime::ObjectRef<Bytes>,
+) -> anyhow::Result<(u64, u64)> {
+    match store
+        .call_timeout(StoreOp::Fetch(reference.clone()), Duration::from_secs(300))
+        .await?
+    {
+        StoreReply::Fetched { len, nanos } => Ok((len, nanos)),
+        other => bail!("unexpected reply {other:?}"),
+    }
 }

@@ -131,15 +131,13 @@ impl MemoryStore {
     }
 
     /// Swaps an object's bytes for the same bytes held elsewhere (a shared-memory mapping
-    /// of them, say), keeping its pins and recency. Refuses (false) an unknown id or bytes of
-    /// another length, so the accounting cannot drift.
-    pub fn replace(&mut self, id: ObjectId, bytes: Bytes) -> bool {
+    /// of them, say), keeping its pins and recency, and hands back the bytes it held (for
+    /// the caller to free where it suits). Refuses (`Err`, giving the new bytes back) an
+    /// unknown id or bytes of another length, so the accounting cannot drift.
+    pub fn replace(&mut self, id: ObjectId, bytes: Bytes) -> Result<Bytes, Bytes> {
         match self.objects.get_mut(&id) {
-            Some(entry) if entry.bytes.len() == bytes.len() => {
-                entry.bytes = bytes;
-                true
-            }
-            _ => false,
+            Some(entry) if entry.bytes.len() == bytes.len() => Ok(std::mem::replace(&mut entry.bytes, bytes)),
+            _ => Err(bytes),
         }
     }
 
@@ -176,9 +174,12 @@ mod tests {
         let mut store = MemoryStore::new(100);
         let id = ObjectId(1);
         assert!(store.insert(id, Bytes::from_static(b"abcd")));
-        assert!(!store.replace(id, Bytes::from_static(b"abc")), "another length");
-        assert!(!store.replace(ObjectId(2), Bytes::from_static(b"wxyz")), "unknown id");
-        assert!(store.replace(id, Bytes::from_static(b"ABCD")));
+        assert!(store.replace(id, Bytes::from_static(b"abc")).is_err(), "another length");
+        assert!(
+            store.replace(ObjectId(2), Bytes::from_static(b"wxyz")).is_err(),
+            "unknown id"
+        );
+        assert_eq!(&store.replace(id, Bytes::from_static(b"ABCD")).unwrap()[..], b"abcd");
         assert_eq!(&store.get(id).unwrap()[..], b"ABCD");
         assert_eq!(store.stats().bytes, 4);
         assert_eq!(store.remove(id).map(|b| b.len()), Some(4));
