@@ -103,6 +103,20 @@ struct PullFailure {
     transient: bool,
 }
 
+/// Smallest object handed to a same-host peer through shared memory: below it streaming
+/// costs about as little, and a segment holds a descriptor for as long as the object is held.
+pub const SHARED_MEMORY_MIN_BYTES: u64 = 1 << 20;
+
+/// Most shared-memory segments one process holds at once (each is an open descriptor);
+/// beyond it objects are streamed to same-host peers too.
+pub const MAX_SEGMENTS: usize = 256;
+
+/// Whether to make a shared-memory segment for an object of `len` bytes while holding
+/// `segments_held` of them.
+fn worth_sharing(len: u64, segments_held: usize) -> bool {
+    len >= SHARED_MEMORY_MIN_BYTES && segments_held < MAX_SEGMENTS
+}
+
 /// Pause before pulling again from holders that did not answer.
 const PULL_RETRY: Duration = Duration::from_millis(250);
 
@@ -117,8 +131,8 @@ pub struct ObjectService {
     transfer: Transfer,
     refs: Mutex<HashMap<ObjectId, usize>>,
     inflight: Mutex<HashMap<ObjectId, Fetch>>,
-    /// Shared-memory segments of objects held here, made on a same-host peer's first pull
-    /// (or mapped from the holder's), kept while the object is in memory here.
+    /// Shared-memory segments of objects held here, made on a same-host peer's first pull,
+    /// kept while the object is in memory here (at most [`MAX_SEGMENTS`]).
     segments: Mutex<HashMap<ObjectId, Arc<Segment>>>,
     counters: Counters,
 }
@@ -224,8 +238,8 @@ impl ObjectService {
         self.segments.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// The object's shared-memory segment for a same-host peer: the one made (or mapped)
-    /// before, else a new one, one copy of the bytes, after which this store holds the
+    /// The object's shared-memory segment for a same-host peer: the one made before, else
+    /// (for an object of at least [`SHARED_MEMORY_MIN_BYTES`]) a new one, one copy of the bytes, after which this store holds the
     /// mapping instead of its own copy (the object is in memory once on the host however
     /// many processes read it). Blocking: runs on a blocking thread.
     fn share(&self, id: ObjectId) -> Option<Arc<Segment>> {
@@ -234,6 +248,10 @@ impl ObjectService {
             return Some(segment.clone());
         }
         let bytes = self.memory().pin(id)?;
+        if !worth_sharing(bytes.len() as u64, segments.len()) {
+            self.memory().unpin(id);
+            return None;
+        }
         let made = Segment::create(&bytes).map(Arc::new).and_then(|segment| {
             let mapped = segment.map_lazily()?;
             Ok((segment, mapped))
@@ -411,11 +429,9 @@ impl ObjectService {
                     if segment.is_some() {
                         self.counters.shared_in.fetch_add(location.size, Ordering::Relaxed);
                     }
-                    if self.cache(id, bytes.clone()).await {
-                        if let Some(segment) = segment {
-                            self.segments().insert(id, segment);
-                        }
-                    }
+                    // The mapping keeps the pages; the segment (an open descriptor) is not
+                    // kept: a third process maps the holder's, or gets a copy of this one.
+                    self.cache(id, bytes.clone()).await;
                     return Ok(bytes);
                 }
                 Err(e) => {
@@ -597,5 +613,18 @@ impl Actor for ObjectsActor {
             wire::reply(port, outcome.map(|_| ()));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_objects_of_a_mebibyte_or_more_are_shared_and_segments_are_capped() {
+        assert!(!worth_sharing(SHARED_MEMORY_MIN_BYTES - 1, 0), "small objects stream");
+        assert!(worth_sharing(SHARED_MEMORY_MIN_BYTES, 0));
+        assert!(worth_sharing(1 << 30, MAX_SEGMENTS - 1));
+        assert!(!worth_sharing(1 << 30, MAX_SEGMENTS), "no descriptor beyond the cap");
     }
 }
