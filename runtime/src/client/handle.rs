@@ -119,8 +119,11 @@ impl<A: Actor> ActorHandle<A> {
                     return Err(self.explain_lost_call(cause).await);
                 }
             };
-            let reply: std::result::Result<Vec<u8>, Failure> =
-                wire::decode(&bytes, "an actor reply").map_err(|f| failure_to_error(f, Some(self.id)))?;
+            // The reply is encoded once by the host as `Result<A::Reply, Failure>` (a router
+            // or a stopping host answers `Err` alone, which decodes the same way).
+            let reply: std::result::Result<A::Reply, Failure> =
+                wire::decode(&bytes, &format!("a reply of actor kind '{}'", A::KIND))
+                    .map_err(|f| failure_to_error(f, Some(self.id)))?;
             match reply {
                 // Its node no longer hosts it: the head says where it runs now (or that it
                 // is dead); nothing was delivered, so asking again is safe.
@@ -141,9 +144,7 @@ impl<A: Actor> ActorHandle<A> {
                 other => break other,
             }
         };
-        let reply = reply.map_err(|f| failure_to_error(f, Some(self.id)))?;
-        wire::decode(&reply, &format!("a reply of actor kind '{}'", A::KIND))
-            .map_err(|f| failure_to_error(f, Some(self.id)))
+        reply.map_err(|f| failure_to_error(f, Some(self.id)))
     }
 
     /// Sends a message without waiting for it to be handled (a message to an actor that

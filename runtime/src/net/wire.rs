@@ -144,6 +144,17 @@ pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
         .expect("serde types in Regatta's protocol always serialize")
 }
 
+/// Encodes a successful call's reply as the caller decodes it, `Result<T, Failure>`, in one
+/// pass (no inner encoding of the value wrapped in an outer one).
+pub fn encode_ok<T: Serialize>(value: &T) -> Vec<u8> {
+    encode(&Ok::<&T, Failure>(value))
+}
+
+/// Encodes a failed call's answer; the caller decodes it as `Result<T, Failure>` for any `T`.
+pub fn encode_failure(failure: Failure) -> Vec<u8> {
+    encode(&Err::<(), Failure>(failure))
+}
+
 /// Decodes a value from the wire, naming `what` in the error.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, Failure> {
     options()
@@ -270,6 +281,25 @@ mod tests {
             metadata: Some(vec![1, 2, 3]),
         };
         assert!(Wire::deserialize(bad).is_err());
+    }
+
+    #[test]
+    fn replies_encoded_once_decode_as_the_callers_result_of_any_type() {
+        let ok = encode_ok(&vec![1u32, 2, 3]);
+        assert_eq!(
+            decode::<Result<Vec<u32>, Failure>>(&ok, "reply").unwrap(),
+            Ok(vec![1, 2, 3])
+        );
+        assert_eq!(
+            ok,
+            encode(&Ok::<Vec<u32>, Failure>(vec![1, 2, 3])),
+            "same bytes as the result"
+        );
+        let failed = encode_failure(Failure::Handler("no".into()));
+        assert_eq!(
+            decode::<Result<String, Failure>>(&failed, "reply").unwrap(),
+            Err(Failure::Handler("no".into()))
+        );
     }
 
     #[test]

@@ -25,7 +25,8 @@ impl<A: Actor> Hosted for Typed<A> {
         Box::pin(async move {
             let request: A::Request = wire::decode(&request, &format!("a request for actor kind '{}'", A::KIND))?;
             match self.0.handle(request, ctx).await {
-                Ok(reply) => Ok(wire::encode(&reply)),
+                // The caller's whole answer, encoded once: `Result<A::Reply, Failure>`.
+                Ok(reply) => Ok(wire::encode_ok(&reply)),
                 Err(e) => Err(Failure::Handler(e.to_string())),
             }
         })
@@ -189,14 +190,16 @@ async fn drain(
         match (outcome, port) {
             (Ok(result), Some(port)) => {
                 if !port.is_closed() {
-                    let mut reply = wire::encode(&result);
+                    let mut reply = match result {
+                        Ok(answer) => answer,
+                        Err(failure) => wire::encode_failure(failure),
+                    };
                     if reply.len() > wire::MAX_MESSAGE_BYTES {
-                        let failure: Result<Vec<u8>, Failure> = Err(Failure::Handler(format!(
+                        reply = wire::encode_failure(Failure::Handler(format!(
                             "the reply of {} bytes exceeds the {} byte limit of actor messages; return an ObjectRef instead",
                             reply.len(),
                             wire::MAX_MESSAGE_BYTES
                         )));
-                        reply = wire::encode(&failure);
                     }
                     let _ = port.send(reply);
                 }
