@@ -49,6 +49,8 @@ const WANTS_SHARED: u8 = 1;
 const STATUS_MISSING: u8 = 0;
 const STATUS_STREAM: u8 = 1;
 const STATUS_SHARED: u8 = 2;
+/// How long a holder waits for a same-host caller to say whether it mapped a segment.
+const SHARED_ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What a node serves: pinned bytes of objects it holds.
 pub trait ObjectSource: Send + Sync + 'static {
@@ -67,7 +69,8 @@ pub trait ObjectSource: Send + Sync + 'static {
 }
 
 /// An object pulled from a peer: its bytes, and the shared-memory segment they are mapped
-/// from when it came by the same-host path (keep it to hand the object on without a copy).
+/// from when it came by the same-host path (the mapping alone keeps the pages; the segment
+/// is an open descriptor).
 #[derive(Debug)]
 pub struct Fetched {
     /// The object's bytes.
@@ -343,8 +346,13 @@ async fn serve_one(
             let mut reply = vec![STATUS_SHARED];
             reply.extend_from_slice(&segment.handle().to_bytes());
             send.write_all(&reply).await.map_err(|e| e.to_string())?;
+            // The caller answers once it has mapped the segment (populating a large one takes
+            // a while); a caller that never answers does not hold this task for ever.
             let mut answer = [0u8; 1];
-            recv.read_exact(&mut answer).await.map_err(|e| e.to_string())?;
+            tokio::time::timeout(SHARED_ANSWER_TIMEOUT, recv.read_exact(&mut answer))
+                .await
+                .map_err(|_| "no answer to a shared-memory handle".to_string())?
+                .map_err(|e| e.to_string())?;
             if answer[0] == 1 {
                 source.sent(segment.len());
                 let _ = send.finish();

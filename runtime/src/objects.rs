@@ -239,16 +239,21 @@ impl ObjectService {
     }
 
     /// The object's shared-memory segment for a same-host peer: the one made before, else
-    /// (for an object of at least [`SHARED_MEMORY_MIN_BYTES`]) a new one, one copy of the bytes, after which this store holds the
-    /// mapping instead of its own copy (the object is in memory once on the host however
-    /// many processes read it). Blocking: runs on a blocking thread.
+    /// (for an object of at least [`SHARED_MEMORY_MIN_BYTES`]) a new one, one copy of the
+    /// bytes, after which this store holds the mapping instead of its own copy (the object is
+    /// in memory once on the host however many processes read it). Blocking: runs on a
+    /// blocking thread. The copy is made without holding the segments lock, which release
+    /// and spill take on async threads.
     fn share(&self, id: ObjectId) -> Option<Arc<Segment>> {
-        let mut segments = self.segments();
-        if let Some(segment) = segments.get(&id) {
-            return Some(segment.clone());
-        }
+        let held = {
+            let segments = self.segments();
+            if let Some(segment) = segments.get(&id) {
+                return Some(segment.clone());
+            }
+            segments.len()
+        };
         let bytes = self.memory().pin(id)?;
-        if !worth_sharing(bytes.len() as u64, segments.len()) {
+        if !worth_sharing(bytes.len() as u64, held) {
             self.memory().unpin(id);
             return None;
         }
@@ -258,14 +263,22 @@ impl ObjectService {
         });
         let outcome = match made {
             Ok((segment, mapped)) => {
-                let replaced = self.memory().replace(id, mapped);
-                segments.insert(id, segment.clone());
-                // Unmapping a large heap copy takes a while: not on the way to the reply.
-                let old = (bytes, replaced);
-                let _ = std::thread::Builder::new()
-                    .name("regatta-free".into())
-                    .spawn(move || drop(old));
-                Some(segment)
+                let mut segments = self.segments();
+                if let Some(other) = segments.get(&id) {
+                    // Another peer's pull made one meanwhile: serve that, drop this one.
+                    Some(other.clone())
+                } else if let Ok(replaced) = self.memory().replace(id, mapped) {
+                    segments.insert(id, segment.clone());
+                    // Unmapping a large heap copy takes a while: not on the way to the reply.
+                    let old = (bytes, replaced);
+                    let _ = std::thread::Builder::new()
+                        .name("regatta-free".into())
+                        .spawn(move || drop(old));
+                    Some(segment)
+                } else {
+                    // Released while the copy was made: nothing to serve.
+                    None
+                }
             }
             Err(e) => {
                 tracing::warn!(%id, error = %e, "cannot make a shared-memory segment; peers will stream the object");
