@@ -81,12 +81,72 @@ impl CpuCollective {
     }
 }
 
-fn like(values: &[f32], template: &Tensor) -> Tensor {
-    Tensor::from_slice(values)
-        .to_kind(template.kind())
-        .to_device(template.device())
+/// A flat CPU `f32` copy of `tensor` that this call owns: never aliases the caller's memory,
+/// converted in the copy where the kind or device differs.
+fn owned_f32(tensor: &Tensor) -> Tensor {
+    let converted = tensor
+        .to_device(Device::Cpu)
+        .to_kind(Kind::Float)
+        .contiguous()
+        .view([-1]);
+    if converted.numel() > 0 && converted.data_ptr() == tensor.data_ptr() {
+        converted.copy()
+    } else {
+        converted
+    }
 }
 
+/// A flat CPU `f32` view of `tensor` for reading (the tensor itself where it already is one).
+fn readable_f32(tensor: &Tensor) -> Tensor {
+    tensor
+        .to_device(Device::Cpu)
+        .to_kind(Kind::Float)
+        .contiguous()
+        .view([-1])
+}
+
+/// The values of a contiguous CPU `f32` tensor, in place.
+#[allow(unsafe_code)]
+fn values(tensor: &Tensor) -> &[f32] {
+    assert!(
+        tensor.device() == Device::Cpu && tensor.kind() == Kind::Float && tensor.is_contiguous(),
+        "values() needs a contiguous CPU f32 tensor"
+    );
+    let len = tensor.numel();
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: the tensor is contiguous, on the CPU and of kind f32 (checked above), so
+    // `data_ptr` (which includes the storage offset) points at `numel` initialised f32 values,
+    // alive while the borrowed tensor holds its storage.
+    unsafe { std::slice::from_raw_parts(tensor.data_ptr().cast::<f32>(), len) }
+}
+
+/// The values of a contiguous CPU `f32` tensor that this code owns, writable in place.
+#[allow(unsafe_code)]
+fn values_mut(tensor: &mut Tensor) -> &mut [f32] {
+    let len = values(tensor).len();
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: as in `values`; the tensors passed here come from `owned_f32` or
+    // `Tensor::empty` in this module, so no other handle reads or writes their storage while
+    // the exclusive borrow lasts.
+    unsafe { std::slice::from_raw_parts_mut(tensor.data_ptr().cast::<f32>(), len) }
+}
+
+/// `values` back in `template`'s kind and device (no copy for CPU `f32`).
+fn like(values: Tensor, template: &Tensor) -> Tensor {
+    values.to_kind(template.kind()).to_device(template.device())
+}
+
+fn failed(e: regatta_trainer::CollectiveError) -> Error {
+    Error::Collective(e.to_string())
+}
+
+/// The CPU collectives work on the tensors' own memory: one owned copy where the result
+/// must not alias the input (all-reduce, reduce-scatter, broadcast), none for all-gather's
+/// input, and the ring link reads from and writes to that memory directly.
 impl TensorCollective for CpuCollective {
     fn rank(&self) -> usize {
         self.ring.rank()
@@ -95,44 +155,45 @@ impl TensorCollective for CpuCollective {
         self.ring.world()
     }
     fn all_reduce(&mut self, input: &Tensor) -> CollResult<Tensor> {
-        let mut values = to_vec(input);
-        self.ring
-            .all_reduce(&mut values)
-            .map_err(|e| Error::Collective(e.to_string()))?;
-        Ok(like(&values, input))
+        let mut work = owned_f32(input);
+        self.ring.all_reduce(values_mut(&mut work)).map_err(failed)?;
+        Ok(like(work, input))
     }
     fn reduce_scatter(&mut self, input: &Tensor) -> CollResult<Tensor> {
-        let values = to_vec(input);
         let world = self.world();
-        if !values.len().is_multiple_of(world) {
+        let len = input.numel();
+        if !len.is_multiple_of(world) {
             return Err(Error::Collective(format!(
-                "reduce-scatter of {} elements over {world} ranks",
-                values.len()
+                "reduce-scatter of {len} elements over {world} ranks"
             )));
         }
-        let mut out = vec![0f32; values.len() / world];
+        let mut work = owned_f32(input);
         self.ring
-            .reduce_scatter(&values, &mut out)
-            .map_err(|e| Error::Collective(e.to_string()))?;
-        Ok(like(&out, input))
+            .reduce_scatter_in_place(values_mut(&mut work))
+            .map_err(failed)?;
+        let n = (len / world) as i64;
+        // Its own copy of this rank's chunk, so the shard does not hold the whole buffer.
+        let shard = work.narrow(0, self.rank() as i64 * n, n).copy();
+        Ok(like(shard, input))
     }
     fn all_gather(&mut self, input: &Tensor) -> CollResult<Tensor> {
-        let values = to_vec(input);
-        let mut out = vec![0f32; values.len() * self.world()];
+        let source = readable_f32(input);
+        let mut out = Tensor::empty(
+            [source.numel() as i64 * self.world() as i64],
+            (Kind::Float, Device::Cpu),
+        );
         self.ring
-            .all_gather(&values, &mut out)
-            .map_err(|e| Error::Collective(e.to_string()))?;
-        Ok(like(&out, input))
+            .all_gather(values(&source), values_mut(&mut out))
+            .map_err(failed)?;
+        Ok(like(out, input))
     }
     fn broadcast(&mut self, input: &Tensor, root: usize) -> CollResult<Tensor> {
-        let mut values = to_vec(input);
-        self.ring
-            .broadcast(&mut values, root)
-            .map_err(|e| Error::Collective(e.to_string()))?;
-        Ok(like(&values, input))
+        let mut work = owned_f32(input);
+        self.ring.broadcast(values_mut(&mut work), root).map_err(failed)?;
+        Ok(like(work, input))
     }
     fn barrier(&mut self) -> CollResult<()> {
-        self.ring.barrier().map_err(|e| Error::Collective(e.to_string()))
+        self.ring.barrier().map_err(failed)
     }
 }
 
@@ -185,5 +246,82 @@ impl TensorCollective for Timed {
     }
     fn barrier(&mut self) -> CollResult<()> {
         self.time(|c| c.barrier())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use regatta_trainer::{memory_ring, RingCollective};
+
+    /// Runs `body` on every rank of an in-memory CPU ring, one thread each.
+    fn on_ranks<T: Send + 'static>(
+        world: usize,
+        body: impl Fn(&mut CpuCollective) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        let body = std::sync::Arc::new(body);
+        let threads: Vec<_> = memory_ring(world)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, link)| {
+                let body = body.clone();
+                std::thread::spawn(move || {
+                    let mut c = CpuCollective::new(Box::new(RingCollective::new(rank, world, link)));
+                    body(&mut c)
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+
+    fn input(rank: usize, len: i64, kind: Kind) -> Tensor {
+        (Tensor::arange(len, (Kind::Float, Device::Cpu)) + 100.0 * rank as f64).to_kind(kind)
+    }
+
+    #[test]
+    fn collectives_leave_their_inputs_alone_and_keep_the_kind() {
+        for kind in [Kind::Float, Kind::Double, Kind::BFloat16] {
+            let results = on_ranks(2, move |c| {
+                let rank = c.rank();
+                let x = input(rank, 6, kind);
+                let before = to_vec(&x);
+                let summed = c.all_reduce(&x).unwrap();
+                let shard = c.reduce_scatter(&x).unwrap();
+                let gathered = c.all_gather(&shard).unwrap();
+                let from_root = c.broadcast(&x, 1).unwrap();
+                assert_eq!(to_vec(&x), before, "an input changed on rank {rank}");
+                for t in [&summed, &shard, &gathered, &from_root] {
+                    assert_eq!(t.kind(), kind);
+                }
+                (to_vec(&summed), to_vec(&shard), to_vec(&gathered), to_vec(&from_root))
+            });
+            let sum: Vec<f32> = (0..6).map(|i| 2.0 * i as f32 + 100.0).collect();
+            for (rank, (summed, shard, gathered, from_root)) in results.into_iter().enumerate() {
+                assert_eq!(summed, sum, "{kind:?}");
+                assert_eq!(shard, sum[rank * 3..(rank + 1) * 3].to_vec(), "{kind:?}");
+                assert_eq!(gathered, sum, "{kind:?}");
+                assert_eq!(from_root, to_vec(&input(1, 6, kind)), "{kind:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_view_into_a_larger_tensor_is_not_written_through() {
+        let results = on_ranks(2, |c| {
+            let whole = input(c.rank(), 8, Kind::Float);
+            let view = whole.narrow(0, 2, 4);
+            let summed = c.all_reduce(&view).unwrap();
+            (to_vec(&whole), to_vec(&summed))
+        });
+        for (rank, (whole, summed)) in results.into_iter().enumerate() {
+            assert_eq!(whole, to_vec(&input(rank, 8, Kind::Float)));
+            assert_eq!(summed, vec![104.0, 106.0, 108.0, 110.0]);
+        }
+    }
+
+    #[test]
+    fn reduce_scatter_of_an_uneven_length_is_refused() {
+        let results = on_ranks(2, |c| c.reduce_scatter(&input(0, 5, Kind::Float)).is_err());
+        assert!(results.into_iter().all(|refused| refused));
     }
 }

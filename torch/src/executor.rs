@@ -12,7 +12,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use regatta_trainer::config::TrainConfig;
-use regatta_trainer::{FromExecutor, QuicLinkBuilder, RankSetup, RingCollective, StepReport, ToExecutor, SECRET_ENV};
+use regatta_trainer::{
+    FromExecutor, LinkOptions, RankSetup, RingCollective, RingLinkBuilder, StepReport, ToExecutor, SECRET_ENV,
+};
 use tch::{Device, Kind, Tensor};
 
 use bytes::Bytes;
@@ -393,12 +395,12 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
             .map_err(|e| fatal(format!("bad host {}: {e}", setup.host)))?;
         let secret = std::env::var(SECRET_ENV).map_err(|_| fatal(format!("{SECRET_ENV} is not set")))?;
         let _guard = runtime.enter();
-        Some(QuicLinkBuilder::bind(bind, &secret).map_err(fatal)?)
+        Some(RingLinkBuilder::bind(bind, &secret, LinkOptions::from_env()).map_err(fatal)?)
     } else {
         None
     };
     let addr = match &builder {
-        Some(b) => b.local_addr().map_err(fatal)?.to_string(),
+        Some(b) => b.address().map_err(fatal)?.to_string(),
         None => String::new(),
     };
     let params = crate::model::parameter_count(run_model.model.as_ref());
@@ -420,11 +422,10 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         let id = unhex(nccl_id.as_deref().unwrap_or_default()).map_err(fatal)?;
         Box::new(crate::nccl::NcclCollective::join(&id, rank, world).map_err(lost)?)
     } else {
-        let next = next
-            .parse()
-            .map_err(|e| fatal(format!("bad ring address {next}: {e}")))?;
         let builder = builder.ok_or_else(|| fatal("no ring endpoint"))?;
-        let link = runtime.block_on(builder.connect(next)).map_err(lost)?;
+        let link = runtime.block_on(builder.connect(&next)).map_err(lost)?;
+        let (to_next, from_previous) = link.transports();
+        eprintln!("rank {rank}: ring link to the next rank by {to_next}, from the previous by {from_previous}");
         Box::new(CpuCollective::new(Box::new(RingCollective::new(rank, world, link))))
     };
     let settings = EngineSettings {

@@ -63,6 +63,10 @@ pub trait Collective: Send {
     fn reduce_scatter(&mut self, input: &[f32], output: &mut [f32]) -> Result<()>;
     /// Concatenates every rank's `input` (n elements) into `output` (world * n), in rank order.
     fn all_gather(&mut self, input: &[f32], output: &mut [f32]) -> Result<()>;
+    /// Reduce-scatter on a working buffer (world * n values): afterwards this rank's n-value
+    /// chunk (`rank * n..(rank + 1) * n`) holds the sum over ranks; the rest is scratch. Saves
+    /// [`reduce_scatter`](Self::reduce_scatter)'s copies when the caller owns the input.
+    fn reduce_scatter_in_place(&mut self, buffer: &mut [f32]) -> Result<()>;
     /// Copies `root`'s buffer to every rank.
     fn broadcast(&mut self, buffer: &mut [f32], root: usize) -> Result<()>;
     /// Returns once every rank has called it.
@@ -79,6 +83,13 @@ pub trait RingLink: Send {
     fn send(&mut self, data: &[f32]) -> std::result::Result<(), LinkError>;
     /// Receives exactly `out.len()` values from the previous rank.
     fn recv(&mut self, out: &mut [f32]) -> std::result::Result<(), LinkError>;
+    /// Sends `send` to the next rank while receiving `recv.len()` values from the previous
+    /// one (one ring step). The default sends, then receives: right for links whose sends
+    /// never wait for the receiver.
+    fn exchange(&mut self, send: &[f32], recv: &mut [f32]) -> std::result::Result<(), LinkError> {
+        self.send(send)?;
+        self.recv(recv)
+    }
 }
 
 /// The chunk boundaries of a buffer of `len` split `world` ways (the last chunks may be
@@ -95,6 +106,21 @@ pub fn chunks(len: usize, world: usize) -> Vec<Range<usize>> {
             range
         })
         .collect()
+}
+
+/// Two disjoint ranges of one buffer: the first to read, the second to write.
+fn disjoint(buffer: &mut [f32], read: Range<usize>, write: Range<usize>) -> (&[f32], &mut [f32]) {
+    assert!(
+        read.end <= write.start || write.end <= read.start,
+        "ring chunks overlap: {read:?} and {write:?}"
+    );
+    if read.end <= write.start {
+        let (head, tail) = buffer.split_at_mut(write.start);
+        (&head[read], &mut tail[..write.end - write.start])
+    } else {
+        let (head, tail) = buffer.split_at_mut(read.start);
+        (&tail[..read.end - read.start], &mut head[write])
+    }
 }
 
 /// A ring collective over a [`RingLink`].
@@ -123,40 +149,37 @@ impl<L: RingLink> RingCollective<L> {
         }
     }
 
-    fn exchange(&mut self, send: &[f32], recv_len: usize) -> Result<()> {
-        self.link.send(send).map_err(|e| self.link_err(e))?;
-        self.scratch.resize(recv_len, 0.0);
-        let mut scratch = std::mem::take(&mut self.scratch);
-        let received = self.link.recv(&mut scratch);
-        self.scratch = scratch;
-        received.map_err(|e| self.link_err(e))
-    }
-
     /// Reduce-scatter in place: afterwards chunk `(rank + 1) % world` of `buffer` holds the
-    /// full sum.
+    /// full sum. Each step sends a chunk straight from `buffer` and receives the previous
+    /// rank's partial sum into the scratch buffer, then adds it in.
     fn ring_reduce_scatter(&mut self, buffer: &mut [f32], parts: &[Range<usize>]) -> Result<()> {
         let w = self.world;
+        let mut scratch = std::mem::take(&mut self.scratch);
         for step in 0..w - 1 {
             let send = parts[(self.rank + w - step) % w].clone();
             let recv = parts[(self.rank + w - step - 1) % w].clone();
-            let outgoing = buffer[send].to_vec();
-            self.exchange(&outgoing, recv.len())?;
-            for (dst, add) in buffer[recv].iter_mut().zip(&self.scratch) {
+            scratch.resize(recv.len(), 0.0);
+            if let Err(e) = self.link.exchange(&buffer[send], &mut scratch) {
+                self.scratch = scratch;
+                return Err(self.link_err(e));
+            }
+            for (dst, add) in buffer[recv].iter_mut().zip(&scratch) {
                 *dst += add;
             }
         }
+        self.scratch = scratch;
         Ok(())
     }
 
-    /// All-gather in place, starting from each rank owning chunk `(rank + 1) % world`.
+    /// All-gather in place, starting from each rank owning chunk `(rank + 1) % world`. Each
+    /// step sends a chunk straight from `buffer` and receives the next one straight into it.
     fn ring_all_gather(&mut self, buffer: &mut [f32], parts: &[Range<usize>]) -> Result<()> {
         let w = self.world;
         for step in 0..w - 1 {
             let send = parts[(self.rank + 1 + w - step) % w].clone();
             let recv = parts[(self.rank + w - step) % w].clone();
-            let outgoing = buffer[send].to_vec();
-            self.exchange(&outgoing, recv.len())?;
-            buffer[recv].copy_from_slice(&self.scratch);
+            let (outgoing, incoming) = disjoint(buffer, send, recv);
+            self.link.exchange(outgoing, incoming).map_err(|e| self.link_err(e))?;
         }
         Ok(())
     }
@@ -194,15 +217,31 @@ impl<L: RingLink> Collective for RingCollective<L> {
         }
         let mut buffer = input.to_vec();
         let n = output.len();
+        self.reduce_scatter_in_place(&mut buffer)?;
+        output.copy_from_slice(&buffer[self.rank * n..(self.rank + 1) * n]);
+        Ok(())
+    }
+
+    fn reduce_scatter_in_place(&mut self, buffer: &mut [f32]) -> Result<()> {
+        if !buffer.len().is_multiple_of(self.world) {
+            return Err(CollectiveError::Shape {
+                rank: self.rank,
+                reason: format!(
+                    "reduce_scatter of {} values does not split over {} ranks",
+                    buffer.len(),
+                    self.world
+                ),
+            });
+        }
+        let n = buffer.len() / self.world;
         let parts: Vec<Range<usize>> = (0..self.world).map(|r| r * n..(r + 1) * n).collect();
         // Rotate so this rank ends up owning its own chunk: shift chunk indices by one.
         let rotated: Vec<Range<usize>> = (0..self.world)
             .map(|i| parts[(i + self.world - 1) % self.world].clone())
             .collect();
         if self.world > 1 {
-            self.ring_reduce_scatter(&mut buffer, &rotated)?;
+            self.ring_reduce_scatter(buffer, &rotated)?;
         }
-        output.copy_from_slice(&buffer[parts[self.rank].clone()]);
         Ok(())
     }
 
@@ -236,12 +275,7 @@ impl<L: RingLink> Collective for RingCollective<L> {
         // Pass the buffer along the ring from the root; the rank before the root stops it.
         let from_root = (self.rank + self.world - root) % self.world;
         if from_root != 0 {
-            self.scratch.resize(buffer.len(), 0.0);
-            let mut scratch = std::mem::take(&mut self.scratch);
-            let received = self.link.recv(&mut scratch);
-            self.scratch = scratch;
-            received.map_err(|e| self.link_err(e))?;
-            buffer.copy_from_slice(&self.scratch);
+            self.link.recv(buffer).map_err(|e| self.link_err(e))?;
         }
         if from_root != self.world - 1 {
             self.link.send(buffer).map_err(|e| self.link_err(e))?;
@@ -312,6 +346,51 @@ mod tests {
 
     fn values(rank: usize, len: usize) -> Vec<f32> {
         (0..len).map(|i| (rank * 100 + i) as f32).collect()
+    }
+
+    #[test]
+    fn disjoint_ranges_borrow_the_right_values() {
+        let mut buffer: Vec<f32> = (0..10).map(|v| v as f32).collect();
+        let (read, write) = disjoint(&mut buffer, 6..9, 1..4);
+        assert_eq!(read, &[6.0, 7.0, 8.0]);
+        write.copy_from_slice(read);
+        let (read, write) = disjoint(&mut buffer, 0..2, 8..10);
+        assert_eq!(read, &[0.0, 6.0]);
+        assert_eq!(write, &[8.0, 9.0]);
+        let (read, write) = disjoint(&mut buffer, 3..3, 3..5);
+        assert!(read.is_empty());
+        assert_eq!(write.len(), 2);
+        assert_eq!(buffer, vec![0.0, 6.0, 7.0, 8.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]);
+    }
+
+    #[test]
+    #[should_panic(expected = "overlap")]
+    fn overlapping_ranges_are_a_bug() {
+        let mut buffer = vec![0.0; 4];
+        let _ = disjoint(&mut buffer, 0..2, 1..3);
+    }
+
+    #[test]
+    fn reduce_scatter_in_place_leaves_each_ranks_sum_in_its_chunk() {
+        for world in [1, 2, 3] {
+            let n = 4;
+            let results = on_ring(world, move |c| {
+                let mut buffer = values(c.rank(), n * c.world());
+                c.reduce_scatter_in_place(&mut buffer).unwrap();
+                (c.rank(), buffer[c.rank() * n..(c.rank() + 1) * n].to_vec())
+            });
+            for (rank, chunk) in results {
+                let expected: Vec<f32> = (rank * n..(rank + 1) * n)
+                    .map(|i| (0..world).map(|r| (r * 100 + i) as f32).sum())
+                    .collect();
+                assert_eq!(chunk, expected, "world {world} rank {rank}");
+            }
+        }
+        let mut c = RingCollective::new(0, 2, memory_ring(2).remove(0));
+        assert!(matches!(
+            c.reduce_scatter_in_place(&mut [1.0; 5]),
+            Err(CollectiveError::Shape { .. })
+        ));
     }
 
     #[test]

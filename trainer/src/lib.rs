@@ -2,7 +2,8 @@
 //! a CPU collective backend.
 //!
 //! This crate links no libtorch: it holds the pure parts (configuration, ZeRO partition
-//! arithmetic, data partitioning), the CPU collectives ([`collective`] over [`quic_link`]),
+//! arithmetic, data partitioning), the CPU collectives ([`collective`] over [`link`]: a Unix
+//! socket between ranks on one host, QUIC between hosts),
 //! the rank actor that runs inside a node's agent and supervises the rank's executor
 //! process ([`rank`]), and the driver's [`TrainerGroup`]. The executor itself, the model,
 //! the ZeRO engine, checkpoints and the NCCL backend live in `regatta-torch`, the one
@@ -15,10 +16,10 @@ pub mod documents;
 pub mod error;
 pub mod group;
 pub mod hf;
+pub mod link;
 pub mod lora;
 pub mod metrics;
 pub mod protocol;
-pub mod quic_link;
 pub mod rank;
 pub mod ring_group;
 pub mod stream;
@@ -33,9 +34,9 @@ pub use documents::{Document, DocumentError, Message, Packed, PackedRow, Record,
 pub use error::{Error, Result, TrainError};
 pub use group::{TrainEvent, TrainSummary, TrainerGroup};
 pub use hf::{Architecture, HfConfigError, LlamaConfig, RopeScaling};
+pub use link::{LinkOptions, RingAddress, RingLinkBuilder, StreamLink, RING_TRANSPORT_ENV};
 pub use lora::{LoraConfig, Offload, ZeroConfig};
 pub use protocol::{FromExecutor, RankSetup, StepReport, ToExecutor, TrainOp, TrainReply};
-pub use quic_link::{QuicLink, QuicLinkBuilder};
 pub use rank::{TrainRank, TrainRankArgs, SECRET_ENV};
 pub use regatta_runtime::executor::{executor_path, EXECUTOR_ENV};
 pub use ring_group::{RankArgs, RankOp, RankReply, RingGroup, RingRank};

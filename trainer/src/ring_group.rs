@@ -2,7 +2,8 @@
 //! trainer group stands on. The driver reserves one bundle per rank (a placement group),
 //! spawns a [`RingRank`] in each, asks every rank for its QUIC address (rank 0's view of
 //! the ring is the list of those addresses), and tells each rank its successor; the ranks
-//! then run collectives among themselves over QUIC.
+//! then run collectives among themselves (a Unix socket between ranks on one host, QUIC
+//! between hosts: [`crate::link`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,7 +14,7 @@ use regatta_runtime::{
 use serde::{Deserialize, Serialize};
 
 use crate::collective::{Collective, RingCollective};
-use crate::quic_link::{QuicLink, QuicLinkBuilder};
+use crate::link::{LinkOptions, RingLinkBuilder, StreamLink};
 
 /// Constructor arguments of a rank.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -29,7 +30,7 @@ pub struct RankArgs {
 /// What a rank does.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum RankOp {
-    /// Open this rank's QUIC endpoint; replies with its address.
+    /// Open this rank's ring endpoints; replies with its ring address.
     Bind,
     /// Connect to the next rank at this address (all ranks at once).
     Connect(String),
@@ -51,8 +52,8 @@ pub enum RankReply {
 /// One rank of a ring.
 pub struct RingRank {
     args: RankArgs,
-    builder: Option<QuicLinkBuilder>,
-    ring: Option<Arc<Mutex<RingCollective<QuicLink>>>>,
+    builder: Option<RingLinkBuilder>,
+    ring: Option<Arc<Mutex<RingCollective<StreamLink>>>>,
 }
 
 impl Actor for RingRank {
@@ -78,15 +79,14 @@ impl Actor for RingRank {
                 let bind = format!("{}:0", ctx.host())
                     .parse()
                     .map_err(|e| format!("bad host {}: {e}", ctx.host()))?;
-                let builder = QuicLinkBuilder::bind(bind, &self.args.secret)?;
-                let address = builder.local_addr()?.to_string();
+                let builder = RingLinkBuilder::bind(bind, &self.args.secret, LinkOptions::from_env())?;
+                let address = builder.address()?.to_string();
                 self.builder = Some(builder);
                 Ok(RankReply::Bound(address))
             }
             RankOp::Connect(next) => {
                 let builder = self.builder.take().ok_or("Bind the rank before connecting it")?;
-                let next = next.parse().map_err(|e| format!("bad ring address {next}: {e}"))?;
-                let link = builder.connect(next).await?;
+                let link = builder.connect(&next).await?;
                 let ring = RingCollective::new(self.args.rank, self.args.world, link);
                 self.ring = Some(Arc::new(Mutex::new(ring)));
                 Ok(RankReply::Connected)

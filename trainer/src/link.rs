@@ -1,0 +1,778 @@
+//! The ring link between neighbouring ranks. Each rank listens twice: on a QUIC endpoint
+//! (the cluster's mutual TLS, derived from the ring's secret) and on a Unix socket in a
+//! private directory. A rank connects to the next rank over the Unix socket when both run on
+//! one host (same kernel boot and PID namespace: the object store's [`HostKey`]), proving the
+//! ring's secret with an HMAC challenge each way, and over QUIC otherwise (or when the Unix
+//! socket cannot be reached: another container, another user).
+//!
+//! Either way the link moves the tensors' own bytes: a send writes straight from the caller's
+//! `f32` slice and a receive reads straight into the caller's slice, with no encoding pass and
+//! no intermediate buffer. In an exchange (send to the next rank while receiving from the
+//! previous one, every ring step) the send runs on a scoped thread so it overlaps the receive:
+//! every rank sends before it receives, and blocking sends alone would deadlock the ring once
+//! a chunk outgrows the socket's buffer.
+
+use std::fmt;
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use hmac::{Hmac, Mac};
+use regatta_object_store::{endpoint, identity_from_token, HostKey, SERVER_NAME};
+use sha2::Sha256;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::runtime::Handle;
+
+use crate::collective::{LinkError, RingLink};
+
+/// Set to `quic` to make every ring link use QUIC, even between ranks on one host (for
+/// comparisons and for hosts whose temporary directory cannot hold a socket).
+pub const RING_TRANSPORT_ENV: &str = "REGATTA_RING_TRANSPORT";
+
+/// How long a Unix-socket peer has to finish the secret handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Length of each side's challenge and of an HMAC-SHA256 tag.
+const NONCE_LEN: usize = 32;
+
+// The wire form of the values is little-endian `f32`, which is the memory form here.
+#[cfg(not(target_endian = "little"))]
+compile_error!("the ring link sends f32 values in memory order, which must be little-endian");
+
+/// Where a rank's previous neighbour reaches it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RingAddress {
+    /// The QUIC endpoint.
+    pub quic: SocketAddr,
+    /// The Unix socket, for ranks on the same host.
+    pub local: Option<LocalAddress>,
+}
+
+/// A rank's Unix socket and the host it is valid on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalAddress {
+    /// The kernel and PID namespace the socket lives in.
+    pub host: HostKey,
+    /// The socket's path.
+    pub path: PathBuf,
+}
+
+impl fmt::Display for RingAddress {
+    /// `quic=<addr>;host=<hex>;unix=<path>` (the path last: it may hold any character), or
+    /// `quic=<addr>` alone.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "quic={}", self.quic)?;
+        if let Some(local) = &self.local {
+            write!(f, ";host={};unix={}", hex(&local.host.to_bytes()), local.path.display())?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for RingAddress {
+    type Err = LinkError;
+
+    /// Reads the [`Display`](fmt::Display) form back; a bare socket address is a QUIC-only
+    /// address.
+    fn from_str(text: &str) -> Result<Self, LinkError> {
+        let bad = |why: &str| LinkError(format!("bad ring address {text:?}: {why}"));
+        let Some(rest) = text.strip_prefix("quic=") else {
+            let quic = text.parse().map_err(|e| bad(&format!("{e}")))?;
+            return Ok(Self { quic, local: None });
+        };
+        let (quic, local) = match rest.split_once(";host=") {
+            None => (rest, None),
+            Some((quic, local)) => (quic, Some(local)),
+        };
+        let quic = quic.parse().map_err(|e| bad(&format!("{e}")))?;
+        let local = match local {
+            None => None,
+            Some(local) => {
+                let (host, path) = local
+                    .split_once(";unix=")
+                    .ok_or_else(|| bad("a host without a socket path"))?;
+                let host: [u8; HostKey::LEN] = unhex(host)
+                    .and_then(|bytes| bytes.try_into().ok())
+                    .ok_or_else(|| bad("the host key is not 24 hex bytes"))?;
+                if path.is_empty() {
+                    return Err(bad("an empty socket path"));
+                }
+                Some(LocalAddress {
+                    host: HostKey::from_bytes(&host),
+                    path: PathBuf::from(path),
+                })
+            }
+        };
+        Ok(Self { quic, local })
+    }
+}
+
+/// Which transports a rank offers and uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkOptions {
+    /// Offer and use a Unix socket between ranks on one host.
+    pub local: bool,
+}
+
+impl LinkOptions {
+    /// The default (a Unix socket on one host), unless [`RING_TRANSPORT_ENV`] says `quic`.
+    pub fn from_env() -> Self {
+        let quic_only = std::env::var(RING_TRANSPORT_ENV).is_ok_and(|v| v.trim().eq_ignore_ascii_case("quic"));
+        Self { local: !quic_only }
+    }
+}
+
+/// A bound rank waiting for its ring neighbours.
+pub struct RingLinkBuilder {
+    endpoint: quinn::Endpoint,
+    runtime: Handle,
+    local: Option<LocalListener>,
+    secret: Vec<u8>,
+}
+
+/// A Unix listener in a directory only this user can enter; the directory goes with it.
+struct LocalListener {
+    listener: tokio::net::UnixListener,
+    host: HostKey,
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl LocalListener {
+    fn bind() -> std::io::Result<Option<Self>> {
+        let Some(host) = HostKey::this_process() else {
+            return Ok(None);
+        };
+        let mut suffix = [0u8; 8];
+        getrandom::getrandom(&mut suffix).map_err(|e| std::io::Error::other(e.to_string()))?;
+        let dir = std::env::temp_dir().join(format!("regatta-ring-{}", hex(&suffix)));
+        std::fs::create_dir(&dir)?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        let path = dir.join("ring.sock");
+        let listener = match tokio::net::UnixListener::bind(&path) {
+            Ok(listener) => listener,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        Ok(Some(Self {
+            listener,
+            host,
+            dir,
+            path,
+        }))
+    }
+}
+
+impl Drop for LocalListener {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl RingLinkBuilder {
+    /// Binds this rank's QUIC endpoint (port 0 picks one) and, with `options.local`, its Unix
+    /// socket; call from inside a tokio runtime.
+    pub fn bind(bind: SocketAddr, secret: &str, options: LinkOptions) -> Result<Self, LinkError> {
+        let identity = identity_from_token(secret).map_err(|e| e.to_string())?;
+        let endpoint = endpoint(bind, &identity).map_err(|e| e.to_string())?;
+        let runtime = Handle::try_current().map_err(|e| format!("no tokio runtime: {e}"))?;
+        let local = if options.local {
+            match LocalListener::bind() {
+                Ok(local) => local,
+                Err(e) => {
+                    tracing::warn!("ring: no Unix socket for ranks on this host ({e}); they will use QUIC");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        Ok(Self {
+            endpoint,
+            runtime,
+            local,
+            secret: secret.as_bytes().to_vec(),
+        })
+    }
+
+    /// Where the previous rank connects to (its [`Display`](fmt::Display) form travels
+    /// through the driver).
+    pub fn address(&self) -> Result<RingAddress, LinkError> {
+        let quic = self.endpoint.local_addr().map_err(|e| LinkError(e.to_string()))?;
+        let local = self.local.as_ref().map(|l| LocalAddress {
+            host: l.host,
+            path: l.path.clone(),
+        });
+        Ok(RingAddress { quic, local })
+    }
+
+    /// Connects to the next rank at `next` (a [`RingAddress`] in text) and accepts the
+    /// previous one, by whichever transport each pair shares.
+    pub async fn connect(self, next: &str) -> Result<StreamLink, LinkError> {
+        let next: RingAddress = next.parse()?;
+        let (incoming, outgoing) = tokio::join!(self.accept_previous(), self.open_next(&next));
+        let (incoming, outgoing) = (incoming?, outgoing?);
+        // The socket file is not needed once the previous rank is in; the directory goes now.
+        drop(self.local);
+        Ok(StreamLink {
+            outgoing,
+            incoming,
+            sent: 0,
+        })
+    }
+
+    async fn open_next(&self, next: &RingAddress) -> Result<Outgoing, LinkError> {
+        if let (Some(mine), Some(theirs)) = (&self.local, &next.local) {
+            if mine.host == theirs.host {
+                match self.connect_local(&theirs.path).await {
+                    Ok(stream) => return Ok(Outgoing::Local(stream)),
+                    Err(e) => tracing::warn!(
+                        "ring: the next rank's Unix socket {} failed ({e}); using QUIC",
+                        theirs.path.display()
+                    ),
+                }
+            }
+        }
+        let connection = self
+            .endpoint
+            .connect(next.quic, SERVER_NAME)
+            .map_err(|e| format!("cannot connect to {}: {e}", next.quic))?
+            .await
+            .map_err(|e| format!("handshake with the next rank {} failed: {e}", next.quic))?;
+        let mut stream = connection
+            .open_uni()
+            .await
+            .map_err(|e| format!("cannot open a stream to {}: {e}", next.quic))?;
+        // A stream becomes visible to the peer only once something is written.
+        stream.write_all(&[1]).await.map_err(|e| e.to_string())?;
+        Ok(Outgoing::Quic(QuicSend {
+            runtime: self.runtime.clone(),
+            stream: Some(stream),
+            endpoint: self.endpoint.clone(),
+        }))
+    }
+
+    async fn connect_local(&self, path: &std::path::Path) -> Result<UnixStream, LinkError> {
+        let mut stream = tokio::net::UnixStream::connect(path)
+            .await
+            .map_err(|e| LinkError(e.to_string()))?;
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, prove_as_connector(&mut stream, &self.secret))
+            .await
+            .map_err(|_| LinkError("the next rank did not finish the handshake".into()))??;
+        into_blocking(stream)
+    }
+
+    async fn accept_previous(&self) -> Result<Incoming, LinkError> {
+        let quic = async {
+            let incoming = self.endpoint.accept().await.ok_or("the endpoint closed")?;
+            let connection = incoming
+                .await
+                .map_err(|e| format!("previous rank's handshake failed: {e}"))?;
+            let mut stream = connection
+                .accept_uni()
+                .await
+                .map_err(|e| format!("previous rank opened no stream: {e}"))?;
+            let mut hello = [0u8; 1];
+            stream
+                .read_exact(&mut hello)
+                .await
+                .map_err(|e| format!("previous rank's hello: {e}"))?;
+            Ok::<_, LinkError>(stream)
+        };
+        let local = async {
+            let Some(local) = &self.local else {
+                return std::future::pending().await;
+            };
+            loop {
+                let (mut stream, _) = local
+                    .listener
+                    .accept()
+                    .await
+                    .map_err(|e| format!("the ring's Unix socket failed: {e}"))?;
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, prove_as_listener(&mut stream, &self.secret)).await {
+                    Ok(Ok(())) => return into_blocking(stream),
+                    Ok(Err(e)) => tracing::warn!("ring: refused a Unix-socket peer: {e}"),
+                    Err(_) => tracing::warn!("ring: a Unix-socket peer did not finish the handshake"),
+                }
+            }
+        };
+        tokio::select! {
+            stream = quic => Ok(Incoming::Quic(QuicRecv { runtime: self.runtime.clone(), stream: stream?, _endpoint: self.endpoint.clone() })),
+            stream = local => Ok(Incoming::Local(stream?)),
+        }
+    }
+}
+
+type HmacSha256 = Hmac<Sha256>;
+
+fn tag(secret: &[u8], role: &[u8], nonce: &[u8]) -> HmacSha256 {
+    let mut mac = HmacSha256::new_from_slice(secret).expect("HMAC takes a key of any length");
+    mac.update(b"regatta ring link v1 ");
+    mac.update(role);
+    mac.update(nonce);
+    mac
+}
+
+fn nonce() -> Result<[u8; NONCE_LEN], LinkError> {
+    let mut nonce = [0u8; NONCE_LEN];
+    getrandom::getrandom(&mut nonce).map_err(|e| LinkError(format!("no randomness: {e}")))?;
+    Ok(nonce)
+}
+
+/// The listener's side: challenge, check the connector's answer, answer its challenge.
+async fn prove_as_listener(stream: &mut tokio::net::UnixStream, secret: &[u8]) -> Result<(), LinkError> {
+    let io = |e: std::io::Error| LinkError(e.to_string());
+    let challenge = nonce()?;
+    stream.write_all(&challenge).await.map_err(io)?;
+    let mut answer = [0u8; 2 * NONCE_LEN];
+    stream.read_exact(&mut answer).await.map_err(io)?;
+    let (their_challenge, their_tag) = answer.split_at(NONCE_LEN);
+    tag(secret, b"connect", &challenge)
+        .verify_slice(their_tag)
+        .map_err(|_| LinkError("the peer does not hold the ring's secret".into()))?;
+    let ours = tag(secret, b"accept", their_challenge).finalize().into_bytes();
+    stream.write_all(&ours).await.map_err(io)
+}
+
+/// The connector's side: answer the listener's challenge with one of its own, check its answer.
+async fn prove_as_connector(stream: &mut tokio::net::UnixStream, secret: &[u8]) -> Result<(), LinkError> {
+    let io = |e: std::io::Error| LinkError(e.to_string());
+    let mut challenge = [0u8; NONCE_LEN];
+    stream.read_exact(&mut challenge).await.map_err(io)?;
+    let ours = nonce()?;
+    let mut answer = [0u8; 2 * NONCE_LEN];
+    answer[..NONCE_LEN].copy_from_slice(&ours);
+    answer[NONCE_LEN..].copy_from_slice(&tag(secret, b"connect", &challenge).finalize().into_bytes());
+    stream.write_all(&answer).await.map_err(io)?;
+    let mut their_tag = [0u8; NONCE_LEN];
+    stream.read_exact(&mut their_tag).await.map_err(io)?;
+    tag(secret, b"accept", &ours)
+        .verify_slice(&their_tag)
+        .map_err(|_| LinkError("the next rank does not hold the ring's secret".into()))
+}
+
+fn into_blocking(stream: tokio::net::UnixStream) -> Result<UnixStream, LinkError> {
+    let stream = stream.into_std().map_err(|e| LinkError(e.to_string()))?;
+    stream.set_nonblocking(false).map_err(|e| LinkError(e.to_string()))?;
+    Ok(stream)
+}
+
+/// The sending half of a link.
+enum Outgoing {
+    Local(UnixStream),
+    Quic(QuicSend),
+}
+
+/// The receiving half of a link.
+enum Incoming {
+    Local(UnixStream),
+    Quic(QuicRecv),
+}
+
+struct QuicSend {
+    runtime: Handle,
+    stream: Option<quinn::SendStream>,
+    endpoint: quinn::Endpoint,
+}
+
+struct QuicRecv {
+    runtime: Handle,
+    stream: quinn::RecvStream,
+    /// The endpoint the stream arrived on, alive as long as the stream.
+    _endpoint: quinn::Endpoint,
+}
+
+impl Drop for QuicSend {
+    /// Keeps the endpoint alive in the background until the next rank has acknowledged
+    /// everything sent: dropping it at once would discard data still in flight.
+    fn drop(&mut self) {
+        let stream = self.stream.take();
+        let endpoint = self.endpoint.clone();
+        self.runtime.spawn(async move {
+            if let Some(mut stream) = stream {
+                let _ = stream.finish();
+                let _ = tokio::time::timeout(Duration::from_secs(30), stream.stopped()).await;
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(5), endpoint.wait_idle()).await;
+        });
+    }
+}
+
+impl Outgoing {
+    /// Writes a message: its value count, then the values' bytes from the caller's slice.
+    fn send(&mut self, values: &[f32]) -> Result<(), LinkError> {
+        let header = (values.len() as u64).to_le_bytes();
+        let payload = as_bytes(values);
+        match self {
+            Outgoing::Local(stream) => {
+                let failed = |e: std::io::Error| LinkError(format!("send to the next rank failed: {e}"));
+                stream.write_all(&header).map_err(failed)?;
+                stream.write_all(payload).map_err(failed)
+            }
+            Outgoing::Quic(quic) => {
+                let stream = quic.stream.as_mut().ok_or("the link to the next rank is closed")?;
+                quic.runtime
+                    .block_on(async {
+                        stream.write_all(&header).await?;
+                        stream.write_all(payload).await
+                    })
+                    .map_err(|e| LinkError(format!("send to the next rank failed: {e}")))
+            }
+        }
+    }
+}
+
+impl Incoming {
+    /// Reads a message of exactly `out.len()` values straight into `out`.
+    fn recv(&mut self, out: &mut [f32]) -> Result<(), LinkError> {
+        let expected = out.len();
+        let check = |header: [u8; 8]| {
+            let count = u64::from_le_bytes(header);
+            if count == expected as u64 {
+                Ok(())
+            } else {
+                Err(LinkError(format!(
+                    "expected {expected} values from the previous rank, it sent {count}"
+                )))
+            }
+        };
+        let mut header = [0u8; 8];
+        match self {
+            Incoming::Local(stream) => {
+                let failed = |e: std::io::Error| LinkError(format!("receive from the previous rank failed: {e}"));
+                stream.read_exact(&mut header).map_err(failed)?;
+                check(header)?;
+                stream.read_exact(as_bytes_mut(out)).map_err(failed)
+            }
+            Incoming::Quic(quic) => {
+                let stream = &mut quic.stream;
+                quic.runtime.block_on(async {
+                    let failed =
+                        |e: quinn::ReadExactError| LinkError(format!("receive from the previous rank failed: {e}"));
+                    stream.read_exact(&mut header).await.map_err(failed)?;
+                    check(header)?;
+                    stream.read_exact(as_bytes_mut(out)).await.map_err(failed)
+                })
+            }
+        }
+    }
+}
+
+/// A rank's link to its two ring neighbours. Its calls block: run them on a plain thread
+/// (the executor's, or `spawn_blocking`), never on an async task.
+pub struct StreamLink {
+    outgoing: Outgoing,
+    incoming: Incoming,
+    sent: u64,
+}
+
+impl StreamLink {
+    /// Which transport each half uses: `(to the next rank, from the previous rank)`, each
+    /// `"unix"` or `"quic"`.
+    pub fn transports(&self) -> (&'static str, &'static str) {
+        let out = match self.outgoing {
+            Outgoing::Local(_) => "unix",
+            Outgoing::Quic(_) => "quic",
+        };
+        let inc = match self.incoming {
+            Incoming::Local(_) => "unix",
+            Incoming::Quic(_) => "quic",
+        };
+        (out, inc)
+    }
+
+    /// Value bytes sent so far.
+    pub fn bytes_sent(&self) -> u64 {
+        self.sent
+    }
+}
+
+impl RingLink for StreamLink {
+    fn send(&mut self, data: &[f32]) -> Result<(), LinkError> {
+        self.outgoing.send(data)?;
+        self.sent += 4 * data.len() as u64;
+        Ok(())
+    }
+
+    fn recv(&mut self, out: &mut [f32]) -> Result<(), LinkError> {
+        self.incoming.recv(out)
+    }
+
+    fn exchange(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), LinkError> {
+        let (outgoing, incoming) = (&mut self.outgoing, &mut self.incoming);
+        let (sent, received) = std::thread::scope(|scope| {
+            let writer = scope.spawn(move || outgoing.send(send));
+            let received = incoming.recv(recv);
+            let sent = writer
+                .join()
+                .unwrap_or_else(|_| Err(LinkError("the ring's send thread panicked".into())));
+            (sent, received)
+        });
+        sent?;
+        self.sent += 4 * send.len() as u64;
+        received
+    }
+}
+
+/// The bytes of `values` in memory (little-endian `f32`, checked at compile time above).
+#[allow(unsafe_code)]
+fn as_bytes(values: &[f32]) -> &[u8] {
+    // SAFETY: `f32` has no padding and every byte of it is initialised; `u8` has alignment 1;
+    // the length covers exactly the same memory, borrowed for the same lifetime.
+    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
+}
+
+/// The bytes of `values` in memory, writable: any bit pattern is a valid `f32`.
+#[allow(unsafe_code)]
+fn as_bytes_mut(values: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`; every byte pattern written through the result is a valid
+    // `f32`, and the exclusive borrow is carried over.
+    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collective::{Collective, RingCollective};
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// Forms a ring of `world` ranks in this process with one option set per rank.
+    fn ring(runtime: &tokio::runtime::Runtime, options: &[LinkOptions]) -> Vec<StreamLink> {
+        let world = options.len();
+        let builders: Vec<RingLinkBuilder> = runtime.block_on(async {
+            options
+                .iter()
+                .map(|o| RingLinkBuilder::bind("127.0.0.1:0".parse().unwrap(), "ring-token", *o).unwrap())
+                .collect()
+        });
+        let addresses: Vec<String> = builders.iter().map(|b| b.address().unwrap().to_string()).collect();
+        runtime.block_on(async {
+            let connects = builders
+                .into_iter()
+                .enumerate()
+                .map(|(rank, b)| b.connect(&addresses[(rank + 1) % world]));
+            futures::future::try_join_all(connects).await.unwrap()
+        })
+    }
+
+    /// All-reduces `len` values on every rank of `links`, checking every element.
+    fn all_reduce_on(links: Vec<StreamLink>, len: usize) {
+        let world = links.len();
+        let threads: Vec<_> = links
+            .into_iter()
+            .enumerate()
+            .map(|(rank, link)| {
+                std::thread::spawn(move || {
+                    let mut ring = RingCollective::new(rank, world, link);
+                    let mut buffer: Vec<f32> = (0..len).map(|i| (rank + i % 7) as f32).collect();
+                    ring.all_reduce(&mut buffer).unwrap();
+                    buffer
+                })
+            })
+            .collect();
+        let ranks_sum = (world * (world - 1) / 2) as f32;
+        for thread in threads {
+            let buffer = thread.join().unwrap();
+            for (i, value) in buffer.iter().enumerate() {
+                assert_eq!(*value, world as f32 * (i % 7) as f32 + ranks_sum, "element {i}");
+            }
+        }
+    }
+
+    fn quic_only() -> LinkOptions {
+        LinkOptions { local: false }
+    }
+
+    fn local() -> LinkOptions {
+        LinkOptions { local: true }
+    }
+
+    // 3,000,001 values = 12 MB per rank: far beyond one flow-control window or socket buffer.
+    const LARGE: usize = 3_000_001;
+
+    #[test]
+    fn a_ring_over_quic_all_reduces_large_buffers_without_deadlock() {
+        let runtime = runtime();
+        let links = ring(&runtime, &[quic_only(); 3]);
+        assert!(links.iter().all(|l| l.transports() == ("quic", "quic")));
+        all_reduce_on(links, LARGE);
+    }
+
+    #[test]
+    fn ranks_on_one_host_use_unix_sockets_and_all_reduce_large_buffers() {
+        let runtime = runtime();
+        let links = ring(&runtime, &[local(); 3]);
+        assert!(
+            links.iter().all(|l| l.transports() == ("unix", "unix")),
+            "{:?}",
+            links.iter().map(StreamLink::transports).collect::<Vec<_>>()
+        );
+        all_reduce_on(links, LARGE);
+    }
+
+    #[test]
+    fn a_ring_mixing_unix_and_quic_links_agrees() {
+        // Rank 1 offers no Unix socket: rank 0 reaches it by QUIC, rank 1 reaches rank 2 by
+        // its Unix socket, rank 2 reaches rank 0 by its Unix socket.
+        let runtime = runtime();
+        let links = ring(&runtime, &[local(), quic_only(), local()]);
+        let transports: Vec<_> = links.iter().map(StreamLink::transports).collect();
+        assert_eq!(transports, vec![("quic", "unix"), ("quic", "quic"), ("unix", "quic")]);
+        all_reduce_on(links, 100_003);
+    }
+
+    #[test]
+    fn a_rank_without_the_token_cannot_join_the_ring() {
+        let runtime = runtime();
+        for options in [quic_only(), local()] {
+            runtime.block_on(async {
+                let member = RingLinkBuilder::bind("127.0.0.1:0".parse().unwrap(), "ring-token", options).unwrap();
+                let stranger = RingLinkBuilder::bind("127.0.0.1:0".parse().unwrap(), "other-token", options).unwrap();
+                let member_addr = member.address().unwrap().to_string();
+                let stranger_addr = stranger.address().unwrap().to_string();
+                let outcome = tokio::time::timeout(Duration::from_secs(10), async {
+                    tokio::join!(member.connect(&stranger_addr), stranger.connect(&member_addr))
+                })
+                .await;
+                // Neither side completing a handshake (a timeout) is refused by waiting, not joined.
+                if let Ok((a, b)) = outcome {
+                    assert!(a.is_err() && b.is_err(), "a ring across two tokens must not form");
+                }
+            });
+        }
+    }
+
+    #[test]
+    fn a_unix_peer_without_the_secret_is_refused_by_the_listener() {
+        let runtime = runtime();
+        runtime.block_on(async {
+            let member = RingLinkBuilder::bind("127.0.0.1:0".parse().unwrap(), "ring-token", local()).unwrap();
+            let address = member.address().unwrap();
+            let path = address.local.unwrap().path;
+            let strangers = async {
+                let mut stranger = tokio::net::UnixStream::connect(&path).await.unwrap();
+                let refused = prove_as_connector(&mut stranger, b"other-token").await;
+                assert!(refused.is_err(), "a wrong secret must not pass the handshake");
+                // Garbage gets no answer either, and the listener goes on listening.
+                let mut garbage = tokio::net::UnixStream::connect(&path).await.unwrap();
+                let mut challenge = [0u8; NONCE_LEN];
+                garbage.read_exact(&mut challenge).await.unwrap();
+                garbage.write_all(&[7u8; 2 * NONCE_LEN]).await.unwrap();
+                let mut reply = Vec::new();
+                let n = garbage.read_to_end(&mut reply).await.unwrap_or(0);
+                assert_eq!(n, 0, "the listener answered a peer with a wrong tag");
+                // The member still accepts the real previous rank afterwards.
+                let mut friend = tokio::net::UnixStream::connect(&path).await.unwrap();
+                prove_as_connector(&mut friend, b"ring-token").await.unwrap();
+                friend
+            };
+            let (accepted, _friend) = tokio::time::timeout(Duration::from_secs(30), async {
+                tokio::join!(member.accept_previous(), strangers)
+            })
+            .await
+            .expect("the handshakes finish");
+            assert!(matches!(accepted, Ok(Incoming::Local(_))));
+        });
+    }
+
+    #[test]
+    fn the_listeners_directory_is_private_and_removed_once_connected() {
+        let runtime = runtime();
+        let builders: Vec<RingLinkBuilder> = runtime.block_on(async {
+            (0..2)
+                .map(|_| RingLinkBuilder::bind("127.0.0.1:0".parse().unwrap(), "ring-token", local()).unwrap())
+                .collect()
+        });
+        let paths: Vec<PathBuf> = builders
+            .iter()
+            .map(|b| b.address().unwrap().local.unwrap().path)
+            .collect();
+        for path in &paths {
+            let mode = std::fs::metadata(path.parent().unwrap()).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o700);
+        }
+        let addresses: Vec<String> = builders.iter().map(|b| b.address().unwrap().to_string()).collect();
+        let links = runtime.block_on(async {
+            let mut builders = builders.into_iter();
+            let (a, b) = (builders.next().unwrap(), builders.next().unwrap());
+            tokio::try_join!(a.connect(&addresses[1]), b.connect(&addresses[0])).unwrap()
+        });
+        for path in &paths {
+            assert!(!path.parent().unwrap().exists(), "{} is left behind", path.display());
+        }
+        drop(links);
+    }
+
+    #[test]
+    fn ring_addresses_round_trip_and_bad_ones_are_refused() {
+        let local = RingAddress {
+            quic: "10.0.0.2:4711".parse().unwrap(),
+            local: Some(LocalAddress {
+                host: HostKey::from_bytes(&[9; HostKey::LEN]),
+                path: PathBuf::from("/tmp/a dir;with=odd chars/ring.sock"),
+            }),
+        };
+        assert_eq!(local.to_string().parse::<RingAddress>().unwrap(), local);
+        let quic = RingAddress {
+            quic: "[::1]:9".parse().unwrap(),
+            local: None,
+        };
+        assert_eq!(quic.to_string(), "quic=[::1]:9");
+        assert_eq!(quic.to_string().parse::<RingAddress>().unwrap(), quic);
+        // A bare socket address, as older ranks reported it.
+        assert_eq!("[::1]:9".parse::<RingAddress>().unwrap(), quic);
+        for bad in [
+            "",
+            "quic=nowhere",
+            "quic=1.2.3.4:5;host=zz;unix=/x",
+            "quic=1.2.3.4:5;host=0909;unix=/x",
+            "quic=1.2.3.4:5;host=090909090909090909090909090909090909090909090909",
+            "quic=1.2.3.4:5;host=090909090909090909090909090909090909090909090909;unix=",
+        ] {
+            let err = bad.parse::<RingAddress>().unwrap_err();
+            assert!(err.0.contains("bad ring address"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_message_of_the_wrong_length_is_refused() {
+        let runtime = runtime();
+        let mut links = ring(&runtime, &[local(); 2]);
+        let mut second = links.pop().unwrap();
+        let mut first = links.pop().unwrap();
+        let sender = std::thread::spawn(move || {
+            first.send(&[1.0, 2.0, 3.0]).unwrap();
+            first
+        });
+        let mut out = [0f32; 2];
+        let err = second.recv(&mut out).unwrap_err();
+        assert!(err.0.contains("expected 2 values"), "{err}");
+        drop(sender.join().unwrap());
+    }
+}
