@@ -6,6 +6,8 @@
 # on a 2-core machine; run it on an otherwise idle machine.
 # `scripts/bench-vs-ray.sh objects` runs only the object cases (cross-node get between two
 # Ray nodes with their own object stores on this machine, against `regatta bench objects`).
+# `scripts/bench-vs-ray.sh actors` runs only Ray's "1:1 actor calls" cases against
+# `regatta bench actors` (with the machine's loopback round-trip floor beside them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,6 +30,21 @@ if [ "$suite" = "objects" ]; then
     python "scripts/ray_bench.py" "$trials" objects 2>&1 | tee "$out/ray.txt"
     echo "== Regatta: regatta bench objects"
     ./target/release/regatta bench objects --trials "$trials" 2>/dev/null | tee "$out/regatta.txt"
+    echo
+    echo "Machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(lscpu | sed -n 's/^Model name: *//p'); $(date -u +%Y-%m-%d)"
+    python3 scripts/bench_table.py "$out/ray.txt" "$out/regatta.txt" | tee "$out/table.md"
+    exit 0
+fi
+if [ "$suite" = "actors" ]; then
+    echo "== Ray $ray_version: ray microbenchmark, 1:1 actor calls"
+    ray stop --force >/dev/null 2>&1 || true
+    # Ray's client-mode cases run after the filtered ones whatever the filter, and can fail to
+    # start on a small machine; the figures needed are printed by then.
+    RAY_DISABLE_USAGE_STATS=1 TESTS_TO_RUN="1:1 actor calls" timeout 1800 ray microbenchmark 2>&1 | tee "$out/ray.txt" ||
+        echo "(ray microbenchmark failed after its 1:1 cases: its Ray Client part, not needed here)"
+    ray stop --force >/dev/null 2>&1 || true
+    echo "== Regatta: regatta bench actors"
+    ./target/release/regatta bench actors --trials "$trials" 2>/dev/null | tee "$out/regatta.txt"
     echo
     echo "Machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(lscpu | sed -n 's/^Model name: *//p'); $(date -u +%Y-%m-%d)"
     python3 scripts/bench_table.py "$out/ray.txt" "$out/regatta.txt" | tee "$out/table.md"

@@ -26,6 +26,8 @@ fn bench_prints_every_case_in_rays_line_format() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
     let cases = [
+        "loopback tcp round trips between threads per second",
+        "loopback tcp round trips between tokio tasks per second",
         "1:1 actor calls sync per second",
         "1:1 actor calls async per second",
         "1:1 actor calls concurrent per second",

@@ -136,6 +136,83 @@ pub fn loopback_tcp_gbps(size: usize) -> anyhow::Result<f64> {
     Ok(received as f64 / secs / 1e9)
 }
 
+/// Bounces a 64-byte message `count` times between two threads over loopback TCP with
+/// Nagle off, and returns round trips per second: the floor under any request and reply
+/// between processes on this machine (two kernel socket passes and two thread wake-ups).
+pub fn loopback_tcp_round_trips(count: usize) -> anyhow::Result<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let address = listener.local_addr()?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut stream, _) = listener.accept()?;
+        stream.set_nodelay(true)?;
+        let mut message = [0u8; 64];
+        loop {
+            match stream.read_exact(&mut message) {
+                Ok(()) => stream.write_all(&message)?,
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+    });
+    let mut stream = TcpStream::connect(address)?;
+    stream.set_nodelay(true)?;
+    let mut message = [7u8; 64];
+    let started = Instant::now();
+    for _ in 0..count {
+        stream.write_all(&message)?;
+        stream.read_exact(&mut message)?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    drop(stream);
+    echo.join().map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
+    Ok(count as f64 / secs)
+}
+
+/// As [`loopback_tcp_round_trips`], between two tokio tasks on two runtimes (the echo's own
+/// two-thread runtime, the caller's): adds the runtimes' parking and waking to the floor.
+pub async fn loopback_tcp_round_trips_tokio(count: usize) -> anyhow::Result<f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let address = listener.local_addr()?;
+    let echo = std::thread::spawn(move || -> anyhow::Result<()> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        runtime.block_on(async move {
+            listener.set_nonblocking(true)?;
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            let (mut stream, _) = listener.accept().await?;
+            stream.set_nodelay(true)?;
+            let mut message = [0u8; 64];
+            tokio::spawn(async move {
+                loop {
+                    match stream.read_exact(&mut message).await {
+                        Ok(_) => stream.write_all(&message).await?,
+                        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                        Err(e) => return Err(anyhow::Error::from(e)),
+                    }
+                }
+            })
+            .await?
+        })
+    });
+    let mut stream = tokio::net::TcpStream::connect(address).await?;
+    stream.set_nodelay(true)?;
+    let mut message = [7u8; 64];
+    let started = Instant::now();
+    for _ in 0..count {
+        stream.write_all(&message).await?;
+        stream.read_exact(&mut message).await?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    drop(stream);
+    tokio::task::spawn_blocking(move || echo.join())
+        .await?
+        .map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
+    Ok(count as f64 / secs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use bytes::Bytes;
 
-use super::measure::{http_get, loopback_tcp_gbps, memcpy_gbps, report, rss_bytes};
+use super::measure::{
+    http_get, loopback_tcp_gbps, loopback_tcp_round_trips, loopback_tcp_round_trips_tokio, memcpy_gbps, report,
+    rss_bytes,
+};
 use crate::kinds::{Caller, Fanout, Noop, Store, StoreOp, StoreReply};
 use crate::local::{LocalCluster, LocalOptions, WorkerSpec};
 use regatta_runtime::{ActorHandle, ActorOptions, ActorPool, Client, Resources, Strategy};
@@ -140,6 +143,19 @@ pub(super) async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -
     println!("# actors");
     let one = noops(&client, 1).await?.remove(0);
     let sync_calls = 5_000 / scale;
+    // The machine's floor for one request and reply between processes, in the same run.
+    let mut floor = Vec::with_capacity(trials);
+    let mut floor_tokio = Vec::with_capacity(trials);
+    for _ in 0..trials {
+        floor.push(loopback_tcp_round_trips(sync_calls)?);
+        floor_tokio.push(loopback_tcp_round_trips_tokio(sync_calls).await?);
+    }
+    report("loopback tcp round trips between threads", "per second", &floor);
+    report(
+        "loopback tcp round trips between tokio tasks",
+        "per second",
+        &floor_tokio,
+    );
     rate("1:1 actor calls sync", trials, || async {
         for _ in 0..sync_calls {
             one.call(Vec::new()).await?;
