@@ -81,10 +81,11 @@ impl CpuCollective {
     }
 }
 
-/// A flat CPU `f32` copy of `tensor` that this call owns: never aliases the caller's memory,
-/// converted in the copy where the kind or device differs.
+/// A flat CPU `f32` copy of `tensor` that this call owns, outside autograd: never aliases the
+/// caller's memory, converted in the copy where the kind or device differs.
 fn owned_f32(tensor: &Tensor) -> Tensor {
     let converted = tensor
+        .detach()
         .to_device(Device::Cpu)
         .to_kind(Kind::Float)
         .contiguous()
@@ -99,6 +100,7 @@ fn owned_f32(tensor: &Tensor) -> Tensor {
 /// A flat CPU `f32` view of `tensor` for reading (the tensor itself where it already is one).
 fn readable_f32(tensor: &Tensor) -> Tensor {
     tensor
+        .detach()
         .to_device(Device::Cpu)
         .to_kind(Kind::Float)
         .contiguous()
@@ -316,6 +318,20 @@ mod tests {
         for (rank, (whole, summed)) in results.into_iter().enumerate() {
             assert_eq!(whole, to_vec(&input(rank, 8, Kind::Float)));
             assert_eq!(summed, vec![104.0, 106.0, 108.0, 110.0]);
+        }
+    }
+
+    #[test]
+    fn results_stay_outside_autograd() {
+        let results = on_ranks(2, |c| {
+            let x = input(c.rank(), 4, Kind::Float).set_requires_grad(true);
+            let summed = c.all_reduce(&x).unwrap();
+            let shard = c.reduce_scatter(&x).unwrap();
+            (summed.requires_grad(), shard.requires_grad(), to_vec(&summed))
+        });
+        for (summed_grad, shard_grad, summed) in results {
+            assert!(!summed_grad && !shard_grad);
+            assert_eq!(summed, vec![100.0, 102.0, 104.0, 106.0]);
         }
     }
 
