@@ -77,7 +77,8 @@ pub trait Collective: Send {
 }
 
 /// A rank's two neighbours in the ring: it sends to the next rank and receives from the
-/// previous one. Sends must not wait for the matching receive (so they overlap).
+/// previous one. A bare `send` may block until the next rank reads (only `broadcast`, whose
+/// chain is acyclic, uses it); ring steps go through `exchange`, which overlaps the two.
 pub trait RingLink: Send {
     /// Sends to the next rank.
     fn send(&mut self, data: &[f32]) -> std::result::Result<(), LinkError>;

@@ -15,7 +15,7 @@
 use std::fmt;
 use std::io::{Read, Write};
 use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -149,8 +149,7 @@ impl LocalListener {
         let mut suffix = [0u8; 8];
         getrandom::getrandom(&mut suffix).map_err(|e| std::io::Error::other(e.to_string()))?;
         let dir = std::env::temp_dir().join(format!("regatta-ring-{}", hex(&suffix)));
-        std::fs::create_dir(&dir)?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
         let path = dir.join("ring.sock");
         let listener = match tokio::net::UnixListener::bind(&path) {
             Ok(listener) => listener,
@@ -223,6 +222,7 @@ impl RingLinkBuilder {
             outgoing,
             incoming,
             sent: 0,
+            broken: None,
         })
     }
 
@@ -289,11 +289,14 @@ impl RingLinkBuilder {
                 return std::future::pending().await;
             };
             loop {
-                let (mut stream, _) = local
-                    .listener
-                    .accept()
-                    .await
-                    .map_err(|e| format!("the ring's Unix socket failed: {e}"))?;
+                let mut stream = match local.listener.accept().await {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        // QUIC may still bring the previous rank in.
+                        tracing::warn!("ring: the Unix socket stopped accepting ({e}); waiting on QUIC");
+                        return std::future::pending().await;
+                    }
+                };
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, prove_as_listener(&mut stream, &self.secret)).await {
                     Ok(Ok(())) => return into_blocking(stream),
                     Ok(Err(e)) => tracing::warn!("ring: refused a Unix-socket peer: {e}"),
@@ -404,6 +407,19 @@ impl Drop for QuicSend {
 }
 
 impl Outgoing {
+    fn close(&mut self) {
+        match self {
+            Outgoing::Local(stream) => {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            }
+            Outgoing::Quic(quic) => {
+                if let Some(stream) = quic.stream.as_mut() {
+                    let _ = stream.reset(quinn::VarInt::from_u32(0));
+                }
+            }
+        }
+    }
+
     /// Writes a message: its value count, then the values' bytes from the caller's slice.
     fn send(&mut self, values: &[f32]) -> Result<(), LinkError> {
         let header = (values.len() as u64).to_le_bytes();
@@ -428,6 +444,17 @@ impl Outgoing {
 }
 
 impl Incoming {
+    fn close(&mut self) {
+        match self {
+            Incoming::Local(stream) => {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            }
+            Incoming::Quic(quic) => {
+                let _ = quic.stream.stop(quinn::VarInt::from_u32(0));
+            }
+        }
+    }
+
     /// Reads a message of exactly `out.len()` values straight into `out`.
     fn recv(&mut self, out: &mut [f32]) -> Result<(), LinkError> {
         let expected = out.len();
@@ -469,6 +496,9 @@ pub struct StreamLink {
     outgoing: Outgoing,
     incoming: Incoming,
     sent: u64,
+    /// Why the link broke, once a send or receive failed: the streams may be out of step
+    /// (a half-read message), so every later call fails at once.
+    broken: Option<String>,
 }
 
 impl StreamLink {
@@ -492,30 +522,69 @@ impl StreamLink {
     }
 }
 
+impl StreamLink {
+    fn usable(&self) -> Result<(), LinkError> {
+        match &self.broken {
+            None => Ok(()),
+            Some(cause) => Err(LinkError(format!("the ring link broke earlier: {cause}"))),
+        }
+    }
+
+    /// Records the failure and closes both halves, so the neighbours see it too rather than
+    /// read a stream that is out of step.
+    fn broke(&mut self, error: LinkError) -> LinkError {
+        self.outgoing.close();
+        self.incoming.close();
+        self.broken = Some(error.0.clone());
+        error
+    }
+}
+
 impl RingLink for StreamLink {
     fn send(&mut self, data: &[f32]) -> Result<(), LinkError> {
-        self.outgoing.send(data)?;
+        self.usable()?;
+        if let Err(e) = self.outgoing.send(data) {
+            return Err(self.broke(e));
+        }
         self.sent += 4 * data.len() as u64;
         Ok(())
     }
 
     fn recv(&mut self, out: &mut [f32]) -> Result<(), LinkError> {
-        self.incoming.recv(out)
+        self.usable()?;
+        self.incoming.recv(out).map_err(|e| self.broke(e))
     }
 
     fn exchange(&mut self, send: &[f32], recv: &mut [f32]) -> Result<(), LinkError> {
+        self.usable()?;
+        // A failed receive must not leave the send blocked on a neighbour that stopped
+        // reading: shutting the socket down makes the blocked write return.
+        let unblock = match &self.outgoing {
+            Outgoing::Local(stream) => stream.try_clone().ok(),
+            Outgoing::Quic(_) => None,
+        };
         let (outgoing, incoming) = (&mut self.outgoing, &mut self.incoming);
         let (sent, received) = std::thread::scope(|scope| {
             let writer = scope.spawn(move || outgoing.send(send));
             let received = incoming.recv(recv);
+            if received.is_err() {
+                if let Some(stream) = &unblock {
+                    let _ = stream.shutdown(std::net::Shutdown::Both);
+                }
+            }
             let sent = writer
                 .join()
                 .unwrap_or_else(|_| Err(LinkError("the ring's send thread panicked".into())));
             (sent, received)
         });
-        sent?;
+        if let Err(e) = received {
+            return Err(self.broke(e));
+        }
+        if let Err(e) = sent {
+            return Err(self.broke(e));
+        }
         self.sent += 4 * send.len() as u64;
-        received
+        Ok(())
     }
 }
 
@@ -553,6 +622,7 @@ fn unhex(text: &str) -> Option<Vec<u8>> {
 mod tests {
     use super::*;
     use crate::collective::{Collective, RingCollective};
+    use std::os::unix::fs::PermissionsExt;
 
     fn runtime() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_multi_thread()
@@ -773,6 +843,11 @@ mod tests {
         let mut out = [0f32; 2];
         let err = second.recv(&mut out).unwrap_err();
         assert!(err.0.contains("expected 2 values"), "{err}");
-        drop(sender.join().unwrap());
+        // The stream is out of step now: later calls fail at once, never read garbage.
+        let again = second.recv(&mut out).unwrap_err();
+        assert!(again.0.contains("broke earlier"), "{again}");
+        let mut first = sender.join().unwrap();
+        // The neighbour sees the link closed rather than waiting on it.
+        assert!(first.exchange(&[1.0; 4], &mut [0.0; 4]).is_err());
     }
 }
