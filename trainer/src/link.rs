@@ -327,7 +327,8 @@ fn nonce() -> Result<[u8; NONCE_LEN], LinkError> {
     Ok(nonce)
 }
 
-/// The listener's side: challenge, check the connector's answer, answer its challenge.
+/// The listener's side: challenge, check the connector's answer, answer its challenge, wait
+/// for its confirmation.
 async fn prove_as_listener(stream: &mut tokio::net::UnixStream, secret: &[u8]) -> Result<(), LinkError> {
     let io = |e: std::io::Error| LinkError(e.to_string());
     let challenge = nonce()?;
@@ -339,10 +340,19 @@ async fn prove_as_listener(stream: &mut tokio::net::UnixStream, secret: &[u8]) -
         .verify_slice(their_tag)
         .map_err(|_| LinkError("the peer does not hold the ring's secret".into()))?;
     let ours = tag(secret, b"accept", their_challenge).finalize().into_bytes();
-    stream.write_all(&ours).await.map_err(io)
+    stream.write_all(&ours).await.map_err(io)?;
+    // The connector confirms it took the answer: only then is the stream the link (a
+    // connector that gave up in between goes to QUIC, which is still being accepted).
+    let mut confirmed = [0u8; 1];
+    stream.read_exact(&mut confirmed).await.map_err(io)?;
+    if confirmed != [1] {
+        return Err(LinkError("the peer did not confirm the handshake".into()));
+    }
+    Ok(())
 }
 
-/// The connector's side: answer the listener's challenge with one of its own, check its answer.
+/// The connector's side: answer the listener's challenge with one of its own, check its
+/// answer, confirm.
 async fn prove_as_connector(stream: &mut tokio::net::UnixStream, secret: &[u8]) -> Result<(), LinkError> {
     let io = |e: std::io::Error| LinkError(e.to_string());
     let mut challenge = [0u8; NONCE_LEN];
@@ -356,7 +366,8 @@ async fn prove_as_connector(stream: &mut tokio::net::UnixStream, secret: &[u8]) 
     stream.read_exact(&mut their_tag).await.map_err(io)?;
     tag(secret, b"accept", &ours)
         .verify_slice(&their_tag)
-        .map_err(|_| LinkError("the next rank does not hold the ring's secret".into()))
+        .map_err(|_| LinkError("the next rank does not hold the ring's secret".into()))?;
+    stream.write_all(&[1]).await.map_err(io)
 }
 
 fn into_blocking(stream: tokio::net::UnixStream) -> Result<UnixStream, LinkError> {
@@ -757,17 +768,35 @@ mod tests {
                 let mut reply = Vec::new();
                 let n = garbage.read_to_end(&mut reply).await.unwrap_or(0);
                 assert_eq!(n, 0, "the listener answered a peer with a wrong tag");
+                // A peer with the secret that leaves before confirming is not taken either.
+                let mut quitter = tokio::net::UnixStream::connect(&path).await.unwrap();
+                quitter.read_exact(&mut challenge).await.unwrap();
+                let mut answer = [0u8; 2 * NONCE_LEN];
+                answer[NONCE_LEN..]
+                    .copy_from_slice(&tag(b"ring-token", b"connect", &challenge).finalize().into_bytes());
+                quitter.write_all(&answer).await.unwrap();
+                let mut their_tag = [0u8; NONCE_LEN];
+                quitter.read_exact(&mut their_tag).await.unwrap();
+                drop(quitter);
                 // The member still accepts the real previous rank afterwards.
                 let mut friend = tokio::net::UnixStream::connect(&path).await.unwrap();
                 prove_as_connector(&mut friend, b"ring-token").await.unwrap();
                 friend
             };
-            let (accepted, _friend) = tokio::time::timeout(Duration::from_secs(30), async {
+            let (accepted, friend) = tokio::time::timeout(Duration::from_secs(30), async {
                 tokio::join!(member.accept_previous(), strangers)
             })
             .await
             .expect("the handshakes finish");
-            assert!(matches!(accepted, Ok(Incoming::Local(_))));
+            let Ok(Incoming::Local(mut accepted)) = accepted else {
+                panic!("the real previous rank was not accepted by its Unix socket");
+            };
+            // The stream taken is the friend's, not the quitter's.
+            let mut friend = friend;
+            friend.write_all(&[42]).await.unwrap();
+            let mut byte = [0u8; 1];
+            accepted.read_exact(&mut byte).unwrap();
+            assert_eq!(byte, [42]);
         });
     }
 
