@@ -231,21 +231,6 @@ fn emit(event: &FromExecutor) {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Result<Vec<u8>, String> {
-    (0..text.len())
-        .step_by(2)
-        .map(|i| {
-            text.get(i..i + 2)
-                .and_then(|pair| u8::from_str_radix(pair, 16).ok())
-                .ok_or_else(|| "malformed NCCL id".to_string())
-        })
-        .collect()
-}
-
 /// The device a rank trains on.
 pub fn pick_device(config: &TrainConfig, gpus: &[u32]) -> Result<Device, String> {
     let cuda = tch::Cuda::is_available();
@@ -385,7 +370,7 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
     };
     let nccl = device.is_cuda() && world > 1;
     let nccl_id = if nccl && rank == 0 {
-        Some(hex(&crate::nccl::unique_id().map_err(fatal)?))
+        Some(regatta_trainer::hex::encode(&crate::nccl::unique_id().map_err(fatal)?))
     } else {
         None
     };
@@ -419,7 +404,8 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
     let coll: Box<dyn TensorCollective> = if world == 1 {
         Box::new(Solo)
     } else if nccl {
-        let id = unhex(nccl_id.as_deref().unwrap_or_default()).map_err(fatal)?;
+        let id = regatta_trainer::hex::decode(nccl_id.as_deref().unwrap_or_default())
+            .ok_or_else(|| fatal("malformed NCCL id"))?;
         Box::new(crate::nccl::NcclCollective::join(&id, rank, world).map_err(lost)?)
     } else {
         let builder = builder.ok_or_else(|| fatal("no ring endpoint"))?;

@@ -712,7 +712,7 @@ fn classify(rank: usize, error: regatta_runtime::Error) -> AttemptError {
 pub(crate) fn random_secret() -> crate::Result<String> {
     let mut bytes = [0u8; 32];
     getrandom::getrandom(&mut bytes).map_err(|e| crate::Error::Secret(e.to_string()))?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    Ok(crate::hex::encode(&bytes))
 }
 
 #[cfg(test)]

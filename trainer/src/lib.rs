@@ -15,6 +15,7 @@ pub mod data;
 pub mod documents;
 pub mod error;
 pub mod group;
+pub mod hex;
 pub mod hf;
 pub mod link;
 pub mod lora;

@@ -66,7 +66,12 @@ impl fmt::Display for RingAddress {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "quic={}", self.quic)?;
         if let Some(local) = &self.local {
-            write!(f, ";host={};unix={}", hex(&local.host.to_bytes()), local.path.display())?;
+            write!(
+                f,
+                ";host={};unix={}",
+                crate::hex::encode(&local.host.to_bytes()),
+                local.path.display()
+            )?;
         }
         Ok(())
     }
@@ -94,7 +99,7 @@ impl FromStr for RingAddress {
                 let (host, path) = local
                     .split_once(";unix=")
                     .ok_or_else(|| bad("a host without a socket path"))?;
-                let host: [u8; HostKey::LEN] = unhex(host)
+                let host: [u8; HostKey::LEN] = crate::hex::decode(host)
                     .and_then(|bytes| bytes.try_into().ok())
                     .ok_or_else(|| bad("the host key is not 24 hex bytes"))?;
                 if path.is_empty() {
@@ -148,7 +153,7 @@ impl LocalListener {
         };
         let mut suffix = [0u8; 8];
         getrandom::getrandom(&mut suffix).map_err(|e| std::io::Error::other(e.to_string()))?;
-        let dir = std::env::temp_dir().join(format!("regatta-ring-{}", hex(&suffix)));
+        let dir = std::env::temp_dir().join(format!("regatta-ring-{}", crate::hex::encode(&suffix)));
         std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
         let path = dir.join("ring.sock");
         let listener = match tokio::net::UnixListener::bind(&path) {
@@ -613,20 +618,6 @@ fn as_bytes_mut(values: &mut [f32]) -> &mut [u8] {
     // SAFETY: as in `as_bytes`; every byte pattern written through the result is a valid
     // `f32`, and the exclusive borrow is carried over.
     unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 #[cfg(test)]
