@@ -40,10 +40,11 @@ use regatta_proto::{job, placement, pool as pool_book, protocol, resources, sche
 // Short paths for the parts every folder uses.
 use client::{job_client, pool};
 use head::{job_log, job_manager, job_store};
-use net::{headlink, http, node, token, wire};
+use net::{calls, headlink, http, node, token, wire};
 use worker::{agent, detect, registry};
 
 pub use client::{Actor, ActorContext, ActorError};
+pub use calls::{CallPath, CALL_PATH_ENV};
 pub use client::{ActorHandle, ActorOptions, Client, Cluster, PlacementGroup, DEFAULT_CALL_TIMEOUT};
 pub use client::{ObjectRef, RunReporter};
 pub use detect::{

@@ -181,6 +181,10 @@ struct WorkerArgs {
     /// Prometheus).
     #[arg(long, default_value_t = 0)]
     metrics_port: u16,
+    /// TCP port of this worker's actor call channel (0: any free port). Callers that
+    /// cannot reach it fall back to the cluster sessions (slower, still correct).
+    #[arg(long, default_value_t = 0)]
+    call_port: u16,
     #[command(flatten)]
     objects: ObjectArgs,
     #[command(flatten)]
@@ -317,6 +321,7 @@ async fn worker(args: WorkerArgs, registry: Registry) -> anyhow::Result<ExitCode
     config.heartbeat_interval_ms = args.heartbeat_interval_ms;
     config.objects = args.objects.config("127.0.0.1", args.bind);
     config.metrics_port = Some(args.metrics_port);
+    config.call_port = Some(args.call_port);
     match run_worker(config, registry, crate::signal::shutdown_signal()).await {
         Ok(()) => Ok(ExitCode::SUCCESS),
         Err(e @ regatta_runtime::Error::TokenRefused { .. }) => {

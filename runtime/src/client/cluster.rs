@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 
+use crate::calls::{CallPlane, Target};
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::node;
@@ -68,15 +69,18 @@ impl ActorOptions {
 pub struct Cluster {
     pub(super) link: Arc<HeadLink>,
     objects: Option<Arc<ObjectService>>,
+    /// How calls reach actors (shared by every clone).
+    pub(super) calls: Arc<CallPlane>,
     pub(super) call_timeout: Duration,
     pub(super) job: Option<String>,
 }
 
 impl Cluster {
-    pub(crate) fn new(link: Arc<HeadLink>, objects: Option<Arc<ObjectService>>) -> Self {
+    pub(crate) fn new(link: Arc<HeadLink>, objects: Option<Arc<ObjectService>>, calls: CallPlane) -> Self {
         Self {
             link,
             objects,
+            calls: Arc::new(calls),
             call_timeout: DEFAULT_CALL_TIMEOUT,
             job: None,
         }
@@ -178,7 +182,11 @@ impl Cluster {
             let router = node::wait_member(self.scope(), &node::router_group(&node), TIMEOUT)
                 .await
                 .ok_or_else(|| format!("node {node}'s router is not visible"))?;
-            wire::call_actor_raw(&router, actor, bytes, TIMEOUT).await
+            let target = Target {
+                node: &node,
+                router: &router,
+            };
+            self.calls.call(target, actor, bytes, TIMEOUT).await
         } else {
             // The head through the link (its cached actor): a process-group entry can vanish
             // when a duplicate session to the head closes, while the link's actor still runs.

@@ -9,6 +9,7 @@ use ractor::ActorCell;
 
 use super::actor::Actor;
 use super::cluster::{ActorOptions, Cluster, DEFAULT_CALL_TIMEOUT};
+use crate::calls::Target;
 use crate::error::{failure_to_error, Error, Result};
 use crate::node;
 use crate::protocol::{ActorId, ActorSpec, ActorState, ActorView, Failure, HeadRequest};
@@ -69,8 +70,8 @@ impl Cluster {
 pub struct ActorHandle<A: Actor> {
     id: ActorId,
     cluster: Cluster,
-    /// The router of the node that hosted the actor when last looked up.
-    cell: Arc<Mutex<Option<ActorCell>>>,
+    /// The node that hosted the actor when last looked up, and its router.
+    cell: Arc<Mutex<Option<(String, ActorCell)>>>,
     _kind: PhantomData<fn() -> A>,
 }
 
@@ -102,11 +103,20 @@ impl<A: Actor> ActorHandle<A> {
     pub async fn call_timeout(&self, request: A::Request, timeout: Duration) -> Result<A::Reply> {
         let deadline = Instant::now() + timeout;
         let reply = loop {
-            let router = self.resolve(deadline).await?;
+            let (node, router) = self.resolve(deadline).await?;
             let remaining = deadline
                 .saturating_duration_since(Instant::now())
                 .max(Duration::from_millis(1));
-            let bytes = match wire::call_actor_raw(&router, self.id, wire::encode(&request), remaining).await {
+            let target = Target {
+                node: &node,
+                router: &router,
+            };
+            let sent = self
+                .cluster
+                .calls
+                .call(target, self.id, wire::encode(&request), remaining)
+                .await;
+            let bytes = match sent {
                 Ok(bytes) => bytes,
                 Err(CallError::Timeout) => {
                     return Err(Error::Timeout {
@@ -150,9 +160,18 @@ impl<A: Actor> ActorHandle<A> {
     /// Sends a message without waiting for it to be handled (a message to an actor that
     /// has just died is dropped, as any message in its queue would be).
     pub async fn cast(&self, request: A::Request) -> Result<()> {
-        let router = self.resolve(Instant::now() + DEFAULT_CALL_TIMEOUT).await?;
-        wire::cast_actor_raw(&router, self.id, wire::encode(&request)).map_err(|cause| {
+        let (node, router) = self.resolve(Instant::now() + DEFAULT_CALL_TIMEOUT).await?;
+        let target = Target {
+            node: &node,
+            router: &router,
+        };
+        let sent = self.cluster.calls.cast(target, self.id, wire::encode(&request)).await;
+        sent.map_err(|e| {
             self.forget();
+            let cause = match e {
+                CallError::Unreachable(cause) => cause,
+                CallError::Timeout => "the message could not be sent in time".to_string(),
+            };
             Error::CallFailed { actor: self.id, cause }
         })
     }
@@ -199,10 +218,10 @@ impl<A: Actor> ActorHandle<A> {
     /// (waiting while it is placed or restarted) and then the local mirror of the router's
     /// process group. The head is asked first so that a killed or dead actor whose host is
     /// still stopping is reported dead rather than reached.
-    async fn resolve(&self, deadline: Instant) -> Result<ActorCell> {
-        if let Some(cell) = self.cell.lock().ok().and_then(|c| c.clone()) {
+    async fn resolve(&self, deadline: Instant) -> Result<(String, ActorCell)> {
+        if let Some((node, cell)) = self.cell.lock().ok().and_then(|c| c.clone()) {
             if cell.get_status() == ractor::ActorStatus::Running {
-                return Ok(cell);
+                return Ok((node, cell));
             }
         }
         loop {
@@ -243,7 +262,7 @@ impl<A: Actor> ActorHandle<A> {
                 let group = node::router_group(node);
                 if let Some(cell) = node::wait_member(self.cluster.scope(), &group, remaining.min(REACH_RECHECK)).await
                 {
-                    return Ok(self.remember(cell));
+                    return Ok(self.remember(node, cell));
                 }
             }
             // Still not visible here although the head calls it alive: this process's
@@ -267,11 +286,12 @@ impl<A: Actor> ActorHandle<A> {
         }
     }
 
-    fn remember(&self, cell: ActorCell) -> ActorCell {
+    fn remember(&self, node: &str, cell: ActorCell) -> (String, ActorCell) {
+        let target = (node.to_string(), cell);
         if let Ok(mut cached) = self.cell.lock() {
-            *cached = Some(cell.clone());
+            *cached = Some(target.clone());
         }
-        cell
+        target
     }
 }
 

@@ -20,6 +20,7 @@ pub use handle::ActorHandle;
 pub use objects::ObjectRef;
 pub use runs::RunReporter;
 
+use crate::calls::{CallPath, CallPlane, CallTls};
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::node::{self, LocalNode};
@@ -52,10 +53,15 @@ impl Client {
         } else {
             None
         };
+        let calls = if direct {
+            CallPlane::new(CallTls::from_token(token)?, CallPath::from_env()?)
+        } else {
+            CallPlane::session_only()
+        };
         // A driver started by the job manager belongs to its job.
         let job = std::env::var(crate::job::JOB_ID_ENV).ok().filter(|j| !j.is_empty());
         Ok(Self {
-            cluster: Cluster::new(link, objects).with_job(job),
+            cluster: Cluster::new(link, objects, calls).with_job(job),
             _node: local,
         })
     }

@@ -2,6 +2,7 @@
 //! the wire codec every remote actor speaks, the link to the head, the cluster token and
 //! the small HTTP helpers.
 
+pub(crate) mod calls;
 pub(crate) mod headlink;
 pub(crate) mod http;
 pub(crate) mod node;

@@ -26,6 +26,10 @@ pub(crate) struct AgentArgs {
     pub(crate) host: String,
     pub(crate) registry: Registry,
     pub(crate) cluster: Cluster,
+    /// Where the node's hosted actors' queues are, shared with its call channel.
+    pub(crate) routes: Routes,
+    /// The node's call channel address, if it serves one.
+    pub(crate) call_address: Option<String>,
 }
 
 pub(crate) struct AgentState {
@@ -62,9 +66,9 @@ impl Actor for Agent {
     type Arguments = AgentArgs;
 
     async fn pre_start(&self, myself: ActorRef<Wire>, args: AgentArgs) -> Result<AgentState, ActorProcessingErr> {
-        let routes = Routes::default();
-        let (router, _) =
-            Actor::spawn_linked(None, Router, (args.node.clone(), routes.clone()), myself.get_cell()).await?;
+        let routes = args.routes.clone();
+        let router_args = (args.node.clone(), routes.clone(), args.call_address.clone());
+        let (router, _) = Actor::spawn_linked(None, Router, router_args, myself.get_cell()).await?;
         node::join_group(args.cluster.scope(), &node::router_group(&args.node), router.get_cell());
         Ok(AgentState {
             routes,

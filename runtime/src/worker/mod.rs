@@ -16,7 +16,9 @@ use ractor::{Actor, ActorRef};
 use crate::agent::{Agent, AgentArgs};
 use std::sync::Arc;
 
+use crate::calls::{CallPath, CallPlane, CallServer, CallTls};
 use crate::client::Cluster;
+use router::Routes;
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::node::{self, LocalNode};
@@ -50,6 +52,9 @@ pub struct WorkerConfig {
     pub objects: ObjectConfig,
     /// Port of this worker's `/metrics` (0: any free port; `None`: no endpoint).
     pub metrics_port: Option<u16>,
+    /// TCP port of this worker's actor call channel (0: any free port; `None`: no
+    /// channel, callers go through the cluster sessions).
+    pub call_port: Option<u16>,
 }
 
 impl WorkerConfig {
@@ -66,6 +71,7 @@ impl WorkerConfig {
             heartbeat_interval_ms: 500,
             objects: ObjectConfig::new("127.0.0.1"),
             metrics_port: Some(0),
+            call_port: Some(0),
         }
     }
 }
@@ -101,7 +107,13 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
     objects.advertise_host = host.clone();
     objects.bind = config.bind;
     let store = ObjectService::start(&name, &config.token, objects, link.clone()).await?;
-    let cluster = Cluster::new(link, Some(store.clone()));
+    let tls = CallTls::from_token(&config.token)?;
+    let cluster = Cluster::new(link, Some(store.clone()), CallPlane::new(tls.clone(), CallPath::from_env()?));
+    let routes = Routes::default();
+    let calls = match config.call_port {
+        Some(port) => Some(CallServer::start(config.bind, port, &host, &tls, name.clone(), routes.clone()).await?),
+        None => None,
+    };
     let metrics_address = match config.metrics_port {
         Some(port) => {
             let node = name.clone();
@@ -130,6 +142,8 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
             host: host.clone(),
             registry,
             cluster: cluster.clone(),
+            routes,
+            call_address: calls.as_ref().map(|server| server.address().to_string()),
         },
     )
     .await

@@ -18,8 +18,18 @@ use std::sync::{Arc, Mutex};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::mpsc::{UnboundedSender, WeakUnboundedSender};
 
+use serde::{Deserialize, Serialize};
+
 use crate::protocol::{ActorId, Failure};
 use crate::wire::{self, Wire};
+
+/// What a router answers besides routed messages (a plain `Wire::Call`).
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum RouterQuery {
+    /// The node's call channel address (`host:port`), if it serves one: a
+    /// `Result<Option<String>, Failure>`.
+    CallAddress,
+}
 
 /// Where a hosted actor's messages go: its host's queue (held weakly: the queue closes
 /// when the host stops, whatever the table says) and its mailbox-depth gauge.
@@ -103,19 +113,25 @@ pub(crate) struct Router;
 pub(crate) struct RouterState {
     node: String,
     routes: Routes,
+    call_address: Option<String>,
 }
 
 impl Actor for Router {
     type Msg = Wire;
     type State = RouterState;
-    type Arguments = (String, Routes);
+    /// The node's name, its routes and its call channel's address.
+    type Arguments = (String, Routes, Option<String>);
 
     async fn pre_start(
         &self,
         _myself: ActorRef<Wire>,
-        (node, routes): (String, Routes),
+        (node, routes, call_address): Self::Arguments,
     ) -> Result<RouterState, ActorProcessingErr> {
-        Ok(RouterState { node, routes })
+        Ok(RouterState {
+            node,
+            routes,
+            call_address,
+        })
     }
 
     async fn handle(
@@ -139,13 +155,16 @@ impl Actor for Router {
                     tracing::debug!(%actor, node = %state.node, "dropped a cast to an actor this node does not host");
                 }
             }
-            Wire::Call(_, port) => wire::reply::<()>(
-                port,
-                Err(Failure::BadMessage(format!(
-                    "could not decode a message for node {}'s router: it takes only calls addressed to an actor",
-                    state.node
-                ))),
-            ),
+            Wire::Call(bytes, port) => match wire::decode::<RouterQuery>(&bytes, "a router query") {
+                Ok(RouterQuery::CallAddress) => wire::reply(port, Ok::<_, Failure>(state.call_address.clone())),
+                Err(_) => wire::reply::<()>(
+                    port,
+                    Err(Failure::BadMessage(format!(
+                        "could not decode a message for node {}'s router: it takes calls addressed to an actor and router queries",
+                        state.node
+                    ))),
+                ),
+            },
             Wire::Cast(_) | Wire::Local(_) => {}
         }
         Ok(())

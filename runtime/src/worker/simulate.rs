@@ -10,6 +10,7 @@ use ractor::Actor;
 
 use super::{join_with_retry, keep_membership};
 use crate::agent::{Agent, AgentArgs};
+use crate::calls::CallPlane;
 use crate::client::Cluster;
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
@@ -69,7 +70,7 @@ pub async fn run_simulated_nodes(
         head,
         config.head_address.clone(),
     ));
-    let cluster = Cluster::new(link, None);
+    let cluster = Cluster::new(link, None, CallPlane::session_only());
     let mut members = Vec::with_capacity(config.count);
     for index in config.first..config.first + config.count {
         let name = simulated_name(&config.prefix, index);
@@ -81,6 +82,9 @@ pub async fn run_simulated_nodes(
                 host: host.clone(),
                 registry: registry.clone(),
                 cluster: cluster.clone(),
+                routes: Default::default(),
+                // Simulated nodes are reached through the sessions only.
+                call_address: None,
             },
         )
         .await

@@ -1,0 +1,350 @@
+//! The calling side of the call channel: one connection per serving process, shared by
+//! every caller in this process, with replies matched to calls by sequence number.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ractor::ActorCell;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_rustls::client::TlsStream;
+
+use super::frame::{ReplyHeader, ReplyStatus, RequestHeader, RequestKind, REPLY_HEADER_BYTES};
+use super::{CallPath, CallTls};
+use crate::error::{failure_to_error, Error, Result};
+use crate::protocol::{ActorId, Failure};
+use crate::wire::{self, CallError};
+use crate::worker::router::RouterQuery;
+
+/// How long opening a connection (TCP and TLS) may take before the session path is used.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a node whose channel could not be opened is reached by the session path
+/// before trying its channel again.
+const RETRY_AFTER: Duration = Duration::from_secs(10);
+/// How long a cast may wait for the connection to take its bytes.
+const CAST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// This process's call channel connections, by serving node.
+pub(crate) struct CallPlane {
+    tls: Option<CallTls>,
+    nodes: Mutex<HashMap<String, NodeChannel>>,
+    /// One opener per node at a time.
+    gates: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+enum NodeChannel {
+    Open(Arc<Connection>),
+    /// The channel could not be opened; use the session path until then.
+    Unavailable(Instant),
+}
+
+/// Where an actor lives: its node and the node's router (the session path, and the way
+/// to learn the node's channel address).
+pub(crate) struct Target<'a> {
+    pub(crate) node: &'a str,
+    pub(crate) router: &'a ActorCell,
+}
+
+impl CallPlane {
+    /// A plane that opens channels with `tls`, as `path` says.
+    pub(crate) fn new(tls: CallTls, path: CallPath) -> Self {
+        Self {
+            tls: (path == CallPath::Direct).then_some(tls),
+            nodes: Mutex::default(),
+            gates: Mutex::default(),
+        }
+    }
+
+    /// A plane that always uses the session path.
+    pub(crate) fn session_only() -> Self {
+        Self {
+            tls: None,
+            nodes: Mutex::default(),
+            gates: Mutex::default(),
+        }
+    }
+
+    /// Calls `actor` at `target` and waits up to `timeout` for the raw reply.
+    pub(crate) async fn call(
+        &self,
+        target: Target<'_>,
+        actor: ActorId,
+        request: Vec<u8>,
+        timeout: Duration,
+    ) -> std::result::Result<Vec<u8>, CallError> {
+        let deadline = Instant::now() + timeout;
+        if request.len() > wire::MAX_MESSAGE_BYTES {
+            // The session path refuses it with the message users see.
+            return wire::call_actor_raw(target.router, actor, request, timeout).await;
+        }
+        match self.connection(&target, deadline).await {
+            Some(connection) => connection.call(actor, &request, deadline).await,
+            None => {
+                let remaining = deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1));
+                wire::call_actor_raw(target.router, actor, request, remaining).await
+            }
+        }
+    }
+
+    /// Sends `actor` a message without waiting for it to be handled.
+    pub(crate) async fn cast(&self, target: Target<'_>, actor: ActorId, message: Vec<u8>) -> std::result::Result<(), CallError> {
+        if message.len() <= wire::MAX_MESSAGE_BYTES {
+            if let Some(connection) = self.connection(&target, Instant::now() + CAST_TIMEOUT).await {
+                return connection.cast(actor, &message).await;
+            }
+        }
+        wire::cast_actor_raw(target.router, actor, message).map_err(CallError::Unreachable)
+    }
+
+    /// The open connection to `target`'s node, opening one if needed; `None`: use the
+    /// session path.
+    async fn connection(&self, target: &Target<'_>, deadline: Instant) -> Option<Arc<Connection>> {
+        let tls = self.tls.as_ref()?;
+        if let Some(found) = self.known(target.node) {
+            return found;
+        }
+        let gate = {
+            let mut gates = self.gates.lock().ok()?;
+            gates.entry(target.node.to_string()).or_default().clone()
+        };
+        let _opening = tokio::time::timeout_at(deadline.into(), gate.lock()).await.ok()?;
+        if let Some(found) = self.known(target.node) {
+            return found;
+        }
+        let channel = match open(tls, target).await {
+            Ok(connection) => NodeChannel::Open(Arc::new(connection)),
+            Err(e) => {
+                tracing::info!(node = %target.node, error = %e, "no call channel to this node; calls go through the session");
+                NodeChannel::Unavailable(Instant::now() + RETRY_AFTER)
+            }
+        };
+        let connection = match &channel {
+            NodeChannel::Open(connection) => Some(connection.clone()),
+            NodeChannel::Unavailable(_) => None,
+        };
+        if let Ok(mut nodes) = self.nodes.lock() {
+            nodes.insert(target.node.to_string(), channel);
+        }
+        connection
+    }
+
+    /// What is known of `node`'s channel: `Some(Some(c))` open, `Some(None)` unavailable
+    /// for now, `None` nothing usable (never tried, broken, or time to retry).
+    fn known(&self, node: &str) -> Option<Option<Arc<Connection>>> {
+        let nodes = self.nodes.lock().ok()?;
+        match nodes.get(node)? {
+            NodeChannel::Open(connection) if connection.is_open() => Some(Some(connection.clone())),
+            NodeChannel::Unavailable(until) if Instant::now() < *until => Some(None),
+            _ => None,
+        }
+    }
+}
+
+/// Asks the node's router for its channel address and opens a connection to it.
+async fn open(tls: &CallTls, target: &Target<'_>) -> Result<Connection> {
+    let reply = wire::call_raw(target.router, wire::encode(&RouterQuery::CallAddress), CONNECT_TIMEOUT)
+        .await
+        .map_err(|e| match e {
+            CallError::Timeout => Error::Timeout {
+                what: format!("node {}'s router naming its call channel", target.node),
+                timeout: CONNECT_TIMEOUT,
+            },
+            CallError::Unreachable(cause) => Error::Rejected(cause),
+        })?;
+    let address: std::result::Result<Option<String>, Failure> =
+        wire::decode(&reply, "a router's call channel address").map_err(|f| failure_to_error(f, None))?;
+    let address = address
+        .map_err(|f| failure_to_error(f, None))?
+        .ok_or_else(|| Error::Rejected(format!("node {} serves no call channel", target.node)))?;
+    connect(tls, &address, target.node).await
+}
+
+/// Opens a connection to the call channel at `address` (node `node`'s).
+pub(super) async fn connect(tls: &CallTls, address: &str, node: &str) -> Result<Connection> {
+    let io = |context: String| move |cause| Error::Io { context, cause };
+    let connect = async {
+        let stream = TcpStream::connect(address)
+            .await
+            .map_err(io(format!("connect to {address}")))?;
+        stream.set_nodelay(true).map_err(io("set TCP_NODELAY".into()))?;
+        tls.connector
+            .connect(CallTls::server_name(), stream)
+            .await
+            .map_err(io(format!("TLS handshake with {address}")))
+    };
+    let stream = tokio::time::timeout(CONNECT_TIMEOUT, connect)
+        .await
+        .map_err(|_| Error::Timeout {
+            what: format!("opening the call channel to {address}"),
+            timeout: CONNECT_TIMEOUT,
+        })??;
+    tracing::debug!(%node, %address, "call channel open");
+    Ok(Connection::start(stream, node))
+}
+
+/// How one call ended, as its connection's reader saw it.
+enum Outcome {
+    Answered(Vec<u8>),
+    Lost,
+    Broken(String),
+}
+
+/// Calls waiting for replies, and why the connection broke once it has.
+#[derive(Default)]
+struct Pending {
+    calls: HashMap<u64, oneshot::Sender<Outcome>>,
+    broken: Option<String>,
+}
+
+type Stream = TlsStream<TcpStream>;
+
+/// One connection to a serving process.
+pub(super) struct Connection {
+    writer: tokio::sync::Mutex<WriteHalf<Stream>>,
+    pending: Arc<Mutex<Pending>>,
+    next_seq: AtomicU64,
+    reader: JoinHandle<()>,
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+impl Connection {
+    fn start(stream: Stream, node: &str) -> Self {
+        let (reader, writer) = tokio::io::split(stream);
+        let pending = Arc::new(Mutex::new(Pending::default()));
+        let reader = tokio::spawn(read_replies(reader, pending.clone(), node.to_string()));
+        Self {
+            writer: tokio::sync::Mutex::new(writer),
+            pending,
+            next_seq: AtomicU64::new(0),
+            reader,
+        }
+    }
+
+    pub(super) fn is_open(&self) -> bool {
+        self.pending.lock().map(|p| p.broken.is_none()).unwrap_or(false)
+    }
+
+    pub(super) async fn call(&self, actor: ActorId, request: &[u8], deadline: Instant) -> std::result::Result<Vec<u8>, CallError> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let (sender, answer) = oneshot::channel();
+        {
+            let mut pending = self.lock_pending()?;
+            if let Some(why) = &pending.broken {
+                return Err(CallError::Unreachable(why.clone()));
+            }
+            pending.calls.insert(seq, sender);
+        }
+        let frame = RequestHeader::frame(RequestKind::Call, seq, actor, request);
+        match tokio::time::timeout_at(deadline.into(), self.write(&frame)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(why)) => return Err(CallError::Unreachable(why)),
+            Err(_) => {
+                // Part of the frame may be written: the stream is out of step for good.
+                self.break_with("a call timed out while being sent".into());
+                return Err(CallError::Timeout);
+            }
+        }
+        match tokio::time::timeout_at(deadline.into(), answer).await {
+            Ok(Ok(Outcome::Answered(reply))) => Ok(reply),
+            Ok(Ok(Outcome::Lost)) => Err(CallError::Unreachable(
+                "the actor stopped or its node was lost before replying".into(),
+            )),
+            Ok(Ok(Outcome::Broken(why))) => Err(CallError::Unreachable(why)),
+            Ok(Err(_)) => Err(CallError::Unreachable("the call channel closed".into())),
+            Err(_) => {
+                if let Ok(mut pending) = self.pending.lock() {
+                    pending.calls.remove(&seq);
+                }
+                Err(CallError::Timeout)
+            }
+        }
+    }
+
+    pub(super) async fn cast(&self, actor: ActorId, message: &[u8]) -> std::result::Result<(), CallError> {
+        let frame = RequestHeader::frame(RequestKind::Cast, 0, actor, message);
+        match tokio::time::timeout(CAST_TIMEOUT, self.write(&frame)).await {
+            Ok(written) => written.map_err(CallError::Unreachable),
+            Err(_) => {
+                self.break_with("a cast timed out while being sent".into());
+                Err(CallError::Timeout)
+            }
+        }
+    }
+
+    /// Writes one whole frame; a failure breaks the connection (and is its reason).
+    async fn write(&self, frame: &[u8]) -> std::result::Result<(), String> {
+        let mut writer = self.writer.lock().await;
+        let written = match writer.write_all(frame).await {
+            Ok(()) => writer.flush().await,
+            Err(e) => Err(e),
+        };
+        written.map_err(|e| {
+            let why = format!("the call channel broke: {e}");
+            self.break_with(why.clone());
+            why
+        })
+    }
+
+    fn lock_pending(&self) -> std::result::Result<std::sync::MutexGuard<'_, Pending>, CallError> {
+        self.pending
+            .lock()
+            .map_err(|_| CallError::Unreachable("the call channel's lock was poisoned".into()))
+    }
+
+    fn break_with(&self, why: String) {
+        fail_all(&self.pending, why);
+        self.reader.abort();
+    }
+}
+
+/// Marks the connection broken and fails every call waiting on it.
+fn fail_all(pending: &Mutex<Pending>, why: String) {
+    let waiting = match pending.lock() {
+        Ok(mut pending) => {
+            pending.broken.get_or_insert(why.clone());
+            std::mem::take(&mut pending.calls)
+        }
+        Err(_) => return,
+    };
+    for (_, call) in waiting {
+        let _ = call.send(Outcome::Broken(why.clone()));
+    }
+}
+
+/// Hands each reply to its call until the connection ends.
+async fn read_replies(mut reader: ReadHalf<Stream>, pending: Arc<Mutex<Pending>>, node: String) {
+    let why = loop {
+        let mut header = [0u8; REPLY_HEADER_BYTES];
+        if let Err(e) = reader.read_exact(&mut header).await {
+            break format!("the call channel to node {node} closed: {e}");
+        }
+        let reply = match ReplyHeader::parse(&header) {
+            Ok(reply) => reply,
+            Err(e) => break format!("node {node} sent a bad reply: {e}"),
+        };
+        let mut payload = vec![0u8; reply.len];
+        if let Err(e) = reader.read_exact(&mut payload).await {
+            break format!("the call channel to node {node} closed mid-reply: {e}");
+        }
+        let call = pending.lock().ok().and_then(|mut p| p.calls.remove(&reply.seq));
+        // A call that timed out meanwhile is no longer waiting.
+        if let Some(call) = call {
+            let _ = call.send(match reply.status {
+                ReplyStatus::Answered => Outcome::Answered(payload),
+                ReplyStatus::Lost => Outcome::Lost,
+            });
+        }
+    };
+    fail_all(&pending, why);
+}

@@ -1,0 +1,101 @@
+//! The call channel: actor calls and casts go straight from the caller's process to the
+//! process that hosts the actor, over one mutually authenticated TLS connection per pair
+//! of processes, instead of through `ractor_cluster`'s session actors.
+//!
+//! Why: a call through the sessions passes about ten task-to-task hand-offs across the two
+//! processes (caller → session writer → … → session reader → router → host and back), each
+//! able to wake a parked worker thread on an idle core; on a machine with slow wake-ups
+//! that, not the network, bounded one-at-a-time calls. Here a call is the caller's write,
+//! the serving connection's read, the host's queue and one reply write: the host's queue
+//! is the same one the node's router fills ([`crate::worker::router::Routes`]), so
+//! restarts, "not hosted here" answers and mailbox metrics are unchanged.
+//!
+//! Every worker serves the channel on its own TCP port (`--call-port`, any free one by
+//! default) with TLS 1.3 and client certificates derived from the cluster token, as the
+//! object transfer does: a peer without the token cannot connect, and nothing crosses in
+//! cleartext. A caller learns the port from the node's router (over the session, once)
+//! and falls back to the session path when the node offers no channel or cannot be
+//! reached on it, so a firewall between a driver and a worker's call port costs speed,
+//! not correctness. [`CALL_PATH_ENV`] = `session` turns the channel off in a process.
+//!
+//! Ordering: calls and casts a caller sends one after another over one connection reach
+//! the actor's queue in that order.
+
+mod client;
+mod frame;
+mod server;
+
+pub(crate) use client::{CallPlane, Target};
+pub(crate) use server::CallServer;
+
+use std::sync::Arc;
+
+use regatta_object_store::{identity_from_token, SERVER_NAME};
+use tokio_rustls::rustls::pki_types::ServerName;
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+use crate::error::{Error, Result};
+
+/// Environment variable choosing how this process sends actor calls: `direct` (default:
+/// the call channel, falling back to the session path) or `session` (always the session
+/// path).
+pub const CALL_PATH_ENV: &str = "REGATTA_CALL_PATH";
+
+/// ALPN protocol id of the call channel (the object transfer has its own).
+const ALPN: &[u8] = b"regatta-calls/1";
+
+/// How this process sends actor calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallPath {
+    /// The call channel where the node offers one, else the session path.
+    Direct,
+    /// Always through `ractor_cluster`'s sessions.
+    Session,
+}
+
+impl CallPath {
+    /// Parses [`CALL_PATH_ENV`]'s value.
+    pub fn parse(text: &str) -> Result<Self> {
+        match text.trim() {
+            "" | "direct" => Ok(Self::Direct),
+            "session" => Ok(Self::Session),
+            other => Err(Error::Rejected(format!(
+                "{CALL_PATH_ENV}='{other}' is not a call path; use 'direct' (the default) or 'session'"
+            ))),
+        }
+    }
+
+    /// The path [`CALL_PATH_ENV`] asks for (`Direct` when unset).
+    pub fn from_env() -> Result<Self> {
+        Self::parse(&std::env::var(CALL_PATH_ENV).unwrap_or_default())
+    }
+}
+
+/// TLS for the call channel, from the cluster token (mutual: both sides present a
+/// certificate signed by the token's authority).
+#[derive(Clone)]
+pub(crate) struct CallTls {
+    acceptor: TlsAcceptor,
+    connector: TlsConnector,
+}
+
+impl CallTls {
+    pub(crate) fn from_token(token: &str) -> Result<Self> {
+        let identity = identity_from_token(token).map_err(|e| Error::Rejected(format!("call channel TLS: {e}")))?;
+        let mut server = (*identity.server).clone();
+        server.alpn_protocols = vec![ALPN.to_vec()];
+        let mut client = (*identity.client).clone();
+        client.alpn_protocols = vec![ALPN.to_vec()];
+        Ok(Self {
+            acceptor: TlsAcceptor::from(Arc::new(server)),
+            connector: TlsConnector::from(Arc::new(client)),
+        })
+    }
+
+    fn server_name() -> ServerName<'static> {
+        ServerName::try_from(SERVER_NAME).expect("the node certificate's name is a valid DNS name")
+    }
+}
+
+#[cfg(test)]
+mod tests;

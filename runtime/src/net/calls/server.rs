@@ -1,0 +1,207 @@
+//! The serving side of the call channel: one per worker process, handing each request to
+//! the hosted actor's queue and writing its reply back on the same connection.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::task::{JoinHandle, JoinSet};
+
+use super::frame::{ReplyHeader, ReplyStatus, RequestHeader, RequestKind, REQUEST_HEADER_BYTES};
+use super::CallTls;
+use crate::error::{Error, Result};
+use crate::protocol::Failure;
+use crate::wire::{self, Wire};
+use crate::worker::router::Routes;
+
+/// How long a connecting peer has to finish the TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A running call channel listener; dropping it stops accepting and closes every
+/// connection it accepted.
+pub(crate) struct CallServer {
+    address: String,
+    accept: JoinHandle<()>,
+}
+
+impl Drop for CallServer {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+impl CallServer {
+    /// Listens on `bind:port` and serves the actors `routes` holds; peers reach it at
+    /// `advertise_host` and the bound port.
+    pub(crate) async fn start(
+        bind: IpAddr,
+        port: u16,
+        advertise_host: &str,
+        tls: &CallTls,
+        node: String,
+        routes: Routes,
+    ) -> Result<Self> {
+        let listener = TcpListener::bind(SocketAddr::new(bind, port))
+            .await
+            .map_err(|cause| Error::Io {
+                context: format!("cannot listen for actor calls on {bind}:{port} (--call-port)"),
+                cause,
+            })?;
+        let bound = listener.local_addr().map_err(|cause| Error::Io {
+            context: "the call channel's listening address".into(),
+            cause,
+        })?;
+        let address = format!("{advertise_host}:{}", bound.port());
+        tracing::info!(%address, %node, "serving actor calls");
+        let accept = tokio::spawn(accept_loop(listener, tls.clone(), Arc::new(Node { name: node, routes })));
+        Ok(Self { address, accept })
+    }
+
+    /// `host:port` callers connect to.
+    pub(crate) fn address(&self) -> &str {
+        &self.address
+    }
+}
+
+/// What every connection of one node serves.
+struct Node {
+    name: String,
+    routes: Routes,
+}
+
+async fn accept_loop(listener: TcpListener, tls: CallTls, node: Arc<Node>) {
+    // Owned here so that stopping the listener closes its connections too.
+    let mut connections = JoinSet::new();
+    loop {
+        while connections.try_join_next().is_some() {}
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // Out of descriptors and the like: wait rather than spin.
+                tracing::warn!(error = %e, "cannot accept a call channel connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let (tls, node) = (tls.clone(), node.clone());
+        connections.spawn(async move {
+            if let Err(e) = serve(stream, &tls, node).await {
+                tracing::debug!(%peer, error = %e, "call channel connection ended");
+            }
+        });
+    }
+}
+
+type Writer<S> = Arc<Mutex<WriteHalf<S>>>;
+
+/// A call handed to its actor: the sequence number and where the answer comes.
+type Waiting = (u64, oneshot::Receiver<Vec<u8>>);
+
+/// Serves one connection until the peer closes it or sends something malformed. Reading
+/// requests and writing replies run in this one task, so stopping it (the listener was
+/// dropped) closes the connection even while actors still hold calls.
+async fn serve(stream: TcpStream, tls: &CallTls, node: Arc<Node>) -> Result<()> {
+    stream.set_nodelay(true).map_err(io("set TCP_NODELAY"))?;
+    let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.acceptor.accept(stream))
+        .await
+        .map_err(|_| Error::Timeout {
+            what: "a call channel TLS handshake".into(),
+            timeout: HANDSHAKE_TIMEOUT,
+        })?
+        .map_err(io("call channel TLS handshake"))?;
+    let (reader, writer) = tokio::io::split(stream);
+    let writer = Arc::new(Mutex::new(writer));
+    let (waiting, answers) = mpsc::unbounded_channel();
+    tokio::select! {
+        read = read_requests(reader, &node, &writer, waiting) => read,
+        () = write_answers(answers, &writer) => Ok(()),
+    }
+}
+
+fn io(context: &str) -> impl FnOnce(std::io::Error) -> Error {
+    let context = context.to_string();
+    move |cause| Error::Io { context, cause }
+}
+
+/// Reads requests and hands each to its actor's queue until the peer closes.
+async fn read_requests<R: AsyncRead, W: AsyncWrite>(
+    reader: R,
+    node: &Node,
+    writer: &Writer<W>,
+    waiting: mpsc::UnboundedSender<Waiting>,
+) -> Result<()> {
+    let mut reader = std::pin::pin!(reader);
+    let mut header = [0u8; REQUEST_HEADER_BYTES];
+    loop {
+        match reader.read_exact(&mut header).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(io("read a call request")(e)),
+        }
+        let request = RequestHeader::parse(&header)?;
+        let mut payload = vec![0u8; request.len];
+        reader
+            .read_exact(&mut payload)
+            .await
+            .map_err(io("read a call request's payload"))?;
+        match request.kind {
+            RequestKind::Call => {
+                let (port, answer) = oneshot::channel();
+                if node.routes.deliver(request.actor, Wire::Call(payload, port.into())).is_ok() {
+                    let _ = waiting.send((request.seq, answer));
+                } else {
+                    let not_hosted = wire::encode_failure(Failure::NotHosted {
+                        actor: request.actor,
+                        node: node.name.clone(),
+                    });
+                    write_reply(writer, request.seq, ReplyStatus::Answered, &not_hosted).await?;
+                }
+            }
+            RequestKind::Cast => {
+                if node.routes.deliver(request.actor, Wire::Cast(payload)).is_err() {
+                    tracing::debug!(actor = %request.actor, node = %node.name, "dropped a cast to an actor this node does not host");
+                }
+            }
+        }
+    }
+}
+
+/// Writes each answer as its actor gives it, in whatever order they come.
+async fn write_answers<W: AsyncWrite>(mut answers: mpsc::UnboundedReceiver<Waiting>, writer: &Writer<W>) {
+    let mut waiting = FuturesUnordered::new();
+    loop {
+        tokio::select! {
+            handed = answers.recv() => match handed {
+                Some((seq, answer)) => waiting.push(async move { (seq, answer.await) }),
+                // The reader ended; it returns first.
+                None => std::future::pending().await,
+            },
+            Some((seq, answer)) = waiting.next(), if !waiting.is_empty() => {
+                let written = match answer {
+                    Ok(reply) => write_reply(writer, seq, ReplyStatus::Answered, &reply).await,
+                    // The host dropped the call without answering (it stopped).
+                    Err(_) => write_reply(writer, seq, ReplyStatus::Lost, &[]).await,
+                };
+                // A failed write means the connection is gone: its reader ends it.
+                if written.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        }
+    }
+}
+
+async fn write_reply<S: AsyncWrite>(writer: &Writer<S>, seq: u64, status: ReplyStatus, payload: &[u8]) -> Result<()> {
+    let frame = ReplyHeader::frame(seq, status, payload);
+    let mut writer = writer.lock().await;
+    let io = |cause| Error::Io {
+        context: "write a call reply".into(),
+        cause,
+    };
+    writer.write_all(&frame).await.map_err(io)?;
+    writer.flush().await.map_err(io)
+}

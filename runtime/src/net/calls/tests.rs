@@ -1,0 +1,240 @@
+//! The call channel between a real listener and real connections on loopback, with a
+//! hand-driven actor queue standing in for a host.
+
+use std::time::{Duration, Instant};
+
+use tokio::io::AsyncWriteExt;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use super::client::{connect, Connection};
+use super::frame::{RequestHeader, RequestKind};
+use super::{CallPath, CallServer, CallTls};
+use crate::protocol::{ActorId, Failure};
+use crate::wire::{self, CallError, Wire};
+use crate::worker::router::Routes;
+
+const ACTOR: ActorId = ActorId(7);
+
+struct Served {
+    server: CallServer,
+    tls: CallTls,
+    // Kept so the route stays open.
+    _queue: UnboundedSender<Wire>,
+}
+
+/// A listener on loopback whose actor 7's queue is `inbox`.
+async fn serve(token: &str) -> (Served, UnboundedReceiver<Wire>) {
+    let tls = CallTls::from_token(token).unwrap();
+    let routes = Routes::default();
+    let (queue, inbox) = unbounded_channel();
+    routes.insert(ACTOR, 0, &queue, "test");
+    let server = CallServer::start([127, 0, 0, 1].into(), 0, "127.0.0.1", &tls, "n1".into(), routes)
+        .await
+        .unwrap();
+    (
+        Served {
+            server,
+            tls,
+            _queue: queue,
+        },
+        inbox,
+    )
+}
+
+async fn open(served: &Served) -> Connection {
+    connect(&served.tls, served.server.address(), "n1").await.unwrap()
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(10)
+}
+
+/// Answers every call with its request reversed, recording casts, until the queue closes.
+fn reverse_calls(mut inbox: UnboundedReceiver<Wire>) -> tokio::task::JoinHandle<Vec<Vec<u8>>> {
+    tokio::spawn(async move {
+        let mut seen = Vec::new();
+        while let Some(message) = inbox.recv().await {
+            match message {
+                Wire::Call(mut request, port) => {
+                    seen.push(request.clone());
+                    request.reverse();
+                    let _ = port.send(wire::encode_ok(&request));
+                }
+                Wire::Cast(message) => seen.push(message),
+                _ => {}
+            }
+        }
+        seen
+    })
+}
+
+fn answer(reply: Vec<u8>) -> Result<Vec<u8>, Failure> {
+    wire::decode(&reply, "reply").unwrap()
+}
+
+#[tokio::test]
+async fn concurrent_calls_each_get_their_own_reply() {
+    let (served, inbox) = serve("t").await;
+    reverse_calls(inbox);
+    let connection = open(&served).await;
+    let calls = (0..200u32).map(|i| {
+        let connection = &connection;
+        async move {
+            let request = i.to_le_bytes().to_vec();
+            let reply = connection.call(ACTOR, &request, soon()).await.ok().unwrap();
+            let mut expected = request;
+            expected.reverse();
+            assert_eq!(answer(reply), Ok(expected));
+        }
+    });
+    futures::future::join_all(calls).await;
+    // A message at the actor message limit goes through whole.
+    let big = vec![3u8; wire::MAX_MESSAGE_BYTES];
+    let reply = connection.call(ACTOR, &big, soon()).await.ok().unwrap();
+    assert_eq!(answer(reply).unwrap().len(), wire::MAX_MESSAGE_BYTES);
+}
+
+#[tokio::test]
+async fn casts_and_calls_reach_the_actor_in_the_order_sent() {
+    let (served, inbox) = serve("t").await;
+    let seen = reverse_calls(inbox);
+    let connection = open(&served).await;
+    for i in 0..50u8 {
+        connection.cast(ACTOR, &[i]).await.ok().unwrap();
+    }
+    connection.call(ACTOR, &[50], soon()).await.ok().unwrap();
+    drop(connection);
+    drop(served);
+    let seen = tokio::time::timeout(Duration::from_secs(10), seen).await.unwrap().unwrap();
+    assert_eq!(seen, (0..=50u8).map(|i| vec![i]).collect::<Vec<_>>());
+}
+
+#[tokio::test]
+async fn an_actor_not_hosted_here_is_answered_not_hosted() {
+    let (served, _inbox) = serve("t").await;
+    let connection = open(&served).await;
+    let reply = connection.call(ActorId(8), b"x", soon()).await.ok().unwrap();
+    assert_eq!(
+        answer(reply),
+        Err(Failure::NotHosted {
+            actor: ActorId(8),
+            node: "n1".into()
+        })
+    );
+}
+
+#[tokio::test]
+async fn a_call_the_actor_drops_is_lost_and_the_connection_goes_on() {
+    let (served, mut inbox) = serve("t").await;
+    let connection = open(&served).await;
+    let host = tokio::spawn(async move {
+        // Drops the first call's reply port; answers the second.
+        if let Some(Wire::Call(_, port)) = inbox.recv().await {
+            drop(port);
+        }
+        if let Some(Wire::Call(_, port)) = inbox.recv().await {
+            let _ = port.send(wire::encode_ok(&1u8));
+        }
+    });
+    match connection.call(ACTOR, b"a", soon()).await {
+        Err(CallError::Unreachable(why)) => assert!(why.contains("before replying"), "{why}"),
+        _ => panic!("a dropped call must be reported lost"),
+    }
+    assert!(connection.call(ACTOR, b"b", soon()).await.is_ok());
+    host.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_call_without_an_answer_times_out_and_leaves_the_connection_usable() {
+    let (served, mut inbox) = serve("t").await;
+    let connection = open(&served).await;
+    let started = Instant::now();
+    let outcome = connection
+        .call(ACTOR, b"slow", Instant::now() + Duration::from_millis(200))
+        .await;
+    assert!(matches!(outcome, Err(CallError::Timeout)));
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // The late answer is dropped; the next call gets its own.
+    let Some(Wire::Call(_, late)) = inbox.recv().await else {
+        panic!("the call reached the actor")
+    };
+    let _ = late.send(wire::encode_ok(&0u8));
+    reverse_calls(inbox);
+    let reply = connection.call(ACTOR, b"ab", soon()).await.ok().unwrap();
+    assert_eq!(answer(reply), Ok(b"ba".to_vec()));
+    assert!(connection.is_open());
+}
+
+#[tokio::test]
+async fn a_peer_with_another_token_is_refused_and_the_listener_serves_on() {
+    let (served, inbox) = serve("right").await;
+    reverse_calls(inbox);
+    let stranger = CallTls::from_token("wrong").unwrap();
+    let refused = match connect(&stranger, served.server.address(), "n1").await {
+        // TLS 1.3 may finish the client's side before the server checks its certificate:
+        // then the first call finds the connection closed.
+        Ok(connection) => connection.call(ACTOR, b"x", soon()).await.is_err(),
+        Err(_) => true,
+    };
+    assert!(refused, "a peer without the token must not reach the actor");
+    let connection = open(&served).await;
+    assert!(connection.call(ACTOR, b"ok", soon()).await.is_ok());
+}
+
+#[tokio::test]
+async fn garbage_on_the_port_closes_that_connection_only() {
+    let (served, inbox) = serve("t").await;
+    reverse_calls(inbox);
+    // Plain bytes where a TLS handshake belongs.
+    let mut plain = tokio::net::TcpStream::connect(served.server.address()).await.unwrap();
+    plain.write_all(&[0xff; 4096]).await.unwrap();
+    // A frame of an unknown kind inside TLS.
+    let stream = tokio::net::TcpStream::connect(served.server.address()).await.unwrap();
+    let mut tls = served
+        .tls
+        .connector
+        .connect(CallTls::server_name(), stream)
+        .await
+        .unwrap();
+    let mut bad = RequestHeader::frame(RequestKind::Call, 1, ACTOR, b"x");
+    bad[0] = 9;
+    tls.write_all(&bad).await.unwrap();
+    tls.flush().await.unwrap();
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(10), tokio::io::AsyncReadExt::read(&mut tls, &mut byte))
+        .await
+        .expect("the listener closes a connection that sent a bad frame");
+    assert!(matches!(read, Ok(0) | Err(_)), "no answer to a bad frame");
+    let connection = open(&served).await;
+    assert!(connection.call(ACTOR, b"ok", soon()).await.is_ok());
+}
+
+#[tokio::test]
+async fn calls_waiting_when_the_listener_stops_fail_at_once() {
+    let (served, mut inbox) = serve("t").await;
+    let connection = open(&served).await;
+    let waiting = connection.call(ACTOR, b"x", soon());
+    let stop = async {
+        // Once the call is queued, stop serving (the host never answers).
+        let queued = inbox.recv().await;
+        drop(served);
+        queued
+    };
+    let started = Instant::now();
+    let (outcome, _queued) = tokio::join!(waiting, stop);
+    assert!(matches!(outcome, Err(CallError::Unreachable(_))));
+    assert!(started.elapsed() < Duration::from_secs(5), "not left to its timeout");
+    assert!(!connection.is_open());
+    assert!(matches!(
+        connection.call(ACTOR, b"y", soon()).await,
+        Err(CallError::Unreachable(_))
+    ));
+}
+
+#[test]
+fn the_call_path_is_parsed_at_the_edge() {
+    assert_eq!(CallPath::parse("").unwrap(), CallPath::Direct);
+    assert_eq!(CallPath::parse("direct").unwrap(), CallPath::Direct);
+    assert_eq!(CallPath::parse(" session ").unwrap(), CallPath::Session);
+    assert!(CallPath::parse("quic").unwrap_err().to_string().contains("REGATTA_CALL_PATH"));
+}
