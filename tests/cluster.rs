@@ -510,3 +510,74 @@ async fn bad_constructor_args_and_failing_constructors_report_a_dead_actor() {
     let status = cluster.client.status().await.expect("status");
     assert_eq!(status.nodes[0].state, "alive", "the worker survived");
 }
+
+/// `node`'s `/metrics` page, found through the head's Prometheus discovery.
+fn node_metrics(cluster: &TestCluster, node: &str) -> String {
+    let (code, body) = support::http_get(&cluster.local.metrics_address, "/api/prometheus/sd");
+    assert_eq!(code, 200, "{body}");
+    let groups: serde_json::Value = serde_json::from_str(&body).expect("discovery is JSON");
+    let group = groups
+        .as_array()
+        .expect("a list of target groups")
+        .iter()
+        .find(|g| g["labels"]["regatta_node"] == node)
+        .unwrap_or_else(|| panic!("no metrics target for {node} in {body}"));
+    let target = group["targets"][0].as_str().expect("a target address");
+    support::http_get(&format!("http://{target}"), "/metrics").1
+}
+
+/// Messages of `kind` (call or cast) that reached `node` on its call channel.
+fn channel_messages(cluster: &TestCluster, node: &str, kind: &str) -> u64 {
+    let series = format!("regatta_call_channel_messages_total{{kind=\"{kind}\"}} ");
+    node_metrics(cluster, node)
+        .lines()
+        .find_map(|line| line.strip_prefix(&series))
+        .map_or(0, |value| value.trim().parse().expect("a counter value"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_and_casts_ride_the_call_channel_in_order_and_the_session_path_still_answers() {
+    let cluster = TestCluster::start(&[("w1", "CPU=2"), ("w2", "CPU=2")]).await;
+    let spawn = |start| {
+        cluster
+            .client
+            .spawn::<Counter>(start, ActorOptions::new().resources(req("CPU=1")))
+    };
+    let (a, b) = (spawn(0).await.expect("spawn a"), spawn(0).await.expect("spawn b"));
+    let (node_a, node_b) = (where_is(&a).await.node, where_is(&b).await.node);
+    assert_ne!(node_a, node_b, "least-loaded placement puts them on different nodes");
+    let (calls_a, casts_a, calls_b) = (
+        channel_messages(&cluster, &node_a, "call"),
+        channel_messages(&cluster, &node_a, "cast"),
+        channel_messages(&cluster, &node_b, "call"),
+    );
+
+    // A driver's casts and the call after them arrive in the order sent: no waiting.
+    for _ in 0..100 {
+        a.cast(CounterOp::Add(1)).await.expect("cast");
+    }
+    assert_eq!(a.call(CounterOp::Get).await.expect("get"), CounterReply::Total(100));
+    // An actor calls another on the other node the same way.
+    let reply = a
+        .call(CounterOp::AddToPeer {
+            peer: b.id(),
+            amount: 5,
+        })
+        .await
+        .expect("a calls b");
+    assert_eq!(reply, CounterReply::Total(5));
+    assert_eq!(channel_messages(&cluster, &node_a, "cast") - casts_a, 100);
+    assert_eq!(channel_messages(&cluster, &node_a, "call") - calls_a, 2);
+    assert_eq!(channel_messages(&cluster, &node_b, "call") - calls_b, 1);
+
+    // A client that sends by the sessions reaches the same actor, and not by the channel.
+    let by_session = cluster.client.with_call_path(regatta::CallPath::Session);
+    let a_by_session = by_session.handle::<Counter>(a.id());
+    a_by_session.cast(CounterOp::Add(1)).await.expect("cast by session");
+    assert_eq!(
+        a_by_session.call(CounterOp::Add(1)).await.expect("call by session"),
+        CounterReply::Total(102)
+    );
+    assert_eq!(channel_messages(&cluster, &node_a, "call") - calls_a, 2);
+    assert_eq!(channel_messages(&cluster, &node_a, "cast") - casts_a, 100);
+}

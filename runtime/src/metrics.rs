@@ -33,6 +33,8 @@ pub struct Metrics {
     pub(crate) actor_messages: IntCounterVec,
     pub(crate) handler_seconds: HistogramVec,
     pub(crate) mailbox_depth: IntGaugeVec,
+    /// Calls and casts that arrived on this process's call channel (not the sessions).
+    pub(crate) call_channel_messages: IntCounterVec,
     object_bytes: IntGaugeVec,
     object_count: IntGaugeVec,
     object_capacity: IntGaugeVec,
@@ -96,6 +98,16 @@ impl Metrics {
         )
         .expect("valid metric");
         r.register(Box::new(handler_seconds.clone())).expect("registers once");
+        let call_channel_messages = IntCounterVec::new(
+            Opts::new(
+                "regatta_call_channel_messages_total",
+                "Actor calls and casts that arrived on this process's call channel, by kind (call, cast)",
+            ),
+            &["kind"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(call_channel_messages.clone()))
+            .expect("registers once");
         let job_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "regatta_job_duration_seconds",
@@ -128,6 +140,7 @@ impl Metrics {
             snapshot: Mutex::new(()),
             actor_messages,
             handler_seconds,
+            call_channel_messages,
             mailbox_depth: gauge_vec(
                 r,
                 "regatta_actor_mailbox_depth",

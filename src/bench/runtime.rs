@@ -163,6 +163,17 @@ pub(super) async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -
         Ok(sync_calls)
     })
     .await?;
+    // The same calls through ractor_cluster's sessions, as before the call channel.
+    let one_by_session = client
+        .with_call_path(regatta_runtime::CallPath::Session)
+        .handle::<Noop>(one.id());
+    rate("1:1 actor calls sync through the sessions", trials, || async {
+        for _ in 0..sync_calls {
+            one_by_session.call(Vec::new()).await?;
+        }
+        Ok(sync_calls)
+    })
+    .await?;
     let batch = 10_000 / scale;
     rate("1:1 actor calls async", trials, || async {
         futures::future::try_join_all((0..batch).map(|_| one.call(Vec::new()))).await?;

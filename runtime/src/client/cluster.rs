@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 
-use crate::calls::{CallPlane, Target};
+use crate::calls::{CallPath, CallPlane, Target};
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::node;
@@ -90,6 +90,16 @@ impl Cluster {
     /// (they are cleaned up when the job ends).
     pub fn with_job(&self, job: Option<String>) -> Self {
         Self { job, ..self.clone() }
+    }
+
+    /// The same cluster, with actor calls through it sent by `path` whatever
+    /// [`crate::CALL_PATH_ENV`] says (new connections; to compare the two paths in one
+    /// process). A status-only client's handle keeps the session path.
+    pub fn with_call_path(&self, path: CallPath) -> Self {
+        Self {
+            calls: Arc::new(self.calls.with_path(path)),
+            ..self.clone()
+        }
     }
 
     /// The job actors and objects created through this handle belong to.

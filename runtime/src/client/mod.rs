@@ -41,6 +41,13 @@ impl Client {
     /// Like [`Client::connect`]; `direct` false makes a lighter client that talks only to
     /// the head (enough for status and spawning, not for calling actors on workers).
     pub async fn connect_with(address: &str, token: &str, direct: bool) -> Result<Self> {
+        let path = if direct { Some(CallPath::from_env()?) } else { None };
+        Self::open(address, token, path).await
+    }
+
+    /// Joins the cluster; `path` `None` makes a status-only client.
+    async fn open(address: &str, token: &str, path: Option<CallPath>) -> Result<Self> {
+        let direct = path.is_some();
         let host = node::route_to(address);
         let bind: IpAddr = "0.0.0.0".parse().map_err(|_| Error::Actor("bad bind address".into()))?;
         let name = format!("client-{}", node::random_hex(6));
@@ -53,10 +60,9 @@ impl Client {
         } else {
             None
         };
-        let calls = if direct {
-            CallPlane::new(CallTls::from_token(token)?, CallPath::from_env()?)
-        } else {
-            CallPlane::session_only()
+        let calls = match path {
+            Some(path) => CallPlane::new(CallTls::from_token(token)?, path),
+            None => CallPlane::session_only(),
         };
         // A driver started by the job manager belongs to its job.
         let job = std::env::var(crate::job::JOB_ID_ENV).ok().filter(|j| !j.is_empty());

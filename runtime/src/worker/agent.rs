@@ -29,7 +29,7 @@ pub(crate) struct AgentArgs {
     /// Where the node's hosted actors' queues are, shared with its call channel.
     pub(crate) routes: Routes,
     /// The node's call channel address, if it serves one.
-    pub(crate) call_address: Option<String>,
+    pub(crate) call_address: Option<crate::calls::CallAddress>,
 }
 
 pub(crate) struct AgentState {

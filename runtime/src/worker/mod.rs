@@ -143,7 +143,7 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
             registry,
             cluster: cluster.clone(),
             routes,
-            call_address: calls.as_ref().map(|server| server.address().to_string()),
+            call_address: calls.as_ref().map(|server| server.address().clone()),
         },
     )
     .await

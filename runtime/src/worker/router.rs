@@ -20,14 +20,15 @@ use tokio::sync::mpsc::{UnboundedSender, WeakUnboundedSender};
 
 use serde::{Deserialize, Serialize};
 
+use crate::calls::CallAddress;
 use crate::protocol::{ActorId, Failure};
 use crate::wire::{self, Wire};
 
 /// What a router answers besides routed messages (a plain `Wire::Call`).
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum RouterQuery {
-    /// The node's call channel address (`host:port`), if it serves one: a
-    /// `Result<Option<String>, Failure>`.
+    /// The node's call channel address, if it serves one: a
+    /// `Result<Option<CallAddress>, Failure>`.
     CallAddress,
 }
 
@@ -113,14 +114,14 @@ pub(crate) struct Router;
 pub(crate) struct RouterState {
     node: String,
     routes: Routes,
-    call_address: Option<String>,
+    call_address: Option<CallAddress>,
 }
 
 impl Actor for Router {
     type Msg = Wire;
     type State = RouterState;
     /// The node's name, its routes and its call channel's address.
-    type Arguments = (String, Routes, Option<String>);
+    type Arguments = (String, Routes, Option<CallAddress>);
 
     async fn pre_start(
         &self,

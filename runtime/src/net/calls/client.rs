@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use tokio_rustls::client::TlsStream;
 
 use super::frame::{ReplyHeader, ReplyStatus, RequestHeader, RequestKind, REPLY_HEADER_BYTES};
+use super::socket::{connect_local, this_host, CallAddress, Socket, Transport};
 use super::{CallPath, CallTls};
 use crate::error::{failure_to_error, Error, Result};
 use crate::protocol::{ActorId, Failure};
@@ -30,7 +31,9 @@ const CAST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// This process's call channel connections, by serving node.
 pub(crate) struct CallPlane {
+    /// How connections are secured; `None`: this plane cannot open any.
     tls: Option<CallTls>,
+    path: CallPath,
     nodes: Mutex<HashMap<String, NodeChannel>>,
     /// One opener per node at a time.
     gates: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -53,7 +56,8 @@ impl CallPlane {
     /// A plane that opens channels with `tls`, as `path` says.
     pub(crate) fn new(tls: CallTls, path: CallPath) -> Self {
         Self {
-            tls: (path == CallPath::Direct).then_some(tls),
+            tls: Some(tls),
+            path,
             nodes: Mutex::default(),
             gates: Mutex::default(),
         }
@@ -63,6 +67,17 @@ impl CallPlane {
     pub(crate) fn session_only() -> Self {
         Self {
             tls: None,
+            path: CallPath::Session,
+            nodes: Mutex::default(),
+            gates: Mutex::default(),
+        }
+    }
+
+    /// A plane with the same credentials, sending by `path`, with no connections yet.
+    pub(crate) fn with_path(&self, path: CallPath) -> Self {
+        Self {
+            tls: self.tls.clone(),
+            path,
             nodes: Mutex::default(),
             gates: Mutex::default(),
         }
@@ -105,6 +120,9 @@ impl CallPlane {
     /// The open connection to `target`'s node, opening one if needed; `None`: use the
     /// session path.
     async fn connection(&self, target: &Target<'_>, deadline: Instant) -> Option<Arc<Connection>> {
+        if self.path == CallPath::Session {
+            return None;
+        }
         let tls = self.tls.as_ref()?;
         if let Some(found) = self.known(target.node) {
             return found;
@@ -157,7 +175,7 @@ async fn open(tls: &CallTls, target: &Target<'_>) -> Result<Connection> {
             },
             CallError::Unreachable(cause) => Error::Rejected(cause),
         })?;
-    let address: std::result::Result<Option<String>, Failure> =
+    let address: std::result::Result<Option<CallAddress>, Failure> =
         wire::decode(&reply, "a router's call channel address").map_err(|f| failure_to_error(f, None))?;
     let address = address
         .map_err(|f| failure_to_error(f, None))?
@@ -165,27 +183,48 @@ async fn open(tls: &CallTls, target: &Target<'_>) -> Result<Connection> {
     connect(tls, &address, target.node).await
 }
 
-/// Opens a connection to the call channel at `address` (node `node`'s).
-pub(super) async fn connect(tls: &CallTls, address: &str, node: &str) -> Result<Connection> {
-    let io = |context: String| move |cause| Error::Io { context, cause };
-    let connect = async {
-        let stream = TcpStream::connect(address)
-            .await
-            .map_err(io(format!("connect to {address}")))?;
-        stream.set_nodelay(true).map_err(io("set TCP_NODELAY".into()))?;
-        tls.connector
-            .connect(CallTls::server_name(), stream)
-            .await
-            .map_err(io(format!("TLS handshake with {address}")))
-    };
-    let stream = tokio::time::timeout(CONNECT_TIMEOUT, connect)
+/// Opens a connection to the call channel at `address` (node `node`'s): by its Unix
+/// socket when the node runs on this host, else (or when that fails) by TCP.
+pub(super) async fn connect(tls: &CallTls, address: &CallAddress, node: &str) -> Result<Connection> {
+    let local = address
+        .local
+        .as_ref()
+        .filter(|local| this_host().is_some_and(|host| host == local.host));
+    if let Some(local) = local {
+        match connect_local(&local.name) {
+            Ok(stream) => return secure(tls, Socket::Unix(stream), &address.tcp, node).await,
+            Err(e) => tracing::debug!(%node, error = %e, "same-host call socket unreachable; using TCP"),
+        }
+    }
+    let tcp = &address.tcp;
+    let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(tcp))
         .await
         .map_err(|_| Error::Timeout {
-            what: format!("opening the call channel to {address}"),
+            what: format!("connecting to the call channel at {tcp}"),
             timeout: CONNECT_TIMEOUT,
-        })??;
-    tracing::debug!(%node, %address, "call channel open");
-    Ok(Connection::start(stream, node))
+        })?
+        .map_err(io(format!("connect to {tcp}")))?;
+    stream.set_nodelay(true).map_err(io("set TCP_NODELAY".into()))?;
+    secure(tls, Socket::Tcp(stream), tcp, node).await
+}
+
+fn io(context: String) -> impl FnOnce(std::io::Error) -> Error {
+    move |cause| Error::Io { context, cause }
+}
+
+/// Runs the TLS handshake over `socket` and starts the connection.
+async fn secure(tls: &CallTls, socket: Socket, address: &str, node: &str) -> Result<Connection> {
+    let transport = socket.transport();
+    let handshake = tls.connector.connect(CallTls::server_name(), socket);
+    let stream = tokio::time::timeout(CONNECT_TIMEOUT, handshake)
+        .await
+        .map_err(|_| Error::Timeout {
+            what: format!("the TLS handshake with the call channel at {address}"),
+            timeout: CONNECT_TIMEOUT,
+        })?
+        .map_err(io(format!("TLS handshake with {address}")))?;
+    tracing::debug!(%node, %address, ?transport, "call channel open");
+    Ok(Connection::start(stream, node, transport))
 }
 
 /// How one call ended, as its connection's reader saw it.
@@ -202,10 +241,11 @@ struct Pending {
     broken: Option<String>,
 }
 
-type Stream = TlsStream<TcpStream>;
+type Stream = TlsStream<Socket>;
 
 /// One connection to a serving process.
 pub(super) struct Connection {
+    transport: Transport,
     writer: tokio::sync::Mutex<WriteHalf<Stream>>,
     pending: Arc<Mutex<Pending>>,
     next_seq: AtomicU64,
@@ -219,16 +259,22 @@ impl Drop for Connection {
 }
 
 impl Connection {
-    fn start(stream: Stream, node: &str) -> Self {
+    fn start(stream: Stream, node: &str, transport: Transport) -> Self {
         let (reader, writer) = tokio::io::split(stream);
         let pending = Arc::new(Mutex::new(Pending::default()));
         let reader = tokio::spawn(read_replies(reader, pending.clone(), node.to_string()));
         Self {
+            transport,
             writer: tokio::sync::Mutex::new(writer),
             pending,
             next_seq: AtomicU64::new(0),
             reader,
         }
+    }
+
+    /// Which socket the connection runs over.
+    pub(super) fn transport(&self) -> Transport {
+        self.transport
     }
 
     pub(super) fn is_open(&self) -> bool {

@@ -24,9 +24,11 @@
 mod client;
 mod frame;
 mod server;
+mod socket;
 
 pub(crate) use client::{CallPlane, Target};
 pub(crate) use server::CallServer;
+pub(crate) use socket::CallAddress;
 
 use std::sync::Arc;
 

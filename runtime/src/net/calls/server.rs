@@ -7,11 +7,12 @@ use std::time::Duration;
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::frame::{ReplyHeader, ReplyStatus, RequestHeader, RequestKind, REQUEST_HEADER_BYTES};
+use super::socket::{bind_local, this_host, CallAddress, LocalAddress, Socket};
 use super::CallTls;
 use crate::error::{Error, Result};
 use crate::protocol::Failure;
@@ -24,7 +25,7 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A running call channel listener; dropping it stops accepting and closes every
 /// connection it accepted.
 pub(crate) struct CallServer {
-    address: String,
+    address: CallAddress,
     accept: JoinHandle<()>,
 }
 
@@ -55,14 +56,27 @@ impl CallServer {
             context: "the call channel's listening address".into(),
             cause,
         })?;
-        let address = format!("{advertise_host}:{}", bound.port());
-        tracing::info!(%address, %node, "serving actor calls");
-        let accept = tokio::spawn(accept_loop(listener, tls.clone(), Arc::new(Node { name: node, routes })));
+        // Same-host callers use an abstract Unix socket; without one they use TCP too.
+        let local = match (this_host(), bind_local()) {
+            (Some(host), Ok((listener, name))) => Some((listener, LocalAddress { host, name })),
+            (_, Err(e)) => {
+                tracing::warn!(error = %e, "no Unix socket for same-host actor calls; they use TCP");
+                None
+            }
+            (None, Ok(_)) => None,
+        };
+        let address = CallAddress {
+            tcp: format!("{advertise_host}:{}", bound.port()),
+            local: local.as_ref().map(|(_, address)| address.clone()),
+        };
+        tracing::info!(address = %address.tcp, %node, "serving actor calls");
+        let node = Arc::new(Node { name: node, routes });
+        let accept = tokio::spawn(accept_loop(listener, local.map(|(l, _)| l), tls.clone(), node));
         Ok(Self { address, accept })
     }
 
-    /// `host:port` callers connect to.
-    pub(crate) fn address(&self) -> &str {
+    /// Where callers connect.
+    pub(crate) fn address(&self) -> &CallAddress {
         &self.address
     }
 }
@@ -73,12 +87,26 @@ struct Node {
     routes: Routes,
 }
 
-async fn accept_loop(listener: TcpListener, tls: CallTls, node: Arc<Node>) {
+/// The next connection on either listener.
+async fn accept(tcp: &TcpListener, local: Option<&UnixListener>) -> std::io::Result<(Socket, String)> {
+    let unix = async {
+        match local {
+            Some(listener) => listener.accept().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        accepted = tcp.accept() => accepted.map(|(stream, peer)| (Socket::Tcp(stream), peer.to_string())),
+        accepted = unix => accepted.map(|(stream, _)| (Socket::Unix(stream), "a same-host process".to_string())),
+    }
+}
+
+async fn accept_loop(listener: TcpListener, local: Option<UnixListener>, tls: CallTls, node: Arc<Node>) {
     // Owned here so that stopping the listener closes its connections too.
     let mut connections = JoinSet::new();
     loop {
         while connections.try_join_next().is_some() {}
-        let (stream, peer) = match listener.accept().await {
+        let (stream, peer) = match accept(&listener, local.as_ref()).await {
             Ok(accepted) => accepted,
             Err(e) => {
                 // Out of descriptors and the like: wait rather than spin.
@@ -104,8 +132,10 @@ type Waiting = (u64, oneshot::Receiver<Vec<u8>>);
 /// Serves one connection until the peer closes it or sends something malformed. Reading
 /// requests and writing replies run in this one task, so stopping it (the listener was
 /// dropped) closes the connection even while actors still hold calls.
-async fn serve(stream: TcpStream, tls: &CallTls, node: Arc<Node>) -> Result<()> {
-    stream.set_nodelay(true).map_err(io("set TCP_NODELAY"))?;
+async fn serve(stream: Socket, tls: &CallTls, node: Arc<Node>) -> Result<()> {
+    if let Socket::Tcp(tcp) = &stream {
+        tcp.set_nodelay(true).map_err(io("set TCP_NODELAY"))?;
+    }
     let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.acceptor.accept(stream))
         .await
         .map_err(|_| Error::Timeout {
@@ -135,6 +165,11 @@ async fn read_requests<R: AsyncRead, W: AsyncWrite>(
     waiting: mpsc::UnboundedSender<Waiting>,
 ) -> Result<()> {
     let mut reader = std::pin::pin!(reader);
+    let metrics = crate::metrics::metrics();
+    let (calls, casts) = (
+        metrics.call_channel_messages.with_label_values(&["call"]),
+        metrics.call_channel_messages.with_label_values(&["cast"]),
+    );
     let mut header = [0u8; REQUEST_HEADER_BYTES];
     loop {
         match reader.read_exact(&mut header).await {
@@ -150,6 +185,7 @@ async fn read_requests<R: AsyncRead, W: AsyncWrite>(
             .map_err(io("read a call request's payload"))?;
         match request.kind {
             RequestKind::Call => {
+                calls.inc();
                 let (port, answer) = oneshot::channel();
                 if node.routes.deliver(request.actor, Wire::Call(payload, port.into())).is_ok() {
                     let _ = waiting.send((request.seq, answer));
@@ -162,6 +198,7 @@ async fn read_requests<R: AsyncRead, W: AsyncWrite>(
                 }
             }
             RequestKind::Cast => {
+                casts.inc();
                 if node.routes.deliver(request.actor, Wire::Cast(payload)).is_err() {
                     tracing::debug!(actor = %request.actor, node = %node.name, "dropped a cast to an actor this node does not host");
                 }

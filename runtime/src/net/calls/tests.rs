@@ -8,6 +8,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::client::{connect, Connection};
 use super::frame::{RequestHeader, RequestKind};
+use super::socket::{CallAddress, LocalAddress, Transport};
 use super::{CallPath, CallServer, CallTls};
 use crate::protocol::{ActorId, Failure};
 use crate::wire::{self, CallError, Wire};
@@ -41,8 +42,20 @@ async fn serve(token: &str) -> (Served, UnboundedReceiver<Wire>) {
     )
 }
 
+/// A connection by the listener's advertised address (its Unix socket: same host).
 async fn open(served: &Served) -> Connection {
     connect(&served.tls, served.server.address(), "n1").await.unwrap()
+}
+
+/// A connection by TCP only.
+async fn open_tcp(served: &Served) -> Connection {
+    let tcp_only = CallAddress {
+        local: None,
+        ..served.server.address().clone()
+    };
+    let connection = connect(&served.tls, &tcp_only, "n1").await.unwrap();
+    assert_eq!(connection.transport(), Transport::Tcp);
+    connection
 }
 
 fn soon() -> Instant {
@@ -72,26 +85,58 @@ fn answer(reply: Vec<u8>) -> Result<Vec<u8>, Failure> {
     wire::decode(&reply, "reply").unwrap()
 }
 
-#[tokio::test]
-async fn concurrent_calls_each_get_their_own_reply() {
-    let (served, inbox) = serve("t").await;
-    reverse_calls(inbox);
-    let connection = open(&served).await;
-    let calls = (0..200u32).map(|i| {
-        let connection = &connection;
-        async move {
-            let request = i.to_le_bytes().to_vec();
-            let reply = connection.call(ACTOR, &request, soon()).await.ok().unwrap();
-            let mut expected = request;
-            expected.reverse();
-            assert_eq!(answer(reply), Ok(expected));
-        }
+/// 200 concurrent calls and one at the message limit over `connection`.
+async fn each_call_gets_its_own_reply(connection: &Connection) {
+    let calls = (0..200u32).map(|i| async move {
+        let request = i.to_le_bytes().to_vec();
+        let reply = connection.call(ACTOR, &request, soon()).await.ok().unwrap();
+        let mut expected = request;
+        expected.reverse();
+        assert_eq!(answer(reply), Ok(expected));
     });
     futures::future::join_all(calls).await;
-    // A message at the actor message limit goes through whole.
-    let big = vec![3u8; wire::MAX_MESSAGE_BYTES];
+    let big: Vec<u8> = (0..wire::MAX_MESSAGE_BYTES).map(|i| (i % 251) as u8).collect();
     let reply = connection.call(ACTOR, &big, soon()).await.ok().unwrap();
-    assert_eq!(answer(reply).unwrap().len(), wire::MAX_MESSAGE_BYTES);
+    let mut expected = big;
+    expected.reverse();
+    assert_eq!(answer(reply), Ok(expected));
+}
+
+#[tokio::test]
+async fn concurrent_calls_each_get_their_own_reply_by_either_socket() {
+    let (served, inbox) = serve("t").await;
+    reverse_calls(inbox);
+    let local = open(&served).await;
+    assert_eq!(local.transport(), Transport::Unix, "same host: the Unix socket");
+    each_call_gets_its_own_reply(&local).await;
+    each_call_gets_its_own_reply(&open_tcp(&served).await).await;
+}
+
+#[tokio::test]
+async fn a_unix_socket_of_another_host_or_gone_is_passed_over_for_tcp() {
+    let (served, inbox) = serve("t").await;
+    reverse_calls(inbox);
+    let address = served.server.address().clone();
+    let local = address.local.clone().expect("a Unix socket on Linux");
+    let elsewhere = CallAddress {
+        local: Some(LocalAddress {
+            host: format!("another-{}", local.host),
+            ..local.clone()
+        }),
+        ..address.clone()
+    };
+    let gone = CallAddress {
+        local: Some(LocalAddress {
+            name: format!("{}-gone", local.name),
+            ..local
+        }),
+        ..address
+    };
+    for address in [elsewhere, gone] {
+        let connection = connect(&served.tls, &address, "n1").await.unwrap();
+        assert_eq!(connection.transport(), Transport::Tcp);
+        assert!(connection.call(ACTOR, b"ab", soon()).await.is_ok());
+    }
 }
 
 #[tokio::test]
@@ -170,13 +215,19 @@ async fn a_peer_with_another_token_is_refused_and_the_listener_serves_on() {
     let (served, inbox) = serve("right").await;
     reverse_calls(inbox);
     let stranger = CallTls::from_token("wrong").unwrap();
-    let refused = match connect(&stranger, served.server.address(), "n1").await {
-        // TLS 1.3 may finish the client's side before the server checks its certificate:
-        // then the first call finds the connection closed.
-        Ok(connection) => connection.call(ACTOR, b"x", soon()).await.is_err(),
-        Err(_) => true,
+    let tcp_only = CallAddress {
+        local: None,
+        ..served.server.address().clone()
     };
-    assert!(refused, "a peer without the token must not reach the actor");
+    for address in [served.server.address(), &tcp_only] {
+        let refused = match connect(&stranger, address, "n1").await {
+            // TLS 1.3 may finish the client's side before the server checks its
+            // certificate: then the first call finds the connection closed.
+            Ok(connection) => connection.call(ACTOR, b"x", soon()).await.is_err(),
+            Err(_) => true,
+        };
+        assert!(refused, "a peer without the token must not reach the actor");
+    }
     let connection = open(&served).await;
     assert!(connection.call(ACTOR, b"ok", soon()).await.is_ok());
 }
@@ -186,10 +237,11 @@ async fn garbage_on_the_port_closes_that_connection_only() {
     let (served, inbox) = serve("t").await;
     reverse_calls(inbox);
     // Plain bytes where a TLS handshake belongs.
-    let mut plain = tokio::net::TcpStream::connect(served.server.address()).await.unwrap();
+    let tcp = &served.server.address().tcp;
+    let mut plain = tokio::net::TcpStream::connect(tcp).await.unwrap();
     plain.write_all(&[0xff; 4096]).await.unwrap();
     // A frame of an unknown kind inside TLS.
-    let stream = tokio::net::TcpStream::connect(served.server.address()).await.unwrap();
+    let stream = tokio::net::TcpStream::connect(tcp).await.unwrap();
     let mut tls = served
         .tls
         .connector
