@@ -511,25 +511,30 @@ async fn bad_constructor_args_and_failing_constructors_report_a_dead_actor() {
     assert_eq!(status.nodes[0].state, "alive", "the worker survived");
 }
 
-/// `node`'s `/metrics` page, found through the head's Prometheus discovery.
-fn node_metrics(cluster: &TestCluster, node: &str) -> String {
-    let (code, body) = support::http_get(&cluster.local.metrics_address, "/api/prometheus/sd");
-    assert_eq!(code, 200, "{body}");
-    let groups: serde_json::Value = serde_json::from_str(&body).expect("discovery is JSON");
-    let group = groups
-        .as_array()
-        .expect("a list of target groups")
-        .iter()
-        .find(|g| g["labels"]["regatta_node"] == node)
-        .unwrap_or_else(|| panic!("no metrics target for {node} in {body}"));
-    let target = group["targets"][0].as_str().expect("a target address");
+/// `node`'s `/metrics` page, found through the head's Prometheus discovery (which lists a
+/// node from its next publication on).
+async fn node_metrics(cluster: &TestCluster, node: &str) -> String {
+    let target = eventually("the node's metrics target", Duration::from_secs(10), || async {
+        let (code, body) = support::http_get(&cluster.local.metrics_address, "/api/prometheus/sd");
+        assert_eq!(code, 200, "{body}");
+        let groups: serde_json::Value = serde_json::from_str(&body).expect("discovery is JSON");
+        let group = groups
+            .as_array()
+            .expect("a list of target groups")
+            .iter()
+            .find(|g| g["labels"]["regatta_node"] == node)?
+            .clone();
+        Some(group["targets"][0].as_str().expect("a target address").to_string())
+    })
+    .await;
     support::http_get(&format!("http://{target}"), "/metrics").1
 }
 
 /// Messages of `kind` (call or cast) that reached `node` on its call channel.
-fn channel_messages(cluster: &TestCluster, node: &str, kind: &str) -> u64 {
+async fn channel_messages(cluster: &TestCluster, node: &str, kind: &str) -> u64 {
     let series = format!("regatta_call_channel_messages_total{{kind=\"{kind}\"}} ");
     node_metrics(cluster, node)
+        .await
         .lines()
         .find_map(|line| line.strip_prefix(&series))
         .map_or(0, |value| value.trim().parse().expect("a counter value"))
@@ -547,9 +552,9 @@ async fn calls_and_casts_ride_the_call_channel_in_order_and_the_session_path_sti
     let (node_a, node_b) = (where_is(&a).await.node, where_is(&b).await.node);
     assert_ne!(node_a, node_b, "least-loaded placement puts them on different nodes");
     let (calls_a, casts_a, calls_b) = (
-        channel_messages(&cluster, &node_a, "call"),
-        channel_messages(&cluster, &node_a, "cast"),
-        channel_messages(&cluster, &node_b, "call"),
+        channel_messages(&cluster, &node_a, "call").await,
+        channel_messages(&cluster, &node_a, "cast").await,
+        channel_messages(&cluster, &node_b, "call").await,
     );
 
     // A driver's casts and the call after them arrive in the order sent: no waiting.
@@ -566,9 +571,9 @@ async fn calls_and_casts_ride_the_call_channel_in_order_and_the_session_path_sti
         .await
         .expect("a calls b");
     assert_eq!(reply, CounterReply::Total(5));
-    assert_eq!(channel_messages(&cluster, &node_a, "cast") - casts_a, 100);
-    assert_eq!(channel_messages(&cluster, &node_a, "call") - calls_a, 2);
-    assert_eq!(channel_messages(&cluster, &node_b, "call") - calls_b, 1);
+    assert_eq!(channel_messages(&cluster, &node_a, "cast").await - casts_a, 100);
+    assert_eq!(channel_messages(&cluster, &node_a, "call").await - calls_a, 2);
+    assert_eq!(channel_messages(&cluster, &node_b, "call").await - calls_b, 1);
 
     // A client that sends by the sessions reaches the same actor, and not by the channel.
     let by_session = cluster.client.with_call_path(regatta::CallPath::Session);
@@ -578,6 +583,6 @@ async fn calls_and_casts_ride_the_call_channel_in_order_and_the_session_path_sti
         a_by_session.call(CounterOp::Add(1)).await.expect("call by session"),
         CounterReply::Total(102)
     );
-    assert_eq!(channel_messages(&cluster, &node_a, "call") - calls_a, 2);
-    assert_eq!(channel_messages(&cluster, &node_a, "cast") - casts_a, 100);
+    assert_eq!(channel_messages(&cluster, &node_a, "call").await - calls_a, 2);
+    assert_eq!(channel_messages(&cluster, &node_a, "cast").await - casts_a, 100);
 }

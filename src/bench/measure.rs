@@ -141,29 +141,40 @@ pub fn loopback_tcp_gbps(size: usize) -> anyhow::Result<f64> {
 /// between processes on this machine (two kernel socket passes and two thread wake-ups).
 pub fn loopback_tcp_round_trips(count: usize) -> anyhow::Result<f64> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
-    let address = listener.local_addr()?;
+    let client = TcpStream::connect(listener.local_addr()?)?;
+    let (server, _) = listener.accept()?;
+    client.set_nodelay(true)?;
+    server.set_nodelay(true)?;
+    ping_pong(client, server, count)
+}
+
+/// As [`loopback_tcp_round_trips`], over a Unix socket pair: the floor of the call
+/// channel between processes on one host.
+pub fn loopback_unix_round_trips(count: usize) -> anyhow::Result<f64> {
+    let (client, server) = std::os::unix::net::UnixStream::pair()?;
+    ping_pong(client, server, count)
+}
+
+/// Round trips per second of 64-byte messages from this thread to an echo thread.
+fn ping_pong<S: Read + Write + Send + 'static>(mut client: S, mut server: S, count: usize) -> anyhow::Result<f64> {
     let echo = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut stream, _) = listener.accept()?;
-        stream.set_nodelay(true)?;
         let mut message = [0u8; 64];
         loop {
-            match stream.read_exact(&mut message) {
-                Ok(()) => stream.write_all(&message)?,
+            match server.read_exact(&mut message) {
+                Ok(()) => server.write_all(&message)?,
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
                 Err(e) => return Err(e),
             }
         }
     });
-    let mut stream = TcpStream::connect(address)?;
-    stream.set_nodelay(true)?;
     let mut message = [7u8; 64];
     let started = Instant::now();
     for _ in 0..count {
-        stream.write_all(&message)?;
-        stream.read_exact(&mut message)?;
+        client.write_all(&message)?;
+        client.read_exact(&mut message)?;
     }
     let secs = started.elapsed().as_secs_f64();
-    drop(stream);
+    drop(client);
     echo.join().map_err(|_| anyhow::anyhow!("echo thread panicked"))??;
     Ok(count as f64 / secs)
 }

@@ -7,7 +7,8 @@ use anyhow::{bail, Context};
 use bytes::Bytes;
 
 use super::measure::{
-    http_get, loopback_tcp_gbps, loopback_tcp_round_trips, loopback_tcp_round_trips_tokio, memcpy_gbps, report,
+    http_get, loopback_tcp_gbps, loopback_tcp_round_trips, loopback_tcp_round_trips_tokio, loopback_unix_round_trips,
+    memcpy_gbps, report,
     rss_bytes,
 };
 use crate::kinds::{Caller, Fanout, Noop, Store, StoreOp, StoreReply};
@@ -146,11 +147,15 @@ pub(super) async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -
     // The machine's floor for one request and reply between processes, in the same run.
     let mut floor = Vec::with_capacity(trials);
     let mut floor_tokio = Vec::with_capacity(trials);
+    let mut floor_unix = Vec::with_capacity(trials);
     for _ in 0..trials {
         floor.push(loopback_tcp_round_trips(sync_calls)?);
         floor_tokio.push(loopback_tcp_round_trips_tokio(sync_calls).await?);
+        floor_unix.push(loopback_unix_round_trips(sync_calls)?);
     }
     report("loopback tcp round trips between threads", "per second", &floor);
+    // Same-host calls ride a Unix socket: its floor is theirs.
+    report("loopback unix socket round trips between threads", "per second", &floor_unix);
     report(
         "loopback tcp round trips between tokio tasks",
         "per second",

@@ -136,7 +136,10 @@ impl CallPlane {
             return found;
         }
         let channel = match open(tls, target).await {
-            Ok(connection) => NodeChannel::Open(Arc::new(connection)),
+            Ok(connection) => {
+                tracing::debug!(node = %target.node, transport = ?connection.transport(), "call channel open");
+                NodeChannel::Open(Arc::new(connection))
+            }
             Err(e) => {
                 tracing::info!(node = %target.node, error = %e, "no call channel to this node; calls go through the session");
                 NodeChannel::Unavailable(Instant::now() + RETRY_AFTER)
@@ -223,7 +226,6 @@ async fn secure(tls: &CallTls, socket: Socket, address: &str, node: &str) -> Res
             timeout: CONNECT_TIMEOUT,
         })?
         .map_err(io(format!("TLS handshake with {address}")))?;
-    tracing::debug!(%node, %address, ?transport, "call channel open");
     Ok(Connection::start(stream, node, transport))
 }
 
