@@ -223,7 +223,7 @@ fn wiring_problems(docs: &[Value]) -> Vec<String> {
                         ("--port", "TCP"),
                         ("--job-port", "TCP"),
                         ("--metrics-port", "TCP"),
-                        ("--object-port", "UDP"),
+                        ("--object-port", "TCP"),
                     ] {
                         match flag(&args, flag_name) {
                             Some(port) if exposed(&port, protocol) => {}
@@ -371,7 +371,7 @@ fn the_wiring_check_catches_each_kind_of_mistake() {
         let i = find(d, "Service", "regatta-head");
         d[i]["spec"]["selector"]["app.kubernetes.io/component"] = "heads".into();
     });
-    broken("--object-port 6381/UDP", &|d| {
+    broken("--object-port 6381/TCP", &|d| {
         let i = find(d, "Service", "regatta-head");
         d[i]["spec"]["ports"]
             .as_array_mut()

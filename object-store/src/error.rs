@@ -8,8 +8,8 @@ pub enum Error {
     /// TLS credentials could not be built.
     #[error("TLS setup failed: {0}")]
     Tls(String),
-    /// The QUIC endpoint could not be created or reached.
-    #[error("QUIC transfer: {0}")]
+    /// The object transfer (or the trainer's QUIC endpoint) could not be set up or reached.
+    #[error("object transfer: {0}")]
     Transfer(String),
     /// The object does not fit in this node's store.
     #[error("object of {size} bytes does not fit in this node's object store (capacity {capacity} bytes, {pinned} bytes pinned); raise --object-store-bytes or free objects")]

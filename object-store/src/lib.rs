@@ -1,6 +1,6 @@
 //! Regatta's shared object store, the parts that need no cluster: the head's
 //! [`Directory`] of every object, a node's [`MemoryStore`] (capacity and LRU spilling,
-//! zero-copy local reads), the QUIC [`Transfer`] between nodes (and shared-memory
+//! zero-copy local reads), the TCP+TLS [`Transfer`] between nodes (and shared-memory
 //! [`Segment`]s between processes on one host) with mutual TLS derived from
 //! the cluster token, and [`SpillBackend`]s on `object_store` (local directory or S3).
 //!
@@ -19,6 +19,7 @@ mod checksum;
 mod error;
 mod identity;
 mod place;
+mod quic;
 mod shm;
 mod spill;
 mod transfer;
@@ -35,6 +36,7 @@ pub use memory::{MemoryStats, MemoryStore, NoRoom};
 pub use place::{absolute, Place};
 pub use shm::{Handle as SharedHandle, HostKey, Segment};
 pub use spill::{delete as delete_spilled, open_store, parse_spill_url, restore, SpillBackend};
+pub use quic::endpoint;
 pub use transfer::{
-    endpoint, Fetched, ObjectSource, Transfer, CHUNK_BYTES, FAULT_CORRUPT_ENV, NO_SHARED_MEMORY_ENV, SERVER_NAME,
+    Fetched, ObjectSource, Transfer, CHUNK_BYTES, FAULT_CORRUPT_ENV, IO_TIMEOUT, NO_SHARED_MEMORY_ENV, SERVER_NAME,
 };

@@ -195,7 +195,7 @@ pub enum HeadRequest {
         checksum: u32,
         /// The node (process) holding it and referencing it.
         node: String,
-        /// Its QUIC transfer address.
+        /// Its object transfer address (TCP).
         address: String,
         /// The job that put it (freed when the job ends).
         job: Option<String>,

@@ -1,5 +1,5 @@
 //! Objects in the cluster: every process (head, worker, client) runs an [`ObjectService`]
-//! with a memory store, a QUIC endpoint that serves its objects to peers, and a spill
+//! with a memory store, a TCP+TLS endpoint that serves its objects to peers, and a spill
 //! backend. The head keeps the directory. [`ObjectRef`]s name objects; the last reference
 //! dropped anywhere releases them.
 
@@ -34,9 +34,9 @@ pub struct ObjectConfig {
     /// Where spilled objects go: a directory, `file://` or `s3://` URL
     /// (default: `/tmp/regatta/spill/<node>`).
     pub spill_url: Option<String>,
-    /// Address the QUIC endpoint binds.
+    /// Address the transfer endpoint binds.
     pub bind: IpAddr,
-    /// UDP port (0: any).
+    /// TCP port (0: any).
     pub port: u16,
     /// Host peers use to reach this endpoint.
     pub advertise_host: String,
@@ -172,7 +172,7 @@ fn default_capacity() -> u64 {
 }
 
 impl ObjectService {
-    /// Starts the store of process `node`: binds its QUIC endpoint, opens its spill
+    /// Starts the store of process `node`: binds its transfer endpoint, opens its spill
     /// backend, and listens for release orders in process group `objects/<node>`.
     pub(crate) async fn start(node: &str, token: &str, config: ObjectConfig, link: Arc<HeadLink>) -> Result<Arc<Self>> {
         let identity = identity_from_token(token)?;

@@ -70,7 +70,7 @@ struct ObjectArgs {
     /// configure S3). Default: /tmp/regatta/spill/<node>.
     #[arg(long, env = "REGATTA_SPILL_URL")]
     spill_url: Option<String>,
-    /// UDP port of the object transfer endpoint (0: any).
+    /// TCP port of the object transfer endpoint (0: any).
     #[arg(long, default_value_t = 0)]
     object_port: u16,
 }
