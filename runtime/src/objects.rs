@@ -134,6 +134,9 @@ pub struct ObjectService {
     /// Shared-memory segments of objects held here, made on a same-host peer's first pull,
     /// kept while the object is in memory here (at most [`MAX_SEGMENTS`]).
     segments: Mutex<HashMap<ObjectId, Arc<Segment>>>,
+    /// One segment maker per object at a time: peers pulling at once wait for the first
+    /// one's segment instead of each copying the object.
+    making: Mutex<HashMap<ObjectId, Arc<Mutex<()>>>>,
     counters: Counters,
 }
 
@@ -195,6 +198,7 @@ impl ObjectService {
             refs: Mutex::new(HashMap::new()),
             inflight: Mutex::new(HashMap::new()),
             segments: Mutex::new(HashMap::new()),
+            making: Mutex::new(HashMap::new()),
             counters: Counters::default(),
         });
         service.transfer.serve(Arc::new(Source(Arc::downgrade(&service))));
@@ -245,6 +249,24 @@ impl ObjectService {
     /// blocking thread. The copy is made without holding the segments lock, which release
     /// and spill take on async threads.
     fn share(&self, id: ObjectId) -> Option<Arc<Segment>> {
+        let gate = {
+            let mut making = self.making.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            making.entry(id).or_default().clone()
+        };
+        let shared = {
+            let _maker = gate.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            self.share_once(id)
+        };
+        let mut making = self.making.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        // The last of the peers that waited removes the gate.
+        if Arc::strong_count(&gate) == 2 {
+            making.remove(&id);
+        }
+        shared
+    }
+
+    /// [`ObjectService::share`] under the object's gate.
+    fn share_once(&self, id: ObjectId) -> Option<Arc<Segment>> {
         let held = {
             let segments = self.segments();
             if let Some(segment) = segments.get(&id) {
