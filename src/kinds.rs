@@ -13,6 +13,7 @@ pub fn builtin() -> Registry {
         .register::<Counter>()
         .register::<Store>()
         .register::<Noop>()
+        .register::<SlowStart>()
         .register::<Caller>()
         .register::<regatta_trainer::RingRank>()
         .register::<regatta_trainer::TrainRank>()
@@ -314,6 +315,26 @@ impl Actor for Noop {
 
     async fn handle(&mut self, arg: Vec<u8>, _ctx: &ActorContext) -> Result<u32, ActorError> {
         Ok(arg.len() as u32)
+    }
+}
+
+/// An actor whose constructor takes the given milliseconds: for tests of what happens to
+/// an actor while it starts.
+pub struct SlowStart;
+
+impl Actor for SlowStart {
+    const KIND: &'static str = "slow-start";
+    type Args = u64;
+    type Request = ();
+    type Reply = ();
+
+    async fn create(ms: u64, _ctx: &ActorContext) -> Result<Self, ActorError> {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        Ok(SlowStart)
+    }
+
+    async fn handle(&mut self, _: (), _ctx: &ActorContext) -> Result<(), ActorError> {
+        Ok(())
     }
 }
 

@@ -78,6 +78,34 @@ const ENDPOINTS: [&str; 13] = [
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_actor_killed_while_it_starts_is_stopped_once_up_and_its_log_says_so() {
+    let cluster = TestCluster::start(&[("w1", "CPU=2")]).await;
+    let base = cluster.local.job_address.clone();
+    let bearer = format!("Bearer {}", cluster.local.token);
+    let auth = [("Authorization", bearer.as_str())];
+    let slow = cluster
+        .client
+        .spawn::<regatta::kinds::SlowStart>(1_500, ActorOptions::new())
+        .await
+        .expect("spawn");
+    // The start reached the node with the spawn; the kill arrives while the constructor runs.
+    slow.kill().await.expect("kill");
+    let id = slow.id().0;
+    let lines = eventually("the actor stopped once up", Duration::from_secs(20), || {
+        let (base, auth) = (base.clone(), auth);
+        async move {
+            let (status, _, logs) = http(&base, "GET", &format!("/api/actors/{id}/logs"), &auth);
+            let text = json_of(&logs)["lines"].to_string();
+            (status == 200 && text.contains("as soon as it started")).then_some(text)
+        }
+    })
+    .await;
+    assert!(lines.contains("starting slow-start"), "{lines}");
+    let err = slow.call(()).await.expect_err("a killed actor answers nothing");
+    assert!(matches!(err, regatta::Error::ActorDead { .. }), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_endpoint_needs_the_token_and_a_stop_from_another_site_is_refused() {
     let cluster = TestCluster::start(&[("w1", "CPU=2")]).await;
     let base = cluster.local.job_address.clone();
@@ -158,6 +186,7 @@ async fn every_endpoint_needs_the_token_and_a_stop_from_another_site_is_refused(
         .spawn::<Echo>("hello-".to_string(), ActorOptions::new())
         .await
         .expect("spawn");
+    echo.wait_ready(Duration::from_secs(20)).await.expect("echo up");
     echo.kill().await.expect("kill");
     let id = echo.id().0;
     let (row, lines) = eventually("the killed actor's row and log", Duration::from_secs(20), || {

@@ -50,6 +50,8 @@ pub enum LocalSignal {
         /// The host actor.
         host: ractor::ActorCell,
     },
+    /// An agent's start task could not start the actor.
+    NotStarted(crate::protocol::ActorId),
     /// The head no longer knows this node: stop every actor and start over.
     Reset,
 }

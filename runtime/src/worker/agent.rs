@@ -40,6 +40,11 @@ pub(crate) struct AgentState {
     hosts: HashMap<ActorId, (ActorCell, u32)>,
     by_cell: HashMap<ractor::ActorId, (ActorId, u32)>,
     stopping: HashSet<ractor::ActorId>,
+    /// Actors whose start is under way here.
+    starting: HashSet<ActorId>,
+    /// Actors the head stopped while they were starting: stopped as soon as they are up
+    /// (else a kill racing a slow constructor left the actor running, unknown to the head).
+    stop_when_up: HashSet<ActorId>,
     logs: LogBook,
     /// Where the router finds each hosted actor's queue.
     routes: Routes,
@@ -80,6 +85,8 @@ impl Actor for Agent {
             hosts: HashMap::new(),
             by_cell: HashMap::new(),
             stopping: HashSet::new(),
+            starting: HashSet::new(),
+            stop_when_up: HashSet::new(),
             logs: Default::default(),
         })
     }
@@ -110,10 +117,24 @@ impl Actor for Agent {
                 Err(failure) => tracing::warn!(?failure, "ignored a malformed agent message"),
             },
             Wire::Local(LocalSignal::Hosted { actor, attempt, host }) => {
+                state.starting.remove(&actor);
+                if state.stop_when_up.remove(&actor) {
+                    state.routes.remove(actor, attempt);
+                    state.log(
+                        actor,
+                        "stopped by the head (killed, its group removed or its job ended) as soon as it started",
+                    );
+                    stop_host(state, &host);
+                    return Ok(());
+                }
                 state.by_cell.insert(host.get_id(), (actor, attempt));
                 if let Some((old, _)) = state.hosts.insert(actor, (host, attempt)) {
                     stop_host(state, &old);
                 }
+            }
+            Wire::Local(LocalSignal::NotStarted(actor)) => {
+                state.starting.remove(&actor);
+                state.stop_when_up.remove(&actor);
             }
             Wire::Local(LocalSignal::Reset) => {
                 state.routes.clear();
@@ -202,6 +223,7 @@ fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: Agen
                     }
                 ),
             );
+            state.starting.insert(start.actor);
             tokio::spawn(start_actor(
                 myself.clone(),
                 state.routes.clone(),
@@ -220,6 +242,8 @@ fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: Agen
                     "stopped by the head (killed, its group removed or its job ended)",
                 );
                 stop_host(state, &cell);
+            } else if state.starting.contains(&actor) {
+                state.stop_when_up.insert(actor);
             }
         }
         // Answered in `handle` (it has a reply).
@@ -298,7 +322,10 @@ async fn start_actor(
     };
     match &outcome {
         Ok(()) => log_to(&logs, start.actor, "alive"),
-        Err(cause) => log_to(&logs, start.actor, &format!("could not start: {cause}")),
+        Err(cause) => {
+            log_to(&logs, start.actor, &format!("could not start: {cause}"));
+            let _ = agent.send_message(Wire::Local(LocalSignal::NotStarted(start.actor)));
+        }
     }
     let report = HeadRequest::Started {
         actor: start.actor,
