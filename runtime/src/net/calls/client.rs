@@ -24,8 +24,10 @@ use crate::worker::router::RouterQuery;
 /// How long opening a connection (TCP and TLS) may take before the session path is used.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long a node whose channel could not be opened is reached by the session path
-/// before trying its channel again.
+/// before trying its channel again; doubled after each failure in a row, up to
+/// [`RETRY_AFTER_MAX`] (an unreachable port costs a connect timeout per try).
 const RETRY_AFTER: Duration = Duration::from_secs(10);
+const RETRY_AFTER_MAX: Duration = Duration::from_secs(600);
 /// How long a cast may wait for the connection to take its bytes.
 const CAST_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -41,8 +43,15 @@ pub(crate) struct CallPlane {
 
 enum NodeChannel {
     Open(Arc<Connection>),
-    /// The channel could not be opened; use the session path until then.
-    Unavailable(Instant),
+    /// The channel could not be opened `failures` times in a row; use the session path
+    /// until `until`.
+    Unavailable { until: Instant, failures: u32 },
+}
+
+/// When to try a channel again after `failures` failed openings in a row.
+fn retry_at(now: Instant, failures: u32) -> Instant {
+    let wait = RETRY_AFTER.saturating_mul(1 << failures.saturating_sub(1).min(16));
+    now + wait.min(RETRY_AFTER_MAX)
 }
 
 /// Where an actor lives: its node and the node's router (the session path, and the way
@@ -135,19 +144,25 @@ impl CallPlane {
         if let Some(found) = self.known(target.node) {
             return found;
         }
+        let failed_before = match self.nodes.lock().ok()?.get(target.node) {
+            Some(NodeChannel::Unavailable { failures, .. }) => *failures,
+            _ => 0,
+        };
         let channel = match open(tls, target).await {
             Ok(connection) => {
                 tracing::debug!(node = %target.node, transport = ?connection.transport(), "call channel open");
                 NodeChannel::Open(Arc::new(connection))
             }
             Err(e) => {
-                tracing::info!(node = %target.node, error = %e, "no call channel to this node; calls go through the session");
-                NodeChannel::Unavailable(Instant::now() + RETRY_AFTER)
+                let failures = failed_before + 1;
+                let until = retry_at(Instant::now(), failures);
+                tracing::info!(node = %target.node, error = %e, retry_in = ?until.saturating_duration_since(Instant::now()), "no call channel to this node; calls go through the session");
+                NodeChannel::Unavailable { until, failures }
             }
         };
         let connection = match &channel {
             NodeChannel::Open(connection) => Some(connection.clone()),
-            NodeChannel::Unavailable(_) => None,
+            NodeChannel::Unavailable { .. } => None,
         };
         if let Ok(mut nodes) = self.nodes.lock() {
             nodes.insert(target.node.to_string(), channel);
@@ -161,7 +176,7 @@ impl CallPlane {
         let nodes = self.nodes.lock().ok()?;
         match nodes.get(node)? {
             NodeChannel::Open(connection) if connection.is_open() => Some(Some(connection.clone())),
-            NodeChannel::Unavailable(until) if Instant::now() < *until => Some(None),
+            NodeChannel::Unavailable { until, .. } if Instant::now() < *until => Some(None),
             _ => None,
         }
     }
@@ -227,6 +242,23 @@ async fn secure(tls: &CallTls, socket: Socket, address: &str, node: &str) -> Res
         })?
         .map_err(io(format!("TLS handshake with {address}")))?;
     Ok(Connection::start(stream, node, transport))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unreachable_channel_is_retried_ever_less_often_up_to_a_bound() {
+        let now = Instant::now();
+        let waits: Vec<Duration> = (1..=12).map(|n| retry_at(now, n) - now).collect();
+        assert_eq!(waits[0], RETRY_AFTER);
+        assert_eq!(waits[1], RETRY_AFTER * 2);
+        assert_eq!(waits[3], RETRY_AFTER * 8);
+        assert!(waits.windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!(*waits.last().unwrap(), RETRY_AFTER_MAX);
+        assert_eq!(retry_at(now, u32::MAX) - now, RETRY_AFTER_MAX);
+    }
 }
 
 /// How one call ended, as its connection's reader saw it.
