@@ -127,6 +127,16 @@ pub struct Transfer {
     host: Option<HostKey>,
 }
 
+/// TCP keep-alives with short intervals: an idle pooled connection whose peer vanished
+/// without a word fails within about 25 s.
+fn keep_alive(stream: &TcpStream) -> io::Result<()> {
+    let probes = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(10))
+        .with_interval(Duration::from_secs(5))
+        .with_retries(3);
+    socket2::SockRef::from(stream).set_tcp_keepalive(&probes)
+}
+
 /// Runs `operation` with [`IO_TIMEOUT`]: a stalled peer becomes an error.
 async fn timed<T>(operation: impl Future<Output = io::Result<T>>) -> io::Result<T> {
     match tokio::time::timeout(IO_TIMEOUT, operation).await {
@@ -222,6 +232,7 @@ impl Transfer {
                 let (acceptor, source) = (acceptor.clone(), source.clone());
                 tokio::spawn(async move {
                     let _ = stream.set_nodelay(true);
+                    let _ = keep_alive(&stream);
                     let stream = match tokio::time::timeout(CONNECT_TIMEOUT, acceptor.accept(stream)).await {
                         Ok(Ok(stream)) => stream,
                         Ok(Err(e)) => {
@@ -245,6 +256,7 @@ impl Transfer {
         let handshake = async {
             let stream = TcpStream::connect(peer).await?;
             stream.set_nodelay(true)?;
+            keep_alive(&stream)?;
             let name = ServerName::try_from(SERVER_NAME).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
             self.shared.connector.connect(name, stream).await
         };
@@ -316,10 +328,16 @@ impl Transfer {
             request[17..].copy_from_slice(&host.to_bytes());
         }
         let mut status = [0u8; 1];
+        // A holder asked for shared memory first copies the object into a segment (or
+        // waits for another pull's copy): that answer may take longer than a stream's.
+        let first_answer = if self.host.is_some() { SHARED_ANSWER_TIMEOUT } else { IO_TIMEOUT };
         let asked = async {
             timed(stream.write_all(&request)).await?;
             timed(stream.flush()).await?;
-            timed(stream.read_exact(&mut status)).await
+            match tokio::time::timeout(first_answer, stream.read_exact(&mut status)).await {
+                Ok(read) => read,
+                Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, format!("no answer in {first_answer:?}"))),
+            }
         };
         asked.await.map_err(Attempt::NoAnswer)?;
         let failed = |e: &dyn std::fmt::Display| Attempt::Failed(Error::Transfer(format!("transfer of {id} from {peer}: {e}")));

@@ -119,6 +119,8 @@ impl Actor for Agent {
             Wire::Local(LocalSignal::Hosted { actor, attempt, host }) => {
                 state.starting.remove(&actor);
                 if state.stop_when_up.remove(&actor) {
+                    // Known by its cell, so its exit is taken as the stop it is.
+                    state.by_cell.insert(host.get_id(), (actor, attempt));
                     state.routes.remove(actor, attempt);
                     state.log(
                         actor,

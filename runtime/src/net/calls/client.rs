@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 use tokio_rustls::client::TlsStream;
 
 use super::frame::{ReplyHeader, ReplyStatus, RequestHeader, RequestKind, REPLY_HEADER_BYTES};
-use super::socket::{connect_local, this_host, CallAddress, Socket, Transport};
+use super::socket::{connect_local, keep_alive, this_host, CallAddress, Socket, Transport};
 use super::{CallPath, CallTls};
 use crate::error::{failure_to_error, Error, Result};
 use crate::protocol::{ActorId, Failure};
@@ -105,22 +105,29 @@ impl CallPlane {
             // The session path refuses it with the message users see.
             return wire::call_actor_raw(target.router, actor, request, timeout).await;
         }
-        match self.connection(&target, deadline).await {
-            Some(connection) => connection.call(actor, &request, deadline).await,
-            None => {
-                let remaining = deadline
-                    .saturating_duration_since(Instant::now())
-                    .max(Duration::from_millis(1));
-                wire::call_actor_raw(target.router, actor, request, remaining).await
+        if let Some(connection) = self.connection(&target, deadline).await {
+            match connection.call(actor, &request, deadline).await {
+                Ok(reply) => return Ok(reply),
+                Err(Unsent::Failed(e)) => return Err(e),
+                // The connection broke before this call went out: nothing was delivered.
+                Err(Unsent::NotSent) => {}
             }
         }
+        let remaining = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
+        wire::call_actor_raw(target.router, actor, request, remaining).await
     }
 
     /// Sends `actor` a message without waiting for it to be handled.
     pub(crate) async fn cast(&self, target: Target<'_>, actor: ActorId, message: Vec<u8>) -> std::result::Result<(), CallError> {
         if message.len() <= wire::MAX_MESSAGE_BYTES {
             if let Some(connection) = self.connection(&target, Instant::now() + CAST_TIMEOUT).await {
-                return connection.cast(actor, &message).await;
+                match connection.cast(actor, &message).await {
+                    Ok(()) => return Ok(()),
+                    Err(Unsent::Failed(e)) => return Err(e),
+                    Err(Unsent::NotSent) => {}
+                }
             }
         }
         wire::cast_actor_raw(target.router, actor, message).map_err(CallError::Unreachable)
@@ -140,7 +147,10 @@ impl CallPlane {
             let mut gates = self.gates.lock().ok()?;
             gates.entry(target.node.to_string()).or_default().clone()
         };
-        let _opening = tokio::time::timeout_at(deadline.into(), gate.lock()).await.ok()?;
+        // Opening may take at most half of what the caller has left, so that the session
+        // path still has the other half when the channel cannot be opened.
+        let budget = deadline.saturating_duration_since(Instant::now()) / 2;
+        let _opening = tokio::time::timeout(budget, gate.lock()).await.ok()?;
         if let Some(found) = self.known(target.node) {
             return found;
         }
@@ -148,7 +158,15 @@ impl CallPlane {
             Some(NodeChannel::Unavailable { failures, .. }) => *failures,
             _ => 0,
         };
-        let channel = match open(tls, target).await {
+        let opened = tokio::time::timeout(budget.min(CONNECT_TIMEOUT), open(tls, target))
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::Timeout {
+                    what: format!("opening the call channel to node {}", target.node),
+                    timeout: budget.min(CONNECT_TIMEOUT),
+                })
+            });
+        let channel = match opened {
             Ok(connection) => {
                 tracing::debug!(node = %target.node, transport = ?connection.transport(), "call channel open");
                 NodeChannel::Open(Arc::new(connection))
@@ -223,6 +241,7 @@ pub(super) async fn connect(tls: &CallTls, address: &CallAddress, node: &str) ->
         })?
         .map_err(io(format!("connect to {tcp}")))?;
     stream.set_nodelay(true).map_err(io("set TCP_NODELAY".into()))?;
+    keep_alive(&stream).map_err(io("set TCP keep-alives".into()))?;
     secure(tls, Socket::Tcp(stream), tcp, node).await
 }
 
@@ -277,6 +296,31 @@ struct Pending {
 
 type Stream = TlsStream<Socket>;
 
+/// Why a call or cast on a connection did not complete.
+pub(super) enum Unsent {
+    /// Nothing of it was sent: the connection had broken before (another path may take it).
+    NotSent,
+    /// It was sent, or may have been in part.
+    Failed(CallError),
+}
+
+/// Breaks the connection if dropped before [`MidFrame::done`]: a write abandoned part-way
+/// (the caller's future was dropped: its timeout, a `select!`, a killed actor's handler)
+/// leaves a partial frame on the stream, after which nothing more may be written on it.
+struct MidFrame<'a> {
+    connection: &'a Connection,
+    done: bool,
+}
+
+impl Drop for MidFrame<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.connection
+                .break_with("a message was abandoned part-way through being sent".into());
+        }
+    }
+}
+
 /// One connection to a serving process.
 pub(super) struct Connection {
     transport: Transport,
@@ -315,71 +359,80 @@ impl Connection {
         self.pending.lock().map(|p| p.broken.is_none()).unwrap_or(false)
     }
 
-    pub(super) async fn call(&self, actor: ActorId, request: &[u8], deadline: Instant) -> std::result::Result<Vec<u8>, CallError> {
+    pub(super) async fn call(&self, actor: ActorId, request: &[u8], deadline: Instant) -> std::result::Result<Vec<u8>, Unsent> {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let (sender, answer) = oneshot::channel();
         {
-            let mut pending = self.lock_pending()?;
-            if let Some(why) = &pending.broken {
-                return Err(CallError::Unreachable(why.clone()));
+            let mut pending = self.pending.lock().map_err(|_| Unsent::NotSent)?;
+            if pending.broken.is_some() {
+                return Err(Unsent::NotSent);
             }
             pending.calls.insert(seq, sender);
         }
         let frame = RequestHeader::frame(RequestKind::Call, seq, actor, request);
-        match tokio::time::timeout_at(deadline.into(), self.write(&frame)).await {
+        let sent = tokio::time::timeout_at(deadline.into(), self.write(&frame)).await;
+        let forget = || {
+            if let Ok(mut pending) = self.pending.lock() {
+                pending.calls.remove(&seq);
+            }
+        };
+        match sent {
             Ok(Ok(())) => {}
-            Ok(Err(why)) => return Err(CallError::Unreachable(why)),
+            Ok(Err(unsent)) => {
+                forget();
+                return Err(unsent);
+            }
+            // Still waiting for the writer (nothing sent), or cut off part-way (then the
+            // guard in `write` broke the connection).
             Err(_) => {
-                // Part of the frame may be written: the stream is out of step for good.
-                self.break_with("a call timed out while being sent".into());
-                return Err(CallError::Timeout);
+                forget();
+                return Err(Unsent::Failed(CallError::Timeout));
             }
         }
         match tokio::time::timeout_at(deadline.into(), answer).await {
             Ok(Ok(Outcome::Answered(reply))) => Ok(reply),
-            Ok(Ok(Outcome::Lost)) => Err(CallError::Unreachable(
+            Ok(Ok(Outcome::Lost)) => Err(Unsent::Failed(CallError::Unreachable(
                 "the actor stopped or its node was lost before replying".into(),
-            )),
-            Ok(Ok(Outcome::Broken(why))) => Err(CallError::Unreachable(why)),
-            Ok(Err(_)) => Err(CallError::Unreachable("the call channel closed".into())),
+            ))),
+            Ok(Ok(Outcome::Broken(why))) => Err(Unsent::Failed(CallError::Unreachable(why))),
+            Ok(Err(_)) => Err(Unsent::Failed(CallError::Unreachable("the call channel closed".into()))),
             Err(_) => {
-                if let Ok(mut pending) = self.pending.lock() {
-                    pending.calls.remove(&seq);
-                }
-                Err(CallError::Timeout)
+                forget();
+                Err(Unsent::Failed(CallError::Timeout))
             }
         }
     }
 
-    pub(super) async fn cast(&self, actor: ActorId, message: &[u8]) -> std::result::Result<(), CallError> {
+    pub(super) async fn cast(&self, actor: ActorId, message: &[u8]) -> std::result::Result<(), Unsent> {
         let frame = RequestHeader::frame(RequestKind::Cast, 0, actor, message);
         match tokio::time::timeout(CAST_TIMEOUT, self.write(&frame)).await {
-            Ok(written) => written.map_err(CallError::Unreachable),
-            Err(_) => {
-                self.break_with("a cast timed out while being sent".into());
-                Err(CallError::Timeout)
-            }
+            Ok(written) => written,
+            Err(_) => Err(Unsent::Failed(CallError::Timeout)),
         }
     }
 
-    /// Writes one whole frame; a failure breaks the connection (and is its reason).
-    async fn write(&self, frame: &[u8]) -> std::result::Result<(), String> {
+    /// Writes one whole frame, or breaks the connection: on a write error, or when this
+    /// future is dropped part-way. Cancelling it while it waits for the writer is harmless.
+    async fn write(&self, frame: &[u8]) -> std::result::Result<(), Unsent> {
         let mut writer = self.writer.lock().await;
+        // Another writer may have broken the connection, part-way through its frame.
+        if !self.is_open() {
+            return Err(Unsent::NotSent);
+        }
+        let mut guard = MidFrame {
+            connection: self,
+            done: false,
+        };
         let written = match writer.write_all(frame).await {
             Ok(()) => writer.flush().await,
             Err(e) => Err(e),
         };
+        guard.done = true;
         written.map_err(|e| {
             let why = format!("the call channel broke: {e}");
             self.break_with(why.clone());
-            why
+            Unsent::Failed(CallError::Unreachable(why))
         })
-    }
-
-    fn lock_pending(&self) -> std::result::Result<std::sync::MutexGuard<'_, Pending>, CallError> {
-        self.pending
-            .lock()
-            .map_err(|_| CallError::Unreachable("the call channel's lock was poisoned".into()))
     }
 
     fn break_with(&self, why: String) {

@@ -12,7 +12,7 @@ use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::frame::{ReplyHeader, ReplyStatus, RequestHeader, RequestKind, REQUEST_HEADER_BYTES};
-use super::socket::{bind_local, this_host, CallAddress, LocalAddress, Socket};
+use super::socket::{bind_local, keep_alive, this_host, CallAddress, LocalAddress, Socket};
 use super::CallTls;
 use crate::error::{Error, Result};
 use crate::protocol::Failure;
@@ -135,6 +135,7 @@ type Waiting = (u64, oneshot::Receiver<Vec<u8>>);
 async fn serve(stream: Socket, tls: &CallTls, node: Arc<Node>) -> Result<()> {
     if let Socket::Tcp(tcp) = &stream {
         tcp.set_nodelay(true).map_err(io("set TCP_NODELAY"))?;
+        keep_alive(tcp).map_err(io("set TCP keep-alives"))?;
     }
     let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.acceptor.accept(stream))
         .await

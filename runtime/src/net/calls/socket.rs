@@ -57,6 +57,17 @@ pub(crate) fn connect_local(name: &str) -> io::Result<UnixStream> {
     UnixStream::from_std(stream)
 }
 
+/// Turns TCP keep-alives on with short intervals: a connection whose peer vanished
+/// without a word (a host gone, a NAT that forgot it) fails within about 25 s instead of
+/// looking open while every call on it times out.
+pub(crate) fn keep_alive(stream: &TcpStream) -> io::Result<()> {
+    let probes = socket2::TcpKeepalive::new()
+        .with_time(std::time::Duration::from_secs(10))
+        .with_interval(std::time::Duration::from_secs(5))
+        .with_retries(3);
+    socket2::SockRef::from(stream).set_tcp_keepalive(&probes)
+}
+
 /// Which socket a connection runs over.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Transport {

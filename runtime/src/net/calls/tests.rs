@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use super::client::{connect, Connection};
+use super::client::{connect, Connection, Unsent};
 use super::frame::{RequestHeader, RequestKind};
 use super::socket::{CallAddress, LocalAddress, Transport};
 use super::{CallPath, CallServer, CallTls};
@@ -182,7 +182,7 @@ async fn a_call_the_actor_drops_is_lost_and_the_connection_goes_on() {
         }
     });
     match connection.call(ACTOR, b"a", soon()).await {
-        Err(CallError::Unreachable(why)) => assert!(why.contains("before replying"), "{why}"),
+        Err(Unsent::Failed(CallError::Unreachable(why))) => assert!(why.contains("before replying"), "{why}"),
         _ => panic!("a dropped call must be reported lost"),
     }
     assert!(connection.call(ACTOR, b"b", soon()).await.is_ok());
@@ -197,7 +197,7 @@ async fn a_call_without_an_answer_times_out_and_leaves_the_connection_usable() {
     let outcome = connection
         .call(ACTOR, b"slow", Instant::now() + Duration::from_millis(200))
         .await;
-    assert!(matches!(outcome, Err(CallError::Timeout)));
+    assert!(matches!(outcome, Err(Unsent::Failed(CallError::Timeout))));
     assert!(started.elapsed() < Duration::from_secs(5));
     // The late answer is dropped; the next call gets its own.
     let Some(Wire::Call(_, late)) = inbox.recv().await else {
@@ -274,13 +274,57 @@ async fn calls_waiting_when_the_listener_stops_fail_at_once() {
     };
     let started = Instant::now();
     let (outcome, _queued) = tokio::join!(waiting, stop);
-    assert!(matches!(outcome, Err(CallError::Unreachable(_))));
+    assert!(matches!(outcome, Err(Unsent::Failed(CallError::Unreachable(_)))));
     assert!(started.elapsed() < Duration::from_secs(5), "not left to its timeout");
     assert!(!connection.is_open());
-    assert!(matches!(
-        connection.call(ACTOR, b"y", soon()).await,
-        Err(CallError::Unreachable(_))
-    ));
+    // Nothing more is sent on it (the caller may take another path).
+    assert!(matches!(connection.call(ACTOR, b"y", soon()).await, Err(Unsent::NotSent)));
+    assert!(matches!(connection.cast(ACTOR, b"z").await, Err(Unsent::NotSent)));
+}
+
+#[tokio::test]
+async fn a_send_cut_off_part_way_breaks_the_connection_and_nothing_follows_it() {
+    // A peer that completes the handshake and then never reads.
+    let tls = CallTls::from_token("t").unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = CallAddress {
+        tcp: listener.local_addr().unwrap().to_string(),
+        local: None,
+    };
+    let acceptor = tls.acceptor.clone();
+    let stuck = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let _tls = acceptor.accept(stream).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    });
+    let connection = connect(&tls, &address, "n1").await.unwrap();
+    // Larger than the socket buffers: the write stalls part-way and the deadline cuts it.
+    let big = vec![1u8; wire::MAX_MESSAGE_BYTES];
+    let outcome = connection
+        .call(ACTOR, &big, Instant::now() + Duration::from_millis(300))
+        .await;
+    assert!(matches!(outcome, Err(Unsent::Failed(CallError::Timeout))));
+    assert!(!connection.is_open(), "a partial frame must end the connection");
+    assert!(matches!(connection.call(ACTOR, b"x", soon()).await, Err(Unsent::NotSent)));
+    stuck.abort();
+}
+
+#[tokio::test]
+async fn a_call_that_times_out_waiting_behind_another_leaves_the_connection_open() {
+    let (served, inbox) = serve("t").await;
+    reverse_calls(inbox);
+    let connection = open_tcp(&served).await;
+    let big = vec![2u8; wire::MAX_MESSAGE_BYTES];
+    // The small call's deadline passes while the big one holds the writer (or right
+    // after): either way it was never cut off mid-frame.
+    let (big_call, small) = tokio::join!(
+        connection.call(ACTOR, &big, soon()),
+        connection.call(ACTOR, b"s", Instant::now() + Duration::from_micros(1)),
+    );
+    assert!(big_call.is_ok());
+    assert!(matches!(small, Err(Unsent::Failed(CallError::Timeout)) | Ok(_)));
+    assert!(connection.is_open());
+    assert!(connection.call(ACTOR, b"ok", soon()).await.is_ok());
 }
 
 #[test]
