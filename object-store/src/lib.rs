@@ -34,9 +34,10 @@ pub use id::ObjectId;
 pub use identity::{identity_from_token, TlsIdentity};
 pub use memory::{MemoryStats, MemoryStore, NoRoom};
 pub use place::{absolute, Place};
+pub use quic::endpoint;
 pub use shm::{Handle as SharedHandle, HostKey, Segment};
 pub use spill::{delete as delete_spilled, open_store, parse_spill_url, restore, SpillBackend};
-pub use quic::endpoint;
 pub use transfer::{
-    Fetched, ObjectSource, Transfer, CHUNK_BYTES, FAULT_CORRUPT_ENV, IO_TIMEOUT, NO_SHARED_MEMORY_ENV, SERVER_NAME,
+    keep_alive, Fetched, ObjectSource, Transfer, CHUNK_BYTES, FAULT_CORRUPT_ENV, IO_TIMEOUT, NO_SHARED_MEMORY_ENV,
+    SERVER_NAME,
 };

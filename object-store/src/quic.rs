@@ -41,4 +41,3 @@ pub fn endpoint(bind: SocketAddr, identity: &TlsIdentity) -> Result<Endpoint> {
     endpoint.set_default_client_config(client);
     Ok(endpoint)
 }
-

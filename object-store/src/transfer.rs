@@ -127,9 +127,10 @@ pub struct Transfer {
     host: Option<HostKey>,
 }
 
-/// TCP keep-alives with short intervals: an idle pooled connection whose peer vanished
-/// without a word fails within about 25 s.
-fn keep_alive(stream: &TcpStream) -> io::Result<()> {
+/// Turns TCP keep-alives on with short intervals (10 s idle, then 3 probes 5 s apart): a
+/// connection whose peer vanished without a word (a host gone, a NAT that forgot it)
+/// fails within about 25 s instead of looking open. Used by the runtime's call channel too.
+pub fn keep_alive(stream: &TcpStream) -> io::Result<()> {
     let probes = socket2::TcpKeepalive::new()
         .with_time(Duration::from_secs(10))
         .with_interval(Duration::from_secs(5))
@@ -262,7 +263,9 @@ impl Transfer {
         };
         match tokio::time::timeout(CONNECT_TIMEOUT, handshake).await {
             Ok(Ok(stream)) => Ok(stream),
-            Ok(Err(e)) => Err(Error::Transfer(format!("cannot connect to {peer} (TCP connect or TLS handshake): {e}"))),
+            Ok(Err(e)) => Err(Error::Transfer(format!(
+                "cannot connect to {peer} (TCP connect or TLS handshake): {e}"
+            ))),
             Err(_) => Err(Error::Transfer(format!(
                 "connecting to {peer} (TCP and TLS handshake) took over {CONNECT_TIMEOUT:?}"
             ))),
@@ -330,17 +333,25 @@ impl Transfer {
         let mut status = [0u8; 1];
         // A holder asked for shared memory first copies the object into a segment (or
         // waits for another pull's copy): that answer may take longer than a stream's.
-        let first_answer = if self.host.is_some() { SHARED_ANSWER_TIMEOUT } else { IO_TIMEOUT };
+        let first_answer = if self.host.is_some() {
+            SHARED_ANSWER_TIMEOUT
+        } else {
+            IO_TIMEOUT
+        };
         let asked = async {
             timed(stream.write_all(&request)).await?;
             timed(stream.flush()).await?;
             match tokio::time::timeout(first_answer, stream.read_exact(&mut status)).await {
                 Ok(read) => read,
-                Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, format!("no answer in {first_answer:?}"))),
+                Err(_) => Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no answer in {first_answer:?}"),
+                )),
             }
         };
         asked.await.map_err(Attempt::NoAnswer)?;
-        let failed = |e: &dyn std::fmt::Display| Attempt::Failed(Error::Transfer(format!("transfer of {id} from {peer}: {e}")));
+        let failed =
+            |e: &dyn std::fmt::Display| Attempt::Failed(Error::Transfer(format!("transfer of {id} from {peer}: {e}")));
         if status[0] == STATUS_SHARED {
             let mut raw = [0u8; Handle::LEN];
             timed(stream.read_exact(&mut raw)).await.map_err(|e| failed(&e))?;
@@ -401,13 +412,16 @@ async fn receive_stream(
     size: u64,
     checksum: u32,
 ) -> std::result::Result<Bytes, Attempt> {
-    let failed = |e: &dyn std::fmt::Display| Attempt::Failed(Error::Transfer(format!("transfer of {id} from {peer}: {e}")));
+    let failed =
+        |e: &dyn std::fmt::Display| Attempt::Failed(Error::Transfer(format!("transfer of {id} from {peer}: {e}")));
     let corrupt = |detail: String| Attempt::Failed(Error::Corrupt { id, detail });
     let mut header = [0u8; 8];
     timed(stream.read_exact(&mut header)).await.map_err(|e| failed(&e))?;
     let their_size = u64::from_le_bytes(header);
     if their_size != size {
-        return Err(corrupt(format!("{peer} announced {their_size} bytes, the directory says {size}")));
+        return Err(corrupt(format!(
+            "{peer} announced {their_size} bytes, the directory says {size}"
+        )));
     }
     let length = usize::try_from(size).map_err(|_| failed(&"object too large for this platform"))?;
     let mut buffer = vec![0u8; length];
@@ -415,8 +429,11 @@ async fn receive_stream(
     let mut filled = 0usize;
     while filled < length {
         let mut chunk_header = [0u8; 8];
-        timed(stream.read_exact(&mut chunk_header)).await.map_err(|e| failed(&e))?;
-        let chunk_len = u32::from_le_bytes([chunk_header[0], chunk_header[1], chunk_header[2], chunk_header[3]]) as usize;
+        timed(stream.read_exact(&mut chunk_header))
+            .await
+            .map_err(|e| failed(&e))?;
+        let chunk_len =
+            u32::from_le_bytes([chunk_header[0], chunk_header[1], chunk_header[2], chunk_header[3]]) as usize;
         let chunk_crc = u32::from_le_bytes([chunk_header[4], chunk_header[5], chunk_header[6], chunk_header[7]]);
         if chunk_len == 0 || chunk_len > CHUNK_BYTES || filled + chunk_len > length {
             return Err(corrupt(format!("bad chunk length {chunk_len} at offset {filled}")));
@@ -486,7 +503,12 @@ async fn serve_one(
             let mut answer = [0u8; 1];
             match tokio::time::timeout(SHARED_ANSWER_TIMEOUT, stream.read_exact(&mut answer)).await {
                 Ok(read) => read?,
-                Err(_) => return Err(io::Error::new(io::ErrorKind::TimedOut, "no answer to a shared-memory handle")),
+                Err(_) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "no answer to a shared-memory handle",
+                    ))
+                }
             };
             if answer[0] == 1 {
                 source.sent(segment.len());

@@ -43,8 +43,8 @@ use head::{job_log, job_manager, job_store};
 use net::{calls, headlink, http, node, token, wire};
 use worker::{agent, detect, registry};
 
-pub use client::{Actor, ActorContext, ActorError};
 pub use calls::{CallPath, CALL_PATH_ENV};
+pub use client::{Actor, ActorContext, ActorError};
 pub use client::{ActorHandle, ActorOptions, Client, Cluster, PlacementGroup, DEFAULT_CALL_TIMEOUT};
 pub use client::{ObjectRef, RunReporter};
 pub use detect::{

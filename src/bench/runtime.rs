@@ -8,8 +8,7 @@ use bytes::Bytes;
 
 use super::measure::{
     http_get, loopback_tcp_gbps, loopback_tcp_round_trips, loopback_tcp_round_trips_tokio, loopback_unix_round_trips,
-    memcpy_gbps, report,
-    rss_bytes,
+    memcpy_gbps, report, rss_bytes,
 };
 use crate::kinds::{Caller, Fanout, Noop, Store, StoreOp, StoreReply};
 use crate::local::{LocalCluster, LocalOptions, WorkerSpec};
@@ -155,7 +154,11 @@ pub(super) async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -
     }
     report("loopback tcp round trips between threads", "per second", &floor);
     // Same-host calls ride a Unix socket: its floor is theirs.
-    report("loopback unix socket round trips between threads", "per second", &floor_unix);
+    report(
+        "loopback unix socket round trips between threads",
+        "per second",
+        &floor_unix,
+    );
     report(
         "loopback tcp round trips between tokio tasks",
         "per second",

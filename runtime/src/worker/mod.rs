@@ -18,7 +18,6 @@ use std::sync::Arc;
 
 use crate::calls::{CallPath, CallPlane, CallServer, CallTls};
 use crate::client::Cluster;
-use router::Routes;
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::node::{self, LocalNode};
@@ -27,6 +26,7 @@ use crate::protocol::{HeadRequest, NodeInfo};
 use crate::registry::Registry;
 use crate::resources::Resources;
 use crate::wire::{LocalSignal, Wire};
+use router::Routes;
 
 /// How a worker runs.
 #[derive(Clone, Debug)]
@@ -108,7 +108,11 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
     objects.bind = config.bind;
     let store = ObjectService::start(&name, &config.token, objects, link.clone()).await?;
     let tls = CallTls::from_token(&config.token)?;
-    let cluster = Cluster::new(link, Some(store.clone()), CallPlane::new(tls.clone(), CallPath::from_env()?));
+    let cluster = Cluster::new(
+        link,
+        Some(store.clone()),
+        CallPlane::new(tls.clone(), CallPath::from_env()?),
+    );
     let routes = Routes::default();
     let calls = match config.call_port {
         Some(port) => Some(CallServer::start(config.bind, port, &host, &tls, name.clone(), routes.clone()).await?),

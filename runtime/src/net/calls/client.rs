@@ -45,7 +45,10 @@ enum NodeChannel {
     Open(Arc<Connection>),
     /// The channel could not be opened `failures` times in a row; use the session path
     /// until `until`.
-    Unavailable { until: Instant, failures: u32 },
+    Unavailable {
+        until: Instant,
+        failures: u32,
+    },
 }
 
 /// When to try a channel again after `failures` failed openings in a row.
@@ -120,7 +123,12 @@ impl CallPlane {
     }
 
     /// Sends `actor` a message without waiting for it to be handled.
-    pub(crate) async fn cast(&self, target: Target<'_>, actor: ActorId, message: Vec<u8>) -> std::result::Result<(), CallError> {
+    pub(crate) async fn cast(
+        &self,
+        target: Target<'_>,
+        actor: ActorId,
+        message: Vec<u8>,
+    ) -> std::result::Result<(), CallError> {
         if message.len() <= wire::MAX_MESSAGE_BYTES {
             if let Some(connection) = self.connection(&target, Instant::now() + CAST_TIMEOUT).await {
                 match connection.cast(actor, &message).await {
@@ -359,7 +367,12 @@ impl Connection {
         self.pending.lock().map(|p| p.broken.is_none()).unwrap_or(false)
     }
 
-    pub(super) async fn call(&self, actor: ActorId, request: &[u8], deadline: Instant) -> std::result::Result<Vec<u8>, Unsent> {
+    pub(super) async fn call(
+        &self,
+        actor: ActorId,
+        request: &[u8],
+        deadline: Instant,
+    ) -> std::result::Result<Vec<u8>, Unsent> {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let (sender, answer) = oneshot::channel();
         {

@@ -188,7 +188,11 @@ async fn read_requests<R: AsyncRead, W: AsyncWrite>(
             RequestKind::Call => {
                 calls.inc();
                 let (port, answer) = oneshot::channel();
-                if node.routes.deliver(request.actor, Wire::Call(payload, port.into())).is_ok() {
+                if node
+                    .routes
+                    .deliver(request.actor, Wire::Call(payload, port.into()))
+                    .is_ok()
+                {
                     let _ = waiting.send((request.seq, answer));
                 } else {
                     let not_hosted = wire::encode_failure(Failure::NotHosted {

@@ -6,6 +6,7 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+pub(crate) use regatta_object_store::keep_alive;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpStream, UnixListener, UnixStream};
@@ -55,17 +56,6 @@ pub(crate) fn connect_local(name: &str) -> io::Result<UnixStream> {
     let stream = std::os::unix::net::UnixStream::connect_addr(&address)?;
     stream.set_nonblocking(true)?;
     UnixStream::from_std(stream)
-}
-
-/// Turns TCP keep-alives on with short intervals: a connection whose peer vanished
-/// without a word (a host gone, a NAT that forgot it) fails within about 25 s instead of
-/// looking open while every call on it times out.
-pub(crate) fn keep_alive(stream: &TcpStream) -> io::Result<()> {
-    let probes = socket2::TcpKeepalive::new()
-        .with_time(std::time::Duration::from_secs(10))
-        .with_interval(std::time::Duration::from_secs(5))
-        .with_retries(3);
-    socket2::SockRef::from(stream).set_tcp_keepalive(&probes)
 }
 
 /// Which socket a connection runs over.

@@ -150,7 +150,10 @@ async fn casts_and_calls_reach_the_actor_in_the_order_sent() {
     connection.call(ACTOR, &[50], soon()).await.ok().unwrap();
     drop(connection);
     drop(served);
-    let seen = tokio::time::timeout(Duration::from_secs(10), seen).await.unwrap().unwrap();
+    let seen = tokio::time::timeout(Duration::from_secs(10), seen)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(seen, (0..=50u8).map(|i| vec![i]).collect::<Vec<_>>());
 }
 
@@ -253,9 +256,12 @@ async fn garbage_on_the_port_closes_that_connection_only() {
     tls.write_all(&bad).await.unwrap();
     tls.flush().await.unwrap();
     let mut byte = [0u8; 1];
-    let read = tokio::time::timeout(Duration::from_secs(10), tokio::io::AsyncReadExt::read(&mut tls, &mut byte))
-        .await
-        .expect("the listener closes a connection that sent a bad frame");
+    let read = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::io::AsyncReadExt::read(&mut tls, &mut byte),
+    )
+    .await
+    .expect("the listener closes a connection that sent a bad frame");
     assert!(matches!(read, Ok(0) | Err(_)), "no answer to a bad frame");
     let connection = open(&served).await;
     assert!(connection.call(ACTOR, b"ok", soon()).await.is_ok());
@@ -278,7 +284,10 @@ async fn calls_waiting_when_the_listener_stops_fail_at_once() {
     assert!(started.elapsed() < Duration::from_secs(5), "not left to its timeout");
     assert!(!connection.is_open());
     // Nothing more is sent on it (the caller may take another path).
-    assert!(matches!(connection.call(ACTOR, b"y", soon()).await, Err(Unsent::NotSent)));
+    assert!(matches!(
+        connection.call(ACTOR, b"y", soon()).await,
+        Err(Unsent::NotSent)
+    ));
     assert!(matches!(connection.cast(ACTOR, b"z").await, Err(Unsent::NotSent)));
 }
 
@@ -305,7 +314,10 @@ async fn a_send_cut_off_part_way_breaks_the_connection_and_nothing_follows_it() 
         .await;
     assert!(matches!(outcome, Err(Unsent::Failed(CallError::Timeout))));
     assert!(!connection.is_open(), "a partial frame must end the connection");
-    assert!(matches!(connection.call(ACTOR, b"x", soon()).await, Err(Unsent::NotSent)));
+    assert!(matches!(
+        connection.call(ACTOR, b"x", soon()).await,
+        Err(Unsent::NotSent)
+    ));
     stuck.abort();
 }
 
@@ -332,5 +344,8 @@ fn the_call_path_is_parsed_at_the_edge() {
     assert_eq!(CallPath::parse("").unwrap(), CallPath::Direct);
     assert_eq!(CallPath::parse("direct").unwrap(), CallPath::Direct);
     assert_eq!(CallPath::parse(" session ").unwrap(), CallPath::Session);
-    assert!(CallPath::parse("quic").unwrap_err().to_string().contains("REGATTA_CALL_PATH"));
+    assert!(CallPath::parse("quic")
+        .unwrap_err()
+        .to_string()
+        .contains("REGATTA_CALL_PATH"));
 }
