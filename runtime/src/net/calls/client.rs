@@ -191,7 +191,13 @@ impl CallPlane {
             NodeChannel::Unavailable { .. } => None,
         };
         if let Ok(mut nodes) = self.nodes.lock() {
+            // Broken connections of nodes no longer called (dead, scaled away) are dropped
+            // whenever a channel is opened, so their descriptors do not pile up.
+            nodes.retain(|_, known| !matches!(known, NodeChannel::Open(c) if !c.is_open()));
             nodes.insert(target.node.to_string(), channel);
+            if let Ok(mut gates) = self.gates.lock() {
+                gates.retain(|node, gate| nodes.contains_key(node) || Arc::strong_count(gate) > 1);
+            }
         }
         connection
     }
@@ -199,11 +205,17 @@ impl CallPlane {
     /// What is known of `node`'s channel: `Some(Some(c))` open, `Some(None)` unavailable
     /// for now, `None` nothing usable (never tried, broken, or time to retry).
     fn known(&self, node: &str) -> Option<Option<Arc<Connection>>> {
-        let nodes = self.nodes.lock().ok()?;
+        let mut nodes = self.nodes.lock().ok()?;
         match nodes.get(node)? {
             NodeChannel::Open(connection) if connection.is_open() => Some(Some(connection.clone())),
+            // Broken: forgotten here, so its socket closes once no call holds it (a node
+            // that died is never asked again and must not keep a descriptor).
+            NodeChannel::Open(_) => {
+                nodes.remove(node);
+                None
+            }
             NodeChannel::Unavailable { until, .. } if Instant::now() < *until => Some(None),
-            _ => None,
+            NodeChannel::Unavailable { .. } => None,
         }
     }
 }
