@@ -202,8 +202,8 @@ impl Transfer {
     }
 
     /// The bound address.
-    pub fn local_addr(&self) -> Result<SocketAddr> {
-        Ok(self.shared.local)
+    pub fn local_addr(&self) -> SocketAddr {
+        self.shared.local
     }
 
     /// Serves objects from `source` for as long as the process runs (once per endpoint; a
@@ -612,7 +612,7 @@ mod tests {
         let id = ObjectId(5);
         let bytes = object(2 * CHUNK_BYTES + 3);
         server.serve(Arc::new(Shares(id, bytes.clone(), Mutex::new(None))));
-        let addr = server.local_addr().unwrap();
+        let addr = server.local_addr();
         let (one, two) = (node("t"), node("t"));
         let first = one.fetch(addr, id, bytes.len() as u64, crc32(&bytes)).await.unwrap();
         let second = two.fetch(addr, id, bytes.len() as u64, crc32(&bytes)).await.unwrap();
@@ -640,7 +640,7 @@ mod tests {
         let path = std::env::temp_dir().join(format!("regatta-unsealed-{}", std::process::id()));
         server.serve(Arc::new(Unsealed(id, bytes.clone(), path.clone())));
         let got = node("t")
-            .fetch(server.local_addr().unwrap(), id, bytes.len() as u64, crc32(&bytes))
+            .fetch(server.local_addr(), id, bytes.len() as u64, crc32(&bytes))
             .await
             .unwrap();
         assert_eq!(got.bytes, bytes);
@@ -663,7 +663,7 @@ mod tests {
         let id = ObjectId(9);
         let bytes = object(3 * CHUNK_BYTES + 17);
         server.serve(Arc::new(One(id, bytes.clone())));
-        let addr = server.local_addr().unwrap();
+        let addr = server.local_addr();
 
         let member = node("cluster-token");
         let got = member.fetch(addr, id, bytes.len() as u64, crc32(&bytes)).await.unwrap();
@@ -692,7 +692,7 @@ mod tests {
         server.serve(Arc::new(One(id, bytes.clone())));
         let client = node("t");
         let err = client
-            .fetch(server.local_addr().unwrap(), id, bytes.len() as u64, crc32(&bytes))
+            .fetch(server.local_addr(), id, bytes.len() as u64, crc32(&bytes))
             .await
             .unwrap_err();
         assert!(matches!(err, Error::Corrupt { .. }), "{err}");

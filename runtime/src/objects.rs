@@ -13,7 +13,7 @@ use bytes::Bytes;
 use futures::future::{BoxFuture, FutureExt, Shared};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use regatta_object_store::{
-    crc32, identity_from_token, Fetched, Location, MemoryStore, ObjectId, ObjectSource, Segment, SpillBackend, Transfer,
+    crc32, Fetched, Location, MemoryStore, ObjectId, ObjectSource, Segment, SpillBackend, TlsIdentity, Transfer,
 };
 use serde::{Deserialize, Serialize};
 
@@ -177,10 +177,14 @@ fn default_capacity() -> u64 {
 impl ObjectService {
     /// Starts the store of process `node`: binds its transfer endpoint, opens its spill
     /// backend, and listens for release orders in process group `objects/<node>`.
-    pub(crate) async fn start(node: &str, token: &str, config: ObjectConfig, link: Arc<HeadLink>) -> Result<Arc<Self>> {
-        let identity = identity_from_token(token)?;
-        let transfer = Transfer::bind(SocketAddr::new(config.bind, config.port), &identity)?;
-        let port = transfer.local_addr()?.port();
+    pub(crate) async fn start(
+        node: &str,
+        identity: &TlsIdentity,
+        config: ObjectConfig,
+        link: Arc<HeadLink>,
+    ) -> Result<Arc<Self>> {
+        let transfer = Transfer::bind(SocketAddr::new(config.bind, config.port), identity)?;
+        let port = transfer.local_addr().port();
         let spill_url = config
             .spill_url
             .clone()

@@ -66,12 +66,16 @@ impl Cluster {
     }
 }
 
+/// Where an actor was found: its node (shared, so a call copies no name) and the node's
+/// router.
+type Located = (Arc<str>, ActorCell);
+
 /// A typed handle on an actor of kind `A`, valid across its restarts.
 pub struct ActorHandle<A: Actor> {
     id: ActorId,
     cluster: Cluster,
     /// The node that hosted the actor when last looked up, and its router.
-    cell: Arc<Mutex<Option<(String, ActorCell)>>>,
+    cell: Arc<Mutex<Option<Located>>>,
     _kind: PhantomData<fn() -> A>,
 }
 
@@ -218,7 +222,7 @@ impl<A: Actor> ActorHandle<A> {
     /// (waiting while it is placed or restarted) and then the local mirror of the router's
     /// process group. The head is asked first so that a killed or dead actor whose host is
     /// still stopping is reported dead rather than reached.
-    async fn resolve(&self, deadline: Instant) -> Result<(String, ActorCell)> {
+    async fn resolve(&self, deadline: Instant) -> Result<Located> {
         if let Some((node, cell)) = self.cell.lock().ok().and_then(|c| c.clone()) {
             if cell.get_status() == ractor::ActorStatus::Running {
                 return Ok((node, cell));
@@ -286,8 +290,8 @@ impl<A: Actor> ActorHandle<A> {
         }
     }
 
-    fn remember(&self, node: &str, cell: ActorCell) -> (String, ActorCell) {
-        let target = (node.to_string(), cell);
+    fn remember(&self, node: &str, cell: ActorCell) -> Located {
+        let target = (Arc::from(node), cell);
         if let Ok(mut cached) = self.cell.lock() {
             *cached = Some(target.clone());
         }

@@ -54,15 +54,15 @@ impl Client {
         let local = LocalNode::start(&name, token, bind, 0, &host, direct).await?;
         let head = local.join(address).await?;
         let link = Arc::new(HeadLink::new(local.scope().to_string(), head, address.to_string()));
-        let objects = if direct {
-            let config = ObjectConfig::for_client(&host);
-            Some(ObjectService::start(&name, token, config, link.clone()).await?)
-        } else {
-            None
-        };
-        let calls = match path {
-            Some(path) => CallPlane::new(CallTls::from_token(token)?, path),
-            None => CallPlane::session_only(),
+        // One token identity serves the object transfer and the call channel.
+        let (objects, calls) = match path {
+            Some(path) => {
+                let identity = regatta_object_store::identity_from_token(token)?;
+                let config = ObjectConfig::for_client(&host);
+                let objects = ObjectService::start(&name, &identity, config, link.clone()).await?;
+                (Some(objects), CallPlane::new(CallTls::new(&identity), path))
+            }
+            None => (None, CallPlane::session_only()),
         };
         // A driver started by the job manager belongs to its job.
         let job = std::env::var(crate::job::JOB_ID_ENV).ok().filter(|j| !j.is_empty());

@@ -138,7 +138,13 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     node::join_group(&scope, node::HEAD_GROUP, actor.get_cell());
     start_ticker(actor.clone(), config.heartbeat_timeout_ms);
     let link = Arc::new(HeadLink::new(scope.clone(), actor.get_cell(), address.clone()));
-    let objects = ObjectService::start(HEAD_NODE, &config.token, config.objects.clone(), link.clone()).await?;
+    let objects = ObjectService::start(
+        HEAD_NODE,
+        &regatta_object_store::identity_from_token(&config.token)?,
+        config.objects.clone(),
+        link.clone(),
+    )
+    .await?;
     let (job_api, manager) = match &config.jobs {
         Some(jobs) => {
             let manager = JobManager::open(jobs.clone(), address.clone(), config.token.clone(), link.clone())?;

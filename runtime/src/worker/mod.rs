@@ -26,6 +26,7 @@ use crate::protocol::{HeadRequest, NodeInfo};
 use crate::registry::Registry;
 use crate::resources::Resources;
 use crate::wire::{LocalSignal, Wire};
+use regatta_object_store::identity_from_token;
 use router::Routes;
 
 /// How a worker runs.
@@ -106,8 +107,9 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
     let mut objects = config.objects.clone();
     objects.advertise_host = host.clone();
     objects.bind = config.bind;
-    let store = ObjectService::start(&name, &config.token, objects, link.clone()).await?;
-    let tls = CallTls::from_token(&config.token)?;
+    let identity = identity_from_token(&config.token)?;
+    let store = ObjectService::start(&name, &identity, objects, link.clone()).await?;
+    let tls = CallTls::new(&identity);
     let cluster = Cluster::new(
         link,
         Some(store.clone()),

@@ -32,7 +32,7 @@ pub(crate) use socket::CallAddress;
 
 use std::sync::Arc;
 
-use regatta_object_store::{identity_from_token, SERVER_NAME};
+use regatta_object_store::{TlsIdentity, SERVER_NAME};
 use tokio_rustls::rustls::pki_types::ServerName;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
@@ -82,16 +82,16 @@ pub(crate) struct CallTls {
 }
 
 impl CallTls {
-    pub(crate) fn from_token(token: &str) -> Result<Self> {
-        let identity = identity_from_token(token).map_err(|e| Error::Rejected(format!("call channel TLS: {e}")))?;
+    /// The process's token identity (the object transfer's), with the call channel's ALPN.
+    pub(crate) fn new(identity: &TlsIdentity) -> Self {
         let mut server = (*identity.server).clone();
         server.alpn_protocols = vec![ALPN.to_vec()];
         let mut client = (*identity.client).clone();
         client.alpn_protocols = vec![ALPN.to_vec()];
-        Ok(Self {
+        Self {
             acceptor: TlsAcceptor::from(Arc::new(server)),
             connector: TlsConnector::from(Arc::new(client)),
-        })
+        }
     }
 
     fn server_name() -> ServerName<'static> {

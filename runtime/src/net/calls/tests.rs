@@ -16,6 +16,10 @@ use crate::worker::router::Routes;
 
 const ACTOR: ActorId = ActorId(7);
 
+fn tls_for(token: &str) -> CallTls {
+    CallTls::new(&regatta_object_store::identity_from_token(token).unwrap())
+}
+
 struct Served {
     server: CallServer,
     tls: CallTls,
@@ -25,7 +29,7 @@ struct Served {
 
 /// A listener on loopback whose actor 7's queue is `inbox`.
 async fn serve(token: &str) -> (Served, UnboundedReceiver<Wire>) {
-    let tls = CallTls::from_token(token).unwrap();
+    let tls = tls_for(token);
     let routes = Routes::default();
     let (queue, inbox) = unbounded_channel();
     routes.insert(ACTOR, 0, &queue, "test");
@@ -217,7 +221,7 @@ async fn a_call_without_an_answer_times_out_and_leaves_the_connection_usable() {
 async fn a_peer_with_another_token_is_refused_and_the_listener_serves_on() {
     let (served, inbox) = serve("right").await;
     reverse_calls(inbox);
-    let stranger = CallTls::from_token("wrong").unwrap();
+    let stranger = tls_for("wrong");
     let tcp_only = CallAddress {
         local: None,
         ..served.server.address().clone()
@@ -294,7 +298,7 @@ async fn calls_waiting_when_the_listener_stops_fail_at_once() {
 #[tokio::test]
 async fn a_send_cut_off_part_way_breaks_the_connection_and_nothing_follows_it() {
     // A peer that completes the handshake and then never reads.
-    let tls = CallTls::from_token("t").unwrap();
+    let tls = tls_for("t");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = CallAddress {
         tcp: listener.local_addr().unwrap().to_string(),
