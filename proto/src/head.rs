@@ -7,8 +7,12 @@
 
 use std::collections::BTreeMap;
 
+use serde::{Deserialize, Serialize};
+
 use crate::object::{Directory, Location, Missing, ObjectId, Release};
-use crate::protocol::{ActorId, ActorState, ActorView, ClusterStatus, Failure, GroupId, HeadRequest, NodeInfo};
+use crate::protocol::{
+    ActorId, ActorState, ActorView, ClusterStatus, Failure, GroupId, HeadRequest, NodeInfo, Registration, RunningActor,
+};
 use crate::runs::RunBook;
 use crate::scheduler::{Effect, Scheduler};
 use crate::view::{View, ViewQuery};
@@ -25,8 +29,8 @@ pub struct ReplyTo(pub u64);
 /// `Result<T, Failure>` its caller decodes).
 #[derive(Clone, Debug)]
 pub enum Answer {
-    /// `Register`: the node's incarnation.
-    Registered(Result<u64, Failure>),
+    /// `Register`: the node's incarnation and the reported actors it must stop.
+    Registered(Result<Registration, Failure>),
     /// `Heartbeat`: whether the head knows the node (false: re-register).
     Heartbeat(bool),
     /// `Spawn`: the new actor's id.
@@ -62,6 +66,10 @@ pub enum Notice {
         resources: String,
         /// The kinds it can construct.
         kinds: Vec<String>,
+        /// Actors it reported running that keep running.
+        kept: usize,
+        /// Actors it reported running that it is told to stop.
+        stopped: usize,
     },
     /// A node's registration was refused.
     RegistrationRefused(Failure),
@@ -124,7 +132,60 @@ pub struct HeadCore {
     runs: RunBook,
 }
 
+/// What a head keeps across its own restart, borrowed for writing: the decisions that
+/// cannot be rebuilt from the workers (nodes, actors with their specs and restart budgets,
+/// names, placement groups, the object directory, training runs). Parked requests are not
+/// kept: their callers' sessions closed with the head, and they ask again.
+#[derive(Serialize)]
+pub struct Snapshot<'a> {
+    scheduler: &'a Scheduler,
+    directory: &'a Directory,
+    runs: &'a RunBook,
+    now_ms: u64,
+}
+
+/// A [`Snapshot`] read back.
+#[derive(Deserialize)]
+pub struct Saved {
+    scheduler: Scheduler,
+    directory: Directory,
+    runs: RunBook,
+    now_ms: u64,
+}
+
+impl Saved {
+    /// The head's clock when it was written: a restored head's clock goes on from there.
+    pub fn saved_at_ms(&self) -> u64 {
+        self.now_ms
+    }
+}
+
 impl HeadCore {
+    /// The state to write down at `now_ms`.
+    pub fn snapshot(&self, now_ms: u64) -> Snapshot<'_> {
+        Snapshot {
+            scheduler: &self.scheduler,
+            directory: &self.directory,
+            runs: &self.runs,
+            now_ms,
+        }
+    }
+
+    /// A head restarted from `saved` at `now_ms` (on a clock that goes on from
+    /// [`Saved::saved_at_ms`]): every node it knew alive must register again, reporting
+    /// what it runs, before anything new is placed (see [`Scheduler::restored`]).
+    pub fn restore(saved: Saved, heartbeat_timeout_ms: u64, object_grace_ms: u64, now_ms: u64) -> Self {
+        Self {
+            scheduler: saved.scheduler.restored(now_ms),
+            directory: saved.directory.with_grace(object_grace_ms),
+            heartbeat_timeout_ms,
+            actor_waiters: BTreeMap::new(),
+            group_waiters: BTreeMap::new(),
+            object_waiters: BTreeMap::new(),
+            runs: saved.runs,
+        }
+    }
+
     /// A head with no nodes; nodes silent for `heartbeat_timeout_ms` are declared dead and
     /// unreferenced objects are released `object_grace_ms` after their last reference.
     pub fn new(heartbeat_timeout_ms: u64, object_grace_ms: u64) -> Self {
@@ -287,7 +348,7 @@ impl HeadCore {
     /// Routes one request to its handler; each answers `to` (when given) through `out`.
     fn request(&mut self, request: HeadRequest, to: Option<ReplyTo>, now: u64, out: &mut Vec<Output>) {
         match request {
-            HeadRequest::Register(info) => self.register(info, to, now, out),
+            HeadRequest::Register(info, running) => self.register(info, &running, to, now, out),
             HeadRequest::Heartbeat { node, incarnation } => {
                 let known = self.scheduler.heartbeat(&node, incarnation, now);
                 answer(to, Answer::Heartbeat(known), out);
@@ -348,16 +409,23 @@ impl HeadCore {
         }
     }
 
-    fn register(&mut self, info: NodeInfo, to: Option<ReplyTo>, now: u64, out: &mut Vec<Output>) {
-        let joined = Notice::NodeJoined {
-            node: info.name.clone(),
-            address: info.address.clone(),
-            resources: info.resources.to_string(),
-            kinds: info.kinds.clone(),
-        };
-        let result = self.scheduler.register(info, now);
+    fn register(&mut self, info: NodeInfo, running: &[RunningActor], to: Option<ReplyTo>, now: u64, out: &mut Vec<Output>) {
+        let (node, address, resources, kinds) = (
+            info.name.clone(),
+            info.address.clone(),
+            info.resources.to_string(),
+            info.kinds.clone(),
+        );
+        let result = self.scheduler.register(info, running, now);
         out.push(Output::Notice(match &result {
-            Ok(_) => joined,
+            Ok(registration) => Notice::NodeJoined {
+                node,
+                address,
+                resources,
+                kinds,
+                kept: running.len() - registration.stop.len(),
+                stopped: registration.stop.len(),
+            },
             Err(failure) => Notice::RegistrationRefused(failure.clone()),
         }));
         answer(to, Answer::Registered(result), out);
@@ -523,7 +591,7 @@ mod tests {
             kinds: vec!["echo".into()],
             pid: 1,
             metrics_address: None,
-        })
+        }, Vec::new())
     }
 
     fn spawn(resources: &str) -> HeadRequest {
@@ -964,5 +1032,127 @@ mod tests {
         assert_eq!(run.points.len(), 2);
         assert_eq!(run.summary.last["loss"], 0.5);
         assert!(matches!(head.view(ViewQuery::Runs, 0), View::Runs(runs) if runs.len() == 1));
+    }
+
+    /// Writes the head down and reads it back as a restarted head would (bincode, as the
+    /// runtime stores it).
+    fn restart(head: &HeadCore, now: u64) -> HeadCore {
+        let bytes = bincode::serialize(&head.snapshot(now)).unwrap();
+        let saved: Saved = bincode::deserialize(&bytes).unwrap();
+        assert_eq!(saved.saved_at_ms(), now);
+        HeadCore::restore(saved, 3_000, 10_000, now)
+    }
+
+    fn register_running(name: &str, resources: &str, running: Vec<RunningActor>) -> HeadRequest {
+        match node(name, resources) {
+            HeadRequest::Register(info, _) => HeadRequest::Register(info, running),
+            other => other,
+        }
+    }
+
+    fn registration(out: &[Output]) -> Registration {
+        match replies(out).as_slice() {
+            [(_, Answer::Registered(Ok(r)))] => r.clone(),
+            other => panic!("expected one registration, got {other:?}"),
+        }
+    }
+
+    fn up(actor: ActorId, attempt: u32) -> RunningActor {
+        RunningActor { actor, attempt, up: true }
+    }
+
+    #[test]
+    fn a_restored_head_takes_back_the_actors_its_nodes_report_and_restarts_only_the_missing() {
+        let mut head = HeadCore::new(3_000, 10_000);
+        head.handle(node("w1", "CPU=2"), Some(ReplyTo(1)), 0);
+        head.handle(node("w2", "CPU=2"), Some(ReplyTo(1)), 0);
+        let mut named = match spawn_with("CPU=1", 2) {
+            HeadRequest::Spawn(spec) => spec,
+            _ => unreachable!(),
+        };
+        named.name = Some("svc".into());
+        let (kept, kept_node, kept_attempt) = running(&mut head, HeadRequest::Spawn(named), 10);
+        let (lost, lost_node, lost_attempt) = running(&mut head, spawn_with("CPU=1", 1), 10);
+        let (killed, killed_node, killed_attempt) = running(&mut head, spawn("CPU=1"), 10);
+        head.handle(HeadRequest::Kill(killed), None, 11);
+        let before = head.status(20);
+
+        let mut head = restart(&head, 1_000);
+        // Same actors, ids, names and budgets; nothing placed or stopped on restoring.
+        let after = head.status(1_000);
+        assert_eq!(format!("{:?}", after.actors), format!("{:?}", before.actors));
+        assert_eq!(head.scheduler().named("svc").map(|v| v.id), Some(kept));
+        // Its nodes must register again (a heartbeat of the old incarnation is refused).
+        let beat = head.handle(HeadRequest::Heartbeat { node: "w1".into(), incarnation: 1 }, Some(ReplyTo(2)), 1_001);
+        assert!(matches!(replies(&beat).as_slice(), [(_, Answer::Heartbeat(false))]));
+        // Nothing is placed while a node is still to register.
+        let out = head.handle(spawn("CPU=1"), Some(ReplyTo(3)), 1_002);
+        let waiting = spawned(&out);
+        assert!(starts(&out).is_empty(), "placed before the nodes came back: {out:?}");
+
+        // Each node reports what it runs: the kept actor at its attempt, the killed one
+        // (its stop was lost with the head), and not the one that went away.
+        let mut all_starts = Vec::new();
+        let mut stopped = Vec::new();
+        for (i, name) in ["w1", "w2"].into_iter().enumerate() {
+            let mut report = Vec::new();
+            if name == kept_node {
+                report.push(up(kept, kept_attempt));
+            }
+            if name == killed_node {
+                report.push(up(killed, killed_attempt));
+            }
+            let out = head.handle(register_running(name, "CPU=2", report), Some(ReplyTo(10 + i as u64)), 1_010);
+            stopped.extend(registration(&out).stop);
+            all_starts.extend(starts(&out));
+        }
+        let _ = (lost_node, lost_attempt);
+        assert!(stopped.contains(&killed), "the killed actor is stopped: {stopped:?}");
+        assert!(!stopped.contains(&kept));
+        let kept_view = head.scheduler().actor_view(kept).unwrap();
+        assert_eq!((kept_view.state, kept_view.restarts), (ActorState::Alive, 0));
+        // The actor its node no longer ran restarts within its budget; the waiting spawn
+        // is placed now that every node is back.
+        let lost_view = head.scheduler().actor_view(lost).unwrap();
+        assert_eq!(lost_view.restarts, 1, "{lost_view:?}");
+        let placed: Vec<ActorId> = all_starts.iter().map(|s| s.actor).collect();
+        assert!(placed.contains(&lost) && placed.contains(&waiting), "{placed:?}");
+        assert!(!placed.contains(&kept));
+        assert!(matches!(head.scheduler().actor_view(killed).unwrap().state, ActorState::Dead { .. }));
+    }
+
+    #[test]
+    fn a_node_that_does_not_come_back_after_a_head_restart_is_declared_dead_and_placing_resumes() {
+        let mut head = HeadCore::new(3_000, 10_000);
+        head.handle(node("w1", "CPU=2"), Some(ReplyTo(1)), 0);
+        head.handle(node("w2", "CPU=2"), Some(ReplyTo(1)), 0);
+        let mut head = restart(&head, 100);
+        let out = head.handle(register_running("w1", "CPU=2", Vec::new()), Some(ReplyTo(2)), 200);
+        assert!(registration(&out).stop.is_empty());
+        let out = head.handle(spawn("CPU=1"), Some(ReplyTo(3)), 300);
+        let id = spawned(&out);
+        assert!(starts(&out).is_empty(), "w2 has not come back yet");
+        assert!(head.tick(3_000).iter().all(|o| !matches!(o, Output::Notice(Notice::NodeDead { .. }))));
+        let out = head.tick(3_200);
+        assert!(out.iter().any(|o| matches!(o, Output::Notice(Notice::NodeDead { node, .. }) if node == "w2")));
+        let placed = starts(&out);
+        assert_eq!(placed.iter().map(|s| (s.actor, s.node.as_str())).collect::<Vec<_>>(), vec![(id, "w1")]);
+    }
+
+    #[test]
+    fn a_worker_that_restarted_under_its_name_reports_nothing_and_a_stale_one_is_told_to_stop_everything() {
+        let mut head = HeadCore::new(3_000, 10_000);
+        head.handle(node("w1", "CPU=2"), Some(ReplyTo(1)), 0);
+        let (id, _, attempt) = running(&mut head, spawn_with("CPU=1", 1), 0);
+        // A new process of w1: the actor is lost and placed again on it.
+        let out = head.handle(register_running("w1", "CPU=2", Vec::new()), Some(ReplyTo(2)), 10);
+        assert!(registration(&out).stop.is_empty());
+        let again = starts(&out);
+        assert_eq!(again.len(), 1);
+        assert_eq!((again[0].actor, again[0].attempt), (id, attempt + 1));
+        // A node the head declared dead comes back reporting the old attempt: stopped.
+        head.tick(5_000);
+        let out = head.handle(register_running("w1", "CPU=2", vec![up(id, attempt + 1)]), Some(ReplyTo(3)), 5_001);
+        assert_eq!(registration(&out).stop, vec![id]);
     }
 }

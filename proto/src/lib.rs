@@ -26,14 +26,14 @@ pub mod scheduler;
 pub mod view;
 
 pub use error::{Error, Result};
-pub use head::{Answer, HeadCore, Notice, Output, ReplyTo};
+pub use head::{Answer, HeadCore, Notice, Output, ReplyTo, Saved, Snapshot};
 pub use job::{JobRecord, JobStatus, JobSubmission, RuntimeEnv};
 pub use object::{Directory, DirectoryStats, Location, MemoryStats, MemoryStore, Missing, NoRoom, ObjectId, Release};
 pub use placement::{Allocation, Decision, Ledger, Strategy};
 pub use pool::{PoolBook, Seq};
 pub use protocol::{
     ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, GroupId, GroupStatus, NodeStatus,
-    PendingLine, RESTART_FOREVER,
+    PendingLine, Registration, RunningActor, RESTART_FOREVER,
 };
 pub use resources::{format_fixed, Resources, GPU, UNIT};
 pub use runs::{RunBook, RunDetail, RunPoint, RunSample, RunSummary};

@@ -93,6 +93,29 @@ pub struct NodeInfo {
     pub metrics_address: Option<String>,
 }
 
+/// An actor a worker runs (or is starting) when it registers, so that a head that
+/// restarted, or that lost the node for a while, can take it back instead of having it
+/// stopped and started again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RunningActor {
+    /// The actor.
+    pub actor: ActorId,
+    /// The start attempt it runs as.
+    pub attempt: u32,
+    /// Whether its constructor has finished (false: still starting).
+    pub up: bool,
+}
+
+/// The head's answer to [`HeadRequest::Register`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Registration {
+    /// The node's incarnation, which its heartbeats carry.
+    pub incarnation: u64,
+    /// Reported actors the head does not want running there (killed while the head could
+    /// not say so, restarted elsewhere, or unknown to it): the worker stops them.
+    pub stop: Vec<ActorId>,
+}
+
 /// Why a request failed, as sent back over the wire.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Failure {
@@ -141,8 +164,9 @@ pub enum Failure {
 /// Requests the head answers.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum HeadRequest {
-    /// A worker joins: replies `u64` incarnation.
-    Register(NodeInfo),
+    /// A worker joins or rejoins, with the actors it runs now (empty for a new process):
+    /// replies [`Registration`].
+    Register(NodeInfo, Vec<RunningActor>),
     /// A worker is alive: replies `bool` (false: re-register).
     Heartbeat {
         /// The node.
@@ -273,7 +297,7 @@ impl HeadRequest {
     /// A short name for logs and errors.
     pub fn name(&self) -> &'static str {
         match self {
-            Self::Register(_) => "register",
+            Self::Register(..) => "register",
             Self::Heartbeat { .. } => "heartbeat",
             Self::Spawn(_) => "spawn",
             Self::WaitActor(_) => "wait-actor",
@@ -390,6 +414,8 @@ pub enum AgentRequest {
     Announce(ActorId),
     /// The actor's recent log lines on this node: replies `Vec<crate::actor_log::LogLine>`.
     Logs(ActorId),
+    /// The actors the node runs or is starting: replies `Vec<RunningActor>`.
+    Running,
 }
 
 /// The head's order to construct one actor on one node.

@@ -80,6 +80,7 @@ pub struct RunDetail {
     pub points: Vec<RunSample>,
 }
 
+#[derive(Serialize, Deserialize)]
 struct Run {
     kind: String,
     job: Option<String>,
@@ -90,7 +91,7 @@ struct Run {
 }
 
 /// Every run the head keeps.
-#[derive(Default)]
+#[derive(Default, Serialize, Deserialize)]
 pub struct RunBook {
     runs: BTreeMap<String, Run>,
 }

@@ -59,6 +59,7 @@ pub struct DirectoryStats {
     pub lost: u64,
 }
 
+#[derive(Serialize, Deserialize)]
 struct Meta {
     size: u64,
     checksum: u32,
@@ -74,6 +75,7 @@ struct Meta {
 pub const MAX_LOST_OBJECTS: usize = 100_000;
 
 /// Every object in the cluster.
+#[derive(Serialize, Deserialize)]
 pub struct Directory {
     objects: HashMap<ObjectId, Meta>,
     lost: HashMap<ObjectId, String>,
@@ -91,6 +93,12 @@ impl Directory {
             lost_order: std::collections::VecDeque::new(),
             grace_ms,
         }
+    }
+
+    /// The same directory releasing unreferenced objects `grace_ms` after their last
+    /// reference (a restored head takes its setting from its own configuration).
+    pub fn with_grace(self, grace_ms: u64) -> Self {
+        Self { grace_ms, ..self }
     }
 
     /// Records a new object held by `node` and referenced by `holder`.

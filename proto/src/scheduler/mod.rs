@@ -15,6 +15,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use serde::{Deserialize, Serialize};
+
 use crate::placement::{Allocation, Ledger};
 use crate::protocol::{ActorId, ActorSpec, ActorState, GroupId, GroupSpec, NodeInfo, StartActor};
 
@@ -47,6 +49,7 @@ pub enum Effect {
     },
 }
 
+#[derive(Serialize, Deserialize)]
 struct NodeRecord {
     info: NodeInfo,
     incarnation: u64,
@@ -58,12 +61,14 @@ struct NodeRecord {
     hosted: BTreeSet<ActorId>,
 }
 
+#[derive(Serialize, Deserialize)]
 struct Placed {
     node: String,
     allocation: Allocation,
     bundle: Option<(GroupId, usize)>,
 }
 
+#[derive(Serialize, Deserialize)]
 struct ActorRecord {
     spec: ActorSpec,
     state: ActorState,
@@ -75,12 +80,14 @@ struct ActorRecord {
     waiting_since_ms: u64,
 }
 
+#[derive(Serialize, Deserialize)]
 struct Bundle {
     node: String,
     reservation: Allocation,
     ledger: Ledger,
 }
 
+#[derive(Serialize, Deserialize)]
 struct GroupRecord {
     spec: GroupSpec,
     bundles: Vec<Option<Bundle>>,
@@ -124,8 +131,9 @@ impl WaitKey {
 /// forgotten so a long-running head does not grow without bound.
 pub const MAX_DEAD_ACTORS: usize = 10_000;
 
-/// The head's cluster state.
-#[derive(Default)]
+/// The head's cluster state. It serializes as what cannot be recomputed (nodes, actors,
+/// names, groups, counters); the indexes are rebuilt by [`Scheduler::restored`].
+#[derive(Default, Serialize, Deserialize)]
 pub struct Scheduler {
     dead_order: std::collections::VecDeque<ActorId>,
     nodes: BTreeMap<String, NodeRecord>,
@@ -135,16 +143,26 @@ pub struct Scheduler {
     named: BTreeMap<String, ActorId>,
     groups: BTreeMap<GroupId, GroupRecord>,
     /// Actors waiting to be placed (pending or restarting), by what they wait for.
+    #[serde(skip)]
     waiting: BTreeMap<WaitKey, BTreeSet<ActorId>>,
     /// Alive nodes registering each kind.
+    #[serde(skip)]
     kinds: BTreeMap<String, usize>,
+    #[serde(skip)]
     index: index::ShapeIndex,
     next_actor: u64,
     next_group: u64,
     next_incarnation: u64,
     /// Distinct resource requests seen (up to [`MAX_SHARED_SHAPES`]): actors of one shape
     /// share one map instead of holding one each.
+    #[serde(skip)]
     shapes: BTreeSet<crate::resources::Resources>,
+    /// Nodes of a restored head that have not registered again yet. While any is
+    /// missing nothing is placed: a start sent to a node whose session is not back yet
+    /// would declare it lost. Each either registers (and its actors are reconciled) or
+    /// goes silent past the heartbeat timeout like any node.
+    #[serde(skip)]
+    rejoining: BTreeSet<String>,
 }
 
 /// How many distinct resource requests the head shares; requests beyond that many shapes
@@ -155,6 +173,44 @@ impl Scheduler {
     /// An empty cluster.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A scheduler read back from its serialized form: the indexes are rebuilt, and every
+    /// node alive in it must register again (with the actors it runs) before anything is
+    /// placed; until then each counts as heard from at `now_ms`.
+    pub fn restored(mut self, now_ms: u64) -> Self {
+        let mut kinds: BTreeMap<String, usize> = BTreeMap::new();
+        let mut rejoining = BTreeSet::new();
+        for rec in self.nodes.values_mut().filter(|n| n.dead_cause.is_none()) {
+            for kind in &rec.info.kinds {
+                *kinds.entry(kind.clone()).or_insert(0) += 1;
+            }
+            rec.last_heartbeat_ms = now_ms;
+            rejoining.insert(rec.info.name.clone());
+        }
+        self.kinds = kinds;
+        self.rejoining = rejoining;
+        let names: Vec<String> = self.nodes.keys().cloned().collect();
+        for name in names {
+            self.touch(&name);
+        }
+        let ids: Vec<ActorId> = self.actors.keys().copied().collect();
+        for id in ids {
+            let resources = self.actors[&id].spec.resources.clone();
+            let shared = self.share(resources);
+            if let Some(actor) = self.actors.get_mut(&id) {
+                actor.spec.resources = shared;
+            }
+            if self.is_waiting(id) {
+                self.enqueue(id);
+            }
+        }
+        self
+    }
+
+    /// Nodes of a restored head that have not registered again yet.
+    pub fn rejoining(&self) -> usize {
+        self.rejoining.len()
     }
 
     /// The shared copy of `resources` (see [`Scheduler::shapes`]).
@@ -221,7 +277,7 @@ mod tests {
     #[test]
     fn actors_of_one_shape_share_one_resource_map_and_placement_still_counts_each() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "CPU=4"), 0).unwrap();
+        s.register(node("w1", "CPU=4"), &[], 0).unwrap();
         let a = s.submit(spec("CPU=1", 0), 0).unwrap();
         let b = s.submit(spec("CPU=1", 0), 0).unwrap();
         let c = s.submit(spec("CPU=2", 0), 0).unwrap();
@@ -252,7 +308,7 @@ mod tests {
     #[test]
     fn status_pages_list_every_actor_once_in_id_order() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "CPU=8"), 0).unwrap();
+        s.register(node("w1", "CPU=8"), &[], 0).unwrap();
         let ids: Vec<ActorId> = (0..7).map(|_| s.submit(spec("CPU=1", 0), 0).unwrap()).collect();
         let effects = s.schedule(0);
         start_all(&mut s, &effects);
@@ -278,13 +334,13 @@ mod tests {
     #[test]
     fn lost_node_restarts_actors_elsewhere_within_budget() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "CPU=2"), 0).unwrap();
+        s.register(node("w1", "CPU=2"), &[], 0).unwrap();
         let keep = s.submit(spec("CPU=1", 1), 0).unwrap();
         let lose = s.submit(spec("CPU=1", 0), 0).unwrap();
         let effects = s.schedule(0);
         assert!(starts(&effects).iter().all(|st| st.node == "w1"));
         start_all(&mut s, &effects);
-        s.register(node("w2", "CPU=2"), 10).unwrap();
+        s.register(node("w2", "CPU=2"), &[], 10).unwrap();
         s.heartbeat("w2", 2, 5_000);
         s.expire(5_000, 3_000);
         let effects = s.schedule(5_000);
@@ -310,7 +366,7 @@ mod tests {
     #[test]
     fn ending_a_job_kills_only_its_actors() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "CPU=4"), 0).unwrap();
+        s.register(node("w1", "CPU=4"), &[], 0).unwrap();
         let mut in_job = spec("CPU=1", 3);
         in_job.job = Some("j1".into());
         let a = s.submit(in_job, 0).unwrap();
@@ -337,7 +393,7 @@ mod tests {
     #[test]
     fn only_the_most_recent_dead_actors_are_remembered() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "CPU=1"), 0).unwrap();
+        s.register(node("w1", "CPU=1"), &[], 0).unwrap();
         let first = s.submit(spec("", 0), 0).unwrap();
         s.kill(first).unwrap();
         for _ in 0..MAX_DEAD_ACTORS {
@@ -351,7 +407,7 @@ mod tests {
     #[test]
     fn a_node_declaring_absurd_gpus_is_refused() {
         let mut s = Scheduler::new();
-        let err = s.register(node("w1", "GPU=100000"), 0).unwrap_err();
+        let err = s.register(node("w1", "GPU=100000"), &[], 0).unwrap_err();
         assert!(matches!(err, Failure::Rejected(m) if m.contains("node w1 refused")));
         assert!(s.status(0).nodes.is_empty());
     }
@@ -359,7 +415,7 @@ mod tests {
     #[test]
     fn stale_start_reports_are_ignored() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "CPU=1"), 0).unwrap();
+        s.register(node("w1", "CPU=1"), &[], 0).unwrap();
         let id = s.submit(spec("CPU=1", 5), 0).unwrap();
         let first = starts(&s.schedule(0)).remove(0);
         s.exited(id, first.attempt, "panicked", 1);
@@ -373,7 +429,7 @@ mod tests {
     #[test]
     fn busy_request_is_placed_when_resources_free_up() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "GPU=1"), 0).unwrap();
+        s.register(node("w1", "GPU=1"), &[], 0).unwrap();
         let a = s.submit(spec("GPU=1", 0), 0).unwrap();
         let b = s.submit(spec("GPU=1", 0), 0).unwrap();
         let first = s.schedule(0);
@@ -394,7 +450,7 @@ mod tests {
             s.submit(spec("CPU=1", 0), 0),
             Err(Failure::UnknownKind { .. })
         ));
-        s.register(node("w1", "CPU=2,GPU=4"), 0).unwrap();
+        s.register(node("w1", "CPU=2,GPU=4"), &[], 0).unwrap();
         match s.submit(spec("GPU=8", 0), 0) {
             Err(Failure::Infeasible(msg)) => assert!(msg.contains("largest: GPU=4 on node w1"), "{msg}"),
             other => panic!("{other:?}"),
@@ -410,7 +466,7 @@ mod tests {
     #[test]
     fn duplicate_live_name_is_rejected() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "CPU=2"), 0).unwrap();
+        s.register(node("w1", "CPU=2"), &[], 0).unwrap();
         let mut named = spec("", 0);
         named.name = Some("svc".into());
         let id = s.submit(named.clone(), 0).unwrap();
@@ -425,7 +481,7 @@ mod tests {
     fn group_bundles_are_reserved_and_actors_use_them() {
         let mut s = Scheduler::new();
         for name in ["w1", "w2", "w3"] {
-            s.register(node(name, "CPU=4,GPU=1"), 0).unwrap();
+            s.register(node(name, "CPU=4,GPU=1"), &[], 0).unwrap();
         }
         let group = s
             .create_group(
@@ -459,7 +515,7 @@ mod tests {
     fn group_on_a_lost_node_is_placed_again() {
         let mut s = Scheduler::new();
         for name in ["w1", "w2", "w3"] {
-            s.register(node(name, "CPU=1"), 0).unwrap();
+            s.register(node(name, "CPU=1"), &[], 0).unwrap();
         }
         let group = s
             .create_group(
@@ -484,7 +540,7 @@ mod tests {
     #[test]
     fn status_reports_used_resources_and_dead_nodes() {
         let mut s = Scheduler::new();
-        s.register(node("w1", "CPU=4,accelerator_type:H100=1"), 0).unwrap();
+        s.register(node("w1", "CPU=4,accelerator_type:H100=1"), &[], 0).unwrap();
         s.submit(spec("CPU=1,accelerator_type:H100", 0), 0).unwrap();
         s.schedule(0);
         let status = s.status(0);
@@ -513,7 +569,7 @@ mod tests {
             let mut s = Scheduler::new();
             let mut groups: Vec<GroupId> = Vec::new();
             for n in 0..4 {
-                s.register(node(&format!("w{n}"), "CPU=4,GPU=2"), 0).unwrap();
+                s.register(node(&format!("w{n}"), "CPU=4,GPU=2"), &[], 0).unwrap();
             }
             for step in 0..300u64 {
                 let now = step * 10;
@@ -561,7 +617,7 @@ mod tests {
                         if s.is_alive(&name) {
                             s.lose_node(&name, "test", now);
                         } else {
-                            s.register(node(&name, "CPU=4,GPU=2"), now).unwrap();
+                            s.register(node(&name, "CPU=4,GPU=2"), &[], now).unwrap();
                         }
                     }
                     _ => {}
@@ -569,8 +625,46 @@ mod tests {
                 let effects = s.schedule(now);
                 start_all(&mut s, &effects);
                 check_bookkeeping(&mut s, &shapes, seed, step);
+                if next(8) == 0 {
+                    s = restarted_head(s, now, seed, step);
+                    check_bookkeeping(&mut s, &shapes, seed, step);
+                }
             }
         }
+    }
+
+    /// The scheduler written down, read back as a restarted head's, and each alive node
+    /// registered again reporting the actors placed on it: everything is taken back.
+    fn restarted_head(s: Scheduler, now: u64, seed: u64, step: u64) -> Scheduler {
+        let before: Vec<_> = s.actors.keys().map(|id| s.actor_view(*id)).collect();
+        let bytes = bincode::serialize(&s).unwrap();
+        let mut s = bincode::deserialize::<Scheduler>(&bytes).unwrap().restored(now);
+        let alive: Vec<(NodeInfo, Vec<crate::protocol::RunningActor>)> = s
+            .nodes
+            .values()
+            .filter(|n| n.dead_cause.is_none())
+            .map(|n| {
+                let running = n
+                    .hosted
+                    .iter()
+                    .map(|id| crate::protocol::RunningActor {
+                        actor: *id,
+                        attempt: s.actors[id].attempt,
+                        up: s.actors[id].state == ActorState::Alive,
+                    })
+                    .collect();
+                (n.info.clone(), running)
+            })
+            .collect();
+        assert_eq!(s.rejoining(), alive.len());
+        for (info, running) in alive {
+            let registration = s.register(info, &running, now).unwrap();
+            assert!(registration.stop.is_empty(), "seed {seed} step {step}: {registration:?}");
+        }
+        assert_eq!(s.rejoining(), 0);
+        let after: Vec<_> = s.actors.keys().map(|id| s.actor_view(*id)).collect();
+        assert_eq!(after, before, "seed {seed} step {step}: actors changed across the restart");
+        s
     }
 
     fn check_bookkeeping(s: &mut Scheduler, shapes: &[&str], seed: u64, step: u64) {

@@ -1,20 +1,89 @@
 //! Membership and liveness: nodes register, heartbeat, go silent and are declared dead.
 
+use std::collections::BTreeSet;
+
 use super::{NodeRecord, Scheduler};
 use crate::placement::{self, Ledger};
-use crate::protocol::{ActorId, Failure, NodeInfo};
+use crate::protocol::{ActorId, ActorState, Failure, NodeInfo, Registration, RunningActor};
 
 impl Scheduler {
-    /// A worker joins (or rejoins after a restart). Returns its incarnation number; an
-    /// earlier incarnation of the same name is declared dead first. A node whose declared
+    /// A worker joins, or joins again: after a head restart, after the head lost it for a
+    /// while, or as a new process under the same name. `running` is what it runs now.
+    ///
+    /// A node the head still counts alive, with the same resources and kinds, is taken
+    /// back as it is: each actor placed there that it reports at the same attempt keeps
+    /// running (the worker's truth for what runs), the others placed there are lost (they
+    /// restart within their budget), and reported actors the head did not place there at
+    /// that attempt go back in [`Registration::stop`] (the head's truth for what was
+    /// asked). Any other node starts afresh: an earlier alive record of the name is
+    /// declared dead first and every reported actor is stopped. A node whose declared
     /// capacity makes no sense is refused.
-    pub fn register(&mut self, info: NodeInfo, now_ms: u64) -> Result<u64, Failure> {
+    pub fn register(&mut self, info: NodeInfo, running: &[RunningActor], now_ms: u64) -> Result<Registration, Failure> {
         placement::validate_capacity(&info.resources)
             .map_err(|why| Failure::Rejected(format!("node {} refused: {why}", info.name)))?;
+        self.rejoining.remove(&info.name);
+        let same = self.nodes.get(&info.name).is_some_and(|rec| {
+            rec.dead_cause.is_none() && rec.info.resources == info.resources && rec.info.kinds == info.kinds
+        });
+        self.next_incarnation += 1;
+        let kept = if same {
+            self.take_back(info, running, now_ms)
+        } else {
+            self.register_afresh(info, now_ms);
+            BTreeSet::new()
+        };
+        let stop = running
+            .iter()
+            .map(|r| r.actor)
+            .filter(|id| !kept.contains(id))
+            .collect();
+        Ok(Registration {
+            incarnation: self.next_incarnation,
+            stop,
+        })
+    }
+
+    /// Re-registers a node the head counts alive; returns the actors it keeps.
+    fn take_back(&mut self, info: NodeInfo, running: &[RunningActor], now_ms: u64) -> BTreeSet<ActorId> {
+        let name = info.name.clone();
+        let Some(rec) = self.nodes.get_mut(&name) else {
+            return BTreeSet::new();
+        };
+        rec.info = info;
+        rec.incarnation = self.next_incarnation;
+        rec.last_heartbeat_ms = now_ms;
+        let hosted: Vec<ActorId> = rec.hosted.iter().copied().collect();
+        let mut kept = BTreeSet::new();
+        let mut up = Vec::new();
+        for id in hosted {
+            let Some(actor) = self.actors.get(&id) else { continue };
+            let current = matches!(actor.state, ActorState::Alive | ActorState::Starting);
+            match running.iter().find(|r| r.actor == id && r.attempt == actor.attempt) {
+                Some(report) if current => {
+                    kept.insert(id);
+                    if report.up {
+                        up.push((id, actor.attempt));
+                    }
+                }
+                _ => {
+                    let cause = format!("node {name} registered again without it (its worker restarted)");
+                    self.actor_lost(id, &cause, true, now_ms);
+                }
+            }
+        }
+        // An actor up on the node whose start report the head never got.
+        for (id, attempt) in up {
+            self.started(id, attempt, Ok(()));
+        }
+        self.touch(&name);
+        kept
+    }
+
+    /// Registers a node as new.
+    fn register_afresh(&mut self, info: NodeInfo, now_ms: u64) {
         if self.is_alive(&info.name) {
             self.lose_node(&info.name, "the worker re-registered (it restarted)", now_ms);
         }
-        self.next_incarnation += 1;
         let record = NodeRecord {
             ledger: Ledger::for_node(info.resources.clone()),
             info,
@@ -30,12 +99,14 @@ impl Scheduler {
         let name = record.info.name.clone();
         self.nodes.insert(name.clone(), record);
         self.touch(&name);
-        Ok(self.next_incarnation)
     }
 
-    /// Records a heartbeat; false means the node is unknown, dead or a stale incarnation
-    /// and must register again.
+    /// Records a heartbeat; false means the node is unknown, dead, a stale incarnation
+    /// or one a restored head waits to hear register again, and must register again.
     pub fn heartbeat(&mut self, node: &str, incarnation: u64, now_ms: u64) -> bool {
+        if self.rejoining.contains(node) {
+            return false;
+        }
         match self.nodes.get_mut(node) {
             Some(rec) if rec.dead_cause.is_none() && rec.incarnation == incarnation => {
                 rec.last_heartbeat_ms = now_ms;
@@ -74,6 +145,7 @@ impl Scheduler {
         }
         rec.dead_cause = Some(cause.to_string());
         rec.since_ms = now_ms;
+        self.rejoining.remove(node);
         let lost: Vec<ActorId> = rec.hosted.iter().copied().collect();
         for kind in &rec.info.kinds {
             if let Some(count) = self.kinds.get_mut(kind) {

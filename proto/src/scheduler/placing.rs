@@ -11,8 +11,12 @@ use crate::resources::Resources;
 impl Scheduler {
     /// Places whatever can be placed now: groups first (in order), then waiting actors in
     /// the order they were submitted, skipping requests like one that already failed in
-    /// this pass.
+    /// this pass. Nothing is placed while a restored head waits for its nodes to register
+    /// again (see [`Scheduler::restored`]).
     pub fn schedule(&mut self, now_ms: u64) -> Vec<Effect> {
+        if !self.rejoining.is_empty() {
+            return Vec::new();
+        }
         let group_ids: Vec<GroupId> = self
             .groups
             .iter()
@@ -44,7 +48,7 @@ impl Scheduler {
         effects
     }
 
-    fn is_waiting(&self, id: ActorId) -> bool {
+    pub(super) fn is_waiting(&self, id: ActorId) -> bool {
         self.actors
             .get(&id)
             .is_some_and(|a| matches!(a.state, ActorState::Pending | ActorState::Restarting))
