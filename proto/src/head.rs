@@ -141,7 +141,63 @@ pub struct Snapshot<'a> {
     scheduler: &'a Scheduler,
     directory: &'a Directory,
     runs: &'a RunBook,
+    parked: Vec<ParkedObject>,
     now_ms: u64,
+}
+
+/// An object request parked when the state was written: a reference that overtook its
+/// object's registration still takes effect when the registration comes.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct ParkedObject {
+    id: ObjectId,
+    request: HeadRequest,
+    deadline_ms: u64,
+}
+
+/// The reply token of requests replayed from the log: nobody waits for their answers.
+const REPLAYED: ReplyTo = ReplyTo(u64::MAX);
+
+/// A change to the head's state, as its log records it: applying the changes logged after
+/// a [`Snapshot`], in order, to the head it restores ([`HeadCore::replay`]) gives the
+/// state the head had. The core decides deterministically from its state, the request
+/// and the time; the one input it does not log, heartbeats, reaches the state only
+/// through the nodes a tick declares dead, which [`Change::Tick`] names.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Change {
+    /// A request that is not [`HeadRequest::reads_only`].
+    Request {
+        /// The request.
+        request: HeadRequest,
+        /// Whether its caller waited for an answer (parked requests depend on it).
+        answered: bool,
+        /// The head's clock when it was handled.
+        now_ms: u64,
+    },
+    /// A liveness tick that changed something: the nodes it declared dead (node, cause).
+    Tick {
+        /// The nodes declared dead and why.
+        lost: Vec<(String, String)>,
+        /// The head's clock.
+        now_ms: u64,
+    },
+}
+
+impl Change {
+    /// The change a request makes, if it makes one.
+    pub fn of(request: &HeadRequest, to: Option<ReplyTo>, now_ms: u64) -> Option<Self> {
+        (!request.reads_only()).then(|| Self::Request {
+            request: request.clone(),
+            answered: to.is_some(),
+            now_ms,
+        })
+    }
+
+    /// The head's clock when the change was made.
+    pub fn now_ms(&self) -> u64 {
+        match self {
+            Self::Request { now_ms, .. } | Self::Tick { now_ms, .. } => *now_ms,
+        }
+    }
 }
 
 /// A [`Snapshot`] read back.
@@ -150,6 +206,7 @@ pub struct Saved {
     scheduler: Scheduler,
     directory: Directory,
     runs: RunBook,
+    parked: Vec<ParkedObject>,
     now_ms: u64,
 }
 
@@ -163,27 +220,79 @@ impl Saved {
 impl HeadCore {
     /// The state to write down at `now_ms`.
     pub fn snapshot(&self, now_ms: u64) -> Snapshot<'_> {
+        let parked = self
+            .object_waiters
+            .iter()
+            .flat_map(|(id, parked)| {
+                parked.iter().map(|p| ParkedObject {
+                    id: *id,
+                    request: p.request.clone(),
+                    deadline_ms: p.deadline_ms,
+                })
+            })
+            .collect();
         Snapshot {
             scheduler: &self.scheduler,
             directory: &self.directory,
             runs: &self.runs,
+            parked,
             now_ms,
         }
     }
 
-    /// A head restarted from `saved` at `now_ms` (on a clock that goes on from
-    /// [`Saved::saved_at_ms`]): every node it knew alive must register again, reporting
-    /// what it runs, before anything new is placed (see [`Scheduler::restored`]).
-    pub fn restore(saved: Saved, heartbeat_timeout_ms: u64, object_grace_ms: u64, now_ms: u64) -> Self {
+    /// A head read back from `saved`, before the changes logged after it are replayed
+    /// ([`HeadCore::replay`]) and its nodes are asked to register again
+    /// ([`HeadCore::await_rejoin`]).
+    pub fn restore(saved: Saved, heartbeat_timeout_ms: u64, object_grace_ms: u64) -> Self {
+        let mut object_waiters: BTreeMap<ObjectId, Vec<Parked>> = BTreeMap::new();
+        for p in saved.parked {
+            object_waiters.entry(p.id).or_default().push(Parked {
+                request: p.request,
+                to: REPLAYED,
+                deadline_ms: p.deadline_ms,
+            });
+        }
         Self {
-            scheduler: saved.scheduler.restored(now_ms),
+            scheduler: saved.scheduler.rebuilt(),
             directory: saved.directory.with_grace(object_grace_ms),
             heartbeat_timeout_ms,
             actor_waiters: BTreeMap::new(),
             group_waiters: BTreeMap::new(),
-            object_waiters: BTreeMap::new(),
+            object_waiters,
             runs: saved.runs,
         }
+    }
+
+    /// Applies one logged change again, as it was applied when logged; its answers and
+    /// effects were carried out then and are dropped now. Requests parked by the replay
+    /// stay parked until they take effect or their wait runs out, as they did; their
+    /// callers, whose sessions closed with the old head, get no answer.
+    pub fn replay(&mut self, change: Change) {
+        match change {
+            Change::Request {
+                request,
+                answered,
+                now_ms,
+            } => {
+                self.handle(request, answered.then_some(REPLAYED), now_ms);
+            }
+            Change::Tick { lost, now_ms } => {
+                self.tick_after(lost, now_ms);
+            }
+        }
+    }
+
+    /// After a restart (and the replay): every node it knew alive must register again,
+    /// reporting what it runs, before anything new is placed (see
+    /// [`Scheduler::await_rejoin`]).
+    pub fn await_rejoin(&mut self, now_ms: u64) {
+        self.scheduler.await_rejoin(now_ms);
+    }
+
+    /// Marks lost the objects whose copy was held by `node` outside the cluster's nodes
+    /// (the head's own store, which does not survive the head); returns how many.
+    pub fn objects_lost_with(&mut self, node: &str, now_ms: u64) -> usize {
+        self.directory.node_lost(node, now_ms).len()
     }
 
     /// A head with no nodes; nodes silent for `heartbeat_timeout_ms` are declared dead and
@@ -265,8 +374,25 @@ impl HeadCore {
     /// The liveness timer: declares silent nodes dead, releases unreferenced objects and
     /// answers object lookups whose id never arrived.
     pub fn tick(&mut self, now_ms: u64) -> Vec<Output> {
+        self.tick_logged(now_ms).0
+    }
+
+    /// [`HeadCore::tick`], with the change to log when it made one.
+    pub fn tick_logged(&mut self, now_ms: u64) -> (Vec<Output>, Option<Change>) {
+        let lost = self.scheduler.expire(now_ms, self.heartbeat_timeout_ms);
+        let out = self.tick_after(lost.clone(), now_ms);
+        // Any output means a change: a wait that ran out also drops a parked reference.
+        let changed = !lost.is_empty() || !out.is_empty();
+        (out, changed.then_some(Change::Tick { lost, now_ms }))
+    }
+
+    /// The rest of a tick once `lost` nodes were declared dead (by the scheduler now, or
+    /// by the log when replayed).
+    fn tick_after(&mut self, lost: Vec<(String, String)>, now_ms: u64) -> Vec<Output> {
         let mut out = Vec::new();
-        for (node, cause) in self.scheduler.expire(now_ms, self.heartbeat_timeout_ms) {
+        for (node, cause) in lost {
+            // Replayed, the scheduler has not declared it dead yet (live, this is a no-op).
+            self.scheduler.lose_node(&node, &cause, now_ms);
             self.node_dead(node, cause, now_ms, &mut out);
         }
         out.extend(self.directory.collect(now_ms).into_iter().map(Output::Release));
@@ -582,6 +708,7 @@ mod tests {
     use crate::placement::Strategy;
     use crate::protocol::{ActorSpec, GroupSpec, NodeInfo};
     use crate::resources::Resources;
+    use crate::scheduler::Scheduler;
 
     fn node(name: &str, resources: &str) -> HeadRequest {
         HeadRequest::Register(NodeInfo {
@@ -1040,7 +1167,9 @@ mod tests {
         let bytes = bincode::serialize(&head.snapshot(now)).unwrap();
         let saved: Saved = bincode::deserialize(&bytes).unwrap();
         assert_eq!(saved.saved_at_ms(), now);
-        HeadCore::restore(saved, 3_000, 10_000, now)
+        let mut head = HeadCore::restore(saved, 3_000, 10_000);
+        head.await_rejoin(now);
+        head
     }
 
     fn register_running(name: &str, resources: &str, running: Vec<RunningActor>) -> HeadRequest {
@@ -1127,8 +1256,11 @@ mod tests {
         head.handle(node("w1", "CPU=2"), Some(ReplyTo(1)), 0);
         head.handle(node("w2", "CPU=2"), Some(ReplyTo(1)), 0);
         let mut head = restart(&head, 100);
+        let states = |head: &HeadCore| -> Vec<String> { head.status(0).nodes.into_iter().map(|n| n.state).collect() };
+        assert_eq!(states(&head), ["rejoining", "rejoining"]);
         let out = head.handle(register_running("w1", "CPU=2", Vec::new()), Some(ReplyTo(2)), 200);
         assert!(registration(&out).stop.is_empty());
+        assert_eq!(states(&head), ["alive", "rejoining"]);
         let out = head.handle(spawn("CPU=1"), Some(ReplyTo(3)), 300);
         let id = spawned(&out);
         assert!(starts(&out).is_empty(), "w2 has not come back yet");
@@ -1154,5 +1286,202 @@ mod tests {
         head.tick(5_000);
         let out = head.handle(register_running("w1", "CPU=2", vec![up(id, attempt + 1)]), Some(ReplyTo(3)), 5_001);
         assert_eq!(registration(&out).stop, vec![id]);
+    }
+
+    #[test]
+    fn objects_survive_a_head_restart_except_those_only_the_old_head_held() {
+        let mut head = HeadCore::new(3_000, 10_000);
+        head.handle(node("w1", "CPU=2"), Some(ReplyTo(1)), 0);
+        let put = |id: ObjectId, node: &str| HeadRequest::ObjectPut {
+            id,
+            size: 1_024,
+            checksum: 7,
+            node: node.into(),
+            address: format!("{node}:2"),
+            job: None,
+        };
+        let (kept, with_head) = (ObjectId::random(), ObjectId::random());
+        head.handle(put(kept, "w1"), None, 5);
+        head.handle(put(with_head, "head"), None, 5);
+        let mut head = restart(&head, 50);
+        assert_eq!(head.objects_lost_with("head", 51), 1);
+        let located = |head: &mut HeadCore, id| head.handle(HeadRequest::ObjectLocate(id), Some(ReplyTo(9)), 60);
+        assert!(matches!(
+            replies(&located(&mut head, kept)).as_slice(),
+            [(_, Answer::Location(Ok(l)))] if l.size == 1_024
+        ));
+        assert!(matches!(
+            replies(&located(&mut head, with_head)).as_slice(),
+            [(_, Answer::Location(Err(Failure::ObjectMissing { lost_with: Some(n), .. })))] if n == "head"
+        ));
+    }
+
+    /// A head's decisions, for comparing two heads: the scheduler's form (ordered maps
+    /// only, so equal states encode equally) without the heartbeat times, which are not
+    /// logged, then the status and every object's location, one line each.
+    fn fingerprint(head: &HeadCore, objects: &[ObjectId], now: u64) -> Vec<String> {
+        let mut scheduler: Scheduler = bincode::deserialize(&bincode::serialize(head.scheduler()).unwrap()).unwrap();
+        scheduler.forget_heartbeats();
+        let status = head.status(now);
+        let mut lines = vec![format!("{:?}", bincode::serialize(&scheduler).unwrap())];
+        lines.extend(status.nodes.iter().map(|n| format!("{n:?}")));
+        lines.extend(status.actors.iter().map(|a| format!("{a:?}")));
+        lines.extend(status.groups.iter().map(|g| format!("{g:?}")));
+        lines.push(format!("{:?}", status.objects));
+        lines.extend(objects.iter().map(|id| format!("{id:?} {:?}", head.directory.locate(*id))));
+        lines
+    }
+
+    fn assert_same(left: &[String], right: &[String], what: &str) {
+        for (l, r) in left.iter().zip(right) {
+            assert!(l == r, "{what}:\n{}\n{}", &l[..l.len().min(600)], &r[..r.len().min(600)]);
+        }
+        assert_eq!(left.len(), right.len(), "{what}");
+    }
+
+    /// Random histories of requests and ticks, logged as the runtime logs them: a head
+    /// restored from a snapshot taken part-way and replaying the changes logged after it
+    /// decides exactly as the head that ran them.
+    #[test]
+    fn a_snapshot_and_the_changes_after_it_replay_to_the_same_head() {
+        for seed in 1..=16u64 {
+            let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let mut next = move |n: u64| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng % n
+            };
+            let mut head = HeadCore::new(300, 200);
+            let mut log: Vec<Change> = Vec::new();
+            let mut snapshot: Option<(Vec<u8>, usize)> = None;
+            let mut objects: Vec<ObjectId> = Vec::new();
+            let mut groups: Vec<GroupId> = Vec::new();
+            let mut starts_seen: Vec<crate::protocol::StartActor> = Vec::new();
+            let mut beating: Vec<(String, u64)> = Vec::new();
+            let mut future: Option<ObjectId> = None;
+            for step in 0..400u64 {
+                let now = step * 7;
+                let request = match next(15) {
+                    0 => {
+                        let name = format!("w{}", next(4));
+                        register_running(&name, "CPU=4,GPU=1", Vec::new())
+                    }
+                    1..=3 => {
+                        let mut spec = match spawn_with(["CPU=1", "GPU=1", "CPU=0.5"][next(3) as usize], next(3) as u32) {
+                            HeadRequest::Spawn(spec) => spec,
+                            _ => unreachable!(),
+                        };
+                        if next(5) == 0 {
+                            spec.name = Some(format!("n{}", next(4)));
+                        }
+                        if next(4) == 0 && !groups.is_empty() {
+                            spec.placement = Some(crate::protocol::BundleRef {
+                                group: groups[next(groups.len() as u64) as usize],
+                                bundle: None,
+                            });
+                            spec.resources = crate::resources::Resources::parse_request("CPU=0.5").unwrap();
+                        }
+                        HeadRequest::Spawn(spec)
+                    }
+                    4 | 5 if !starts_seen.is_empty() => {
+                        let start = starts_seen.remove(next(starts_seen.len() as u64) as usize);
+                        let outcome = if next(6) == 0 { Err("boom".to_string()) } else { Ok(()) };
+                        HeadRequest::Started {
+                            actor: start.actor,
+                            attempt: start.attempt,
+                            outcome,
+                        }
+                    }
+                    6 => HeadRequest::Exited {
+                        actor: ActorId(1 + next(20)),
+                        attempt: 1 + next(2) as u32,
+                        cause: "panicked".into(),
+                    },
+                    7 => HeadRequest::Kill(ActorId(1 + next(20))),
+                    8 => HeadRequest::CreateGroup(crate::protocol::GroupSpec {
+                        bundles: vec![crate::resources::Resources::parse_request("CPU=1").unwrap(); 1 + next(2) as usize],
+                        strategy: Strategy::Spread,
+                        name: None,
+                    }),
+                    9 if !groups.is_empty() => HeadRequest::RemoveGroup(groups.swap_remove(next(groups.len() as u64) as usize)),
+                    13 => {
+                        // A reference that overtakes its object's registration.
+                        let id = *future.get_or_insert_with(ObjectId::random);
+                        HeadRequest::ObjectAddRef {
+                            id,
+                            holder: "client-2".into(),
+                        }
+                    }
+                    10 => {
+                        let id = future.take().unwrap_or_else(ObjectId::random);
+                        objects.push(id);
+                        HeadRequest::ObjectPut {
+                            id,
+                            size: 10,
+                            checksum: 1,
+                            node: format!("w{}", next(4)),
+                            address: "a:1".into(),
+                            job: None,
+                        }
+                    }
+                    11 if !objects.is_empty() => HeadRequest::ObjectDropRef {
+                        id: objects[next(objects.len() as u64) as usize],
+                        holder: format!("w{}", next(4)),
+                    },
+                    12 if !objects.is_empty() => HeadRequest::ObjectAddRef {
+                        id: objects[next(objects.len() as u64) as usize],
+                        holder: "client-1".into(),
+                    },
+                    _ => HeadRequest::Status,
+                };
+                let to = (next(3) != 0).then_some(ReplyTo(step));
+                log.extend(Change::of(&request, to, now));
+                let out = head.handle(request, to, now);
+                for (_, answer) in replies(&out) {
+                    match answer {
+                        Answer::GroupCreated(Ok(id)) => groups.push(id),
+                        Answer::Registered(Ok(r)) => {
+                            assert!(r.stop.is_empty());
+                        }
+                        _ => {}
+                    }
+                }
+                starts_seen.extend(starts(&out));
+                // Some nodes keep beating, the others go silent and are declared dead.
+                for (name, incarnation) in &beating {
+                    head.handle(HeadRequest::Heartbeat { node: name.clone(), incarnation: *incarnation }, None, now);
+                }
+                if let Some(n) = head.scheduler().status(now).nodes.iter().find(|n| n.state == "alive") {
+                    if next(3) == 0 && !beating.iter().any(|(b, _)| *b == n.name) {
+                        if let Some(inc) = head.scheduler().incarnation_of(&n.name) {
+                            beating.push((n.name.clone(), inc));
+                        }
+                    }
+                }
+                if next(4) == 0 {
+                    let (out, change) = head.tick_logged(now + 3);
+                    starts_seen.extend(starts(&out));
+                    log.extend(change);
+                }
+                if snapshot.is_none() && step == 150 + seed * 5 {
+                    snapshot = Some((bincode::serialize(&head.snapshot(now)).unwrap(), log.len()));
+                }
+            }
+            let now = 400 * 7;
+            let (bytes, from) = snapshot.expect("a snapshot was taken");
+            let mut replayed = HeadCore::restore(bincode::deserialize(&bytes).unwrap(), 300, 200);
+            for change in log[from..].iter().cloned() {
+                replayed.replay(change);
+            }
+            let live = fingerprint(&head, &objects, now);
+            assert_same(&fingerprint(&replayed, &objects, now), &live, &format!("seed {seed}: replayed after the snapshot"));
+            // Replaying from the very start gives the same head too.
+            let mut from_scratch = HeadCore::new(300, 200);
+            for change in log.iter().cloned() {
+                from_scratch.replay(change);
+            }
+            assert_same(&fingerprint(&from_scratch, &objects, now), &live, &format!("seed {seed}: replayed from the start"));
+        }
     }
 }

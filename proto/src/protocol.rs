@@ -326,6 +326,23 @@ impl HeadRequest {
         }
     }
 
+    /// Whether the head's state stays as it was after this request (it reads, waits or
+    /// beats): a head that keeps its state on disk writes it after every other request.
+    pub fn reads_only(&self) -> bool {
+        matches!(
+            self,
+            Self::Heartbeat { .. }
+                | Self::WaitActor(_)
+                | Self::Named(_)
+                | Self::WaitGroup(_)
+                | Self::Status
+                | Self::StatusPage { .. }
+                | Self::View(_)
+                | Self::ObjectLocate(_)
+                | Self::Announce(_)
+        )
+    }
+
     /// Whether sending the request twice changes nothing beyond sending it once, so that a
     /// request lost with its session (a duplicate connection closed by `ractor_cluster`, a
     /// head restart) can be sent again on the next session.

@@ -132,7 +132,7 @@ impl WaitKey {
 pub const MAX_DEAD_ACTORS: usize = 10_000;
 
 /// The head's cluster state. It serializes as what cannot be recomputed (nodes, actors,
-/// names, groups, counters); the indexes are rebuilt by [`Scheduler::restored`].
+/// names, groups, counters); the indexes are rebuilt by [`Scheduler::rebuilt`].
 #[derive(Default, Serialize, Deserialize)]
 pub struct Scheduler {
     dead_order: std::collections::VecDeque<ActorId>,
@@ -160,8 +160,8 @@ pub struct Scheduler {
     /// Nodes of a restored head that have not registered again yet. While any is
     /// missing nothing is placed: a start sent to a node whose session is not back yet
     /// would declare it lost. Each either registers (and its actors are reconciled) or
-    /// goes silent past the heartbeat timeout like any node.
-    #[serde(skip)]
+    /// goes silent past the heartbeat timeout like any node. Kept in the serialized form:
+    /// requests replayed after a snapshot must be placed as they were.
     rejoining: BTreeSet<String>,
 }
 
@@ -175,21 +175,15 @@ impl Scheduler {
         Self::default()
     }
 
-    /// A scheduler read back from its serialized form: the indexes are rebuilt, and every
-    /// node alive in it must register again (with the actors it runs) before anything is
-    /// placed; until then each counts as heard from at `now_ms`.
-    pub fn restored(mut self, now_ms: u64) -> Self {
+    /// A scheduler read back from its serialized form, with its indexes rebuilt.
+    pub fn rebuilt(mut self) -> Self {
         let mut kinds: BTreeMap<String, usize> = BTreeMap::new();
-        let mut rejoining = BTreeSet::new();
-        for rec in self.nodes.values_mut().filter(|n| n.dead_cause.is_none()) {
+        for rec in self.nodes.values().filter(|n| n.dead_cause.is_none()) {
             for kind in &rec.info.kinds {
                 *kinds.entry(kind.clone()).or_insert(0) += 1;
             }
-            rec.last_heartbeat_ms = now_ms;
-            rejoining.insert(rec.info.name.clone());
         }
         self.kinds = kinds;
-        self.rejoining = rejoining;
         let names: Vec<String> = self.nodes.keys().cloned().collect();
         for name in names {
             self.touch(&name);
@@ -206,6 +200,15 @@ impl Scheduler {
             }
         }
         self
+    }
+
+    /// After a head restart: every alive node must register again (with the actors it
+    /// runs) before anything is placed; until then each counts as heard from at `now_ms`.
+    pub fn await_rejoin(&mut self, now_ms: u64) {
+        for rec in self.nodes.values_mut().filter(|n| n.dead_cause.is_none()) {
+            rec.last_heartbeat_ms = now_ms;
+            self.rejoining.insert(rec.info.name.clone());
+        }
     }
 
     /// Nodes of a restored head that have not registered again yet.
@@ -638,7 +641,8 @@ mod tests {
     fn restarted_head(s: Scheduler, now: u64, seed: u64, step: u64) -> Scheduler {
         let before: Vec<_> = s.actors.keys().map(|id| s.actor_view(*id)).collect();
         let bytes = bincode::serialize(&s).unwrap();
-        let mut s = bincode::deserialize::<Scheduler>(&bytes).unwrap().restored(now);
+        let mut s = bincode::deserialize::<Scheduler>(&bytes).unwrap().rebuilt();
+        s.await_rejoin(now);
         let alive: Vec<(NodeInfo, Vec<crate::protocol::RunningActor>)> = s
             .nodes
             .values()

@@ -169,6 +169,32 @@ impl Scheduler {
         }
     }
 
+    /// A node's state as `regatta status` and the dashboard show it: `alive`, `dead`, or
+    /// `rejoining` (a restored head waits for it to register again).
+    pub(super) fn node_state(&self, rec: &NodeRecord) -> &'static str {
+        if rec.dead_cause.is_some() {
+            "dead"
+        } else if self.rejoining.contains(&rec.info.name) {
+            "rejoining"
+        } else {
+            "alive"
+        }
+    }
+
+    /// Sets every node's last heartbeat to 0 (tests compare states whose heartbeat times
+    /// differ by design).
+    #[cfg(test)]
+    pub(crate) fn forget_heartbeats(&mut self) {
+        for rec in self.nodes.values_mut() {
+            rec.last_heartbeat_ms = 0;
+        }
+    }
+
+    /// The incarnation an alive node heartbeats with.
+    pub fn incarnation_of(&self, node: &str) -> Option<u64> {
+        self.nodes.get(node).filter(|n| n.dead_cause.is_none()).map(|n| n.incarnation)
+    }
+
     pub(super) fn is_alive(&self, node: &str) -> bool {
         self.nodes.get(node).is_some_and(|n| n.dead_cause.is_none())
     }

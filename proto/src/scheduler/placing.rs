@@ -12,7 +12,7 @@ impl Scheduler {
     /// Places whatever can be placed now: groups first (in order), then waiting actors in
     /// the order they were submitted, skipping requests like one that already failed in
     /// this pass. Nothing is placed while a restored head waits for its nodes to register
-    /// again (see [`Scheduler::restored`]).
+    /// again (see [`Scheduler::await_rejoin`]).
     pub fn schedule(&mut self, now_ms: u64) -> Vec<Effect> {
         if !self.rejoining.is_empty() {
             return Vec::new();

@@ -79,7 +79,7 @@ impl Scheduler {
             .map(|n| NodeStatus {
                 name: n.info.name.clone(),
                 address: n.info.address.clone(),
-                state: if n.dead_cause.is_none() { "alive" } else { "dead" }.to_string(),
+                state: self.node_state(n).to_string(),
                 since_s: seconds_since(now_ms, n.since_ms),
                 cause: n.dead_cause.clone(),
                 total: n.ledger.total().clone(),

@@ -62,7 +62,7 @@ impl Scheduler {
             NodeRow {
                 name: n.info.name.clone(),
                 address: n.info.address.clone(),
-                state: if alive { "alive" } else { "dead" }.to_string(),
+                state: self.node_state(n).to_string(),
                 since_s: seconds(now_ms, n.since_ms),
                 cause: n.dead_cause.clone(),
                 heartbeat_age_s: alive.then(|| seconds(now_ms, n.last_heartbeat_ms)),
