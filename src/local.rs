@@ -235,11 +235,22 @@ impl LocalCluster {
         Ok(())
     }
 
-    /// Kills the head (SIGKILL) and starts a new one on the same port and token; its state
-    /// is gone, so workers must rejoin on their own.
+    /// Kills the head (SIGKILL) and starts it again on the same ports and state directory.
     pub fn restart_head(&mut self) -> anyhow::Result<()> {
+        self.kill_head()?;
+        self.start_head_again()
+    }
+
+    /// Kills the head with SIGKILL, as a crash or the OOM killer would.
+    pub fn kill_head(&mut self) -> anyhow::Result<()> {
         self.head.kill().context("cannot kill the head")?;
         let _ = self.head.wait();
+        Ok(())
+    }
+
+    /// Starts the head again on the same ports and state directory (after
+    /// [`LocalCluster::kill_head`]); its log is `head-restarted.log`.
+    pub fn start_head_again(&mut self) -> anyhow::Result<()> {
         let port: u16 = self
             .address
             .rsplit(':')

@@ -103,6 +103,15 @@ pub enum Error {
         /// The decoder's message.
         reason: String,
     },
+    /// The head's saved cluster state cannot be used; the head refuses to start rather
+    /// than forget the cluster it describes.
+    #[error("the head's saved cluster state {path} cannot be used: {reason}")]
+    HeadState {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong, and what to do.
+        reason: String,
+    },
     /// A local I/O failure.
     #[error("{context}: {cause}")]
     Io {

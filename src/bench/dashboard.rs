@@ -21,14 +21,17 @@ fn synthetic(nodes: usize, actors: usize) -> anyhow::Result<(HeadCore, Vec<f64>)
     let mut head = HeadCore::new(3_000, 10_000);
     for n in 0..nodes {
         head.handle(
-            HeadRequest::Register(NodeInfo {
+            HeadRequest::Register(
+                NodeInfo {
                 name: format!("node-{n:04}"),
                 address: format!("10.0.{}.{}:6381", n / 250, n % 250),
                 resources: Resources::parse_capacity("CPU=100,memory=64000000000")?,
                 kinds: vec!["echo".into(), "counter".into()],
                 pid: 1,
                 metrics_address: None,
-            }),
+                },
+                Vec::new(),
+            ),
             None,
             0,
         );

@@ -58,6 +58,10 @@ pub struct BenchArgs {
     /// `scale`: simulator processes the nodes are shared among.
     #[arg(long, default_value_t = 4)]
     pub processes: usize,
+    /// `scale`: run the head with `--no-cluster-state` (its state in memory only), to
+    /// see what writing every change to disk costs.
+    #[arg(long)]
+    pub no_cluster_state: bool,
 }
 
 /// Runs the benchmark suite on local clusters started from this binary.
@@ -113,7 +117,7 @@ async fn run_suite(suite: &str, trials: usize, args: &BenchArgs) -> anyhow::Resu
         return tokio::task::spawn_blocking(move || dashboard::dashboard(trials, quick)).await?;
     }
     if suite == "scale" {
-        let bench = if quick {
+        let mut bench = if quick {
             scale::ScaleBench::quick()
         } else {
             scale::ScaleBench {
@@ -121,8 +125,10 @@ async fn run_suite(suite: &str, trials: usize, args: &BenchArgs) -> anyhow::Resu
                 actors: args.actors,
                 groups: args.groups,
                 processes: args.processes,
+                durable: true,
             }
         };
+        bench.durable = !args.no_cluster_state;
         return scale::scale(&bench).await;
     }
     if suite == "data" {

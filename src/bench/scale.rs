@@ -28,6 +28,8 @@ pub struct ScaleBench {
     pub groups: usize,
     /// Simulator processes (the nodes are shared out among them).
     pub processes: usize,
+    /// Whether the head writes its state to disk (the default for `regatta head`).
+    pub durable: bool,
 }
 
 impl ScaleBench {
@@ -38,6 +40,7 @@ impl ScaleBench {
             actors: 10_000,
             groups: 200,
             processes: 2,
+            durable: true,
         }
     }
 }
@@ -124,7 +127,11 @@ pub async fn scale(bench: &ScaleBench) -> anyhow::Result<()> {
             bench.nodes
         );
     }
-    let mut cluster = LocalCluster::start(LocalOptions::new(Vec::new())?)?;
+    let mut options = LocalOptions::new(Vec::new())?;
+    if !bench.durable {
+        options.head_args.push("--no-cluster-state".into());
+    }
+    let mut cluster = LocalCluster::start(options)?;
     let outcome = run(&mut cluster, bench).await;
     if outcome.is_err() {
         eprintln!("cluster logs kept in {}", cluster.log_path("head").display());

@@ -142,9 +142,15 @@ struct HeadArgs {
     /// Run without the job API.
     #[arg(long)]
     no_job_api: bool,
-    /// Where the head keeps job records and logs (default ~/.regatta/head).
+    /// Where the head keeps the cluster's state (nodes, actors, placement groups,
+    /// objects), job records and logs (default ~/.regatta/head). A head started again on
+    /// the same directory and token takes the cluster back: workers keep their actors.
     #[arg(long)]
     state_dir: Option<PathBuf>,
+    /// Keep the cluster's state in memory only: a restarted head starts an empty cluster
+    /// and the workers stop their actors (job records are still kept).
+    #[arg(long)]
+    no_cluster_state: bool,
     /// Bytes of each job's log kept on disk (in two parts, rotated).
     #[arg(long, value_parser = parse_bytes, default_value = "64MiB")]
     job_log_bytes: u64,
@@ -281,15 +287,16 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
     config.heartbeat_timeout_ms = args.heartbeat_timeout_ms;
     config.object_grace_ms = args.object_grace_ms;
     config.objects = args.objects.config(&config.advertise_host, args.bind);
+    let mut jobs = regatta_runtime::JobConfig::new();
+    if let Some(dir) = args.state_dir {
+        jobs.state_dir = dir;
+    }
+    config.state_dir = (!args.no_cluster_state).then(|| jobs.state_dir.clone());
     config.jobs = if args.no_job_api {
         None
     } else {
-        let mut jobs = regatta_runtime::JobConfig::new();
         jobs.http_port = args.job_port;
         jobs.log_cap_bytes = args.job_log_bytes;
-        if let Some(dir) = args.state_dir {
-            jobs.state_dir = dir;
-        }
         Some(jobs)
     };
     config.metrics_port = (args.metrics_port != 0).then_some(args.metrics_port);

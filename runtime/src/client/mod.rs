@@ -26,10 +26,36 @@ use crate::headlink::HeadLink;
 use crate::node::{self, LocalNode};
 use crate::objects::{ObjectConfig, ObjectService};
 
+/// How often a client checks that its session to the head is there.
+const HEAD_CHECK: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Joins the head again whenever the session to it is lost (the head restarted), for as
+/// long as the client lives. Calls to actors do not need the head; requests that do wait
+/// for it within their timeout.
+fn keep_joined(local: std::sync::Weak<LocalNode>, address: String) {
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(HEAD_CHECK).await;
+            let Some(local) = local.upgrade() else { break };
+            if node::first_member(local.scope(), node::HEAD_GROUP).is_some() {
+                continue;
+            }
+            match local.join(&address).await {
+                Ok(_) => tracing::info!(head = %address, "joined the head again"),
+                Err(Error::TokenRefused { .. }) => {
+                    tracing::error!(head = %address, "the head at this address now refuses the cluster token; this client stops rejoining");
+                    break;
+                }
+                Err(e) => tracing::debug!(error = %e, "the head is not back yet"),
+            }
+        }
+    });
+}
+
 /// A driver's connection to a cluster: this process joins as a client node.
 pub struct Client {
     cluster: Cluster,
-    _node: LocalNode,
+    _node: Arc<LocalNode>,
 }
 
 impl Client {
@@ -53,6 +79,8 @@ impl Client {
         let name = format!("client-{}", node::random_hex(6));
         let local = LocalNode::start(&name, token, bind, 0, &host, direct).await?;
         let head = local.join(address).await?;
+        let local = Arc::new(local);
+        keep_joined(Arc::downgrade(&local), address.to_string());
         let link = Arc::new(HeadLink::new(local.scope().to_string(), head, address.to_string()));
         // One token identity serves the object transfer and the call channel.
         let (objects, calls) = match path {

@@ -8,16 +8,19 @@ pub(crate) mod job_api;
 pub(crate) mod job_log;
 pub(crate) mod job_manager;
 pub(crate) mod job_store;
+mod state_file;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use regatta_object_store::Release;
-use regatta_proto::head::{Answer, HeadCore, Notice, Output, ReplyTo};
+use regatta_proto::head::{Answer, Change, HeadCore, Notice, Output, ReplyTo, Saved};
+use state_file::StateFile;
 
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
@@ -50,6 +53,10 @@ pub struct HeadConfig {
     pub jobs: Option<JobConfig>,
     /// Port of the head's `/metrics` and Prometheus service discovery (`None`: off).
     pub metrics_port: Option<u16>,
+    /// Where the head keeps the cluster's state (`cluster.state`), so that a head started
+    /// again on it takes back every node, actor, group and object (`None`: in memory
+    /// only; a restarted head starts an empty cluster and workers stop their actors).
+    pub state_dir: Option<PathBuf>,
 }
 
 impl HeadConfig {
@@ -65,6 +72,7 @@ impl HeadConfig {
             objects: ObjectConfig::new("127.0.0.1"),
             jobs: Some(JobConfig::new()),
             metrics_port: Some(9180),
+            state_dir: None,
         }
     }
 }
@@ -74,6 +82,8 @@ pub struct RunningHead {
     actor: ActorRef<Wire>,
     _node: LocalNode,
     _objects: Arc<ObjectService>,
+    /// Held while the head runs: one head per state directory.
+    _state_lock: Option<std::fs::File>,
     /// The head's cluster address.
     pub address: String,
     /// The job API's address, when it runs.
@@ -122,6 +132,18 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
         None => None,
     };
     let head_target = metrics.map(|m| format!("{}:{}", config.advertise_host, m.port()));
+    let (state, lock) = match &config.state_dir {
+        Some(dir) => {
+            let file = StateFile::open(dir, &scope)?;
+            let lock = state_file::lock(dir)?;
+            let (core, now, seq) = recover(&file, config.heartbeat_timeout_ms, config.object_grace_ms)?;
+            // A snapshot of everything recovered, so the log starts empty.
+            file.write(&file.encode(&core.snapshot(now), seq)?)?;
+            let log = file.start_log()?;
+            (Some(Recovery { file, log, core, now, seq }), Some(lock))
+        }
+        None => (None, None),
+    };
     let (actor, _) = Actor::spawn(
         None,
         Head,
@@ -131,6 +153,7 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
             object_grace_ms: config.object_grace_ms,
             targets,
             head_target,
+            state,
         },
     )
     .await
@@ -170,6 +193,7 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
         actor,
         _node: local,
         _objects: objects,
+        _state_lock: lock,
     })
 }
 
@@ -224,6 +248,19 @@ struct HeadArgs {
     object_grace_ms: u64,
     targets: Arc<Mutex<Vec<SdTarget>>>,
     head_target: Option<String>,
+    /// The state files and what they held at start, when the head keeps its state.
+    state: Option<Recovery>,
+}
+
+/// A head's state read back at start, and its files, ready to log the next change.
+struct Recovery {
+    file: StateFile,
+    log: state_file::LogWriter,
+    core: HeadCore,
+    /// The clock to go on from.
+    now: u64,
+    /// The sequence number of the last change in the snapshot.
+    seq: u64,
 }
 
 /// The actor's state: the core that decides, and the reply ports of the requests it holds.
@@ -236,11 +273,46 @@ struct HeadState {
     targets: Arc<Mutex<Vec<SdTarget>>>,
     head_target: Option<String>,
     published_ms: Option<u64>,
+    /// The clock of a restored head goes on from the saved one.
+    clock_offset_ms: u64,
+    persist: Option<Persist>,
+}
+
+/// Writing the state down, as a group commit: each change is encoded as a log record,
+/// and the records are handed to the writer thread at once, unless a write is under way,
+/// in which case the records made meanwhile go together in the next write, when that one
+/// is done. Answers to requests that changed the state are held until a write that
+/// includes their change is on disk: whatever the head acknowledged, a restarted head
+/// knows. Past [`state_file::CHECKPOINT_BYTES`] of log, a snapshot follows the records.
+struct Persist {
+    file: StateFile,
+    writer: tokio::sync::mpsc::UnboundedSender<Write>,
+    /// An append is under way.
+    writing: bool,
+    /// Records not handed to the writer yet.
+    pending: Vec<u8>,
+    /// Answers waiting for those records.
+    held: Vec<(RpcReplyPort<Vec<u8>>, Vec<u8>)>,
+    /// The sequence number of the last change recorded.
+    seq: u64,
+    /// Log bytes handed over since the last snapshot.
+    since_checkpoint: u64,
+}
+
+/// Work for the writer thread.
+enum Write {
+    /// Records to append, and the answers to send once they are on disk.
+    Append {
+        bytes: Vec<u8>,
+        answers: Vec<(RpcReplyPort<Vec<u8>>, Vec<u8>)>,
+    },
+    /// A snapshot including every record appended before it; the log starts afresh.
+    Checkpoint(Vec<u8>),
 }
 
 impl HeadState {
     fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        self.clock_offset_ms + self.epoch.elapsed().as_millis() as u64
     }
 
     /// Keeps a reply port until the core answers through its token.
@@ -250,6 +322,64 @@ impl HeadState {
         self.ports.insert(to, port);
         to
     }
+
+    /// Logs a change (written with the next append).
+    fn record(&mut self, change: &Change) {
+        let Some(persist) = &mut self.persist else { return };
+        match persist.file.record(change, persist.seq + 1) {
+            Ok(bytes) => {
+                persist.seq += 1;
+                persist.pending.extend_from_slice(&bytes);
+            }
+            Err(e) => tracing::error!(error = %e, "could not encode a change of the head's state; a restarted head would miss it"),
+        }
+    }
+
+    /// Sends an answer now, or holds it for the write of the change that made it.
+    fn answer(&mut self, port: RpcReplyPort<Vec<u8>>, bytes: Vec<u8>, changed: bool) {
+        match &mut self.persist {
+            Some(persist) if changed => persist.held.push((port, bytes)),
+            _ => {
+                let _ = port.send(bytes);
+            }
+        }
+    }
+
+    /// After a change: hands the records to the writer now, or after the write under way.
+    fn commit(&mut self) {
+        if self.persist.as_ref().is_some_and(|p| !p.writing) {
+            self.send_records();
+        }
+    }
+
+    fn send_records(&mut self) {
+        let now = self.now_ms();
+        let Some(persist) = &mut self.persist else { return };
+        if persist.pending.is_empty() && persist.held.is_empty() {
+            return;
+        }
+        let bytes = std::mem::take(&mut persist.pending);
+        persist.since_checkpoint += bytes.len() as u64;
+        let answers = std::mem::take(&mut persist.held);
+        persist.writing = persist.writer.send(Write::Append { bytes, answers }).is_ok();
+        if persist.since_checkpoint >= state_file::CHECKPOINT_BYTES {
+            persist.since_checkpoint = 0;
+            match persist.file.encode(&self.core.snapshot(now), persist.seq) {
+                Ok(snapshot) => {
+                    let _ = persist.writer.send(Write::Checkpoint(snapshot));
+                }
+                Err(e) => tracing::error!(error = %e, "could not encode the head's state; its log keeps growing"),
+            }
+        }
+    }
+
+    /// The writer finished an append: the records made meanwhile go next.
+    fn written(&mut self) {
+        if let Some(persist) = &mut self.persist {
+            persist.writing = false;
+        }
+        self.send_records();
+    }
 }
 
 impl Actor for Head {
@@ -257,14 +387,51 @@ impl Actor for Head {
     type State = HeadState;
     type Arguments = HeadArgs;
 
+    async fn post_stop(&self, _myself: ActorRef<Wire>, state: &mut HeadState) -> std::result::Result<(), ActorProcessingErr> {
+        // The writer thread finishes what it was handed; hand it the last records too.
+        if let Some(persist) = &mut state.persist {
+            let bytes = std::mem::take(&mut persist.pending);
+            let answers = std::mem::take(&mut persist.held);
+            if !bytes.is_empty() || !answers.is_empty() {
+                let _ = persist.writer.send(Write::Append { bytes, answers });
+            }
+        }
+        Ok(())
+    }
+
     async fn pre_start(
         &self,
-        _myself: ActorRef<Wire>,
+        myself: ActorRef<Wire>,
         args: HeadArgs,
     ) -> std::result::Result<HeadState, ActorProcessingErr> {
+        let (core, clock_offset_ms, persist) = match args.state {
+            None => (HeadCore::new(args.heartbeat_timeout_ms, args.object_grace_ms), 0, None),
+            Some(Recovery {
+                file,
+                log,
+                core,
+                now,
+                seq,
+            }) => {
+                let (writer, writes) = tokio::sync::mpsc::unbounded_channel();
+                start_writer(file.clone(), log, writes, myself.clone())?;
+                let persist = Persist {
+                    file,
+                    writer,
+                    writing: false,
+                    pending: Vec::new(),
+                    held: Vec::new(),
+                    seq,
+                    since_checkpoint: 0,
+                };
+                (core, now, Some(persist))
+            }
+        };
         Ok(HeadState {
             scope: args.scope,
-            core: HeadCore::new(args.heartbeat_timeout_ms, args.object_grace_ms),
+            core,
+            clock_offset_ms,
+            persist,
             epoch: Instant::now(),
             ports: BTreeMap::new(),
             next_port: 0,
@@ -281,10 +448,12 @@ impl Actor for Head {
         state: &mut HeadState,
     ) -> std::result::Result<(), ActorProcessingErr> {
         let now = state.now_ms();
+        let mut change: Option<Change> = None;
         let outputs = match message {
             Wire::Call(bytes, port) => match wire::decode::<HeadRequest>(&bytes, "a head request") {
                 Ok(request) => {
                     let to = state.hold(port);
+                    change = Change::of(&request, Some(to), now);
                     let (kind, started) = (request.name(), std::time::Instant::now());
                     let outputs = state.core.handle(request, Some(to), now);
                     observe_request(kind, started);
@@ -299,6 +468,7 @@ impl Actor for Head {
             Wire::Cast(bytes) | Wire::Local(LocalSignal::Deferred(bytes)) => {
                 match wire::decode::<HeadRequest>(&bytes, "a head request") {
                     Ok(request) => {
+                        change = Change::of(&request, None, now);
                         let (kind, started) = (request.name(), std::time::Instant::now());
                         let outputs = state.core.handle(request, None, now);
                         observe_request(kind, started);
@@ -326,17 +496,26 @@ impl Actor for Head {
                     .collect();
                 state.ports.retain(|to, _| !closed.contains(to));
                 state.core.forget(|to| closed.contains(&to));
-                let outputs = state.core.tick(now);
+                let (outputs, logged) = state.core.tick_logged(now);
+                change = logged;
                 publish_metrics(state, now);
                 outputs
             }
+            Wire::Local(LocalSignal::Written) => {
+                state.written();
+                Vec::new()
+            }
             Wire::Local(_) => Vec::new(),
         };
+        let changed = change.is_some();
+        if let Some(change) = &change {
+            state.record(change);
+        }
         for output in outputs {
             match output {
                 Output::Reply(to, answer) => {
                     if let Some(port) = state.ports.remove(&to) {
-                        let _ = port.send(encode_answer(answer));
+                        state.answer(port, encode_answer(answer), changed);
                     }
                 }
                 Output::Effect(effect) => carry_out(&myself, &state.scope, effect),
@@ -344,8 +523,109 @@ impl Actor for Head {
                 Output::Notice(notice) => log_notice(notice),
             }
         }
+        if changed {
+            state.commit();
+        }
         Ok(())
     }
+}
+
+/// The head's core read back from its state files: the snapshot, then the changes logged
+/// after it. Returns the core, the clock to go on from and the last change's number.
+fn recover(file: &StateFile, heartbeat_timeout_ms: u64, object_grace_ms: u64) -> Result<(HeadCore, u64, u64)> {
+    let recovered = file.recover()?;
+    let restored = recovered.saved.is_some() || !recovered.changes.is_empty();
+    let mut clock = recovered.saved.as_ref().map_or(0, Saved::saved_at_ms);
+    let mut core = match recovered.saved {
+        Some(saved) => HeadCore::restore(saved, heartbeat_timeout_ms, object_grace_ms),
+        None => HeadCore::new(heartbeat_timeout_ms, object_grace_ms),
+    };
+    let replayed = recovered.changes.len();
+    for change in recovered.changes {
+        clock = clock.max(change.now_ms());
+        core.replay(change);
+    }
+    // One millisecond on, so that nothing restored reads as happening "now".
+    let now = clock + 1;
+    if recovered.dropped_bytes > 0 {
+        tracing::warn!(
+            bytes = recovered.dropped_bytes,
+            "the head's change log ends in a record cut short (the head stopped while writing it); its request was never answered, and it is dropped"
+        );
+    }
+    if !restored {
+        tracing::info!(file = %file.path().display(), "keeping the cluster's state; a head started again on it takes the cluster back");
+        return Ok((core, now, recovered.last_seq));
+    }
+    // The head's own store held its copies in memory: they went with the old process.
+    let lost = core.objects_lost_with(HEAD_NODE, now);
+    core.await_rejoin(now);
+    let status = core.status(now);
+    tracing::info!(
+        file = %file.path().display(),
+        replayed,
+        nodes = status.nodes.iter().filter(|n| n.state != "dead").count(),
+        actors = status.actors.len(),
+        groups = status.groups.len(),
+        objects = status.objects.objects,
+        "took the cluster's state back; its nodes register again with the actors they run, and nothing new is placed until they have (or time out)"
+    );
+    if lost > 0 {
+        tracing::warn!(objects = lost, "objects held only in the old head's own store are lost");
+    }
+    Ok((core, now, recovered.last_seq))
+}
+
+/// Starts the thread that writes the head's state: appends records and flushes them, then
+/// sends the answers they made durable and tells the head it is done; writes snapshots
+/// and empties the log. A failed write is logged loudly and the answers go out anyway:
+/// the head keeps serving, at the risk the log names.
+fn start_writer(
+    file: StateFile,
+    mut log: state_file::LogWriter,
+    mut writes: tokio::sync::mpsc::UnboundedReceiver<Write>,
+    head: ActorRef<Wire>,
+) -> std::result::Result<(), ActorProcessingErr> {
+    std::thread::Builder::new()
+        .name("regatta-head-state".into())
+        .spawn(move || {
+            let mut failing = false;
+            while let Some(write) = writes.blocking_recv() {
+                match write {
+                    Write::Append { bytes, answers } => {
+                        match log.append(&bytes) {
+                            Ok(()) if failing => {
+                                tracing::info!(file = %file.path().display(), "the head's state is written again");
+                                failing = false;
+                            }
+                            Ok(()) => {}
+                            Err(e) if !failing => {
+                                tracing::error!(error = %e, "could not write the head's state; a restarted head would miss the latest changes (tried again with the next)");
+                                failing = true;
+                            }
+                            Err(_) => {}
+                        }
+                        for (port, answer) in answers {
+                            let _ = port.send(answer);
+                        }
+                        if head.send_message(Wire::Local(LocalSignal::Written)).is_err() {
+                            break;
+                        }
+                    }
+                    Write::Checkpoint(snapshot) => match file.write(&snapshot) {
+                        Ok(()) => {
+                            if let Err(e) = log.truncate() {
+                                tracing::error!(error = %e, "could not empty the head's change log after a snapshot");
+                            }
+                        }
+                        // The log still holds everything: keep it.
+                        Err(e) => tracing::error!(error = %e, "could not write a snapshot of the head's state; its log keeps growing"),
+                    },
+                }
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| ActorProcessingErr::from(format!("cannot start the head's state writer: {e}")))
 }
 
 /// Encodes an answer as the `Result<T, Failure>` its caller decodes.
@@ -372,7 +652,9 @@ fn log_notice(notice: Notice) {
             address,
             resources,
             kinds,
-        } => tracing::info!(node = %node, address = %address, resources = %resources, kinds = ?kinds, "node joined"),
+            kept,
+            stopped,
+        } => tracing::info!(node = %node, address = %address, resources = %resources, kinds = ?kinds, kept, stopped, "node joined"),
         Notice::RegistrationRefused(failure) => tracing::warn!(?failure, "refused a node's registration"),
         Notice::NodeDead {
             node,

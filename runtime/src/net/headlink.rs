@@ -69,7 +69,7 @@ impl HeadLink {
         let what = request.name();
         let deadline = Instant::now() + timeout;
         let bytes = loop {
-            let head = self.head()?;
+            let head = self.head_within(deadline, what, timeout).await?;
             let remaining = deadline.saturating_duration_since(Instant::now());
             match wire::call_raw(&head, wire::encode(request), remaining).await {
                 Ok(bytes) => break bytes,
@@ -95,6 +95,23 @@ impl HeadLink {
         let reply: std::result::Result<T, Failure> =
             wire::decode(&bytes, "the head's reply").map_err(|f| failure_to_error(f, None))?;
         reply.map_err(|f| failure_to_error(f, None))
+    }
+
+    /// The head, waiting until `deadline` while it is away (restarting): a request that
+    /// needs it waits for it rather than failing at once.
+    async fn head_within(&self, deadline: Instant, what: &str, timeout: Duration) -> Result<ActorCell> {
+        loop {
+            match self.head() {
+                Ok(head) => return Ok(head),
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(Error::Connect {
+                        address: self.address.clone(),
+                        reason: format!("head request {what}: the head did not come back within {timeout:?} ({e})"),
+                    })
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
     }
 
     /// Waits up to `grace` for a running head other than `lost` (the next session's).

@@ -39,6 +39,8 @@ pub enum Wire {
 pub enum LocalSignal {
     /// A periodic timer fired.
     Tick,
+    /// The head's state writer finished a write.
+    Written,
     /// An asynchronous job finished; the payload is an encoded request to handle locally.
     Deferred(Vec<u8>),
     /// An agent's start task finished constructing an actor and spawned its host.
@@ -52,8 +54,9 @@ pub enum LocalSignal {
     },
     /// An agent's start task could not start the actor.
     NotStarted(crate::protocol::ActorId),
-    /// The head no longer knows this node: stop every actor and start over.
-    Reset,
+    /// The head, taking this node's registration, does not want these actors running
+    /// here (killed while it could not say so, restarted elsewhere, or unknown to it).
+    Unwanted(Vec<crate::protocol::ActorId>),
 }
 
 const CAST: &str = "cast";

@@ -10,7 +10,7 @@ use crate::client::actor::{unix_ms, LogBook};
 use crate::client::ActorContext;
 use crate::client::Cluster;
 use crate::node;
-use crate::protocol::{ActorId, AgentRequest, Failure, HeadRequest, StartActor};
+use crate::protocol::{ActorId, AgentRequest, Failure, HeadRequest, RunningActor, StartActor};
 use crate::registry::{Host, HostArgs, Registry};
 use crate::wire::{self, LocalSignal, Wire};
 
@@ -40,8 +40,8 @@ pub(crate) struct AgentState {
     hosts: HashMap<ActorId, (ActorCell, u32)>,
     by_cell: HashMap<ractor::ActorId, (ActorId, u32)>,
     stopping: HashSet<ractor::ActorId>,
-    /// Actors whose start is under way here.
-    starting: HashSet<ActorId>,
+    /// Actors whose start is under way here, with their attempt.
+    starting: HashMap<ActorId, u32>,
     /// Actors the head stopped while they were starting: stopped as soon as they are up
     /// (else a kill racing a slow constructor left the actor running, unknown to the head).
     stop_when_up: HashSet<ActorId>,
@@ -85,7 +85,7 @@ impl Actor for Agent {
             hosts: HashMap::new(),
             by_cell: HashMap::new(),
             stopping: HashSet::new(),
-            starting: HashSet::new(),
+            starting: HashMap::new(),
             stop_when_up: HashSet::new(),
             logs: Default::default(),
         })
@@ -103,6 +103,7 @@ impl Actor for Agent {
                     let lines = state.logs.lock().map(|book| book.lines(actor)).unwrap_or_default();
                     wire::reply(port, Ok::<_, Failure>(lines));
                 }
+                Ok(AgentRequest::Running) => wire::reply(port, Ok::<_, Failure>(running(state))),
                 Ok(request) => {
                     handle_request(&myself, state, request);
                     wire::reply(port, Ok::<(), Failure>(()));
@@ -134,17 +135,18 @@ impl Actor for Agent {
                     stop_host(state, &old);
                 }
             }
+            Wire::Local(LocalSignal::Unwanted(actors)) => {
+                for actor in actors {
+                    stop_actor(
+                        state,
+                        actor,
+                        "stopped: the head did not want it running when this node registered (killed meanwhile, restarted elsewhere, or unknown to it)",
+                    );
+                }
+            }
             Wire::Local(LocalSignal::NotStarted(actor)) => {
                 state.starting.remove(&actor);
                 state.stop_when_up.remove(&actor);
-            }
-            Wire::Local(LocalSignal::Reset) => {
-                state.routes.clear();
-                let hosts: Vec<(ActorId, ActorCell)> = state.hosts.drain().map(|(id, (cell, _))| (id, cell)).collect();
-                for (actor, cell) in hosts {
-                    state.log(actor, "stopped: the head no longer knows this node (it re-registers)");
-                    stop_host(state, &cell);
-                }
             }
             Wire::Local(_) | Wire::CallActor(..) | Wire::CastActor(..) => {}
         }
@@ -198,6 +200,32 @@ impl Actor for Agent {
     }
 }
 
+/// What the node runs or is starting, for a registration with the head.
+fn running(state: &AgentState) -> Vec<RunningActor> {
+    let up = state.hosts.iter().map(|(actor, (_, attempt))| RunningActor {
+        actor: *actor,
+        attempt: *attempt,
+        up: true,
+    });
+    let starting = state.starting.iter().map(|(actor, attempt)| RunningActor {
+        actor: *actor,
+        attempt: *attempt,
+        up: false,
+    });
+    up.chain(starting).collect()
+}
+
+/// Stops a hosted actor now, or one still starting as soon as it is up.
+fn stop_actor(state: &mut AgentState, actor: ActorId, why: &str) {
+    if let Some((cell, attempt)) = state.hosts.remove(&actor) {
+        state.routes.remove(actor, attempt);
+        state.log(actor, why);
+        stop_host(state, &cell);
+    } else if state.starting.contains_key(&actor) {
+        state.stop_when_up.insert(actor);
+    }
+}
+
 fn stop_host(state: &mut AgentState, cell: &ActorCell) {
     state.stopping.insert(cell.get_id());
     cell.stop(Some("stopped by the head".into()));
@@ -225,7 +253,7 @@ fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: Agen
                     }
                 ),
             );
-            state.starting.insert(start.actor);
+            state.starting.insert(start.actor, start.attempt);
             tokio::spawn(start_actor(
                 myself.clone(),
                 state.routes.clone(),
@@ -236,20 +264,13 @@ fn handle_request(myself: &ActorRef<Wire>, state: &mut AgentState, request: Agen
                 start,
             ));
         }
-        AgentRequest::Stop(actor) => {
-            if let Some((cell, attempt)) = state.hosts.remove(&actor) {
-                state.routes.remove(actor, attempt);
-                state.log(
-                    actor,
-                    "stopped by the head (killed, its group removed or its job ended)",
-                );
-                stop_host(state, &cell);
-            } else if state.starting.contains(&actor) {
-                state.stop_when_up.insert(actor);
-            }
-        }
-        // Answered in `handle` (it has a reply).
-        AgentRequest::Logs(_) => {}
+        AgentRequest::Stop(actor) => stop_actor(
+            state,
+            actor,
+            "stopped by the head (killed, its group removed or its job ended)",
+        ),
+        // Answered in `handle` (they have a reply).
+        AgentRequest::Logs(_) | AgentRequest::Running => {}
         AgentRequest::Announce(actor) => {
             // Re-joining sends the membership to every connected peer again (ractor's pg
             // notifies joins of existing members too), healing a peer's mirror that missed

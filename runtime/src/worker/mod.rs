@@ -22,10 +22,10 @@ use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::node::{self, LocalNode};
 use crate::objects::{ObjectConfig, ObjectService};
-use crate::protocol::{HeadRequest, NodeInfo};
+use crate::protocol::{AgentRequest, Failure, HeadRequest, NodeInfo, Registration, RunningActor};
 use crate::registry::Registry;
 use crate::resources::Resources;
-use crate::wire::{LocalSignal, Wire};
+use crate::wire::{self, LocalSignal, Wire};
 use regatta_object_store::identity_from_token;
 use router::Routes;
 
@@ -185,8 +185,10 @@ async fn join_with_retry(local: &LocalNode, head_address: &str) -> Result<ractor
     }
 }
 
-/// Registers, then heartbeats forever; re-registers when the head forgets this node and
-/// reconnects when the session to the head is lost.
+/// Registers, then heartbeats forever; registers again, reporting the actors it runs,
+/// when the head does not know this node (it restarted, or declared the node dead), and
+/// reconnects when the session to the head is lost. Actors keep running meanwhile: only
+/// those the head's answer names are stopped.
 async fn keep_membership(
     local: &LocalNode,
     cluster: &Cluster,
@@ -207,14 +209,8 @@ async fn keep_membership(
             }
         }
         let Some(current) = incarnation else {
-            match cluster
-                .ask_head::<u64>(&HeadRequest::Register(info.clone()), interval * 4)
-                .await
-            {
-                Ok(number) => {
-                    tracing::info!(node = %info.name, resources = %info.resources, "registered with the head");
-                    incarnation = Some(number);
-                }
+            match register(cluster, agent, info, interval * 4).await {
+                Ok(number) => incarnation = Some(number),
                 Err(refused @ Error::Rejected(_)) => return Err(refused),
                 Err(e) => tracing::warn!(error = %e, "registration failed; retrying"),
             }
@@ -227,11 +223,39 @@ async fn keep_membership(
         match cluster.ask_head::<bool>(&beat, interval * 4).await {
             Ok(true) => {}
             Ok(false) => {
-                tracing::warn!(node = %info.name, "the head no longer knows this node; stopping its actors and registering again");
-                let _ = agent.send_message(Wire::Local(LocalSignal::Reset));
+                tracing::warn!(node = %info.name, "the head does not know this node (it restarted, or lost this node for a while); registering again with the actors it runs");
                 incarnation = None;
             }
             Err(e) => tracing::debug!(error = %e, "heartbeat failed"),
         }
     }
+}
+
+/// One registration: reports what the agent runs and stops what the head does not want.
+async fn register(cluster: &Cluster, agent: &ActorRef<Wire>, info: &NodeInfo, timeout: Duration) -> Result<u64> {
+    let running: Vec<RunningActor> = match wire::call_raw(&agent.get_cell(), wire::encode(&AgentRequest::Running), timeout).await {
+        Ok(bytes) => wire::decode::<std::result::Result<Vec<RunningActor>, Failure>>(&bytes, "the agent's actor list")
+            .and_then(|r| r)
+            .map_err(|f| Error::Actor(format!("the node agent did not list its actors: {f:?}")))?,
+        Err(wire::CallError::Unreachable(why)) => {
+            return Err(Error::Actor(format!("the node agent did not list its actors: {why}")))
+        }
+        Err(wire::CallError::Timeout) => {
+            return Err(Error::Actor(format!("the node agent did not list its actors within {timeout:?}")))
+        }
+    };
+    let registration: Registration = cluster
+        .ask_head(&HeadRequest::Register(info.clone(), running.clone()), timeout)
+        .await?;
+    if !registration.stop.is_empty() {
+        tracing::warn!(node = %info.name, stopped = registration.stop.len(), "the head does not want some reported actors running here; stopping them");
+        let _ = agent.send_message(Wire::Local(LocalSignal::Unwanted(registration.stop.clone())));
+    }
+    tracing::info!(
+        node = %info.name,
+        resources = %info.resources,
+        kept = running.len() - registration.stop.len(),
+        "registered with the head"
+    );
+    Ok(registration.incarnation)
 }

@@ -1,0 +1,523 @@
+//! The head's cluster state on disk, in its state directory: a snapshot, `cluster.state`,
+//! and a log of the changes made since, `cluster.log`. Each change is appended to the log
+//! and flushed to disk before the head answers the request that made it (a group commit:
+//! changes made while a write is under way go together in the next). When the log grows
+//! past [`CHECKPOINT_BYTES`] the head writes a new snapshot (written beside, flushed,
+//! renamed, directory flushed) and starts the log afresh. A head started on the same
+//! directory reads the snapshot, replays the log after it (`HeadCore::replay`) and takes
+//! its nodes and actors back as they register.
+//!
+//! Snapshot layout: the magic `REGATTA-HEAD-STATE`, a format version (u32, little-endian),
+//! the cluster's scope fingerprint (so a head of another token refuses it), the sequence
+//! number of the last change it includes (u64), the body's length (u64) and CRC-32, then
+//! the body: a `Snapshot` in bincode. Log layout: the magic `REGATTA-HEAD-LOG`, the version
+//! and the fingerprint, then records of [length u32, CRC-32 u32, sequence u64, a `Change`
+//! in bincode]. A torn or foreign snapshot is refused with a clear error, never silently
+//! replaced; a torn last record of the log (a crash mid-write: its request was never
+//! answered) is dropped with a warning.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use bincode::Options;
+use regatta_proto::head::{Change, Saved, Snapshot};
+
+use crate::error::{Error, Result};
+
+const MAGIC: &[u8] = b"REGATTA-HEAD-STATE";
+const LOG_MAGIC: &[u8] = b"REGATTA-HEAD-LOG";
+/// What an operator does with a state file the head cannot use.
+const ASIDE: &str = "move it aside (or delete it) to start an empty cluster; the workers then stop their actors";
+const VERSION: u32 = 1;
+/// The snapshot's name in the state directory.
+pub(crate) const FILE_NAME: &str = "cluster.state";
+/// The change log's name in the state directory.
+pub(crate) const LOG_NAME: &str = "cluster.log";
+/// A state larger than this is refused when read (a corrupt length must not allocate).
+const MAX_BODY_BYTES: u64 = 4 << 30;
+/// A log record larger than this is corrupt (requests are at most 16 MiB).
+const MAX_RECORD_BYTES: u32 = 64 << 20;
+/// Log bytes after which the head writes a snapshot and starts the log afresh.
+pub(crate) const CHECKPOINT_BYTES: u64 = 64 << 20;
+
+fn codec() -> impl Options {
+    bincode::DefaultOptions::new().with_limit(MAX_BODY_BYTES)
+}
+
+/// A cluster's state files.
+#[derive(Clone, Debug)]
+pub(crate) struct StateFile {
+    path: PathBuf,
+    log: PathBuf,
+    scope: String,
+}
+
+/// What a restarting head reads back.
+pub(crate) struct Recovered {
+    /// The snapshot, if one was written.
+    pub(crate) saved: Option<Saved>,
+    /// The changes logged after it, in order.
+    pub(crate) changes: Vec<Change>,
+    /// The sequence number of the last change (of the snapshot's, when none follow).
+    pub(crate) last_seq: u64,
+    /// Bytes at the log's end that did not read as a whole record (dropped).
+    pub(crate) dropped_bytes: usize,
+}
+
+impl StateFile {
+    /// The state files in `dir` (created if missing) of the cluster whose process-group
+    /// scope is `scope`.
+    pub(crate) fn open(dir: &Path, scope: &str) -> Result<Self> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("cannot create the head's state directory {}", dir.display()), e))?;
+        Ok(Self {
+            path: dir.join(FILE_NAME),
+            log: dir.join(LOG_NAME),
+            scope: scope.to_string(),
+        })
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn refused(&self, path: &Path, reason: String) -> Error {
+        Error::HeadState {
+            path: path.to_path_buf(),
+            reason,
+        }
+    }
+
+    /// The saved snapshot and the changes logged after it.
+    pub(crate) fn recover(&self) -> Result<Recovered> {
+        let (saved, snapshot_seq) = match read_if_there(&self.path)? {
+            None => (None, 0),
+            Some(bytes) => {
+                let (saved, seq) = decode(&bytes, &self.scope).map_err(|reason| self.refused(&self.path, reason))?;
+                (Some(saved), seq)
+            }
+        };
+        let (changes, last_seq, dropped_bytes) = match read_if_there(&self.log)? {
+            None => (Vec::new(), snapshot_seq, 0),
+            Some(bytes) => read_log(&bytes, &self.scope, snapshot_seq).map_err(|reason| self.refused(&self.log, reason))?,
+        };
+        Ok(Recovered {
+            saved,
+            changes,
+            last_seq,
+            dropped_bytes,
+        })
+    }
+
+    /// Encodes a snapshot that includes the changes up to `seq`.
+    pub(crate) fn encode(&self, snapshot: &Snapshot<'_>, seq: u64) -> Result<Vec<u8>> {
+        let body = codec()
+            .serialize(snapshot)
+            .map_err(|e| self.refused(&self.path, format!("cannot encode it: {e}")))?;
+        let mut bytes = Vec::with_capacity(body.len() + 64);
+        bytes.extend_from_slice(MAGIC);
+        bytes.extend_from_slice(&VERSION.to_le_bytes());
+        bytes.extend_from_slice(&(self.scope.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(self.scope.as_bytes());
+        bytes.extend_from_slice(&seq.to_le_bytes());
+        bytes.extend_from_slice(&(body.len() as u64).to_le_bytes());
+        bytes.extend_from_slice(&regatta_object_store::crc32(&body).to_le_bytes());
+        bytes.extend_from_slice(&body);
+        Ok(bytes)
+    }
+
+    /// Encodes one change as a log record.
+    pub(crate) fn record(&self, change: &Change, seq: u64) -> Result<Vec<u8>> {
+        let body = codec()
+            .serialize(change)
+            .map_err(|e| self.refused(&self.log, format!("cannot encode a change: {e}")))?;
+        let mut framed = Vec::with_capacity(body.len() + 16);
+        framed.extend_from_slice(&seq.to_le_bytes());
+        framed.extend_from_slice(&body);
+        let mut bytes = Vec::with_capacity(framed.len() + 8);
+        bytes.extend_from_slice(&(framed.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(&regatta_object_store::crc32(&framed).to_le_bytes());
+        bytes.extend_from_slice(&framed);
+        Ok(bytes)
+    }
+
+    /// Replaces the snapshot with `bytes` atomically: a crash leaves the old one or the new.
+    pub(crate) fn write(&self, bytes: &[u8]) -> Result<()> {
+        let tmp = self.path.with_extension("state.tmp");
+        let context = |what: &str| format!("cannot {what} {}", tmp.display());
+        let mut file = std::fs::File::create(&tmp).map_err(|e| Error::io(context("create"), e))?;
+        file.write_all(bytes).map_err(|e| Error::io(context("write"), e))?;
+        file.sync_data().map_err(|e| Error::io(context("flush"), e))?;
+        drop(file);
+        std::fs::rename(&tmp, &self.path)
+            .map_err(|e| Error::io(format!("cannot move {} into place", tmp.display()), e))?;
+        if let Some(dir) = self.path.parent() {
+            // The rename itself is durable once the directory is flushed.
+            if let Ok(dir) = std::fs::File::open(dir) {
+                let _ = dir.sync_all();
+            }
+        }
+        Ok(())
+    }
+
+    /// Opens the log for appending, empty (a snapshot including everything was just
+    /// written).
+    pub(crate) fn start_log(&self) -> Result<LogWriter> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&self.log)
+            .map_err(|e| Error::io(format!("cannot open {}", self.log.display()), e))?;
+        let mut writer = LogWriter {
+            file,
+            len: 0,
+            header: log_header(&self.scope),
+            path: self.log.clone(),
+        };
+        writer.truncate()?;
+        Ok(writer)
+    }
+}
+
+fn log_header(scope: &str) -> Vec<u8> {
+    let mut header = Vec::new();
+    header.extend_from_slice(LOG_MAGIC);
+    header.extend_from_slice(&VERSION.to_le_bytes());
+    header.extend_from_slice(&(scope.len() as u32).to_le_bytes());
+    header.extend_from_slice(scope.as_bytes());
+    header
+}
+
+/// The open change log, owned by the head's writer thread.
+pub(crate) struct LogWriter {
+    file: std::fs::File,
+    len: u64,
+    header: Vec<u8>,
+    path: PathBuf,
+}
+
+impl LogWriter {
+    /// Bytes in the log.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Appends records and flushes them to disk. A failed append is cut off again, so
+    /// the log never holds a broken record before good ones.
+    pub(crate) fn append(&mut self, bytes: &[u8]) -> Result<()> {
+        use std::io::{Seek, SeekFrom};
+        let written = self
+            .file
+            .seek(SeekFrom::Start(self.len))
+            .and_then(|_| self.file.write_all(bytes))
+            .and_then(|()| self.file.sync_data());
+        match written {
+            Ok(()) => {
+                self.len += bytes.len() as u64;
+                Ok(())
+            }
+            Err(e) => {
+                let _ = self.file.set_len(self.len);
+                Err(Error::io(format!("cannot append to {}", self.path.display()), e))
+            }
+        }
+    }
+
+    /// Empties the log (a snapshot now includes everything in it).
+    pub(crate) fn truncate(&mut self) -> Result<()> {
+        use std::io::{Seek, SeekFrom};
+        let context = format!("cannot start {} afresh", self.path.display());
+        self.file.set_len(0).map_err(|e| Error::io(context.clone(), e))?;
+        self.file
+            .seek(SeekFrom::Start(0))
+            .and_then(|_| self.file.write_all(&self.header))
+            .and_then(|()| self.file.sync_data())
+            .map_err(|e| Error::io(context, e))?;
+        self.len = self.header.len() as u64;
+        Ok(())
+    }
+}
+
+fn read_if_there(path: &Path) -> Result<Option<Vec<u8>>> {
+    match std::fs::read(path) {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(format!("cannot read {}", path.display()), e)),
+    }
+}
+
+/// A cursor over a file's bytes whose errors say what was cut short.
+struct Reader<'a> {
+    all: usize,
+    rest: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn new(bytes: &'a [u8]) -> Self {
+        Self {
+            all: bytes.len(),
+            rest: bytes,
+        }
+    }
+
+    fn take(&mut self, n: usize, what: &str) -> std::result::Result<&'a [u8], String> {
+        if self.rest.len() < n {
+            return Err(format!(
+                "it ends before its {what} ({} bytes in all; was the disk full?); {ASIDE}",
+                self.all
+            ));
+        }
+        let (head, tail) = self.rest.split_at(n);
+        self.rest = tail;
+        Ok(head)
+    }
+
+    fn u32(&mut self, what: &str) -> std::result::Result<u32, String> {
+        let mut raw = [0u8; 4];
+        raw.copy_from_slice(self.take(4, what)?);
+        Ok(u32::from_le_bytes(raw))
+    }
+
+    fn u64(&mut self, what: &str) -> std::result::Result<u64, String> {
+        let mut raw = [0u8; 8];
+        raw.copy_from_slice(self.take(8, what)?);
+        Ok(u64::from_le_bytes(raw))
+    }
+
+    /// The magic, version and fingerprint every file starts with.
+    fn header(&mut self, magic: &[u8], kind: &str, scope: &str) -> std::result::Result<(), String> {
+        if self.take(magic.len(), "header")? != magic {
+            return Err(format!("it is not a Regatta head {kind}; {ASIDE}"));
+        }
+        let version = self.u32("version")?;
+        if version != VERSION {
+            return Err(format!(
+                "it is of format version {version}, this head reads version {VERSION}; start the Regatta version that wrote it, or {ASIDE}"
+            ));
+        }
+        let scope_len = self.u32("cluster fingerprint")? as usize;
+        if scope_len > 256 {
+            return Err(format!("its cluster fingerprint is corrupt; {ASIDE}"));
+        }
+        if self.take(scope_len, "cluster fingerprint")? != scope.as_bytes() {
+            return Err("it belongs to a cluster with another token; start the head with that token, or give this cluster its own --state-dir".into());
+        }
+        Ok(())
+    }
+}
+
+/// Reads a snapshot back: the state and the sequence number of its last change.
+fn decode(bytes: &[u8], scope: &str) -> std::result::Result<(Saved, u64), String> {
+    let mut reader = Reader::new(bytes);
+    reader.header(MAGIC, "state file", scope)?;
+    let seq = reader.u64("sequence number")?;
+    let len = reader.u64("length")?;
+    let crc = reader.u32("checksum")?;
+    let rest = reader.rest;
+    if len > MAX_BODY_BYTES || len as usize != rest.len() {
+        return Err(format!(
+            "its body should be {len} bytes but {} follow (a torn or truncated write); {ASIDE}",
+            rest.len()
+        ));
+    }
+    if regatta_object_store::crc32(rest) != crc {
+        return Err(format!("its checksum does not match (the file is corrupt); {ASIDE}"));
+    }
+    let saved = codec()
+        .deserialize(rest)
+        .map_err(|e| format!("it does not decode ({e}); {ASIDE}"))?;
+    Ok((saved, seq))
+}
+
+/// Reads the log: the changes after `after` in order, the last sequence number, and the
+/// bytes dropped at its end.
+fn read_log(bytes: &[u8], scope: &str, after: u64) -> std::result::Result<(Vec<Change>, u64, usize), String> {
+    if bytes.is_empty() {
+        return Ok((Vec::new(), after, 0));
+    }
+    let mut reader = Reader::new(bytes);
+    reader.header(LOG_MAGIC, "change log", scope)?;
+    let mut changes = Vec::new();
+    let mut last = after;
+    while !reader.rest.is_empty() {
+        let Some((seq, change)) = next_record(&mut reader) else { break };
+        if seq <= after {
+            // Already in the snapshot (a crash between writing it and emptying the log).
+            continue;
+        }
+        if seq != last + 1 {
+            break;
+        }
+        changes.push(change);
+        last = seq;
+    }
+    Ok((changes, last, reader.rest.len()))
+}
+
+/// One whole, intact record; `None` leaves the reader where the broken one starts.
+fn next_record(reader: &mut Reader<'_>) -> Option<(u64, Change)> {
+    let mut probe = Reader::new(reader.rest);
+    let len = probe.u32("record length").ok()?;
+    if len > MAX_RECORD_BYTES || len < 8 {
+        return None;
+    }
+    let crc = probe.u32("record checksum").ok()?;
+    let framed = probe.take(len as usize, "record").ok()?;
+    if regatta_object_store::crc32(framed) != crc {
+        return None;
+    }
+    let (seq, body) = framed.split_at(8);
+    let seq = u64::from_le_bytes(seq.try_into().ok()?);
+    let change = codec().deserialize(body).ok()?;
+    reader.rest = probe.rest;
+    Some((seq, change))
+}
+
+/// Takes the state directory for this process: a second head started on the same
+/// directory would overwrite the first one's state. Held until the returned file closes.
+pub(crate) fn lock(dir: &Path) -> Result<std::fs::File> {
+    let path = dir.join("head.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| Error::io(format!("cannot open {}", path.display()), e))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(Error::HeadState {
+            path,
+            reason: format!(
+                "another head runs on the state directory {}; give each head its own --state-dir",
+                dir.display()
+            ),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(Error::io(format!("cannot lock {}", path.display()), e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use regatta_proto::head::HeadCore;
+    use regatta_proto::protocol::HeadRequest;
+
+    fn dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("regatta-state-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn change(n: u64) -> Change {
+        Change::Request {
+            request: HeadRequest::EndJob(format!("job-{n}")),
+            answered: true,
+            now_ms: n,
+        }
+    }
+
+    fn job_of(change: &Change) -> String {
+        match change {
+            Change::Request {
+                request: HeadRequest::EndJob(job),
+                ..
+            } => job.clone(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_snapshot_and_the_log_after_it_are_read_back_and_a_torn_last_record_is_dropped() {
+        let dir = dir("round");
+        let file = StateFile::open(&dir, "scope-a").unwrap();
+        let none = file.recover().unwrap();
+        assert!(none.saved.is_none() && none.changes.is_empty() && none.last_seq == 0);
+        let head = HeadCore::new(3_000, 10_000);
+        file.write(&file.encode(&head.snapshot(1_234), 2).unwrap()).unwrap();
+        let mut log = file.start_log().unwrap();
+        // Records 1 and 2 are in the snapshot (a crash before the log was emptied).
+        for seq in 1..=5 {
+            log.append(&file.record(&change(seq), seq).unwrap()).unwrap();
+        }
+        let whole = log.len();
+        let torn = file.record(&change(6), 6).unwrap();
+        log.append(&torn[..torn.len() - 3]).unwrap();
+        let back = file.recover().unwrap();
+        assert_eq!(back.saved.expect("saved").saved_at_ms(), 1_234);
+        assert_eq!(back.changes.iter().map(job_of).collect::<Vec<_>>(), ["job-3", "job-4", "job-5"]);
+        assert_eq!((back.last_seq, back.dropped_bytes), (5, torn.len() - 3));
+        // A flipped byte in a record ends the log there too.
+        let mut bytes = std::fs::read(dir.join(LOG_NAME)).unwrap();
+        bytes[whole as usize - 2] ^= 1;
+        std::fs::write(dir.join(LOG_NAME), &bytes).unwrap();
+        assert_eq!(file.recover().unwrap().last_seq, 4);
+        // Starting the log afresh empties it.
+        let mut log = file.start_log().unwrap();
+        assert_eq!(file.recover().unwrap().changes.len(), 0);
+        log.append(&file.record(&change(3), 3).unwrap()).unwrap();
+        assert_eq!(file.recover().unwrap().last_seq, 3);
+        assert!(!dir.join("cluster.state.tmp").exists());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn one_head_per_state_directory() {
+        let dir = dir("lock");
+        std::fs::create_dir_all(&dir).unwrap();
+        let held = lock(&dir).unwrap();
+        match lock(&dir) {
+            Err(Error::HeadState { reason, .. }) => assert!(reason.contains("another head"), "{reason}"),
+            other => panic!("a second lock was {other:?}"),
+        }
+        drop(held);
+        lock(&dir).expect("free again once the first head is gone");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn torn_corrupt_foreign_and_other_cluster_files_are_refused_with_the_reason() {
+        let dir = dir("bad");
+        let file = StateFile::open(&dir, "scope-a").unwrap();
+        let good = file.encode(&HeadCore::new(3_000, 10_000).snapshot(5), 0).unwrap();
+        let refused = |bytes: &[u8]| {
+            std::fs::write(file.path(), bytes).unwrap();
+            match file.recover() {
+                Err(Error::HeadState { reason, .. }) => reason,
+                Err(other) => panic!("another error: {other}"),
+                Ok(_) => panic!("{} bytes were accepted", bytes.len()),
+            }
+        };
+        for cut in [0, 5, MAGIC.len() + 2, good.len() / 2, good.len() - 1] {
+            let reason = refused(&good[..cut]);
+            assert!(reason.contains("move it aside"), "{cut}: {reason}");
+        }
+        let mut flipped = good.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 0x40;
+        assert!(refused(&flipped).contains("checksum"));
+        assert!(refused(b"{\"json\": true, \"padded\": 1}").contains("not a Regatta head state file"));
+        let other = StateFile::open(&dir, "scope-b").unwrap();
+        std::fs::write(file.path(), &good).unwrap();
+        match other.recover() {
+            Err(Error::HeadState { reason, .. }) => assert!(reason.contains("another token"), "{reason}"),
+            _ => panic!("another cluster's state was accepted"),
+        }
+        // Another cluster's log is refused the same way.
+        std::fs::remove_file(file.path()).unwrap();
+        file.start_log().unwrap();
+        match other.recover() {
+            Err(Error::HeadState { reason, path }) => {
+                assert!(reason.contains("another token") && path.ends_with(LOG_NAME), "{reason}")
+            }
+            _ => panic!("another cluster's log was accepted"),
+        }
+        std::fs::remove_file(dir.join(LOG_NAME)).unwrap();
+        let mut future = good.clone();
+        future[MAGIC.len()] = 9;
+        assert!(refused(&future).contains("format version 9"));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,234 @@
+//! The control plane survives its head: a head killed with SIGKILL and started again on
+//! its state directory takes back every node, actor, placement group and object, while
+//! calls to actors go on during the outage; a state file it cannot use stops it with the
+//! reason.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::time::Duration;
+
+use regatta::kinds::{digest, pattern, Counter, CounterOp, CounterReply, Store, StoreOp, StoreReply};
+use regatta::{ActorId, ActorOptions, ActorState, Resources, Strategy};
+use support::TestCluster;
+
+fn req(text: &str) -> Resources {
+    Resources::parse_request(text).expect("resources")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_killed_and_started_again_takes_back_every_actor_group_and_object() {
+    let mut cluster = TestCluster::start(&[("w1", "CPU=8"), ("w2", "CPU=8"), ("w3", "CPU=8")]).await;
+    let client = &cluster.client;
+
+    // Objects of 1 KB and 64 MB held by a store actor on a worker. (A put registers
+    // with the head without waiting; the spawns after it are acknowledged only once a
+    // state that includes it is on disk.)
+    let store = client
+        .spawn::<Store>((), ActorOptions::new().resources(req("CPU=0.1")))
+        .await
+        .expect("store");
+    let mut objects = Vec::new();
+    for (size, seed) in [(1_024u64, 7u64), (64 << 20, 8)] {
+        match store.call(StoreOp::Put { size, seed, keep: true }).await.expect("put") {
+            StoreReply::Put { reference, digest } => objects.push((reference, size, digest)),
+            other => panic!("{other:?}"),
+        }
+    }
+    // One bundle per node, and a counter in each bundle.
+    let group = client
+        .create_placement_group(vec![req("CPU=1"); 3], Strategy::StrictSpread)
+        .await
+        .expect("group");
+    let group_nodes = group.ready(Duration::from_secs(20)).await.expect("group placed");
+    let mut counters = Vec::new();
+    for bundle in 0..3 {
+        let options = ActorOptions::new()
+            .resources(req("CPU=0.1"))
+            .in_group(&group, Some(bundle));
+        counters.push(client.spawn::<Counter>(1_000 * bundle as i64, options).await.expect("spawn in group"));
+    }
+    // Free counters, some named, each with a restart budget it must not spend.
+    let mut names = BTreeMap::new();
+    for i in 0..24i64 {
+        let mut options = ActorOptions::new().resources(req("CPU=0.1")).max_restarts(3);
+        if i % 4 == 0 {
+            let name = format!("counter-{i}");
+            options = options.name(name.clone());
+            names.insert(name, counters.len());
+        }
+        counters.push(client.spawn::<Counter>(i, options).await.expect("spawn"));
+    }
+    let mut totals = Vec::new();
+    for counter in &counters {
+        match counter.call(CounterOp::Add(1)).await.expect("call before") {
+            CounterReply::Total(total) => totals.push(total),
+            other => panic!("{other:?}"),
+        }
+    }
+    let before = client.status().await.expect("status before");
+    let places: BTreeMap<ActorId, Option<String>> =
+        before.actors.iter().map(|a| (a.view.id, a.view.node.clone())).collect();
+
+    cluster.local.kill_head().expect("kill the head");
+    // Calls between the client and actors do not pass through the head.
+    for (counter, total) in counters.iter().zip(totals.iter_mut()) {
+        match counter.call(CounterOp::Add(1)).await.expect("a call while the head is down") {
+            CounterReply::Total(now) => {
+                assert_eq!(now, *total + 1);
+                *total = now;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    cluster.local.start_head_again().expect("start the head again");
+
+    let restarted_log = rejoined(&cluster, 3).await;
+    assert!(restarted_log.contains("took the cluster's state back"), "{restarted_log}");
+    assert_eq!(restarted_log.matches("stopped=0").count(), 3, "{restarted_log}");
+    let client = &cluster.client;
+    let after = client.status().await.expect("status after");
+    // Every actor is still there: same id, same node, alive, no restart spent.
+    assert_eq!(after.actors.len(), before.actors.len(), "{after:?}");
+    for line in &after.actors {
+        let view = &line.view;
+        assert_eq!(view.state, ActorState::Alive, "{view:?}");
+        assert_eq!(view.restarts, 0, "actor {} was started again: {view:?}", view.id);
+        assert_eq!(places.get(&view.id), Some(&view.node), "actor {} moved", view.id);
+    }
+    // Each actor kept its state: the totals go on from where the outage left them.
+    for (counter, total) in counters.iter().zip(&totals) {
+        assert_eq!(
+            counter.call(CounterOp::Get).await.expect("call after"),
+            CounterReply::Total(*total)
+        );
+    }
+    for (name, index) in &names {
+        let found = client.named::<Counter>(name).await.expect("named lookup").expect("still named");
+        assert_eq!(found.id(), counters[*index].id());
+    }
+    assert_eq!(group.ready(Duration::from_secs(10)).await.expect("group"), group_nodes);
+    for (reference, size, expected) in &objects {
+        let bytes = client.get_bytes(reference).await.expect("object after the restart");
+        assert_eq!(bytes.len() as u64, *size);
+        assert_eq!(digest(&bytes), *expected);
+        assert_eq!(digest(&pattern(*size as usize, if *size == 1_024 { 7 } else { 8 })), *expected);
+    }
+    // The restarted head places new work, and no worker stopped an actor.
+    let fresh = client
+        .spawn::<Counter>(5, ActorOptions::new().resources(req("CPU=0.1")))
+        .await
+        .expect("spawn after the restart");
+    assert_eq!(fresh.call(CounterOp::Add(1)).await.expect("call"), CounterReply::Total(6));
+    for worker in ["w1", "w2", "w3"] {
+        let log = cluster.local.log(worker);
+        assert!(!log.contains("stopped: the head did not want it"), "{worker}: {log}");
+        assert!(!log.contains("stopping them"), "{worker}: {log}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_actor_killed_while_its_worker_was_away_is_stopped_when_the_worker_registers_again() {
+    // The head's word holds for what was asked: a kill the restored head took while the
+    // node had not come back is carried out when the node registers with its actors.
+    let mut options = regatta::local::LocalOptions::new(vec![regatta::local::WorkerSpec::new("w1", "CPU=4")])
+        .expect("options");
+    options.binary = std::path::PathBuf::from(env!("CARGO_BIN_EXE_regatta"));
+    // Long enough that the paused worker is not declared dead meanwhile.
+    options.heartbeat_timeout_ms = 20_000;
+    let local = regatta::local::LocalCluster::start(options).expect("start");
+    let client = local.connect(Duration::from_secs(30)).await.expect("connect");
+    let mut cluster = TestCluster { local, client };
+    let keep = cluster
+        .client
+        .spawn::<Counter>(1, ActorOptions::new().resources(req("CPU=1")))
+        .await
+        .expect("spawn");
+    let doomed = cluster
+        .client
+        .spawn::<Counter>(2, ActorOptions::new().resources(req("CPU=1")))
+        .await
+        .expect("spawn");
+    let worker = cluster.local.worker_pid(0).expect("worker pid").to_string();
+    cluster.local.kill_head().expect("kill");
+    signal("STOP", &worker);
+    cluster.local.start_head_again().expect("start again");
+    // Taken by the restored head while the worker cannot hear of it.
+    let killed = doomed.kill().await;
+    signal("CONT", &worker);
+    killed.expect("kill after the restart");
+    // The node's own log of the actor says why it stopped (read through the head's API).
+    let (base, id) = (cluster.local.job_address.clone(), doomed.id().0);
+    let bearer = format!("Authorization: Bearer {}", cluster.local.token);
+    let lines = support::eventually("the killed actor stopped on its node", Duration::from_secs(30), || {
+        let (base, bearer) = (base.clone(), bearer.clone());
+        async move {
+            let text = get_with(&base, &format!("/api/actors/{id}/logs"), &bearer);
+            text.contains("the head did not want it running").then_some(text)
+        }
+    })
+    .await;
+    assert!(lines.contains("alive"), "{lines}");
+    let log = cluster.local.log("w1");
+    assert!(log.contains("stopping them") && log.contains("stopped=1"), "{log}");
+    let err = doomed.call(CounterOp::Get).await.expect_err("a killed actor answers nothing");
+    assert!(matches!(err, regatta::Error::ActorDead { .. }), "{err}");
+    assert_eq!(keep.call(CounterOp::Add(1)).await.expect("kept"), CounterReply::Total(2));
+    let view = cluster.client.actor_view(keep.id(), Duration::from_secs(5)).await.expect("view");
+    assert_eq!((view.state, view.restarts), (ActorState::Alive, 0));
+}
+
+/// A GET with one extra header; the body, or nothing when the head does not answer.
+fn get_with(base: &str, path: &str, header: &str) -> String {
+    use std::io::{Read, Write};
+    let host = base.trim_start_matches("http://");
+    let Ok(mut stream) = std::net::TcpStream::connect(host) else {
+        return String::new();
+    };
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n{header}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).is_err() {
+        return String::new();
+    }
+    let mut reply = Vec::new();
+    let _ = stream.read_to_end(&mut reply);
+    String::from_utf8_lossy(&reply).to_string()
+}
+
+fn signal(name: &str, pid: &str) {
+    let status = Command::new("kill").args([&format!("-{name}"), pid]).status().expect("kill");
+    assert!(status.success(), "kill -{name} {pid}");
+}
+
+/// Waits until the restarted head logged every worker registering again; returns its log.
+async fn rejoined(cluster: &TestCluster, workers: usize) -> String {
+    let path = cluster.local.log_path("head").with_file_name("head-restarted.log");
+    support::eventually("every worker registered with the restarted head", Duration::from_secs(30), || {
+        let path = path.clone();
+        async move {
+            let log = std::fs::read_to_string(&path).unwrap_or_default();
+            (log.matches("node joined").count() >= workers).then_some(log)
+        }
+    })
+    .await
+}
+
+#[test]
+fn a_head_refuses_a_state_file_it_cannot_use_and_says_why() {
+    let dir = support::temp_dir("bad-head-state");
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(dir.join("cluster.state"), b"REGATTA-HEAD-STATE\x01\x00\x00\x00truncated").expect("write");
+    let output = Command::new(env!("CARGO_BIN_EXE_regatta"))
+        .args(["head", "--port", "0", "--bind", "127.0.0.1", "--metrics-port", "0", "--no-job-api"])
+        .arg("--state-dir")
+        .arg(&dir)
+        .env("REGATTA_TOKEN", "state-test-token")
+        .output()
+        .expect("run the head");
+    let text = String::from_utf8_lossy(&output.stderr).to_string() + &String::from_utf8_lossy(&output.stdout);
+    assert!(!output.status.success(), "the head started on a broken state file: {text}");
+    assert!(text.contains("cluster.state") && text.contains("move it aside"), "{text}");
+    // The file is left as it was for the operator to look at.
+    assert!(std::fs::read(dir.join("cluster.state")).expect("kept").ends_with(b"truncated"));
+    let _ = std::fs::remove_dir_all(dir);
+}
