@@ -47,7 +47,12 @@ async fn a_head_killed_and_started_again_takes_back_every_actor_group_and_object
         let options = ActorOptions::new()
             .resources(req("CPU=0.1"))
             .in_group(&group, Some(bundle));
-        counters.push(client.spawn::<Counter>(1_000 * bundle as i64, options).await.expect("spawn in group"));
+        counters.push(
+            client
+                .spawn::<Counter>(1_000 * bundle as i64, options)
+                .await
+                .expect("spawn in group"),
+        );
     }
     // Free counters, some named, each with a restart budget it must not spend.
     let mut names = BTreeMap::new();
@@ -74,7 +79,11 @@ async fn a_head_killed_and_started_again_takes_back_every_actor_group_and_object
     cluster.local.kill_head().expect("kill the head");
     // Calls between the client and actors do not pass through the head.
     for (counter, total) in counters.iter().zip(totals.iter_mut()) {
-        match counter.call(CounterOp::Add(1)).await.expect("a call while the head is down") {
+        match counter
+            .call(CounterOp::Add(1))
+            .await
+            .expect("a call while the head is down")
+        {
             CounterReply::Total(now) => {
                 assert_eq!(now, *total + 1);
                 *total = now;
@@ -85,7 +94,10 @@ async fn a_head_killed_and_started_again_takes_back_every_actor_group_and_object
     cluster.local.start_head_again().expect("start the head again");
 
     let restarted_log = rejoined(&cluster, 3).await;
-    assert!(restarted_log.contains("took the cluster's state back"), "{restarted_log}");
+    assert!(
+        restarted_log.contains("took the cluster's state back"),
+        "{restarted_log}"
+    );
     assert_eq!(restarted_log.matches("stopped=0").count(), 3, "{restarted_log}");
     let client = &cluster.client;
     let after = client.status().await.expect("status after");
@@ -105,7 +117,11 @@ async fn a_head_killed_and_started_again_takes_back_every_actor_group_and_object
         );
     }
     for (name, index) in &names {
-        let found = client.named::<Counter>(name).await.expect("named lookup").expect("still named");
+        let found = client
+            .named::<Counter>(name)
+            .await
+            .expect("named lookup")
+            .expect("still named");
         assert_eq!(found.id(), counters[*index].id());
     }
     assert_eq!(group.ready(Duration::from_secs(10)).await.expect("group"), group_nodes);
@@ -113,14 +129,20 @@ async fn a_head_killed_and_started_again_takes_back_every_actor_group_and_object
         let bytes = client.get_bytes(reference).await.expect("object after the restart");
         assert_eq!(bytes.len() as u64, *size);
         assert_eq!(digest(&bytes), *expected);
-        assert_eq!(digest(&pattern(*size as usize, if *size == 1_024 { 7 } else { 8 })), *expected);
+        assert_eq!(
+            digest(&pattern(*size as usize, if *size == 1_024 { 7 } else { 8 })),
+            *expected
+        );
     }
     // The restarted head places new work, and no worker stopped an actor.
     let fresh = client
         .spawn::<Counter>(5, ActorOptions::new().resources(req("CPU=0.1")))
         .await
         .expect("spawn after the restart");
-    assert_eq!(fresh.call(CounterOp::Add(1)).await.expect("call"), CounterReply::Total(6));
+    assert_eq!(
+        fresh.call(CounterOp::Add(1)).await.expect("call"),
+        CounterReply::Total(6)
+    );
     for worker in ["w1", "w2", "w3"] {
         let log = cluster.local.log(worker);
         assert!(!log.contains("stopped: the head did not want it"), "{worker}: {log}");
@@ -132,8 +154,8 @@ async fn a_head_killed_and_started_again_takes_back_every_actor_group_and_object
 async fn an_actor_killed_while_its_worker_was_away_is_stopped_when_the_worker_registers_again() {
     // The head's word holds for what was asked: a kill the restored head took while the
     // node had not come back is carried out when the node registers with its actors.
-    let mut options = regatta::local::LocalOptions::new(vec![regatta::local::WorkerSpec::new("w1", "CPU=4")])
-        .expect("options");
+    let mut options =
+        regatta::local::LocalOptions::new(vec![regatta::local::WorkerSpec::new("w1", "CPU=4")]).expect("options");
     options.binary = std::path::PathBuf::from(env!("CARGO_BIN_EXE_regatta"));
     // Long enough that the paused worker is not declared dead meanwhile.
     options.heartbeat_timeout_ms = 20_000;
@@ -172,10 +194,20 @@ async fn an_actor_killed_while_its_worker_was_away_is_stopped_when_the_worker_re
     assert!(lines.contains("alive"), "{lines}");
     let log = cluster.local.log("w1");
     assert!(log.contains("stopping them") && log.contains("stopped=1"), "{log}");
-    let err = doomed.call(CounterOp::Get).await.expect_err("a killed actor answers nothing");
+    let err = doomed
+        .call(CounterOp::Get)
+        .await
+        .expect_err("a killed actor answers nothing");
     assert!(matches!(err, regatta::Error::ActorDead { .. }), "{err}");
-    assert_eq!(keep.call(CounterOp::Add(1)).await.expect("kept"), CounterReply::Total(2));
-    let view = cluster.client.actor_view(keep.id(), Duration::from_secs(5)).await.expect("view");
+    assert_eq!(
+        keep.call(CounterOp::Add(1)).await.expect("kept"),
+        CounterReply::Total(2)
+    );
+    let view = cluster
+        .client
+        .actor_view(keep.id(), Duration::from_secs(5))
+        .await
+        .expect("view");
     assert_eq!((view.state, view.restarts), (ActorState::Alive, 0));
 }
 
@@ -196,20 +228,27 @@ fn get_with(base: &str, path: &str, header: &str) -> String {
 }
 
 fn signal(name: &str, pid: &str) {
-    let status = Command::new("kill").args([&format!("-{name}"), pid]).status().expect("kill");
+    let status = Command::new("kill")
+        .args([&format!("-{name}"), pid])
+        .status()
+        .expect("kill");
     assert!(status.success(), "kill -{name} {pid}");
 }
 
 /// Waits until the restarted head logged every worker registering again; returns its log.
 async fn rejoined(cluster: &TestCluster, workers: usize) -> String {
     let path = cluster.local.log_path("head").with_file_name("head-restarted.log");
-    support::eventually("every worker registered with the restarted head", Duration::from_secs(30), || {
-        let path = path.clone();
-        async move {
-            let log = std::fs::read_to_string(&path).unwrap_or_default();
-            (log.matches("node joined").count() >= workers).then_some(log)
-        }
-    })
+    support::eventually(
+        "every worker registered with the restarted head",
+        Duration::from_secs(30),
+        || {
+            let path = path.clone();
+            async move {
+                let log = std::fs::read_to_string(&path).unwrap_or_default();
+                (log.matches("node joined").count() >= workers).then_some(log)
+            }
+        },
+    )
     .await
 }
 
@@ -217,18 +256,39 @@ async fn rejoined(cluster: &TestCluster, workers: usize) -> String {
 fn a_head_refuses_a_state_file_it_cannot_use_and_says_why() {
     let dir = support::temp_dir("bad-head-state");
     std::fs::create_dir_all(&dir).expect("dir");
-    std::fs::write(dir.join("cluster.state"), b"REGATTA-HEAD-STATE\x01\x00\x00\x00truncated").expect("write");
+    std::fs::write(
+        dir.join("cluster.state"),
+        b"REGATTA-HEAD-STATE\x01\x00\x00\x00truncated",
+    )
+    .expect("write");
     let output = Command::new(env!("CARGO_BIN_EXE_regatta"))
-        .args(["head", "--port", "0", "--bind", "127.0.0.1", "--metrics-port", "0", "--no-job-api"])
+        .args([
+            "head",
+            "--port",
+            "0",
+            "--bind",
+            "127.0.0.1",
+            "--metrics-port",
+            "0",
+            "--no-job-api",
+        ])
         .arg("--state-dir")
         .arg(&dir)
         .env("REGATTA_TOKEN", "state-test-token")
         .output()
         .expect("run the head");
     let text = String::from_utf8_lossy(&output.stderr).to_string() + &String::from_utf8_lossy(&output.stdout);
-    assert!(!output.status.success(), "the head started on a broken state file: {text}");
-    assert!(text.contains("cluster.state") && text.contains("move it aside"), "{text}");
+    assert!(
+        !output.status.success(),
+        "the head started on a broken state file: {text}"
+    );
+    assert!(
+        text.contains("cluster.state") && text.contains("move it aside"),
+        "{text}"
+    );
     // The file is left as it was for the operator to look at.
-    assert!(std::fs::read(dir.join("cluster.state")).expect("kept").ends_with(b"truncated"));
+    assert!(std::fs::read(dir.join("cluster.state"))
+        .expect("kept")
+        .ends_with(b"truncated"));
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -535,7 +535,14 @@ impl HeadCore {
         }
     }
 
-    fn register(&mut self, info: NodeInfo, running: &[RunningActor], to: Option<ReplyTo>, now: u64, out: &mut Vec<Output>) {
+    fn register(
+        &mut self,
+        info: NodeInfo,
+        running: &[RunningActor],
+        to: Option<ReplyTo>,
+        now: u64,
+        out: &mut Vec<Output>,
+    ) {
         let (node, address, resources, kinds) = (
             info.name.clone(),
             info.address.clone(),
@@ -711,14 +718,17 @@ mod tests {
     use crate::scheduler::Scheduler;
 
     fn node(name: &str, resources: &str) -> HeadRequest {
-        HeadRequest::Register(NodeInfo {
-            name: name.into(),
-            address: format!("{name}:1"),
-            resources: Resources::parse_capacity(resources).unwrap(),
-            kinds: vec!["echo".into()],
-            pid: 1,
-            metrics_address: None,
-        }, Vec::new())
+        HeadRequest::Register(
+            NodeInfo {
+                name: name.into(),
+                address: format!("{name}:1"),
+                resources: Resources::parse_capacity(resources).unwrap(),
+                kinds: vec!["echo".into()],
+                pid: 1,
+                metrics_address: None,
+            },
+            Vec::new(),
+        )
     }
 
     fn spawn(resources: &str) -> HeadRequest {
@@ -1187,7 +1197,11 @@ mod tests {
     }
 
     fn up(actor: ActorId, attempt: u32) -> RunningActor {
-        RunningActor { actor, attempt, up: true }
+        RunningActor {
+            actor,
+            attempt,
+            up: true,
+        }
     }
 
     #[test]
@@ -1212,7 +1226,14 @@ mod tests {
         assert_eq!(format!("{:?}", after.actors), format!("{:?}", before.actors));
         assert_eq!(head.scheduler().named("svc").map(|v| v.id), Some(kept));
         // Its nodes must register again (a heartbeat of the old incarnation is refused).
-        let beat = head.handle(HeadRequest::Heartbeat { node: "w1".into(), incarnation: 1 }, Some(ReplyTo(2)), 1_001);
+        let beat = head.handle(
+            HeadRequest::Heartbeat {
+                node: "w1".into(),
+                incarnation: 1,
+            },
+            Some(ReplyTo(2)),
+            1_001,
+        );
         assert!(matches!(replies(&beat).as_slice(), [(_, Answer::Heartbeat(false))]));
         // Nothing is placed while a node is still to register.
         let out = head.handle(spawn("CPU=1"), Some(ReplyTo(3)), 1_002);
@@ -1231,7 +1252,11 @@ mod tests {
             if name == killed_node {
                 report.push(up(killed, killed_attempt));
             }
-            let out = head.handle(register_running(name, "CPU=2", report), Some(ReplyTo(10 + i as u64)), 1_010);
+            let out = head.handle(
+                register_running(name, "CPU=2", report),
+                Some(ReplyTo(10 + i as u64)),
+                1_010,
+            );
             stopped.extend(registration(&out).stop);
             all_starts.extend(starts(&out));
         }
@@ -1247,7 +1272,10 @@ mod tests {
         let placed: Vec<ActorId> = all_starts.iter().map(|s| s.actor).collect();
         assert!(placed.contains(&lost) && placed.contains(&waiting), "{placed:?}");
         assert!(!placed.contains(&kept));
-        assert!(matches!(head.scheduler().actor_view(killed).unwrap().state, ActorState::Dead { .. }));
+        assert!(matches!(
+            head.scheduler().actor_view(killed).unwrap().state,
+            ActorState::Dead { .. }
+        ));
     }
 
     #[test]
@@ -1264,11 +1292,19 @@ mod tests {
         let out = head.handle(spawn("CPU=1"), Some(ReplyTo(3)), 300);
         let id = spawned(&out);
         assert!(starts(&out).is_empty(), "w2 has not come back yet");
-        assert!(head.tick(3_000).iter().all(|o| !matches!(o, Output::Notice(Notice::NodeDead { .. }))));
+        assert!(head
+            .tick(3_000)
+            .iter()
+            .all(|o| !matches!(o, Output::Notice(Notice::NodeDead { .. }))));
         let out = head.tick(3_200);
-        assert!(out.iter().any(|o| matches!(o, Output::Notice(Notice::NodeDead { node, .. }) if node == "w2")));
+        assert!(out
+            .iter()
+            .any(|o| matches!(o, Output::Notice(Notice::NodeDead { node, .. }) if node == "w2")));
         let placed = starts(&out);
-        assert_eq!(placed.iter().map(|s| (s.actor, s.node.as_str())).collect::<Vec<_>>(), vec![(id, "w1")]);
+        assert_eq!(
+            placed.iter().map(|s| (s.actor, s.node.as_str())).collect::<Vec<_>>(),
+            vec![(id, "w1")]
+        );
     }
 
     #[test]
@@ -1284,7 +1320,11 @@ mod tests {
         assert_eq!((again[0].actor, again[0].attempt), (id, attempt + 1));
         // A node the head declared dead comes back reporting the old attempt: stopped.
         head.tick(5_000);
-        let out = head.handle(register_running("w1", "CPU=2", vec![up(id, attempt + 1)]), Some(ReplyTo(3)), 5_001);
+        let out = head.handle(
+            register_running("w1", "CPU=2", vec![up(id, attempt + 1)]),
+            Some(ReplyTo(3)),
+            5_001,
+        );
         assert_eq!(registration(&out).stop, vec![id]);
     }
 
@@ -1328,13 +1368,22 @@ mod tests {
         lines.extend(status.actors.iter().map(|a| format!("{a:?}")));
         lines.extend(status.groups.iter().map(|g| format!("{g:?}")));
         lines.push(format!("{:?}", status.objects));
-        lines.extend(objects.iter().map(|id| format!("{id:?} {:?}", head.directory.locate(*id))));
+        lines.extend(
+            objects
+                .iter()
+                .map(|id| format!("{id:?} {:?}", head.directory.locate(*id))),
+        );
         lines
     }
 
     fn assert_same(left: &[String], right: &[String], what: &str) {
         for (l, r) in left.iter().zip(right) {
-            assert!(l == r, "{what}:\n{}\n{}", &l[..l.len().min(600)], &r[..r.len().min(600)]);
+            assert!(
+                l == r,
+                "{what}:\n{}\n{}",
+                &l[..l.len().min(600)],
+                &r[..r.len().min(600)]
+            );
         }
         assert_eq!(left.len(), right.len(), "{what}");
     }
@@ -1368,7 +1417,8 @@ mod tests {
                         register_running(&name, "CPU=4,GPU=1", Vec::new())
                     }
                     1..=3 => {
-                        let mut spec = match spawn_with(["CPU=1", "GPU=1", "CPU=0.5"][next(3) as usize], next(3) as u32) {
+                        let mut spec = match spawn_with(["CPU=1", "GPU=1", "CPU=0.5"][next(3) as usize], next(3) as u32)
+                        {
                             HeadRequest::Spawn(spec) => spec,
                             _ => unreachable!(),
                         };
@@ -1400,11 +1450,16 @@ mod tests {
                     },
                     7 => HeadRequest::Kill(ActorId(1 + next(20))),
                     8 => HeadRequest::CreateGroup(crate::protocol::GroupSpec {
-                        bundles: vec![crate::resources::Resources::parse_request("CPU=1").unwrap(); 1 + next(2) as usize],
+                        bundles: vec![
+                            crate::resources::Resources::parse_request("CPU=1").unwrap();
+                            1 + next(2) as usize
+                        ],
                         strategy: Strategy::Spread,
                         name: None,
                     }),
-                    9 if !groups.is_empty() => HeadRequest::RemoveGroup(groups.swap_remove(next(groups.len() as u64) as usize)),
+                    9 if !groups.is_empty() => {
+                        HeadRequest::RemoveGroup(groups.swap_remove(next(groups.len() as u64) as usize))
+                    }
                     13 => {
                         // A reference that overtakes its object's registration.
                         let id = *future.get_or_insert_with(ObjectId::random);
@@ -1450,7 +1505,14 @@ mod tests {
                 starts_seen.extend(starts(&out));
                 // Some nodes keep beating, the others go silent and are declared dead.
                 for (name, incarnation) in &beating {
-                    head.handle(HeadRequest::Heartbeat { node: name.clone(), incarnation: *incarnation }, None, now);
+                    head.handle(
+                        HeadRequest::Heartbeat {
+                            node: name.clone(),
+                            incarnation: *incarnation,
+                        },
+                        None,
+                        now,
+                    );
                 }
                 if let Some(n) = head.scheduler().status(now).nodes.iter().find(|n| n.state == "alive") {
                     if next(3) == 0 && !beating.iter().any(|(b, _)| *b == n.name) {
@@ -1475,13 +1537,21 @@ mod tests {
                 replayed.replay(change);
             }
             let live = fingerprint(&head, &objects, now);
-            assert_same(&fingerprint(&replayed, &objects, now), &live, &format!("seed {seed}: replayed after the snapshot"));
+            assert_same(
+                &fingerprint(&replayed, &objects, now),
+                &live,
+                &format!("seed {seed}: replayed after the snapshot"),
+            );
             // Replaying from the very start gives the same head too.
             let mut from_scratch = HeadCore::new(300, 200);
             for change in log.iter().cloned() {
                 from_scratch.replay(change);
             }
-            assert_same(&fingerprint(&from_scratch, &objects, now), &live, &format!("seed {seed}: replayed from the start"));
+            assert_same(
+                &fingerprint(&from_scratch, &objects, now),
+                &live,
+                &format!("seed {seed}: replayed from the start"),
+            );
         }
     }
 }

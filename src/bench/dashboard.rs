@@ -23,12 +23,12 @@ fn synthetic(nodes: usize, actors: usize) -> anyhow::Result<(HeadCore, Vec<f64>)
         head.handle(
             HeadRequest::Register(
                 NodeInfo {
-                name: format!("node-{n:04}"),
-                address: format!("10.0.{}.{}:6381", n / 250, n % 250),
-                resources: Resources::parse_capacity("CPU=100,memory=64000000000")?,
-                kinds: vec!["echo".into(), "counter".into()],
-                pid: 1,
-                metrics_address: None,
+                    name: format!("node-{n:04}"),
+                    address: format!("10.0.{}.{}:6381", n / 250, n % 250),
+                    resources: Resources::parse_capacity("CPU=100,memory=64000000000")?,
+                    kinds: vec!["echo".into(), "counter".into()],
+                    pid: 1,
+                    metrics_address: None,
                 },
                 Vec::new(),
             ),

@@ -663,11 +663,17 @@ mod tests {
         assert_eq!(s.rejoining(), alive.len());
         for (info, running) in alive {
             let registration = s.register(info, &running, now).unwrap();
-            assert!(registration.stop.is_empty(), "seed {seed} step {step}: {registration:?}");
+            assert!(
+                registration.stop.is_empty(),
+                "seed {seed} step {step}: {registration:?}"
+            );
         }
         assert_eq!(s.rejoining(), 0);
         let after: Vec<_> = s.actors.keys().map(|id| s.actor_view(*id)).collect();
-        assert_eq!(after, before, "seed {seed} step {step}: actors changed across the restart");
+        assert_eq!(
+            after, before,
+            "seed {seed} step {step}: actors changed across the restart"
+        );
         s
     }
 

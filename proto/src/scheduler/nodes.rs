@@ -192,7 +192,10 @@ impl Scheduler {
 
     /// The incarnation an alive node heartbeats with.
     pub fn incarnation_of(&self, node: &str) -> Option<u64> {
-        self.nodes.get(node).filter(|n| n.dead_cause.is_none()).map(|n| n.incarnation)
+        self.nodes
+            .get(node)
+            .filter(|n| n.dead_cause.is_none())
+            .map(|n| n.incarnation)
     }
 
     pub(super) fn is_alive(&self, node: &str) -> bool {

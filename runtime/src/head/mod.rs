@@ -140,7 +140,16 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
             // A snapshot of everything recovered, so the log starts empty.
             file.write(&file.encode(&core.snapshot(now), seq)?)?;
             let log = file.start_log()?;
-            (Some(Recovery { file, log, core, now, seq }), Some(lock))
+            (
+                Some(Recovery {
+                    file,
+                    log,
+                    core,
+                    now,
+                    seq,
+                }),
+                Some(lock),
+            )
         }
         None => (None, None),
     };
@@ -331,7 +340,9 @@ impl HeadState {
                 persist.seq += 1;
                 persist.pending.extend_from_slice(&bytes);
             }
-            Err(e) => tracing::error!(error = %e, "could not encode a change of the head's state; a restarted head would miss it"),
+            Err(e) => {
+                tracing::error!(error = %e, "could not encode a change of the head's state; a restarted head would miss it")
+            }
         }
     }
 
@@ -387,7 +398,11 @@ impl Actor for Head {
     type State = HeadState;
     type Arguments = HeadArgs;
 
-    async fn post_stop(&self, _myself: ActorRef<Wire>, state: &mut HeadState) -> std::result::Result<(), ActorProcessingErr> {
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Wire>,
+        state: &mut HeadState,
+    ) -> std::result::Result<(), ActorProcessingErr> {
         // The writer thread finishes what it was handed; hand it the last records too.
         if let Some(persist) = &mut state.persist {
             let bytes = std::mem::take(&mut persist.pending);
@@ -654,7 +669,9 @@ fn log_notice(notice: Notice) {
             kinds,
             kept,
             stopped,
-        } => tracing::info!(node = %node, address = %address, resources = %resources, kinds = ?kinds, kept, stopped, "node joined"),
+        } => {
+            tracing::info!(node = %node, address = %address, resources = %resources, kinds = ?kinds, kept, stopped, "node joined")
+        }
         Notice::RegistrationRefused(failure) => tracing::warn!(?failure, "refused a node's registration"),
         Notice::NodeDead {
             node,

@@ -99,7 +99,9 @@ impl StateFile {
         };
         let (changes, last_seq, dropped_bytes) = match read_if_there(&self.log)? {
             None => (Vec::new(), snapshot_seq, 0),
-            Some(bytes) => read_log(&bytes, &self.scope, snapshot_seq).map_err(|reason| self.refused(&self.log, reason))?,
+            Some(bytes) => {
+                read_log(&bytes, &self.scope, snapshot_seq).map_err(|reason| self.refused(&self.log, reason))?
+            }
         };
         Ok(Recovered {
             saved,
@@ -343,7 +345,9 @@ fn read_log(bytes: &[u8], scope: &str, after: u64) -> std::result::Result<(Vec<C
     let mut changes = Vec::new();
     let mut last = after;
     while !reader.rest.is_empty() {
-        let Some((seq, change)) = next_record(&mut reader) else { break };
+        let Some((seq, change)) = next_record(&mut reader) else {
+            break;
+        };
         if seq <= after {
             // Already in the snapshot (a crash between writing it and emptying the log).
             continue;
@@ -447,7 +451,10 @@ mod tests {
         log.append(&torn[..torn.len() - 3]).unwrap();
         let back = file.recover().unwrap();
         assert_eq!(back.saved.expect("saved").saved_at_ms(), 1_234);
-        assert_eq!(back.changes.iter().map(job_of).collect::<Vec<_>>(), ["job-3", "job-4", "job-5"]);
+        assert_eq!(
+            back.changes.iter().map(job_of).collect::<Vec<_>>(),
+            ["job-3", "job-4", "job-5"]
+        );
         assert_eq!((back.last_seq, back.dropped_bytes), (5, torn.len() - 3));
         // A flipped byte in a record ends the log there too.
         let mut bytes = std::fs::read(dir.join(LOG_NAME)).unwrap();

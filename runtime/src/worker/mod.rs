@@ -233,17 +233,22 @@ async fn keep_membership(
 
 /// One registration: reports what the agent runs and stops what the head does not want.
 async fn register(cluster: &Cluster, agent: &ActorRef<Wire>, info: &NodeInfo, timeout: Duration) -> Result<u64> {
-    let running: Vec<RunningActor> = match wire::call_raw(&agent.get_cell(), wire::encode(&AgentRequest::Running), timeout).await {
-        Ok(bytes) => wire::decode::<std::result::Result<Vec<RunningActor>, Failure>>(&bytes, "the agent's actor list")
-            .and_then(|r| r)
-            .map_err(|f| Error::Actor(format!("the node agent did not list its actors: {f:?}")))?,
-        Err(wire::CallError::Unreachable(why)) => {
-            return Err(Error::Actor(format!("the node agent did not list its actors: {why}")))
-        }
-        Err(wire::CallError::Timeout) => {
-            return Err(Error::Actor(format!("the node agent did not list its actors within {timeout:?}")))
-        }
-    };
+    let running: Vec<RunningActor> =
+        match wire::call_raw(&agent.get_cell(), wire::encode(&AgentRequest::Running), timeout).await {
+            Ok(bytes) => {
+                wire::decode::<std::result::Result<Vec<RunningActor>, Failure>>(&bytes, "the agent's actor list")
+                    .and_then(|r| r)
+                    .map_err(|f| Error::Actor(format!("the node agent did not list its actors: {f:?}")))?
+            }
+            Err(wire::CallError::Unreachable(why)) => {
+                return Err(Error::Actor(format!("the node agent did not list its actors: {why}")))
+            }
+            Err(wire::CallError::Timeout) => {
+                return Err(Error::Actor(format!(
+                    "the node agent did not list its actors within {timeout:?}"
+                )))
+            }
+        };
     let registration: Registration = cluster
         .ask_head(&HeadRequest::Register(info.clone(), running.clone()), timeout)
         .await?;
