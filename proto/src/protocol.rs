@@ -347,18 +347,7 @@ impl HeadRequest {
     /// request lost with its session (a duplicate connection closed by `ractor_cluster`, a
     /// head restart) can be sent again on the next session.
     pub fn retryable(&self) -> bool {
-        matches!(
-            self,
-            Self::Heartbeat { .. }
-                | Self::WaitActor(_)
-                | Self::Named(_)
-                | Self::WaitGroup(_)
-                | Self::Status
-                | Self::StatusPage { .. }
-                | Self::View(_)
-                | Self::ObjectLocate(_)
-                | Self::Announce(_)
-        )
+        self.reads_only()
     }
 }
 

@@ -23,30 +23,58 @@ pub use runs::RunReporter;
 use crate::calls::{CallPath, CallPlane, CallTls};
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
-use crate::node::{self, LocalNode};
+use crate::node::{self, LocalNode, SessionEvent};
 use crate::objects::{ObjectConfig, ObjectService};
 
-/// How often a client checks that its session to the head is there.
-const HEAD_CHECK: std::time::Duration = std::time::Duration::from_millis(200);
+/// How long a client waits between attempts to join a head that went away.
+const REJOIN_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
 
-/// Joins the head again whenever the session to it is lost (the head restarted), for as
+/// Joins the head again whenever the session to it closes (the head restarted), for as
 /// long as the client lives. Calls to actors do not need the head; requests that do wait
-/// for it within their timeout.
-fn keep_joined(local: std::sync::Weak<LocalNode>, address: String) {
+/// for it within their timeout. Only a closed session to the head starts a rejoin: a
+/// second connection to a head that is there would make `ractor_cluster` close one of the
+/// two, with requests in flight on it.
+fn keep_joined(
+    local: std::sync::Weak<LocalNode>,
+    mut events: tokio::sync::broadcast::Receiver<SessionEvent>,
+    address: String,
+) {
+    use tokio::sync::broadcast::error::RecvError;
     tokio::spawn(async move {
         loop {
-            tokio::time::sleep(HEAD_CHECK).await;
-            let Some(local) = local.upgrade() else { break };
-            if node::first_member(local.scope(), node::HEAD_GROUP).is_some() {
+            let head_gone = match events.recv().await {
+                Ok(SessionEvent::Closed {
+                    authenticated: true,
+                    name: Some(name),
+                }) => name.starts_with(node::HEAD_NAME_PREFIX),
+                Ok(_) => false,
+                // Missed events: the membership tells.
+                Err(RecvError::Lagged(_)) => local
+                    .upgrade()
+                    .is_some_and(|l| node::first_member(l.scope(), node::HEAD_GROUP).is_none()),
+                Err(RecvError::Closed) => break,
+            };
+            if !head_gone {
                 continue;
             }
-            match local.join(&address).await {
-                Ok(_) => tracing::info!(head = %address, "joined the head again"),
-                Err(Error::TokenRefused { .. }) => {
-                    tracing::error!(head = %address, "the head at this address now refuses the cluster token; this client stops rejoining");
-                    break;
+            // The old head may still be listed for a moment: join until a new session is
+            // up rather than trusting the membership.
+            loop {
+                let Some(local) = local.upgrade() else { return };
+                match local.join(&address).await {
+                    Ok(_) => {
+                        tracing::info!(head = %address, "joined the head again");
+                        break;
+                    }
+                    Err(Error::TokenRefused { .. }) => {
+                        tracing::error!(head = %address, "the head at this address now refuses the cluster token; this client stops rejoining");
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "the head is not back yet");
+                        tokio::time::sleep(REJOIN_EVERY).await;
+                    }
                 }
-                Err(e) => tracing::debug!(error = %e, "the head is not back yet"),
             }
         }
     });
@@ -78,9 +106,10 @@ impl Client {
         let bind: IpAddr = "0.0.0.0".parse().map_err(|_| Error::Actor("bad bind address".into()))?;
         let name = format!("client-{}", node::random_hex(6));
         let local = LocalNode::start(&name, token, bind, 0, &host, direct).await?;
+        let events = local.events();
         let head = local.join(address).await?;
         let local = Arc::new(local);
-        keep_joined(Arc::downgrade(&local), address.to_string());
+        keep_joined(Arc::downgrade(&local), events, address.to_string());
         let link = Arc::new(HeadLink::new(local.scope().to_string(), head, address.to_string()));
         // One token identity serves the object transfer and the call channel.
         let (objects, calls) = match path {

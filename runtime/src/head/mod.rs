@@ -104,7 +104,7 @@ impl RunningHead {
 /// Everything else (head actor, object store, job API, metrics) is up before the cluster
 /// port opens, so a worker or client that can join finds a complete head.
 pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
-    let name = format!("head-{}", node::random_hex(4));
+    let name = format!("{}{}", node::HEAD_NAME_PREFIX, node::random_hex(4));
     let scope = node::scope_for(&config.token);
     let port = if config.port == 0 {
         node::free_port(config.bind)?

@@ -218,6 +218,10 @@ impl NodeEventSubscription for SessionWatcher {
 /// The head's process group.
 pub(crate) const HEAD_GROUP: &str = "head";
 
+/// How a head's node name starts (`head-<random>`): a session of that name closing means
+/// the head went away.
+pub(crate) const HEAD_NAME_PREFIX: &str = "head-";
+
 /// The process group of the agent on `node`.
 pub(crate) fn agent_group(node: &str) -> String {
     format!("agent/{node}")
