@@ -252,6 +252,50 @@ async fn rejoined(cluster: &TestCluster, workers: usize) -> String {
     .await
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_restarted_under_its_name_is_taken_back_empty_and_its_objects_read_as_lost() {
+    // The worker's word holds for what it runs and holds: a new process under the same
+    // name runs nothing and holds nothing, so its actor restarts within its budget (on it)
+    // and the object whose only copy it had is lost, naming it.
+    let mut cluster = TestCluster::start(&[("w1", "CPU=4")]).await;
+    let store = cluster
+        .client
+        .spawn::<Store>((), ActorOptions::new().resources(req("CPU=1")).max_restarts(1))
+        .await
+        .expect("store");
+    let reference = match store.call(StoreOp::Put { size: 4_096, seed: 3, keep: true }).await.expect("put") {
+        StoreReply::Put { reference, .. } => reference,
+        other => panic!("{other:?}"),
+    };
+    cluster.local.restart_worker(0).expect("restart w1");
+    let log = rejoined_worker(&cluster).await;
+    assert!(log.contains("registered with the head"), "{log}");
+    let err = support::eventually("the object reads as lost", Duration::from_secs(30), || {
+        let (client, reference) = (&cluster.client, &reference);
+        async move { client.get_bytes(reference).await.err().filter(|e| matches!(e, regatta::Error::ObjectLost { .. })) }
+    })
+    .await;
+    assert!(err.to_string().contains("w1"), "{err}");
+    let view = support::eventually("the store actor restarted", Duration::from_secs(30), || {
+        let (client, id) = (&cluster.client, store.id());
+        async move {
+            let view = client.actor_view(id, Duration::from_secs(5)).await.ok()?;
+            (view.state == ActorState::Alive && view.restarts == 1).then_some(view)
+        }
+    })
+    .await;
+    assert_eq!(view.node.as_deref(), Some("w1"));
+}
+
+/// Waits until the restarted worker (its log starts afresh) registered; returns its log.
+async fn rejoined_worker(cluster: &TestCluster) -> String {
+    support::eventually("the restarted worker registered", Duration::from_secs(30), || async {
+        let log = cluster.local.log("w1");
+        log.contains("registered with the head").then_some(log)
+    })
+    .await
+}
+
 #[test]
 fn a_head_refuses_a_state_file_it_cannot_use_and_says_why() {
     let dir = support::temp_dir("bad-head-state");

@@ -98,6 +98,13 @@ pub enum Notice {
     },
     /// An object registration was refused.
     ObjectRefused(Failure),
+    /// A registering node no longer holds objects whose only copy it had.
+    ObjectsGone {
+        /// The node.
+        node: String,
+        /// How many objects were lost.
+        objects: usize,
+    },
 }
 
 /// What the shell does after a request or a tick.
@@ -641,6 +648,22 @@ impl HeadCore {
                 (result, _) => answer(to, Answer::Location(result.map_err(|m| object_missing(id, m))), out),
             },
             HeadRequest::ObjectAddSource { id, node, address } => self.directory.add_source(id, &node, &address),
+            HeadRequest::ObjectsHeld { node, address, objects } => {
+                let lost = self.directory.reconcile(&node, &address, &objects, now);
+                if !lost.is_empty() {
+                    out.push(Output::Notice(Notice::ObjectsGone {
+                        node: node.clone(),
+                        objects: lost.len(),
+                    }));
+                }
+                answer(to, Answer::Done(Ok(())), out);
+                // A lookup that overtook the object's registration is answered now.
+                for held in &objects {
+                    for parked in self.object_waiters.remove(&held.id).unwrap_or_default() {
+                        self.request(parked.request, Some(parked.to), now, out);
+                    }
+                }
+            }
             HeadRequest::ObjectRemoveSource { id, node, spilled_to } => {
                 if let Some(url) = &spilled_to {
                     self.directory.spilled(id, &node, url);

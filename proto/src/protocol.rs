@@ -106,6 +106,20 @@ pub struct RunningActor {
     pub up: bool,
 }
 
+/// An object copy a worker holds in memory, reported when it registers so that a head
+/// that restarted (or lost the node for a while) knows where the object is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldObject {
+    /// The object.
+    pub id: ObjectId,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Its CRC-32.
+    pub checksum: u32,
+    /// Whether the worker's process references it.
+    pub referenced: bool,
+}
+
 /// The head's answer to [`HeadRequest::Register`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Registration {
@@ -167,6 +181,17 @@ pub enum HeadRequest {
     /// A worker joins or rejoins, with the actors it runs now (empty for a new process):
     /// replies [`Registration`].
     Register(NodeInfo, Vec<RunningActor>),
+    /// A worker that just registered lists the object copies it holds in memory: the
+    /// directory takes its word for them (copies it no longer has are no longer sources,
+    /// copies the directory did not know are added). Replies `()`.
+    ObjectsHeld {
+        /// The node.
+        node: String,
+        /// Its object transfer address.
+        address: String,
+        /// What it holds.
+        objects: Vec<HeldObject>,
+    },
     /// A worker is alive: replies `bool` (false: re-register).
     Heartbeat {
         /// The node.
@@ -298,6 +323,7 @@ impl HeadRequest {
     pub fn name(&self) -> &'static str {
         match self {
             Self::Register(..) => "register",
+            Self::ObjectsHeld { .. } => "objects-held",
             Self::Heartbeat { .. } => "heartbeat",
             Self::Spawn(_) => "spawn",
             Self::WaitActor(_) => "wait-actor",

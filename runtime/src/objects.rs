@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::node;
-use crate::protocol::{Failure, HeadRequest, ObjectCommand};
+use crate::protocol::{Failure, HeadRequest, HeldObject, ObjectCommand};
 use crate::wire::{self, Wire};
 
 /// Default share of this machine's memory an object store may hold.
@@ -536,6 +536,26 @@ impl ObjectService {
                 tracing::warn!(%id, error = %e, "could not delete a spilled copy");
             }
         }
+    }
+
+    /// The copies this process holds in memory, for a registration with the head.
+    pub(crate) fn held(&self) -> Vec<HeldObject> {
+        let copies = self.memory().held();
+        let refs = self.refs.lock().unwrap_or_else(|p| p.into_inner());
+        copies
+            .into_iter()
+            .map(|(id, bytes)| HeldObject {
+                id,
+                size: bytes.len() as u64,
+                checksum: crc32(&bytes),
+                referenced: refs.contains_key(&id),
+            })
+            .collect()
+    }
+
+    /// This store's node name and transfer address, as the head's directory knows them.
+    pub(crate) fn location(&self) -> (&str, &str) {
+        (&self.node, &self.address)
     }
 
     fn count_ref(&self, id: ObjectId) -> bool {

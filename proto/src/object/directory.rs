@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use serde::{Deserialize, Serialize};
 
 use super::id::ObjectId;
+use crate::protocol::HeldObject;
 
 /// Where an object can be read from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -249,15 +250,72 @@ impl Directory {
         }
         for id in &lost {
             self.objects.remove(id);
-            self.lost.insert(*id, node.to_string());
-            self.lost_order.push_back(*id);
+            self.remember_lost(*id, node);
         }
+        lost
+    }
+
+    /// A node (re)registered holding `held` in memory: it is a source of exactly those.
+    /// Copies it no longer has stop being sources (an object left with no copy is lost);
+    /// copies the directory did not know, or had given up as lost, are taken back, held
+    /// by the node when it references them. Returns the objects lost.
+    pub fn reconcile(&mut self, node: &str, address: &str, held: &[HeldObject], now_ms: u64) -> Vec<ObjectId> {
+        let reported: BTreeMap<ObjectId, &HeldObject> = held.iter().map(|h| (h.id, h)).collect();
+        let mut lost = Vec::new();
+        for (id, meta) in &mut self.objects {
+            if !reported.contains_key(id)
+                && meta.sources.remove(node).is_some()
+                && meta.sources.is_empty()
+                && meta.spilled.is_none()
+            {
+                lost.push(*id);
+            }
+        }
+        for id in &lost {
+            self.objects.remove(id);
+            self.remember_lost(*id, node);
+        }
+        for (id, object) in reported {
+            match self.objects.get_mut(&id) {
+                Some(meta) => {
+                    meta.sources.insert(node.to_string(), address.to_string());
+                    if object.referenced {
+                        meta.holders.insert(node.to_string());
+                        meta.unreferenced_since_ms = None;
+                    }
+                }
+                None => {
+                    self.lost.remove(&id);
+                    self.objects.insert(
+                        id,
+                        Meta {
+                            size: object.size,
+                            checksum: object.checksum,
+                            sources: BTreeMap::from([(node.to_string(), address.to_string())]),
+                            spilled: None,
+                            holders: if object.referenced {
+                                BTreeSet::from([node.to_string()])
+                            } else {
+                                BTreeSet::new()
+                            },
+                            job: None,
+                            unreferenced_since_ms: (!object.referenced).then_some(now_ms),
+                        },
+                    );
+                }
+            }
+        }
+        lost
+    }
+
+    fn remember_lost(&mut self, id: ObjectId, node: &str) {
+        self.lost.insert(id, node.to_string());
+        self.lost_order.push_back(id);
         while self.lost_order.len() > MAX_LOST_OBJECTS {
             if let Some(oldest) = self.lost_order.pop_front() {
                 self.lost.remove(&oldest);
             }
         }
-        lost
     }
 
     /// Bytes of objects each node holds in memory, by node.
@@ -297,6 +355,46 @@ mod tests {
         let mut dir = Directory::new(1_000);
         dir.put(ObjectId(id), 10, 42, "driver", node, "addr", None).unwrap();
         dir
+    }
+
+    fn held(id: u128, referenced: bool) -> HeldObject {
+        HeldObject {
+            id: ObjectId(id),
+            size: 10,
+            checksum: 42,
+            referenced,
+        }
+    }
+
+    #[test]
+    fn a_registering_node_is_the_source_of_exactly_what_it_holds() {
+        let mut dir = dir_with(1, "w1");
+        dir.put(ObjectId(2), 10, 42, "driver", "w1", "addr", None).unwrap();
+        dir.add_source(ObjectId(2), "w2", "addr2");
+        dir.put(ObjectId(3), 10, 42, "driver", "w1", "addr", None).unwrap();
+        dir.spilled(ObjectId(3), "w1", "file:///spill/3");
+        // w1 comes back holding object 1 and one the directory never heard of (its
+        // registration was lost), but not 2 (w2 still has it) nor 3 (spilled).
+        let lost = dir.reconcile("w1", "addr", &[held(1, false), held(9, true)], 5);
+        assert!(lost.is_empty(), "{lost:?}");
+        assert_eq!(
+            dir.locate(ObjectId(2)).unwrap().sources,
+            vec![("w2".to_string(), "addr2".to_string())]
+        );
+        assert!(dir.locate(ObjectId(3)).unwrap().spilled.is_some());
+        let taken_back = dir.locate(ObjectId(9)).expect("taken back");
+        assert_eq!((taken_back.size, taken_back.checksum), (10, 42));
+        // Referenced by the node: kept past the grace period; object 1 still by the driver.
+        assert!(dir.collect(10_000).is_empty());
+        // A new process under the name holds nothing: its only copies are lost.
+        let lost = dir.reconcile("w1", "addr", &[], 20_000);
+        assert_eq!(lost.len(), 2, "objects 1 and 9: {lost:?}");
+        assert!(matches!(dir.locate(ObjectId(1)), Err(Missing::Lost { node }) if node == "w1"));
+        // A copy the directory had given up as lost is taken back when a node has it.
+        dir.reconcile("w2", "addr2", &[held(2, false), held(1, false)], 20_001);
+        assert!(dir.locate(ObjectId(1)).is_ok());
+        // An unreferenced copy taken back is released after the grace period.
+        assert_eq!(dir.collect(20_001 + 1_000).len(), 1);
     }
 
     #[test]

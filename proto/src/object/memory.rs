@@ -65,6 +65,14 @@ impl MemoryStore {
         })
     }
 
+    /// Every object here with its bytes (shared, not copied), without marking any used.
+    pub fn held(&self) -> Vec<(ObjectId, Bytes)> {
+        self.objects
+            .iter()
+            .map(|(id, entry)| (*id, entry.bytes.clone()))
+            .collect()
+    }
+
     /// Whether the object is here.
     pub fn contains(&self, id: ObjectId) -> bool {
         self.objects.contains_key(&id)

@@ -686,6 +686,9 @@ fn log_notice(notice: Notice) {
         Notice::StartFailed { actor, cause } => tracing::warn!(%actor, cause = %cause, "actor failed to start"),
         Notice::Exited { actor, cause } => tracing::warn!(%actor, cause = %cause, "actor exited"),
         Notice::ObjectRefused(failure) => tracing::warn!(?failure, "refused an object registration"),
+        Notice::ObjectsGone { node, objects } => {
+            tracing::warn!(node = %node, objects, "the node registered without objects whose only copy it held; they are lost")
+        }
     }
 }
 

@@ -256,6 +256,16 @@ async fn register(cluster: &Cluster, agent: &ActorRef<Wire>, info: &NodeInfo, ti
         tracing::warn!(node = %info.name, stopped = registration.stop.len(), "the head does not want some reported actors running here; stopping them");
         let _ = agent.send_message(Wire::Local(LocalSignal::Unwanted(registration.stop.clone())));
     }
+    // The object copies held here, so that the directory knows where objects are.
+    let store = cluster.object_service()?.clone();
+    let (node, address) = store.location();
+    let (node, address) = (node.to_string(), address.to_string());
+    // Checksums of a full store take a while: off the async threads.
+    let objects = tokio::task::spawn_blocking(move || store.held())
+        .await
+        .map_err(|e| Error::Actor(format!("could not list the objects held here: {e}")))?;
+    let held = HeadRequest::ObjectsHeld { node, address, objects };
+    cluster.ask_head::<()>(&held, timeout).await?;
     tracing::info!(
         node = %info.name,
         resources = %info.resources,
