@@ -263,7 +263,15 @@ async fn a_worker_restarted_under_its_name_is_taken_back_empty_and_its_objects_r
         .spawn::<Store>((), ActorOptions::new().resources(req("CPU=1")).max_restarts(1))
         .await
         .expect("store");
-    let reference = match store.call(StoreOp::Put { size: 4_096, seed: 3, keep: true }).await.expect("put") {
+    let reference = match store
+        .call(StoreOp::Put {
+            size: 4_096,
+            seed: 3,
+            keep: true,
+        })
+        .await
+        .expect("put")
+    {
         StoreReply::Put { reference, .. } => reference,
         other => panic!("{other:?}"),
     };
@@ -272,7 +280,13 @@ async fn a_worker_restarted_under_its_name_is_taken_back_empty_and_its_objects_r
     assert!(log.contains("registered with the head"), "{log}");
     let err = support::eventually("the object reads as lost", Duration::from_secs(30), || {
         let (client, reference) = (&cluster.client, &reference);
-        async move { client.get_bytes(reference).await.err().filter(|e| matches!(e, regatta::Error::ObjectLost { .. })) }
+        async move {
+            client
+                .get_bytes(reference)
+                .await
+                .err()
+                .filter(|e| matches!(e, regatta::Error::ObjectLost { .. }))
+        }
     })
     .await;
     assert!(err.to_string().contains("w1"), "{err}");
