@@ -256,16 +256,23 @@ async fn register(cluster: &Cluster, agent: &ActorRef<Wire>, info: &NodeInfo, ti
         tracing::warn!(node = %info.name, stopped = registration.stop.len(), "the head does not want some reported actors running here; stopping them");
         let _ = agent.send_message(Wire::Local(LocalSignal::Unwanted(registration.stop.clone())));
     }
-    // The object copies held here, so that the directory knows where objects are.
-    let store = cluster.object_service()?.clone();
-    let (node, address) = store.location();
-    let (node, address) = (node.to_string(), address.to_string());
-    // Checksums of a full store take a while: off the async threads.
-    let objects = tokio::task::spawn_blocking(move || store.held())
-        .await
-        .map_err(|e| Error::Actor(format!("could not list the objects held here: {e}")))?;
-    let held = HeadRequest::ObjectsHeld { node, address, objects };
-    cluster.ask_head::<()>(&held, timeout).await?;
+    // The object copies held here, so that the directory knows where objects are
+    // (simulated nodes have no object store).
+    if let Ok(store) = cluster.object_service() {
+        let store = store.clone();
+        let (node, address) = store.location();
+        let (node, address) = (node.to_string(), address.to_string());
+        // Checksums of a full store take a while: off the async threads.
+        let objects = tokio::task::spawn_blocking(move || store.held())
+            .await
+            .map_err(|e| Error::Actor(format!("could not list the objects held here: {e}")))?;
+        let held = HeadRequest::ObjectsHeld { node, address, objects };
+        // Not fatal like a refused registration: the next attempt registers again.
+        cluster
+            .ask_head::<()>(&held, timeout)
+            .await
+            .map_err(|e| Error::Actor(format!("could not report the objects held here: {e}")))?;
+    }
     tracing::info!(
         node = %info.name,
         resources = %info.resources,
