@@ -275,6 +275,14 @@ async fn a_worker_restarted_under_its_name_is_taken_back_empty_and_its_objects_r
         StoreReply::Put { reference, .. } => reference,
         other => panic!("{other:?}"),
     };
+    // The put's registration reaches the head by a cast: wait until the head has it, so
+    // that the restart below does not cut it off.
+    let (ready, _) = cluster
+        .client
+        .wait(std::slice::from_ref(&reference), 1, Duration::from_secs(10))
+        .await
+        .expect("wait");
+    assert_eq!(ready.len(), 1, "the put never reached the head");
     cluster.local.restart_worker(0).expect("restart w1");
     let log = rejoined_worker(&cluster).await;
     assert!(log.contains("registered with the head"), "{log}");
