@@ -189,14 +189,54 @@ pub enum Change {
     },
 }
 
-impl Change {
+/// A [`Change`] borrowed for writing: it encodes exactly as the `Change` it is read back
+/// as, without copying the request (a spawn carries its constructor arguments).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub enum ChangeRef<'a> {
+    /// See [`Change::Request`].
+    Request {
+        /// The request.
+        request: &'a HeadRequest,
+        /// Whether its caller waited for an answer.
+        answered: bool,
+        /// The head's clock when it was handled.
+        now_ms: u64,
+    },
+    /// See [`Change::Tick`].
+    Tick {
+        /// The nodes declared dead and why.
+        lost: &'a [(String, String)],
+        /// The head's clock.
+        now_ms: u64,
+    },
+}
+
+impl<'a> ChangeRef<'a> {
     /// The change a request makes, if it makes one.
-    pub fn of(request: &HeadRequest, to: Option<ReplyTo>, now_ms: u64) -> Option<Self> {
-        (!request.reads_only()).then(|| Self::Request {
-            request: request.clone(),
+    pub fn of(request: &'a HeadRequest, to: Option<ReplyTo>, now_ms: u64) -> Option<Self> {
+        (!request.reads_only()).then_some(Self::Request {
+            request,
             answered: to.is_some(),
             now_ms,
         })
+    }
+}
+
+impl Change {
+    /// The change borrowed for writing.
+    pub fn as_ref(&self) -> ChangeRef<'_> {
+        match self {
+            Self::Request {
+                request,
+                answered,
+                now_ms,
+            } => ChangeRef::Request {
+                request,
+                answered: *answered,
+                now_ms: *now_ms,
+            },
+            Self::Tick { lost, now_ms } => ChangeRef::Tick { lost, now_ms: *now_ms },
+        }
     }
 
     /// The head's clock when the change was made.
@@ -1411,6 +1451,11 @@ mod tests {
         assert_eq!(left.len(), right.len(), "{what}");
     }
 
+    /// A change written in its borrowed form and read back.
+    fn read_back(change: &ChangeRef<'_>) -> Change {
+        bincode::deserialize(&bincode::serialize(change).unwrap()).unwrap()
+    }
+
     /// Random histories of requests and ticks, logged as the runtime logs them: a head
     /// restored from a snapshot taken part-way and replaying the changes logged after it
     /// decides exactly as the head that ran them.
@@ -1514,7 +1559,8 @@ mod tests {
                     _ => HeadRequest::Status,
                 };
                 let to = (next(3) != 0).then_some(ReplyTo(step));
-                log.extend(Change::of(&request, to, now));
+                // Logged as the runtime logs it: the borrowed form, read back as a Change.
+                log.extend(ChangeRef::of(&request, to, now).map(|c| read_back(&c)));
                 let out = head.handle(request, to, now);
                 for (_, answer) in replies(&out) {
                     match answer {
@@ -1547,7 +1593,7 @@ mod tests {
                 if next(4) == 0 {
                     let (out, change) = head.tick_logged(now + 3);
                     starts_seen.extend(starts(&out));
-                    log.extend(change);
+                    log.extend(change.map(|c| read_back(&c.as_ref())));
                 }
                 if snapshot.is_none() && step == 150 + seed * 5 {
                     snapshot = Some((bincode::serialize(&head.snapshot(now)).unwrap(), log.len()));

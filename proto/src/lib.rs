@@ -26,7 +26,7 @@ pub mod scheduler;
 pub mod view;
 
 pub use error::{Error, Result};
-pub use head::{Answer, Change, HeadCore, Notice, Output, ReplyTo, Saved, Snapshot};
+pub use head::{Answer, Change, ChangeRef, HeadCore, Notice, Output, ReplyTo, Saved, Snapshot};
 pub use job::{JobRecord, JobStatus, JobSubmission, RuntimeEnv};
 pub use object::{Directory, DirectoryStats, Location, MemoryStats, MemoryStore, Missing, NoRoom, ObjectId, Release};
 pub use placement::{Allocation, Decision, Ledger, Strategy};

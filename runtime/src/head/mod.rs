@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use regatta_object_store::Release;
-use regatta_proto::head::{Answer, Change, HeadCore, Notice, Output, ReplyTo, Saved};
+use regatta_proto::head::{Answer, ChangeRef, HeadCore, Notice, Output, ReplyTo, Saved};
 use state_file::StateFile;
 
 use crate::error::{Error, Result};
@@ -333,7 +333,7 @@ impl HeadState {
     }
 
     /// Logs a change (written with the next append).
-    fn record(&mut self, change: &Change) {
+    fn record(&mut self, change: &ChangeRef<'_>) {
         let Some(persist) = &mut self.persist else { return };
         match persist.file.record(change, persist.seq + 1) {
             Ok(bytes) => {
@@ -463,12 +463,15 @@ impl Actor for Head {
         state: &mut HeadState,
     ) -> std::result::Result<(), ActorProcessingErr> {
         let now = state.now_ms();
-        let mut change: Option<Change> = None;
+        let mut changed = false;
         let outputs = match message {
             Wire::Call(bytes, port) => match wire::decode::<HeadRequest>(&bytes, "a head request") {
                 Ok(request) => {
                     let to = state.hold(port);
-                    change = Change::of(&request, Some(to), now);
+                    if let Some(change) = ChangeRef::of(&request, Some(to), now) {
+                        state.record(&change);
+                        changed = true;
+                    }
                     let (kind, started) = (request.name(), std::time::Instant::now());
                     let outputs = state.core.handle(request, Some(to), now);
                     observe_request(kind, started);
@@ -483,7 +486,10 @@ impl Actor for Head {
             Wire::Cast(bytes) | Wire::Local(LocalSignal::Deferred(bytes)) => {
                 match wire::decode::<HeadRequest>(&bytes, "a head request") {
                     Ok(request) => {
-                        change = Change::of(&request, None, now);
+                        if let Some(change) = ChangeRef::of(&request, None, now) {
+                            state.record(&change);
+                            changed = true;
+                        }
                         let (kind, started) = (request.name(), std::time::Instant::now());
                         let outputs = state.core.handle(request, None, now);
                         observe_request(kind, started);
@@ -512,7 +518,10 @@ impl Actor for Head {
                 state.ports.retain(|to, _| !closed.contains(to));
                 state.core.forget(|to| closed.contains(&to));
                 let (outputs, logged) = state.core.tick_logged(now);
-                change = logged;
+                if let Some(change) = &logged {
+                    state.record(&change.as_ref());
+                    changed = true;
+                }
                 publish_metrics(state, now);
                 outputs
             }
@@ -522,10 +531,6 @@ impl Actor for Head {
             }
             Wire::Local(_) => Vec::new(),
         };
-        let changed = change.is_some();
-        if let Some(change) = &change {
-            state.record(change);
-        }
         for output in outputs {
             match output {
                 Output::Reply(to, answer) => {

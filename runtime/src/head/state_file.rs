@@ -20,7 +20,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use bincode::Options;
-use regatta_proto::head::{Change, Saved, Snapshot};
+use regatta_proto::head::{Change, ChangeRef, Saved, Snapshot};
 
 use crate::error::{Error, Result};
 
@@ -129,7 +129,7 @@ impl StateFile {
     }
 
     /// Encodes one change as a log record.
-    pub(crate) fn record(&self, change: &Change, seq: u64) -> Result<Vec<u8>> {
+    pub(crate) fn record(&self, change: &ChangeRef<'_>, seq: u64) -> Result<Vec<u8>> {
         let body = codec()
             .serialize(change)
             .map_err(|e| self.refused(&self.log, format!("cannot encode a change: {e}")))?;
@@ -365,7 +365,7 @@ fn read_log(bytes: &[u8], scope: &str, after: u64) -> std::result::Result<(Vec<C
 fn next_record(reader: &mut Reader<'_>) -> Option<(u64, Change)> {
     let mut probe = Reader::new(reader.rest);
     let len = probe.u32("record length").ok()?;
-    if len > MAX_RECORD_BYTES || len < 8 {
+    if !(8..=MAX_RECORD_BYTES).contains(&len) {
         return None;
     }
     let crc = probe.u32("record checksum").ok()?;
@@ -444,10 +444,10 @@ mod tests {
         let mut log = file.start_log().unwrap();
         // Records 1 and 2 are in the snapshot (a crash before the log was emptied).
         for seq in 1..=5 {
-            log.append(&file.record(&change(seq), seq).unwrap()).unwrap();
+            log.append(&file.record(&change(seq).as_ref(), seq).unwrap()).unwrap();
         }
         let whole = log.len();
-        let torn = file.record(&change(6), 6).unwrap();
+        let torn = file.record(&change(6).as_ref(), 6).unwrap();
         log.append(&torn[..torn.len() - 3]).unwrap();
         let back = file.recover().unwrap();
         assert_eq!(back.saved.expect("saved").saved_at_ms(), 1_234);
@@ -464,7 +464,7 @@ mod tests {
         // Starting the log afresh empties it.
         let mut log = file.start_log().unwrap();
         assert_eq!(file.recover().unwrap().changes.len(), 0);
-        log.append(&file.record(&change(3), 3).unwrap()).unwrap();
+        log.append(&file.record(&change(3).as_ref(), 3).unwrap()).unwrap();
         assert_eq!(file.recover().unwrap().last_seq, 3);
         assert!(!dir.join("cluster.state.tmp").exists());
         std::fs::remove_dir_all(dir).unwrap();
