@@ -23,9 +23,11 @@ if [ ! -x "$venv/bin/kubernetes-validate" ]; then
 fi
 export REGATTA_TEST_VENV="$venv"
 
-# A real Prometheus for the Grafana dashboard test, and headless Chromium with its WebDriver
-# for the web dashboard's test, from Debian's packages (installed once).
+# A real Prometheus for the Grafana dashboard test, headless Chromium with its WebDriver
+# for the web dashboard's test, and tcpdump for the test that captures the cluster's
+# loopback traffic, from Debian's packages (installed once).
 missing=()
+command -v tcpdump >/dev/null 2>&1 || missing+=(tcpdump)
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)

@@ -400,6 +400,9 @@ pub struct ActorView {
     pub state: ActorState,
     /// The node it runs on, if placed.
     pub node: Option<String>,
+    /// `host:port` of that node's cluster listener, for opening a session to it.
+    #[serde(default)]
+    pub address: Option<String>,
     /// How many times it was restarted.
     pub restarts: u32,
 }

@@ -454,6 +454,7 @@ mod tests {
                     kind: "echo".into(),
                     state: ActorState::Alive,
                     node: None,
+                    address: None,
                     restarts: 2,
                 },
                 name: None,

@@ -121,6 +121,11 @@ impl Scheduler {
             kind: a.spec.kind.clone(),
             state: a.state.clone(),
             node: a.placed.as_ref().map(|p| p.node.clone()),
+            address: a
+                .placed
+                .as_ref()
+                .and_then(|p| self.nodes.get(&p.node))
+                .map(|n| n.info.address.clone()),
             restarts: a.restarts,
         })
     }

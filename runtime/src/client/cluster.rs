@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use ractor::ActorCell;
 use serde::de::DeserializeOwned;
 
 use crate::calls::{CallPath, CallPlane, Target};
@@ -179,6 +180,18 @@ impl Cluster {
         self.link.tell(&HeadRequest::RunReport(point));
     }
 
+    /// The first member of a node's process group (`router/<node>`, `agent/<node>`),
+    /// waiting up to `wait`; opens a session to the node at `address` first when this
+    /// process has none (sessions between nodes are opened on first use).
+    pub(crate) async fn node_member(&self, group: &str, address: Option<&str>, wait: Duration) -> Option<ActorCell> {
+        if node::first_member(self.scope(), group).is_none() {
+            if let Some(address) = address {
+                self.link.reach(address);
+            }
+        }
+        node::wait_member(self.scope(), group, wait).await
+    }
+
     /// Sends raw bytes as a call to `target` (`head`, `agent/<node>`, `router/<node>`, or
     /// `actor/<id>`: a user actor, through its node's router) and returns the raw reply, for
     /// protocol robustness tests.
@@ -189,7 +202,8 @@ impl Cluster {
             let actor = ActorId(id.parse().map_err(|_| format!("'{target}' names no actor id"))?);
             let view = self.actor_view(actor, TIMEOUT).await.map_err(|e| e.to_string())?;
             let node = view.node.ok_or_else(|| format!("actor {actor} is not placed"))?;
-            let router = node::wait_member(self.scope(), &node::router_group(&node), TIMEOUT)
+            let router = self
+                .node_member(&node::router_group(&node), view.address.as_deref(), TIMEOUT)
                 .await
                 .ok_or_else(|| format!("node {node}'s router is not visible"))?;
             let target = Target {
@@ -202,9 +216,15 @@ impl Cluster {
             // when a duplicate session to the head closes, while the link's actor still runs.
             let cell = match target {
                 node::HEAD_GROUP => self.link.head().map_err(|e| e.to_string())?,
-                _ => node::wait_member(self.scope(), target, TIMEOUT)
-                    .await
-                    .ok_or_else(|| format!("no actor in group {target}"))?,
+                _ => {
+                    // `agent/<node>` or `router/<node>`: a session to that node first.
+                    let node = target.split_once('/').map(|(_, node)| node).unwrap_or_default();
+                    let status = self.status().await.map_err(|e| e.to_string())?;
+                    let address = status.nodes.iter().find(|n| n.name == node).map(|n| n.address.clone());
+                    self.node_member(target, address.as_deref(), TIMEOUT)
+                        .await
+                        .ok_or_else(|| format!("no actor in group {target}"))?
+                }
             };
             wire::call_raw(&cell, bytes, TIMEOUT).await
         };

@@ -264,8 +264,8 @@ impl<A: Actor> ActorHandle<A> {
             let remaining = deadline.saturating_duration_since(Instant::now());
             if let Some(node) = &view.node {
                 let group = node::router_group(node);
-                if let Some(cell) = node::wait_member(self.cluster.scope(), &group, remaining.min(REACH_RECHECK)).await
-                {
+                let wait = remaining.min(REACH_RECHECK);
+                if let Some(cell) = self.cluster.node_member(&group, view.address.as_deref(), wait).await {
                     return Ok(self.remember(node, cell));
                 }
             }

@@ -101,16 +101,16 @@ impl Client {
 
     /// Joins the cluster; `path` `None` makes a status-only client.
     async fn open(address: &str, token: &str, path: Option<CallPath>) -> Result<Self> {
-        let direct = path.is_some();
         let host = node::route_to(address);
         let bind: IpAddr = "0.0.0.0".parse().map_err(|_| Error::Actor("bad bind address".into()))?;
         let name = format!("client-{}", node::random_hex(6));
-        let local = LocalNode::start(&name, token, bind, 0, &host, direct).await?;
+        let local = LocalNode::start(&name, token, bind, 0, &host).await?;
         let events = local.events();
         let head = local.join(address).await?;
         let local = Arc::new(local);
         keep_joined(Arc::downgrade(&local), events, address.to_string());
-        let link = Arc::new(HeadLink::new(local.scope().to_string(), head, address.to_string()));
+        let link =
+            Arc::new(HeadLink::new(local.scope().to_string(), head, address.to_string()).with_peers(local.peers()));
         // One token identity serves the object transfer and the call channel.
         let (objects, calls) = match path {
             Some(path) => {

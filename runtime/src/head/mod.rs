@@ -192,7 +192,7 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     // Isolated: the head never dials the peers its peers name. Workers and clients dial it and
     // each other; a head that dialed them too raced their own connection, and `ractor_cluster`
     // then closed one of two authenticated sessions with requests in flight on it.
-    let local = LocalNode::start(&name, &config.token, config.bind, port, &config.advertise_host, false).await?;
+    let local = LocalNode::start(&name, &config.token, config.bind, port, &config.advertise_host).await?;
     forward_client_departures(&local, actor.clone());
     tracing::info!(address = %local.address, "head is up");
     Ok(RunningHead {

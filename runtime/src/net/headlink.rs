@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 
 use crate::error::failure_to_error;
 use crate::error::{Error, Result};
-use crate::node;
+use crate::node::{self, Peers};
 use crate::protocol::{Failure, HeadRequest};
 use crate::wire::{self, CallError};
 
@@ -21,6 +21,7 @@ pub(crate) struct HeadLink {
     scope: String,
     head: Mutex<ActorCell>,
     address: String,
+    peers: Option<Peers>,
 }
 
 impl HeadLink {
@@ -29,6 +30,23 @@ impl HeadLink {
             scope,
             head: Mutex::new(head),
             address,
+            peers: None,
+        }
+    }
+
+    /// The same link, able to open sessions to peer nodes ([`HeadLink::reach`]).
+    pub(crate) fn with_peers(self, peers: Peers) -> Self {
+        Self {
+            peers: Some(peers),
+            ..self
+        }
+    }
+
+    /// Opens a session to the node at `address` in the background, when this process can
+    /// (the head's own link cannot, and needs not: every node connects to the head).
+    pub(crate) fn reach(&self, address: &str) {
+        if let Some(peers) = &self.peers {
+            peers.reach(address);
         }
     }
 

@@ -6,5 +6,6 @@ pub(crate) mod calls;
 pub(crate) mod headlink;
 pub(crate) mod http;
 pub(crate) mod node;
+pub(crate) mod session_tls;
 pub(crate) mod token;
 pub(crate) mod wire;

@@ -6,21 +6,25 @@
 //! cluster's scope: `head`, `agent/<node>` or `actor/<id>`. `ractor_cluster` mirrors group
 //! membership to every connected node, so a lookup is a local read.
 
-use std::collections::HashSet;
-use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, UdpSocket};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorCell, ActorRef};
 use ractor_cluster::node::NodeConnectionMode;
 use ractor_cluster::node::NodeServerSessionInformation;
-use ractor_cluster::{NodeEventSubscription, NodeServer, NodeServerMessage};
+use ractor_cluster::{IncomingEncryptionMode, NodeEventSubscription, NodeServer, NodeServerMessage};
 use tokio::sync::broadcast;
 
+use super::session_tls::{DialError, SessionTls};
 use crate::error::{Error, Result};
 
 /// Sessions closed before authenticating, in a row, before a join reports a refused token.
 pub(crate) const REFUSALS_BEFORE_GIVING_UP: u32 = 3;
+
+/// How soon [`LocalNode::reach`] tries an address again.
+const REDIAL_AFTER: Duration = Duration::from_secs(1);
 
 /// How long a node waits for the head to authenticate it before giving up on that attempt.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -44,39 +48,48 @@ pub(crate) struct LocalNode {
     server: ActorRef<NodeServerMessage>,
     scope: String,
     events: broadcast::Sender<SessionEvent>,
+    tls: SessionTls,
+    peers: Peers,
+    listener: tokio::task::JoinHandle<()>,
     /// `host:port` others use to reach this node.
     pub(crate) address: String,
 }
 
+impl Drop for LocalNode {
+    fn drop(&mut self) {
+        self.listener.abort();
+    }
+}
+
 impl LocalNode {
-    /// Starts this process's cluster listener on `bind:port` (0 picks a free port).
-    pub(crate) async fn start(
-        name: &str,
-        token: &str,
-        bind: IpAddr,
-        port: u16,
-        advertise_host: &str,
-        transitive: bool,
-    ) -> Result<Self> {
-        let port = if port == 0 { free_port(bind)? } else { port };
+    /// Starts this process's cluster listener on `bind:port` (0 picks a free port). Every
+    /// session, either way, is mutual TLS with the token's certificates
+    /// ([`super::session_tls`]).
+    pub(crate) async fn start(name: &str, token: &str, bind: IpAddr, port: u16, advertise_host: &str) -> Result<Self> {
+        let listener = tokio::net::TcpListener::bind(SocketAddr::new(bind, port))
+            .await
+            .map_err(|e| Error::io(format!("cannot listen for the cluster on {bind}:{port}"), e))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| Error::io("cannot read the cluster listener's address", e))?
+            .port();
         let address = format!("{advertise_host}:{port}");
-        let mode = if transitive {
-            NodeConnectionMode::Transitive
-        } else {
-            NodeConnectionMode::Isolated
-        };
+        let tls = SessionTls::new(&regatta_object_store::identity_from_token(token)?);
+        // ractor_cluster always runs a listener of its own: bound to loopback on a free
+        // port, behind TLS, and never advertised, it takes no session; ours above does.
         let server = NodeServer::new(
-            port,
+            0,
             token.to_string(),
             name.to_string(),
             advertise_host.to_string(),
-            None,
-            Some(mode),
+            Some(IncomingEncryptionMode::Tls(tls.acceptor())),
+            Some(NodeConnectionMode::Isolated),
         )
-        .with_listen_addr(bind);
+        .with_listen_addr(IpAddr::V4(Ipv4Addr::LOCALHOST));
         let (server, _) = Actor::spawn(None, server, ())
             .await
-            .map_err(|e| Error::Actor(format!("cannot start the cluster listener on {bind}:{port}: {e}")))?;
+            .map_err(|e| Error::Actor(format!("cannot start the cluster node server: {e}")))?;
+        let listener = tokio::spawn(tls.clone().serve(listener, server.clone()));
         let (events, _) = broadcast::channel(256);
         let watcher = SessionWatcher {
             events: events.clone(),
@@ -89,9 +102,16 @@ impl LocalNode {
             })
             .map_err(|e| Error::Actor(format!("cannot watch cluster sessions: {e}")))?;
         Ok(Self {
+            peers: Peers {
+                tls: tls.clone(),
+                server: server.clone(),
+                dialed: Arc::default(),
+            },
             server,
             scope: scope_for(token),
             events,
+            tls,
+            listener,
             address,
         })
     }
@@ -100,6 +120,11 @@ impl LocalNode {
     /// different clusters in one process never see each other's actors).
     pub(crate) fn scope(&self) -> &str {
         &self.scope
+    }
+
+    /// Opens sessions to peer nodes on demand.
+    pub(crate) fn peers(&self) -> Peers {
+        self.peers.clone()
     }
 
     /// Subscribes to session events.
@@ -128,11 +153,21 @@ impl LocalNode {
 
     async fn join_once(&self, head_address: &str) -> Result<ActorCell> {
         let mut events = self.events();
-        ractor_cluster::client_connect(&self.server, head_address)
+        self.tls
+            .dial(&self.server, head_address)
             .await
-            .map_err(|e| Error::Connect {
-                address: head_address.to_string(),
-                reason: format!("cannot open a connection ({e}); is the head running and the address right?"),
+            .map_err(|e| match e {
+                DialError::Refused(_) => Error::TokenRefused {
+                    address: head_address.to_string(),
+                },
+                DialError::Connect(_) => Error::Connect {
+                    address: head_address.to_string(),
+                    reason: format!("{e}; is the head running and the address right?"),
+                },
+                DialError::Handshake(_) | DialError::Timeout => Error::Connect {
+                    address: head_address.to_string(),
+                    reason: e.to_string(),
+                },
             })?;
         let deadline = Instant::now() + JOIN_TIMEOUT;
         loop {
@@ -158,6 +193,38 @@ impl LocalNode {
                 _ => continue,
             }
         }
+    }
+}
+
+/// Opens sessions from this process to peer nodes (cheap to clone).
+#[derive(Clone)]
+pub(crate) struct Peers {
+    tls: SessionTls,
+    server: ActorRef<NodeServerMessage>,
+    /// When a session to each address was last tried.
+    dialed: Arc<Mutex<HashMap<String, Instant>>>,
+}
+
+impl Peers {
+    /// Opens a session to the node at `address`, in the background: called when this
+    /// process needs a peer's actors and does not see them (nodes connect to the head when
+    /// they join, and to other nodes only when they first call into them). The peer's
+    /// process groups appear here once its session is up. One try per [`REDIAL_AFTER`] per
+    /// address: callers ask again while they wait.
+    pub(crate) fn reach(&self, address: &str) {
+        let Ok(mut dialed) = self.dialed.lock() else { return };
+        let now = Instant::now();
+        if dialed.get(address).is_some_and(|at| now.duration_since(*at) < REDIAL_AFTER) {
+            return;
+        }
+        dialed.insert(address.to_string(), now);
+        drop(dialed);
+        let (tls, server, address) = (self.tls.clone(), self.server.clone(), address.to_string());
+        tokio::spawn(async move {
+            if let Err(e) = tls.dial(&server, &address).await {
+                tracing::debug!(peer = %address, error = %e, "cannot open a session to a peer node");
+            }
+        });
     }
 }
 

@@ -97,13 +97,11 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
     // The session name is unique per process so a restarted worker is never mistaken for
     // the old session the head may still hold open.
     let session = format!("{name}-{}", node::random_hex(3));
-    let local = LocalNode::start(&session, &config.token, config.bind, config.port, &host, true).await?;
+    let local = LocalNode::start(&session, &config.token, config.bind, config.port, &host).await?;
     let head = join_with_retry(&local, &config.head_address).await?;
-    let link = Arc::new(HeadLink::new(
-        local.scope().to_string(),
-        head,
-        config.head_address.clone(),
-    ));
+    let link = Arc::new(
+        HeadLink::new(local.scope().to_string(), head, config.head_address.clone()).with_peers(local.peers()),
+    );
     let mut objects = config.objects.clone();
     objects.advertise_host = host.clone();
     objects.bind = config.bind;

@@ -61,7 +61,6 @@ pub async fn run_simulated_nodes(
         "127.0.0.1".parse().expect("an IP"),
         0,
         &host,
-        true,
     )
     .await?;
     let head = join_with_retry(&local, &config.head_address).await?;
