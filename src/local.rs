@@ -125,7 +125,7 @@ pub struct LocalCluster {
     pub address: String,
     /// The cluster token.
     pub token: String,
-    /// The head's job API, `http://127.0.0.1:PORT`.
+    /// The head's job API, `https://127.0.0.1:PORT`.
     pub job_address: String,
     /// The head's metrics and service discovery, `http://127.0.0.1:PORT`.
     pub metrics_address: String,
@@ -148,7 +148,7 @@ impl LocalCluster {
             workers: Vec::new(),
             address,
             token,
-            job_address: format!("http://127.0.0.1:{job_port}"),
+            job_address: format!("https://127.0.0.1:{job_port}"),
             metrics_address: format!("http://127.0.0.1:{metrics_port}"),
             stopped: false,
             options,

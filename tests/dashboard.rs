@@ -6,7 +6,6 @@
 
 mod support;
 
-use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -18,15 +17,11 @@ use support::{eventually, TestCluster};
 
 /// A raw HTTP/1.1 request with extra headers: (status, headers, body).
 fn http(base: &str, method: &str, path: &str, headers: &[(&str, &str)]) -> (u16, String, String) {
-    let host = base.trim_start_matches("http://");
-    let mut stream = std::net::TcpStream::connect(host).expect("connect to the head's HTTP port");
+    let host = support::host_of(base);
     let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
     let head =
         format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n");
-    stream.write_all(head.as_bytes()).expect("write");
-    let mut reply = Vec::new();
-    let _ = stream.read_to_end(&mut reply);
-    let text = String::from_utf8_lossy(&reply).to_string();
+    let text = support::exchange(base, head.as_bytes());
     let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
     let (headers, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     (status, headers.to_ascii_lowercase(), body.to_string())

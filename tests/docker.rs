@@ -169,7 +169,7 @@ async fn compose_cluster_runs_a_job_and_survives_a_stopped_worker() {
     })
     .await;
 
-    let jobs = JobClient::new(&format!("http://127.0.0.1:{job_port}"), &token).expect("job client");
+    let jobs = JobClient::new(&format!("https://127.0.0.1:{job_port}"), &token).expect("job client");
     let id = jobs
         .submit(&JobSubmission {
             entrypoint: "regatta-example-driver --hold 300".into(),
@@ -314,7 +314,7 @@ async fn compose_cluster_trains_a_llama_then_scores_its_checkpoint_and_a_stopped
         ]));
     }
 
-    let jobs = JobClient::new(&format!("http://127.0.0.1:{job_port}"), &token).expect("job client");
+    let jobs = JobClient::new(&format!("https://127.0.0.1:{job_port}"), &token).expect("job client");
     let train = jobs
         .submit(&JobSubmission {
             entrypoint: "regatta train --config /data/train.toml --log-every 1".into(),

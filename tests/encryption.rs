@@ -5,7 +5,8 @@
 //! nor the cluster token. A marker sent in cleartext on purpose proves the capture sees.
 //!
 //! And the cluster port refuses what does not prove the token at the TLS handshake: a
-//! node of another cluster, plain bytes, a silent connection.
+//! node of another cluster, plain bytes, a silent connection; the job API's HTTPS port
+//! answers plain HTTP with a pointer to HTTPS and refuses another cluster's certificate.
 
 mod support;
 
@@ -16,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use regatta::kinds::{Caller, Echo, Fanout, Noop, Store, StoreOp, StoreReply};
-use regatta::{ActorOptions, CallPath, Client, Error, Resources};
+use regatta::{ActorOptions, CallPath, Client, Error, JobClient, JobStatus, JobSubmission, Resources};
 use support::TestCluster;
 
 fn pinned(node: &str) -> ActorOptions {
@@ -33,7 +34,18 @@ fn capture(file: &Path) -> Child {
     let mut child = Command::new(tcpdump)
         // --immediate-mode: without it, packets on this sandbox's loopback were counted
         // "received by filter" and never written.
-        .args(["-i", "lo", "--immediate-mode", "-U", "-Z", "root", "-n", "-s", "0", "-w"])
+        .args([
+            "-i",
+            "lo",
+            "--immediate-mode",
+            "-U",
+            "-Z",
+            "root",
+            "-n",
+            "-s",
+            "0",
+            "-w",
+        ])
         .arg(file)
         .arg("tcp")
         .stdout(Stdio::null())
@@ -41,7 +53,10 @@ fn capture(file: &Path) -> Child {
         .spawn()
         .expect("start tcpdump");
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !std::fs::read_to_string(&log).unwrap_or_default().contains("listening on") {
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("listening on")
+    {
         if let Ok(Some(status)) = child.try_wait() {
             panic!(
                 "tcpdump exited ({status}): {}",
@@ -91,8 +106,14 @@ async fn no_marker_nor_the_token_crosses_loopback_in_cleartext() {
     let reply = echo.call(marker("request")).await.expect("call the echo");
     assert_eq!(reply.text, format!("{}{}", marker("argument"), marker("request")));
     // The same through the sessions (the path a caller falls back to).
-    let by_session = cluster.client.with_call_path(CallPath::Session).handle::<Echo>(echo.id());
-    let reply = by_session.call(marker("session")).await.expect("call through the sessions");
+    let by_session = cluster
+        .client
+        .with_call_path(CallPath::Session)
+        .handle::<Echo>(echo.id());
+    let reply = by_session
+        .call(marker("session"))
+        .await
+        .expect("call through the sessions");
     assert_eq!(reply.text, format!("{}{}", marker("argument"), marker("session")));
     let found = cluster
         .client
@@ -109,7 +130,11 @@ async fn no_marker_nor_the_token_crosses_loopback_in_cleartext() {
         .put_bytes(Bytes::from(body.clone()))
         .await
         .expect("put the marked object");
-    let store = cluster.client.spawn::<Store>((), pinned("w2")).await.expect("spawn a store on w2");
+    let store = cluster
+        .client
+        .spawn::<Store>((), pinned("w2"))
+        .await
+        .expect("spawn a store on w2");
     match store.call(StoreOp::Get(reference.clone())).await.expect("get on w2") {
         StoreReply::Got { len, digest } => {
             assert_eq!(len, body.len() as u64);
@@ -119,8 +144,16 @@ async fn no_marker_nor_the_token_crosses_loopback_in_cleartext() {
     }
 
     // An actor on w1 calling one on w2: the workers open a session to each other on first use.
-    let noop = cluster.client.spawn::<Noop>((), pinned("w2")).await.expect("spawn noop on w2");
-    let caller = cluster.client.spawn::<Caller>((), pinned("w1")).await.expect("spawn caller on w1");
+    let noop = cluster
+        .client
+        .spawn::<Noop>((), pinned("w2"))
+        .await
+        .expect("spawn noop on w2");
+    let caller = cluster
+        .client
+        .spawn::<Caller>((), pinned("w1"))
+        .await
+        .expect("spawn caller on w1");
     let calls = caller
         .call(Fanout {
             targets: vec![noop.id()],
@@ -130,6 +163,28 @@ async fn no_marker_nor_the_token_crosses_loopback_in_cleartext() {
         .await
         .expect("w1 calls into w2");
     assert_eq!(calls, 3);
+
+    // A job submitted over the job API, with a marked environment value and the token.
+    let jobs = JobClient::new(&cluster.local.job_address, &cluster.local.token).expect("job client");
+    let mut submission = JobSubmission {
+        entrypoint: "printenv REGATTA_TEST_MARKER".into(),
+        ..Default::default()
+    };
+    submission
+        .runtime_env
+        .env_vars
+        .insert("REGATTA_TEST_MARKER".into(), marker("environment"));
+    let id = jobs.submit(&submission).await.expect("submit over HTTPS");
+    let record = jobs
+        .wait(&id, Duration::from_millis(100))
+        .await
+        .expect("wait for the job");
+    assert_eq!(record.status, JobStatus::Succeeded, "{record:?}");
+    let logs = jobs.logs(&id).await.expect("logs over HTTPS");
+    assert!(
+        logs.contains(&marker("environment")),
+        "the job saw its environment: {logs}"
+    );
 
     // The control: one marker sent in cleartext over loopback, on purpose.
     let control = marker("control");
@@ -153,8 +208,11 @@ async fn no_marker_nor_the_token_crosses_loopback_in_cleartext() {
         body.len(),
         captured.len()
     );
-    for what in ["argument", "request", "session", "name", "object"] {
-        assert!(!contains(&captured, &marker(what)), "the {what} marker crossed loopback in cleartext");
+    for what in ["argument", "request", "session", "name", "object", "environment"] {
+        assert!(
+            !contains(&captured, &marker(what)),
+            "the {what} marker crossed loopback in cleartext"
+        );
     }
     assert!(
         !contains(&captured, &cluster.local.token),
@@ -168,10 +226,14 @@ async fn the_cluster_port_refuses_another_clusters_node_plain_bytes_and_silence(
     let cluster = TestCluster::start(&[("w1", "CPU=2")]).await;
     let address = cluster.local.address.clone();
     // Held open and silent: must not keep anyone else out.
-    let silent: Vec<_> = (0..8).filter_map(|_| std::net::TcpStream::connect(&address).ok()).collect();
+    let silent: Vec<_> = (0..8)
+        .filter_map(|_| std::net::TcpStream::connect(&address).ok())
+        .collect();
     // A whole ractor_cluster handshake in cleartext gets no session.
     let mut plain = std::net::TcpStream::connect(&address).expect("connect");
-    let _ = plain.write_all(&[0, 0, 0, 0, 0, 0, 0, 12, 10, 10, b'r', b'e', b'g', b'a', b't', b't', b'a']);
+    let _ = plain.write_all(&[
+        0, 0, 0, 0, 0, 0, 0, 12, 10, 10, b'r', b'e', b'g', b'a', b't', b't', b'a',
+    ]);
     // A client of another cluster is refused at the handshake, by its token.
     let started = Instant::now();
     let other = Client::connect(&address, "another-clusters-token").await;
@@ -188,9 +250,21 @@ async fn the_cluster_port_refuses_another_clusters_node_plain_bytes_and_silence(
         .run_extra(&["status", "--address", &address], &cluster.local.token, "status.log")
         .expect("run regatta status");
     let code = status.wait().expect("wait for regatta status");
-    assert!(code.success(), "regatta status with the token: {}", cluster.local.log("status"));
-    assert!(cluster.local.log("status").contains("w1"), "{}", cluster.local.log("status"));
-    let echo = cluster.client.spawn::<Echo>("ok:".into(), ActorOptions::new()).await.expect("spawn");
+    assert!(
+        code.success(),
+        "regatta status with the token: {}",
+        cluster.local.log("status")
+    );
+    assert!(
+        cluster.local.log("status").contains("w1"),
+        "{}",
+        cluster.local.log("status")
+    );
+    let echo = cluster
+        .client
+        .spawn::<Echo>("ok:".into(), ActorOptions::new())
+        .await
+        .expect("spawn");
     assert_eq!(echo.call("still".into()).await.expect("call").text, "ok:still");
     drop(silent);
     let head_log = cluster.local.log("head");
@@ -198,4 +272,182 @@ async fn the_cluster_port_refuses_another_clusters_node_plain_bytes_and_silence(
         head_log.contains("did not prove the cluster token"),
         "the head logs the refused handshakes:\n{head_log}"
     );
+}
+
+/// A GET of the job list with the cluster token over `config`: the raw reply, or the TLS
+/// error that ended it.
+fn list_jobs_over(config: std::sync::Arc<rustls::ClientConfig>, host: &str, token: &str) -> Result<String, String> {
+    use std::io::Read;
+    let stream = std::net::TcpStream::connect(host).map_err(|e| e.to_string())?;
+    let name = rustls::pki_types::ServerName::try_from("regatta-node").expect("a DNS name");
+    let connection = rustls::ClientConnection::new(config, name).map_err(|e| e.to_string())?;
+    let mut tls = rustls::StreamOwned::new(connection, stream);
+    let request =
+        format!("GET /api/jobs HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n");
+    tls.write_all(request.as_bytes()).map_err(|e| e.to_string())?;
+    let mut reply = Vec::new();
+    match tls.read_to_end(&mut reply) {
+        Ok(_) => Ok(String::from_utf8_lossy(&reply).to_string()),
+        Err(_) if reply.starts_with(b"HTTP/1.1") => Ok(String::from_utf8_lossy(&reply).to_string()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_job_api_speaks_https_and_refuses_plain_http_and_another_clusters_certificate() {
+    let cluster = TestCluster::start(&[("w1", "CPU=2")]).await;
+    let base = cluster.local.job_address.clone();
+    assert!(base.starts_with("https://"), "{base}");
+    let host = support::host_of(&base).to_string();
+    let token = cluster.local.token.clone();
+
+    // The CLI's client trusts the token's authority: a list works, and so does a client
+    // of another token not (it does not trust this head).
+    let jobs = JobClient::new(&base, &token).expect("job client");
+    jobs.list().await.expect("list over HTTPS");
+    let stranger = JobClient::new(&base, "another-clusters-token").expect("job client");
+    let err = stranger
+        .list()
+        .await
+        .err()
+        .expect("another token's client does not trust this head");
+    assert!(matches!(err, Error::Token(_)), "{err}");
+    assert!(err.to_string().contains("certificate"), "{err}");
+
+    // Plain HTTP gets a pointer to HTTPS, not a hang or a reset.
+    let plain = support::exchange(
+        &format!("http://{host}"),
+        format!("GET /api/jobs HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n")
+            .as_bytes(),
+    );
+    assert!(plain.starts_with("HTTP/1.1 400"), "{plain}");
+    assert!(plain.contains("speaks HTTPS"), "{plain}");
+    assert!(
+        !plain.contains("\"jobs\"") && !plain.contains("[]"),
+        "no job data over plain HTTP: {plain}"
+    );
+
+    // Without a client certificate (as a browser): the token decides.
+    let anonymous = list_jobs_over(support::any_server_tls(), &host, &token).expect("a client without a certificate");
+    assert!(anonymous.starts_with("HTTP/1.1 200"), "{anonymous}");
+    // With a certificate of another cluster's authority: refused at the handshake, even
+    // with the right bearer token.
+    let mut foreign = (*regatta_object_store::identity_from_token("another-clusters-token")
+        .expect("identity")
+        .client)
+        .clone();
+    foreign
+        .dangerous()
+        .set_certificate_verifier(std::sync::Arc::new(support::AnyServer(std::sync::Arc::new(
+            rustls::crypto::aws_lc_rs::default_provider(),
+        ))));
+    foreign.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let refused = list_jobs_over(std::sync::Arc::new(foreign), &host, &token);
+    assert!(
+        refused.is_err(),
+        "a certificate of another cluster was accepted: {refused:?}"
+    );
+
+    // The head is unharmed.
+    jobs.list().await.expect("list still works");
+    let echo = cluster
+        .client
+        .spawn::<Echo>("ok:".into(), ActorOptions::new())
+        .await
+        .expect("spawn");
+    assert_eq!(echo.call("still".into()).await.expect("call").text, "ok:still");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_serves_the_operators_own_certificate_which_clients_trust_with_its_ca() {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, PKCS_ECDSA_P256_SHA256};
+    let dir = std::env::temp_dir().join(format!("regatta-own-cert-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let ca_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).expect("CA key");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).expect("CA");
+    let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).expect("key");
+    let leaf = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+        .expect("params")
+        .signed_by(&key, &ca, &ca_key)
+        .expect("leaf");
+    let (cert_file, key_file, ca_file) = (dir.join("cert.pem"), dir.join("key.pem"), dir.join("ca.pem"));
+    std::fs::write(&cert_file, leaf.pem()).expect("write cert");
+    std::fs::write(&key_file, key.serialize_pem()).expect("write key");
+    std::fs::write(&ca_file, ca.pem()).expect("write CA");
+
+    let cert_arg = cert_file.display().to_string();
+    let key_arg = key_file.display().to_string();
+    let cluster = TestCluster::start_specs(
+        vec![regatta::local::WorkerSpec::new("w1", "CPU=1")],
+        &["--tls-cert", &cert_arg, "--tls-key", &key_arg],
+    )
+    .await;
+    let base = cluster.local.job_address.clone();
+    let token = cluster.local.token.clone();
+    let trusting = JobClient::with_ca(&base, &token, Some(&std::fs::read(&ca_file).expect("CA file")))
+        .expect("job client with the CA");
+    trusting
+        .list()
+        .await
+        .expect("a client given the CA trusts the head's own certificate");
+    // Without the CA, the token's authority alone does not vouch for it.
+    let err = JobClient::new(&base, &token)
+        .expect("client")
+        .list()
+        .await
+        .err()
+        .expect("untrusted");
+    assert!(matches!(err, Error::Token(_)), "{err}");
+    assert!(err.to_string().contains("--ca-cert"), "{err}");
+    // The CLI with --ca-cert.
+    let mut list = cluster
+        .local
+        .run_extra(
+            &[
+                "job",
+                "list",
+                "--address",
+                &base,
+                "--ca-cert",
+                &ca_file.display().to_string(),
+            ],
+            &token,
+            "list.log",
+        )
+        .expect("regatta job list");
+    assert!(list.wait().expect("wait").success(), "{}", cluster.local.log("list"));
+
+    // A certificate file that is not one stops the head with a message naming it.
+    std::fs::write(dir.join("bad.pem"), "not a certificate").expect("write");
+    let bad = dir.join("bad.pem").display().to_string();
+    let mut head = cluster
+        .local
+        .run_extra(
+            &[
+                "head",
+                "--port",
+                "0",
+                "--job-port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--no-cluster-state",
+                "--state-dir",
+                &dir.join("state").display().to_string(),
+                "--tls-cert",
+                &bad,
+                "--tls-key",
+                &key_arg,
+            ],
+            &token,
+            "bad-head.log",
+        )
+        .expect("start a head with a bad certificate");
+    let status = head.wait().expect("wait");
+    assert!(!status.success(), "a head with a bad certificate file started");
+    let log = cluster.local.log("bad-head");
+    assert!(log.contains("bad.pem") && log.contains("certificate"), "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

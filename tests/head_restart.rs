@@ -213,18 +213,9 @@ async fn an_actor_killed_while_its_worker_was_away_is_stopped_when_the_worker_re
 
 /// A GET with one extra header; the body, or nothing when the head does not answer.
 fn get_with(base: &str, path: &str, header: &str) -> String {
-    use std::io::{Read, Write};
-    let host = base.trim_start_matches("http://");
-    let Ok(mut stream) = std::net::TcpStream::connect(host) else {
-        return String::new();
-    };
+    let host = support::host_of(base);
     let request = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n{header}\r\nConnection: close\r\n\r\n");
-    if stream.write_all(request.as_bytes()).is_err() {
-        return String::new();
-    }
-    let mut reply = Vec::new();
-    let _ = stream.read_to_end(&mut reply);
-    String::from_utf8_lossy(&reply).to_string()
+    support::exchange(base, request.as_bytes())
 }
 
 fn signal(name: &str, pid: &str) {

@@ -2,7 +2,6 @@
 
 mod support;
 
-use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
@@ -38,8 +37,7 @@ fn submission(entrypoint: &str) -> JobSubmission {
 
 /// A raw HTTP/1.1 request: (status, body).
 fn http(base: &str, method: &str, path: &str, token: Option<&str>, body: &[u8]) -> (u16, String) {
-    let host = base.trim_start_matches("http://");
-    let mut stream = std::net::TcpStream::connect(host).expect("connect to the job API");
+    let host = support::host_of(base);
     let auth = token
         .map(|t| format!("Authorization: Bearer {t}\r\n"))
         .unwrap_or_default();
@@ -47,11 +45,9 @@ fn http(base: &str, method: &str, path: &str, token: Option<&str>, body: &[u8]) 
         "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
-    stream.write_all(head.as_bytes()).expect("write");
-    let _ = stream.write_all(body);
-    let mut reply = Vec::new();
-    let _ = stream.read_to_end(&mut reply);
-    let text = String::from_utf8_lossy(&reply).to_string();
+    let mut request = head.into_bytes();
+    request.extend_from_slice(body);
+    let text = support::exchange(base, &request);
     let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
     (status, text)
 }

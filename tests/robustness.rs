@@ -105,6 +105,8 @@ async fn garbage_bytes_and_bad_frames_on_any_node_port_are_survived() {
     let status = cluster.client.status().await.expect("status");
     let mut ports = vec![cluster.local.address.clone()];
     ports.extend(status.nodes.iter().map(|n| n.address.clone()));
+    // The job API's HTTPS port too.
+    ports.push(support::host_of(&cluster.local.job_address).to_string());
 
     let mut noise = vec![0u8; 64 * 1024];
     let mut x: u32 = 0x1234_5678;

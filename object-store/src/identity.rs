@@ -8,7 +8,8 @@
 use std::sync::Arc;
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair, KeyUsagePurpose, PKCS_ED25519,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair, KeyUsagePurpose,
+    PKCS_ECDSA_P256_SHA256, PKCS_ED25519,
 };
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use rustls::server::WebPkiClientVerifier;
@@ -30,6 +31,12 @@ pub struct TlsIdentity {
     pub server: Arc<rustls::ServerConfig>,
     /// For opening connections.
     pub client: Arc<rustls::ClientConfig>,
+    /// For serving HTTPS (the job API): the same certificate, ALPN `http/1.1`, and a
+    /// client certificate optional (browsers have none; one that is presented must come
+    /// from the token's authority).
+    pub https: Arc<rustls::ServerConfig>,
+    /// The token's certificate authority, for clients that trust it.
+    pub ca: CertificateDer<'static>,
 }
 
 /// PKCS#8 v1 wrapping of a raw Ed25519 seed (RFC 8410).
@@ -72,6 +79,7 @@ pub fn identity_from_token(token: &str) -> Result<TlsIdentity> {
     leaf_name.push(DnType::CommonName, "regatta node");
     leaf_params.distinguished_name = leaf_name;
     let leaf = leaf_params
+        .clone()
         .signed_by(&leaf_key, &ca_cert, &ca_key)
         .map_err(cert("node certificate"))?;
 
@@ -85,6 +93,26 @@ pub fn identity_from_token(token: &str) -> Result<TlsIdentity> {
     let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
         .build()
         .map_err(|e| Error::Tls(format!("client verifier: {e}")))?;
+    let optional = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
+        .allow_unauthenticated()
+        .build()
+        .map_err(|e| Error::Tls(format!("client verifier: {e}")))?;
+    // Browsers do not sign with Ed25519 in TLS (Chromium fails the handshake), so the
+    // HTTPS leaf is ECDSA P-256, under the same authority.
+    let web_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(cert("HTTPS key"))?;
+    let web = leaf_params
+        .signed_by(&web_key, &ca_cert, &ca_key)
+        .map_err(cert("HTTPS certificate"))?;
+    let mut https = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls("server protocol versions"))?
+        .with_client_cert_verifier(optional)
+        .with_single_cert(
+            vec![web.der().clone()],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(web_key.serialize_der())),
+        )
+        .map_err(tls("HTTPS certificate"))?;
+    https.alpn_protocols = vec![b"http/1.1".to_vec()];
     let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls("server protocol versions"))?
@@ -103,5 +131,7 @@ pub fn identity_from_token(token: &str) -> Result<TlsIdentity> {
     Ok(TlsIdentity {
         server: Arc::new(server),
         client: Arc::new(client),
+        https: Arc::new(https),
+        ca: ca_cert.der().clone(),
     })
 }

@@ -40,7 +40,7 @@ use regatta_proto::{job, placement, pool as pool_book, protocol, resources, sche
 // Short paths for the parts every folder uses.
 use client::{job_client, pool};
 use head::{job_log, job_manager, job_store};
-use net::{calls, headlink, http, node, token, wire};
+use net::{calls, headlink, http, https, node, token, wire};
 use worker::{agent, detect, registry};
 
 pub use calls::{CallPath, CALL_PATH_ENV};
@@ -53,6 +53,7 @@ pub use detect::{
 };
 pub use error::{Error, Result};
 pub use head::{start_head, HeadConfig, RunningHead, HEAD_NODE};
+pub use https::{job_api_client_tls, ApiTls};
 pub use job::JOB_ID_ENV;
 pub use job::{JobRecord, JobStatus, JobSubmission, RuntimeEnv};
 pub use job_client::{JobClient, DEFAULT_JOB_ADDRESS};

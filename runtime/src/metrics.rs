@@ -381,7 +381,7 @@ pub(crate) async fn serve(
         .route("/metrics", get(scrape))
         .route("/api/prometheus/sd", get(discovery))
         .with_state(state);
-    crate::http::serve(app, bind, "metrics endpoint").await
+    crate::http::serve(app, bind, "metrics endpoint", None).await
 }
 
 async fn scrape(State(state): State<MetricsState>) -> Response {

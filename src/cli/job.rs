@@ -17,9 +17,13 @@ pub const STOPPED_EXIT: u8 = 3;
 
 #[derive(Args, Debug, Clone)]
 pub(crate) struct ApiArgs {
-    /// The head's job API, http://HOST:8265.
+    /// The head's job API, https://HOST:8265 (http:// for a head started with --insecure).
     #[arg(long, env = "REGATTA_JOB_ADDRESS", default_value = regatta_runtime::DEFAULT_JOB_ADDRESS)]
     address: String,
+    /// Also trust the certificate authorities in this PEM file (for a head started with
+    /// --tls-cert); the cluster token's authority is always trusted.
+    #[arg(long, env = "REGATTA_CA_CERT")]
+    ca_cert: Option<std::path::PathBuf>,
     #[command(flatten)]
     token: TokenArgs,
 }
@@ -27,7 +31,13 @@ pub(crate) struct ApiArgs {
 impl ApiArgs {
     fn client(&self) -> anyhow::Result<JobClient> {
         let (token, _) = resolve_token(self.token.token.as_deref(), self.token.token_file.as_deref(), false)?;
-        Ok(JobClient::new(&self.address, &token)?)
+        let ca = match &self.ca_cert {
+            Some(path) => {
+                Some(std::fs::read(path).with_context(|| format!("cannot read --ca-cert {}", path.display()))?)
+            }
+            None => None,
+        };
+        Ok(JobClient::with_ca(&self.address, &token, ca.as_deref())?)
     }
 }
 

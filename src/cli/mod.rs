@@ -132,9 +132,20 @@ struct HeadArgs {
     /// Unreferenced objects are released this long after their last reference drops.
     #[arg(long, default_value_t = 10_000)]
     object_grace_ms: u64,
-    /// HTTP port of the job API.
+    /// Port of the job API and the dashboard (HTTPS unless --insecure).
     #[arg(long, default_value_t = 8265)]
     job_port: u16,
+    /// Serve the job API with this certificate chain (PEM, leaf first) instead of one from
+    /// the cluster token's authority; clients trust it with `regatta job --ca-cert`.
+    #[arg(long, requires = "tls_key", conflicts_with = "insecure")]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Serve the job API over plain HTTP: the token, job environments and logs cross the
+    /// network in cleartext. Only behind a TLS-terminating proxy.
+    #[arg(long)]
+    insecure: bool,
     /// HTTP port of the head's /metrics and Prometheus service discovery
     /// (/api/prometheus/sd); 0 turns it off.
     #[arg(long, default_value_t = 9180)]
@@ -297,6 +308,11 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
     } else {
         jobs.http_port = args.job_port;
         jobs.log_cap_bytes = args.job_log_bytes;
+        jobs.tls = match (args.insecure, args.tls_cert, args.tls_key) {
+            (true, _, _) => regatta_runtime::ApiTls::Off,
+            (false, Some(cert), Some(key)) => regatta_runtime::ApiTls::Files { cert, key },
+            _ => regatta_runtime::ApiTls::Token,
+        };
         Some(jobs)
     };
     config.metrics_port = (args.metrics_port != 0).then_some(args.metrics_port);
@@ -309,7 +325,8 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
         println!("metrics on http://{metrics}/metrics, Prometheus discovery on http://{metrics}/api/prometheus/sd");
     }
     if let Some(api) = head.job_api {
-        println!("job API on http://{api}");
+        let scheme = if args.insecure { "http" } else { "https" };
+        println!("job API and dashboard on {scheme}://{api}");
     }
     crate::signal::shutdown_signal().await;
     tracing::info!("head shutting down");

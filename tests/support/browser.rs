@@ -72,7 +72,7 @@ impl Browser {
             "browserName": "chrome",
             "goog:chromeOptions": {
                 "binary": chromium,
-                "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "args": ["--headless=new", "--ignore-certificate-errors", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                          "--window-size=1366,900", "--no-first-run", "--disable-extensions",
                          format!("--user-data-dir={}", profile.display())]
             }

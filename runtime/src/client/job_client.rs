@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::job::{JobRecord, JobSubmission};
 
 /// Default job API address.
-pub const DEFAULT_JOB_ADDRESS: &str = "http://127.0.0.1:8265";
+pub const DEFAULT_JOB_ADDRESS: &str = "https://127.0.0.1:8265";
 
 /// A connection to a head's job API.
 #[derive(Clone)]
@@ -23,20 +23,31 @@ pub struct JobClient {
 }
 
 impl JobClient {
-    /// A client of the job API at `address` (`http://host:8265`; a bare `host:port` works).
+    /// A client of the job API at `address` (`https://host:8265`; a bare `host:port` means
+    /// HTTPS; `http://` for a head started with `--insecure`). Over HTTPS it trusts the
+    /// certificate authority derived from `token`, which signs the head's certificate by
+    /// default.
     pub fn new(address: &str, token: &str) -> Result<Self> {
+        Self::with_ca(address, token, None)
+    }
+
+    /// Like [`JobClient::new`], also trusting the PEM certificates in `ca_pem` (for a head
+    /// serving a certificate of its operator's own, `--tls-cert`), checked with the host
+    /// name as usual.
+    pub fn with_ca(address: &str, token: &str, ca_pem: Option<&[u8]>) -> Result<Self> {
         let base = if address.starts_with("http://") || address.starts_with("https://") {
             address.trim_end_matches('/').to_string()
         } else {
-            format!("http://{}", address.trim_end_matches('/'))
+            format!("https://{}", address.trim_end_matches('/'))
         };
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(10))
-            .build()
-            .map_err(|e| Error::Connect {
-                address: base.clone(),
-                reason: e.to_string(),
-            })?;
+        let mut builder = reqwest::Client::builder().connect_timeout(Duration::from_secs(10));
+        if base.starts_with("https://") {
+            builder = builder.use_preconfigured_tls(crate::https::job_api_client_tls(token, ca_pem)?);
+        }
+        let http = builder.build().map_err(|e| Error::Connect {
+            address: base.clone(),
+            reason: e.to_string(),
+        })?;
         Ok(Self {
             base,
             token: token.to_string(),
@@ -50,9 +61,26 @@ impl JobClient {
         if let Some(body) = body {
             request = request.json(body);
         }
-        let response = request.send().await.map_err(|e| Error::Connect {
+        let response = request.send().await.map_err(|e| {
+            if refused_certificate(&e) {
+                return Error::Token(format!(
+                    "the job API at {} shows a certificate this cluster token's authority did not sign ({}): the tokens differ, or the head serves a certificate of its own (trust it with --ca-cert)",
+                    self.base,
+                    error_chain(&e)
+                ));
+            }
+            Error::Connect {
             address: self.base.clone(),
-            reason: format!("the job API did not answer ({e}); is the head running with its job API on this address?"),
+            reason: format!(
+                "the job API did not answer ({}); is the head running with its job API on this address{}?",
+                error_chain(&e),
+                if self.base.starts_with("https://") {
+                    " (https: a head started with --insecure needs http://)"
+                } else {
+                    " (http: a head serves HTTPS unless started with --insecure)"
+                }
+            ),
+            }
         })?;
         let status = response.status();
         if status.is_success() {
@@ -147,4 +175,33 @@ impl JobClient {
             tokio::time::sleep(poll).await;
         }
     }
+}
+
+/// An error and its causes on one line (reqwest's own message omits the TLS reason).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// Whether a request failed because this client did not trust the server's certificate.
+fn refused_certificate(e: &(dyn std::error::Error + 'static)) -> bool {
+    use tokio_rustls::rustls;
+    if matches!(
+        e.downcast_ref::<rustls::Error>(),
+        Some(rustls::Error::InvalidCertificate(_))
+    ) {
+        return true;
+    }
+    // io::Error's `source` skips the error it wraps (here an io::Error around the rustls
+    // error, inside another io::Error): look inside it.
+    if let Some(inner) = e.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref()) {
+        return refused_certificate(inner);
+    }
+    e.source().is_some_and(refused_certificate)
 }

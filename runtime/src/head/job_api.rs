@@ -27,6 +27,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
+use tokio_rustls::rustls::ServerConfig;
 
 use std::sync::Arc;
 
@@ -67,6 +68,7 @@ pub(crate) async fn serve(
     link: Arc<HeadLink>,
     token: String,
     bind: SocketAddr,
+    tls: Option<Arc<ServerConfig>>,
 ) -> Result<SocketAddr> {
     let api = Api { manager, link, token };
     let protected = Router::new()
@@ -85,8 +87,9 @@ pub(crate) async fn serve(
     let app = dashboard::pages()
         .merge(protected)
         .layer(middleware::map_response(dashboard::security_headers));
-    let address = crate::http::serve(app, bind, "job API").await?;
-    tracing::info!(%address, "job API listening");
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let address = crate::http::serve(app, bind, "job API", tls).await?;
+    tracing::info!(%address, scheme, "job API listening");
     Ok(address)
 }
 

@@ -15,6 +15,7 @@ use tokio::sync::watch;
 
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
+use crate::https::ApiTls;
 use crate::job::JOB_ID_ENV;
 use crate::job::{finished_beyond, JobRecord, JobStatus, JobSubmission, MAX_FINISHED_JOBS};
 use crate::job_log::{self, CappedLog};
@@ -37,6 +38,8 @@ pub struct JobConfig {
     pub stop_grace: Duration,
     /// HTTP port of the job API (0: any).
     pub http_port: u16,
+    /// HTTPS (by default with the token's certificate) or plain HTTP.
+    pub tls: ApiTls,
 }
 
 impl JobConfig {
@@ -50,6 +53,7 @@ impl JobConfig {
             log_cap_bytes: 64 << 20,
             stop_grace: Duration::from_secs(3),
             http_port: 8265,
+            tls: ApiTls::Token,
         }
     }
 }

@@ -170,19 +170,18 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     node::join_group(&scope, node::HEAD_GROUP, actor.get_cell());
     start_ticker(actor.clone(), config.heartbeat_timeout_ms);
     let link = Arc::new(HeadLink::new(scope.clone(), actor.get_cell(), address.clone()));
-    let objects = ObjectService::start(
-        HEAD_NODE,
-        &regatta_object_store::identity_from_token(&config.token)?,
-        config.objects.clone(),
-        link.clone(),
-    )
-    .await?;
+    let identity = regatta_object_store::identity_from_token(&config.token)?;
+    let objects = ObjectService::start(HEAD_NODE, &identity, config.objects.clone(), link.clone()).await?;
     let (job_api, manager) = match &config.jobs {
         Some(jobs) => {
             let manager = JobManager::open(jobs.clone(), address.clone(), config.token.clone(), link.clone())?;
             let bind = SocketAddr::new(config.bind, jobs.http_port);
+            let tls = crate::https::server_config(&jobs.tls, &identity)?;
+            if tls.is_none() {
+                tracing::warn!("THE JOB API SERVES PLAIN HTTP (--insecure): the cluster token, job environments and logs cross the network in cleartext");
+            }
             (
-                Some(job_api::serve(manager.clone(), link, config.token.clone(), bind).await?),
+                Some(job_api::serve(manager.clone(), link, config.token.clone(), bind, tls).await?),
                 Some(manager),
             )
         }

@@ -5,6 +5,7 @@
 pub(crate) mod calls;
 pub(crate) mod headlink;
 pub(crate) mod http;
+pub(crate) mod https;
 pub(crate) mod node;
 pub(crate) mod session_tls;
 pub(crate) mod token;

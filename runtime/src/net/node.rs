@@ -153,22 +153,19 @@ impl LocalNode {
 
     async fn join_once(&self, head_address: &str) -> Result<ActorCell> {
         let mut events = self.events();
-        self.tls
-            .dial(&self.server, head_address)
-            .await
-            .map_err(|e| match e {
-                DialError::Refused(_) => Error::TokenRefused {
-                    address: head_address.to_string(),
-                },
-                DialError::Connect(_) => Error::Connect {
-                    address: head_address.to_string(),
-                    reason: format!("{e}; is the head running and the address right?"),
-                },
-                DialError::Handshake(_) | DialError::Timeout => Error::Connect {
-                    address: head_address.to_string(),
-                    reason: e.to_string(),
-                },
-            })?;
+        self.tls.dial(&self.server, head_address).await.map_err(|e| match e {
+            DialError::Refused(_) => Error::TokenRefused {
+                address: head_address.to_string(),
+            },
+            DialError::Connect(_) => Error::Connect {
+                address: head_address.to_string(),
+                reason: format!("{e}; is the head running and the address right?"),
+            },
+            DialError::Handshake(_) | DialError::Timeout => Error::Connect {
+                address: head_address.to_string(),
+                reason: e.to_string(),
+            },
+        })?;
         let deadline = Instant::now() + JOIN_TIMEOUT;
         loop {
             if let Some(head) = first_member(&self.scope, HEAD_GROUP) {
@@ -214,7 +211,10 @@ impl Peers {
     pub(crate) fn reach(&self, address: &str) {
         let Ok(mut dialed) = self.dialed.lock() else { return };
         let now = Instant::now();
-        if dialed.get(address).is_some_and(|at| now.duration_since(*at) < REDIAL_AFTER) {
+        if dialed
+            .get(address)
+            .is_some_and(|at| now.duration_since(*at) < REDIAL_AFTER)
+        {
             return;
         }
         dialed.insert(address.to_string(), now);

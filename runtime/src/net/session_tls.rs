@@ -58,7 +58,10 @@ impl std::fmt::Display for DialError {
         match self {
             Self::Connect(e) => write!(f, "cannot open a connection ({e})"),
             Self::Refused(e) => write!(f, "the cluster tokens differ ({e})"),
-            Self::Handshake(e) => write!(f, "the TLS handshake failed ({e}); is this a Regatta node's cluster port?"),
+            Self::Handshake(e) => write!(
+                f,
+                "the TLS handshake failed ({e}); is this a Regatta node's cluster port?"
+            ),
             Self::Timeout => write!(f, "no TLS handshake within {} s", HANDSHAKE_TIMEOUT.as_secs()),
         }
     }
@@ -163,18 +166,21 @@ impl SessionTls {
 /// Sorts a failed client handshake: a certificate the other side does not trust means
 /// the tokens differ.
 fn classify(e: std::io::Error) -> DialError {
-    let refused = e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()).is_some_and(|tls| {
-        matches!(
-            tls,
-            rustls::Error::InvalidCertificate(_)
-                | rustls::Error::AlertReceived(
-                    rustls::AlertDescription::BadCertificate
-                        | rustls::AlertDescription::UnknownCA
-                        | rustls::AlertDescription::CertificateUnknown
-                        | rustls::AlertDescription::DecryptError
-                )
-        )
-    });
+    let refused = e
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        .is_some_and(|tls| {
+            matches!(
+                tls,
+                rustls::Error::InvalidCertificate(_)
+                    | rustls::Error::AlertReceived(
+                        rustls::AlertDescription::BadCertificate
+                            | rustls::AlertDescription::UnknownCA
+                            | rustls::AlertDescription::CertificateUnknown
+                            | rustls::AlertDescription::DecryptError
+                    )
+            )
+        });
     if refused {
         DialError::Refused(e)
     } else {

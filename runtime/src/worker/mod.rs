@@ -99,9 +99,8 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
     let session = format!("{name}-{}", node::random_hex(3));
     let local = LocalNode::start(&session, &config.token, config.bind, config.port, &host).await?;
     let head = join_with_retry(&local, &config.head_address).await?;
-    let link = Arc::new(
-        HeadLink::new(local.scope().to_string(), head, config.head_address.clone()).with_peers(local.peers()),
-    );
+    let link =
+        Arc::new(HeadLink::new(local.scope().to_string(), head, config.head_address.clone()).with_peers(local.peers()));
     let mut objects = config.objects.clone();
     objects.advertise_host = host.clone();
     objects.bind = config.bind;

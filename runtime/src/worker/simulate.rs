@@ -55,14 +55,7 @@ pub async fn run_simulated_nodes(
     })?;
     let host = "127.0.0.1".to_string();
     let session = format!("{}-{}-{}", config.prefix, config.first, node::random_hex(3));
-    let local = LocalNode::start(
-        &session,
-        &config.token,
-        "127.0.0.1".parse().expect("an IP"),
-        0,
-        &host,
-    )
-    .await?;
+    let local = LocalNode::start(&session, &config.token, "127.0.0.1".parse().expect("an IP"), 0, &host).await?;
     let head = join_with_retry(&local, &config.head_address).await?;
     let link = Arc::new(HeadLink::new(
         local.scope().to_string(),

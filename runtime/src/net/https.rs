@@ -1,0 +1,291 @@
+//! HTTPS for the job API (and the dashboard it serves): the server's certificate, the
+//! listener that runs TLS handshakes beside axum, and the clients' trust.
+//!
+//! By default the head presents a certificate signed by the authority derived from the
+//! cluster token (the one every node trusts), and `JobClient` and the CLI trust exactly
+//! that authority: whoever holds the token can check the head, no file to hand around.
+//! The certificate names `regatta-node`, not a host, so these clients check the chain and
+//! not the name (the token's authority signs only Regatta nodes). A browser does not know
+//! that authority: it warns once, or the operator gives the head a certificate of their
+//! own (`--tls-cert`/`--tls-key`), which clients then check the usual way, name included
+//! (`--ca-cert` when their authority is not a public one). `--insecure` serves plain HTTP.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use regatta_object_store::{TlsIdentity, SERVER_NAME};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Semaphore};
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use tokio_rustls::rustls::client::WebPkiServerVerifier;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use tokio_rustls::rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
+
+use crate::error::{Error, Result};
+
+/// How the head serves its job API.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ApiTls {
+    /// HTTPS with a certificate from the cluster token's authority (the default).
+    #[default]
+    Token,
+    /// HTTPS with the operator's own certificate chain and key (PEM files).
+    Files {
+        /// The certificate chain, leaf first.
+        cert: PathBuf,
+        /// The private key (PKCS#8, PKCS#1 or SEC1).
+        key: PathBuf,
+    },
+    /// Plain HTTP: the token and everything else in cleartext.
+    Off,
+}
+
+/// How long a connection may take to finish its TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Handshakes under way at once; a connection beyond them is closed at once.
+const MAX_HANDSHAKES: usize = 128;
+
+/// The first byte of a TLS record carrying a handshake.
+const TLS_HANDSHAKE: u8 = 0x16;
+
+/// The server configuration `tls` asks for, or `None` for plain HTTP.
+pub(crate) fn server_config(tls: &ApiTls, identity: &TlsIdentity) -> Result<Option<Arc<rustls::ServerConfig>>> {
+    match tls {
+        ApiTls::Off => Ok(None),
+        ApiTls::Token => Ok(Some(identity.https.clone())),
+        ApiTls::Files { cert, key } => {
+            let bad = |what: &str, path: &PathBuf, e: &dyn std::fmt::Display| {
+                Error::Rejected(format!("cannot use {what} {}: {e}", path.display()))
+            };
+            let chain = CertificateDer::pem_file_iter(cert)
+                .map_err(|e| bad("the certificate file", cert, &e))?
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(|e| bad("the certificate file", cert, &e))?;
+            if chain.is_empty() {
+                return Err(bad("the certificate file", cert, &"it holds no PEM certificate"));
+            }
+            let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| bad("the key file", key, &e))?;
+            let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+            let mut config = rustls::ServerConfig::builder_with_provider(provider)
+                .with_safe_default_protocol_versions()
+                .map_err(|e| Error::Rejected(format!("TLS versions: {e}")))?
+                .with_no_client_auth()
+                .with_single_cert(chain, key_der)
+                .map_err(|e| bad("the certificate and key", cert, &e))?;
+            config.alpn_protocols = vec![b"http/1.1".to_vec()];
+            Ok(Some(Arc::new(config)))
+        }
+    }
+}
+
+/// Accepted TLS connections, for `axum::serve`: a task accepts TCP connections and runs
+/// each handshake in its own task (one silent connection never holds up the others).
+pub(crate) struct TlsIncoming {
+    ready: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+    local: SocketAddr,
+    accepting: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for TlsIncoming {
+    fn drop(&mut self) {
+        self.accepting.abort();
+    }
+}
+
+impl TlsIncoming {
+    /// Starts accepting on `listener` with `config`; `what` names the service in logs.
+    pub(crate) fn new(listener: TcpListener, config: Arc<rustls::ServerConfig>, what: &'static str) -> Result<Self> {
+        let local = listener
+            .local_addr()
+            .map_err(|e| Error::io(format!("{what} address"), e))?;
+        let (done, ready) = mpsc::channel(MAX_HANDSHAKES);
+        let acceptor = TlsAcceptor::from(config);
+        let accepting = tokio::spawn(async move {
+            let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+            loop {
+                let (stream, peer) = match listener.accept().await {
+                    Ok(accepted) => accepted,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot accept a connection on the {what}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+                    tracing::warn!(%peer, "closed a connection to the {what} at once: {MAX_HANDSHAKES} TLS handshakes under way");
+                    continue;
+                };
+                let (acceptor, done) = (acceptor.clone(), done.clone());
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&acceptor, stream, local)).await {
+                        Ok(Ok(Some(tls))) => {
+                            let _ = done.send((tls, peer)).await;
+                        }
+                        Ok(Ok(None)) => {
+                            tracing::warn!(%peer, "answered plain HTTP on the {what}, which speaks HTTPS");
+                        }
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "a TLS handshake on the {what} failed"),
+                        Err(_) => {
+                            tracing::debug!(%peer, "no TLS handshake on the {what} within {} s", HANDSHAKE_TIMEOUT.as_secs())
+                        }
+                    }
+                });
+            }
+        });
+        Ok(Self {
+            ready,
+            local,
+            accepting,
+        })
+    }
+}
+
+/// The TLS handshake, or `None` after telling a plain HTTP client to use HTTPS.
+async fn handshake(
+    acceptor: &TlsAcceptor,
+    mut stream: TcpStream,
+    local: SocketAddr,
+) -> std::io::Result<Option<TlsStream<TcpStream>>> {
+    let _ = stream.set_nodelay(true);
+    let mut first = [0u8; 1];
+    let n = stream.peek(&mut first).await?;
+    if n == 1 && first[0] != TLS_HANDSHAKE && first[0].is_ascii_uppercase() {
+        let body = format!(
+            "this port speaks HTTPS: use https://{local}/ (the CLI and JobClient trust the cluster token's certificate authority)\n"
+        );
+        let reply = format!(
+            "HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let _ = stream.write_all(reply.as_bytes()).await;
+        let _ = stream.shutdown().await;
+        return Ok(None);
+    }
+    acceptor.accept(stream).await.map(Some)
+}
+
+impl axum::serve::Listener for TlsIncoming {
+    type Io = TlsStream<TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.ready.recv().await {
+            Some(accepted) => accepted,
+            // The accepting task never ends on its own; if it was aborted, serve nothing.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.local)
+    }
+}
+
+/// The TLS configuration of a job API client: trusts the certificate authority derived
+/// from `token` (checking the chain, not the host name: see the module's notes) and, when
+/// given, the PEM certificates of `extra_roots` (checked the usual way, name included).
+pub fn job_api_client_tls(token: &str, extra_roots: Option<&[u8]>) -> Result<rustls::ClientConfig> {
+    let identity = regatta_object_store::identity_from_token(token)?;
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let verifier = |roots: RootCertStore| {
+        WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+            .build()
+            .map_err(|e| Error::Rejected(format!("TLS verifier: {e}")))
+    };
+    let mut token_roots = RootCertStore::empty();
+    token_roots
+        .add(identity.ca.clone())
+        .map_err(|e| Error::Rejected(format!("the cluster's certificate authority: {e}")))?;
+    let extra = match extra_roots {
+        None => None,
+        Some(pem) => {
+            let mut roots = RootCertStore::empty();
+            for cert in CertificateDer::pem_slice_iter(pem) {
+                let cert = cert.map_err(|e| Error::Rejected(format!("the CA certificate file: {e}")))?;
+                roots
+                    .add(cert)
+                    .map_err(|e| Error::Rejected(format!("the CA certificate file: {e}")))?;
+            }
+            if roots.is_empty() {
+                return Err(Error::Rejected(
+                    "the CA certificate file holds no PEM certificate".into(),
+                ));
+            }
+            Some(verifier(roots)?)
+        }
+    };
+    let trust = Arc::new(TokenOrRoots {
+        token: verifier(token_roots)?,
+        extra,
+    });
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::Rejected(format!("TLS versions: {e}")))?
+        .dangerous()
+        .with_custom_certificate_verifier(trust)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(config)
+}
+
+/// Trusts a server whose chain the token's authority signed (under the name every node
+/// certificate carries), else one the extra roots vouch for under the name asked for.
+#[derive(Debug)]
+struct TokenOrRoots {
+    token: Arc<WebPkiServerVerifier>,
+    extra: Option<Arc<WebPkiServerVerifier>>,
+}
+
+impl ServerCertVerifier for TokenOrRoots {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        let node = ServerName::try_from(SERVER_NAME).expect("the node certificate's name is a valid DNS name");
+        match self
+            .token
+            .verify_server_cert(end_entity, intermediates, &node, ocsp_response, now)
+        {
+            Ok(verified) => Ok(verified),
+            Err(e) => match &self.extra {
+                Some(extra) => extra.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now),
+                None => Err(e),
+            },
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        self.token.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        self.token.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.token.supported_verify_schemes()
+    }
+}
