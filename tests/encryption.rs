@@ -309,8 +309,7 @@ async fn the_job_api_speaks_https_and_refuses_plain_http_and_another_clusters_ce
     let err = stranger
         .list()
         .await
-        .err()
-        .expect("another token's client does not trust this head");
+        .expect_err("another token's client does not trust this head");
     assert!(matches!(err, Error::Token(_)), "{err}");
     assert!(err.to_string().contains("certificate"), "{err}");
 
@@ -397,8 +396,7 @@ async fn a_head_serves_the_operators_own_certificate_which_clients_trust_with_it
         .expect("client")
         .list()
         .await
-        .err()
-        .expect("untrusted");
+        .expect_err("untrusted");
     assert!(matches!(err, Error::Token(_)), "{err}");
     assert!(err.to_string().contains("--ca-cert"), "{err}");
     // The CLI with --ca-cert.
