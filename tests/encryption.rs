@@ -234,6 +234,19 @@ async fn the_cluster_port_refuses_another_clusters_node_plain_bytes_and_silence(
     let _ = plain.write_all(&[
         0, 0, 0, 0, 0, 0, 0, 12, 10, 10, b'r', b'e', b'g', b'a', b't', b't', b'a',
     ]);
+    plain
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("read timeout");
+    let mut answer = Vec::new();
+    let closed = std::io::Read::read_to_end(&mut plain, &mut answer);
+    assert!(
+        !matches!(&closed, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)),
+        "a cleartext handshake was left open: {closed:?}"
+    );
+    assert!(
+        answer.is_empty() || answer[0] == 0x15,
+        "a cleartext handshake got something other than a TLS alert: {answer:?}"
+    );
     // A client of another cluster is refused at the handshake, by its token.
     let started = Instant::now();
     let other = Client::connect(&address, "another-clusters-token").await;

@@ -180,13 +180,19 @@ impl Cluster {
         self.link.tell(&HeadRequest::RunReport(point));
     }
 
-    /// The first member of a node's process group (`router/<node>`, `agent/<node>`),
-    /// waiting up to `wait`; opens a session to the node at `address` first when this
-    /// process has none (sessions between nodes are opened on first use).
-    pub(crate) async fn node_member(&self, group: &str, address: Option<&str>, wait: Duration) -> Option<ActorCell> {
+    /// The first member of `node`'s process group `group` (`router/<node>`,
+    /// `agent/<node>`), waiting up to `wait`; opens a session to the node at `address`
+    /// first when this process has none (sessions between nodes are opened on first use).
+    pub(crate) async fn node_member(
+        &self,
+        node: &str,
+        group: &str,
+        address: Option<&str>,
+        wait: Duration,
+    ) -> Option<ActorCell> {
         if node::first_member(self.scope(), group).is_none() {
             if let Some(address) = address {
-                self.link.reach(address);
+                self.link.reach(node, address);
             }
         }
         node::wait_member(self.scope(), group, wait).await
@@ -203,7 +209,7 @@ impl Cluster {
             let view = self.actor_view(actor, TIMEOUT).await.map_err(|e| e.to_string())?;
             let node = view.node.ok_or_else(|| format!("actor {actor} is not placed"))?;
             let router = self
-                .node_member(&node::router_group(&node), view.address.as_deref(), TIMEOUT)
+                .node_member(&node, &node::router_group(&node), view.address.as_deref(), TIMEOUT)
                 .await
                 .ok_or_else(|| format!("node {node}'s router is not visible"))?;
             let target = Target {
@@ -217,11 +223,17 @@ impl Cluster {
             let cell = match target {
                 node::HEAD_GROUP => self.link.head().map_err(|e| e.to_string())?,
                 _ => {
-                    // `agent/<node>` or `router/<node>`: a session to that node first.
+                    // `agent/<node>` or `router/<node>`: a session to that node first, when
+                    // this process has none (its address from the head).
                     let node = target.split_once('/').map(|(_, node)| node).unwrap_or_default();
-                    let status = self.status().await.map_err(|e| e.to_string())?;
-                    let address = status.nodes.iter().find(|n| n.name == node).map(|n| n.address.clone());
-                    self.node_member(target, address.as_deref(), TIMEOUT)
+                    let address = match node::first_member(self.scope(), target) {
+                        Some(_) => None,
+                        None => {
+                            let status = self.status().await.map_err(|e| e.to_string())?;
+                            status.nodes.into_iter().find(|n| n.name == node).map(|n| n.address)
+                        }
+                    };
+                    self.node_member(node, target, address.as_deref(), TIMEOUT)
                         .await
                         .ok_or_else(|| format!("no actor in group {target}"))?
                 }

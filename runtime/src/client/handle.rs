@@ -265,7 +265,11 @@ impl<A: Actor> ActorHandle<A> {
             if let Some(node) = &view.node {
                 let group = node::router_group(node);
                 let wait = remaining.min(REACH_RECHECK);
-                if let Some(cell) = self.cluster.node_member(&group, view.address.as_deref(), wait).await {
+                if let Some(cell) = self
+                    .cluster
+                    .node_member(node, &group, view.address.as_deref(), wait)
+                    .await
+                {
                     return Ok(self.remember(node, cell));
                 }
             }

@@ -20,6 +20,8 @@ pub struct JobClient {
     base: String,
     token: String,
     http: reqwest::Client,
+    /// Whether certificate authorities besides the token's are trusted.
+    extra_ca: bool,
 }
 
 impl JobClient {
@@ -43,6 +45,8 @@ impl JobClient {
         let mut builder = reqwest::Client::builder().connect_timeout(Duration::from_secs(10));
         if base.starts_with("https://") {
             builder = builder.use_preconfigured_tls(crate::https::job_api_client_tls(token, ca_pem)?);
+        } else {
+            tracing::warn!(address = %base, "talking to the job API over plain HTTP: the cluster token crosses the network in cleartext (use https:// unless the head runs with --insecure)");
         }
         let http = builder.build().map_err(|e| Error::Connect {
             address: base.clone(),
@@ -52,6 +56,7 @@ impl JobClient {
             base,
             token: token.to_string(),
             http,
+            extra_ca: ca_pem.is_some(),
         })
     }
 
@@ -63,11 +68,21 @@ impl JobClient {
         }
         let response = request.send().await.map_err(|e| {
             if refused_certificate(&e) {
-                return Error::Token(format!(
-                    "the job API at {} shows a certificate this cluster token's authority did not sign ({}): the tokens differ, or the head serves a certificate of its own (trust it with --ca-cert)",
-                    self.base,
-                    error_chain(&e)
-                ));
+                return if self.extra_ca {
+                    Error::Connect {
+                        address: self.base.clone(),
+                        reason: format!(
+                            "neither the cluster token's authority nor --ca-cert vouch for the job API's certificate ({})",
+                            error_chain(&e)
+                        ),
+                    }
+                } else {
+                    Error::Token(format!(
+                        "the job API at {} shows a certificate this cluster token's authority did not sign ({}): the tokens differ, or the head serves a certificate of its own (trust it with --ca-cert)",
+                        self.base,
+                        error_chain(&e)
+                    ))
+                };
             }
             Error::Connect {
             address: self.base.clone(),

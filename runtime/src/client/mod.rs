@@ -92,8 +92,9 @@ impl Client {
         Self::connect_with(address, token, true).await
     }
 
-    /// Like [`Client::connect`]; `direct` false makes a lighter client that talks only to
-    /// the head (enough for status and spawning, not for calling actors on workers).
+    /// Like [`Client::connect`]; `direct` false makes a lighter client with no object store
+    /// and no call channel (enough for status and spawning; its calls, if any, go through
+    /// the sessions).
     pub async fn connect_with(address: &str, token: &str, direct: bool) -> Result<Self> {
         let path = if direct { Some(CallPath::from_env()?) } else { None };
         Self::open(address, token, path).await

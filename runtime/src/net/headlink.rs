@@ -42,11 +42,11 @@ impl HeadLink {
         }
     }
 
-    /// Opens a session to the node at `address` in the background, when this process can
+    /// Opens a session to `node` at `address` in the background, when this process can
     /// (the head's own link cannot, and needs not: every node connects to the head).
-    pub(crate) fn reach(&self, address: &str) {
+    pub(crate) fn reach(&self, node: &str, address: &str) {
         if let Some(peers) = &self.peers {
-            peers.reach(address);
+            peers.reach(node, address);
         }
     }
 

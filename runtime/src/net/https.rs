@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use regatta_object_store::{TlsIdentity, SERVER_NAME};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_rustls::rustls;
@@ -48,10 +48,11 @@ pub enum ApiTls {
 }
 
 /// How long a connection may take to finish its TLS handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Handshakes under way at once; a connection beyond them is closed at once.
-const MAX_HANDSHAKES: usize = 128;
+/// Handshakes under way at once; a connection beyond them is closed at once (see
+/// `session_tls::MAX_HANDSHAKES`).
+const MAX_HANDSHAKES: usize = 1024;
 
 /// The first byte of a TLS record carrying a handshake.
 const TLS_HANDSHAKE: u8 = 0x16;
@@ -131,7 +132,7 @@ impl TlsIncoming {
                             let _ = done.send((tls, peer)).await;
                         }
                         Ok(Ok(None)) => {
-                            tracing::warn!(%peer, "answered plain HTTP on the {what}, which speaks HTTPS");
+                            tracing::debug!(%peer, "answered plain HTTP on the {what}, which speaks HTTPS");
                         }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "a TLS handshake on the {what} failed"),
                         Err(_) => {
@@ -159,6 +160,10 @@ async fn handshake(
     let mut first = [0u8; 1];
     let n = stream.peek(&mut first).await?;
     if n == 1 && first[0] != TLS_HANDSHAKE && first[0].is_ascii_uppercase() {
+        // Read what the client sent (a request head, briefly) so that closing does not
+        // reset the connection under the answer.
+        let mut request = [0u8; 8192];
+        let _ = tokio::time::timeout(Duration::from_millis(200), stream.read(&mut request)).await;
         let body = format!(
             "this port speaks HTTPS: use https://{local}/ (the CLI and JobClient trust the cluster token's certificate authority)\n"
         );

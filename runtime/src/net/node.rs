@@ -23,8 +23,9 @@ use crate::error::{Error, Result};
 /// Sessions closed before authenticating, in a row, before a join reports a refused token.
 pub(crate) const REFUSALS_BEFORE_GIVING_UP: u32 = 3;
 
-/// How soon [`LocalNode::reach`] tries an address again.
-const REDIAL_AFTER: Duration = Duration::from_secs(1);
+/// How soon [`Peers::reach`] tries an address again (a dial, its TLS handshake and the
+/// session's authentication take milliseconds; a peer that is down is tried again).
+const REDIAL_AFTER: Duration = Duration::from_secs(3);
 
 /// How long a node waits for the head to authenticate it before giving up on that attempt.
 const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -203,28 +204,49 @@ pub(crate) struct Peers {
 }
 
 impl Peers {
-    /// Opens a session to the node at `address`, in the background: called when this
+    /// Opens a session to `node` at `address`, in the background: called when this
     /// process needs a peer's actors and does not see them (nodes connect to the head when
     /// they join, and to other nodes only when they first call into them). The peer's
-    /// process groups appear here once its session is up. One try per [`REDIAL_AFTER`] per
-    /// address: callers ask again while they wait.
-    pub(crate) fn reach(&self, address: &str) {
+    /// process groups appear here once its session is up. Never dials a node this process
+    /// already has a session with (a second session makes ractor_cluster close one of the
+    /// two, failing the calls in flight on it), and tries an address at most once per
+    /// [`REDIAL_AFTER`]: callers ask again while they wait.
+    pub(crate) fn reach(&self, node: &str, address: &str) {
         let Ok(mut dialed) = self.dialed.lock() else { return };
         let now = Instant::now();
-        if dialed
-            .get(address)
-            .is_some_and(|at| now.duration_since(*at) < REDIAL_AFTER)
-        {
+        dialed.retain(|_, at| now.duration_since(*at) < REDIAL_AFTER);
+        if dialed.contains_key(address) {
             return;
         }
         dialed.insert(address.to_string(), now);
         drop(dialed);
-        let (tls, server, address) = (self.tls.clone(), self.server.clone(), address.to_string());
+        let (tls, server) = (self.tls.clone(), self.server.clone());
+        let (node, address) = (node.to_string(), address.to_string());
         tokio::spawn(async move {
+            if let Ok(sessions) = ractor::call_t!(server, NodeServerMessage::GetSessions, 2_000) {
+                let connected = sessions
+                    .values()
+                    .filter_map(|s| s.peer_name.as_ref())
+                    .any(|peer| node_of_session(&peer.name) == node);
+                if connected {
+                    return;
+                }
+            }
             if let Err(e) = tls.dial(&server, &address).await {
                 tracing::debug!(peer = %address, error = %e, "cannot open a session to a peer node");
             }
         });
+    }
+}
+
+/// The node a session name belongs to: a worker's session is named
+/// `<node>-<6 hex digits>@<host>` (see `worker::run`); other names are returned whole,
+/// without the host.
+pub(crate) fn node_of_session(name: &str) -> &str {
+    let name = name.split('@').next().unwrap_or_default();
+    match name.rsplit_once('-') {
+        Some((node, suffix)) if suffix.len() == 6 && suffix.bytes().all(|b| b.is_ascii_hexdigit()) => node,
+        _ => name,
     }
 }
 
@@ -373,6 +395,15 @@ pub(crate) fn random_hex(bytes: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_session_name_gives_its_node() {
+        assert_eq!(node_of_session("w1-0a1b2c@10.0.0.2"), "w1");
+        assert_eq!(node_of_session("gpu-node-3-ffffff@host"), "gpu-node-3");
+        assert_eq!(node_of_session("client-0a1b2c3d4e5f@h"), "client-0a1b2c3d4e5f");
+        assert_eq!(node_of_session("head-xyz"), "head-xyz");
+        assert_eq!(node_of_session("w1-abcdeg@h"), "w1-abcdeg");
+    }
 
     #[test]
     fn scopes_differ_by_token_and_hide_it() {

@@ -12,7 +12,7 @@
 //! listener itself (each handshake in its own task, under a deadline and a cap on how
 //! many run at once) and hands finished TLS streams to the NodeServer as external
 //! streams; every node runs `NodeConnectionMode::Isolated`, and a process connects to a
-//! peer node when it first needs one ([`super::node::LocalNode::reach`]).
+//! peer node when it first needs one ([`super::node::Peers::reach`]).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -32,12 +32,14 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 /// have their own, so a connection meant for one is never taken by another).
 const ALPN: &[u8] = b"regatta-sessions/1";
 
-/// How long a connection may take to finish its TLS handshake, either way.
-pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a connection may take to finish its TLS handshake, either way (milliseconds
+/// between nodes, even on a loaded machine).
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Handshakes under way at once on one listener; a connection beyond them is closed at
-/// once (a flood of silent connections costs those, not the node).
-const MAX_HANDSHAKES: usize = 128;
+/// once. Each waiting one costs a task and a socket, so the cap is high: holding it full
+/// takes a thousand silent connections renewed every [`HANDSHAKE_TIMEOUT`].
+const MAX_HANDSHAKES: usize = 1024;
 
 /// Why an outgoing session could not be opened.
 #[derive(Debug)]

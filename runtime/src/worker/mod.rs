@@ -96,6 +96,7 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
         .unwrap_or_else(|| node::route_to(&config.head_address));
     // The session name is unique per process so a restarted worker is never mistaken for
     // the old session the head may still hold open.
+    // `node::node_of_session` reads the node back from this name: keep them in step.
     let session = format!("{name}-{}", node::random_hex(3));
     let local = LocalNode::start(&session, &config.token, config.bind, config.port, &host).await?;
     let head = join_with_retry(&local, &config.head_address).await?;

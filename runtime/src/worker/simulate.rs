@@ -57,11 +57,8 @@ pub async fn run_simulated_nodes(
     let session = format!("{}-{}-{}", config.prefix, config.first, node::random_hex(3));
     let local = LocalNode::start(&session, &config.token, "127.0.0.1".parse().expect("an IP"), 0, &host).await?;
     let head = join_with_retry(&local, &config.head_address).await?;
-    let link = Arc::new(HeadLink::new(
-        local.scope().to_string(),
-        head,
-        config.head_address.clone(),
-    ));
+    let link =
+        Arc::new(HeadLink::new(local.scope().to_string(), head, config.head_address.clone()).with_peers(local.peers()));
     let cluster = Cluster::new(link, None, CallPlane::session_only());
     let mut members = Vec::with_capacity(config.count);
     for index in config.first..config.first + config.count {
