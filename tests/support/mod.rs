@@ -130,15 +130,13 @@ pub fn exchange(base: &str, request: &[u8]) -> String {
         let name = rustls::pki_types::ServerName::try_from("regatta-node").expect("a DNS name");
         let connection = rustls::ClientConnection::new(any_server_tls(), name).expect("TLS client");
         let mut tls = rustls::StreamOwned::new(connection, stream);
-        if tls.write_all(request).and_then(|_| tls.flush()).is_err() {
-            return String::new();
-        }
-        // An error after the reply (a close without close_notify) keeps what was read.
+        // A server may answer and close before reading a whole (too large) request: read
+        // the answer even when the write failed. An error after the reply (a close without
+        // close_notify) keeps what was read.
+        let _ = tls.write_all(request).and_then(|_| tls.flush());
         let _ = tls.read_to_end(&mut reply);
     } else {
-        if stream.write_all(request).is_err() {
-            return String::new();
-        }
+        let _ = stream.write_all(request);
         let _ = stream.read_to_end(&mut reply);
     }
     String::from_utf8_lossy(&reply).to_string()
