@@ -33,11 +33,14 @@ fn capture(file: &Path) -> Child {
     let log = file.with_extension("log");
     let mut child = Command::new(tcpdump)
         // --immediate-mode: without it, packets on this sandbox's loopback were counted
-        // "received by filter" and never written.
+        // "received by filter" and never written. -B: a 64 MiB kernel buffer (the test's
+        // traffic is a few MB); with the default one, a loaded machine dropped packets.
         .args([
             "-i",
             "lo",
             "--immediate-mode",
+            "-B",
+            "65536",
             "-U",
             "-Z",
             "root",
@@ -69,7 +72,8 @@ fn capture(file: &Path) -> Child {
     child
 }
 
-fn stop(mut tcpdump: Child) {
+/// Stops tcpdump and returns its closing statistics.
+fn stop(mut tcpdump: Child, log: &Path) -> String {
     let _ = Command::new("kill").args(["-INT", &tcpdump.id().to_string()]).status();
     let deadline = Instant::now() + Duration::from_secs(10);
     while tcpdump.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
@@ -77,6 +81,7 @@ fn stop(mut tcpdump: Child) {
     }
     let _ = tcpdump.kill();
     let _ = tcpdump.wait();
+    std::fs::read_to_string(log).unwrap_or_default()
 }
 
 fn contains(haystack: &[u8], needle: &str) -> bool {
@@ -194,7 +199,12 @@ async fn no_marker_nor_the_token_crosses_loopback_in_cleartext() {
     plain.flush().expect("flush");
     drop(listener.accept().expect("accept"));
     tokio::time::sleep(Duration::from_millis(300)).await;
-    stop(tcpdump);
+    let statistics = stop(tcpdump, &pcap.with_extension("log"));
+    // An absence means something only in a whole capture.
+    assert!(
+        statistics.lines().any(|l| l.trim() == "0 packets dropped by kernel"),
+        "tcpdump dropped packets: {statistics}"
+    );
 
     let captured = std::fs::read(&pcap).expect("read the capture");
     assert!(

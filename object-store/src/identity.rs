@@ -39,6 +39,18 @@ pub struct TlsIdentity {
     pub ca: CertificateDer<'static>,
 }
 
+impl TlsIdentity {
+    /// The mutual-TLS configurations (server, client) speaking the ALPN protocol `alpn`:
+    /// each service has its own, so a connection meant for one is never taken by another.
+    pub fn with_alpn(&self, alpn: &[u8]) -> (Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>) {
+        let mut server = (*self.server).clone();
+        server.alpn_protocols = vec![alpn.to_vec()];
+        let mut client = (*self.client).clone();
+        client.alpn_protocols = vec![alpn.to_vec()];
+        (Arc::new(server), Arc::new(client))
+    }
+}
+
 /// PKCS#8 v1 wrapping of a raw Ed25519 seed (RFC 8410).
 fn ed25519_pkcs8(seed: &[u8; 32]) -> Vec<u8> {
     let mut der = vec![

@@ -79,13 +79,10 @@ pub(crate) struct SessionTls {
 impl SessionTls {
     /// The token identity with the sessions' ALPN.
     pub(crate) fn new(identity: &TlsIdentity) -> Self {
-        let mut server = (*identity.server).clone();
-        server.alpn_protocols = vec![ALPN.to_vec()];
-        let mut client = (*identity.client).clone();
-        client.alpn_protocols = vec![ALPN.to_vec()];
+        let (server, client) = identity.with_alpn(ALPN);
         Self {
-            acceptor: TlsAcceptor::from(Arc::new(server)),
-            connector: TlsConnector::from(Arc::new(client)),
+            acceptor: TlsAcceptor::from(server),
+            connector: TlsConnector::from(client),
         }
     }
 

@@ -30,8 +30,6 @@ pub(crate) use client::{CallPlane, Target};
 pub(crate) use server::CallServer;
 pub(crate) use socket::CallAddress;
 
-use std::sync::Arc;
-
 use regatta_object_store::{TlsIdentity, SERVER_NAME};
 use tokio_rustls::rustls::pki_types::ServerName;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
@@ -84,13 +82,10 @@ pub(crate) struct CallTls {
 impl CallTls {
     /// The process's token identity (the object transfer's), with the call channel's ALPN.
     pub(crate) fn new(identity: &TlsIdentity) -> Self {
-        let mut server = (*identity.server).clone();
-        server.alpn_protocols = vec![ALPN.to_vec()];
-        let mut client = (*identity.client).clone();
-        client.alpn_protocols = vec![ALPN.to_vec()];
+        let (server, client) = identity.with_alpn(ALPN);
         Self {
-            acceptor: TlsAcceptor::from(Arc::new(server)),
-            connector: TlsConnector::from(Arc::new(client)),
+            acceptor: TlsAcceptor::from(server),
+            connector: TlsConnector::from(client),
         }
     }
 
