@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
@@ -39,6 +39,40 @@ use crate::job_manager::{JobError, JobManager};
 
 /// Largest accepted request body.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
+
+/// How much of an oversized submission is read and thrown away before the 413. A server
+/// that answers without reading the body closes the connection on bytes the client is still
+/// writing; the client then sees a broken pipe or a reset instead of the 413 that says why.
+/// Past this much, the connection is closed anyway.
+const DRAIN_BYTES: usize = 64 << 20;
+
+enum BodyError {
+    TooLarge,
+    Read(String),
+}
+
+/// Reads `body` whole when it is at most `limit` bytes; otherwise reads on, discarding, up to
+/// `drain` bytes so that the client gets to read the answer.
+async fn read_capped(body: Body, limit: usize, drain: usize) -> std::result::Result<Bytes, BodyError> {
+    use futures::StreamExt;
+    let mut stream = body.into_data_stream();
+    let mut kept = Vec::new();
+    let mut seen = 0usize;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| BodyError::Read(e.to_string()))?;
+        seen = seen.saturating_add(chunk.len());
+        if seen > drain {
+            break;
+        }
+        if seen <= limit {
+            kept.extend_from_slice(&chunk);
+        }
+    }
+    if seen > limit {
+        return Err(BodyError::TooLarge);
+    }
+    Ok(Bytes::from(kept))
+}
 
 #[derive(Clone)]
 pub(crate) struct Api {
@@ -117,17 +151,17 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn submit(State(api): State<Api>, body: std::result::Result<Bytes, BytesRejection>) -> Response {
-    let body = match body {
+async fn submit(State(api): State<Api>, request: Request) -> Response {
+    let body = match read_capped(request.into_body(), MAX_BODY_BYTES, DRAIN_BYTES).await {
         Ok(body) => body,
-        Err(rejection) => {
+        Err(BodyError::TooLarge) => {
             return error(
-                rejection.status(),
-                format!(
-                    "cannot read the request body: {} (the limit is {MAX_BODY_BYTES} bytes)",
-                    rejection.body_text()
-                ),
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the submission is larger than the limit of {MAX_BODY_BYTES} bytes: ship files in the working directory, not in the request"),
             )
+        }
+        Err(BodyError::Read(reason)) => {
+            return error(StatusCode::BAD_REQUEST, format!("cannot read the request body: {reason}"))
         }
     };
     let submission: JobSubmission = match serde_json::from_slice(&body) {
@@ -266,4 +300,46 @@ fn read_from(path: &std::path::Path, offset: u64) -> (Vec<u8>, u64) {
     let mut chunk = Vec::new();
     let read = file.take(1 << 20).read_to_end(&mut chunk).unwrap_or(0);
     (chunk, start + read as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunked(sizes: &[usize]) -> Body {
+        let chunks: Vec<std::result::Result<Bytes, std::io::Error>> =
+            sizes.iter().map(|&n| Ok(Bytes::from(vec![b'x'; n]))).collect();
+        Body::from_stream(futures::stream::iter(chunks))
+    }
+
+    #[tokio::test]
+    async fn a_body_within_the_limit_is_read_whole() {
+        let body = read_capped(chunked(&[3, 4, 3]), 10, 100)
+            .await
+            .ok()
+            .expect("within the limit");
+        assert_eq!(body.len(), 10);
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_is_drained_then_refused() {
+        assert!(matches!(
+            read_capped(chunked(&[6, 5]), 10, 100).await,
+            Err(BodyError::TooLarge)
+        ));
+        assert!(matches!(
+            read_capped(chunked(&[60, 60, 60]), 10, 100).await,
+            Err(BodyError::TooLarge)
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_failing_body_says_why() {
+        let chunks: Vec<std::result::Result<Bytes, std::io::Error>> =
+            vec![Ok(Bytes::from_static(b"ab")), Err(std::io::Error::other("cut short"))];
+        match read_capped(Body::from_stream(futures::stream::iter(chunks)), 10, 100).await {
+            Err(BodyError::Read(reason)) => assert!(reason.contains("cut short"), "{reason}"),
+            _ => panic!("a failing body must be a read error"),
+        }
+    }
 }
