@@ -10,6 +10,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::protocol::GroupId;
+
 /// Environment variable a driver finds its job id in.
 pub const JOB_ID_ENV: &str = "REGATTA_JOB_ID";
 
@@ -179,6 +181,26 @@ pub struct JobRecord {
     pub entrypoint_resources: String,
     /// The driver's process id (its process group id too).
     pub driver_pid: Option<u32>,
+    /// The process that runs and watches the driver (`regatta job-shim`): not the head, so
+    /// the driver outlives a head restart and the restarted head finds it again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub supervisor: Option<ProcessIdentity>,
+    /// The driver process, told apart from a later process that reuses its pid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver: Option<ProcessIdentity>,
+    /// The placement group holding the driver's resources, removed when the job ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver_group: Option<GroupId>,
+}
+
+/// A process told apart from any later one that reuses its pid: the pid and its start time
+/// (clock ticks after boot, field 22 of `/proc/<pid>/stat`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessIdentity {
+    /// The process id.
+    pub pid: u32,
+    /// When it started, in clock ticks after boot.
+    pub start_ticks: u64,
 }
 
 impl JobRecord {
@@ -198,6 +220,9 @@ impl JobRecord {
             runtime_env: submission.runtime_env.clone(),
             entrypoint_resources: submission.resources_text(),
             driver_pid: None,
+            supervisor: None,
+            driver: None,
+            driver_group: None,
         }
     }
 

@@ -39,7 +39,7 @@ mod worker;
 use regatta_proto::{job, placement, pool as pool_book, protocol, resources, scheduler};
 // Short paths for the parts every folder uses.
 use client::{job_client, pool};
-use head::{job_log, job_manager, job_store};
+use head::{job_log, job_manager, job_shim, job_store};
 use net::{calls, headlink, http, https, node, token, wire};
 use worker::{agent, detect, registry};
 
@@ -55,9 +55,10 @@ pub use error::{Error, Result};
 pub use head::{start_head, HeadConfig, RunningHead, HEAD_NODE};
 pub use https::{job_api_client_tls, ApiTls};
 pub use job::JOB_ID_ENV;
-pub use job::{JobRecord, JobStatus, JobSubmission, RuntimeEnv};
+pub use job::{JobRecord, JobStatus, JobSubmission, ProcessIdentity, RuntimeEnv};
 pub use job_client::{JobClient, DEFAULT_JOB_ADDRESS};
 pub use job_manager::{JobConfig, ADDRESS_ENV};
+pub use job_shim::{supervise_job, ShimArgs, ShimOutcome};
 pub use metrics::{metrics, Metrics, SdTarget};
 pub use objects::{ObjectConfig, ObjectStats};
 pub use placement::{Allocation, Decision, Ledger, Strategy};

@@ -13,6 +13,7 @@ pub use status::render as render_status;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
@@ -53,12 +54,39 @@ enum Command {
     /// starts them): each registers, heartbeats and starts actors like a worker.
     #[command(hide = true)]
     SimulateNodes(SimulateArgs),
+    /// Supervise one job's driver (the head starts this for each job; see the job API).
+    #[command(hide = true)]
+    JobShim(JobShimArgs),
     /// Exit 0 if an HTTP GET of the URL answers 200 within 5 s (for container health
     /// checks, e.g. `regatta probe http://127.0.0.1:9181/metrics`).
     Probe {
         /// `http://host:port/path`.
         url: String,
     },
+}
+
+#[derive(Args, Debug)]
+struct JobShimArgs {
+    /// The job's id.
+    #[arg(long)]
+    job: String,
+    /// Where the supervisor's files go.
+    #[arg(long)]
+    run_dir: PathBuf,
+    /// The job's log file.
+    #[arg(long)]
+    log: PathBuf,
+    /// Bytes per log part.
+    #[arg(long)]
+    log_cap_bytes: u64,
+    /// Milliseconds between SIGTERM and SIGKILL on a stop.
+    #[arg(long)]
+    stop_grace_ms: u64,
+    /// The driver's working directory.
+    #[arg(long)]
+    working_dir: Option<PathBuf>,
+    /// The driver's shell command.
+    entrypoint: String,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -261,6 +289,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
             Command::Score(args) => score::run(args).await,
             Command::Probe { url } => probe(&url).await,
             Command::SimulateNodes(args) => simulate_nodes(args, registry).await,
+            Command::JobShim(args) => job_shim(args).await,
         }
     });
     match outcome {
@@ -284,6 +313,23 @@ fn init_logging() {
         .with_writer(std::io::stderr)
         .with_ansi(color)
         .init();
+}
+
+async fn job_shim(args: JobShimArgs) -> anyhow::Result<ExitCode> {
+    let outcome = regatta_runtime::supervise_job(regatta_runtime::ShimArgs {
+        job: args.job,
+        run_dir: args.run_dir,
+        log: args.log,
+        log_cap_bytes: args.log_cap_bytes,
+        stop_grace: Duration::from_millis(args.stop_grace_ms),
+        working_dir: args.working_dir,
+        entrypoint: args.entrypoint,
+    })
+    .await?;
+    if let Some(error) = &outcome.error {
+        eprintln!("error: {error}");
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
@@ -388,7 +434,7 @@ async fn probe(url: &str) -> anyhow::Result<ExitCode> {
         stream.read_exact(&mut head).await?;
         std::io::Result::Ok(head.starts_with(b"HTTP/1.1 200") || head.starts_with(b"HTTP/1.0 200"))
     };
-    match tokio::time::timeout(std::time::Duration::from_secs(5), attempt).await {
+    match tokio::time::timeout(Duration::from_secs(5), attempt).await {
         Ok(Ok(true)) => Ok(ExitCode::SUCCESS),
         Ok(Ok(false)) => anyhow::bail!("{url} did not answer 200"),
         Ok(Err(e)) => anyhow::bail!("{url}: {e}"),

@@ -1,7 +1,9 @@
-//! The head's job manager: runs each job's driver as a process group on the head with the
-//! cluster's address and token in its environment, captures its output into a capped log,
-//! records every state change on disk, and cleans up the job's actors and objects when it
-//! ends or is stopped.
+//! The head's job manager: runs each job's driver on the head with the cluster's address
+//! and token in its environment, under a supervisor process of its own
+//! ([`super::job_shim`]) that keeps the driver's output in a capped log and records how it
+//! ended. The manager records every state change on disk, follows the supervisor's files,
+//! and cleans up the job's actors and objects when the job ends or is stopped. A restarted
+//! head finds running jobs again from their records and their supervisors' files.
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -9,7 +11,6 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tokio::io::AsyncReadExt;
 use tokio::process::Command;
 use tokio::sync::watch;
 
@@ -17,8 +18,9 @@ use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::https::ApiTls;
 use crate::job::JOB_ID_ENV;
-use crate::job::{finished_beyond, JobRecord, JobStatus, JobSubmission, MAX_FINISHED_JOBS};
-use crate::job_log::{self, CappedLog};
+use crate::job::{finished_beyond, JobRecord, JobStatus, JobSubmission, ProcessIdentity, MAX_FINISHED_JOBS};
+use crate::job_log;
+use crate::job_shim::{self, RunFiles, ShimOutcome};
 use crate::job_store::JobStore;
 use crate::placement::Strategy;
 use crate::protocol::{GroupId, GroupSpec, HeadRequest};
@@ -40,6 +42,9 @@ pub struct JobConfig {
     pub http_port: u16,
     /// HTTPS (by default with the token's certificate) or plain HTTP.
     pub tls: ApiTls,
+    /// The `regatta` binary, whose `job-shim` command supervises each driver (default: the
+    /// running executable, which is `regatta` for `regatta head`).
+    pub supervisor_binary: Option<PathBuf>,
 }
 
 impl JobConfig {
@@ -54,6 +59,7 @@ impl JobConfig {
             stop_grace: Duration::from_secs(3),
             http_port: 8265,
             tls: ApiTls::Token,
+            supervisor_binary: std::env::current_exe().ok(),
         }
     }
 }
@@ -84,9 +90,13 @@ pub(crate) fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// How often a job's supervisor files are looked at.
+const FOLLOW_EVERY: Duration = Duration::from_millis(100);
+
 struct Inner {
     store: JobStore,
     logs: PathBuf,
+    run: PathBuf,
     records: Mutex<BTreeMap<String, JobRecord>>,
     stopping: Mutex<HashSet<String>>,
     config: JobConfig,
@@ -103,28 +113,27 @@ pub(crate) struct JobManager {
 }
 
 impl JobManager {
-    /// Opens the job store; jobs that were running when the head went away are marked
-    /// failed and their leftover process groups killed.
+    /// Opens the job store. Jobs that were running when the head went away are followed
+    /// again through their supervisors ([`JobManager::resume`]); a job whose driver had not
+    /// started is marked failed.
     pub(crate) fn open(config: JobConfig, cluster_address: String, token: String, link: Arc<HeadLink>) -> Result<Self> {
         let store = JobStore::open(&config.state_dir.join("jobs"))?;
         let logs = config.state_dir.join("logs");
-        std::fs::create_dir_all(&logs).map_err(|e| Error::io(format!("cannot create {}", logs.display()), e))?;
-        let mut records = BTreeMap::new();
-        for mut record in store.load_all() {
-            if !record.status.is_terminal() {
-                if let Some(pid) = record.driver_pid {
-                    signal_group(pid, "KILL");
-                }
-                record.failed("the head restarted while this job was running".into(), now_ms());
-                store.save(&record)?;
-            }
-            records.insert(record.submission_id.clone(), record);
+        let run = config.state_dir.join("run");
+        for dir in [&logs, &run] {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
         }
+        let records = store
+            .load_all()
+            .into_iter()
+            .map(|record| (record.submission_id.clone(), record))
+            .collect();
         let (changes, _) = watch::channel(0);
         Ok(Self {
             inner: Arc::new(Inner {
                 store,
                 logs,
+                run,
                 records: Mutex::new(records),
                 stopping: Mutex::new(HashSet::new()),
                 config,
@@ -134,6 +143,40 @@ impl JobManager {
                 changes,
             }),
         })
+    }
+
+    /// Takes back the jobs a previous head left running: each one with a supervisor is
+    /// followed again (its driver kept running, its log kept growing); one without (its
+    /// driver had not started) is marked failed and its reservation freed.
+    pub(crate) fn resume(&self) {
+        let unfinished: Vec<JobRecord> = self
+            .records()
+            .values()
+            .filter(|r| !r.status.is_terminal())
+            .cloned()
+            .collect();
+        for record in unfinished {
+            let id = record.submission_id.clone();
+            let manager = self.clone();
+            match record.supervisor {
+                Some(supervisor) => {
+                    tracing::info!(job = %id, pid = supervisor.pid, "following a job the previous head started");
+                    tokio::spawn(async move {
+                        manager.follow(&id, supervisor).await;
+                        manager.cleanup(&id, record.driver_group).await;
+                    });
+                }
+                None => {
+                    self.update(&id, |r| {
+                        r.failed(
+                            "the head restarted before the driver started; submit the job again".into(),
+                            now_ms(),
+                        )
+                    });
+                    tokio::spawn(async move { manager.cleanup(&id, record.driver_group).await });
+                }
+            }
+        }
     }
 
     fn records(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, JobRecord>> {
@@ -236,8 +279,8 @@ impl JobManager {
         Ok(job_log::read_all(&self.log_path(id)).unwrap_or_default())
     }
 
-    /// Stops a job: SIGTERM to the driver's process group, SIGKILL after the grace period.
-    /// Returns false when the job had already ended.
+    /// Stops a job: SIGTERM to its supervisor, which sends SIGTERM to the driver's process
+    /// group and SIGKILL after the grace period. Returns false when the job had already ended.
     pub(crate) async fn stop(&self, id: &str) -> std::result::Result<bool, JobError> {
         let record = self.get(id)?;
         if record.status.is_terminal() {
@@ -248,18 +291,27 @@ impl JobManager {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(id.to_string());
-        match record.driver_pid {
-            None => self.update(id, |r| r.stopped_before_start(now_ms())),
-            Some(pid) => {
-                signal_group(pid, "TERM");
-                let mut changes = self.subscribe();
-                let deadline = tokio::time::Instant::now() + self.inner.config.stop_grace;
-                while !self.get(id)?.status.is_terminal() {
-                    if tokio::time::timeout_at(deadline, changes.changed()).await.is_err() {
-                        signal_group(pid, "KILL");
-                        break;
-                    }
+        let Some(supervisor) = record.supervisor else {
+            // Not started: the job's task sees the stop before it starts a supervisor.
+            self.update(id, |r| r.stopped_before_start(now_ms()));
+            return Ok(true);
+        };
+        job_shim::signal_process(&supervisor, "TERM");
+        let mut changes = self.subscribe();
+        let deadline = tokio::time::Instant::now() + self.inner.config.stop_grace + Duration::from_secs(5);
+        while !self.get(id)?.status.is_terminal() {
+            if tokio::time::timeout_at(deadline, changes.changed()).await.is_err() {
+                // The supervisor did not finish the stop: end both, checking who they are.
+                tracing::warn!(
+                    job = id,
+                    "the job's supervisor did not stop the driver in time; killing both"
+                );
+                job_shim::signal_process(&supervisor, "KILL");
+                if let Some(driver) = self.get(id)?.driver {
+                    job_shim::signal_group_of(&driver, "KILL");
                 }
+                self.update(id, |r| r.exited(None, true, now_ms()));
+                break;
             }
         }
         Ok(true)
@@ -302,6 +354,7 @@ impl JobManager {
         let path = self.log_path(id);
         let _ = std::fs::remove_file(job_log::rotated(&path));
         let _ = std::fs::remove_file(path);
+        RunFiles::new(&self.inner.run, id).remove();
         Ok(())
     }
 
@@ -327,8 +380,13 @@ impl JobManager {
             self.cleanup(&id, group).await;
             return;
         }
-        match self.spawn_driver(&id, &submission) {
-            Ok((child, log)) => self.supervise(&id, child, log).await,
+        match self.start_supervisor(&id, &submission) {
+            Ok(supervisor) => {
+                if self.is_stopping(&id) {
+                    job_shim::signal_process(&supervisor, "TERM");
+                }
+                self.follow(&id, supervisor).await;
+            }
             Err(message) => self.update(&id, |r| r.failed(message, now_ms())),
         }
         self.cleanup(&id, group).await;
@@ -353,7 +411,10 @@ impl JobManager {
             .ask(&HeadRequest::CreateGroup(spec), Duration::from_secs(30))
             .await
             .map_err(|e| format!("the driver's resources {text} cannot be reserved: {e}"))?;
-        self.update(id, |r| r.message = format!("waiting for the driver's resources {text}"));
+        self.update(id, |r| {
+            r.message = format!("waiting for the driver's resources {text}");
+            r.driver_group = Some(group);
+        });
         loop {
             if self.is_stopping(id) {
                 return Ok(Some(group));
@@ -371,66 +432,130 @@ impl JobManager {
         }
     }
 
-    fn spawn_driver(
-        &self,
-        id: &str,
-        submission: &JobSubmission,
-    ) -> std::result::Result<(tokio::process::Child, CappedLog), String> {
-        let log = CappedLog::create(&self.log_path(id), self.inner.config.log_cap_bytes)
-            .map_err(|e| format!("cannot create the job log {}: {e}", self.log_path(id).display()))?;
-        let mut command = Command::new("sh");
+    /// Starts the job's supervisor (`regatta job-shim`) in a process group of its own, with
+    /// the driver's environment, and records who it is.
+    fn start_supervisor(&self, id: &str, submission: &JobSubmission) -> std::result::Result<ProcessIdentity, String> {
+        let config = &self.inner.config;
+        let binary = config
+            .supervisor_binary
+            .clone()
+            .ok_or("cannot find the regatta binary that supervises drivers (JobConfig::supervisor_binary)")?;
+        let files = RunFiles::new(&self.inner.run, id);
+        files.remove();
+        let messages = std::fs::File::create(&files.messages)
+            .map_err(|e| format!("cannot create {}: {e}", files.messages.display()))?;
+        let mut command = Command::new(&binary);
         command
-            .arg("-c")
+            .arg("job-shim")
+            .arg("--job")
+            .arg(id)
+            .arg("--run-dir")
+            .arg(&self.inner.run)
+            .arg("--log")
+            .arg(self.log_path(id))
+            .arg("--log-cap-bytes")
+            .arg(config.log_cap_bytes.to_string())
+            .arg("--stop-grace-ms")
+            .arg(config.stop_grace.as_millis().to_string());
+        if let Some(dir) = &submission.runtime_env.working_dir {
+            command.arg("--working-dir").arg(dir);
+        }
+        command
+            .arg("--")
             .arg(&submission.entrypoint)
             .envs(&submission.runtime_env.env_vars)
             .env(ADDRESS_ENV, &self.inner.cluster_address)
             .env(crate::token::TOKEN_ENV, &self.inner.token)
             .env(JOB_ID_ENV, id)
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(messages)
             .process_group(0)
             .kill_on_drop(false);
-        if let Some(dir) = &submission.runtime_env.working_dir {
-            command.current_dir(dir);
-        }
-        let child = command
+        let mut child = command
             .spawn()
-            .map_err(|e| format!("could not start the driver: {e}"))?;
+            .map_err(|e| format!("could not start the job supervisor {}: {e}", binary.display()))?;
         let pid = child.id().unwrap_or(0);
-        self.update(id, |r| r.started(pid, now_ms()));
-        tracing::info!(job = id, pid, "driver started");
-        Ok((child, log))
+        // Reaps the supervisor when it ends; a restarted head follows it by its identity.
+        tokio::spawn(async move { child.wait().await });
+        let supervisor = job_shim::identity_of(pid).ok_or_else(|| {
+            format!(
+                "the job supervisor (pid {pid}) ended at once: {}",
+                tail_of(&RunFiles::new(&self.inner.run, id).messages)
+            )
+        })?;
+        self.update(id, |r| {
+            r.supervisor = Some(supervisor);
+            r.message = "starting the driver".into();
+        });
+        tracing::info!(job = id, supervisor = pid, "job supervisor started");
+        Ok(supervisor)
     }
 
-    /// Copies the driver's output into its log and records how it ended.
-    async fn supervise(&self, id: &str, mut child: tokio::process::Child, log: CappedLog) {
-        let log = Arc::new(Mutex::new(log));
-        let copies = [
-            child
-                .stdout
-                .take()
-                .map(|out| tokio::spawn(copy_into(out, log.clone(), self.inner.changes.clone()))),
-            child
-                .stderr
-                .take()
-                .map(|err| tokio::spawn(copy_into(err, log.clone(), self.inner.changes.clone()))),
-        ];
-        let status = child.wait().await;
-        for copy in copies.into_iter().flatten() {
-            let _ = copy.await;
-        }
-        let stopping = self.is_stopping(id);
-        match status {
-            Ok(status) => self.update(id, |r| r.exited(status.code(), stopping, now_ms())),
-            Err(e) => self.update(id, |r| r.failed(format!("lost track of the driver: {e}"), now_ms())),
-        }
-        if let Some(pid) = self.get(id).ok().and_then(|r| r.driver_pid) {
-            if stopping {
-                signal_group(pid, "KILL");
+    /// Follows a job through its supervisor's files until the job ends: the driver's
+    /// identity when it starts, the log as it grows, the outcome when it ends.
+    async fn follow(&self, id: &str, supervisor: ProcessIdentity) {
+        let files = RunFiles::new(&self.inner.run, id);
+        let log = self.log_path(id);
+        let mut seen_log = None;
+        loop {
+            let log_size = [log.clone(), job_log::rotated(&log)].map(|p| std::fs::metadata(p).map(|m| m.len()).ok());
+            if seen_log != Some(log_size) {
+                seen_log = Some(log_size);
+                self.inner.changes.send_modify(|n| *n += 1);
             }
+            if self.get(id).is_ok_and(|r| r.driver.is_none()) {
+                if let Some(driver) = job_shim::read_json::<ProcessIdentity>(&files.driver) {
+                    self.update(id, |r| {
+                        r.started(driver.pid, now_ms());
+                        r.driver = Some(driver);
+                    });
+                    tracing::info!(job = id, pid = driver.pid, "driver started");
+                }
+            }
+            if let Some(outcome) = job_shim::read_json::<ShimOutcome>(&files.status) {
+                self.record_outcome(id, outcome);
+                break;
+            }
+            if !job_shim::is_alive(&supervisor) {
+                // It writes the outcome before it exits: look once more.
+                match job_shim::read_json::<ShimOutcome>(&files.status) {
+                    Some(outcome) => self.record_outcome(id, outcome),
+                    None => {
+                        let stopping = self.is_stopping(id);
+                        let why = format!(
+                            "the job's supervisor (pid {}) ended without recording how the driver ended: {}",
+                            supervisor.pid,
+                            tail_of(&files.messages)
+                        );
+                        self.update(id, |r| {
+                            if stopping {
+                                r.exited(None, true, now_ms());
+                            } else {
+                                r.failed(why, now_ms());
+                            }
+                        });
+                    }
+                }
+                break;
+            }
+            tokio::time::sleep(FOLLOW_EVERY).await;
         }
+        self.inner.changes.send_modify(|n| *n += 1);
         tracing::info!(job = id, status = %self.get(id).map(|r| r.status).unwrap_or(JobStatus::Failed), "job ended");
+    }
+
+    fn record_outcome(&self, id: &str, outcome: ShimOutcome) {
+        let stopping = outcome.stopped || self.is_stopping(id);
+        self.update(id, |r| match outcome.error {
+            Some(error) if !stopping => r.failed(error, now_ms()),
+            _ => {
+                r.exited(outcome.code, stopping, now_ms());
+                if let (Some(signal), false) = (outcome.signal, stopping) {
+                    r.message = format!("driver was killed by signal {signal}");
+                }
+            }
+        });
     }
 
     /// Kills the job's actors, frees its objects and its driver reservation.
@@ -465,37 +590,12 @@ impl JobManager {
     }
 }
 
-async fn copy_into(
-    mut from: impl tokio::io::AsyncRead + Unpin,
-    log: Arc<Mutex<CappedLog>>,
-    changes: watch::Sender<u64>,
-) {
-    let mut buffer = vec![0u8; 64 * 1024];
-    loop {
-        match from.read(&mut buffer).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => {
-                if let Ok(mut log) = log.lock() {
-                    if let Err(e) = log.append(&buffer[..n]) {
-                        tracing::warn!(error = %e, "could not write a job log");
-                    }
-                }
-                changes.send_modify(|c| *c += 1);
-            }
-        }
+/// The last lines of a supervisor's messages, for an error that says why.
+fn tail_of(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    match lines.len() {
+        0 => format!("it left no message in {}", path.display()),
+        n => lines[n.saturating_sub(5)..].join(" | "),
     }
-}
-
-/// Sends a signal to a whole process group (`kill -SIG -- -PGID`).
-fn signal_group(pgid: u32, signal: &str) {
-    if pgid <= 1 {
-        return;
-    }
-    let _ = std::process::Command::new("kill")
-        .arg(format!("-{signal}"))
-        .arg("--")
-        .arg(format!("-{pgid}"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
 }

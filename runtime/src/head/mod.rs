@@ -7,6 +7,7 @@ mod dashboard;
 pub(crate) mod job_api;
 pub(crate) mod job_log;
 pub(crate) mod job_manager;
+pub(crate) mod job_shim;
 pub(crate) mod job_store;
 mod state_file;
 
@@ -175,6 +176,7 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     let (job_api, manager) = match &config.jobs {
         Some(jobs) => {
             let manager = JobManager::open(jobs.clone(), address.clone(), config.token.clone(), link.clone())?;
+            manager.resume();
             let bind = SocketAddr::new(config.bind, jobs.http_port);
             let tls = crate::https::server_config(&jobs.tls, &identity)?;
             if tls.is_none() {
