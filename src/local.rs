@@ -305,6 +305,16 @@ impl LocalCluster {
         self.options.log_dir.join(file)
     }
 
+    /// The head's state directory.
+    pub fn head_state_dir(&self) -> PathBuf {
+        self.options.log_dir.join("head-state")
+    }
+
+    /// The current part of a job's log on the head's disk (readable while the head is down).
+    pub fn job_log(&self, job: &str) -> PathBuf {
+        self.head_state_dir().join("logs").join(format!("{job}.log"))
+    }
+
     /// Reads a process's log.
     pub fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.log_path(name)).unwrap_or_default()
@@ -352,7 +362,7 @@ pub async fn wait_for_nodes(client: &Client, names: &[String], timeout: Duration
 }
 
 fn head_args(options: &LocalOptions, [port, job_port, metrics_port]: [u16; 3]) -> Vec<String> {
-    let state_dir = options.log_dir.join("head-state");
+    let state_dir = options.log_dir.join("head-state"); // LocalCluster::head_state_dir
     let mut args: Vec<String> = [
         "head",
         "--bind",
@@ -367,6 +377,8 @@ fn head_args(options: &LocalOptions, [port, job_port, metrics_port]: [u16; 3]) -
         &metrics_port.to_string(),
         "--state-dir",
         &state_dir.to_string_lossy(),
+        // The jobs of a local cluster end with it.
+        "--stop-jobs-on-exit",
     ]
     .iter()
     .map(|a| a.to_string())

@@ -1,7 +1,7 @@
 //! The control plane survives its head: a head killed with SIGKILL and started again on
-//! its state directory takes back every node, actor, placement group and object, while
-//! calls to actors go on during the outage; a state file it cannot use stops it with the
-//! reason.
+//! its state directory takes back every node, actor, placement group, object and running
+//! job, while calls to actors, a ZeRO-2 training and the job's driver go on during the
+//! outage; a state file it cannot use stops it with the reason.
 
 mod support;
 
@@ -10,17 +10,19 @@ use std::process::Command;
 use std::time::Duration;
 
 use regatta::kinds::{digest, pattern, Counter, CounterOp, CounterReply, Store, StoreOp, StoreReply};
-use regatta::{ActorId, ActorOptions, ActorState, Resources, Strategy};
-use support::TestCluster;
+use regatta::{ActorId, ActorOptions, ActorState, JobClient, JobStatus, JobSubmission, Resources, Strategy};
+use regatta_trainer::{TrainConfig, TrainEvent, TrainerGroup, ZeroStage};
+use support::{eventually, temp_dir, TestCluster};
 
 fn req(text: &str) -> Resources {
     Resources::parse_request(text).expect("resources")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_head_killed_and_started_again_takes_back_every_actor_group_and_object() {
+async fn a_head_killed_mid_training_and_mid_job_takes_back_100_actors_the_group_objects_job_and_training() {
     let mut cluster = TestCluster::start(&[("w1", "CPU=8"), ("w2", "CPU=8"), ("w3", "CPU=8")]).await;
     let client = &cluster.client;
+    let dir = temp_dir("head-restart-training");
 
     // Objects of 1 KB and 64 MB held by a store actor on a worker. (A put registers
     // with the head without waiting; the spawns after it are acknowledged only once a
@@ -54,9 +56,10 @@ async fn a_head_killed_and_started_again_takes_back_every_actor_group_and_object
                 .expect("spawn in group"),
         );
     }
-    // Free counters, some named, each with a restart budget it must not spend.
+    // Free counters, some named, each with a restart budget it must not spend: with the
+    // store, the group's counters and the 2 trainer ranks, 100 actors.
     let mut names = BTreeMap::new();
-    for i in 0..24i64 {
+    for i in 0..94i64 {
         let mut options = ActorOptions::new().resources(req("CPU=0.1")).max_restarts(3);
         if i % 4 == 0 {
             let name = format!("counter-{i}");
@@ -72,11 +75,57 @@ async fn a_head_killed_and_started_again_takes_back_every_actor_group_and_object
             other => panic!("{other:?}"),
         }
     }
+    // A job that counts one line every 50 ms until it is stopped.
+    let jobs = JobClient::new(&cluster.local.job_address, &cluster.local.token).expect("job client");
+    let job = jobs
+        .submit(&JobSubmission {
+            entrypoint: "i=0; while true; do echo tick $i; i=$((i+1)); sleep 0.05; done".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("submit");
+    let driver = eventually("the job's driver to run", Duration::from_secs(15), || async {
+        let record = jobs.status(&job).await.ok()?;
+        (record.status == JobStatus::Running).then_some(record.driver?)
+    })
+    .await;
+    // A ZeRO-2 training on 2 ranks, long enough to step through the outage and the checks.
+    let (steps_tx, mut steps) = tokio::sync::watch::channel(0u64);
+    let training = {
+        let handle = client.cluster().clone();
+        let config = training_config(&dir);
+        tokio::spawn(async move {
+            let mut events = Vec::new();
+            let summary = TrainerGroup::new(handle, config)
+                .expect("config")
+                .run(|event| {
+                    if let TrainEvent::Step(step) = event {
+                        steps_tx.send_replace(step.step);
+                    }
+                    events.push(event.clone());
+                })
+                .await;
+            (summary, events)
+        })
+    };
+
+    eventually("the training to step", Duration::from_secs(60), || async {
+        (*steps.borrow() >= 3).then_some(())
+    })
+    .await;
+    assert!(
+        !training.is_finished(),
+        "the training must still run when the head is killed"
+    );
+
     let before = client.status().await.expect("status before");
+    assert_eq!(before.actors.len(), 100, "{:?}", before.actors);
     let places: BTreeMap<ActorId, Option<String>> =
         before.actors.iter().map(|a| (a.view.id, a.view.node.clone())).collect();
 
     cluster.local.kill_head().expect("kill the head");
+    let step_at_kill = *steps.borrow_and_update();
+    let killed_at = std::time::Instant::now();
     // Calls between the client and actors do not pass through the head.
     for (counter, total) in counters.iter().zip(totals.iter_mut()) {
         match counter
@@ -91,6 +140,10 @@ async fn a_head_killed_and_started_again_takes_back_every_actor_group_and_object
             other => panic!("{other:?}"),
         }
     }
+    // An outage of at least 3 s: the training steps on and the job's log grows.
+    tokio::time::sleep(Duration::from_secs(3).saturating_sub(killed_at.elapsed())).await;
+    let step_at_restart = *steps.borrow();
+    let ticks_in_outage = ticks(&std::fs::read_to_string(cluster.local.job_log(&job)).expect("the job's log file"));
     cluster.local.start_head_again().expect("start the head again");
 
     let restarted_log = rejoined(&cluster, 3).await;
@@ -101,6 +154,10 @@ async fn a_head_killed_and_started_again_takes_back_every_actor_group_and_object
     assert_eq!(restarted_log.matches("stopped=0").count(), 3, "{restarted_log}");
     let client = &cluster.client;
     let after = client.status().await.expect("status after");
+    assert!(
+        !training.is_finished() && *steps.borrow() < TRAINING_STEPS,
+        "the training ended before the restarted head was checked: make it longer"
+    );
     // Every actor is still there: same id, same node, alive, no restart spent.
     assert_eq!(after.actors.len(), before.actors.len(), "{after:?}");
     for line in &after.actors {
@@ -148,6 +205,68 @@ async fn a_head_killed_and_started_again_takes_back_every_actor_group_and_object
         assert!(!log.contains("stopped: the head did not want it"), "{worker}: {log}");
         assert!(!log.contains("stopping them"), "{worker}: {log}");
     }
+
+    // The job ran on through the outage under the same driver, with no line lost, and
+    // the restarted head stops it.
+    let record = jobs.status(&job).await.expect("the job after the restart");
+    assert_eq!(record.status, JobStatus::Running, "{record:?}");
+    assert_eq!(record.driver, Some(driver), "the same driver process");
+    let logged = ticks(&jobs.logs(&job).await.expect("logs")).len();
+    assert!(
+        logged >= ticks_in_outage.len() && ticks_in_outage.len() > 40,
+        "{} then {logged}",
+        ticks_in_outage.len()
+    );
+    assert!(jobs.stop(&job).await.expect("stop"), "the job was running");
+    let record = jobs.wait(&job, Duration::from_millis(50)).await.expect("wait");
+    assert_eq!(record.status, JobStatus::Stopped, "{record:?}");
+
+    // The training stepped through the outage and finished in its first attempt.
+    assert!(
+        step_at_restart > step_at_kill,
+        "no step between {step_at_kill} and the restart"
+    );
+    let (summary, events) = training.await.expect("the training task");
+    let summary = summary.expect("the training finishes");
+    assert_eq!(summary.failures, 0, "{events:?}");
+    assert_eq!(summary.losses.len() as u64, TRAINING_STEPS);
+    assert!(summary.losses.values().all(|l| l.is_finite()), "{:?}", summary.losses);
+    let attempts = events
+        .iter()
+        .filter(|e| matches!(e, TrainEvent::Started { .. }))
+        .count();
+    assert_eq!(attempts, 1, "no restart from a checkpoint: {events:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// 20 s of training on an idle 2-core machine (150 steps/s), 70 s beside a CPU hog: it
+/// must still run when the restarted head is checked, 5 s after the kill.
+const TRAINING_STEPS: u64 = 3_000;
+
+fn training_config(dir: &std::path::Path) -> TrainConfig {
+    let mut config = TrainConfig::default();
+    config.data.path = format!("{}/data/corpus.txt", env!("CARGO_MANIFEST_DIR"));
+    config.world_size = 2;
+    config.zero_stage = ZeroStage::Two;
+    config.steps = TRAINING_STEPS;
+    config.micro_batch_size = 2;
+    config.checkpoint.dir = dir.join("checkpoints").to_string_lossy().into_owned();
+    config.checkpoint.interval = 500;
+    config.stall_timeout_secs = 60;
+    config
+}
+
+/// The numbers of a log's `tick N` lines, checked to run 0, 1, 2, ... with no gap.
+fn ticks(log: &str) -> Vec<u64> {
+    let numbers: Vec<u64> = log
+        .lines()
+        .filter_map(|l| l.strip_prefix("tick "))
+        .map(|n| n.trim().parse().expect("a tick number"))
+        .collect();
+    for (i, n) in numbers.iter().enumerate() {
+        assert_eq!(*n, i as u64, "a line was lost or repeated around tick {i}");
+    }
+    numbers
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

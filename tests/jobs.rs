@@ -197,8 +197,12 @@ fn ticks(log: &str) -> Vec<u64> {
 }
 
 fn process_exists(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|stat| !stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')))
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        !stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|rest| rest.trim_start().starts_with('Z'))
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -209,7 +213,9 @@ async fn running_jobs_outlive_a_head_killed_and_the_restarted_head_follows_and_s
     api.wait(&done, Duration::from_millis(50)).await.expect("wait");
     // Counts one line every 50 ms until stopped.
     let ticking = api
-        .submit(&submission("i=0; while true; do echo tick $i; i=$((i+1)); sleep 0.05; done"))
+        .submit(&submission(
+            "i=0; while true; do echo tick $i; i=$((i+1)); sleep 0.05; done",
+        ))
         .await
         .expect("submit");
     // Ends by itself while the head is down.
@@ -230,12 +236,18 @@ async fn running_jobs_outlive_a_head_killed_and_the_restarted_head_follows_and_s
     assert!(process_exists(driver.pid), "the driver must outlive the head");
     cluster.local.start_head_again().expect("start the head again");
 
-    eventually("the brief job's end, recorded by the restarted head", Duration::from_secs(15), || async {
-        api.status(&brief).await.ok()?.status.is_terminal().then_some(())
-    })
+    eventually(
+        "the brief job's end, recorded by the restarted head",
+        Duration::from_secs(15),
+        || async { api.status(&brief).await.ok()?.status.is_terminal().then_some(()) },
+    )
     .await;
     let record = api.status(&brief).await.expect("brief");
-    assert_eq!((record.status, record.driver_exit_code), (JobStatus::Failed, Some(3)), "{record:?}");
+    assert_eq!(
+        (record.status, record.driver_exit_code),
+        (JobStatus::Failed, Some(3)),
+        "{record:?}"
+    );
     assert_eq!(api.logs(&brief).await.expect("logs"), "ended while the head was away\n");
     assert_eq!(api.status(&done).await.expect("done").status, JobStatus::Succeeded);
     assert_eq!(api.logs(&done).await.expect("logs kept"), "first\n");

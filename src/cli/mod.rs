@@ -193,6 +193,10 @@ struct HeadArgs {
     /// Bytes of each job's log kept on disk (in two parts, rotated).
     #[arg(long, value_parser = parse_bytes, default_value = "64MiB")]
     job_log_bytes: u64,
+    /// Stop running jobs when this head is stopped (SIGTERM, Ctrl-C). Without it their
+    /// drivers keep running, and the next head on this state directory takes them back.
+    #[arg(long)]
+    stop_jobs_on_exit: bool,
     #[command(flatten)]
     objects: ObjectArgs,
     #[command(flatten)]
@@ -376,6 +380,9 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
     }
     crate::signal::shutdown_signal().await;
     tracing::info!("head shutting down");
+    if args.stop_jobs_on_exit {
+        head.stop_jobs().await;
+    }
     head.stop();
     Ok(ExitCode::SUCCESS)
 }

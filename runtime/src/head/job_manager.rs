@@ -317,6 +317,23 @@ impl JobManager {
         Ok(true)
     }
 
+    /// Stops every running job at once; returns when they all ended or after the grace
+    /// period (their supervisors finish the stops without this head).
+    pub(crate) async fn stop_all(&self) {
+        let running: Vec<String> = self
+            .records()
+            .values()
+            .filter(|r| !r.status.is_terminal())
+            .map(|r| r.submission_id.clone())
+            .collect();
+        if running.is_empty() {
+            return;
+        }
+        tracing::info!(jobs = running.len(), "stopping the running jobs");
+        let stops = running.iter().map(|id| self.stop(id));
+        let _ = tokio::time::timeout(self.inner.config.stop_grace, futures::future::join_all(stops)).await;
+    }
+
     /// Publishes the count of jobs in each state.
     pub(crate) fn publish_metrics(&self) {
         let mut counts: BTreeMap<JobStatus, i64> = BTreeMap::new();

@@ -91,12 +91,21 @@ pub struct RunningHead {
     pub job_api: Option<SocketAddr>,
     /// The metrics and service-discovery endpoint's address, when it runs.
     pub metrics: Option<SocketAddr>,
+    jobs: Option<JobManager>,
 }
 
 impl RunningHead {
     /// Stops the head actor.
     pub fn stop(&self) {
         self.actor.stop(None);
+    }
+
+    /// Stops every running job: each supervisor is asked to stop its driver (and finishes
+    /// that even if this head exits first); waits up to the grace period for their ends.
+    pub async fn stop_jobs(&self) {
+        if let Some(jobs) = &self.jobs {
+            jobs.stop_all().await;
+        }
     }
 }
 
@@ -189,6 +198,7 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
         }
         None => (None, None),
     };
+    let manager_for_stop = manager.clone();
     let _ = sources.set((objects.clone(), manager));
     // Isolated: the head never dials the peers its peers name. Workers and clients dial it and
     // each other; a head that dialed them too raced their own connection, and `ractor_cluster`
@@ -198,6 +208,7 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     tracing::info!(address = %local.address, "head is up");
     Ok(RunningHead {
         job_api,
+        jobs: manager_for_stop,
         metrics,
         address: local.address.clone(),
         actor,
