@@ -183,13 +183,13 @@ pub struct JobRecord {
     pub driver_pid: Option<u32>,
     /// The process that runs and watches the driver (`regatta job-shim`): not the head, so
     /// the driver outlives a head restart and the restarted head finds it again.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub supervisor: Option<ProcessIdentity>,
     /// The driver process, told apart from a later process that reuses its pid.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub driver: Option<ProcessIdentity>,
     /// The placement group holding the driver's resources, removed when the job ends.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub driver_group: Option<GroupId>,
 }
 
