@@ -79,8 +79,9 @@ fn bench_data_prints_the_loaders_tokens_per_second_and_memory_locally_and_on_s3(
 }
 
 /// The scale simulator itself cannot rot: 200 simulated nodes over real sessions, 10,000
-/// actors, groups held, a tenth of the nodes killed at once; every node is seen alive,
-/// every actor placed and started, and every actor running again after the loss.
+/// actors, groups held, the head killed and started again, a tenth of the nodes killed at
+/// once; every node is seen alive, every actor placed and started, every node back with
+/// every actor after the head's restart, and every actor running again after the loss.
 #[test]
 fn bench_scale_quick_places_every_actor_on_simulated_nodes() {
     let out = Command::new(env!("CARGO_BIN_EXE_regatta"))
@@ -104,6 +105,8 @@ fn bench_scale_quick_places_every_actor_on_simulated_nodes() {
         "scale head memory per actor bytes",
         "scale placement group of 40 bundles created, ready and removed per second",
         "scale 20 nodes dead at once: their actors running again seconds",
+        "scale head killed and started again with 10000 actors: every node back seconds",
+        "scale head snapshot of 10000 actors: loop stopped for milliseconds",
     ] {
         let (line, value) = figure(&text, case);
         assert!(value > 0.0, "{line}");

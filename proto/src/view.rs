@@ -183,6 +183,9 @@ pub enum View {
 pub struct Overview {
     /// Nodes alive.
     pub nodes_alive: usize,
+    /// Of those, the nodes a restarted head still waits for to register again.
+    #[serde(default)]
+    pub nodes_rejoining: usize,
     /// Nodes dead.
     pub nodes_dead: usize,
     /// Each resource over the alive nodes, by name (GPU and accelerator tags included).

@@ -57,6 +57,8 @@ pub struct Metrics {
     pub(crate) job_seconds: HistogramVec,
     /// How long the head's loop took per request, by kind (a spawn's includes placing it).
     pub(crate) head_request_seconds: HistogramVec,
+    /// How long the head's loop stopped to encode a snapshot of its state.
+    pub(crate) head_snapshot_seconds: HistogramVec,
 }
 
 /// Buckets for the head's per-request time: microseconds to a second.
@@ -135,8 +137,20 @@ impl Metrics {
         .expect("valid metric");
         r.register(Box::new(head_request_seconds.clone()))
             .expect("registers once");
+        let head_snapshot_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "regatta_head_snapshot_seconds",
+                "Time the head's loop stopped to encode a snapshot of the cluster's state (when: recovery, or the log passed its size)",
+            )
+            .buckets(vec![1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]),
+            &["when"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(head_snapshot_seconds.clone()))
+            .expect("registers once");
         Self {
             head_request_seconds,
+            head_snapshot_seconds,
             snapshot: Mutex::new(()),
             actor_messages,
             handler_seconds,

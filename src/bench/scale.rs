@@ -310,6 +310,9 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
     );
 
     groups(&client, bench).await?;
+    if bench.durable {
+        head_restart(cluster, &client, bench).await?;
+    }
 
     // Nodes dying at once: the doomed simulator process is killed.
     // The guard still holds it: killed and reaped here, and again (harmlessly) on drop.
@@ -345,6 +348,72 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
         &[recovered],
     );
     drop(simulators);
+    Ok(())
+}
+
+/// The head killed (SIGKILL) and started again on its state directory: how long until it
+/// answers again, and until every node has registered again with all its actors, none
+/// started again; how long it stopped to encode the snapshot of what it read back (the
+/// same pause as a snapshot taken when the log fills).
+async fn head_restart(cluster: &mut LocalCluster, client: &Client, bench: &ScaleBench) -> anyhow::Result<()> {
+    let state = cluster.head_state_dir();
+    let on_disk: u64 = ["cluster.state", "cluster.log"]
+        .iter()
+        .map(|f| std::fs::metadata(state.join(f)).map_or(0, |m| m.len()))
+        .sum();
+    cluster.kill_head()?;
+    let killed = Instant::now();
+    cluster.start_head_again()?;
+    let deadline = killed + Duration::from_secs(300);
+    let (nodes, actors) = (bench.nodes, bench.actors);
+    let mut answering = None;
+    let seen = loop {
+        match overview(client).await {
+            Ok(seen) => {
+                answering.get_or_insert(killed.elapsed());
+                if seen.nodes_alive == nodes && seen.nodes_rejoining == 0 && alive(&seen) == actors {
+                    break seen;
+                }
+                if Instant::now() > deadline {
+                    bail!("the restarted head: {seen:?}");
+                }
+            }
+            Err(e) if Instant::now() > deadline => bail!("the restarted head did not answer: {e}"),
+            Err(_) => {}
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let rejoined = killed.elapsed();
+    let restarts = seen.actors.get("restarting").copied().unwrap_or(0);
+    println!(
+        "# head restarted on {:.1} MB of state: {} nodes, {}/{actors} actors alive, {restarts} restarting",
+        on_disk as f64 / 1e6,
+        seen.nodes_alive,
+        alive(&seen)
+    );
+    let answering = answering.unwrap_or(rejoined);
+    report(
+        &format!("scale head killed and started again with {actors} actors: answering"),
+        "seconds",
+        &[answering.as_secs_f64()],
+    );
+    report(
+        &format!("scale head killed and started again with {actors} actors: every node back"),
+        "seconds",
+        &[rejoined.as_secs_f64()],
+    );
+    let host = cluster.metrics_address.trim_start_matches("http://").to_string();
+    let text = http_get(&host, "/metrics")?;
+    let encode = text
+        .lines()
+        .find_map(|l| l.strip_prefix("regatta_head_snapshot_seconds_sum{when=\"recovery\"} "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .context("the restarted head's metrics have no recovery snapshot time")?;
+    report(
+        &format!("scale head snapshot of {actors} actors: loop stopped for"),
+        "milliseconds",
+        &[encode * 1000.0],
+    );
     Ok(())
 }
 

@@ -23,6 +23,7 @@ impl Scheduler {
                 continue;
             }
             overview.nodes_alive += 1;
+            overview.nodes_rejoining += usize::from(self.rejoining.contains(&node.info.name));
             let used = node.ledger.used();
             for (name, amount) in node.ledger.total().iter() {
                 let entry = total.entry(name.to_string()).or_default();

@@ -148,7 +148,10 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
             let lock = state_file::lock(dir)?;
             let (core, now, seq) = recover(&file, config.heartbeat_timeout_ms, config.object_grace_ms)?;
             // A snapshot of everything recovered, so the log starts empty.
-            file.write(&file.encode(&core.snapshot(now), seq)?)?;
+            let encoding = Instant::now();
+            let snapshot = file.encode(&core.snapshot(now), seq)?;
+            observe_snapshot("recovery", encoding.elapsed(), snapshot.len());
+            file.write(&snapshot)?;
             let log = file.start_log()?;
             (
                 Some(Recovery {
@@ -216,6 +219,20 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
         _objects: objects,
         _state_lock: lock,
     })
+}
+
+/// Records how long encoding a snapshot held the head's loop.
+fn observe_snapshot(when: &str, took: Duration, bytes: usize) {
+    crate::metrics::metrics()
+        .head_snapshot_seconds
+        .with_label_values(&[when])
+        .observe(took.as_secs_f64());
+    tracing::info!(
+        when,
+        bytes,
+        millis = took.as_millis() as u64,
+        "encoded a snapshot of the cluster's state"
+    );
 }
 
 /// Sends the head actor its liveness tick, a tenth of the heartbeat timeout apart.
@@ -387,8 +404,10 @@ impl HeadState {
         persist.writing = persist.writer.send(Write::Append { bytes, answers }).is_ok();
         if persist.since_checkpoint >= state_file::CHECKPOINT_BYTES {
             persist.since_checkpoint = 0;
+            let encoding = Instant::now();
             match persist.file.encode(&self.core.snapshot(now), persist.seq) {
                 Ok(snapshot) => {
+                    observe_snapshot("log-full", encoding.elapsed(), snapshot.len());
                     let _ = persist.writer.send(Write::Checkpoint(snapshot));
                 }
                 Err(e) => tracing::error!(error = %e, "could not encode the head's state; its log keeps growing"),
@@ -565,6 +584,7 @@ impl Actor for Head {
 /// The head's core read back from its state files: the snapshot, then the changes logged
 /// after it. Returns the core, the clock to go on from and the last change's number.
 fn recover(file: &StateFile, heartbeat_timeout_ms: u64, object_grace_ms: u64) -> Result<(HeadCore, u64, u64)> {
+    let started = Instant::now();
     let recovered = file.recover()?;
     let restored = recovered.saved.is_some() || !recovered.changes.is_empty();
     let mut clock = recovered.saved.as_ref().map_or(0, Saved::saved_at_ms);
@@ -600,6 +620,7 @@ fn recover(file: &StateFile, heartbeat_timeout_ms: u64, object_grace_ms: u64) ->
         actors = status.actors.len(),
         groups = status.groups.len(),
         objects = status.objects.objects,
+        millis = started.elapsed().as_millis() as u64,
         "took the cluster's state back; its nodes register again with the actors they run, and nothing new is placed until they have (or time out)"
     );
     if lost > 0 {
