@@ -270,6 +270,37 @@ fn ticks(log: &str) -> Vec<u64> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_object_whose_registration_died_with_the_head_is_found_through_the_restarted_head() {
+    let mut cluster = TestCluster::start(&[("w1", "CPU=2")]).await;
+    let store = cluster
+        .client
+        .spawn::<Store>((), ActorOptions::new().resources(req("CPU=0.1")))
+        .await
+        .expect("store");
+    // The head is frozen, so the put's registration (sent, not awaited) waits unread in
+    // its socket and dies with it: only the client's report after it joins again tells
+    // the new head where the object is.
+    let head = cluster.local.pids()[0].to_string();
+    signal("STOP", &head);
+    let reference = cluster
+        .client
+        .put_bytes(pattern(4_096, 9))
+        .await
+        .expect("the put is sent to the frozen head");
+    cluster.local.kill_head().expect("kill the head");
+    cluster.local.start_head_again().expect("start the head again");
+    rejoined(&cluster, 1).await;
+    match store
+        .call(StoreOp::Get(reference))
+        .await
+        .expect("a worker gets the object")
+    {
+        StoreReply::Got { digest: got, .. } => assert_eq!(got, digest(&pattern(4_096, 9))),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_actor_killed_while_its_worker_was_away_is_stopped_when_the_worker_registers_again() {
     // The head's word holds for what was asked: a kill the restored head took while the
     // node had not come back is carried out when the node registers with its actors.

@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::node::{self, LocalNode, SessionEvent};
 use crate::objects::{ObjectConfig, ObjectService};
+use crate::protocol::HeadRequest;
 
 /// How long a client waits between attempts to join a head that went away.
 const REJOIN_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
@@ -38,6 +39,7 @@ fn keep_joined(
     local: std::sync::Weak<LocalNode>,
     mut events: tokio::sync::broadcast::Receiver<SessionEvent>,
     address: String,
+    rejoined: tokio::sync::watch::Sender<u64>,
 ) {
     use tokio::sync::broadcast::error::RecvError;
     tokio::spawn(async move {
@@ -64,6 +66,7 @@ fn keep_joined(
                 match local.join(&address).await {
                     Ok(_) => {
                         tracing::info!(head = %address, "joined the head again");
+                        rejoined.send_modify(|n| *n += 1);
                         break;
                     }
                     Err(Error::TokenRefused { .. }) => {
@@ -75,6 +78,30 @@ fn keep_joined(
                         tokio::time::sleep(REJOIN_EVERY).await;
                     }
                 }
+            }
+        }
+    });
+}
+
+/// Tells each head this client joins again which objects it holds: a put's registration is
+/// sent without waiting, so a head killed just after it may not have it on disk; and the
+/// directory takes the holder's word, as for a worker's registration.
+fn report_objects_on_rejoin(
+    objects: std::sync::Weak<ObjectService>,
+    link: Arc<HeadLink>,
+    mut rejoined: tokio::sync::watch::Receiver<u64>,
+) {
+    tokio::spawn(async move {
+        while rejoined.changed().await.is_ok() {
+            let Some(store) = objects.upgrade() else { return };
+            let (node, address) = store.location();
+            let (node, address) = (node.to_string(), address.to_string());
+            let Ok(objects) = tokio::task::spawn_blocking(move || store.held()).await else {
+                continue;
+            };
+            let held = HeadRequest::ObjectsHeld { node, address, objects };
+            if let Err(e) = link.ask::<()>(&held, std::time::Duration::from_secs(30)).await {
+                tracing::warn!(error = %e, "could not tell the restarted head which objects this client holds");
             }
         }
     });
@@ -109,7 +136,8 @@ impl Client {
         let events = local.events();
         let head = local.join(address).await?;
         let local = Arc::new(local);
-        keep_joined(Arc::downgrade(&local), events, address.to_string());
+        let (rejoined, on_rejoin) = tokio::sync::watch::channel(0);
+        keep_joined(Arc::downgrade(&local), events, address.to_string(), rejoined);
         let link =
             Arc::new(HeadLink::new(local.scope().to_string(), head, address.to_string()).with_peers(local.peers()));
         // One token identity serves the object transfer and the call channel.
@@ -118,6 +146,7 @@ impl Client {
                 let identity = regatta_object_store::identity_from_token(token)?;
                 let config = ObjectConfig::for_client(&host);
                 let objects = ObjectService::start(&name, &identity, config, link.clone()).await?;
+                report_objects_on_rejoin(Arc::downgrade(&objects), link.clone(), on_rejoin);
                 (Some(objects), CallPlane::new(CallTls::new(&identity), path))
             }
             None => (None, CallPlane::session_only()),
