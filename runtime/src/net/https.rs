@@ -18,7 +18,7 @@ use std::time::Duration;
 use regatta_object_store::{TlsIdentity, SERVER_NAME};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::mpsc;
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use tokio_rustls::rustls::client::WebPkiServerVerifier;
@@ -28,6 +28,7 @@ use tokio_rustls::rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
+use super::handshake_slots::{HandshakeSlots, MAX_HANDSHAKES};
 use crate::error::{Error, Result};
 
 /// How the head serves its job API.
@@ -49,10 +50,6 @@ pub enum ApiTls {
 
 /// How long a connection may take to finish its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Handshakes under way at once; a connection beyond them is closed at once (see
-/// `session_tls::MAX_HANDSHAKES`).
-const MAX_HANDSHAKES: usize = 1024;
 
 /// The first byte of a TLS record carrying a handshake.
 const TLS_HANDSHAKE: u8 = 0x16;
@@ -110,7 +107,7 @@ impl TlsIncoming {
         let (done, ready) = mpsc::channel(MAX_HANDSHAKES);
         let acceptor = TlsAcceptor::from(config);
         let accepting = tokio::spawn(async move {
-            let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+            let handshakes = HandshakeSlots::new();
             loop {
                 let (stream, peer) = match listener.accept().await {
                     Ok(accepted) => accepted,
@@ -120,9 +117,12 @@ impl TlsIncoming {
                         continue;
                     }
                 };
-                let Ok(permit) = handshakes.clone().try_acquire_owned() else {
-                    tracing::warn!(%peer, "closed a connection to the {what} at once: {MAX_HANDSHAKES} TLS handshakes under way");
-                    continue;
+                let permit = match handshakes.take(peer.ip()) {
+                    Ok(slot) => slot,
+                    Err(refusal) => {
+                        tracing::warn!(%peer, "closed a connection to the {what} at once: {refusal}");
+                        continue;
+                    }
                 };
                 let (acceptor, done) = (acceptor.clone(), done.clone());
                 tokio::spawn(async move {

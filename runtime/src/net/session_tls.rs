@@ -15,15 +15,14 @@
 //! peer node when it first needs one ([`super::node::Peers::reach`]).
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
+use super::handshake_slots::HandshakeSlots;
 use ractor::ActorRef;
 use ractor_cluster::{BoxRead, BoxWrite, ClusterBidiStream, NodeServerMessage};
 use regatta_object_store::{TlsIdentity, SERVER_NAME};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::ServerName;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
@@ -35,11 +34,6 @@ const ALPN: &[u8] = b"regatta-sessions/1";
 /// How long a connection may take to finish its TLS handshake, either way (milliseconds
 /// between nodes, even on a loaded machine).
 pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Handshakes under way at once on one listener; a connection beyond them is closed at
-/// once. Each waiting one costs a task and a socket, so the cap is high: holding it full
-/// takes a thousand silent connections renewed every [`HANDSHAKE_TIMEOUT`].
-const MAX_HANDSHAKES: usize = 1024;
 
 /// Why an outgoing session could not be opened.
 #[derive(Debug)]
@@ -113,7 +107,7 @@ impl SessionTls {
     /// hands every finished one to `server` as an incoming session. Returns when the
     /// server has stopped.
     pub(crate) async fn serve(self, listener: TcpListener, server: ActorRef<NodeServerMessage>) {
-        let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+        let handshakes = HandshakeSlots::new();
         loop {
             let (stream, peer) = match listener.accept().await {
                 Ok(accepted) => accepted,
@@ -128,9 +122,12 @@ impl SessionTls {
             if !matches!(server.get_status(), ractor::ActorStatus::Running) {
                 return;
             }
-            let Ok(permit) = handshakes.clone().try_acquire_owned() else {
-                tracing::warn!(peer = %peer, "closed a connection at once: {MAX_HANDSHAKES} TLS handshakes already under way on the cluster port");
-                continue;
+            let permit = match handshakes.take(peer.ip()) {
+                Ok(slot) => slot,
+                Err(refusal) => {
+                    tracing::warn!(peer = %peer, "closed a connection at once: {refusal} on the cluster port");
+                    continue;
+                }
             };
             let acceptor = self.acceptor.clone();
             let server = server.clone();

@@ -1,0 +1,141 @@
+//! Bookkeeping of the TLS handshakes under way on one listener: at most a fixed number at
+//! once, and at most a quarter of them from any one source address, so that silent
+//! connections from one host cannot shut every other node out. Pure; the accept loops in
+//! `session_tls` and `https` hold a [`Slot`] for each handshake.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+
+/// Handshakes under way at once on one listener. Each waiting one costs a task and a
+/// socket, so the cap is high: holding it full takes a thousand silent connections
+/// renewed every handshake deadline.
+pub(crate) const MAX_HANDSHAKES: usize = 1024;
+
+/// Handshakes under way at once from one source address.
+pub(crate) const MAX_HANDSHAKES_PER_SOURCE: usize = MAX_HANDSHAKES / 4;
+
+/// Why a connection gets no handshake slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// Every slot is taken.
+    Full,
+    /// This source holds its share.
+    SourceFull,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Full => write!(f, "{MAX_HANDSHAKES} TLS handshakes already under way"),
+            Self::SourceFull => write!(
+                f,
+                "{MAX_HANDSHAKES_PER_SOURCE} TLS handshakes already under way from this address"
+            ),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counts {
+    total: usize,
+    by_source: HashMap<IpAddr, usize>,
+}
+
+/// The slots of one listener; cheap to clone.
+#[derive(Clone, Debug)]
+pub(crate) struct HandshakeSlots {
+    counts: Arc<Mutex<Counts>>,
+    max_total: usize,
+    max_per_source: usize,
+}
+
+/// One handshake's slot, given back when dropped.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    counts: Arc<Mutex<Counts>>,
+    source: IpAddr,
+}
+
+impl HandshakeSlots {
+    /// Slots with the listener caps.
+    pub(crate) fn new() -> Self {
+        Self::with_caps(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE)
+    }
+
+    fn with_caps(max_total: usize, max_per_source: usize) -> Self {
+        Self {
+            counts: Arc::default(),
+            max_total,
+            max_per_source,
+        }
+    }
+
+    /// A slot for a handshake from `source`, or why there is none.
+    pub(crate) fn take(&self, source: IpAddr) -> Result<Slot, Refusal> {
+        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        if counts.total >= self.max_total {
+            return Err(Refusal::Full);
+        }
+        let from_source = counts.by_source.entry(source).or_insert(0);
+        if *from_source >= self.max_per_source {
+            return Err(Refusal::SourceFull);
+        }
+        *from_source += 1;
+        counts.total += 1;
+        Ok(Slot {
+            counts: self.counts.clone(),
+            source,
+        })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        counts.total = counts.total.saturating_sub(1);
+        if let Some(n) = counts.by_source.get_mut(&self.source) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                counts.by_source.remove(&self.source);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::from([10, 0, 0, last])
+    }
+
+    #[test]
+    fn one_source_cannot_take_the_slots_of_the_others() {
+        let slots = HandshakeSlots::with_caps(4, 2);
+        let a1 = slots.take(ip(1)).expect("first from a");
+        let _a2 = slots.take(ip(1)).expect("second from a");
+        assert_eq!(slots.take(ip(1)).err(), Some(Refusal::SourceFull));
+        let _b1 = slots.take(ip(2)).expect("b has its own share");
+        let _c1 = slots.take(ip(3)).expect("c too");
+        assert_eq!(slots.take(ip(4)).err(), Some(Refusal::Full));
+        drop(a1);
+        let _a3 = slots.take(ip(1)).expect("a slot given back is free again");
+    }
+
+    #[test]
+    fn slots_given_back_leave_no_trace() {
+        let slots = HandshakeSlots::with_caps(2, 1);
+        for round in 0..3u8 {
+            let held: Vec<Slot> = [ip(round), ip(round + 10)]
+                .into_iter()
+                .map(|source| slots.take(source).expect("free"))
+                .collect();
+            drop(held);
+        }
+        let counts = slots.counts.lock().expect("lock");
+        assert_eq!(counts.total, 0);
+        assert!(counts.by_source.is_empty(), "{counts:?}");
+    }
+}
