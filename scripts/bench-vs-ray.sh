@@ -6,6 +6,8 @@
 # on a 2-core machine; run it on an otherwise idle machine.
 # `scripts/bench-vs-ray.sh objects` runs only the object cases (cross-node get between two
 # Ray nodes with their own object stores on this machine, against `regatta bench objects`).
+# `scripts/bench-vs-ray.sh store` runs Ray's object store put/get cases ("Plasma Store",
+# "single client put gigabytes") against `regatta bench objects`.
 # `scripts/bench-vs-ray.sh actors` runs only Ray's "1:1 actor calls" cases against
 # `regatta bench actors` (with the machine's loopback round-trip floor beside them).
 set -euo pipefail
@@ -28,6 +30,20 @@ cargo build --release --bin regatta
 if [ "$suite" = "objects" ]; then
     echo "== Ray $ray_version: cross-node get"
     python "scripts/ray_bench.py" "$trials" objects 2>&1 | tee "$out/ray.txt"
+    echo "== Regatta: regatta bench objects"
+    ./target/release/regatta bench objects --trials "$trials" 2>/dev/null | tee "$out/regatta.txt"
+    echo
+    echo "Machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(lscpu | sed -n 's/^Model name: *//p'); $(date -u +%Y-%m-%d)"
+    python3 scripts/bench_table.py "$out/ray.txt" "$out/regatta.txt" | tee "$out/table.md"
+    exit 0
+fi
+if [ "$suite" = "store" ]; then
+    echo "== Ray $ray_version: ray microbenchmark, the object store's put and get cases"
+    ray stop --force >/dev/null 2>&1 || true
+    RAY_DISABLE_USAGE_STATS=1 TESTS_TO_RUN="Plasma Store" timeout 1800 ray microbenchmark 2>&1 | tee "$out/ray.txt" || true
+    ray stop --force >/dev/null 2>&1 || true
+    RAY_DISABLE_USAGE_STATS=1 TESTS_TO_RUN="single client put gigabytes" timeout 1800 ray microbenchmark 2>&1 | tee -a "$out/ray.txt" || true
+    ray stop --force >/dev/null 2>&1 || true
     echo "== Regatta: regatta bench objects"
     ./target/release/regatta bench objects --trials "$trials" 2>/dev/null | tee "$out/regatta.txt"
     echo

@@ -12,7 +12,7 @@ use std::time::Duration;
 use regatta::kinds::{digest, pattern, Counter, CounterOp, CounterReply, Store, StoreOp, StoreReply};
 use regatta::{ActorId, ActorOptions, ActorState, JobClient, JobStatus, JobSubmission, Resources, Strategy};
 use regatta_trainer::{TrainConfig, TrainEvent, TrainerGroup, ZeroStage};
-use support::{eventually, temp_dir, TestCluster};
+use support::{eventually, temp_dir, ticks, TestCluster};
 
 fn req(text: &str) -> Resources {
     Resources::parse_request(text).expect("resources")
@@ -256,18 +256,6 @@ fn training_config(dir: &std::path::Path) -> TrainConfig {
     config
 }
 
-/// The numbers of a log's `tick N` lines, checked to run 0, 1, 2, ... with no gap.
-fn ticks(log: &str) -> Vec<u64> {
-    let numbers: Vec<u64> = log
-        .lines()
-        .filter_map(|l| l.strip_prefix("tick "))
-        .map(|n| n.trim().parse().expect("a tick number"))
-        .collect();
-    for (i, n) in numbers.iter().enumerate() {
-        assert_eq!(*n, i as u64, "a line was lost or repeated around tick {i}");
-    }
-    numbers
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_object_whose_registration_died_with_the_head_is_found_through_the_restarted_head() {

@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use regatta::{ActorState, Error, JobClient, JobStatus, JobSubmission};
-use support::{eventually, TestCluster};
+use support::{eventually, ticks, TestCluster};
 
 fn job_driver() -> PathBuf {
     example("job_driver")
@@ -181,19 +181,6 @@ async fn stopping_a_job_ends_its_process_group_and_its_actors() {
         !api.stop(&id).await.expect("second stop"),
         "stopping a finished job is a no-op"
     );
-}
-
-/// The numbers of the `tick N` lines of a log, which must run 0, 1, 2, ... with no gap.
-fn ticks(log: &str) -> Vec<u64> {
-    let numbers: Vec<u64> = log
-        .lines()
-        .filter_map(|l| l.strip_prefix("tick "))
-        .map(|n| n.trim().parse().expect("a tick number"))
-        .collect();
-    for (i, n) in numbers.iter().enumerate() {
-        assert_eq!(*n, i as u64, "the log lost or repeated a line around tick {i}: {log}");
-    }
-    numbers
 }
 
 fn process_exists(pid: u32) -> bool {

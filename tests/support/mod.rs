@@ -327,3 +327,16 @@ pub fn errors_text(dir: &Path) -> String {
     }
     all
 }
+
+/// The numbers of the `tick N` lines of a log, which must run 0, 1, 2, ... with no gap.
+pub fn ticks(log: &str) -> Vec<u64> {
+    let numbers: Vec<u64> = log
+        .lines()
+        .filter_map(|l| l.strip_prefix("tick "))
+        .map(|n| n.trim().parse().expect("a tick number"))
+        .collect();
+    for (i, n) in numbers.iter().enumerate() {
+        assert_eq!(*n, i as u64, "the log lost or repeated a line around tick {i}: {log}");
+    }
+    numbers
+}
