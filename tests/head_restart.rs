@@ -256,7 +256,6 @@ fn training_config(dir: &std::path::Path) -> TrainConfig {
     config
 }
 
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_object_whose_registration_died_with_the_head_is_found_through_the_restarted_head() {
     let mut cluster = TestCluster::start(&[("w1", "CPU=2")]).await;
