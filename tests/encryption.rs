@@ -5,14 +5,17 @@
 //! nor the cluster token. A marker sent in cleartext on purpose proves the capture sees.
 //!
 //! And the cluster port refuses what does not prove the token at the TLS handshake: a
-//! node of another cluster, plain bytes, a silent connection; the job API's HTTPS port
-//! answers plain HTTP with a pointer to HTTPS and refuses another cluster's certificate.
+//! node of another cluster, plain bytes, a silent connection, a recorded session sent
+//! again; the job API's HTTPS port answers plain HTTP with a pointer to HTTPS, refuses
+//! another cluster's certificate, and a recorded submission sent again submits nothing.
 
 mod support;
 
-use std::io::Write;
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -471,4 +474,136 @@ async fn a_head_serves_the_operators_own_certificate_which_clients_trust_with_it
     let log = cluster.local.log("bad-head");
     assert!(log.contains("bad.pem") && log.contains("certificate"), "{log}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A TCP relay on a free loopback port to `target` that keeps, per connection, every byte
+/// the client sent: what an eavesdropper on the path could record and send again.
+fn recording_relay(target: String) -> (String, Arc<Mutex<Vec<Vec<u8>>>>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a relay");
+    let address = listener.local_addr().expect("relay address").to_string();
+    let recorded: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
+    let keep = recorded.clone();
+    std::thread::spawn(move || {
+        for client in listener.incoming().flatten() {
+            let Ok(server) = TcpStream::connect(&target) else {
+                continue;
+            };
+            let index = {
+                let mut all = keep.lock().expect("recording");
+                all.push(Vec::new());
+                all.len() - 1
+            };
+            let (mut from_client, mut to_server) =
+                (client.try_clone().expect("clone"), server.try_clone().expect("clone"));
+            let keep = keep.clone();
+            std::thread::spawn(move || {
+                let mut buffer = [0u8; 64 * 1024];
+                while let Ok(n @ 1..) = from_client.read(&mut buffer) {
+                    keep.lock().expect("recording")[index].extend_from_slice(&buffer[..n]);
+                    if to_server.write_all(&buffer[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = to_server.shutdown(std::net::Shutdown::Write);
+            });
+            let (mut from_server, mut to_client) = (server, client);
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut from_server, &mut to_client);
+                let _ = to_client.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    (address, recorded)
+}
+
+/// Sends `bytes` to `address` on a new connection and reads what comes back until the
+/// peer closes or 3 s pass.
+fn replay(address: &str, bytes: &[u8]) -> Vec<u8> {
+    let mut stream = TcpStream::connect(address).expect("connect for the replay");
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(3)));
+    let _ = stream.write_all(bytes);
+    let mut answer = Vec::new();
+    let _ = stream.read_to_end(&mut answer);
+    answer
+}
+
+fn refusals(cluster: &TestCluster) -> usize {
+    cluster
+        .local
+        .log("head")
+        .matches("did not prove the cluster token")
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recorded_traffic_replayed_to_the_tls_ports_opens_no_session_and_submits_no_job() {
+    let cluster = TestCluster::start(&[("w1", "CPU=2")]).await;
+
+    // A job submitted through the relay, then everything the client sent, sent again.
+    let job_port = support::host_of(&cluster.local.job_address).to_string();
+    let (relay, recorded) = recording_relay(job_port.clone());
+    let through_relay = JobClient::new(&format!("https://{relay}"), &cluster.local.token).expect("client");
+    let submission = JobSubmission {
+        entrypoint: "echo once".into(),
+        ..Default::default()
+    };
+    let id = through_relay
+        .submit(&submission)
+        .await
+        .expect("a submission through the relay");
+    drop(through_relay);
+    let connections = recorded.lock().expect("recording").clone();
+    assert!(
+        connections.iter().any(|c| c.len() > 200),
+        "the relay recorded the submission"
+    );
+    for bytes in &connections {
+        let answer = replay(&job_port, bytes);
+        assert!(!contains(&answer, "submission_id"), "a replay got an answer");
+    }
+    let api = JobClient::new(&cluster.local.job_address, &cluster.local.token).expect("client");
+    let jobs = api.list().await.expect("list");
+    assert_eq!(
+        jobs.iter().map(|j| j.submission_id.clone()).collect::<Vec<_>>(),
+        vec![id],
+        "the replayed submission must not make a second job"
+    );
+
+    // A client's whole session with the head (a status through the relay), sent again.
+    let (relay, recorded) = recording_relay(cluster.local.address.clone());
+    let out = Command::new(env!("CARGO_BIN_EXE_regatta"))
+        .args(["status", "--address", &relay])
+        .env("REGATTA_TOKEN", &cluster.local.token)
+        .output()
+        .expect("regatta status");
+    assert!(
+        out.status.success(),
+        "status through the relay: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let before = refusals(&cluster);
+    let connections = recorded.lock().expect("recording").clone();
+    assert!(!connections.is_empty(), "the relay recorded the session");
+    for bytes in &connections {
+        replay(&cluster.local.address, bytes);
+    }
+    support::eventually("the head to refuse the replays", Duration::from_secs(10), || async {
+        (refusals(&cluster) >= before + connections.len()).then_some(())
+    })
+    .await;
+    let status = cluster.client.status().await.expect("the head still answers");
+    let clients = status.nodes.iter().filter(|n| n.state == "alive").count();
+    assert_eq!(
+        clients, 1,
+        "the worker is alive and no replayed node joined: {status:?}"
+    );
+    let echo = cluster
+        .client
+        .spawn::<Echo>("ok:".into(), ActorOptions::new())
+        .await
+        .expect("spawn still works");
+    assert_eq!(
+        echo.call("still here".into()).await.expect("call").text,
+        "ok:still here"
+    );
 }

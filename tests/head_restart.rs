@@ -309,6 +309,14 @@ async fn an_actor_killed_while_its_worker_was_away_is_stopped_when_the_worker_re
         .spawn::<Counter>(2, ActorOptions::new().resources(req("CPU=1")))
         .await
         .expect("spawn");
+    // Both run on the worker before the head goes: a spawn answers once the actor is
+    // placed, and on a loaded machine its start could still be on the way.
+    for (counter, total) in [(&keep, 1), (&doomed, 2)] {
+        assert_eq!(
+            counter.call(CounterOp::Get).await.expect("started"),
+            CounterReply::Total(total)
+        );
+    }
     let worker = cluster.local.worker_pid(0).expect("worker pid").to_string();
     cluster.local.kill_head().expect("kill");
     signal("STOP", &worker);
