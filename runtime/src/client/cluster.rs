@@ -242,7 +242,7 @@ impl Cluster {
         };
         outcome.map_err(|e| match e {
             CallError::Timeout => "timeout".to_string(),
-            CallError::Unreachable(c) => c,
+            CallError::Unreachable(c) | CallError::NotSent(c) => c,
         })
     }
 }

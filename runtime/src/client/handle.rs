@@ -132,6 +132,15 @@ impl<A: Actor> ActorHandle<A> {
                     self.forget();
                     return Err(self.explain_lost_call(cause).await);
                 }
+                // Nothing was delivered: find the route again (a fresh session) and resend.
+                Err(CallError::NotSent(cause)) => {
+                    self.forget();
+                    if Instant::now() >= deadline {
+                        return Err(self.explain_lost_call(cause).await);
+                    }
+                    tokio::time::sleep(NOT_HOSTED_BACKOFF).await;
+                    continue;
+                }
             };
             // The reply is encoded once by the host as `Result<A::Reply, Failure>` (a router
             // or a stopping host answers `Err` alone, which decodes the same way).
@@ -173,7 +182,7 @@ impl<A: Actor> ActorHandle<A> {
         sent.map_err(|e| {
             self.forget();
             let cause = match e {
-                CallError::Unreachable(cause) => cause,
+                CallError::Unreachable(cause) | CallError::NotSent(cause) => cause,
                 CallError::Timeout => "the message could not be sent in time".to_string(),
             };
             Error::CallFailed { actor: self.id, cause }

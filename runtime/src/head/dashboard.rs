@@ -267,7 +267,7 @@ async fn actor_logs(State(api): State<Api>, Path(id): Path<String>) -> Response 
     let request = wire::encode(&AgentRequest::Logs(id));
     let lines = match wire::call_raw(&agent, request, VIEW_TIMEOUT).await {
         Ok(reply) => wire::decode::<Result<Vec<LogLine>, Failure>>(&reply, "actor log lines").and_then(|r| r),
-        Err(wire::CallError::Unreachable(why)) => Err(Failure::Rejected(why)),
+        Err(wire::CallError::Unreachable(why) | wire::CallError::NotSent(why)) => Err(Failure::Rejected(why)),
         Err(wire::CallError::Timeout) => Err(Failure::Rejected(format!("no answer in {VIEW_TIMEOUT:?}"))),
     };
     match lines {

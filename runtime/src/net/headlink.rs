@@ -97,9 +97,16 @@ impl HeadLink {
                         timeout,
                     })
                 }
-                Err(CallError::Unreachable(cause)) => {
+                Err(error) => {
+                    // A request that never left can always be sent again; one that may
+                    // have been delivered, only when asking twice does no harm.
+                    let (unsent, cause) = match error {
+                        CallError::NotSent(cause) => (true, cause),
+                        CallError::Unreachable(cause) => (false, cause),
+                        CallError::Timeout => (false, "no reply in time".to_string()),
+                    };
                     let again = deadline.saturating_duration_since(Instant::now()).min(RESESSION_GRACE);
-                    if request.retryable() && self.wait_for_another(&head, again).await {
+                    if (unsent || request.retryable()) && self.wait_for_another(&head, again).await {
                         tracing::debug!(what, %cause, "the head's session was replaced; asking again");
                         continue;
                     }

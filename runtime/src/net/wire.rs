@@ -176,6 +176,10 @@ pub fn reply<T: Serialize>(port: RpcReplyPort<Vec<u8>>, result: Result<T, Failur
 pub enum CallError {
     /// The actor could not be reached (stopped, or its node is gone).
     Unreachable(String),
+    /// The message never left this process: the session it was to go through had closed
+    /// (its node is gone, or ractor_cluster dropped one of two sessions opened to the same
+    /// node at once). Sending it again through a fresh route is safe.
+    NotSent(String),
     /// No reply in time.
     Timeout,
 }
@@ -234,7 +238,7 @@ async fn call_with(
         Ok(ractor::rpc::CallResult::SenderError) => Err(CallError::Unreachable(
             "the actor stopped or its node was lost before replying".into(),
         )),
-        Err(e) => Err(CallError::Unreachable(format!("could not deliver the message: {e}"))),
+        Err(e) => Err(CallError::NotSent(format!("could not deliver the message: {e}"))),
     }
 }
 

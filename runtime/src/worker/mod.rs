@@ -238,7 +238,7 @@ async fn register(cluster: &Cluster, agent: &ActorRef<Wire>, info: &NodeInfo, ti
                     .and_then(|r| r)
                     .map_err(|f| Error::Actor(format!("the node agent did not list its actors: {f:?}")))?
             }
-            Err(wire::CallError::Unreachable(why)) => {
+            Err(wire::CallError::Unreachable(why) | wire::CallError::NotSent(why)) => {
                 return Err(Error::Actor(format!("the node agent did not list its actors: {why}")))
             }
             Err(wire::CallError::Timeout) => {

@@ -229,7 +229,7 @@ async fn open(tls: &CallTls, target: &Target<'_>) -> Result<Connection> {
                 what: format!("node {}'s router naming its call channel", target.node),
                 timeout: CONNECT_TIMEOUT,
             },
-            CallError::Unreachable(cause) => Error::Rejected(cause),
+            CallError::Unreachable(cause) | CallError::NotSent(cause) => Error::Rejected(cause),
         })?;
     let address: std::result::Result<Option<CallAddress>, Failure> =
         wire::decode(&reply, "a router's call channel address").map_err(|f| failure_to_error(f, None))?;
