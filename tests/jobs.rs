@@ -183,6 +183,32 @@ async fn stopping_a_job_ends_its_process_group_and_its_actors() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_a_job_whose_driver_left_a_background_process_ends_that_process() {
+    let cluster = two_workers().await;
+    let api = jobs(&cluster);
+    let id = api
+        .submit(&submission("sleep 300 & echo left behind"))
+        .await
+        .expect("submit");
+    let pid = eventually("the driver to print", Duration::from_secs(15), || async {
+        api.logs(&id).await.ok()?.contains("left behind").then_some(())?;
+        api.status(&id).await.ok()?.driver_pid
+    })
+    .await;
+    // The driver has exited; the sleep it left holds its output open, so the job runs on.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(api.status(&id).await.expect("status").status, JobStatus::Running);
+    assert!(group_alive(pid), "the background sleep runs in the driver's group");
+    assert!(api.stop(&id).await.expect("stop"), "a running job is stopped");
+    let record = api.wait(&id, Duration::from_millis(50)).await.expect("wait");
+    assert_eq!(record.status, JobStatus::Stopped, "{record:?}");
+    eventually("the background process to exit", Duration::from_secs(10), || async {
+        (!group_alive(pid)).then_some(())
+    })
+    .await;
+}
+
 fn process_exists(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
         !stat

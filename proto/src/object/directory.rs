@@ -114,9 +114,18 @@ impl Directory {
         address: &str,
         job: Option<String>,
     ) -> Result<(), String> {
-        if self.objects.contains_key(&id) {
-            return Err(format!("object {id} already exists"));
+        if let Some(meta) = self.objects.get_mut(&id) {
+            if meta.size != size || meta.checksum != checksum {
+                return Err(format!("object {id} already exists"));
+            }
+            // The same bytes registered again by a process that holds them (a client
+            // telling a restarted head what it holds): one more source, nothing dropped.
+            meta.sources.insert(node.to_string(), address.to_string());
+            meta.holders.insert(holder.to_string());
+            self.lost.remove(&id);
+            return Ok(());
         }
+        self.lost.remove(&id);
         self.objects.insert(
             id,
             Meta {
@@ -395,6 +404,25 @@ mod tests {
         assert!(dir.locate(ObjectId(1)).is_ok());
         // An unreferenced copy taken back is released after the grace period.
         assert_eq!(dir.collect(20_001 + 1_000).len(), 1);
+    }
+
+    #[test]
+    fn the_same_bytes_put_again_add_a_source_and_other_bytes_are_refused() {
+        let mut dir = dir_with(1, "w1");
+        // A client registering again what it holds: idempotent, one more source.
+        dir.put(ObjectId(1), 10, 42, "client", "client", "caddr", None)
+            .expect("the same bytes again");
+        let sources = dir.locate(ObjectId(1)).unwrap().sources;
+        assert_eq!(sources.len(), 2, "{sources:?}");
+        assert!(dir.put(ObjectId(1), 10, 43, "client", "client", "caddr", None).is_err());
+        assert!(dir.put(ObjectId(1), 11, 42, "client", "client", "caddr", None).is_err());
+        // An object given up as lost comes back when a holder registers it again.
+        dir.reconcile("w1", "addr", &[], 5);
+        dir.reconcile("client", "caddr", &[], 5);
+        assert!(dir.locate(ObjectId(1)).is_err());
+        dir.put(ObjectId(1), 10, 42, "client", "client", "caddr", None)
+            .expect("registered again");
+        assert!(dir.locate(ObjectId(1)).is_ok());
     }
 
     #[test]

@@ -83,12 +83,14 @@ fn keep_joined(
     });
 }
 
-/// Tells each head this client joins again which objects it holds: a put's registration is
-/// sent without waiting, so a head killed just after it may not have it on disk; and the
-/// directory takes the holder's word, as for a worker's registration.
+/// Registers again, with each head this client joins again, the objects it holds: a put's
+/// registration is sent without waiting, so a head killed just after it may not have it on
+/// disk. Only adds (a put of the same bytes is idempotent at the head, a copy is one more
+/// source): a put made while this runs is never dropped, as a whole-list report could.
 fn report_objects_on_rejoin(
     objects: std::sync::Weak<ObjectService>,
     link: Arc<HeadLink>,
+    job: Option<String>,
     mut rejoined: tokio::sync::watch::Receiver<u64>,
 ) {
     tokio::spawn(async move {
@@ -96,12 +98,30 @@ fn report_objects_on_rejoin(
             let Some(store) = objects.upgrade() else { return };
             let (node, address) = store.location();
             let (node, address) = (node.to_string(), address.to_string());
-            let Ok(objects) = tokio::task::spawn_blocking(move || store.held()).await else {
+            let Ok(held) = tokio::task::spawn_blocking(move || store.held()).await else {
                 continue;
             };
-            let held = HeadRequest::ObjectsHeld { node, address, objects };
-            if let Err(e) = link.ask::<()>(&held, std::time::Duration::from_secs(30)).await {
-                tracing::warn!(error = %e, "could not tell the restarted head which objects this client holds");
+            for object in held {
+                let request = if object.referenced {
+                    HeadRequest::ObjectPut {
+                        id: object.id,
+                        size: object.size,
+                        checksum: object.checksum,
+                        node: node.clone(),
+                        address: address.clone(),
+                        job: job.clone(),
+                    }
+                } else {
+                    HeadRequest::ObjectAddSource {
+                        id: object.id,
+                        node: node.clone(),
+                        address: address.clone(),
+                    }
+                };
+                if let Err(e) = link.send(&request) {
+                    tracing::warn!(error = %e, "could not register this client's objects with the restarted head");
+                    break;
+                }
             }
         }
     });
@@ -146,7 +166,8 @@ impl Client {
                 let identity = regatta_object_store::identity_from_token(token)?;
                 let config = ObjectConfig::for_client(&host);
                 let objects = ObjectService::start(&name, &identity, config, link.clone()).await?;
-                report_objects_on_rejoin(Arc::downgrade(&objects), link.clone(), on_rejoin);
+                let job = std::env::var(crate::job::JOB_ID_ENV).ok().filter(|j| !j.is_empty());
+                report_objects_on_rejoin(Arc::downgrade(&objects), link.clone(), job, on_rejoin);
                 (Some(objects), CallPlane::new(CallTls::new(&identity), path))
             }
             None => (None, CallPlane::session_only()),

@@ -291,6 +291,9 @@ impl JobManager {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(id.to_string());
+        // Read again after marking the stop: a supervisor recorded before this read gets
+        // the signal here; one recorded after it sees the mark in `run` and is signalled there.
+        let record = self.get(id)?;
         let Some(supervisor) = record.supervisor else {
             // Not started: the job's task sees the stop before it starts a supervisor.
             self.update(id, |r| r.stopped_before_start(now_ms()));
@@ -539,6 +542,10 @@ impl JobManager {
                 match job_shim::read_json::<ShimOutcome>(&files.status) {
                     Some(outcome) => self.record_outcome(id, outcome),
                     None => {
+                        // Its driver must not run on untracked, with the cluster token.
+                        if let Some(driver) = self.get(id).ok().and_then(|r| r.driver) {
+                            job_shim::signal_group_of(&driver, "KILL");
+                        }
                         let stopping = self.is_stopping(id);
                         let why = format!(
                             "the job's supervisor (pid {}) ended without recording how the driver ended: {}",

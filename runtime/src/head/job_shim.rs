@@ -171,10 +171,10 @@ pub async fn supervise_job(args: ShimArgs) -> Result<ShimOutcome> {
         },
         Ok((mut child, copies)) => {
             let driver = child.id().unwrap_or(0);
-            let (status, stopped) = tokio::select! {
+            let group = format!("-{driver}");
+            let (status, mut stopped) = tokio::select! {
                 status = child.wait() => (status, false),
                 _ = terminate.recv() => {
-                    let group = format!("-{driver}");
                     kill("TERM", &group);
                     let status = match tokio::time::timeout(args.stop_grace, child.wait()).await {
                         Ok(status) => status,
@@ -188,12 +188,22 @@ pub async fn supervise_job(args: ShimArgs) -> Result<ShimOutcome> {
                     (status, true)
                 }
             };
-            for copy in copies {
-                if stopped {
-                    let _ = tokio::time::timeout(Duration::from_secs(2), copy).await;
-                } else {
-                    let _ = copy.await;
+            // Background processes the driver started may still hold its output open; the
+            // job ends when they close it, or when it is stopped (its group id cannot be
+            // reused while they live).
+            let outputs = futures::future::join_all(copies);
+            tokio::pin!(outputs);
+            if !stopped {
+                tokio::select! {
+                    _ = &mut outputs => {}
+                    _ = terminate.recv() => {
+                        kill("KILL", &group);
+                        stopped = true;
+                    }
                 }
+            }
+            if stopped {
+                let _ = tokio::time::timeout(Duration::from_secs(2), &mut outputs).await;
             }
             match status {
                 Ok(status) => {

@@ -238,7 +238,11 @@ async fn call_with(
         Ok(ractor::rpc::CallResult::SenderError) => Err(CallError::Unreachable(
             "the actor stopped or its node was lost before replying".into(),
         )),
-        Err(e) => Err(CallError::NotSent(format!("could not deliver the message: {e}"))),
+        // Refused at enqueue: the route closed, nothing left this process.
+        Err(e @ (ractor::MessagingErr::SendErr(_) | ractor::MessagingErr::ChannelClosed)) => {
+            Err(CallError::NotSent(format!("could not deliver the message: {e}")))
+        }
+        Err(e) => Err(CallError::Unreachable(format!("could not deliver the message: {e}"))),
     }
 }
 
