@@ -101,11 +101,20 @@ pub(crate) fn parse_stat(text: &str) -> Option<(char, u64)> {
 
 /// The identity of the live process `pid`; `None` when there is none, or only a zombie.
 pub(crate) fn identity_of(pid: u32) -> Option<ProcessIdentity> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    match parse_stat(&text)? {
+    match stat_of(pid)? {
         ('Z' | 'X', _) => None,
         (_, start_ticks) => Some(ProcessIdentity { pid, start_ticks }),
     }
+}
+
+/// The identity of a child this process has not reaped yet, even when it has already
+/// exited (a zombie keeps its start time).
+fn child_identity(pid: u32) -> Option<ProcessIdentity> {
+    stat_of(pid).map(|(_, start_ticks)| ProcessIdentity { pid, start_ticks })
+}
+
+fn stat_of(pid: u32) -> Option<(char, u64)> {
+    parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
 }
 
 /// Whether `process` still runs: the same pid with the same start time.
@@ -250,7 +259,8 @@ fn start_driver(args: &ShimArgs, files: &RunFiles) -> std::result::Result<(tokio
         .spawn()
         .map_err(|e| format!("could not start the driver: {e}"))?;
     let pid = child.id().unwrap_or(0);
-    if let Some(identity) = identity_of(pid) {
+    // Not reaped before `wait`: a driver that already exited still has its identity.
+    if let Some(identity) = child_identity(pid) {
         if let Err(e) = write_json_atomically(&files.driver, &identity) {
             tracing::warn!(job = %args.job, error = %e, "could not record the driver's identity");
         }
