@@ -267,7 +267,7 @@ async fn running_jobs_outlive_a_head_killed_and_the_restarted_head_follows_and_s
 
     let record = api.status(&ticking).await.expect("ticking");
     assert_eq!(record.status, JobStatus::Running, "{record:?}");
-    assert_eq!(record.driver, Some(driver), "the same driver, not a new one");
+    assert_eq!(record.driver.as_ref(), Some(&driver), "the same driver, not a new one");
     // 3 s of outage at 50 ms a line: the log kept every line written while the head was down.
     let ticks_after = eventually("the log to grow after the restart", Duration::from_secs(10), || async {
         let n = ticks(&api.logs(&ticking).await.ok()?).len();

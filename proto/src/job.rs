@@ -193,14 +193,18 @@ pub struct JobRecord {
     pub driver_group: Option<GroupId>,
 }
 
-/// A process told apart from any later one that reuses its pid: the pid and its start time
-/// (clock ticks after boot, field 22 of `/proc/<pid>/stat`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// A process told apart from any later one that reuses its pid: the pid, its start time
+/// (clock ticks after boot, field 22 of `/proc/<pid>/stat`) and the boot it ran in (the
+/// state directory outlives a reboot, after which pids and start times repeat).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProcessIdentity {
     /// The process id.
     pub pid: u32,
     /// When it started, in clock ticks after boot.
     pub start_ticks: u64,
+    /// The kernel's boot id (`/proc/sys/kernel/random/boot_id`).
+    #[serde(default)]
+    pub boot: String,
 }
 
 impl JobRecord {

@@ -505,7 +505,7 @@ impl JobManager {
             )
         })?;
         self.update(id, |r| {
-            r.supervisor = Some(supervisor);
+            r.supervisor = Some(supervisor.clone());
             r.message = "starting the driver".into();
         });
         tracing::info!(job = id, supervisor = pid, "job supervisor started");
@@ -526,11 +526,12 @@ impl JobManager {
             }
             if self.get(id).is_ok_and(|r| r.driver.is_none()) {
                 if let Some(driver) = job_shim::read_json::<ProcessIdentity>(&files.driver) {
+                    let pid = driver.pid;
                     self.update(id, |r| {
-                        r.started(driver.pid, now_ms());
+                        r.started(pid, now_ms());
                         r.driver = Some(driver);
                     });
-                    tracing::info!(job = id, pid = driver.pid, "driver started");
+                    tracing::info!(job = id, pid, "driver started");
                 }
             }
             if let Some(outcome) = job_shim::read_json::<ShimOutcome>(&files.status) {

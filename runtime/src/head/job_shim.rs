@@ -103,14 +103,29 @@ pub(crate) fn parse_stat(text: &str) -> Option<(char, u64)> {
 pub(crate) fn identity_of(pid: u32) -> Option<ProcessIdentity> {
     match stat_of(pid)? {
         ('Z' | 'X', _) => None,
-        (_, start_ticks) => Some(ProcessIdentity { pid, start_ticks }),
+        (_, start_ticks) => Some(ProcessIdentity {
+            pid,
+            start_ticks,
+            boot: boot_id(),
+        }),
     }
+}
+
+/// This boot's id; empty where the kernel does not say.
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|id| id.trim().to_string())
+        .unwrap_or_default()
 }
 
 /// The identity of a child this process has not reaped yet, even when it has already
 /// exited (a zombie keeps its start time).
 fn child_identity(pid: u32) -> Option<ProcessIdentity> {
-    stat_of(pid).map(|(_, start_ticks)| ProcessIdentity { pid, start_ticks })
+    stat_of(pid).map(|(_, start_ticks)| ProcessIdentity {
+        pid,
+        start_ticks,
+        boot: boot_id(),
+    })
 }
 
 fn stat_of(pid: u32) -> Option<(char, u64)> {
@@ -308,12 +323,21 @@ mod tests {
         assert!(is_alive(&me));
         let impostor = ProcessIdentity {
             start_ticks: me.start_ticks + 1,
-            ..me
+            ..me.clone()
         };
         assert!(!is_alive(&impostor));
         assert!(
             !signal_process(&impostor, "TERM"),
             "a different start time is another process"
+        );
+        assert!(!me.boot.is_empty(), "this kernel names its boot");
+        let before_a_reboot = ProcessIdentity {
+            boot: "another boot".into(),
+            ..me
+        };
+        assert!(
+            !is_alive(&before_a_reboot),
+            "a record from another boot is another process"
         );
     }
 
@@ -323,7 +347,7 @@ mod tests {
         let real = identity_of(sleeper.id()).expect("sleeper");
         let reused = ProcessIdentity {
             start_ticks: real.start_ticks.wrapping_sub(1),
-            ..real
+            ..real.clone()
         };
         assert!(!signal_process(&reused, "KILL"));
         assert!(!signal_group_of(&reused, "KILL"));
