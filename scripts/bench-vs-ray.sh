@@ -26,15 +26,19 @@ out="${BENCH_OUT:-target/bench}"
 mkdir -p "$out"
 
 suite="${1:-all}"
+# The machine, then Ray's and Regatta's figures side by side (also in $out/table.md).
+print_table() {
+    echo
+    echo "Machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(lscpu | sed -n 's/^Model name: *//p'); $(date -u +%Y-%m-%d)"
+    python3 scripts/bench_table.py "$out/ray.txt" "$out/regatta.txt" | tee "$out/table.md"
+}
 cargo build --release --bin regatta
 if [ "$suite" = "objects" ]; then
     echo "== Ray $ray_version: cross-node get"
     python "scripts/ray_bench.py" "$trials" objects 2>&1 | tee "$out/ray.txt"
     echo "== Regatta: regatta bench objects"
     ./target/release/regatta bench objects --trials "$trials" 2>/dev/null | tee "$out/regatta.txt"
-    echo
-    echo "Machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(lscpu | sed -n 's/^Model name: *//p'); $(date -u +%Y-%m-%d)"
-    python3 scripts/bench_table.py "$out/ray.txt" "$out/regatta.txt" | tee "$out/table.md"
+    print_table
     exit 0
 fi
 if [ "$suite" = "store" ]; then
@@ -46,9 +50,7 @@ if [ "$suite" = "store" ]; then
     ray stop --force >/dev/null 2>&1 || true
     echo "== Regatta: regatta bench objects"
     ./target/release/regatta bench objects --trials "$trials" 2>/dev/null | tee "$out/regatta.txt"
-    echo
-    echo "Machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(lscpu | sed -n 's/^Model name: *//p'); $(date -u +%Y-%m-%d)"
-    python3 scripts/bench_table.py "$out/ray.txt" "$out/regatta.txt" | tee "$out/table.md"
+    print_table
     exit 0
 fi
 if [ "$suite" = "actors" ]; then
@@ -61,9 +63,7 @@ if [ "$suite" = "actors" ]; then
     ray stop --force >/dev/null 2>&1 || true
     echo "== Regatta: regatta bench actors"
     ./target/release/regatta bench actors --trials "$trials" 2>/dev/null | tee "$out/regatta.txt"
-    echo
-    echo "Machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(lscpu | sed -n 's/^Model name: *//p'); $(date -u +%Y-%m-%d)"
-    python3 scripts/bench_table.py "$out/ray.txt" "$out/regatta.txt" | tee "$out/table.md"
+    print_table
     exit 0
 fi
 echo "== Ray $ray_version: ray microbenchmark"
@@ -74,6 +74,4 @@ RAY_DISABLE_USAGE_STATS=1 python "scripts/ray_bench.py" "$trials" 2>&1 | tee -a 
 ray stop --force >/dev/null 2>&1 || true
 echo "== Regatta: regatta bench"
 ./target/release/regatta bench all --trials "$trials" 2>/dev/null | tee "$out/regatta.txt"
-echo
-echo "Machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(lscpu | sed -n 's/^Model name: *//p'); $(date -u +%Y-%m-%d)"
-python3 scripts/bench_table.py "$out/ray.txt" "$out/regatta.txt" | tee "$out/table.md"
+print_table
