@@ -134,10 +134,33 @@ pub async fn scale(bench: &ScaleBench) -> anyhow::Result<()> {
     let mut cluster = LocalCluster::start(options)?;
     let outcome = run(&mut cluster, bench).await;
     if outcome.is_err() {
-        eprintln!("cluster logs kept in {}", cluster.log_path("head").display());
+        print_log_tails(&cluster.log_path("head"));
     }
     cluster.shutdown();
     outcome
+}
+
+/// Where the logs of a failed run are kept, and the end of each (the head's, the
+/// restarted head's, each simulator's), so that a failure in CI says what the processes saw.
+fn print_log_tails(head_log: &std::path::Path) {
+    let Some(dir) = head_log.parent() else { return };
+    eprintln!("cluster logs kept in {}", dir.display());
+    let mut logs: Vec<_> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|e| e == "log"))
+        .collect();
+    logs.sort();
+    for log in logs {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        eprintln!("--- the last lines of {}:", log.display());
+        for line in &lines[lines.len().saturating_sub(20)..] {
+            eprintln!("{line}");
+        }
+    }
 }
 
 async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<()> {

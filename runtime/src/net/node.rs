@@ -52,6 +52,8 @@ pub(crate) struct LocalNode {
     tls: SessionTls,
     peers: Peers,
     listener: tokio::task::JoinHandle<()>,
+    /// Held by the one [`LocalNode::rejoin`] under way (see there).
+    rejoining: tokio::sync::Mutex<()>,
     /// `host:port` others use to reach this node.
     pub(crate) address: String,
 }
@@ -113,6 +115,7 @@ impl LocalNode {
             events,
             tls,
             listener,
+            rejoining: tokio::sync::Mutex::new(()),
             address,
         })
     }
@@ -150,6 +153,19 @@ impl LocalNode {
                 other => return other,
             }
         }
+    }
+
+    /// The head's actor if this node sees one; otherwise [`Self::join`], one at a time:
+    /// the callers that wait meanwhile see the head the first one reached. Many agents
+    /// sharing one process (the scale simulator runs a hundred) would otherwise each dial
+    /// their own session to a restarted head at once, a storm of TLS handshakes that a
+    /// loaded head could not finish within their timeout, round after round.
+    pub(crate) async fn rejoin(&self, head_address: &str) -> Result<ActorCell> {
+        let _one_at_a_time = self.rejoining.lock().await;
+        if let Some(head) = first_member(&self.scope, HEAD_GROUP) {
+            return Ok(head);
+        }
+        self.join(head_address).await
     }
 
     async fn join_once(&self, head_address: &str) -> Result<ActorCell> {

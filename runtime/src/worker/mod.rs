@@ -200,7 +200,7 @@ async fn keep_membership(
     loop {
         ticker.tick().await;
         if node::first_member(cluster.scope(), node::HEAD_GROUP).is_none() {
-            match local.join(cluster.head_address()).await {
+            match local.rejoin(cluster.head_address()).await {
                 Ok(_) => tracing::info!("reconnected to the head"),
                 Err(refused @ Error::TokenRefused { .. }) => return Err(refused),
                 Err(_) => continue,
