@@ -17,6 +17,7 @@
 
 mod checksum;
 mod error;
+mod handshake_slots;
 mod identity;
 mod place;
 mod quic;
@@ -30,6 +31,9 @@ use regatta_proto::object::{directory, id, memory};
 pub use checksum::crc32;
 pub use directory::{Directory, DirectoryStats, Location, Missing, Release};
 pub use error::{Error, Result};
+pub use handshake_slots::{
+    HandshakeSlots, Refusal as HandshakeRefusal, Slot as HandshakeSlot, MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE,
+};
 pub use id::ObjectId;
 pub use identity::{identity_from_token, TlsIdentity};
 pub use memory::{MemoryStats, MemoryStore, NoRoom};

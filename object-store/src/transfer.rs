@@ -38,6 +38,7 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use crate::checksum::crc32;
 use crate::error::{Error, Result};
+use crate::handshake_slots::{HandshakeSlots, MAX_HANDSHAKES_PER_SOURCE};
 use crate::id::ObjectId;
 use crate::identity::TlsIdentity;
 pub use crate::identity::SERVER_NAME;
@@ -73,6 +74,12 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Idle connections kept per peer for the next transfers.
 const IDLE_PER_PEER: usize = 8;
+
+/// New connections this process opens at once, all peers together: a burst of gets (two
+/// hundred actors of one worker reading one object) waits here rather than crowding a
+/// holder's handshake slots, of which one address holds at most
+/// [`MAX_HANDSHAKES_PER_SOURCE`]; four processes of one host bursting together still fit.
+const CONNECTING_AT_ONCE: usize = MAX_HANDSHAKES_PER_SOURCE / 4;
 
 /// What a node serves: pinned bytes of objects it holds.
 pub trait ObjectSource: Send + Sync + 'static {
@@ -116,6 +123,7 @@ struct Shared {
     acceptor: TlsAcceptor,
     connector: TlsConnector,
     idle: Mutex<HashMap<SocketAddr, Vec<ClientStream>>>,
+    connecting: tokio::sync::Semaphore,
 }
 
 /// A node's object transfer endpoint: serves its objects and fetches from peers.
@@ -178,6 +186,7 @@ impl Transfer {
                 acceptor: TlsAcceptor::from(identity.server.clone()),
                 connector: TlsConnector::from(identity.client.clone()),
                 idle: Mutex::new(HashMap::new()),
+                connecting: tokio::sync::Semaphore::new(CONNECTING_AT_ONCE),
             }),
             corrupt,
             host: (shared_memory_allowed() && !corrupt)
@@ -221,6 +230,7 @@ impl Transfer {
         };
         let (acceptor, corrupt, host) = (self.shared.acceptor.clone(), self.corrupt, self.host);
         tokio::spawn(async move {
+            let handshakes = HandshakeSlots::new();
             loop {
                 let (stream, peer) = match listener.accept().await {
                     Ok(accepted) => accepted,
@@ -230,11 +240,22 @@ impl Transfer {
                         continue;
                     }
                 };
+                // Connections that never finish their handshake hold a slot each, and one
+                // address only a quarter of them: silent ones cannot pile up without bound.
+                let slot = match handshakes.take(peer.ip()) {
+                    Ok(slot) => slot,
+                    Err(refusal) => {
+                        tracing::warn!(%peer, "closed an object-transfer connection at once: {refusal}");
+                        continue;
+                    }
+                };
                 let (acceptor, source) = (acceptor.clone(), source.clone());
                 tokio::spawn(async move {
                     let _ = stream.set_nodelay(true);
                     let _ = keep_alive(&stream);
-                    let stream = match tokio::time::timeout(CONNECT_TIMEOUT, acceptor.accept(stream)).await {
+                    let handshake = tokio::time::timeout(CONNECT_TIMEOUT, acceptor.accept(stream)).await;
+                    drop(slot);
+                    let stream = match handshake {
                         Ok(Ok(stream)) => stream,
                         Ok(Err(e)) => {
                             tracing::warn!(%peer, error = %e, "refused an object-transfer connection");
@@ -261,6 +282,8 @@ impl Transfer {
             let name = ServerName::try_from(SERVER_NAME).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
             self.shared.connector.connect(name, stream).await
         };
+        // Never closed, so acquiring only waits; the wait is not part of the timeout.
+        let _turn = self.shared.connecting.acquire().await;
         match tokio::time::timeout(CONNECT_TIMEOUT, handshake).await {
             Ok(Ok(stream)) => Ok(stream),
             Ok(Err(e)) => Err(Error::Transfer(format!(
@@ -424,7 +447,7 @@ async fn receive_stream(
         )));
     }
     let length = usize::try_from(size).map_err(|_| failed(&"object too large for this platform"))?;
-    let mut buffer = vec![0u8; length];
+    let mut buffer = crate::shm::receive_buffer(length);
     let mut whole = crc32fast::Hasher::new();
     let mut filled = 0usize;
     while filled < length {
@@ -681,6 +704,47 @@ mod tests {
         // The holder serves on after refusing the stranger.
         let again = member.fetch(addr, id, bytes.len() as u64, crc32(&bytes)).await.unwrap();
         assert_eq!(again.bytes, bytes);
+    }
+
+    #[tokio::test]
+    async fn silent_connections_from_one_address_hold_at_most_its_share_of_handshakes() {
+        use crate::handshake_slots::MAX_HANDSHAKES_PER_SOURCE;
+        let server = node("t");
+        let id = ObjectId(3);
+        let bytes = object(1000);
+        server.serve(Arc::new(One(id, bytes.clone())));
+        let addr = server.local_addr();
+        let mut silent = Vec::new();
+        for _ in 0..MAX_HANDSHAKES_PER_SOURCE {
+            silent.push(TcpStream::connect(addr).await.unwrap());
+        }
+        let mut byte = [0u8; 1];
+        // One more from the same address is closed at once, not held to a deadline.
+        let mut extra = TcpStream::connect(addr).await.unwrap();
+        let closed = tokio::time::timeout(Duration::from_secs(5), extra.read(&mut byte))
+            .await
+            .expect("the connection over the share is closed at once");
+        assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+        // Those within the share are held open, waiting for their handshake.
+        let held = tokio::time::timeout(Duration::from_millis(300), silent[0].read(&mut byte)).await;
+        assert!(held.is_err(), "a connection within the share is held: {held:?}");
+        // Their slots come back when they close, and members fetch again.
+        drop(silent);
+        let member = node("t");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match member.fetch(addr, id, bytes.len() as u64, crc32(&bytes)).await {
+                Ok(got) => {
+                    assert_eq!(got.bytes, bytes);
+                    break;
+                }
+                Err(e) if std::time::Instant::now() < deadline => {
+                    tracing::debug!(error = %e, "slots not back yet");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("the slots never came back: {e}"),
+            }
+        }
     }
 
     #[tokio::test]

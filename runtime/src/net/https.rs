@@ -28,8 +28,8 @@ use tokio_rustls::rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
-use super::handshake_slots::{HandshakeSlots, MAX_HANDSHAKES};
 use crate::error::{Error, Result};
+use regatta_object_store::{HandshakeSlots, MAX_HANDSHAKES};
 
 /// How the head serves its job API.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

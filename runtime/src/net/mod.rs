@@ -3,7 +3,6 @@
 //! the small HTTP helpers.
 
 pub(crate) mod calls;
-pub(crate) mod handshake_slots;
 pub(crate) mod headlink;
 pub(crate) mod http;
 pub(crate) mod https;

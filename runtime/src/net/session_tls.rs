@@ -17,9 +17,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use super::handshake_slots::HandshakeSlots;
 use ractor::ActorRef;
 use ractor_cluster::{BoxRead, BoxWrite, ClusterBidiStream, NodeServerMessage};
+use regatta_object_store::HandshakeSlots;
 use regatta_object_store::{TlsIdentity, SERVER_NAME};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};

@@ -1,11 +1,12 @@
 //! The serving side of the call channel: one per worker process, handing each request to
 //! the hosted actor's queue and writing its reply back on the same connection.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::stream::{FuturesUnordered, StreamExt};
+use regatta_object_store::{HandshakeSlot, HandshakeSlots};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, oneshot, Mutex};
@@ -87,8 +88,11 @@ struct Node {
     routes: Routes,
 }
 
-/// The next connection on either listener.
-async fn accept(tcp: &TcpListener, local: Option<&UnixListener>) -> std::io::Result<(Socket, String)> {
+/// The next connection on either listener, with the address its handshake slot is
+/// counted against: the peer's, or for the Unix socket (only this host's processes reach
+/// it) the unspecified IPv6 address, which no TCP peer has, so that silent TCP connections
+/// from loopback never shut this host's processes out of the socket.
+async fn accept(tcp: &TcpListener, local: Option<&UnixListener>) -> std::io::Result<(Socket, String, IpAddr)> {
     let unix = async {
         match local {
             Some(listener) => listener.accept().await,
@@ -96,17 +100,20 @@ async fn accept(tcp: &TcpListener, local: Option<&UnixListener>) -> std::io::Res
         }
     };
     tokio::select! {
-        accepted = tcp.accept() => accepted.map(|(stream, peer)| (Socket::Tcp(stream), peer.to_string())),
-        accepted = unix => accepted.map(|(stream, _)| (Socket::Unix(stream), "a same-host process".to_string())),
+        accepted = tcp.accept() => accepted.map(|(stream, peer)| (Socket::Tcp(stream), peer.to_string(), peer.ip())),
+        accepted = unix => accepted.map(|(stream, _)| {
+            (Socket::Unix(stream), "a same-host process".to_string(), IpAddr::V6(Ipv6Addr::UNSPECIFIED))
+        }),
     }
 }
 
 async fn accept_loop(listener: TcpListener, local: Option<UnixListener>, tls: CallTls, node: Arc<Node>) {
     // Owned here so that stopping the listener closes its connections too.
     let mut connections = JoinSet::new();
+    let handshakes = HandshakeSlots::new();
     loop {
         while connections.try_join_next().is_some() {}
-        let (stream, peer) = match accept(&listener, local.as_ref()).await {
+        let (stream, peer, source) = match accept(&listener, local.as_ref()).await {
             Ok(accepted) => accepted,
             Err(e) => {
                 // Out of descriptors and the like: wait rather than spin.
@@ -115,9 +122,18 @@ async fn accept_loop(listener: TcpListener, local: Option<UnixListener>, tls: Ca
                 continue;
             }
         };
+        // Connections that never finish their handshake hold a slot each, and one address
+        // only a quarter of them: silent ones cannot pile up without bound.
+        let slot = match handshakes.take(source) {
+            Ok(slot) => slot,
+            Err(refusal) => {
+                tracing::warn!(%peer, "closed a call channel connection at once: {refusal}");
+                continue;
+            }
+        };
         let (tls, node) = (tls.clone(), node.clone());
         connections.spawn(async move {
-            if let Err(e) = serve(stream, &tls, node).await {
+            if let Err(e) = serve(stream, slot, &tls, node).await {
                 tracing::debug!(%peer, error = %e, "call channel connection ended");
             }
         });
@@ -132,13 +148,14 @@ type Waiting = (u64, oneshot::Receiver<Vec<u8>>);
 /// Serves one connection until the peer closes it or sends something malformed. Reading
 /// requests and writing replies run in this one task, so stopping it (the listener was
 /// dropped) closes the connection even while actors still hold calls.
-async fn serve(stream: Socket, tls: &CallTls, node: Arc<Node>) -> Result<()> {
+async fn serve(stream: Socket, slot: HandshakeSlot, tls: &CallTls, node: Arc<Node>) -> Result<()> {
     if let Socket::Tcp(tcp) = &stream {
         tcp.set_nodelay(true).map_err(io("set TCP_NODELAY"))?;
         keep_alive(tcp).map_err(io("set TCP keep-alives"))?;
     }
-    let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.acceptor.accept(stream))
-        .await
+    let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.acceptor.accept(stream)).await;
+    drop(slot);
+    let stream = handshake
         .map_err(|_| Error::Timeout {
             what: "a call channel TLS handshake".into(),
             timeout: HANDSHAKE_TIMEOUT,

@@ -272,6 +272,52 @@ async fn garbage_on_the_port_closes_that_connection_only() {
 }
 
 #[tokio::test]
+async fn silent_connections_from_one_address_hold_at_most_its_share_and_shut_no_one_else_out() {
+    let (served, inbox) = serve("t").await;
+    reverse_calls(inbox);
+    let tcp = &served.server.address().tcp;
+    let mut silent = Vec::new();
+    for _ in 0..regatta_object_store::MAX_HANDSHAKES_PER_SOURCE {
+        silent.push(tokio::net::TcpStream::connect(tcp).await.unwrap());
+    }
+    let mut byte = [0u8; 1];
+    // One more from the same address is closed at once, not held to a deadline.
+    let mut extra = tokio::net::TcpStream::connect(tcp).await.unwrap();
+    let closed = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::io::AsyncReadExt::read(&mut extra, &mut byte),
+    )
+    .await
+    .expect("the connection over the share is closed at once");
+    assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+    // Those within the share are held, waiting for their handshake.
+    let held = tokio::time::timeout(
+        Duration::from_millis(300),
+        tokio::io::AsyncReadExt::read(&mut silent[0], &mut byte),
+    )
+    .await;
+    assert!(held.is_err(), "a connection within the share is held: {held:?}");
+    // This host's processes still get in by the Unix socket meanwhile.
+    let connection = open(&served).await;
+    assert_eq!(connection.transport(), Transport::Unix);
+    assert!(connection.call(ACTOR, b"ok", soon()).await.is_ok());
+    // The slots come back when the silent ones close: TCP gets in again.
+    drop(silent);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let tcp_only = CallAddress {
+        local: None,
+        ..served.server.address().clone()
+    };
+    loop {
+        match connect(&served.tls, &tcp_only, "n1").await {
+            Ok(connection) if connection.call(ACTOR, b"ok", soon()).await.is_ok() => break,
+            _ if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(50)).await,
+            _ => panic!("the slots never came back"),
+        }
+    }
+}
+
+#[tokio::test]
 async fn calls_waiting_when_the_listener_stops_fail_at_once() {
     let (served, mut inbox) = serve("t").await;
     let connection = open(&served).await;

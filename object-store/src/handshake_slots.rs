@@ -1,7 +1,8 @@
 //! Bookkeeping of the TLS handshakes under way on one listener: at most a fixed number at
 //! once, and at most a quarter of them from any one source address, so that silent
-//! connections from one host cannot shut every other node out. Pure; the accept loops in
-//! `session_tls` and `https` hold a [`Slot`] for each handshake.
+//! connections from one host cannot shut every other node out. Pure; the accept loops
+//! of the cluster port and the job API (`regatta-runtime`), of the call channel and of the
+//! object transfer hold a [`Slot`] for each handshake, from accept until it finishes.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -10,14 +11,15 @@ use std::sync::{Arc, Mutex};
 /// Handshakes under way at once on one listener. Each waiting one costs a task and a
 /// socket, so the cap is high: holding it full takes a thousand silent connections
 /// renewed every handshake deadline.
-pub(crate) const MAX_HANDSHAKES: usize = 1024;
+pub const MAX_HANDSHAKES: usize = 1024;
 
 /// Handshakes under way at once from one source address.
-pub(crate) const MAX_HANDSHAKES_PER_SOURCE: usize = MAX_HANDSHAKES / 4;
+pub const MAX_HANDSHAKES_PER_SOURCE: usize = MAX_HANDSHAKES / 4;
 
 /// Why a connection gets no handshake slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Refusal {
+#[non_exhaustive]
+pub enum Refusal {
     /// Every slot is taken.
     Full,
     /// This source holds its share.
@@ -44,7 +46,7 @@ struct Counts {
 
 /// The slots of one listener; cheap to clone.
 #[derive(Clone, Debug)]
-pub(crate) struct HandshakeSlots {
+pub struct HandshakeSlots {
     counts: Arc<Mutex<Counts>>,
     max_total: usize,
     max_per_source: usize,
@@ -52,14 +54,14 @@ pub(crate) struct HandshakeSlots {
 
 /// One handshake's slot, given back when dropped.
 #[derive(Debug)]
-pub(crate) struct Slot {
+pub struct Slot {
     counts: Arc<Mutex<Counts>>,
     source: IpAddr,
 }
 
 impl HandshakeSlots {
     /// Slots with the listener caps.
-    pub(crate) fn new() -> Self {
+    pub fn new() -> Self {
         Self::with_caps(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE)
     }
 
@@ -72,7 +74,7 @@ impl HandshakeSlots {
     }
 
     /// A slot for a handshake from `source`, or why there is none.
-    pub(crate) fn take(&self, source: IpAddr) -> Result<Slot, Refusal> {
+    pub fn take(&self, source: IpAddr) -> Result<Slot, Refusal> {
         let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
         if counts.total >= self.max_total {
             return Err(Refusal::Full);
