@@ -102,6 +102,67 @@ pub fn memcpy_gbps(size: usize) -> f64 {
     size as f64 / secs / 1e9
 }
 
+/// The same-host object path's own floor on this machine, in GB/s: `size` bytes copied
+/// into a fresh sealed memfd (what a holder does once per object) and mapped with every
+/// page populated (what a reader does), with no process, socket or actor between them.
+/// On a VM it is bound by the kernel handing out fresh shared-memory pages, well below
+/// memcpy; errors (no memfd) report as 0.
+pub fn shared_memory_gbps(size: usize) -> f64 {
+    let source = vec![5u8; size];
+    let started = Instant::now();
+    let mapped = regatta_object_store::Segment::create(&source)
+        .map(std::sync::Arc::new)
+        .and_then(|segment| segment.map());
+    let secs = started.elapsed().as_secs_f64();
+    match mapped {
+        Ok(bytes) if bytes.len() == size => size as f64 / secs / 1e9,
+        _ => 0.0,
+    }
+}
+
+/// Streams `size` bytes over a loopback TCP connection wrapped in TLS 1.3 (the cluster's
+/// own mutual-TLS configuration, from a token) between two tasks, and returns GB/s: what
+/// encryption alone leaves of the loopback on this machine, the ceiling of any encrypted
+/// transport between two processes here, before framing, CRCs and buffers.
+pub async fn loopback_tls_gbps(size: usize) -> anyhow::Result<f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let identity = regatta_object_store::identity_from_token("loopback-tls-probe")?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let address = listener.local_addr()?;
+    let acceptor = tokio_rustls::TlsAcceptor::from(identity.server.clone());
+    let reader = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await?;
+        let mut stream = acceptor.accept(stream).await?;
+        let mut buffer = vec![0u8; 1 << 20];
+        let mut total = 0usize;
+        loop {
+            let n = stream.read(&mut buffer).await?;
+            if n == 0 {
+                return Ok::<usize, std::io::Error>(total);
+            }
+            total += n;
+        }
+    });
+    let connector = tokio_rustls::TlsConnector::from(identity.client.clone());
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from(regatta_object_store::SERVER_NAME)?;
+    let mut stream = connector
+        .connect(name, tokio::net::TcpStream::connect(address).await?)
+        .await?;
+    let chunk = vec![7u8; 1 << 20];
+    let started = Instant::now();
+    let mut sent = 0;
+    while sent < size {
+        let n = chunk.len().min(size - sent);
+        stream.write_all(&chunk[..n]).await?;
+        sent += n;
+    }
+    stream.shutdown().await?;
+    let received = reader.await??;
+    let secs = started.elapsed().as_secs_f64();
+    anyhow::ensure!(received == size, "the TLS probe received {received} of {size} bytes");
+    Ok(size as f64 / secs / 1e9)
+}
+
 /// Streams `size` bytes over a loopback TCP connection and returns GB/s.
 pub fn loopback_tcp_gbps(size: usize) -> anyhow::Result<f64> {
     let listener = TcpListener::bind("127.0.0.1:0")?;

@@ -7,8 +7,8 @@ use anyhow::{bail, Context};
 use bytes::Bytes;
 
 use super::measure::{
-    http_get, loopback_tcp_gbps, loopback_tcp_round_trips, loopback_tcp_round_trips_tokio, loopback_unix_round_trips,
-    memcpy_gbps, report, rss_bytes,
+    http_get, loopback_tcp_gbps, loopback_tcp_round_trips, loopback_tcp_round_trips_tokio, loopback_tls_gbps,
+    loopback_unix_round_trips, memcpy_gbps, report, rss_bytes, shared_memory_gbps,
 };
 use crate::kinds::{Caller, Fanout, Noop, Store, StoreOp, StoreReply};
 use crate::local::{LocalCluster, LocalOptions, WorkerSpec};
@@ -300,6 +300,18 @@ pub(super) async fn objects(cluster: &LocalCluster, trials: usize, quick: bool) 
         tcp.push(loopback_tcp_gbps((2 << 30) / scale)?);
     }
     report("loopback tcp gigabytes", "per second", &tcp);
+    let mut tls = Vec::new();
+    for _ in 0..trials {
+        tls.push(loopback_tls_gbps((1 << 30) / scale).await?);
+    }
+    report("loopback tls gigabytes", "per second", &tls);
+    report(
+        "shared memory segment made and mapped gigabytes",
+        "per second",
+        &(0..trials)
+            .map(|_| shared_memory_gbps((1 << 30) / scale))
+            .collect::<Vec<_>>(),
+    );
 
     println!("# object store");
     let small = Bytes::from_static(&[7u8; 100]);
