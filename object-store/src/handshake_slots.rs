@@ -59,6 +59,12 @@ pub struct Slot {
     source: IpAddr,
 }
 
+impl Default for HandshakeSlots {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl HandshakeSlots {
     /// Slots with the listener caps.
     pub fn new() -> Self {

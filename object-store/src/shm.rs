@@ -129,12 +129,14 @@ const HUGE_PAGE: usize = 2 << 20;
 
 /// A zeroed buffer of `len` bytes for an object received over the network, its large
 /// pages advised `MADV_HUGEPAGE` before anything touches them: a fresh gigabyte otherwise
-/// takes 262,144 page faults as the stream fills it, which on a VM cost as much as the
-/// transfer (0.84 s against 0.27-0.5 s with huge pages, 1 GiB, BENCHMARKS.md). Only an
-/// advice: where transparent huge pages are off, or memory is too fragmented, the kernel
-/// falls back to small pages and nothing else changes.
+/// takes 262,144 page faults as the stream fills it, which on a VM costs a large share of
+/// the transfer (a C probe: 0.84 s to fill 1 GiB of fresh small pages, 0.27-0.5 s of huge
+/// ones; docs/NOTES.md). Only an advice: where transparent huge pages are off, or memory
+/// is too fragmented, the kernel falls back to small pages and nothing else changes.
 pub(crate) fn receive_buffer(len: usize) -> Vec<u8> {
-    // Large zeroed allocations come straight from mmap, untouched until written.
+    // Zeroed allocations of at least 32 MiB (glibc's largest mmap threshold) come straight
+    // from mmap, untouched until written; smaller ones may already be touched, and the
+    // advice then changes nothing.
     let buffer = vec![0u8; len];
     let start = buffer.as_ptr() as usize;
     let first = start.next_multiple_of(HUGE_PAGE);
@@ -310,7 +312,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_receive_buffer_is_zeroed_and_of_its_length() {
+    fn a_large_receive_buffer_is_advised_huge_pages_and_a_small_one_is_left_alone() {
+        // The kernel lists the advice as `hg` in the VmFlags of the buffer's mapping.
+        let advised = |buffer: &[u8]| {
+            let at = buffer.as_ptr() as usize + buffer.len() / 2;
+            let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+            let mut inside = false;
+            for line in smaps.lines() {
+                if let Some((range, _)) = line.split_once(' ').filter(|(r, _)| r.contains('-')) {
+                    let (low, high) = range.split_once('-').expect("a range");
+                    let (low, high) = (usize::from_str_radix(low, 16), usize::from_str_radix(high, 16));
+                    inside = matches!((low, high), (Ok(l), Ok(h)) if l <= at && at < h);
+                } else if inside {
+                    if let Some(flags) = line.strip_prefix("VmFlags:") {
+                        return flags.split_whitespace().any(|f| f == "hg");
+                    }
+                }
+            }
+            panic!("no mapping holds the buffer");
+        };
+        let large = receive_buffer(64 << 20);
+        assert_eq!(large.len(), 64 << 20);
+        assert!(advised(&large), "a 64 MiB buffer is advised huge pages");
         for len in [0, 1, HUGE_PAGE - 1, 3 * HUGE_PAGE + 17] {
             let buffer = receive_buffer(len);
             assert_eq!(buffer.len(), len);

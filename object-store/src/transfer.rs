@@ -75,7 +75,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Idle connections kept per peer for the next transfers.
 const IDLE_PER_PEER: usize = 8;
 
-/// New connections this process opens at once, all peers together: a burst of gets (two
+/// New connections one transfer endpoint (a process has one) opens at once, all peers
+/// together: a burst of gets (two
 /// hundred actors of one worker reading one object) waits here rather than crowding a
 /// holder's handshake slots, of which one address holds at most
 /// [`MAX_HANDSHAKES_PER_SOURCE`]; four processes of one host bursting together still fit.

@@ -154,7 +154,7 @@ fn print_log_tails(head_log: &std::path::Path) {
         .collect();
     logs.sort();
     for log in logs {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let text = String::from_utf8_lossy(&std::fs::read(&log).unwrap_or_default()).into_owned();
         let lines: Vec<&str> = text.lines().collect();
         eprintln!("--- the last lines of {}:", log.display());
         for line in &lines[lines.len().saturating_sub(20)..] {

@@ -44,6 +44,28 @@ pub(crate) enum SessionEvent {
     },
 }
 
+/// How the last [`LocalNode::rejoin`] failed, for the callers that waited on it.
+struct FailedJoin {
+    at: Instant,
+    refused: bool,
+    reason: String,
+}
+
+impl FailedJoin {
+    fn error(&self, head_address: &str) -> Error {
+        if self.refused {
+            Error::TokenRefused {
+                address: head_address.to_string(),
+            }
+        } else {
+            Error::Connect {
+                address: head_address.to_string(),
+                reason: format!("another agent of this process just tried: {}", self.reason),
+            }
+        }
+    }
+}
+
 /// This process's membership in a cluster.
 pub(crate) struct LocalNode {
     server: ActorRef<NodeServerMessage>,
@@ -52,8 +74,8 @@ pub(crate) struct LocalNode {
     tls: SessionTls,
     peers: Peers,
     listener: tokio::task::JoinHandle<()>,
-    /// Held by the one [`LocalNode::rejoin`] under way (see there).
-    rejoining: tokio::sync::Mutex<()>,
+    /// Held by the one [`LocalNode::rejoin`] under way, with how the last one failed.
+    rejoining: tokio::sync::Mutex<Option<FailedJoin>>,
     /// `host:port` others use to reach this node.
     pub(crate) address: String,
 }
@@ -115,7 +137,7 @@ impl LocalNode {
             events,
             tls,
             listener,
-            rejoining: tokio::sync::Mutex::new(()),
+            rejoining: tokio::sync::Mutex::new(None),
             address,
         })
     }
@@ -156,16 +178,27 @@ impl LocalNode {
     }
 
     /// The head's actor if this node sees one; otherwise [`Self::join`], one at a time:
-    /// the callers that wait meanwhile see the head the first one reached. Many agents
-    /// sharing one process (the scale simulator runs a hundred) would otherwise each dial
-    /// their own session to a restarted head at once, a storm of TLS handshakes that a
-    /// loaded head could not finish within their timeout, round after round.
+    /// the callers that waited meanwhile get the outcome of the attempt that ended while
+    /// they waited (the head it reached, or its failure) rather than dialling again. Many
+    /// agents sharing one process (the scale simulator runs a hundred) would otherwise each
+    /// dial their own session to a restarted head at once, a storm of TLS handshakes that
+    /// a loaded head could not finish within their timeout, round after round.
     pub(crate) async fn rejoin(&self, head_address: &str) -> Result<ActorCell> {
-        let _one_at_a_time = self.rejoining.lock().await;
+        let asked = Instant::now();
+        let mut last_failure = self.rejoining.lock().await;
         if let Some(head) = first_member(&self.scope, HEAD_GROUP) {
             return Ok(head);
         }
-        self.join(head_address).await
+        if let Some(failed) = last_failure.as_ref().filter(|f| f.at >= asked) {
+            return Err(failed.error(head_address));
+        }
+        let outcome = self.join(head_address).await;
+        *last_failure = outcome.as_ref().err().map(|e| FailedJoin {
+            at: Instant::now(),
+            refused: matches!(e, Error::TokenRefused { .. }),
+            reason: e.to_string(),
+        });
+        outcome
     }
 
     async fn join_once(&self, head_address: &str) -> Result<ActorCell> {

@@ -88,11 +88,9 @@ struct Node {
     routes: Routes,
 }
 
-/// The next connection on either listener, with the address its handshake slot is
-/// counted against: the peer's, or for the Unix socket (only this host's processes reach
-/// it) the unspecified IPv6 address, which no TCP peer has, so that silent TCP connections
-/// from loopback never shut this host's processes out of the socket.
-async fn accept(tcp: &TcpListener, local: Option<&UnixListener>) -> std::io::Result<(Socket, String, IpAddr)> {
+/// The next connection on either listener, with the peer's address (`None` for the Unix
+/// socket, which only this host's processes reach).
+async fn accept(tcp: &TcpListener, local: Option<&UnixListener>) -> std::io::Result<(Socket, String, Option<IpAddr>)> {
     let unix = async {
         match local {
             Some(listener) => listener.accept().await,
@@ -100,17 +98,17 @@ async fn accept(tcp: &TcpListener, local: Option<&UnixListener>) -> std::io::Res
         }
     };
     tokio::select! {
-        accepted = tcp.accept() => accepted.map(|(stream, peer)| (Socket::Tcp(stream), peer.to_string(), peer.ip())),
-        accepted = unix => accepted.map(|(stream, _)| {
-            (Socket::Unix(stream), "a same-host process".to_string(), IpAddr::V6(Ipv6Addr::UNSPECIFIED))
-        }),
+        accepted = tcp.accept() => accepted.map(|(stream, peer)| (Socket::Tcp(stream), peer.to_string(), Some(peer.ip()))),
+        accepted = unix => accepted.map(|(stream, _)| (Socket::Unix(stream), "a same-host process".to_string(), None)),
     }
 }
 
 async fn accept_loop(listener: TcpListener, local: Option<UnixListener>, tls: CallTls, node: Arc<Node>) {
     // Owned here so that stopping the listener closes its connections too.
     let mut connections = JoinSet::new();
-    let handshakes = HandshakeSlots::new();
+    // The Unix socket keeps slots of its own: connections piling up on the TCP port, from
+    // any number of addresses, never shut this host's processes out of the socket.
+    let (tcp_handshakes, unix_handshakes) = (HandshakeSlots::new(), HandshakeSlots::new());
     loop {
         while connections.try_join_next().is_some() {}
         let (stream, peer, source) = match accept(&listener, local.as_ref()).await {
@@ -124,7 +122,11 @@ async fn accept_loop(listener: TcpListener, local: Option<UnixListener>, tls: Ca
         };
         // Connections that never finish their handshake hold a slot each, and one address
         // only a quarter of them: silent ones cannot pile up without bound.
-        let slot = match handshakes.take(source) {
+        let taken = match source {
+            Some(address) => tcp_handshakes.take(address),
+            None => unix_handshakes.take(IpAddr::V6(Ipv6Addr::LOCALHOST)),
+        };
+        let slot = match taken {
             Ok(slot) => slot,
             Err(refusal) => {
                 tracing::warn!(%peer, "closed a call channel connection at once: {refusal}");
