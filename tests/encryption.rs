@@ -91,6 +91,53 @@ fn contains(haystack: &[u8], needle: &str) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle.as_bytes())
 }
 
+/// Bytes of TCP payload a pcap file (Ethernet framing, as tcpdump writes `lo`) holds in
+/// IPv4 segments sent to `port`.
+fn payload_to_port(pcap: &[u8], port: u16) -> usize {
+    let u32_at = |at: usize| u32::from_le_bytes(pcap[at..at + 4].try_into().expect("4 bytes"));
+    let mut total = 0;
+    let mut at = 24; // the file's header
+    while at + 16 <= pcap.len() {
+        let captured = u32_at(at + 8) as usize;
+        let packet = &pcap[at + 16..(at + 16 + captured).min(pcap.len())];
+        at += 16 + captured;
+        // Ethernet (14 bytes) carrying IPv4 (0x0800) carrying TCP (6).
+        if packet.len() < 14 + 20 || packet[12..14] != [0x08, 0x00] || packet[14 + 9] != 6 {
+            continue;
+        }
+        let ip = &packet[14..];
+        let ip_header = usize::from(ip[0] & 0x0f) * 4;
+        let ip_total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+        if ip.len() < ip_header + 20 {
+            continue;
+        }
+        let tcp = &ip[ip_header..];
+        let tcp_header = usize::from(tcp[12] >> 4) * 4;
+        if u16::from_be_bytes([tcp[2], tcp[3]]) == port {
+            total += ip_total.saturating_sub(ip_header + tcp_header);
+        }
+    }
+    total
+}
+
+/// The TCP port of `node`'s call channel, from its log.
+fn call_port(cluster: &TestCluster, node: &str) -> u16 {
+    let log = cluster.local.log(node);
+    let line = log
+        .lines()
+        .find(|l| l.contains("serving actor calls"))
+        .unwrap_or_else(|| panic!("{node} serves actor calls: {log}"));
+    let address = line
+        .split_whitespace()
+        .find_map(|word| word.strip_prefix("address="))
+        .unwrap_or_else(|| panic!("no address in {line}"));
+    address
+        .rsplit(':')
+        .next()
+        .and_then(|port| port.parse().ok())
+        .unwrap_or_else(|| panic!("no port in {address}"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_marker_nor_the_token_crosses_loopback_in_cleartext() {
     let suffix = format!("{:x}", std::process::id() as u64 * 7919 + 0x5eed);
@@ -103,6 +150,9 @@ async fn no_marker_nor_the_token_crosses_loopback_in_cleartext() {
     // Objects between processes of one host go through shared memory, which no capture
     // sees: the processes started here (and this one) use the network path instead.
     std::env::set_var(regatta::NO_SHARED_MEMORY_ENV, "1");
+    // Likewise calls between processes of one host ride a Unix socket, which no capture
+    // sees either: here they take the call channel's TCP port.
+    std::env::set_var(regatta::CALL_PATH_ENV, "tcp");
     let cluster = TestCluster::start(&[("w1", "CPU=4,pin:w1=1"), ("w2", "CPU=4,pin:w2=1")]).await;
     // A named actor with a marked argument on w1, called with a marked request, found by
     // its marked name.
@@ -221,6 +271,16 @@ async fn no_marker_nor_the_token_crosses_loopback_in_cleartext() {
         body.len(),
         captured.len()
     );
+    // The calls crossed loopback TCP (not a Unix socket the capture cannot see), so the
+    // request marker's absence means something.
+    for node in ["w1", "w2"] {
+        let port = call_port(&cluster, node);
+        let bytes = payload_to_port(&captured, port);
+        assert!(
+            bytes > 200,
+            "calls to {node} crossed its call port {port} over TCP ({bytes} bytes)"
+        );
+    }
     for what in ["argument", "request", "session", "name", "object", "environment"] {
         assert!(
             !contains(&captured, &marker(what)),
@@ -474,6 +534,39 @@ async fn a_head_serves_the_operators_own_certificate_which_clients_trust_with_it
     let log = cluster.local.log("bad-head");
     assert!(log.contains("bad.pem") && log.contains("certificate"), "{log}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_started_with_insecure_serves_plain_http_says_so_loudly_and_https_clients_are_told_why() {
+    let cluster = TestCluster::start_specs(vec![regatta::local::WorkerSpec::new("w1", "CPU=1")], &["--insecure"]).await;
+    let token = cluster.local.token.clone();
+    let plain = cluster.local.job_address.replacen("https://", "http://", 1);
+    let jobs = JobClient::new(&plain, &token).expect("a client over http://");
+    let id = jobs
+        .submit(&JobSubmission {
+            entrypoint: "echo plain".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("a submission over plain HTTP");
+    let record = jobs.wait(&id, Duration::from_millis(50)).await.expect("wait");
+    assert_eq!(record.status, JobStatus::Succeeded, "{record:?}");
+    // The bearer token is still required over plain HTTP.
+    let wrong = JobClient::new(&plain, "another-token")
+        .expect("client")
+        .list()
+        .await
+        .expect_err("a wrong token over plain HTTP");
+    assert!(matches!(wrong, Error::Token(_)), "{wrong}");
+    // A client expecting HTTPS is told the head may run with --insecure.
+    let err = JobClient::new(&cluster.local.job_address, &token)
+        .expect("client")
+        .list()
+        .await
+        .expect_err("https:// to a plain HTTP head");
+    assert!(err.to_string().contains("--insecure"), "{err}");
+    let log = cluster.local.log("head");
+    assert!(log.contains("THE JOB API SERVES PLAIN HTTP (--insecure)"), "{log}");
 }
 
 /// A TCP relay on a free loopback port to `target` that keeps, per connection, every byte

@@ -122,6 +122,14 @@ async fn a_head_killed_mid_training_and_mid_job_takes_back_100_actors_the_group_
     assert_eq!(before.actors.len(), 100, "{:?}", before.actors);
     let places: BTreeMap<ActorId, Option<String>> =
         before.actors.iter().map(|a| (a.view.id, a.view.node.clone())).collect();
+    // What the head was asked for each actor: kind, name, resources and GPUs.
+    let asked = |line: &regatta::ActorLine| {
+        format!(
+            "{} {:?} {:?} {:?}",
+            line.view.kind, line.name, line.resources, line.gpu_ids
+        )
+    };
+    let asked_before: BTreeMap<ActorId, String> = before.actors.iter().map(|a| (a.view.id, asked(a))).collect();
 
     cluster.local.kill_head().expect("kill the head");
     let step_at_kill = *steps.borrow_and_update();
@@ -140,8 +148,26 @@ async fn a_head_killed_mid_training_and_mid_job_takes_back_100_actors_the_group_
             other => panic!("{other:?}"),
         }
     }
+    // Requests that need the head wait for it within their timeout: a spawn and a named
+    // lookup made during the outage complete once it is back.
+    let (spawn_client, lookup_client) = (client.cluster().clone(), client.cluster().clone());
+    let spawned_in_outage = tokio::spawn(async move {
+        spawn_client
+            .spawn::<Counter>(40, ActorOptions::new().resources(req("CPU=0.1")))
+            .await
+    });
+    let (first_name, first_index) = names
+        .iter()
+        .next()
+        .map(|(name, index)| (name.clone(), *index))
+        .expect("named counters");
+    let looked_up_in_outage = tokio::spawn(async move { lookup_client.named::<Counter>(&first_name).await });
     // An outage of at least 3 s: the training steps on and the job's log grows.
     tokio::time::sleep(Duration::from_secs(3).saturating_sub(killed_at.elapsed())).await;
+    assert!(
+        !spawned_in_outage.is_finished() && !looked_up_in_outage.is_finished(),
+        "a spawn and a lookup cannot complete without the head"
+    );
     let step_at_restart = *steps.borrow();
     let ticks_in_outage = ticks(&std::fs::read_to_string(cluster.local.job_log(&job)).expect("the job's log file"));
     cluster.local.start_head_again().expect("start the head again");
@@ -153,7 +179,25 @@ async fn a_head_killed_mid_training_and_mid_job_takes_back_100_actors_the_group_
     );
     assert_eq!(restarted_log.matches("stopped=0").count(), 3, "{restarted_log}");
     let client = &cluster.client;
-    let after = client.status().await.expect("status after");
+    let in_outage = spawned_in_outage
+        .await
+        .expect("the spawn task")
+        .expect("a spawn made while the head was down completes once it is back");
+    assert_eq!(
+        in_outage
+            .call(CounterOp::Add(2))
+            .await
+            .expect("call the actor spawned in the outage"),
+        CounterReply::Total(42)
+    );
+    let looked_up = looked_up_in_outage
+        .await
+        .expect("the lookup task")
+        .expect("a lookup made while the head was down completes once it is back")
+        .expect("the name resolves");
+    assert_eq!(looked_up.id(), counters[first_index].id());
+    let mut after = client.status().await.expect("status after");
+    after.actors.retain(|line| line.view.id != in_outage.id());
     assert!(
         !training.is_finished() && *steps.borrow() < TRAINING_STEPS,
         "the training ended before the restarted head was checked: make it longer"
@@ -165,6 +209,12 @@ async fn a_head_killed_mid_training_and_mid_job_takes_back_100_actors_the_group_
         assert_eq!(view.state, ActorState::Alive, "{view:?}");
         assert_eq!(view.restarts, 0, "actor {} was started again: {view:?}", view.id);
         assert_eq!(places.get(&view.id), Some(&view.node), "actor {} moved", view.id);
+        assert_eq!(
+            asked_before.get(&view.id),
+            Some(&asked(line)),
+            "actor {} changed",
+            view.id
+        );
     }
     // Each actor kept its state: the totals go on from where the outage left them.
     for (counter, total) in counters.iter().zip(&totals) {

@@ -748,6 +748,105 @@ mod tests {
         }
     }
 
+    /// A source that counts how often its object was opened for a reader.
+    struct Counted(ObjectId, Bytes, std::sync::atomic::AtomicUsize);
+
+    impl ObjectSource for Counted {
+        fn open(&self, id: ObjectId) -> Option<Bytes> {
+            self.2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            (id == self.0).then(|| self.1.clone())
+        }
+        fn release(&self, _id: ObjectId) {}
+    }
+
+    /// A relay on loopback to `target` that records what its one client sends.
+    async fn recording_relay(target: SocketAddr) -> (SocketAddr, Arc<Mutex<Vec<u8>>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let recorded = Arc::new(Mutex::new(Vec::new()));
+        let record = recorded.clone();
+        tokio::spawn(async move {
+            let (inbound, _) = listener.accept().await.unwrap();
+            let outbound = TcpStream::connect(target).await.unwrap();
+            let (mut from_client, mut to_client) = inbound.into_split();
+            let (mut from_server, mut to_server) = outbound.into_split();
+            tokio::spawn(async move { tokio::io::copy(&mut from_server, &mut to_client).await });
+            let mut buffer = vec![0u8; 64 * 1024];
+            while let Ok(n @ 1..) = from_client.read(&mut buffer).await {
+                record.lock().unwrap().extend_from_slice(&buffer[..n]);
+                if to_server.write_all(&buffer[..n]).await.is_err() {
+                    break;
+                }
+            }
+        });
+        (address, recorded)
+    }
+
+    /// Sends `bytes` on a fresh connection to `addr` and closes the sending side; true
+    /// when the holder then closed the connection within 5 s.
+    async fn closed_after_sending(addr: SocketAddr, bytes: &[u8]) -> bool {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        // The holder may close before reading everything: a failed write is fine.
+        let _ = stream.write_all(bytes).await;
+        let _ = stream.shutdown().await;
+        let mut sink = vec![0u8; 64 * 1024];
+        let drained = async {
+            while let Ok(n @ 1..) = stream.read(&mut sink).await {
+                let _ = n;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), drained).await.is_ok()
+    }
+
+    #[tokio::test]
+    async fn garbage_truncated_records_and_a_replayed_session_get_nothing_and_the_holder_serves_on() {
+        let server = node("t");
+        let id = ObjectId(12);
+        let bytes = object(2 * CHUNK_BYTES + 5);
+        let source = Arc::new(Counted(id, bytes.clone(), std::sync::atomic::AtomicUsize::new(0)));
+        server.serve(source.clone());
+        let addr = server.local_addr();
+        let opened = || source.2.load(std::sync::atomic::Ordering::SeqCst);
+
+        let garbage: Vec<u8> = (0..4096u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        assert!(closed_after_sending(addr, &garbage).await, "garbage is refused at once");
+        // A TLS handshake record that announces 16 KiB and ends after 100 bytes.
+        let mut truncated = vec![0x16, 0x03, 0x01, 0x40, 0x00];
+        truncated.extend_from_slice(&[1u8; 100]);
+        assert!(
+            closed_after_sending(addr, &truncated).await,
+            "a truncated record is refused"
+        );
+
+        // A member's whole fetch through a recording relay, then sent again as it was.
+        let (relay, recorded) = recording_relay(addr).await;
+        let mut member = node("t");
+        member.set_shared_memory(false);
+        let got = member
+            .fetch(relay, id, bytes.len() as u64, crc32(&bytes))
+            .await
+            .unwrap();
+        assert_eq!(got.bytes, bytes);
+        assert_eq!(opened(), 1);
+        let session = recorded.lock().unwrap().clone();
+        assert!(
+            session.len() > 100,
+            "the relay recorded the fetch ({} bytes)",
+            session.len()
+        );
+        assert!(closed_after_sending(addr, &session).await, "the replay is refused");
+        assert_eq!(opened(), 1, "a replayed request is never served");
+
+        let again = node("t")
+            .fetch(addr, id, bytes.len() as u64, crc32(&bytes))
+            .await
+            .unwrap();
+        assert_eq!(again.bytes, bytes, "the holder serves on");
+        assert_eq!(opened(), 2);
+    }
+
     #[tokio::test]
     async fn a_corrupted_chunk_is_detected() {
         let mut server = node("t");

@@ -117,6 +117,8 @@ impl JobManager {
     /// again through their supervisors ([`JobManager::resume`]); a job whose driver had not
     /// started is marked failed.
     pub(crate) fn open(config: JobConfig, cluster_address: String, token: String, link: Arc<HeadLink>) -> Result<Self> {
+        // Job records hold the drivers' environments: owner only, as the head's state.
+        super::state_file::private_dir(&config.state_dir)?;
         let store = JobStore::open(&config.state_dir.join("jobs"))?;
         let logs = config.state_dir.join("logs");
         let run = config.state_dir.join("run");

@@ -67,12 +67,35 @@ pub(crate) struct Recovered {
     pub(crate) dropped_bytes: usize,
 }
 
+/// Creates `dir` if missing and makes it readable by its owner only: the head's state
+/// holds what crossed the network encrypted (spawn arguments with the trainer ring's
+/// secret, job environments), so it must not sit world-readable on disk. A directory that
+/// was open to others is tightened, with a warning.
+pub(crate) fn private_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let cannot = |what: &str, e| Error::io(format!("cannot {what} the head's state directory {}", dir.display()), e);
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| cannot("create", e))?;
+    let mode = std::fs::metadata(dir)
+        .map_err(|e| cannot("read", e))?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| cannot("restrict (chmod 700)", e))?;
+        tracing::warn!(dir = %dir.display(), was = format!("{:o}", mode & 0o777), "the head's state directory was open to other users; it is now 700 (owner only)");
+    }
+    Ok(())
+}
+
 impl StateFile {
     /// The state files in `dir` (created if missing) of the cluster whose process-group
     /// scope is `scope`.
     pub(crate) fn open(dir: &Path, scope: &str) -> Result<Self> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| Error::io(format!("cannot create the head's state directory {}", dir.display()), e))?;
+        private_dir(dir)?;
         Ok(Self {
             path: dir.join(FILE_NAME),
             log: dir.join(LOG_NAME),
@@ -471,6 +494,21 @@ mod tests {
         assert_eq!(file.recover().unwrap().last_seq, 3);
         assert!(!dir.join("cluster.state.tmp").exists());
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn the_state_directory_is_made_or_left_readable_by_its_owner_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |dir: &Path| std::fs::metadata(dir).unwrap().permissions().mode() & 0o777;
+        let root = dir("private");
+        let fresh = root.join("a").join("state");
+        StateFile::open(&fresh, "s").unwrap();
+        assert_eq!(mode(&fresh), 0o700);
+        let open_to_all = root.join("shared");
+        std::fs::create_dir(&open_to_all).unwrap();
+        std::fs::set_permissions(&open_to_all, std::fs::Permissions::from_mode(0o755)).unwrap();
+        StateFile::open(&open_to_all, "s").unwrap();
+        assert_eq!(mode(&open_to_all), 0o700, "a directory open to others is tightened");
     }
 
     #[test]

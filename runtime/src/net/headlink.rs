@@ -13,9 +13,6 @@ use crate::node::{self, Peers};
 use crate::protocol::{Failure, HeadRequest};
 use crate::wire::{self, CallError};
 
-/// How long a request lost with its session waits for the next session to the head.
-const RESESSION_GRACE: Duration = Duration::from_secs(2);
-
 /// How a process reaches the head.
 pub(crate) struct HeadLink {
     scope: String,
@@ -105,10 +102,20 @@ impl HeadLink {
                         CallError::Unreachable(cause) => (false, cause),
                         CallError::Timeout => (false, "no reply in time".to_string()),
                     };
-                    let again = deadline.saturating_duration_since(Instant::now()).min(RESESSION_GRACE);
-                    if (unsent || request.retryable()) && self.wait_for_another(&head, again).await {
-                        tracing::debug!(what, %cause, "the head's session was replaced; asking again");
-                        continue;
+                    if unsent || request.retryable() {
+                        // The head restarting or its session replaced: wait for the next
+                        // one within the request's own timeout.
+                        let again = deadline.saturating_duration_since(Instant::now());
+                        if self.wait_for_another(&head, again).await {
+                            tracing::debug!(what, %cause, "the head's session was replaced; asking again");
+                            continue;
+                        }
+                        return Err(Error::Connect {
+                            address: self.address.clone(),
+                            reason: format!(
+                                "head request {what}: the head did not come back within {timeout:?} ({cause})"
+                            ),
+                        });
                     }
                     return Err(Error::Connect {
                         address: self.address.clone(),
