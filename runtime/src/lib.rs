@@ -46,7 +46,7 @@ use worker::{agent, detect, registry};
 pub use calls::{CallPath, CALL_PATH_ENV};
 pub use client::{Actor, ActorContext, ActorError};
 pub use client::{ActorHandle, ActorOptions, Client, Cluster, PlacementGroup, DEFAULT_CALL_TIMEOUT};
-pub use client::{ObjectRef, RunReporter};
+pub use client::{CallTiming, ObjectRef, RunReporter};
 pub use detect::{
     accelerator_tag, accelerator_type, detect_gpus, detect_resources, parse_nvidia_smi, visible_devices, GpuDevice,
     GpuInventory,

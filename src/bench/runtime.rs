@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use super::measure::{
     http_get, loopback_tcp_gbps, loopback_tcp_round_trips, loopback_tcp_round_trips_tokio, loopback_tls_gbps,
-    loopback_unix_round_trips, memcpy_gbps, report, rss_bytes, shared_memory_gbps,
+    loopback_unix_round_trips, memcpy_gbps, quantile, report, rss_bytes, shared_memory_gbps,
 };
 use crate::kinds::{Caller, Fanout, Noop, Store, StoreOp, StoreReply};
 use crate::local::{LocalCluster, LocalOptions, WorkerSpec};
@@ -126,6 +126,32 @@ where
     Ok(())
 }
 
+/// Where one synchronous call's time goes: `calls` timed calls per trial, one at a time,
+/// and each hop's median per trial in microseconds (the stamps are taken on this host's
+/// one clock by both processes; see `CallTiming`).
+async fn sync_call_hops(actor: &ActorHandle<Noop>, trials: usize, calls: usize) -> anyhow::Result<()> {
+    let names = regatta_runtime::CallTiming::default().hops().map(|(name, _)| name);
+    let mut medians = vec![Vec::with_capacity(trials); names.len() + 1];
+    for _ in 0..trials {
+        let mut hops = vec![Vec::with_capacity(calls); names.len() + 1];
+        for _ in 0..calls {
+            let (_, timing) = actor.call_timed(Vec::new()).await?;
+            let timing = timing.ok_or_else(|| anyhow::anyhow!("the timed call did not go over the call channel"))?;
+            for (i, (_, hop)) in timing.hops().iter().enumerate() {
+                hops[i].push(hop.as_secs_f64() * 1e6);
+            }
+            hops[names.len()].push(timing.total().as_secs_f64() * 1e6);
+        }
+        for (median, mut values) in medians.iter_mut().zip(hops) {
+            median.push(quantile(&mut values, 0.5));
+        }
+    }
+    for (name, values) in names.iter().chain(["total"].iter()).zip(&medians) {
+        report(&format!("1:1 actor call sync, median {name}"), "microseconds", values);
+    }
+    Ok(())
+}
+
 async fn noops(client: &Client, count: usize) -> anyhow::Result<Vec<ActorHandle<Noop>>> {
     let mut actors = Vec::with_capacity(count);
     for _ in 0..count {
@@ -171,6 +197,7 @@ pub(super) async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -
         Ok(sync_calls)
     })
     .await?;
+    sync_call_hops(&one, trials, sync_calls).await?;
     // The same calls through ractor_cluster's sessions, as before the call channel.
     let one_by_session = client
         .with_call_path(regatta_runtime::CallPath::Session)

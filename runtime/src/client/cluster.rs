@@ -216,7 +216,10 @@ impl Cluster {
                 node: &node,
                 router: &router,
             };
-            self.calls.call(target, actor, bytes, TIMEOUT).await
+            self.calls
+                .call(target, actor, bytes, TIMEOUT, false)
+                .await
+                .map(|(reply, _)| reply)
         } else {
             // The head through the link (its cached actor): a process-group entry can vanish
             // when a duplicate session to the head closes, while the link's actor still runs.

@@ -10,6 +10,7 @@ pub(crate) mod job_client;
 mod objects;
 pub(crate) mod pool;
 mod runs;
+mod timing;
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -19,6 +20,7 @@ pub use cluster::{ActorOptions, Cluster, PlacementGroup, DEFAULT_CALL_TIMEOUT};
 pub use handle::ActorHandle;
 pub use objects::ObjectRef;
 pub use runs::RunReporter;
+pub use timing::CallTiming;
 
 use crate::calls::{CallPath, CallPlane, CallTls};
 use crate::error::{Error, Result};

@@ -13,7 +13,9 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio_rustls::client::TlsStream;
 
-use super::frame::{ReplyHeader, ReplyStatus, RequestHeader, RequestKind, REPLY_HEADER_BYTES};
+use super::frame::{
+    wall_clock_ns, ReplyHeader, ReplyStatus, RequestHeader, RequestKind, ServerStamps, REPLY_HEADER_BYTES,
+};
 use super::socket::{connect_local, keep_alive, this_host, CallAddress, Socket, Transport};
 use super::{CallPath, CallTls};
 use crate::error::{failure_to_error, Error, Result};
@@ -95,22 +97,25 @@ impl CallPlane {
         }
     }
 
-    /// Calls `actor` at `target` and waits up to `timeout` for the raw reply.
+    /// Calls `actor` at `target` and waits up to `timeout` for the raw reply; `timed` asks
+    /// for every hop's stamps, which come back when the call went over the channel.
     pub(crate) async fn call(
         &self,
         target: Target<'_>,
         actor: ActorId,
         request: Vec<u8>,
         timeout: Duration,
-    ) -> std::result::Result<Vec<u8>, CallError> {
+        timed: bool,
+    ) -> std::result::Result<(Vec<u8>, Option<Hops>), CallError> {
         let deadline = Instant::now() + timeout;
         if request.len() > wire::MAX_MESSAGE_BYTES {
             // The session path refuses it with the message users see.
-            return wire::call_actor_raw(target.router, actor, request, timeout).await;
+            let reply = wire::call_actor_raw(target.router, actor, request, timeout).await?;
+            return Ok((reply, None));
         }
         if let Some(connection) = self.connection(&target, deadline).await {
-            match connection.call(actor, &request, deadline).await {
-                Ok(reply) => return Ok(reply),
+            match connection.call_with(actor, &request, deadline, timed).await {
+                Ok(answered) => return Ok(answered),
                 Err(Unsent::Failed(e)) => return Err(e),
                 // The connection broke before this call went out: nothing was delivered.
                 Err(Unsent::NotSent) => {}
@@ -119,7 +124,8 @@ impl CallPlane {
         let remaining = deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_millis(1));
-        wire::call_actor_raw(target.router, actor, request, remaining).await
+        let reply = wire::call_actor_raw(target.router, actor, request, remaining).await?;
+        Ok((reply, None))
     }
 
     /// Sends `actor` a message without waiting for it to be handled.
@@ -166,7 +172,7 @@ impl CallPlane {
             Some(NodeChannel::Unavailable { failures, .. }) => *failures,
             _ => 0,
         };
-        let opened = tokio::time::timeout(budget.min(CONNECT_TIMEOUT), open(tls, target))
+        let opened = tokio::time::timeout(budget.min(CONNECT_TIMEOUT), open(tls, target, self.path))
             .await
             .unwrap_or_else(|_| {
                 Err(Error::Timeout {
@@ -221,7 +227,7 @@ impl CallPlane {
 }
 
 /// Asks the node's router for its channel address and opens a connection to it.
-async fn open(tls: &CallTls, target: &Target<'_>) -> Result<Connection> {
+async fn open(tls: &CallTls, target: &Target<'_>, path: CallPath) -> Result<Connection> {
     let reply = wire::call_raw(target.router, wire::encode(&RouterQuery::CallAddress), CONNECT_TIMEOUT)
         .await
         .map_err(|e| match e {
@@ -236,6 +242,10 @@ async fn open(tls: &CallTls, target: &Target<'_>) -> Result<Connection> {
     let address = address
         .map_err(|f| failure_to_error(f, None))?
         .ok_or_else(|| Error::Rejected(format!("node {} serves no call channel", target.node)))?;
+    if path == CallPath::Tcp {
+        let tcp_only = CallAddress { local: None, ..address };
+        return connect(tls, &tcp_only, target.node).await;
+    }
     connect(tls, &address, target.node).await
 }
 
@@ -302,9 +312,26 @@ mod tests {
 
 /// How one call ended, as its connection's reader saw it.
 enum Outcome {
-    Answered(Vec<u8>),
+    /// The answer, and for a timed call the server's stamps and when the reader had it.
+    Answered(Vec<u8>, Option<(ServerStamps, u64)>),
     Lost,
     Broken(String),
+}
+
+/// Every stamp of one timed call over the channel, in nanoseconds of the host's wall
+/// clock (comparable across processes of one host only).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Hops {
+    /// The connection was asked to send the call.
+    pub(crate) start: u64,
+    /// The request frame was written and flushed.
+    pub(crate) sent: u64,
+    /// The serving side's stamps.
+    pub(crate) server: ServerStamps,
+    /// This process's connection reader had read the reply.
+    pub(crate) received: u64,
+    /// The calling task held the reply.
+    pub(crate) woken: u64,
 }
 
 /// Calls waiting for replies, and why the connection broke once it has.
@@ -379,12 +406,27 @@ impl Connection {
         self.pending.lock().map(|p| p.broken.is_none()).unwrap_or(false)
     }
 
+    #[cfg(test)]
     pub(super) async fn call(
         &self,
         actor: ActorId,
         request: &[u8],
         deadline: Instant,
     ) -> std::result::Result<Vec<u8>, Unsent> {
+        self.call_with(actor, request, deadline, false)
+            .await
+            .map(|(reply, _)| reply)
+    }
+
+    /// Sends one call and waits for its answer; `timed` asks the server for its stamps.
+    pub(super) async fn call_with(
+        &self,
+        actor: ActorId,
+        request: &[u8],
+        deadline: Instant,
+        timed: bool,
+    ) -> std::result::Result<(Vec<u8>, Option<Hops>), Unsent> {
+        let start = if timed { wall_clock_ns() } else { 0 };
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let (sender, answer) = oneshot::channel();
         {
@@ -394,8 +436,14 @@ impl Connection {
             }
             pending.calls.insert(seq, sender);
         }
-        let frame = RequestHeader::frame(RequestKind::Call, seq, actor, request);
+        let kind = if timed {
+            RequestKind::TimedCall
+        } else {
+            RequestKind::Call
+        };
+        let frame = RequestHeader::frame(kind, seq, actor, request);
         let sent = tokio::time::timeout_at(deadline.into(), self.write(&frame)).await;
+        let sent_at = if timed { wall_clock_ns() } else { 0 };
         let forget = || {
             if let Ok(mut pending) = self.pending.lock() {
                 pending.calls.remove(&seq);
@@ -415,7 +463,16 @@ impl Connection {
             }
         }
         match tokio::time::timeout_at(deadline.into(), answer).await {
-            Ok(Ok(Outcome::Answered(reply))) => Ok(reply),
+            Ok(Ok(Outcome::Answered(reply, stamps))) => {
+                let hops = stamps.map(|(server, received)| Hops {
+                    start,
+                    sent: sent_at,
+                    server,
+                    received,
+                    woken: wall_clock_ns(),
+                });
+                Ok((reply, hops))
+            }
             Ok(Ok(Outcome::Lost)) => Err(Unsent::Failed(CallError::Unreachable(
                 "the actor stopped or its node was lost before replying".into(),
             ))),
@@ -495,13 +552,21 @@ async fn read_replies(mut reader: ReadHalf<Stream>, pending: Arc<Mutex<Pending>>
         if let Err(e) = reader.read_exact(&mut payload).await {
             break format!("the call channel to node {node} closed mid-reply: {e}");
         }
+        let outcome = match reply.status {
+            ReplyStatus::Answered => Outcome::Answered(payload, None),
+            ReplyStatus::AnsweredTimed => {
+                let received = wall_clock_ns();
+                match ServerStamps::split(payload) {
+                    Ok((stamps, answer)) => Outcome::Answered(answer, Some((stamps, received))),
+                    Err(e) => break format!("node {node} sent a bad reply: {e}"),
+                }
+            }
+            ReplyStatus::Lost => Outcome::Lost,
+        };
         let call = pending.lock().ok().and_then(|mut p| p.calls.remove(&reply.seq));
         // A call that timed out meanwhile is no longer waiting.
         if let Some(call) = call {
-            let _ = call.send(match reply.status {
-                ReplyStatus::Answered => Outcome::Answered(payload),
-                ReplyStatus::Lost => Outcome::Lost,
-            });
+            let _ = call.send(outcome);
         }
     };
     fail_all(&pending, why);

@@ -5,6 +5,9 @@
 //! with its call on one connection; casts carry one too (unused) so both kinds share a
 //! header. A length over [`MAX_PAYLOAD_BYTES`] or an unknown kind or status is refused
 //! before any payload is read, so a peer cannot make a node allocate what it likes.
+//!
+//! A timed call ([`RequestKind::TimedCall`]) is answered with [`ReplyStatus::AnsweredTimed`]:
+//! the payload starts with the serving side's [`ServerStamps`], then the answer.
 
 use crate::error::{Error, Result};
 use crate::protocol::ActorId;
@@ -26,6 +29,8 @@ pub(crate) enum RequestKind {
     Call,
     /// Deliver only.
     Cast,
+    /// Deliver and answer, with the serving side's [`ServerStamps`] before the answer.
+    TimedCall,
 }
 
 /// A request's header.
@@ -45,6 +50,68 @@ pub(crate) enum ReplyStatus {
     /// The actor took the call and stopped (or its node reset) before answering; the
     /// payload is empty.
     Lost,
+    /// As `Answered`, the answer preceded by [`ServerStamps`] (a timed call's reply).
+    AnsweredTimed,
+}
+
+/// When the serving side passed each point of one timed call, in nanoseconds of the
+/// host's wall clock ([`wall_clock_ns`]): comparable with the caller's stamps when both
+/// run on one host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ServerStamps {
+    /// The request was read and decrypted off the connection.
+    pub(crate) read: u64,
+    /// It was in the actor's queue.
+    pub(crate) queued: u64,
+    /// The connection's task held the actor's answer.
+    pub(crate) answered: u64,
+    /// The reply frame was built and about to be written.
+    pub(crate) writing: u64,
+}
+
+impl ServerStamps {
+    /// Encoded length.
+    pub(crate) const BYTES: usize = 32;
+
+    /// The stamps followed by `answer`: a timed reply's payload.
+    pub(crate) fn prefix(&self, answer: &[u8]) -> Vec<u8> {
+        let mut payload = Vec::with_capacity(Self::BYTES + answer.len());
+        for stamp in [self.read, self.queued, self.answered, self.writing] {
+            payload.extend_from_slice(&stamp.to_le_bytes());
+        }
+        payload.extend_from_slice(answer);
+        payload
+    }
+
+    /// Splits a timed reply's payload into the stamps and the answer.
+    pub(crate) fn split(mut payload: Vec<u8>) -> Result<(Self, Vec<u8>)> {
+        if payload.len() < Self::BYTES {
+            return Err(Error::Decode {
+                what: "a timed call's reply".into(),
+                reason: format!(
+                    "{} bytes cannot hold the {} bytes of timings",
+                    payload.len(),
+                    Self::BYTES
+                ),
+            });
+        }
+        let stamps = Self {
+            read: u64_at(&payload, 0),
+            queued: u64_at(&payload, 8),
+            answered: u64_at(&payload, 16),
+            writing: u64_at(&payload, 24),
+        };
+        payload.drain(..Self::BYTES);
+        Ok((stamps, payload))
+    }
+}
+
+/// Nanoseconds since the Unix epoch by the system clock: one clock for every process of a
+/// host, unlike [`std::time::Instant`], so stamps taken in two processes subtract.
+pub(crate) fn wall_clock_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| u64::try_from(since.as_nanos()).unwrap_or(u64::MAX))
 }
 
 /// A reply's header.
@@ -85,6 +152,7 @@ impl RequestHeader {
         frame.push(match kind {
             RequestKind::Call => 1,
             RequestKind::Cast => 2,
+            RequestKind::TimedCall => 3,
         });
         frame.extend_from_slice(&seq.to_le_bytes());
         frame.extend_from_slice(&actor.0.to_le_bytes());
@@ -99,6 +167,7 @@ impl RequestHeader {
         let kind = match bytes[0] {
             1 => RequestKind::Call,
             2 => RequestKind::Cast,
+            3 => RequestKind::TimedCall,
             other => {
                 return Err(Error::Decode {
                     what: what.into(),
@@ -123,6 +192,7 @@ impl ReplyHeader {
         frame.push(match status {
             ReplyStatus::Answered => 0,
             ReplyStatus::Lost => 1,
+            ReplyStatus::AnsweredTimed => 2,
         });
         frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
         frame.extend_from_slice(payload);
@@ -135,6 +205,7 @@ impl ReplyHeader {
         let status = match bytes[8] {
             0 => ReplyStatus::Answered,
             1 => ReplyStatus::Lost,
+            2 => ReplyStatus::AnsweredTimed,
             other => {
                 return Err(Error::Decode {
                     what: what.into(),
@@ -160,7 +231,7 @@ mod tests {
 
     #[test]
     fn requests_round_trip_with_their_payload_after_the_header() {
-        for kind in [RequestKind::Call, RequestKind::Cast] {
+        for kind in [RequestKind::Call, RequestKind::Cast, RequestKind::TimedCall] {
             let frame = RequestHeader::frame(kind, 7, ActorId(0x0102_0304_0506_0708), b"hello");
             let header = RequestHeader::parse(&request_header(&frame)).unwrap();
             assert_eq!(
@@ -178,7 +249,7 @@ mod tests {
 
     #[test]
     fn replies_round_trip_with_their_status() {
-        for status in [ReplyStatus::Answered, ReplyStatus::Lost] {
+        for status in [ReplyStatus::Answered, ReplyStatus::Lost, ReplyStatus::AnsweredTimed] {
             let frame = ReplyHeader::frame(u64::MAX, status, &[9; 3]);
             let header = ReplyHeader::parse(frame[..REPLY_HEADER_BYTES].try_into().unwrap()).unwrap();
             assert_eq!(
@@ -196,14 +267,33 @@ mod tests {
     #[test]
     fn unknown_kinds_and_statuses_are_refused() {
         let mut frame = RequestHeader::frame(RequestKind::Call, 1, ActorId(1), b"");
-        frame[0] = 3;
+        frame[0] = 4;
         assert!(matches!(
             RequestHeader::parse(&request_header(&frame)),
-            Err(Error::Decode { reason, .. }) if reason.contains("kind 3")
+            Err(Error::Decode { reason, .. }) if reason.contains("kind 4")
         ));
         let mut reply = ReplyHeader::frame(1, ReplyStatus::Answered, b"");
         reply[8] = 9;
         assert!(ReplyHeader::parse(reply[..REPLY_HEADER_BYTES].try_into().unwrap()).is_err());
+    }
+
+    #[test]
+    fn server_stamps_round_trip_ahead_of_the_answer_and_a_short_payload_is_refused() {
+        let stamps = ServerStamps {
+            read: 1,
+            queued: u64::MAX,
+            answered: 3,
+            writing: 0x0102_0304_0506_0708,
+        };
+        let (back, answer) = ServerStamps::split(stamps.prefix(b"answer")).unwrap();
+        assert_eq!(back, stamps);
+        assert_eq!(answer, b"answer");
+        let (_, empty) = ServerStamps::split(stamps.prefix(b"")).unwrap();
+        assert!(empty.is_empty());
+        assert!(matches!(
+            ServerStamps::split(vec![0; ServerStamps::BYTES - 1]),
+            Err(Error::Decode { reason, .. }) if reason.contains("31 bytes")
+        ));
     }
 
     #[test]

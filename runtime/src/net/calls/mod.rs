@@ -26,7 +26,10 @@ mod frame;
 mod server;
 mod socket;
 
-pub(crate) use client::{CallPlane, Target};
+pub(crate) use client::{CallPlane, Hops, Target};
+pub(crate) use frame::wall_clock_ns;
+#[cfg(test)]
+pub(crate) use frame::ServerStamps;
 pub(crate) use server::CallServer;
 pub(crate) use socket::CallAddress;
 
@@ -37,8 +40,9 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use crate::error::{Error, Result};
 
 /// Environment variable choosing how this process sends actor calls: `direct` (default:
-/// the call channel, falling back to the session path) or `session` (always the session
-/// path).
+/// the call channel, falling back to the session path), `tcp` (the call channel over TCP
+/// even to processes of this host, which otherwise get a Unix socket: for packet captures
+/// and diagnosis) or `session` (always the session path).
 pub const CALL_PATH_ENV: &str = "REGATTA_CALL_PATH";
 
 /// ALPN protocol id of the call channel (the object transfer has its own).
@@ -49,6 +53,8 @@ const ALPN: &[u8] = b"regatta-calls/1";
 pub enum CallPath {
     /// The call channel where the node offers one, else the session path.
     Direct,
+    /// As `Direct`, always over TCP (never the same-host Unix socket).
+    Tcp,
     /// Always through `ractor_cluster`'s sessions.
     Session,
 }
@@ -58,9 +64,10 @@ impl CallPath {
     pub fn parse(text: &str) -> Result<Self> {
         match text.trim() {
             "" | "direct" => Ok(Self::Direct),
+            "tcp" => Ok(Self::Tcp),
             "session" => Ok(Self::Session),
             other => Err(Error::Rejected(format!(
-                "{CALL_PATH_ENV}='{other}' is not a call path; use 'direct' (the default) or 'session'"
+                "{CALL_PATH_ENV}='{other}' is not a call path; use 'direct' (the default), 'tcp' or 'session'"
             ))),
         }
     }

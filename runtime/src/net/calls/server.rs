@@ -12,7 +12,9 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::task::{JoinHandle, JoinSet};
 
-use super::frame::{ReplyHeader, ReplyStatus, RequestHeader, RequestKind, REQUEST_HEADER_BYTES};
+use super::frame::{
+    wall_clock_ns, ReplyHeader, ReplyStatus, RequestHeader, RequestKind, ServerStamps, REQUEST_HEADER_BYTES,
+};
 use super::socket::{bind_local, keep_alive, this_host, CallAddress, LocalAddress, Socket};
 use super::CallTls;
 use crate::error::{Error, Result};
@@ -144,8 +146,9 @@ async fn accept_loop(listener: TcpListener, local: Option<UnixListener>, tls: Ca
 
 type Writer<S> = Arc<Mutex<WriteHalf<S>>>;
 
-/// A call handed to its actor: the sequence number and where the answer comes.
-type Waiting = (u64, oneshot::Receiver<Vec<u8>>);
+/// A call handed to its actor: the sequence number, where the answer comes, and for a
+/// timed call its stamps so far.
+type Waiting = (u64, oneshot::Receiver<Vec<u8>>, Option<ServerStamps>);
 
 /// Serves one connection until the peer closes it or sends something malformed. Reading
 /// requests and writing replies run in this one task, so stopping it (the listener was
@@ -204,7 +207,8 @@ async fn read_requests<R: AsyncRead, W: AsyncWrite>(
             .await
             .map_err(io("read a call request's payload"))?;
         match request.kind {
-            RequestKind::Call => {
+            RequestKind::Call | RequestKind::TimedCall => {
+                let read = (request.kind == RequestKind::TimedCall).then(wall_clock_ns);
                 calls.inc();
                 let (port, answer) = oneshot::channel();
                 if node
@@ -212,7 +216,12 @@ async fn read_requests<R: AsyncRead, W: AsyncWrite>(
                     .deliver(request.actor, Wire::Call(payload, port.into()))
                     .is_ok()
                 {
-                    let _ = waiting.send((request.seq, answer));
+                    let stamps = read.map(|read| ServerStamps {
+                        read,
+                        queued: wall_clock_ns(),
+                        ..ServerStamps::default()
+                    });
+                    let _ = waiting.send((request.seq, answer, stamps));
                 } else {
                     let not_hosted = wire::encode_failure(Failure::NotHosted {
                         actor: request.actor,
@@ -237,15 +246,22 @@ async fn write_answers<W: AsyncWrite>(mut answers: mpsc::UnboundedReceiver<Waiti
     loop {
         tokio::select! {
             handed = answers.recv() => match handed {
-                Some((seq, answer)) => waiting.push(async move { (seq, answer.await) }),
+                Some((seq, answer, stamps)) => waiting.push(async move {
+                    let answer = answer.await;
+                    (seq, answer, stamps.map(|stamps| ServerStamps { answered: wall_clock_ns(), ..stamps }))
+                }),
                 // The reader ended; it returns first.
                 None => std::future::pending().await,
             },
-            Some((seq, answer)) = waiting.next(), if !waiting.is_empty() => {
-                let written = match answer {
-                    Ok(reply) => write_reply(writer, seq, ReplyStatus::Answered, &reply).await,
+            Some((seq, answer, stamps)) = waiting.next(), if !waiting.is_empty() => {
+                let written = match (answer, stamps) {
+                    (Ok(reply), None) => write_reply(writer, seq, ReplyStatus::Answered, &reply).await,
+                    (Ok(reply), Some(stamps)) => {
+                        let timed = ServerStamps { writing: wall_clock_ns(), ..stamps }.prefix(&reply);
+                        write_reply(writer, seq, ReplyStatus::AnsweredTimed, &timed).await
+                    }
                     // The host dropped the call without answering (it stopped).
-                    Err(_) => write_reply(writer, seq, ReplyStatus::Lost, &[]).await,
+                    (Err(_), _) => write_reply(writer, seq, ReplyStatus::Lost, &[]).await,
                 };
                 // A failed write means the connection is gone: its reader ends it.
                 if written.is_err() {

@@ -117,6 +117,48 @@ async fn concurrent_calls_each_get_their_own_reply_by_either_socket() {
 }
 
 #[tokio::test]
+async fn a_timed_call_brings_back_stamps_in_hop_order_with_the_actors_time_where_it_was_spent() {
+    const HANDLER: Duration = Duration::from_millis(30);
+    let (served, mut inbox) = serve("t").await;
+    // An actor whose handler takes 30 ms: that time must show in the actor's hop alone.
+    tokio::spawn(async move {
+        while let Some(message) = inbox.recv().await {
+            if let Wire::Call(request, port) = message {
+                tokio::time::sleep(HANDLER).await;
+                let _ = port.send(wire::encode_ok(&request));
+            }
+        }
+    });
+    for connection in [open(&served).await, open_tcp(&served).await] {
+        let (reply, hops) = connection.call_with(ACTOR, b"timed", soon(), true).await.ok().unwrap();
+        assert_eq!(
+            answer(reply),
+            Ok(b"timed".to_vec()),
+            "the stamps are not part of the answer"
+        );
+        let hops = hops.expect("a timed call over the channel has stamps");
+        let server = hops.server;
+        let order = [
+            hops.start,
+            hops.sent,
+            server.read,
+            server.queued,
+            server.answered,
+            server.writing,
+            hops.received,
+            hops.woken,
+        ];
+        assert!(order.windows(2).all(|w| w[0] <= w[1]), "stamps out of order: {order:?}");
+        let actor = Duration::from_nanos(server.answered - server.queued);
+        let rest = Duration::from_nanos(hops.woken - hops.start) - actor;
+        assert!(actor >= HANDLER, "the handler's time shows in the actor hop: {actor:?}");
+        assert!(rest < HANDLER, "and not elsewhere: {rest:?} outside the actor hop");
+        let (_, untimed) = connection.call_with(ACTOR, b"plain", soon(), false).await.ok().unwrap();
+        assert!(untimed.is_none(), "an ordinary call carries no stamps");
+    }
+}
+
+#[tokio::test]
 async fn a_unix_socket_of_another_host_or_gone_is_passed_over_for_tcp() {
     let (served, inbox) = serve("t").await;
     reverse_calls(inbox);
@@ -271,6 +313,99 @@ async fn garbage_on_the_port_closes_that_connection_only() {
     assert!(connection.call(ACTOR, b"ok", soon()).await.is_ok());
 }
 
+/// A relay on loopback to `target` that records what its one client sends.
+async fn recording_relay(target: String) -> (String, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let recorded = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = recorded.clone();
+    tokio::spawn(async move {
+        let (inbound, _) = listener.accept().await.unwrap();
+        let outbound = tokio::net::TcpStream::connect(target).await.unwrap();
+        let (mut from_client, mut to_client) = inbound.into_split();
+        let (mut from_server, mut to_server) = outbound.into_split();
+        tokio::spawn(async move { tokio::io::copy(&mut from_server, &mut to_client).await });
+        let mut buffer = vec![0u8; 64 * 1024];
+        while let Ok(n @ 1..) = from_client.read(&mut buffer).await {
+            record.lock().unwrap().extend_from_slice(&buffer[..n]);
+            if to_server.write_all(&buffer[..n]).await.is_err() {
+                break;
+            }
+        }
+    });
+    (address, recorded)
+}
+
+/// Sends `bytes` on a fresh connection to `address`, closes the sending side, and says
+/// whether the listener then closed the connection within 5 s.
+async fn closed_after_sending(address: &str, bytes: &[u8]) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let _ = stream.write_all(bytes).await;
+    let _ = stream.shutdown().await;
+    let mut sink = vec![0u8; 64 * 1024];
+    let drained = async { while let Ok(1..) = stream.read(&mut sink).await {} };
+    tokio::time::timeout(Duration::from_secs(5), drained).await.is_ok()
+}
+
+#[tokio::test]
+async fn a_truncated_record_and_a_replayed_connection_deliver_nothing() {
+    let (served, mut inbox) = serve("t").await;
+    let delivered = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = delivered.clone();
+    tokio::spawn(async move {
+        while let Some(message) = inbox.recv().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if let Wire::Call(request, port) = message {
+                let _ = port.send(wire::encode_ok(&request));
+            }
+        }
+    });
+    let delivered = || delivered.load(std::sync::atomic::Ordering::SeqCst);
+    let tcp = served.server.address().tcp.clone();
+    // A TLS handshake record that announces 16 KiB and ends after 100 bytes.
+    let mut truncated = vec![0x16, 0x03, 0x01, 0x40, 0x00];
+    truncated.extend_from_slice(&[1u8; 100]);
+    assert!(
+        closed_after_sending(&tcp, &truncated).await,
+        "a truncated record is refused"
+    );
+
+    // A call and a cast through a recording relay, then the whole connection sent again.
+    let (relay, recorded) = recording_relay(tcp.clone()).await;
+    let through_relay = CallAddress {
+        tcp: relay,
+        local: None,
+    };
+    let connection = connect(&served.tls, &through_relay, "n1").await.unwrap();
+    let reply = connection.call(ACTOR, b"once", soon()).await.ok().unwrap();
+    assert_eq!(answer(reply), Ok(b"once".to_vec()));
+    assert!(connection.cast(ACTOR, b"cast once").await.is_ok());
+    support_eventually(|| delivered() == 2).await;
+    let session = recorded.lock().unwrap().clone();
+    assert!(
+        session.len() > 100,
+        "the relay recorded the connection ({} bytes)",
+        session.len()
+    );
+    assert!(closed_after_sending(&tcp, &session).await, "the replay is refused");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(delivered(), 2, "a replayed call or cast never reaches the actor");
+
+    let fresh = open(&served).await;
+    assert!(fresh.call(ACTOR, b"ok", soon()).await.is_ok(), "the listener serves on");
+}
+
+/// Waits up to 10 s for `done`.
+async fn support_eventually(done: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(Instant::now() < deadline, "not reached within 10 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 #[tokio::test]
 async fn silent_connections_from_one_address_hold_at_most_its_share_and_shut_no_one_else_out() {
     let (served, inbox) = serve("t").await;
@@ -394,6 +529,7 @@ fn the_call_path_is_parsed_at_the_edge() {
     assert_eq!(CallPath::parse("").unwrap(), CallPath::Direct);
     assert_eq!(CallPath::parse("direct").unwrap(), CallPath::Direct);
     assert_eq!(CallPath::parse(" session ").unwrap(), CallPath::Session);
+    assert_eq!(CallPath::parse("tcp").unwrap(), CallPath::Tcp);
     assert!(CallPath::parse("quic")
         .unwrap_err()
         .to_string()
