@@ -129,7 +129,7 @@ where
 /// Where one synchronous call's time goes: `calls` timed calls per trial, one at a time,
 /// and each hop's median per trial in microseconds (the stamps are taken on this host's
 /// one clock by both processes; see `CallTiming`).
-async fn sync_call_hops(actor: &ActorHandle<Noop>, trials: usize, calls: usize) -> anyhow::Result<()> {
+async fn sync_call_hops(actor: &ActorHandle<Noop>, trials: usize, calls: usize, from: &str) -> anyhow::Result<()> {
     let names = regatta_runtime::CallTiming::default().hops().map(|(name, _)| name);
     let mut medians = vec![Vec::with_capacity(trials); names.len() + 1];
     for _ in 0..trials {
@@ -147,7 +147,11 @@ async fn sync_call_hops(actor: &ActorHandle<Noop>, trials: usize, calls: usize) 
         }
     }
     for (name, values) in names.iter().chain(["total"].iter()).zip(&medians) {
-        report(&format!("1:1 actor call sync, median {name}"), "microseconds", values);
+        report(
+            &format!("1:1 actor call sync{from}, median {name}"),
+            "microseconds",
+            values,
+        );
     }
     Ok(())
 }
@@ -197,7 +201,25 @@ pub(super) async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -
         Ok(sync_calls)
     })
     .await?;
-    sync_call_hops(&one, trials, sync_calls).await?;
+    sync_call_hops(&one, trials, sync_calls, "").await?;
+    // The same calls from a future that `block_on` runs on a thread of its own, as a
+    // `#[tokio::main]` body runs (the CLI runs its commands, this bench included, as tasks
+    // on the runtime's workers): every reply then wakes that thread from another one.
+    let runtime = tokio::runtime::Handle::current();
+    let outside = one.clone();
+    tokio::task::spawn_blocking(move || {
+        runtime.block_on(async {
+            rate("1:1 actor calls sync from block_on", trials, || async {
+                for _ in 0..sync_calls {
+                    outside.call(Vec::new()).await?;
+                }
+                Ok(sync_calls)
+            })
+            .await?;
+            sync_call_hops(&outside, trials, sync_calls, " from block_on").await
+        })
+    })
+    .await??;
     // The same calls through ractor_cluster's sessions, as before the call channel.
     let one_by_session = client
         .with_call_path(regatta_runtime::CallPath::Session)

@@ -77,7 +77,11 @@ pub(crate) async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let filter = args.filter().checked()?;
     let page = PageRequest::new(args.offset, Some(args.limit.unwrap_or(20)))?;
     if args.json && !args.selects_actors() {
-        stream_status(client.cluster(), args.json_page, &mut std::io::stdout().lock()).await?;
+        // Buffered, and not the stdout lock: the command runs as a task that may move
+        // between threads at each await.
+        let mut out = std::io::BufWriter::new(std::io::stdout());
+        stream_status(client.cluster(), args.json_page, &mut out).await?;
+        std::io::Write::flush(&mut out)?;
     } else if args.json {
         println!(
             "{}",
