@@ -19,6 +19,7 @@ mod checksum;
 mod error;
 mod handshake_slots;
 mod identity;
+mod idle_pool;
 mod place;
 mod quic;
 mod shm;

@@ -23,7 +23,6 @@
 //! rustls moved 0.38-0.70 GB/s on the same cores. A peer that stops answering fails the
 //! transfer after [`IO_TIMEOUT`] without progress.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
@@ -42,6 +41,7 @@ use crate::handshake_slots::{HandshakeSlots, MAX_HANDSHAKES_PER_SOURCE};
 use crate::id::ObjectId;
 use crate::identity::TlsIdentity;
 pub use crate::identity::SERVER_NAME;
+use crate::idle_pool::{IdlePool, IDLE_LIMIT};
 use crate::shm::{Handle, HostKey, Segment};
 
 /// Bytes per chunk on the wire.
@@ -123,7 +123,7 @@ struct Shared {
     listener: Mutex<Option<std::net::TcpListener>>,
     acceptor: TlsAcceptor,
     connector: TlsConnector,
-    idle: Mutex<HashMap<SocketAddr, Vec<ClientStream>>>,
+    idle: Mutex<IdlePool<ClientStream>>,
     connecting: tokio::sync::Semaphore,
 }
 
@@ -186,7 +186,7 @@ impl Transfer {
                 listener: Mutex::new(Some(listener)),
                 acceptor: TlsAcceptor::from(identity.server.clone()),
                 connector: TlsConnector::from(identity.client.clone()),
-                idle: Mutex::new(HashMap::new()),
+                idle: Mutex::new(IdlePool::new(IDLE_PER_PEER, IDLE_LIMIT)),
                 connecting: tokio::sync::Semaphore::new(CONNECTING_AT_ONCE),
             }),
             corrupt,
@@ -297,15 +297,12 @@ impl Transfer {
     }
 
     fn take_idle(&self, peer: SocketAddr) -> Option<ClientStream> {
-        self.shared.idle.lock().ok()?.get_mut(&peer)?.pop()
+        self.shared.idle.lock().ok()?.take(peer, std::time::Instant::now())
     }
 
     fn put_idle(&self, peer: SocketAddr, stream: ClientStream) {
         if let Ok(mut idle) = self.shared.idle.lock() {
-            let streams = idle.entry(peer).or_default();
-            if streams.len() < IDLE_PER_PEER {
-                streams.push(stream);
-            }
+            idle.put(peer, stream, std::time::Instant::now());
         }
     }
 

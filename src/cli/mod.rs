@@ -274,7 +274,14 @@ pub fn is_node_command() -> bool {
 pub fn main_with(registry: Registry) -> ExitCode {
     let cli = Cli::parse();
     init_logging();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    // At least two workers, also on a one-CPU container: the command runs as a task, and
+    // a blocking step in it (a bench's floor measurement) must not stall every other task.
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get()).max(2);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
