@@ -95,6 +95,14 @@ fn contains(haystack: &[u8], needle: &str) -> bool {
 /// IPv4 segments sent to `port`.
 fn payload_to_port(pcap: &[u8], port: u16) -> usize {
     let u32_at = |at: usize| u32::from_le_bytes(pcap[at..at + 4].try_into().expect("4 bytes"));
+    assert!(pcap.len() >= 24, "a pcap file has a 24-byte header");
+    // Little-endian pcap (microsecond or nanosecond stamps) of link type 1, Ethernet.
+    assert!(
+        [0xa1b2_c3d4, 0xa1b2_3c4d].contains(&u32_at(0)) && u32_at(20) == 1,
+        "not a little-endian Ethernet pcap: magic {:x}, link type {}",
+        u32_at(0),
+        u32_at(20)
+    );
     let mut total = 0;
     let mut at = 24; // the file's header
     while at + 16 <= pcap.len() {
@@ -161,8 +169,10 @@ async fn no_marker_nor_the_token_crosses_loopback_in_cleartext() {
         .spawn::<Echo>(marker("argument"), pinned("w1").name(marker("name")))
         .await
         .expect("spawn the marked echo");
-    let reply = echo.call(marker("request")).await.expect("call the echo");
-    assert_eq!(reply.text, format!("{}{}", marker("argument"), marker("request")));
+    // Over 96 KiB, so that the check below tells the call's bytes from a handshake's.
+    let request = marker("request").repeat(4096);
+    let reply = echo.call(request.clone()).await.expect("call the echo");
+    assert_eq!(reply.text, format!("{}{request}", marker("argument")));
     // The same through the sessions (the path a caller falls back to).
     let by_session = cluster
         .client
@@ -216,7 +226,7 @@ async fn no_marker_nor_the_token_crosses_loopback_in_cleartext() {
         .call(Fanout {
             targets: vec![noop.id()],
             calls_per_target: 3,
-            arg_bytes: 16,
+            arg_bytes: 64 * 1024,
         })
         .await
         .expect("w1 calls into w2");
@@ -271,13 +281,14 @@ async fn no_marker_nor_the_token_crosses_loopback_in_cleartext() {
         body.len(),
         captured.len()
     );
-    // The calls crossed loopback TCP (not a Unix socket the capture cannot see), so the
-    // request marker's absence means something.
+    // The calls (over 96 KiB to each worker, against a few KiB for a handshake)
+    // crossed loopback TCP, not a Unix socket the capture cannot see, so the request
+    // marker's absence means something.
     for node in ["w1", "w2"] {
         let port = call_port(&cluster, node);
         let bytes = payload_to_port(&captured, port);
         assert!(
-            bytes > 200,
+            bytes > 96 * 1024,
             "calls to {node} crossed its call port {port} over TCP ({bytes} bytes)"
         );
     }

@@ -149,7 +149,10 @@ async fn a_head_killed_mid_training_and_mid_job_takes_back_100_actors_the_group_
         }
     }
     // Requests that need the head wait for it within their timeout: a spawn and a named
-    // lookup made during the outage complete once it is back.
+    // lookup made during the outage complete once it is back. (Made half a second into the
+    // outage: a spawn written into the session the kill is closing may have reached the
+    // head, and is not sent twice.)
+    tokio::time::sleep(Duration::from_millis(500).saturating_sub(killed_at.elapsed())).await;
     let (spawn_client, lookup_client) = (client.cluster().clone(), client.cluster().clone());
     let spawned_in_outage = tokio::spawn(async move {
         spawn_client

@@ -1,7 +1,9 @@
-//! Connections kept open between fetches, per peer: at most a few each, and none longer
-//! than an idle limit, so a peer that left (a node scaled away, a restarted worker on a new
-//! port) does not keep its descriptors in every process that ever fetched from it. Plain
-//! bookkeeping: the caller passes the time.
+//! Connections kept open between fetches, per peer: at most a few each, and every use of
+//! the pool drops those idle past a limit, so a peer that left (a node scaled away, a
+//! restarted worker on a new port) does not keep its descriptors in a process that goes
+//! on fetching from others. (A process that stops fetching keeps what it has until it
+//! fetches again; the holders' keep-alives still notice dead peers.) Plain bookkeeping:
+//! the caller passes the time.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

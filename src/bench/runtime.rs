@@ -12,7 +12,7 @@ use super::measure::{
 };
 use crate::kinds::{Caller, Fanout, Noop, Store, StoreOp, StoreReply};
 use crate::local::{LocalCluster, LocalOptions, WorkerSpec};
-use regatta_runtime::{ActorHandle, ActorOptions, ActorPool, Client, Resources, Strategy};
+use regatta_runtime::{ActorHandle, ActorOptions, ActorPool, Client, Resources, Strategy, CALL_PATH_ENV};
 
 fn workers() -> Vec<WorkerSpec> {
     vec![
@@ -136,7 +136,10 @@ async fn sync_call_hops(actor: &ActorHandle<Noop>, trials: usize, calls: usize, 
         let mut hops = vec![Vec::with_capacity(calls); names.len() + 1];
         for _ in 0..calls {
             let (_, timing) = actor.call_timed(Vec::new()).await?;
-            let timing = timing.ok_or_else(|| anyhow::anyhow!("the timed call did not go over the call channel"))?;
+            let Some(timing) = timing else {
+                println!("# sync calls{from} did not go over the call channel ({CALL_PATH_ENV}?): no hops to time");
+                return Ok(());
+            };
             for (i, (_, hop)) in timing.hops().iter().enumerate() {
                 hops[i].push(hop.as_secs_f64() * 1e6);
             }

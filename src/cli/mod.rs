@@ -279,6 +279,8 @@ pub fn main_with(registry: Registry) -> ExitCode {
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get()).max(2);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
+        // The main thread's stack size: the command's futures used to run there.
+        .thread_stack_size(8 << 20)
         .enable_all()
         .build()
     {
@@ -290,7 +292,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
     };
     // The command runs as a task on the runtime's workers, not on this thread: a future
     // that `block_on` runs here is woken by another thread for every reply it awaits (a
-    // futex wake-up, 15-30 us on a small VM), while a task's awaited reply is usually
+    // futex wake-up, 8-30 us on a small VM), while a task's awaited reply is usually
     // handed over on the worker thread that read it (`regatta bench actors` shows both).
     let command = runtime.spawn(async move {
         match cli.command {
@@ -307,9 +309,12 @@ pub fn main_with(registry: Registry) -> ExitCode {
             Command::JobShim(args) => job_shim(args).await,
         }
     });
-    let outcome = runtime
-        .block_on(command)
-        .unwrap_or_else(|e| Err(anyhow::anyhow!("the command's task ended abnormally: {e}")));
+    let outcome = match runtime.block_on(command) {
+        Ok(outcome) => outcome,
+        // A panic ends the process as it did on this thread (its message is printed already).
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => Err(anyhow::anyhow!("the command's task ended abnormally: {e}")),
+    };
     match outcome {
         Ok(code) => code,
         Err(e) => {

@@ -14,7 +14,8 @@ use crate::calls::Hops;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CallTiming {
     /// From the call until the channel was asked to send it: finding the actor's node
-    /// (cached after the first call) and encoding the request.
+    /// (cached after the first call), encoding the request, opening the connection on a
+    /// first call to that node, and any wait and retry after a "not hosted here" answer.
     pub prepare: Duration,
     /// Writing the request frame: taking the connection, TLS encryption, the write.
     pub send: Duration,

@@ -67,10 +67,16 @@ pub(crate) struct Recovered {
     pub(crate) dropped_bytes: usize,
 }
 
-/// Creates `dir` if missing and makes it readable by its owner only: the head's state
-/// holds what crossed the network encrypted (spawn arguments with the trainer ring's
-/// secret, job environments), so it must not sit world-readable on disk. A directory that
-/// was open to others is tightened, with a warning.
+/// What the head itself keeps in its state directory; a directory holding only these (or
+/// nothing) is the head's own, and may be tightened.
+const STATE_DIR_ENTRIES: [&str; 6] = [FILE_NAME, LOG_NAME, "head.lock", "jobs", "logs", "run"];
+
+/// Creates `dir` if missing, readable by its owner only: the head's state holds what
+/// crossed the network encrypted (spawn arguments with the trainer ring's secret, job
+/// environments), so it must not sit readable by other users on disk. An existing
+/// directory open to others is tightened to 700 when it holds nothing but the head's own
+/// files (a state directory from an earlier version); any other directory (`/tmp`, a home)
+/// is left as it is, with a warning to choose a private one.
 pub(crate) fn private_dir(dir: &Path) -> Result<()> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     let cannot = |what: &str, e| Error::io(format!("cannot {what} the head's state directory {}", dir.display()), e);
@@ -83,10 +89,24 @@ pub(crate) fn private_dir(dir: &Path) -> Result<()> {
         .map_err(|e| cannot("read", e))?
         .permissions()
         .mode();
-    if mode & 0o077 != 0 {
+    if mode & 0o077 == 0 {
+        return Ok(());
+    }
+    let only_ours = std::fs::read_dir(dir)
+        .map_err(|e| cannot("list", e))?
+        .filter_map(|entry| entry.ok())
+        .all(|entry| {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            STATE_DIR_ENTRIES.contains(&name.as_ref()) || name.ends_with(".tmp")
+        });
+    let was = format!("{:o}", mode & 0o7777);
+    if only_ours {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
             .map_err(|e| cannot("restrict (chmod 700)", e))?;
-        tracing::warn!(dir = %dir.display(), was = format!("{:o}", mode & 0o777), "the head's state directory was open to other users; it is now 700 (owner only)");
+        tracing::warn!(dir = %dir.display(), %was, "the head's state directory was open to other users; it is now 700 (owner only)");
+    } else {
+        tracing::warn!(dir = %dir.display(), %was, "the head's state directory is open to other users and holds other files, so it is left as it is: its state and job records (spawn arguments, job environments) are readable by them; give --state-dir a directory of its own");
     }
     Ok(())
 }
@@ -507,8 +527,24 @@ mod tests {
         let open_to_all = root.join("shared");
         std::fs::create_dir(&open_to_all).unwrap();
         std::fs::set_permissions(&open_to_all, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(open_to_all.join(LOG_NAME), b"").unwrap();
         StateFile::open(&open_to_all, "s").unwrap();
-        assert_eq!(mode(&open_to_all), 0o700, "a directory open to others is tightened");
+        assert_eq!(
+            mode(&open_to_all),
+            0o700,
+            "a state directory open to others is tightened"
+        );
+        // A directory that holds other things (a home, /tmp) is not the head's to change.
+        let shared = root.join("home");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::write(shared.join("notes.txt"), b"mine").unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        StateFile::open(&shared, "s").unwrap();
+        assert_eq!(
+            std::fs::metadata(&shared).unwrap().permissions().mode() & 0o7777,
+            0o1777,
+            "left as it is"
+        );
     }
 
     #[test]

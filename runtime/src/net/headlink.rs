@@ -110,11 +110,15 @@ impl HeadLink {
                             tracing::debug!(what, %cause, "the head's session was replaced; asking again");
                             continue;
                         }
+                        let reason = if self.head().is_ok() {
+                            // The head is there, on the same session: the request itself failed.
+                            format!("head request {what} failed: {cause}")
+                        } else {
+                            format!("head request {what}: the head did not come back within {timeout:?} ({cause})")
+                        };
                         return Err(Error::Connect {
                             address: self.address.clone(),
-                            reason: format!(
-                                "head request {what}: the head did not come back within {timeout:?} ({cause})"
-                            ),
+                            reason,
                         });
                     }
                     return Err(Error::Connect {

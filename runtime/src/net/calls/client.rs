@@ -548,18 +548,30 @@ async fn read_replies(mut reader: ReadHalf<Stream>, pending: Arc<Mutex<Pending>>
             Ok(reply) => reply,
             Err(e) => break format!("node {node} sent a bad reply: {e}"),
         };
-        let mut payload = vec![0u8; reply.len];
+        // A timed reply's stamps are read apart, so the answer is never copied.
+        let (stamps, answer_len) = if reply.status == ReplyStatus::AnsweredTimed {
+            let Some(answer_len) = reply.len.checked_sub(ServerStamps::BYTES) else {
+                break format!(
+                    "node {node} sent a bad reply: a timed reply of {} bytes cannot hold its {} bytes of stamps",
+                    reply.len,
+                    ServerStamps::BYTES
+                );
+            };
+            let mut stamps = [0u8; ServerStamps::BYTES];
+            if let Err(e) = reader.read_exact(&mut stamps).await {
+                break format!("the call channel to node {node} closed mid-reply: {e}");
+            }
+            (Some(ServerStamps::parse(&stamps)), answer_len)
+        } else {
+            (None, reply.len)
+        };
+        let mut payload = vec![0u8; answer_len];
         if let Err(e) = reader.read_exact(&mut payload).await {
             break format!("the call channel to node {node} closed mid-reply: {e}");
         }
         let outcome = match reply.status {
-            ReplyStatus::Answered => Outcome::Answered(payload, None),
-            ReplyStatus::AnsweredTimed => {
-                let received = wall_clock_ns();
-                match ServerStamps::split(payload) {
-                    Ok((stamps, answer)) => Outcome::Answered(answer, Some((stamps, received))),
-                    Err(e) => break format!("node {node} sent a bad reply: {e}"),
-                }
+            ReplyStatus::Answered | ReplyStatus::AnsweredTimed => {
+                Outcome::Answered(payload, stamps.map(|stamps| (stamps, wall_clock_ns())))
             }
             ReplyStatus::Lost => Outcome::Lost,
         };

@@ -45,8 +45,10 @@ use crate::error::{Error, Result};
 /// and diagnosis) or `session` (always the session path).
 pub const CALL_PATH_ENV: &str = "REGATTA_CALL_PATH";
 
-/// ALPN protocol id of the call channel (the object transfer has its own).
-const ALPN: &[u8] = b"regatta-calls/1";
+/// ALPN protocol id of the call channel (the object transfer has its own). Version 2 added
+/// timed calls: a peer of version 1 would close a shared connection on one, so the two
+/// fail the handshake instead and their calls take the session path.
+const ALPN: &[u8] = b"regatta-calls/2";
 
 /// How this process sends actor calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
