@@ -126,6 +126,17 @@ where
     Ok(())
 }
 
+/// `calls` calls to `actor` one after another per trial; prints calls per second.
+async fn one_at_a_time(case: &str, actor: &ActorHandle<Noop>, trials: usize, calls: usize) -> anyhow::Result<()> {
+    rate(case, trials, || async {
+        for _ in 0..calls {
+            actor.call(Vec::new()).await?;
+        }
+        Ok(calls)
+    })
+    .await
+}
+
 /// Where one synchronous call's time goes: `calls` timed calls per trial, one at a time,
 /// and each hop's median per trial in microseconds (the stamps are taken on this host's
 /// one clock by both processes; see `CallTiming`).
@@ -197,13 +208,7 @@ pub(super) async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -
         "per second",
         &floor_tokio,
     );
-    rate("1:1 actor calls sync", trials, || async {
-        for _ in 0..sync_calls {
-            one.call(Vec::new()).await?;
-        }
-        Ok(sync_calls)
-    })
-    .await?;
+    one_at_a_time("1:1 actor calls sync", &one, trials, sync_calls).await?;
     sync_call_hops(&one, trials, sync_calls, "").await?;
     // The same calls from a future that `block_on` runs on a thread of its own, as a
     // `#[tokio::main]` body runs (the CLI runs its commands, this bench included, as tasks
@@ -212,13 +217,7 @@ pub(super) async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -
     let outside = one.clone();
     tokio::task::spawn_blocking(move || {
         runtime.block_on(async {
-            rate("1:1 actor calls sync from block_on", trials, || async {
-                for _ in 0..sync_calls {
-                    outside.call(Vec::new()).await?;
-                }
-                Ok(sync_calls)
-            })
-            .await?;
+            one_at_a_time("1:1 actor calls sync from block_on", &outside, trials, sync_calls).await?;
             sync_call_hops(&outside, trials, sync_calls, " from block_on").await
         })
     })
@@ -227,12 +226,12 @@ pub(super) async fn actors(cluster: &LocalCluster, trials: usize, quick: bool) -
     let one_by_session = client
         .with_call_path(regatta_runtime::CallPath::Session)
         .handle::<Noop>(one.id());
-    rate("1:1 actor calls sync through the sessions", trials, || async {
-        for _ in 0..sync_calls {
-            one_by_session.call(Vec::new()).await?;
-        }
-        Ok(sync_calls)
-    })
+    one_at_a_time(
+        "1:1 actor calls sync through the sessions",
+        &one_by_session,
+        trials,
+        sync_calls,
+    )
     .await?;
     let batch = 10_000 / scale;
     rate("1:1 actor calls async", trials, || async {

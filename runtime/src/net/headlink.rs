@@ -102,28 +102,23 @@ impl HeadLink {
                         CallError::Unreachable(cause) => (false, cause),
                         CallError::Timeout => (false, "no reply in time".to_string()),
                     };
-                    if unsent || request.retryable() {
-                        // The head restarting or its session replaced: wait for the next
-                        // one within the request's own timeout.
-                        let again = deadline.saturating_duration_since(Instant::now());
-                        if self.wait_for_another(&head, again).await {
-                            tracing::debug!(what, %cause, "the head's session was replaced; asking again");
-                            continue;
-                        }
-                        let reason = if self.head().is_ok() {
-                            // The head is there, on the same session: the request itself failed.
-                            format!("head request {what} failed: {cause}")
-                        } else {
-                            format!("head request {what}: the head did not come back within {timeout:?} ({cause})")
-                        };
-                        return Err(Error::Connect {
-                            address: self.address.clone(),
-                            reason,
-                        });
+                    // The head restarting or its session replaced: wait for the next one
+                    // within the request's own timeout.
+                    let waited = unsent || request.retryable();
+                    let again = deadline.saturating_duration_since(Instant::now());
+                    if waited && self.wait_for_another(&head, again).await {
+                        tracing::debug!(what, %cause, "the head's session was replaced; asking again");
+                        continue;
                     }
+                    // Still no head after waiting for it: say so; else the request failed.
+                    let reason = if waited && self.head().is_err() {
+                        format!("head request {what}: the head did not come back within {timeout:?} ({cause})")
+                    } else {
+                        format!("head request {what} failed: {cause}")
+                    };
                     return Err(Error::Connect {
                         address: self.address.clone(),
-                        reason: format!("head request {what} failed: {cause}"),
+                        reason,
                     });
                 }
             }
