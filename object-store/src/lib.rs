@@ -22,6 +22,7 @@ mod identity;
 mod idle_pool;
 mod place;
 mod quic;
+mod receive_pool;
 mod shm;
 mod spill;
 mod transfer;
@@ -40,6 +41,7 @@ pub use identity::{identity_from_token, TlsIdentity};
 pub use memory::{MemoryStats, MemoryStore, NoRoom};
 pub use place::{absolute, Place};
 pub use quic::endpoint;
+pub use receive_pool::{pooled_bytes, RECEIVE_POOL_ENV};
 pub use shm::{Handle as SharedHandle, HostKey, Segment};
 pub use spill::{delete as delete_spilled, open_store, parse_spill_url, restore, SpillBackend};
 pub use transfer::{

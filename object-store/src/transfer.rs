@@ -445,7 +445,29 @@ async fn receive_stream(
         )));
     }
     let length = usize::try_from(size).map_err(|_| failed(&"object too large for this platform"))?;
-    let mut buffer = crate::shm::receive_buffer(length);
+    let mut buffer = crate::receive_pool::take(length);
+    match fill(stream, &mut buffer, peer, id, checksum).await {
+        Ok(()) => Ok(crate::receive_pool::into_bytes(buffer)),
+        Err(e) => {
+            crate::receive_pool::give_back(buffer);
+            Err(e)
+        }
+    }
+}
+
+/// Fills `buffer` from the stream's chunks, checking every chunk's CRC and the whole
+/// object's.
+async fn fill(
+    stream: &mut ClientStream,
+    buffer: &mut [u8],
+    peer: SocketAddr,
+    id: ObjectId,
+    checksum: u32,
+) -> std::result::Result<(), Attempt> {
+    let failed =
+        |e: &dyn std::fmt::Display| Attempt::Failed(Error::Transfer(format!("transfer of {id} from {peer}: {e}")));
+    let corrupt = |detail: String| Attempt::Failed(Error::Corrupt { id, detail });
+    let length = buffer.len();
     let mut whole = crc32fast::Hasher::new();
     let mut filled = 0usize;
     while filled < length {
@@ -472,7 +494,7 @@ async fn receive_stream(
     if whole.finalize() != checksum {
         return Err(corrupt(format!("whole-object CRC mismatch from {peer}")));
     }
-    Ok(Bytes::from(buffer))
+    Ok(())
 }
 
 /// Answers requests on one connection until the peer closes it.
