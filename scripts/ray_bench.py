@@ -131,6 +131,7 @@ def cross_node_get(trials):
             del refs
         for path in ("shared memory", "network"):
             report(f"cross-node get {label} ({path}) gigabytes", "per second", rates)
+            print("#   each trial: " + " ".join(f"{r:.2f}" for r in rates))
     ray.shutdown()
     subprocess.run(["ray", "stop", "--force"], capture_output=True)
 

@@ -687,7 +687,9 @@ impl HeadCore {
                 (Err(Missing::Unknown), Some(to)) => self.park(id, HeadRequest::ObjectLocate(id), to, now),
                 (result, _) => answer(to, Answer::Location(result.map_err(|m| object_missing(id, m))), out),
             },
-            HeadRequest::ObjectAddSource { id, node, address } => self.directory.add_source(id, &node, &address),
+            HeadRequest::ObjectAddSource { id, node, address } => {
+                out.extend(self.directory.add_source(id, &node, &address).map(Output::Release));
+            }
             HeadRequest::ObjectsHeld { node, address, objects } => {
                 let lost = self.directory.reconcile(&node, &address, &objects, now);
                 if !lost.is_empty() {

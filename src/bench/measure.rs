@@ -21,6 +21,13 @@ pub(super) fn report(case: &str, unit: &str, values: &[f64]) {
     println!("{case} {unit} {mean:.2} +- {spread:.2}");
 }
 
+/// Every trial's figure on a comment line under its case (the first trials of a run can
+/// differ from the rest: a fresh VM's memory is slow to touch the first time).
+pub(super) fn report_each(values: &[f64]) {
+    let each: Vec<String> = values.iter().map(|v| format!("{v:.2}")).collect();
+    println!("#   each trial: {}", each.join(" "));
+}
+
 /// The `q` quantile (0 to 1) of `values`, sorted in place; 0 for none.
 pub(super) fn quantile(values: &mut [f64], q: f64) -> f64 {
     values.sort_by(f64::total_cmp);

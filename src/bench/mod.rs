@@ -140,7 +140,7 @@ async fn run_suite(suite: &str, trials: usize, args: &BenchArgs) -> anyhow::Resu
         return tokio::task::block_in_place(|| data::run(&bench));
     }
     let mut cluster = if suite == "objects" {
-        runtime::start_with(runtime::object_workers(runtime::object_fanout(quick)))?
+        runtime::start_objects(quick)?
     } else {
         runtime::start_cluster()?
     };

@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use super::measure::{
     http_get, loopback_tcp_gbps, loopback_tcp_round_trips, loopback_tcp_round_trips_tokio, loopback_tls_gbps,
-    loopback_unix_round_trips, memcpy_gbps, quantile, report, rss_bytes, shared_memory_gbps,
+    loopback_unix_round_trips, memcpy_gbps, quantile, report, report_each, rss_bytes, shared_memory_gbps,
 };
 use crate::kinds::{Caller, Fanout, Noop, Store, StoreOp, StoreReply};
 use crate::local::{LocalCluster, LocalOptions, WorkerSpec};
@@ -54,9 +54,46 @@ pub(super) fn object_fanout(quick: bool) -> usize {
 }
 
 pub(super) fn start_with(specs: Vec<WorkerSpec>) -> anyhow::Result<LocalCluster> {
+    start_with_head_args(specs, Vec::new())
+}
+
+fn start_with_head_args(specs: Vec<WorkerSpec>, head_args: Vec<String>) -> anyhow::Result<LocalCluster> {
     let mut options = LocalOptions::new(specs)?;
     options.binary = std::env::current_exe().context("cannot find this executable")?;
+    options.head_args = head_args;
     LocalCluster::start(options)
+}
+
+/// The cluster of the object cases: objects freed by a trial are released after 200 ms
+/// rather than the default 10 s, so that the next trial can start once they are gone.
+pub(super) fn start_objects(quick: bool) -> anyhow::Result<LocalCluster> {
+    start_with_head_args(
+        object_workers(object_fanout(quick)),
+        vec!["--object-grace-ms".into(), "200".into()],
+    )
+}
+
+/// Waits until none of `stores`' nodes holds an object any more (a freed trial object is
+/// released by the head after its grace period): each trial then starts where a workload
+/// that frees what it has used stands, and memory the last trial gave back can serve the
+/// next one (as a Ray object store's arena does).
+async fn released(stores: &[&ActorHandle<Store>]) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for store in stores {
+        loop {
+            let StoreReply::Stats(stats) = store.call(StoreOp::Stats).await? else {
+                bail!("a store answered stats with something else");
+            };
+            if stats.objects_in_memory == 0 {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("freed objects still held 30 s later: {stats:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    Ok(())
 }
 
 /// Time for a head and 2 workers to be ready, and their idle resident memory.
@@ -416,12 +453,14 @@ pub(super) async fn objects(cluster: &LocalCluster, trials: usize, quick: bool) 
                 let (len, nanos) = fetch_on(&stores[1], &reference).await?;
                 rates.push(len as f64 / nanos as f64);
                 client.free(&reference).await?;
+                released(&[&stores[0], &stores[1]]).await?;
             }
             report(
                 &format!("cross-node get {label} ({path}) gigabytes"),
                 "per second",
                 &rates,
             );
+            report_each(&rates);
         }
         // One object to every other node at once: each pulls it (by the same-host path,
         // every node maps the one segment the holder made).
@@ -434,6 +473,7 @@ pub(super) async fn objects(cluster: &LocalCluster, trials: usize, quick: bool) 
             futures::future::try_join_all(pulls).await?;
             seconds.push(started.elapsed().as_secs_f64());
             client.free(&reference).await?;
+            released(&stores.iter().collect::<Vec<_>>()).await?;
         }
         report(
             &format!("{label} to {fanout} nodes at once ({path})"),

@@ -155,10 +155,24 @@ impl Directory {
         })
     }
 
-    /// A node now holds a copy in memory (after a pull or a restore).
-    pub fn add_source(&mut self, id: ObjectId, node: &str, address: &str) {
-        if let Some(meta) = self.objects.get_mut(&id) {
-            meta.sources.insert(node.to_string(), address.to_string());
+    /// A node now holds a copy in memory (after a pull or a restore). A copy of an object
+    /// the directory no longer knows (freed while the pull was finishing: the node's word
+    /// came after the release) is of no use: the answer tells that node to drop it, else
+    /// it would be held until the process ends.
+    pub fn add_source(&mut self, id: ObjectId, node: &str, address: &str) -> Option<Release> {
+        match self.objects.get_mut(&id) {
+            Some(meta) => {
+                meta.sources.insert(node.to_string(), address.to_string());
+                None
+            }
+            // Given up as lost: this may be the one copy left, which the node's next
+            // registration gives back.
+            None if self.lost.contains_key(&id) => None,
+            None => Some(Release {
+                id,
+                nodes: vec![node.to_string()],
+                spilled: None,
+            }),
         }
     }
 
@@ -376,10 +390,28 @@ mod tests {
     }
 
     #[test]
+    fn a_copy_reported_after_its_object_was_freed_is_released_but_a_lost_ones_is_kept() {
+        let mut dir = dir_with(1, "w1");
+        assert!(dir.free(ObjectId(1)).is_some());
+        assert_eq!(
+            dir.add_source(ObjectId(1), "w2", "addr2"),
+            Some(Release {
+                id: ObjectId(1),
+                nodes: vec!["w2".into()],
+                spilled: None
+            })
+        );
+        assert!(matches!(dir.locate(ObjectId(1)), Err(Missing::Unknown)));
+        let mut dir = dir_with(2, "w1");
+        assert_eq!(dir.node_lost("w1", 5), vec![ObjectId(2)]);
+        assert_eq!(dir.add_source(ObjectId(2), "w2", "addr2"), None, "maybe the last copy");
+    }
+
+    #[test]
     fn a_registering_node_is_the_source_of_exactly_what_it_holds() {
         let mut dir = dir_with(1, "w1");
         dir.put(ObjectId(2), 10, 42, "driver", "w1", "addr", None).unwrap();
-        dir.add_source(ObjectId(2), "w2", "addr2");
+        assert_eq!(dir.add_source(ObjectId(2), "w2", "addr2"), None);
         dir.put(ObjectId(3), 10, 42, "driver", "w1", "addr", None).unwrap();
         dir.spilled(ObjectId(3), "w1", "file:///spill/3");
         // w1 comes back holding object 1 and one the directory never heard of (its
@@ -452,7 +484,7 @@ mod tests {
     fn losing_the_only_holder_loses_the_object_with_the_node_named() {
         let mut dir = dir_with(1, "w1");
         dir.put(ObjectId(2), 10, 1, "driver", "w1", "a1", None).unwrap();
-        dir.add_source(ObjectId(2), "w2", "a2");
+        assert_eq!(dir.add_source(ObjectId(2), "w2", "a2"), None);
         dir.put(ObjectId(3), 10, 1, "driver", "w1", "a1", None).unwrap();
         dir.spilled(ObjectId(3), "w1", "file:///spill/3");
         dir.remove_source(ObjectId(3), "w1");
