@@ -10,12 +10,15 @@
 //! usually the right size for the next one.
 //!
 //! The pool keeps at most [`DEFAULT_LIMIT`] bytes (or `REGATTA_RECEIVE_POOL_BYTES`) of
-//! buffers nothing refers to any more, only large ones, and hands one out only when it is
-//! at most an eighth larger than asked (a small object never holds a large buffer). A
+//! buffers nothing refers to any more, only large ones, for at most [`IDLE_LIMIT`] each
+//! (a thread that lives while the pool holds anything frees the stale ones), and hands
+//! one out only when it is at most an eighth larger than asked (a small object never
+//! holds a large buffer). A
 //! buffer's old bytes are never seen: the transfer fills all of it before the object is
 //! handed over, and a failed transfer gives it back unseen.
 
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -25,6 +28,10 @@ pub(crate) const MIN_POOLED: usize = 32 << 20;
 
 /// How many bytes of unused buffers a process keeps by default.
 pub(crate) const DEFAULT_LIMIT: usize = 1 << 30;
+
+/// How long an unused buffer is kept: a process that stopped receiving large objects
+/// gives the memory back soon after.
+pub(crate) const IDLE_LIMIT: Duration = Duration::from_secs(30);
 
 /// Environment variable: how many bytes of unused receive buffers a process may keep (0
 /// keeps none).
@@ -36,7 +43,8 @@ pub(crate) struct FreeList {
     min: usize,
     limit: usize,
     held: usize,
-    buffers: Vec<Vec<u8>>,
+    /// Each with the time it was given back.
+    buffers: Vec<(Instant, Vec<u8>)>,
 }
 
 impl FreeList {
@@ -66,10 +74,10 @@ impl FreeList {
             .buffers
             .iter()
             .enumerate()
-            .filter(|(_, b)| (len..=most).contains(&b.capacity()))
-            .min_by_key(|(_, b)| b.capacity())
+            .filter(|(_, (_, b))| (len..=most).contains(&b.capacity()))
+            .min_by_key(|(_, (_, b))| b.capacity())
             .map(|(at, _)| at)?;
-        let mut buffer = self.buffers.remove(at);
+        let (_, mut buffer) = self.buffers.remove(at);
         self.held -= buffer.capacity();
         if buffer.len() < len {
             // Within the capacity: no allocation, at most an eighth written.
@@ -82,17 +90,29 @@ impl FreeList {
 
     /// Keeps `buffer` for a later transfer if it is large enough and fits under the limit,
     /// dropping the oldest kept buffers to make room; otherwise drops it.
-    pub(crate) fn give(&mut self, buffer: Vec<u8>) {
+    pub(crate) fn give(&mut self, buffer: Vec<u8>, now: Instant) {
         let size = buffer.capacity();
         if size < self.min || size > self.limit {
             return;
         }
         while self.held + size > self.limit {
-            let oldest = self.buffers.remove(0);
+            let (_, oldest) = self.buffers.remove(0);
             self.held -= oldest.capacity();
         }
         self.held += size;
-        self.buffers.push(buffer);
+        self.buffers.push((now, buffer));
+    }
+
+    /// Drops the buffers given back more than `idle` before `now`.
+    pub(crate) fn expire(&mut self, now: Instant, idle: Duration) {
+        let held = &mut self.held;
+        self.buffers.retain(|(since, buffer)| {
+            let keep = now.saturating_duration_since(*since) < idle;
+            if !keep {
+                *held -= buffer.capacity();
+            }
+            keep
+        });
     }
 }
 
@@ -110,22 +130,61 @@ fn limit_from_env() -> usize {
     }
 }
 
-static POOL: Mutex<Option<FreeList>> = Mutex::new(None);
+struct Pool {
+    list: FreeList,
+    /// Whether the thread freeing stale buffers runs.
+    trimming: bool,
+}
 
-fn with_pool<T>(f: impl FnOnce(&mut FreeList) -> T) -> T {
+static POOL: Mutex<Option<Pool>> = Mutex::new(None);
+
+fn with_pool<T>(f: impl FnOnce(&mut Pool) -> T) -> T {
     let mut pool = POOL.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    f(pool.get_or_insert_with(|| FreeList::new(MIN_POOLED, limit_from_env())))
+    f(pool.get_or_insert_with(|| Pool {
+        list: FreeList::new(MIN_POOLED, limit_from_env()),
+        trimming: false,
+    }))
+}
+
+/// Frees stale buffers every few seconds while the pool holds any, then ends.
+fn trim() {
+    loop {
+        std::thread::sleep(IDLE_LIMIT / 6);
+        let done = with_pool(|pool| {
+            pool.list.expire(Instant::now(), IDLE_LIMIT);
+            pool.trimming = pool.list.held() > 0;
+            !pool.trimming
+        });
+        if done {
+            return;
+        }
+    }
 }
 
 /// A buffer of `len` bytes for a transfer to fill: a kept one when one fits, else a fresh
 /// one (zeroed, advised huge pages).
 pub(crate) fn take(len: usize) -> Vec<u8> {
-    with_pool(|pool| pool.take(len)).unwrap_or_else(|| crate::shm::receive_buffer(len))
+    with_pool(|pool| pool.list.take(len)).unwrap_or_else(|| crate::shm::receive_buffer(len))
 }
 
 /// Gives back a buffer a failed transfer did not hand over.
 pub(crate) fn give_back(buffer: Vec<u8>) {
-    with_pool(|pool| pool.give(buffer));
+    let start_trimming = with_pool(|pool| {
+        pool.list.give(buffer, Instant::now());
+        let start = pool.list.held() > 0 && !pool.trimming;
+        pool.trimming |= start;
+        start
+    });
+    if start_trimming {
+        let started = std::thread::Builder::new()
+            .name("regatta-receive-pool".into())
+            .spawn(trim);
+        if let Err(e) = started {
+            // Without the thread stale buffers stay until the limit pushes them out.
+            tracing::warn!(error = %e, "could not start the receive pool's trimming thread");
+            with_pool(|pool| pool.trimming = false);
+        }
+    }
 }
 
 /// The object's bytes, giving the buffer back to the pool when the last reference to them
@@ -139,7 +198,7 @@ pub(crate) fn into_bytes(buffer: Vec<u8>) -> Bytes {
 
 /// Bytes of unused buffers this process keeps now.
 pub fn pooled_bytes() -> usize {
-    with_pool(|pool| pool.held())
+    with_pool(|pool| pool.list.held())
 }
 
 /// Owns a received object's buffer; gives it back when dropped.
@@ -161,6 +220,10 @@ impl Drop for Pooled {
 mod tests {
     use super::*;
 
+    fn now() -> Instant {
+        Instant::now()
+    }
+
     fn filled(len: usize, capacity: usize, byte: u8) -> Vec<u8> {
         let mut buffer = Vec::with_capacity(capacity);
         buffer.resize(len, byte);
@@ -172,7 +235,7 @@ mod tests {
         let mut list = FreeList::new(100, 1_000);
         let buffer = filled(200, 200, 7);
         let address = buffer.as_ptr();
-        list.give(buffer);
+        list.give(buffer, now());
         assert_eq!(list.held(), 200);
         let again = list.take(200).expect("kept");
         assert_eq!(again.as_ptr(), address, "the same allocation");
@@ -184,13 +247,13 @@ mod tests {
     #[test]
     fn a_buffer_is_handed_out_only_for_sizes_it_fits_with_an_eighth_to_spare() {
         let mut list = FreeList::new(100, 10_000);
-        list.give(filled(900, 900, 1));
+        list.give(filled(900, 900, 1), now());
         assert!(list.take(901).is_none(), "too small");
         assert!(list.take(799).is_none(), "more than an eighth too large");
         let taken = list.take(800).expect("900 is 800 and an eighth");
         assert_eq!(taken.len(), 800);
         // A shorter buffer of the same allocation grows back within its capacity.
-        list.give(taken);
+        list.give(taken, now());
         let grown = list.take(900).expect("fits");
         assert_eq!((grown.len(), grown.capacity()), (900, 900));
     }
@@ -198,9 +261,9 @@ mod tests {
     #[test]
     fn the_smallest_fitting_buffer_is_taken() {
         let mut list = FreeList::new(100, 10_000);
-        list.give(filled(1_100, 1_100, 1));
-        list.give(filled(1_000, 1_000, 2));
-        list.give(filled(1_050, 1_050, 3));
+        list.give(filled(1_100, 1_100, 1), now());
+        list.give(filled(1_000, 1_000, 2), now());
+        list.give(filled(1_050, 1_050, 3), now());
         assert_eq!(list.take(1_000).expect("fits").capacity(), 1_000);
         assert_eq!(list.take(1_000).expect("fits").capacity(), 1_050);
         assert_eq!(list.take(1_000).expect("fits").capacity(), 1_100);
@@ -209,13 +272,13 @@ mod tests {
     #[test]
     fn small_and_oversized_buffers_are_not_kept_and_the_oldest_make_room() {
         let mut list = FreeList::new(100, 1_000);
-        list.give(filled(99, 99, 1));
-        list.give(filled(1_001, 1_001, 1));
+        list.give(filled(99, 99, 1), now());
+        list.give(filled(1_001, 1_001, 1), now());
         assert_eq!(list.held(), 0);
         assert!(list.take(50).is_none(), "below the minimum nothing is pooled");
-        list.give(filled(400, 400, 1));
-        list.give(filled(500, 500, 2));
-        list.give(filled(300, 300, 3));
+        list.give(filled(400, 400, 1), now());
+        list.give(filled(500, 500, 2), now());
+        list.give(filled(300, 300, 3), now());
         assert!(list.held() <= 1_000);
         assert_eq!(list.held(), 800, "the oldest (400) made room");
         assert!(list.take(400).is_none());
@@ -223,9 +286,24 @@ mod tests {
     }
 
     #[test]
+    fn buffers_unused_past_the_idle_limit_are_dropped() {
+        let mut list = FreeList::new(100, 10_000);
+        let start = Instant::now();
+        list.give(filled(200, 200, 1), start);
+        list.give(filled(300, 300, 2), start + Duration::from_secs(20));
+        list.expire(start + Duration::from_secs(29), IDLE_LIMIT);
+        assert_eq!(list.held(), 500);
+        list.expire(start + Duration::from_secs(30), IDLE_LIMIT);
+        assert_eq!(list.held(), 300, "the first one went");
+        assert!(list.take(200).is_none());
+        list.expire(start + Duration::from_secs(60), IDLE_LIMIT);
+        assert_eq!(list.held(), 0);
+    }
+
+    #[test]
     fn a_limit_of_zero_keeps_nothing() {
         let mut list = FreeList::new(0, 0);
-        list.give(filled(10, 10, 1));
+        list.give(filled(10, 10, 1), now());
         assert_eq!(list.held(), 0);
     }
 

@@ -726,6 +726,66 @@ mod tests {
         assert_eq!(again.bytes, bytes);
     }
 
+    /// A source of two objects.
+    struct Two([(ObjectId, Bytes); 2]);
+
+    impl ObjectSource for Two {
+        fn open(&self, id: ObjectId) -> Option<Bytes> {
+            self.0.iter().find(|(i, _)| *i == id).map(|(_, b)| b.clone())
+        }
+        fn release(&self, _id: ObjectId) {}
+    }
+
+    #[tokio::test]
+    async fn a_reused_receive_buffer_holds_only_the_new_objects_bytes() {
+        // An odd size of the pool's range that no other test receives.
+        let len = crate::receive_pool::MIN_POOLED + 3 * CHUNK_BYTES + 4099;
+        let first = object(len);
+        let second: Bytes = first
+            .iter()
+            .map(|b| b.wrapping_mul(7).wrapping_add(1))
+            .collect::<Vec<u8>>()
+            .into();
+        assert_ne!(first, second);
+        let server = node("cluster-token");
+        server.serve(Arc::new(Two([
+            (ObjectId(1), first.clone()),
+            (ObjectId(2), second.clone()),
+        ])));
+        let addr = server.local_addr();
+        let member = node("cluster-token");
+        let got = member
+            .fetch(addr, ObjectId(1), len as u64, crc32(&first))
+            .await
+            .unwrap();
+        assert_eq!(got.bytes, first);
+        let address = got.bytes.as_ptr();
+        drop(got);
+        let got = member
+            .fetch(addr, ObjectId(2), len as u64, crc32(&second))
+            .await
+            .unwrap();
+        assert_eq!(
+            got.bytes.as_ptr(),
+            address,
+            "the first object's buffer, given back, was reused"
+        );
+        assert_eq!(got.bytes, second, "byte-exact: nothing of the first object left");
+        // A transfer that fails (a wrong whole-object CRC) gives its buffer back unseen.
+        drop(got);
+        let failed = member
+            .fetch(addr, ObjectId(1), len as u64, crc32(&first) ^ 1)
+            .await
+            .unwrap_err();
+        assert!(matches!(failed, Error::Corrupt { .. }), "{failed}");
+        let got = member
+            .fetch(addr, ObjectId(1), len as u64, crc32(&first))
+            .await
+            .unwrap();
+        assert_eq!(got.bytes.as_ptr(), address, "the failed transfer gave the buffer back");
+        assert_eq!(got.bytes, first);
+    }
+
     #[tokio::test]
     async fn silent_connections_from_one_address_hold_at_most_its_share_of_handshakes() {
         use crate::handshake_slots::MAX_HANDSHAKES_PER_SOURCE;
