@@ -938,6 +938,38 @@ mod tests {
     }
 
     #[test]
+    fn a_copy_reported_after_its_object_was_freed_is_released_on_that_node() {
+        let mut head = HeadCore::new(3_000, 10_000);
+        let id = ObjectId::random();
+        let put = HeadRequest::ObjectPut {
+            id,
+            size: 5,
+            checksum: 9,
+            node: "w1".into(),
+            address: "w1:2".into(),
+            job: None,
+        };
+        head.handle(put, Some(ReplyTo(1)), 0);
+        let out = head.handle(HeadRequest::ObjectFree(id), Some(ReplyTo(2)), 1);
+        assert!(
+            out.iter()
+                .any(|o| matches!(o, Output::Release(r) if r.id == id && r.nodes == ["w1"])),
+            "{out:?}"
+        );
+        // w2's word that it cached a pulled copy arrives after the free.
+        let late = HeadRequest::ObjectAddSource {
+            id,
+            node: "w2".into(),
+            address: "w2:2".into(),
+        };
+        let out = head.handle(late, None, 2);
+        assert!(
+            matches!(out.as_slice(), [Output::Release(r)] if r.id == id && r.nodes == ["w2"]),
+            "{out:?}"
+        );
+    }
+
+    #[test]
     fn forgotten_callers_leave_no_waiter_behind() {
         let mut head = HeadCore::new(3_000, 10_000);
         head.handle(node("w1", "CPU=1"), None, 0);
