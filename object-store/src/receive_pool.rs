@@ -11,11 +11,14 @@
 //!
 //! The pool keeps at most [`DEFAULT_LIMIT`] bytes (or `REGATTA_RECEIVE_POOL_BYTES`) of
 //! buffers nothing refers to any more, only large ones, for at most [`IDLE_LIMIT`] each
-//! (a thread that lives while the pool holds anything frees the stale ones), and hands
-//! one out only when it is at most an eighth larger than asked (a small object never
-//! holds a large buffer). A
-//! buffer's old bytes are never seen: the transfer fills all of it before the object is
-//! handed over, and a failed transfer gives it back unseen.
+//! (a thread that lives while the pool holds anything frees the stale ones). It hands one
+//! out only when it is at most an eighth larger than asked (the pages past the object are
+//! given back to the kernel), and a get that finds none that fits first frees kept ones
+//! until they and its new buffer fit under the limit: a process never holds more than the
+//! limit in kept buffers, nor kept buffers and a new object together past the larger of
+//! the limit and that object. Kept buffers are outside `--object-store-bytes`. A buffer's
+//! old bytes are never seen: the transfer fills all of it before the object is handed
+//! over, and a failed transfer gives it back unseen.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -37,7 +40,8 @@ pub(crate) const IDLE_LIMIT: Duration = Duration::from_secs(30);
 /// keeps none).
 pub const RECEIVE_POOL_ENV: &str = "REGATTA_RECEIVE_POOL_BYTES";
 
-/// Unused buffers, oldest first, and the rule for which to keep. Plain bookkeeping.
+/// Unused buffers, oldest first, and the rule for which to keep. Plain bookkeeping: the
+/// buffers it lets go are returned, for the caller to free outside any lock.
 #[derive(Debug)]
 pub(crate) struct FreeList {
     min: usize,
@@ -45,6 +49,15 @@ pub(crate) struct FreeList {
     held: usize,
     /// Each with the time it was given back.
     buffers: Vec<(Instant, Vec<u8>)>,
+}
+
+/// What [`FreeList::take`] decided.
+#[derive(Debug, Default)]
+pub(crate) struct Taken {
+    /// A kept buffer that fits, its contents and length as they were.
+    pub(crate) buffer: Option<Vec<u8>>,
+    /// Kept buffers let go to make room for a new one (when none fit).
+    pub(crate) freed: Vec<Vec<u8>>,
 }
 
 impl FreeList {
@@ -63,56 +76,80 @@ impl FreeList {
         self.held
     }
 
-    /// The smallest kept buffer that holds `len` bytes with at most an eighth to spare,
-    /// its length set to `len` (its contents are whatever it last held).
-    pub(crate) fn take(&mut self, len: usize) -> Option<Vec<u8>> {
+    /// Whether a buffer of this capacity is worth a [`Pooled`] owner.
+    pub(crate) fn keeps(&self, capacity: usize) -> bool {
+        (self.min..=self.limit).contains(&capacity) && self.limit > 0
+    }
+
+    /// The smallest kept buffer that holds `len` bytes with at most an eighth to spare; when
+    /// none does, the oldest kept buffers to free so that the rest and a new buffer of
+    /// `len` fit under the limit.
+    pub(crate) fn take(&mut self, len: usize) -> Taken {
         if len < self.min {
-            return None;
+            return Taken::default();
         }
         let most = len.saturating_add(len / 8);
-        let at = self
+        let fitting = self
             .buffers
             .iter()
             .enumerate()
             .filter(|(_, (_, b))| (len..=most).contains(&b.capacity()))
             .min_by_key(|(_, (_, b))| b.capacity())
-            .map(|(at, _)| at)?;
-        let (_, mut buffer) = self.buffers.remove(at);
-        self.held -= buffer.capacity();
-        if buffer.len() < len {
-            // Within the capacity: no allocation, at most an eighth written.
-            buffer.resize(len, 0);
-        } else {
-            buffer.truncate(len);
+            .map(|(at, _)| at);
+        if let Some(at) = fitting {
+            let (_, buffer) = self.buffers.remove(at);
+            self.held -= buffer.capacity();
+            return Taken {
+                buffer: Some(buffer),
+                freed: Vec::new(),
+            };
         }
-        Some(buffer)
+        let mut freed = Vec::new();
+        while !self.buffers.is_empty() && self.held.saturating_add(len) > self.limit {
+            let (_, oldest) = self.buffers.remove(0);
+            self.held -= oldest.capacity();
+            freed.push(oldest);
+        }
+        Taken { buffer: None, freed }
     }
 
     /// Keeps `buffer` for a later transfer if it is large enough and fits under the limit,
-    /// dropping the oldest kept buffers to make room; otherwise drops it.
-    pub(crate) fn give(&mut self, buffer: Vec<u8>, now: Instant) {
+    /// letting the oldest kept buffers go to make room. Returns what it let go (`buffer`
+    /// itself when it is not kept).
+    pub(crate) fn give(&mut self, buffer: Vec<u8>, now: Instant) -> Vec<Vec<u8>> {
         let size = buffer.capacity();
         if size < self.min || size > self.limit {
-            return;
+            return vec![buffer];
         }
+        let mut freed = Vec::new();
         while self.held + size > self.limit {
             let (_, oldest) = self.buffers.remove(0);
             self.held -= oldest.capacity();
+            freed.push(oldest);
         }
         self.held += size;
         self.buffers.push((now, buffer));
+        freed
     }
 
-    /// Drops the buffers given back more than `idle` before `now`.
-    pub(crate) fn expire(&mut self, now: Instant, idle: Duration) {
-        let held = &mut self.held;
-        self.buffers.retain(|(since, buffer)| {
-            let keep = now.saturating_duration_since(*since) < idle;
-            if !keep {
-                *held -= buffer.capacity();
-            }
-            keep
-        });
+    /// Lets go of the buffers given back more than `idle` before `now`.
+    pub(crate) fn expire(&mut self, now: Instant, idle: Duration) -> Vec<Vec<u8>> {
+        let (stale, fresh): (Vec<_>, Vec<_>) = std::mem::take(&mut self.buffers)
+            .into_iter()
+            .partition(|(since, _)| now.saturating_duration_since(*since) >= idle);
+        self.buffers = fresh;
+        stale
+            .into_iter()
+            .map(|(_, buffer)| {
+                self.held -= buffer.capacity();
+                buffer
+            })
+            .collect()
+    }
+
+    #[cfg(test)]
+    fn capacities(&self) -> Vec<usize> {
+        self.buffers.iter().map(|(_, b)| b.capacity()).collect()
     }
 }
 
@@ -138,6 +175,8 @@ struct Pool {
 
 static POOL: Mutex<Option<Pool>> = Mutex::new(None);
 
+/// Runs `f` on the pool under its lock. Buffers `f` lets go must be returned, not dropped
+/// inside: unmapping a large one takes a while.
 fn with_pool<T>(f: impl FnOnce(&mut Pool) -> T) -> T {
     let mut pool = POOL.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     f(pool.get_or_insert_with(|| Pool {
@@ -150,11 +189,12 @@ fn with_pool<T>(f: impl FnOnce(&mut Pool) -> T) -> T {
 fn trim() {
     loop {
         std::thread::sleep(IDLE_LIMIT / 6);
-        let done = with_pool(|pool| {
-            pool.list.expire(Instant::now(), IDLE_LIMIT);
+        let (stale, done) = with_pool(|pool| {
+            let stale = pool.list.expire(Instant::now(), IDLE_LIMIT);
             pool.trimming = pool.list.held() > 0;
-            !pool.trimming
+            (stale, !pool.trimming)
         });
+        drop(stale);
         if done {
             return;
         }
@@ -164,17 +204,36 @@ fn trim() {
 /// A buffer of `len` bytes for a transfer to fill: a kept one when one fits, else a fresh
 /// one (zeroed, advised huge pages).
 pub(crate) fn take(len: usize) -> Vec<u8> {
-    with_pool(|pool| pool.list.take(len)).unwrap_or_else(|| crate::shm::receive_buffer(len))
+    let Taken { buffer, freed } = with_pool(|pool| pool.list.take(len));
+    drop(freed);
+    match buffer {
+        Some(buffer) => fit(buffer, len),
+        None => crate::shm::receive_buffer(len),
+    }
+}
+
+/// A kept buffer set to `len` bytes; the whole pages past them are given back to the
+/// kernel, so an object never keeps more memory than it reads as.
+fn fit(mut buffer: Vec<u8>, len: usize) -> Vec<u8> {
+    if buffer.len() < len {
+        // Within the capacity: no allocation, at most an eighth written.
+        buffer.resize(len, 0);
+    } else {
+        buffer.truncate(len);
+    }
+    crate::shm::release_spare_pages(&buffer);
+    buffer
 }
 
 /// Gives back a buffer a failed transfer did not hand over.
 pub(crate) fn give_back(buffer: Vec<u8>) {
-    let start_trimming = with_pool(|pool| {
-        pool.list.give(buffer, Instant::now());
+    let (freed, start_trimming) = with_pool(|pool| {
+        let freed = pool.list.give(buffer, Instant::now());
         let start = pool.list.held() > 0 && !pool.trimming;
         pool.trimming |= start;
-        start
+        (freed, start)
     });
+    drop(freed);
     if start_trimming {
         let started = std::thread::Builder::new()
             .name("regatta-receive-pool".into())
@@ -188,9 +247,9 @@ pub(crate) fn give_back(buffer: Vec<u8>) {
 }
 
 /// The object's bytes, giving the buffer back to the pool when the last reference to them
-/// is dropped.
+/// is dropped (when the pool would keep a buffer of its size).
 pub(crate) fn into_bytes(buffer: Vec<u8>) -> Bytes {
-    if buffer.capacity() < MIN_POOLED {
+    if !with_pool(|pool| pool.list.keeps(buffer.capacity())) {
         return Bytes::from(buffer);
     }
     Bytes::from_owner(Pooled(buffer))
@@ -199,6 +258,12 @@ pub(crate) fn into_bytes(buffer: Vec<u8>) -> Bytes {
 /// Bytes of unused buffers this process keeps now.
 pub fn pooled_bytes() -> usize {
     with_pool(|pool| pool.list.held())
+}
+
+/// The capacities of the buffers kept now.
+#[cfg(test)]
+pub(crate) fn pooled_capacities() -> Vec<usize> {
+    with_pool(|pool| pool.list.capacities())
 }
 
 /// Owns a received object's buffer; gives it back when dropped.
@@ -230,31 +295,34 @@ mod tests {
         buffer
     }
 
+    fn capacities(freed: &[Vec<u8>]) -> Vec<usize> {
+        freed.iter().map(Vec::capacity).collect()
+    }
+
     #[test]
-    fn a_given_buffer_comes_back_for_the_same_size_without_a_new_allocation() {
+    fn a_given_buffer_comes_back_for_the_same_size() {
         let mut list = FreeList::new(100, 1_000);
-        let buffer = filled(200, 200, 7);
-        let address = buffer.as_ptr();
-        list.give(buffer, now());
+        assert!(list.give(filled(200, 200, 7), now()).is_empty());
         assert_eq!(list.held(), 200);
-        let again = list.take(200).expect("kept");
-        assert_eq!(again.as_ptr(), address, "the same allocation");
-        assert_eq!(again.len(), 200);
+        let again = list.take(200).buffer.expect("kept");
+        assert_eq!((again.len(), again.capacity(), again[0]), (200, 200, 7));
         assert_eq!(list.held(), 0);
-        assert!(list.take(200).is_none(), "handed out once");
+        assert!(list.take(200).buffer.is_none(), "handed out once");
     }
 
     #[test]
     fn a_buffer_is_handed_out_only_for_sizes_it_fits_with_an_eighth_to_spare() {
         let mut list = FreeList::new(100, 10_000);
         list.give(filled(900, 900, 1), now());
-        assert!(list.take(901).is_none(), "too small");
-        assert!(list.take(799).is_none(), "more than an eighth too large");
-        let taken = list.take(800).expect("900 is 800 and an eighth");
-        assert_eq!(taken.len(), 800);
+        assert!(list.take(901).buffer.is_none(), "too small");
+        assert!(list.take(799).buffer.is_none(), "more than an eighth too large");
+        let taken = list.take(800).buffer.expect("900 is 800 and an eighth");
+        assert_eq!(taken.capacity(), 900);
+        let fitted = fit(taken, 800);
+        assert_eq!((fitted.len(), fitted.capacity()), (800, 900));
         // A shorter buffer of the same allocation grows back within its capacity.
-        list.give(taken, now());
-        let grown = list.take(900).expect("fits");
+        list.give(fitted, now());
+        let grown = fit(list.take(900).buffer.expect("fits"), 900);
         assert_eq!((grown.len(), grown.capacity()), (900, 900));
     }
 
@@ -264,66 +332,94 @@ mod tests {
         list.give(filled(1_100, 1_100, 1), now());
         list.give(filled(1_000, 1_000, 2), now());
         list.give(filled(1_050, 1_050, 3), now());
-        assert_eq!(list.take(1_000).expect("fits").capacity(), 1_000);
-        assert_eq!(list.take(1_000).expect("fits").capacity(), 1_050);
-        assert_eq!(list.take(1_000).expect("fits").capacity(), 1_100);
+        assert_eq!(list.take(1_000).buffer.expect("fits").capacity(), 1_000);
+        assert_eq!(list.take(1_000).buffer.expect("fits").capacity(), 1_050);
+        assert_eq!(list.take(1_000).buffer.expect("fits").capacity(), 1_100);
     }
 
     #[test]
     fn small_and_oversized_buffers_are_not_kept_and_the_oldest_make_room() {
         let mut list = FreeList::new(100, 1_000);
-        list.give(filled(99, 99, 1), now());
-        list.give(filled(1_001, 1_001, 1), now());
+        assert_eq!(capacities(&list.give(filled(99, 99, 1), now())), [99]);
+        assert_eq!(capacities(&list.give(filled(1_001, 1_001, 1), now())), [1_001]);
         assert_eq!(list.held(), 0);
-        assert!(list.take(50).is_none(), "below the minimum nothing is pooled");
+        assert!(list.take(50).buffer.is_none(), "below the minimum nothing is pooled");
         list.give(filled(400, 400, 1), now());
         list.give(filled(500, 500, 2), now());
-        list.give(filled(300, 300, 3), now());
-        assert!(list.held() <= 1_000);
-        assert_eq!(list.held(), 800, "the oldest (400) made room");
-        assert!(list.take(400).is_none());
-        assert_eq!(list.take(500).expect("kept")[0], 2);
+        assert_eq!(
+            capacities(&list.give(filled(300, 300, 3), now())),
+            [400],
+            "the oldest made room"
+        );
+        assert_eq!(list.held(), 800);
+        assert_eq!(list.take(500).buffer.expect("kept")[0], 2);
+        assert!(!list.keeps(99) && list.keeps(100) && list.keeps(1_000) && !list.keeps(1_001));
     }
 
     #[test]
-    fn buffers_unused_past_the_idle_limit_are_dropped() {
+    fn a_get_that_finds_no_fitting_buffer_frees_kept_ones_until_it_fits_under_the_limit() {
+        let mut list = FreeList::new(100, 1_000);
+        list.give(filled(300, 300, 1), now());
+        list.give(filled(400, 400, 2), now());
+        // 700 kept and a new 200: under the limit, nothing freed.
+        let taken = list.take(200);
+        assert!(taken.buffer.is_none() && taken.freed.is_empty());
+        // A new 500: the oldest (300) goes, 400 + 500 fit.
+        assert_eq!(capacities(&list.take(500).freed), [300]);
+        assert_eq!(list.held(), 400);
+        // An object over the limit: every kept buffer goes.
+        assert_eq!(capacities(&list.take(2_000).freed), [400]);
+        assert_eq!(list.held(), 0);
+    }
+
+    #[test]
+    fn buffers_unused_past_the_idle_limit_are_let_go() {
         let mut list = FreeList::new(100, 10_000);
         let start = Instant::now();
         list.give(filled(200, 200, 1), start);
         list.give(filled(300, 300, 2), start + Duration::from_secs(20));
-        list.expire(start + Duration::from_secs(29), IDLE_LIMIT);
+        assert!(list.expire(start + Duration::from_secs(29), IDLE_LIMIT).is_empty());
         assert_eq!(list.held(), 500);
-        list.expire(start + Duration::from_secs(30), IDLE_LIMIT);
-        assert_eq!(list.held(), 300, "the first one went");
-        assert!(list.take(200).is_none());
-        list.expire(start + Duration::from_secs(60), IDLE_LIMIT);
+        assert_eq!(
+            capacities(&list.expire(start + Duration::from_secs(30), IDLE_LIMIT)),
+            [200]
+        );
+        assert_eq!(list.held(), 300);
+        assert!(list.take(200).buffer.is_none());
+        assert_eq!(
+            capacities(&list.expire(start + Duration::from_secs(60), IDLE_LIMIT)),
+            [300]
+        );
         assert_eq!(list.held(), 0);
     }
 
     #[test]
     fn a_limit_of_zero_keeps_nothing() {
         let mut list = FreeList::new(0, 0);
-        list.give(filled(10, 10, 1), now());
+        assert_eq!(list.give(filled(10, 10, 1), now()).len(), 1);
         assert_eq!(list.held(), 0);
+        assert!(!list.keeps(10) && !list.keeps(0));
     }
 
     #[test]
     fn dropped_object_bytes_return_their_buffer_to_the_pool() {
-        // An odd size no other test receives, so tests running beside this one cannot take
-        // its buffer.
+        // An odd size, more than an eighth away from the one transfer test that pools.
         let len = MIN_POOLED + 4096 * 3;
         let buffer = take(len);
-        let address = buffer.as_ptr();
+        assert_eq!(buffer.capacity(), len);
         let bytes = into_bytes(buffer);
         let slice = bytes.slice(10..20);
         drop(bytes);
-        let meanwhile = take(len);
-        assert_ne!(meanwhile.as_ptr(), address, "a slice still holds the buffer");
-        drop(meanwhile);
+        assert!(!pooled_capacities().contains(&len), "a slice still holds the buffer");
         drop(slice);
+        assert!(
+            pooled_capacities().contains(&len),
+            "given back when the last slice went"
+        );
         let again = take(len);
-        assert_eq!(again.as_ptr(), address, "given back when the last slice went");
-        assert_eq!(again.len(), len);
+        assert!(!pooled_capacities().contains(&len), "handed out again");
+        assert_eq!((again.len(), again.capacity()), (len, len));
         give_back(again);
+        assert!(pooled_capacities().contains(&len));
     }
 }

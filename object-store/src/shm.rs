@@ -151,6 +151,29 @@ pub(crate) fn receive_buffer(len: usize) -> Vec<u8> {
     buffer
 }
 
+/// Gives the whole pages of `buffer`'s spare capacity (past its length) back to the
+/// kernel: a kept buffer handed out for a smaller object then holds no more memory than
+/// the object reads as. Touched again (the vector grown), they read as zeros.
+pub(crate) fn release_spare_pages(buffer: &Vec<u8>) {
+    let page = page_size();
+    let start = buffer.as_ptr() as usize;
+    let tail = (start + buffer.len()).next_multiple_of(page);
+    let end = (start + buffer.capacity()) / page * page;
+    if end > tail {
+        // SAFETY: whole pages inside this allocation's capacity and past its length, which
+        // nothing reads; anonymous private pages advised away read back as zeros.
+        unsafe {
+            libc::madvise(tail as *mut libc::c_void, end - tail, libc::MADV_DONTNEED);
+        }
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(size).ok().filter(|s| *s > 0).unwrap_or(4096)
+}
+
 const SEALS: libc::c_int = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
 
 /// An object's bytes in a sealed memfd.
@@ -339,6 +362,36 @@ mod tests {
             assert_eq!(buffer.len(), len);
             assert!(buffer.iter().all(|b| *b == 0), "{len}");
         }
+    }
+
+    #[test]
+    fn the_spare_pages_past_a_buffers_length_are_given_back() {
+        let page = page_size();
+        // Resident pages among the whole pages of `start..end` (mincore: bit 0 of one byte
+        // a page).
+        let resident = |start: usize, end: usize| {
+            let (first, last) = (start.next_multiple_of(page), end / page * page);
+            let pages = (last - first) / page;
+            let mut flags = vec![0u8; pages];
+            // SAFETY: a page-aligned range inside a live allocation, one byte a page.
+            let rc = unsafe { libc::mincore(first as *mut libc::c_void, last - first, flags.as_mut_ptr()) };
+            assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+            (flags.iter().filter(|f| **f & 1 == 1).count(), pages)
+        };
+        let mut buffer = vec![1u8; 4 << 20];
+        let start = buffer.as_ptr() as usize;
+        let (touched, pages) = resident(start, start + (4 << 20));
+        assert_eq!(touched, pages, "every page written");
+        buffer.truncate(1 << 20);
+        release_spare_pages(&buffer);
+        assert_eq!(
+            resident(start + (1 << 20), start + (4 << 20)).0,
+            0,
+            "the tail given back"
+        );
+        let (kept, pages) = resident(start, start + (1 << 20));
+        assert_eq!(kept, pages, "the object's pages kept");
+        assert!(buffer.iter().all(|b| *b == 1));
     }
 
     #[test]

@@ -480,16 +480,16 @@ pub(super) async fn objects(cluster: &LocalCluster, trials: usize, quick: bool) 
             "seconds",
             &seconds,
         );
+        report_each(&seconds);
     }
     Ok(())
 }
 
 async fn put_on(store: &ActorHandle<Store>, size: u64, seed: u64) -> anyhow::Result<regatta_runtime::ObjectRef<Bytes>> {
-    let op = StoreOp::Put {
-        size,
-        seed,
-        keep: false,
-    };
+    // The holder keeps a reference until the trial frees the object (a free releases it
+    // whoever holds it): nothing depends on the grace period between the put's answer and
+    // the reader's adoption.
+    let op = StoreOp::Put { size, seed, keep: true };
     match store.call_timeout(op, Duration::from_secs(300)).await? {
         StoreReply::Put { reference, .. } => Ok(reference),
         other => bail!("unexpected reply {other:?}"),

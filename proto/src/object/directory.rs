@@ -75,6 +75,11 @@ struct Meta {
 /// forgotten and then read as unknown.
 pub const MAX_LOST_OBJECTS: usize = 100_000;
 
+/// Freed objects remembered, so that a node's late word that it cached a copy of one can
+/// be answered with a release. Not saved: after a restart an unknown object's copy is left
+/// alone (the head cannot tell a freed object from one its nodes have yet to report).
+pub const MAX_FREED_REMEMBERED: usize = 100_000;
+
 /// Every object in the cluster.
 #[derive(Serialize, Deserialize)]
 pub struct Directory {
@@ -82,6 +87,10 @@ pub struct Directory {
     lost: HashMap<ObjectId, String>,
     lost_order: std::collections::VecDeque<ObjectId>,
     grace_ms: u64,
+    #[serde(skip)]
+    freed: std::collections::HashSet<ObjectId>,
+    #[serde(skip)]
+    freed_order: std::collections::VecDeque<ObjectId>,
 }
 
 impl Directory {
@@ -93,6 +102,8 @@ impl Directory {
             lost: HashMap::new(),
             lost_order: std::collections::VecDeque::new(),
             grace_ms,
+            freed: std::collections::HashSet::new(),
+            freed_order: std::collections::VecDeque::new(),
         }
     }
 
@@ -156,18 +167,17 @@ impl Directory {
     }
 
     /// A node now holds a copy in memory (after a pull or a restore). A copy of an object
-    /// the directory no longer knows (freed while the pull was finishing: the node's word
-    /// came after the release) is of no use: the answer tells that node to drop it, else
-    /// it would be held until the process ends.
+    /// freed here lately (the node's word came after the release) is of no use: the answer
+    /// tells that node to drop it, else it would be held until the process ends. A copy of
+    /// an object not known at all is left alone: it may be one a restarted head has yet to
+    /// hear about from its holder.
     pub fn add_source(&mut self, id: ObjectId, node: &str, address: &str) -> Option<Release> {
         match self.objects.get_mut(&id) {
             Some(meta) => {
                 meta.sources.insert(node.to_string(), address.to_string());
                 None
             }
-            // Given up as lost: this may be the one copy left, which the node's next
-            // registration gives back.
-            None if self.lost.contains_key(&id) => None,
+            None if !self.freed.contains(&id) => None,
             None => Some(Release {
                 id,
                 nodes: vec![node.to_string()],
@@ -215,6 +225,7 @@ impl Directory {
     pub fn free(&mut self, id: ObjectId) -> Option<Release> {
         self.lost.remove(&id);
         let meta = self.objects.remove(&id)?;
+        self.remember_freed(id);
         Some(Release {
             id,
             nodes: meta.sources.into_keys().collect(),
@@ -331,6 +342,17 @@ impl Directory {
         lost
     }
 
+    fn remember_freed(&mut self, id: ObjectId) {
+        if self.freed.insert(id) {
+            self.freed_order.push_back(id);
+        }
+        while self.freed_order.len() > MAX_FREED_REMEMBERED {
+            if let Some(oldest) = self.freed_order.pop_front() {
+                self.freed.remove(&oldest);
+            }
+        }
+    }
+
     fn remember_lost(&mut self, id: ObjectId, node: &str) {
         self.lost.insert(id, node.to_string());
         self.lost_order.push_back(id);
@@ -390,7 +412,7 @@ mod tests {
     }
 
     #[test]
-    fn a_copy_reported_after_its_object_was_freed_is_released_but_a_lost_ones_is_kept() {
+    fn a_copy_reported_after_its_object_was_freed_is_released_and_any_other_unknown_copy_kept() {
         let mut dir = dir_with(1, "w1");
         assert!(dir.free(ObjectId(1)).is_some());
         assert_eq!(
@@ -405,6 +427,20 @@ mod tests {
         let mut dir = dir_with(2, "w1");
         assert_eq!(dir.node_lost("w1", 5), vec![ObjectId(2)]);
         assert_eq!(dir.add_source(ObjectId(2), "w2", "addr2"), None, "maybe the last copy");
+        assert_eq!(dir.add_source(ObjectId(3), "w2", "addr2"), None, "never heard of");
+        // A restored directory remembers no frees: an unknown copy is left alone.
+        let mut dir = dir_with(4, "w1");
+        dir.free(ObjectId(4));
+        let mut restored: Directory = serde_json::from_str(&serde_json::to_string(&dir).unwrap()).unwrap();
+        assert_eq!(restored.add_source(ObjectId(4), "w2", "addr2"), None);
+        // Only the latest frees are remembered.
+        let mut dir = Directory::new(1_000);
+        for id in 0..=MAX_FREED_REMEMBERED as u128 {
+            dir.put(ObjectId(id), 1, 1, "driver", "w1", "a1", None).unwrap();
+            dir.free(ObjectId(id));
+        }
+        assert_eq!(dir.add_source(ObjectId(0), "w2", "a2"), None, "forgotten");
+        assert!(dir.add_source(ObjectId(1), "w2", "a2").is_some());
     }
 
     #[test]
