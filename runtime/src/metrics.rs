@@ -42,6 +42,7 @@ pub struct Metrics {
     object_spilled_bytes: IntGaugeVec,
     object_restores: IntGaugeVec,
     object_transfer: IntGaugeVec,
+    object_receive_pool: IntGaugeVec,
     // Head only.
     nodes: IntGaugeVec,
     node_total: prometheus::GaugeVec,
@@ -203,6 +204,12 @@ impl Metrics {
                 "Bytes moved between nodes (direction in or out; in_shared_memory: the part of in mapped from a same-host peer)",
                 &["node", "direction"],
             ),
+            object_receive_pool: gauge_vec(
+                r,
+                "regatta_object_receive_pool_bytes",
+                "Bytes of dropped received objects' buffers this process keeps for the next get (outside the store's capacity)",
+                &["node"],
+            ),
             nodes: gauge_vec(r, "regatta_nodes", "Nodes by state", &["state"]),
             node_total: float_vec(
                 r,
@@ -279,6 +286,7 @@ impl Metrics {
         set(&self.object_spills, stats.spills);
         set(&self.object_spilled_bytes, stats.spilled_bytes);
         set(&self.object_restores, stats.restores);
+        set(&self.object_receive_pool, stats.receive_pool_bytes);
         self.object_transfer
             .with_label_values(&[node, "in"])
             .set(stats.transfer_in_bytes as i64);
@@ -483,6 +491,7 @@ mod tests {
             &ObjectStats {
                 bytes_in_memory: 10,
                 spills: 3,
+                receive_pool_bytes: 1 << 30,
                 ..Default::default()
             },
         );
@@ -506,5 +515,9 @@ mod tests {
             Some(0.25)
         );
         assert_eq!(value(&out, "regatta_object_spills_total{node=\"w1\"}"), Some(3.0));
+        assert_eq!(
+            value(&out, "regatta_object_receive_pool_bytes{node=\"w1\"}"),
+            Some((1u64 << 30) as f64)
+        );
     }
 }

@@ -80,6 +80,10 @@ pub struct ObjectStats {
     pub shared_in_bytes: u64,
     /// Bytes sent to peers.
     pub transfer_out_bytes: u64,
+    /// Bytes of dropped received objects' buffers this process keeps for the next get
+    /// (outside the capacity; `REGATTA_RECEIVE_POOL_BYTES`).
+    #[serde(default)]
+    pub receive_pool_bytes: u64,
 }
 
 #[derive(Default)]
@@ -234,6 +238,7 @@ impl ObjectService {
             transfer_in_bytes: self.counters.transfer_in.load(Ordering::Relaxed),
             shared_in_bytes: self.counters.shared_in.load(Ordering::Relaxed),
             transfer_out_bytes: self.counters.transfer_out.load(Ordering::Relaxed),
+            receive_pool_bytes: regatta_object_store::pooled_bytes() as u64,
         }
     }
 
