@@ -225,7 +225,8 @@ fn fit(mut buffer: Vec<u8>, len: usize) -> Vec<u8> {
     buffer
 }
 
-/// Gives back a buffer a failed transfer did not hand over.
+/// Gives a buffer back to the pool: a dropped object's, or one a failed transfer did not
+/// hand over.
 pub(crate) fn give_back(buffer: Vec<u8>) {
     let (freed, start_trimming) = with_pool(|pool| {
         let freed = pool.list.give(buffer, Instant::now());

@@ -371,8 +371,7 @@ impl Transfer {
             }
         };
         asked.await.map_err(Attempt::NoAnswer)?;
-        let failed =
-            |e: &dyn std::fmt::Display| Attempt::Failed(Error::Transfer(format!("transfer of {id} from {peer}: {e}")));
+        let failed = |e: &dyn std::fmt::Display| transfer_failed(id, peer, e);
         if status[0] == STATUS_SHARED {
             let mut raw = [0u8; Handle::LEN];
             timed(stream.read_exact(&mut raw)).await.map_err(|e| failed(&e))?;
@@ -424,6 +423,11 @@ impl Transfer {
     }
 }
 
+/// A pull that failed on its connection, naming the object and the peer.
+fn transfer_failed(id: ObjectId, peer: SocketAddr, e: &dyn std::fmt::Display) -> Attempt {
+    Attempt::Failed(Error::Transfer(format!("transfer of {id} from {peer}: {e}")))
+}
+
 /// Reads a streamed object straight into its buffer, checking every chunk's CRC and the
 /// whole object's.
 async fn receive_stream(
@@ -433,8 +437,7 @@ async fn receive_stream(
     size: u64,
     checksum: u32,
 ) -> std::result::Result<Bytes, Attempt> {
-    let failed =
-        |e: &dyn std::fmt::Display| Attempt::Failed(Error::Transfer(format!("transfer of {id} from {peer}: {e}")));
+    let failed = |e: &dyn std::fmt::Display| transfer_failed(id, peer, e);
     let corrupt = |detail: String| Attempt::Failed(Error::Corrupt { id, detail });
     let mut header = [0u8; 8];
     timed(stream.read_exact(&mut header)).await.map_err(|e| failed(&e))?;
@@ -464,8 +467,7 @@ async fn fill(
     id: ObjectId,
     checksum: u32,
 ) -> std::result::Result<(), Attempt> {
-    let failed =
-        |e: &dyn std::fmt::Display| Attempt::Failed(Error::Transfer(format!("transfer of {id} from {peer}: {e}")));
+    let failed = |e: &dyn std::fmt::Display| transfer_failed(id, peer, e);
     let corrupt = |detail: String| Attempt::Failed(Error::Corrupt { id, detail });
     let length = buffer.len();
     let mut whole = crc32fast::Hasher::new();
