@@ -23,6 +23,10 @@ pub struct WorkerSpec {
     pub args: Vec<String>,
     /// Extra environment variables.
     pub env: Vec<(String, String)>,
+    /// The loopback address it binds and advertises (default `127.0.0.1`): workers on
+    /// different addresses of `127.0.0.0/8` stand for workers on different hosts (their
+    /// objects still travel through shared memory unless that is turned off).
+    pub host: String,
 }
 
 impl WorkerSpec {
@@ -33,7 +37,14 @@ impl WorkerSpec {
             resources: resources.into(),
             args: Vec::new(),
             env: Vec::new(),
+            host: "127.0.0.1".into(),
         }
+    }
+
+    /// Binds and advertises `host` (an address of `127.0.0.0/8`) instead of `127.0.0.1`.
+    pub fn host(mut self, host: &str) -> Self {
+        self.host = host.into();
+        self
     }
 
     /// Adds command-line arguments.
@@ -169,9 +180,9 @@ impl LocalCluster {
             "--name",
             &spec.name,
             "--bind",
-            "127.0.0.1",
+            &spec.host,
             "--advertise-host",
-            "127.0.0.1",
+            &spec.host,
             "--resources",
             &spec.resources,
         ]

@@ -184,6 +184,45 @@ async fn two_hundred_concurrent_gets_of_one_object_from_several_nodes_agree() {
     assert!(on_driver.iter().all(|bytes| digest(bytes) == expected));
 }
 
+/// One 64 MiB object got by three nodes at once, each on its own loopback address (as on
+/// its own host) with shared memory off, under `--object-fanout 1`: every copy is
+/// byte-exact, and the copies spread as a tree: the holder sends one or two of the three
+/// (one at a time; the rest come from the pullers' copies), where pulling all from it
+/// would send three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broadcast_between_hosts_spreads_as_a_tree() {
+    let size = 64 * MIB;
+    let specs = (0..4)
+        .map(|i| {
+            worker(&format!("b{i}"))
+                .env(regatta::NO_SHARED_MEMORY_ENV, "1")
+                .host(&format!("127.0.0.{}", 20 + i))
+        })
+        .collect();
+    let cluster = TestCluster::start_specs(specs, &["--object-fanout", "1"]).await;
+    let mut stores = Vec::new();
+    for i in 0..4 {
+        stores.push(store_on(&cluster, &format!("b{i}")).await);
+    }
+    let (reference, expected) = put(&stores[0], size, 11).await;
+    let gets = stores[1..].iter().map(|store| get(store, &reference));
+    for got in futures::future::join_all(gets).await {
+        assert_eq!(got.expect("broadcast get"), (size, expected));
+    }
+    let holder = stats(&stores[0]).await;
+    let mut received = 0;
+    for store in &stores[1..] {
+        received += stats(store).await.transfer_in_bytes;
+    }
+    assert_eq!(received, 3 * size, "each puller received one copy");
+    let from_holder = holder.transfer_out_bytes / size;
+    assert!(
+        holder.transfer_out_bytes % size == 0 && (1..=2).contains(&from_holder),
+        "the holder sent {} bytes: {from_holder} copies of 3",
+        holder.transfer_out_bytes
+    );
+}
+
 async fn spill_and_restore(cluster: &TestCluster) {
     let (a, b) = (store_on(cluster, "w1").await, store_on(cluster, "w2").await);
     let mut objects = Vec::new();

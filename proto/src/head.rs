@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::object::{Directory, Location, Missing, ObjectId, Release};
+use crate::object::{Directory, Fanout, Location, Missing, ObjectId, Plan, Release};
 use crate::protocol::{
     ActorId, ActorState, ActorView, ClusterStatus, Failure, GroupId, HeadRequest, NodeInfo, Registration, RunningActor,
 };
@@ -127,6 +127,15 @@ struct Parked {
     deadline_ms: u64,
 }
 
+/// A pull held back until a holder has room in its share of a broadcast.
+struct PullWait {
+    id: ObjectId,
+    node: String,
+    address: String,
+    to: ReplyTo,
+    since_ms: u64,
+}
+
 /// The head's whole decision state: the scheduler, the object directory and the requests
 /// waiting on them.
 pub struct HeadCore {
@@ -137,6 +146,10 @@ pub struct HeadCore {
     group_waiters: BTreeMap<GroupId, Vec<ReplyTo>>,
     object_waiters: BTreeMap<ObjectId, Vec<Parked>>,
     runs: RunBook,
+    /// Broadcast pulls under way. Not saved: after a restart pulls start afresh.
+    fanout: Fanout,
+    /// Pulls held back, oldest first. Not saved: their callers ask the next head again.
+    pull_waiters: Vec<PullWait>,
 }
 
 /// What a head keeps across its own restart, borrowed for writing: the decisions that
@@ -307,6 +320,8 @@ impl HeadCore {
             group_waiters: BTreeMap::new(),
             object_waiters,
             runs: saved.runs,
+            fanout: Fanout::new(crate::object::fanout::DEFAULT_PER_SOURCE),
+            pull_waiters: Vec::new(),
         }
     }
 
@@ -353,6 +368,17 @@ impl HeadCore {
             group_waiters: BTreeMap::new(),
             object_waiters: BTreeMap::new(),
             runs: RunBook::new(),
+            fanout: Fanout::new(crate::object::fanout::DEFAULT_PER_SOURCE),
+            pull_waiters: Vec::new(),
+        }
+    }
+
+    /// The same head letting one holder serve at most `per_source` network pulls of a large
+    /// object at once (0: no limit); see [`Fanout`].
+    pub fn with_object_fanout(self, per_source: usize) -> Self {
+        Self {
+            fanout: Fanout::new(per_source),
+            ..self
         }
     }
 
@@ -443,6 +469,7 @@ impl HeadCore {
             self.node_dead(node, cause, now_ms, &mut out);
         }
         out.extend(self.directory.collect(now_ms).into_iter().map(Output::Release));
+        self.fanout.expire(now_ms);
         for (id, parked) in std::mem::take(&mut self.object_waiters) {
             let (due, keep): (Vec<_>, Vec<_>) = parked.into_iter().partition(|p| p.deadline_ms <= now_ms);
             for p in due {
@@ -459,6 +486,7 @@ impl HeadCore {
     /// A node the scheduler declared dead: its objects are lost too.
     fn node_dead(&mut self, node: String, cause: String, now_ms: u64, out: &mut Vec<Output>) {
         let objects_lost = self.directory.node_lost(&node, now_ms).len();
+        self.fanout.node_gone(&node);
         out.push(Output::Notice(Notice::NodeDead {
             node,
             cause,
@@ -475,6 +503,7 @@ impl HeadCore {
         for parked in self.object_waiters.values_mut() {
             parked.retain(|p| !gone(p.to));
         }
+        self.pull_waiters.retain(|wait| !gone(wait.to));
         self.actor_waiters.retain(|_, w| !w.is_empty());
         self.group_waiters.retain(|_, w| !w.is_empty());
         self.object_waiters.retain(|_, w| !w.is_empty());
@@ -485,11 +514,13 @@ impl HeadCore {
         self.actor_waiters.values().map(Vec::len).sum::<usize>()
             + self.group_waiters.values().map(Vec::len).sum::<usize>()
             + self.object_waiters.values().map(Vec::len).sum::<usize>()
+            + self.pull_waiters.len()
     }
 
     /// After any change: place what waits, then answer the waits that are over.
     fn settle(&mut self, now_ms: u64, out: &mut Vec<Output>) {
         out.extend(self.scheduler.schedule(now_ms).into_iter().map(Output::Effect));
+        self.wake_pulls(now_ms, out);
         for (id, waiters) in std::mem::take(&mut self.actor_waiters) {
             match self.scheduler.actor_view(id) {
                 Some(view) if matches!(view.state, ActorState::Alive | ActorState::Dead { .. }) => {
@@ -688,8 +719,26 @@ impl HeadCore {
                 (result, _) => answer(to, Answer::Location(result.map_err(|m| object_missing(id, m))), out),
             },
             HeadRequest::ObjectAddSource { id, node, address } => {
+                self.fanout.ended(id, &node);
                 out.extend(self.directory.add_source(id, &node, &address).map(Output::Release));
             }
+            HeadRequest::ObjectPull { id, node, address } => match (self.directory.locate(id), to) {
+                (Err(Missing::Unknown), Some(to)) => {
+                    self.park(id, HeadRequest::ObjectPull { id, node, address }, to, now)
+                }
+                (Err(missing), _) => answer(to, Answer::Location(Err(object_missing(id, missing))), out),
+                (Ok(location), _) => match (self.fanout.plan(id, location, &node, &address, 0, now), to) {
+                    (Plan::Go(location), _) => answer(to, Answer::Location(Ok(location)), out),
+                    (Plan::Wait, Some(to)) => self.pull_waiters.push(PullWait {
+                        id,
+                        node,
+                        address,
+                        to,
+                        since_ms: now,
+                    }),
+                    (Plan::Wait, None) => {}
+                },
+            },
             HeadRequest::ObjectsHeld { node, address, objects } => {
                 let lost = self.directory.reconcile(&node, &address, &objects, now);
                 if !lost.is_empty() {
@@ -707,6 +756,8 @@ impl HeadCore {
                 }
             }
             HeadRequest::ObjectRemoveSource { id, node, spilled_to } => {
+                // Also how a puller that kept no copy ends its pull.
+                self.fanout.ended(id, &node);
                 if let Some(url) = &spilled_to {
                     self.directory.spilled(id, &node, url);
                 }
@@ -727,6 +778,31 @@ impl HeadCore {
                 // that a future change forgets to route.
                 let refused = Failure::Rejected(format!("the head does not route '{}' requests", other.name()));
                 answer(to, Answer::Done(Err(refused)), out);
+            }
+        }
+    }
+
+    /// Answers the pulls held back that may go now: a holder has room in its share (a copy
+    /// appeared, a pull ended or lapsed), they waited long enough, or the object is gone.
+    fn wake_pulls(&mut self, now: u64, out: &mut Vec<Output>) {
+        for wait in std::mem::take(&mut self.pull_waiters) {
+            let location = match self.directory.locate(wait.id) {
+                Ok(location) => location,
+                Err(missing) => {
+                    out.push(Output::Reply(
+                        wait.to,
+                        Answer::Location(Err(object_missing(wait.id, missing))),
+                    ));
+                    continue;
+                }
+            };
+            let waited = now.saturating_sub(wait.since_ms);
+            match self
+                .fanout
+                .plan(wait.id, location, &wait.node, &wait.address, waited, now)
+            {
+                Plan::Go(location) => out.push(Output::Reply(wait.to, Answer::Location(Ok(location)))),
+                Plan::Wait => self.pull_waiters.push(wait),
             }
         }
     }
@@ -769,7 +845,7 @@ fn object_missing(id: ObjectId, missing: Missing) -> Failure {
 fn missing_answer(request: &HeadRequest, id: ObjectId, missing: Missing) -> Answer {
     let failure = object_missing(id, missing);
     match request {
-        HeadRequest::ObjectLocate(_) => Answer::Location(Err(failure)),
+        HeadRequest::ObjectLocate(_) | HeadRequest::ObjectPull { .. } => Answer::Location(Err(failure)),
         _ => Answer::Done(Err(failure)),
     }
 }
@@ -891,6 +967,71 @@ mod tests {
             replies(&out).as_slice(),
             [(ReplyTo(7), Answer::Actor(Err(Failure::Rejected(_))))]
         ));
+    }
+
+    /// The first source a pull answer names.
+    fn pulled_from(answers: &[(ReplyTo, Answer)], to: ReplyTo) -> Option<String> {
+        answers.iter().find_map(|(t, a)| match a {
+            Answer::Location(Ok(location)) if *t == to => Some(location.sources[0].0.clone()),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn a_broadcast_pull_waits_for_a_copy_when_its_holder_serves_its_share() {
+        let mut head = HeadCore::new(3_000, 10_000).with_object_fanout(1);
+        let id = ObjectId::random();
+        let put = HeadRequest::ObjectPut {
+            id,
+            size: 1 << 30,
+            checksum: 9,
+            node: "a".into(),
+            address: "10.0.0.1:7000".into(),
+            job: None,
+        };
+        head.handle(put, Some(ReplyTo(1)), 0);
+        let pull = |node: &str, host: u8| HeadRequest::ObjectPull {
+            id,
+            node: node.into(),
+            address: format!("10.0.0.{host}:7000"),
+        };
+        let out = head.handle(pull("b", 2), Some(ReplyTo(2)), 0);
+        assert_eq!(pulled_from(&replies(&out), ReplyTo(2)).as_deref(), Some("a"));
+        assert!(
+            replies(&head.handle(pull("c", 3), Some(ReplyTo(3)), 0)).is_empty(),
+            "a serves b"
+        );
+        assert!(replies(&head.handle(pull("d", 4), Some(ReplyTo(4)), 0)).is_empty());
+        assert_eq!(head.parked(), 2);
+        // A node on a's host maps a's memory: it does not wait.
+        let out = head.handle(pull("e", 1), Some(ReplyTo(5)), 0);
+        assert_eq!(pulled_from(&replies(&out), ReplyTo(5)).as_deref(), Some("a"));
+        // b's copy arrives: b (which served none yet) serves c, and a (free again) d.
+        let added = HeadRequest::ObjectAddSource {
+            id,
+            node: "b".into(),
+            address: "10.0.0.2:7000".into(),
+        };
+        let answers = replies(&head.handle(added, None, 5));
+        assert_eq!(pulled_from(&answers, ReplyTo(3)).as_deref(), Some("b"), "{answers:?}");
+        assert_eq!(pulled_from(&answers, ReplyTo(4)).as_deref(), Some("a"), "{answers:?}");
+        assert_eq!(head.parked(), 0);
+        // Everyone busy: f waits until the longest wait runs out, then goes anyway.
+        assert!(replies(&head.handle(pull("f", 6), Some(ReplyTo(6)), 10)).is_empty());
+        assert!(replies(&head.tick(10 + crate::object::fanout::MAX_WAIT_MS - 1)).is_empty());
+        let answers = replies(&head.tick(10 + crate::object::fanout::MAX_WAIT_MS));
+        assert!(pulled_from(&answers, ReplyTo(6)).is_some(), "{answers:?}");
+        // A pull held back for an object freed meanwhile gets the missing-object answer.
+        head.handle(pull("g", 7), Some(ReplyTo(7)), 20);
+        head.handle(pull("h", 8), Some(ReplyTo(8)), 20);
+        let answers = replies(&head.handle(HeadRequest::ObjectFree(id), Some(ReplyTo(9)), 30));
+        assert!(
+            answers
+                .iter()
+                .any(|(to, a)| *to == ReplyTo(8) && matches!(a, Answer::Location(Err(Failure::ObjectMissing { .. })))),
+            "{answers:?}"
+        );
+        assert_eq!(head.parked(), 0);
     }
 
     #[test]

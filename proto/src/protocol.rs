@@ -316,6 +316,18 @@ pub enum HeadRequest {
     View(crate::view::ViewQuery),
     /// From a training or scoring driver: a point of its run: replies `()` (usually cast).
     RunReport(crate::runs::RunPoint),
+    /// Where `node` (its transfer endpoint at `address`) should pull an object from now:
+    /// replies [`crate::object::Location`] with the chosen holder first, once one has room
+    /// in its share of a broadcast ([`crate::object::Fanout`]). Last in the enum so that
+    /// the indices of the requests a head logs stay as they were.
+    ObjectPull {
+        /// The object.
+        id: ObjectId,
+        /// The pulling node (process).
+        node: String,
+        /// Its transfer address, whose host tells same-host pulls apart.
+        address: String,
+    },
 }
 
 impl HeadRequest {
@@ -349,6 +361,7 @@ impl HeadRequest {
             Self::View(_) => "view",
             Self::RunReport(_) => "run-report",
             Self::Announce(_) => "announce",
+            Self::ObjectPull { .. } => "object-pull",
         }
     }
 
@@ -366,6 +379,7 @@ impl HeadRequest {
                 | Self::View(_)
                 | Self::ObjectLocate(_)
                 | Self::Announce(_)
+                | Self::ObjectPull { .. }
         )
     }
 

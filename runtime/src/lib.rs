@@ -69,6 +69,8 @@ pub use protocol::{
     PendingLine, RESTART_FOREVER,
 };
 pub use regatta_object_store::{DirectoryStats, ObjectId, FAULT_CORRUPT_ENV, NO_SHARED_MEMORY_ENV};
+/// Network pulls of one large object a holder serves at once by default (`--object-fanout`).
+pub use regatta_proto::object::fanout::DEFAULT_PER_SOURCE as DEFAULT_OBJECT_FANOUT;
 pub use regatta_proto::runs::{RunDetail, RunPoint, RunSample, RunSummary};
 pub use regatta_proto::view::{
     ActorFilter, ActorRow, NodeRow, Overview, Page, PageRequest, ResourceUse, View, ViewQuery, MAX_PAGE,

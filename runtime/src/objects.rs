@@ -447,9 +447,16 @@ impl ObjectService {
     }
 
     async fn pull(self: Arc<Self>, id: ObjectId) -> std::result::Result<Bytes, PullFailure> {
+        // The head names the holder to pull from first: in a broadcast it may hold the
+        // answer back until a holder has room in its share (at most `MAX_WAIT_MS`).
+        let ask = HeadRequest::ObjectPull {
+            id,
+            node: self.node.clone(),
+            address: self.address.clone(),
+        };
         let location: Location = self
             .link
-            .ask(&HeadRequest::ObjectLocate(id), Duration::from_secs(30))
+            .ask(&ask, Duration::from_secs(30))
             .await
             .map_err(|e| PullFailure {
                 message: e.to_string(),
@@ -527,6 +534,13 @@ impl ObjectService {
             }
             Err(e) => {
                 tracing::debug!(%id, error = %e, "not caching a pulled object");
+                // Ends this node's pull at the head, so that the holder's share is free
+                // for the next puller at once (no copy to remove: a no-op there otherwise).
+                self.link.tell(&HeadRequest::ObjectRemoveSource {
+                    id,
+                    node: self.node.clone(),
+                    spilled_to: None,
+                });
                 false
             }
         }

@@ -40,6 +40,10 @@ pub struct BenchArgs {
     /// `train`: compare with the optimizer state offloaded to the host (ZeRO-3, 2 ranks).
     #[arg(long)]
     pub offload: bool,
+    /// `objects`: the head's `--object-fanout` (network pulls of one object a holder
+    /// serves at once; 0: every node pulls from the holder), to compare broadcasts.
+    #[arg(long)]
+    pub object_fanout: Option<usize>,
     /// `data`: the corpus size in GB (made once under ~/.cache/regatta).
     #[arg(long, default_value_t = 2.0)]
     pub data_gb: f64,
@@ -140,7 +144,7 @@ async fn run_suite(suite: &str, trials: usize, args: &BenchArgs) -> anyhow::Resu
         return tokio::task::block_in_place(|| data::run(&bench));
     }
     let mut cluster = if suite == "objects" {
-        runtime::start_objects(quick)?
+        runtime::start_objects(quick, args.object_fanout)?
     } else {
         runtime::start_cluster()?
     };

@@ -26,8 +26,9 @@ pub(super) fn start_cluster() -> anyhow::Result<LocalCluster> {
 }
 
 /// Nodes for the object cases: `s0` (holder) to `s<fanout>` with the same-host shared-memory
-/// path, `n0` to `n<fanout>` with it off (every byte through the network stack, as between
-/// hosts).
+/// path, `n0` to `n<fanout>` with it off and each on its own loopback address
+/// (`127.0.0.10` and up), as if on its own host: every byte goes through the network stack,
+/// and a broadcast spreads as the head's tree.
 pub(super) fn object_workers(fanout: usize) -> Vec<WorkerSpec> {
     let mut specs = Vec::new();
     for prefix in ["s", "n"] {
@@ -36,6 +37,7 @@ pub(super) fn object_workers(fanout: usize) -> Vec<WorkerSpec> {
             let spec = WorkerSpec::new(&name, &format!("CPU=1,pin:{name}=1"));
             specs.push(if prefix == "n" {
                 spec.env(regatta_runtime::NO_SHARED_MEMORY_ENV, "1")
+                    .host(&format!("127.0.0.{}", 10 + i))
             } else {
                 spec
             });
@@ -65,12 +67,14 @@ fn start_with_head_args(specs: Vec<WorkerSpec>, head_args: Vec<String>) -> anyho
 }
 
 /// The cluster of the object cases: objects freed by a trial are released after 200 ms
-/// rather than the default 10 s, so that the next trial can start once they are gone.
-pub(super) fn start_objects(quick: bool) -> anyhow::Result<LocalCluster> {
-    start_with_head_args(
-        object_workers(object_fanout(quick)),
-        vec!["--object-grace-ms".into(), "200".into()],
-    )
+/// rather than the default 10 s, so that the next trial can start once they are gone;
+/// `per_source` is the head's `--object-fanout` (default: the head's own).
+pub(super) fn start_objects(quick: bool, per_source: Option<usize>) -> anyhow::Result<LocalCluster> {
+    let mut head_args = vec!["--object-grace-ms".to_string(), "200".to_string()];
+    if let Some(per_source) = per_source {
+        head_args.extend(["--object-fanout".to_string(), per_source.to_string()]);
+    }
+    start_with_head_args(object_workers(object_fanout(quick)), head_args)
 }
 
 /// Waits until none of `stores`' nodes holds an object any more (a freed trial object is
@@ -462,16 +466,21 @@ pub(super) async fn objects(cluster: &LocalCluster, trials: usize, quick: bool) 
             );
             report_each(&rates);
         }
-        // One object to every other node at once: each pulls it (by the same-host path,
-        // every node maps the one segment the holder made).
+        // One object to every other node at once: by the same-host path every node maps
+        // the one segment the holder made; over the network the copies spread as the
+        // head's tree (the holder serves `--object-fanout` pulls at a time).
         let (label, size) = *sizes.last().context("no sizes")?;
         let mut seconds = Vec::new();
+        let mut holder_sent = Vec::new();
         for seed in 0..trials as u64 {
             let reference = put_on(&stores[0], size, seed).await?;
+            let sent_before = store_stats(&stores[0]).await?.transfer_out_bytes;
             let started = Instant::now();
             let pulls = stores[1..].iter().map(|store| fetch_on(store, &reference));
             futures::future::try_join_all(pulls).await?;
             seconds.push(started.elapsed().as_secs_f64());
+            let sent = store_stats(&stores[0]).await?.transfer_out_bytes - sent_before;
+            holder_sent.push(sent as f64 / 1e9);
             client.free(&reference).await?;
             released(&stores.iter().collect::<Vec<_>>()).await?;
         }
@@ -481,8 +490,22 @@ pub(super) async fn objects(cluster: &LocalCluster, trials: usize, quick: bool) 
             &seconds,
         );
         report_each(&seconds);
+        if path == "network" {
+            report(
+                &format!("{label} to {fanout} nodes at once ({path}), sent by the holder gigabytes"),
+                "per broadcast",
+                &holder_sent,
+            );
+        }
     }
     Ok(())
+}
+
+async fn store_stats(store: &ActorHandle<Store>) -> anyhow::Result<regatta_runtime::ObjectStats> {
+    match store.call(StoreOp::Stats).await? {
+        StoreReply::Stats(stats) => Ok(stats),
+        other => bail!("unexpected reply {other:?}"),
+    }
 }
 
 async fn put_on(store: &ActorHandle<Store>, size: u64, seed: u64) -> anyhow::Result<regatta_runtime::ObjectRef<Bytes>> {

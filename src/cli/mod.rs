@@ -160,6 +160,12 @@ struct HeadArgs {
     /// Unreferenced objects are released this long after their last reference drops.
     #[arg(long, default_value_t = 10_000)]
     object_grace_ms: u64,
+    /// Network pulls of one large object (16 MiB or more) a node serves at once when many
+    /// nodes get it together; the others wait for a copy, so a broadcast spreads as a tree
+    /// (0: no limit, every node pulls from the first holder). Pulls between nodes that
+    /// advertise the same host are not limited.
+    #[arg(long, default_value_t = regatta_runtime::DEFAULT_OBJECT_FANOUT)]
+    object_fanout: usize,
     /// Port of the job API and the dashboard (HTTPS unless --insecure).
     #[arg(long, default_value_t = 8265)]
     job_port: u16,
@@ -366,6 +372,7 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
     config.advertise_host = args.advertise_host;
     config.heartbeat_timeout_ms = args.heartbeat_timeout_ms;
     config.object_grace_ms = args.object_grace_ms;
+    config.object_fanout = args.object_fanout;
     config.objects = args.objects.config(&config.advertise_host, args.bind);
     let mut jobs = regatta_runtime::JobConfig::new();
     if let Some(dir) = args.state_dir {

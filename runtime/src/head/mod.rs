@@ -48,6 +48,9 @@ pub struct HeadConfig {
     pub heartbeat_timeout_ms: u64,
     /// Unreferenced objects are released this long after their last reference drops.
     pub object_grace_ms: u64,
+    /// Network pulls of one large object a holder serves at once; the other pullers wait
+    /// for a copy, so a broadcast spreads as a tree (0: no limit).
+    pub object_fanout: usize,
     /// The head's own object store.
     pub objects: ObjectConfig,
     /// The job API and job manager (`None`: no job API).
@@ -70,6 +73,7 @@ impl HeadConfig {
             token: token.into(),
             heartbeat_timeout_ms: 3_000,
             object_grace_ms: 10_000,
+            object_fanout: regatta_proto::object::fanout::DEFAULT_PER_SOURCE,
             objects: ObjectConfig::new("127.0.0.1"),
             jobs: Some(JobConfig::new()),
             metrics_port: Some(9180),
@@ -173,6 +177,7 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
             scope: scope.clone(),
             heartbeat_timeout_ms: config.heartbeat_timeout_ms,
             object_grace_ms: config.object_grace_ms,
+            object_fanout: config.object_fanout,
             targets,
             head_target,
             state,
@@ -284,6 +289,7 @@ struct HeadArgs {
     scope: String,
     heartbeat_timeout_ms: u64,
     object_grace_ms: u64,
+    object_fanout: usize,
     targets: Arc<Mutex<Vec<SdTarget>>>,
     head_target: Option<String>,
     /// The state files and what they held at start, when the head keeps its state.
@@ -473,6 +479,7 @@ impl Actor for Head {
                 (core, now, Some(persist))
             }
         };
+        let core = core.with_object_fanout(args.object_fanout);
         Ok(HeadState {
             scope: args.scope,
             core,
