@@ -5,7 +5,7 @@
 //! only maps [`ReplyTo`] tokens to its reply ports, encodes [`Answer`]s and carries out
 //! [`Output`]s.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -129,11 +129,19 @@ struct Parked {
 
 /// A pull held back until a holder has room in its share of a broadcast.
 struct PullWait {
-    id: ObjectId,
     node: String,
     address: String,
     to: ReplyTo,
-    since_ms: u64,
+}
+
+/// Which held-back pulls to plan again after a request or a tick.
+#[derive(Default)]
+struct PullWakes {
+    /// Those of these objects (a pull of them ended, a copy appeared or went, or the
+    /// object was freed).
+    objects: BTreeSet<ObjectId>,
+    /// All of them (a node died, a lease may have lapsed).
+    all: bool,
 }
 
 /// The head's whole decision state: the scheduler, the object directory and the requests
@@ -148,8 +156,10 @@ pub struct HeadCore {
     runs: RunBook,
     /// Broadcast pulls under way. Not saved: after a restart pulls start afresh.
     fanout: Fanout,
-    /// Pulls held back, oldest first. Not saved: their callers ask the next head again.
-    pull_waiters: Vec<PullWait>,
+    /// Pulls held back by object, oldest first. Not saved: their callers ask the next head
+    /// again.
+    pull_waiters: BTreeMap<ObjectId, Vec<PullWait>>,
+    pull_wakes: PullWakes,
 }
 
 /// What a head keeps across its own restart, borrowed for writing: the decisions that
@@ -321,7 +331,8 @@ impl HeadCore {
             object_waiters,
             runs: saved.runs,
             fanout: Fanout::new(crate::object::fanout::DEFAULT_PER_SOURCE),
-            pull_waiters: Vec::new(),
+            pull_waiters: BTreeMap::new(),
+            pull_wakes: PullWakes::default(),
         }
     }
 
@@ -369,7 +380,8 @@ impl HeadCore {
             object_waiters: BTreeMap::new(),
             runs: RunBook::new(),
             fanout: Fanout::new(crate::object::fanout::DEFAULT_PER_SOURCE),
-            pull_waiters: Vec::new(),
+            pull_waiters: BTreeMap::new(),
+            pull_wakes: PullWakes::default(),
         }
     }
 
@@ -440,12 +452,14 @@ impl HeadCore {
     pub fn handle(&mut self, request: HeadRequest, to: Option<ReplyTo>, now_ms: u64) -> Vec<Output> {
         let mut out = Vec::new();
         self.request(request, to, now_ms, &mut out);
+        self.wake_pulls(now_ms, &mut out);
         self.settle(now_ms, &mut out);
         out
     }
 
-    /// The liveness timer: declares silent nodes dead, releases unreferenced objects and
-    /// answers object lookups whose id never arrived.
+    /// The liveness timer: declares silent nodes dead, releases unreferenced objects,
+    /// answers object lookups whose id never arrived, and lets go the held-back pulls
+    /// whose holder's share a lapsed lease freed.
     pub fn tick(&mut self, now_ms: u64) -> Vec<Output> {
         self.tick_logged(now_ms).0
     }
@@ -453,9 +467,13 @@ impl HeadCore {
     /// [`HeadCore::tick`], with the change to log when it made one.
     pub fn tick_logged(&mut self, now_ms: u64) -> (Vec<Output>, Option<Change>) {
         let lost = self.scheduler.expire(now_ms, self.heartbeat_timeout_ms);
-        let out = self.tick_after(lost.clone(), now_ms);
+        let mut out = self.tick_after(lost.clone(), now_ms);
         // Any output means a change: a wait that ran out also drops a parked reference.
         let changed = !lost.is_empty() || !out.is_empty();
+        // Pulls let go change nothing that is saved: decided after the change is.
+        self.fanout.expire(now_ms);
+        self.pull_wakes.all = true;
+        self.wake_pulls(now_ms, &mut out);
         (out, changed.then_some(Change::Tick { lost, now_ms }))
     }
 
@@ -469,7 +487,6 @@ impl HeadCore {
             self.node_dead(node, cause, now_ms, &mut out);
         }
         out.extend(self.directory.collect(now_ms).into_iter().map(Output::Release));
-        self.fanout.expire(now_ms);
         for (id, parked) in std::mem::take(&mut self.object_waiters) {
             let (due, keep): (Vec<_>, Vec<_>) = parked.into_iter().partition(|p| p.deadline_ms <= now_ms);
             for p in due {
@@ -487,6 +504,7 @@ impl HeadCore {
     fn node_dead(&mut self, node: String, cause: String, now_ms: u64, out: &mut Vec<Output>) {
         let objects_lost = self.directory.node_lost(&node, now_ms).len();
         self.fanout.node_gone(&node);
+        self.pull_wakes.all = true;
         out.push(Output::Notice(Notice::NodeDead {
             node,
             cause,
@@ -503,24 +521,26 @@ impl HeadCore {
         for parked in self.object_waiters.values_mut() {
             parked.retain(|p| !gone(p.to));
         }
-        self.pull_waiters.retain(|wait| !gone(wait.to));
+        for waiters in self.pull_waiters.values_mut() {
+            waiters.retain(|wait| !gone(wait.to));
+        }
+        self.pull_waiters.retain(|_, w| !w.is_empty());
         self.actor_waiters.retain(|_, w| !w.is_empty());
         self.group_waiters.retain(|_, w| !w.is_empty());
         self.object_waiters.retain(|_, w| !w.is_empty());
     }
 
-    /// How many requests are parked (actor, group and object waits).
+    /// How many requests are parked (actor, group and object waits, held-back pulls).
     pub fn parked(&self) -> usize {
         self.actor_waiters.values().map(Vec::len).sum::<usize>()
             + self.group_waiters.values().map(Vec::len).sum::<usize>()
             + self.object_waiters.values().map(Vec::len).sum::<usize>()
-            + self.pull_waiters.len()
+            + self.pull_waiters.values().map(Vec::len).sum::<usize>()
     }
 
     /// After any change: place what waits, then answer the waits that are over.
     fn settle(&mut self, now_ms: u64, out: &mut Vec<Output>) {
         out.extend(self.scheduler.schedule(now_ms).into_iter().map(Output::Effect));
-        self.wake_pulls(now_ms, out);
         for (id, waiters) in std::mem::take(&mut self.actor_waiters) {
             match self.scheduler.actor_view(id) {
                 Some(view) if matches!(view.state, ActorState::Alive | ActorState::Dead { .. }) => {
@@ -720,25 +740,14 @@ impl HeadCore {
             },
             HeadRequest::ObjectAddSource { id, node, address } => {
                 self.fanout.ended(id, &node);
+                self.pull_wakes.objects.insert(id);
                 out.extend(self.directory.add_source(id, &node, &address).map(Output::Release));
             }
-            HeadRequest::ObjectPull { id, node, address } => match (self.directory.locate(id), to) {
-                (Err(Missing::Unknown), Some(to)) => {
-                    self.park(id, HeadRequest::ObjectPull { id, node, address }, to, now)
-                }
-                (Err(missing), _) => answer(to, Answer::Location(Err(object_missing(id, missing))), out),
-                (Ok(location), _) => match (self.fanout.plan(id, location, &node, &address, 0, now), to) {
-                    (Plan::Go(location), _) => answer(to, Answer::Location(Ok(location)), out),
-                    (Plan::Wait, Some(to)) => self.pull_waiters.push(PullWait {
-                        id,
-                        node,
-                        address,
-                        to,
-                        since_ms: now,
-                    }),
-                    (Plan::Wait, None) => {}
-                },
-            },
+            HeadRequest::ObjectPull { id, node, address } => self.pull(id, node, address, to, now, out),
+            HeadRequest::ObjectPullEnded { id, node } => {
+                self.fanout.ended(id, &node);
+                self.pull_wakes.objects.insert(id);
+            }
             HeadRequest::ObjectsHeld { node, address, objects } => {
                 let lost = self.directory.reconcile(&node, &address, &objects, now);
                 if !lost.is_empty() {
@@ -756,8 +765,8 @@ impl HeadCore {
                 }
             }
             HeadRequest::ObjectRemoveSource { id, node, spilled_to } => {
-                // Also how a puller that kept no copy ends its pull.
-                self.fanout.ended(id, &node);
+                // An object left with a spilled copy only is read from it: nothing to wait for.
+                self.pull_wakes.objects.insert(id);
                 if let Some(url) = &spilled_to {
                     self.directory.spilled(id, &node, url);
                 }
@@ -769,6 +778,7 @@ impl HeadCore {
             },
             HeadRequest::ObjectDropRef { id, holder } => self.directory.drop_ref(id, &holder, now),
             HeadRequest::ObjectFree(id) => {
+                self.pull_wakes.objects.insert(id);
                 out.extend(self.directory.free(id).map(Output::Release));
                 answer(to, Answer::Done(Ok(())), out);
             }
@@ -782,28 +792,83 @@ impl HeadCore {
         }
     }
 
-    /// Answers the pulls held back that may go now: a holder has room in its share (a copy
-    /// appeared, a pull ended or lapsed), they waited long enough, or the object is gone.
+    /// Where `node` should pull `id` from: answered now, or held back (behind the pulls
+    /// held back before it) until a holder has room in its share. A pull nobody waits for
+    /// (a cast, or one parked before a restart) is not planned: it would take a share for
+    /// nothing.
+    fn pull(
+        &mut self,
+        id: ObjectId,
+        node: String,
+        address: String,
+        to: Option<ReplyTo>,
+        now: u64,
+        out: &mut Vec<Output>,
+    ) {
+        let Some(to) = to.filter(|to| *to != REPLAYED) else {
+            return;
+        };
+        let location = match self.directory.locate(id) {
+            Ok(location) => location,
+            Err(Missing::Unknown) => return self.park(id, HeadRequest::ObjectPull { id, node, address }, to, now),
+            Err(missing) => {
+                return out.push(Output::Reply(to, Answer::Location(Err(object_missing(id, missing)))));
+            }
+        };
+        // Those held back go first: a share a lapsed lease freed is theirs. Any still held
+        // found every holder busy, so this pull waits too unless it needs no share (a
+        // same-host or small one).
+        self.wake_pulls_of(id, now, out);
+        match self.fanout.plan(id, location, &node, &address, now) {
+            Plan::Go(location) => out.push(Output::Reply(to, Answer::Location(Ok(location)))),
+            Plan::Wait => self
+                .pull_waiters
+                .entry(id)
+                .or_default()
+                .push(PullWait { node, address, to }),
+        }
+    }
+
+    /// Plans again the held-back pulls that something may have let go (see [`PullWakes`]).
     fn wake_pulls(&mut self, now: u64, out: &mut Vec<Output>) {
-        for wait in std::mem::take(&mut self.pull_waiters) {
-            let location = match self.directory.locate(wait.id) {
-                Ok(location) => location,
+        let wakes = std::mem::take(&mut self.pull_wakes);
+        let ids: Vec<ObjectId> = if wakes.all {
+            self.pull_waiters.keys().copied().collect()
+        } else {
+            wakes.objects.into_iter().collect()
+        };
+        for id in ids {
+            self.wake_pulls_of(id, now, out);
+        }
+    }
+
+    /// Answers `id`'s held-back pulls, oldest first, while a holder has room (all of them
+    /// when the object is gone); the rest stay held, in their order.
+    fn wake_pulls_of(&mut self, id: ObjectId, now: u64, out: &mut Vec<Output>) {
+        let Some(waiters) = self.pull_waiters.remove(&id) else {
+            return;
+        };
+        let mut held = Vec::new();
+        for wait in waiters {
+            if !held.is_empty() {
+                held.push(wait);
+                continue;
+            }
+            match self.directory.locate(id) {
                 Err(missing) => {
                     out.push(Output::Reply(
                         wait.to,
-                        Answer::Location(Err(object_missing(wait.id, missing))),
+                        Answer::Location(Err(object_missing(id, missing))),
                     ));
-                    continue;
                 }
-            };
-            let waited = now.saturating_sub(wait.since_ms);
-            match self
-                .fanout
-                .plan(wait.id, location, &wait.node, &wait.address, waited, now)
-            {
-                Plan::Go(location) => out.push(Output::Reply(wait.to, Answer::Location(Ok(location)))),
-                Plan::Wait => self.pull_waiters.push(wait),
+                Ok(location) => match self.fanout.plan(id, location, &wait.node, &wait.address, now) {
+                    Plan::Go(location) => out.push(Output::Reply(wait.to, Answer::Location(Ok(location)))),
+                    Plan::Wait => held.push(wait),
+                },
             }
+        }
+        if !held.is_empty() {
+            self.pull_waiters.insert(id, held);
         }
     }
 
@@ -1016,22 +1081,54 @@ mod tests {
         assert_eq!(pulled_from(&answers, ReplyTo(3)).as_deref(), Some("b"), "{answers:?}");
         assert_eq!(pulled_from(&answers, ReplyTo(4)).as_deref(), Some("a"), "{answers:?}");
         assert_eq!(head.parked(), 0);
-        // Everyone busy: f waits until the longest wait runs out, then goes anyway.
+        // Everyone busy: f waits, until c says its pull ended without a copy.
         assert!(replies(&head.handle(pull("f", 6), Some(ReplyTo(6)), 10)).is_empty());
-        assert!(replies(&head.tick(10 + crate::object::fanout::MAX_WAIT_MS - 1)).is_empty());
-        let answers = replies(&head.tick(10 + crate::object::fanout::MAX_WAIT_MS));
-        assert!(pulled_from(&answers, ReplyTo(6)).is_some(), "{answers:?}");
+        let ended = HeadRequest::ObjectPullEnded { id, node: "c".into() };
+        let answers = replies(&head.handle(ended, None, 11));
+        assert_eq!(pulled_from(&answers, ReplyTo(6)).as_deref(), Some("b"), "{answers:?}");
+        // g waits behind d's pull (a) and f's (b) until d's lease lapses on a tick.
+        assert!(replies(&head.handle(pull("g", 7), Some(ReplyTo(7)), 20)).is_empty());
+        let lapse = 5 + crate::object::fanout::lease_ms(1 << 30);
+        assert!(replies(&head.tick(lapse - 1)).is_empty());
+        let answers = replies(&head.tick(lapse));
+        assert_eq!(pulled_from(&answers, ReplyTo(7)).as_deref(), Some("a"), "{answers:?}");
+        // h is held; when f's lease lapses, h (held first) gets b before j, asking then.
+        assert!(replies(&head.handle(pull("h", 8), Some(ReplyTo(8)), 11 + 1)).is_empty());
+        let answers = replies(&head.handle(pull("j", 10), Some(ReplyTo(10)), 11 + lapse));
+        assert_eq!(pulled_from(&answers, ReplyTo(8)).as_deref(), Some("b"), "{answers:?}");
+        assert!(pulled_from(&answers, ReplyTo(10)).is_none(), "{answers:?}");
         // A pull held back for an object freed meanwhile gets the missing-object answer.
-        head.handle(pull("g", 7), Some(ReplyTo(7)), 20);
-        head.handle(pull("h", 8), Some(ReplyTo(8)), 20);
-        let answers = replies(&head.handle(HeadRequest::ObjectFree(id), Some(ReplyTo(9)), 30));
+        let answers = replies(&head.handle(HeadRequest::ObjectFree(id), Some(ReplyTo(9)), lapse + 20));
         assert!(
             answers
                 .iter()
-                .any(|(to, a)| *to == ReplyTo(8) && matches!(a, Answer::Location(Err(Failure::ObjectMissing { .. })))),
+                .any(|(to, a)| *to == ReplyTo(10) && matches!(a, Answer::Location(Err(Failure::ObjectMissing { .. })))),
             "{answers:?}"
         );
         assert_eq!(head.parked(), 0);
+        // A pull nobody waits for takes no share.
+        let other = ObjectId::random();
+        head.handle(
+            HeadRequest::ObjectPut {
+                id: other,
+                size: 1 << 30,
+                checksum: 1,
+                node: "a".into(),
+                address: "10.0.0.1:7000".into(),
+                job: None,
+            },
+            None,
+            0,
+        );
+        let pull_other = |node: &str, host: u8| HeadRequest::ObjectPull {
+            id: other,
+            node: node.into(),
+            address: format!("10.0.0.{host}:7000"),
+        };
+        head.handle(pull_other("x", 30), None, 0);
+        head.handle(pull_other("y", 31), Some(REPLAYED), 0);
+        let out = head.handle(pull_other("z", 32), Some(ReplyTo(11)), 0);
+        assert_eq!(pulled_from(&replies(&out), ReplyTo(11)).as_deref(), Some("a"));
     }
 
     #[test]

@@ -328,6 +328,14 @@ pub enum HeadRequest {
         /// Its transfer address, whose host tells same-host pulls apart.
         address: String,
     },
+    /// `node`'s pull of an object ended without a copy kept there (it failed, was given up,
+    /// or the copy did not fit): its holder's share is free. No reply.
+    ObjectPullEnded {
+        /// The object.
+        id: ObjectId,
+        /// The pulling node (process).
+        node: String,
+    },
 }
 
 impl HeadRequest {
@@ -362,6 +370,7 @@ impl HeadRequest {
             Self::RunReport(_) => "run-report",
             Self::Announce(_) => "announce",
             Self::ObjectPull { .. } => "object-pull",
+            Self::ObjectPullEnded { .. } => "object-pull-ended",
         }
     }
 
@@ -380,6 +389,7 @@ impl HeadRequest {
                 | Self::ObjectLocate(_)
                 | Self::Announce(_)
                 | Self::ObjectPull { .. }
+                | Self::ObjectPullEnded { .. }
         )
     }
 

@@ -121,6 +121,31 @@ fn worth_sharing(len: u64, segments_held: usize) -> bool {
     len >= SHARED_MEMORY_MIN_BYTES && segments_held < MAX_SEGMENTS
 }
 
+/// How long a node waits for the head to name the holder to pull from: in a broadcast the
+/// head holds the answer until a holder has room, as long as the pulls ahead take; the
+/// get's own timeout is what bounds a caller's wait.
+const PULL_ASK_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// A pull under way: tells the head it ended when it did without keeping a copy here (a
+/// kept copy's `ObjectAddSource` says so), whatever the way out (an error, the getters
+/// giving up), so that the holder's share it held is free at once.
+struct PullEnd<'a> {
+    service: &'a ObjectService,
+    id: ObjectId,
+    kept: bool,
+}
+
+impl Drop for PullEnd<'_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.service.link.tell(&HeadRequest::ObjectPullEnded {
+                id: self.id,
+                node: self.service.node.clone(),
+            });
+        }
+    }
+}
+
 /// Pause before pulling again from holders that did not answer.
 const PULL_RETRY: Duration = Duration::from_millis(250);
 
@@ -447,21 +472,25 @@ impl ObjectService {
     }
 
     async fn pull(self: Arc<Self>, id: ObjectId) -> std::result::Result<Bytes, PullFailure> {
-        // The head names the holder to pull from first: in a broadcast it may hold the
-        // answer back until a holder has room in its share (at most `MAX_WAIT_MS`).
+        // Until this node keeps a copy (and tells the head), its pull may hold a share of a
+        // holder's sending at the head; any other way out of here frees it.
+        let mut end = PullEnd {
+            service: &self,
+            id,
+            kept: false,
+        };
+        // The head names the holder to pull from first: in a broadcast it holds the answer
+        // back until a holder has room in its share, for as long as the pulls ahead take.
+        // The get's own timeout bounds the wait.
         let ask = HeadRequest::ObjectPull {
             id,
             node: self.node.clone(),
             address: self.address.clone(),
         };
-        let location: Location = self
-            .link
-            .ask(&ask, Duration::from_secs(30))
-            .await
-            .map_err(|e| PullFailure {
-                message: e.to_string(),
-                transient: false,
-            })?;
+        let location: Location = self.link.ask(&ask, PULL_ASK_TIMEOUT).await.map_err(|e| PullFailure {
+            message: e.to_string(),
+            transient: false,
+        })?;
         let mut failures = Vec::new();
         // Whether every copy failed only for want of an answer (its holder may be dying).
         let mut transient = true;
@@ -482,7 +511,7 @@ impl ObjectService {
                     }
                     // The mapping keeps the pages; the segment (an open descriptor) is not
                     // kept: a third process maps the holder's, or gets a copy of this one.
-                    self.cache(id, bytes.clone()).await;
+                    end.kept = self.cache(id, bytes.clone()).await;
                     return Ok(bytes);
                 }
                 Err(e) => {
@@ -499,7 +528,7 @@ impl ObjectService {
             match regatta_object_store::restore(url, id, location.size, location.checksum).await {
                 Ok(bytes) => {
                     self.counters.restores.fetch_add(1, Ordering::Relaxed);
-                    self.cache(id, bytes.clone()).await;
+                    end.kept = self.cache(id, bytes.clone()).await;
                     return Ok(bytes);
                 }
                 Err(e) => {
@@ -534,13 +563,6 @@ impl ObjectService {
             }
             Err(e) => {
                 tracing::debug!(%id, error = %e, "not caching a pulled object");
-                // Ends this node's pull at the head, so that the holder's share is free
-                // for the next puller at once (no copy to remove: a no-op there otherwise).
-                self.link.tell(&HeadRequest::ObjectRemoveSource {
-                    id,
-                    node: self.node.clone(),
-                    spilled_to: None,
-                });
                 false
             }
         }

@@ -1,13 +1,14 @@
 //! Broadcasting one object to many nodes as a tree. When many nodes pull a large object at
 //! once, each holder serves at most `per_source` network pulls at a time; the other pullers
-//! wait until a copy appears (every finished pull is a new source), so copies spread
-//! 1 → 1+k → (1+k)² … and the first holder sends k copies instead of one per node. Ray's
-//! push-based broadcast bounds a holder's outbound transfers the same way.
+//! wait until a holder's share frees (a pull ends, and every finished pull is a new
+//! source), so copies spread 1 → 1+k → (1+k)² … and the first holder sends at most k copies
+//! per round instead of one per node. Ray's push-based broadcast bounds a holder's outbound
+//! transfers the same way.
 //!
 //! Pulls between nodes that advertise the same host are not limited: they map the
 //! holder's shared memory or ride loopback, so they cost no link. Pure bookkeeping: the
-//! head asks it how to answer a pull, and again for the pulls it holds back whenever a copy
-//! appears, a node goes or the clock ticks.
+//! head asks it how to answer a pull, and again for the pulls it holds back whenever a pull
+//! of that object ends, a node goes or the clock ticks (a lease lapses).
 
 use std::collections::HashMap;
 
@@ -21,16 +22,14 @@ pub const FANOUT_MIN_BYTES: u64 = 16 << 20;
 /// Network pulls one holder serves at once by default.
 pub const DEFAULT_PER_SOURCE: usize = 2;
 
-/// Longest a pull is held back: after it the puller takes the least busy holder anyway, so
-/// a slow or silent puller delays the others by at most this much.
-pub const MAX_WAIT_MS: u64 = 10_000;
-
-/// A pull counts against its holder's share for this long plus the time the object takes at
-/// [`LEASE_BYTES_PER_MS`], unless the puller reports its copy (or that it kept none) first.
+/// A pull counts against its holder's share for this long plus the object's time at
+/// [`LEASE_BYTES_PER_MS`], unless its puller reports first that it ended (with a copy or
+/// without). Pullers always report, so a lease lapses only for a puller that hangs, or
+/// whose report was lost: that is the longest it holds the others back.
 const LEASE_BASE_MS: u64 = 5_000;
 
-/// 100 MB/s: the slowest transfer a lease allows for before it lapses.
-const LEASE_BYTES_PER_MS: u64 = 100_000;
+/// 25 MB/s, a fifth of a 1 Gbit/s link: the slowest transfer a lease allows for.
+const LEASE_BYTES_PER_MS: u64 = 25_000;
 
 /// How long an object's tally of pulls served is kept once no pull of it is under way.
 const FORGET_AFTER_MS: u64 = 60_000;
@@ -76,9 +75,9 @@ impl Fanout {
         }
     }
 
-    /// How `puller` (reached at `puller_address`) should pull `location`'s object after
-    /// waiting `waited_ms` already: same-host holders first, else the least busy holder if
-    /// it has room in its share (the pull is then counted against it), else wait. Among
+    /// How `puller` (reached at `puller_address`) should pull `location`'s object: same-host
+    /// holders first, else the least busy holder if it has room in its share (the pull is
+    /// then counted against it), else wait. Among
     /// holders as busy, the one that served fewest goes first, so that new copies take the
     /// load off the first holder. A puller asking again (its last pull failed) no longer
     /// counts against its earlier holder.
@@ -88,7 +87,6 @@ impl Fanout {
         mut location: Location,
         puller: &str,
         puller_address: &str,
-        waited_ms: u64,
         now_ms: u64,
     ) -> Plan {
         if let Some(spread) = self.spreads.get_mut(&id) {
@@ -113,7 +111,7 @@ impl Fanout {
         // Stable: among holders alike the directory's order stands.
         far.sort_by_key(|(node, _)| (load(node), served(node)));
         let chosen = far[0].0.clone();
-        if load(&chosen) >= self.per_source && waited_ms < MAX_WAIT_MS {
+        if load(&chosen) >= self.per_source {
             return Plan::Wait;
         }
         *spread.served.entry(chosen.clone()).or_default() += 1;
@@ -121,7 +119,7 @@ impl Fanout {
             puller.to_string(),
             Pull {
                 source: chosen,
-                until_ms: now_ms + LEASE_BASE_MS + location.size / LEASE_BYTES_PER_MS,
+                until_ms: now_ms + lease_ms(location.size),
             },
         );
         location.sources = far;
@@ -164,6 +162,11 @@ impl Fanout {
     pub fn objects(&self) -> usize {
         self.spreads.len()
     }
+}
+
+/// How long a pull of an object of `size` bytes counts against its holder's share.
+pub fn lease_ms(size: u64) -> u64 {
+    LEASE_BASE_MS + size / LEASE_BYTES_PER_MS
 }
 
 /// Whether two transfer addresses (`host:port`, `[v6]:port`) name the same host.
@@ -216,17 +219,17 @@ mod tests {
         let id = ObjectId::random();
         let mut fanout = Fanout::new(2);
         let holder = location(BIG, &["a"]);
-        assert_eq!(first(&fanout.plan(id, holder.clone(), "b", &address("b"), 0, 0)), "a");
-        assert_eq!(first(&fanout.plan(id, holder.clone(), "c", &address("c"), 0, 0)), "a");
-        assert_eq!(fanout.plan(id, holder.clone(), "d", &address("d"), 0, 0), Plan::Wait);
+        assert_eq!(first(&fanout.plan(id, holder.clone(), "b", &address("b"), 0)), "a");
+        assert_eq!(first(&fanout.plan(id, holder.clone(), "c", &address("c"), 0)), "a");
+        assert_eq!(fanout.plan(id, holder.clone(), "d", &address("d"), 0), Plan::Wait);
         // b's copy arrives: b is a source, and a is busy with c only.
         fanout.ended(id, "b");
         let two = location(BIG, &["a", "b"]);
-        assert_eq!(first(&fanout.plan(id, two.clone(), "d", &address("d"), 10, 10)), "b");
+        assert_eq!(first(&fanout.plan(id, two.clone(), "d", &address("d"), 10)), "b");
         // As busy as a, b served fewer: it goes first.
-        assert_eq!(first(&fanout.plan(id, two.clone(), "e", &address("e"), 10, 10)), "b");
-        assert_eq!(first(&fanout.plan(id, two.clone(), "f", &address("f"), 10, 10)), "a");
-        assert_eq!(fanout.plan(id, two, "g", &address("g"), 10, 10), Plan::Wait);
+        assert_eq!(first(&fanout.plan(id, two.clone(), "e", &address("e"), 10)), "b");
+        assert_eq!(first(&fanout.plan(id, two.clone(), "f", &address("f"), 10)), "a");
+        assert_eq!(fanout.plan(id, two, "g", &address("g"), 10), Plan::Wait);
         assert_eq!(fanout.under_way(), 4);
     }
 
@@ -235,8 +238,8 @@ mod tests {
         let id = ObjectId::random();
         let mut fanout = Fanout::new(1);
         let both = location(BIG, &["a", "b"]);
-        fanout.plan(id, both.clone(), "c", &address("c"), 0, 0);
-        let Plan::Go(for_d) = fanout.plan(id, both, "d", &address("d"), 0, 0) else {
+        fanout.plan(id, both.clone(), "c", &address("c"), 0);
+        let Plan::Go(for_d) = fanout.plan(id, both, "d", &address("d"), 0) else {
             panic!("b is free")
         };
         let order: Vec<&str> = for_d.sources.iter().map(|(n, _)| n.as_str()).collect();
@@ -247,15 +250,15 @@ mod tests {
     fn same_host_holders_small_objects_and_no_limit_are_not_held_back() {
         let id = ObjectId::random();
         let mut fanout = Fanout::new(1);
-        fanout.plan(id, location(BIG, &["h1"]), "x", &address("x"), 0, 0);
+        fanout.plan(id, location(BIG, &["h1"]), "x", &address("x"), 0);
         // h22 shares h1's host: it maps h1's shared memory however busy h1 is.
         assert_eq!(
-            first(&fanout.plan(id, location(BIG, &["h1"]), "h22", &address("h22"), 0, 0)),
+            first(&fanout.plan(id, location(BIG, &["h1"]), "h22", &address("h22"), 0)),
             "h1"
         );
         // A same-host holder goes before a free one elsewhere.
         let mixed = location(BIG, &["a", "h1"]);
-        assert_eq!(first(&fanout.plan(id, mixed, "h333", &address("h333"), 0, 0)), "h1");
+        assert_eq!(first(&fanout.plan(id, mixed, "h333", &address("h333"), 0)), "h1");
         let small = ObjectId::random();
         for puller in ["p", "q", "r"] {
             let plan = fanout.plan(
@@ -264,14 +267,13 @@ mod tests {
                 puller,
                 &address(puller),
                 0,
-                0,
             );
             assert_eq!(first(&plan), "a");
         }
         let mut unlimited = Fanout::new(0);
         for puller in ["p", "q", "r"] {
             assert_eq!(
-                first(&unlimited.plan(id, location(BIG, &["a"]), puller, &address(puller), 0, 0)),
+                first(&unlimited.plan(id, location(BIG, &["a"]), puller, &address(puller), 0)),
                 "a"
             );
         }
@@ -279,41 +281,23 @@ mod tests {
     }
 
     #[test]
-    fn a_pull_held_back_too_long_takes_the_least_busy_holder() {
-        let id = ObjectId::random();
-        let mut fanout = Fanout::new(1);
-        fanout.plan(id, location(BIG, &["a"]), "b", &address("b"), 0, 0);
-        assert_eq!(
-            fanout.plan(id, location(BIG, &["a"]), "c", &address("c"), MAX_WAIT_MS - 1, 0),
-            Plan::Wait
-        );
-        assert_eq!(
-            first(&fanout.plan(id, location(BIG, &["a"]), "c", &address("c"), MAX_WAIT_MS, 0)),
-            "a"
-        );
-    }
-
-    #[test]
     fn a_lapsed_pull_a_retry_and_a_dead_node_free_the_holders_share() {
         let id = ObjectId::random();
         let mut fanout = Fanout::new(1);
         let one = location(BIG, &["a"]);
-        fanout.plan(id, one.clone(), "b", &address("b"), 0, 0);
-        let lease = LEASE_BASE_MS + BIG / LEASE_BYTES_PER_MS;
-        assert_eq!(
-            fanout.plan(id, one.clone(), "c", &address("c"), 0, lease - 1),
-            Plan::Wait
-        );
-        assert_eq!(first(&fanout.plan(id, one.clone(), "c", &address("c"), 0, lease)), "a");
+        fanout.plan(id, one.clone(), "b", &address("b"), 0);
+        let lease = lease_ms(BIG);
+        assert_eq!(fanout.plan(id, one.clone(), "c", &address("c"), lease - 1), Plan::Wait);
+        assert_eq!(first(&fanout.plan(id, one.clone(), "c", &address("c"), lease)), "a");
         // c asks again (its pull failed): its old pull does not hold a's share against it.
-        assert_eq!(first(&fanout.plan(id, one.clone(), "c", &address("c"), 0, lease)), "a");
+        assert_eq!(first(&fanout.plan(id, one.clone(), "c", &address("c"), lease)), "a");
         assert_eq!(fanout.under_way(), 1);
         fanout.node_gone("c");
         assert_eq!(fanout.under_way(), 0);
-        fanout.plan(id, one.clone(), "d", &address("d"), 0, lease);
+        fanout.plan(id, one.clone(), "d", &address("d"), lease);
         fanout.node_gone("a");
         assert_eq!(fanout.under_way(), 0, "pulls from a dead holder stop counting");
-        fanout.plan(id, one.clone(), "f", &address("f"), 0, lease);
+        fanout.plan(id, one.clone(), "f", &address("f"), lease);
         fanout.expire(2 * lease - 1);
         assert_eq!(fanout.under_way(), 1);
         fanout.expire(2 * lease);
@@ -329,7 +313,7 @@ mod tests {
         let mut fanout = Fanout::new(1);
         let mut sources = vec!["a"];
         for (t, puller) in ["b", "c", "d"].into_iter().enumerate() {
-            let plan = fanout.plan(id, location(BIG, &sources), puller, &address(puller), 0, t as u64);
+            let plan = fanout.plan(id, location(BIG, &sources), puller, &address(puller), t as u64);
             let from = first(&plan).to_string();
             assert!(t == 0 || from != "a", "{puller} pulled from {from}");
             fanout.ended(id, puller);
@@ -341,16 +325,13 @@ mod tests {
     fn the_puller_is_never_its_own_source_and_a_spilled_only_object_goes_at_once() {
         let id = ObjectId::random();
         let mut fanout = Fanout::new(1);
-        let Plan::Go(location) = fanout.plan(id, location(BIG, &["a", "b"]), "a", &address("a"), 0, 0) else {
+        let Plan::Go(location) = fanout.plan(id, location(BIG, &["a", "b"]), "a", &address("a"), 0) else {
             panic!("b is free")
         };
         assert_eq!(location.sources.len(), 1);
         assert_eq!(location.sources[0].0, "b");
         let mut spilled = self::location(BIG, &[]);
         spilled.spilled = Some("file:///tmp/x".into());
-        assert!(matches!(
-            fanout.plan(id, spilled, "c", &address("c"), 0, 0),
-            Plan::Go(_)
-        ));
+        assert!(matches!(fanout.plan(id, spilled, "c", &address("c"), 0), Plan::Go(_)));
     }
 }
