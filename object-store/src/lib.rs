@@ -25,6 +25,7 @@ mod quic;
 mod receive_pool;
 mod shm;
 mod spill;
+mod sealed;
 mod transfer;
 
 // The bookkeeping (ids, the directory, the memory store) is pure and lives in regatta-proto.
@@ -46,5 +47,5 @@ pub use shm::{Handle as SharedHandle, HostKey, Segment};
 pub use spill::{delete as delete_spilled, open_store, parse_spill_url, restore, SpillBackend};
 pub use transfer::{
     keep_alive, Fetched, ObjectSource, Transfer, CHUNK_BYTES, FAULT_CORRUPT_ENV, IO_TIMEOUT, NO_SHARED_MEMORY_ENV,
-    SERVER_NAME,
+    SERVER_NAME, TRANSFER_ALPN,
 };

@@ -1,22 +1,29 @@
 //! Moving objects between nodes over TCP with TLS 1.3 (mutual, from the cluster token),
 //! and between processes on one host through shared memory.
 //!
-//! Protocol, on a connection reused for one object after another:
+//! A connection starts with a TLS 1.3 handshake (mutual, from the cluster token, ALPN
+//! [`TRANSFER_ALPN`]); the holder then says hello through TLS, and from there on both ends
+//! speak sealed frames keyed from that handshake ([`crate::sealed`]: AES-128-GCM frames of
+//! up to a whole chunk, sealed straight from the object and opened in place in the
+//! receiver's buffer, where TLS records would be 16 KiB each and copied through rustls's
+//! buffers on both sides).
+//!
+//! Protocol, in frames, on a connection reused for one object after another:
 //! - request: the 16-byte object id, a flags byte (bit 0: the caller can map shared memory)
 //!   and the caller's 24-byte [`HostKey`];
-//! - reply: one status byte:
+//! - reply: a message whose first byte is a status:
 //!   - 0: not held;
-//!   - 2 (only to a caller on the same host and PID namespace): a 32-byte shared-memory
-//!     [`Handle`]; the caller answers one byte, 1 when it mapped the segment (done) or 0
-//!     when it could not (the reply goes on as a stream, status byte first);
-//!   - 1: the object streamed: its size (u64 LE), then chunks of
-//!     `[len u32 LE][crc u32 LE][len bytes]`; the caller answers one byte once it has
-//!     every chunk, and the holder keeps the object pinned until then.
+//!   - 2 (only to a caller on the same host and PID namespace): followed by a 32-byte
+//!     shared-memory [`Handle`]; the caller answers one byte, 1 when it mapped the segment
+//!     (done) or 0 when it could not (the reply goes on as a stream, status message first);
+//!   - 1: the object streamed: followed by its size (u64 LE); then one frame per chunk of
+//!     up to [`CHUNK_BYTES`], the chunk's CRC-32 as the frame's word; the caller answers
+//!     one byte once it has every chunk, and the holder keeps the object pinned until then.
 //!
-//! The receiver reads each chunk straight into the object's buffer, checks the chunk's CRC
-//! and combines them into the whole object's, which must equal the directory's: one CRC
-//! pass per byte on each side. A shared-memory segment is checked for identity, length and
-//! seals instead (its bytes never left the host).
+//! The receiver reads each chunk straight into the object's buffer, opens it there, checks
+//! the chunk's CRC and combines them into the whole object's, which must equal the
+//! directory's: one CRC pass per byte on each side. A shared-memory segment is checked for
+//! identity, length and seals instead (its bytes never left the host).
 //!
 //! Why TCP and not QUIC: on the machines measured (docs/NOTES.md), quinn's per-packet work
 //! in user space held one QUIC connection to 0.26-0.35 GB/s, while the kernel's TCP with
@@ -30,7 +37,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::rustls::pki_types::ServerName;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
@@ -42,10 +48,15 @@ use crate::id::ObjectId;
 use crate::identity::TlsIdentity;
 pub use crate::identity::SERVER_NAME;
 use crate::idle_pool::{IdlePool, IDLE_LIMIT};
+use crate::sealed::SealedStream;
 use crate::shm::{Handle, HostKey, Segment};
 
 /// Bytes per chunk on the wire.
 pub const CHUNK_BYTES: usize = 1 << 20;
+
+/// ALPN protocol id of the object transfer: a peer of another version fails the handshake
+/// with "no application protocol" instead of misreading frames.
+pub const TRANSFER_ALPN: &[u8] = b"regatta-objects/2";
 
 /// Environment variable that makes a serving node corrupt one byte of the first chunk it
 /// sends (and offer no shared memory, so the network path runs): a fault-injection hook for
@@ -113,9 +124,6 @@ fn shared_memory_allowed() -> bool {
     std::env::var_os(NO_SHARED_MEMORY_ENV).is_none_or(|v| v == "0")
 }
 
-type ClientStream = tokio_rustls::client::TlsStream<TcpStream>;
-type ServerStream = tokio_rustls::server::TlsStream<TcpStream>;
-
 /// What one node shares between its clones: the listener (until served), TLS, idle
 /// connections.
 struct Shared {
@@ -123,7 +131,7 @@ struct Shared {
     listener: Mutex<Option<std::net::TcpListener>>,
     acceptor: TlsAcceptor,
     connector: TlsConnector,
-    idle: Mutex<IdlePool<ClientStream>>,
+    idle: Mutex<IdlePool<SealedStream>>,
     connecting: tokio::sync::Semaphore,
 }
 
@@ -180,12 +188,17 @@ impl Transfer {
             .local_addr()
             .map_err(|e| Error::Transfer(format!("no local address: {e}")))?;
         let corrupt = std::env::var_os(FAULT_CORRUPT_ENV).is_some();
+        let (server, connector) = identity.with_alpn(TRANSFER_ALPN);
+        // No session tickets: nothing is resumed, and no TLS message may follow the
+        // handshake once the connection speaks frames.
+        let mut server = (*server).clone();
+        server.send_tls13_tickets = 0;
         Ok(Self {
             shared: Arc::new(Shared {
                 local,
                 listener: Mutex::new(Some(listener)),
-                acceptor: TlsAcceptor::from(identity.server.clone()),
-                connector: TlsConnector::from(identity.client.clone()),
+                acceptor: TlsAcceptor::from(Arc::new(server)),
+                connector: TlsConnector::from(connector),
                 idle: Mutex::new(IdlePool::new(IDLE_PER_PEER, IDLE_LIMIT)),
                 connecting: tokio::sync::Semaphore::new(CONNECTING_AT_ONCE),
             }),
@@ -254,7 +267,8 @@ impl Transfer {
                 tokio::spawn(async move {
                     let _ = stream.set_nodelay(true);
                     let _ = keep_alive(&stream);
-                    let handshake = tokio::time::timeout(CONNECT_TIMEOUT, acceptor.accept(stream)).await;
+                    let opening = async { SealedStream::server(acceptor.accept(stream).await?).await };
+                    let handshake = tokio::time::timeout(CONNECT_TIMEOUT, opening).await;
                     drop(slot);
                     let stream = match handshake {
                         Ok(Ok(stream)) => stream,
@@ -275,13 +289,13 @@ impl Transfer {
         });
     }
 
-    async fn connect(&self, peer: SocketAddr) -> Result<ClientStream> {
+    async fn connect(&self, peer: SocketAddr) -> Result<SealedStream> {
         let handshake = async {
             let stream = TcpStream::connect(peer).await?;
             stream.set_nodelay(true)?;
             keep_alive(&stream)?;
             let name = ServerName::try_from(SERVER_NAME).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-            self.shared.connector.connect(name, stream).await
+            SealedStream::client(self.shared.connector.connect(name, stream).await?).await
         };
         // Never closed, so acquiring only waits; the wait is not part of the timeout.
         let _turn = self.shared.connecting.acquire().await;
@@ -296,11 +310,11 @@ impl Transfer {
         }
     }
 
-    fn take_idle(&self, peer: SocketAddr) -> Option<ClientStream> {
+    fn take_idle(&self, peer: SocketAddr) -> Option<SealedStream> {
         self.shared.idle.lock().ok()?.take(peer, std::time::Instant::now())
     }
 
-    fn put_idle(&self, peer: SocketAddr, stream: ClientStream) {
+    fn put_idle(&self, peer: SocketAddr, stream: SealedStream) {
         if let Ok(mut idle) = self.shared.idle.lock() {
             idle.put(peer, stream, std::time::Instant::now());
         }
@@ -339,19 +353,18 @@ impl Transfer {
     /// One fetch on one connection; gives the connection back when it ended cleanly.
     async fn fetch_on(
         &self,
-        mut stream: ClientStream,
+        mut stream: SealedStream,
         peer: SocketAddr,
         id: ObjectId,
         size: u64,
         checksum: u32,
-    ) -> std::result::Result<(Fetched, ClientStream), Attempt> {
+    ) -> std::result::Result<(Fetched, SealedStream), Attempt> {
         let mut request = [0u8; REQUEST_LEN];
         request[..16].copy_from_slice(&id.to_bytes());
         if let Some(host) = self.host {
             request[16] = WANTS_SHARED;
             request[17..].copy_from_slice(&host.to_bytes());
         }
-        let mut status = [0u8; 1];
         // A holder asked for shared memory first copies the object into a segment (or
         // waits for another pull's copy): that answer may take longer than a stream's.
         let first_answer = if self.host.is_some() {
@@ -360,9 +373,8 @@ impl Transfer {
             IO_TIMEOUT
         };
         let asked = async {
-            timed(stream.write_all(&request)).await?;
-            timed(stream.flush()).await?;
-            match tokio::time::timeout(first_answer, stream.read_exact(&mut status)).await {
+            timed(stream.send(0, &request)).await?;
+            match tokio::time::timeout(first_answer, stream.receive_message()).await {
                 Ok(read) => read,
                 Err(_) => Err(io::Error::new(
                     io::ErrorKind::TimedOut,
@@ -370,12 +382,12 @@ impl Transfer {
                 )),
             }
         };
-        asked.await.map_err(Attempt::NoAnswer)?;
+        let (_, mut reply) = asked.await.map_err(Attempt::NoAnswer)?;
         let failed = |e: &dyn std::fmt::Display| transfer_failed(id, peer, e);
-        if status[0] == STATUS_SHARED {
-            let mut raw = [0u8; Handle::LEN];
-            timed(stream.read_exact(&mut raw)).await.map_err(|e| failed(&e))?;
-            let handle = Handle::from_bytes(&raw);
+        if reply.first() == Some(&STATUS_SHARED) {
+            let handle = <[u8; Handle::LEN]>::try_from(&reply[1..])
+                .map(|raw| Handle::from_bytes(&raw))
+                .map_err(|_| failed(&format!("a shared-memory handle of {} bytes", reply.len() - 1)))?;
             let mapped = if handle.len == size {
                 tokio::task::spawn_blocking(move || {
                     let segment = Arc::new(Segment::open(&handle)?);
@@ -389,8 +401,7 @@ impl Transfer {
                 Err(format!("segment of {} bytes, the directory says {size}", handle.len))
             };
             let answer = u8::from(mapped.is_ok());
-            timed(stream.write_all(&[answer])).await.map_err(|e| failed(&e))?;
-            timed(stream.flush()).await.map_err(|e| failed(&e))?;
+            timed(stream.send(0, &[answer])).await.map_err(|e| failed(&e))?;
             match mapped {
                 Ok((segment, bytes)) => {
                     let fetched = Fetched {
@@ -401,24 +412,26 @@ impl Transfer {
                 }
                 Err(reason) => {
                     tracing::debug!(%id, %peer, %reason, "cannot map the peer's segment; streaming instead");
-                    timed(stream.read_exact(&mut status)).await.map_err(|e| failed(&e))?;
+                    reply = timed(stream.receive_message()).await.map_err(|e| failed(&e))?.1;
                 }
             }
         }
-        match status[0] {
-            STATUS_STREAM => {}
-            STATUS_MISSING => {
+        match reply.first() {
+            Some(&STATUS_STREAM) => {}
+            Some(&STATUS_MISSING) => {
                 return Err(Attempt::Failed(Error::NotHeld {
                     id,
                     peer: peer.to_string(),
                 }))
             }
-            other => return Err(failed(&format!("unknown status {other}"))),
+            other => return Err(failed(&format!("unknown status {other:?}"))),
         }
-        let bytes = receive_stream(&mut stream, peer, id, size, checksum).await?;
+        let their_size = <[u8; 8]>::try_from(&reply[1..])
+            .map(u64::from_le_bytes)
+            .map_err(|_| failed(&format!("a stream header of {} bytes", reply.len())))?;
+        let bytes = receive_stream(&mut stream, peer, id, their_size, size, checksum).await?;
         // Tell the holder it may unpin the object.
-        timed(stream.write_all(&[1])).await.map_err(|e| failed(&e))?;
-        timed(stream.flush()).await.map_err(|e| failed(&e))?;
+        timed(stream.send(0, &[1])).await.map_err(|e| failed(&e))?;
         Ok((Fetched { bytes, segment: None }, stream))
     }
 }
@@ -428,20 +441,18 @@ fn transfer_failed(id: ObjectId, peer: SocketAddr, e: &dyn std::fmt::Display) ->
     Attempt::Failed(Error::Transfer(format!("transfer of {id} from {peer}: {e}")))
 }
 
-/// Reads a streamed object straight into its buffer, checking every chunk's CRC and the
-/// whole object's.
+/// Reads a streamed object of `their_size` bytes straight into its buffer, checking its
+/// size against the directory's, every chunk's CRC and the whole object's.
 async fn receive_stream(
-    stream: &mut ClientStream,
+    stream: &mut SealedStream,
     peer: SocketAddr,
     id: ObjectId,
+    their_size: u64,
     size: u64,
     checksum: u32,
 ) -> std::result::Result<Bytes, Attempt> {
     let failed = |e: &dyn std::fmt::Display| transfer_failed(id, peer, e);
     let corrupt = |detail: String| Attempt::Failed(Error::Corrupt { id, detail });
-    let mut header = [0u8; 8];
-    timed(stream.read_exact(&mut header)).await.map_err(|e| failed(&e))?;
-    let their_size = u64::from_le_bytes(header);
     if their_size != size {
         return Err(corrupt(format!(
             "{peer} announced {their_size} bytes, the directory says {size}"
@@ -458,10 +469,10 @@ async fn receive_stream(
     }
 }
 
-/// Fills `buffer` from the stream's chunks, checking every chunk's CRC and the whole
+/// Fills `buffer` from the stream's chunk frames, checking every chunk's CRC and the whole
 /// object's.
 async fn fill(
-    stream: &mut ClientStream,
+    stream: &mut SealedStream,
     buffer: &mut [u8],
     peer: SocketAddr,
     id: ObjectId,
@@ -473,20 +484,14 @@ async fn fill(
     let mut whole = crc32fast::Hasher::new();
     let mut filled = 0usize;
     while filled < length {
-        let mut chunk_header = [0u8; 8];
-        timed(stream.read_exact(&mut chunk_header))
-            .await
-            .map_err(|e| failed(&e))?;
-        let chunk_len =
-            u32::from_le_bytes([chunk_header[0], chunk_header[1], chunk_header[2], chunk_header[3]]) as usize;
-        let chunk_crc = u32::from_le_bytes([chunk_header[4], chunk_header[5], chunk_header[6], chunk_header[7]]);
-        if chunk_len == 0 || chunk_len > CHUNK_BYTES || filled + chunk_len > length {
-            return Err(corrupt(format!("bad chunk length {chunk_len} at offset {filled}")));
+        let room = (length - filled).min(CHUNK_BYTES);
+        let slot = &mut buffer[filled..filled + room];
+        let (chunk_crc, chunk_len) = timed(stream.receive_into(slot)).await.map_err(|e| failed(&e))?;
+        if chunk_len == 0 {
+            return Err(corrupt(format!("an empty chunk at offset {filled}")));
         }
-        let slot = &mut buffer[filled..filled + chunk_len];
-        timed(stream.read_exact(slot)).await.map_err(|e| failed(&e))?;
         let mut hasher = crc32fast::Hasher::new();
-        hasher.update(slot);
+        hasher.update(&slot[..chunk_len]);
         if hasher.clone().finalize() != chunk_crc {
             return Err(corrupt(format!("chunk at offset {filled} from {peer} fails its CRC")));
         }
@@ -501,25 +506,26 @@ async fn fill(
 
 /// Answers requests on one connection until the peer closes it.
 async fn serve_connection(
-    mut stream: ServerStream,
+    mut stream: SealedStream,
     source: Arc<dyn ObjectSource>,
     corrupt: bool,
     host: Option<HostKey>,
 ) -> io::Result<()> {
-    let mut request = [0u8; REQUEST_LEN];
-    loop {
-        // Waiting for the next request has no deadline: the caller keeps idle connections.
-        match stream.read_exact(&mut request).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e),
-        }
+    // Waiting for the next request has no deadline: the caller keeps idle connections.
+    while let Some((_, request)) = stream.receive_message_or_end().await? {
+        let request = <[u8; REQUEST_LEN]>::try_from(&request[..]).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("a request of {} bytes, {REQUEST_LEN} expected", request.len()),
+            )
+        })?;
         serve_one(&mut stream, &request, &source, corrupt, host).await?;
     }
+    Ok(())
 }
 
 async fn serve_one(
-    stream: &mut ServerStream,
+    stream: &mut SealedStream,
     request: &[u8; REQUEST_LEN],
     source: &Arc<dyn ObjectSource>,
     corrupt: bool,
@@ -541,13 +547,11 @@ async fn serve_one(
         if let Some(segment) = shared {
             let mut reply = vec![STATUS_SHARED];
             reply.extend_from_slice(&segment.handle().to_bytes());
-            timed(stream.write_all(&reply)).await?;
-            timed(stream.flush()).await?;
+            timed(stream.send(0, &reply)).await?;
             // The caller answers once it has mapped the segment (populating a large one takes
             // a while); a caller that never answers does not hold this task for ever.
-            let mut answer = [0u8; 1];
-            match tokio::time::timeout(SHARED_ANSWER_TIMEOUT, stream.read_exact(&mut answer)).await {
-                Ok(read) => read?,
+            let answer = match tokio::time::timeout(SHARED_ANSWER_TIMEOUT, stream.receive_message()).await {
+                Ok(read) => read?.1,
                 Err(_) => {
                     return Err(io::Error::new(
                         io::ErrorKind::TimedOut,
@@ -555,7 +559,7 @@ async fn serve_one(
                     ))
                 }
             };
-            if answer[0] == 1 {
+            if answer == [1] {
                 source.sent(segment.len());
                 return Ok(());
             }
@@ -563,8 +567,7 @@ async fn serve_one(
         }
     }
     let Some(bytes) = source.open(id) else {
-        timed(stream.write_all(&[STATUS_MISSING])).await?;
-        return timed(stream.flush()).await;
+        return timed(stream.send(0, &[STATUS_MISSING])).await;
     };
     let outcome = stream_object(stream, &bytes, corrupt).await;
     source.release(id);
@@ -574,36 +577,32 @@ async fn serve_one(
     outcome
 }
 
-async fn stream_object(stream: &mut ServerStream, bytes: &Bytes, corrupt: bool) -> io::Result<()> {
+async fn stream_object(stream: &mut SealedStream, bytes: &Bytes, corrupt: bool) -> io::Result<()> {
     let mut header = vec![STATUS_STREAM];
     header.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-    timed(stream.write_all(&header)).await?;
+    timed(stream.send(0, &header)).await?;
     let mut offset = 0;
     while offset < bytes.len() {
         let end = (offset + CHUNK_BYTES).min(bytes.len());
         let mut chunk = bytes.slice(offset..end);
-        let mut chunk_header = [0u8; 8];
-        chunk_header[..4].copy_from_slice(&(chunk.len() as u32).to_le_bytes());
-        chunk_header[4..].copy_from_slice(&crc32(&chunk).to_le_bytes());
+        let crc = crc32(&chunk);
         if corrupt && offset == 0 {
             let mut damaged = chunk.to_vec();
             damaged[0] ^= 0xff;
             chunk = Bytes::from(damaged);
         }
-        timed(stream.write_all(&chunk_header)).await?;
-        timed(stream.write_all(&chunk)).await?;
+        timed(stream.send(crc, &chunk)).await?;
         offset = end;
     }
-    timed(stream.flush()).await?;
     // Keep the object pinned until the caller has every byte.
-    let mut done = [0u8; 1];
-    timed(stream.read_exact(&mut done)).await?;
+    timed(stream.receive_message()).await?;
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use crate::identity::identity_from_token;
 
     struct One(ObjectId, Bytes);
@@ -939,6 +938,73 @@ mod tests {
             .unwrap();
         assert_eq!(again.bytes, bytes, "the holder serves on");
         assert_eq!(opened(), 2);
+    }
+
+    /// A relay on loopback to `target` that flips one bit of what the holder sends, at
+    /// `offset` bytes into the connection.
+    async fn tampering_relay(target: SocketAddr, offset: usize) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (inbound, _) = listener.accept().await.unwrap();
+            let outbound = TcpStream::connect(target).await.unwrap();
+            let (mut from_client, mut to_client) = inbound.into_split();
+            let (mut from_server, mut to_server) = outbound.into_split();
+            tokio::spawn(async move { tokio::io::copy(&mut from_client, &mut to_server).await });
+            let (mut buffer, mut passed) = (vec![0u8; 64 * 1024], 0usize);
+            while let Ok(n @ 1..) = from_server.read(&mut buffer).await {
+                if (passed..passed + n).contains(&offset) {
+                    buffer[offset - passed] ^= 0x10;
+                }
+                passed += n;
+                if to_client.write_all(&buffer[..n]).await.is_err() {
+                    break;
+                }
+            }
+        });
+        address
+    }
+
+    #[tokio::test]
+    async fn a_bit_flipped_on_the_wire_fails_the_transfer_and_the_holder_serves_on() {
+        let server = node("t");
+        let id = ObjectId(13);
+        let bytes = object(2 * CHUNK_BYTES + 7);
+        server.serve(Arc::new(One(id, bytes.clone())));
+        let addr = server.local_addr();
+        // Past the handshake (a few KiB) and the stream's header, inside the first chunk.
+        let relay = tampering_relay(addr, 256 * 1024).await;
+        let mut member = node("t");
+        member.set_shared_memory(false);
+        let err = member
+            .fetch(relay, id, bytes.len() as u64, crc32(&bytes))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::Transfer(_)), "{err}");
+        assert!(err.to_string().contains("authentication"), "{err}");
+        let again = member
+            .fetch(addr, id, bytes.len() as u64, crc32(&bytes))
+            .await
+            .unwrap();
+        assert_eq!(again.bytes, bytes, "the holder serves on");
+    }
+
+    #[tokio::test]
+    async fn a_peer_of_the_earlier_transfer_protocol_is_told_at_the_handshake() {
+        let server = node("t");
+        server.serve(Arc::new(One(ObjectId(14), object(10))));
+        // A client of the version before frames offers ALPN regatta-objects/1.
+        let identity = identity_from_token("t").unwrap();
+        let connector = TlsConnector::from(identity.client.clone());
+        let tcp = TcpStream::connect(server.local_addr()).await.unwrap();
+        let name = ServerName::try_from(SERVER_NAME).unwrap();
+        let refused = connector.connect(name, tcp).await.unwrap_err();
+        let alert = refused.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>());
+        assert_eq!(
+            alert,
+            Some(&rustls::Error::AlertReceived(rustls::AlertDescription::NoApplicationProtocol)),
+            "{refused}"
+        );
     }
 
     #[tokio::test]

@@ -1,0 +1,397 @@
+//! Sealed frames: how an object-transfer connection carries its bytes once TLS 1.3 has
+//! authenticated both ends.
+//!
+//! The TLS handshake (mutual, from the cluster token) proves who is at each end and agrees
+//! a secret; both ends then export 56 bytes from it (RFC 8446 §7.5, the exporter
+//! [`EXPORTER_LABEL`]): an AES-128-GCM key and IV for each direction. From then on every
+//! message and every object chunk is one frame:
+//!
+//! `[payload length u32 LE][word u32 LE][ciphertext][16-byte tag]`
+//!
+//! with the 8-byte header as associated data and the nonce made as TLS 1.3 makes its
+//! records' (the IV XOR the frame's sequence number in its direction). A changed, dropped,
+//! replayed or reordered frame fails to open, as a TLS record would. What TLS's own record
+//! layer costs and this does not: records of at most 16 KiB, each copied out of rustls's
+//! buffers on both sides. Here a chunk of up to [`crate::transfer::CHUNK_BYTES`] is sealed straight from the
+//! object into the send buffer, and received straight into the object's buffer, where it is
+//! opened in place.
+//!
+//! The keys and the sealing are pure ([`Keys`]); [`SealedStream`] only moves frames over a
+//! TCP stream.
+
+use std::io;
+
+use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM, NONCE_LEN};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// The label both ends export their frame keys under.
+pub const EXPORTER_LABEL: &[u8] = b"EXPORTER-regatta-object-frames-v1";
+
+/// Bytes of a frame's header (payload length, word).
+pub const HEADER_LEN: usize = 8;
+
+/// Bytes of a frame's authentication tag.
+pub const TAG_LEN: usize = 16;
+
+/// Largest payload of a message (a request, a status, a shared-memory handle).
+const MAX_MESSAGE: usize = 256;
+
+const KEY_LEN: usize = 16;
+
+/// Bytes exported from the TLS session: two keys and two IVs.
+pub const EXPORTED_LEN: usize = 2 * (KEY_LEN + NONCE_LEN);
+
+/// What the holder sends first, through TLS itself: after it the connection speaks frames.
+pub const HELLO: &[u8; 8] = b"frames/1";
+
+/// Which end of the connection a side is: each seals with its own direction's key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// The end that connected (fetches objects).
+    Client,
+    /// The end that accepted (serves objects).
+    Server,
+}
+
+/// Why a frame was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum FrameError {
+    /// Its tag does not match: changed on the way, replayed, reordered, or not from the peer.
+    #[error("a frame failed its authentication (changed, replayed or reordered on the way)")]
+    Forged,
+    /// Its header announces more than the reader takes.
+    #[error("a frame announces {announced} bytes, at most {limit} expected here")]
+    TooLong {
+        /// Bytes announced.
+        announced: usize,
+        /// Bytes the reader takes.
+        limit: usize,
+    },
+    /// A direction sent more frames than it has nonces (2^64): never in practice.
+    #[error("the connection ran out of frame nonces")]
+    Exhausted,
+}
+
+impl From<FrameError> for io::Error {
+    fn from(e: FrameError) -> Self {
+        io::Error::new(io::ErrorKind::InvalidData, e)
+    }
+}
+
+/// One direction's key, IV and next sequence number.
+struct Direction {
+    key: LessSafeKey,
+    iv: [u8; NONCE_LEN],
+    sequence: u64,
+}
+
+impl Direction {
+    fn new(key: &[u8], iv: &[u8]) -> Self {
+        let key = UnboundKey::new(&AES_128_GCM, key).expect("an AES-128 key is 16 bytes");
+        let mut nonce = [0u8; NONCE_LEN];
+        nonce.copy_from_slice(iv);
+        Self {
+            key: LessSafeKey::new(key),
+            iv: nonce,
+            sequence: 0,
+        }
+    }
+
+    /// The next frame's nonce, as TLS 1.3 makes a record's: never the same twice.
+    fn next_nonce(&mut self) -> Result<Nonce, FrameError> {
+        let sequence = self.sequence;
+        self.sequence = sequence.checked_add(1).ok_or(FrameError::Exhausted)?;
+        let mut nonce = self.iv;
+        for (byte, s) in nonce[NONCE_LEN - 8..].iter_mut().zip(sequence.to_be_bytes()) {
+            *byte ^= s;
+        }
+        Ok(Nonce::assume_unique_for_key(nonce))
+    }
+}
+
+/// Both directions' keys of one connection, seen from one side.
+pub struct Keys {
+    send: Direction,
+    receive: Direction,
+}
+
+/// A frame's header: the payload's length and a word for the caller (a chunk's CRC).
+pub fn header(len: usize, word: u32) -> [u8; HEADER_LEN] {
+    let mut header = [0u8; HEADER_LEN];
+    header[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    header[4..].copy_from_slice(&word.to_le_bytes());
+    header
+}
+
+/// A header's payload length and word.
+pub fn parse_header(header: &[u8; HEADER_LEN]) -> (usize, u32) {
+    let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
+    let word = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
+    (len, word)
+}
+
+impl Keys {
+    /// The keys `side` uses, from the bytes both ends exported (client to server first).
+    pub fn from_exported(material: &[u8; EXPORTED_LEN], side: Side) -> Self {
+        let (keys, ivs) = material.split_at(2 * KEY_LEN);
+        let to_server = Direction::new(&keys[..KEY_LEN], &ivs[..NONCE_LEN]);
+        let to_client = Direction::new(&keys[KEY_LEN..], &ivs[NONCE_LEN..]);
+        match side {
+            Side::Client => Self {
+                send: to_server,
+                receive: to_client,
+            },
+            Side::Server => Self {
+                send: to_client,
+                receive: to_server,
+            },
+        }
+    }
+
+    /// Seals `payload` into `frame` (cleared first): header, ciphertext, tag. One pass over
+    /// the payload, which is never copied in the clear.
+    pub fn seal(&mut self, word: u32, payload: &[u8], frame: &mut Vec<u8>) -> Result<(), FrameError> {
+        let header = header(payload.len(), word);
+        let nonce = self.send.next_nonce()?;
+        frame.clear();
+        frame.resize(HEADER_LEN + payload.len() + TAG_LEN, 0);
+        frame[..HEADER_LEN].copy_from_slice(&header);
+        let (ciphertext, tag) = frame[HEADER_LEN..].split_at_mut(payload.len());
+        self.send
+            .key
+            .seal_out_of_place_scatter(nonce, Aad::from(header), payload, ciphertext, &[], tag)
+            .expect("the ciphertext and tag buffers are the payload's and the tag's lengths");
+        Ok(())
+    }
+
+    /// Opens a received frame's ciphertext in place. The next frame's nonce is used up
+    /// either way: after a refused frame the connection is not to be read on.
+    pub fn open(&mut self, header: &[u8; HEADER_LEN], in_out: &mut [u8], tag: &[u8; TAG_LEN]) -> Result<(), FrameError> {
+        let nonce = self.receive.next_nonce()?;
+        self.receive
+            .key
+            .open_in_place_separate_tag(nonce, Aad::from(*header), tag, in_out)
+            .map_err(|_| FrameError::Forged)?;
+        Ok(())
+    }
+}
+
+/// A TCP connection speaking sealed frames.
+pub struct SealedStream {
+    tcp: TcpStream,
+    keys: Keys,
+    /// The frame being sent, kept for the next one.
+    frame: Vec<u8>,
+}
+
+/// Exports the frame keys from a finished TLS session.
+fn export<Data>(connection: &rustls::ConnectionCommon<Data>) -> io::Result<[u8; EXPORTED_LEN]> {
+    connection
+        .export_keying_material([0u8; EXPORTED_LEN], EXPORTER_LABEL, None)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("cannot export frame keys: {e}")))
+}
+
+/// Refuses to leave TLS with bytes still in rustls's hands (they would be lost).
+fn nothing_pending(wants_write: bool) -> io::Result<()> {
+    if wants_write {
+        return Err(io::Error::other("TLS data left unsent when switching to frames"));
+    }
+    Ok(())
+}
+
+impl SealedStream {
+    /// The connecting side: reads the holder's hello through TLS, then leaves TLS for frames.
+    /// The holder sends nothing after its hello until this side's first frame, so no frame
+    /// byte can be left in rustls's buffers.
+    pub async fn client(mut tls: tokio_rustls::client::TlsStream<TcpStream>) -> io::Result<Self> {
+        let mut hello = [0u8; HELLO.len()];
+        tls.read_exact(&mut hello).await?;
+        if &hello != HELLO {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the holder speaks another object-transfer version",
+            ));
+        }
+        let (tcp, connection) = tls.into_inner();
+        nothing_pending(connection.wants_write())?;
+        let material = export(&connection)?;
+        Ok(Self::new(tcp, Keys::from_exported(&material, Side::Client)))
+    }
+
+    /// The accepting side: sends the hello through TLS, then leaves TLS for frames. The
+    /// caller sends nothing before the hello, so rustls holds no frame byte of its.
+    pub async fn server(mut tls: tokio_rustls::server::TlsStream<TcpStream>) -> io::Result<Self> {
+        tls.write_all(HELLO).await?;
+        tls.flush().await?;
+        let (tcp, connection) = tls.into_inner();
+        nothing_pending(connection.wants_write())?;
+        let material = export(&connection)?;
+        Ok(Self::new(tcp, Keys::from_exported(&material, Side::Server)))
+    }
+
+    fn new(tcp: TcpStream, keys: Keys) -> Self {
+        Self {
+            tcp,
+            keys,
+            frame: Vec::new(),
+        }
+    }
+
+    /// Sends one frame.
+    pub async fn send(&mut self, word: u32, payload: &[u8]) -> io::Result<()> {
+        self.keys.seal(word, payload, &mut self.frame)?;
+        self.tcp.write_all(&self.frame).await?;
+        // A chunk's buffer is not kept between objects; a message's is small.
+        if self.frame.capacity() > 2 * MAX_MESSAGE && payload.len() <= MAX_MESSAGE {
+            self.frame = Vec::new();
+        }
+        Ok(())
+    }
+
+    /// Receives one message (a frame of at most a few hundred bytes): its word and payload.
+    pub async fn receive_message(&mut self) -> io::Result<(u32, Vec<u8>)> {
+        self.receive_message_or_end().await?.ok_or_else(|| {
+            io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection")
+        })
+    }
+
+    /// Like [`SealedStream::receive_message`], but a connection the peer closed cleanly
+    /// before a new frame (an idle connection's end) is `Ok(None)`.
+    pub async fn receive_message_or_end(&mut self) -> io::Result<Option<(u32, Vec<u8>)>> {
+        let mut header = [0u8; HEADER_LEN];
+        let first = self.tcp.read(&mut header).await?;
+        if first == 0 {
+            return Ok(None);
+        }
+        self.tcp.read_exact(&mut header[first..]).await?;
+        let (len, word) = parse_header(&header);
+        if len > MAX_MESSAGE {
+            return Err(FrameError::TooLong {
+                announced: len,
+                limit: MAX_MESSAGE,
+            }
+            .into());
+        }
+        let mut payload = vec![0u8; len];
+        self.finish(&header, &mut payload).await?;
+        Ok(Some((word, payload)))
+    }
+
+    /// Receives one frame straight into `destination`, opened in place there: its word and
+    /// the payload's length. A frame longer than `destination` is refused unread.
+    pub async fn receive_into(&mut self, destination: &mut [u8]) -> io::Result<(u32, usize)> {
+        let header = self.read_header().await?;
+        let (len, word) = parse_header(&header);
+        if len > destination.len() {
+            return Err(FrameError::TooLong {
+                announced: len,
+                limit: destination.len(),
+            }
+            .into());
+        }
+        self.finish(&header, &mut destination[..len]).await?;
+        Ok((word, len))
+    }
+
+    async fn read_header(&mut self) -> io::Result<[u8; HEADER_LEN]> {
+        let mut header = [0u8; HEADER_LEN];
+        self.tcp.read_exact(&mut header).await?;
+        Ok(header)
+    }
+
+    /// Reads the ciphertext into `payload` and the tag after it, and opens it in place.
+    async fn finish(&mut self, header: &[u8; HEADER_LEN], payload: &mut [u8]) -> io::Result<()> {
+        self.tcp.read_exact(payload).await?;
+        let mut tag = [0u8; TAG_LEN];
+        self.tcp.read_exact(&mut tag).await?;
+        self.keys.open(header, payload, &tag)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair() -> (Keys, Keys) {
+        let material: [u8; EXPORTED_LEN] = std::array::from_fn(|i| (i * 7 + 3) as u8);
+        (
+            Keys::from_exported(&material, Side::Client),
+            Keys::from_exported(&material, Side::Server),
+        )
+    }
+
+    /// Splits a sealed frame into its parts.
+    fn parts(frame: &[u8]) -> ([u8; HEADER_LEN], Vec<u8>, [u8; TAG_LEN]) {
+        let header: [u8; HEADER_LEN] = frame[..HEADER_LEN].try_into().unwrap();
+        let tag: [u8; TAG_LEN] = frame[frame.len() - TAG_LEN..].try_into().unwrap();
+        (header, frame[HEADER_LEN..frame.len() - TAG_LEN].to_vec(), tag)
+    }
+
+    #[test]
+    fn frames_open_on_the_other_side_in_order_and_hide_their_payload() {
+        let (mut client, mut server) = pair();
+        let mut frame = Vec::new();
+        for (i, payload) in [&b"first request"[..], b"", b"second"].into_iter().enumerate() {
+            client.seal(i as u32, payload, &mut frame).unwrap();
+            let (header, mut body, tag) = parts(&frame);
+            assert_eq!(parse_header(&header), (payload.len(), i as u32));
+            if payload.len() > 4 {
+                assert_ne!(&body[..], payload, "the payload is not sent in the clear");
+            }
+            server.open(&header, &mut body, &tag).unwrap();
+            assert_eq!(&body[..], payload);
+        }
+        // And the other way, with the other direction's key.
+        server.seal(7, b"reply", &mut frame).unwrap();
+        let (header, mut body, tag) = parts(&frame);
+        client.open(&header, &mut body, &tag).unwrap();
+        assert_eq!(&body[..], b"reply");
+    }
+
+    #[test]
+    fn a_changed_replayed_reordered_or_reflected_frame_is_refused() {
+        let mut frame = Vec::new();
+        let payload = vec![42u8; 1000];
+        // Any one byte changed: header, ciphertext or tag.
+        for at in [0, 5, HEADER_LEN, HEADER_LEN + 500, HEADER_LEN + 1000 + 3] {
+            let (mut client, mut server) = pair();
+            client.seal(9, &payload, &mut frame).unwrap();
+            frame[at] ^= 1;
+            let (header, mut body, tag) = parts(&frame);
+            assert_eq!(server.open(&header, &mut body, &tag), Err(FrameError::Forged), "byte {at}");
+        }
+        // The same frame twice: the second is a replay.
+        let (mut client, mut server) = pair();
+        client.seal(1, &payload, &mut frame).unwrap();
+        let (header, body, tag) = parts(&frame);
+        server.open(&header, &mut body.clone(), &tag).unwrap();
+        assert_eq!(server.open(&header, &mut body.clone(), &tag), Err(FrameError::Forged));
+        // Two frames swapped.
+        let (mut client, mut server) = pair();
+        let mut second = Vec::new();
+        client.seal(1, b"one", &mut frame).unwrap();
+        client.seal(2, b"two", &mut second).unwrap();
+        let (header, mut body, tag) = parts(&second);
+        assert_eq!(server.open(&header, &mut body, &tag), Err(FrameError::Forged));
+        // A frame sent back to its sender (its own direction's key is not the one it opens with).
+        let (mut client, _) = pair();
+        client.seal(1, b"mirror", &mut frame).unwrap();
+        let (header, mut body, tag) = parts(&frame);
+        assert_eq!(client.open(&header, &mut body, &tag), Err(FrameError::Forged));
+    }
+
+    #[test]
+    fn nonces_are_the_iv_xor_the_sequence_number() {
+        let mut direction = Direction::new(&[1u8; KEY_LEN], &[0xf0u8; NONCE_LEN]);
+        let first = direction.next_nonce().unwrap();
+        let second = direction.next_nonce().unwrap();
+        assert_eq!(first.as_ref(), &[0xf0u8; NONCE_LEN]);
+        let mut expected = [0xf0u8; NONCE_LEN];
+        expected[NONCE_LEN - 1] ^= 1;
+        assert_eq!(second.as_ref(), &expected);
+        direction.sequence = u64::MAX;
+        assert!(direction.next_nonce().is_err(), "the last sequence number is never used");
+    }
+}
