@@ -746,6 +746,12 @@ impl HeadCore {
             HeadRequest::ObjectPull { id, node, address } => self.pull(id, node, address, to, now, out),
             HeadRequest::ObjectPullEnded { id, node } => {
                 self.fanout.ended(id, &node);
+                // A pull still held back for that node was given up (its get timed out or
+                // was dropped): answered now, it would take a share for nobody. A node's
+                // requests arrive in order, so a later pull of its own is not among them.
+                if let Some(waiters) = self.pull_waiters.get_mut(&id) {
+                    waiters.retain(|wait| wait.node != node);
+                }
                 self.pull_wakes.objects.insert(id);
             }
             HeadRequest::ObjectsHeld { node, address, objects } => {
@@ -1040,6 +1046,39 @@ mod tests {
             Answer::Location(Ok(location)) if *t == to => Some(location.sources[0].0.clone()),
             _ => None,
         })
+    }
+
+    #[test]
+    fn a_held_back_pull_its_node_gave_up_takes_no_share() {
+        let mut head = HeadCore::new(3_000, 10_000).with_object_fanout(1);
+        let id = ObjectId::random();
+        let put = HeadRequest::ObjectPut {
+            id,
+            size: 1 << 30,
+            checksum: 9,
+            node: "a".into(),
+            address: "10.0.0.1:7000".into(),
+            job: None,
+        };
+        head.handle(put, Some(ReplyTo(1)), 0);
+        let pull = |node: &str, host: u8| HeadRequest::ObjectPull {
+            id,
+            node: node.into(),
+            address: format!("10.0.0.{host}:7000"),
+        };
+        head.handle(pull("b", 2), Some(ReplyTo(2)), 0);
+        assert!(replies(&head.handle(pull("c", 3), Some(ReplyTo(3)), 0)).is_empty());
+        assert!(replies(&head.handle(pull("d", 4), Some(ReplyTo(4)), 0)).is_empty());
+        // c's get gave up while held back: its pull is dropped, unanswered.
+        let gave_up = HeadRequest::ObjectPullEnded { id, node: "c".into() };
+        assert!(replies(&head.handle(gave_up, None, 1)).is_empty());
+        assert_eq!(head.parked(), 1);
+        // b's pull ends without a copy: a's share goes to d, not to c.
+        let ended = HeadRequest::ObjectPullEnded { id, node: "b".into() };
+        let answers = replies(&head.handle(ended, None, 2));
+        assert_eq!(answers.len(), 1, "{answers:?}");
+        assert_eq!(pulled_from(&answers, ReplyTo(4)).as_deref(), Some("a"), "{answers:?}");
+        assert_eq!(head.parked(), 0);
     }
 
     #[test]
