@@ -43,6 +43,9 @@ pub use memory::{MemoryStats, MemoryStore, NoRoom};
 pub use place::{absolute, Place};
 pub use quic::endpoint;
 pub use receive_pool::{pooled_bytes, RECEIVE_POOL_ENV};
+pub use sealed::{
+    receive_frame_into, send_frame, tls_for_frames, FrameError, Keys as FrameKeys, Opener, SealedStream, Sealer,
+};
 pub use shm::{Handle as SharedHandle, HostKey, Segment};
 pub use spill::{delete as delete_spilled, open_store, parse_spill_url, restore, SpillBackend};
 pub use transfer::{

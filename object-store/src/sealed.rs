@@ -112,9 +112,17 @@ impl Direction {
 
 /// Both directions' keys of one connection, seen from one side.
 pub struct Keys {
-    send: Direction,
-    receive: Direction,
+    /// What this side sends with.
+    pub send: Sealer,
+    /// What this side receives with.
+    pub receive: Opener,
 }
+
+/// Seals the frames one side sends.
+pub struct Sealer(Direction);
+
+/// Opens the frames one side receives.
+pub struct Opener(Direction);
 
 /// A frame's header: the payload's length and a word for the caller (a chunk's CRC).
 pub fn header(len: usize, word: u32) -> [u8; HEADER_LEN] {
@@ -137,39 +145,51 @@ impl Keys {
         let (keys, ivs) = material.split_at(2 * KEY_LEN);
         let to_server = Direction::new(&keys[..KEY_LEN], &ivs[..NONCE_LEN]);
         let to_client = Direction::new(&keys[KEY_LEN..], &ivs[NONCE_LEN..]);
-        match side {
-            Side::Client => Self {
-                send: to_server,
-                receive: to_client,
-            },
-            Side::Server => Self {
-                send: to_client,
-                receive: to_server,
-            },
+        let (send, receive) = match side {
+            Side::Client => (to_server, to_client),
+            Side::Server => (to_client, to_server),
+        };
+        Self {
+            send: Sealer(send),
+            receive: Opener(receive),
         }
     }
 
+    /// Seals `payload` with this side's sending key (see [`Sealer::seal`]).
+    pub fn seal(&mut self, word: u32, payload: &[u8], frame: &mut Vec<u8>) -> Result<(), FrameError> {
+        self.send.seal(word, payload, frame)
+    }
+
+    /// Opens a frame with this side's receiving key (see [`Opener::open`]).
+    pub fn open(&mut self, header: &[u8; HEADER_LEN], in_out: &mut [u8], tag: &[u8; TAG_LEN]) -> Result<(), FrameError> {
+        self.receive.open(header, in_out, tag)
+    }
+}
+
+impl Sealer {
     /// Seals `payload` into `frame` (cleared first): header, ciphertext, tag. One pass over
     /// the payload, which is never copied in the clear.
     pub fn seal(&mut self, word: u32, payload: &[u8], frame: &mut Vec<u8>) -> Result<(), FrameError> {
         let header = header(payload.len(), word);
-        let nonce = self.send.next_nonce()?;
+        let nonce = self.0.next_nonce()?;
         frame.clear();
         frame.resize(HEADER_LEN + payload.len() + TAG_LEN, 0);
         frame[..HEADER_LEN].copy_from_slice(&header);
         let (ciphertext, tag) = frame[HEADER_LEN..].split_at_mut(payload.len());
-        self.send
+        self.0
             .key
             .seal_out_of_place_scatter(nonce, Aad::from(header), payload, ciphertext, &[], tag)
             .expect("the ciphertext and tag buffers are the payload's and the tag's lengths");
         Ok(())
     }
+}
 
+impl Opener {
     /// Opens a received frame's ciphertext in place. The next frame's nonce is used up
     /// either way: after a refused frame the connection is not to be read on.
     pub fn open(&mut self, header: &[u8; HEADER_LEN], in_out: &mut [u8], tag: &[u8; TAG_LEN]) -> Result<(), FrameError> {
-        let nonce = self.receive.next_nonce()?;
-        self.receive
+        let nonce = self.0.next_nonce()?;
+        self.0
             .key
             .open_in_place_separate_tag(nonce, Aad::from(*header), tag, in_out)
             .map_err(|_| FrameError::Forged)?;
@@ -294,6 +314,14 @@ impl SealedStream {
         Ok((word, len))
     }
 
+    /// The TCP stream (made blocking) and the keys, for a caller that moves frames from
+    /// plain threads with [`send_frame`] and [`receive_frame_into`].
+    pub fn into_blocking(self) -> io::Result<(std::net::TcpStream, Keys)> {
+        let tcp = self.tcp.into_std()?;
+        tcp.set_nonblocking(false)?;
+        Ok((tcp, self.keys))
+    }
+
     async fn read_header(&mut self) -> io::Result<[u8; HEADER_LEN]> {
         let mut header = [0u8; HEADER_LEN];
         self.tcp.read_exact(&mut header).await?;
@@ -308,6 +336,59 @@ impl SealedStream {
         self.keys.open(header, payload, &tag)?;
         Ok(())
     }
+}
+
+/// Sends one frame on a blocking stream (`frame` is the reused send buffer).
+pub fn send_frame(
+    stream: &mut impl std::io::Write,
+    sealer: &mut Sealer,
+    frame: &mut Vec<u8>,
+    word: u32,
+    payload: &[u8],
+) -> io::Result<()> {
+    sealer.seal(word, payload, frame)?;
+    stream.write_all(frame)
+}
+
+/// Receives one frame from a blocking stream straight into `destination`, opened in place:
+/// its word and the payload's length. A frame longer than `destination` is refused unread.
+pub fn receive_frame_into(
+    stream: &mut impl std::io::Read,
+    opener: &mut Opener,
+    destination: &mut [u8],
+) -> io::Result<(u32, usize)> {
+    let mut header = [0u8; HEADER_LEN];
+    stream.read_exact(&mut header)?;
+    let (len, word) = parse_header(&header);
+    if len > destination.len() {
+        return Err(FrameError::TooLong {
+            announced: len,
+            limit: destination.len(),
+        }
+        .into());
+    }
+    stream.read_exact(&mut destination[..len])?;
+    let mut tag = [0u8; TAG_LEN];
+    stream.read_exact(&mut tag)?;
+    opener.open(&header, &mut destination[..len], &tag)?;
+    Ok((word, len))
+}
+
+/// The TLS acceptor and connector of a service whose connections leave TLS for frames:
+/// the cluster's mutual TLS with its own ALPN `alpn`, and no session tickets (a ticket is
+/// a TLS message sent after the handshake, which the caller would find before the first
+/// frame).
+pub fn tls_for_frames(
+    identity: &crate::identity::TlsIdentity,
+    alpn: &[u8],
+) -> (tokio_rustls::TlsAcceptor, tokio_rustls::TlsConnector) {
+    let (server, client) = identity.with_alpn(alpn);
+    let mut server = (*server).clone();
+    server.send_tls13_tickets = 0;
+    (
+        tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(server)),
+        tokio_rustls::TlsConnector::from(client),
+    )
 }
 
 #[cfg(test)]

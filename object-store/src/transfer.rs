@@ -188,17 +188,13 @@ impl Transfer {
             .local_addr()
             .map_err(|e| Error::Transfer(format!("no local address: {e}")))?;
         let corrupt = std::env::var_os(FAULT_CORRUPT_ENV).is_some();
-        let (server, connector) = identity.with_alpn(TRANSFER_ALPN);
-        // No session tickets: nothing is resumed, and no TLS message may follow the
-        // handshake once the connection speaks frames.
-        let mut server = (*server).clone();
-        server.send_tls13_tickets = 0;
+        let (acceptor, connector) = crate::sealed::tls_for_frames(identity, TRANSFER_ALPN);
         Ok(Self {
             shared: Arc::new(Shared {
                 local,
                 listener: Mutex::new(Some(listener)),
-                acceptor: TlsAcceptor::from(Arc::new(server)),
-                connector: TlsConnector::from(connector),
+                acceptor,
+                connector,
                 idle: Mutex::new(IdlePool::new(IDLE_PER_PEER, IDLE_LIMIT)),
                 connecting: tokio::sync::Semaphore::new(CONNECTING_AT_ONCE),
             }),

@@ -1,9 +1,13 @@
-//! The ring link between neighbouring ranks. Each rank listens twice: on a QUIC endpoint
-//! (the cluster's mutual TLS, derived from the ring's secret) and on a Unix socket in a
-//! private directory. A rank connects to the next rank over the Unix socket when both run on
-//! one host (same kernel boot and PID namespace: the object store's [`HostKey`]), proving the
-//! ring's secret with an HMAC challenge each way, and over QUIC otherwise (or when the Unix
-//! socket cannot be reached: another container, another user).
+//! The ring link between neighbouring ranks. Each rank listens three ways: on a TCP port
+//! whose connections speak the object store's sealed frames after a mutual TLS 1.3
+//! handshake (the cluster's TLS, derived from the ring's secret; AES-128-GCM frames of up to
+//! 1 MiB sealed straight from the tensor and opened in place in the receiving tensor), on a
+//! QUIC endpoint (the same TLS), and on a Unix socket in a private directory. A rank connects
+//! to the next rank over the Unix socket when both run on one host (same kernel boot and PID
+//! namespace: the object store's [`HostKey`]), proving the ring's secret with an HMAC
+//! challenge each way; otherwise over TCP with sealed frames, or over QUIC when the next rank
+//! offers no TCP port or its port cannot be reached (`REGATTA_RING_TRANSPORT=quic` makes
+//! every link QUIC, for comparisons).
 //!
 //! Either way the link moves the tensors' own bytes: a send writes straight from the caller's
 //! `f32` slice and a receive reads straight into the caller's slice, with no encoding pass and
@@ -22,16 +26,23 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use hmac::{Hmac, Mac};
-use regatta_object_store::{endpoint, identity_from_token, HostKey, SERVER_NAME};
+use regatta_object_store::{
+    endpoint, identity_from_token, receive_frame_into, send_frame, tls_for_frames, HostKey, Opener, SealedStream,
+    Sealer, CHUNK_BYTES, SERVER_NAME,
+};
 use sha2::Sha256;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::runtime::Handle;
 
 use crate::collective::{LinkError, RingLink};
 
-/// Set to `quic` to make every ring link use QUIC, even between ranks on one host (for
-/// comparisons and for hosts whose temporary directory cannot hold a socket).
+/// Set to `quic` to make every ring link use QUIC, or to `tcp` to make every link TCP with
+/// sealed frames, even between ranks on one host (for comparisons and for hosts whose
+/// temporary directory cannot hold a socket).
 pub const RING_TRANSPORT_ENV: &str = "REGATTA_RING_TRANSPORT";
+
+/// ALPN protocol id of the ring's TCP links.
+const RING_ALPN: &[u8] = b"regatta-ring/1";
 
 /// How long a Unix-socket peer has to finish the secret handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -47,6 +58,8 @@ compile_error!("the ring link sends f32 values in memory order, which must be li
 pub struct RingAddress {
     /// The QUIC endpoint.
     pub quic: SocketAddr,
+    /// The TCP port of sealed-frame links, when the rank offers one.
+    pub tcp: Option<SocketAddr>,
     /// The Unix socket, for ranks on the same host.
     pub local: Option<LocalAddress>,
 }
@@ -61,10 +74,13 @@ pub struct LocalAddress {
 }
 
 impl fmt::Display for RingAddress {
-    /// `quic=<addr>;host=<hex>;unix=<path>` (the path last: it may hold any character), or
-    /// `quic=<addr>` alone.
+    /// `quic=<addr>;tcp=<addr>;host=<hex>;unix=<path>` (the path last: it may hold any
+    /// character); `tcp` and `host`/`unix` only when offered.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "quic={}", self.quic)?;
+        if let Some(tcp) = self.tcp {
+            write!(f, ";tcp={tcp}")?;
+        }
         if let Some(local) = &self.local {
             write!(
                 f,
@@ -86,11 +102,19 @@ impl FromStr for RingAddress {
         let bad = |why: &str| LinkError(format!("bad ring address {text:?}: {why}"));
         let Some(rest) = text.strip_prefix("quic=") else {
             let quic = text.parse().map_err(|e| bad(&format!("{e}")))?;
-            return Ok(Self { quic, local: None });
+            return Ok(Self {
+                quic,
+                tcp: None,
+                local: None,
+            });
         };
-        let (quic, local) = match rest.split_once(";host=") {
+        let (network, local) = match rest.split_once(";host=") {
             None => (rest, None),
-            Some((quic, local)) => (quic, Some(local)),
+            Some((network, local)) => (network, Some(local)),
+        };
+        let (quic, tcp) = match network.split_once(";tcp=") {
+            None => (network, None),
+            Some((quic, tcp)) => (quic, Some(tcp.parse().map_err(|e| bad(&format!("{e}")))?)),
         };
         let quic = quic.parse().map_err(|e| bad(&format!("{e}")))?;
         let local = match local {
@@ -111,7 +135,7 @@ impl FromStr for RingAddress {
                 })
             }
         };
-        Ok(Self { quic, local })
+        Ok(Self { quic, tcp, local })
     }
 }
 
@@ -120,13 +144,20 @@ impl FromStr for RingAddress {
 pub struct LinkOptions {
     /// Offer and use a Unix socket between ranks on one host.
     pub local: bool,
+    /// Offer and use TCP with sealed frames between hosts (else QUIC).
+    pub tcp: bool,
 }
 
 impl LinkOptions {
-    /// The default (a Unix socket on one host), unless [`RING_TRANSPORT_ENV`] says `quic`.
+    /// The default (a Unix socket on one host, TCP with sealed frames between hosts),
+    /// unless [`RING_TRANSPORT_ENV`] says `quic` (QUIC everywhere) or `tcp` (TCP everywhere).
     pub fn from_env() -> Self {
-        let quic_only = std::env::var(RING_TRANSPORT_ENV).is_ok_and(|v| v.trim().eq_ignore_ascii_case("quic"));
-        Self { local: !quic_only }
+        let chosen = std::env::var(RING_TRANSPORT_ENV).map(|v| v.trim().to_ascii_lowercase());
+        match chosen.as_deref() {
+            Ok("quic") => Self { local: false, tcp: false },
+            Ok("tcp") => Self { local: false, tcp: true },
+            _ => Self { local: true, tcp: true },
+        }
     }
 }
 
@@ -135,7 +166,28 @@ pub struct RingLinkBuilder {
     endpoint: quinn::Endpoint,
     runtime: Handle,
     local: Option<LocalListener>,
+    tcp: Option<TcpSide>,
     secret: Vec<u8>,
+}
+
+/// The TCP listener of sealed-frame links and the TLS both ends of one use.
+struct TcpSide {
+    listener: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    connector: tokio_rustls::TlsConnector,
+}
+
+impl TcpSide {
+    fn bind(ip: std::net::IpAddr, identity: &regatta_object_store::TlsIdentity) -> std::io::Result<Self> {
+        let listener = std::net::TcpListener::bind(SocketAddr::new(ip, 0))?;
+        listener.set_nonblocking(true)?;
+        let (acceptor, connector) = tls_for_frames(identity, RING_ALPN);
+        Ok(Self {
+            listener: tokio::net::TcpListener::from_std(listener)?,
+            acceptor,
+            connector,
+        })
+    }
 }
 
 /// A Unix listener in a directory only this user can enter; the directory goes with it.
@@ -185,6 +237,17 @@ impl RingLinkBuilder {
         let identity = identity_from_token(secret).map_err(|e| e.to_string())?;
         let endpoint = endpoint(bind, &identity).map_err(|e| e.to_string())?;
         let runtime = Handle::try_current().map_err(|e| format!("no tokio runtime: {e}"))?;
+        let tcp = if options.tcp {
+            match TcpSide::bind(bind.ip(), &identity) {
+                Ok(tcp) => Some(tcp),
+                Err(e) => {
+                    tracing::warn!("ring: no TCP port for ranks on other hosts ({e}); they will use QUIC");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let local = if options.local {
             match LocalListener::bind() {
                 Ok(local) => local,
@@ -200,6 +263,7 @@ impl RingLinkBuilder {
             endpoint,
             runtime,
             local,
+            tcp,
             secret: secret.as_bytes().to_vec(),
         })
     }
@@ -208,11 +272,15 @@ impl RingLinkBuilder {
     /// through the driver).
     pub fn address(&self) -> Result<RingAddress, LinkError> {
         let quic = self.endpoint.local_addr().map_err(|e| LinkError(e.to_string()))?;
+        let tcp = match &self.tcp {
+            Some(tcp) => Some(tcp.listener.local_addr().map_err(|e| LinkError(e.to_string()))?),
+            None => None,
+        };
         let local = self.local.as_ref().map(|l| LocalAddress {
             host: l.host,
             path: l.path.clone(),
         });
-        Ok(RingAddress { quic, local })
+        Ok(RingAddress { quic, tcp, local })
     }
 
     /// Connects to the next rank at `next` (a [`RingAddress`] in text) and accepts the
@@ -243,6 +311,12 @@ impl RingLinkBuilder {
                 }
             }
         }
+        if let (Some(mine), Some(theirs)) = (&self.tcp, next.tcp) {
+            match tokio::net::TcpStream::connect(theirs).await {
+                Ok(stream) => return Self::open_tcp(mine, stream, theirs).await,
+                Err(e) => tracing::warn!("ring: the next rank's TCP port {theirs} failed ({e}); using QUIC"),
+            }
+        }
         let connection = self
             .endpoint
             .connect(next.quic, SERVER_NAME)
@@ -259,6 +333,32 @@ impl RingLinkBuilder {
             runtime: self.runtime.clone(),
             stream: Some(stream),
             endpoint: self.endpoint.clone(),
+        }))
+    }
+
+    /// The TLS handshake and the switch to sealed frames on a connected TCP stream. A
+    /// failure here is the link's failure: the next rank may already have taken this
+    /// connection as its link, so falling back to QUIC could leave both waiting.
+    async fn open_tcp(
+        side: &TcpSide,
+        stream: tokio::net::TcpStream,
+        peer: SocketAddr,
+    ) -> Result<Outgoing, LinkError> {
+        let opening = async {
+            stream.set_nodelay(true)?;
+            let name = tokio_rustls::rustls::pki_types::ServerName::try_from(SERVER_NAME)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+            SealedStream::client(side.connector.connect(name, stream).await?).await
+        };
+        let sealed = tokio::time::timeout(HANDSHAKE_TIMEOUT, opening)
+            .await
+            .map_err(|_| LinkError(format!("the next rank {peer} did not finish the TLS handshake")))?
+            .map_err(|e| LinkError(format!("TLS handshake with the next rank {peer} failed: {e}")))?;
+        let (tcp, keys) = sealed.into_blocking().map_err(|e| LinkError(e.to_string()))?;
+        Ok(Outgoing::Sealed(SealedSend {
+            tcp,
+            sealer: keys.send,
+            frame: Vec::new(),
         }))
     }
 
@@ -309,9 +409,38 @@ impl RingLinkBuilder {
                 }
             }
         };
+        let tcp = async {
+            let Some(tcp) = &self.tcp else {
+                return std::future::pending().await;
+            };
+            loop {
+                let (stream, peer) = match tcp.listener.accept().await {
+                    Ok(accepted) => accepted,
+                    Err(e) => {
+                        tracing::warn!("ring: the TCP port stopped accepting ({e}); waiting on the others");
+                        return std::future::pending().await;
+                    }
+                };
+                let opening = async {
+                    stream.set_nodelay(true)?;
+                    SealedStream::server(tcp.acceptor.accept(stream).await?).await?.into_blocking()
+                };
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, opening).await {
+                    Ok(Ok((stream, keys))) => {
+                        return Ok::<_, LinkError>(SealedRecv {
+                            tcp: stream,
+                            opener: keys.receive,
+                        })
+                    }
+                    Ok(Err(e)) => tracing::warn!(%peer, "ring: refused a TCP peer: {e}"),
+                    Err(_) => tracing::warn!(%peer, "ring: a TCP peer did not finish the TLS handshake"),
+                }
+            }
+        };
         tokio::select! {
             stream = quic => Ok(Incoming::Quic(QuicRecv { runtime: self.runtime.clone(), stream: stream?, _endpoint: self.endpoint.clone() })),
             stream = local => Ok(Incoming::Local(stream?)),
+            stream = tcp => Ok(Incoming::Sealed(stream?)),
         }
     }
 }
@@ -384,13 +513,44 @@ fn into_blocking(stream: tokio::net::UnixStream) -> Result<UnixStream, LinkError
 /// The sending half of a link.
 enum Outgoing {
     Local(UnixStream),
+    Sealed(SealedSend),
     Quic(QuicSend),
 }
 
 /// The receiving half of a link.
 enum Incoming {
     Local(UnixStream),
+    Sealed(SealedRecv),
     Quic(QuicRecv),
+}
+
+/// A TCP link's sending half: frames sealed from the caller's values.
+struct SealedSend {
+    tcp: std::net::TcpStream,
+    sealer: Sealer,
+    /// The frame being sent, reused.
+    frame: Vec<u8>,
+}
+
+/// A TCP link's receiving half: frames opened in the caller's values.
+struct SealedRecv {
+    tcp: std::net::TcpStream,
+    opener: Opener,
+}
+
+/// What shuts a link's sending half down from another thread, so a blocked write returns.
+enum Unblock {
+    Unix(UnixStream),
+    Tcp(std::net::TcpStream),
+}
+
+impl Unblock {
+    fn shutdown(&self) {
+        let _ = match self {
+            Unblock::Unix(stream) => stream.shutdown(std::net::Shutdown::Both),
+            Unblock::Tcp(stream) => stream.shutdown(std::net::Shutdown::Both),
+        };
+    }
 }
 
 struct QuicSend {
@@ -428,6 +588,9 @@ impl Outgoing {
             Outgoing::Local(stream) => {
                 let _ = stream.shutdown(std::net::Shutdown::Both);
             }
+            Outgoing::Sealed(sealed) => {
+                let _ = sealed.tcp.shutdown(std::net::Shutdown::Both);
+            }
             Outgoing::Quic(quic) => {
                 if let Some(stream) = quic.stream.as_mut() {
                     let _ = stream.reset(quinn::VarInt::from_u32(0));
@@ -445,6 +608,15 @@ impl Outgoing {
                 let failed = |e: std::io::Error| LinkError(format!("send to the next rank failed: {e}"));
                 stream.write_all(&header).map_err(failed)?;
                 stream.write_all(payload).map_err(failed)
+            }
+            Outgoing::Sealed(sealed) => {
+                let failed = |e: std::io::Error| LinkError(format!("send to the next rank failed: {e}"));
+                let SealedSend { tcp, sealer, frame } = sealed;
+                send_frame(tcp, sealer, frame, 0, &header).map_err(failed)?;
+                for chunk in payload.chunks(CHUNK_BYTES) {
+                    send_frame(tcp, sealer, frame, 0, chunk).map_err(failed)?;
+                }
+                Ok(())
             }
             Outgoing::Quic(quic) => {
                 let stream = quic.stream.as_mut().ok_or("the link to the next rank is closed")?;
@@ -464,6 +636,9 @@ impl Incoming {
         match self {
             Incoming::Local(stream) => {
                 let _ = stream.shutdown(std::net::Shutdown::Both);
+            }
+            Incoming::Sealed(sealed) => {
+                let _ = sealed.tcp.shutdown(std::net::Shutdown::Both);
             }
             Incoming::Quic(quic) => {
                 let _ = quic.stream.stop(quinn::VarInt::from_u32(0));
@@ -492,6 +667,26 @@ impl Incoming {
                 check(header)?;
                 stream.read_exact(as_bytes_mut(out)).map_err(failed)
             }
+            Incoming::Sealed(sealed) => {
+                let failed = |e: std::io::Error| LinkError(format!("receive from the previous rank failed: {e}"));
+                let SealedRecv { tcp, opener } = sealed;
+                let (_, len) = receive_frame_into(tcp, opener, &mut header).map_err(failed)?;
+                if len != header.len() {
+                    return Err(LinkError(format!("a message header of {len} bytes from the previous rank")));
+                }
+                check(header)?;
+                let bytes = as_bytes_mut(out);
+                let mut filled = 0;
+                while filled < bytes.len() {
+                    let end = (filled + CHUNK_BYTES).min(bytes.len());
+                    let (_, len) = receive_frame_into(tcp, opener, &mut bytes[filled..end]).map_err(failed)?;
+                    if len == 0 {
+                        return Err(LinkError("an empty frame from the previous rank".into()));
+                    }
+                    filled += len;
+                }
+                Ok(())
+            }
             Incoming::Quic(quic) => {
                 let stream = &mut quic.stream;
                 quic.runtime.block_on(async {
@@ -519,14 +714,16 @@ pub struct StreamLink {
 
 impl StreamLink {
     /// Which transport each half uses: `(to the next rank, from the previous rank)`, each
-    /// `"unix"` or `"quic"`.
+    /// `"unix"`, `"tcp"` or `"quic"`.
     pub fn transports(&self) -> (&'static str, &'static str) {
         let out = match self.outgoing {
             Outgoing::Local(_) => "unix",
+            Outgoing::Sealed(_) => "tcp",
             Outgoing::Quic(_) => "quic",
         };
         let inc = match self.incoming {
             Incoming::Local(_) => "unix",
+            Incoming::Sealed(_) => "tcp",
             Incoming::Quic(_) => "quic",
         };
         (out, inc)
@@ -576,7 +773,8 @@ impl RingLink for StreamLink {
         // A failed receive must not leave the send blocked on a neighbour that stopped
         // reading: shutting the socket down makes the blocked write return.
         let unblock = match &self.outgoing {
-            Outgoing::Local(stream) => stream.try_clone().ok(),
+            Outgoing::Local(stream) => stream.try_clone().ok().map(Unblock::Unix),
+            Outgoing::Sealed(sealed) => sealed.tcp.try_clone().ok().map(Unblock::Tcp),
             Outgoing::Quic(_) => None,
         };
         let (outgoing, incoming) = (&mut self.outgoing, &mut self.incoming);
@@ -584,8 +782,8 @@ impl RingLink for StreamLink {
             let writer = scope.spawn(move || outgoing.send(send));
             let received = incoming.recv(recv);
             if received.is_err() {
-                if let Some(stream) = &unblock {
-                    let _ = stream.shutdown(std::net::Shutdown::Both);
+                if let Some(unblock) = &unblock {
+                    unblock.shutdown();
                 }
             }
             let sent = writer
@@ -678,11 +876,15 @@ mod tests {
     }
 
     fn quic_only() -> LinkOptions {
-        LinkOptions { local: false }
+        LinkOptions { local: false, tcp: false }
+    }
+
+    fn tcp_only() -> LinkOptions {
+        LinkOptions { local: false, tcp: true }
     }
 
     fn local() -> LinkOptions {
-        LinkOptions { local: true }
+        LinkOptions { local: true, tcp: true }
     }
 
     // 3,000,001 values = 12 MB per rank: far beyond one flow-control window or socket buffer.
@@ -694,6 +896,28 @@ mod tests {
         let links = ring(&runtime, &[quic_only(); 3]);
         assert!(links.iter().all(|l| l.transports() == ("quic", "quic")));
         all_reduce_on(links, LARGE);
+    }
+
+    #[test]
+    fn a_ring_over_tcp_with_sealed_frames_all_reduces_large_buffers_without_deadlock() {
+        let runtime = runtime();
+        let links = ring(&runtime, &[tcp_only(); 3]);
+        assert!(
+            links.iter().all(|l| l.transports() == ("tcp", "tcp")),
+            "{:?}",
+            links.iter().map(StreamLink::transports).collect::<Vec<_>>()
+        );
+        all_reduce_on(links, LARGE);
+    }
+
+    #[test]
+    fn a_ring_mixing_tcp_and_quic_links_agrees() {
+        // Rank 1 offers no TCP port: rank 0 reaches it by QUIC, and it reaches rank 2 by QUIC.
+        let runtime = runtime();
+        let links = ring(&runtime, &[tcp_only(), quic_only(), tcp_only()]);
+        let transports: Vec<_> = links.iter().map(StreamLink::transports).collect();
+        assert_eq!(transports, vec![("quic", "tcp"), ("quic", "quic"), ("tcp", "quic")]);
+        all_reduce_on(links, 100_003);
     }
 
     #[test]
@@ -722,7 +946,7 @@ mod tests {
     #[test]
     fn a_rank_without_the_token_cannot_join_the_ring() {
         let runtime = runtime();
-        for options in [quic_only(), local()] {
+        for options in [quic_only(), tcp_only(), local()] {
             runtime.block_on(async {
                 let member = RingLinkBuilder::bind("127.0.0.1:0".parse().unwrap(), "ring-token", options).unwrap();
                 let stranger = RingLinkBuilder::bind("127.0.0.1:0".parse().unwrap(), "other-token", options).unwrap();
@@ -792,6 +1016,45 @@ mod tests {
     }
 
     #[test]
+    fn a_tcp_peer_without_the_token_is_refused_and_the_real_previous_rank_still_joins() {
+        let runtime = runtime();
+        let bind = || "127.0.0.1:0".parse().unwrap();
+        let (incoming, mut outgoing) = runtime.block_on(async {
+            let member = RingLinkBuilder::bind(bind(), "ring-token", tcp_only()).unwrap();
+            let port = member.address().unwrap().tcp.expect("a TCP port is offered");
+            let previous = RingLinkBuilder::bind(bind(), "ring-token", tcp_only()).unwrap();
+            let stranger = RingLinkBuilder::bind(bind(), "other-token", tcp_only()).unwrap();
+            let others = async {
+                // Garbage first, held open: refused without holding the port up.
+                let mut garbage = tokio::net::TcpStream::connect(port).await.unwrap();
+                garbage.write_all(&[7u8; 512]).await.unwrap();
+                let stream = tokio::net::TcpStream::connect(port).await.unwrap();
+                let refused = RingLinkBuilder::open_tcp(stranger.tcp.as_ref().unwrap(), stream, port).await;
+                assert!(refused.is_err(), "a rank of another token must not get a link");
+                let stream = tokio::net::TcpStream::connect(port).await.unwrap();
+                let link = RingLinkBuilder::open_tcp(previous.tcp.as_ref().unwrap(), stream, port).await;
+                (link.expect("the real previous rank gets its link"), garbage)
+            };
+            let (accepted, (outgoing, _garbage)) = tokio::time::timeout(Duration::from_secs(30), async {
+                tokio::join!(member.accept_previous(), others)
+            })
+            .await
+            .expect("the handshakes finish");
+            let Ok(incoming @ Incoming::Sealed(_)) = accepted else {
+                panic!("the real previous rank was not accepted on the TCP port");
+            };
+            (incoming, outgoing)
+        });
+        // The link taken is the real rank's: what it sends arrives.
+        let mut incoming = incoming;
+        let sender = std::thread::spawn(move || outgoing.send(&[1.5, -2.0, 3.25]));
+        let mut out = [0f32; 3];
+        incoming.recv(&mut out).unwrap();
+        sender.join().unwrap().unwrap();
+        assert_eq!(out, [1.5, -2.0, 3.25]);
+    }
+
+    #[test]
     fn the_listeners_directory_is_private_and_removed_once_connected() {
         let runtime = runtime();
         let builders: Vec<RingLinkBuilder> = runtime.block_on(async {
@@ -823,6 +1086,7 @@ mod tests {
     fn ring_addresses_round_trip_and_bad_ones_are_refused() {
         let local = RingAddress {
             quic: "10.0.0.2:4711".parse().unwrap(),
+            tcp: Some("10.0.0.2:4712".parse().unwrap()),
             local: Some(LocalAddress {
                 host: HostKey::from_bytes(&[9; HostKey::LEN]),
                 path: PathBuf::from("/tmp/a dir;with=odd chars/ring.sock"),
@@ -831,6 +1095,7 @@ mod tests {
         assert_eq!(local.to_string().parse::<RingAddress>().unwrap(), local);
         let quic = RingAddress {
             quic: "[::1]:9".parse().unwrap(),
+            tcp: None,
             local: None,
         };
         assert_eq!(quic.to_string(), "quic=[::1]:9");
@@ -840,6 +1105,7 @@ mod tests {
         for bad in [
             "",
             "quic=nowhere",
+            "quic=1.2.3.4:5;tcp=nowhere",
             "quic=1.2.3.4:5;host=zz;unix=/x",
             "quic=1.2.3.4:5;host=0909;unix=/x",
             "quic=1.2.3.4:5;host=090909090909090909090909090909090909090909090909",
@@ -852,8 +1118,14 @@ mod tests {
 
     #[test]
     fn a_message_of_the_wrong_length_is_refused() {
+        for options in [local(), tcp_only()] {
+            a_message_of_the_wrong_length_is_refused_on(options);
+        }
+    }
+
+    fn a_message_of_the_wrong_length_is_refused_on(options: LinkOptions) {
         let runtime = runtime();
-        let mut links = ring(&runtime, &[local(); 2]);
+        let mut links = ring(&runtime, &[options; 2]);
         let mut second = links.pop().unwrap();
         let mut first = links.pop().unwrap();
         let sender = std::thread::spawn(move || {
