@@ -2,9 +2,12 @@
 //! authenticated both ends.
 //!
 //! The TLS handshake (mutual, from the cluster token) proves who is at each end and agrees
-//! a secret; both ends then export 56 bytes from it (RFC 8446 §7.5, the exporter
-//! [`EXPORTER_LABEL`]): an AES-128-GCM key and IV for each direction. From then on every
-//! message and every object chunk is one frame:
+//! a secret; both ends then export 64 bytes from it (RFC 8446 §7.5, the exporter
+//! [`EXPORTER_LABEL`]): a secret for each direction, from which HMAC-SHA256 derives that
+//! direction's AES-128-GCM key and IV, and a new pair every [`FRAMES_PER_KEY`] frames (so a
+//! ring link that lives for a whole training never takes one key past AES-GCM's safe
+//! volume, as TLS 1.3's key update does). From then on every message and every object
+//! chunk is one frame:
 //!
 //! `[payload length u32 LE][word u32 LE][ciphertext][16-byte tag]`
 //!
@@ -39,8 +42,14 @@ const MAX_MESSAGE: usize = 256;
 
 const KEY_LEN: usize = 16;
 
-/// Bytes exported from the TLS session: two keys and two IVs.
-pub const EXPORTED_LEN: usize = 2 * (KEY_LEN + NONCE_LEN);
+const SECRET_LEN: usize = 32;
+
+/// Bytes exported from the TLS session: a secret per direction.
+pub const EXPORTED_LEN: usize = 2 * SECRET_LEN;
+
+/// Frames sealed under one key before the next is derived: at most 64 GiB of 1 MiB frames,
+/// far inside AES-GCM's bound for one key (RFC 8446 §5.5: 2^24.5 full TLS records, ~380 GB).
+pub const FRAMES_PER_KEY: u64 = 1 << 16;
 
 /// What the holder sends first, through TLS itself: after it the connection speaks frames.
 pub const HELLO: &[u8; 8] = b"frames/1";
@@ -79,35 +88,55 @@ impl From<FrameError> for io::Error {
     }
 }
 
-/// One direction's key, IV and next sequence number.
+/// One direction's secret, current key and IV, and next sequence number.
 struct Direction {
+    secret: aws_lc_rs::hmac::Key,
     key: LessSafeKey,
     iv: [u8; NONCE_LEN],
     sequence: u64,
 }
 
 impl Direction {
-    fn new(key: &[u8], iv: &[u8]) -> Self {
-        let key = UnboundKey::new(&AES_128_GCM, key).expect("an AES-128 key is 16 bytes");
-        let mut nonce = [0u8; NONCE_LEN];
-        nonce.copy_from_slice(iv);
+    fn new(secret: &[u8]) -> Self {
+        let secret = aws_lc_rs::hmac::Key::new(aws_lc_rs::hmac::HMAC_SHA256, secret);
+        let (key, iv) = derive(&secret, 0);
         Self {
-            key: LessSafeKey::new(key),
-            iv: nonce,
+            secret,
+            key,
+            iv,
             sequence: 0,
         }
     }
 
-    /// The next frame's nonce, as TLS 1.3 makes a record's: never the same twice.
+    /// The next frame's nonce, as TLS 1.3 makes a record's: never the same twice under one
+    /// key. Every [`FRAMES_PER_KEY`] frames the key and IV are derived anew first.
     fn next_nonce(&mut self) -> Result<Nonce, FrameError> {
         let sequence = self.sequence;
         self.sequence = sequence.checked_add(1).ok_or(FrameError::Exhausted)?;
+        if sequence > 0 && sequence.is_multiple_of(FRAMES_PER_KEY) {
+            (self.key, self.iv) = derive(&self.secret, sequence / FRAMES_PER_KEY);
+        }
         let mut nonce = self.iv;
         for (byte, s) in nonce[NONCE_LEN - 8..].iter_mut().zip(sequence.to_be_bytes()) {
             *byte ^= s;
         }
         Ok(Nonce::assume_unique_for_key(nonce))
     }
+}
+
+/// The AES-128-GCM key and IV of `generation` (a [`FRAMES_PER_KEY`] run of frames).
+fn derive(secret: &aws_lc_rs::hmac::Key, generation: u64) -> (LessSafeKey, [u8; NONCE_LEN]) {
+    let part = |label: &[u8]| {
+        let mut context = aws_lc_rs::hmac::Context::with_key(secret);
+        context.update(label);
+        context.update(&generation.to_be_bytes());
+        context.sign()
+    };
+    let key = part(b"regatta frames key");
+    let key = UnboundKey::new(&AES_128_GCM, &key.as_ref()[..KEY_LEN]).expect("an AES-128 key is 16 bytes");
+    let mut iv = [0u8; NONCE_LEN];
+    iv.copy_from_slice(&part(b"regatta frames iv").as_ref()[..NONCE_LEN]);
+    (LessSafeKey::new(key), iv)
 }
 
 /// Both directions' keys of one connection, seen from one side.
@@ -142,9 +171,8 @@ pub fn parse_header(header: &[u8; HEADER_LEN]) -> (usize, u32) {
 impl Keys {
     /// The keys `side` uses, from the bytes both ends exported (client to server first).
     pub fn from_exported(material: &[u8; EXPORTED_LEN], side: Side) -> Self {
-        let (keys, ivs) = material.split_at(2 * KEY_LEN);
-        let to_server = Direction::new(&keys[..KEY_LEN], &ivs[..NONCE_LEN]);
-        let to_client = Direction::new(&keys[KEY_LEN..], &ivs[NONCE_LEN..]);
+        let (to_server, to_client) = material.split_at(SECRET_LEN);
+        let (to_server, to_client) = (Direction::new(to_server), Direction::new(to_client));
         let (send, receive) = match side {
             Side::Client => (to_server, to_client),
             Side::Server => (to_client, to_server),
@@ -465,14 +493,37 @@ mod tests {
 
     #[test]
     fn nonces_are_the_iv_xor_the_sequence_number() {
-        let mut direction = Direction::new(&[1u8; KEY_LEN], &[0xf0u8; NONCE_LEN]);
+        let mut direction = Direction::new(&[1u8; SECRET_LEN]);
+        let iv = direction.iv;
         let first = direction.next_nonce().unwrap();
         let second = direction.next_nonce().unwrap();
-        assert_eq!(first.as_ref(), &[0xf0u8; NONCE_LEN]);
-        let mut expected = [0xf0u8; NONCE_LEN];
+        assert_eq!(first.as_ref(), &iv);
+        let mut expected = iv;
         expected[NONCE_LEN - 1] ^= 1;
         assert_eq!(second.as_ref(), &expected);
         direction.sequence = u64::MAX;
         assert!(direction.next_nonce().is_err(), "the last sequence number is never used");
+    }
+
+    #[test]
+    fn both_sides_move_to_a_new_key_together_and_the_old_key_opens_nothing_after() {
+        let (mut client, mut server) = pair();
+        client.send.0.sequence = FRAMES_PER_KEY - 1;
+        server.receive.0.sequence = FRAMES_PER_KEY - 1;
+        let iv_before = client.send.0.iv;
+        let mut frame = Vec::new();
+        for (i, payload) in [&b"last of the first key"[..], b"first of the next", b"second"].into_iter().enumerate() {
+            client.seal(i as u32, payload, &mut frame).unwrap();
+            let (header, mut body, tag) = parts(&frame);
+            server.open(&header, &mut body, &tag).unwrap();
+            assert_eq!(&body[..], payload);
+        }
+        assert_ne!(client.send.0.iv, iv_before, "a new IV (and key) past the boundary");
+        assert_eq!(client.send.0.iv, server.receive.0.iv);
+        // The receiver's new key is the sender's: a frame the old key sealed fails now.
+        let (mut old, _) = pair();
+        old.seal(3, b"under the first key", &mut frame).unwrap();
+        let (header, mut body, tag) = parts(&frame);
+        assert_eq!(server.open(&header, &mut body, &tag), Err(FrameError::Forged));
     }
 }

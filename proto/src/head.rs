@@ -752,6 +752,11 @@ impl HeadCore {
                 if let Some(waiters) = self.pull_waiters.get_mut(&id) {
                     waiters.retain(|wait| wait.node != node);
                 }
+                // So is one parked until the object's id arrives.
+                if let Some(parked) = self.object_waiters.get_mut(&id) {
+                    parked.retain(|p| !matches!(&p.request, HeadRequest::ObjectPull { node: n, .. } if *n == node));
+                }
+                self.object_waiters.retain(|_, parked| !parked.is_empty());
                 self.pull_wakes.objects.insert(id);
             }
             HeadRequest::ObjectsHeld { node, address, objects } => {
@@ -1079,6 +1084,27 @@ mod tests {
         assert_eq!(answers.len(), 1, "{answers:?}");
         assert_eq!(pulled_from(&answers, ReplyTo(4)).as_deref(), Some("a"), "{answers:?}");
         assert_eq!(head.parked(), 0);
+        // A pull parked until its object's id arrives, given up: the put answers nobody.
+        let later = ObjectId::random();
+        let pull_later = HeadRequest::ObjectPull {
+            id: later,
+            node: "x".into(),
+            address: "10.0.0.9:7000".into(),
+        };
+        assert!(replies(&head.handle(pull_later, Some(ReplyTo(7)), 3)).is_empty());
+        assert_eq!(head.parked(), 1);
+        head.handle(HeadRequest::ObjectPullEnded { id: later, node: "x".into() }, None, 4);
+        assert_eq!(head.parked(), 0);
+        let put_later = HeadRequest::ObjectPut {
+            id: later,
+            size: 1 << 30,
+            checksum: 9,
+            node: "a".into(),
+            address: "10.0.0.1:7000".into(),
+            job: None,
+        };
+        let answers = replies(&head.handle(put_later, Some(ReplyTo(8)), 5));
+        assert!(pulled_from(&answers, ReplyTo(7)).is_none(), "{answers:?}");
     }
 
     #[test]

@@ -435,8 +435,19 @@ impl ObjectService {
                     })
                     .clone()
             };
-            let outcome = tokio::time::timeout_at(deadline, fetch).await;
-            self.inflight.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            let outcome = tokio::time::timeout_at(deadline, fetch.clone()).await;
+            {
+                // The entry goes once its pull is over, or when this getter gave up and
+                // nobody else waits on it (dropping it cancels the pull, which tells the
+                // head). A pull other getters still wait on stays theirs, and a newer
+                // pull's entry is not this one's to remove: one pull per node and object.
+                let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+                let ours = inflight.get(&id).is_some_and(|entry| entry.ptr_eq(&fetch));
+                if ours && (outcome.is_ok() || fetch.strong_count() <= Some(2)) {
+                    inflight.remove(&id);
+                }
+            }
+            drop(fetch);
             match outcome {
                 Ok(Ok(bytes)) => return Ok(bytes),
                 Ok(Err(failure)) => {

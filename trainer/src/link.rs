@@ -26,8 +26,9 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use hmac::{Hmac, Mac};
+use futures::StreamExt;
 use regatta_object_store::{
-    endpoint, identity_from_token, receive_frame_into, send_frame, tls_for_frames, HostKey, Opener, SealedStream,
+    endpoint, identity_from_token, keep_alive, receive_frame_into, send_frame, tls_for_frames, HostKey, Opener, SealedStream,
     Sealer, CHUNK_BYTES, SERVER_NAME,
 };
 use sha2::Sha256;
@@ -305,16 +306,18 @@ impl RingLinkBuilder {
                 match self.connect_local(&theirs.path).await {
                     Ok(stream) => return Ok(Outgoing::Local(stream)),
                     Err(e) => tracing::warn!(
-                        "ring: the next rank's Unix socket {} failed ({e}); using QUIC",
+                        "ring: the next rank's Unix socket {} failed ({e}); using the network",
                         theirs.path.display()
                     ),
                 }
             }
         }
         if let (Some(mine), Some(theirs)) = (&self.tcp, next.tcp) {
-            match tokio::net::TcpStream::connect(theirs).await {
-                Ok(stream) => return Self::open_tcp(mine, stream, theirs).await,
-                Err(e) => tracing::warn!("ring: the next rank's TCP port {theirs} failed ({e}); using QUIC"),
+            // A port behind a firewall that drops packets would hold the connect for minutes.
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, tokio::net::TcpStream::connect(theirs)).await {
+                Ok(Ok(stream)) => return Self::open_tcp(mine, stream, theirs).await,
+                Ok(Err(e)) => tracing::warn!("ring: the next rank's TCP port {theirs} failed ({e}); using QUIC"),
+                Err(_) => tracing::warn!("ring: the next rank's TCP port {theirs} did not answer; using QUIC"),
             }
         }
         let connection = self
@@ -346,6 +349,7 @@ impl RingLinkBuilder {
     ) -> Result<Outgoing, LinkError> {
         let opening = async {
             stream.set_nodelay(true)?;
+            keep_alive(&stream)?;
             let name = tokio_rustls::rustls::pki_types::ServerName::try_from(SERVER_NAME)
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
             SealedStream::client(side.connector.connect(name, stream).await?).await
@@ -355,11 +359,11 @@ impl RingLinkBuilder {
             .map_err(|_| LinkError(format!("the next rank {peer} did not finish the TLS handshake")))?
             .map_err(|e| LinkError(format!("TLS handshake with the next rank {peer} failed: {e}")))?;
         let (tcp, keys) = sealed.into_blocking().map_err(|e| LinkError(e.to_string()))?;
-        Ok(Outgoing::Sealed(SealedSend {
+        Ok(Outgoing::Sealed(Box::new(SealedSend {
             tcp,
             sealer: keys.send,
             frame: Vec::new(),
-        }))
+        })))
     }
 
     async fn connect_local(&self, path: &std::path::Path) -> Result<UnixStream, LinkError> {
@@ -413,27 +417,35 @@ impl RingLinkBuilder {
             let Some(tcp) = &self.tcp else {
                 return std::future::pending().await;
             };
+            // Handshakes run side by side: a connection that opens and stays silent (a
+            // scanner, a stale rank) must not hold the real previous rank past its timeout.
+            let mut handshakes = futures::stream::FuturesUnordered::new();
             loop {
-                let (stream, peer) = match tcp.listener.accept().await {
-                    Ok(accepted) => accepted,
-                    Err(e) => {
-                        tracing::warn!("ring: the TCP port stopped accepting ({e}); waiting on the others");
-                        return std::future::pending().await;
-                    }
-                };
-                let opening = async {
-                    stream.set_nodelay(true)?;
-                    SealedStream::server(tcp.acceptor.accept(stream).await?).await?.into_blocking()
-                };
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, opening).await {
-                    Ok(Ok((stream, keys))) => {
-                        return Ok::<_, LinkError>(SealedRecv {
-                            tcp: stream,
-                            opener: keys.receive,
-                        })
-                    }
-                    Ok(Err(e)) => tracing::warn!(%peer, "ring: refused a TCP peer: {e}"),
-                    Err(_) => tracing::warn!(%peer, "ring: a TCP peer did not finish the TLS handshake"),
+                tokio::select! {
+                    accepted = tcp.listener.accept() => match accepted {
+                        Ok((stream, peer)) => handshakes.push(async move {
+                            let opening = async {
+                                stream.set_nodelay(true)?;
+                                keep_alive(&stream)?;
+                                SealedStream::server(tcp.acceptor.accept(stream).await?).await?.into_blocking()
+                            };
+                            (peer, tokio::time::timeout(HANDSHAKE_TIMEOUT, opening).await)
+                        }),
+                        Err(e) => {
+                            tracing::warn!("ring: the TCP port stopped accepting ({e}); waiting on the others");
+                            return std::future::pending().await;
+                        }
+                    },
+                    Some((peer, opened)) = handshakes.next(), if !handshakes.is_empty() => match opened {
+                        Ok(Ok((stream, keys))) => {
+                            return Ok::<_, LinkError>(Box::new(SealedRecv {
+                                tcp: stream,
+                                opener: keys.receive,
+                            }))
+                        }
+                        Ok(Err(e)) => tracing::warn!(%peer, "ring: refused a TCP peer: {e}"),
+                        Err(_) => tracing::warn!(%peer, "ring: a TCP peer did not finish the TLS handshake"),
+                    },
                 }
             }
         };
@@ -513,14 +525,14 @@ fn into_blocking(stream: tokio::net::UnixStream) -> Result<UnixStream, LinkError
 /// The sending half of a link.
 enum Outgoing {
     Local(UnixStream),
-    Sealed(SealedSend),
+    Sealed(Box<SealedSend>),
     Quic(QuicSend),
 }
 
 /// The receiving half of a link.
 enum Incoming {
     Local(UnixStream),
-    Sealed(SealedRecv),
+    Sealed(Box<SealedRecv>),
     Quic(QuicRecv),
 }
 
@@ -611,7 +623,7 @@ impl Outgoing {
             }
             Outgoing::Sealed(sealed) => {
                 let failed = |e: std::io::Error| LinkError(format!("send to the next rank failed: {e}"));
-                let SealedSend { tcp, sealer, frame } = sealed;
+                let SealedSend { tcp, sealer, frame } = &mut **sealed;
                 send_frame(tcp, sealer, frame, 0, &header).map_err(failed)?;
                 for chunk in payload.chunks(CHUNK_BYTES) {
                     send_frame(tcp, sealer, frame, 0, chunk).map_err(failed)?;
@@ -669,7 +681,7 @@ impl Incoming {
             }
             Incoming::Sealed(sealed) => {
                 let failed = |e: std::io::Error| LinkError(format!("receive from the previous rank failed: {e}"));
-                let SealedRecv { tcp, opener } = sealed;
+                let SealedRecv { tcp, opener } = &mut **sealed;
                 let (_, len) = receive_frame_into(tcp, opener, &mut header).map_err(failed)?;
                 if len != header.len() {
                     return Err(LinkError(format!("a message header of {len} bytes from the previous rank")));
@@ -1025,7 +1037,11 @@ mod tests {
             let previous = RingLinkBuilder::bind(bind(), "ring-token", tcp_only()).unwrap();
             let stranger = RingLinkBuilder::bind(bind(), "other-token", tcp_only()).unwrap();
             let others = async {
-                // Garbage first, held open: refused without holding the port up.
+                // A connection that stays silent, held open for the whole test: handshakes run
+                // side by side, so it holds nobody up (one at a time it would hold the port
+                // for the 10 s handshake deadline, past the 8 s this test allows).
+                let silent = tokio::net::TcpStream::connect(port).await.unwrap();
+                // Garbage next, held open: refused without holding the port up.
                 let mut garbage = tokio::net::TcpStream::connect(port).await.unwrap();
                 garbage.write_all(&[7u8; 512]).await.unwrap();
                 let stream = tokio::net::TcpStream::connect(port).await.unwrap();
@@ -1033,9 +1049,9 @@ mod tests {
                 assert!(refused.is_err(), "a rank of another token must not get a link");
                 let stream = tokio::net::TcpStream::connect(port).await.unwrap();
                 let link = RingLinkBuilder::open_tcp(previous.tcp.as_ref().unwrap(), stream, port).await;
-                (link.expect("the real previous rank gets its link"), garbage)
+                (link.expect("the real previous rank gets its link"), (garbage, silent))
             };
-            let (accepted, (outgoing, _garbage)) = tokio::time::timeout(Duration::from_secs(30), async {
+            let (accepted, (outgoing, _held)) = tokio::time::timeout(Duration::from_secs(8), async {
                 tokio::join!(member.accept_previous(), others)
             })
             .await
