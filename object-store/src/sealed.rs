@@ -314,13 +314,7 @@ impl SealedStream {
         }
         self.tcp.read_exact(&mut header[first..]).await?;
         let (len, word) = parse_header(&header);
-        if len > MAX_MESSAGE {
-            return Err(FrameError::TooLong {
-                announced: len,
-                limit: MAX_MESSAGE,
-            }
-            .into());
-        }
+        within(len, MAX_MESSAGE)?;
         let mut payload = vec![0u8; len];
         self.finish(&header, &mut payload).await?;
         Ok(Some((word, payload)))
@@ -331,13 +325,7 @@ impl SealedStream {
     pub async fn receive_into(&mut self, destination: &mut [u8]) -> io::Result<(u32, usize)> {
         let header = self.read_header().await?;
         let (len, word) = parse_header(&header);
-        if len > destination.len() {
-            return Err(FrameError::TooLong {
-                announced: len,
-                limit: destination.len(),
-            }
-            .into());
-        }
+        within(len, destination.len())?;
         self.finish(&header, &mut destination[..len]).await?;
         Ok((word, len))
     }
@@ -366,6 +354,14 @@ impl SealedStream {
     }
 }
 
+/// Refuses a frame that announces more than the reader takes, before reading it.
+fn within(len: usize, limit: usize) -> Result<(), FrameError> {
+    if len > limit {
+        return Err(FrameError::TooLong { announced: len, limit });
+    }
+    Ok(())
+}
+
 /// Sends one frame on a blocking stream (`frame` is the reused send buffer).
 pub fn send_frame(
     stream: &mut impl std::io::Write,
@@ -388,13 +384,7 @@ pub fn receive_frame_into(
     let mut header = [0u8; HEADER_LEN];
     stream.read_exact(&mut header)?;
     let (len, word) = parse_header(&header);
-    if len > destination.len() {
-        return Err(FrameError::TooLong {
-            announced: len,
-            limit: destination.len(),
-        }
-        .into());
-    }
+    within(len, destination.len())?;
     stream.read_exact(&mut destination[..len])?;
     let mut tag = [0u8; TAG_LEN];
     stream.read_exact(&mut tag)?;
@@ -489,6 +479,28 @@ mod tests {
         client.seal(1, b"mirror", &mut frame).unwrap();
         let (header, mut body, tag) = parts(&frame);
         assert_eq!(client.open(&header, &mut body, &tag), Err(FrameError::Forged));
+    }
+
+    #[test]
+    fn a_blocking_reader_takes_frames_in_place_and_refuses_one_longer_than_its_room() {
+        let (mut client, mut server) = pair();
+        let (mut wire, mut frame) = (Vec::new(), Vec::new());
+        send_frame(&mut wire, &mut client.send, &mut frame, 5, b"0123456789").unwrap();
+        send_frame(&mut wire, &mut client.send, &mut frame, 6, &[9u8; 2000]).unwrap();
+        let mut reader = std::io::Cursor::new(wire);
+        let mut room = [0u8; 1000];
+        assert_eq!(receive_frame_into(&mut reader, &mut server.receive, &mut room).unwrap(), (5, 10));
+        assert_eq!(&room[..10], b"0123456789");
+        let refused = receive_frame_into(&mut reader, &mut server.receive, &mut room).unwrap_err();
+        let refused = refused.get_ref().and_then(|e| e.downcast_ref::<FrameError>());
+        assert_eq!(
+            refused,
+            Some(&FrameError::TooLong {
+                announced: 2000,
+                limit: 1000
+            })
+        );
+        assert_eq!(reader.position() as usize, 2 * HEADER_LEN + 10 + TAG_LEN, "nothing past the header read");
     }
 
     #[test]
