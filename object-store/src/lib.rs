@@ -23,9 +23,9 @@ mod idle_pool;
 mod place;
 mod quic;
 mod receive_pool;
+mod sealed;
 mod shm;
 mod spill;
-mod sealed;
 mod transfer;
 
 // The bookkeeping (ids, the directory, the memory store) is pure and lives in regatta-proto.

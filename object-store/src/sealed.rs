@@ -1,5 +1,5 @@
-//! Sealed frames: how an object-transfer connection carries its bytes once TLS 1.3 has
-//! authenticated both ends.
+//! Sealed frames: how the object transfer's connections, and the training ring's between
+//! hosts, carry their bytes once TLS 1.3 has authenticated both ends.
 //!
 //! The TLS handshake (mutual, from the cluster token) proves who is at each end and agrees
 //! a secret; both ends then export 64 bytes from it (RFC 8446 §7.5, the exporter
@@ -15,9 +15,9 @@
 //! records' (the IV XOR the frame's sequence number in its direction). A changed, dropped,
 //! replayed or reordered frame fails to open, as a TLS record would. What TLS's own record
 //! layer costs and this does not: records of at most 16 KiB, each copied out of rustls's
-//! buffers on both sides. Here a chunk of up to [`crate::transfer::CHUNK_BYTES`] is sealed straight from the
-//! object into the send buffer, and received straight into the object's buffer, where it is
-//! opened in place.
+//! buffers on both sides. Here a chunk of up to [`crate::transfer::CHUNK_BYTES`] is sealed
+//! straight from the object into the send buffer, and received straight into the object's
+//! buffer, where it is opened in place.
 //!
 //! The keys and the sealing are pure ([`Keys`]); [`SealedStream`] only moves frames over a
 //! TCP stream.
@@ -189,7 +189,12 @@ impl Keys {
     }
 
     /// Opens a frame with this side's receiving key (see [`Opener::open`]).
-    pub fn open(&mut self, header: &[u8; HEADER_LEN], in_out: &mut [u8], tag: &[u8; TAG_LEN]) -> Result<(), FrameError> {
+    pub fn open(
+        &mut self,
+        header: &[u8; HEADER_LEN],
+        in_out: &mut [u8],
+        tag: &[u8; TAG_LEN],
+    ) -> Result<(), FrameError> {
         self.receive.open(header, in_out, tag)
     }
 }
@@ -215,7 +220,12 @@ impl Sealer {
 impl Opener {
     /// Opens a received frame's ciphertext in place. The next frame's nonce is used up
     /// either way: after a refused frame the connection is not to be read on.
-    pub fn open(&mut self, header: &[u8; HEADER_LEN], in_out: &mut [u8], tag: &[u8; TAG_LEN]) -> Result<(), FrameError> {
+    pub fn open(
+        &mut self,
+        header: &[u8; HEADER_LEN],
+        in_out: &mut [u8],
+        tag: &[u8; TAG_LEN],
+    ) -> Result<(), FrameError> {
         let nonce = self.0.next_nonce()?;
         self.0
             .key
@@ -299,9 +309,9 @@ impl SealedStream {
 
     /// Receives one message (a frame of at most a few hundred bytes): its word and payload.
     pub async fn receive_message(&mut self) -> io::Result<(u32, Vec<u8>)> {
-        self.receive_message_or_end().await?.ok_or_else(|| {
-            io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection")
-        })
+        self.receive_message_or_end()
+            .await?
+            .ok_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection"))
     }
 
     /// Like [`SealedStream::receive_message`], but a connection the peer closed cleanly
@@ -459,7 +469,11 @@ mod tests {
             client.seal(9, &payload, &mut frame).unwrap();
             frame[at] ^= 1;
             let (header, mut body, tag) = parts(&frame);
-            assert_eq!(server.open(&header, &mut body, &tag), Err(FrameError::Forged), "byte {at}");
+            assert_eq!(
+                server.open(&header, &mut body, &tag),
+                Err(FrameError::Forged),
+                "byte {at}"
+            );
         }
         // The same frame twice: the second is a replay.
         let (mut client, mut server) = pair();
@@ -489,7 +503,10 @@ mod tests {
         send_frame(&mut wire, &mut client.send, &mut frame, 6, &[9u8; 2000]).unwrap();
         let mut reader = std::io::Cursor::new(wire);
         let mut room = [0u8; 1000];
-        assert_eq!(receive_frame_into(&mut reader, &mut server.receive, &mut room).unwrap(), (5, 10));
+        assert_eq!(
+            receive_frame_into(&mut reader, &mut server.receive, &mut room).unwrap(),
+            (5, 10)
+        );
         assert_eq!(&room[..10], b"0123456789");
         let refused = receive_frame_into(&mut reader, &mut server.receive, &mut room).unwrap_err();
         let refused = refused.get_ref().and_then(|e| e.downcast_ref::<FrameError>());
@@ -500,7 +517,11 @@ mod tests {
                 limit: 1000
             })
         );
-        assert_eq!(reader.position() as usize, 2 * HEADER_LEN + 10 + TAG_LEN, "nothing past the header read");
+        assert_eq!(
+            reader.position() as usize,
+            2 * HEADER_LEN + 10 + TAG_LEN,
+            "nothing past the header read"
+        );
     }
 
     #[test]
@@ -514,7 +535,10 @@ mod tests {
         expected[NONCE_LEN - 1] ^= 1;
         assert_eq!(second.as_ref(), &expected);
         direction.sequence = u64::MAX;
-        assert!(direction.next_nonce().is_err(), "the last sequence number is never used");
+        assert!(
+            direction.next_nonce().is_err(),
+            "the last sequence number is never used"
+        );
     }
 
     #[test]
@@ -524,7 +548,10 @@ mod tests {
         server.receive.0.sequence = FRAMES_PER_KEY - 1;
         let iv_before = client.send.0.iv;
         let mut frame = Vec::new();
-        for (i, payload) in [&b"last of the first key"[..], b"first of the next", b"second"].into_iter().enumerate() {
+        for (i, payload) in [&b"last of the first key"[..], b"first of the next", b"second"]
+            .into_iter()
+            .enumerate()
+        {
             client.seal(i as u32, payload, &mut frame).unwrap();
             let (header, mut body, tag) = parts(&frame);
             server.open(&header, &mut body, &tag).unwrap();

@@ -598,8 +598,8 @@ async fn stream_object(stream: &mut SealedStream, bytes: &Bytes, corrupt: bool) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use crate::identity::identity_from_token;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     struct One(ObjectId, Bytes);
 
@@ -978,10 +978,7 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, Error::Transfer(_)), "{err}");
         assert!(err.to_string().contains("authentication"), "{err}");
-        let again = member
-            .fetch(addr, id, bytes.len() as u64, crc32(&bytes))
-            .await
-            .unwrap();
+        let again = member.fetch(addr, id, bytes.len() as u64, crc32(&bytes)).await.unwrap();
         assert_eq!(again.bytes, bytes, "the holder serves on");
     }
 
@@ -998,7 +995,9 @@ mod tests {
         let alert = refused.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>());
         assert_eq!(
             alert,
-            Some(&rustls::Error::AlertReceived(rustls::AlertDescription::NoApplicationProtocol)),
+            Some(&rustls::Error::AlertReceived(
+                rustls::AlertDescription::NoApplicationProtocol
+            )),
             "{refused}"
         );
     }

@@ -1093,7 +1093,14 @@ mod tests {
         };
         assert!(replies(&head.handle(pull_later, Some(ReplyTo(7)), 3)).is_empty());
         assert_eq!(head.parked(), 1);
-        head.handle(HeadRequest::ObjectPullEnded { id: later, node: "x".into() }, None, 4);
+        head.handle(
+            HeadRequest::ObjectPullEnded {
+                id: later,
+                node: "x".into(),
+            },
+            None,
+            4,
+        );
         assert_eq!(head.parked(), 0);
         let put_later = HeadRequest::ObjectPut {
             id: later,

@@ -25,11 +25,11 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
-use hmac::{Hmac, Mac};
 use futures::StreamExt;
+use hmac::{Hmac, Mac};
 use regatta_object_store::{
-    endpoint, identity_from_token, keep_alive, receive_frame_into, send_frame, tls_for_frames, HostKey, Opener, SealedStream,
-    Sealer, CHUNK_BYTES, SERVER_NAME,
+    endpoint, identity_from_token, keep_alive, receive_frame_into, send_frame, tls_for_frames, HostKey, Opener,
+    SealedStream, Sealer, CHUNK_BYTES, SERVER_NAME,
 };
 use sha2::Sha256;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -155,8 +155,14 @@ impl LinkOptions {
     pub fn from_env() -> Self {
         let chosen = std::env::var(RING_TRANSPORT_ENV).map(|v| v.trim().to_ascii_lowercase());
         match chosen.as_deref() {
-            Ok("quic") => Self { local: false, tcp: false },
-            Ok("tcp") => Self { local: false, tcp: true },
+            Ok("quic") => Self {
+                local: false,
+                tcp: false,
+            },
+            Ok("tcp") => Self {
+                local: false,
+                tcp: true,
+            },
             _ => Self { local: true, tcp: true },
         }
     }
@@ -342,11 +348,7 @@ impl RingLinkBuilder {
     /// The TLS handshake and the switch to sealed frames on a connected TCP stream. A
     /// failure here is the link's failure: the next rank may already have taken this
     /// connection as its link, so falling back to QUIC could leave both waiting.
-    async fn open_tcp(
-        side: &TcpSide,
-        stream: tokio::net::TcpStream,
-        peer: SocketAddr,
-    ) -> Result<Outgoing, LinkError> {
+    async fn open_tcp(side: &TcpSide, stream: tokio::net::TcpStream, peer: SocketAddr) -> Result<Outgoing, LinkError> {
         let opening = async {
             stream.set_nodelay(true)?;
             keep_alive(&stream)?;
@@ -684,7 +686,9 @@ impl Incoming {
                 let SealedRecv { tcp, opener } = &mut **sealed;
                 let (_, len) = receive_frame_into(tcp, opener, &mut header).map_err(failed)?;
                 if len != header.len() {
-                    return Err(LinkError(format!("a message header of {len} bytes from the previous rank")));
+                    return Err(LinkError(format!(
+                        "a message header of {len} bytes from the previous rank"
+                    )));
                 }
                 check(header)?;
                 let bytes = as_bytes_mut(out);
@@ -888,11 +892,17 @@ mod tests {
     }
 
     fn quic_only() -> LinkOptions {
-        LinkOptions { local: false, tcp: false }
+        LinkOptions {
+            local: false,
+            tcp: false,
+        }
     }
 
     fn tcp_only() -> LinkOptions {
-        LinkOptions { local: false, tcp: true }
+        LinkOptions {
+            local: false,
+            tcp: true,
+        }
     }
 
     fn local() -> LinkOptions {
