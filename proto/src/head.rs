@@ -1053,18 +1053,23 @@ mod tests {
         })
     }
 
+    /// The put of a 1 GiB object held by node a (10.0.0.1), large enough to fan out.
+    fn gib_on_a(id: ObjectId, checksum: u32) -> HeadRequest {
+        HeadRequest::ObjectPut {
+            id,
+            size: 1 << 30,
+            checksum,
+            node: "a".into(),
+            address: "10.0.0.1:7000".into(),
+            job: None,
+        }
+    }
+
     #[test]
     fn a_held_back_pull_its_node_gave_up_takes_no_share() {
         let mut head = HeadCore::new(3_000, 10_000).with_object_fanout(1);
         let id = ObjectId::random();
-        let put = HeadRequest::ObjectPut {
-            id,
-            size: 1 << 30,
-            checksum: 9,
-            node: "a".into(),
-            address: "10.0.0.1:7000".into(),
-            job: None,
-        };
+        let put = gib_on_a(id, 9);
         head.handle(put, Some(ReplyTo(1)), 0);
         let pull = |node: &str, host: u8| HeadRequest::ObjectPull {
             id,
@@ -1102,14 +1107,7 @@ mod tests {
             4,
         );
         assert_eq!(head.parked(), 0);
-        let put_later = HeadRequest::ObjectPut {
-            id: later,
-            size: 1 << 30,
-            checksum: 9,
-            node: "a".into(),
-            address: "10.0.0.1:7000".into(),
-            job: None,
-        };
+        let put_later = gib_on_a(later, 9);
         let answers = replies(&head.handle(put_later, Some(ReplyTo(8)), 5));
         assert!(pulled_from(&answers, ReplyTo(7)).is_none(), "{answers:?}");
     }
@@ -1118,14 +1116,7 @@ mod tests {
     fn a_broadcast_pull_waits_for_a_copy_when_its_holder_serves_its_share() {
         let mut head = HeadCore::new(3_000, 10_000).with_object_fanout(1);
         let id = ObjectId::random();
-        let put = HeadRequest::ObjectPut {
-            id,
-            size: 1 << 30,
-            checksum: 9,
-            node: "a".into(),
-            address: "10.0.0.1:7000".into(),
-            job: None,
-        };
+        let put = gib_on_a(id, 9);
         head.handle(put, Some(ReplyTo(1)), 0);
         let pull = |node: &str, host: u8| HeadRequest::ObjectPull {
             id,
@@ -1180,18 +1171,7 @@ mod tests {
         assert_eq!(head.parked(), 0);
         // A pull nobody waits for takes no share.
         let other = ObjectId::random();
-        head.handle(
-            HeadRequest::ObjectPut {
-                id: other,
-                size: 1 << 30,
-                checksum: 1,
-                node: "a".into(),
-                address: "10.0.0.1:7000".into(),
-                job: None,
-            },
-            None,
-            0,
-        );
+        head.handle(gib_on_a(other, 1), None, 0);
         let pull_other = |node: &str, host: u8| HeadRequest::ObjectPull {
             id: other,
             node: node.into(),
