@@ -47,6 +47,8 @@ PY
             rm -rf "$cache/wheels"
             touch "$cache/.complete"
         fi
+        # cudarc (the NCCL binding) looks for libnccl.so; the wheel ships libnccl.so.2.
+        [ -e "$cache/lib/libnccl.so.2" ] && ln -sf libnccl.so.2 "$cache/lib/libnccl.so"
         link_all "$cache/lib"
         ;;
     *)

@@ -23,6 +23,17 @@ if [ ! -x "$venv/bin/kubernetes-validate" ]; then
 fi
 export REGATTA_TEST_VENV="$venv"
 
+# PyTorch 2.11 from PyPI (the CUDA wheel with its nvidia-* libraries, as the GPU hosts
+# have it), transformers and peft, in a virtualenv of their own outside the clone (~5 GB,
+# installed once): the GPU path's CPU-side proofs (tests/gpu_proof.rs) load its CUDA
+# libtorch and run scripts/gpu-proof.sh's CPU mode against it.
+torch_venv="${REGATTA_TORCH_VENV:-$HOME/.cache/regatta/torch-venv}"
+if ! "$torch_venv/bin/python" -c 'import torch, transformers, peft' >/dev/null 2>&1; then
+    python3 -m venv "$torch_venv"
+    "$torch_venv/bin/pip" install --quiet torch==2.11.0 transformers==5.24.0 peft==0.21.2 safetensors
+fi
+export REGATTA_TORCH_VENV="$torch_venv"
+
 # A real Prometheus for the Grafana dashboard test, headless Chromium with its WebDriver
 # for the web dashboard's test, and tcpdump for the test that captures the cluster's
 # loopback traffic, from Debian's packages (installed once).

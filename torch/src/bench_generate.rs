@@ -53,7 +53,7 @@ fn load(model: &str) -> Result<Loaded> {
     hf.check(built.as_ref())?;
     let mut stored = HashMap::new();
     for spec in built.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
-        let tensor = runtime.block_on(hf.read(&spec, Device::Cpu))?;
+        let tensor = runtime.block_on(hf.read(&spec))?;
         stored.insert(spec.name, tensor);
     }
     let params = arrange(built.as_ref(), &stored)?;

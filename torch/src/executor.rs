@@ -103,10 +103,9 @@ pub async fn initial_weights(
     source: Option<&HfModel>,
     spec: &ParamSpec,
     seed: u64,
-    device: Device,
 ) -> Result<Tensor, Error> {
     match source {
-        Some(hf) if !regatta_trainer::lora::is_adapter(&spec.name) => hf.read(spec, device).await,
+        Some(hf) if !regatta_trainer::lora::is_adapter(&spec.name) => hf.read(spec).await,
         _ => Ok(seeded(spec, seed)),
     }
 }
@@ -231,21 +230,6 @@ fn emit(event: &FromExecutor) {
     }
 }
 
-/// The device a rank trains on.
-pub fn pick_device(config: &TrainConfig, gpus: &[u32]) -> Result<Device, String> {
-    let cuda = tch::Cuda::is_available();
-    match config.device.as_str() {
-        "cuda" if !cuda => Err(
-            "device = \"cuda\" but libtorch sees no CUDA device: run on a GPU node with a CUDA \
-                                libtorch on LD_LIBRARY_PATH"
-                .into(),
-        ),
-        "cuda" => Ok(Device::Cuda(0)),
-        "auto" if cuda && !gpus.is_empty() => Ok(Device::Cuda(0)),
-        _ => Ok(Device::Cpu),
-    }
-}
-
 /// Runs an executor on stdin/stdout with `make_model`'s model; returns the exit code.
 pub fn executor_main(make_model: &ModelFactory) -> ExitCode {
     let (tx, rx) = mpsc::channel::<ToExecutor>();
@@ -303,7 +287,7 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
     let config = setup.config.clone();
     let (rank, world) = (setup.rank, setup.world);
     tch::set_num_threads(config.threads as i32);
-    let device = pick_device(&config, &setup.gpus).map_err(fatal)?;
+    let device = crate::cuda::pick_device(&config.device, &setup.gpus).map_err(fatal)?;
     let compute = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -431,7 +415,7 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         ..
     } = run_model;
     let seed = config.seed;
-    let mut init = |spec: &ParamSpec| runtime.block_on(initial_weights(source.as_ref(), spec, seed, device));
+    let mut init = |spec: &ParamSpec| runtime.block_on(initial_weights(source.as_ref(), spec, seed));
     let mut engine = Engine::new(model, coll, settings, &mut init)?;
     if let (Some(place), Some(m)) = (&place, &manifest) {
         checkpoint::restore(&runtime, place, &mut engine, rank, world, m)?;
@@ -709,7 +693,7 @@ pub fn reference_run(
     let steps: Vec<Vec<MicroBatch>> = (0..config.steps).map(|s| step_batches(config, &data, s)).collect();
     let seed = config.seed;
     let source = run_model.source;
-    let mut init = |spec: &ParamSpec| runtime.block_on(initial_weights(source.as_ref(), spec, seed, Device::Cpu));
+    let mut init = |spec: &ParamSpec| runtime.block_on(initial_weights(source.as_ref(), spec, seed));
     crate::reference::plain_run(run_model.model.as_ref(), &mut init, &steps, &config.optimizer)
 }
 

@@ -256,34 +256,23 @@ impl HfModel {
         Ok((entry, kind))
     }
 
-    /// One parameter's values as float32 on the CPU. Half-precision files are refused on
-    /// `device` CPU (a CPU run trains in float32 from float32 weights).
-    pub async fn read(&self, spec: &ParamSpec, device: Device) -> Result<Tensor> {
-        let (entry, kind) = self.entry(spec)?;
-        if kind != Kind::Float && device == Device::Cpu {
-            return Err(Error::Tensor {
-                path: format!("{}/{}", self.place.url(), entry.file),
-                name: spec.name.clone(),
-                problem: format!(
-                    "is {}: a CPU run trains float32 weights; convert the model to float32 (torch_dtype=float32 in save_pretrained) or train on a GPU",
-                    entry.dtype
-                ),
-            });
-        }
-        self.read_exact(spec).await
+    /// One parameter's values as float32 on the CPU, whatever its dtype in the file
+    /// (bf16 and f16 weights are upcast: a CPU run computes in float32).
+    pub async fn read(&self, spec: &ParamSpec) -> Result<Tensor> {
+        self.read_as(spec, Kind::Float).await
     }
 
-    /// One parameter's values as float32 on the CPU, whatever its dtype in the file (for
-    /// merging adapters, where nothing trains).
-    pub async fn read_exact(&self, spec: &ParamSpec) -> Result<Tensor> {
-        let (entry, kind) = self.entry(spec)?;
+    /// One parameter's values on the CPU in `kind`, converted straight from the file's
+    /// dtype (a bf16 file read as bf16 is never widened on the way).
+    pub async fn read_as(&self, spec: &ParamSpec, kind: Kind) -> Result<Tensor> {
+        let (entry, stored) = self.entry(spec)?;
         let bytes = self
             .place
             .get_range(&entry.file, entry.start..entry.end)
             .await
             .map_err(storage)?;
-        let tensor = Tensor::f_from_data_size(&bytes, &entry.shape, kind)?;
-        Ok(tensor.to_kind(Kind::Float))
+        let tensor = Tensor::f_from_data_size(&bytes, &entry.shape, stored)?;
+        Ok(if stored == kind { tensor } else { tensor.to_kind(kind) })
     }
 
     /// One file of the folder, if it exists.

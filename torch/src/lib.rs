@@ -9,6 +9,7 @@ pub mod bench_data;
 pub mod bench_generate;
 pub mod checkpoint;
 pub mod collective;
+pub mod cuda;
 pub mod data;
 pub mod engine;
 pub mod error;

@@ -174,7 +174,7 @@ pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u6
         for &block in members {
             for spec in blocks[block].iter().filter(|s| s.tied_to.is_none()) {
                 // Any dtype: merging trains nothing (a bf16 base merges in float32).
-                let weight = base.read_exact(spec).await?;
+                let weight = base.read(spec).await?;
                 tensors.push((
                     spec.name.clone(),
                     merged_weight(&spec.name, weight, &adapter.tensors, scale),

@@ -79,7 +79,7 @@ impl Scorer {
         for spec in model.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
             let tensor = match adapter.and_then(|a| a.tensors.get(&spec.name)) {
                 Some(tensor) => tensor.shallow_clone(),
-                None => hf.read(&spec, device).await?,
+                None => hf.read(&spec).await?,
             };
             stored.insert(spec.name, tensor.to_device(device));
         }

@@ -25,17 +25,7 @@ fn emit(message: &FromScorer) {
 
 fn load(setup: &ScorerSetup) -> Result<(Scorer, u64, Device)> {
     tch::set_num_threads(setup.threads.max(1) as i32);
-    let cuda = tch::Cuda::is_available();
-    let device = match setup.device.as_str() {
-        "cuda" if !cuda => {
-            return Err(Error::Invalid(
-                "device = \"cuda\" but libtorch sees no CUDA device".into(),
-            ))
-        }
-        "cuda" => Device::Cuda(0),
-        "auto" if cuda && !setup.gpus.is_empty() => Device::Cuda(0),
-        _ => Device::Cpu,
-    };
+    let device = crate::cuda::pick_device(&setup.device, &setup.gpus)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     if is_torchscript(&setup.checkpoint) {
         let (place, name) = Place::file(&setup.checkpoint).map_err(Error::Storage)?;

@@ -34,7 +34,7 @@ fn load(dir: &Path) -> (Box<dyn Model>, Vec<Vec<Tensor>>) {
         .flatten()
         .filter(|spec| spec.tied_to.is_none())
         .map(|spec| {
-            let t = rt.block_on(hf.read(&spec, Device::Cpu)).unwrap();
+            let t = rt.block_on(hf.read(&spec)).unwrap();
             (spec.name, t)
         })
         .collect();

@@ -51,7 +51,7 @@ fn load(dir: &Path) -> (Box<dyn Model>, Vec<Vec<Tensor>>, Vec<(String, Tensor)>)
         .filter(|spec| spec.tied_to.is_none())
         .map(|spec| {
             let t = rt
-                .block_on(hf.read(&spec, Device::Cpu))
+                .block_on(hf.read(&spec))
                 .unwrap()
                 .set_requires_grad(true);
             (spec.name, t)
@@ -154,7 +154,7 @@ fn engine_from(dir: &Path, settings: EngineSettings) -> Engine {
     let rt = runtime();
     let hf = rt.block_on(HfModel::open(dir.to_str().unwrap())).unwrap();
     let model = hf.model().unwrap();
-    let mut init = |spec: &regatta_torch::ParamSpec| rt.block_on(hf.read(spec, Device::Cpu));
+    let mut init = |spec: &regatta_torch::ParamSpec| rt.block_on(hf.read(spec));
     Engine::new(model, Box::new(Solo), settings, &mut init).unwrap()
 }
 

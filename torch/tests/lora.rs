@@ -54,7 +54,7 @@ fn load_with_adapter(name: &str, adapter: &Path) -> Loaded {
     for spec in model.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
         let tensor = match adapter.tensors.get(&spec.name) {
             Some(t) => t.shallow_clone(),
-            None => rt.block_on(hf.read(&spec, Device::Cpu)).unwrap(),
+            None => rt.block_on(hf.read(&spec)).unwrap(),
         };
         stored.insert(spec.name.clone(), tensor);
     }
@@ -97,7 +97,7 @@ fn an_adapter_from_peft_gives_peft_logits_and_merging_keeps_them() {
             .into_iter()
             .flatten()
             .filter(|s| s.tied_to.is_none())
-            .map(|s| (s.name.clone(), rt.block_on(merged.read(&s, Device::Cpu)).unwrap()))
+            .map(|s| (s.name.clone(), rt.block_on(merged.read(&s)).unwrap()))
             .collect();
         let merged_logits = tch::no_grad(|| logits(plain.as_ref(), &arrange(plain.as_ref(), &stored).unwrap(), ids));
         for (what, expected) in [
@@ -413,7 +413,7 @@ fn run_ranks(config: &TrainConfig) -> Vec<RankRun> {
                 };
                 let source = run_model.source;
                 let mut init = |spec: &regatta_torch::ParamSpec| {
-                    rt.block_on(initial_weights(source.as_ref(), spec, config.seed, Device::Cpu))
+                    rt.block_on(initial_weights(source.as_ref(), spec, config.seed))
                 };
                 let mut engine = Engine::new(run_model.model, coll, settings, &mut init).unwrap();
                 let (mut losses, mut norms) = (Vec::new(), Vec::new());
@@ -503,7 +503,7 @@ fn lora_training_over_two_ranks_matches_the_reference_at_every_stage_and_trains_
                     .flatten()
                     .find(|s| &s.name == name)
                     .unwrap();
-                let source = rt.block_on(hf.read(&spec, Device::Cpu)).unwrap();
+                let source = rt.block_on(hf.read(&spec)).unwrap();
                 assert!(t.equal(&source), "{what}: base weight {name} changed");
             }
             // Optimizer state: master and both moments of this rank's half of the adapters.

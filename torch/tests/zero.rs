@@ -99,7 +99,7 @@ fn run_ranks(config: &TrainConfig) -> Vec<RankRun> {
                 };
                 let source = run_model.source;
                 let mut init = |spec: &regatta_torch::ParamSpec| match &source {
-                    Some(hf) => runtime.block_on(hf.read(spec, tch::Device::Cpu)),
+                    Some(hf) => runtime.block_on(hf.read(spec)),
                     None => Ok(seeded(spec, config.seed)),
                 };
                 let mut engine = Engine::new(run_model.model, coll, settings, &mut init).unwrap();

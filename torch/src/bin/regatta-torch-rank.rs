@@ -12,7 +12,12 @@
 //! written as a plain Hugging Face folder; `regatta-torch-rank bench-adamw ELEMENTS
 //! THREADS`: the host AdamW update's memory traffic against a plain copy, as JSON;
 //! `regatta-torch-rank bench-data SPEC_JSON`: the streaming loader's tokens/s and memory
-//! with a no-op training step, as JSON (what `regatta bench data` prints).
+//! with a no-op training step, as JSON (what `regatta bench data` prints);
+//! `regatta-torch-rank doctor [--json] [--require-cuda]`: what this host's libtorch, CUDA
+//! driver, devices and NCCL are, and whether a rank granted a GPU could use it;
+//! `regatta-torch-rank logits MODEL_DIR IDS.safetensors OUT.safetensors [--device D]
+//! [--dtype float32|bfloat16]`: a Hugging Face model's logits for the `input_ids` tensor of
+//! IDS, written as `logits` (float32), for comparison with `transformers` on the same device.
 
 use std::process::ExitCode;
 
@@ -138,9 +143,99 @@ fn peak(args: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Writes a model folder's logits for fixed token ids (see the module docs).
+fn model_logits(args: &[String]) -> anyhow::Result<()> {
+    use regatta_torch::tch::{Device, Kind, Tensor};
+    let usage = "usage: regatta-torch-rank logits MODEL_DIR IDS.safetensors OUT.safetensors [--device cpu|cuda] [--dtype float32|bfloat16]";
+    let (mut device, mut kind, mut paths) = ("cpu".to_string(), Kind::Float, Vec::new());
+    let mut rest = args.iter();
+    while let Some(arg) = rest.next() {
+        match arg.as_str() {
+            "--device" => device = rest.next().ok_or_else(|| anyhow::anyhow!("{usage}"))?.clone(),
+            "--dtype" => {
+                kind = match rest.next().map(String::as_str) {
+                    Some("float32") => Kind::Float,
+                    Some("bfloat16") => Kind::BFloat16,
+                    other => anyhow::bail!("--dtype takes float32 or bfloat16, not {other:?}"),
+                }
+            }
+            _ => paths.push(arg.clone()),
+        }
+    }
+    let [model_dir, ids, out] = paths.as_slice() else {
+        anyhow::bail!("{usage}");
+    };
+    let device = match regatta_torch::cuda::pick_device(&device, &[])? {
+        Device::Cpu if device != "cpu" => anyhow::bail!("--device takes cpu or cuda, not {device:?}"),
+        picked => picked,
+    };
+    let input = Tensor::read_safetensors(ids)
+        .map_err(|e| anyhow::anyhow!("cannot read {ids}: {e}"))?
+        .into_iter()
+        .find_map(|(name, t)| (name == "input_ids").then_some(t))
+        .ok_or_else(|| anyhow::anyhow!("{ids} holds no input_ids tensor"))?;
+    let cwd = std::env::current_dir()?;
+    let model_dir = regatta_object_store::absolute(model_dir, &cwd);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let hf = runtime.block_on(regatta_torch::HfModel::open(&model_dir))?;
+    let model = hf.model()?;
+    hf.check(model.as_ref())?;
+    let mut stored = std::collections::HashMap::new();
+    for spec in model.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
+        let tensor = runtime.block_on(hf.read_as(&spec, kind))?;
+        stored.insert(spec.name, tensor.to_device(device));
+    }
+    let params = regatta_torch::model::arrange(model.as_ref(), &stored)?;
+    let logits = regatta_torch::tch::no_grad(|| {
+        regatta_torch::model::logits(model.as_ref(), &params, &input.to_device(device))
+    });
+    let logits = logits.to_kind(Kind::Float).to_device(Device::Cpu);
+    Tensor::write_safetensors(&[("logits", &logits)], out).map_err(|e| anyhow::anyhow!("cannot write {out}: {e}"))?;
+    println!("wrote {out}: logits {:?} on {device:?} in {kind:?}", logits.size());
+    Ok(())
+}
+
+/// Prints the diagnosis; fails with `--require-cuda` where CUDA cannot be used.
+fn doctor(args: &[String]) -> anyhow::Result<ExitCode> {
+    let (mut json, mut require_cuda) = (false, false);
+    for arg in args {
+        match arg.as_str() {
+            "--json" => json = true,
+            "--require-cuda" => require_cuda = true,
+            other => anyhow::bail!("usage: regatta-torch-rank doctor [--json] [--require-cuda] (not {other:?})"),
+        }
+    }
+    let diagnosis = regatta_torch::cuda::diagnose();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&diagnosis)?);
+    } else {
+        println!("{}", diagnosis.to_text());
+    }
+    Ok(match (&diagnosis.cuda_unusable, require_cuda) {
+        (Some(reason), true) => {
+            eprintln!("error: --require-cuda: {reason}");
+            ExitCode::from(1)
+        }
+        _ => ExitCode::SUCCESS,
+    })
+}
+
 fn main() -> ExitCode {
+    // Before anything asks libtorch about CUDA: see regatta_torch::cuda.
+    regatta_torch::cuda::load_libtorch_cuda();
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
+        Some("logits") => match model_logits(&args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Some("doctor") => doctor(&args[1..]).unwrap_or_else(|e| {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }),
         None => {
             regatta_runtime::executor::exit_when_orphaned();
             executor_main(&builtin_model)
@@ -233,7 +328,7 @@ fn main() -> ExitCode {
             }
         },
         Some(other) => {
-            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`, `merge`, `peak`, `bench-generate`, `bench-adamw`, `bench-data`");
+            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`, `merge`, `peak`, `bench-generate`, `bench-adamw`, `bench-data`, `doctor`, `logits`");
             ExitCode::from(2)
         }
     }

@@ -1,0 +1,265 @@
+#!/usr/bin/env bash
+# The GPU proof (issue 45), ready to run in one call on a GPU host lent for minutes.
+#
+#   scripts/gpu-proof.sh prepare        on the CPU machine: builds regatta and
+#                                       regatta-torch-rank (release), gathers what the run
+#                                       needs into .gpu-proof/ (git-ignored, at most 60 MiB:
+#                                       stripped binaries, fixtures, configs, the peer scripts;
+#                                       no libtorch: the GPU host's own torch/lib is used)
+#   bash .gpu-proof/gpu-proof.sh run    on the GPU host, from that folder, no network:
+#                                       every step under its own timeout, report.md beside it
+#                                       written as the steps go, even when one fails
+#   scripts/gpu-proof.sh run --cpu      the same steps, small and on the CPU (tested by
+#                                       tests/gpu_proof.rs so the script cannot rot)
+#
+# The run needs a python3 (REGATTA_PROOF_PYTHON) with torch 2.11, transformers and peft: its
+# torch/lib is the libtorch the binaries load (with its nvidia-* libraries), and it runs the
+# peer side (plain PyTorch + transformers on the same device). Environment knobs:
+#   REGATTA_PROOF_DIR       the folder (default: .gpu-proof in the repository)
+#   REGATTA_PROOF_PROFILE   cargo profile of `prepare` (default release; the test uses dev)
+#   REGATTA_PROOF_MAX_MIB   the folder's size limit (default 60)
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+
+usage() {
+    echo "usage: $0 prepare | run [--cpu]" >&2
+    exit 2
+}
+
+prepare() {
+    set -e
+    local repo out profile target_dir max_mib size_mib
+    repo="$(cd "$here/.." && pwd)"
+    out="${REGATTA_PROOF_DIR:-$repo/.gpu-proof}"
+    profile="${REGATTA_PROOF_PROFILE:-release}"
+    max_mib="${REGATTA_PROOF_MAX_MIB:-60}"
+    bash "$repo/scripts/setup-libtorch.sh" >/dev/null
+    (cd "$repo" && cargo build --profile "$profile" -p regatta --bin regatta -p regatta-torch --bin regatta-torch-rank)
+    target_dir="$repo/target/$([ "$profile" = dev ] && echo debug || echo "$profile")"
+    rm -rf "$out"
+    mkdir -p "$out/bin" "$out/fixtures"
+    for bin in regatta regatta-torch-rank; do
+        strip -o "$out/bin/$bin" "$target_dir/$bin"
+    done
+    for fixture in llama mistral qwen2; do
+        cp -r "$repo/torch/tests/fixtures/$fixture" "$out/fixtures/"
+    done
+    cp "$repo"/scripts/gpu_proof/* "$out/"
+    cp "$repo/scripts/gpu-proof.sh" "$out/gpu-proof.sh"
+    cp "$repo/data/bench-llama.json" "$repo/data/corpus.txt" "$out/"
+    git -C "$repo" rev-parse --short HEAD >"$out/COMMIT" 2>/dev/null || echo unknown >"$out/COMMIT"
+    size_mib=$(du -sm "$out" | cut -f1)
+    if [ "$size_mib" -gt "$max_mib" ]; then
+        echo "error: $out holds $size_mib MiB, more than $max_mib MiB" >&2
+        exit 1
+    fi
+    echo "prepared $out ($size_mib MiB, commit $(cat "$out/COMMIT")): run it with bash $out/gpu-proof.sh run"
+}
+
+# --- run ------------------------------------------------------------------------------------
+
+root=""
+work=""
+report=""
+failed=0
+
+# step NAME TIMEOUT_SECS COMMAND...: runs it with its output in run/NAME.log and a section
+# in the report (command, outcome, seconds, the log's tail).
+step() {
+    local name="$1" limit="$2"
+    shift 2
+    local log="$work/$name.log" started status
+    started=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+    status=$?
+    local secs=$(($(date +%s) - started))
+    local outcome="ok"
+    if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+        outcome="TIMED OUT after ${limit}s"
+    elif [ "$status" -ne 0 ]; then
+        outcome="FAILED (exit $status)"
+    fi
+    [ "$outcome" = ok ] || failed=$((failed + 1))
+    {
+        echo "### $name: $outcome, ${secs}s"
+        echo
+        echo '```'
+        echo "\$ $*"
+        tail -n 25 "$log"
+        echo '```'
+        echo
+    } >>"$report"
+    echo "$name: $outcome (${secs}s)"
+    return 0
+}
+
+# The last line of a step's log that is one JSON object, into run/NAME.json.
+json_of() {
+    grep -E '^\{.*\}$' "$work/$1.log" | tail -n 1 >"$work/$1.json" || true
+}
+
+# train.toml for a run: MODEL_CONFIG_JSON or a model folder, ZeRO stage, LoRA rank.
+write_train_toml() {
+    local file="$1" model="$2" stage="$3" lora="$4"
+    "$PY" - "$file" "$model" "$stage" "$lora" <<PY
+import json, os, sys
+file, model, stage, lora = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+lines = [
+    "world_size = 1", f"zero_stage = {stage}", "steps = $TRAIN_STEPS",
+    "micro_batch_size = $MICRO_BATCH", 'device = "$DEVICE"', "threads = $THREADS",
+    "resources = $RESOURCES",
+]
+if lora:
+    lines.append("[lora]")
+    lines.append(f"rank = {lora}")
+lines += ["[model]", "context = $SEQ"]
+if os.path.isdir(model):
+    lines.append(f'path = "{model}"')
+else:
+    lines.append("[model.config]")
+    for key, value in json.load(open(model)).items():
+        if value is not None:
+            lines.append(f"{key} = {json.dumps(value)}")
+lines += ["[data]", 'path = "$root/corpus.txt"']
+open(file, "w").write("\n".join(lines) + "\n")
+PY
+}
+
+write_score_toml() {
+    local file="$1" batch="$2"
+    cat >"$file" <<TOML
+input = "$work/prompts.jsonl"
+model = "$work/model"
+output = "$work/gen-b$batch"
+actors = 1
+partitions = 1
+generate = true
+max_new_tokens = $GEN_TOKENS
+max_batch = $batch
+kv_cache_mb = $KV_MB
+device = "$DEVICE"
+threads = $THREADS
+resources = $RESOURCES
+TOML
+}
+
+run() {
+    local mode=gpu
+    case "${1:-}" in
+        --cpu) mode=cpu ;;
+        "") ;;
+        *) usage ;;
+    esac
+    if [ -x "$here/bin/regatta" ]; then
+        root="$here"
+    else
+        root="${REGATTA_PROOF_DIR:-$(cd "$here/.." && pwd)/.gpu-proof}"
+    fi
+    if [ ! -x "$root/bin/regatta" ]; then
+        echo "error: no prepared folder at $root: run scripts/gpu-proof.sh prepare first" >&2
+        exit 2
+    fi
+    PY="${REGATTA_PROOF_PYTHON:-python3}"
+    work="$root/run"
+    report="$root/report.md"
+    rm -rf "$work"
+    mkdir -p "$work/lib"
+    # The python's torch/lib is the libtorch both sides load; its nvidia-* wheels bring
+    # cuBLAS, cuDNN and NCCL. cudarc looks for libnccl.so, the wheel ships libnccl.so.2.
+    local torch_dir site
+    torch_dir="$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')" || {
+        echo "error: $PY cannot import torch; set REGATTA_PROOF_PYTHON to a python with torch 2.11" >&2
+        exit 2
+    }
+    site="$(dirname "$torch_dir")"
+    local libs="$work/lib:$torch_dir/lib"
+    for dir in "$site"/nvidia/*/lib; do
+        [ -d "$dir" ] && libs="$libs:$dir"
+    done
+    for nccl in "$site"/nvidia/nccl/lib/libnccl.so.2; do
+        [ -e "$nccl" ] && ln -sf "$nccl" "$work/lib/libnccl.so"
+    done
+    export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export REGATTA_TORCH_RANK="$root/bin/regatta-torch-rank"
+    export PATH="$root/bin:$PATH"
+    local rank="$root/bin/regatta-torch-rank" regatta="$root/bin/regatta"
+
+    if [ "$mode" = gpu ]; then
+        DEVICE=cuda DTYPE=bfloat16 MODEL_CONFIG="$root/llama-1b.json" SEQ=2048 MICRO_BATCH=4
+        TRAIN_STEPS=20 THREADS=4 RESOURCES='{ CPU = 1, GPU = 1 }' GEN_BATCHES="1 32 128"
+        GEN_TOKENS=128 KV_MB=32768 LORA_STEPS=10 DOCTOR_FLAGS="--require-cuda"
+    else
+        DEVICE=cpu DTYPE=float32 MODEL_CONFIG="$root/bench-llama.json" SEQ=64 MICRO_BATCH=2
+        TRAIN_STEPS=4 THREADS=2 RESOURCES='{ CPU = 1 }' GEN_BATCHES="1 8" GEN_TOKENS=8
+        KV_MB=64 LORA_STEPS=3 DOCTOR_FLAGS=""
+    fi
+    {
+        echo "# Regatta GPU proof ($mode mode)"
+        echo
+        echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'); commit $(cat "$root/COMMIT" 2>/dev/null)"
+        echo "- host: $(nproc) cores; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -n 1 || echo 'no nvidia-smi')"
+        echo "- python: $("$PY" -c 'import sys, torch, transformers; print(sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)' 2>&1)"
+        echo "- device $DEVICE, peer dtype $DTYPE, model $(basename "$MODEL_CONFIG"), context $SEQ, micro-batch $MICRO_BATCH, $TRAIN_STEPS steps"
+        echo
+    } >"$report"
+
+    step doctor 120 "$rank" doctor $DOCTOR_FLAGS
+    step doctor-json 60 "$rank" doctor --json
+    step peak 180 "$PY" "$root/peer.py" peak --device "$DEVICE" --dtype "$DTYPE"
+    json_of peak
+    for fixture in llama mistral qwen2; do
+        step "logits-$fixture" 180 bash -c "'$rank' logits '$root/fixtures/$fixture' '$root/fixtures/$fixture/reference.safetensors' '$work/$fixture.logits.safetensors' --device $DEVICE --dtype $DTYPE && '$PY' '$root/logits_check.py' --model '$root/fixtures/$fixture' --ids '$root/fixtures/$fixture/reference.safetensors' --regatta '$work/$fixture.logits.safetensors' --device $DEVICE --dtype $DTYPE"
+        json_of "logits-$fixture"
+    done
+
+    step flops 60 "$PY" "$root/peer.py" flops --config "$MODEL_CONFIG" --seq "$SEQ"
+    json_of flops
+    for stage in 2 3; do
+        write_train_toml "$work/train-zero$stage.toml" "$MODEL_CONFIG" "$stage" 0
+        step "train-zero$stage" 420 "$regatta" train --config "$work/train-zero$stage.toml" --json --log-every 5
+        json_of "train-zero$stage"
+    done
+    step peer-train 300 "$PY" "$root/peer.py" train --config "$MODEL_CONFIG" --seq "$SEQ" --batch "$MICRO_BATCH" \
+        --steps "$TRAIN_STEPS" --device "$DEVICE" --dtype "$DTYPE"
+    json_of peer-train
+
+    step make-model 240 "$PY" "$root/make_model.py" --config "$MODEL_CONFIG" --tokenizer "$root/fixtures/llama/tokenizer.json" \
+        --out "$work/model" --dtype "$DTYPE" --device "$DEVICE"
+    local rows
+    for batch in $GEN_BATCHES; do
+        rows=$((batch * 2 > 8 ? batch * 2 : 8))
+        "$PY" - "$work/prompts-$batch.jsonl" "$rows" <<'PY'
+import json, sys
+words = "the river runs past a small town where people trade grain wool and salt every week".split()
+with open(sys.argv[1], "w") as out:
+    for i in range(int(sys.argv[2])):
+        n = 4 + i % 7
+        out.write(json.dumps({"id": str(i), "prompt": " ".join(words[(i + j) % len(words)] for j in range(n))}) + "\n")
+PY
+        cp "$work/prompts-$batch.jsonl" "$work/prompts.jsonl"
+        write_score_toml "$work/score-b$batch.toml" "$batch"
+        step "generate-b$batch" 300 "$regatta" score --config "$work/score-b$batch.toml" --workers 1
+        step "peer-generate-b$batch" 300 "$PY" "$root/peer.py" generate --model "$work/model" --prompts "$work/prompts-$batch.jsonl" \
+            --max-new-tokens "$GEN_TOKENS" --batch "$batch" --device "$DEVICE" --dtype "$DTYPE"
+        json_of "peer-generate-b$batch"
+    done
+
+    write_train_toml "$work/train-lora.toml" "$work/model" 2 8
+    sed -i "s/^steps = .*/steps = $LORA_STEPS/" "$work/train-lora.toml"
+    step train-lora 300 "$regatta" train --config "$work/train-lora.toml" --json --log-every 5
+    json_of train-lora
+    step peer-lora 300 "$PY" "$root/peer.py" train --config "$MODEL_CONFIG" --seq "$SEQ" --batch "$MICRO_BATCH" \
+        --steps "$LORA_STEPS" --device "$DEVICE" --dtype "$DTYPE" --lora-rank 8 --warmup 1
+    json_of peer-lora
+
+    "$PY" "$root/figures.py" "$work" "$GEN_BATCHES" >"$work/figures.md" 2>&1 || true
+    { echo "## Figures"; echo; cat "$work/figures.md"; echo; echo "$failed step(s) failed."; } >>"$report"
+    echo "report: $report ($failed step(s) failed)"
+    [ "$failed" -eq 0 ]
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    run) shift; run "$@" ;;
+    *) usage ;;
+esac

@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""The GPU proof's figures as a Markdown table, from the step outputs in RUN_DIR (the JSON
+lines each step left, and the `regatta score` summary lines). A missing step shows as
+"-": the report lists every step's outcome above the table."""
+import json
+import pathlib
+import re
+import sys
+
+run = pathlib.Path(sys.argv[1])
+batches = sys.argv[2].split()
+
+
+def load(name):
+    try:
+        return json.loads((run / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def fmt(value, spec=".0f"):
+    return "-" if value is None else format(value, spec)
+
+
+peak = (load("peak") or {}).get("gemm_flops_per_sec")
+flops = (load("flops") or {}).get("flops_per_token")
+rows = ["| figure | Regatta | peer (PyTorch + transformers) | ratio |", "| --- | ---: | ---: | ---: |"]
+if peak:
+    rows.append(f"| GEMM peak measured now ({(load('peak') or {}).get('dtype')}) | | {peak / 1e12:.1f} TFLOP/s | |")
+for fixture in ["llama", "mistral", "qwen2"]:
+    check = load(f"logits-{fixture}")
+    if check:
+        rows.append(
+            f"| {fixture} fixture logits vs transformers ({check.get('dtype')}) | max abs diff "
+            f"{check.get('max_abs_diff', float('nan')):.2e}, argmax agreement {check.get('argmax_agreement', 0):.3f} | | |"
+        )
+peer = load("peer-train") or {}
+for stage in ["2", "3"]:
+    ours = (load(f"train-zero{stage}") or {}).get("last") or {}
+    tps, peer_tps = ours.get("tokens_per_sec"), peer.get("tokens_per_sec")
+    ratio = f"{tps / peer_tps:.2f}x" if tps and peer_tps else "-"
+    rows.append(f"| train ZeRO-{stage}, tokens/s (last step) | {fmt(tps)} | {fmt(peer_tps)} | {ratio} |")
+    if tps and flops and peak:
+        peer_mfu = f"{100 * flops * peer_tps / peak:.1f}%" if peer_tps else "-"
+        rows.append(f"| train ZeRO-{stage}, MFU vs measured peak | {100 * flops * tps / peak:.1f}% | {peer_mfu} | |")
+if peer.get("peak_allocated_bytes"):
+    rows.append(f"| train peak allocated (peer) | | {peer['peak_allocated_bytes'] / 2**30:.1f} GiB | |")
+for batch in batches:
+    ours = None
+    try:
+        text = (run / f"generate-b{batch}.log").read_text()
+        found = re.findall(r"(\d+) output tokens, ([0-9.]+) output tokens/s", text)
+        ours = float(found[-1][1]) if found else None
+    except OSError:
+        pass
+    theirs = (load(f"peer-generate-b{batch}") or {}).get("output_tokens_per_sec")
+    ratio = f"{ours / theirs:.2f}x" if ours and theirs else "-"
+    rows.append(f"| generate, batch limit {batch}, output tokens/s (Regatta: end to end, start-up included) | {fmt(ours)} | {fmt(theirs)} | {ratio} |")
+lora, peer_lora = (load("train-lora") or {}).get("last") or {}, load("peer-lora") or {}
+tps, peer_tps = lora.get("tokens_per_sec"), peer_lora.get("tokens_per_sec")
+ratio = f"{tps / peer_tps:.2f}x" if tps and peer_tps else "-"
+rows.append(f"| LoRA r8 (ZeRO-2), tokens/s | {fmt(tps)} | {fmt(peer_tps)} | {ratio} |")
+print("\n".join(rows))

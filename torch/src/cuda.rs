@@ -1,0 +1,471 @@
+//! Finding CUDA for libtorch, for sure, and saying what was found.
+//!
+//! torch-sys links `libtorch_cuda` only when it is there at build time, and the linker's
+//! `--as-needed` drops it even then, because nothing in the binary calls into it directly
+//! (tch-rs issue 980): a CUDA libtorch on `LD_LIBRARY_PATH` would then never load its CUDA
+//! half and `Cuda::is_available()` would be false on a GPU host. So every executor calls
+//! [`load_libtorch_cuda`] first thing: it opens `libtorch_cuda.so` from the folder the
+//! running `libtorch_cpu.so` came from (one binary for CPU and GPU; the CUDA libraries are
+//! found at run time, through the wheel's own run paths to its `nvidia-*` libraries).
+//! libtorch resolves its CUDA hooks on first use, so the load must come before any CUDA
+//! query, which is why it is the first call of `main`.
+//!
+//! [`Diagnosis`] is what `regatta-torch-rank doctor` prints, and [`pick_device`] turns a
+//! rank's device setting and granted GPUs into a device, refusing with the diagnosis's
+//! reason where GPUs were granted and CUDA cannot be used: never a silent CPU fallback.
+#![allow(unsafe_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use serde::Serialize;
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+
+/// The libtorch headers this binary was compiled against (from `build.rs`).
+pub const BUILT_AGAINST: &str = env!("REGATTA_LIBTORCH_BUILT");
+
+/// What became of `libtorch_cuda.so` at start-up.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum CudaLibrary {
+    /// Loaded from `path`: libtorch can run CUDA kernels where a driver and a device are.
+    Loaded {
+        /// The library opened.
+        path: PathBuf,
+    },
+    /// The running libtorch is a CPU-only one (no `libtorch_cuda.so` beside it).
+    Absent {
+        /// Where it was looked for.
+        looked_in: Option<PathBuf>,
+    },
+    /// `libtorch_cuda.so` is there but would not load (usually a missing CUDA library).
+    Failed {
+        /// The library tried.
+        path: PathBuf,
+        /// The dynamic loader's reason.
+        error: String,
+    },
+}
+
+impl CudaLibrary {
+    /// Whether libtorch has its CUDA half.
+    pub fn is_loaded(&self) -> bool {
+        matches!(self, Self::Loaded { .. })
+    }
+
+    fn why_not(&self) -> Option<String> {
+        match self {
+            Self::Loaded { .. } => None,
+            Self::Absent { looked_in } => Some(format!(
+                "the libtorch in use is CPU-only (no libtorch_cuda.so in {}); put a CUDA libtorch \
+                 2.11 first on LD_LIBRARY_PATH (the torch==2.11.0 wheel's torch/lib, see \
+                 docs/GPU.md)",
+                looked_in
+                    .as_deref()
+                    .map_or_else(|| "the libtorch folder".to_string(), |p| p.display().to_string())
+            )),
+            Self::Failed { path, error } => Some(format!(
+                "{} is there but did not load: {error}; its CUDA libraries (the nvidia-* wheels) \
+                 must be findable",
+                path.display()
+            )),
+        }
+    }
+}
+
+/// The folder of the `libtorch_cpu.so` mapped into this process, read from the text of
+/// `/proc/self/maps`.
+pub fn libtorch_dir(maps: &str) -> Option<PathBuf> {
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .find(|path| {
+            Path::new(path)
+                .file_name()
+                .and_then(|name| name.to_str())
+                .is_some_and(|name| name.starts_with("libtorch_cpu.so"))
+        })
+        .and_then(|path| Path::new(path).parent().map(Path::to_path_buf))
+}
+
+/// The version a PyTorch wheel states in `torch/version.py` (`__version__ = '2.11.0+cu130'`).
+pub fn wheel_version(version_py: &str) -> Option<String> {
+    version_py.lines().find_map(|line| {
+        let rest = line.trim().strip_prefix("__version__")?.trim_start();
+        let value = rest.strip_prefix('=')?.trim();
+        // A type annotation (`__version__: str = ...`) is not the plain form; skip it.
+        let quoted = value.trim_matches(|c| c == '\'' || c == '"');
+        (quoted.len() + 2 == value.len()).then(|| quoted.to_string())
+    })
+}
+
+/// Opens `libtorch_cuda.so` beside the running `libtorch_cpu.so`, once per process; later
+/// calls return the first outcome. Call it before anything asks libtorch about CUDA.
+pub fn load_libtorch_cuda() -> &'static CudaLibrary {
+    static LOADED: OnceLock<CudaLibrary> = OnceLock::new();
+    LOADED.get_or_init(|| {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+        let Some(dir) = libtorch_dir(&maps) else {
+            return CudaLibrary::Absent { looked_in: None };
+        };
+        let path = dir.join("libtorch_cuda.so");
+        if !path.exists() {
+            return CudaLibrary::Absent { looked_in: Some(dir) };
+        }
+        let flags = libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL;
+        // SAFETY: loading runs libtorch_cuda's static initialisers, which register its CUDA
+        // hooks and kernels with the libtorch_cpu already loaded from the same folder (the
+        // same build); nothing else in this process runs CUDA code yet.
+        match unsafe { libloading::os::unix::Library::open(Some(&path), flags) } {
+            Ok(library) => {
+                // Kept for the process's life: its kernels are registered with libtorch.
+                std::mem::forget(library);
+                CudaLibrary::Loaded { path }
+            }
+            Err(e) => CudaLibrary::Failed {
+                path,
+                error: e.to_string(),
+            },
+        }
+    })
+}
+
+/// One CUDA device as the driver reports it.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeviceInfo {
+    /// Ordinal.
+    pub index: usize,
+    /// Marketing name (`NVIDIA H100 80GB HBM3`).
+    pub name: String,
+    /// Device memory.
+    pub total_memory_bytes: u64,
+    /// Compute capability, as `major.minor`.
+    pub compute_capability: String,
+    /// bf16 tensor cores (compute capability 8.0 or later).
+    pub bf16: bool,
+}
+
+/// Which fused attention kernel libtorch picks for a training-shaped call on a device.
+#[derive(Debug, Clone, Serialize)]
+pub struct SdpaChoice {
+    /// The device and dtype asked about.
+    pub on: String,
+    /// Kernel for causal attention with no mask (GQA, 8 query heads over 2 KV heads).
+    pub causal: String,
+    /// Kernel when a dense `[B,1,T,T]` mask is passed (how packed batches attend today).
+    pub dense_mask: String,
+}
+
+/// Everything `regatta-torch-rank doctor` reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct Diagnosis {
+    /// The headers this binary was compiled against.
+    pub libtorch_built_against: String,
+    /// The folder of the running `libtorch_cpu.so`.
+    pub libtorch_dir: Option<PathBuf>,
+    /// The running wheel's `torch/version.py`, where libtorch came from a wheel.
+    pub libtorch_wheel_version: Option<String>,
+    /// What became of `libtorch_cuda.so`.
+    pub libtorch_cuda: CudaLibrary,
+    /// `libcuda.so` (the driver): its version, or why it is not there.
+    pub driver: std::result::Result<String, String>,
+    /// libtorch's own answer.
+    pub cuda_available: bool,
+    /// libtorch's device count.
+    pub device_count: i64,
+    /// The devices the driver lists.
+    pub devices: Vec<DeviceInfo>,
+    /// cuDNN usable by libtorch.
+    pub cudnn_available: bool,
+    /// NCCL's version, or why it cannot be loaded.
+    pub nccl: std::result::Result<String, String>,
+    /// Kernel choices of scaled-dot-product attention.
+    pub sdpa: Vec<SdpaChoice>,
+    /// Why a rank granted a GPU could not use one here; `None` when it can.
+    pub cuda_unusable: Option<String>,
+}
+
+/// Looks at this process's libtorch, CUDA driver, devices and NCCL.
+pub fn diagnose() -> Diagnosis {
+    let libtorch_cuda = load_libtorch_cuda().clone();
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let dir = libtorch_dir(&maps);
+    let wheel = dir
+        .as_deref()
+        .and_then(|dir| std::fs::read_to_string(dir.join("../version.py")).ok())
+        .and_then(|text| wheel_version(&text));
+    let cuda_available = tch::Cuda::is_available();
+    let device_count = tch::Cuda::device_count();
+    let (driver, devices) = driver_devices();
+    let mut sdpa = vec![sdpa_choice(Device::Cpu, Kind::Float)];
+    if cuda_available {
+        sdpa.push(sdpa_choice(Device::Cuda(0), Kind::BFloat16));
+    }
+    let cuda_unusable = why_unusable(&libtorch_cuda, &driver, cuda_available, device_count);
+    Diagnosis {
+        libtorch_built_against: BUILT_AGAINST.to_string(),
+        libtorch_dir: dir,
+        libtorch_wheel_version: wheel,
+        libtorch_cuda,
+        driver,
+        cuda_available,
+        device_count,
+        devices,
+        cudnn_available: cuda_available && tch::Cuda::cudnn_is_available(),
+        nccl: nccl_version(),
+        sdpa,
+        cuda_unusable,
+    }
+}
+
+fn why_unusable(
+    library: &CudaLibrary,
+    driver: &std::result::Result<String, String>,
+    cuda_available: bool,
+    device_count: i64,
+) -> Option<String> {
+    if cuda_available && device_count > 0 {
+        return None;
+    }
+    if let Some(reason) = library.why_not() {
+        return Some(reason);
+    }
+    if let Err(reason) = driver {
+        return Some(format!("libtorch has CUDA but {reason}"));
+    }
+    // libtorch's own words on the first CUDA allocation say what is missing.
+    let probe = Tensor::f_zeros([1], (Kind::Float, Device::Cuda(0)))
+        .err()
+        .map(|e| first_line(&e.to_string()))
+        .unwrap_or_else(|| "no CUDA device is visible".to_string());
+    Some(format!("libtorch has CUDA and the driver loads, but libtorch sees {device_count} devices: {probe}"))
+}
+
+fn first_line(text: &str) -> String {
+    text.lines().next().unwrap_or_default().trim().to_string()
+}
+
+/// The driver's version and devices, or why the driver cannot be used.
+fn driver_devices() -> (std::result::Result<String, String>, Vec<DeviceInfo>) {
+    use cudarc::driver::{result, sys};
+    // SAFETY: only tries to dlopen candidate names of the driver library.
+    if !unsafe { sys::is_culib_present() } {
+        return (Err("no NVIDIA driver (libcuda.so.1) is installed".into()), Vec::new());
+    }
+    if let Err(e) = result::init() {
+        return (Err(format!("the NVIDIA driver did not initialise: {e:?}")), Vec::new());
+    }
+    let mut version = 0;
+    // SAFETY: a valid out-pointer; the driver is initialised.
+    let version = match unsafe { sys::cuDriverGetVersion(&mut version) }.result() {
+        Ok(()) => format!("CUDA {}.{}", version / 1000, (version % 1000) / 10),
+        Err(e) => format!("unknown ({e:?})"),
+    };
+    let count = result::device::get_count().unwrap_or(0).max(0);
+    let devices = (0..count)
+        .filter_map(|index| {
+            let device = result::device::get(index).ok()?;
+            let attribute = |which| {
+                // SAFETY: `device` came from cuDeviceGet.
+                unsafe { result::device::get_attribute(device, which) }.unwrap_or(0)
+            };
+            let major = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
+            let minor = attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
+            Some(DeviceInfo {
+                index: index as usize,
+                name: result::device::get_name(device).unwrap_or_default(),
+                // SAFETY: `device` came from cuDeviceGet.
+                total_memory_bytes: unsafe { result::device::total_mem(device) }.unwrap_or(0) as u64,
+                compute_capability: format!("{major}.{minor}"),
+                bf16: major >= 8,
+            })
+        })
+        .collect();
+    (Ok(version), devices)
+}
+
+fn nccl_version() -> std::result::Result<String, String> {
+    crate::nccl::check_library().map_err(|e| e.to_string())?;
+    let mut version = 0;
+    // SAFETY: the library is present (checked above) and the pointer is valid.
+    match unsafe { cudarc::nccl::sys::ncclGetVersion(&mut version) } {
+        cudarc::nccl::sys::ncclResult_t::ncclSuccess => Ok(format!(
+            "{}.{}.{}",
+            version / 10000,
+            (version % 10000) / 100,
+            version % 100
+        )),
+        other => Err(format!("ncclGetVersion: {other:?}")),
+    }
+}
+
+/// libtorch's name for an `_fused_sdp_choice` answer (`SDPBackend`'s order).
+pub fn sdp_backend_name(choice: i64) -> &'static str {
+    match choice {
+        0 => "math",
+        1 => "flash_attention",
+        2 => "efficient_attention",
+        3 => "cudnn_attention",
+        4 => "overrideable",
+        _ => "none",
+    }
+}
+
+fn sdpa_choice(device: Device, kind: Kind) -> SdpaChoice {
+    let (batch, heads, kv_heads, time, head_dim) = (2, 8, 2, 256, 64);
+    let q = Tensor::zeros([batch, heads, time, head_dim], (kind, device));
+    let kv = Tensor::zeros([batch, kv_heads, time, head_dim], (kind, device));
+    let choose = |mask: Option<&Tensor>| {
+        Tensor::f_internal_fused_sdp_choice(&q, &kv, &kv, mask, 0.0, mask.is_none(), None, true)
+            .map_or_else(|e| format!("error: {}", first_line(&e.to_string())), |c| sdp_backend_name(c).into())
+    };
+    let mask = Tensor::ones([batch, 1, time, time], (Kind::Bool, device)).tril(0);
+    SdpaChoice {
+        on: format!("{device:?} {kind:?}"),
+        causal: choose(None),
+        dense_mask: choose(Some(&mask)),
+    }
+}
+
+/// The device a rank or scorer runs on: `setting` is the config's `device` (`auto`, `cpu`
+/// or `cuda`), `gpus` the GPUs the cluster granted it. Granted GPUs that cannot be used,
+/// or `cuda` asked where there is none, are refused with the reason.
+pub fn pick_device(setting: &str, gpus: &[u32]) -> Result<Device> {
+    let wants_cuda = match setting {
+        "cpu" => return Ok(Device::Cpu),
+        "cuda" => true,
+        _ => !gpus.is_empty(),
+    };
+    if !wants_cuda {
+        return Ok(Device::Cpu);
+    }
+    load_libtorch_cuda();
+    if tch::Cuda::is_available() && tch::Cuda::device_count() > 0 {
+        return Ok(Device::Cuda(0));
+    }
+    let diagnosis = diagnose();
+    let reason = diagnosis
+        .cuda_unusable
+        .unwrap_or_else(|| "libtorch sees no CUDA device".to_string());
+    let asked = if setting == "cuda" {
+        "device = \"cuda\"".to_string()
+    } else {
+        format!("granted GPU {gpus:?} (device = \"{setting}\")")
+    };
+    Err(Error::Invalid(format!(
+        "{asked} but CUDA cannot be used here: {reason}. Run `regatta-torch-rank doctor` on this \
+         node for details, or set device = \"cpu\" to train on the CPU on purpose"
+    )))
+}
+
+impl Diagnosis {
+    /// The report as lines a person reads.
+    pub fn to_text(&self) -> String {
+        let mut out = Vec::new();
+        let show = |r: &std::result::Result<String, String>| match r {
+            Ok(v) => v.clone(),
+            Err(e) => format!("not available: {e}"),
+        };
+        out.push(format!("libtorch built against: {}", self.libtorch_built_against));
+        out.push(format!(
+            "libtorch in use: {}{}",
+            self.libtorch_dir.as_deref().map_or("?".into(), |p| p.display().to_string()),
+            self.libtorch_wheel_version
+                .as_deref()
+                .map_or(String::new(), |v| format!(" (wheel {v})"))
+        ));
+        out.push(format!(
+            "libtorch_cuda: {}",
+            match &self.libtorch_cuda {
+                CudaLibrary::Loaded { path } => format!("loaded from {}", path.display()),
+                other => other.why_not().unwrap_or_default(),
+            }
+        ));
+        out.push(format!("NVIDIA driver: {}", show(&self.driver)));
+        out.push(format!(
+            "CUDA available: {} ({} devices, cuDNN {})",
+            self.cuda_available,
+            self.device_count,
+            if self.cudnn_available { "yes" } else { "no" }
+        ));
+        for d in &self.devices {
+            out.push(format!(
+                "  cuda:{} {}: {:.1} GiB, compute capability {}, bf16 {}",
+                d.index,
+                d.name,
+                d.total_memory_bytes as f64 / (1u64 << 30) as f64,
+                d.compute_capability,
+                if d.bf16 { "yes" } else { "no" }
+            ));
+        }
+        out.push(format!("NCCL: {}", show(&self.nccl)));
+        for s in &self.sdpa {
+            out.push(format!(
+                "attention kernel on {}: causal {}, with a dense mask {}",
+                s.on, s.causal, s.dense_mask
+            ));
+        }
+        out.push(match &self.cuda_unusable {
+            None => "verdict: CUDA usable".to_string(),
+            Some(reason) => format!("verdict: CPU only: {reason}"),
+        });
+        out.join("\n")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn libtorch_dir_is_read_from_the_process_maps() {
+        let maps = "\
+7f1c00000000-7f1c00021000 rw-p 00000000 00:00 0
+7f1c10000000-7f1c12000000 r-xp 00000000 fd:01 123 /usr/lib/x86_64-linux-gnu/libc.so.6
+7f1c20000000-7f1c40000000 r-xp 00000000 fd:01 456 /opt/venv/lib/python3.12/site-packages/torch/lib/libtorch_cpu.so
+";
+        assert_eq!(
+            libtorch_dir(maps),
+            Some(PathBuf::from("/opt/venv/lib/python3.12/site-packages/torch/lib"))
+        );
+        assert_eq!(libtorch_dir("7f1c 0 r-xp 0 0:0 1 /lib/libtorch_cuda.so\n"), None);
+        assert_eq!(libtorch_dir(""), None);
+    }
+
+    #[test]
+    fn wheel_version_reads_the_plain_assignment() {
+        let text = "from typing import Optional\n__all__ = ['__version__']\n__version__ = '2.11.0+cu130'\ndebug = False\n";
+        assert_eq!(wheel_version(text).as_deref(), Some("2.11.0+cu130"));
+        assert_eq!(wheel_version("__version__ = \"2.11.0\"\n").as_deref(), Some("2.11.0"));
+        assert_eq!(wheel_version("__version__: str = 'x'\n"), None);
+        assert_eq!(wheel_version("version = '1'\n"), None);
+    }
+
+    #[test]
+    fn cpu_setting_and_no_gpus_stay_on_cpu_without_asking_cuda() {
+        assert_eq!(pick_device("cpu", &[0, 1]).ok(), Some(Device::Cpu));
+        assert_eq!(pick_device("auto", &[]).ok(), Some(Device::Cpu));
+    }
+
+    #[test]
+    fn granted_gpus_without_cuda_are_refused_with_the_reason() {
+        // This test runs on the CPU libtorch the suite builds against (no GPU here).
+        if tch::Cuda::is_available() {
+            return;
+        }
+        let error = pick_device("auto", &[0]).expect_err("a granted GPU that cannot be used must fail");
+        let text = error.to_string();
+        assert!(text.contains("granted GPU [0]"), "{text}");
+        assert!(text.contains("CUDA cannot be used here"), "{text}");
+        let error = pick_device("cuda", &[]).expect_err("device = cuda without CUDA must fail");
+        assert!(error.to_string().contains("device = \"cuda\""), "{error}");
+    }
+
+    #[test]
+    fn backend_names_follow_libtorch_order() {
+        assert_eq!(sdp_backend_name(0), "math");
+        assert_eq!(sdp_backend_name(1), "flash_attention");
+        assert_eq!(sdp_backend_name(-1), "none");
+    }
+}
