@@ -16,8 +16,10 @@
 # torch/lib is the libtorch the binaries load (with its nvidia-* libraries), and it runs the
 # peer side (plain PyTorch + transformers on the same device). Environment knobs:
 #   REGATTA_PROOF_DIR       the folder (default: .gpu-proof in the repository)
-#   REGATTA_PROOF_PROFILE   cargo profile of `prepare` (default release; the test uses dev)
+#   REGATTA_PROOF_PROFILE   cargo profile of `prepare` (default release)
 #   REGATTA_PROOF_MAX_MIB   the folder's size limit (default 60)
+#   REGATTA_PROOF_BIN_DIR   take regatta and regatta-torch-rank from here instead of
+#                           building (the test hands over the binaries under test)
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 
@@ -33,9 +35,13 @@ prepare() {
     out="${REGATTA_PROOF_DIR:-$repo/.gpu-proof}"
     profile="${REGATTA_PROOF_PROFILE:-release}"
     max_mib="${REGATTA_PROOF_MAX_MIB:-60}"
-    bash "$repo/scripts/setup-libtorch.sh" >/dev/null
-    (cd "$repo" && cargo build --profile "$profile" -p regatta --bin regatta -p regatta-torch --bin regatta-torch-rank)
-    target_dir="$repo/target/$([ "$profile" = dev ] && echo debug || echo "$profile")"
+    if [ -n "${REGATTA_PROOF_BIN_DIR:-}" ]; then
+        target_dir="$REGATTA_PROOF_BIN_DIR"
+    else
+        bash "$repo/scripts/setup-libtorch.sh" >/dev/null
+        (cd "$repo" && cargo build --profile "$profile" -p regatta --bin regatta -p regatta-torch --bin regatta-torch-rank)
+        target_dir="$repo/target/$([ "$profile" = dev ] && echo debug || echo "$profile")"
+    fi
     rm -rf "$out"
     mkdir -p "$out/bin" "$out/fixtures"
     for bin in regatta regatta-torch-rank; do
@@ -107,7 +113,7 @@ file, model, stage, lora = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.a
 lines = [
     "world_size = 1", f"zero_stage = {stage}", "steps = $TRAIN_STEPS",
     "micro_batch_size = $MICRO_BATCH", 'device = "$DEVICE"', "threads = $THREADS",
-    "resources = $RESOURCES",
+    "resources = $RESOURCES", "activation_checkpointing = $CHECKPOINTING",
 ]
 if lora:
     lines.append("[lora]")
@@ -164,6 +170,8 @@ run() {
     report="$root/report.md"
     rm -rf "$work"
     mkdir -p "$work/lib"
+    # Not the repository root: its torch/ folder would shadow the torch package.
+    cd "$work"
     # The python's torch/lib is the libtorch both sides load; its nvidia-* wheels bring
     # cuBLAS, cuDNN and NCCL. cudarc looks for libnccl.so, the wheel ships libnccl.so.2.
     local torch_dir site
@@ -185,14 +193,20 @@ run() {
     local rank="$root/bin/regatta-torch-rank" regatta="$root/bin/regatta"
 
     if [ "$mode" = gpu ]; then
+        # Activation checkpointing on both sides: a 1.1B model at context 2048 must fit an
+        # 80 GB H100 while Regatta still computes in f32 with the math attention kernel.
         DEVICE=cuda DTYPE=bfloat16 MODEL_CONFIG="$root/llama-1b.json" SEQ=2048 MICRO_BATCH=4
         TRAIN_STEPS=20 THREADS=4 RESOURCES='{ CPU = 1, GPU = 1 }' GEN_BATCHES="1 32 128"
-        GEN_TOKENS=128 KV_MB=32768 LORA_STEPS=10 DOCTOR_FLAGS="--require-cuda"
+        GEN_TOKENS=64 KV_MB=32768 LORA_STEPS=10 DOCTOR_FLAGS="--require-cuda"
+        CHECKPOINTING=true PEER_FLAGS="--checkpointing"
     else
         DEVICE=cpu DTYPE=float32 MODEL_CONFIG="$root/bench-llama.json" SEQ=64 MICRO_BATCH=2
         TRAIN_STEPS=4 THREADS=2 RESOURCES='{ CPU = 1 }' GEN_BATCHES="1 8" GEN_TOKENS=8
-        KV_MB=64 LORA_STEPS=3 DOCTOR_FLAGS=""
+        KV_MB=64 LORA_STEPS=3 DOCTOR_FLAGS="" CHECKPOINTING=false PEER_FLAGS=""
     fi
+    # The fixtures' logits are compared in bf16 on either device (f32 equality is
+    # torch/tests/hf.rs's on the CPU).
+    local logits_dtype=bfloat16
     {
         echo "# Regatta GPU proof ($mode mode)"
         echo
@@ -208,7 +222,7 @@ run() {
     step peak 180 "$PY" "$root/peer.py" peak --device "$DEVICE" --dtype "$DTYPE"
     json_of peak
     for fixture in llama mistral qwen2; do
-        step "logits-$fixture" 180 bash -c "'$rank' logits '$root/fixtures/$fixture' '$root/fixtures/$fixture/reference.safetensors' '$work/$fixture.logits.safetensors' --device $DEVICE --dtype $DTYPE && '$PY' '$root/logits_check.py' --model '$root/fixtures/$fixture' --ids '$root/fixtures/$fixture/reference.safetensors' --regatta '$work/$fixture.logits.safetensors' --device $DEVICE --dtype $DTYPE"
+        step "logits-$fixture" 180 bash -c "'$rank' logits '$root/fixtures/$fixture' '$root/fixtures/$fixture/reference.safetensors' '$work/$fixture.logits.safetensors' --device $DEVICE --dtype $logits_dtype && '$PY' '$root/logits_check.py' --model '$root/fixtures/$fixture' --ids '$root/fixtures/$fixture/reference.safetensors' --regatta '$work/$fixture.logits.safetensors' --device $DEVICE --dtype $logits_dtype"
         json_of "logits-$fixture"
     done
 
@@ -220,7 +234,7 @@ run() {
         json_of "train-zero$stage"
     done
     step peer-train 300 "$PY" "$root/peer.py" train --config "$MODEL_CONFIG" --seq "$SEQ" --batch "$MICRO_BATCH" \
-        --steps "$TRAIN_STEPS" --device "$DEVICE" --dtype "$DTYPE"
+        --steps "$TRAIN_STEPS" --device "$DEVICE" --dtype "$DTYPE" $PEER_FLAGS
     json_of peer-train
 
     step make-model 240 "$PY" "$root/make_model.py" --config "$MODEL_CONFIG" --tokenizer "$root/fixtures/llama/tokenizer.json" \
@@ -249,7 +263,7 @@ PY
     step train-lora 300 "$regatta" train --config "$work/train-lora.toml" --json --log-every 5
     json_of train-lora
     step peer-lora 300 "$PY" "$root/peer.py" train --config "$MODEL_CONFIG" --seq "$SEQ" --batch "$MICRO_BATCH" \
-        --steps "$LORA_STEPS" --device "$DEVICE" --dtype "$DTYPE" --lora-rank 8 --warmup 1
+        --steps "$LORA_STEPS" --device "$DEVICE" --dtype "$DTYPE" --lora-rank 8 --warmup 1 $PEER_FLAGS
     json_of peer-lora
 
     "$PY" "$root/figures.py" "$work" "$GEN_BATCHES" >"$work/figures.md" 2>&1 || true

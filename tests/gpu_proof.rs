@@ -124,8 +124,9 @@ fn gpu_proof_script_prepares_its_folder_and_runs_every_step_on_cpu() {
         .arg(&script)
         .arg("prepare")
         .env("REGATTA_PROOF_DIR", &dir)
-        .env("REGATTA_PROOF_PROFILE", "dev")
-        // Debug binaries are larger than the release ones the limit is for.
+        // The binaries under test, not a second build; being debug builds, they are larger
+        // than the release ones the size limit is for.
+        .env("REGATTA_PROOF_BIN_DIR", rank_binary().parent().unwrap())
         .env("REGATTA_PROOF_MAX_MIB", "2000")
         .output()
         .unwrap();

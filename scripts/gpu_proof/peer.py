@@ -78,7 +78,8 @@ def train(args):
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         model = peft.get_peft_model(model, peft.LoraConfig(r=args.lora_rank, lora_alpha=32, target_modules=targets))
     if args.checkpointing:
-        model.gradient_checkpointing_enable()
+        # Non-reentrant: works with a frozen base whose inputs need no gradient (LoRA).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.startswith("cuda"))
