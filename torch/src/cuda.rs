@@ -359,6 +359,48 @@ pub fn pick_device(setting: &str, gpus: &[u32]) -> Result<Device> {
     )))
 }
 
+/// Whether CUDA device `ordinal` (as this process sees it, after `CUDA_VISIBLE_DEVICES`)
+/// has bf16 tensor cores (compute capability 8.0 or later); `None` without a driver.
+pub fn bf16_supported(ordinal: usize) -> Option<bool> {
+    use cudarc::driver::{result, sys};
+    // SAFETY: only tries to dlopen candidate names of the driver library.
+    if !unsafe { sys::is_culib_present() } {
+        return None;
+    }
+    result::init().ok()?;
+    let device = result::device::get(ordinal as i32).ok()?;
+    // SAFETY: `device` came from cuDeviceGet.
+    let major = unsafe {
+        result::device::get_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+    }
+    .ok()?;
+    Some(major >= 8)
+}
+
+/// The dtype scoring and generation compute in on `device`: bf16 on a CUDA device that
+/// has it, f16 on an older one, f32 on the CPU (weights and KV cache alike).
+pub fn inference_kind(device: Device) -> Kind {
+    match device {
+        Device::Cuda(ordinal) if bf16_supported(ordinal).unwrap_or(true) => Kind::BFloat16,
+        Device::Cuda(_) => Kind::Half,
+        _ => Kind::Float,
+    }
+}
+
+/// The dtype training computes in on `device` (master weights stay f32): bf16 on CUDA, f32
+/// on the CPU. A GPU without bf16 is refused: f16 training would need loss scaling, which
+/// Regatta does not do.
+pub fn training_kind(device: Device) -> Result<Kind> {
+    match device {
+        Device::Cuda(ordinal) if bf16_supported(ordinal) == Some(false) => Err(Error::Invalid(format!(
+            "cuda:{ordinal} has no bf16 (compute capability below 8.0): Regatta trains in bf16 \
+             on CUDA and does not do f16 loss scaling; use an Ampere or later GPU, or device = \"cpu\""
+        ))),
+        Device::Cuda(_) => Ok(Kind::BFloat16),
+        _ => Ok(Kind::Float),
+    }
+}
+
 impl Diagnosis {
     /// The report as lines a person reads.
     pub fn to_text(&self) -> String {
@@ -460,6 +502,12 @@ mod tests {
         assert!(text.contains("CUDA cannot be used here"), "{text}");
         let error = pick_device("cuda", &[]).expect_err("device = cuda without CUDA must fail");
         assert!(error.to_string().contains("device = \"cuda\""), "{error}");
+    }
+
+    #[test]
+    fn the_cpu_computes_in_f32_for_training_and_inference() {
+        assert_eq!(inference_kind(Device::Cpu), Kind::Float);
+        assert_eq!(training_kind(Device::Cpu).ok(), Some(Kind::Float));
     }
 
     #[test]

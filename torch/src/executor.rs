@@ -288,7 +288,7 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
     let (rank, world) = (setup.rank, setup.world);
     tch::set_num_threads(config.threads as i32);
     let device = crate::cuda::pick_device(&config.device, &setup.gpus).map_err(fatal)?;
-    let compute = if device.is_cuda() { Kind::BFloat16 } else { Kind::Float };
+    let compute = crate::cuda::training_kind(device).map_err(fatal)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

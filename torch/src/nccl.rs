@@ -64,13 +64,30 @@ impl NcclCollective {
         Ok(Self { comm, rank, world })
     }
 
-    fn check(tensor: &Tensor) -> CollResult<()> {
-        if !tensor.device().is_cuda() || tensor.kind() != Kind::Float || !tensor.is_contiguous() {
-            return Err(Error::Collective(
-                "NCCL collectives take contiguous f32 CUDA tensors".into(),
-            ));
+    /// NCCL's type for a contiguous CUDA tensor, or why it cannot take part.
+    fn check(tensor: &Tensor) -> CollResult<sys::ncclDataType_t> {
+        match nccl_type(tensor.kind()) {
+            Some(kind) if tensor.device().is_cuda() && tensor.is_contiguous() => Ok(kind),
+            _ => Err(Error::Collective(format!(
+                "NCCL collectives take contiguous CUDA tensors of f32, bf16, f16 or f64, not a {}{:?} tensor on {:?}",
+                if tensor.is_contiguous() { "" } else { "non-contiguous " },
+                tensor.kind(),
+                tensor.device()
+            ))),
         }
-        Ok(())
+    }
+}
+
+/// The NCCL element type of a libtorch kind: collectives move the buffer's own dtype (a
+/// bf16 gather moves two bytes an element, not four).
+pub fn nccl_type(kind: Kind) -> Option<sys::ncclDataType_t> {
+    use sys::ncclDataType_t as T;
+    match kind {
+        Kind::Float => Some(T::ncclFloat32),
+        Kind::BFloat16 => Some(T::ncclBfloat16),
+        Kind::Half => Some(T::ncclFloat16),
+        Kind::Double => Some(T::ncclFloat64),
+        _ => None,
     }
 }
 
@@ -91,15 +108,16 @@ impl TensorCollective for NcclCollective {
         self.world
     }
     fn all_reduce(&mut self, input: &Tensor) -> CollResult<Tensor> {
-        Self::check(input)?;
+        let kind = Self::check(input)?;
         let out = input.empty_like();
-        // SAFETY: both buffers are live contiguous f32 device tensors of input.numel() elements.
+        // SAFETY: both buffers are live contiguous device tensors of input.numel() elements
+        // of the type `kind` names.
         unsafe {
             result::all_reduce(
                 input.data_ptr(),
                 out.data_ptr(),
                 input.numel(),
-                sys::ncclDataType_t::ncclFloat32,
+                kind,
                 sys::ncclRedOp_t::ncclSum,
                 self.comm,
                 STREAM,
@@ -109,16 +127,17 @@ impl TensorCollective for NcclCollective {
         Ok(out)
     }
     fn reduce_scatter(&mut self, input: &Tensor) -> CollResult<Tensor> {
-        Self::check(input)?;
+        let kind = Self::check(input)?;
         let n = input.numel() / self.world;
-        let out = Tensor::empty([n as i64], (Kind::Float, input.device()));
-        // SAFETY: input holds world * n elements and out n, both live on the device.
+        let out = Tensor::empty([n as i64], (input.kind(), input.device()));
+        // SAFETY: input holds world * n elements and out n, both live on the device, of
+        // the type `kind` names.
         unsafe {
             result::reduce_scatter(
                 input.data_ptr(),
                 out.data_ptr(),
                 n,
-                sys::ncclDataType_t::ncclFloat32,
+                kind,
                 sys::ncclRedOp_t::ncclSum,
                 self.comm,
                 STREAM,
@@ -128,15 +147,16 @@ impl TensorCollective for NcclCollective {
         Ok(out)
     }
     fn all_gather(&mut self, input: &Tensor) -> CollResult<Tensor> {
-        Self::check(input)?;
-        let out = Tensor::empty([(input.numel() * self.world) as i64], (Kind::Float, input.device()));
-        // SAFETY: input holds n elements and out world * n, both live on the device.
+        let kind = Self::check(input)?;
+        let out = Tensor::empty([(input.numel() * self.world) as i64], (input.kind(), input.device()));
+        // SAFETY: input holds n elements and out world * n, both live on the device, of
+        // the type `kind` names.
         unsafe {
             result::all_gather(
                 input.data_ptr(),
                 out.data_ptr(),
                 input.numel(),
-                sys::ncclDataType_t::ncclFloat32,
+                kind,
                 self.comm,
                 STREAM,
             )
@@ -145,15 +165,16 @@ impl TensorCollective for NcclCollective {
         Ok(out)
     }
     fn broadcast(&mut self, input: &Tensor, root: usize) -> CollResult<Tensor> {
-        Self::check(input)?;
+        let kind = Self::check(input)?;
         let out = input.copy();
-        // SAFETY: both buffers are live contiguous f32 device tensors of input.numel() elements.
+        // SAFETY: both buffers are live contiguous device tensors of input.numel() elements
+        // of the type `kind` names.
         unsafe {
             result::broadcast(
                 input.data_ptr(),
                 out.data_ptr(),
                 input.numel(),
-                sys::ncclDataType_t::ncclFloat32,
+                kind,
                 root as i32,
                 self.comm,
                 STREAM,
@@ -171,6 +192,19 @@ impl TensorCollective for NcclCollective {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn collectives_move_the_buffers_own_dtype() {
+        use sys::ncclDataType_t as T;
+        assert_eq!(nccl_type(Kind::BFloat16), Some(T::ncclBfloat16));
+        assert_eq!(nccl_type(Kind::Half), Some(T::ncclFloat16));
+        assert_eq!(nccl_type(Kind::Float), Some(T::ncclFloat32));
+        assert_eq!(nccl_type(Kind::Int64), None);
+        // A CPU tensor is refused with what it is, before any NCCL call.
+        let error = NcclCollective::check(&Tensor::zeros([2], (Kind::BFloat16, tch::Device::Cpu)))
+            .expect_err("a CPU tensor cannot take part in NCCL");
+        assert!(error.to_string().contains("BFloat16 tensor on Cpu"), "{error}");
+    }
 
     #[test]
     fn a_missing_library_is_a_clear_error_not_a_panic() {

@@ -53,14 +53,16 @@ pub struct Scorer {
 }
 
 impl Scorer {
-    /// A model folder (Hugging Face layout, or a trainer checkpoint) with its weights,
-    /// scoring texts of up to `context` tokens (0: the model's own limit).
+    /// A model folder (Hugging Face layout, or a trainer checkpoint) with its weights in
+    /// `kind` on `device` (`cuda::inference_kind`: bf16 on CUDA), scoring texts of up to
+    /// `context` tokens (0: the model's own limit). Log-probabilities are taken in f32.
     pub async fn from_folder(
         hf: &HfModel,
         adapter: Option<&Adapter>,
         context: usize,
         tokenizer: TextTokenizer,
         device: Device,
+        kind: Kind,
     ) -> Result<Self> {
         let mut model = hf.model()?;
         hf.check(model.as_ref())?;
@@ -77,9 +79,10 @@ impl Scorer {
         }
         let mut stored = std::collections::HashMap::new();
         for spec in model.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
+            // Straight from the file's dtype to `kind` (a bf16 file is never widened).
             let tensor = match adapter.and_then(|a| a.tensors.get(&spec.name)) {
-                Some(tensor) => tensor.shallow_clone(),
-                None => hf.read(&spec).await?,
+                Some(tensor) => tensor.to_kind(kind),
+                None => hf.read_as(&spec, kind).await?,
             };
             stored.insert(spec.name, tensor.to_device(device));
         }

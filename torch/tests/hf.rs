@@ -383,7 +383,12 @@ fn the_scorer_reads_a_model_folder_and_scores_as_transformers_logits_imply() {
     use regatta_torch::data::TextTokenizer;
     use regatta_torch::score::Scorer;
     let rt = runtime();
-    for name in FIXTURES {
+    // f32 as transformers computed the fixture; bf16 (how CUDA scores) within its rounding:
+    // 8 bits of mantissa on every weight and activation, log-probabilities taken in f32.
+    for (name, kind, tolerance) in FIXTURES
+        .iter()
+        .flat_map(|name| [(*name, Kind::Float, 1e-3), (*name, Kind::BFloat16, 0.02)])
+    {
         let hf = rt.block_on(HfModel::open(fixture(name).to_str().unwrap())).unwrap();
         let tokenizer = rt
             .block_on(TextTokenizer::load(
@@ -391,7 +396,7 @@ fn the_scorer_reads_a_model_folder_and_scores_as_transformers_logits_imply() {
             ))
             .unwrap();
         let scorer = rt
-            .block_on(Scorer::from_folder(&hf, None, 0, tokenizer, Device::Cpu))
+            .block_on(Scorer::from_folder(&hf, None, 0, tokenizer, Device::Cpu, kind))
             .unwrap();
         assert_eq!(scorer.context(), 128, "{name}: max_position_embeddings");
         let expected = reference(name);
@@ -403,8 +408,12 @@ fn the_scorer_reads_a_model_folder_and_scores_as_transformers_logits_imply() {
             .sum();
         let got = scored[0].log_likelihood;
         assert!(
-            (got - want).abs() < 1e-3,
-            "{name}: log-likelihood {got} vs transformers' {want}"
+            (got - want).abs() < tolerance,
+            "{name} in {kind:?}: log-likelihood {got} vs transformers' {want}"
         );
+        if kind == Kind::BFloat16 {
+            // Computed in bf16 for real, not silently in f32.
+            assert!((got - want).abs() > 1e-5, "{name}: bf16 scored exactly as f32 ({got})");
+        }
     }
 }

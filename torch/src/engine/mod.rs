@@ -488,11 +488,13 @@ impl Engine {
         if let Some(full) = &self.full[block] {
             return Ok(full.shallow_clone());
         }
+        // Gathered in the compute type: a bf16 gather moves half the bytes of an f32 one,
+        // and rounding each element before or after the gather gives the same values.
         let shard = match &self.param_shards[block] {
-            Some(shard) => shard.to_kind(Kind::Float),
-            None => self.master[block].to_device(device),
+            Some(shard) => shard.to_kind(compute),
+            None => self.master[block].to_device(device).to_kind(compute),
         };
-        Ok(self.coll.all_gather(&shard)?.to_kind(compute))
+        self.coll.all_gather(&shard)
     }
 
     /// A block's full flat frozen parameters in the compute type, on the device.
@@ -501,8 +503,8 @@ impl Engine {
         if !self.three() || self.frozen_flat[block].is_empty() {
             return Ok(self.frozen[block].shallow_clone());
         }
-        let shard = self.frozen[block].to_device(device).to_kind(Kind::Float);
-        Ok(self.coll.all_gather(&shard)?.to_kind(compute))
+        let shard = self.frozen[block].to_device(device).to_kind(compute);
+        self.coll.all_gather(&shard)
     }
 
     fn store_view(&self, block: usize, store: Store, trained: &Tensor, frozen: &Tensor) -> Tensor {
