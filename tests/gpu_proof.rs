@@ -74,9 +74,16 @@ fn doctor_reports_the_cpu_libtorch_and_refuses_to_promise_cuda() {
     assert_eq!(report["sdpa"][0]["on"], "Cpu Float");
 
     let out = doctor(&[], &["--require-cuda"]);
-    assert_eq!(out.status.code(), Some(1), "--require-cuda must fail where CUDA cannot be used");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "--require-cuda must fail where CUDA cannot be used"
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("--require-cuda") && stderr.contains("CPU-only"), "{stderr}");
+    assert!(
+        stderr.contains("--require-cuda") && stderr.contains("CPU-only"),
+        "{stderr}"
+    );
 
     let out = doctor(&[], &["--bogus"]);
     assert_eq!(out.status.code(), Some(2));
@@ -85,7 +92,11 @@ fn doctor_reports_the_cpu_libtorch_and_refuses_to_promise_cuda() {
 #[test]
 fn cuda_libtorch_loads_its_cuda_half_and_doctor_reports_no_device_cleanly() {
     let lib = venv_torch_lib(&torch_venv());
-    assert!(lib.join("libtorch_cuda.so").is_file(), "the torch wheel has no libtorch_cuda.so in {}", lib.display());
+    assert!(
+        lib.join("libtorch_cuda.so").is_file(),
+        "the torch wheel has no libtorch_cuda.so in {}",
+        lib.display()
+    );
     let path = lib.to_str().unwrap();
     // The link holds at the loader: libtorch_cuda and libc10_cuda initialise in the process.
     let out = doctor(&[("LD_LIBRARY_PATH", path), ("LD_DEBUG", "libs")], &["--json"]);
@@ -93,12 +104,18 @@ fn cuda_libtorch_loads_its_cuda_half_and_doctor_reports_no_device_cleanly() {
     let loader = String::from_utf8_lossy(&out.stderr);
     for library in ["libtorch_cuda.so", "libc10_cuda.so", "libtorch_cpu.so"] {
         let initialised = format!("calling init: {path}/{library}");
-        assert!(loader.contains(&initialised), "{library} was not initialised from {path}");
+        assert!(
+            loader.contains(&initialised),
+            "{library} was not initialised from {path}"
+        );
     }
     let report = json_of(&out);
     assert_eq!(report["libtorch_cuda"]["state"], "loaded", "{report:#}");
     assert_eq!(report["libtorch_dir"], path);
-    assert!(report["libtorch_wheel_version"].as_str().unwrap().starts_with("2.11.0"), "{report:#}");
+    assert!(
+        report["libtorch_wheel_version"].as_str().unwrap().starts_with("2.11.0"),
+        "{report:#}"
+    );
     assert_eq!(report["cuda_available"], false);
     assert_eq!(report["device_count"], 0);
     assert!(report["devices"].as_array().unwrap().is_empty());
@@ -110,7 +127,10 @@ fn cuda_libtorch_loads_its_cuda_half_and_doctor_reports_no_device_cleanly() {
     // The human form says the same in words.
     let out = doctor(&[("LD_LIBRARY_PATH", path)], &[]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains(&format!("libtorch_cuda: loaded from {path}/libtorch_cuda.so")), "{text}");
+    assert!(
+        text.contains(&format!("libtorch_cuda: loaded from {path}/libtorch_cuda.so")),
+        "{text}"
+    );
     assert!(text.contains("verdict: CPU only"), "{text}");
 }
 
@@ -136,7 +156,13 @@ fn gpu_proof_script_prepares_its_folder_and_runs_every_step_on_cpu() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    for needed in ["bin/regatta", "bin/regatta-torch-rank", "gpu-proof.sh", "peer.py", "fixtures/qwen2/config.json"] {
+    for needed in [
+        "bin/regatta",
+        "bin/regatta-torch-rank",
+        "gpu-proof.sh",
+        "peer.py",
+        "fixtures/qwen2/config.json",
+    ] {
         assert!(dir.join(needed).exists(), "prepare left no {needed}");
     }
     // Run from the folder, as on the GPU host.
@@ -155,10 +181,24 @@ fn gpu_proof_script_prepares_its_folder_and_runs_every_step_on_cpu() {
         String::from_utf8_lossy(&out.stderr)
     );
     for step in [
-        "doctor", "peak", "logits-llama", "logits-mistral", "logits-qwen2", "train-zero2", "train-zero3",
-        "peer-train", "make-model", "generate-b1", "peer-generate-b8", "train-lora", "peer-lora",
+        "doctor",
+        "peak",
+        "logits-llama",
+        "logits-mistral",
+        "logits-qwen2",
+        "train-zero2",
+        "train-zero3",
+        "peer-train",
+        "make-model",
+        "generate-b1",
+        "peer-generate-b8",
+        "train-lora",
+        "peer-lora",
     ] {
-        assert!(report.contains(&format!("### {step}: ok")), "step {step} is not ok in:\n{report}");
+        assert!(
+            report.contains(&format!("### {step}: ok")),
+            "step {step} is not ok in:\n{report}"
+        );
     }
     // The figures hold numbers on both sides, not dashes.
     let figure = |name: &str| {
@@ -168,10 +208,18 @@ fn gpu_proof_script_prepares_its_folder_and_runs_every_step_on_cpu() {
             .unwrap_or_else(|| panic!("no '{name}' row in:\n{report}"))
             .to_string()
     };
-    for name in ["train ZeRO-2, tokens/s", "train ZeRO-3, tokens/s", "generate, batch limit 8", "LoRA r8"] {
+    for name in [
+        "train ZeRO-2, tokens/s",
+        "train ZeRO-3, tokens/s",
+        "generate, batch limit 8",
+        "LoRA r8",
+    ] {
         let row = figure(name);
         let cells: Vec<&str> = row.split('|').map(str::trim).collect();
-        assert!(cells[2].parse::<f64>().is_ok() && cells[3].parse::<f64>().is_ok(), "{row}");
+        assert!(
+            cells[2].parse::<f64>().is_ok() && cells[3].parse::<f64>().is_ok(),
+            "{row}"
+        );
     }
     // f32 on the same CPU: Regatta's logits equal transformers' to 1e-3 of their range.
     let row = figure("qwen2 fixture logits");

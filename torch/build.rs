@@ -5,7 +5,23 @@
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     let mut built = "unknown".to_string();
+    println!("cargo:rerun-if-changed=src/shim/shim.cpp");
     if let Ok(libtorch) = std::env::var("LIBTORCH") {
+        // The calls tch does not bind (torch/src/shim.rs), against the same headers and C++
+        // ABI as torch-sys's own glue.
+        cc::Build::new()
+            .cpp(true)
+            .pic(true)
+            .warnings(false)
+            .include(format!("{libtorch}/include"))
+            .include(format!("{libtorch}/include/torch/csrc/api/include"))
+            .flag("-std=c++17")
+            .flag(format!(
+                "-D_GLIBCXX_USE_CXX11_ABI={}",
+                std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_string())
+            ))
+            .file("src/shim/shim.cpp")
+            .compile("regatta_torch_shim");
         println!("cargo:rustc-link-arg=-Wl,-rpath,{libtorch}/lib");
         let header = format!("{libtorch}/include/torch/headeronly/version.h");
         println!("cargo:rerun-if-changed={header}");

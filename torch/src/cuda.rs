@@ -239,7 +239,9 @@ fn why_unusable(
         .err()
         .map(|e| first_line(&e.to_string()))
         .unwrap_or_else(|| "no CUDA device is visible".to_string());
-    Some(format!("libtorch has CUDA and the driver loads, but libtorch sees {device_count} devices: {probe}"))
+    Some(format!(
+        "libtorch has CUDA and the driver loads, but libtorch sees {device_count} devices: {probe}"
+    ))
 }
 
 fn first_line(text: &str) -> String {
@@ -317,8 +319,10 @@ fn sdpa_choice(device: Device, kind: Kind) -> SdpaChoice {
     let q = Tensor::zeros([batch, heads, time, head_dim], (kind, device));
     let kv = Tensor::zeros([batch, kv_heads, time, head_dim], (kind, device));
     let choose = |mask: Option<&Tensor>| {
-        Tensor::f_internal_fused_sdp_choice(&q, &kv, &kv, mask, 0.0, mask.is_none(), None, true)
-            .map_or_else(|e| format!("error: {}", first_line(&e.to_string())), |c| sdp_backend_name(c).into())
+        Tensor::f_internal_fused_sdp_choice(&q, &kv, &kv, mask, 0.0, mask.is_none(), None, true).map_or_else(
+            |e| format!("error: {}", first_line(&e.to_string())),
+            |c| sdp_backend_name(c).into(),
+        )
     };
     let mask = Tensor::ones([batch, 1, time, time], (Kind::Bool, device)).tril(0);
     SdpaChoice {
@@ -371,7 +375,10 @@ pub fn bf16_supported(ordinal: usize) -> Option<bool> {
     let device = result::device::get(ordinal as i32).ok()?;
     // SAFETY: `device` came from cuDeviceGet.
     let major = unsafe {
-        result::device::get_attribute(device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        result::device::get_attribute(
+            device,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+        )
     }
     .ok()?;
     Some(major >= 8)
@@ -412,7 +419,9 @@ impl Diagnosis {
         out.push(format!("libtorch built against: {}", self.libtorch_built_against));
         out.push(format!(
             "libtorch in use: {}{}",
-            self.libtorch_dir.as_deref().map_or("?".into(), |p| p.display().to_string()),
+            self.libtorch_dir
+                .as_deref()
+                .map_or("?".into(), |p| p.display().to_string()),
             self.libtorch_wheel_version
                 .as_deref()
                 .map_or(String::new(), |v| format!(" (wheel {v})"))
@@ -477,7 +486,8 @@ mod tests {
 
     #[test]
     fn wheel_version_reads_the_plain_assignment() {
-        let text = "from typing import Optional\n__all__ = ['__version__']\n__version__ = '2.11.0+cu130'\ndebug = False\n";
+        let text =
+            "from typing import Optional\n__all__ = ['__version__']\n__version__ = '2.11.0+cu130'\ndebug = False\n";
         assert_eq!(wheel_version(text).as_deref(), Some("2.11.0+cu130"));
         assert_eq!(wheel_version("__version__ = \"2.11.0\"\n").as_deref(), Some("2.11.0"));
         assert_eq!(wheel_version("__version__: str = 'x'\n"), None);

@@ -99,11 +99,7 @@ impl RunModel {
 
 /// A parameter's first values: read from the model folder, or drawn from `seed` when there
 /// is none or the parameter is a new LoRA adapter (A uniform as PEFT draws it, B zero).
-pub async fn initial_weights(
-    source: Option<&HfModel>,
-    spec: &ParamSpec,
-    seed: u64,
-) -> Result<Tensor, Error> {
+pub async fn initial_weights(source: Option<&HfModel>, spec: &ParamSpec, seed: u64) -> Result<Tensor, Error> {
     match source {
         Some(hf) if !regatta_trainer::lora::is_adapter(&spec.name) => hf.read(spec).await,
         _ => Ok(seeded(spec, seed)),

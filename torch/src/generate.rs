@@ -357,6 +357,7 @@ impl<'a> Generator<'a> {
         let mut batch = Batch {
             positions,
             mask: Some(mask),
+            segments: None,
             derived: Vec::new(),
             kv: Some(KvStep {
                 keys: cache.keys.iter().map(Tensor::shallow_clone).collect(),

@@ -5,6 +5,7 @@
 //! the plain libtorch reference loop, and the NCCL backend (cudarc, loaded at run time).
 //! Nodes never link this crate: a rank actor in the agent launches the executor binary.
 
+pub mod attention;
 pub mod bench_data;
 pub mod bench_generate;
 pub mod checkpoint;
@@ -23,6 +24,7 @@ pub mod nccl;
 pub mod reference;
 pub mod score;
 pub mod score_executor;
+pub mod shim;
 pub mod stream;
 
 pub use bench_generate::bench_generate;

@@ -11,6 +11,7 @@ use regatta_trainer::hf::{LlamaConfig, RopeScaling};
 use regatta_trainer::lora::{LoraConfig, PROJECTIONS};
 use tch::{Kind, Tensor};
 
+use crate::attention::{self, Kernel, Segments};
 use crate::model::{dropout, parameter_count, transformer_flops_per_token, Batch, Init, KvLayout, Model, ParamSpec};
 
 /// The embedding's name, which a tied LM head points at.
@@ -198,6 +199,10 @@ impl Llama {
         let (cos, sin) = (cos.to_kind(q.kind()), sin.to_kind(q.kind()));
         let q = &q * &cos + rotate_half(&q) * &sin;
         let k = &k * &cos + rotate_half(&k) * &sin;
+        let scale = 1.0 / (hd as f64).sqrt();
+        if let Some(attended) = self.attend_without_mask(&q, &k, &v, batch, scale) {
+            return self.finish_layer(&mut next, x, &attended, batch, layer);
+        }
         let (k, v, mask) = match &batch.kv {
             // The cached path's mask already holds causality, lengths and the window.
             Some(kv) => {
@@ -220,17 +225,61 @@ impl Llama {
             mask.as_ref(),
             0.0,
             mask.is_none(),
-            1.0 / (hd as f64).sqrt(),
+            scale,
             kv_heads != heads,
         );
+        self.finish_layer(&mut next, x, &attended, batch, layer)
+    }
+
+    /// The rest of a layer after attention: output projection, residual, MLP.
+    fn finish_layer(
+        &self,
+        next: &mut std::slice::Iter<Tensor>,
+        x: &Tensor,
+        attended: &Tensor,
+        batch: &Batch,
+        layer: usize,
+    ) -> Tensor {
         let attended = attended.transpose(1, 2).flatten(2, 3);
-        let h = x + self.linear(&mut next, 3, &attended, batch, layer);
+        let h = x + self.linear(next, 3, &attended, batch, layer);
         let norm_post = next.next().expect("a Llama layer block holds its post-attention norm");
         let m = self.rms_norm(&h, norm_post);
-        let gate = self.linear(&mut next, 4, &m, batch, layer);
-        let up = self.linear(&mut next, 5, &m, batch, layer);
-        let mlp = self.linear(&mut next, 6, &(gate.silu() * up), batch, layer);
+        let gate = self.linear(next, 4, &m, batch, layer);
+        let up = self.linear(next, 5, &m, batch, layer);
+        let mlp = self.linear(next, 6, &(gate.silu() * up), batch, layer);
         h + mlp
+    }
+
+    /// Attention by segments where the batch carries no dense mask: packed documents (or
+    /// plain rows under a sliding window) through FlashAttention's variable-length kernel
+    /// on CUDA, or one document at a time where that kernel does not fit. `None`: the
+    /// masked or plain causal path applies (a cached forward, a dense mask, or plain rows).
+    fn attend_without_mask(&self, q: &Tensor, k: &Tensor, v: &Tensor, batch: &Batch, scale: f64) -> Option<Tensor> {
+        if batch.kv.is_some() || batch.mask.is_some() {
+            return None;
+        }
+        let window = self.config.sliding_window;
+        let rows;
+        let segments = match (&batch.segments, window) {
+            (Some(segments), _) => segments,
+            (None, Some(_)) => {
+                let size = q.size();
+                rows = Segments::rows(size[0] as usize, size[2] as usize);
+                &rows
+            }
+            (None, None) => return None,
+        };
+        let kernel = Kernel::choose(q.device(), q.kind(), self.config.head_dim);
+        Some(match kernel {
+            Kernel::FlashVarlen => attention::flash_varlen(q, k, v, segments, scale, window).unwrap_or_else(|e| {
+                panic!(
+                    "FlashAttention's variable-length kernel failed on {:?} {:?}: {e}",
+                    q.device(),
+                    q.kind()
+                )
+            }),
+            Kernel::DenseMask => attention::per_document(q, k, v, segments, scale, window),
+        })
     }
 
     /// A sliding window (Mistral) narrows a mask to the last `window` keys.
@@ -297,6 +346,10 @@ impl Model for Llama {
 
     fn vocab(&self) -> usize {
         self.config.vocab_size
+    }
+
+    fn attention_kernel(&self, device: tch::Device, kind: Kind) -> Kernel {
+        Kernel::choose(device, kind, self.config.head_dim)
     }
 
     fn flops_per_token(&self, context: usize) -> f64 {

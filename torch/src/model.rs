@@ -10,6 +10,7 @@ use regatta_trainer::config::ModelConfig;
 use regatta_trainer::LoraConfig;
 use tch::{Kind, Tensor};
 
+use crate::attention::{Kernel, Segments};
 use crate::error::{Error, Result};
 
 /// `architectures` in the `config.json` of a built-in GPT checkpoint.
@@ -89,8 +90,11 @@ pub struct Batch {
     /// Position of every token, `[batch, time]`, int64.
     pub positions: Tensor,
     /// `[batch, 1, time, time]`, true where a query may attend to a key (causal and inside
-    /// its document); `None`: plain causal attention.
+    /// its document); `None`: plain causal attention, or packed documents attended by
+    /// `segments` without a mask (FlashAttention's variable-length kernel on CUDA).
     pub mask: Option<Tensor>,
+    /// Packed rows' documents as cumulative lengths (host data; see `attention`).
+    pub segments: Option<Segments>,
     /// Tensors the model derived from the above.
     pub derived: Vec<Tensor>,
     /// Set when the forward runs against a KV cache: where the new tokens' keys and values
@@ -161,6 +165,7 @@ impl Batch {
         Self {
             positions: tokens.ones_like().cumsum(1, Kind::Int64) - 1,
             mask: None,
+            segments: None,
             derived: Vec::new(),
             kv: None,
             dropout_seed: None,
@@ -168,10 +173,15 @@ impl Batch {
     }
 
     /// Packed rows: `documents[b, t]` numbers the document token t of row b belongs to;
-    /// positions restart at each document and attention stays inside it.
-    pub fn packed(documents: &Tensor) -> Self {
+    /// positions restart at each document and attention stays inside it. The documents
+    /// are kept as [`Segments`]; the dense `[batch, 1, time, time]` mask is built only
+    /// with `dense_mask` (models whose kernel needs it: see `Model::attention_kernel`).
+    pub fn packed(documents: &Tensor, dense_mask: bool) -> Self {
         let documents = documents.to_kind(Kind::Int64);
         let time = documents.size()[1];
+        let flat = documents.to_device(tch::Device::Cpu).contiguous().view([-1]);
+        let ids = Vec::<i64>::try_from(&flat).expect("an int64 CPU tensor converts to Vec<i64>");
+        let segments = Some(Segments::from_documents(&ids, time as usize));
         let device = documents.device();
         let index = Tensor::arange(time, (Kind::Int64, device));
         // A document's first token: its index; carried forward with a running maximum.
@@ -182,11 +192,15 @@ impl Batch {
         let start_index = index.unsqueeze(0).expand_as(&documents) * starts.to_kind(Kind::Int64);
         let (first, _) = start_index.cummax(1);
         let positions = index.unsqueeze(0) - first;
-        let same = documents.unsqueeze(2).eq_tensor(&documents.unsqueeze(1));
-        let causal = Tensor::ones([time, time], (Kind::Bool, device)).tril(0);
+        let mask = dense_mask.then(|| {
+            let same = documents.unsqueeze(2).eq_tensor(&documents.unsqueeze(1));
+            let causal = Tensor::ones([time, time], (Kind::Bool, device)).tril(0);
+            same.logical_and(&causal).unsqueeze(1)
+        });
         Self {
             positions,
-            mask: Some(same.logical_and(&causal).unsqueeze(1)),
+            mask,
+            segments,
             derived: Vec::new(),
             kv: None,
             dropout_seed: None,
@@ -198,6 +212,7 @@ impl Batch {
         Self {
             positions: self.positions.to_device(device),
             mask: self.mask.map(|m| m.to_device(device)),
+            segments: self.segments,
             derived: self.derived.into_iter().map(|t| t.to_device(device)).collect(),
             kv: self.kv,
             dropout_seed: self.dropout_seed,
@@ -238,6 +253,11 @@ pub trait Model: Send {
     /// The adapters' settings, when the model has them.
     fn lora(&self) -> Option<&LoraConfig> {
         None
+    }
+    /// How packed rows attend on `device` in `kind`: models that honour
+    /// [`Batch::segments`] may run without the dense mask.
+    fn attention_kernel(&self, _device: tch::Device, _kind: Kind) -> Kernel {
+        Kernel::DenseMask
     }
 }
 

@@ -151,17 +151,8 @@ impl TensorCollective for NcclCollective {
         let out = Tensor::empty([(input.numel() * self.world) as i64], (input.kind(), input.device()));
         // SAFETY: input holds n elements and out world * n, both live on the device, of
         // the type `kind` names.
-        unsafe {
-            result::all_gather(
-                input.data_ptr(),
-                out.data_ptr(),
-                input.numel(),
-                kind,
-                self.comm,
-                STREAM,
-            )
-        }
-        .map_err(|e| Error::Collective(format!("ncclAllGather: {e:?}")))?;
+        unsafe { result::all_gather(input.data_ptr(), out.data_ptr(), input.numel(), kind, self.comm, STREAM) }
+            .map_err(|e| Error::Collective(format!("ncclAllGather: {e:?}")))?;
         Ok(out)
     }
     fn broadcast(&mut self, input: &Tensor, root: usize) -> CollResult<Tensor> {

@@ -72,11 +72,14 @@ pub fn plain_run(
         let tokens = cat(&|m| m.tokens.shallow_clone());
         let targets = cat(&|m| m.targets.shallow_clone());
         let mut batch = match micro.first().and_then(|m| m.documents.as_ref()) {
-            Some(_) => Batch::packed(&cat(&|m| {
-                m.documents
-                    .as_ref()
-                    .map_or_else(|| m.tokens.zeros_like(), Tensor::shallow_clone)
-            })),
+            Some(_) => Batch::packed(
+                &cat(&|m| {
+                    m.documents
+                        .as_ref()
+                        .map_or_else(|| m.tokens.zeros_like(), Tensor::shallow_clone)
+                }),
+                true,
+            ),
             None => Batch::plain(&tokens),
         };
         model.prepare(&mut batch);

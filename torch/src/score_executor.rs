@@ -67,7 +67,15 @@ async fn open_scorer(
     } else {
         TextTokenizer::load(&manifest.map(|m| m.tokenizer).unwrap_or_default()).await?
     };
-    let scorer = Scorer::from_folder(&hf, adapter.as_ref(), context, tokenizer, device, crate::cuda::inference_kind(device)).await?;
+    let scorer = Scorer::from_folder(
+        &hf,
+        adapter.as_ref(),
+        context,
+        tokenizer,
+        device,
+        crate::cuda::inference_kind(device),
+    )
+    .await?;
     let params = scorer.parameters();
     Ok((scorer, params))
 }

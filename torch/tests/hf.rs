@@ -50,10 +50,7 @@ fn load(dir: &Path) -> (Box<dyn Model>, Vec<Vec<Tensor>>, Vec<(String, Tensor)>)
         .flatten()
         .filter(|spec| spec.tied_to.is_none())
         .map(|spec| {
-            let t = rt
-                .block_on(hf.read(&spec))
-                .unwrap()
-                .set_requires_grad(true);
+            let t = rt.block_on(hf.read(&spec)).unwrap().set_requires_grad(true);
             (spec.name, t)
         })
         .collect();
@@ -108,7 +105,7 @@ fn a_changed_document_changes_nothing_in_the_next_one_of_a_packed_row() {
     let (model, params, _) = load(&fixture("llama"));
     let run = |tokens: &[i64], documents: &[i64]| {
         let tokens = Tensor::from_slice(tokens).view([1, -1]);
-        let mut batch = Batch::packed(&Tensor::from_slice(documents).view([1, -1]));
+        let mut batch = Batch::packed(&Tensor::from_slice(documents).view([1, -1]), true);
         model.prepare(&mut batch);
         let mut hidden = tokens;
         for (block, p) in params.iter().enumerate() {
@@ -132,6 +129,48 @@ fn a_changed_document_changes_nothing_in_the_next_one_of_a_packed_row() {
     // And the second document reads exactly as if it stood alone (positions restart).
     let alone = run(&[40, 41, 42, 43, 44, 45], &[0; 6]);
     assert!(max_abs(&(second(&a) - alone)) < 1e-5);
+}
+
+/// Packed rows attended by segments, without the dense mask (how CUDA runs them, with
+/// FlashAttention's variable-length kernel; here one document at a time), give the masked
+/// path's logits and gradients, on every fixture (Mistral's sliding window included).
+#[test]
+fn packed_rows_without_a_dense_mask_equal_the_masked_path() {
+    tch::set_num_threads(1);
+    for name in FIXTURES {
+        let (model, params, stored) = load(&fixture(name));
+        let tokens = Tensor::from_slice(&[
+            5i64, 6, 7, 8, 9, 40, 41, 42, 43, 44, 45, 46, 3, 4, 11, 12, 13, 14, 15, 16,
+        ])
+        .view([2, 10]);
+        let documents =
+            Tensor::from_slice(&[0i64, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3, 3]).view([2, 10]);
+        let run = |dense: bool| {
+            let mut batch = Batch::packed(&documents, dense);
+            assert_eq!(batch.mask.is_some(), dense);
+            model.prepare(&mut batch);
+            let mut hidden = tokens.shallow_clone();
+            for (block, p) in params.iter().enumerate() {
+                hidden = model.forward(block, p, &hidden, &batch);
+            }
+            let loss = hidden.square().mean(Kind::Float);
+            let grads = Tensor::run_backward(
+                &[loss],
+                &stored.iter().map(|(_, t)| t).collect::<Vec<_>>(),
+                false,
+                false,
+            );
+            (hidden.detach(), grads)
+        };
+        let (masked, masked_grads) = run(true);
+        let (segmented, segmented_grads) = run(false);
+        let diff = max_abs(&(&masked - &segmented));
+        assert!(diff < 1e-5, "{name}: logits differ by {diff}");
+        for ((pname, _), (a, b)) in stored.iter().zip(masked_grads.iter().zip(&segmented_grads)) {
+            let diff = max_abs(&(a - b));
+            assert!(diff < 1e-5, "{name}: gradient of {pname} differs by {diff}");
+        }
+    }
 }
 
 fn settings(steps: u64) -> EngineSettings {

@@ -412,9 +412,8 @@ fn run_ranks(config: &TrainConfig) -> Vec<RankRun> {
                     seed: config.seed,
                 };
                 let source = run_model.source;
-                let mut init = |spec: &regatta_torch::ParamSpec| {
-                    rt.block_on(initial_weights(source.as_ref(), spec, config.seed))
-                };
+                let mut init =
+                    |spec: &regatta_torch::ParamSpec| rt.block_on(initial_weights(source.as_ref(), spec, config.seed));
                 let mut engine = Engine::new(run_model.model, coll, settings, &mut init).unwrap();
                 let (mut losses, mut norms) = (Vec::new(), Vec::new());
                 for step in 0..config.steps {

@@ -186,9 +186,8 @@ fn model_logits(args: &[String]) -> anyhow::Result<()> {
         stored.insert(spec.name, tensor.to_device(device));
     }
     let params = regatta_torch::model::arrange(model.as_ref(), &stored)?;
-    let logits = regatta_torch::tch::no_grad(|| {
-        regatta_torch::model::logits(model.as_ref(), &params, &input.to_device(device))
-    });
+    let logits =
+        regatta_torch::tch::no_grad(|| regatta_torch::model::logits(model.as_ref(), &params, &input.to_device(device)));
     let logits = logits.to_kind(Kind::Float).to_device(Device::Cpu);
     Tensor::write_safetensors(&[("logits", &logits)], out).map_err(|e| anyhow::anyhow!("cannot write {out}: {e}"))?;
     println!("wrote {out}: logits {:?} on {device:?} in {kind:?}", logits.size());

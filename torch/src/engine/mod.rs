@@ -35,6 +35,7 @@ use regatta_trainer::config::OptimizerConfig;
 use regatta_trainer::{FlatLayout, Offload, ZeroConfig, ZeroStage};
 use tch::{Device, Kind, Reduction, Tensor};
 
+use crate::attention::Kernel;
 use crate::collective::{TensorCollective, Timed};
 use crate::error::{Error, Result};
 use crate::model::{Batch, Init, Model, ParamSpec};
@@ -139,9 +140,10 @@ pub struct MicroBatch {
 }
 
 impl MicroBatch {
-    fn batch(&self, device: Device) -> Batch {
+    /// The batch on `device`; packed rows carry the dense mask only where `kernel` needs it.
+    fn batch(&self, device: Device, kernel: Kernel) -> Batch {
         match &self.documents {
-            Some(documents) => Batch::packed(&documents.to_device(device)),
+            Some(documents) => Batch::packed(documents, kernel == Kernel::DenseMask).to_device(device),
             None => Batch::plain(&self.tokens.to_device(device)),
         }
     }

@@ -49,7 +49,8 @@ impl Engine {
         let device = self.settings.device;
         let tokens = m.tokens.to_device(device);
         let targets = m.targets.to_device(device);
-        let mut batch = m.batch(device);
+        let kernel = self.model.attention_kernel(device, self.settings.compute);
+        let mut batch = m.batch(device, kernel);
         batch.dropout_seed = Some(dropout_seed);
         self.model.prepare(&mut batch);
         // Forward: keep each block's input (recompute) or its whole graph.

@@ -1,0 +1,62 @@
+// libtorch calls tch 0.24 does not bind: FlashAttention's variable-length forward (packed
+// rows without a dense mask), the TF32 switch and the SDPA kernel switches. Compiled by
+// torch/build.rs against the libtorch headers; everything it calls lives in libtorch_cpu
+// (the CUDA kernel behind _flash_attention_forward is registered by libtorch_cuda at load).
+// Tensors cross as tch's handles (heap at::Tensor pointers); C++ exceptions become an error
+// text, never an unwind into Rust.
+#include <ATen/Context.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_flash_attention_forward.h>
+
+#include <cstdio>
+#include <exception>
+#include <optional>
+
+namespace {
+void write_error(const char* text, char* error, size_t error_len) {
+    if (error != nullptr && error_len > 0) {
+        std::snprintf(error, error_len, "%s", text);
+    }
+}
+}  // namespace
+
+extern "C" {
+
+// Causal attention of packed documents: query [total, heads, dim], key and value [total,
+// kv_heads, dim] (GQA when kv_heads < heads), documents given by cumulative lengths
+// `cu_seqlens` (int32, [documents + 1]), the longest `max_len`. A window >= 0 lets a query
+// see only the `window_left` keys before it. Returns 0 and the output [total, heads, dim]
+// in `*out`, or 1 with the reason in `error`.
+int regatta_flash_varlen(const at::Tensor* query, const at::Tensor* key, const at::Tensor* value,
+                         const at::Tensor* cu_seqlens, int64_t max_len, double scale,
+                         int64_t window_left, at::Tensor** out, char* error, size_t error_len) {
+    try {
+        std::optional<int64_t> left, right;
+        if (window_left >= 0) {
+            left = window_left;
+            right = 0;
+        }
+        auto result = at::_flash_attention_forward(*query, *key, *value, *cu_seqlens, *cu_seqlens, max_len,
+                                                   max_len, 0.0, true, false, scale, left, right);
+        *out = new at::Tensor(std::get<0>(result));
+        return 0;
+    } catch (const std::exception& e) {
+        write_error(e.what(), error, error_len);
+        return 1;
+    }
+}
+
+// TF32 for float32 matmuls on CUDA ("high" precision), or full float32 ("highest").
+void regatta_allow_tf32(int allow) {
+    at::globalContext().setFloat32MatmulPrecision(allow ? "high" : "highest");
+}
+
+// Whether each SDPA kernel is enabled: flash, memory-efficient, math, cuDNN.
+void regatta_sdp_enabled(int* flash, int* efficient, int* math, int* cudnn) {
+    auto& context = at::globalContext();
+    *flash = context.userEnabledFlashSDP();
+    *efficient = context.userEnabledMemEfficientSDP();
+    *math = context.userEnabledMathSDP();
+    *cudnn = context.userEnabledCuDNNSDP();
+}
+}
