@@ -226,6 +226,8 @@ run() {
         json_of "logits-$fixture"
     done
 
+    step attention-check 180 "$rank" attention-check --device "$DEVICE" --time "$SEQ"
+    json_of attention-check
     step flops 60 "$PY" "$root/peer.py" flops --config "$MODEL_CONFIG" --seq "$SEQ"
     json_of flops
     for stage in 2 3; do

@@ -34,6 +34,14 @@ for fixture in ["llama", "mistral", "qwen2"]:
             f"| {fixture} fixture logits vs transformers ({check.get('dtype')}) | max abs diff "
             f"{check.get('max_abs_diff', float('nan')):.2e}, argmax agreement {check.get('argmax_agreement', 0):.3f} | | |"
         )
+attention = load("attention-check")
+if attention:
+    rows.append(
+        f"| packed attention, {attention.get('kernel')} on {attention.get('on')} vs dense mask in f32 | "
+        f"output {attention.get('output_relative_diff', float('nan')):.1e}, gradients "
+        f"{attention.get('gradient_relative_diff', float('nan')):.1e} (relative); {attention.get('kernel_ms', 0):.1f} ms "
+        f"vs {attention.get('dense_mask_ms', 0):.1f} ms with the mask | | |"
+    )
 peer = load("peer-train") or {}
 for stage in ["2", "3"]:
     ours = (load(f"train-zero{stage}") or {}).get("last") or {}

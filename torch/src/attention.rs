@@ -175,6 +175,123 @@ pub fn per_document(
     unflatten(&Tensor::cat(&parts, 0), q.size()[0])
 }
 
+/// What `regatta-torch-rank attention-check` found: the packed-rows kernel against SDPA
+/// with the dense mask in f32, forward and backward, and both timed.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct AttentionCheck {
+    /// The kernel checked (`flash-varlen`, or `per-document` where it cannot run).
+    pub kernel: &'static str,
+    /// Device and dtype.
+    pub on: String,
+    /// Shape: batch, heads, kv heads, time, head size.
+    pub shape: [i64; 5],
+    /// Documents in the batch.
+    pub documents: usize,
+    /// Largest difference of the outputs, relative to the largest output.
+    pub output_relative_diff: f64,
+    /// Largest difference of the query/key/value gradients, relative to the largest one.
+    pub gradient_relative_diff: f64,
+    /// Forward + backward of the kernel, milliseconds (best of 3).
+    pub kernel_ms: f64,
+    /// Forward + backward of SDPA with the dense mask in the same dtype, milliseconds.
+    pub dense_mask_ms: f64,
+    /// Within the dtype's tolerance.
+    pub ok: bool,
+}
+
+/// Runs the packed-rows kernel [`Kernel::choose`] picks on `device` in `kind` against SDPA
+/// with the dense mask computed in f64 (CPU) or f32 (CUDA), on random packed documents.
+pub fn check(device: Device, kind: Kind, time: i64) -> AttentionCheck {
+    let (batch, heads, kv_heads, dim) = (2i64, 16i64, 4i64, 64i64);
+    // Documents of 1..=time/3 tokens, varied, restarting at each row.
+    let mut documents = Vec::new();
+    let mut doc = 0i64;
+    for _ in 0..batch {
+        let mut left = time;
+        let mut len = 1 + time / 7;
+        while left > 0 {
+            let take = len.min(left);
+            documents.extend(std::iter::repeat_n(doc, take as usize));
+            left -= take;
+            doc += 1;
+            len = 1 + (len * 5 + 3) % (time / 3).max(1);
+        }
+    }
+    let packed = crate::model::Batch::packed(&Tensor::from_slice(&documents).view([batch, time]), true);
+    let segments = packed.segments.expect("a packed batch has segments");
+    let mask = packed.mask.expect("the dense mask was asked for").to_device(device);
+    tch::manual_seed(11);
+    let exact = if device.is_cuda() { Kind::Float } else { Kind::Double };
+    let make = |h| Tensor::randn([batch, h, time, dim], (exact, device));
+    let (q, k, v, upstream) = (make(heads), make(kv_heads), make(kv_heads), make(heads));
+    let scale = 1.0 / (dim as f64).sqrt();
+    let kernel = Kernel::choose(device, kind, dim as usize);
+    let run = |which: Option<Kernel>, as_kind: Kind| {
+        let leaves: Vec<Tensor> = [&q, &k, &v]
+            .iter()
+            .map(|t| t.to_kind(as_kind).detach().set_requires_grad(true))
+            .collect();
+        let (lq, lk, lv) = (&leaves[0], &leaves[1], &leaves[2]);
+        let out = match which {
+            Some(Kernel::FlashVarlen) => flash_varlen(lq, lk, lv, &segments, scale, None)
+                .unwrap_or_else(|e| panic!("FlashAttention's variable-length kernel failed: {e}")),
+            Some(Kernel::DenseMask) => per_document(lq, lk, lv, &segments, scale, None),
+            None => Tensor::scaled_dot_product_attention(lq, lk, lv, Some(&mask), 0.0, false, scale, true),
+        };
+        let grads = Tensor::run_backward(&[(&out * upstream.to_kind(as_kind)).sum(exact)], &leaves, false, false);
+        (
+            out.to_kind(exact),
+            grads.iter().map(|g| g.to_kind(exact)).collect::<Vec<_>>(),
+        )
+    };
+    let timed = |which: Option<Kernel>| {
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            if device.is_cuda() {
+                tch::Cuda::synchronize(0);
+            }
+            let start = std::time::Instant::now();
+            let _ = run(which, kind);
+            if device.is_cuda() {
+                tch::Cuda::synchronize(0);
+            }
+            best = best.min(start.elapsed().as_secs_f64() * 1e3);
+        }
+        best
+    };
+    let (want, want_grads) = run(None, exact);
+    let (got, got_grads) = run(Some(kernel), kind);
+    let relative =
+        |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]) / b.abs().max().double_value(&[]).max(1e-30);
+    let output_relative_diff = relative(&got, &want);
+    let gradient_relative_diff = got_grads
+        .iter()
+        .zip(&want_grads)
+        .map(|(a, b)| relative(a, b))
+        .fold(0.0, f64::max);
+    let tolerance = match kind {
+        Kind::BFloat16 => 3e-2,
+        Kind::Half => 5e-3,
+        _ => 1e-5,
+    };
+    AttentionCheck {
+        // Where the variable-length kernel does not run, its per-document stand-in is what
+        // is checked (the production path there is the dense mask itself).
+        kernel: match kernel {
+            Kernel::FlashVarlen => kernel.name(),
+            Kernel::DenseMask => "per-document",
+        },
+        on: format!("{device:?} {kind:?}"),
+        shape: [batch, heads, kv_heads, time, dim],
+        documents: segments.len(),
+        output_relative_diff,
+        gradient_relative_diff,
+        kernel_ms: timed(Some(kernel)),
+        dense_mask_ms: timed(None),
+        ok: output_relative_diff < tolerance && gradient_relative_diff < tolerance,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -235,6 +352,14 @@ mod tests {
             let diff = (&got - &want).abs().max().double_value(&[]);
             assert!(diff < 1e-12, "window {window:?}: differs by {diff}");
         }
+    }
+
+    #[test]
+    fn the_check_passes_on_the_cpu_kernel() {
+        let result = check(Device::Cpu, Kind::Float, 48);
+        assert_eq!(result.kernel, "per-document");
+        assert!(result.documents > 4, "{result:?}");
+        assert!(result.ok, "{result:?}");
     }
 
     #[test]

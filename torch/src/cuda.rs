@@ -157,6 +157,19 @@ pub struct SdpaChoice {
     pub dense_mask: String,
 }
 
+/// libtorch's global SDPA switches.
+#[derive(Debug, Clone, Serialize)]
+pub struct SdpaEnabled {
+    /// FlashAttention.
+    pub flash: bool,
+    /// Memory-efficient attention.
+    pub efficient: bool,
+    /// The math fallback.
+    pub math: bool,
+    /// cuDNN attention.
+    pub cudnn: bool,
+}
+
 /// Everything `regatta-torch-rank doctor` reports.
 #[derive(Debug, Clone, Serialize)]
 pub struct Diagnosis {
@@ -182,6 +195,10 @@ pub struct Diagnosis {
     pub nccl: std::result::Result<String, String>,
     /// Kernel choices of scaled-dot-product attention.
     pub sdpa: Vec<SdpaChoice>,
+    /// The SDPA kernels libtorch may use (its global switches).
+    pub sdpa_enabled: SdpaEnabled,
+    /// How packed training rows attend on the first CUDA device in bf16 (or on the CPU).
+    pub packed_attention: String,
     /// Why a rank granted a GPU could not use one here; `None` when it can.
     pub cuda_unusable: Option<String>,
 }
@@ -215,6 +232,26 @@ pub fn diagnose() -> Diagnosis {
         cudnn_available: cuda_available && tch::Cuda::cudnn_is_available(),
         nccl: nccl_version(),
         sdpa,
+        sdpa_enabled: {
+            let (flash, efficient, math, cudnn) = crate::shim::sdp_enabled();
+            SdpaEnabled {
+                flash,
+                efficient,
+                math,
+                cudnn,
+            }
+        },
+        packed_attention: {
+            let (device, kind) = if cuda_available {
+                (Device::Cuda(0), Kind::BFloat16)
+            } else {
+                (Device::Cpu, Kind::Float)
+            };
+            format!(
+                "{} on {device:?} {kind:?} (head sizes multiple of 8 up to 256)",
+                crate::attention::Kernel::choose(device, kind, 128).name()
+            )
+        },
         cuda_unusable,
     }
 }
@@ -346,6 +383,9 @@ pub fn pick_device(setting: &str, gpus: &[u32]) -> Result<Device> {
     }
     load_libtorch_cuda();
     if tch::Cuda::is_available() && tch::Cuda::device_count() > 0 {
+        // Float32 matmuls on CUDA may use TF32 tensor cores, as PyTorch recipes allow
+        // (`set_float32_matmul_precision("high")`): 8x the f32 rate on an H100.
+        crate::shim::allow_tf32(true);
         return Ok(Device::Cuda(0));
     }
     let diagnosis = diagnose();
@@ -457,6 +497,12 @@ impl Diagnosis {
                 s.on, s.causal, s.dense_mask
             ));
         }
+        let e = &self.sdpa_enabled;
+        out.push(format!(
+            "SDPA kernels enabled: flash {}, memory-efficient {}, math {}, cuDNN {}",
+            e.flash, e.efficient, e.math, e.cudnn
+        ));
+        out.push(format!("packed training rows attend with: {}", self.packed_attention));
         out.push(match &self.cuda_unusable {
             None => "verdict: CUDA usable".to_string(),
             Some(reason) => format!("verdict: CPU only: {reason}"),

@@ -373,7 +373,13 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         addr,
         params,
         start_step,
-        device: format!("{device:?}").to_lowercase(),
+        // What the run's first line shows: where, in which dtype, with which attention.
+        device: format!(
+            "{} {}, attention {}",
+            format!("{device:?}").to_lowercase(),
+            format!("{compute:?}").to_lowercase(),
+            run_model.model.attention_kernel(device, compute).name()
+        ),
         nccl_id,
     });
     let (next, nccl_id) = match rx.recv() {

@@ -17,7 +17,9 @@
 //! driver, devices and NCCL are, and whether a rank granted a GPU could use it;
 //! `regatta-torch-rank logits MODEL_DIR IDS.safetensors OUT.safetensors [--device D]
 //! [--dtype float32|bfloat16]`: a Hugging Face model's logits for the `input_ids` tensor of
-//! IDS, written as `logits` (float32), for comparison with `transformers` on the same device.
+//! IDS, written as `logits` (float32), for comparison with `transformers` on the same device;
+//! `regatta-torch-rank attention-check [--device D] [--dtype T] [--time N]`: the packed-rows
+//! attention kernel against SDPA with the dense mask, forward and backward, as JSON.
 
 use std::process::ExitCode;
 
@@ -194,6 +196,41 @@ fn model_logits(args: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Checks the packed-rows attention kernel (see the module docs); exit 1 when it is off.
+fn attention_check(args: &[String]) -> anyhow::Result<ExitCode> {
+    use regatta_torch::tch::Kind;
+    let (mut device, mut kind, mut time) = ("cpu".to_string(), None, 2048i64);
+    let mut rest = args.iter();
+    while let Some(arg) = rest.next() {
+        let mut value = || rest.next().ok_or_else(|| anyhow::anyhow!("{arg} takes a value"));
+        match arg.as_str() {
+            "--device" => device = value()?.clone(),
+            "--dtype" => {
+                kind = Some(match value()?.as_str() {
+                    "float32" => Kind::Float,
+                    "bfloat16" => Kind::BFloat16,
+                    "float16" => Kind::Half,
+                    other => anyhow::bail!("--dtype takes float32, bfloat16 or float16, not {other:?}"),
+                })
+            }
+            "--time" => time = value()?.parse().map_err(|e| anyhow::anyhow!("bad --time: {e}"))?,
+            other => anyhow::bail!(
+                "usage: regatta-torch-rank attention-check [--device cpu|cuda] [--dtype T] [--time N] (not {other:?})"
+            ),
+        }
+    }
+    anyhow::ensure!(time >= 8, "--time must be at least 8");
+    let device = regatta_torch::cuda::pick_device(&device, &[])?;
+    let kind = kind.unwrap_or(if device.is_cuda() { Kind::BFloat16 } else { Kind::Float });
+    let result = regatta_torch::attention::check(device, kind, time);
+    println!("{}", serde_json::to_string(&result)?);
+    Ok(if result.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
 /// Prints the diagnosis; fails with `--require-cuda` where CUDA cannot be used.
 fn doctor(args: &[String]) -> anyhow::Result<ExitCode> {
     let (mut json, mut require_cuda) = (false, false);
@@ -231,6 +268,10 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         },
+        Some("attention-check") => attention_check(&args[1..]).unwrap_or_else(|e| {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }),
         Some("doctor") => doctor(&args[1..]).unwrap_or_else(|e| {
             eprintln!("error: {e}");
             ExitCode::from(2)
@@ -327,7 +368,7 @@ fn main() -> ExitCode {
             }
         },
         Some(other) => {
-            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`, `merge`, `peak`, `bench-generate`, `bench-adamw`, `bench-data`, `doctor`, `logits`");
+            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`, `merge`, `peak`, `bench-generate`, `bench-adamw`, `bench-data`, `doctor`, `logits`, `attention-check`");
             ExitCode::from(2)
         }
     }
