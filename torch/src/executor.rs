@@ -30,9 +30,6 @@ use crate::stream::{Loader, LoaderSpec};
 use regatta_object_store::Place;
 use regatta_trainer::documents::TokenizerSettings;
 
-/// Peak dense bf16 FLOP/s assumed for the MFU estimate (an H100 SXM).
-pub const PEAK_FLOPS: f64 = 989e12;
-
 /// Largest weight shard a checkpoint writes.
 pub const SHARD_BYTES: u64 = 2 << 30;
 
@@ -424,6 +421,22 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         eprintln!("rank {rank}: resumed from the checkpoint at step {}", m.step);
     }
     let flops_per_token = engine.model().flops_per_token(config.model.context);
+    // MFU on CUDA against this card's own bf16 GEMM rate at the model's shapes, measured
+    // now (not a datasheet constant).
+    let peak_flops = device.is_cuda().then(|| {
+        matmul_flops_per_sec_on(
+            engine.model(),
+            config.micro_batch_size * config.model.context,
+            device,
+            compute,
+        )
+    });
+    if let Some(peak) = peak_flops {
+        eprintln!(
+            "rank {rank}: measured GEMM peak at the model's shapes on {device:?} {compute:?}: {:.1} TFLOP/s",
+            peak / 1e12
+        );
+    }
     let streaming = config.streaming();
     let save =
         |engine: &mut Engine, done: u64, place: &Place, loader: Option<(String, Bytes)>| -> Result<(), Failure> {
@@ -496,9 +509,7 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         let secs = started.elapsed().as_secs_f64().max(1e-9);
         let held = engine.held();
         let tokens_per_sec = config.tokens_per_step() as f64 / secs;
-        let mfu = device
-            .is_cuda()
-            .then(|| flops_per_token * tokens_per_sec / world as f64 / PEAK_FLOPS);
+        let mfu = peak_flops.map(|peak| flops_per_token * tokens_per_sec / world as f64 / peak);
         emit(&FromExecutor::Step(StepReport {
             step: step + 1,
             loss: outcome.loss,
@@ -718,32 +729,63 @@ pub struct GemmPeak {
 /// FLOP/s of libtorch's float32 matmuls on the CPU, `[rows, in] x [in, out]` at every
 /// weight matrix of `model` (tied ones once), best of 5 rounds.
 pub fn matmul_flops_per_sec(model: &dyn Model, rows: usize) -> f64 {
-    let operands: Vec<(Tensor, Tensor)> = model
-        .blocks()
+    matmul_flops_per_sec_on(model, rows, Device::Cpu, Kind::Float)
+}
+
+/// FLOP/s of libtorch's matmuls on `device` in `kind` at `model`'s weight shapes, each
+/// distinct shape timed once and counted as often as the model holds it (a 1B model's
+/// inputs for every matrix would not fit a GPU beside the run); CUDA is synchronised
+/// around each round. Best of 5 rounds after a warm-up.
+pub fn matmul_flops_per_sec_on(model: &dyn Model, rows: usize, device: Device, kind: Kind) -> f64 {
+    let mut shapes: Vec<((i64, i64), usize)> = Vec::new();
+    for spec in model.blocks().iter().flatten() {
+        if spec.shape.len() == 2 && spec.tied_to.is_none() {
+            let shape = (spec.shape[1], spec.shape[0]);
+            match shapes.iter_mut().find(|(s, _)| *s == shape) {
+                Some((_, count)) => *count += 1,
+                None => shapes.push((shape, 1)),
+            }
+        }
+    }
+    let operands: Vec<(Tensor, Tensor, usize)> = shapes
         .iter()
-        .flatten()
-        .filter(|spec| spec.shape.len() == 2 && spec.tied_to.is_none())
-        .map(|spec| {
-            let options = (Kind::Float, Device::Cpu);
+        .map(|((inner, out), count)| {
+            let options = (kind, device);
             (
-                Tensor::randn([rows as i64, spec.shape[1]], options),
-                Tensor::randn([spec.shape[1], spec.shape[0]], options),
+                Tensor::randn([rows as i64, *inner], options),
+                Tensor::randn([*inner, *out], options),
+                *count,
             )
         })
         .collect();
-    let flops: f64 = operands
-        .iter()
-        .map(|(a, b)| 2.0 * (a.size()[0] * a.size()[1] * b.size()[1]) as f64)
-        .sum();
-    let mut best = f64::INFINITY;
-    for _ in 0..5 {
-        let start = Instant::now();
-        for (a, b) in &operands {
-            let _ = a.matmul(b);
+    let sync = || {
+        if let Device::Cuda(ordinal) = device {
+            tch::Cuda::synchronize(ordinal as i64);
         }
-        best = best.min(start.elapsed().as_secs_f64());
+    };
+    let mut best: Vec<f64> = vec![f64::INFINITY; operands.len()];
+    for round in 0..6 {
+        for (i, (a, b, _)) in operands.iter().enumerate() {
+            sync();
+            let start = Instant::now();
+            let _ = a.matmul(b);
+            sync();
+            if round > 0 {
+                best[i] = best[i].min(start.elapsed().as_secs_f64());
+            }
+        }
     }
-    flops / best.max(1e-9)
+    let (flops, secs) = operands
+        .iter()
+        .zip(&best)
+        .fold((0.0, 0.0), |(f, t), ((a, b, count), best)| {
+            let n = *count as f64;
+            (
+                f + n * 2.0 * (a.size()[0] * a.size()[1] * b.size()[1]) as f64,
+                t + n * best,
+            )
+        });
+    flops / f64::max(secs, 1e-9)
 }
 
 /// Times libtorch's matmul on the CPU at every weight shape of `config`'s model (inputs of

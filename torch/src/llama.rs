@@ -12,7 +12,7 @@ use regatta_trainer::lora::{LoraConfig, PROJECTIONS};
 use tch::{Kind, Tensor};
 
 use crate::attention::{self, Kernel, Segments};
-use crate::model::{dropout, parameter_count, transformer_flops_per_token, Batch, Init, KvLayout, Model, ParamSpec};
+use crate::model::{dropout, matmul_flops_per_token, Batch, Init, KvLayout, Model, ParamSpec};
 
 /// The embedding's name, which a tied LM head points at.
 const EMBED: &str = "model.embed_tokens.weight";
@@ -354,12 +354,9 @@ impl Model for Llama {
 
     fn flops_per_token(&self, context: usize) -> f64 {
         let c = &self.config;
-        transformer_flops_per_token(
-            parameter_count(self),
-            c.num_hidden_layers,
-            c.num_attention_heads * c.head_dim,
-            context,
-        )
+        // Scores and the weighted sum, forward (2 x 2) and backward (2 x 4), per layer.
+        let attention = 12.0 * (c.num_hidden_layers * c.num_attention_heads * c.head_dim * context) as f64;
+        matmul_flops_per_token(self, attention)
     }
 
     fn hf_config(&self) -> serde_json::Value {

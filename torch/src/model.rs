@@ -331,6 +331,30 @@ pub fn transformer_flops_per_token(params: u64, layers: usize, attention_width: 
     6.0 * params as f64 + 12.0 * layers as f64 * attention_width as f64 * context as f64
 }
 
+/// Training FLOPs per token counted as MFU counts them: each matrix a token meets costs 2
+/// FLOPs per weight forward and 4 backward (input and weight gradients), a frozen one 2 + 2
+/// (no weight gradient: 4N, not 6N, for a LoRA run's base); the first block's tables are
+/// lookups and count nothing unless a later block ties to them (the LM head); vectors
+/// (norms, biases) count nothing. Plus attention's `attention_flops` (scores and values).
+pub fn matmul_flops_per_token(model: &dyn Model, attention_flops: f64) -> f64 {
+    let blocks = model.blocks();
+    let weights: f64 = blocks
+        .iter()
+        .enumerate()
+        .flat_map(|(b, block)| block.iter().map(move |spec| (b, spec)))
+        .filter(|(b, spec)| spec.shape.len() == 2 && (*b > 0 || spec.tied_to.is_some()))
+        .map(|(_, spec)| {
+            let numel = spec.shape.iter().product::<i64>() as f64;
+            if spec.frozen {
+                4.0 * numel
+            } else {
+                6.0 * numel
+            }
+        })
+        .sum();
+    weights + attention_flops
+}
+
 /// The built-in GPT-style decoder: token and position embeddings, pre-norm transformer
 /// blocks (causal self-attention and a GELU MLP), a final norm and an untied head.
 #[derive(Clone, Debug)]

@@ -456,3 +456,27 @@ fn the_scorer_reads_a_model_folder_and_scores_as_transformers_logits_imply() {
         }
     }
 }
+
+/// MFU's FLOPs: 6 per weight of every matrix a token meets (the LM head included, the
+/// embedding lookup not), 4 for a frozen one (a LoRA base), plus attention's.
+#[test]
+fn training_flops_count_matrices_not_lookups_and_4n_for_a_frozen_base() {
+    let (mut model, _, _) = load(&fixture("llama"));
+    // Two layers of hidden 64 (4 heads of 16, 2 KV heads), MLP 160, vocab 512, untied.
+    let per_layer = 64 * 64 + 2 * (64 * 32) + 64 * 64 + 3 * (64 * 160);
+    let matrices = 2 * per_layer + 512 * 64;
+    let attention = 12 * 2 * 4 * 16 * 32;
+    assert_eq!(model.flops_per_token(32), (6 * matrices + attention) as f64);
+    let lora = regatta_trainer::LoraConfig {
+        rank: 4,
+        target_modules: vec!["q_proj".into(), "v_proj".into()],
+        ..Default::default()
+    };
+    model.set_lora(&lora).unwrap();
+    // Every base weight, the LM head included, is frozen in a LoRA run (as PEFT does).
+    let adapters = 2 * (4 * 64 + 64 * 4 + 4 * 64 + 32 * 4);
+    assert_eq!(
+        model.flops_per_token(32),
+        (4 * matrices + 6 * adapters + attention) as f64
+    );
+}
