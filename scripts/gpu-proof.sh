@@ -126,7 +126,7 @@ else:
     for key, value in json.load(open(model)).items():
         if value is not None:
             lines.append(f"{key} = {json.dumps(value)}")
-lines += ["[data]", 'path = "$root/corpus.txt"']
+lines += ["[data]", 'path = "$work/corpus.jsonl"']
 open(file, "w").write("\n".join(lines) + "\n")
 PY
 }
@@ -228,6 +228,16 @@ run() {
 
     step attention-check 180 "$rank" attention-check --device "$DEVICE" --time "$SEQ"
     json_of attention-check
+    # Training rows are documents (paragraphs of the corpus) packed to the context, so the
+    # packed-rows attention path is the one measured.
+    "$PY" - "$root/corpus.txt" "$work/corpus.jsonl" <<'PY'
+import json, sys
+text = open(sys.argv[1], encoding="utf-8").read()
+with open(sys.argv[2], "w") as out:
+    for paragraph in text.split("\n\n"):
+        if paragraph.strip():
+            out.write(json.dumps({"text": paragraph.strip()}) + "\n")
+PY
     step flops 60 "$PY" "$root/peer.py" flops --config "$MODEL_CONFIG" --seq "$SEQ"
     json_of flops
     for stage in 2 3; do

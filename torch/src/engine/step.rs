@@ -18,16 +18,21 @@ impl Engine {
                 "no target token in this step's batch on any rank (every label is -100)".into(),
             ));
         }
-        let mut local_loss = 0.0;
+        // Summed on the device: one host sync for the step's loss, not one per micro-batch.
+        let mut local_loss: Option<Tensor> = None;
         let mut grad_bytes = (0, 0);
         for (k, m) in micro.iter().enumerate() {
             // Dropout masks: a function of the run's seed, the step and the micro-batch, so a
             // resumed run draws what an uninterrupted one would.
             let salt = (self.step << 16 | k as u64).wrapping_mul(0x2545_f491_4f6c_dd1d);
             let (loss, held) = self.accumulate(m, count, self.settings.seed ^ salt)?;
-            local_loss += loss;
+            local_loss = Some(match local_loss {
+                Some(sum) => sum + loss,
+                None => loss,
+            });
             grad_bytes = held;
         }
+        let local_loss = local_loss.map_or(0.0, |t| t.double_value(&[]));
         let loss = self.sum_over_ranks(local_loss)? / count;
         let grad_norm = self.apply_adamw()?;
         Ok(StepOutcome {
@@ -43,7 +48,7 @@ impl Engine {
     /// Forward and backward of one micro-batch, adding the gradients of its loss sum
     /// divided by `count` to the held ones. Returns its loss sum and the gradient bytes
     /// held (all, and of those on the host).
-    fn accumulate(&mut self, m: &MicroBatch, count: f64, dropout_seed: u64) -> Result<(f64, (u64, u64))> {
+    fn accumulate(&mut self, m: &MicroBatch, count: f64, dropout_seed: u64) -> Result<(Tensor, (u64, u64))> {
         let blocks = self.specs.len();
         let recompute = self.three() || self.settings.activation_checkpointing;
         let device = self.settings.device;
@@ -80,7 +85,7 @@ impl Engine {
         // Backward, block by block from the last.
         let mut grad_out: Option<Tensor> = None;
         let mut pending: HashMap<Source, Tensor> = HashMap::new();
-        let mut loss_sum = 0.0;
+        let mut loss_sum = Tensor::zeros([], (Kind::Double, device));
         let mut held = (0, 0);
         for block in (0..blocks).rev() {
             let trains = !self.train[block].is_empty()
@@ -103,9 +108,11 @@ impl Engine {
                     .ok_or_else(|| Error::Invalid("backward ran past the saved blocks".into()))?
             };
             let target = if block + 1 == blocks {
-                let sum = token_loss_sum(&out, &targets);
-                loss_sum = sum.double_value(&[]);
-                sum / count
+                // The loss's gradient by chunks (no f32 copy of the whole logits), then the
+                // last block's backward from it like any block's.
+                let (sum, upstream) = token_loss_and_grad(&out, &targets, 1.0 / count);
+                loss_sum = sum;
+                (&out * upstream).sum(Kind::Float)
             } else {
                 let upstream = grad_out
                     .take()
@@ -199,11 +206,20 @@ impl Engine {
             };
             shards.push(Some(grad));
         }
-        let local: f64 = shards
+        // Squares summed where the shards are, then read once (not one host sync a block).
+        let squares: Vec<Tensor> = shards
             .iter()
             .flatten()
-            .map(|g| g.pow_tensor_scalar(2).sum(Kind::Double).double_value(&[]))
-            .sum();
+            .map(|g| g.pow_tensor_scalar(2).sum(Kind::Double))
+            .collect();
+        let same_device = squares.windows(2).all(|w| w[0].device() == w[1].device());
+        let local: f64 = if squares.is_empty() {
+            0.0
+        } else if same_device {
+            Tensor::stack(&squares, 0).sum(Kind::Double).double_value(&[])
+        } else {
+            squares.iter().map(|t| t.double_value(&[])).sum()
+        };
         let norm = self.sum_over_ranks(local)?.sqrt();
         let clip = if o.max_grad_norm > 0.0 {
             (o.max_grad_norm / (norm + 1e-6)).min(1.0)
