@@ -224,5 +224,20 @@ fn gpu_proof_script_prepares_its_folder_and_runs_every_step_on_cpu() {
     // f32 on the same CPU: Regatta's logits equal transformers' to 1e-3 of their range.
     let row = figure("qwen2 fixture logits");
     assert!(row.contains("argmax agreement 1.000"), "{row}");
+    // A spent budget skips steps rather than cutting them, and still writes the report.
+    let out = Command::new("bash")
+        .arg(dir.join("gpu-proof.sh"))
+        .args(["run", "--cpu"])
+        .env("REGATTA_PROOF_PYTHON", venv.join("bin/python"))
+        .env("REGATTA_PROOF_BUDGET_SECS", "1")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a run with skipped steps must not pass");
+    let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(
+        report.contains("### doctor: SKIPPED (the run budget of 1s is spent)"),
+        "{report}"
+    );
+    assert!(report.contains("## Figures"), "{report}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -237,6 +237,57 @@ fn four_micro_batches_of_b_equal_one_batch_of_4b() {
     }
 }
 
+/// How CUDA trains (bf16 compute over f32 master weights, bf16 gathers at stage 3, the
+/// chunked loss on bf16 logits), run on the CPU: packed rows train within bf16's rounding
+/// of the f32 run, at stages 2 and 3.
+#[test]
+fn bf16_compute_with_packed_rows_trains_like_f32() {
+    tch::set_num_threads(1);
+    let (tokens, targets) = sequences(4, 3);
+    let documents = Tensor::from_slice(&[0i64, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1])
+        .view([1, 16])
+        .repeat([4, 1]);
+    let batch = || {
+        vec![MicroBatch {
+            tokens: tokens.shallow_clone(),
+            targets: targets.shallow_clone(),
+            documents: Some(documents.shallow_clone()),
+        }]
+    };
+    for stage in [ZeroStage::Two, ZeroStage::Three] {
+        let run = |compute: Kind| {
+            let mut engine = engine_from(
+                &fixture("llama"),
+                EngineSettings {
+                    stage,
+                    compute,
+                    ..settings(3)
+                },
+            );
+            let losses: Vec<f64> = (0..3).map(|_| engine.train_step(&batch()).unwrap().loss).collect();
+            (losses, engine.consolidated().unwrap())
+        };
+        let (f32_losses, f32_weights) = run(Kind::Float);
+        let (bf16_losses, bf16_weights) = run(Kind::BFloat16);
+        for (a, b) in f32_losses.iter().zip(&bf16_losses) {
+            assert!(
+                (a - b).abs() < 0.02 * a.abs(),
+                "{stage:?}: loss {b} in bf16 vs {a} in f32"
+            );
+        }
+        assert!(f32_losses != bf16_losses, "{stage:?}: bf16 computed exactly as f32");
+        assert!(
+            bf16_losses[2] < bf16_losses[0],
+            "{stage:?}: bf16 does not train: {bf16_losses:?}"
+        );
+        for ((name, a), (_, b)) in f32_weights.iter().zip(&bf16_weights) {
+            assert_eq!(b.kind(), Kind::Float, "{name}: master weights stay f32");
+            let diff = max_abs(&(a - b));
+            assert!(diff < 0.02, "{stage:?}: {name} differs by {diff}");
+        }
+    }
+}
+
 #[test]
 fn activation_checkpointing_recomputes_blocks_to_the_same_loss_and_weights() {
     tch::set_num_threads(1);
