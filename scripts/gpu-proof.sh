@@ -90,8 +90,20 @@ step() {
         return 0
     fi
     [ "$left" -lt "$limit" ] && limit="$left"
+    # Device memory in use, sampled every 200 ms while the step runs (both sides alike).
+    local sampler=""
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$work/$name.mem" 2>/dev/null &
+        sampler=$!
+    fi
     timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
     status=$?
+    local memory=""
+    if [ -n "$sampler" ]; then
+        kill "$sampler" 2>/dev/null
+        wait "$sampler" 2>/dev/null
+        memory=", peak device memory $(sort -n "$work/$name.mem" | tail -n 1) MiB (nvidia-smi)"
+    fi
     local secs=$(($(date +%s) - started))
     local outcome="ok"
     if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
@@ -101,7 +113,7 @@ step() {
     fi
     [ "$outcome" = ok ] || failed=$((failed + 1))
     {
-        echo "### $name: $outcome, ${secs}s"
+        echo "### $name: $outcome, ${secs}s$memory"
         echo
         echo '```'
         echo "\$ $*"

@@ -189,6 +189,24 @@ pub fn held(s: &regatta_trainer::StepReport) -> String {
     )
 }
 
+/// A GPU step's MFU and CUDA memory peaks (`  MFU 41.2%  cuda peak 31.4G alloc 36.0G
+/// reserved`), empty on the CPU.
+pub fn gpu_figures(s: &regatta_trainer::StepReport) -> String {
+    let mut out = String::new();
+    if let Some(mfu) = s.mfu {
+        out.push_str(&format!("  MFU {:.1}%", 100.0 * mfu));
+    }
+    if let (Some(allocated), Some(reserved)) = (s.cuda_peak_allocated_bytes, s.cuda_peak_reserved_bytes) {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        out.push_str(&format!(
+            "  cuda peak {:.1}G alloc {:.1}G reserved",
+            gib(allocated),
+            gib(reserved)
+        ));
+    }
+    out
+}
+
 /// One line for an event, as the job log shows it.
 pub fn describe(event: &TrainEvent, config: &TrainConfig, log_every: u64) -> Option<String> {
     match event {
@@ -222,14 +240,15 @@ pub fn describe(event: &TrainEvent, config: &TrainConfig, log_every: u64) -> Opt
         )),
         TrainEvent::Step(s) if s.step % log_every.max(1) == 0 || s.step == config.steps || s.step == 1 => {
             Some(format!(
-                "step {}/{}  loss {:.4}  {:.0} tokens/s  step {:.3}s  collectives {:.3}s  {}",
+                "step {}/{}  loss {:.4}  {:.0} tokens/s  step {:.3}s  collectives {:.3}s  {}{}",
                 s.step,
                 config.steps,
                 s.loss,
                 s.tokens_per_sec,
                 s.step_secs,
                 s.collective_secs,
-                held(s)
+                held(s),
+                gpu_figures(s)
             ))
         }
         TrainEvent::Checkpoint { step, url } => Some(format!("checkpoint at step {step}: {url}")),
@@ -315,6 +334,9 @@ fn report(summary: &TrainSummary, config: &TrainConfig, json: bool) -> anyhow::R
                 "host_grad_bytes": last.host_grad_bytes,
                 "host_optimizer_bytes": last.host_optimizer_bytes,
                 "frozen_param_bytes": last.frozen_param_bytes,
+                "mfu": last.mfu,
+                "cuda_peak_allocated_bytes": last.cuda_peak_allocated_bytes,
+                "cuda_peak_reserved_bytes": last.cuda_peak_reserved_bytes,
             },
         });
         println!("{value}");

@@ -510,6 +510,11 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         let held = engine.held();
         let tokens_per_sec = config.tokens_per_step() as f64 / secs;
         let mfu = peak_flops.map(|peak| flops_per_token * tokens_per_sec / world as f64 / peak);
+        // This step's peaks (reset after reading, so each step reports its own).
+        let memory = match device {
+            Device::Cuda(ordinal) => crate::shim::cuda_memory(ordinal, true).ok(),
+            _ => None,
+        };
         emit(&FromExecutor::Step(StepReport {
             step: step + 1,
             loss: outcome.loss,
@@ -524,6 +529,8 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
             host_optimizer_bytes: held.host_optimizer,
             frozen_param_bytes: held.frozen_parameters,
             mfu,
+            cuda_peak_allocated_bytes: memory.map(|m| m.peak_allocated),
+            cuda_peak_reserved_bytes: memory.map(|m| m.peak_reserved),
         }));
         let done = step + 1;
         last = done;

@@ -1,6 +1,7 @@
 //! Safe wrappers over `src/shim/shim.cpp`: libtorch calls tch 0.24 does not bind.
 //! FlashAttention's variable-length forward (packed documents, no dense mask), the TF32
-//! switch for float32 matmuls, and which SDPA kernels are enabled.
+//! switch for float32 matmuls, which SDPA kernels are enabled, and the CUDA caching
+//! allocator's statistics.
 #![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_int, CStr};
@@ -23,6 +24,61 @@ extern "C" {
     ) -> c_int;
     fn regatta_allow_tf32(allow: c_int);
     fn regatta_sdp_enabled(flash: *mut c_int, efficient: *mut c_int, math: *mut c_int, cudnn: *mut c_int);
+    fn regatta_cuda_memory(
+        device: c_int,
+        allocated: *mut i64,
+        peak_allocated: *mut i64,
+        reserved: *mut i64,
+        peak_reserved: *mut i64,
+        reset_peak: c_int,
+        error: *mut c_char,
+        error_len: usize,
+    ) -> c_int;
+}
+
+/// The CUDA caching allocator's bytes on one device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaMemory {
+    /// Held by live tensors now.
+    pub allocated: u64,
+    /// Most held by live tensors since the last reset.
+    pub peak_allocated: u64,
+    /// Reserved from the driver now (allocated plus the cache).
+    pub reserved: u64,
+    /// Most reserved since the last reset.
+    pub peak_reserved: u64,
+}
+
+/// The CUDA caching allocator's statistics for `device` (an ordinal as this process sees
+/// it); with `reset_peak` the peaks start again after reading (per-step peaks).
+pub fn cuda_memory(device: usize, reset_peak: bool) -> Result<CudaMemory, TchError> {
+    let (mut allocated, mut peak_allocated, mut reserved, mut peak_reserved) = (0i64, 0i64, 0i64, 0i64);
+    let mut error = [0 as c_char; 1024];
+    // SAFETY: valid out-pointers and error buffer; the shim catches every C++ exception.
+    let status = unsafe {
+        regatta_cuda_memory(
+            device as c_int,
+            &mut allocated,
+            &mut peak_allocated,
+            &mut reserved,
+            &mut peak_reserved,
+            c_int::from(reset_peak),
+            error.as_mut_ptr(),
+            error.len(),
+        )
+    };
+    if status != 0 {
+        // SAFETY: the shim wrote a NUL-terminated string into `error` (zeroed before).
+        let text = unsafe { CStr::from_ptr(error.as_ptr()) }.to_string_lossy().into_owned();
+        return Err(TchError::Torch(text));
+    }
+    let bytes = |v: i64| v.max(0) as u64;
+    Ok(CudaMemory {
+        allocated: bytes(allocated),
+        peak_allocated: bytes(peak_allocated),
+        reserved: bytes(reserved),
+        peak_reserved: bytes(peak_reserved),
+    })
 }
 
 /// Causal attention over packed documents with FlashAttention's variable-length kernel
@@ -79,4 +135,22 @@ pub fn sdp_enabled() -> (bool, bool, bool, bool) {
     // SAFETY: four valid out-pointers.
     unsafe { regatta_sdp_enabled(&mut flash, &mut efficient, &mut math, &mut cudnn) };
     (flash != 0, efficient != 0, math != 0, cudnn != 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_memory_without_a_cuda_device_is_an_error_not_a_crash() {
+        let error = cuda_memory(0, false).expect_err("no CUDA allocator serves device 0 here");
+        assert!(!error.to_string().is_empty());
+    }
+
+    #[test]
+    fn the_tf32_switch_and_sdpa_flags_answer() {
+        allow_tf32(false);
+        let (flash, efficient, math, _) = sdp_enabled();
+        assert!(flash && efficient && math, "libtorch's defaults enable these kernels");
+    }
 }

@@ -17,6 +17,7 @@ pub struct TrainMetrics {
     state_bytes: GaugeVec,
     host_state_bytes: GaugeVec,
     mfu: GaugeVec,
+    cuda_peak_bytes: GaugeVec,
     world_size: GaugeVec,
     rescales: GaugeVec,
     checkpoints: IntCounterVec,
@@ -65,6 +66,11 @@ impl TrainMetrics {
                 &["rank", "state"],
             ),
             mfu: gauge("regatta_train_mfu", "Model FLOPs utilisation estimate (GPU)", &["rank"]),
+            cuda_peak_bytes: gauge(
+                "regatta_train_cuda_peak_bytes",
+                "Most bytes the CUDA caching allocator allocated to tensors or reserved from the driver during the last step (GPU)",
+                &["rank", "kind"],
+            ),
             world_size: gauge("regatta_train_world_size", "Ranks in the rank's group", &["rank"]),
             rescales: gauge(
                 "regatta_train_rescales",
@@ -113,6 +119,14 @@ impl TrainMetrics {
                 }
                 if let Some(mfu) = s.mfu {
                     self.mfu.with_label_values(&[&r]).set(mfu);
+                }
+                for (kind, bytes) in [
+                    ("allocated", s.cuda_peak_allocated_bytes),
+                    ("reserved", s.cuda_peak_reserved_bytes),
+                ] {
+                    if let Some(bytes) = bytes {
+                        self.cuda_peak_bytes.with_label_values(&[&r, kind]).set(bytes as f64);
+                    }
                 }
             }
             FromExecutor::Checkpoint { .. } => self.checkpoints.with_label_values(&[&r]).inc(),

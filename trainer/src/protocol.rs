@@ -79,6 +79,12 @@ pub struct StepReport {
     pub frozen_param_bytes: u64,
     /// Model FLOPs utilisation estimate (GPU only).
     pub mfu: Option<f64>,
+    /// Most bytes the CUDA caching allocator handed to tensors during the step (GPU only).
+    #[serde(default)]
+    pub cuda_peak_allocated_bytes: Option<u64>,
+    /// Most bytes it held from the driver during the step, cache included (GPU only).
+    #[serde(default)]
+    pub cuda_peak_reserved_bytes: Option<u64>,
 }
 
 /// Executor to agent.

@@ -1,10 +1,13 @@
 // libtorch calls tch 0.24 does not bind: FlashAttention's variable-length forward (packed
-// rows without a dense mask), the TF32 switch and the SDPA kernel switches. Compiled by
+// rows without a dense mask), the TF32 switch, the SDPA kernel switches and the CUDA
+// caching allocator's statistics (reached through libc10's allocator registry, which
+// libc10_cuda fills at load, so nothing here links CUDA). Compiled by
 // torch/build.rs against the libtorch headers; everything it calls lives in libtorch_cpu
 // (the CUDA kernel behind _flash_attention_forward is registered by libtorch_cuda at load).
 // Tensors cross as tch's handles (heap at::Tensor pointers); C++ exceptions become an error
 // text, never an unwind into Rust.
 #include <ATen/Context.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_flash_attention_forward.h>
 
@@ -58,5 +61,29 @@ void regatta_sdp_enabled(int* flash, int* efficient, int* math, int* cudnn) {
     *efficient = context.userEnabledMemEfficientSDP();
     *math = context.userEnabledMathSDP();
     *cudnn = context.userEnabledCuDNNSDP();
+}
+
+// The CUDA caching allocator's bytes on `device`: allocated and reserved now, and their
+// peaks since the last reset (reset after reading when `reset_peak`). Returns 0, or 1 with
+// the reason (a CPU-only libtorch, no such device).
+int regatta_cuda_memory(int device, int64_t* allocated, int64_t* peak_allocated, int64_t* reserved,
+                        int64_t* peak_reserved, int reset_peak, char* error, size_t error_len) {
+    try {
+        auto* allocator = c10::getDeviceAllocator(c10::DeviceType::CUDA);
+        auto index = static_cast<c10::DeviceIndex>(device);
+        auto stats = allocator->getDeviceStats(index);
+        constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+        *allocated = stats.allocated_bytes[all].current;
+        *peak_allocated = stats.allocated_bytes[all].peak;
+        *reserved = stats.reserved_bytes[all].current;
+        *peak_reserved = stats.reserved_bytes[all].peak;
+        if (reset_peak) {
+            allocator->resetPeakStats(index);
+        }
+        return 0;
+    } catch (const std::exception& e) {
+        write_error(e.what(), error, error_len);
+        return 1;
+    }
 }
 }
