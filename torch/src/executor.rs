@@ -414,6 +414,8 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         ..
     } = run_model;
     let seed = config.seed;
+    // Checkpoints write the weights in the source folder's dtype (bf16 stays bf16).
+    let weights_kind = source.as_ref().map_or(Kind::Float, HfModel::weights_kind);
     let mut init = |spec: &ParamSpec| runtime.block_on(initial_weights(source.as_ref(), spec, seed));
     let mut engine = Engine::new(model, coll, settings, &mut init)?;
     if let (Some(place), Some(m)) = (&place, &manifest) {
@@ -486,6 +488,7 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
                 side_files: &side_files,
                 shard_bytes: SHARD_BYTES,
                 loader,
+                weights_kind,
             };
             let url = checkpoint::save(&runtime, place, engine, rank, world, spec)?;
             if rank == 0 {

@@ -179,6 +179,22 @@ impl HfModel {
     }
 
     /// `config.json` as read.
+    /// The kind the folder's weights are stored in: BF16 or F16 when every tensor is, else
+    /// F32 (what a checkpoint of a run from this folder writes its weights in).
+    pub fn weights_kind(&self) -> Kind {
+        let mut dtypes = self.entries.values().map(|e| e.dtype.as_str());
+        match dtypes.next() {
+            Some(first @ ("BF16" | "F16")) if dtypes.all(|d| d == first) => {
+                if first == "BF16" {
+                    Kind::BFloat16
+                } else {
+                    Kind::Half
+                }
+            }
+            _ => Kind::Float,
+        }
+    }
+
     pub fn config_json(&self) -> &Value {
         &self.config_json
     }
@@ -377,13 +393,19 @@ impl ShardPlan {
 
     /// `model.safetensors.index.json` for the plan (only needed with several files).
     pub fn index(&self, blocks: &[Vec<ParamSpec>]) -> Value {
+        self.index_as(blocks, Kind::Float)
+    }
+
+    /// The index of the files with every tensor written in `kind`.
+    pub fn index_as(&self, blocks: &[Vec<ParamSpec>], kind: Kind) -> Value {
+        let width = stored_dtype(kind).1;
         let mut weight_map = BTreeMap::new();
         let mut total = 0u64;
         for (file, members) in &self.files {
             for &block in members {
                 for spec in blocks[block].iter().filter(|s| s.tied_to.is_none()) {
                     weight_map.insert(spec.name.clone(), file.clone());
-                    total += 4 * spec.numel() as u64;
+                    total += width * spec.numel() as u64;
                 }
             }
         }
@@ -393,13 +415,43 @@ impl ShardPlan {
 
 /// Float32 tensors as the bytes of a safetensors file.
 pub fn encode_safetensors(tensors: &[(String, Tensor)]) -> Result<Bytes> {
+    encode_safetensors_as(tensors, Kind::Float)
+}
+
+/// The safetensors name and element width of a kind weights are written in.
+pub fn stored_dtype(kind: Kind) -> (&'static str, u64) {
+    match kind {
+        Kind::BFloat16 => ("BF16", 2),
+        Kind::Half => ("F16", 2),
+        _ => ("F32", 4),
+    }
+}
+
+/// `config.json`'s name of a kind weights are written in (`torch_dtype` / `dtype`).
+pub fn config_dtype(kind: Kind) -> &'static str {
+    match kind {
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
+        _ => "float32",
+    }
+}
+
+/// Tensors as the bytes of a safetensors file with every tensor in `kind` (F32, BF16 or
+/// F16; any other kind is written as F32).
+pub fn encode_safetensors_as(tensors: &[(String, Tensor)], kind: Kind) -> Result<Bytes> {
+    let (dtype, width) = stored_dtype(kind);
+    let kind = match dtype {
+        "BF16" => Kind::BFloat16,
+        "F16" => Kind::Half,
+        _ => Kind::Float,
+    };
     let mut header = serde_json::Map::new();
     let mut offset = 0u64;
     for (name, tensor) in tensors {
-        let bytes = 4 * tensor.numel() as u64;
+        let bytes = width * tensor.numel() as u64;
         header.insert(
             name.clone(),
-            serde_json::json!({"dtype": "F32", "shape": tensor.size(), "data_offsets": [offset, offset + bytes]}),
+            serde_json::json!({"dtype": dtype, "shape": tensor.size(), "data_offsets": [offset, offset + bytes]}),
         );
         offset += bytes;
     }
@@ -412,10 +464,13 @@ pub fn encode_safetensors(tensors: &[(String, Tensor)]) -> Result<Bytes> {
     out.extend_from_slice(&(text.len() as u64).to_le_bytes());
     out.extend_from_slice(&text);
     for (_, tensor) in tensors {
-        let values = Vec::<f32>::try_from(tensor.to_kind(Kind::Float).to_device(Device::Cpu).contiguous().view(-1))?;
-        for v in values {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
+        // libtorch's bytes are little-endian on every host Regatta builds for (x86-64,
+        // aarch64), as safetensors wants them.
+        let values = tensor.to_kind(kind).to_device(Device::Cpu).contiguous();
+        let numel = values.numel();
+        let start = out.len();
+        out.resize(start + numel * width as usize, 0);
+        values.f_copy_data_u8(&mut out[start..], numel)?;
     }
     Ok(Bytes::from(out))
 }

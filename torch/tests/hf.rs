@@ -365,36 +365,8 @@ fn a_checkpoint_reloads_with_identical_logits_and_the_fixtures_names_shapes_and_
                 documents: None,
             }])
             .unwrap();
-        let place = regatta_object_store::Place::dir(dir.to_str().unwrap()).unwrap();
-        let hf = rt.block_on(HfModel::open(fixture(name).to_str().unwrap())).unwrap();
-        let side = rt.block_on(hf.side_files()).unwrap();
-        let config = TrainConfig::default();
-        let manifest = Manifest {
-            step: 1,
-            world: 1,
-            zero_stage: ZeroStage::Two,
-            model: config.model.clone(),
-            vocab: 512,
-            tokenizer: String::new(),
-            params: engine.parameter_count(),
-            positions: vec![2],
-            loader_files: Vec::new(),
-            files: Vec::new(),
-            data: config.data.clone(),
-            lora: None,
-            micro_batch_size: 2,
-            gradient_accumulation: 1,
-        };
         // Small shards: the trained model is written in several files with an index.
-        let spec = SaveSpec {
-            manifest,
-            side_files: &side,
-            shard_bytes: 100_000,
-            loader: None,
-        };
-        let url = checkpoint::save(&rt, &place, &mut engine, 0, 1, spec).unwrap();
-        assert!(url.ends_with("step-00000001"), "{url}");
-        let step_dir = dir.join("step-00000001");
+        let step_dir = save_step(&rt, &mut engine, &fixture(name), &dir, 100_000, Kind::Float);
         assert!(
             step_dir.join("model.safetensors.index.json").is_file(),
             "{name}: sharded with an index"
@@ -411,6 +383,110 @@ fn a_checkpoint_reloads_with_identical_logits_and_the_fixtures_names_shapes_and_
         assert_eq!(max_abs(&(reloaded - fresh)), 0.0, "{name}: identical logits");
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// Writes `engine`'s checkpoint at step 1 into `dir` (side files from `source`), with the
+/// weights in `kind`; returns the step folder.
+fn save_step(
+    rt: &tokio::runtime::Runtime,
+    engine: &mut Engine,
+    source: &Path,
+    dir: &Path,
+    shard_bytes: u64,
+    kind: Kind,
+) -> PathBuf {
+    let place = regatta_object_store::Place::dir(dir.to_str().unwrap()).unwrap();
+    let hf = rt.block_on(HfModel::open(source.to_str().unwrap())).unwrap();
+    let side = rt.block_on(hf.side_files()).unwrap();
+    let config = TrainConfig::default();
+    let manifest = Manifest {
+        step: 1,
+        world: 1,
+        zero_stage: ZeroStage::Two,
+        model: config.model.clone(),
+        vocab: 512,
+        tokenizer: String::new(),
+        params: engine.parameter_count(),
+        positions: vec![2],
+        loader_files: Vec::new(),
+        files: Vec::new(),
+        data: config.data.clone(),
+        lora: None,
+        micro_batch_size: 2,
+        gradient_accumulation: 1,
+    };
+    let spec = SaveSpec {
+        manifest,
+        side_files: &side,
+        shard_bytes,
+        loader: None,
+        weights_kind: kind,
+    };
+    let url = checkpoint::save(rt, &place, engine, 0, 1, spec).unwrap();
+    assert!(url.ends_with("step-00000001"), "{url}");
+    dir.join("step-00000001")
+}
+
+/// A bf16 model's checkpoint stays bf16: its weights are the f32 master weights rounded
+/// to bf16, `config.json` says bfloat16, and it reads back as such.
+#[test]
+fn a_bf16_models_checkpoint_is_written_in_bf16() {
+    tch::set_num_threads(1);
+    let rt = runtime();
+    let root = std::env::temp_dir().join(format!("regatta-hf-bf16-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    // The llama fixture converted to bf16 (one file, no index), as save_pretrained in bf16
+    // would hold it.
+    let source = root.join("model");
+    std::fs::create_dir_all(&source).unwrap();
+    for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture("llama").join(file), source.join(file)).unwrap();
+    }
+    let (_, _, stored) = load(&fixture("llama"));
+    let bytes = regatta_torch::hf::encode_safetensors_as(&stored, Kind::BFloat16).unwrap();
+    std::fs::write(source.join("model.safetensors"), &bytes).unwrap();
+    let hf = rt.block_on(HfModel::open(source.to_str().unwrap())).unwrap();
+    assert_eq!(hf.weights_kind(), Kind::BFloat16);
+    let f32_hf = rt.block_on(HfModel::open(fixture("llama").to_str().unwrap())).unwrap();
+    assert_eq!(f32_hf.weights_kind(), Kind::Float);
+
+    let mut engine = engine_from(&source, settings(1));
+    let (tokens, targets) = sequences(2, 3);
+    engine
+        .train_step(&[MicroBatch {
+            tokens,
+            targets,
+            documents: None,
+        }])
+        .unwrap();
+    let step_dir = save_step(
+        &rt,
+        &mut engine,
+        &source,
+        &root.join("ckpt"),
+        1 << 30,
+        hf.weights_kind(),
+    );
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(step_dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["torch_dtype"], "bfloat16");
+    let (dtypes, _): (Vec<String>, Vec<_>) = dtype_and_shapes(&step_dir).into_iter().map(|(_, d, s)| (d, s)).unzip();
+    assert!(dtypes.iter().all(|d| d == "BF16"), "{dtypes:?}");
+    let written = rt.block_on(HfModel::open(step_dir.to_str().unwrap())).unwrap();
+    assert_eq!(written.weights_kind(), Kind::BFloat16);
+    let master: HashMap<String, Tensor> = engine.consolidated().unwrap().into_iter().collect();
+    let model = written.model().unwrap();
+    for spec in model.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
+        let read = rt.block_on(written.read_as(&spec, Kind::BFloat16)).unwrap();
+        assert_eq!(read.kind(), Kind::BFloat16);
+        let want = master[&spec.name].to_kind(Kind::BFloat16);
+        assert!(
+            read.equal(&want),
+            "{}: not the master weights rounded to bf16",
+            spec.name
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]

@@ -14,7 +14,7 @@ use tokio::runtime::Runtime;
 
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::hf::{HfModel, ShardPlan, INDEX};
+use crate::hf::{encode_safetensors_as, HfModel, ShardPlan, INDEX};
 use crate::model::ParamSpec;
 use regatta_object_store::Place;
 use regatta_trainer::lora::{is_adapter, ADAPTER_CONFIG};
@@ -34,6 +34,9 @@ pub struct SaveSpec<'a> {
     pub shard_bytes: u64,
     /// This rank's loader state file (streaming runs): name and bytes.
     pub loader: Option<(String, Bytes)>,
+    /// The kind the model's weights are written in: the source folder's (a bf16 model's
+    /// checkpoint stays bf16; master weights stay f32 in the optimizer shards).
+    pub weights_kind: tch::Kind,
 }
 
 /// Writes this rank's part of a checkpoint at the engine's current step (a collective:
@@ -92,7 +95,7 @@ pub fn save(
         }
         if rank == owner {
             runtime
-                .block_on(weights_dir.put(file, to_safetensors(&tensors)?))
+                .block_on(weights_dir.put(file, encode_safetensors_as(&tensors, spec.weights_kind)?))
                 .map_err(storage)?;
         }
     }
@@ -104,12 +107,15 @@ pub fn save(
         };
         if write_weights && plan.files.len() > 1 {
             runtime
-                .block_on(weights_dir.put(INDEX, json(&plan.index(&base_specs))?))
+                .block_on(weights_dir.put(INDEX, json(&plan.index_as(&base_specs, spec.weights_kind))?))
                 .map_err(storage)?;
         }
         if write_weights {
             runtime
-                .block_on(weights_dir.put("config.json", json(&engine.model().hf_config())?))
+                .block_on(weights_dir.put(
+                    "config.json",
+                    json(&with_dtype(engine.model().hf_config(), spec.weights_kind))?,
+                ))
                 .map_err(storage)?;
         }
         for (name, bytes) in spec.side_files {
@@ -132,6 +138,19 @@ pub fn save(
             .map_err(storage)?;
     }
     Ok(dir.url().to_string())
+}
+
+/// `config.json` naming the dtype its weights are written in (where it names one: the
+/// Llama family's does, the built-in GPT's has no such key).
+fn with_dtype(mut config: serde_json::Value, kind: tch::Kind) -> serde_json::Value {
+    if let Some(object) = config.as_object_mut() {
+        for key in ["torch_dtype", "dtype"] {
+            if let Some(value) = object.get_mut(key) {
+                *value = crate::hf::config_dtype(kind).into();
+            }
+        }
+    }
+    config
 }
 
 /// Loads this rank's optimizer slice from the checkpoint `manifest` describes (a
