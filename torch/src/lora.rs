@@ -155,9 +155,10 @@ pub fn adapter_files(config: &LoraConfig, base: &str, tensors: &[(String, Tensor
     ])
 }
 
-/// Writes `base` + `adapter` merged (each targeted weight plus `scale * B A`, float32) as
-/// a Hugging Face folder at `out`, with the base's tokenizer and generation files; one
-/// weight shard in memory at a time. Returns the files written.
+/// Writes `base` + `adapter` merged (each targeted weight plus `scale * B A`, computed in
+/// float32 and written in the base's dtype: a bf16 base gives a bf16 folder) as a Hugging
+/// Face folder at `out`, with the base's tokenizer and generation files; one weight shard
+/// in memory at a time. Returns the files written.
 pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u64) -> Result<Vec<String>> {
     let mut model = base.model()?;
     base.check(model.as_ref())?;
@@ -168,6 +169,7 @@ pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u6
     let blocks = plain.blocks();
     let place = Place::dir(out).map_err(storage)?;
     let plan = ShardPlan::new(&blocks, shard_bytes);
+    let kind = base.weights_kind();
     let mut written = Vec::new();
     for (file, members) in &plan.files {
         let mut tensors = Vec::new();
@@ -181,7 +183,10 @@ pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u6
                 ));
             }
         }
-        place.put(file, to_safetensors(&tensors)?).await.map_err(storage)?;
+        place
+            .put(file, crate::hf::encode_safetensors_as(&tensors, kind)?)
+            .await
+            .map_err(storage)?;
         written.push(file.clone());
     }
     let json = |value: &serde_json::Value| -> Result<Bytes> {
@@ -190,11 +195,17 @@ pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u6
             .map_err(|e| Error::Invalid(e.to_string()))
     };
     if plan.files.len() > 1 {
-        place.put(INDEX, json(&plan.index(&blocks))?).await.map_err(storage)?;
+        place
+            .put(INDEX, json(&plan.index_as(&blocks, kind))?)
+            .await
+            .map_err(storage)?;
         written.push(INDEX.to_string());
     }
     place
-        .put("config.json", json(&plain.hf_config())?)
+        .put(
+            "config.json",
+            json(&crate::checkpoint::with_dtype(plain.hf_config(), kind))?,
+        )
         .await
         .map_err(storage)?;
     written.push("config.json".to_string());

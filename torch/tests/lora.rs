@@ -115,7 +115,7 @@ fn an_adapter_from_peft_gives_peft_logits_and_merging_keeps_them() {
 }
 
 #[test]
-fn a_bf16_base_merges_in_float32() {
+fn a_bf16_base_merges_in_float32_and_is_written_in_bf16_as_peft_keeps_it() {
     tch::set_num_threads(1);
     let dir = temp_dir("bf16");
     let base = dir.join("base");
@@ -148,11 +148,14 @@ fn a_bf16_base_merges_in_float32() {
         .flat_map(|i| Tensor::read_safetensors(base.join(format!("model-{i:05}-of-00010.safetensors"))).unwrap())
         .collect();
     let weight = &merged[&format!("{name}.weight")];
-    assert_eq!(weight.kind(), Kind::Float);
+    assert_eq!(weight.kind(), Kind::BFloat16);
     let expected = original[&format!("{name}.weight")].to_kind(Kind::Float)
         + adapter.tensors[&format!("{name}.lora_B.weight")].matmul(&adapter.tensors[&format!("{name}.lora_A.weight")])
             * adapter.config.scale();
-    assert!(max_abs(&(weight - expected)) < 1e-6);
+    // Merged in f32, rounded to bf16 once at the end.
+    assert!(weight.equal(&expected.to_kind(Kind::BFloat16)));
+    let config: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["torch_dtype"], "bfloat16");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

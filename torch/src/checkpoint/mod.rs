@@ -142,7 +142,7 @@ pub fn save(
 
 /// `config.json` naming the dtype its weights are written in (where it names one: the
 /// Llama family's does, the built-in GPT's has no such key).
-fn with_dtype(mut config: serde_json::Value, kind: tch::Kind) -> serde_json::Value {
+pub fn with_dtype(mut config: serde_json::Value, kind: tch::Kind) -> serde_json::Value {
     if let Some(object) = config.as_object_mut() {
         for key in ["torch_dtype", "dtype"] {
             if let Some(value) = object.get_mut(key) {
