@@ -298,18 +298,19 @@ pub struct Engine {
 /// A block's parameters as leaves of one backward: the trained buffer, the frozen one and
 /// the tied parameters it borrowed.
 struct Leaves {
-    flat: Tensor,
+    /// One leaf per trained parameter of the block, by slot: views of the block's flat
+    /// buffer, each its own autograd leaf, so backward gives each its own gradient instead
+    /// of a full-size zero buffer per view (autograd's `narrow` backward) summed into one.
+    own: Vec<Tensor>,
     frozen: Tensor,
     tied: Vec<(Source, Tensor)>,
 }
 
 impl Leaves {
-    /// The leaves backward differentiates against (frozen ones excluded).
+    /// The leaves backward differentiates against (frozen ones excluded): the block's own
+    /// trained parameters in slot order, then its trained tied ones.
     fn trained(&self) -> Vec<Tensor> {
-        let mut out = Vec::new();
-        if self.flat.numel() > 0 {
-            out.push(self.flat.shallow_clone());
-        }
+        let mut out: Vec<Tensor> = self.own.iter().map(Tensor::shallow_clone).collect();
         out.extend(
             self.tied
                 .iter()
@@ -558,16 +559,12 @@ impl Engine {
         self.coll.all_gather(&shard)
     }
 
-    fn store_view(&self, block: usize, store: Store, trained: &Tensor, frozen: &Tensor) -> Tensor {
-        match store {
-            Store::Train(slot) => self.train[block].view(slot, trained),
-            Store::Frozen(slot) => self.frozen_flat[block].view(slot, frozen),
-        }
-    }
-
     /// The block's parameters as leaves (`grad`: whether trained ones require gradients).
     fn leaves(&mut self, block: usize, grad: bool) -> Result<Leaves> {
-        let flat = self.block_params(block)?.detach().set_requires_grad(grad);
+        let flat = self.block_params(block)?.detach();
+        let own = (0..self.train[block].layout.tensors.len())
+            .map(|slot| self.train[block].view(slot, &flat).detach().set_requires_grad(grad))
+            .collect();
         let frozen = self.frozen_params(block)?;
         let mut tied = Vec::new();
         let sources: Vec<Source> = self.slots[block]
@@ -593,7 +590,7 @@ impl Engine {
             };
             tied.push(((source_block, store), view));
         }
-        Ok(Leaves { flat, frozen, tied })
+        Ok(Leaves { own, frozen, tied })
     }
 
     fn views(&self, block: usize, leaves: &Leaves) -> Vec<Tensor> {
@@ -601,7 +598,8 @@ impl Engine {
         self.slots[block]
             .iter()
             .map(|s| match s {
-                Slot::Own(store) => self.store_view(block, *store, &leaves.flat, &leaves.frozen),
+                Slot::Own(Store::Train(slot)) => leaves.own[*slot].shallow_clone(),
+                Slot::Own(Store::Frozen(slot)) => self.frozen_flat[block].view(*slot, &leaves.frozen),
                 Slot::Tied(_) => tied
                     .next()
                     .map(|(_, t)| t.shallow_clone())

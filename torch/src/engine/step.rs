@@ -123,12 +123,8 @@ impl Engine {
             let trained = wrt.len();
             wrt.extend(input.iter().map(Tensor::shallow_clone));
             let grads = Tensor::f_run_backward(&[&target], &wrt, false, false)?;
-            let own = usize::from(leaves.flat.numel() > 0);
-            let grad = if own == 1 {
-                grads[0].to_kind(Kind::Float)
-            } else {
-                Tensor::zeros([0], (Kind::Float, device))
-            };
+            let own = leaves.own.len();
+            let grad = self.flat_gradient(block, &grads[..own], device);
             let tied_trained = leaves
                 .tied
                 .iter()
@@ -156,6 +152,33 @@ impl Engine {
             }
         }
         Ok((loss_sum, held))
+    }
+
+    /// A block's own trained parameters' gradients as one flat float32 buffer in the
+    /// block's layout (parameters one after another, padding zero); a parameter backward
+    /// did not reach gets zeros.
+    fn flat_gradient(&self, block: usize, grads: &[Tensor], device: Device) -> Tensor {
+        let layout = &self.train[block].layout;
+        if grads.is_empty() {
+            return Tensor::zeros([0], (Kind::Float, device));
+        }
+        let mut parts: Vec<Tensor> = layout
+            .tensors
+            .iter()
+            .zip(grads)
+            .map(|(slot, g)| {
+                if g.defined() {
+                    g.reshape([-1]).to_kind(Kind::Float)
+                } else {
+                    Tensor::zeros([slot.numel as i64], (Kind::Float, device))
+                }
+            })
+            .collect();
+        let padding = layout.padded - layout.numel;
+        if padding > 0 {
+            parts.push(Tensor::zeros([padding as i64], (Kind::Float, device)));
+        }
+        Tensor::cat(&parts, 0)
     }
 
     /// Adds a block's gradient to the held ones (stage 1: full, on the device; 2 and 3:
