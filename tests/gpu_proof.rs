@@ -72,6 +72,7 @@ fn doctor_reports_the_cpu_libtorch_and_refuses_to_promise_cuda() {
     assert!(reason.contains("CPU-only"), "{reason}");
     // The CPU's attention kernel choices are listed (libtorch answers for the CPU).
     assert_eq!(report["sdpa"][0]["on"], "Cpu Float");
+    assert_eq!(report["driver"]["state"], "missing");
 
     let out = doctor(&[], &["--require-cuda"]);
     assert_eq!(

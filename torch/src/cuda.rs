@@ -131,6 +131,42 @@ pub fn load_libtorch_cuda() -> &'static CudaLibrary {
     })
 }
 
+/// A library `doctor` looked for: its version, or why it cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum Found {
+    /// Loaded; its version.
+    Available {
+        /// As the library reports it.
+        version: String,
+    },
+    /// Not usable, and why.
+    Missing {
+        /// What is missing and what to do.
+        reason: String,
+    },
+}
+
+impl Found {
+    fn reason(&self) -> Option<&str> {
+        match self {
+            Self::Available { .. } => None,
+            Self::Missing { reason } => Some(reason),
+        }
+    }
+
+    fn show(&self) -> String {
+        match self {
+            Self::Available { version } => version.clone(),
+            Self::Missing { reason } => format!("not available: {reason}"),
+        }
+    }
+}
+
+fn missing(reason: impl Into<String>) -> Found {
+    Found::Missing { reason: reason.into() }
+}
+
 /// One CUDA device as the driver reports it.
 #[derive(Debug, Clone, Serialize)]
 pub struct DeviceInfo {
@@ -182,7 +218,7 @@ pub struct Diagnosis {
     /// What became of `libtorch_cuda.so`.
     pub libtorch_cuda: CudaLibrary,
     /// `libcuda.so` (the driver): its version, or why it is not there.
-    pub driver: std::result::Result<String, String>,
+    pub driver: Found,
     /// libtorch's own answer.
     pub cuda_available: bool,
     /// libtorch's device count.
@@ -192,7 +228,7 @@ pub struct Diagnosis {
     /// cuDNN usable by libtorch.
     pub cudnn_available: bool,
     /// NCCL's version, or why it cannot be loaded.
-    pub nccl: std::result::Result<String, String>,
+    pub nccl: Found,
     /// Kernel choices of scaled-dot-product attention.
     pub sdpa: Vec<SdpaChoice>,
     /// The SDPA kernels libtorch may use (its global switches).
@@ -256,19 +292,14 @@ pub fn diagnose() -> Diagnosis {
     }
 }
 
-fn why_unusable(
-    library: &CudaLibrary,
-    driver: &std::result::Result<String, String>,
-    cuda_available: bool,
-    device_count: i64,
-) -> Option<String> {
+fn why_unusable(library: &CudaLibrary, driver: &Found, cuda_available: bool, device_count: i64) -> Option<String> {
     if cuda_available && device_count > 0 {
         return None;
     }
     if let Some(reason) = library.why_not() {
         return Some(reason);
     }
-    if let Err(reason) = driver {
+    if let Some(reason) = driver.reason() {
         return Some(format!("libtorch has CUDA but {reason}"));
     }
     // libtorch's own words on the first CUDA allocation say what is missing.
@@ -286,14 +317,17 @@ fn first_line(text: &str) -> String {
 }
 
 /// The driver's version and devices, or why the driver cannot be used.
-fn driver_devices() -> (std::result::Result<String, String>, Vec<DeviceInfo>) {
+fn driver_devices() -> (Found, Vec<DeviceInfo>) {
     use cudarc::driver::{result, sys};
     // SAFETY: only tries to dlopen candidate names of the driver library.
     if !unsafe { sys::is_culib_present() } {
-        return (Err("no NVIDIA driver (libcuda.so.1) is installed".into()), Vec::new());
+        return (missing("no NVIDIA driver (libcuda.so.1) is installed"), Vec::new());
     }
     if let Err(e) = result::init() {
-        return (Err(format!("the NVIDIA driver did not initialise: {e:?}")), Vec::new());
+        return (
+            missing(format!("the NVIDIA driver did not initialise: {e:?}")),
+            Vec::new(),
+        );
     }
     let mut version = 0;
     // SAFETY: a valid out-pointer; the driver is initialised.
@@ -321,21 +355,20 @@ fn driver_devices() -> (std::result::Result<String, String>, Vec<DeviceInfo>) {
             })
         })
         .collect();
-    (Ok(version), devices)
+    (Found::Available { version }, devices)
 }
 
-fn nccl_version() -> std::result::Result<String, String> {
-    crate::nccl::check_library().map_err(|e| e.to_string())?;
+fn nccl_version() -> Found {
+    if let Err(e) = crate::nccl::check_library() {
+        return missing(e.to_string());
+    }
     let mut version = 0;
     // SAFETY: the library is present (checked above) and the pointer is valid.
     match unsafe { cudarc::nccl::sys::ncclGetVersion(&mut version) } {
-        cudarc::nccl::sys::ncclResult_t::ncclSuccess => Ok(format!(
-            "{}.{}.{}",
-            version / 10000,
-            (version % 10000) / 100,
-            version % 100
-        )),
-        other => Err(format!("ncclGetVersion: {other:?}")),
+        cudarc::nccl::sys::ncclResult_t::ncclSuccess => Found::Available {
+            version: format!("{}.{}.{}", version / 10000, (version % 10000) / 100, version % 100),
+        },
+        other => missing(format!("ncclGetVersion: {other:?}")),
     }
 }
 
@@ -452,10 +485,6 @@ impl Diagnosis {
     /// The report as lines a person reads.
     pub fn to_text(&self) -> String {
         let mut out = Vec::new();
-        let show = |r: &std::result::Result<String, String>| match r {
-            Ok(v) => v.clone(),
-            Err(e) => format!("not available: {e}"),
-        };
         out.push(format!("libtorch built against: {}", self.libtorch_built_against));
         out.push(format!(
             "libtorch in use: {}{}",
@@ -473,7 +502,7 @@ impl Diagnosis {
                 other => other.why_not().unwrap_or_default(),
             }
         ));
-        out.push(format!("NVIDIA driver: {}", show(&self.driver)));
+        out.push(format!("NVIDIA driver: {}", self.driver.show()));
         out.push(format!(
             "CUDA available: {} ({} devices, cuDNN {})",
             self.cuda_available,
@@ -490,7 +519,7 @@ impl Diagnosis {
                 if d.bf16 { "yes" } else { "no" }
             ));
         }
-        out.push(format!("NCCL: {}", show(&self.nccl)));
+        out.push(format!("NCCL: {}", self.nccl.show()));
         for s in &self.sdpa {
             out.push(format!(
                 "attention kernel on {}: causal {}, with a dense mask {}",

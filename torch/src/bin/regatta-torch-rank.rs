@@ -21,6 +21,7 @@
 //! `regatta-torch-rank attention-check [--device D] [--dtype T] [--time N]`: the packed-rows
 //! attention kernel against SDPA with the dense mask, forward and backward, as JSON.
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use regatta_torch::{bench_generate, builtin_model, checkpoint, executor_main, gemm_peak, reference_run};
@@ -242,11 +243,13 @@ fn doctor(args: &[String]) -> anyhow::Result<ExitCode> {
         }
     }
     let diagnosis = regatta_torch::cuda::diagnose();
-    if json {
-        println!("{}", serde_json::to_string_pretty(&diagnosis)?);
+    let text = if json {
+        serde_json::to_string_pretty(&diagnosis)?
     } else {
-        println!("{}", diagnosis.to_text());
-    }
+        diagnosis.to_text()
+    };
+    // A reader that stops early (`doctor | head`) is not an error worth a panic.
+    let _ = writeln!(std::io::stdout(), "{text}");
     Ok(match (&diagnosis.cuda_unusable, require_cuda) {
         (Some(reason), true) => {
             eprintln!("error: --require-cuda: {reason}");
