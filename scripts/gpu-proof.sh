@@ -131,14 +131,15 @@ json_of() {
     grep -E '^\{.*\}$' "$work/$1.log" | tail -n 1 >"$work/$1.json" || true
 }
 
-# train.toml for a run: MODEL_CONFIG_JSON or a model folder, ZeRO stage, LoRA rank.
+# train.toml for a run: MODEL_CONFIG_JSON or a model folder, ZeRO stage, LoRA rank, and
+# optionally the number of ranks (default 1).
 write_train_toml() {
-    local file="$1" model="$2" stage="$3" lora="$4"
-    "$PY" - "$file" "$model" "$stage" "$lora" <<PY
+    local file="$1" model="$2" stage="$3" lora="$4" world="${5:-1}"
+    "$PY" - "$file" "$model" "$stage" "$lora" "$world" <<PY
 import json, os, sys
-file, model, stage, lora = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+file, model, stage, lora, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 lines = [
-    "world_size = 1", f"zero_stage = {stage}", "steps = $TRAIN_STEPS",
+    f"world_size = {world}", "max_failures = 0", f"zero_stage = {stage}", "steps = $TRAIN_STEPS",
     "micro_batch_size = $MICRO_BATCH", 'device = "$DEVICE"', "threads = $THREADS",
     "resources = $RESOURCES", "activation_checkpointing = $CHECKPOINTING",
 ]
@@ -257,13 +258,13 @@ run() {
 
     step attention-check 180 "$rank" attention-check --device "$DEVICE" --time "$SEQ"
     json_of attention-check
-    # Training rows are documents (paragraphs of the corpus) packed to the context, so the
-    # packed-rows attention path is the one measured.
+    # Training rows are documents (the corpus's lines, a docstring paragraph each) packed to
+    # the context, so the packed-rows attention path is the one measured.
     "$PY" - "$root/corpus.txt" "$work/corpus.jsonl" <<'PY'
 import json, sys
 text = open(sys.argv[1], encoding="utf-8").read()
 with open(sys.argv[2], "w") as out:
-    for paragraph in text.split("\n\n"):
+    for paragraph in text.split("\n"):
         if paragraph.strip():
             out.write(json.dumps({"text": paragraph.strip()}) + "\n")
 PY
@@ -274,6 +275,14 @@ PY
         step "train-zero$stage" 420 "$regatta" train --config "$work/train-zero$stage.toml" --json --log-every 5
         json_of "train-zero$stage"
     done
+    # Two ranks on the one GPU: NCCL refuses two ranks on one device ("Duplicate GPU"), so
+    # on a single-GPU host this shows how that failure reads; it is not counted as failed.
+    # On the CPU the two ranks train over the ring.
+    write_train_toml "$work/train-zero3-2ranks.toml" "$MODEL_CONFIG" 3 0 2
+    sed -i "s/^steps = .*/steps = $LORA_STEPS/" "$work/train-zero3-2ranks.toml"
+    local before=$failed
+    step train-zero3-2ranks 180 "$regatta" train --config "$work/train-zero3-2ranks.toml" --json
+    [ "$mode" = gpu ] && failed=$before
     step peer-train 300 "$PY" "$root/peer.py" train --config "$MODEL_CONFIG" --seq "$SEQ" --batch "$MICRO_BATCH" \
         --steps "$TRAIN_STEPS" --device "$DEVICE" --dtype "$DTYPE" $PEER_FLAGS
     json_of peer-train
