@@ -83,7 +83,7 @@ impl Kernel {
     /// are multiples of 8 up to 256.
     pub fn choose(device: Device, kind: Kind, head_dim: usize) -> Self {
         let half = matches!(kind, Kind::BFloat16 | Kind::Half);
-        if device.is_cuda() && half && head_dim % 8 == 0 && head_dim <= 256 {
+        if device.is_cuda() && half && head_dim.is_multiple_of(8) && head_dim <= 256 {
             Self::FlashVarlen
         } else {
             Self::DenseMask
