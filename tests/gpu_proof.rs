@@ -167,13 +167,17 @@ fn gpu_proof_script_prepares_its_folder_and_runs_every_step_on_cpu() {
         assert!(dir.join(needed).exists(), "prepare left no {needed}");
     }
     // Run from the folder, as on the GPU host.
-    let out = Command::new("bash")
-        .arg(dir.join("gpu-proof.sh"))
-        .args(["run", "--cpu"])
-        .env("REGATTA_PROOF_PYTHON", venv.join("bin/python"))
-        .env_remove("REGATTA_PROOF_DIR")
-        .output()
-        .unwrap();
+    let run_cpu = |budget_secs: &str| {
+        Command::new("bash")
+            .arg(dir.join("gpu-proof.sh"))
+            .args(["run", "--cpu"])
+            .env("REGATTA_PROOF_PYTHON", venv.join("bin/python"))
+            .env("REGATTA_PROOF_BUDGET_SECS", budget_secs)
+            .env_remove("REGATTA_PROOF_DIR")
+            .output()
+            .unwrap()
+    };
+    let out = run_cpu("540");
     let report = std::fs::read_to_string(dir.join("report.md")).unwrap_or_default();
     assert!(
         out.status.success(),
@@ -226,13 +230,7 @@ fn gpu_proof_script_prepares_its_folder_and_runs_every_step_on_cpu() {
     let row = figure("qwen2 fixture logits");
     assert!(row.contains("argmax agreement 1.000"), "{row}");
     // A spent budget skips steps rather than cutting them, and still writes the report.
-    let out = Command::new("bash")
-        .arg(dir.join("gpu-proof.sh"))
-        .args(["run", "--cpu"])
-        .env("REGATTA_PROOF_PYTHON", venv.join("bin/python"))
-        .env("REGATTA_PROOF_BUDGET_SECS", "1")
-        .output()
-        .unwrap();
+    let out = run_cpu("1");
     assert!(!out.status.success(), "a run with skipped steps must not pass");
     let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
     assert!(

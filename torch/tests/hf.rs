@@ -357,14 +357,7 @@ fn a_checkpoint_reloads_with_identical_logits_and_the_fixtures_names_shapes_and_
         let dir = std::env::temp_dir().join(format!("regatta-hf-ckpt-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let mut engine = engine_from(&fixture(name), settings(1));
-        let (tokens, targets) = sequences(2, 3);
-        engine
-            .train_step(&[MicroBatch {
-                tokens,
-                targets,
-                documents: None,
-            }])
-            .unwrap();
+        train_one_step(&mut engine);
         // Small shards: the trained model is written in several files with an index.
         let step_dir = save_step(&rt, &mut engine, &fixture(name), &dir, 100_000, Kind::Float);
         assert!(
@@ -383,6 +376,18 @@ fn a_checkpoint_reloads_with_identical_logits_and_the_fixtures_names_shapes_and_
         assert_eq!(max_abs(&(reloaded - fresh)), 0.0, "{name}: identical logits");
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// One optimizer step on two fixed unpacked rows.
+fn train_one_step(engine: &mut Engine) {
+    let (tokens, targets) = sequences(2, 3);
+    engine
+        .train_step(&[MicroBatch {
+            tokens,
+            targets,
+            documents: None,
+        }])
+        .unwrap();
 }
 
 /// Writes `engine`'s checkpoint at step 1 into `dir` (side files from `source`), with the
@@ -451,14 +456,7 @@ fn a_bf16_models_checkpoint_is_written_in_bf16() {
     assert_eq!(f32_hf.weights_kind(), Kind::Float);
 
     let mut engine = engine_from(&source, settings(1));
-    let (tokens, targets) = sequences(2, 3);
-    engine
-        .train_step(&[MicroBatch {
-            tokens,
-            targets,
-            documents: None,
-        }])
-        .unwrap();
+    train_one_step(&mut engine);
     let step_dir = save_step(
         &rt,
         &mut engine,
