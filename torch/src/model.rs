@@ -300,18 +300,38 @@ pub fn arrange(model: &dyn Model, stored: &HashMap<String, Tensor>) -> Result<Ve
 /// Kept elements are scaled by `1 / (1 - p)`.
 pub fn dropout(x: &Tensor, p: f64, seed: u64) -> Tensor {
     const MASK: i64 = 0x7fff_ffff;
+    // The hash runs in int64 over at most this many elements at a time: a projection's
+    // input on a GPU (16M elements at 8 x 2048 x 1024) would otherwise take 128 MiB of
+    // indices and as much again per temporary; the mask itself is one byte an element.
+    const CHUNK: i64 = 1 << 22;
     let mix = |h: Tensor, shift: i64, factor: i64| {
         let h = h.bitwise_xor_tensor(&h.bitwise_right_shift_tensor_scalar(shift));
         (h * factor).bitwise_and(MASK)
     };
     let salt = ((seed ^ (seed >> 31) ^ (seed >> 62)) & MASK as u64) as i64;
-    let index = Tensor::arange(x.numel() as i64, (Kind::Int64, x.device())).view(x.size().as_slice());
-    let h = ((index * 0x9e37_79b1_i64) + salt).bitwise_and(MASK);
-    let h = mix(h, 15, 0x2c1b_3c6d);
-    let h = mix(h, 12, 0x297a_2d39);
-    let h = h.bitwise_xor_tensor(&h.bitwise_right_shift_tensor_scalar(15));
     let threshold = (p * (1u64 << 31) as f64) as i64;
-    let keep = h.ge(threshold);
+    let numel = x.numel() as i64;
+    if numel == 0 {
+        return x.shallow_clone();
+    }
+    let mut parts = Vec::new();
+    let mut start = 0;
+    while start < numel {
+        let len = CHUNK.min(numel - start);
+        let index = Tensor::arange_start(start, start + len, (Kind::Int64, x.device()));
+        let h = ((index * 0x9e37_79b1_i64) + salt).bitwise_and(MASK);
+        let h = mix(h, 15, 0x2c1b_3c6d);
+        let h = mix(h, 12, 0x297a_2d39);
+        let h = h.bitwise_xor_tensor(&h.bitwise_right_shift_tensor_scalar(15));
+        parts.push(h.ge(threshold));
+        start += len;
+    }
+    let keep = if parts.len() == 1 {
+        parts.remove(0)
+    } else {
+        Tensor::cat(&parts, 0)
+    };
+    let keep = keep.view(x.size().as_slice());
     x * keep.to_kind(x.kind()) * (1.0 / (1.0 - p))
 }
 

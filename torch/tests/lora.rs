@@ -323,6 +323,29 @@ fn a_saved_adapter_has_peft_names_shapes_and_config_keys() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The mask is hashed a chunk of 4M elements at a time: an element's mask does not depend
+/// on the tensor around it, and past the first chunk the rate holds.
+#[test]
+fn dropout_masks_are_the_same_in_chunks_as_whole() {
+    let big = Tensor::ones([5 << 20], (Kind::Float, Device::Cpu));
+    let small = Tensor::ones([1000], (Kind::Float, Device::Cpu));
+    let a = dropout(&big, 0.25, 7);
+    assert_eq!(max_abs(&(a.narrow(0, 0, 1000) - dropout(&small, 0.25, 7))), 0.0);
+    let tail = a.narrow(0, 4 << 20, 1 << 20);
+    let kept = tail.ne(0.0).to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+    assert!((kept - 0.75).abs() < 0.01, "kept {kept} past the first chunk");
+    // Past the first chunk the hash goes on from the chunk's offset: not the first
+    // chunk's pattern again (two independent masks agree on 0.75² + 0.25² = 62.5%).
+    let agree = tail
+        .eq_tensor(&a.narrow(0, 0, 1 << 20))
+        .to_kind(Kind::Float)
+        .mean(Kind::Float)
+        .double_value(&[]);
+    assert!((agree - 0.625).abs() < 0.01, "agreement {agree} with the first chunk");
+    let empty = Tensor::ones([0, 4], (Kind::Float, Device::Cpu));
+    assert_eq!(dropout(&empty, 0.25, 7).size(), vec![0, 4]);
+}
+
 #[test]
 fn dropout_masks_are_a_function_of_the_seed() {
     let x = Tensor::ones([400, 250], (Kind::Float, Device::Cpu));
