@@ -520,6 +520,16 @@ fn bad_configs_and_missing_data_fail_fast_with_the_cause() {
             ],
             "nothing-here.txt",
         ),
+        // A rank's failure names the device it ran on.
+        (
+            vec![
+                "--data".into(),
+                missing.to_string_lossy().into(),
+                "--steps".into(),
+                "3".into(),
+            ],
+            "on cpu: ",
+        ),
     ];
     for (args, expected) in cases {
         let output = Command::new(env!("CARGO_BIN_EXE_regatta"))

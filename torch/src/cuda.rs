@@ -457,6 +457,29 @@ pub fn bf16_supported(ordinal: usize) -> Option<bool> {
     Some(major >= 8)
 }
 
+/// How failures name a device: `cpu`, or `cuda:0 (NVIDIA H100 80GB HBM3)` (the name from
+/// the driver, where it answers).
+pub fn device_label(device: Device) -> String {
+    match device {
+        Device::Cuda(ordinal) => {
+            use cudarc::driver::{result, sys};
+            // SAFETY: only tries to dlopen candidate names of the driver library; cudarc
+            // panics on a call without it, so nothing is called unless it is there.
+            let present = unsafe { sys::is_culib_present() };
+            let name = present
+                .then(result::init)
+                .and_then(|r| r.ok())
+                .and_then(|()| result::device::get(ordinal as i32).ok())
+                .and_then(|d| result::device::get_name(d).ok());
+            match name {
+                Some(name) => format!("cuda:{ordinal} ({name})"),
+                None => format!("cuda:{ordinal}"),
+            }
+        }
+        _ => "cpu".to_string(),
+    }
+}
+
 /// The dtype scoring and generation compute in on `device`: bf16 on a CUDA device that
 /// has it, f16 on an older one, f32 on the CPU (weights and KV cache alike).
 pub fn inference_kind(device: Device) -> Kind {
@@ -587,6 +610,15 @@ mod tests {
         assert!(text.contains("CUDA cannot be used here"), "{text}");
         let error = pick_device("cuda", &[]).expect_err("device = cuda without CUDA must fail");
         assert!(error.to_string().contains("device = \"cuda\""), "{error}");
+    }
+
+    #[test]
+    fn failures_name_the_device() {
+        assert_eq!(device_label(Device::Cpu), "cpu");
+        // No driver here: the ordinal alone, and no panic from the missing library.
+        if !tch::Cuda::is_available() {
+            assert_eq!(device_label(Device::Cuda(0)), "cuda:0");
+        }
     }
 
     #[test]

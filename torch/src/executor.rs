@@ -268,19 +268,29 @@ pub fn executor_main(make_model: &ModelFactory) -> ExitCode {
             fatal(format!("the executor panicked: {message}"))
         }
     };
-    eprintln!("rank failed: {}", failure.reason);
+    // Name the device the rank ran on (a CUDA out-of-memory or a vanished GPU reads as
+    // `on cuda:0 (NVIDIA H100 80GB HBM3): ...`), once it was picked.
+    let reason = match RANK_DEVICE.get() {
+        Some(device) => format!("on {device}: {}", failure.reason),
+        None => failure.reason,
+    };
+    eprintln!("rank failed: {reason}");
     emit(&FromExecutor::Failed {
-        reason: failure.reason,
+        reason,
         fatal: failure.fatal,
     });
     ExitCode::from(1)
 }
+
+/// The device this executor's rank runs on, as failures name it.
+static RANK_DEVICE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &ModelFactory) -> Result<(), Failure> {
     let config = setup.config.clone();
     let (rank, world) = (setup.rank, setup.world);
     tch::set_num_threads(config.threads as i32);
     let device = crate::cuda::pick_device(&config.device, &setup.gpus).map_err(fatal)?;
+    let _ = RANK_DEVICE.set(crate::cuda::device_label(device));
     let compute = crate::cuda::training_kind(device).map_err(fatal)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
