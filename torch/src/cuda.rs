@@ -189,7 +189,8 @@ pub struct SdpaChoice {
     pub on: String,
     /// Kernel for causal attention with no mask (GQA, 8 query heads over 2 KV heads).
     pub causal: String,
-    /// Kernel when a dense `[B,1,T,T]` mask is passed (how packed batches attend today).
+    /// Kernel when a dense `[B,1,T,T]` mask is passed (how packed rows attend where the
+    /// variable-length kernel does not run).
     pub dense_mask: String,
 }
 
@@ -439,22 +440,28 @@ pub fn pick_device(setting: &str, gpus: &[u32]) -> Result<Device> {
 /// Whether CUDA device `ordinal` (as this process sees it, after `CUDA_VISIBLE_DEVICES`)
 /// has bf16 tensor cores (compute capability 8.0 or later); `None` without a driver.
 pub fn bf16_supported(ordinal: usize) -> Option<bool> {
+    let device = driver_device(ordinal)?;
+    // SAFETY: `device` came from cuDeviceGet.
+    let major = unsafe {
+        cudarc::driver::result::device::get_attribute(
+            device,
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+        )
+    }
+    .ok()?;
+    Some(major >= 8)
+}
+
+/// The driver's handle of device `ordinal`, initialising the driver; `None` where there is
+/// no driver library (cudarc panics on a call without it, so none is made) or no device.
+fn driver_device(ordinal: usize) -> Option<cudarc::driver::sys::CUdevice> {
     use cudarc::driver::{result, sys};
     // SAFETY: only tries to dlopen candidate names of the driver library.
     if !unsafe { sys::is_culib_present() } {
         return None;
     }
     result::init().ok()?;
-    let device = result::device::get(ordinal as i32).ok()?;
-    // SAFETY: `device` came from cuDeviceGet.
-    let major = unsafe {
-        result::device::get_attribute(
-            device,
-            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-        )
-    }
-    .ok()?;
-    Some(major >= 8)
+    result::device::get(ordinal as i32).ok()
 }
 
 /// How failures name a device: `cpu`, or `cuda:0 (NVIDIA H100 80GB HBM3)` (the name from
@@ -462,15 +469,7 @@ pub fn bf16_supported(ordinal: usize) -> Option<bool> {
 pub fn device_label(device: Device) -> String {
     match device {
         Device::Cuda(ordinal) => {
-            use cudarc::driver::{result, sys};
-            // SAFETY: only tries to dlopen candidate names of the driver library; cudarc
-            // panics on a call without it, so nothing is called unless it is there.
-            let present = unsafe { sys::is_culib_present() };
-            let name = present
-                .then(result::init)
-                .and_then(|r| r.ok())
-                .and_then(|()| result::device::get(ordinal as i32).ok())
-                .and_then(|d| result::device::get_name(d).ok());
+            let name = driver_device(ordinal).and_then(|d| cudarc::driver::result::device::get_name(d).ok());
             match name {
                 Some(name) => format!("cuda:{ordinal} ({name})"),
                 None => format!("cuda:{ordinal}"),
