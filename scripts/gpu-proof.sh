@@ -214,7 +214,7 @@ run() {
     for dir in "$site"/nvidia/*/lib; do
         [ -d "$dir" ] && libs="$libs:$dir"
     done
-    for nccl in "$site"/nvidia/nccl/lib/libnccl.so.2; do
+    for nccl in "$site"/nvidia/*/lib/libnccl.so.2; do
         [ -e "$nccl" ] && ln -sf "$nccl" "$work/lib/libnccl.so"
     done
     export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
