@@ -21,6 +21,11 @@ export REGATTA_MOTO_SERVER="$venv/bin/moto_server"
 if [ ! -x "$venv/bin/kubernetes-validate" ]; then
     "$venv/bin/pip" install --quiet kubernetes-validate
 fi
+# Ray's own job clients (`ray job`, JobSubmissionClient) for tests/ray_jobs.rs, which drives
+# a Regatta head with them.
+if [ ! -x "$venv/bin/ray" ]; then
+    "$venv/bin/pip" install --quiet 'ray[default]==2.60.0'
+fi
 export REGATTA_TEST_VENV="$venv"
 
 # PyTorch 2.11 from PyPI (the CUDA wheel with its nvidia-* libraries, as the GPU hosts

@@ -334,10 +334,10 @@ async fn requests_without_the_token_get_401_and_bad_input_gets_a_4xx_that_says_w
             200,
             "submission_id",
         ),
-        ("GET", "/api/jobs/nope", vec![], 404, "no job with id 'nope'"),
-        ("GET", "/api/jobs/nope/logs", vec![], 404, "no job"),
-        ("POST", "/api/jobs/nope/stop", vec![], 404, "no job"),
-        ("DELETE", "/api/jobs/nope", vec![], 404, "no job"),
+        ("GET", "/api/jobs/nope", vec![], 404, "Job nope does not exist"),
+        ("GET", "/api/jobs/nope/logs", vec![], 404, "does not exist"),
+        ("POST", "/api/jobs/nope/stop", vec![], 404, "does not exist"),
+        ("DELETE", "/api/jobs/nope", vec![], 404, "does not exist"),
         ("GET", "/api/nothing", vec![], 404, "no such endpoint"),
     ];
     for (method, path, body, expected, says) in cases {
@@ -362,7 +362,8 @@ async fn requests_without_the_token_get_401_and_bad_input_gets_a_4xx_that_says_w
     api.submit(&dup).await.expect("first");
     let err = api.submit(&dup).await.err().expect("duplicate id");
     assert!(
-        err.to_string().contains("409") && err.to_string().contains("already exists"),
+        err.to_string().contains("400")
+            && err.to_string().contains("Job with submission_id same-id already exists. Please use a different submission_id."),
         "{err}"
     );
     let err = api
@@ -378,7 +379,7 @@ async fn requests_without_the_token_get_401_and_bad_input_gets_a_4xx_that_says_w
     let listed = api.list().await.expect("list");
     let gpu_job = listed
         .iter()
-        .find(|r| r.entrypoint_resources.contains("GPU=64"))
+        .find(|r| r.entrypoint_resources.get("GPU") == Some(&64.0))
         .expect("GPU job listed");
     let record = api
         .wait(&gpu_job.submission_id, Duration::from_millis(50))

@@ -51,16 +51,93 @@ impl fmt::Display for JobStatus {
     }
 }
 
-/// The driver's environment.
+/// The driver's environment: the parts of Ray's `runtime_env` Regatta carries out.
+///
+/// Anything else Ray's `runtime_env` can hold (`pip`, `conda`, `uv`, `container`,
+/// `image_uri`, `nsight`, ...) is refused by name at submission, never ignored: a driver
+/// that silently lacks its packages fails later and further from the cause.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(try_from = "RawRuntimeEnv")]
 pub struct RuntimeEnv {
     /// Extra environment variables.
     #[serde(default)]
     pub env_vars: BTreeMap<String, String>,
-    /// Directory the driver starts in (must exist on the head).
+    /// Where the driver starts: a folder on the driver's node, or a package uploaded through
+    /// the job API (`gcs://_ray_pkg_<hash>.zip`, as Ray's client names a zipped folder),
+    /// unpacked for the driver.
     #[serde(default)]
     pub working_dir: Option<String>,
+    /// Uploaded packages (`gcs://...` URIs) whose folders go on the driver's `PYTHONPATH`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub py_modules: Vec<String>,
+    /// Ray's client applies these while zipping `working_dir`; kept only to show them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub excludes: Vec<String>,
+}
+
+/// The `runtime_env` keys Regatta carries out.
+pub const RUNTIME_ENV_KEYS: &[&str] = &["env_vars", "working_dir", "py_modules", "excludes"];
+
+/// `runtime_env` as sent, before unsupported keys are refused.
+#[derive(Deserialize)]
+struct RawRuntimeEnv {
+    #[serde(default)]
+    env_vars: BTreeMap<String, String>,
+    #[serde(default)]
+    working_dir: Option<String>,
+    #[serde(default)]
+    py_modules: Option<Vec<String>>,
+    #[serde(default)]
+    excludes: Option<Vec<String>>,
+    #[serde(flatten)]
+    other: BTreeMap<String, serde::de::IgnoredAny>,
+}
+
+impl TryFrom<RawRuntimeEnv> for RuntimeEnv {
+    type Error = String;
+
+    fn try_from(raw: RawRuntimeEnv) -> Result<Self, String> {
+        // Ray's client adds its own bookkeeping (`_ray_commit`): no feature, nothing to do.
+        if let Some(name) = raw.other.keys().find(|name| !name.starts_with('_')) {
+            let why = match name.as_str() {
+                "pip" | "uv" | "conda" => {
+                    "Regatta does not install packages per job: install them into the environment the workers run (the image or its virtualenv)"
+                }
+                "container" | "image_uri" => "Regatta runs drivers on the node itself, not in a per-job container",
+                _ => "Regatta does not carry it out",
+            };
+            return Err(format!(
+                "runtime_env.{name} is not supported: {why}; supported keys are {}",
+                RUNTIME_ENV_KEYS.join(", ")
+            ));
+        }
+        Ok(Self {
+            env_vars: raw.env_vars,
+            working_dir: raw.working_dir,
+            py_modules: raw.py_modules.unwrap_or_default(),
+            excludes: raw.excludes.unwrap_or_default(),
+        })
+    }
+}
+
+/// The scheme of packages uploaded through the job API (Ray's client names them so).
+pub const PACKAGE_SCHEME: &str = "gcs://";
+
+impl RuntimeEnv {
+    /// The uploaded packages the driver needs (`working_dir` first, then `py_modules`), as
+    /// their names without the scheme.
+    pub fn packages(&self) -> Vec<&str> {
+        self.working_dir
+            .iter()
+            .chain(self.py_modules.iter())
+            .filter_map(|uri| uri.strip_prefix(PACKAGE_SCHEME))
+            .collect()
+    }
+
+    /// The `working_dir` package's name, when the working directory is one.
+    pub fn working_dir_package(&self) -> Option<&str> {
+        self.working_dir.as_deref().and_then(|uri| uri.strip_prefix(PACKAGE_SCHEME))
+    }
 }
 
 /// A job submission (the body of `POST /api/jobs`).
@@ -84,6 +161,12 @@ pub struct JobSubmission {
     /// GPUs the driver needs.
     #[serde(default)]
     pub entrypoint_num_gpus: Option<f64>,
+    /// Memory the driver needs, in bytes.
+    #[serde(default)]
+    pub entrypoint_memory: Option<u64>,
+    /// Ray's node label selector: refused when not empty (place by resources instead).
+    #[serde(default)]
+    pub entrypoint_label_selector: Option<BTreeMap<String, String>>,
     /// Other resources the driver needs, e.g. `{"accelerator_type:H100": 0.001}`.
     #[serde(default)]
     pub entrypoint_resources: BTreeMap<String, f64>,
@@ -106,6 +189,24 @@ impl JobSubmission {
                 return Err(format!("runtime_env.env_vars has an invalid entry '{name}'"));
             }
         }
+        if self.entrypoint_label_selector.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(
+                "entrypoint_label_selector is not supported: place the driver with entrypoint_resources (e.g. a node's custom resource)"
+                    .into(),
+            );
+        }
+        for uri in self.runtime_env.working_dir.iter().chain(&self.runtime_env.py_modules) {
+            if uri.contains("://") && !uri.starts_with(PACKAGE_SCHEME) {
+                return Err(format!(
+                    "runtime_env package '{uri}' is not supported: give a folder (the client uploads it as {PACKAGE_SCHEME}...) or a path on the node"
+                ));
+            }
+        }
+        if self.runtime_env.py_modules.iter().any(|m| !m.starts_with(PACKAGE_SCHEME)) {
+            return Err(format!(
+                "runtime_env.py_modules takes uploaded packages ({PACKAGE_SCHEME}...): give local folders to the client, which uploads them"
+            ));
+        }
         let amounts = self
             .entrypoint_num_cpus
             .iter()
@@ -127,6 +228,9 @@ impl JobSubmission {
         }
         if let Some(gpus) = self.entrypoint_num_gpus.filter(|g| *g > 0.0) {
             parts.push(format!("GPU={gpus}"));
+        }
+        if let Some(memory) = self.entrypoint_memory.filter(|m| *m > 0) {
+            parts.push(format!("memory={memory}"));
         }
         for (name, amount) in &self.entrypoint_resources {
             parts.push(format!("{name}={amount}"));
@@ -152,9 +256,42 @@ pub fn validate_id(id: &str) -> Result<(), String> {
     }
 }
 
-/// What the head keeps about a job (the body of `GET /api/jobs/{id}`).
+/// Ray's job type: jobs submitted through the job API are `SUBMISSION`.
+pub const SUBMISSION_TYPE: &str = "SUBMISSION";
+
+fn submission_type() -> String {
+    SUBMISSION_TYPE.to_string()
+}
+
+/// Where the driver runs, in Ray's shape (`driver_info` of Ray's `JobDetails`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriverInfo {
+    /// The driver's id (the job's id: one driver per job).
+    pub id: String,
+    /// The address of the node it runs on.
+    pub node_ip_address: String,
+    /// Its process id, as text (Ray's clients read a string).
+    pub pid: String,
+}
+
+/// Why a job failed, in Ray's `error_type` names.
+pub mod error_type {
+    /// The entrypoint ran and exited with a non-zero status or by a signal.
+    pub const ENTRYPOINT: &str = "JOB_ENTRYPOINT_COMMAND_ERROR";
+    /// The entrypoint could not be started (its working directory, its packages, the
+    /// supervisor).
+    pub const START: &str = "JOB_ENTRYPOINT_COMMAND_START_ERROR";
+    /// The node running the driver died, or the head lost track of it.
+    pub const SUPERVISOR: &str = "JOB_SUPERVISOR_ACTOR_DIED";
+}
+
+/// What the head keeps about a job (the body of `GET /api/jobs/{id}`): a superset of Ray's
+/// `JobDetails`, whose clients ignore the fields they do not know.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct JobRecord {
+    /// Ray's job type, always `SUBMISSION`.
+    #[serde(rename = "type", default = "submission_type")]
+    pub kind: String,
     /// The job's id.
     pub submission_id: String,
     /// Same as `submission_id` (Ray has both).
@@ -165,6 +302,9 @@ pub struct JobRecord {
     pub status: JobStatus,
     /// A sentence about the state.
     pub message: String,
+    /// Why it failed, in Ray's names ([`error_type`]); `None` unless FAILED.
+    #[serde(default)]
+    pub error_type: Option<String>,
     /// The driver's exit code, once it exited.
     pub driver_exit_code: Option<i32>,
     /// Submission time, ms since the Unix epoch.
@@ -177,10 +317,26 @@ pub struct JobRecord {
     pub metadata: BTreeMap<String, String>,
     /// The driver's environment.
     pub runtime_env: RuntimeEnv,
-    /// Resources reserved for the driver.
-    pub entrypoint_resources: String,
+    /// CPUs reserved for the driver.
+    #[serde(default)]
+    pub entrypoint_num_cpus: Option<f64>,
+    /// GPUs reserved for the driver.
+    #[serde(default)]
+    pub entrypoint_num_gpus: Option<f64>,
+    /// Memory reserved for the driver, in bytes.
+    #[serde(default)]
+    pub entrypoint_memory: Option<u64>,
+    /// Other resources reserved for the driver.
+    #[serde(default, deserialize_with = "resources_map_or_text")]
+    pub entrypoint_resources: BTreeMap<String, f64>,
     /// The driver's process id (its process group id too).
     pub driver_pid: Option<u32>,
+    /// Where the driver runs (Ray's shape), once it started.
+    #[serde(default)]
+    pub driver_info: Option<DriverInfo>,
+    /// The node the driver runs on, when it runs on a worker (`None`: on the head).
+    #[serde(default)]
+    pub driver_node_id: Option<String>,
     /// The process that runs and watches the driver (`regatta job-shim`): not the head, so
     /// the driver outlives a head restart and the restarted head finds it again.
     #[serde(default)]
@@ -191,6 +347,25 @@ pub struct JobRecord {
     /// The placement group holding the driver's resources, removed when the job ends.
     #[serde(default)]
     pub driver_group: Option<GroupId>,
+}
+
+/// `entrypoint_resources` as Ray writes it (a map), or as records of earlier Regatta
+/// versions kept it (`"CPU=1,GPU=1"`): a state directory written before still loads.
+fn resources_map_or_text<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<BTreeMap<String, f64>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either {
+        Map(BTreeMap<String, f64>),
+        Text(String),
+    }
+    Ok(match Either::deserialize(deserializer)? {
+        Either::Map(map) => map,
+        Either::Text(text) => text
+            .split(',')
+            .filter_map(|part| part.split_once('='))
+            .filter_map(|(name, amount)| Some((name.trim().to_string(), amount.trim().parse().ok()?)))
+            .collect(),
+    })
 }
 
 /// A process told apart from any later one that reuses its pid: the pid, its start time
@@ -211,31 +386,43 @@ impl JobRecord {
     /// A new pending record.
     pub fn new(id: String, submission: &JobSubmission, now_ms: u64) -> Self {
         Self {
+            kind: submission_type(),
             job_id: id.clone(),
             submission_id: id,
             entrypoint: submission.entrypoint.clone(),
             status: JobStatus::Pending,
             message: "waiting to start the driver".into(),
+            error_type: None,
             driver_exit_code: None,
             submitted_at: now_ms,
             start_time: None,
             end_time: None,
             metadata: submission.metadata.clone(),
             runtime_env: submission.runtime_env.clone(),
-            entrypoint_resources: submission.resources_text(),
+            entrypoint_num_cpus: submission.entrypoint_num_cpus,
+            entrypoint_num_gpus: submission.entrypoint_num_gpus,
+            entrypoint_memory: submission.entrypoint_memory,
+            entrypoint_resources: submission.entrypoint_resources.clone(),
             driver_pid: None,
+            driver_info: None,
+            driver_node_id: None,
             supervisor: None,
             driver: None,
             driver_group: None,
         }
     }
 
-    /// The driver started.
-    pub fn started(&mut self, pid: u32, now_ms: u64) {
+    /// The driver started as process `pid` on the node at `node_address`.
+    pub fn started(&mut self, pid: u32, node_address: &str, now_ms: u64) {
         if self.status == JobStatus::Pending {
             self.status = JobStatus::Running;
             self.message = format!("driver running (pid {pid})");
             self.driver_pid = Some(pid);
+            self.driver_info = Some(DriverInfo {
+                id: self.submission_id.clone(),
+                node_ip_address: node_address.to_string(),
+                pid: pid.to_string(),
+            });
             self.start_time = Some(now_ms);
         }
     }
@@ -254,12 +441,17 @@ impl JobRecord {
             (false, Some(code)) => (JobStatus::Failed, format!("driver exited with code {code}")),
             (false, None) => (JobStatus::Failed, "driver was killed by a signal".to_string()),
         };
+        if self.status == JobStatus::Failed {
+            self.error_type = Some(error_type::ENTRYPOINT.to_string());
+        }
     }
 
-    /// The job could not run (or the head lost it); `message` says why.
-    pub fn failed(&mut self, message: String, now_ms: u64) {
+    /// The job could not run (or the head lost it): `kind` is one of [`error_type`]'s,
+    /// `message` says why.
+    pub fn failed(&mut self, kind: &str, message: String, now_ms: u64) {
         if !self.status.is_terminal() {
             self.status = JobStatus::Failed;
+            self.error_type = Some(kind.to_string());
             self.message = message;
             self.end_time = Some(now_ms);
         }
@@ -311,7 +503,7 @@ mod tests {
         for (i, end) in [(0, Some(50)), (1, None), (2, Some(10)), (3, Some(30)), (4, None)] {
             let mut record = JobRecord::new(format!("job-{i}"), &base, i);
             if let Some(end) = end {
-                record.started(1, end - 1);
+                record.started(1, "127.0.0.1", end - 1);
                 record.exited(Some(0), false, end);
             }
             records.push(record);
@@ -331,6 +523,55 @@ mod tests {
         .unwrap();
         assert_eq!(s.submission_id.as_deref(), Some("job_1"));
         assert_eq!(s.resources_text(), "CPU=1,accelerator_type:H100=0.001");
+    }
+
+    #[test]
+    fn what_ray_s_client_sends_parses() {
+        // `ray job submit --working-dir . --entrypoint-num-gpus 1 --entrypoint-memory 1000`,
+        // as Ray 2.60's client normalises it.
+        let s = submission(
+            r#"{"entrypoint": "python job.py", "runtime_env": {"working_dir": "gcs://_ray_pkg_0123456789abcdef.zip",
+                "py_modules": ["gcs://_ray_pkg_fedcba9876543210.zip"], "excludes": ["*.log"], "env_vars": {"A": "1"}},
+                "metadata": {}, "entrypoint_num_gpus": 1, "entrypoint_memory": 1000}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            s.runtime_env.packages(),
+            vec!["_ray_pkg_0123456789abcdef.zip", "_ray_pkg_fedcba9876543210.zip"]
+        );
+        assert_eq!(s.runtime_env.working_dir_package(), Some("_ray_pkg_0123456789abcdef.zip"));
+        assert_eq!(s.resources_text(), "GPU=1,memory=1000");
+        let record = JobRecord::new("j".into(), &s, 1);
+        let json = serde_json::to_value(&record).unwrap();
+        assert_eq!(json["entrypoint_num_gpus"], 1.0);
+        assert_eq!(json["runtime_env"]["excludes"][0], "*.log");
+        let back: JobRecord = serde_json::from_value(json).unwrap();
+        assert_eq!(back, record);
+    }
+
+    #[test]
+    fn unsupported_runtime_env_keys_are_refused_by_name() {
+        let from_ray = submission(r#"{"entrypoint": "x", "runtime_env": {"_ray_commit": "b7f4259e", "env_vars": {}}}"#).unwrap();
+        assert_eq!(from_ray.runtime_env, RuntimeEnv::default());
+        for key in ["pip", "conda", "container", "nsight"] {
+            let error = submission(&format!(r#"{{"entrypoint": "x", "runtime_env": {{"{key}": ["torch"]}}}}"#)).unwrap_err();
+            assert!(error.contains(&format!("runtime_env.{key} is not supported")), "{error}");
+        }
+        let error = submission(r#"{"entrypoint": "x", "runtime_env": {"working_dir": "s3://bucket/pkg.zip"}}"#).unwrap_err();
+        assert!(error.contains("s3://bucket/pkg.zip"), "{error}");
+        let error = submission(r#"{"entrypoint": "x", "entrypoint_label_selector": {"zone": "a"}}"#).unwrap_err();
+        assert!(error.contains("entrypoint_label_selector"), "{error}");
+    }
+
+    #[test]
+    fn records_of_earlier_versions_still_load() {
+        let mut old = serde_json::to_value(JobRecord::new("j".into(), &submission(r#"{"entrypoint": "x"}"#).unwrap(), 1)).unwrap();
+        let object = old.as_object_mut().unwrap();
+        object.remove("type");
+        object.insert("entrypoint_resources".into(), "CPU=1,GPU=0.5".into());
+        let record: JobRecord = serde_json::from_value(old).unwrap();
+        assert_eq!(record.kind, "SUBMISSION");
+        assert_eq!(record.entrypoint_resources, BTreeMap::from([("CPU".into(), 1.0), ("GPU".into(), 0.5)]));
     }
 
     #[test]
@@ -356,16 +597,24 @@ mod tests {
     fn lifecycle_follows_the_driver() {
         let mut r = JobRecord::new("j".into(), &submission(r#"{"entrypoint": "x"}"#).unwrap(), 1);
         assert_eq!(r.status, JobStatus::Pending);
-        r.started(42, 2);
+        r.started(42, "10.0.0.7", 2);
         assert_eq!(
             (r.status, r.driver_pid, r.start_time),
             (JobStatus::Running, Some(42), Some(2))
+        );
+        let info = serde_json::to_value(&r).unwrap();
+        assert_eq!(info["type"], "SUBMISSION");
+        assert_eq!(
+            info["driver_info"],
+            serde_json::json!({"id": "j", "node_ip_address": "10.0.0.7", "pid": "42"}),
+            "Ray's clients read the pid as a string"
         );
         r.exited(Some(3), false, 5);
         assert_eq!(
             (r.status, r.driver_exit_code, r.end_time),
             (JobStatus::Failed, Some(3), Some(5))
         );
+        assert_eq!(r.error_type.as_deref(), Some(error_type::ENTRYPOINT));
         r.exited(Some(0), false, 6);
         assert_eq!(r.status, JobStatus::Failed, "terminal states stick");
         let mut stopped = JobRecord::new(
@@ -376,7 +625,7 @@ mod tests {
             },
             1,
         );
-        stopped.started(1, 1);
+        stopped.started(1, "127.0.0.1", 1);
         stopped.exited(None, true, 2);
         assert_eq!(stopped.status, JobStatus::Stopped);
         assert_eq!(serde_json::to_value(JobStatus::Succeeded).unwrap(), "SUCCEEDED");

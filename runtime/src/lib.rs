@@ -39,7 +39,7 @@ mod worker;
 use regatta_proto::{job, placement, pool as pool_book, protocol, resources, scheduler};
 // Short paths for the parts every folder uses.
 use client::{job_client, pool};
-use head::{job_log, job_manager, job_shim, job_store};
+use head::{job_log, job_manager, job_packages, job_shim, job_store};
 use net::{calls, headlink, http, https, node, token, wire};
 use worker::{agent, detect, registry};
 

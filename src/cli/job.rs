@@ -252,6 +252,7 @@ async fn submit(args: SubmitArgs) -> anyhow::Result<ExitCode> {
         runtime_env: RuntimeEnv {
             env_vars: args.env.into_iter().collect(),
             working_dir: args.working_dir,
+            ..Default::default()
         },
         metadata: args.metadata.into_iter().collect::<BTreeMap<_, _>>(),
         entrypoint_num_cpus: args.entrypoint_num_cpus,

@@ -199,6 +199,9 @@ struct HeadArgs {
     /// Bytes of each job's log kept on disk (in two parts, rotated).
     #[arg(long, value_parser = parse_bytes, default_value = "64MiB")]
     job_log_bytes: u64,
+    /// Largest `working_dir` or `py_modules` package a job client may upload.
+    #[arg(long, value_parser = parse_bytes, default_value = "500MiB")]
+    job_package_bytes: u64,
     /// Stop running jobs when this head is stopped (SIGTERM, Ctrl-C). Without it their
     /// drivers keep running, and the next head on this state directory takes them back.
     #[arg(long)]
@@ -384,6 +387,7 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
     } else {
         jobs.http_port = args.job_port;
         jobs.log_cap_bytes = args.job_log_bytes;
+        jobs.max_package_bytes = args.job_package_bytes;
         jobs.tls = match (args.insecure, args.tls_cert, args.tls_key) {
             (true, _, _) => regatta_runtime::ApiTls::Off,
             (false, Some(cert), Some(key)) => regatta_runtime::ApiTls::Files { cert, key },

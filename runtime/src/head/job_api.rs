@@ -7,9 +7,15 @@
 //! | `GET /api/jobs/{id}` | one job's [`crate::JobRecord`] |
 //! | `GET /api/jobs/{id}/logs` | `{"logs": "..."}` |
 //! | `GET /api/jobs/{id}/logs?offset=N` | the current log part from byte `N`: `{"logs", "offset", "ended"}` (up to 1 MiB; ask again from `offset`) |
-//! | `GET /api/jobs/{id}/logs/tail` | the log as a stream that ends with the job |
+//! | `GET /api/jobs/{id}/logs/tail` | the log as a stream that ends with the job; with `Upgrade: websocket`, as text frames closed with 1000 (Ray's clients) |
 //! | `POST /api/jobs/{id}/stop` | `{"stopped": bool}` |
 //! | `DELETE /api/jobs/{id}` | `{"deleted": true}` (finished jobs only) |
+//! | `GET /api/version` | `{"version", "ray_version", "ray_commit", "session_name"}`: the Ray job API this speaks |
+//! | `GET /api/packages/gcs/{name}` | 200 when the package is stored, else 404 |
+//! | `PUT /api/packages/gcs/{name}` | stores a `working_dir`/`py_modules` zip, checked against its name ([`super::job_packages`]) |
+//!
+//! Ray's job SDK and `ray job` CLI (2.x) work against it unchanged: the records are a
+//! superset of Ray's `JobDetails` and the replies have Ray's fields.
 //!
 //! Every request carries `Authorization: Bearer <cluster token>`; without it: 401. Errors
 //! are `{"error": "..."}` with a 4xx status that says what is wrong. The same port serves
@@ -20,6 +26,7 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::QueryRejection;
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
@@ -32,6 +39,7 @@ use tokio_rustls::rustls::ServerConfig;
 use std::sync::Arc;
 
 use super::dashboard;
+use super::job_packages;
 use crate::error::Result;
 use crate::headlink::HeadLink;
 use crate::job::JobSubmission;
@@ -90,7 +98,7 @@ impl IntoResponse for JobError {
         match self {
             JobError::Invalid(m) => error(StatusCode::BAD_REQUEST, m),
             JobError::Unknown(m) => error(StatusCode::NOT_FOUND, m),
-            JobError::Conflict(m) => error(StatusCode::CONFLICT, m),
+            JobError::TooLarge(m) => error(StatusCode::PAYLOAD_TOO_LARGE, m),
             JobError::Internal(m) => error(StatusCode::INTERNAL_SERVER_ERROR, m),
         }
     }
@@ -112,6 +120,8 @@ pub(crate) async fn serve(
         .route("/api/jobs/{id}/logs", get(logs))
         .route("/api/jobs/{id}/logs/tail", get(tail))
         .route("/api/jobs/{id}/stop", post(stop))
+        .route("/api/version", get(version))
+        .route("/api/packages/{protocol}/{name}", get(package_exists).put(package_upload))
         .merge(dashboard::endpoints())
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such endpoint; see /api/jobs") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -172,6 +182,97 @@ async fn submit(State(api): State<Api>, request: Request) -> Response {
         Ok(id) => Json(json!({ "submission_id": id, "job_id": id })).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// The Ray job API version this head speaks: Ray's clients check `ray_version` (at least
+/// 2.8 for every submission option) and read `version`.
+pub const RAY_JOB_API_VERSION: &str = "2.60.0";
+
+async fn version(State(api): State<Api>) -> Response {
+    Json(json!({
+        "version": "4",
+        "ray_version": RAY_JOB_API_VERSION,
+        "ray_commit": format!("regatta-{}", env!("CARGO_PKG_VERSION")),
+        "session_name": api.manager.session_name(),
+    }))
+    .into_response()
+}
+
+async fn package_exists(State(api): State<Api>, Path((protocol, name)): Path<(String, String)>) -> Response {
+    if let Err(e) = job_packages::parse_name(&protocol, &name) {
+        return e.into_response();
+    }
+    if api.manager.packages().exists(&name) {
+        Json(json!({ "exists": true })).into_response()
+    } else {
+        error(StatusCode::NOT_FOUND, format!("Package {protocol}://{name} does not exist"))
+    }
+}
+
+async fn package_upload(
+    State(api): State<Api>,
+    Path((protocol, name)): Path<(String, String)>,
+    request: Request,
+) -> Response {
+    let address = match job_packages::parse_name(&protocol, &name) {
+        Ok(address) => address,
+        Err(e) => return e.into_response(),
+    };
+    let store = api.manager.packages().clone();
+    let received = store.incoming();
+    let sha1 = match receive(request.into_body(), &received, api.manager.max_package_bytes()).await {
+        Ok(sha1) => sha1,
+        Err(e) => {
+            let _ = tokio::fs::remove_file(&received).await;
+            return e.into_response();
+        }
+    };
+    let stored = name.clone();
+    match tokio::task::spawn_blocking(move || store.accept(&received, &stored, address, sha1)).await {
+        Ok(Ok(())) => {
+            tracing::info!(package = %name, "package stored");
+            Json(json!({ "stored": format!("{protocol}://{name}") })).into_response()
+        }
+        Ok(Err(e)) => e.into_response(),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, format!("checking the package failed: {e}")),
+    }
+}
+
+/// Writes an upload to `path` while hashing it; refuses (after draining a little, so the
+/// client reads why) one over `limit` bytes.
+async fn receive(body: Body, path: &std::path::Path, limit: u64) -> std::result::Result<[u8; 20], JobError> {
+    use futures::StreamExt;
+    use sha1::Digest;
+    use tokio::io::AsyncWriteExt;
+    let mut file = tokio::fs::File::create(path)
+        .await
+        .map_err(|e| JobError::Internal(format!("cannot create {}: {e}", path.display())))?;
+    let mut stream = body.into_data_stream();
+    let mut hasher = sha1::Sha1::new();
+    let mut seen = 0u64;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| JobError::Invalid(format!("cannot read the upload: {e}")))?;
+        seen = seen.saturating_add(chunk.len() as u64);
+        if seen > limit {
+            if seen > limit + DRAIN_BYTES as u64 {
+                break;
+            }
+            continue;
+        }
+        hasher.update(&chunk);
+        file.write_all(&chunk)
+            .await
+            .map_err(|e| JobError::Internal(format!("cannot write {}: {e}", path.display())))?;
+    }
+    if seen > limit {
+        return Err(JobError::TooLarge(format!(
+            "the package is larger than the limit of {limit} bytes"
+        )));
+    }
+    file.flush()
+        .await
+        .map_err(|e| JobError::Internal(format!("cannot write {}: {e}", path.display())))?;
+    Ok(hasher.finalize().into())
 }
 
 async fn list(State(api): State<Api>) -> Response {
@@ -242,10 +343,19 @@ async fn delete(State(api): State<Api>, Path(id): Path<String>) -> Response {
 }
 
 /// Streams the log as it grows; the stream ends once the job has ended and everything
-/// written has been sent.
-async fn tail(State(api): State<Api>, Path(id): Path<String>) -> Response {
+/// written has been sent. A websocket upgrade (Ray's `tail_job_logs`) gets the same bytes
+/// as text frames, then a normal close (1000).
+async fn tail(
+    State(api): State<Api>,
+    Path(id): Path<String>,
+    upgrade: std::result::Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+) -> Response {
     if let Err(e) = api.manager.get(&id) {
         return e.into_response();
+    }
+    if let Ok(upgrade) = upgrade {
+        let manager = api.manager.clone();
+        return upgrade.on_upgrade(move |socket| tail_websocket(socket, manager, id));
     }
     let path = api.manager.log_path(&id);
     let changes = api.manager.subscribe();
@@ -273,6 +383,42 @@ async fn tail(State(api): State<Api>, Path(id): Path<String>) -> Response {
         .header(header::CONTENT_TYPE, "text/plain; charset=utf-8")
         .body(Body::from_stream(stream))
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "cannot build the log stream"))
+}
+
+/// Sends the log as text frames until the job has ended and all of it was sent.
+async fn tail_websocket(mut socket: WebSocket, manager: JobManager, id: String) {
+    let path = manager.log_path(&id);
+    let mut changes = manager.subscribe();
+    let mut offset = 0u64;
+    loop {
+        let ended = manager.get(&id).map(|r| r.status.is_terminal()).unwrap_or(true);
+        let (mut chunk, mut next) = read_from(&path, offset);
+        let whole = utf8_prefix_len(&chunk);
+        // A character cut at the end waits for its other bytes, unless nothing more comes.
+        if whole > 0 || ended {
+            if !ended {
+                next -= (chunk.len() - whole) as u64;
+                chunk.truncate(whole);
+            }
+            if !chunk.is_empty() {
+                let text = String::from_utf8_lossy(&chunk).into_owned();
+                if socket.send(Message::Text(text.into())).await.is_err() {
+                    return;
+                }
+                offset = next;
+                continue;
+            }
+        }
+        if ended {
+            break;
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(500), changes.changed()).await;
+    }
+    let close = CloseFrame {
+        code: 1000,
+        reason: "the job ended".into(),
+    };
+    let _ = socket.send(Message::Close(Some(close))).await;
 }
 
 /// The length of `bytes` without a character cut at its end (invalid bytes elsewhere stay

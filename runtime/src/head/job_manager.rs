@@ -18,8 +18,9 @@ use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::https::ApiTls;
 use crate::job::JOB_ID_ENV;
-use crate::job::{finished_beyond, JobRecord, JobStatus, JobSubmission, ProcessIdentity, MAX_FINISHED_JOBS};
+use crate::job::{error_type, finished_beyond, JobRecord, JobStatus, JobSubmission, ProcessIdentity, MAX_FINISHED_JOBS};
 use crate::job_log;
+use crate::job_packages::PackageStore;
 use crate::job_shim::{self, RunFiles, ShimOutcome};
 use crate::job_store::JobStore;
 use crate::placement::Strategy;
@@ -38,6 +39,8 @@ pub struct JobConfig {
     pub log_cap_bytes: u64,
     /// Time between SIGTERM and SIGKILL when a job is stopped.
     pub stop_grace: Duration,
+    /// Largest package (`working_dir`, `py_modules`) a client may upload.
+    pub max_package_bytes: u64,
     /// HTTP port of the job API (0: any).
     pub http_port: u16,
     /// HTTPS (by default with the token's certificate) or plain HTTP.
@@ -48,7 +51,7 @@ pub struct JobConfig {
 }
 
 impl JobConfig {
-    /// Defaults: `~/.regatta/head`, 64 MiB logs, 3 s grace, port 8265.
+    /// Defaults: `~/.regatta/head`, 64 MiB logs, 3 s grace, 500 MiB packages, port 8265.
     pub fn new() -> Self {
         let home = std::env::var_os("HOME")
             .map(PathBuf::from)
@@ -57,6 +60,7 @@ impl JobConfig {
             state_dir: home.join(".regatta").join("head"),
             log_cap_bytes: 64 << 20,
             stop_grace: Duration::from_secs(3),
+            max_package_bytes: crate::job_packages::MAX_PACKAGE_BYTES,
             http_port: 8265,
             tls: ApiTls::Token,
             supervisor_binary: std::env::current_exe().ok(),
@@ -77,8 +81,8 @@ pub(crate) enum JobError {
     Invalid(String),
     /// 404.
     Unknown(String),
-    /// 409.
-    Conflict(String),
+    /// 413.
+    TooLarge(String),
     /// 500.
     Internal(String),
 }
@@ -104,6 +108,8 @@ struct Inner {
     token: String,
     link: Arc<HeadLink>,
     changes: watch::Sender<u64>,
+    packages: PackageStore,
+    session_name: String,
 }
 
 /// The job manager; cheap to clone.
@@ -131,6 +137,8 @@ impl JobManager {
             .map(|record| (record.submission_id.clone(), record))
             .collect();
         let (changes, _) = watch::channel(0);
+        let packages = PackageStore::open(config.state_dir.join("packages"))?;
+        let session_name = format!("regatta_{}", crate::node::random_hex(6));
         Ok(Self {
             inner: Arc::new(Inner {
                 store,
@@ -143,6 +151,8 @@ impl JobManager {
                 token,
                 link,
                 changes,
+                packages,
+                session_name,
             }),
         })
     }
@@ -171,6 +181,7 @@ impl JobManager {
                 None => {
                     self.update(&id, |r| {
                         r.failed(
+                            error_type::SUPERVISOR,
                             "the head restarted before the driver started; submit the job again".into(),
                             now_ms(),
                         )
@@ -204,10 +215,33 @@ impl JobManager {
         self.inner.changes.subscribe()
     }
 
+    /// The package store of uploaded `working_dir`s and `py_modules`.
+    pub(crate) fn packages(&self) -> &PackageStore {
+        &self.inner.packages
+    }
+
+    /// The largest package accepted.
+    pub(crate) fn max_package_bytes(&self) -> u64 {
+        self.inner.config.max_package_bytes
+    }
+
+    /// This head's session name (a new one each start).
+    pub(crate) fn session_name(&self) -> &str {
+        &self.inner.session_name
+    }
+
     /// Accepts a job and starts its driver in the background.
     pub(crate) fn submit(&self, submission: JobSubmission) -> std::result::Result<String, JobError> {
         submission.validate().map_err(JobError::Invalid)?;
-        if let Some(dir) = &submission.runtime_env.working_dir {
+        for package in submission.runtime_env.packages() {
+            if !self.inner.packages.exists(package) {
+                return Err(JobError::Invalid(format!(
+                    "runtime_env names the package gcs://{package}, which was not uploaded (or was deleted): upload it with PUT /api/packages/gcs/{package}"
+                )));
+            }
+            self.inner.packages.touch(package);
+        }
+        if let Some(dir) = submission.runtime_env.working_dir.as_ref().filter(|_| submission.runtime_env.working_dir_package().is_none()) {
             if !Path::new(dir).is_dir() {
                 return Err(JobError::Invalid(format!(
                     "runtime_env.working_dir '{dir}' is not a directory on the head"
@@ -226,8 +260,9 @@ impl JobManager {
         {
             let mut records = self.records();
             if records.contains_key(&id) {
-                return Err(JobError::Conflict(format!(
-                    "a job with submission_id '{id}' already exists"
+                // Ray's words, which Ray's clients and scripts expect.
+                return Err(JobError::Invalid(format!(
+                    "Job with submission_id {id} already exists. Please use a different submission_id."
                 )));
             }
             records.insert(id.clone(), record.clone());
@@ -260,7 +295,7 @@ impl JobManager {
         self.records()
             .get(id)
             .cloned()
-            .ok_or_else(|| JobError::Unknown(format!("no job with id '{id}'")))
+            .ok_or_else(|| JobError::Unknown(format!("Job {id} does not exist")))
     }
 
     /// Every job, oldest first.
@@ -393,7 +428,7 @@ impl JobManager {
         let group = match self.reserve(&id, &submission).await {
             Ok(group) => group,
             Err(message) => {
-                self.update(&id, |r| r.failed(message, now_ms()));
+                self.update(&id, |r| r.failed(error_type::START, message, now_ms()));
                 self.cleanup(&id, None).await;
                 return;
             }
@@ -409,7 +444,7 @@ impl JobManager {
                 }
                 self.follow(&id, supervisor).await;
             }
-            Err(message) => self.update(&id, |r| r.failed(message, now_ms())),
+            Err(message) => self.update(&id, |r| r.failed(error_type::START, message, now_ms())),
         }
         self.cleanup(&id, group).await;
     }
@@ -479,8 +514,12 @@ impl JobManager {
             .arg(config.log_cap_bytes.to_string())
             .arg("--stop-grace-ms")
             .arg(config.stop_grace.as_millis().to_string());
-        if let Some(dir) = &submission.runtime_env.working_dir {
+        let (working_dir, python_path) = self.package_dirs(submission)?;
+        if let Some(dir) = &working_dir {
             command.arg("--working-dir").arg(dir);
+        }
+        if let Some(path) = python_path {
+            command.env("PYTHONPATH", path);
         }
         command
             .arg("--")
@@ -514,12 +553,61 @@ impl JobManager {
         Ok(supervisor)
     }
 
+    /// Deletes the packages no unfinished job names, once unused for their grace period.
+    pub(crate) fn sweep_packages(&self) {
+        let referenced = self
+            .records()
+            .values()
+            .filter(|r| !r.status.is_terminal())
+            .flat_map(|r| r.runtime_env.packages().into_iter().map(str::to_string).collect::<Vec<_>>())
+            .collect();
+        self.inner.packages.sweep(&referenced);
+    }
+
+    /// The driver's working directory and `PYTHONPATH` with its packages unpacked: the
+    /// `working_dir` package's folder is where it starts and heads `PYTHONPATH`, each
+    /// `py_modules` package's folder follows (as Ray does), then the inherited path.
+    fn package_dirs(&self, submission: &JobSubmission) -> std::result::Result<(Option<PathBuf>, Option<std::ffi::OsString>), String> {
+        let env = &submission.runtime_env;
+        let unpack = |name: &str| {
+            self.inner.packages.unpacked_dir(name).map_err(|e| match e {
+                JobError::Invalid(m) | JobError::Unknown(m) | JobError::TooLarge(m) | JobError::Internal(m) => {
+                    format!("cannot prepare the package gcs://{name}: {m}")
+                }
+            })
+        };
+        let mut path = Vec::new();
+        let working_dir = match env.working_dir_package() {
+            Some(name) => {
+                let dir = unpack(name)?;
+                path.push(dir.clone());
+                Some(dir)
+            }
+            None => env.working_dir.as_ref().map(PathBuf::from),
+        };
+        for module in env.py_modules.iter().filter_map(|m| m.strip_prefix(crate::job::PACKAGE_SCHEME)) {
+            path.push(unpack(module)?);
+        }
+        if path.is_empty() {
+            return Ok((working_dir, None));
+        }
+        let inherited = env
+            .env_vars
+            .get("PYTHONPATH")
+            .map(std::ffi::OsString::from)
+            .or_else(|| std::env::var_os("PYTHONPATH"));
+        path.extend(inherited.iter().flat_map(std::env::split_paths));
+        let joined = std::env::join_paths(path).map_err(|e| format!("cannot build the driver's PYTHONPATH: {e}"))?;
+        Ok((working_dir, Some(joined)))
+    }
+
     /// Follows a job through its supervisor's files until the job ends: the driver's
     /// identity when it starts, the log as it grows, the outcome when it ends.
     async fn follow(&self, id: &str, supervisor: ProcessIdentity) {
         let files = RunFiles::new(&self.inner.run, id);
         let log = self.log_path(id);
         let mut seen_log = None;
+        let node_address = host_of(&self.inner.cluster_address).to_string();
         loop {
             let log_size = [log.clone(), job_log::rotated(&log)].map(|p| std::fs::metadata(p).map(|m| m.len()).ok());
             if seen_log != Some(log_size) {
@@ -530,7 +618,7 @@ impl JobManager {
                 if let Some(driver) = job_shim::read_json::<ProcessIdentity>(&files.driver) {
                     let pid = driver.pid;
                     self.update(id, |r| {
-                        r.started(pid, now_ms());
+                        r.started(pid, &node_address, now_ms());
                         r.driver = Some(driver);
                     });
                     tracing::info!(job = id, pid, "driver started");
@@ -559,7 +647,7 @@ impl JobManager {
                             if stopping {
                                 r.exited(None, true, now_ms());
                             } else {
-                                r.failed(why, now_ms());
+                                r.failed(error_type::SUPERVISOR, why, now_ms());
                             }
                         });
                     }
@@ -575,7 +663,7 @@ impl JobManager {
     fn record_outcome(&self, id: &str, outcome: ShimOutcome) {
         let stopping = outcome.stopped || self.is_stopping(id);
         self.update(id, |r| match outcome.error {
-            Some(error) if !stopping => r.failed(error, now_ms()),
+            Some(error) if !stopping => r.failed(error_type::START, error, now_ms()),
             _ => {
                 r.exited(outcome.code, stopping, now_ms());
                 if let (Some(signal), false) = (outcome.signal, stopping) {
@@ -604,6 +692,12 @@ impl JobManager {
         }
         self.inner.stopping.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
         if let Ok(record) = self.get(id) {
+            for package in record.runtime_env.packages() {
+                self.inner.packages.touch(package);
+            }
+        }
+        self.sweep_packages();
+        if let Ok(record) = self.get(id) {
             let ran_ms = record
                 .end_time
                 .unwrap_or(0)
@@ -615,6 +709,12 @@ impl JobManager {
         }
         self.inner.changes.send_modify(|n| *n += 1);
     }
+}
+
+/// The host of a `host:port` address (`[v6]:port` too).
+fn host_of(address: &str) -> &str {
+    let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
+    host.trim_start_matches('[').trim_end_matches(']')
 }
 
 /// The last lines of a supervisor's messages, for an error that says why.

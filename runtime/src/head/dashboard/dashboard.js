@@ -332,6 +332,16 @@ async function updateActor(id) {
   if (log.textContent !== text) log.textContent = text;
 }
 
+// The driver's reservation, as `CPU=1, GPU=1, memory=...` (Ray's fields).
+function resourcesText(job) {
+  const parts = [];
+  if (job.entrypoint_num_cpus) parts.push(`CPU=${job.entrypoint_num_cpus}`);
+  if (job.entrypoint_num_gpus) parts.push(`GPU=${job.entrypoint_num_gpus}`);
+  if (job.entrypoint_memory) parts.push(`memory=${job.entrypoint_memory}`);
+  for (const [name, amount] of Object.entries(job.entrypoint_resources || {})) parts.push(`${name}=${amount}`);
+  return parts.length ? parts.join(', ') : '—';
+}
+
 function duration(job) {
   if (!job.start_time) return '';
   const end = job.end_time || Date.now();
@@ -384,7 +394,7 @@ async function updateJob(id) {
     ['Submitted', new Date(job.submitted_at).toLocaleString()],
     ['Duration', duration(job)],
     ['Exit code', job.driver_exit_code === null ? '—' : job.driver_exit_code],
-    ['Resources', job.entrypoint_resources || '—'],
+    ['Resources', resourcesText(job)],
   ]));
   const stop = $('#job-stop');
   stop.hidden = terminal;
