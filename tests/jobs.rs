@@ -363,7 +363,9 @@ async fn requests_without_the_token_get_401_and_bad_input_gets_a_4xx_that_says_w
     let err = api.submit(&dup).await.err().expect("duplicate id");
     assert!(
         err.to_string().contains("400")
-            && err.to_string().contains("Job with submission_id same-id already exists. Please use a different submission_id."),
+            && err
+                .to_string()
+                .contains("Job with submission_id same-id already exists. Please use a different submission_id."),
         "{err}"
     );
     let err = api

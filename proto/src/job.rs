@@ -136,7 +136,9 @@ impl RuntimeEnv {
 
     /// The `working_dir` package's name, when the working directory is one.
     pub fn working_dir_package(&self) -> Option<&str> {
-        self.working_dir.as_deref().and_then(|uri| uri.strip_prefix(PACKAGE_SCHEME))
+        self.working_dir
+            .as_deref()
+            .and_then(|uri| uri.strip_prefix(PACKAGE_SCHEME))
     }
 }
 
@@ -202,7 +204,12 @@ impl JobSubmission {
                 ));
             }
         }
-        if self.runtime_env.py_modules.iter().any(|m| !m.starts_with(PACKAGE_SCHEME)) {
+        if self
+            .runtime_env
+            .py_modules
+            .iter()
+            .any(|m| !m.starts_with(PACKAGE_SCHEME))
+        {
             return Err(format!(
                 "runtime_env.py_modules takes uploaded packages ({PACKAGE_SCHEME}...): give local folders to the client, which uploads them"
             ));
@@ -539,7 +546,10 @@ mod tests {
             s.runtime_env.packages(),
             vec!["_ray_pkg_0123456789abcdef.zip", "_ray_pkg_fedcba9876543210.zip"]
         );
-        assert_eq!(s.runtime_env.working_dir_package(), Some("_ray_pkg_0123456789abcdef.zip"));
+        assert_eq!(
+            s.runtime_env.working_dir_package(),
+            Some("_ray_pkg_0123456789abcdef.zip")
+        );
         assert_eq!(s.resources_text(), "GPU=1,memory=1000");
         let record = JobRecord::new("j".into(), &s, 1);
         let json = serde_json::to_value(&record).unwrap();
@@ -551,13 +561,21 @@ mod tests {
 
     #[test]
     fn unsupported_runtime_env_keys_are_refused_by_name() {
-        let from_ray = submission(r#"{"entrypoint": "x", "runtime_env": {"_ray_commit": "b7f4259e", "env_vars": {}}}"#).unwrap();
+        let from_ray =
+            submission(r#"{"entrypoint": "x", "runtime_env": {"_ray_commit": "b7f4259e", "env_vars": {}}}"#).unwrap();
         assert_eq!(from_ray.runtime_env, RuntimeEnv::default());
         for key in ["pip", "conda", "container", "nsight"] {
-            let error = submission(&format!(r#"{{"entrypoint": "x", "runtime_env": {{"{key}": ["torch"]}}}}"#)).unwrap_err();
-            assert!(error.contains(&format!("runtime_env.{key} is not supported")), "{error}");
+            let error = submission(&format!(
+                r#"{{"entrypoint": "x", "runtime_env": {{"{key}": ["torch"]}}}}"#
+            ))
+            .unwrap_err();
+            assert!(
+                error.contains(&format!("runtime_env.{key} is not supported")),
+                "{error}"
+            );
         }
-        let error = submission(r#"{"entrypoint": "x", "runtime_env": {"working_dir": "s3://bucket/pkg.zip"}}"#).unwrap_err();
+        let error =
+            submission(r#"{"entrypoint": "x", "runtime_env": {"working_dir": "s3://bucket/pkg.zip"}}"#).unwrap_err();
         assert!(error.contains("s3://bucket/pkg.zip"), "{error}");
         let error = submission(r#"{"entrypoint": "x", "entrypoint_label_selector": {"zone": "a"}}"#).unwrap_err();
         assert!(error.contains("entrypoint_label_selector"), "{error}");
@@ -565,13 +583,21 @@ mod tests {
 
     #[test]
     fn records_of_earlier_versions_still_load() {
-        let mut old = serde_json::to_value(JobRecord::new("j".into(), &submission(r#"{"entrypoint": "x"}"#).unwrap(), 1)).unwrap();
+        let mut old = serde_json::to_value(JobRecord::new(
+            "j".into(),
+            &submission(r#"{"entrypoint": "x"}"#).unwrap(),
+            1,
+        ))
+        .unwrap();
         let object = old.as_object_mut().unwrap();
         object.remove("type");
         object.insert("entrypoint_resources".into(), "CPU=1,GPU=0.5".into());
         let record: JobRecord = serde_json::from_value(old).unwrap();
         assert_eq!(record.kind, "SUBMISSION");
-        assert_eq!(record.entrypoint_resources, BTreeMap::from([("CPU".into(), 1.0), ("GPU".into(), 0.5)]));
+        assert_eq!(
+            record.entrypoint_resources,
+            BTreeMap::from([("CPU".into(), 1.0), ("GPU".into(), 0.5)])
+        );
     }
 
     #[test]

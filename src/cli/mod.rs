@@ -85,6 +85,9 @@ struct JobShimArgs {
     /// The driver's working directory.
     #[arg(long)]
     working_dir: Option<PathBuf>,
+    /// Stop the job when this process (the worker that started the supervisor) is gone.
+    #[arg(long)]
+    parent: Option<u32>,
     /// The driver's shell command.
     entrypoint: String,
 }
@@ -356,6 +359,7 @@ async fn job_shim(args: JobShimArgs) -> anyhow::Result<ExitCode> {
         stop_grace: Duration::from_millis(args.stop_grace_ms),
         working_dir: args.working_dir,
         entrypoint: args.entrypoint,
+        parent: args.parent,
     })
     .await?;
     if let Some(error) = &outcome.error {

@@ -55,6 +55,15 @@ impl ActorOptions {
         self
     }
 
+    /// Places the actor in bundle `bundle` of the group with id `group`.
+    pub(crate) fn in_bundle(mut self, group: GroupId, bundle: usize) -> Self {
+        self.placement = Some(BundleRef {
+            group,
+            bundle: Some(bundle),
+        });
+        self
+    }
+
     /// Places the actor in a bundle of a placement group (`None`: any bundle with room).
     pub fn in_group(mut self, group: &PlacementGroup, bundle: Option<usize>) -> Self {
         self.placement = Some(BundleRef {

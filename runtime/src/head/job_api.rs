@@ -39,6 +39,7 @@ use tokio_rustls::rustls::ServerConfig;
 use std::sync::Arc;
 
 use super::dashboard;
+use super::job_log::read_from;
 use super::job_packages;
 use crate::error::Result;
 use crate::headlink::HeadLink;
@@ -121,7 +122,10 @@ pub(crate) async fn serve(
         .route("/api/jobs/{id}/logs/tail", get(tail))
         .route("/api/jobs/{id}/stop", post(stop))
         .route("/api/version", get(version))
-        .route("/api/packages/{protocol}/{name}", get(package_exists).put(package_upload))
+        .route(
+            "/api/packages/{protocol}/{name}",
+            get(package_exists).put(package_upload),
+        )
         .merge(dashboard::endpoints())
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such endpoint; see /api/jobs") })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -205,7 +209,10 @@ async fn package_exists(State(api): State<Api>, Path((protocol, name)): Path<(St
     if api.manager.packages().exists(&name) {
         Json(json!({ "exists": true })).into_response()
     } else {
-        error(StatusCode::NOT_FOUND, format!("Package {protocol}://{name} does not exist"))
+        error(
+            StatusCode::NOT_FOUND,
+            format!("Package {protocol}://{name} does not exist"),
+        )
     }
 }
 
@@ -234,7 +241,10 @@ async fn package_upload(
             Json(json!({ "stored": format!("{protocol}://{name}") })).into_response()
         }
         Ok(Err(e)) => e.into_response(),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, format!("checking the package failed: {e}")),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("checking the package failed: {e}"),
+        ),
     }
 }
 
@@ -429,23 +439,6 @@ fn utf8_prefix_len(bytes: &[u8]) -> usize {
         Err(e) if e.error_len().is_none() => e.valid_up_to(),
         Err(_) => bytes.len(),
     }
-}
-
-/// Up to 1 MiB of new bytes of the current log part after `offset` (starting over after
-/// a rotation made the file shorter).
-fn read_from(path: &std::path::Path, offset: u64) -> (Vec<u8>, u64) {
-    use std::io::{Read, Seek, SeekFrom};
-    let Ok(mut file) = std::fs::File::open(path) else {
-        return (Vec::new(), offset);
-    };
-    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
-    let start = if len < offset { 0 } else { offset };
-    if file.seek(SeekFrom::Start(start)).is_err() {
-        return (Vec::new(), offset);
-    }
-    let mut chunk = Vec::new();
-    let read = file.take(1 << 20).read_to_end(&mut chunk).unwrap_or(0);
-    (chunk, start + read as u64)
 }
 
 #[cfg(test)]

@@ -67,6 +67,23 @@ pub(crate) fn read_all(path: &Path) -> std::io::Result<Vec<u8>> {
     Ok(out)
 }
 
+/// Up to 1 MiB of new bytes of the current log part after `offset` (starting over after
+/// a rotation made the file shorter).
+pub(crate) fn read_from(path: &std::path::Path, offset: u64) -> (Vec<u8>, u64) {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return (Vec::new(), offset);
+    };
+    let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let start = if len < offset { 0 } else { offset };
+    if file.seek(SeekFrom::Start(start)).is_err() {
+        return (Vec::new(), offset);
+    }
+    let mut chunk = Vec::new();
+    let read = file.take(1 << 20).read_to_end(&mut chunk).unwrap_or(0);
+    (chunk, start + read as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

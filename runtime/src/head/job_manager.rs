@@ -7,25 +7,28 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tokio::process::Command;
 use tokio::sync::watch;
 
+use crate::calls::CallPlane;
+use crate::client::{ActorHandle, ActorOptions, Cluster};
 use crate::error::{Error, Result};
 use crate::headlink::HeadLink;
 use crate::https::ApiTls;
 use crate::job::JOB_ID_ENV;
-use crate::job::{error_type, finished_beyond, JobRecord, JobStatus, JobSubmission, ProcessIdentity, MAX_FINISHED_JOBS};
+use crate::job::{
+    error_type, finished_beyond, JobRecord, JobStatus, JobSubmission, ProcessIdentity, MAX_FINISHED_JOBS,
+};
 use crate::job_log;
 use crate::job_packages::PackageStore;
-use crate::job_shim::{self, RunFiles, ShimOutcome};
+use crate::job_shim::{self, tail_of, RunFiles, ShimArgs, ShimOutcome};
 use crate::job_store::JobStore;
 use crate::placement::Strategy;
 use crate::protocol::{GroupId, GroupSpec, HeadRequest};
 use crate::resources::Resources;
+use crate::worker::job_driver::{DriverArgs, DriverReply, DriverRequest, JobDriver};
 
 /// Environment variable a driver finds the cluster address in.
 pub const ADDRESS_ENV: &str = "REGATTA_ADDRESS";
@@ -96,6 +99,12 @@ pub(crate) fn now_ms() -> u64 {
 
 /// How often a job's supervisor files are looked at.
 const FOLLOW_EVERY: Duration = Duration::from_millis(100);
+
+/// How often a driver on a worker is asked for its progress.
+const REMOTE_POLL_EVERY: Duration = Duration::from_millis(200);
+
+/// Bytes of a package per call to a driver's node.
+const PACKAGE_CHUNK: usize = 4 << 20;
 
 struct Inner {
     store: JobStore,
@@ -179,13 +188,14 @@ impl JobManager {
                     });
                 }
                 None => {
-                    self.update(&id, |r| {
-                        r.failed(
-                            error_type::SUPERVISOR,
-                            "the head restarted before the driver started; submit the job again".into(),
-                            now_ms(),
-                        )
-                    });
+                    let why = match &record.driver_node_id {
+                        // Its actor is stopped with the job's other actors below.
+                        Some(node) => format!(
+                            "the head restarted while the driver ran on node {node}; drivers on workers are not followed across a head restart: submit the job again"
+                        ),
+                        None => "the head restarted before the driver started; submit the job again".into(),
+                    };
+                    self.update(&id, |r| r.failed(error_type::SUPERVISOR, why, now_ms()));
                     tokio::spawn(async move { manager.cleanup(&id, record.driver_group).await });
                 }
             }
@@ -241,7 +251,12 @@ impl JobManager {
             }
             self.inner.packages.touch(package);
         }
-        if let Some(dir) = submission.runtime_env.working_dir.as_ref().filter(|_| submission.runtime_env.working_dir_package().is_none()) {
+        if let Some(dir) = submission
+            .runtime_env
+            .working_dir
+            .as_ref()
+            .filter(|_| submission.runtime_env.working_dir_package().is_none())
+        {
             if !Path::new(dir).is_dir() {
                 return Err(JobError::Invalid(format!(
                     "runtime_env.working_dir '{dir}' is not a directory on the head"
@@ -437,6 +452,11 @@ impl JobManager {
             self.cleanup(&id, group).await;
             return;
         }
+        if let Some(group) = group {
+            self.run_remote(&id, &submission, group).await;
+            self.cleanup(&id, Some(group)).await;
+            return;
+        }
         match self.start_supervisor(&id, &submission) {
             Ok(supervisor) => {
                 if self.is_stopping(&id) {
@@ -447,6 +467,174 @@ impl JobManager {
             Err(message) => self.update(&id, |r| r.failed(error_type::START, message, now_ms())),
         }
         self.cleanup(&id, group).await;
+    }
+
+    /// Runs a job whose entrypoint asks for resources on the node that holds them: a
+    /// [`JobDriver`] actor placed in the reserved bundle runs the driver there, and this
+    /// copies its log into the job's log as it grows. A lost node or driver fails the job
+    /// with the cause.
+    async fn run_remote(&self, id: &str, submission: &JobSubmission, group: GroupId) {
+        if let Err((kind, message)) = self.drive_remote(id, submission, group).await {
+            let stopping = self.is_stopping(id);
+            self.update(id, |r| {
+                if stopping {
+                    r.exited(None, true, now_ms());
+                } else {
+                    r.failed(kind, message, now_ms());
+                }
+            });
+        }
+    }
+
+    async fn drive_remote(
+        &self,
+        id: &str,
+        submission: &JobSubmission,
+        group: GroupId,
+    ) -> std::result::Result<(), (&'static str, String)> {
+        let config = &self.inner.config;
+        let cluster =
+            Cluster::new(self.inner.link.clone(), None, CallPlane::session_only()).with_job(Some(id.to_string()));
+        let start = |message: String| (error_type::START, message);
+        let text = submission.resources_text();
+        let resources = Resources::parse_request(&text).map_err(|e| start(e.to_string()))?;
+        let env = driver_env(submission, &self.inner.cluster_address, &self.inner.token, id);
+        let env = env
+            .into_iter()
+            .map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned()))
+            .collect();
+        let args = DriverArgs {
+            job: id.to_string(),
+            entrypoint: submission.entrypoint.clone(),
+            env,
+            working_dir: submission
+                .runtime_env
+                .working_dir
+                .clone()
+                .filter(|_| submission.runtime_env.working_dir_package().is_none()),
+            log_cap_bytes: config.log_cap_bytes,
+            stop_grace: config.stop_grace,
+        };
+        let options = ActorOptions::new().resources(resources).in_bundle(group, 0);
+        let driver = cluster
+            .spawn::<JobDriver>(args, options)
+            .await
+            .map_err(|e| start(format!("cannot place the driver in its reserved resources {text}: {e}")))?;
+        driver
+            .wait_ready(Duration::from_secs(60))
+            .await
+            .map_err(|e| start(format!("the driver's actor did not start: {e}")))?;
+        self.update(id, |r| {
+            r.message = "sending the job's packages to the driver's node".into()
+        });
+        for name in submission.runtime_env.packages() {
+            self.send_package(&driver, name).await.map_err(start)?;
+        }
+        if self.is_stopping(id) {
+            return Ok(());
+        }
+        let started = driver
+            .call(DriverRequest::Start {
+                working_dir: submission.runtime_env.working_dir_package().map(str::to_string),
+                py_modules: submission
+                    .runtime_env
+                    .py_modules
+                    .iter()
+                    .filter_map(|m| m.strip_prefix(crate::job::PACKAGE_SCHEME))
+                    .map(str::to_string)
+                    .collect(),
+            })
+            .await
+            .map_err(|e| start(format!("the driver could not start: {e}")))?;
+        let DriverReply::Started { node, host } = started else {
+            return Err(start(format!("the driver's actor answered {started:?} to a start")));
+        };
+        self.update(id, |r| {
+            r.driver_node_id = Some(node.clone());
+            r.message = format!("starting the driver on node {node}");
+        });
+        tracing::info!(job = id, node = %node, "driver starting on a worker");
+        let lost = |e: Error| {
+            (
+                error_type::SUPERVISOR,
+                format!("the driver's node {node} or its driver actor was lost: {e}"),
+            )
+        };
+        let log_path = self.log_path(id);
+        let mut log = job_log::CappedLog::create(&log_path, config.log_cap_bytes)
+            .map_err(|e| start(format!("cannot create {}: {e}", log_path.display())))?;
+        let mut offset = 0u64;
+        let mut stop_sent = false;
+        loop {
+            if self.is_stopping(id) && !stop_sent {
+                stop_sent = true;
+                let _ = driver.call(DriverRequest::Stop).await;
+            }
+            let progress = driver.call(DriverRequest::Poll { offset }).await.map_err(lost)?;
+            let DriverReply::Progress {
+                log: bytes,
+                next,
+                driver: process,
+                outcome,
+                lost: gone,
+            } = progress
+            else {
+                return Err(start(format!("the driver's actor answered {progress:?} to a poll")));
+            };
+            offset = next;
+            if !bytes.is_empty() {
+                log.append(&bytes)
+                    .map_err(|e| start(format!("cannot write {}: {e}", log_path.display())))?;
+                self.inner.changes.send_modify(|n| *n += 1);
+            }
+            if let Some(process) = process.filter(|_| self.get(id).is_ok_and(|r| r.status == JobStatus::Pending)) {
+                self.update(id, |r| r.started(process.pid, &host, now_ms()));
+                tracing::info!(job = id, node = %node, pid = process.pid, "driver started");
+            }
+            match (outcome, gone) {
+                (Some(outcome), _) if bytes.is_empty() => {
+                    self.record_outcome(id, outcome);
+                    return Ok(());
+                }
+                (None, Some(why)) => return Err((error_type::SUPERVISOR, why)),
+                _ => {}
+            }
+            if bytes.len() < (1 << 20) {
+                tokio::time::sleep(REMOTE_POLL_EVERY).await;
+            }
+        }
+    }
+
+    /// Sends an uploaded package to a driver's node in chunks.
+    async fn send_package(&self, driver: &ActorHandle<JobDriver>, name: &str) -> std::result::Result<(), String> {
+        use tokio::io::AsyncReadExt;
+        let path = self.inner.packages.archive_path(name);
+        let mut file = tokio::fs::File::open(&path)
+            .await
+            .map_err(|e| format!("the package gcs://{name} cannot be read ({}): {e}", path.display()))?;
+        let mut first = true;
+        loop {
+            let mut chunk = Vec::with_capacity(PACKAGE_CHUNK);
+            let read = (&mut file)
+                .take(PACKAGE_CHUNK as u64)
+                .read_to_end(&mut chunk)
+                .await
+                .map_err(|e| format!("the package gcs://{name} cannot be read: {e}"))?;
+            if read == 0 && !first {
+                return Ok(());
+            }
+            first = false;
+            driver
+                .call(DriverRequest::Package {
+                    name: name.to_string(),
+                    chunk,
+                })
+                .await
+                .map_err(|e| format!("the package gcs://{name} could not be sent to the driver's node: {e}"))?;
+            if read < PACKAGE_CHUNK {
+                return Ok(());
+            }
+        }
     }
 
     /// Reserves the driver's resources as a one-bundle placement group, waiting while the
@@ -497,54 +685,21 @@ impl JobManager {
             .supervisor_binary
             .clone()
             .ok_or("cannot find the regatta binary that supervises drivers (JobConfig::supervisor_binary)")?;
-        let files = RunFiles::new(&self.inner.run, id);
-        files.remove();
-        let messages = std::fs::File::create(&files.messages)
-            .map_err(|e| format!("cannot create {}: {e}", files.messages.display()))?;
-        let mut command = Command::new(&binary);
-        command
-            .arg("job-shim")
-            .arg("--job")
-            .arg(id)
-            .arg("--run-dir")
-            .arg(&self.inner.run)
-            .arg("--log")
-            .arg(self.log_path(id))
-            .arg("--log-cap-bytes")
-            .arg(config.log_cap_bytes.to_string())
-            .arg("--stop-grace-ms")
-            .arg(config.stop_grace.as_millis().to_string());
         let (working_dir, python_path) = self.package_dirs(submission)?;
-        if let Some(dir) = &working_dir {
-            command.arg("--working-dir").arg(dir);
-        }
-        if let Some(path) = python_path {
-            command.env("PYTHONPATH", path);
-        }
-        command
-            .arg("--")
-            .arg(&submission.entrypoint)
-            .envs(&submission.runtime_env.env_vars)
-            .env(ADDRESS_ENV, &self.inner.cluster_address)
-            .env(crate::token::TOKEN_ENV, &self.inner.token)
-            .env(JOB_ID_ENV, id)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(messages)
-            .process_group(0)
-            .kill_on_drop(false);
-        let mut child = command
-            .spawn()
-            .map_err(|e| format!("could not start the job supervisor {}: {e}", binary.display()))?;
-        let pid = child.id().unwrap_or(0);
-        // Reaps the supervisor when it ends; a restarted head follows it by its identity.
-        tokio::spawn(async move { child.wait().await });
-        let supervisor = job_shim::identity_of(pid).ok_or_else(|| {
-            format!(
-                "the job supervisor (pid {pid}) ended at once: {}",
-                tail_of(&RunFiles::new(&self.inner.run, id).messages)
-            )
-        })?;
+        let args = ShimArgs {
+            job: id.to_string(),
+            run_dir: self.inner.run.clone(),
+            log: self.log_path(id),
+            log_cap_bytes: config.log_cap_bytes,
+            stop_grace: config.stop_grace,
+            working_dir,
+            entrypoint: submission.entrypoint.clone(),
+            parent: None,
+        };
+        let mut env = driver_env(submission, &self.inner.cluster_address, &self.inner.token, id);
+        env.extend(python_path.map(|path| ("PYTHONPATH".into(), path)));
+        let supervisor = job_shim::start_supervisor(&binary, &args, &env)?;
+        let pid = supervisor.pid;
         self.update(id, |r| {
             r.supervisor = Some(supervisor.clone());
             r.message = "starting the driver".into();
@@ -559,7 +714,13 @@ impl JobManager {
             .records()
             .values()
             .filter(|r| !r.status.is_terminal())
-            .flat_map(|r| r.runtime_env.packages().into_iter().map(str::to_string).collect::<Vec<_>>())
+            .flat_map(|r| {
+                r.runtime_env
+                    .packages()
+                    .into_iter()
+                    .map(str::to_string)
+                    .collect::<Vec<_>>()
+            })
             .collect();
         self.inner.packages.sweep(&referenced);
     }
@@ -567,7 +728,10 @@ impl JobManager {
     /// The driver's working directory and `PYTHONPATH` with its packages unpacked: the
     /// `working_dir` package's folder is where it starts and heads `PYTHONPATH`, each
     /// `py_modules` package's folder follows (as Ray does), then the inherited path.
-    fn package_dirs(&self, submission: &JobSubmission) -> std::result::Result<(Option<PathBuf>, Option<std::ffi::OsString>), String> {
+    fn package_dirs(
+        &self,
+        submission: &JobSubmission,
+    ) -> std::result::Result<(Option<PathBuf>, Option<std::ffi::OsString>), String> {
         let env = &submission.runtime_env;
         let unpack = |name: &str| {
             self.inner.packages.unpacked_dir(name).map_err(|e| match e {
@@ -585,7 +749,11 @@ impl JobManager {
             }
             None => env.working_dir.as_ref().map(PathBuf::from),
         };
-        for module in env.py_modules.iter().filter_map(|m| m.strip_prefix(crate::job::PACKAGE_SCHEME)) {
+        for module in env
+            .py_modules
+            .iter()
+            .filter_map(|m| m.strip_prefix(crate::job::PACKAGE_SCHEME))
+        {
             path.push(unpack(module)?);
         }
         if path.is_empty() {
@@ -596,9 +764,7 @@ impl JobManager {
             .get("PYTHONPATH")
             .map(std::ffi::OsString::from)
             .or_else(|| std::env::var_os("PYTHONPATH"));
-        path.extend(inherited.iter().flat_map(std::env::split_paths));
-        let joined = std::env::join_paths(path).map_err(|e| format!("cannot build the driver's PYTHONPATH: {e}"))?;
-        Ok((working_dir, Some(joined)))
+        Ok((working_dir, Some(crate::job_packages::python_path(path, inherited)?)))
     }
 
     /// Follows a job through its supervisor's files until the job ends: the driver's
@@ -717,12 +883,22 @@ fn host_of(address: &str) -> &str {
     host.trim_start_matches('[').trim_end_matches(']')
 }
 
-/// The last lines of a supervisor's messages, for an error that says why.
-fn tail_of(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    match lines.len() {
-        0 => format!("it left no message in {}", path.display()),
-        n => lines[n.saturating_sub(5)..].join(" | "),
-    }
+/// A driver's environment beyond the inherited one: the job's variables, then the
+/// cluster's address, token and the job's id (which the job cannot override).
+pub(crate) fn driver_env(
+    submission: &JobSubmission,
+    cluster_address: &str,
+    token: &str,
+    id: &str,
+) -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+    let mut env: Vec<(std::ffi::OsString, std::ffi::OsString)> = submission
+        .runtime_env
+        .env_vars
+        .iter()
+        .map(|(k, v)| (k.into(), v.into()))
+        .collect();
+    env.push((ADDRESS_ENV.into(), cluster_address.into()));
+    env.push((crate::token::TOKEN_ENV.into(), token.into()));
+    env.push((JOB_ID_ENV.into(), id.into()));
+    env
 }

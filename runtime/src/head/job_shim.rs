@@ -45,6 +45,10 @@ pub struct ShimArgs {
     pub working_dir: Option<PathBuf>,
     /// The driver's shell command.
     pub entrypoint: String,
+    /// Stop the job when this process (the worker that started the supervisor) is no
+    /// longer its parent: a driver on a worker must not outlive the worker. `None` for
+    /// drivers on the head, which outlive a head restart on purpose.
+    pub parent: Option<u32>,
 }
 
 /// How the driver ended, as the supervisor recorded it.
@@ -85,6 +89,70 @@ impl RunFiles {
         for path in [&self.driver, &self.status, &self.messages] {
             let _ = std::fs::remove_file(path);
         }
+    }
+}
+
+/// Starts `<binary> job-shim` for `args` in a process group of its own, with `env` over
+/// the inherited environment (later entries win) and its own messages in the run files;
+/// returns the supervisor's identity once it runs. The supervisor is reaped when it ends;
+/// whoever started it follows it through its files, not its pipes.
+pub(crate) fn start_supervisor(
+    binary: &Path,
+    args: &ShimArgs,
+    env: &[(std::ffi::OsString, std::ffi::OsString)],
+) -> std::result::Result<ProcessIdentity, String> {
+    let files = RunFiles::new(&args.run_dir, &args.job);
+    files.remove();
+    let messages = std::fs::File::create(&files.messages)
+        .map_err(|e| format!("cannot create {}: {e}", files.messages.display()))?;
+    let mut command = Command::new(binary);
+    command
+        .arg("job-shim")
+        .arg("--job")
+        .arg(&args.job)
+        .arg("--run-dir")
+        .arg(&args.run_dir)
+        .arg("--log")
+        .arg(&args.log)
+        .arg("--log-cap-bytes")
+        .arg(args.log_cap_bytes.to_string())
+        .arg("--stop-grace-ms")
+        .arg(args.stop_grace.as_millis().to_string());
+    if let Some(dir) = &args.working_dir {
+        command.arg("--working-dir").arg(dir);
+    }
+    if let Some(parent) = args.parent {
+        command.arg("--parent").arg(parent.to_string());
+    }
+    command
+        .arg("--")
+        .arg(&args.entrypoint)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(messages)
+        .process_group(0)
+        .kill_on_drop(false);
+    let mut child = command
+        .spawn()
+        .map_err(|e| format!("could not start the job supervisor {}: {e}", binary.display()))?;
+    let pid = child.id().unwrap_or(0);
+    tokio::spawn(async move { child.wait().await });
+    identity_of(pid).ok_or_else(|| {
+        format!(
+            "the job supervisor (pid {pid}) ended at once: {}",
+            tail_of(&files.messages)
+        )
+    })
+}
+
+/// The last lines of a supervisor's messages, for an error that says why.
+pub(crate) fn tail_of(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    match lines.len() {
+        0 => format!("it left no message in {}", path.display()),
+        n => lines[n.saturating_sub(5)..].join(" | "),
     }
 }
 
@@ -198,7 +266,7 @@ pub async fn supervise_job(args: ShimArgs) -> Result<ShimOutcome> {
             let group = format!("-{driver}");
             let (status, mut stopped) = tokio::select! {
                 status = child.wait() => (status, false),
-                _ = terminate.recv() => {
+                _ = stop_requested(&mut terminate, args.parent) => {
                     kill("TERM", &group);
                     let status = match tokio::time::timeout(args.stop_grace, child.wait()).await {
                         Ok(status) => status,
@@ -220,7 +288,7 @@ pub async fn supervise_job(args: ShimArgs) -> Result<ShimOutcome> {
             if !stopped {
                 tokio::select! {
                     _ = &mut outputs => {}
-                    _ = terminate.recv() => {
+                    _ = stop_requested(&mut terminate, args.parent) => {
                         kill("KILL", &group);
                         stopped = true;
                     }
@@ -249,6 +317,30 @@ pub async fn supervise_job(args: ShimArgs) -> Result<ShimOutcome> {
     };
     write_json_atomically(&files.status, &outcome)?;
     Ok(outcome)
+}
+
+/// Resolves when the job is to stop: SIGTERM, or (with `parent`) the process that started
+/// this supervisor is gone (this process was re-parented).
+async fn stop_requested(terminate: &mut tokio::signal::unix::Signal, parent: Option<u32>) {
+    let orphaned = async {
+        match parent {
+            Some(parent) => loop {
+                if std::os::unix::process::parent_id() != parent {
+                    tracing::warn!(
+                        parent,
+                        "the worker that started this job's supervisor is gone; stopping the driver"
+                    );
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            },
+            None => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = terminate.recv() => {}
+        _ = orphaned => {}
+    }
 }
 
 type Copies = Vec<tokio::task::JoinHandle<()>>;

@@ -7,8 +7,8 @@ mod dashboard;
 pub(crate) mod job_api;
 pub(crate) mod job_log;
 pub(crate) mod job_manager;
-pub(crate) mod job_shim;
 pub(crate) mod job_packages;
+pub(crate) mod job_shim;
 pub(crate) mod job_store;
 mod state_file;
 

@@ -3,6 +3,7 @@
 
 pub(crate) mod agent;
 pub(crate) mod detect;
+pub(crate) mod job_driver;
 pub(crate) mod registry;
 pub(crate) mod router;
 pub(crate) mod simulate;
@@ -80,6 +81,8 @@ impl WorkerConfig {
 /// Runs a worker until `shutdown` resolves. Fails at once on a refused token; an
 /// unreachable head is retried.
 pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl Future<Output = ()>) -> Result<()> {
+    // Every worker can host a job's driver placed by its entrypoint resources.
+    let registry = registry.register::<job_driver::JobDriver>();
     let mut resources = detect::detect_resources();
     resources.override_with(&config.resources);
     crate::placement::validate_capacity(&resources).map_err(|why| Error::BadResources {
