@@ -456,22 +456,9 @@ async fn the_job_api_speaks_https_and_refuses_plain_http_and_another_clusters_ce
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_head_serves_the_operators_own_certificate_which_clients_trust_with_its_ca() {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair, PKCS_ECDSA_P256_SHA256};
     let dir = std::env::temp_dir().join(format!("regatta-own-cert-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
-    let ca_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).expect("CA key");
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = ca_params.self_signed(&ca_key).expect("CA");
-    let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).expect("key");
-    let leaf = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
-        .expect("params")
-        .signed_by(&key, &ca, &ca_key)
-        .expect("leaf");
-    let (cert_file, key_file, ca_file) = (dir.join("cert.pem"), dir.join("key.pem"), dir.join("ca.pem"));
-    std::fs::write(&cert_file, leaf.pem()).expect("write cert");
-    std::fs::write(&key_file, key.serialize_pem()).expect("write key");
-    std::fs::write(&ca_file, ca.pem()).expect("write CA");
+    let (cert_file, key_file, ca_file) = support::own_certificate(&dir);
 
     let cert_arg = cert_file.display().to_string();
     let key_arg = key_file.display().to_string();

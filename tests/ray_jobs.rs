@@ -486,3 +486,30 @@ print(json.dumps(out))
     .await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ray_s_cli_checks_a_head_s_own_certificate_with_its_ca_file() {
+    let dir = support::temp_dir("ray-ca");
+    let (cert, key, ca) = support::own_certificate(&dir);
+    let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    let cluster = TestCluster::start_specs(
+        vec![WorkerSpec::new("w1", "CPU=1")],
+        &["--tls-cert", &cert, "--tls-key", &key],
+    )
+    .await;
+    let list = |verify: &str| {
+        let output = Command::new(venv_bin().join("ray"))
+            .args(["job", "list", "--address", &cluster.local.job_address, "--verify", verify])
+            .args(["--headers", &headers(&cluster.local.token)])
+            .env("RAY_USAGE_STATS_ENABLED", "0")
+            .output()
+            .expect("run ray");
+        let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        (output.status.success(), text)
+    };
+    let (ok, text) = list(&ca.display().to_string());
+    assert!(ok, "with the CA file, Ray's client trusts the head:\n{text}");
+    let (ok, text) = list("True");
+    assert!(!ok && text.contains("CERTIFICATE_VERIFY_FAILED"), "without it, it must not:\n{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

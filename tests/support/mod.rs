@@ -340,3 +340,30 @@ pub fn ticks(log: &str) -> Vec<u64> {
     }
     numbers
 }
+
+/// An operator's own certificate authority and a leaf for `127.0.0.1` and `localhost`
+/// signed by it, as PEM files in `dir`: (leaf, its key, the authority).
+pub fn own_certificate(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair, PKCS_ECDSA_P256_SHA256};
+    // Distinct names: OpenSSL (Python's clients) takes a leaf whose subject equals its
+    // issuer's for a self-signed certificate.
+    let named = |name: &str| {
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, name);
+        dn
+    };
+    let ca_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).expect("CA key");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.distinguished_name = named("Regatta test authority");
+    let ca = ca_params.self_signed(&ca_key).expect("CA");
+    let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).expect("key");
+    let mut leaf_params = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).expect("params");
+    leaf_params.distinguished_name = named("regatta head");
+    let leaf = leaf_params.signed_by(&key, &ca, &ca_key).expect("leaf");
+    let (cert_file, key_file, ca_file) = (dir.join("cert.pem"), dir.join("key.pem"), dir.join("ca.pem"));
+    std::fs::write(&cert_file, leaf.pem()).expect("write cert");
+    std::fs::write(&key_file, key.serialize_pem()).expect("write key");
+    std::fs::write(&ca_file, ca.pem()).expect("write CA");
+    (cert_file, key_file, ca_file)
+}
