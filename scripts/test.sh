@@ -26,6 +26,12 @@ fi
 if [ ! -x "$venv/bin/ray" ]; then
     "$venv/bin/pip" install --quiet 'ray[default]==2.60.0'
 fi
+# maturin, cloudpickle and pytest for the Python package (python/), built into this venv.
+if [ ! -x "$venv/bin/maturin" ] || ! "$venv/bin/python" -c 'import cloudpickle, pytest' >/dev/null 2>&1; then
+    "$venv/bin/pip" install --quiet 'maturin>=1.9,<2' cloudpickle pytest
+fi
+# One interpreter for PyO3's build configuration, so cargo and maturin share the build.
+export PYO3_PYTHON="$venv/bin/python"
 export REGATTA_TEST_VENV="$venv"
 
 # PyTorch 2.11 from PyPI (the CUDA wheel with its nvidia-* libraries, as the GPU hosts
@@ -64,6 +70,12 @@ trap 'rm -f "$log"' EXIT
 cargo build --workspace --all-targets
 cargo test --workspace 2>&1 | tee "$log"
 
+# The Python package: built with maturin (debug, in this target/) into the venv, and its
+# pytest suite run against local clusters of the regatta binary just built.
+VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop --quiet -m python/Cargo.toml
+(cd python && REGATTA_BIN="$PWD/../target/debug/regatta" "$venv/bin/python" -m pytest -q tests) 2>&1 | tee -a "$log"
+
 # One closing line for the whole suite (cargo prints one per test binary).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     /^[0-9]+ (passed|failed)/ && / in [0-9.]+s/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
      END { printf "suite: %d passed, %d failed\n", p, f; if (p == 0) exit 1 }' "$log"

@@ -82,4 +82,5 @@ pub use token::{default_token_file, resolve_token, TokenSource, TOKEN_ENV};
 #[doc(hidden)]
 pub use wire::{decode as wire_decode, encode as wire_encode};
 pub use worker::simulate::{run_simulated_nodes, simulated_name, SimulatedNodes};
+pub use worker::python::{PythonActor, PythonArgs, MAX_FRAME as PYTHON_MAX_FRAME};
 pub use worker::{run_worker, WorkerConfig};

@@ -4,6 +4,7 @@
 pub(crate) mod agent;
 pub(crate) mod detect;
 pub(crate) mod job_driver;
+pub mod python;
 pub(crate) mod registry;
 pub(crate) mod router;
 pub(crate) mod simulate;
@@ -83,6 +84,8 @@ impl WorkerConfig {
 pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl Future<Output = ()>) -> Result<()> {
     // Every worker can host a job's driver placed by its entrypoint resources.
     let registry = registry.register::<job_driver::JobDriver>();
+    // And Python actors and tasks (the `regatta` Python package).
+    let registry = registry.register::<python::PythonActor>();
     let mut resources = detect::detect_resources();
     resources.override_with(&config.resources);
     crate::placement::validate_capacity(&resources).map_err(|why| Error::BadResources {

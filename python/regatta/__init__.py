@@ -1,0 +1,544 @@
+"""Regatta from Python, in Ray's shape.
+
+    import regatta
+
+    regatta.init()                      # a local cluster for this script, like ray.init()
+
+    @regatta.remote
+    def square(x):
+        return x * x
+
+    @regatta.remote(num_cpus=1, max_restarts=2)
+    class Counter:
+        def __init__(self, start):
+            self.total = start
+        def add(self, n):
+            self.total += n
+            return self.total
+
+    print(sum(regatta.get([square.remote(i) for i in range(100)])))
+    counter = Counter.remote(10)
+    print(regatta.get(counter.add.remote(5)))
+
+Functions run on a pool of reusable Python worker processes; each actor is one Python
+process on a worker node (the ``regatta.python`` actor kind), placed, restarted and
+accounted by the cluster like any other actor. Values travel pickled with cloudpickle.
+"""
+
+import asyncio
+import atexit
+import itertools
+import os
+import sys
+import threading
+import time
+
+import cloudpickle
+
+from . import _native
+from .exceptions import ActorDiedError, GetTimeoutError, RegattaError, TaskError, WorkerCrashedError
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "remote", "get", "put", "wait", "kill", "get_actor",
+    "cluster_resources", "available_resources", "nodes", "ObjectRef", "ActorHandle",
+    "TaskError", "ActorDiedError", "WorkerCrashedError", "GetTimeoutError", "RegattaError",
+]
+
+_driver = None
+_driver_lock = threading.Lock()
+
+# Options Regatta carries out, for functions and for classes.
+_FUNCTION_OPTIONS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "max_retries", "name"}
+_ACTOR_OPTIONS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "name", "lifetime",
+                  "max_restarts", "max_task_retries"}
+# Ray's options that Regatta does not carry out yet: refused by name, never ignored.
+_NOT_YET = {"num_returns", "max_concurrency", "scheduling_strategy", "runtime_env", "placement_group",
+            "concurrency_groups", "retry_exceptions", "label_selector"}
+
+
+class _Driver:
+    def __init__(self, cluster, local):
+        self.cluster = cluster
+        self.local = local
+        self.lock = threading.Lock()
+        self.task_workers = []
+        self.turn = itertools.count()
+        self.owned = set()  # actors this driver stops at shutdown (not detached)
+        self.python = sys.executable
+        self.path = _worker_path()
+
+    def spawn(self, init, resources, name=None, max_restarts=0, detached=False):
+        actor = self.cluster.spawn(init, self.python, self.path, resources, name, max_restarts)
+        if not detached:
+            with self.lock:
+                self.owned.add(actor)
+        return actor
+
+    def task_worker(self):
+        with self.lock:
+            if not self.task_workers:
+                size = max(1, min(32, int(_sum_resources(available=False).get("CPU", 1))))
+                init = cloudpickle.dumps((None, (), {}))
+                for _ in range(size):
+                    actor = self.cluster.spawn(init, self.python, self.path, "", None, 1000)
+                    self.task_workers.append(actor)
+                    self.owned.add(actor)
+            return self.task_workers[next(self.turn) % len(self.task_workers)]
+
+    def forget(self, actor):
+        with self.lock:
+            self.owned.discard(actor)
+            if actor in self.task_workers:
+                self.task_workers.remove(actor)
+
+
+def _worker_path():
+    """Where the worker processes find this package and the driver's modules."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    seen, path = set(), []
+    for entry in [here] + [p or os.getcwd() for p in sys.path]:
+        entry = os.path.abspath(entry)
+        if entry not in seen and os.path.isdir(entry):
+            seen.add(entry)
+            path.append(entry)
+    return path
+
+
+def _current():
+    driver = _driver
+    if driver is None:
+        raise RegattaError("regatta is not initialized: call regatta.init() first")
+    return driver
+
+
+def _read_token(token):
+    if token:
+        return token
+    if os.environ.get("REGATTA_TOKEN"):
+        return os.environ["REGATTA_TOKEN"]
+    path = os.path.expanduser("~/.regatta/token")
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        raise RegattaError(
+            "no cluster token: pass token=..., set REGATTA_TOKEN, or put it in ~/.regatta/token"
+        ) from None
+
+
+def init(address=None, *, token=None, num_cpus=None, num_gpus=None, resources=None, binary=None,
+         log_dir=None, ignore_reinit_error=False):
+    """Starts a local cluster for this script (``address=None``) or joins one: ``"auto"``
+    (``REGATTA_ADDRESS``, as a job's driver has it) or ``"HOST:PORT"``; the token comes
+    from ``token``, ``REGATTA_TOKEN`` or ``~/.regatta/token``. A local cluster is a head
+    and one worker with ``num_cpus`` (default: this machine's), ``num_gpus`` and
+    ``resources``, run by the ``regatta`` binary (``binary``, ``REGATTA_BIN`` or PATH)."""
+    global _driver
+    with _driver_lock:
+        if _driver is not None:
+            if ignore_reinit_error:
+                return
+            raise RegattaError("regatta.init() was called already: call regatta.shutdown() first")
+        if address is None:
+            if token is not None:
+                raise ValueError("token= is for joining a cluster (address=...); a local cluster makes its own")
+            parts = [f"CPU={num_cpus if num_cpus is not None else os.cpu_count()}"]
+            if num_gpus:
+                parts.append(f"GPU={num_gpus}")
+            for name, amount in (resources or {}).items():
+                parts.append(f"{name}={amount}")
+            cluster = _native.Cluster.start_local([("worker-0", ",".join(parts))],
+                                                  binary or os.environ.get("REGATTA_BIN"), log_dir)
+            local = True
+        else:
+            if num_cpus is not None or num_gpus is not None or resources is not None:
+                raise ValueError("num_cpus, num_gpus and resources describe a local cluster; "
+                                 "a running cluster's nodes declare their own")
+            if address == "auto":
+                address = os.environ.get("REGATTA_ADDRESS")
+                if not address:
+                    raise RegattaError('address="auto" needs REGATTA_ADDRESS (set for job drivers)')
+            cluster = _native.Cluster.connect(address, _read_token(token))
+            local = False
+        _driver = _Driver(cluster, local)
+    atexit.register(shutdown)
+
+
+def is_initialized():
+    """Whether ``init`` was called (and not ``shutdown``)."""
+    return _driver is not None
+
+
+def shutdown():
+    """Stops this driver's actors (detached ones stay) and, for a local cluster, the cluster."""
+    global _driver
+    with _driver_lock:
+        driver, _driver = _driver, None
+    if driver is None:
+        return
+    with driver.lock:
+        owned = list(driver.owned)
+    for actor in owned:
+        try:
+            driver.cluster.kill(actor)
+        except Exception:  # already dead, or the cluster is gone
+            pass
+    driver.cluster.shutdown()
+
+
+def _sum_resources(available):
+    totals = {}
+    for _name, state, total, free in _current().cluster.nodes():
+        if state != "alive":
+            continue
+        for key, amount in (free if available else total).items():
+            totals[key] = totals.get(key, 0.0) + amount
+    return totals
+
+
+def cluster_resources():
+    """Resources of the alive nodes, summed."""
+    return _sum_resources(available=False)
+
+
+def available_resources():
+    """Resources of the alive nodes not held by actors or reservations, summed."""
+    return _sum_resources(available=True)
+
+
+def nodes():
+    """Every node: ``{"NodeName", "Alive", "Resources", "Available"}``."""
+    return [{"NodeName": name, "Alive": state == "alive", "Resources": total, "Available": free}
+            for name, state, total, free in _current().cluster.nodes()]
+
+
+def _resource_text(options):
+    parts = []
+    if options.get("num_cpus") is not None:
+        parts.append(f"CPU={options['num_cpus']}")
+    if options.get("num_gpus") is not None:
+        parts.append(f"GPU={options['num_gpus']}")
+    if options.get("memory") is not None:
+        parts.append(f"memory={int(options['memory'])}")
+    if options.get("accelerator_type") is not None:
+        parts.append(f"accelerator_type:{options['accelerator_type']}=0.001")
+    for name, amount in (options.get("resources") or {}).items():
+        if name in ("CPU", "GPU", "memory"):
+            raise ValueError(f"give {name} with num_cpus/num_gpus/memory, not in resources")
+        parts.append(f"{name}={amount}")
+    return ",".join(parts)
+
+
+def _check_options(options, allowed, what):
+    for name in options:
+        if name in _NOT_YET:
+            raise ValueError(f"the option {name!r} is not supported by Regatta yet")
+        if name not in allowed:
+            raise ValueError(f"unknown option {name!r} for {what}; known: {', '.join(sorted(allowed))}")
+    if "lifetime" in options and options["lifetime"] not in (None, "detached", "non_detached"):
+        raise ValueError(f"lifetime must be 'detached' or 'non_detached', not {options['lifetime']!r}")
+
+
+def _dumps(value, what):
+    try:
+        return cloudpickle.dumps(value)
+    except Exception as error:
+        raise TypeError(f"{what} cannot be sent to the cluster: it cannot be pickled ({error})") from error
+
+
+def _resolve_args(args, kwargs):
+    """Top-level ObjectRef arguments become their values (as Ray resolves them)."""
+    args = tuple(get(a) if isinstance(a, ObjectRef) else a for a in args)
+    kwargs = {k: get(v) if isinstance(v, ObjectRef) else v for k, v in kwargs.items()}
+    return args, kwargs
+
+
+class ObjectRef:
+    """A value a task or actor call will produce (or one ``put`` holds). ``get`` it, ``wait``
+    for it, or ``await`` it."""
+
+    def __init__(self, what, pending=None, value=None, retry=None, retries=0, on_done=None, is_task=False):
+        self._what = what
+        self._is_task = is_task
+        self._pending = pending
+        self._value = value
+        self._settled = pending is None
+        self._error = None
+        self._retry = retry
+        self._retries = retries
+        self._on_done = on_done
+        self._lock = threading.Lock()
+
+    def _ready(self):
+        return self._settled or self._pending.done()
+
+    def _settle(self, deadline):
+        with self._lock:
+            while not self._settled:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                outcome = self._pending.result(left)
+                if outcome is None:
+                    raise GetTimeoutError(f"{self._what} did not finish in time")
+                kind, payload = outcome
+                if kind == "failed" and self._retry is not None and self._retries > 0:
+                    self._retries -= 1
+                    self._pending = self._retry()
+                    continue
+                self._settled = True
+                self._pending = None
+                try:
+                    self._value, self._error = _decode(self._what, kind, bytes(payload), self._is_task)
+                finally:
+                    if self._on_done is not None:
+                        self._on_done()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def __reduce__(self):
+        raise TypeError("an ObjectRef inside another value cannot be sent yet: pass it as a top-level "
+                        "argument (it is resolved first) or get() it")
+
+    def __await__(self):
+        return asyncio.get_running_loop().run_in_executor(None, self._settle, None).__await__()
+
+    def __repr__(self):
+        state = "ready" if self._ready() else "pending"
+        return f"ObjectRef({self._what}, {state})"
+
+
+def _decode(what, kind, payload, is_task):
+    if kind == "ok":
+        if payload[:1] == b"O":
+            return cloudpickle.loads(payload[1:]), None
+        if payload[:1] == b"E":
+            cause, text = cloudpickle.loads(payload[1:])
+            return None, TaskError(what, text, cause).as_instanceof_cause()
+        return None, RegattaError(f"{what}: the worker answered with an unknown frame")
+    message = payload.decode("utf-8", "replace")
+    if kind == "dead":
+        return None, ActorDiedError(f"{what}: the actor is dead: {message}")
+    if kind == "failed":
+        if is_task:
+            return None, WorkerCrashedError(f"{what}: the worker process died and the task's retries are spent: {message}")
+        return None, ActorDiedError(f"{what}: the actor's process died during the call: {message}")
+    return None, RegattaError(f"{what}: {message}")
+
+
+def put(value):
+    """A reference to ``value``, to pass to tasks and actors or ``get`` back."""
+    _current()
+    return ObjectRef("put", value=value)
+
+
+def get(refs, *, timeout=None):
+    """The value of a ref, or the values of a list of refs (in order). Raises the remote
+    error (a ``TaskError``, also an instance of the remote exception's class),
+    ``ActorDiedError``, ``WorkerCrashedError``, or ``GetTimeoutError`` after ``timeout``
+    seconds."""
+    if timeout is not None and timeout < 0:
+        raise ValueError("timeout must be >= 0")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if isinstance(refs, ObjectRef):
+        return refs._settle(deadline)
+    if isinstance(refs, (list, tuple)):
+        for ref in refs:
+            if not isinstance(ref, ObjectRef):
+                raise TypeError(f"get() takes ObjectRefs, not {type(ref).__name__}")
+        return [ref._settle(deadline) for ref in refs]
+    raise TypeError(f"get() takes an ObjectRef or a list of them, not {type(refs).__name__}")
+
+
+def wait(refs, *, num_returns=1, timeout=None, fetch_local=True):
+    """``(ready, not_ready)``: the first ``num_returns`` refs that are done (or those done
+    when ``timeout`` seconds pass), in the order given."""
+    refs = list(refs)
+    if not all(isinstance(r, ObjectRef) for r in refs):
+        raise TypeError("wait() takes a list of ObjectRefs")
+    if len(set(map(id, refs))) != len(refs):
+        raise ValueError("wait() got the same ObjectRef twice")
+    if not 0 <= num_returns <= len(refs):
+        raise ValueError(f"num_returns must be between 0 and {len(refs)}, not {num_returns}")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = 0.0005
+    while True:
+        ready = [r for r in refs if r._ready()]
+        if len(ready) >= num_returns or (deadline is not None and time.monotonic() >= deadline):
+            ready = ready[:num_returns]
+            chosen = set(map(id, ready))
+            return ready, [r for r in refs if id(r) not in chosen]
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+class RemoteFunction:
+    """A function made remote with ``@regatta.remote``: ``f.remote(*args)`` runs it on the
+    cluster and returns an ObjectRef."""
+
+    def __init__(self, function, options):
+        _check_options(options, _FUNCTION_OPTIONS, "a remote function")
+        self._function = function
+        self._options = options
+        self._name = getattr(function, "__qualname__", repr(function))
+        self._pickled = None
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(f"remote function {self._name} cannot be called directly: use {self._name}.remote()")
+
+    def options(self, **options):
+        """The same function with these options."""
+        return RemoteFunction(self._function, {**self._options, **options})
+
+    def remote(self, *args, **kwargs):
+        driver = _current()
+        if self._pickled is None:
+            self._pickled = _dumps(self._function, f"function {self._name}")
+        args, kwargs = _resolve_args(args, kwargs)
+        request = _dumps((None, _Raw(self._pickled), args, kwargs), f"the arguments of {self._name}")
+        resources = _resource_text(self._options)
+        retries = self._options.get("max_retries", 3)
+        what = f"task {self._name}"
+        if resources:
+            # A task that asks for resources runs in a worker holding them, ended with it.
+            holder = {}
+
+            def submit():
+                actor = driver.spawn(cloudpickle.dumps((None, (), {})), resources)
+                holder["actor"] = actor
+                return driver.cluster.call(actor, request)
+
+            def done():
+                actor = holder.get("actor")
+                if actor is not None:
+                    try:
+                        driver.cluster.kill(actor)
+                    except Exception:
+                        pass
+                    driver.forget(actor)
+
+            return ObjectRef(what, submit(), retry=submit, retries=retries, on_done=done, is_task=True)
+
+        def submit():
+            return driver.cluster.call(driver.task_worker(), request)
+
+        return ObjectRef(what, submit(), retry=submit, retries=retries, is_task=True)
+
+
+class _Raw:
+    """A function pickled once, sent as bytes inside each call's pickle."""
+
+    def __init__(self, pickled):
+        self.pickled = pickled
+
+    def __reduce__(self):
+        return (cloudpickle.loads, (self.pickled,))
+
+
+class ActorClass:
+    """A class made remote: ``Cls.remote(*args)`` starts an actor and returns its handle."""
+
+    def __init__(self, cls, options):
+        _check_options(options, _ACTOR_OPTIONS, "an actor class")
+        self._cls = cls
+        self._options = options
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(f"actor class {self._cls.__name__} cannot be instantiated directly: use "
+                        f"{self._cls.__name__}.remote()")
+
+    def options(self, **options):
+        """The same class with these options."""
+        return ActorClass(self._cls, {**self._options, **options})
+
+    def remote(self, *args, **kwargs):
+        driver = _current()
+        args, kwargs = _resolve_args(args, kwargs)
+        init = _dumps((self._cls, args, kwargs), f"actor class {self._cls.__name__} or its arguments")
+        actor = driver.spawn(
+            init,
+            _resource_text(self._options),
+            name=self._options.get("name"),
+            max_restarts=int(self._options.get("max_restarts", 0)),
+            detached=self._options.get("lifetime") == "detached",
+        )
+        methods = {name for name in dir(self._cls) if callable(getattr(self._cls, name, None))}
+        return ActorHandle(actor, self._cls.__name__, methods, int(self._options.get("max_task_retries", 0)))
+
+
+class ActorHandle:
+    """A handle on an actor: ``handle.method.remote(*args)`` returns an ObjectRef."""
+
+    def __init__(self, actor_id, class_name, methods=None, retries=0):
+        self._actor_id = actor_id
+        self._class_name = class_name
+        self._methods = methods
+        self._retries = retries
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self._methods is not None and name not in self._methods:
+            raise AttributeError(f"actor class {self._class_name} has no method {name!r}")
+        return _ActorMethod(self, name)
+
+    def __reduce__(self):
+        raise TypeError("actor handles cannot be passed to tasks or actors yet")
+
+    def __repr__(self):
+        return f"ActorHandle({self._class_name}, id={self._actor_id})"
+
+
+class _ActorMethod:
+    def __init__(self, handle, name):
+        self._handle = handle
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(f"actor method {self._name} cannot be called directly: use .{self._name}.remote()")
+
+    def remote(self, *args, **kwargs):
+        driver = _current()
+        args, kwargs = _resolve_args(args, kwargs)
+        what = f"{self._handle._class_name}.{self._name}"
+        request = _dumps((self._name, None, args, kwargs), f"the arguments of {what}")
+        actor = self._handle._actor_id
+
+        def submit():
+            return driver.cluster.call(actor, request)
+
+        retry = submit if self._handle._retries > 0 else None
+        return ObjectRef(what, submit(), retry=retry, retries=self._handle._retries)
+
+
+def remote(*args, **options):
+    """``@regatta.remote`` or ``@regatta.remote(num_cpus=..., ...)`` on a function (a task)
+    or a class (an actor)."""
+    def make(target):
+        if isinstance(target, type):
+            return ActorClass(target, options)
+        if callable(target):
+            return RemoteFunction(target, options)
+        raise TypeError(f"@regatta.remote takes a function or a class, not {type(target).__name__}")
+
+    if len(args) == 1 and not options and callable(args[0]):
+        return make(args[0])
+    if args:
+        raise TypeError("@regatta.remote takes keyword options only, e.g. @regatta.remote(num_cpus=1)")
+    return make
+
+
+def kill(actor, *, no_restart=True):
+    """Kills an actor; its calls in flight fail with ActorDiedError."""
+    if not isinstance(actor, ActorHandle):
+        raise TypeError(f"kill() takes an ActorHandle, not {type(actor).__name__}")
+    driver = _current()
+    driver.cluster.kill(actor._actor_id)
+    driver.forget(actor._actor_id)
+
+
+def get_actor(name):
+    """The live actor named ``name`` (``.options(name=...)``); ValueError if there is none."""
+    actor = _current().cluster.named(name)
+    if actor is None:
+        raise ValueError(f"no live actor named {name!r}")
+    return ActorHandle(actor, name)

@@ -1,0 +1,101 @@
+"""The Python process behind one Regatta actor or task worker (``python -m regatta._worker``).
+
+The worker's Rust actor (``regatta.python``) starts it and speaks length-prefixed frames on
+its stdin and stdout: a 4-byte big-endian length, then that many bytes. The first frame is
+the constructor: ``cloudpickle`` of ``(class, args, kwargs)``, or of ``(None, (), {})`` for a
+task worker; it is answered ``O`` (ready) or ``E`` followed by the error's text. Then each
+frame is a call, ``(method_name, function, args, kwargs)``: an actor method by name, or a
+task's function. It is answered ``O`` + the pickled result, or ``E`` + the pickled
+``(exception or None, traceback text)``.
+
+User code's prints go to stderr (the node's log), never into the frames.
+"""
+
+import os
+import struct
+import sys
+import threading
+import time
+import traceback
+
+
+def _exit_when_orphaned():
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(0.2)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="regatta-orphan-watch").start()
+
+
+def _read_exact(stream, n):
+    chunks = []
+    while n:
+        chunk = stream.read(n)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def main():
+    import cloudpickle
+
+    _exit_when_orphaned()
+    frames_in = os.fdopen(0, "rb", buffering=0)
+    frames_out = os.fdopen(os.dup(1), "wb")
+    # Prints, of user code and of libraries, go to stderr from here on.
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def read():
+        header = _read_exact(frames_in, 4)
+        if header is None:
+            return None
+        (length,) = struct.unpack(">I", header)
+        return _read_exact(frames_in, length)
+
+    def write(payload):
+        frames_out.write(struct.pack(">I", len(payload)))
+        frames_out.write(payload)
+        frames_out.flush()
+
+    def failure(error):
+        text = traceback.format_exc()
+        try:
+            return b"E" + cloudpickle.dumps((error, text))
+        except Exception:  # an exception that cannot be pickled travels as text
+            return b"E" + cloudpickle.dumps((None, text))
+
+    init = read()
+    if init is None:
+        return
+    try:
+        target, args, kwargs = cloudpickle.loads(init)
+        instance = target(*args, **kwargs) if target is not None else None
+    except BaseException:
+        write(b"E" + traceback.format_exc().encode("utf-8", "replace"))
+        return
+    write(b"O")
+    while True:
+        request = read()
+        if request is None:
+            return
+        try:
+            method, function, args, kwargs = cloudpickle.loads(request)
+            if function is not None:
+                result = function(*args, **kwargs)
+            else:
+                result = getattr(instance, method)(*args, **kwargs)
+            answer = b"O" + cloudpickle.dumps(result)
+        except BaseException as error:  # noqa: BLE001 - everything goes back to the caller
+            answer = failure(error)
+        write(answer)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Errors a Regatta driver sees, in Ray's names."""
+
+
+class RegattaError(Exception):
+    """The base of Regatta's errors."""
+
+
+class TaskError(RegattaError):
+    """A remote function or actor method raised. ``cause`` is the remote exception (when it
+    could be pickled) and ``traceback_str`` its traceback; ``get`` raises an instance that
+    is also an instance of the cause's class where that class allows it, so ``except
+    ValueError`` still catches a remote ``ValueError``."""
+
+    def __init__(self, function_name, traceback_str, cause=None):
+        self.function_name = function_name
+        self.traceback_str = traceback_str
+        self.cause = cause
+        super().__init__(f"{function_name} failed remotely:\n{traceback_str}")
+
+    def __str__(self):
+        return f"{self.function_name} failed remotely:\n{self.traceback_str}"
+
+    def as_instanceof_cause(self):
+        """This error, also an instance of the cause's class (when it can be)."""
+        cause_class = type(self.cause) if self.cause is not None else None
+        if cause_class is None or issubclass(cause_class, TaskError) or not issubclass(cause_class, Exception):
+            return self
+        try:
+            combined = type(f"TaskError({cause_class.__name__})", (TaskError, cause_class), {
+                "__init__": lambda s, *a, **k: None,
+                "__str__": TaskError.__str__,
+            })
+            error = combined()
+            error.function_name = self.function_name
+            error.traceback_str = self.traceback_str
+            error.cause = self.cause
+            error.args = (str(self),)
+            return error
+        except TypeError:  # a class that cannot be combined (e.g. a C type with layout)
+            return self
+
+
+class ActorDiedError(RegattaError):
+    """The actor is dead: its constructor failed, its process or node died and it was not
+    restarted, or it was killed. The message says which."""
+
+
+class WorkerCrashedError(RegattaError):
+    """The process running a task died and the task's retries are spent."""
+
+
+class GetTimeoutError(RegattaError, TimeoutError):
+    """``get`` gave up waiting."""

@@ -1,0 +1,312 @@
+//! `regatta._native`: what the Python package needs from Rust. A [`Cluster`] is a driver's
+//! connection (to a local cluster it started, or to a running head); it spawns Python
+//! actors ([`regatta::PythonActor`]: one Python process each, on a worker) and calls them
+//! with the package's pickles, returning a [`Pending`] the Python side waits on without
+//! holding the GIL. Everything else (pickling, refs, errors, `remote`) is Python, in
+//! `python/regatta`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Duration;
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tokio::sync::mpsc;
+
+use regatta::local::{LocalCluster, LocalOptions, WorkerSpec};
+use regatta::{ActorId, ActorOptions, Client, PythonActor, PythonArgs, Resources};
+
+/// Python calls have no deadline of their own (as in Ray): a day is "never" for a driver.
+const CALL_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("regatta-driver")
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("cannot start the driver's runtime: {e}"))
+    })
+}
+
+fn error(e: impl std::fmt::Display) -> PyErr {
+    PyRuntimeError::new_err(e.to_string())
+}
+
+/// How a call ended, as the Python side sorts it: `ok` (the process's answer), `dead` (the
+/// actor is gone for good: its constructor failed, its node died, it was killed),
+/// `failed` (its process died during the call; the actor may have restarted), `error`
+/// (anything else: the message).
+fn outcome(result: regatta::Result<Vec<u8>>) -> (String, Vec<u8>) {
+    match result {
+        Ok(bytes) => ("ok".into(), bytes),
+        Err(regatta::Error::ActorDead { cause, .. }) => ("dead".into(), cause.into_bytes()),
+        Err(regatta::Error::Remote { message, .. }) => ("failed".into(), message.into_bytes()),
+        Err(e) => ("error".into(), e.to_string().into_bytes()),
+    }
+}
+
+#[derive(Default)]
+struct Slot {
+    value: Mutex<Option<(String, Vec<u8>)>>,
+    ready: Condvar,
+}
+
+impl Slot {
+    fn set(&self, value: (String, Vec<u8>)) {
+        let mut slot = self.value.lock().unwrap_or_else(|p| p.into_inner());
+        *slot = Some(value);
+        self.ready.notify_all();
+    }
+}
+
+/// A call in flight.
+#[pyclass(module = "regatta._native")]
+struct Pending {
+    slot: Arc<Slot>,
+}
+
+#[pymethods]
+impl Pending {
+    /// Whether the answer is in.
+    fn done(&self) -> bool {
+        self.slot.value.lock().map(|v| v.is_some()).unwrap_or(true)
+    }
+
+    /// `(kind, payload)` once the call ended, or None after `timeout` seconds.
+    #[pyo3(signature = (timeout=None))]
+    fn result<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Option<(String, Bound<'py, PyBytes>)>> {
+        if let Some(t) = timeout {
+            if !t.is_finite() || t < 0.0 {
+                return Err(PyValueError::new_err(format!("timeout must be a number >= 0, not {t}")));
+            }
+        }
+        let slot = self.slot.clone();
+        let value = py.detach(move || {
+            let guard = slot.value.lock().unwrap_or_else(|p| p.into_inner());
+            let guard = match timeout {
+                None => slot.ready.wait_while(guard, |v| v.is_none()).unwrap_or_else(|p| p.into_inner()),
+                Some(t) => {
+                    slot.ready
+                        .wait_timeout_while(guard, Duration::from_secs_f64(t), |v| v.is_none())
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
+            };
+            guard.clone()
+        });
+        Ok(value.map(|(kind, bytes)| (kind, PyBytes::new(py, &bytes))))
+    }
+}
+
+type Queue = mpsc::UnboundedSender<(Vec<u8>, Arc<Slot>)>;
+
+/// A driver's connection to a cluster.
+#[pyclass(module = "regatta._native")]
+struct Cluster {
+    client: Mutex<Option<Client>>,
+    local: Mutex<Option<LocalCluster>>,
+    queues: Mutex<HashMap<u64, Queue>>,
+    address: String,
+}
+
+impl Cluster {
+    fn cluster(&self) -> PyResult<regatta::Cluster> {
+        let client = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        client
+            .as_ref()
+            .map(|c| c.cluster().clone())
+            .ok_or_else(|| PyRuntimeError::new_err("regatta is shut down: call regatta.init() first"))
+    }
+}
+
+#[pymethods]
+impl Cluster {
+    /// Starts a head and workers as processes of the `regatta` binary (`binary`, else
+    /// `REGATTA_BIN` or `regatta` on PATH) and connects to it. `workers` are
+    /// `(name, resources)` pairs such as `("worker-0", "CPU=8")`.
+    #[staticmethod]
+    #[pyo3(signature = (workers, binary=None, log_dir=None))]
+    fn start_local(
+        py: Python<'_>,
+        workers: Vec<(String, String)>,
+        binary: Option<String>,
+        log_dir: Option<String>,
+    ) -> PyResult<Self> {
+        let specs = workers.iter().map(|(name, resources)| WorkerSpec::new(name, resources)).collect();
+        let mut options = LocalOptions::new(specs).map_err(error)?;
+        if let Some(binary) = binary {
+            options.binary = binary.into();
+        }
+        if let Some(dir) = log_dir {
+            options.log_dir = dir.into();
+        }
+        py.detach(move || {
+            let local = LocalCluster::start(options).map_err(|e| format!("{e:#}"))?;
+            let client = runtime()
+                .block_on(local.connect(Duration::from_secs(60)))
+                .map_err(|e| format!("the local cluster did not come up: {e:#}\nhead log:\n{}", local.log("head")))?;
+            let address = local.address.clone();
+            Ok::<_, String>(Self {
+                client: Mutex::new(Some(client)),
+                local: Mutex::new(Some(local)),
+                queues: Mutex::new(HashMap::new()),
+                address,
+            })
+        })
+        .map_err(PyRuntimeError::new_err)
+    }
+
+    /// Connects to a running head (`host:port`) with the cluster token.
+    #[staticmethod]
+    fn connect(py: Python<'_>, address: String, token: String) -> PyResult<Self> {
+        let client = py
+            .detach(|| runtime().block_on(Client::connect(&address, &token)))
+            .map_err(error)?;
+        Ok(Self {
+            client: Mutex::new(Some(client)),
+            local: Mutex::new(None),
+            queues: Mutex::new(HashMap::new()),
+            address,
+        })
+    }
+
+    /// The head's cluster address.
+    #[getter]
+    fn address(&self) -> String {
+        self.address.clone()
+    }
+
+    /// The local cluster's head log folder, when this driver started one.
+    fn log_dir(&self) -> Option<String> {
+        let local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        local
+            .as_ref()
+            .and_then(|l| l.log_path("head").parent().map(|p| p.display().to_string()))
+    }
+
+    /// Spawns a Python actor; returns its id. `resources` is a resource list
+    /// (`CPU=1,GPU=1`); the constructor runs when the actor is placed (its failure makes
+    /// the actor dead, seen at its first call).
+    #[pyo3(signature = (init, python, path, resources, name=None, max_restarts=0, env=Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
+    fn spawn(
+        &self,
+        py: Python<'_>,
+        init: Vec<u8>,
+        python: String,
+        path: Vec<String>,
+        resources: String,
+        name: Option<String>,
+        max_restarts: u32,
+        env: Vec<(String, String)>,
+    ) -> PyResult<u64> {
+        let cluster = self.cluster()?;
+        let resources = if resources.trim().is_empty() {
+            Resources::default()
+        } else {
+            Resources::parse_request(&resources).map_err(|e| PyValueError::new_err(e.to_string()))?
+        };
+        let mut options = ActorOptions::new().resources(resources).max_restarts(max_restarts);
+        if let Some(name) = name {
+            options = options.name(name);
+        }
+        let args = PythonArgs {
+            python,
+            path,
+            env,
+            init,
+            max_restarts,
+        };
+        let handle = py
+            .detach(|| runtime().block_on(cluster.spawn::<PythonActor>(args, options)))
+            .map_err(error)?;
+        Ok(handle.id().0)
+    }
+
+    /// Sends `request` to actor `actor`; calls from this driver to one actor are sent in order.
+    fn call(&self, actor: u64, request: Vec<u8>) -> PyResult<Pending> {
+        let slot = Arc::new(Slot::default());
+        let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
+        let queue = match queues.get(&actor) {
+            Some(queue) if !queue.is_closed() => queue.clone(),
+            _ => {
+                let (queue, mut requests) = mpsc::unbounded_channel::<(Vec<u8>, Arc<Slot>)>();
+                let handle = self.cluster()?.handle::<PythonActor>(ActorId(actor));
+                runtime().spawn(async move {
+                    while let Some((request, slot)) = requests.recv().await {
+                        slot.set(outcome(handle.call_timeout(request, CALL_TIMEOUT).await));
+                    }
+                });
+                queues.insert(actor, queue.clone());
+                queue
+            }
+        };
+        queue
+            .send((request, slot.clone()))
+            .map_err(|_| PyRuntimeError::new_err("the call queue is closed"))?;
+        Ok(Pending { slot })
+    }
+
+    /// Kills an actor (it is not restarted).
+    fn kill(&self, py: Python<'_>, actor: u64) -> PyResult<()> {
+        let cluster = self.cluster()?;
+        self.queues.lock().unwrap_or_else(|p| p.into_inner()).remove(&actor);
+        py.detach(|| runtime().block_on(cluster.kill(ActorId(actor)))).map_err(error)
+    }
+
+    /// The id of the live actor named `name`, if any.
+    fn named(&self, py: Python<'_>, name: String) -> PyResult<Option<u64>> {
+        let cluster = self.cluster()?;
+        let found = py
+            .detach(|| runtime().block_on(cluster.named::<PythonActor>(&name)))
+            .map_err(error)?;
+        Ok(found.map(|h| h.id().0))
+    }
+
+    /// The nodes: `(name, state, total resources, available resources)`, resources as
+    /// `{name: amount}`.
+    #[allow(clippy::type_complexity)]
+    fn nodes(&self, py: Python<'_>) -> PyResult<Vec<(String, String, HashMap<String, f64>, HashMap<String, f64>)>> {
+        let cluster = self.cluster()?;
+        let status = py.detach(|| runtime().block_on(cluster.status())).map_err(error)?;
+        Ok(status
+            .nodes
+            .iter()
+            .map(|n| {
+                let mut available = n.total.clone();
+                available.subtract(&n.used);
+                (n.name.clone(), n.state.clone(), amounts(&n.total), amounts(&available))
+            })
+            .collect())
+    }
+
+    /// Disconnects, and stops the local cluster this driver started.
+    fn shutdown(&self, py: Python<'_>) {
+        self.queues.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        let client = self.client.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let local = self.local.lock().unwrap_or_else(|p| p.into_inner()).take();
+        py.detach(move || {
+            drop(client);
+            if let Some(mut local) = local {
+                local.shutdown();
+            }
+        });
+    }
+}
+
+fn amounts(resources: &Resources) -> HashMap<String, f64> {
+    resources.to_units().into_iter().collect()
+}
+
+/// The module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Cluster>()?;
+    m.add_class::<Pending>()?;
+    m.add("MAX_FRAME", regatta::PYTHON_MAX_FRAME)?;
+    Ok(())
+}

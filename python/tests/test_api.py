@@ -1,0 +1,221 @@
+"""The `regatta` package against a real local cluster (a head and a worker started from the
+`regatta` binary named by REGATTA_BIN): tasks, actors, errors, restarts and retries."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import regatta
+from regatta import ActorDiedError, GetTimeoutError, TaskError, WorkerCrashedError
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    regatta.init(num_cpus=2)
+    yield
+    regatta.shutdown()
+
+
+@regatta.remote
+def square(x):
+    return x * x
+
+
+@regatta.remote
+def add(a, b):
+    return a + b
+
+
+@regatta.remote
+def fails(message):
+    raise KeyError(message)
+
+
+@regatta.remote
+def sleepy(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+@regatta.remote
+class Counter:
+    def __init__(self, start):
+        self.total = start
+
+    def add(self, n):
+        self.total += n
+        return self.total
+
+    def pid(self):
+        return os.getpid()
+
+
+@regatta.remote
+class Broken:
+    def __init__(self):
+        raise RuntimeError("the constructor gives up")
+
+    def ping(self):
+        return "pong"
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def test_tasks_return_their_values_in_order():
+    refs = [square.remote(i) for i in range(200)]
+    assert regatta.get(refs) == [i * i for i in range(200)]
+    assert regatta.get(square.remote(12)) == 144
+
+
+def test_refs_given_as_arguments_are_resolved_first():
+    assert regatta.get(add.remote(square.remote(3), square.remote(4))) == 25
+    big = regatta.put(list(range(1000)))
+    assert regatta.get(add.remote(big, [1])) == list(range(1000)) + [1]
+    assert regatta.get(big) == list(range(1000))
+
+
+def test_an_actor_keeps_its_state_and_answers_in_call_order():
+    counter = Counter.remote(10)
+    refs = [counter.add.remote(1) for _ in range(50)]
+    assert regatta.get(refs) == list(range(11, 61))
+
+
+def test_a_remote_exception_is_a_task_error_and_an_instance_of_its_class():
+    with pytest.raises(KeyError) as caught:
+        regatta.get(fails.remote("missing thing"))
+    error = caught.value
+    assert isinstance(error, TaskError)
+    assert "missing thing" in str(error)
+    assert "in fails" in error.traceback_str and "KeyError" in error.traceback_str
+
+
+def test_a_failed_constructor_makes_the_actor_dead_with_its_cause():
+    broken = Broken.remote()
+    with pytest.raises(ActorDiedError) as caught:
+        regatta.get(broken.ping.remote(), timeout=60)
+    assert "the constructor gives up" in str(caught.value)
+
+
+def test_get_times_out_and_wait_splits_ready_from_pending():
+    slow = sleepy.remote(3)
+    with pytest.raises(GetTimeoutError):
+        regatta.get(slow, timeout=0.2)
+    quick = square.remote(2)
+    ready, pending = regatta.wait([slow, quick], num_returns=1, timeout=30)
+    assert ready == [quick] and pending == [slow]
+    ready, pending = regatta.wait([slow], num_returns=1, timeout=0.05)
+    assert ready == [] and pending == [slow]
+    assert regatta.get(slow) == 3
+
+
+def test_a_killed_actor_process_restarts_when_allowed_and_dies_when_not():
+    restartable = Counter.options(max_restarts=1).remote(0)
+    first = regatta.get(restartable.pid.remote())
+    os.kill(first, signal.SIGKILL)
+    with pytest.raises(ActorDiedError):
+        regatta.get(restartable.add.remote(1), timeout=60)
+    second = regatta.get(restartable.pid.remote(), timeout=60)
+    assert second != first
+    assert regatta.get(restartable.add.remote(5)) == 5, "the constructor ran again: state starts over"
+    os.kill(second, signal.SIGKILL)
+    with pytest.raises(ActorDiedError):
+        regatta.get(restartable.add.remote(1), timeout=60)
+    with pytest.raises(ActorDiedError) as caught:
+        regatta.get(restartable.add.remote(1), timeout=60)
+    assert "restarts exhausted" in str(caught.value)
+
+
+def test_a_task_whose_worker_dies_is_retried(tmp_path):
+    marker = tmp_path / "died-once"
+
+    @regatta.remote
+    def dies_once(path):
+        if not os.path.exists(path):
+            open(path, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return "survived"
+
+    assert regatta.get(dies_once.remote(str(marker)), timeout=60) == "survived"
+
+    @regatta.remote(max_retries=0)
+    def always_dies():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    with pytest.raises(WorkerCrashedError):
+        regatta.get(always_dies.remote(), timeout=60)
+
+
+def test_named_actors_are_found_and_killed():
+    Counter.options(name="the-counter").remote(100)
+    found = regatta.get_actor("the-counter")
+    assert regatta.get(found.add.remote(1)) == 101
+    regatta.kill(found)
+    with pytest.raises(ActorDiedError):
+        regatta.get(found.add.remote(1), timeout=60)
+    with pytest.raises(ValueError):
+        regatta.get_actor("nobody-by-this-name")
+
+
+def test_resources_are_reported_and_requests_are_honoured():
+    assert regatta.cluster_resources()["CPU"] == 2.0
+    assert regatta.get(square.options(num_cpus=1).remote(9), timeout=60) == 81
+    holder = Counter.options(num_cpus=2).remote(0)
+    assert regatta.get(holder.add.remote(1), timeout=60) == 1
+    assert regatta.available_resources().get("CPU", 0.0) == 0.0
+    regatta.kill(holder)
+    with pytest.raises(Exception) as caught:
+        Counter.options(num_gpus=4).remote(0)
+    assert "GPU" in str(caught.value)
+
+
+def test_bad_input_gets_a_clear_error():
+    with pytest.raises(ValueError, match="unknown option 'num_cpu'"):
+        square.options(num_cpu=1)
+    with pytest.raises(ValueError, match="max_concurrency"):
+        Counter.options(max_concurrency=4)
+    with pytest.raises(TypeError, match="cannot be called directly"):
+        square(3)
+    import threading
+
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        square.remote(lock)
+    with pytest.raises(TypeError, match="ObjectRef"):
+        regatta.get(3)
+    with pytest.raises(regatta.RegattaError, match="called already"):
+        regatta.init()
+
+
+def test_a_driver_that_exits_leaves_no_worker_process_behind(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent("""
+        import os, regatta
+        regatta.init(num_cpus=1)
+
+        @regatta.remote
+        class Holder:
+            def pid(self):
+                return os.getpid()
+
+        holder = Holder.remote()
+        print(regatta.get(holder.pid.remote()), flush=True)
+        # exits without shutdown(): the actor and the local cluster go with the driver
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    pid = int(result.stdout.strip().splitlines()[-1])
+    deadline = time.time() + 15
+    while alive(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid), "the actor's process outlived its driver"

@@ -1,0 +1,166 @@
+//! Python actors and task workers: the actor kind behind the `regatta` Python package's
+//! `@regatta.remote`. Each instance is one Python process (an executor, as
+//! `regatta-torch-rank` is for ranks: killed with the actor, exiting when orphaned), started
+//! with the driver's interpreter as `python -m regatta._worker`.
+//!
+//! The actor does not look inside what it carries: the driver's pickles go to the process
+//! and its answers come back as they are. Frames on the process's stdin and stdout are a
+//! 4-byte big-endian length and that many bytes; the process's own prints go to its stderr
+//! (the node's log). The first frame is the constructor (`cloudpickle` of the class and its
+//! arguments, or of nothing for a task worker); its answer starts with `O` (ready) or `E`
+//! (the error's text). A call's answer starts with `O` or `E` too; the driver unpickles it.
+//!
+//! A process that dies fails the call in flight with its cause; the next call starts a
+//! new process and runs the constructor again, up to `max_restarts` times (Ray's actor
+//! restarts), after which every call says the actor is dead.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::client::{Actor, ActorContext, ActorError};
+use crate::executor::{self, Executor, Launch};
+
+/// The largest frame either side sends (2 GiB): bigger values belong in the object store.
+pub const MAX_FRAME: usize = (1 << 31) - 1;
+
+/// The constructor arguments.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PythonArgs {
+    /// The interpreter (the driver's `sys.executable` by default).
+    pub python: String,
+    /// `PYTHONPATH` entries the process needs (where the driver found `regatta`).
+    pub path: Vec<String>,
+    /// Extra environment variables.
+    pub env: Vec<(String, String)>,
+    /// The constructor frame.
+    pub init: Vec<u8>,
+    /// How many times a dead process is replaced.
+    pub max_restarts: u32,
+}
+
+/// One Python process behind an actor.
+pub struct PythonActor {
+    args: PythonArgs,
+    gpus: Vec<u32>,
+    process: Option<Executor>,
+    restarts: u32,
+    dead: Option<String>,
+}
+
+async fn write_frame(to: &mut (impl AsyncWriteExt + Unpin), bytes: &[u8]) -> std::io::Result<()> {
+    let len = u32::try_from(bytes.len())
+        .ok()
+        .filter(|n| *n as usize <= MAX_FRAME)
+        .ok_or_else(|| std::io::Error::other(format!("a frame of {} bytes is over the 2 GiB limit", bytes.len())))?;
+    to.write_all(&len.to_be_bytes()).await?;
+    to.write_all(bytes).await?;
+    to.flush().await
+}
+
+async fn read_frame(from: &mut (impl AsyncReadExt + Unpin)) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    from.read_exact(&mut len).await?;
+    let len = u32::from_be_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(std::io::Error::other(format!("a frame of {len} bytes is over the 2 GiB limit")));
+    }
+    let mut bytes = vec![0u8; len];
+    from.read_exact(&mut bytes).await?;
+    Ok(bytes)
+}
+
+impl PythonActor {
+    /// Starts the process and runs the constructor.
+    async fn start(&mut self) -> Result<(), String> {
+        let mut env = self.args.env.clone();
+        let inherited = std::env::var("PYTHONPATH").ok().filter(|p| !p.is_empty());
+        let path: Vec<String> = self.args.path.iter().cloned().chain(inherited).collect();
+        if !path.is_empty() {
+            env.push(("PYTHONPATH".into(), path.join(":")));
+        }
+        env.push(("PYTHONUNBUFFERED".into(), "1".into()));
+        let mut process = executor::launch(&Launch {
+            executor: Some(self.args.python.clone()),
+            args: vec!["-m".into(), "regatta._worker".into()],
+            env,
+            gpus: self.gpus.clone(),
+            capture_stderr: false,
+        })
+        .map_err(|e| format!("cannot start the Python worker ({}): {e}", self.args.python))?;
+        let answer = exchange(&mut process, &self.args.init).await?;
+        match answer.split_first() {
+            Some((b'O', _)) => {
+                self.process = Some(process);
+                Ok(())
+            }
+            Some((b'E', text)) => Err(String::from_utf8_lossy(text).into_owned()),
+            _ => Err("the Python worker answered its constructor with an unknown frame".into()),
+        }
+    }
+}
+
+/// Sends one frame and reads the answer; a process that dies on the way is described.
+async fn exchange(process: &mut Executor, request: &[u8]) -> Result<Vec<u8>, String> {
+    let sent = write_frame(&mut process.stdin, request).await;
+    let answer = match sent {
+        Ok(()) => read_frame(&mut process.stdout).await,
+        Err(e) => Err(e),
+    };
+    answer.map_err(|e| {
+        let status = match process.child.try_wait() {
+            Ok(Some(status)) => format!("it exited with {status}"),
+            _ => format!("its pipe broke: {e}"),
+        };
+        format!("the Python worker process (pid {}) died: {status}; see the node's log for its output", process.child.id().unwrap_or(0))
+    })
+}
+
+impl Actor for PythonActor {
+    const KIND: &'static str = "regatta.python";
+    type Args = PythonArgs;
+    type Request = Vec<u8>;
+    type Reply = Vec<u8>;
+
+    async fn create(args: PythonArgs, ctx: &ActorContext) -> Result<Self, ActorError> {
+        let mut actor = Self {
+            args,
+            gpus: ctx.gpu_ids().to_vec(),
+            process: None,
+            restarts: 0,
+            dead: None,
+        };
+        actor.start().await?;
+        Ok(actor)
+    }
+
+    async fn handle(&mut self, request: Vec<u8>, _ctx: &ActorContext) -> Result<Vec<u8>, ActorError> {
+        if let Some(why) = &self.dead {
+            return Err(why.clone().into());
+        }
+        if self.process.is_none() {
+            self.restarts += 1;
+            if let Err(why) = self.start().await {
+                let why = format!("the actor could not be restarted: {why}");
+                self.dead = Some(why.clone());
+                return Err(why.into());
+            }
+        }
+        let Some(process) = self.process.as_mut() else {
+            return Err("the Python worker is not running".into());
+        };
+        match exchange(process, &request).await {
+            Ok(answer) => Ok(answer),
+            Err(why) => {
+                self.process = None;
+                if self.restarts >= self.args.max_restarts {
+                    self.dead = Some(format!("{why} (restarts exhausted: {})", self.args.max_restarts));
+                }
+                // A moment for the node's log to hold the process's last words.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                Err(why.into())
+            }
+        }
+    }
+}
