@@ -180,6 +180,20 @@ impl Cluster {
         self.address.clone()
     }
 
+    /// The local cluster's job API (`https://127.0.0.1:PORT`), when this driver started one.
+    #[getter]
+    fn job_address(&self) -> Option<String> {
+        let local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        local.as_ref().map(|l| l.job_address.clone())
+    }
+
+    /// The local cluster's token, when this driver started one.
+    #[getter]
+    fn token(&self) -> Option<String> {
+        let local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        local.as_ref().map(|l| l.token.clone())
+    }
+
     /// The local cluster's head log folder, when this driver started one.
     fn log_dir(&self) -> Option<String> {
         let local = self.local.lock().unwrap_or_else(|p| p.into_inner());
@@ -302,11 +316,20 @@ fn amounts(resources: &Resources) -> HashMap<String, f64> {
     resources.to_units().into_iter().collect()
 }
 
+/// The certificate authority a cluster token derives (DER), which signs the head's default
+/// job API certificate: what a Python client trusts to check a head without a file.
+#[pyfunction]
+fn token_authority_der<'py>(py: Python<'py>, token: &str) -> PyResult<Bound<'py, PyBytes>> {
+    let identity = regatta_object_store::identity_from_token(token).map_err(error)?;
+    Ok(PyBytes::new(py, identity.ca.as_ref()))
+}
+
 /// The module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Cluster>()?;
     m.add_class::<Pending>()?;
+    m.add_function(wrap_pyfunction!(token_authority_der, m)?)?;
     m.add("MAX_FRAME", regatta::PYTHON_MAX_FRAME)?;
     Ok(())
 }

@@ -303,7 +303,7 @@ mod tests {
             },
             0,
         );
-        record.started(1, 1);
+        record.started(1, "127.0.0.1", 1);
         let mut failed = record.clone();
         failed.exited(Some(7), false, 2);
         assert_eq!(exit_code(&failed), 7);

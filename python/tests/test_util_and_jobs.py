@@ -1,0 +1,73 @@
+"""ActorPool, and JobSubmissionClient against the local cluster's job API."""
+
+import time
+
+import pytest
+
+import regatta
+from regatta.job_submission import JobStatus, JobSubmissionClient
+from regatta.util import ActorPool
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    regatta.init(num_cpus=2)
+    yield
+    regatta.shutdown()
+
+
+@regatta.remote
+class Doubler:
+    def __init__(self):
+        self.calls = 0
+
+    def double(self, x, pause=0.0):
+        time.sleep(pause)
+        self.calls += 1
+        return 2 * x
+
+    def count(self):
+        return self.calls
+
+
+def test_an_actor_pool_maps_in_order_and_unordered_over_all_its_actors():
+    actors = [Doubler.remote() for _ in range(3)]
+    pool = ActorPool(actors)
+    assert list(pool.map(lambda a, v: a.double.remote(v), range(12))) == [2 * v for v in range(12)]
+    # Slow first values finish last when taken unordered.
+    unordered = list(pool.map_unordered(lambda a, v: a.double.remote(v, 0.5 if v == 0 else 0.0), range(6)))
+    assert sorted(unordered) == [0, 2, 4, 6, 8, 10] and unordered[-1] == 0
+    counts = regatta.get([a.count.remote() for a in actors])
+    assert sum(counts) == 18 and all(c > 0 for c in counts), counts
+    with pytest.raises(ValueError):
+        ActorPool([])
+
+
+def test_the_job_client_submits_follows_stops_and_deletes():
+    client = JobSubmissionClient(regatta._current().cluster.job_address,
+                                 token=regatta._current().cluster.token)
+    job = client.submit_job(entrypoint="for i in 1 2 3; do echo line $i; sleep 0.2; done",
+                            metadata={"team": "ml"}, runtime_env={"env_vars": {"A": "1"}})
+    tailed = "".join(client.tail_job_logs_sync(job))
+    assert tailed == "line 1\nline 2\nline 3\n"
+    info = client.get_job_info(job)
+    assert info.status == JobStatus.SUCCEEDED and info.metadata == {"team": "ml"} and info.driver_exit_code == 0
+    assert client.get_job_logs(job) == tailed
+    long = client.submit_job(entrypoint="sleep 60", submission_id="py-long")
+    deadline = time.time() + 30
+    while client.get_job_status(long) != JobStatus.RUNNING and time.time() < deadline:
+        time.sleep(0.1)
+    assert {j.submission_id for j in client.list_jobs()} >= {job, "py-long"}
+    assert client.stop_job(long) is True
+    while not client.get_job_status(long).is_terminal() and time.time() < deadline:
+        time.sleep(0.1)
+    assert client.get_job_status(long) == JobStatus.STOPPED
+    assert client.delete_job(job) is True
+    with pytest.raises(regatta.RegattaError, match="404"):
+        client.get_job_info(job)
+    address = regatta._current().cluster.job_address
+    with pytest.raises(regatta.RegattaError, match="401"):
+        JobSubmissionClient(address, token="not-the-token", verify=False)
+    # Another token's authority does not vouch for this head: refused before any request.
+    with pytest.raises(ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+        JobSubmissionClient(address, token="not-the-token")
