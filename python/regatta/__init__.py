@@ -57,9 +57,10 @@ _NOT_YET = {"num_returns", "max_concurrency", "scheduling_strategy", "runtime_en
 
 
 class _Driver:
-    def __init__(self, cluster, local):
+    def __init__(self, cluster, local, token):
         self.cluster = cluster
         self.local = local
+        self.token = token
         self.lock = threading.Lock()
         self.task_workers = []
         self.turn = itertools.count()
@@ -149,7 +150,7 @@ def init(address=None, *, token=None, num_cpus=None, num_gpus=None, resources=No
                 parts.append(f"{name}={amount}")
             cluster = _native.Cluster.start_local([("worker-0", ",".join(parts))],
                                                   binary or os.environ.get("REGATTA_BIN"), log_dir)
-            local = True
+            local, token = True, cluster.token
         else:
             if num_cpus is not None or num_gpus is not None or resources is not None:
                 raise ValueError("num_cpus, num_gpus and resources describe a local cluster; "
@@ -158,9 +159,10 @@ def init(address=None, *, token=None, num_cpus=None, num_gpus=None, resources=No
                 address = os.environ.get("REGATTA_ADDRESS")
                 if not address:
                     raise RegattaError('address="auto" needs REGATTA_ADDRESS (set for job drivers)')
-            cluster = _native.Cluster.connect(address, _read_token(token))
+            token = _read_token(token)
+            cluster = _native.Cluster.connect(address, token)
             local = False
-        _driver = _Driver(cluster, local)
+        _driver = _Driver(cluster, local, token)
     atexit.register(shutdown)
 
 

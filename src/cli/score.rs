@@ -78,6 +78,9 @@ pub struct ScoreArgs {
     /// Longest token sequence a TorchScript model takes (required with one).
     #[arg(long)]
     pub context: Option<usize>,
+    /// Print the summary as one JSON line at the end.
+    #[arg(long)]
+    pub json: bool,
     /// Workers of the local cluster (without --address).
     #[arg(long, default_value_t = 2)]
     pub workers: usize,
@@ -180,7 +183,7 @@ pub fn progress_line(p: &Progress) -> String {
     )
 }
 
-async fn score(cluster: &Cluster, config: ScoreConfig) -> anyhow::Result<ExitCode> {
+async fn score(cluster: &Cluster, config: ScoreConfig, json: bool) -> anyhow::Result<ExitCode> {
     let output = config.output.clone();
     let generate = config.generate;
     let run = ScoreRun::new(cluster.clone(), config).map_err(anyhow::Error::msg)?;
@@ -198,6 +201,18 @@ async fn score(cluster: &Cluster, config: ScoreConfig) -> anyhow::Result<ExitCod
         .map_err(anyhow::Error::msg)?;
     if tty {
         println!();
+    }
+    if json {
+        let summary = serde_json::json!({
+            "rows": done.rows,
+            "errors": done.errors,
+            "skipped_partitions": done.skipped,
+            "seconds": done.seconds,
+            "output_tokens": done.output_tokens,
+            "output": output,
+        });
+        println!("{summary}");
+        return Ok(ExitCode::SUCCESS);
     }
     let verb = if generate { "generated for" } else { "scored" };
     println!(
@@ -226,8 +241,9 @@ pub async fn run(args: ScoreArgs) -> anyhow::Result<ExitCode> {
     let workers = (0..args.workers.max(1))
         .map(|i| WorkerSpec::new(&format!("w{}", i + 1), &resources.join(",")))
         .collect();
+    let json = args.json;
     on_cluster(args.address.as_deref(), &args.token, workers, |cluster| async move {
-        score(&cluster, config).await
+        score(&cluster, config, json).await
     })
     .await
 }
