@@ -68,8 +68,14 @@ class _Driver:
         self.python = sys.executable
         self.path = _worker_path()
 
+    def worker_env(self):
+        """What a worker process needs to join the cluster as a driver of its own (to call
+        actors it is handed, start tasks, ``get``) when its code asks."""
+        return [("REGATTA_ADDRESS", self.cluster.address), ("REGATTA_TOKEN", self.token),
+                (_WORKER_ENV, "1")]
+
     def spawn(self, init, resources, name=None, max_restarts=0, detached=False):
-        actor = self.cluster.spawn(init, self.python, self.path, resources, name, max_restarts)
+        actor = self.cluster.spawn(init, self.python, self.path, resources, name, max_restarts, self.worker_env())
         if not detached:
             with self.lock:
                 self.owned.add(actor)
@@ -81,7 +87,7 @@ class _Driver:
                 size = max(1, min(32, int(_sum_resources(available=False).get("CPU", 1))))
                 init = cloudpickle.dumps((None, (), {}))
                 for _ in range(size):
-                    actor = self.cluster.spawn(init, self.python, self.path, "", None, 1000)
+                    actor = self.cluster.spawn(init, self.python, self.path, "", None, 1000, self.worker_env())
                     self.task_workers.append(actor)
                     self.owned.add(actor)
             return self.task_workers[next(self.turn) % len(self.task_workers)]
@@ -105,8 +111,16 @@ def _worker_path():
     return path
 
 
+# Set in the environment of the cluster's Python worker processes.
+_WORKER_ENV = "REGATTA_PYTHON_WORKER"
+
+
 def _current():
     driver = _driver
+    if driver is None and os.environ.get(_WORKER_ENV) == "1":
+        # Code running in a task or an actor joins the cluster on first use.
+        init(address="auto", ignore_reinit_error=True)
+        driver = _driver
     if driver is None:
         raise RegattaError("regatta is not initialized: call regatta.init() first")
     return driver
@@ -473,7 +487,7 @@ class ActorHandle:
     def __init__(self, actor_id, class_name, methods=None, retries=0):
         self._actor_id = actor_id
         self._class_name = class_name
-        self._methods = methods
+        self._methods = None if methods is None else set(methods)
         self._retries = retries
 
     def __getattr__(self, name):
@@ -484,7 +498,9 @@ class ActorHandle:
         return _ActorMethod(self, name)
 
     def __reduce__(self):
-        raise TypeError("actor handles cannot be passed to tasks or actors yet")
+        # Only the id travels: the receiving task or actor calls the same actor.
+        methods = None if self._methods is None else tuple(sorted(self._methods))
+        return (ActorHandle, (self._actor_id, self._class_name, methods, self._retries))
 
     def __repr__(self):
         return f"ActorHandle({self._class_name}, id={self._actor_id})"

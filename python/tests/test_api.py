@@ -219,3 +219,22 @@ def test_a_driver_that_exits_leaves_no_worker_process_behind(tmp_path):
     while alive(pid) and time.time() < deadline:
         time.sleep(0.1)
     assert not alive(pid), "the actor's process outlived its driver"
+
+
+@regatta.remote
+def bump(counter, n):
+    # A task handed an actor: it joins the cluster and calls it.
+    return regatta.get(counter.add.remote(n))
+
+
+@regatta.remote
+def outer(x):
+    # A task that starts a task of its own.
+    return regatta.get(square.remote(x)) + 1
+
+
+def test_actor_handles_travel_to_tasks_and_tasks_start_tasks():
+    counter = Counter.remote(0)
+    assert regatta.get(bump.remote(counter, 5), timeout=120) == 5
+    assert regatta.get(counter.add.remote(0)) == 5, "the task called the same actor"
+    assert regatta.get(outer.remote(7), timeout=120) == 50

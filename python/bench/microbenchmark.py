@@ -1,0 +1,63 @@
+"""Ray's `ray microbenchmark` call and task cases, written once against the API Ray and
+Regatta share, run for either: `python microbenchmark.py regatta|ray [--seconds S]`.
+
+Prints one line per case in `ray microbenchmark`'s format, and a JSON line at the end."""
+
+import argparse
+import json
+import time
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("backend", choices=["regatta", "ray"])
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--cpus", type=int, default=2)
+    args = parser.parse_args()
+    if args.backend == "ray":
+        import ray as api
+
+        api.init(num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR")
+    else:
+        import regatta as api
+
+        api.init(num_cpus=args.cpus)
+
+    @api.remote
+    def small():
+        return b"ok"
+
+    @api.remote
+    class Actor:
+        def small(self):
+            return b"ok"
+
+    actor = Actor.remote()
+    api.get(actor.small.remote())
+    api.get([small.remote() for _ in range(20)])
+
+    def timeit(name, body, per_call):
+        # Warm-up, then as many rounds as fit in the time.
+        body()
+        start, rounds = time.perf_counter(), 0
+        while time.perf_counter() - start < args.seconds:
+            body()
+            rounds += 1
+        rate = rounds * per_call / (time.perf_counter() - start)
+        print(f"{name} per second {rate:.2f} +- 0.0", flush=True)
+        return rate
+
+    results = {
+        "single client tasks sync": timeit("single client tasks sync", lambda: api.get(small.remote()), 1),
+        "single client tasks async": timeit(
+            "single client tasks async", lambda: api.get([small.remote() for _ in range(200)]), 200),
+        "1:1 actor calls sync": timeit("1:1 actor calls sync", lambda: api.get(actor.small.remote()), 1),
+        "1:1 actor calls async": timeit(
+            "1:1 actor calls async", lambda: api.get([actor.small.remote() for _ in range(200)]), 200),
+    }
+    print(json.dumps({"backend": args.backend, **results}))
+    api.shutdown()
+
+
+if __name__ == "__main__":
+    main()
