@@ -48,12 +48,13 @@ _driver = None
 _driver_lock = threading.Lock()
 
 # Options Regatta carries out, for functions and for classes.
-_FUNCTION_OPTIONS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "max_retries", "name"}
+_FUNCTION_OPTIONS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "max_retries", "name",
+                     "scheduling_strategy"}
 _ACTOR_OPTIONS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "name", "lifetime",
-                  "max_restarts", "max_task_retries"}
+                  "max_restarts", "max_task_retries", "scheduling_strategy"}
 # Ray's options that Regatta does not carry out yet: refused by name, never ignored.
-_NOT_YET = {"num_returns", "max_concurrency", "scheduling_strategy", "runtime_env", "placement_group",
-            "concurrency_groups", "retry_exceptions", "label_selector"}
+_NOT_YET = {"num_returns", "max_concurrency", "runtime_env", "placement_group", "concurrency_groups",
+            "retry_exceptions", "label_selector"}
 
 
 class _Driver:
@@ -74,8 +75,10 @@ class _Driver:
         return [("REGATTA_ADDRESS", self.cluster.address), ("REGATTA_TOKEN", self.token),
                 (_WORKER_ENV, "1")]
 
-    def spawn(self, init, resources, name=None, max_restarts=0, detached=False):
-        actor = self.cluster.spawn(init, self.python, self.path, resources, name, max_restarts, self.worker_env())
+    def spawn(self, init, resources, name=None, max_restarts=0, detached=False, strategy=None):
+        group, bundle = _placement(strategy)
+        actor = self.cluster.spawn(init, self.python, self.path, resources, name, max_restarts, self.worker_env(),
+                                   group, bundle)
         if not detached:
             with self.lock:
                 self.owned.add(actor)
@@ -243,6 +246,19 @@ def _resource_text(options):
             raise ValueError(f"give {name} with num_cpus/num_gpus/memory, not in resources")
         parts.append(f"{name}={amount}")
     return ",".join(parts)
+
+
+def _placement(strategy):
+    """The native group and bundle index a scheduling strategy names (or none)."""
+    if strategy is None or strategy == "DEFAULT":
+        return None, None
+    from .util import PlacementGroupSchedulingStrategy
+
+    if not isinstance(strategy, PlacementGroupSchedulingStrategy):
+        raise ValueError(f"scheduling_strategy {strategy!r} is not supported: use a "
+                         "PlacementGroupSchedulingStrategy or leave it out")
+    index = strategy.placement_group_bundle_index
+    return strategy.placement_group._group, (None if index is None or index < 0 else index)
 
 
 def _check_options(options, allowed, what):
@@ -414,12 +430,14 @@ class RemoteFunction:
         resources = _resource_text(self._options)
         retries = self._options.get("max_retries", 3)
         what = f"task {self._name}"
-        if resources:
+        strategy = self._options.get("scheduling_strategy")
+        _placement(strategy)  # refuses what is not supported before anything starts
+        if resources or strategy is not None:
             # A task that asks for resources runs in a worker holding them, ended with it.
             holder = {}
 
             def submit():
-                actor = driver.spawn(cloudpickle.dumps((None, (), {})), resources)
+                actor = driver.spawn(cloudpickle.dumps((None, (), {})), resources, strategy=strategy)
                 holder["actor"] = actor
                 return driver.cluster.call(actor, request)
 
@@ -476,6 +494,7 @@ class ActorClass:
             name=self._options.get("name"),
             max_restarts=int(self._options.get("max_restarts", 0)),
             detached=self._options.get("lifetime") == "detached",
+            strategy=self._options.get("scheduling_strategy"),
         )
         methods = {name for name in dir(self._cls) if callable(getattr(self._cls, name, None))}
         return ActorHandle(actor, self._cls.__name__, methods, int(self._options.get("max_task_retries", 0)))

@@ -1,6 +1,102 @@
-"""Helpers over actors, in Ray's shape: ``ActorPool``."""
+"""Helpers in Ray's shape: placement groups (``placement_group``,
+``PlacementGroupSchedulingStrategy``, ``remove_placement_group``) and ``ActorPool``."""
+
+import cloudpickle
 
 import regatta
+
+_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def _bundle_text(bundle):
+    if not isinstance(bundle, dict) or not bundle:
+        raise ValueError(f"a bundle is a non-empty dict of resource amounts, not {bundle!r}")
+    parts = []
+    for name, amount in bundle.items():
+        if not isinstance(amount, (int, float)) or amount < 0:
+            raise ValueError(f"bundle amount {name}={amount!r} must be a number >= 0")
+        parts.append(f"{name}={amount}")
+    return ",".join(parts)
+
+
+class _GroupReady:
+    """What ``PlacementGroup.ready()``'s ObjectRef waits on."""
+
+    def __init__(self, group):
+        self._group = group
+        self._done = False
+
+    def done(self):
+        if not self._done:
+            self._done = self._group.ready(0.0) is not None
+        return self._done
+
+    def result(self, timeout=None):
+        nodes = self._group.ready(1e9 if timeout is None else timeout)
+        if nodes is None:
+            return None
+        self._done = True
+        return "ok", b"O" + cloudpickle.dumps(True)
+
+
+class PlacementGroup:
+    """Bundles of resources reserved together (``placement_group(...)``)."""
+
+    def __init__(self, group, bundles, strategy):
+        self._group = group
+        self.bundle_specs = bundles
+        self.strategy = strategy
+
+    @property
+    def id(self):
+        return self._group.id
+
+    @property
+    def bundle_count(self):
+        return len(self.bundle_specs)
+
+    def ready(self):
+        """An ObjectRef that resolves once every bundle is reserved."""
+        return regatta.ObjectRef(f"placement group {self.id}", _GroupReady(self._group))
+
+    def wait(self, timeout_seconds=30):
+        """Whether every bundle is reserved within ``timeout_seconds``."""
+        return self._group.ready(float(timeout_seconds)) is not None
+
+    def __repr__(self):
+        return f"PlacementGroup({self.id}, {self.strategy}, {self.bundle_specs})"
+
+
+def placement_group(bundles, strategy="PACK", name=""):
+    """Reserves ``bundles`` (dicts such as ``{"CPU": 1, "GPU": 1}``) with ``strategy``
+    (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD); a group no nodes could ever hold is refused
+    at once."""
+    if strategy not in _STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(_STRATEGIES)}, not {strategy!r}")
+    if not bundles:
+        raise ValueError("a placement group needs at least one bundle")
+    texts = [_bundle_text(b) for b in bundles]
+    group = regatta._current().cluster.create_group(texts, strategy)
+    return PlacementGroup(group, [dict(b) for b in bundles], strategy)
+
+
+def remove_placement_group(group):
+    """Removes the group: its actors are killed and its resources freed."""
+    group._group.remove()
+
+
+class PlacementGroupSchedulingStrategy:
+    """``.options(scheduling_strategy=...)``: place in a group's bundle (index -1: any)."""
+
+    def __init__(self, placement_group, placement_group_bundle_index=-1,
+                 placement_group_capture_child_tasks=None):
+        if not isinstance(placement_group, PlacementGroup):
+            raise TypeError("placement_group must be a regatta.util.PlacementGroup")
+        if not -1 <= placement_group_bundle_index < placement_group.bundle_count:
+            raise ValueError(f"bundle index {placement_group_bundle_index} is outside the group's "
+                             f"{placement_group.bundle_count} bundles")
+        self.placement_group = placement_group
+        self.placement_group_bundle_index = placement_group_bundle_index
 
 
 class ActorPool:

@@ -15,7 +15,7 @@ use pyo3::types::PyBytes;
 use tokio::sync::mpsc;
 
 use regatta::local::{LocalCluster, LocalOptions, WorkerSpec};
-use regatta::{ActorId, ActorOptions, Client, PythonActor, PythonArgs, Resources};
+use regatta::{ActorId, ActorOptions, Client, PlacementGroup, PythonActor, PythonArgs, Resources, Strategy};
 
 /// Python calls have no deadline of their own (as in Ray): a day is "never" for a driver.
 const CALL_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
@@ -99,6 +99,41 @@ impl Pending {
             guard.clone()
         });
         Ok(value.map(|(kind, bytes)| (kind, PyBytes::new(py, &bytes))))
+    }
+}
+
+/// A placement group: bundles of resources reserved together.
+#[pyclass(module = "regatta._native")]
+struct Group {
+    group: PlacementGroup,
+}
+
+#[pymethods]
+impl Group {
+    /// The group's id.
+    #[getter]
+    fn id(&self) -> String {
+        self.group.id().to_string()
+    }
+
+    /// Waits up to `timeout` seconds for every bundle to be reserved: the node of each
+    /// bundle, or None when the time ran out.
+    fn ready(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Vec<String>>> {
+        if !timeout.is_finite() || timeout < 0.0 {
+            return Err(PyValueError::new_err(format!("timeout must be a number >= 0, not {timeout}")));
+        }
+        let group = self.group.clone();
+        match py.detach(|| runtime().block_on(group.ready(Duration::from_secs_f64(timeout)))) {
+            Ok(nodes) => Ok(Some(nodes)),
+            Err(regatta::Error::Timeout { .. }) => Ok(None),
+            Err(e) => Err(error(e)),
+        }
+    }
+
+    /// Removes the group: its actors are killed and its resources freed.
+    fn remove(&self, py: Python<'_>) -> PyResult<()> {
+        let group = self.group.clone();
+        py.detach(|| runtime().block_on(group.remove())).map_err(error)
     }
 }
 
@@ -205,7 +240,7 @@ impl Cluster {
     /// Spawns a Python actor; returns its id. `resources` is a resource list
     /// (`CPU=1,GPU=1`); the constructor runs when the actor is placed (its failure makes
     /// the actor dead, seen at its first call).
-    #[pyo3(signature = (init, python, path, resources, name=None, max_restarts=0, env=Vec::new()))]
+    #[pyo3(signature = (init, python, path, resources, name=None, max_restarts=0, env=Vec::new(), group=None, bundle=None))]
     #[allow(clippy::too_many_arguments)]
     fn spawn(
         &self,
@@ -217,6 +252,8 @@ impl Cluster {
         name: Option<String>,
         max_restarts: u32,
         env: Vec<(String, String)>,
+        group: Option<PyRef<'_, Group>>,
+        bundle: Option<usize>,
     ) -> PyResult<u64> {
         let cluster = self.cluster()?;
         let resources = if resources.trim().is_empty() {
@@ -227,6 +264,9 @@ impl Cluster {
         let mut options = ActorOptions::new().resources(resources).max_restarts(max_restarts);
         if let Some(name) = name {
             options = options.name(name);
+        }
+        if let Some(group) = &group {
+            options = options.in_group(&group.group, bundle);
         }
         let args = PythonArgs {
             python,
@@ -239,6 +279,22 @@ impl Cluster {
             .detach(|| runtime().block_on(cluster.spawn::<PythonActor>(args, options)))
             .map_err(error)?;
         Ok(handle.id().0)
+    }
+
+    /// Reserves a placement group of `bundles` (resource lists) with `strategy` (`PACK`,
+    /// `SPREAD`, `STRICT_PACK`, `STRICT_SPREAD`); fails at once when no nodes could ever
+    /// hold it.
+    fn create_group(&self, py: Python<'_>, bundles: Vec<String>, strategy: String) -> PyResult<Group> {
+        let cluster = self.cluster()?;
+        let strategy: Strategy = strategy.parse().map_err(PyValueError::new_err)?;
+        let bundles = bundles
+            .iter()
+            .map(|b| Resources::parse_request(b).map_err(|e| PyValueError::new_err(e.to_string())))
+            .collect::<PyResult<Vec<_>>>()?;
+        let group = py
+            .detach(|| runtime().block_on(cluster.create_placement_group(bundles, strategy)))
+            .map_err(error)?;
+        Ok(Group { group })
     }
 
     /// Sends `request` to actor `actor`; calls from this driver to one actor are sent in order.
@@ -329,6 +385,7 @@ fn token_authority_der<'py>(py: Python<'py>, token: &str) -> PyResult<Bound<'py,
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Cluster>()?;
     m.add_class::<Pending>()?;
+    m.add_class::<Group>()?;
     m.add_function(wrap_pyfunction!(token_authority_der, m)?)?;
     m.add("MAX_FRAME", regatta::PYTHON_MAX_FRAME)?;
     Ok(())

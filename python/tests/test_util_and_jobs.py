@@ -71,3 +71,28 @@ def test_the_job_client_submits_follows_stops_and_deletes():
     # Another token's authority does not vouch for this head: refused before any request.
     with pytest.raises(ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
         JobSubmissionClient(address, token="not-the-token")
+
+
+def test_placement_groups_reserve_place_and_release():
+    from regatta.util import PlacementGroupSchedulingStrategy, placement_group, remove_placement_group
+
+    group = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_PACK")
+    assert regatta.get(group.ready(), timeout=60) is True
+    assert regatta.available_resources().get("CPU", 0.0) == 0.0, "the bundles hold both CPUs"
+    placed = [Doubler.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote()
+              for i in range(2)]
+    assert regatta.get([a.double.remote(i) for i, a in enumerate(placed)], timeout=60) == [0, 2]
+    # A second group does not fit while the first holds the CPUs.
+    waiting = placement_group([{"CPU": 2}])
+    assert waiting.wait(0.5) is False
+    remove_placement_group(group)
+    with pytest.raises(regatta.ActorDiedError):
+        regatta.get(placed[0].double.remote(1), timeout=60)
+    assert waiting.wait(30) is True, "the freed CPUs go to the waiting group"
+    remove_placement_group(waiting)
+    with pytest.raises(Exception, match="GPU"):
+        placement_group([{"GPU": 1}])
+    with pytest.raises(ValueError, match="bundle index"):
+        PlacementGroupSchedulingStrategy(waiting, 3)
+    with pytest.raises(ValueError, match="strategy"):
+        placement_group([{"CPU": 1}], strategy="NEAR")
