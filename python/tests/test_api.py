@@ -238,3 +238,15 @@ def test_actor_handles_travel_to_tasks_and_tasks_start_tasks():
     assert regatta.get(bump.remote(counter, 5), timeout=120) == 5
     assert regatta.get(counter.add.remote(0)) == 5, "the task called the same actor"
     assert regatta.get(outer.remote(7), timeout=120) == 50
+
+
+def test_a_wrong_token_is_refused_with_a_clear_error():
+    script = textwrap.dedent(f"""
+        import regatta
+        try:
+            regatta.init(address={regatta._current().cluster.address!r}, token="not-the-token")
+        except RuntimeError as error:
+            print("refused:", error)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert "refused:" in result.stdout and "token does not match" in result.stdout, result.stdout + result.stderr
