@@ -88,7 +88,10 @@ impl Pending {
         let value = py.detach(move || {
             let guard = slot.value.lock().unwrap_or_else(|p| p.into_inner());
             let guard = match timeout {
-                None => slot.ready.wait_while(guard, |v| v.is_none()).unwrap_or_else(|p| p.into_inner()),
+                None => slot
+                    .ready
+                    .wait_while(guard, |v| v.is_none())
+                    .unwrap_or_else(|p| p.into_inner()),
                 Some(t) => {
                     slot.ready
                         .wait_timeout_while(guard, Duration::from_secs_f64(t), |v| v.is_none())
@@ -120,7 +123,9 @@ impl Group {
     /// bundle, or None when the time ran out.
     fn ready(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Vec<String>>> {
         if !timeout.is_finite() || timeout < 0.0 {
-            return Err(PyValueError::new_err(format!("timeout must be a number >= 0, not {timeout}")));
+            return Err(PyValueError::new_err(format!(
+                "timeout must be a number >= 0, not {timeout}"
+            )));
         }
         let group = self.group.clone();
         match py.detach(|| runtime().block_on(group.ready(Duration::from_secs_f64(timeout)))) {
@@ -171,7 +176,10 @@ impl Cluster {
         binary: Option<String>,
         log_dir: Option<String>,
     ) -> PyResult<Self> {
-        let specs = workers.iter().map(|(name, resources)| WorkerSpec::new(name, resources)).collect();
+        let specs = workers
+            .iter()
+            .map(|(name, resources)| WorkerSpec::new(name, resources))
+            .collect();
         let mut options = LocalOptions::new(specs).map_err(error)?;
         if let Some(binary) = binary {
             options.binary = binary.into();
@@ -183,7 +191,12 @@ impl Cluster {
             let local = LocalCluster::start(options).map_err(|e| format!("{e:#}"))?;
             let client = runtime()
                 .block_on(local.connect(Duration::from_secs(60)))
-                .map_err(|e| format!("the local cluster did not come up: {e:#}\nhead log:\n{}", local.log("head")))?;
+                .map_err(|e| {
+                    format!(
+                        "the local cluster did not come up: {e:#}\nhead log:\n{}",
+                        local.log("head")
+                    )
+                })?;
             let address = local.address.clone();
             Ok::<_, String>(Self {
                 client: Mutex::new(Some(client)),
@@ -325,7 +338,8 @@ impl Cluster {
     fn kill(&self, py: Python<'_>, actor: u64) -> PyResult<()> {
         let cluster = self.cluster()?;
         self.queues.lock().unwrap_or_else(|p| p.into_inner()).remove(&actor);
-        py.detach(|| runtime().block_on(cluster.kill(ActorId(actor)))).map_err(error)
+        py.detach(|| runtime().block_on(cluster.kill(ActorId(actor))))
+            .map_err(error)
     }
 
     /// The id of the live actor named `name`, if any.

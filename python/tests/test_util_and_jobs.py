@@ -96,3 +96,29 @@ def test_placement_groups_reserve_place_and_release():
         PlacementGroupSchedulingStrategy(waiting, 3)
     with pytest.raises(ValueError, match="strategy"):
         placement_group([{"CPU": 1}], strategy="NEAR")
+
+
+def test_what_an_actor_prints_is_its_log_on_the_dashboard():
+    import json
+    import ssl
+    import urllib.request
+
+    @regatta.remote
+    class Talker:
+        def say(self, text):
+            print(text, flush=True)
+            return True
+
+    talker = Talker.remote()
+    assert regatta.get(talker.say.remote("hello from a python actor"), timeout=60)
+    cluster = regatta._current().cluster
+    request = urllib.request.Request(f"{cluster.job_address}/api/actors/{talker._actor_id}/logs",
+                                     headers={"Authorization": f"Bearer {cluster.token}"})
+    deadline, lines = time.time() + 15, []
+    while time.time() < deadline:
+        with urllib.request.urlopen(request, context=ssl._create_unverified_context()) as response:
+            lines = [line["text"] for line in json.loads(response.read())["lines"]]
+        if "hello from a python actor" in lines:
+            break
+        time.sleep(0.2)
+    assert "hello from a python actor" in lines, lines

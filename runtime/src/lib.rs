@@ -81,6 +81,6 @@ pub use token::{default_token_file, resolve_token, TokenSource, TOKEN_ENV};
 /// The node protocol's encoding (for benchmarks and robustness tests).
 #[doc(hidden)]
 pub use wire::{decode as wire_decode, encode as wire_encode};
-pub use worker::simulate::{run_simulated_nodes, simulated_name, SimulatedNodes};
 pub use worker::python::{PythonActor, PythonArgs, MAX_FRAME as PYTHON_MAX_FRAME};
+pub use worker::simulate::{run_simulated_nodes, simulated_name, SimulatedNodes};
 pub use worker::{run_worker, WorkerConfig};

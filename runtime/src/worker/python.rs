@@ -10,6 +10,9 @@
 //! arguments, or of nothing for a task worker); its answer starts with `O` (ready) or `E`
 //! (the error's text). A call's answer starts with `O` or `E` too; the driver unpickles it.
 //!
+//! What the process prints (its stderr) becomes the actor's log: the node's log, and the
+//! actor's last lines on the dashboard.
+//!
 //! A process that dies fails the call in flight with its cause; the next call starts a
 //! new process and runs the constructor again, up to `max_restarts` times (Ray's actor
 //! restarts), after which every call says the actor is dead.
@@ -64,7 +67,9 @@ async fn read_frame(from: &mut (impl AsyncReadExt + Unpin)) -> std::io::Result<V
     from.read_exact(&mut len).await?;
     let len = u32::from_be_bytes(len) as usize;
     if len > MAX_FRAME {
-        return Err(std::io::Error::other(format!("a frame of {len} bytes is over the 2 GiB limit")));
+        return Err(std::io::Error::other(format!(
+            "a frame of {len} bytes is over the 2 GiB limit"
+        )));
     }
     let mut bytes = vec![0u8; len];
     from.read_exact(&mut bytes).await?;
@@ -73,7 +78,7 @@ async fn read_frame(from: &mut (impl AsyncReadExt + Unpin)) -> std::io::Result<V
 
 impl PythonActor {
     /// Starts the process and runs the constructor.
-    async fn start(&mut self) -> Result<(), String> {
+    async fn start(&mut self, ctx: &ActorContext) -> Result<(), String> {
         let mut env = self.args.env.clone();
         let inherited = std::env::var("PYTHONPATH").ok().filter(|p| !p.is_empty());
         let path: Vec<String> = self.args.path.iter().cloned().chain(inherited).collect();
@@ -86,9 +91,19 @@ impl PythonActor {
             args: vec!["-m".into(), "regatta._worker".into()],
             env,
             gpus: self.gpus.clone(),
-            capture_stderr: false,
+            capture_stderr: true,
         })
         .map_err(|e| format!("cannot start the Python worker ({}): {e}", self.args.python))?;
+        if let Some(stderr) = process.stderr.take() {
+            let ctx = ctx.clone();
+            tokio::spawn(async move {
+                use tokio::io::AsyncBufReadExt;
+                let mut lines = tokio::io::BufReader::new(stderr).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    ctx.log(line);
+                }
+            });
+        }
         let answer = exchange(&mut process, &self.args.init).await?;
         match answer.split_first() {
             Some((b'O', _)) => {
@@ -113,7 +128,10 @@ async fn exchange(process: &mut Executor, request: &[u8]) -> Result<Vec<u8>, Str
             Ok(Some(status)) => format!("it exited with {status}"),
             _ => format!("its pipe broke: {e}"),
         };
-        format!("the Python worker process (pid {}) died: {status}; see the node's log for its output", process.child.id().unwrap_or(0))
+        format!(
+            "the Python worker process (pid {}) died: {status}; its last output is in the actor's log",
+            process.child.id().unwrap_or(0)
+        )
     })
 }
 
@@ -131,17 +149,17 @@ impl Actor for PythonActor {
             restarts: 0,
             dead: None,
         };
-        actor.start().await?;
+        actor.start(ctx).await?;
         Ok(actor)
     }
 
-    async fn handle(&mut self, request: Vec<u8>, _ctx: &ActorContext) -> Result<Vec<u8>, ActorError> {
+    async fn handle(&mut self, request: Vec<u8>, ctx: &ActorContext) -> Result<Vec<u8>, ActorError> {
         if let Some(why) = &self.dead {
             return Err(why.clone().into());
         }
         if self.process.is_none() {
             self.restarts += 1;
-            if let Err(why) = self.start().await {
+            if let Err(why) = self.start(ctx).await {
                 let why = format!("the actor could not be restarted: {why}");
                 self.dead = Some(why.clone());
                 return Err(why.into());
