@@ -29,6 +29,7 @@ import asyncio
 import atexit
 import itertools
 import os
+import struct
 import sys
 import threading
 import time
@@ -339,7 +340,19 @@ class ObjectRef:
         return f"ObjectRef({self._what}, {state})"
 
 
+# Whether what remote code prints is printed by the driver (Ray's log_to_driver).
+log_to_driver = os.environ.get("REGATTA_LOG_TO_DRIVER", "1") != "0"
+
+
 def _decode(what, kind, payload, is_task):
+    if kind == "ok" and payload[:1] == b"L":
+        pid, length = struct.unpack(">II", payload[1:9])
+        text = payload[9:9 + length].decode("utf-8", "replace")
+        payload = payload[9 + length:]
+        if log_to_driver:
+            name = what.removeprefix("task ")
+            for line in text.splitlines():
+                print(f"({name} pid={pid}) {line}", flush=True)
     if kind == "ok":
         if payload[:1] == b"O":
             return cloudpickle.loads(payload[1:]), None

@@ -6,9 +6,12 @@ the constructor: ``cloudpickle`` of ``(class, args, kwargs)``, or of ``(None, ()
 task worker; it is answered ``O`` (ready) or ``E`` followed by the error's text. Then each
 frame is a call, ``(method_name, function, args, kwargs)``: an actor method by name, or a
 task's function. It is answered ``O`` + the pickled result, or ``E`` + the pickled
-``(exception or None, traceback text)``.
+``(exception or None, traceback text)``, preceded, when the call printed anything, by
+``L`` + this process's pid and the text's length (4 bytes each, big-endian) + the text:
+the driver prints it as Ray's ``log_to_driver`` does.
 
-User code's prints go to stderr (the node's log), never into the frames.
+User code's prints go to stderr (the node's log and the actor's log on the dashboard), never
+into the frames' own bytes.
 """
 
 import os
@@ -40,6 +43,27 @@ def _read_exact(stream, n):
         chunks.append(chunk)
         n -= len(chunk)
     return b"".join(chunks)
+
+
+class _Tee:
+    """Writes to the process's stderr and keeps a copy of what this call printed."""
+
+    def __init__(self, out):
+        self.out = out
+        self.kept = []
+
+    def write(self, text):
+        self.kept.append(text)
+        return self.out.write(text)
+
+    def flush(self):
+        self.out.flush()
+
+    def isatty(self):
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.out, name)
 
 
 def main():
@@ -85,6 +109,8 @@ def main():
         request = read()
         if request is None:
             return
+        tee = _Tee(sys.__stderr__)
+        sys.stdout = sys.stderr = tee
         try:
             method, function, args, kwargs = cloudpickle.loads(request)
             if function is not None:
@@ -94,6 +120,12 @@ def main():
             answer = b"O" + cloudpickle.dumps(result)
         except BaseException as error:  # noqa: BLE001 - everything goes back to the caller
             answer = failure(error)
+        finally:
+            sys.stdout = sys.stderr = sys.__stderr__
+            sys.__stderr__.flush()
+        printed = "".join(tee.kept).encode("utf-8", "replace")
+        if printed:
+            answer = b"L" + struct.pack(">II", os.getpid(), len(printed)) + printed + answer
         write(answer)
 
 

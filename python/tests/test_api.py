@@ -250,3 +250,20 @@ def test_a_wrong_token_is_refused_with_a_clear_error():
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert "refused:" in result.stdout and "token does not match" in result.stdout, result.stdout + result.stderr
+
+
+@regatta.remote
+def chatty(n):
+    for i in range(n):
+        print(f"chatty line {i}")
+    return n
+
+
+def test_what_remote_code_prints_reaches_the_driver_prefixed(capsys):
+    counter = Counter.remote(0)
+    assert regatta.get(chatty.remote(2)) == 2
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "chatty line" in line]
+    assert len(lines) == 2 and lines[0].startswith("(chatty pid=") and lines[1].endswith("chatty line 1"), out
+    regatta.get(counter.pid.remote())
+    assert "Counter.pid" not in capsys.readouterr().out, "a call that prints nothing prints nothing"
