@@ -35,23 +35,6 @@ fn submission(entrypoint: &str) -> JobSubmission {
     }
 }
 
-/// A raw HTTP/1.1 request: (status, body).
-fn http(base: &str, method: &str, path: &str, token: Option<&str>, body: &[u8]) -> (u16, String) {
-    let host = support::host_of(base);
-    let auth = token
-        .map(|t| format!("Authorization: Bearer {t}\r\n"))
-        .unwrap_or_default();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    let mut request = head.into_bytes();
-    request.extend_from_slice(body);
-    let text = support::exchange(base, &request);
-    let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    (status, text)
-}
-
 async fn two_workers() -> TestCluster {
     TestCluster::start(&[("w1", "CPU=4"), ("w2", "CPU=4")]).await
 }
@@ -292,8 +275,8 @@ async fn requests_without_the_token_get_401_and_bad_input_gets_a_4xx_that_says_w
     let base = cluster.local.job_address.clone();
     let token = cluster.local.token.clone();
     let body = br#"{"entrypoint": "true"}"#;
-    assert_eq!(http(&base, "GET", "/api/jobs", None, b"").0, 401);
-    assert_eq!(http(&base, "POST", "/api/jobs", Some("wrong"), body).0, 401);
+    assert_eq!(support::http(&base, "GET", "/api/jobs", None, b"").0, 401);
+    assert_eq!(support::http(&base, "POST", "/api/jobs", Some("wrong"), body).0, 401);
     let wrong = JobClient::new(&base, "wrong").expect("client").list().await;
     assert!(matches!(wrong, Err(Error::Token(_))), "{wrong:?}");
 
@@ -341,14 +324,14 @@ async fn requests_without_the_token_get_401_and_bad_input_gets_a_4xx_that_says_w
         ("GET", "/api/nothing", vec![], 404, "no such endpoint"),
     ];
     for (method, path, body, expected, says) in cases {
-        let (status, reply) = http(&base, method, path, Some(&token), &body);
+        let (status, reply) = support::http(&base, method, path, Some(&token), &body);
         assert_eq!(status, expected, "{method} {path}: {reply}");
         assert!(reply.contains(says), "{method} {path} should say '{says}': {reply}");
     }
     // A body over the limit is refused with a 413 that arrives: the server reads what it
     // refuses, so the client is not cut off while writing. Raw, then through the client.
     let huge = serde_json::to_vec(&submission(&" ".repeat(2 << 20))).expect("json");
-    let (status, reply) = http(&base, "POST", "/api/jobs", Some(&token), &huge);
+    let (status, reply) = support::http(&base, "POST", "/api/jobs", Some(&token), &huge);
     assert_eq!(status, 413, "{reply}");
     assert!(reply.contains("limit"), "{reply}");
     let oversized = jobs(&cluster).submit(&submission(&" ".repeat(2 << 20))).await;
@@ -389,7 +372,7 @@ async fn requests_without_the_token_get_401_and_bad_input_gets_a_4xx_that_says_w
         .expect("wait");
     assert_eq!(record.status, JobStatus::Failed);
     assert!(record.message.contains("GPU"), "{}", record.message);
-    let (status, _) = http(&base, "GET", "/api/jobs", Some(&token), b"");
+    let (status, _) = support::http(&base, "GET", "/api/jobs", Some(&token), b"");
     assert_eq!(status, 200, "the API still serves after all that");
 }
 

@@ -54,6 +54,24 @@ fn ray_job(cluster: &TestCluster, args: &[&str], cwd: &Path) -> (Output, String)
     (output, text)
 }
 
+/// Runs a Python script with Ray's SDK (`script JOB_ADDRESS TOKEN extra...`) and returns
+/// the JSON object its last line prints.
+fn run_sdk(cluster: &TestCluster, script: &Path, extra: &[&Path], dir: &Path) -> serde_json::Value {
+    let output = Command::new(venv_bin().join("python"))
+        .arg(script)
+        .arg(&cluster.local.job_address)
+        .arg(&cluster.local.token)
+        .args(extra)
+        .current_dir(dir)
+        .env("RAY_USAGE_STATS_ENABLED", "0")
+        .output()
+        .expect("run python");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "the SDK script failed:\n{stderr}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"))
+}
+
 fn write(path: &Path, text: &str) {
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).expect("mkdir");
@@ -205,19 +223,7 @@ except RuntimeError as e:
 print(json.dumps(out))
 "#,
     );
-    let output = Command::new(venv_bin().join("python"))
-        .arg(&script)
-        .arg(&cluster.local.job_address)
-        .arg(&cluster.local.token)
-        .current_dir(&dir)
-        .env("RAY_USAGE_STATS_ENABLED", "0")
-        .output()
-        .expect("run python");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "the SDK script failed:\n{stderr}");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let line = stdout.lines().last().unwrap_or_default();
-    let out: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"));
+    let out = run_sdk(&cluster, &script, &[], &dir);
     let lines = "line 0\nline 1\nline 2\nline 3\nline 4\n";
     assert_eq!(
         out["tail"], lines,
@@ -248,23 +254,6 @@ print(json.dumps(out))
     let after = out["after_delete"].as_str().unwrap_or_default();
     assert!(after.contains("404") && after.contains("does not exist"), "{after}");
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// A raw HTTP/1.1 request: (status, body).
-fn http(base: &str, method: &str, path: &str, token: Option<&str>, body: &[u8]) -> (u16, String) {
-    let host = support::host_of(base);
-    let auth = token
-        .map(|t| format!("Authorization: Bearer {t}\r\n"))
-        .unwrap_or_default();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    let mut request = head.into_bytes();
-    request.extend_from_slice(body);
-    let text = support::exchange(base, &request);
-    let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    (status, text)
 }
 
 /// A zip of `(name, content)` entries, stored.
@@ -299,13 +288,13 @@ async fn package_uploads_refuse_bad_tokens_sizes_paths_and_ids() {
     let path = format!("/api/packages/gcs/{good_name}");
     for route in ["/api/version", "/api/jobs/", path.as_str()] {
         for presented in [None, Some("wrong-token")] {
-            let (status, reply) = http(&base, "GET", route, presented, b"");
+            let (status, reply) = support::http(&base, "GET", route, presented, b"");
             assert_eq!(status, 401, "{route} with {presented:?}: {reply}");
         }
     }
-    let (status, reply) = http(&base, "PUT", &path, Some("wrong-token"), &good);
+    let (status, reply) = support::http(&base, "PUT", &path, Some("wrong-token"), &good);
     assert_eq!(status, 401, "{reply}");
-    let (status, reply) = http(&base, "GET", "/api/version", Some(&token), b"");
+    let (status, reply) = support::http(&base, "GET", "/api/version", Some(&token), b"");
     assert_eq!(status, 200, "{reply}");
     assert!(
         reply.contains(r#""ray_version":"2.60.0""#) && reply.contains(r#""version":"4""#),
@@ -313,10 +302,10 @@ async fn package_uploads_refuse_bad_tokens_sizes_paths_and_ids() {
     );
 
     // Absent, stored, present.
-    assert_eq!(http(&base, "GET", &path, Some(&token), b"").0, 404);
-    let (status, reply) = http(&base, "PUT", &path, Some(&token), &good);
+    assert_eq!(support::http(&base, "GET", &path, Some(&token), b"").0, 404);
+    let (status, reply) = support::http(&base, "PUT", &path, Some(&token), &good);
     assert_eq!(status, 200, "{reply}");
-    assert_eq!(http(&base, "GET", &path, Some(&token), b"").0, 200);
+    assert_eq!(support::http(&base, "GET", &path, Some(&token), b"").0, 200);
 
     let refused: Vec<(&str, Vec<u8>, Option<String>, u16, &str)> = vec![
         // Over the head's --job-package-bytes.
@@ -364,13 +353,13 @@ async fn package_uploads_refuse_bad_tokens_sizes_paths_and_ids() {
     ];
     for (what, body, name, expected, says) in refused {
         let name = name.unwrap_or_else(|| sha1_name(&body));
-        let (status, reply) = http(&base, "PUT", &format!("/api/packages/gcs/{name}"), Some(&token), &body);
+        let (status, reply) = support::http(&base, "PUT", &format!("/api/packages/gcs/{name}"), Some(&token), &body);
         assert_eq!(status, expected, "{what}: {reply}");
         assert!(reply.contains(says), "{what} should say {says:?}: {reply}");
         assert!(!packages.join(&name).exists(), "{what} was stored");
     }
     assert!(!packages.join("escaped.txt").exists() && !cluster.local.head_state_dir().join("escaped.txt").exists());
-    let (status, reply) = http(&base, "POST", "/api/jobs/", Some(&token), b"{not json");
+    let (status, reply) = support::http(&base, "POST", "/api/jobs/", Some(&token), b"{not json");
     assert_eq!(status, 400, "{reply}");
     // Nothing half-received is left behind.
     let incoming: Vec<_> = std::fs::read_dir(packages.join(".incoming"))
@@ -431,20 +420,7 @@ for key, job in (("first", first), ("second", second)):
 print(json.dumps(out))
 "#,
     );
-    let output = Command::new(venv_bin().join("python"))
-        .arg(&script)
-        .arg(&cluster.local.job_address)
-        .arg(&cluster.local.token)
-        .arg(dir.join("project"))
-        .current_dir(&dir)
-        .env("RAY_USAGE_STATS_ENABLED", "0")
-        .output()
-        .expect("run python");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "the SDK script failed:\n{stderr}");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let out: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
-        .unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"));
+    let out = run_sdk(&cluster, &script, &[&dir.join("project")], &dir);
     for key in ["first", "second"] {
         let job = &out[key];
         assert_eq!(job["status"], "SUCCEEDED", "{out}");
@@ -499,17 +475,31 @@ async fn ray_s_cli_checks_a_head_s_own_certificate_with_its_ca_file() {
     .await;
     let list = |verify: &str| {
         let output = Command::new(venv_bin().join("ray"))
-            .args(["job", "list", "--address", &cluster.local.job_address, "--verify", verify])
+            .args([
+                "job",
+                "list",
+                "--address",
+                &cluster.local.job_address,
+                "--verify",
+                verify,
+            ])
             .args(["--headers", &headers(&cluster.local.token)])
             .env("RAY_USAGE_STATS_ENABLED", "0")
             .output()
             .expect("run ray");
-        let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
         (output.status.success(), text)
     };
     let (ok, text) = list(&ca.display().to_string());
     assert!(ok, "with the CA file, Ray's client trusts the head:\n{text}");
     let (ok, text) = list("True");
-    assert!(!ok && text.contains("CERTIFICATE_VERIFY_FAILED"), "without it, it must not:\n{text}");
+    assert!(
+        !ok && text.contains("CERTIFICATE_VERIFY_FAILED"),
+        "without it, it must not:\n{text}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

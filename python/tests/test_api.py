@@ -14,13 +14,6 @@ import regatta
 from regatta import ActorDiedError, GetTimeoutError, TaskError, WorkerCrashedError
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    regatta.init(num_cpus=2)
-    yield
-    regatta.shutdown()
-
-
 @regatta.remote
 def square(x):
     return x * x

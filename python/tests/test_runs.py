@@ -13,13 +13,6 @@ import regatta.train
 CORPUS = os.path.join(os.path.dirname(__file__), "..", "..", "data", "corpus.txt")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    regatta.init(num_cpus=2)
-    yield
-    regatta.shutdown()
-
-
 def test_a_training_then_a_scoring_run_from_python(tmp_path, capsys):
     checkpoints = tmp_path / "ckpt"
     summary = regatta.train.run({

@@ -9,13 +9,6 @@ from regatta.job_submission import JobStatus, JobSubmissionClient
 from regatta.util import ActorPool
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    regatta.init(num_cpus=2)
-    yield
-    regatta.shutdown()
-
-
 @regatta.remote
 class Doubler:
     def __init__(self):

@@ -115,6 +115,23 @@ pub fn host_of(base: &str) -> &str {
         .trim_end_matches('/')
 }
 
+/// A raw HTTP/1.1 request: (status, body).
+pub fn http(base: &str, method: &str, path: &str, token: Option<&str>, body: &[u8]) -> (u16, String) {
+    let host = host_of(base);
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let mut request = head.into_bytes();
+    request.extend_from_slice(body);
+    let text = exchange(base, &request);
+    let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, text)
+}
+
 /// Writes `request` to `base` (`http://` or `https://host:port`) and returns the whole
 /// reply as text ("" when nothing answers). Over HTTPS this does not check the server's
 /// certificate: these are tests of what the HTTP endpoints do; the job API's trust is
@@ -344,7 +361,9 @@ pub fn ticks(log: &str) -> Vec<u64> {
 /// An operator's own certificate authority and a leaf for `127.0.0.1` and `localhost`
 /// signed by it, as PEM files in `dir`: (leaf, its key, the authority).
 pub fn own_certificate(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
-    use rcgen::{BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair, PKCS_ECDSA_P256_SHA256};
+    use rcgen::{
+        BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair, PKCS_ECDSA_P256_SHA256,
+    };
     // Distinct names: OpenSSL (Python's clients) takes a leaf whose subject equals its
     // issuer's for a self-signed certificate.
     let named = |name: &str| {
@@ -358,7 +377,8 @@ pub fn own_certificate(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     ca_params.distinguished_name = named("Regatta test authority");
     let ca = ca_params.self_signed(&ca_key).expect("CA");
     let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).expect("key");
-    let mut leaf_params = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).expect("params");
+    let mut leaf_params =
+        CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).expect("params");
     leaf_params.distinguished_name = named("regatta head");
     let leaf = leaf_params.signed_by(&key, &ca, &ca_key).expect("leaf");
     let (cert_file, key_file, ca_file) = (dir.join("cert.pem"), dir.join("key.pem"), dir.join("ca.pem"));
