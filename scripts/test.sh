@@ -27,8 +27,8 @@ if [ ! -x "$venv/bin/ray" ]; then
     "$venv/bin/pip" install --quiet 'ray[default]==2.60.0'
 fi
 # maturin, cloudpickle and pytest for the Python package (python/), built into this venv.
-if [ ! -x "$venv/bin/maturin" ] || ! "$venv/bin/python" -c 'import cloudpickle, pytest' >/dev/null 2>&1; then
-    "$venv/bin/pip" install --quiet 'maturin>=1.9,<2' cloudpickle pytest
+if [ ! -x "$venv/bin/maturin" ] || ! "$venv/bin/python" -c 'import cloudpickle, pytest, numpy' >/dev/null 2>&1; then
+    "$venv/bin/pip" install --quiet 'maturin>=1.9,<2' cloudpickle pytest numpy
 fi
 # One interpreter for PyO3's build configuration, so cargo and maturin share the build.
 export PYO3_PYTHON="$venv/bin/python"

@@ -280,22 +280,73 @@ def _dumps(value, what):
 
 
 def _resolve_args(args, kwargs):
-    """Top-level ObjectRef arguments become their values (as Ray resolves them)."""
-    args = tuple(get(a) if isinstance(a, ObjectRef) else a for a in args)
-    kwargs = {k: get(v) if isinstance(v, ObjectRef) else v for k, v in kwargs.items()}
-    return args, kwargs
+    """Top-level ObjectRef arguments become their values (as Ray resolves them): a stored
+    object travels as its id and the worker reads it from the object store; the result of
+    a call in flight is waited for here."""
+    def resolve(value):
+        if isinstance(value, ObjectRef) and value._store is None:
+            return get(value)
+        return value
+
+    return tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
+
+
+_MAGIC = b"RGT1"
+_ALIGN = 64
+
+
+def _pad(n):
+    return b"\0" * (-n % _ALIGN)
+
+
+def _serialize(value):
+    """A value as the parts of one stored object: a table, the pickle (protocol 5), then
+    each out-of-band buffer (numpy arrays, ...) 64-byte aligned, so a reader's arrays
+    view the object's bytes instead of copies."""
+    buffers = []
+    header = cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    raws = [bytes(b.raw()) for b in buffers]
+    table = _MAGIC + struct.pack(">IQ", len(raws), len(header)) + b"".join(struct.pack(">Q", len(r)) for r in raws)
+    parts = [table, _pad(len(table)), header, _pad(len(header))]
+    for raw in raws:
+        parts += [raw, _pad(len(raw))]
+    return parts
+
+
+def _deserialize(blob):
+    if blob[:4] != _MAGIC:
+        raise RegattaError("the object is not one the Python API stored")
+    count, header_len = struct.unpack(">IQ", blob[4:16])
+    lengths = struct.unpack(f">{count}Q", blob[16:16 + 8 * count])
+    view = memoryview(blob)
+    offset = 16 + 8 * count
+    offset += -offset % _ALIGN
+    header = view[offset:offset + header_len]
+    offset += header_len + (-header_len % _ALIGN)
+    buffers = []
+    for length in lengths:
+        buffers.append(view[offset:offset + length])
+        offset += length + (-length % _ALIGN)
+    return cloudpickle.loads(header, buffers=buffers)
+
+
+def _object_ref(object_id):
+    """A stored object's ref rebuilt from its id (in the process that received it)."""
+    return ObjectRef("put", store=_current().cluster.object(object_id))
 
 
 class ObjectRef:
     """A value a task or actor call will produce (or one ``put`` holds). ``get`` it, ``wait``
     for it, or ``await`` it."""
 
-    def __init__(self, what, pending=None, value=None, retry=None, retries=0, on_done=None, is_task=False):
+    def __init__(self, what, pending=None, value=None, retry=None, retries=0, on_done=None, is_task=False,
+                 store=None):
         self._what = what
         self._is_task = is_task
         self._pending = pending
+        self._store = store
         self._value = value
-        self._settled = pending is None
+        self._settled = pending is None and store is None
         self._error = None
         self._retry = retry
         self._retries = retries
@@ -303,10 +354,16 @@ class ObjectRef:
         self._lock = threading.Lock()
 
     def _ready(self):
-        return self._settled or self._pending.done()
+        return self._settled or self._store is not None or self._pending.done()
 
     def _settle(self, deadline):
         with self._lock:
+            if self._store is not None and not self._settled:
+                try:
+                    self._value = _deserialize(_current().cluster.get(self._store))
+                except RuntimeError as error:
+                    raise RegattaError(f"cannot read object {self._store.id}: {error}") from None
+                self._settled = True
             while not self._settled:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 outcome = self._pending.result(left)
@@ -329,8 +386,10 @@ class ObjectRef:
         return self._value
 
     def __reduce__(self):
-        raise TypeError("an ObjectRef inside another value cannot be sent yet: pass it as a top-level "
-                        "argument (it is resolved first) or get() it")
+        if self._store is not None:
+            return (_object_ref, (self._store.id,))
+        raise TypeError("the ObjectRef of a call in flight cannot be sent inside another value yet: pass it "
+                        "as a top-level argument (it is resolved first), or get() it and put() the value")
 
     def __await__(self):
         return asyncio.get_running_loop().run_in_executor(None, self._settle, None).__await__()
@@ -371,9 +430,13 @@ def _decode(what, kind, payload, is_task):
 
 
 def put(value):
-    """A reference to ``value``, to pass to tasks and actors or ``get`` back."""
-    _current()
-    return ObjectRef("put", value=value)
+    """Stores ``value`` in the cluster's object store (once) and returns its ref: pass it to
+    tasks and actors (it travels as its id, and they read it from the store on their node),
+    or ``get`` it back. Buffers such as numpy arrays are stored as they are (pickle protocol
+    5), and a reader's arrays are read-only views of the object it read."""
+    driver = _current()
+    parts = _serialize(value)
+    return ObjectRef("put", store=driver.cluster.put(parts))
 
 
 def get(refs, *, timeout=None):

@@ -66,6 +66,17 @@ class _Tee:
         return getattr(self.out, name)
 
 
+def _resolve_top_level(args, kwargs):
+    """Stored objects given as top-level arguments arrive as refs: their values, as Ray
+    hands them."""
+    import regatta
+
+    def resolve(value):
+        return regatta.get(value) if isinstance(value, regatta.ObjectRef) else value
+
+    return tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
+
+
 def main():
     import cloudpickle
 
@@ -113,6 +124,7 @@ def main():
         sys.stdout = sys.stderr = tee
         try:
             method, function, args, kwargs = cloudpickle.loads(request)
+            args, kwargs = _resolve_top_level(args, kwargs)
             if function is not None:
                 result = function(*args, **kwargs)
             else:

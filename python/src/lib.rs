@@ -15,7 +15,7 @@ use pyo3::types::PyBytes;
 use tokio::sync::mpsc;
 
 use regatta::local::{LocalCluster, LocalOptions, WorkerSpec};
-use regatta::{ActorId, ActorOptions, Client, PlacementGroup, PythonActor, PythonArgs, Resources, Strategy};
+use regatta::{ActorId, ActorOptions, Client, ObjectId, ObjectRef, PlacementGroup, PythonActor, PythonArgs, Resources, Strategy};
 
 /// Python calls have no deadline of their own (as in Ray): a day is "never" for a driver.
 const CALL_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
@@ -139,6 +139,22 @@ impl Group {
     fn remove(&self, py: Python<'_>) -> PyResult<()> {
         let group = self.group.clone();
         py.detach(|| runtime().block_on(group.remove())).map_err(error)
+    }
+}
+
+/// An object in the cluster's object store, held while this lives (and, once it is
+/// dropped everywhere, kept a grace period for references in flight).
+#[pyclass(module = "regatta._native")]
+struct Object {
+    reference: ObjectRef<bytes::Bytes>,
+}
+
+#[pymethods]
+impl Object {
+    /// The object's id (what travels when a reference is sent).
+    #[getter]
+    fn id(&self) -> String {
+        self.reference.id().to_string()
     }
 }
 
@@ -334,6 +350,40 @@ impl Cluster {
         Ok(Pending { slot })
     }
 
+    /// Stores `parts`, concatenated, as one object in this node's object store.
+    fn put(&self, py: Python<'_>, parts: Vec<pyo3::pybacked::PyBackedBytes>) -> PyResult<Object> {
+        let cluster = self.cluster()?;
+        let total = parts.iter().map(|p| p.len()).sum();
+        let mut bytes = Vec::with_capacity(total);
+        for part in &parts {
+            bytes.extend_from_slice(part);
+        }
+        let reference = py
+            .detach(|| runtime().block_on(cluster.put_bytes(bytes)))
+            .map_err(error)?;
+        Ok(Object { reference })
+    }
+
+    /// An object by id (a reference received from elsewhere; held from its first read).
+    fn object(&self, id: &str) -> PyResult<Object> {
+        let id: ObjectId = id
+            .parse()
+            .map_err(|e| PyValueError::new_err(format!("bad object id {id:?}: {e}")))?;
+        Ok(Object {
+            reference: ObjectRef::from_id(id),
+        })
+    }
+
+    /// An object's bytes (fetched to this node when another holds it).
+    fn get<'py>(&self, py: Python<'py>, object: PyRef<'py, Object>) -> PyResult<Bound<'py, PyBytes>> {
+        let cluster = self.cluster()?;
+        let reference = object.reference.clone();
+        let bytes = py
+            .detach(|| runtime().block_on(cluster.get_bytes(&reference)))
+            .map_err(error)?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
     /// Kills an actor (it is not restarted).
     fn kill(&self, py: Python<'_>, actor: u64) -> PyResult<()> {
         let cluster = self.cluster()?;
@@ -400,6 +450,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Cluster>()?;
     m.add_class::<Pending>()?;
     m.add_class::<Group>()?;
+    m.add_class::<Object>()?;
     m.add_function(wrap_pyfunction!(token_authority_der, m)?)?;
     m.add("MAX_FRAME", regatta::PYTHON_MAX_FRAME)?;
     Ok(())

@@ -260,3 +260,31 @@ def test_what_remote_code_prints_reaches_the_driver_prefixed(capsys):
     assert len(lines) == 2 and lines[0].startswith("(chatty pid=") and lines[1].endswith("chatty line 1"), out
     regatta.get(counter.pid.remote())
     assert "Counter.pid" not in capsys.readouterr().out, "a call that prints nothing prints nothing"
+
+
+@regatta.remote
+def total(array):
+    return float(array.sum()), array.flags.writeable
+
+
+@regatta.remote
+def first_of(refs):
+    # Refs nested inside a value stay refs: the task reads them itself.
+    return regatta.get(refs[0])
+
+
+def test_put_stores_an_array_once_and_tasks_and_actors_read_it_from_the_store():
+    import numpy as np
+
+    array = np.arange(1_000_000, dtype=np.float32)
+    ref = regatta.put(array)
+    back = regatta.get(ref)
+    assert np.array_equal(back, array) and back.dtype == np.float32
+    assert not back.flags.writeable, "what get returns is read-only, as Ray's is"
+    assert regatta.get(total.remote(ref)) == (float(array.sum()), False)
+    assert regatta.get(first_of.remote([ref])).shape == (1_000_000,)
+    counter = Counter.remote(0)
+    assert regatta.get(counter.add.remote(regatta.put(7))) == 7
+    # A put value is a snapshot: changing the original later changes nothing stored.
+    array[0] = 99.0
+    assert regatta.get(ref)[0] == 0.0
