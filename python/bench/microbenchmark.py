@@ -13,6 +13,7 @@ def main():
     parser.add_argument("backend", choices=["regatta", "ray"])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--cpus", type=int, default=2)
+    parser.add_argument("--gigabytes", type=float, default=1.0, help="size of the array put and got")
     args = parser.parse_args()
     if args.backend == "ray":
         import ray as api
@@ -55,6 +56,28 @@ def main():
         "1:1 actor calls async": timeit(
             "1:1 actor calls async", lambda: api.get([actor.small.remote() for _ in range(200)]), 200),
     }
+    # put and get of one large numpy array, against a plain copy of it (the memcpy floor).
+    import numpy as np
+
+    array = np.ones(int(args.gigabytes * (1 << 30)) // 8, dtype=np.float64)
+    gb = array.nbytes / 1e9
+
+    def best_of(body, rounds=3):
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            body()
+            times.append(time.perf_counter() - start)
+        return gb / min(times)
+
+    results["numpy copy (memcpy floor) gigabytes"] = best_of(lambda: array.copy())
+    refs = []
+    results["single client put gigabytes"] = best_of(lambda: refs.append(api.put(array)))
+    ref = refs[-1]
+    results["single client get gigabytes"] = best_of(lambda: api.get(ref))
+    for name in ("numpy copy (memcpy floor) gigabytes", "single client put gigabytes", "single client get gigabytes"):
+        print(f"{name} per second {results[name]:.2f} +- 0.0", flush=True)
+    del refs, ref
     print(json.dumps({"backend": args.backend, **results}))
     api.shutdown()
 

@@ -346,7 +346,7 @@ class ObjectRef:
         self._pending = pending
         self._store = store
         self._value = value
-        self._settled = pending is None and store is None
+        self._settled = pending is None
         self._error = None
         self._retry = retry
         self._retries = retries
@@ -358,12 +358,12 @@ class ObjectRef:
 
     def _settle(self, deadline):
         with self._lock:
-            if self._store is not None and not self._settled:
+            if self._store is not None:
+                # Read each time, as Ray does: the ref does not keep a copy alive.
                 try:
-                    self._value = _deserialize(_current().cluster.get(self._store))
+                    return _deserialize(_current().cluster.get(self._store))
                 except RuntimeError as error:
                     raise RegattaError(f"cannot read object {self._store.id}: {error}") from None
-                self._settled = True
             while not self._settled:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 outcome = self._pending.result(left)
