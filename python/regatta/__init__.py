@@ -50,11 +50,11 @@ _driver_lock = threading.Lock()
 
 # Options Regatta carries out, for functions and for classes.
 _FUNCTION_OPTIONS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "max_retries", "name",
-                     "scheduling_strategy"}
+                     "scheduling_strategy", "num_returns"}
 _ACTOR_OPTIONS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "name", "lifetime",
                   "max_restarts", "max_task_retries", "scheduling_strategy"}
 # Ray's options that Regatta does not carry out yet: refused by name, never ignored.
-_NOT_YET = {"num_returns", "max_concurrency", "runtime_env", "placement_group", "concurrency_groups",
+_NOT_YET = {"max_concurrency", "runtime_env", "placement_group", "concurrency_groups",
             "retry_exceptions", "label_selector"}
 
 
@@ -403,6 +403,38 @@ class ObjectRef:
 log_to_driver = os.environ.get("REGATTA_LOG_TO_DRIVER", "1") != "0"
 
 
+class _PartRef(ObjectRef):
+    """One of the ``num_returns`` values of a call: the call's result split."""
+
+    def __init__(self, parent, index, count):
+        super().__init__(f"{parent._what}[{index}]")
+        self._parent, self._index, self._count = parent, index, count
+
+    def _ready(self):
+        return self._parent._ready()
+
+    def _settle(self, deadline):
+        values = self._parent._settle(deadline)
+        if not isinstance(values, (tuple, list)) or len(values) != self._count:
+            shown = len(values) if isinstance(values, (tuple, list)) else f"a {type(values).__name__}"
+            raise RegattaError(f"{self._parent._what} has num_returns={self._count} but returned {shown}")
+        return values[self._index]
+
+    def __reduce__(self):
+        raise TypeError("the ObjectRef of a call in flight cannot be sent inside another value yet")
+
+
+def _split(ref, num_returns):
+    """A call's ref as Ray hands it for ``num_returns``: one ref, a list of them, or None."""
+    if num_returns is None or num_returns == 1:
+        return ref
+    if not isinstance(num_returns, int) or num_returns < 0:
+        raise ValueError(f"num_returns must be an integer >= 0, not {num_returns!r}")
+    if num_returns == 0:
+        return None
+    return [_PartRef(ref, i, num_returns) for i in range(num_returns)]
+
+
 def _decode(what, kind, payload, is_task):
     if kind == "ok" and payload[:1] == b"L":
         pid, length = struct.unpack(">II", payload[1:9])
@@ -526,12 +558,14 @@ class RemoteFunction:
                         pass
                     driver.forget(actor)
 
-            return ObjectRef(what, submit(), retry=submit, retries=retries, on_done=done, is_task=True)
+            return _split(ObjectRef(what, submit(), retry=submit, retries=retries, on_done=done, is_task=True),
+                          self._options.get("num_returns"))
 
         def submit():
             return driver.cluster.call(driver.task_worker(), request)
 
-        return ObjectRef(what, submit(), retry=submit, retries=retries, is_task=True)
+        return _split(ObjectRef(what, submit(), retry=submit, retries=retries, is_task=True),
+                      self._options.get("num_returns"))
 
 
 class _Raw:
@@ -602,9 +636,17 @@ class ActorHandle:
 
 
 class _ActorMethod:
-    def __init__(self, handle, name):
+    def __init__(self, handle, name, num_returns=None):
         self._handle = handle
         self._name = name
+        self._num_returns = num_returns
+
+    def options(self, **options):
+        """This method with ``num_returns``."""
+        for name in options:
+            if name != "num_returns":
+                raise ValueError(f"unknown option {name!r} for an actor method; known: num_returns")
+        return _ActorMethod(self._handle, self._name, options.get("num_returns"))
 
     def __call__(self, *args, **kwargs):
         raise TypeError(f"actor method {self._name} cannot be called directly: use .{self._name}.remote()")
@@ -620,7 +662,7 @@ class _ActorMethod:
             return driver.cluster.call(actor, request)
 
         retry = submit if self._handle._retries > 0 else None
-        return ObjectRef(what, submit(), retry=retry, retries=self._handle._retries)
+        return _split(ObjectRef(what, submit(), retry=retry, retries=self._handle._retries), self._num_returns)
 
 
 def remote(*args, **options):

@@ -288,3 +288,19 @@ def test_put_stores_an_array_once_and_tasks_and_actors_read_it_from_the_store():
     # A put value is a snapshot: changing the original later changes nothing stored.
     array[0] = 99.0
     assert regatta.get(ref)[0] == 0.0
+
+
+@regatta.remote(num_returns=2)
+def pair(x):
+    return x, x + 1
+
+
+def test_num_returns_splits_a_result_into_refs():
+    first, second = pair.remote(10)
+    assert regatta.get([second, first]) == [11, 10]
+    counter = Counter.remote(0)
+    assert regatta.get(counter.add.options(num_returns=1).remote(3)) == 3
+    wrong = pair.options(num_returns=3).remote(1)
+    with pytest.raises(regatta.RegattaError, match="num_returns=3 but returned 2"):
+        regatta.get(wrong[0])
+    assert pair.options(num_returns=0).remote(1) is None
