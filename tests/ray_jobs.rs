@@ -69,7 +69,8 @@ fn run_sdk(cluster: &TestCluster, script: &Path, extra: &[&Path], dir: &Path) ->
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "the SDK script failed:\n{stderr}");
     let stdout = String::from_utf8_lossy(&output.stdout);
-    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"))
+    serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"))
 }
 
 fn write(path: &Path, text: &str) {

@@ -15,7 +15,9 @@ use pyo3::types::PyBytes;
 use tokio::sync::mpsc;
 
 use regatta::local::{LocalCluster, LocalOptions, WorkerSpec};
-use regatta::{ActorId, ActorOptions, Client, ObjectId, ObjectRef, PlacementGroup, PythonActor, PythonArgs, Resources, Strategy};
+use regatta::{
+    ActorId, ActorOptions, Client, ObjectId, ObjectRef, PlacementGroup, PythonActor, PythonArgs, Resources, Strategy,
+};
 
 /// Python calls have no deadline of their own (as in Ray): a day is "never" for a driver.
 const CALL_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
