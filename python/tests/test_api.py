@@ -304,3 +304,13 @@ def test_num_returns_splits_a_result_into_refs():
     with pytest.raises(regatta.RegattaError, match="num_returns=3 but returned 2"):
         regatta.get(wrong[0])
     assert pair.options(num_returns=0).remote(1) is None
+
+
+def test_refs_can_be_awaited_in_asyncio():
+    import asyncio
+
+    async def main():
+        values = await asyncio.gather(square.remote(5), pair.remote(1)[1])
+        return values
+
+    assert asyncio.run(main()) == [25, 2]
