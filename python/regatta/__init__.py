@@ -27,6 +27,7 @@ accounted by the cluster like any other actor. Values travel pickled with cloudp
 
 import asyncio
 import atexit
+import inspect
 import itertools
 import os
 import struct
@@ -52,9 +53,9 @@ _driver_lock = threading.Lock()
 _FUNCTION_OPTIONS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "max_retries", "name",
                      "scheduling_strategy", "num_returns"}
 _ACTOR_OPTIONS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "name", "lifetime",
-                  "max_restarts", "max_task_retries", "scheduling_strategy"}
+                  "max_restarts", "max_task_retries", "scheduling_strategy", "max_concurrency"}
 # Ray's options that Regatta does not carry out yet: refused by name, never ignored.
-_NOT_YET = {"max_concurrency", "runtime_env", "placement_group", "concurrency_groups",
+_NOT_YET = {"runtime_env", "placement_group", "concurrency_groups",
             "retry_exceptions", "label_selector"}
 
 
@@ -76,10 +77,10 @@ class _Driver:
         return [("REGATTA_ADDRESS", self.cluster.address), ("REGATTA_TOKEN", self.token),
                 (_WORKER_ENV, "1")]
 
-    def spawn(self, init, resources, name=None, max_restarts=0, detached=False, strategy=None):
+    def spawn(self, init, resources, name=None, max_restarts=0, detached=False, strategy=None, max_concurrency=1):
         group, bundle = _placement(strategy)
         actor = self.cluster.spawn(init, self.python, self.path, resources, name, max_restarts, self.worker_env(),
-                                   group, bundle)
+                                   group, bundle, max_concurrency)
         if not detached:
             with self.lock:
                 self.owned.add(actor)
@@ -598,6 +599,15 @@ class ActorClass:
         driver = _current()
         args, kwargs = _resolve_args(args, kwargs)
         init = _dumps((self._cls, args, kwargs), f"actor class {self._cls.__name__} or its arguments")
+        # An actor with coroutine methods is an async actor: its calls run beside each other
+        # (Ray's default of 1000 at once); max_concurrency sets it, for threaded actors too.
+        is_async = any(inspect.iscoroutinefunction(getattr(self._cls, n, None)) for n in dir(self._cls))
+        concurrency = int(self._options.get("max_concurrency", 1000 if is_async else 1))
+        if concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, not {concurrency}")
+        if concurrency > 1 and int(self._options.get("max_restarts", 0)) > 0:
+            raise ValueError("max_restarts is not supported yet for actors whose calls run concurrently "
+                             "(async actors, max_concurrency > 1)")
         actor = driver.spawn(
             init,
             _resource_text(self._options),
@@ -605,19 +615,23 @@ class ActorClass:
             max_restarts=int(self._options.get("max_restarts", 0)),
             detached=self._options.get("lifetime") == "detached",
             strategy=self._options.get("scheduling_strategy"),
+            max_concurrency=concurrency,
         )
         methods = {name for name in dir(self._cls) if callable(getattr(self._cls, name, None))}
-        return ActorHandle(actor, self._cls.__name__, methods, int(self._options.get("max_task_retries", 0)))
+        return ActorHandle(actor, self._cls.__name__, methods, int(self._options.get("max_task_retries", 0)),
+                           concurrent=concurrency > 1)
 
 
 class ActorHandle:
     """A handle on an actor: ``handle.method.remote(*args)`` returns an ObjectRef."""
 
-    def __init__(self, actor_id, class_name, methods=None, retries=0):
+    def __init__(self, actor_id, class_name, methods=None, retries=0, concurrent=False):
         self._actor_id = actor_id
         self._class_name = class_name
         self._methods = None if methods is None else set(methods)
         self._retries = retries
+        # Calls to an actor that runs them beside each other are not held in order.
+        self._concurrent = concurrent
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -629,7 +643,7 @@ class ActorHandle:
     def __reduce__(self):
         # Only the id travels: the receiving task or actor calls the same actor.
         methods = None if self._methods is None else tuple(sorted(self._methods))
-        return (ActorHandle, (self._actor_id, self._class_name, methods, self._retries))
+        return (ActorHandle, (self._actor_id, self._class_name, methods, self._retries, self._concurrent))
 
     def __repr__(self):
         return f"ActorHandle({self._class_name}, id={self._actor_id})"
@@ -657,9 +671,10 @@ class _ActorMethod:
         what = f"{self._handle._class_name}.{self._name}"
         request = _dumps((self._name, None, args, kwargs), f"the arguments of {what}")
         actor = self._handle._actor_id
+        ordered = not self._handle._concurrent
 
         def submit():
-            return driver.cluster.call(actor, request)
+            return driver.cluster.call(actor, request, ordered)
 
         retry = submit if self._handle._retries > 0 else None
         return _split(ObjectRef(what, submit(), retry=retry, retries=self._handle._retries), self._num_returns)

@@ -14,6 +14,7 @@ User code's prints go to stderr (the node's log and the actor's log on the dashb
 into the frames' own bytes.
 """
 
+import inspect
 import os
 import struct
 import sys
@@ -77,6 +78,54 @@ def _resolve_top_level(args, kwargs):
     return tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
 
 
+def _serve_concurrently(instance, read, write, limit, failure, cloudpickle):
+    """Calls beside each other: coroutine methods on one event loop, plain ones on a pool of
+    ``limit`` threads, at most ``limit`` at once; each frame and answer starts with the
+    call's 8-byte number."""
+    import asyncio
+    import concurrent.futures
+    import inspect
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(limit, 64), thread_name_prefix="regatta-call")
+    gate = asyncio.Semaphore(limit)
+    lock = threading.Lock()
+
+    def send(key, answer):
+        with lock:
+            write(struct.pack(">Q", key) + answer)
+
+    async def handle(key, request):
+        async with gate:
+            try:
+                method, function, args, kwargs = cloudpickle.loads(request)
+                args, kwargs = await loop.run_in_executor(pool, _resolve_top_level, args, kwargs)
+                target = function if function is not None else getattr(instance, method)
+                if inspect.iscoroutinefunction(target):
+                    result = await target(*args, **kwargs)
+                else:
+                    result = await loop.run_in_executor(pool, lambda: target(*args, **kwargs))
+                    if inspect.iscoroutine(result):
+                        result = await result
+                answer = b"O" + cloudpickle.dumps(result)
+            except BaseException as error:  # noqa: BLE001 - everything goes back to the caller
+                answer = failure(error)
+            send(key, answer)
+
+    def reader():
+        while True:
+            frame = read()
+            if frame is None:
+                loop.call_soon_threadsafe(loop.stop)
+                return
+            (key,) = struct.unpack(">Q", frame[:8])
+            asyncio.run_coroutine_threadsafe(handle(key, frame[8:]), loop)
+
+    threading.Thread(target=reader, daemon=True, name="regatta-frames").start()
+    loop.run_forever()
+
+
 def main():
     import cloudpickle
 
@@ -116,6 +165,11 @@ def main():
         write(b"E" + traceback.format_exc().encode("utf-8", "replace"))
         return
     write(b"O")
+    limit = int(os.environ.get("REGATTA_MAX_CONCURRENCY", "1"))
+    if limit > 1:
+        _serve_concurrently(instance, read, write, limit, failure, cloudpickle)
+        return
+    loop = None
     while True:
         request = read()
         if request is None:
@@ -129,6 +183,12 @@ def main():
                 result = function(*args, **kwargs)
             else:
                 result = getattr(instance, method)(*args, **kwargs)
+            if inspect.iscoroutine(result):
+                # An async method of an actor run one call at a time.
+                import asyncio
+
+                loop = loop or asyncio.new_event_loop()
+                result = loop.run_until_complete(result)
             answer = b"O" + cloudpickle.dumps(result)
         except BaseException as error:  # noqa: BLE001 - everything goes back to the caller
             answer = failure(error)

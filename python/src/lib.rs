@@ -271,7 +271,7 @@ impl Cluster {
     /// Spawns a Python actor; returns its id. `resources` is a resource list
     /// (`CPU=1,GPU=1`); the constructor runs when the actor is placed (its failure makes
     /// the actor dead, seen at its first call).
-    #[pyo3(signature = (init, python, path, resources, name=None, max_restarts=0, env=Vec::new(), group=None, bundle=None))]
+    #[pyo3(signature = (init, python, path, resources, name=None, max_restarts=0, env=Vec::new(), group=None, bundle=None, max_concurrency=1))]
     #[allow(clippy::too_many_arguments)]
     fn spawn(
         &self,
@@ -285,6 +285,7 @@ impl Cluster {
         env: Vec<(String, String)>,
         group: Option<PyRef<'_, Group>>,
         bundle: Option<usize>,
+        max_concurrency: u32,
     ) -> PyResult<u64> {
         let cluster = self.cluster()?;
         let resources = if resources.trim().is_empty() {
@@ -305,6 +306,7 @@ impl Cluster {
             env,
             init,
             max_restarts,
+            max_concurrency: max_concurrency.max(1),
         };
         let handle = py
             .detach(|| runtime().block_on(cluster.spawn::<PythonActor>(args, options)))
@@ -328,9 +330,20 @@ impl Cluster {
         Ok(Group { group })
     }
 
-    /// Sends `request` to actor `actor`; calls from this driver to one actor are sent in order.
-    fn call(&self, actor: u64, request: Vec<u8>) -> PyResult<Pending> {
+    /// Sends `request` to actor `actor`. Calls from this driver to one actor are sent in
+    /// order, each after the one before was answered; with `ordered` false (an actor whose
+    /// calls run beside each other) each goes at once.
+    #[pyo3(signature = (actor, request, ordered=true))]
+    fn call(&self, actor: u64, request: Vec<u8>, ordered: bool) -> PyResult<Pending> {
         let slot = Arc::new(Slot::default());
+        if !ordered {
+            let handle = self.cluster()?.handle::<PythonActor>(ActorId(actor));
+            let answer = slot.clone();
+            runtime().spawn(async move {
+                answer.set(outcome(handle.call_timeout(request, CALL_TIMEOUT).await));
+            });
+            return Ok(Pending { slot });
+        }
         let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
         let queue = match queues.get(&actor) {
             Some(queue) if !queue.is_closed() => queue.clone(),

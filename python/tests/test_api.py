@@ -175,8 +175,10 @@ def test_resources_are_reported_and_requests_are_honoured():
 def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match="unknown option 'num_cpu'"):
         square.options(num_cpu=1)
+    with pytest.raises(ValueError, match="runtime_env"):
+        Counter.options(runtime_env={"pip": ["requests"]})
     with pytest.raises(ValueError, match="max_concurrency"):
-        Counter.options(max_concurrency=4)
+        Counter.options(max_concurrency=0).remote(0)
     with pytest.raises(TypeError, match="cannot be called directly"):
         square(3)
     import threading
@@ -314,3 +316,48 @@ def test_refs_can_be_awaited_in_asyncio():
         return values
 
     assert asyncio.run(main()) == [25, 2]
+
+
+@regatta.remote
+class Rendezvous:
+    """Each call waits until `n` calls are inside at once: only calls that run beside each
+    other can all return True."""
+
+    def __init__(self):
+        import asyncio
+
+        self.inside = 0
+        self.everyone = asyncio.Event()
+
+    async def meet(self, n):
+        import asyncio
+
+        self.inside += 1
+        if self.inside >= n:
+            self.everyone.set()
+        try:
+            await asyncio.wait_for(self.everyone.wait(), timeout=30)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+@regatta.remote(max_concurrency=4)
+class Threaded:
+    def __init__(self):
+        import threading
+
+        self.barrier = threading.Barrier(4, timeout=30)
+
+    def meet(self):
+        self.barrier.wait()
+        return True
+
+
+def test_async_and_threaded_actors_run_calls_beside_each_other():
+    meeting = Rendezvous.remote()
+    assert regatta.get([meeting.meet.remote(10) for _ in range(10)], timeout=60) == [True] * 10
+    threaded = Threaded.remote()
+    assert regatta.get([threaded.meet.remote() for _ in range(4)], timeout=60) == [True] * 4
+    with pytest.raises(ValueError, match="max_restarts"):
+        Threaded.options(max_restarts=1).remote()

@@ -55,6 +55,24 @@ pub trait Actor: Send + Sized + 'static {
         request: Self::Request,
         ctx: &ActorContext,
     ) -> impl Future<Output = Result<Self::Reply, ActorError>> + Send;
+
+    /// How many messages may be in [`Actor::handle_concurrently`] at once (default 1: every
+    /// message goes through [`Actor::handle`], in order).
+    fn max_concurrency(&self) -> usize {
+        1
+    }
+
+    /// For an actor with [`Actor::max_concurrency`] above 1: a message's handling that does
+    /// not borrow the actor, run beside others (replies go out as each ends). `None` sends
+    /// the message to [`Actor::handle`] (after those running end).
+    #[allow(clippy::type_complexity)]
+    fn handle_concurrently(
+        &self,
+        _request: Self::Request,
+        _ctx: &ActorContext,
+    ) -> Option<futures::future::BoxFuture<'static, Result<Self::Reply, ActorError>>> {
+        None
+    }
 }
 
 /// What an actor knows about where it runs.

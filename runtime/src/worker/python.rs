@@ -16,7 +16,14 @@
 //! A process that dies fails the call in flight with its cause; the next call starts a
 //! new process and runs the constructor again, up to `max_restarts` times (Ray's actor
 //! restarts), after which every call says the actor is dead.
+//!
+//! With `max_concurrency` above 1 (Ray's async and threaded actors) up to that many calls
+//! are in the process at once: each frame then starts with an 8-byte call number, which
+//! its answer carries back, answers come in any order, and the process runs coroutine
+//! methods on its event loop and plain ones on a thread pool. Such a process is not
+//! restarted: when it dies, the calls in it and every later one fail with the cause.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -41,6 +48,62 @@ pub struct PythonArgs {
     pub init: Vec<u8>,
     /// How many times a dead process is replaced.
     pub max_restarts: u32,
+    /// Calls in the process at once (1: one after another, in order).
+    #[serde(default = "one")]
+    pub max_concurrency: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+type Waiters = std::collections::HashMap<u64, tokio::sync::oneshot::Sender<Result<Vec<u8>, String>>>;
+
+/// The process of an actor whose calls run beside each other: a writer shared by the
+/// calls, a reader task that hands each answer to its call, and the cause once it died.
+struct Shared {
+    stdin: tokio::sync::Mutex<tokio::process::ChildStdin>,
+    waiters: std::sync::Mutex<Waiters>,
+    dead: std::sync::Mutex<Option<String>>,
+    next: std::sync::atomic::AtomicU64,
+    _child: std::sync::Mutex<tokio::process::Child>,
+}
+
+impl Shared {
+    fn fail_all(&self, why: &str) {
+        *self.dead.lock().unwrap_or_else(|p| p.into_inner()) = Some(why.to_string());
+        let waiters = std::mem::take(&mut *self.waiters.lock().unwrap_or_else(|p| p.into_inner()));
+        for (_, waiter) in waiters {
+            let _ = waiter.send(Err(why.to_string()));
+        }
+    }
+
+    async fn call(self: Arc<Self>, request: Vec<u8>) -> Result<Vec<u8>, String> {
+        if let Some(why) = self.dead.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Err(why);
+        }
+        let key = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (answer, waiting) = tokio::sync::oneshot::channel();
+        self.waiters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, answer);
+        let mut frame = Vec::with_capacity(8 + request.len());
+        frame.extend_from_slice(&key.to_be_bytes());
+        frame.extend_from_slice(&request);
+        let sent = {
+            let mut stdin = self.stdin.lock().await;
+            write_frame(&mut *stdin, &frame).await
+        };
+        if let Err(e) = sent {
+            let why = format!("the Python worker process died: its pipe broke: {e}");
+            self.fail_all(&why);
+            return Err(why);
+        }
+        waiting
+            .await
+            .unwrap_or_else(|_| Err("the Python worker process went away".into()))
+    }
 }
 
 /// One Python process behind an actor.
@@ -48,6 +111,7 @@ pub struct PythonActor {
     args: PythonArgs,
     gpus: Vec<u32>,
     process: Option<Executor>,
+    shared: Option<Arc<Shared>>,
     restarts: u32,
     dead: Option<String>,
 }
@@ -86,6 +150,10 @@ impl PythonActor {
             env.push(("PYTHONPATH".into(), path.join(":")));
         }
         env.push(("PYTHONUNBUFFERED".into(), "1".into()));
+        env.push((
+            "REGATTA_MAX_CONCURRENCY".into(),
+            self.args.max_concurrency.max(1).to_string(),
+        ));
         let mut process = executor::launch(&Launch {
             executor: Some(self.args.python.clone()),
             args: vec!["-m".into(), "regatta._worker".into()],
@@ -106,6 +174,10 @@ impl PythonActor {
         }
         let answer = exchange(&mut process, &self.args.init).await?;
         match answer.split_first() {
+            Some((b'O', _)) if self.args.max_concurrency > 1 => {
+                self.shared = Some(share(process));
+                Ok(())
+            }
             Some((b'O', _)) => {
                 self.process = Some(process);
                 Ok(())
@@ -114,6 +186,52 @@ impl PythonActor {
             _ => Err("the Python worker answered its constructor with an unknown frame".into()),
         }
     }
+}
+
+/// Hands a started process to its calls running beside each other: a reader task routes
+/// each answer (its first 8 bytes name the call) and fails every call when the process ends.
+fn share(process: Executor) -> Arc<Shared> {
+    let Executor {
+        child,
+        stdin,
+        mut stdout,
+        ..
+    } = process;
+    let pid = child.id().unwrap_or(0);
+    let shared = Arc::new(Shared {
+        stdin: tokio::sync::Mutex::new(stdin),
+        waiters: std::sync::Mutex::new(Waiters::new()),
+        dead: std::sync::Mutex::new(None),
+        next: std::sync::atomic::AtomicU64::new(0),
+        _child: std::sync::Mutex::new(child),
+    });
+    let reader = Arc::downgrade(&shared);
+    tokio::spawn(async move {
+        loop {
+            let frame = read_frame(&mut stdout).await;
+            let Some(shared) = reader.upgrade() else { return };
+            match frame {
+                Ok(frame) if frame.len() >= 8 => {
+                    let key = u64::from_be_bytes(frame[..8].try_into().unwrap_or_default());
+                    let waiter = shared.waiters.lock().unwrap_or_else(|p| p.into_inner()).remove(&key);
+                    if let Some(waiter) = waiter {
+                        let _ = waiter.send(Ok(frame[8..].to_vec()));
+                    }
+                }
+                Ok(_) => {
+                    shared.fail_all("the Python worker process sent a frame without a call number");
+                    return;
+                }
+                Err(_) => {
+                    shared.fail_all(&format!(
+                        "the Python worker process (pid {pid}) died; its last output is in the actor's log"
+                    ));
+                    return;
+                }
+            }
+        }
+    });
+    shared
 }
 
 /// Sends one frame and reads the answer; a process that dies on the way is described.
@@ -146,6 +264,7 @@ impl Actor for PythonActor {
             args,
             gpus: ctx.gpu_ids().to_vec(),
             process: None,
+            shared: None,
             restarts: 0,
             dead: None,
         };
@@ -180,5 +299,20 @@ impl Actor for PythonActor {
                 Err(why.into())
             }
         }
+    }
+
+    fn max_concurrency(&self) -> usize {
+        self.args.max_concurrency.max(1) as usize
+    }
+
+    fn handle_concurrently(
+        &self,
+        request: Vec<u8>,
+        _ctx: &ActorContext,
+    ) -> Option<futures::future::BoxFuture<'static, Result<Vec<u8>, ActorError>>> {
+        let shared = self.shared.clone()?;
+        Some(Box::pin(
+            async move { shared.call(request).await.map_err(ActorError::from) },
+        ))
     }
 }

@@ -16,6 +16,14 @@ use crate::wire::{self, Wire};
 /// A constructed user actor behind a byte interface.
 pub(crate) trait Hosted: Send {
     fn handle<'a>(&'a mut self, request: Vec<u8>, ctx: &'a ActorContext) -> BoxFuture<'a, Result<Vec<u8>, Failure>>;
+    fn max_concurrency(&self) -> usize;
+    /// The message's handling beside others, or the request back for [`Hosted::handle`].
+    #[allow(clippy::type_complexity)]
+    fn handle_concurrently(
+        &self,
+        request: Vec<u8>,
+        ctx: &ActorContext,
+    ) -> Result<BoxFuture<'static, Result<Vec<u8>, Failure>>, Vec<u8>>;
 }
 
 struct Typed<A>(A);
@@ -30,6 +38,30 @@ impl<A: Actor> Hosted for Typed<A> {
                 Err(e) => Err(Failure::Handler(e.to_string())),
             }
         })
+    }
+
+    fn max_concurrency(&self) -> usize {
+        self.0.max_concurrency().max(1)
+    }
+
+    fn handle_concurrently(
+        &self,
+        request: Vec<u8>,
+        ctx: &ActorContext,
+    ) -> Result<BoxFuture<'static, Result<Vec<u8>, Failure>>, Vec<u8>> {
+        let decoded: A::Request = match wire::decode(&request, &format!("a request for actor kind '{}'", A::KIND)) {
+            Ok(decoded) => decoded,
+            Err(failure) => return Ok(Box::pin(async move { Err(failure) })),
+        };
+        match self.0.handle_concurrently(decoded, ctx) {
+            Some(running) => Ok(Box::pin(async move {
+                match running.await {
+                    Ok(reply) => Ok(wire::encode_ok(&reply)),
+                    Err(e) => Err(Failure::Handler(e.to_string())),
+                }
+            })),
+            None => Err(request),
+        }
     }
 }
 
@@ -146,6 +178,10 @@ impl ractor::Actor for Host {
 /// stops the host with the panic as the reason). Every call it takes gets an answer: a call
 /// cut short by the host stopping, or still queued then, is answered [`Failure::Lost`] (a
 /// dropped reply port would leave a remote caller waiting out its whole timeout).
+///
+/// An actor whose [`Hosted::max_concurrency`] is above 1 has up to that many messages in
+/// [`Hosted::handle_concurrently`] at once, each answered as it ends; a message it hands
+/// back goes to [`Hosted::handle`] once those running have ended.
 async fn drain(
     host: ActorRef<HostMessage>,
     mut inbox: tokio::sync::mpsc::UnboundedReceiver<Wire>,
@@ -154,25 +190,73 @@ async fn drain(
     ctx: ActorContext,
     kind: String,
 ) {
+    use futures::StreamExt;
+    type Running = futures::stream::FuturesUnordered<
+        futures::future::BoxFuture<'static, (u64, std::thread::Result<Result<Vec<u8>, Failure>>)>,
+    >;
     let metrics = crate::metrics::metrics();
     let depth = metrics.mailbox_depth.with_label_values(&[&kind]);
+    let limit = actor.max_concurrency();
     let mut why = "the actor was stopped".to_string();
-    loop {
+    let mut running: Running = futures::stream::FuturesUnordered::new();
+    // The reply ports and start times of the messages running beside each other.
+    let mut waiting: std::collections::HashMap<u64, (Option<ractor::RpcReplyPort<Vec<u8>>>, std::time::Instant)> =
+        std::collections::HashMap::new();
+    let mut next_key = 0u64;
+    'messages: loop {
         let message = tokio::select! {
             biased;
             _ = &mut stopped => break,
-            message = inbox.recv() => match message {
+            Some((key, outcome)) = running.next(), if !running.is_empty() => {
+                let (port, started) = waiting.remove(&key).unwrap_or((None, std::time::Instant::now()));
+                if let Some(reason) = finish(outcome, port, started, &ctx, &kind) {
+                    why = reason;
+                    host.stop(Some(why.clone()));
+                    break;
+                }
+                continue;
+            }
+            message = inbox.recv(), if running.len() < limit => match message {
                 Some(message) => message,
                 None => break,
             },
         };
         depth.dec();
-        let (request, port) = match message {
+        let (mut request, port) = match message {
             Wire::Call(request, port) => (request, Some(port)),
             Wire::Cast(request) => (request, None),
             Wire::CallActor(..) | Wire::CastActor(..) | Wire::Local(_) => continue,
         };
         let started = std::time::Instant::now();
+        if limit > 1 {
+            match actor.handle_concurrently(request, &ctx) {
+                Ok(handling) => {
+                    let key = next_key;
+                    next_key += 1;
+                    waiting.insert(key, (port, started));
+                    running.push(Box::pin(async move {
+                        (key, AssertUnwindSafe(handling).catch_unwind().await)
+                    }));
+                    continue;
+                }
+                Err(back) => request = back,
+            }
+            // A message for `handle` waits for those running beside each other.
+            while !running.is_empty() {
+                tokio::select! {
+                    biased;
+                    _ = &mut stopped => break 'messages,
+                    Some((key, outcome)) = running.next() => {
+                        let (port, started) = waiting.remove(&key).unwrap_or((None, std::time::Instant::now()));
+                        if let Some(reason) = finish(outcome, port, started, &ctx, &kind) {
+                            why = reason;
+                            host.stop(Some(why.clone()));
+                            break 'messages;
+                        }
+                    }
+                }
+            }
+        }
         let outcome = tokio::select! {
             biased;
             outcome = AssertUnwindSafe(actor.handle(request, &ctx)).catch_unwind() => outcome,
@@ -183,43 +267,15 @@ async fn drain(
                 break;
             }
         };
-        metrics.handled(&kind, started.elapsed().as_secs_f64());
-        if let Ok(Err(failure)) = &outcome {
-            ctx.log(format!("a call failed: {failure:?}"));
+        if let Some(reason) = finish(outcome, port, started, &ctx, &kind) {
+            why = reason;
+            host.stop(Some(why.clone()));
+            break;
         }
-        match (outcome, port) {
-            (Ok(result), Some(port)) => {
-                if !port.is_closed() {
-                    let mut reply = match result {
-                        Ok(answer) => answer,
-                        Err(failure) => wire::encode_failure(failure),
-                    };
-                    if reply.len() > wire::MAX_MESSAGE_BYTES {
-                        reply = wire::encode_failure(Failure::Handler(format!(
-                            "the reply of {} bytes exceeds the {} byte limit of actor messages; return an ObjectRef instead",
-                            reply.len(),
-                            wire::MAX_MESSAGE_BYTES
-                        )));
-                    }
-                    let _ = port.send(reply);
-                }
-            }
-            (Ok(Err(failure)), None) => tracing::warn!(actor = %ctx.id, ?failure, "cast failed"),
-            (Ok(Ok(_)), None) => {}
-            (Err(panic), port) => {
-                let reason = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "unknown panic".into());
-                ctx.log(format!("panicked: {reason}"));
-                why = format!("the actor panicked: {reason}");
-                if let Some(port) = port {
-                    answer_lost(port, &why);
-                }
-                host.stop(Some(why.clone()));
-                break;
-            }
+    }
+    for (port, _) in waiting.into_values() {
+        if let Some(port) = port {
+            answer_lost(port, &why);
         }
     }
     inbox.close();
@@ -227,6 +283,58 @@ async fn drain(
         depth.dec();
         if let Wire::Call(_, port) = message {
             answer_lost(port, &why);
+        }
+    }
+}
+
+/// Answers one handled message (or logs a cast's failure); a panic's reason comes back, to
+/// stop the host with.
+fn finish(
+    outcome: std::thread::Result<Result<Vec<u8>, Failure>>,
+    port: Option<ractor::RpcReplyPort<Vec<u8>>>,
+    started: std::time::Instant,
+    ctx: &ActorContext,
+    kind: &str,
+) -> Option<String> {
+    crate::metrics::metrics().handled(kind, started.elapsed().as_secs_f64());
+    if let Ok(Err(failure)) = &outcome {
+        ctx.log(format!("a call failed: {failure:?}"));
+    }
+    match (outcome, port) {
+        (Ok(result), Some(port)) => {
+            if !port.is_closed() {
+                let mut reply = match result {
+                    Ok(answer) => answer,
+                    Err(failure) => wire::encode_failure(failure),
+                };
+                if reply.len() > wire::MAX_MESSAGE_BYTES {
+                    reply = wire::encode_failure(Failure::Handler(format!(
+                        "the reply of {} bytes exceeds the {} byte limit of actor messages; return an ObjectRef instead",
+                        reply.len(),
+                        wire::MAX_MESSAGE_BYTES
+                    )));
+                }
+                let _ = port.send(reply);
+            }
+            None
+        }
+        (Ok(Err(failure)), None) => {
+            tracing::warn!(actor = %ctx.id, ?failure, "cast failed");
+            None
+        }
+        (Ok(Ok(_)), None) => None,
+        (Err(panic), port) => {
+            let reason = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            ctx.log(format!("panicked: {reason}"));
+            let why = format!("the actor panicked: {reason}");
+            if let Some(port) = port {
+                answer_lost(port, &why);
+            }
+            Some(why)
         }
     }
 }
