@@ -15,6 +15,7 @@ pub fn builtin() -> Registry {
         .register::<Noop>()
         .register::<SlowStart>()
         .register::<Caller>()
+        .register::<Rendezvous>()
         .register::<regatta_trainer::RingRank>()
         .register::<regatta_trainer::TrainRank>()
         .register::<regatta_scorer::ScorerActor>()
@@ -158,6 +159,55 @@ impl Actor for Store {
             }
             StoreOp::Stats => Ok(StoreReply::Stats(cluster.object_stats()?)),
         }
+    }
+}
+
+/// An actor whose calls run beside each other (up to `n`): each call waits, up to the
+/// number of seconds it carries, until `n` calls are inside at once, and answers whether
+/// they were. Calls handled one after another can never all answer true.
+pub struct Rendezvous {
+    barrier: std::sync::Arc<tokio::sync::Barrier>,
+    n: usize,
+}
+
+impl Actor for Rendezvous {
+    const KIND: &'static str = "rendezvous";
+    type Args = usize;
+    type Request = u64;
+    type Reply = bool;
+
+    async fn create(n: usize, _ctx: &ActorContext) -> Result<Self, ActorError> {
+        if n == 0 {
+            return Err("a rendezvous of 0 calls".into());
+        }
+        Ok(Self {
+            barrier: std::sync::Arc::new(tokio::sync::Barrier::new(n)),
+            n,
+        })
+    }
+
+    async fn handle(&mut self, _seconds: u64, _ctx: &ActorContext) -> Result<bool, ActorError> {
+        // Alone: a rendezvous of one is met at once, of more never.
+        Ok(self.n == 1)
+    }
+
+    fn max_concurrency(&self) -> usize {
+        self.n
+    }
+
+    fn handle_concurrently(
+        &self,
+        seconds: u64,
+        _ctx: &ActorContext,
+    ) -> Option<futures::future::BoxFuture<'static, Result<bool, ActorError>>> {
+        let barrier = self.barrier.clone();
+        Some(Box::pin(async move {
+            Ok(
+                tokio::time::timeout(std::time::Duration::from_secs(seconds), barrier.wait())
+                    .await
+                    .is_ok(),
+            )
+        }))
     }
 }
 

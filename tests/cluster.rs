@@ -586,3 +586,20 @@ async fn calls_and_casts_ride_the_call_channel_in_order_and_the_session_path_sti
     assert_eq!(channel_messages(&cluster, &node_a, "call").await - calls_a, 2);
     assert_eq!(channel_messages(&cluster, &node_a, "cast").await - casts_a, 100);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_actor_with_max_concurrency_runs_that_many_calls_beside_each_other() {
+    use regatta::kinds::Rendezvous;
+    let cluster = TestCluster::start(&[("w1", "CPU=2")]).await;
+    let meeting = cluster
+        .client
+        .spawn::<Rendezvous>(4, ActorOptions::new())
+        .await
+        .expect("spawn");
+    // Four calls can only all return true if the host runs them at once.
+    let calls = (0..4).map(|_| meeting.call(30));
+    let met = futures::future::join_all(calls).await;
+    assert!(met.iter().all(|m| matches!(m, Ok(true))), "{met:?}");
+    // A fifth call waits for a place, then meets no one within a second.
+    assert!(!meeting.call(1).await.expect("call"), "a lone call meets no one");
+}
