@@ -51,11 +51,11 @@ _driver_lock = threading.Lock()
 
 # Options Regatta carries out, for functions and for classes.
 _FUNCTION_OPTIONS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "max_retries", "name",
-                     "scheduling_strategy", "num_returns"}
+                     "scheduling_strategy", "num_returns", "runtime_env"}
 _ACTOR_OPTIONS = {"num_cpus", "num_gpus", "memory", "resources", "accelerator_type", "name", "lifetime",
-                  "max_restarts", "max_task_retries", "scheduling_strategy", "max_concurrency"}
+                  "max_restarts", "max_task_retries", "scheduling_strategy", "max_concurrency", "runtime_env"}
 # Ray's options that Regatta does not carry out yet: refused by name, never ignored.
-_NOT_YET = {"runtime_env", "placement_group", "concurrency_groups",
+_NOT_YET = {"placement_group", "concurrency_groups",
             "retry_exceptions", "label_selector"}
 
 
@@ -77,9 +77,11 @@ class _Driver:
         return [("REGATTA_ADDRESS", self.cluster.address), ("REGATTA_TOKEN", self.token),
                 (_WORKER_ENV, "1")]
 
-    def spawn(self, init, resources, name=None, max_restarts=0, detached=False, strategy=None, max_concurrency=1):
+    def spawn(self, init, resources, name=None, max_restarts=0, detached=False, strategy=None, max_concurrency=1,
+              env_vars=None):
         group, bundle = _placement(strategy)
-        actor = self.cluster.spawn(init, self.python, self.path, resources, name, max_restarts, self.worker_env(),
+        env = list((env_vars or {}).items()) + self.worker_env()
+        actor = self.cluster.spawn(init, self.python, self.path, resources, name, max_restarts, env,
                                    group, bundle, max_concurrency)
         if not detached:
             with self.lock:
@@ -263,7 +265,24 @@ def _placement(strategy):
     return strategy.placement_group._group, (None if index is None or index < 0 else index)
 
 
+def _env_vars(options):
+    """The ``env_vars`` of a ``runtime_env`` option; its other keys are refused by name."""
+    runtime_env = options.get("runtime_env") or {}
+    if not isinstance(runtime_env, dict):
+        raise ValueError(f"runtime_env must be a dict, not {type(runtime_env).__name__}")
+    for key in runtime_env:
+        if key != "env_vars":
+            raise ValueError(f"runtime_env.{key} is not supported: Regatta carries out env_vars only; install "
+                             "packages into the environment the workers run")
+    env_vars = runtime_env.get("env_vars") or {}
+    for key, value in env_vars.items():
+        if not isinstance(key, str) or not isinstance(value, str) or not key or "=" in key:
+            raise ValueError(f"runtime_env.env_vars takes names and string values, not {key!r}: {value!r}")
+    return env_vars
+
+
 def _check_options(options, allowed, what):
+    _env_vars(options)
     for name in options:
         if name in _NOT_YET:
             raise ValueError(f"the option {name!r} is not supported by Regatta yet")
@@ -541,12 +560,13 @@ class RemoteFunction:
         what = f"task {self._name}"
         strategy = self._options.get("scheduling_strategy")
         _placement(strategy)  # refuses what is not supported before anything starts
-        if resources or strategy is not None:
+        env_vars = _env_vars(self._options)
+        if resources or strategy is not None or env_vars:
             # A task that asks for resources runs in a worker holding them, ended with it.
             holder = {}
 
             def submit():
-                actor = driver.spawn(cloudpickle.dumps((None, (), {})), resources, strategy=strategy)
+                actor = driver.spawn(cloudpickle.dumps((None, (), {})), resources, strategy=strategy, env_vars=env_vars)
                 holder["actor"] = actor
                 return driver.cluster.call(actor, request)
 
@@ -616,6 +636,7 @@ class ActorClass:
             detached=self._options.get("lifetime") == "detached",
             strategy=self._options.get("scheduling_strategy"),
             max_concurrency=concurrency,
+            env_vars=_env_vars(self._options),
         )
         methods = {name for name in dir(self._cls) if callable(getattr(self._cls, name, None))}
         return ActorHandle(actor, self._cls.__name__, methods, int(self._options.get("max_task_retries", 0)),

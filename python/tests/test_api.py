@@ -175,7 +175,7 @@ def test_resources_are_reported_and_requests_are_honoured():
 def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match="unknown option 'num_cpu'"):
         square.options(num_cpu=1)
-    with pytest.raises(ValueError, match="runtime_env"):
+    with pytest.raises(ValueError, match="runtime_env.pip is not supported"):
         Counter.options(runtime_env={"pip": ["requests"]})
     with pytest.raises(ValueError, match="max_concurrency"):
         Counter.options(max_concurrency=0).remote(0)
@@ -361,3 +361,22 @@ def test_async_and_threaded_actors_run_calls_beside_each_other():
     assert regatta.get([threaded.meet.remote() for _ in range(4)], timeout=60) == [True] * 4
     with pytest.raises(ValueError, match="max_restarts"):
         Threaded.options(max_restarts=1).remote()
+
+
+@regatta.remote
+def read_env(name):
+    return os.environ.get(name)
+
+
+def test_runtime_env_vars_reach_tasks_and_actors():
+    assert regatta.get(read_env.options(runtime_env={"env_vars": {"REGATTA_TEST_VAR": "task"}}).remote(
+        "REGATTA_TEST_VAR"), timeout=60) == "task"
+    assert regatta.get(read_env.remote("REGATTA_TEST_VAR")) is None, "the pool's workers do not get it"
+
+    @regatta.remote
+    class Env:
+        def get(self, name):
+            return os.environ.get(name)
+
+    holder = Env.options(runtime_env={"env_vars": {"REGATTA_TEST_VAR": "actor"}}).remote()
+    assert regatta.get(holder.get.remote("REGATTA_TEST_VAR"), timeout=60) == "actor"
