@@ -127,10 +127,9 @@ impl RuntimeEnv {
     /// The uploaded packages the driver needs (`working_dir` first, then `py_modules`), as
     /// their names without the scheme.
     pub fn packages(&self) -> Vec<&str> {
-        self.working_dir
-            .iter()
-            .chain(self.py_modules.iter())
-            .filter_map(|uri| uri.strip_prefix(PACKAGE_SCHEME))
+        self.working_dir_package()
+            .into_iter()
+            .chain(self.py_module_packages())
             .collect()
     }
 
@@ -139,6 +138,21 @@ impl RuntimeEnv {
         self.working_dir
             .as_deref()
             .and_then(|uri| uri.strip_prefix(PACKAGE_SCHEME))
+    }
+
+    /// The `working_dir` as a path on the driver's node, when it is not a package.
+    pub fn working_dir_path(&self) -> Option<&str> {
+        self.working_dir
+            .as_deref()
+            .filter(|_| self.working_dir_package().is_none())
+    }
+
+    /// The `py_modules` packages' names.
+    pub fn py_module_packages(&self) -> Vec<&str> {
+        self.py_modules
+            .iter()
+            .filter_map(|uri| uri.strip_prefix(PACKAGE_SCHEME))
+            .collect()
     }
 }
 

@@ -78,15 +78,19 @@ impl Default for JobConfig {
 }
 
 /// Why a job request was refused, mapped to an HTTP status by the API.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub(crate) enum JobError {
     /// 400.
+    #[error("{0}")]
     Invalid(String),
     /// 404.
+    #[error("{0}")]
     Unknown(String),
     /// 413.
+    #[error("{0}")]
     TooLarge(String),
     /// 500.
+    #[error("{0}")]
     Internal(String),
 }
 
@@ -251,12 +255,7 @@ impl JobManager {
             }
             self.inner.packages.touch(package);
         }
-        if let Some(dir) = submission
-            .runtime_env
-            .working_dir
-            .as_ref()
-            .filter(|_| submission.runtime_env.working_dir_package().is_none())
-        {
+        if let Some(dir) = submission.runtime_env.working_dir_path() {
             if !Path::new(dir).is_dir() {
                 return Err(JobError::Invalid(format!(
                     "runtime_env.working_dir '{dir}' is not a directory on the head"
@@ -507,11 +506,7 @@ impl JobManager {
             job: id.to_string(),
             entrypoint: submission.entrypoint.clone(),
             env,
-            working_dir: submission
-                .runtime_env
-                .working_dir
-                .clone()
-                .filter(|_| submission.runtime_env.working_dir_package().is_none()),
+            working_dir: submission.runtime_env.working_dir_path().map(str::to_string),
             log_cap_bytes: config.log_cap_bytes,
             stop_grace: config.stop_grace,
         };
@@ -538,9 +533,8 @@ impl JobManager {
                 working_dir: submission.runtime_env.working_dir_package().map(str::to_string),
                 py_modules: submission
                     .runtime_env
-                    .py_modules
-                    .iter()
-                    .filter_map(|m| m.strip_prefix(crate::job::PACKAGE_SCHEME))
+                    .py_module_packages()
+                    .into_iter()
                     .map(str::to_string)
                     .collect(),
             })
@@ -725,46 +719,24 @@ impl JobManager {
         self.inner.packages.sweep(&referenced);
     }
 
-    /// The driver's working directory and `PYTHONPATH` with its packages unpacked: the
-    /// `working_dir` package's folder is where it starts and heads `PYTHONPATH`, each
-    /// `py_modules` package's folder follows (as Ray does), then the inherited path.
+    /// The driver's working directory and `PYTHONPATH`, its packages unpacked in this
+    /// head's package store ([`crate::job_packages::driver_dirs`]).
     fn package_dirs(
         &self,
         submission: &JobSubmission,
     ) -> std::result::Result<(Option<PathBuf>, Option<std::ffi::OsString>), String> {
         let env = &submission.runtime_env;
-        let unpack = |name: &str| {
-            self.inner.packages.unpacked_dir(name).map_err(|e| match e {
-                JobError::Invalid(m) | JobError::Unknown(m) | JobError::TooLarge(m) | JobError::Internal(m) => {
-                    format!("cannot prepare the package gcs://{name}: {m}")
-                }
-            })
-        };
-        let mut path = Vec::new();
-        let working_dir = match env.working_dir_package() {
-            Some(name) => {
-                let dir = unpack(name)?;
-                path.push(dir.clone());
-                Some(dir)
-            }
-            None => env.working_dir.as_ref().map(PathBuf::from),
-        };
-        for module in env
-            .py_modules
-            .iter()
-            .filter_map(|m| m.strip_prefix(crate::job::PACKAGE_SCHEME))
-        {
-            path.push(unpack(module)?);
-        }
-        if path.is_empty() {
-            return Ok((working_dir, None));
-        }
         let inherited = env
             .env_vars
             .get("PYTHONPATH")
             .map(std::ffi::OsString::from)
             .or_else(|| std::env::var_os("PYTHONPATH"));
-        Ok((working_dir, Some(crate::job_packages::python_path(path, inherited)?)))
+        crate::job_packages::driver_dirs(env, inherited, |name| {
+            self.inner
+                .packages
+                .unpacked_dir(name)
+                .map_err(|e| format!("cannot prepare the package gcs://{name}: {e}"))
+        })
     }
 
     /// Follows a job through its supervisor's files until the job ends: the driver's
@@ -857,13 +829,12 @@ impl JobManager {
             tracing::warn!(job = id, error = %e, "could not clean up the job's actors and objects");
         }
         self.inner.stopping.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
-        if let Ok(record) = self.get(id) {
-            for package in record.runtime_env.packages() {
-                self.inner.packages.touch(package);
-            }
+        let record = self.get(id);
+        for package in record.iter().flat_map(|r| r.runtime_env.packages()) {
+            self.inner.packages.touch(package);
         }
         self.sweep_packages();
-        if let Ok(record) = self.get(id) {
+        if let Ok(record) = record {
             let ran_ms = record
                 .end_time
                 .unwrap_or(0)

@@ -98,18 +98,19 @@ impl FolderHash {
         Self(*b"00000000")
     }
 
-    /// Adds a folder (`content` None) or a file.
-    pub(crate) fn add(&mut self, path: &str, content: Option<&mut dyn Read>) -> io::Result<()> {
+    /// Adds a folder (`content` None) or a file; returns the bytes of content read.
+    pub(crate) fn add(&mut self, path: &str, content: Option<&mut dyn Read>) -> io::Result<u64> {
         let mut hasher = Sha1::new();
         hasher.update(path.as_bytes());
+        let mut read = 0;
         if let Some(content) = content {
-            io::copy(content, &mut HashWriter(&mut hasher))?;
+            read = io::copy(content, &mut HashWriter(&mut hasher))?;
         }
         let digest = hasher.finalize();
         for (acc, byte) in self.0.iter_mut().zip(digest.iter()) {
             *acc ^= byte;
         }
-        Ok(())
+        Ok(read)
     }
 
     pub(crate) fn finish(self) -> [u8; 8] {
@@ -228,7 +229,17 @@ fn folder_hash(
         let mut file = archive
             .by_index(index)
             .map_err(|e| JobError::Invalid(format!("the package is not a readable zip: {e}")))?;
-        hash.add(&path, Some(&mut file)).map_err(read_error)?;
+        // An entry that inflates past the size its header declares (and was checked
+        // against the unpacked limit by) is refused, not read on.
+        let declared = file.size();
+        let read = hash
+            .add(&path, Some(&mut (&mut file).take(declared.saturating_add(1))))
+            .map_err(read_error)?;
+        if read > declared {
+            return Err(JobError::Invalid(format!(
+                "the package's entry '{path}' holds more bytes than the {declared} its header says"
+            )));
+        }
     }
     Ok(Some(hash.finish()))
 }
@@ -320,14 +331,33 @@ pub(crate) fn unpack(archive_path: &Path, dest: &Path) -> Result<(), JobError> {
     Ok(())
 }
 
-/// `PYTHONPATH` for a driver: the package folders first, then what it inherits.
-pub(crate) fn python_path(
-    dirs: Vec<PathBuf>,
+/// Where a driver starts and its `PYTHONPATH`, as Ray sets them: the `working_dir`
+/// package's folder (from `unpack`) is the working directory and comes first on the path,
+/// each `py_modules` package's folder follows, then `inherited`. A `working_dir` that is a
+/// path on the node is used as it is; without packages the path is left alone (`None`).
+pub(crate) fn driver_dirs(
+    env: &crate::job::RuntimeEnv,
     inherited: Option<std::ffi::OsString>,
-) -> Result<std::ffi::OsString, String> {
-    let mut path = dirs;
+    mut unpack: impl FnMut(&str) -> Result<PathBuf, String>,
+) -> Result<(Option<PathBuf>, Option<std::ffi::OsString>), String> {
+    let mut path = Vec::new();
+    let working_dir = match env.working_dir_package() {
+        Some(name) => {
+            let dir = unpack(name)?;
+            path.push(dir.clone());
+            Some(dir)
+        }
+        None => env.working_dir_path().map(PathBuf::from),
+    };
+    for module in env.py_module_packages() {
+        path.push(unpack(module)?);
+    }
+    if path.is_empty() {
+        return Ok((working_dir, None));
+    }
     path.extend(inherited.iter().flat_map(std::env::split_paths));
-    std::env::join_paths(path).map_err(|e| format!("cannot build the driver's PYTHONPATH: {e}"))
+    let joined = std::env::join_paths(path).map_err(|e| format!("cannot build the driver's PYTHONPATH: {e}"))?;
+    Ok((working_dir, Some(joined)))
 }
 
 /// The packages that can go: unused for longer than `grace` and named by no job that is

@@ -19,7 +19,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::client::{Actor, ActorContext, ActorError};
-use crate::job::ProcessIdentity;
+use crate::job::{ProcessIdentity, RuntimeEnv, PACKAGE_SCHEME};
 use crate::job_log;
 use crate::job_packages;
 use crate::job_shim::{self, RunFiles, ShimArgs, ShimOutcome};
@@ -115,7 +115,7 @@ impl JobDriver {
 
     fn archive(&self, name: &str) -> Result<PathBuf, ActorError> {
         // Package names were checked by the head; refuse anything else all the same.
-        job_packages::parse_name(job_packages::PROTOCOL, name).map_err(|e| format!("{e:?}"))?;
+        job_packages::parse_name(job_packages::PROTOCOL, name)?;
         Ok(self.dir.join("packages").join(name))
     }
 
@@ -123,7 +123,7 @@ impl JobDriver {
         let archive = self.archive(name)?;
         let dest = self.dir.join("unpacked").join(name);
         if !dest.is_dir() {
-            job_packages::unpack(&archive, &dest).map_err(|e| format!("cannot unpack the package {name}: {e:?}"))?;
+            job_packages::unpack(&archive, &dest).map_err(|e| format!("cannot unpack the package {name}: {e}"))?;
         }
         Ok(dest)
     }
@@ -137,28 +137,27 @@ impl JobDriver {
         if self.supervisor.is_some() {
             return Err("the driver was started already".into());
         }
-        let mut path = Vec::new();
-        let working_dir = match working_dir {
-            Some(name) => {
-                let dir = self.unpacked(&name)?;
-                path.push(dir.clone());
-                Some(dir)
-            }
-            None => self.args.working_dir.as_ref().map(PathBuf::from),
-        };
-        for module in &py_modules {
-            path.push(self.unpacked(module)?);
-        }
         let mut env: Vec<(OsString, OsString)> = self.args.env.iter().map(|(k, v)| (k.into(), v.into())).collect();
-        if !path.is_empty() {
-            let inherited = env
+        let inherited = env
+            .iter()
+            .rev()
+            .find(|(k, _)| k == "PYTHONPATH")
+            .map(|(_, v)| v.clone())
+            .or_else(|| std::env::var_os("PYTHONPATH"));
+        let packages = RuntimeEnv {
+            working_dir: working_dir
+                .map(|name| format!("{PACKAGE_SCHEME}{name}"))
+                .or_else(|| self.args.working_dir.clone()),
+            py_modules: py_modules
                 .iter()
-                .rev()
-                .find(|(k, _)| k == "PYTHONPATH")
-                .map(|(_, v)| v.clone())
-                .or_else(|| std::env::var_os("PYTHONPATH"));
-            env.push(("PYTHONPATH".into(), job_packages::python_path(path, inherited)?));
-        }
+                .map(|name| format!("{PACKAGE_SCHEME}{name}"))
+                .collect(),
+            ..RuntimeEnv::default()
+        };
+        let (working_dir, python_path) = job_packages::driver_dirs(&packages, inherited, |name| {
+            self.unpacked(name).map_err(|e| e.to_string())
+        })?;
+        env.extend(python_path.map(|path| ("PYTHONPATH".into(), path)));
         if !ctx.gpu_ids().is_empty() {
             let devices: Vec<String> = ctx.gpu_ids().iter().map(u32::to_string).collect();
             env.push(("CUDA_VISIBLE_DEVICES".into(), devices.join(",").into()));
