@@ -179,3 +179,90 @@ pub fn bench_generate(model_path: &str, threads: usize) -> Result<()> {
     );
     Ok(())
 }
+
+/// What `regatta-torch-rank generate-ids` reads: prompts as token ids and how to continue
+/// them (greedy), so a peer tokenizing the same text runs exactly the same rows.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdsJob {
+    /// Prompt token ids, one list per row.
+    pub prompts: Vec<Vec<i64>>,
+    /// Tokens generated per row at most.
+    pub max_new_tokens: usize,
+    /// Sequences decoded together at most.
+    pub max_batch: usize,
+    /// libtorch threads.
+    pub threads: usize,
+    /// Token ids that end a row.
+    #[serde(default)]
+    pub eos: Vec<i64>,
+    /// KV cache budget in MiB (default 2048).
+    #[serde(default)]
+    pub kv_cache_mb: Option<u64>,
+}
+
+/// What it prints: every row's tokens and where the time went.
+#[derive(Debug, serde::Serialize)]
+pub struct IdsOutcome {
+    /// Generated token ids per row (an end-of-sequence token included).
+    pub outputs: Vec<Vec<i64>>,
+    /// Seconds to open the model folder and read its weights.
+    pub load_seconds: f64,
+    /// Seconds generating (prefill and decode, cache set-up included).
+    pub generate_seconds: f64,
+    /// Seconds in decode forwards.
+    pub decode_seconds: f64,
+    /// Tokens those decode forwards produced.
+    pub decode_tokens: u64,
+    /// Seconds in prefill forwards.
+    pub prefill_seconds: f64,
+    /// Prompt tokens prefilled.
+    pub prefill_tokens: u64,
+}
+
+/// Greedy generation for token-id prompts with a model folder: the engine alone, for the
+/// side-by-side with `transformers.generate` (scripts/bench-vs-hf.sh).
+pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
+    tch::set_num_threads(job.threads.max(1) as i32);
+    let started = Instant::now();
+    let (model, params, context) = load(model_path)?;
+    let params = crate::model::inference_layout(params, Device::Cpu);
+    let load_seconds = started.elapsed().as_secs_f64();
+    let rows: Vec<Prepared> = job
+        .prompts
+        .iter()
+        .enumerate()
+        .map(|(i, prompt)| Prepared {
+            prompt: prompt.clone(),
+            params: SamplingParams {
+                max_new_tokens: job.max_new_tokens,
+                ..SamplingParams::default()
+            },
+            stream: RowStream::new(0, &i.to_string()),
+        })
+        .collect();
+    let setup = GenerationSetup {
+        kv_cache_bytes: job.kv_cache_mb.unwrap_or(2048) << 20,
+        max_batch: job.max_batch.max(1),
+        prefill_tokens: 1024,
+        block_tokens: 16,
+    };
+    let generator = Generator::new(model.as_ref(), &params, setup, context, job.eos.clone(), Device::Cpu)?;
+    let started = Instant::now();
+    let (outputs, timings) = generator.run_timed(&rows, &|_| String::new(), &mut |_| {})?;
+    let generate_seconds = started.elapsed().as_secs_f64();
+    let outputs = outputs
+        .into_iter()
+        .enumerate()
+        .map(|(i, o)| o.map(|o| o.tokens).map_err(|reason| Error::Invalid(format!("row {i}: {reason}"))))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(IdsOutcome {
+        outputs,
+        load_seconds,
+        generate_seconds,
+        decode_seconds: timings.decode_seconds,
+        decode_tokens: timings.decode_tokens,
+        prefill_seconds: timings.prefill_seconds,
+        prefill_tokens: timings.prefill_tokens,
+    })
+}

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use regatta_trainer::config::ModelConfig;
 use regatta_trainer::LoraConfig;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::attention::{Kernel, Segments};
 use crate::error::{Error, Result};
@@ -271,6 +271,33 @@ pub fn logits(model: &dyn Model, params: &[Vec<Tensor>], tokens: &Tensor) -> Ten
         hidden = model.forward(block, block_params, &hidden, &batch);
     }
     hidden
+}
+
+/// Lays the decoder layers' matrices out for inference on the CPU: each weight `[out, in]`
+/// is stored transposed and contiguous (`[in, out]`) and handed back as its transpose, so
+/// `linear` multiplies by a plain row-major matrix. libtorch's CPU GEMM is up to 2.8x
+/// faster that way at decode batch sizes (SmolLM2's `down_proj` at 16 rows: 169 against
+/// 60 GFLOP/s on a 2-core Sapphire Rapids); the values are the same, only the summation
+/// order inside the kernel differs. The embedding and the head (the first and last blocks)
+/// keep their layout: the head's product is fastest as it is. Other devices: unchanged.
+pub fn inference_layout(params: Vec<Vec<Tensor>>, device: Device) -> Vec<Vec<Tensor>> {
+    if device != Device::Cpu || params.len() < 3 {
+        return params;
+    }
+    let last = params.len() - 1;
+    params
+        .into_iter()
+        .enumerate()
+        .map(|(block, tensors)| {
+            if block == 0 || block == last {
+                return tensors;
+            }
+            tensors
+                .into_iter()
+                .map(|w| if w.dim() == 2 { w.transpose(0, 1).contiguous().transpose(0, 1) } else { w })
+                .collect()
+        })
+        .collect()
 }
 
 /// Every block's parameters from the stored ones by name (a tied parameter is its

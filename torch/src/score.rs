@@ -131,6 +131,7 @@ impl Scorer {
         tokenizer: TextTokenizer,
         device: Device,
     ) -> Self {
+        let params = crate::model::inference_layout(params, device);
         Self {
             context,
             net: Net::Model { model, params },

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use regatta_scorer::generate::{Finish, GenStats, GenerationSetup, RowStream, SamplingParams};
 use regatta_torch::engine::seeded;
-use regatta_torch::model::{arrange, logits};
+use regatta_torch::model::{arrange, inference_layout, logits};
 use regatta_torch::{tch, Generator, Gpt, HfModel, Model, Output, Prepared};
 use regatta_trainer::config::ModelConfig;
 use tch::{Device, Tensor};
@@ -38,7 +38,8 @@ fn load(dir: &Path) -> (Box<dyn Model>, Vec<Vec<Tensor>>) {
             (spec.name, t)
         })
         .collect();
-    let params = arrange(model.as_ref(), &stored).unwrap();
+    // As the scorer lays them out for the CPU.
+    let params = inference_layout(arrange(model.as_ref(), &stored).unwrap(), Device::Cpu);
     (model, params)
 }
 

@@ -316,6 +316,30 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Some("generate-ids") => {
+            let usage = "usage: regatta-torch-rank generate-ids MODEL_DIR JOB.json (prints the outputs and timings as JSON)";
+            let (Some(model), Some(job)) = (args.get(1), args.get(2)) else {
+                eprintln!("{usage}");
+                return ExitCode::from(2);
+            };
+            let job = std::fs::read(job)
+                .map_err(|e| anyhow::anyhow!("cannot read {job}: {e}"))
+                .and_then(|bytes| {
+                    serde_json::from_slice::<regatta_torch::bench_generate::IdsJob>(&bytes)
+                        .map_err(|e| anyhow::anyhow!("{job} is not a generate-ids job: {e}"))
+                });
+            let outcome = job.and_then(|job| Ok(regatta_torch::bench_generate::generate_ids(model, &job)?));
+            match outcome.and_then(|o| Ok(serde_json::to_string(&o)?)) {
+                Ok(line) => {
+                    println!("{line}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Some("peak") => match peak(&args[1..]) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
