@@ -6,8 +6,9 @@
 //! means the partition is done).
 
 use crate::error::{Error, Result};
+use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -18,8 +19,9 @@ use regatta_runtime::{Actor, ActorContext, ActorError};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout};
+use tokio::sync::oneshot;
 
-use crate::generate::{parse_prompt_row, GenRequest, GenStats, Prompt, PromptRow, SamplingParams};
+use crate::generate::{parse_prompt_row, GenRequest, GenStats, Generation, Prompt, PromptRow, SamplingParams};
 use crate::jsonl::read_owned_lines;
 use crate::output::{generated_to_parquet, to_parquet, GeneratedRow, ScoredRow};
 use crate::parquet_input::{ParquetInput, RowSlice};
@@ -191,29 +193,114 @@ struct Outcome {
     output_tokens: u64,
 }
 
+/// Partitions a generating scorer has in flight at once: the next one's rows join the
+/// executor's batch while the last rows of the one before still decode, so the batch
+/// never drains between partitions.
+pub const GENERATE_DEPTH: usize = 2;
+
 /// A scorer actor.
 pub struct ScorerActor {
-    /// The generation figures this actor last added to the node's gauges.
-    reported: GenStats,
     batch_size: usize,
-    sampling: Option<SamplingParams>,
-    stdin: ChildStdin,
-    stdout: Lines<BufReader<ChildStdout>>,
+    stdin: Arc<tokio::sync::Mutex<ChildStdin>>,
+    /// A scoring run's replies, read by the one call in flight.
+    stdout: Option<Lines<BufReader<ChildStdout>>>,
+    /// A generating run's link to its executor (replies read by a task of their own).
+    link: Option<Arc<Link>>,
     _child: Child,
 }
 
-impl ScorerActor {
-    async fn send(&mut self, message: &ToScorer) -> Result<()> {
-        let line = serde_json::to_string(message)?;
-        self.stdin
-            .write_all(format!("{line}\n").as_bytes())
-            .await
-            .map_err(|e| Error::Executor(format!("the scorer executor is gone: {e}")))
+/// What a generating scorer's partitions share: the executor's stdin, and the answers
+/// its reply reader hands to each partition by tag.
+struct Link {
+    stdin: Arc<tokio::sync::Mutex<ChildStdin>>,
+    sampling: SamplingParams,
+    state: std::sync::Mutex<LinkState>,
+}
+
+type Answer = std::result::Result<Vec<std::result::Result<Generation, String>>, String>;
+
+#[derive(Default)]
+struct LinkState {
+    waiting: HashMap<u64, oneshot::Sender<Answer>>,
+    /// Set once the executor is gone: later partitions fail at once.
+    gone: Option<String>,
+}
+
+impl Link {
+    /// Registers a partition's answer before its rows go out.
+    fn expect(&self, tag: u64) -> Result<oneshot::Receiver<Answer>> {
+        let mut state = self.state.lock().map_err(|_| Error::Executor("a scorer link lock was poisoned".into()))?;
+        if let Some(reason) = &state.gone {
+            return Err(Error::Executor(reason.clone()));
+        }
+        let (sender, receiver) = oneshot::channel();
+        state.waiting.insert(tag, sender);
+        Ok(receiver)
     }
 
+    /// Hands `answer` to the partition tagged `tag` (no one waiting: dropped).
+    fn answer(&self, tag: u64, answer: Answer) {
+        if let Ok(mut state) = self.state.lock() {
+            if let Some(sender) = state.waiting.remove(&tag) {
+                let _ = sender.send(answer);
+            }
+        }
+    }
+
+    /// Fails every partition waiting (and, when `gone`, every later one).
+    fn fail_all(&self, reason: &str, gone: bool) {
+        if let Ok(mut state) = self.state.lock() {
+            for (_, sender) in state.waiting.drain() {
+                let _ = sender.send(Err(reason.to_string()));
+            }
+            if gone {
+                state.gone = Some(reason.to_string());
+            }
+        }
+    }
+
+    /// Reads the executor's replies until it exits: answers by tag, progress figures to
+    /// the node's gauges (taken back when the executor is gone).
+    async fn read_replies(self: Arc<Self>, mut stdout: Lines<BufReader<ChildStdout>>) {
+        let m = metrics();
+        let mut reported = GenStats::default();
+        loop {
+            match read_reply(&mut stdout).await {
+                Ok(FromScorer::Stats(stats)) => {
+                    m.generation(&reported, &stats);
+                    reported = GenStats { new_tokens: 0, ..stats };
+                }
+                Ok(FromScorer::Generated { tag, results }) => self.answer(tag, Ok(results)),
+                Ok(FromScorer::Failed(reason)) => self.fail_all(&format!("generation failed: {reason}"), false),
+                Ok(other) => tracing::warn!("the scorer executor said {other:?} while generating"),
+                Err(e) => {
+                    self.fail_all(&e.to_string(), true);
+                    break;
+                }
+            }
+        }
+        m.generation(&reported, &GenStats::default());
+    }
+}
+
+async fn send(stdin: &tokio::sync::Mutex<ChildStdin>, message: &ToScorer) -> Result<()> {
+    let line = serde_json::to_string(message)?;
+    stdin
+        .lock()
+        .await
+        .write_all(format!("{line}\n").as_bytes())
+        .await
+        .map_err(|e| Error::Executor(format!("the scorer executor is gone: {e}")))
+}
+
+impl ScorerActor {
     async fn request(&mut self, message: &ToScorer) -> Result<FromScorer> {
-        self.send(message).await?;
-        read_reply(&mut self.stdout).await
+        send(&self.stdin, message).await?;
+        let stdout = self
+            .stdout
+            .as_mut()
+            .ok_or_else(|| Error::Executor("this scorer generates; it cannot score batches".into()))?;
+        read_reply(stdout).await
     }
 
     /// A generating run's rows: JSONL lines with `prompt`, `text` or `messages` (and
@@ -248,84 +335,6 @@ impl ScorerActor {
                 Ok((rows, errors))
             }
         }
-    }
-
-    /// Generates for a partition's rows: every row with valid settings goes to the
-    /// executor in one request (it batches them continuously); rows it cannot run, and
-    /// rows with bad settings, go to the errors file.
-    async fn generate(&mut self, task: &PartitionTask, defaults: &SamplingParams) -> Result<Outcome> {
-        let (rows, mut errors) = Self::read_prompt_rows(task).await?;
-        let mut requests = Vec::with_capacity(rows.len());
-        let mut offsets = Vec::with_capacity(rows.len());
-        for (offset, row) in rows {
-            match defaults.with_overrides(row.params.as_ref()) {
-                Ok(params) => {
-                    offsets.push(offset);
-                    requests.push(GenRequest {
-                        id: row.id,
-                        prompt: row.prompt,
-                        params,
-                    });
-                }
-                Err(reason) => errors.push(RowError {
-                    id: Some(row.id),
-                    offset,
-                    reason,
-                }),
-            }
-        }
-        let m = metrics();
-        let results = if requests.is_empty() {
-            Vec::new()
-        } else {
-            self.send(&ToScorer::Generate(requests.clone())).await?;
-            loop {
-                match read_reply(&mut self.stdout).await? {
-                    FromScorer::Stats(stats) => {
-                        m.generation(&self.reported, &stats);
-                        self.reported = GenStats { new_tokens: 0, ..stats };
-                    }
-                    FromScorer::Generated(results) if results.len() == requests.len() => break results,
-                    FromScorer::Failed(reason) => return Err(Error::Executor(format!("generation failed: {reason}"))),
-                    other => {
-                        return Err(Error::Executor(format!(
-                            "the scorer executor replied {other:?} to {} rows to generate",
-                            requests.len()
-                        )))
-                    }
-                }
-            }
-        };
-        let mut out = Vec::with_capacity(results.len());
-        let (mut prompt_tokens, mut output_tokens) = (0, 0);
-        for ((request, offset), result) in requests.into_iter().zip(offsets).zip(results) {
-            match result {
-                Ok(g) => {
-                    prompt_tokens += g.prompt_tokens;
-                    output_tokens += g.generated_tokens;
-                    out.push(GeneratedRow {
-                        id: request.id,
-                        generated: g.text,
-                        prompt_tokens: g.prompt_tokens as i64,
-                        generated_tokens: g.generated_tokens as i64,
-                        finish_reason: g.finish_reason,
-                        token_logprobs: g.logprobs,
-                    });
-                }
-                Err(reason) => errors.push(RowError {
-                    id: Some(request.id),
-                    offset,
-                    reason,
-                }),
-            }
-        }
-        Ok(Outcome {
-            rows: out.len() as u64,
-            file: generated_to_parquet(&out)?,
-            errors,
-            tokens: prompt_tokens,
-            output_tokens,
-        })
     }
 
     /// Scores a partition's rows in length-sorted batches.
@@ -410,10 +419,139 @@ impl ScorerActor {
     }
 }
 
-impl Drop for ScorerActor {
-    fn drop(&mut self) {
-        metrics().generation(&self.reported, &GenStats::default());
+/// Generates for a partition's rows: every row with valid settings goes to the executor
+/// in one request, tagged with the partition, and joins its running batch; rows it cannot
+/// run, and rows with bad settings, go to the errors file.
+async fn generate(link: &Link, task: &PartitionTask) -> Result<Outcome> {
+    let (rows, mut errors) = ScorerActor::read_prompt_rows(task).await?;
+    let mut requests = Vec::with_capacity(rows.len());
+    let mut offsets = Vec::with_capacity(rows.len());
+    for (offset, row) in rows {
+        match link.sampling.with_overrides(row.params.as_ref()) {
+            Ok(params) => {
+                offsets.push(offset);
+                requests.push(GenRequest {
+                    id: row.id,
+                    prompt: row.prompt,
+                    params,
+                });
+            }
+            Err(reason) => errors.push(RowError {
+                id: Some(row.id),
+                offset,
+                reason,
+            }),
+        }
     }
+    let results = if requests.is_empty() {
+        Vec::new()
+    } else {
+        let tag = task.partition as u64;
+        let answer = link.expect(tag)?;
+        let sent = send(
+            &link.stdin,
+            &ToScorer::Generate {
+                tag,
+                rows: requests.clone(),
+            },
+        )
+        .await;
+        if let Err(e) = sent {
+            link.answer(tag, Err(e.to_string()));
+            return Err(e);
+        }
+        let results = answer
+            .await
+            .map_err(|_| Error::Executor("the scorer executor's reply reader stopped".into()))?
+            .map_err(Error::Executor)?;
+        if results.len() != requests.len() {
+            return Err(Error::Executor(format!(
+                "the scorer executor answered {} rows to generate with {} results",
+                requests.len(),
+                results.len()
+            )));
+        }
+        results
+    };
+    let mut out = Vec::with_capacity(results.len());
+    let (mut prompt_tokens, mut output_tokens) = (0, 0);
+    for ((request, offset), result) in requests.into_iter().zip(offsets).zip(results) {
+        match result {
+            Ok(g) => {
+                prompt_tokens += g.prompt_tokens;
+                output_tokens += g.generated_tokens;
+                out.push(GeneratedRow {
+                    id: request.id,
+                    generated: g.text,
+                    prompt_tokens: g.prompt_tokens as i64,
+                    generated_tokens: g.generated_tokens as i64,
+                    finish_reason: g.finish_reason,
+                    token_logprobs: g.logprobs,
+                });
+            }
+            Err(reason) => errors.push(RowError {
+                id: Some(request.id),
+                offset,
+                reason,
+            }),
+        }
+    }
+    Ok(Outcome {
+        rows: out.len() as u64,
+        file: generated_to_parquet(&out)?,
+        errors,
+        tokens: prompt_tokens,
+        output_tokens,
+    })
+}
+
+/// Runs a partition's work and writes its output: the errors file first, then the output
+/// file under its final name (its existence means the partition is done).
+async fn finish_partition(
+    task: PartitionTask,
+    node: String,
+    work: impl std::future::Future<Output = Result<Outcome>>,
+) -> std::result::Result<PartitionReport, ActorError> {
+    let started = Instant::now();
+    let m = metrics();
+    if task.retry {
+        m.partitions.with_label_values(&["retried"]).inc();
+    }
+    let outcome = async {
+        let done = work.await?;
+        let out = Place::dir(&task.output).map_err(Error::Storage)?;
+        if !done.errors.is_empty() {
+            let mut text = String::new();
+            for error in &done.errors {
+                text.push_str(&serde_json::to_string(error).map_err(|e| Error::Output(e.to_string()))?);
+                text.push('\n');
+            }
+            out.put(&errors_name(task.partition), Bytes::from(text))
+                .await
+                .map_err(Error::Storage)?;
+        }
+        out.put(&output_name(task.partition), done.file)
+            .await
+            .map_err(Error::Storage)?;
+        m.rows.with_label_values(&["scored"]).inc_by(done.rows);
+        m.rows
+            .with_label_values(&["malformed"])
+            .inc_by(done.errors.len() as u64);
+        m.tokens.with_label_values(&[] as &[&str]).inc_by(done.tokens);
+        Ok::<_, Error>(PartitionReport {
+            partition: task.partition,
+            rows: done.rows,
+            errors: done.errors.len() as u64,
+            tokens: done.tokens,
+            output_tokens: done.output_tokens,
+            seconds: started.elapsed().as_secs_f64(),
+            node,
+        })
+    }
+    .await;
+    let label = if outcome.is_ok() { "done" } else { "failed" };
+    m.partitions.with_label_values(&[label]).inc();
+    outcome.map_err(ActorError::from)
 }
 
 async fn read_reply(stdout: &mut Lines<BufReader<ChildStdout>>) -> Result<FromScorer> {
@@ -450,35 +588,49 @@ impl Actor for ScorerActor {
             capture_stderr: false,
         })
         .map_err(|e| Error::Executor(e.to_string()))?;
-        let (child, stdin, stdout) = (executor.child, executor.stdin, executor.stdout);
-        let mut actor = Self {
-            reported: GenStats::default(),
-            batch_size: args.batch_size.max(1),
-            sampling: args.sampling,
-            stdin,
-            stdout: BufReader::new(stdout).lines(),
-            _child: child,
-        };
+        let (child, mut stdin, stdout) = (executor.child, executor.stdin, executor.stdout);
+        let mut stdout = BufReader::new(stdout).lines();
         let line = serde_json::to_string(&ToScorer::Setup(setup))?;
-        actor
-            .stdin
+        stdin
             .write_all(format!("{line}\n").as_bytes())
             .await
             .map_err(|e| Error::Executor(format!("the scorer executor is gone: {e}")))?;
-        match tokio::time::timeout(READY_TIMEOUT, read_reply(&mut actor.stdout)).await {
-            Ok(Ok(FromScorer::Ready { .. })) => Ok(actor),
+        match tokio::time::timeout(READY_TIMEOUT, read_reply(&mut stdout)).await {
+            Ok(Ok(FromScorer::Ready { .. })) => {}
             Ok(Ok(FromScorer::Failed(reason))) => {
-                Err(Error::Executor(format!("the scorer cannot load its model: {reason}")).into())
+                return Err(Error::Executor(format!("the scorer cannot load its model: {reason}")).into())
             }
             Ok(Ok(other)) => {
-                Err(Error::Executor(format!("the scorer executor said {other:?} before it was ready")).into())
+                return Err(Error::Executor(format!("the scorer executor said {other:?} before it was ready")).into())
             }
-            Ok(Err(e)) => Err(e.into()),
-            Err(_) => Err(Error::Executor(format!(
-                "the scorer executor did not load its model within {READY_TIMEOUT:?}"
-            ))
-            .into()),
+            Ok(Err(e)) => return Err(e.into()),
+            Err(_) => {
+                return Err(Error::Executor(format!(
+                    "the scorer executor did not load its model within {READY_TIMEOUT:?}"
+                ))
+                .into())
+            }
         }
+        let stdin = Arc::new(tokio::sync::Mutex::new(stdin));
+        let (stdout, link) = match args.sampling {
+            Some(sampling) => {
+                let link = Arc::new(Link {
+                    stdin: stdin.clone(),
+                    sampling,
+                    state: std::sync::Mutex::new(LinkState::default()),
+                });
+                tokio::spawn(link.clone().read_replies(stdout));
+                (None, Some(link))
+            }
+            None => (Some(stdout), None),
+        };
+        Ok(Self {
+            batch_size: args.batch_size.max(1),
+            stdin,
+            stdout,
+            link,
+            _child: child,
+        })
     }
 
     async fn handle(
@@ -486,48 +638,33 @@ impl Actor for ScorerActor {
         task: PartitionTask,
         ctx: &ActorContext,
     ) -> std::result::Result<PartitionReport, ActorError> {
-        let started = Instant::now();
-        let m = metrics();
-        if task.retry {
-            m.partitions.with_label_values(&["retried"]).inc();
-        }
-        let outcome = async {
-            let done = match self.sampling.clone() {
-                Some(defaults) => self.generate(&task, &defaults).await?,
-                None => self.score(&task).await?,
-            };
-            let out = Place::dir(&task.output).map_err(Error::Storage)?;
-            if !done.errors.is_empty() {
-                let mut text = String::new();
-                for error in &done.errors {
-                    text.push_str(&serde_json::to_string(error).map_err(|e| Error::Output(e.to_string()))?);
-                    text.push('\n');
-                }
-                out.put(&errors_name(task.partition), Bytes::from(text))
-                    .await
-                    .map_err(Error::Storage)?;
+        let node = ctx.node().to_string();
+        match self.link.clone() {
+            Some(link) => finish_partition(task.clone(), node, async move { generate(&link, &task).await }).await,
+            None => {
+                let work = self.score(&task);
+                finish_partition(task.clone(), node, work).await
             }
-            out.put(&output_name(task.partition), done.file)
-                .await
-                .map_err(Error::Storage)?;
-            m.rows.with_label_values(&["scored"]).inc_by(done.rows);
-            m.rows
-                .with_label_values(&["malformed"])
-                .inc_by(done.errors.len() as u64);
-            m.tokens.with_label_values(&[] as &[&str]).inc_by(done.tokens);
-            Ok::<_, Error>(PartitionReport {
-                partition: task.partition,
-                rows: done.rows,
-                errors: done.errors.len() as u64,
-                tokens: done.tokens,
-                output_tokens: done.output_tokens,
-                seconds: started.elapsed().as_secs_f64(),
-                node: ctx.node().to_string(),
-            })
         }
-        .await;
-        let label = if outcome.is_ok() { "done" } else { "failed" };
-        m.partitions.with_label_values(&[label]).inc();
-        outcome.map_err(ActorError::from)
+    }
+
+    fn max_concurrency(&self) -> usize {
+        if self.link.is_some() {
+            GENERATE_DEPTH
+        } else {
+            1
+        }
+    }
+
+    fn handle_concurrently(
+        &self,
+        task: PartitionTask,
+        ctx: &ActorContext,
+    ) -> Option<futures::future::BoxFuture<'static, std::result::Result<PartitionReport, ActorError>>> {
+        let link = self.link.clone()?;
+        let node = ctx.node().to_string();
+        Some(Box::pin(finish_partition(task.clone(), node, async move {
+            generate(&link, &task).await
+        })))
     }
 }

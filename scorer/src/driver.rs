@@ -13,7 +13,7 @@ use regatta_object_store::Place;
 use regatta_runtime::{ActorHandle, ActorOptions, Cluster, Resources};
 use serde::{Deserialize, Serialize};
 
-use crate::actor::{PartitionReport, PartitionTask, ScorerActor, ScorerArgs, Slice};
+use crate::actor::{PartitionReport, PartitionTask, ScorerActor, ScorerArgs, Slice, GENERATE_DEPTH};
 use crate::generate::{GenerationSetup, SamplingParams};
 use crate::parquet_input::{is_parquet, row_slices, ParquetInput};
 use crate::partition::byte_ranges;
@@ -362,8 +362,9 @@ fn describe(generation: &Option<SamplingParams>) -> String {
 
 /// What the driver waits for.
 enum Event {
-    /// A partition's call returned.
-    Scored(usize, usize, regatta_runtime::Result<PartitionReport>),
+    /// A partition's call returned: the actor's slot, the actor's incarnation in it when
+    /// the call went out, the partition, the reply.
+    Scored(usize, u64, usize, regatta_runtime::Result<PartitionReport>),
     /// A replacement actor for a slot was spawned (or not).
     Replaced(usize, Result<ActorHandle<ScorerActor>>),
 }
@@ -566,7 +567,14 @@ impl ScoreRun {
             output: c.output.clone(),
             retry,
         };
-        let mut idle: Vec<usize> = (0..actors.len()).collect();
+        // A generating actor takes GENERATE_DEPTH partitions at once, so its batch stays
+        // full across partition boundaries; a scoring actor one at a time.
+        let depth = if c.generate { GENERATE_DEPTH } else { 1 };
+        let mut idle: Vec<usize> = (0..actors.len()).flat_map(|slot| vec![slot; depth]).collect();
+        let mut incarnation = vec![0u64; actors.len()];
+        // Calls lost with a dead actor, given back to its slot once the replacement is up.
+        let mut orphaned = vec![0usize; actors.len()];
+        let mut replacing = vec![false; actors.len()];
         let mut replacements = 0u32;
         let mut running: FuturesUnordered<futures::future::BoxFuture<'_, Event>> = FuturesUnordered::new();
         loop {
@@ -577,16 +585,17 @@ impl ScoreRun {
                 };
                 let handle = actors[slot].clone();
                 let request = task(partition, plan.is_retry(partition));
+                let born = incarnation[slot];
                 running.push(Box::pin(async move {
                     let reply = handle.call_timeout(request, Duration::from_secs(24 * 3600)).await;
-                    Event::Scored(slot, partition, reply)
+                    Event::Scored(slot, born, partition, reply)
                 }));
             }
             let Some(event) = running.next().await else {
                 break;
             };
             match event {
-                Event::Scored(slot, partition, Ok(report)) => {
+                Event::Scored(slot, _, partition, Ok(report)) => {
                     plan.finished(partition);
                     progress.rows += report.rows;
                     progress.errors += report.errors;
@@ -595,18 +604,28 @@ impl ScoreRun {
                     progress.bytes_done += slices[partition].1;
                     idle.push(slot);
                 }
-                Event::Scored(slot, partition, Err(error)) => {
+                Event::Scored(slot, born, partition, Err(error)) => {
                     let dead = matches!(
                         error,
                         regatta_runtime::Error::ActorDead { .. } | regatta_runtime::Error::CallFailed { .. }
                     );
                     let reason = error.to_string();
                     tracing::warn!(partition, %reason, "partition failed");
-                    if dead {
+                    if dead && born < incarnation[slot] {
+                        // An actor already replaced: its slot's new actor takes the call.
+                        plan.lost(partition);
+                        idle.push(slot);
+                    } else if dead && replacing[slot] {
+                        // The actor's other call: its replacement is on its way.
+                        plan.lost(partition);
+                        orphaned[slot] += 1;
+                    } else if dead {
                         // Its node or executor is gone: the partition goes to another actor
                         // without using an attempt, and a new actor takes this one's place on
                         // whatever node has room (the run goes on with fewer if none has).
                         plan.lost(partition);
+                        replacing[slot] = true;
+                        orphaned[slot] += 1;
                         replacements += 1;
                         if replacements as usize > 4 * c.actors.max(1) {
                             return Err(Error::Run(format!(
@@ -630,9 +649,15 @@ impl ScoreRun {
                 }
                 Event::Replaced(slot, Ok(actor)) => {
                     actors[slot] = actor;
-                    idle.push(slot);
+                    incarnation[slot] += 1;
+                    replacing[slot] = false;
+                    idle.extend(std::iter::repeat_n(slot, std::mem::take(&mut orphaned[slot])));
                 }
-                Event::Replaced(_, Err(e)) => tracing::warn!("no replacement scorer: {e}"),
+                Event::Replaced(slot, Err(e)) => {
+                    replacing[slot] = false;
+                    orphaned[slot] = 0;
+                    tracing::warn!("no replacement scorer: {e}");
+                }
             }
             progress.partitions_done = plan.done();
             progress.retries = plan.retries();

@@ -52,8 +52,14 @@ pub enum ToScorer {
     Setup(ScorerSetup),
     /// Rows to score as one batch: (id, text).
     Batch(Vec<(String, String)>),
-    /// Rows to generate for, all queued at once and run with continuous batching.
-    Generate(Vec<GenRequest>),
+    /// Rows to generate for, queued behind (and batched with) every row still running;
+    /// answered by a [`FromScorer::Generated`] with the same tag once all of them end.
+    Generate {
+        /// Names the rows' answer (the scorer actor uses the partition's index).
+        tag: u64,
+        /// The rows.
+        rows: Vec<GenRequest>,
+    },
 }
 
 /// A scored row.
@@ -84,11 +90,17 @@ pub enum FromScorer {
     },
     /// One result per row of the batch, in order: a score or why the row cannot be scored.
     Scored(Vec<Result<RowScore, String>>),
-    /// One result per row of a [`ToScorer::Generate`], in order: a generation or why the
-    /// row cannot be generated for.
-    Generated(Vec<Result<Generation, String>>),
-    /// Figures while generating (sent about twice a second, before `Generated`).
+    /// One result per row of the [`ToScorer::Generate`] with this tag, in order: a
+    /// generation or why the row cannot be generated for.
+    Generated {
+        /// The request's tag.
+        tag: u64,
+        /// Its rows' results.
+        results: Vec<Result<Generation, String>>,
+    },
+    /// Figures while generating (sent about twice a second).
     Stats(GenStats),
-    /// The executor gave up.
+    /// The executor gave up: while loading, or (generating) the model failed a step, and
+    /// every request then in flight is lost (the executor starts afresh for the next).
     Failed(String),
 }

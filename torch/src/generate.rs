@@ -5,10 +5,11 @@
 //! prompt chunks in the other), reads the logits of each sequence's last token, and picks
 //! tokens with the row's own random stream.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use regatta_scorer::generate::{
-    choose, stop_at, Batcher, BatcherConfig, Feed, Finish, GenStats, GenerationSetup, RowStream, SamplingParams, Work,
+    choose, stop_at, Batcher, BatcherConfig, Feed, Finish, GenStats, GenerationSetup, RowStream, SamplingParams,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -28,6 +29,18 @@ impl KvCache {
     /// Bytes one token occupies in the cache (keys and values of every layer).
     pub fn bytes_per_token(layout: &KvLayout, kind: Kind) -> u64 {
         2 * (layout.layers * layout.kv_heads * layout.head_dim) as u64 * kind.elt_size_in_bytes() as u64
+    }
+
+    /// Extends the cache to `slots` token slots, keeping what the present ones hold.
+    pub fn grow(&mut self, slots: usize) {
+        for cache in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            let size = cache.size();
+            let extra = slots as i64 - size[0];
+            if extra > 0 {
+                let more = Tensor::zeros([extra, size[1], size[2]], (cache.kind(), cache.device()));
+                *cache = Tensor::cat(&[&*cache, &more], 0);
+            }
+        }
     }
 
     /// A cache of `slots` token slots.
@@ -166,9 +179,26 @@ impl<'a> Generator<'a> {
         text: &dyn Fn(&[i64]) -> String,
         on_stats: &mut dyn FnMut(GenStats),
     ) -> Result<(Vec<std::result::Result<Output, String>>, Timings)> {
-        let mut timings = Timings::default();
-        let blocks = self.blocks();
-        if blocks == 0 {
+        let mut session = self.session()?;
+        let sequences: Vec<std::result::Result<usize, String>> = rows.iter().map(|row| session.add(row.clone())).collect();
+        let mut done = HashMap::new();
+        while !session.is_idle() {
+            done.extend(session.step(text, on_stats)?);
+        }
+        session.report(on_stats);
+        let results = sequences
+            .into_iter()
+            .map(|seq| seq.and_then(|seq| done.remove(&seq).ok_or_else(|| "the row's generation is missing".to_string())))
+            .collect();
+        Ok((results, session.timings()))
+    }
+
+    /// A generation rows can join at any step ([`Session::add`]) while others run: the
+    /// cache grows with the rows' needs up to the budget and is kept between them, so a
+    /// stream of rows keeps the batch full.
+    pub fn session(&self) -> Result<Session<'_, 'a>> {
+        let budget = self.blocks();
+        if budget == 0 {
             return Err(Error::Invalid(format!(
                 "a KV cache of {} bytes holds no block of {} tokens ({} bytes a token); raise the budget",
                 self.setup.kv_cache_bytes,
@@ -177,142 +207,24 @@ impl<'a> Generator<'a> {
             )));
         }
         let block_tokens = self.setup.block_tokens.max(1);
-        // No more cache than these rows could fill if all ran at once: a small partition
-        // does not take the whole budget's memory.
-        let could_use: usize = rows
-            .iter()
-            .map(|r| {
-                (r.prompt.len() + r.params.max_new_tokens)
-                    .min(self.context)
-                    .div_ceil(block_tokens)
-            })
-            .sum();
-        let blocks = blocks.min(could_use.max(1));
-        let cache = KvCache::new(&self.layout, (blocks + 1) * block_tokens, self.kind, self.device);
-        let mut batcher = Batcher::new(BatcherConfig {
-            block_tokens,
-            blocks,
-            max_running: self.setup.max_batch,
-            prefill_tokens: self.setup.prefill_tokens,
-            context: self.context,
-            eos: self.eos.clone(),
-        });
-        let mut results: Vec<std::result::Result<Output, String>> = Vec::with_capacity(rows.len());
-        let mut sequences = vec![usize::MAX; rows.len()];
-        for (i, row) in rows.iter().enumerate() {
-            match batcher.add(row.prompt.clone(), row.params.max_new_tokens) {
-                Ok(seq) => {
-                    sequences[i] = seq;
-                    results.push(Ok(Output {
-                        tokens: Vec::new(),
-                        finish: Finish::Length,
-                        logprobs: Vec::new(),
-                        logits: Vec::new(),
-                    }));
-                }
-                Err(reason) => results.push(Err(reason)),
-            }
-        }
-        let row_of: std::collections::HashMap<usize, usize> = sequences
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| **s != usize::MAX)
-            .map(|(r, s)| (*s, r))
-            .collect();
-        let mut reported = Instant::now();
-        let mut new_tokens = 0u64;
-        while !batcher.is_done() {
-            let step = batcher.schedule();
-            if step.is_empty() {
-                return Err(Error::Invalid(
-                    "the batcher planned an empty step with sequences left".into(),
-                ));
-            }
-            for (decoding, works) in [(true, &step.decode), (false, &step.prefill)] {
-                if works.is_empty() {
-                    continue;
-                }
-                let started = Instant::now();
-                let feeds: Vec<Feed> = works.iter().map(|w| batcher.feed(w)).collect();
-                let last_logits = self.forward(&cache, &feeds)?;
-                for (n, work) in works.iter().enumerate() {
-                    let token = if work.sample {
-                        let row = row_of[&work.seq];
-                        let logits = last_logits
-                            .get(n)
-                            .ok_or_else(|| Error::Invalid("a logits row is missing".into()))?;
-                        let params = &rows[row].params;
-                        let index = batcher.generated(work.seq).len();
-                        let choice = choose(logits, params, rows[row].stream, index);
-                        if let Ok(out) = &mut results[row] {
-                            if params.logprobs {
-                                out.logprobs.push(choice.logprob);
-                            }
-                            if self.keep_logits {
-                                out.logits.push(logits.clone());
-                            }
-                        }
-                        new_tokens += 1;
-                        Some(choice.token)
-                    } else {
-                        None
-                    };
-                    self.settle(&mut batcher, work, token, &rows[row_of[&work.seq]].params.stop, text);
-                }
-                let seconds = started.elapsed().as_secs_f64();
-                if decoding {
-                    timings.decode_seconds += seconds;
-                    timings.decode_tokens += works.len() as u64;
-                } else {
-                    timings.prefill_seconds += seconds;
-                    timings.prefill_tokens += works.iter().map(|w| (w.end - w.start) as u64).sum::<u64>();
-                }
-            }
-            if reported.elapsed() >= self.stats_every {
-                on_stats(self.stats(&batcher, new_tokens));
-                new_tokens = 0;
-                reported = Instant::now();
-            }
-        }
-        on_stats(self.stats(&batcher, new_tokens));
-        for (row, seq) in sequences.iter().enumerate() {
-            if let (Ok(out), true) = (&mut results[row], *seq != usize::MAX) {
-                out.tokens = batcher.generated(*seq).to_vec();
-                out.finish = batcher.finished(*seq).unwrap_or(Finish::Length);
-                out.logprobs.truncate(out.tokens.len());
-                out.logits.truncate(out.tokens.len());
-            }
-        }
-        Ok((results, timings))
-    }
-
-    /// Records a work's outcome and ends its sequence on eos, its limit or a stop string.
-    fn settle(
-        &self,
-        batcher: &mut Batcher,
-        work: &Work,
-        token: Option<i64>,
-        stops: &[String],
-        text: &dyn Fn(&[i64]) -> String,
-    ) {
-        let sampled = token.is_some();
-        if let Some(reason) = batcher.advance(work, token) {
-            batcher.finish(work.seq, reason);
-        } else if sampled && !stops.is_empty() && stop_at(&text(batcher.generated(work.seq)), stops).is_some() {
-            batcher.finish(work.seq, Finish::Stop);
-        }
-    }
-
-    fn stats(&self, batcher: &Batcher, new_tokens: u64) -> GenStats {
-        let o = batcher.occupancy();
-        GenStats {
-            running: o.running,
-            waiting: o.waiting,
-            max_batch: batcher.config().max_running,
-            used_blocks: o.used_blocks,
-            blocks: o.blocks,
-            new_tokens,
-        }
+        Ok(Session {
+            generator: self,
+            // The scratch block only: blocks are added as rows need them.
+            cache: KvCache::new(&self.layout, block_tokens, self.kind, self.device),
+            batcher: Batcher::new(BatcherConfig {
+                block_tokens,
+                blocks: 0,
+                max_running: self.setup.max_batch,
+                prefill_tokens: self.setup.prefill_tokens,
+                context: self.context,
+                eos: self.eos.clone(),
+            }),
+            budget,
+            rows: HashMap::new(),
+            timings: Timings::default(),
+            reported: Instant::now(),
+            new_tokens: 0,
+        })
     }
 
     /// One forward of `feeds` (padded into `[rows, time]`) against the cache; returns the
@@ -387,5 +299,167 @@ impl<'a> Generator<'a> {
         let vocab = logits.size()[1] as usize;
         let flat = Vec::<f32>::try_from(logits.contiguous().view([-1]))?;
         Ok(flat.chunks(vocab).map(<[f32]>::to_vec).collect())
+    }
+}
+
+/// A row being generated: its settings and what it produced so far.
+struct Live {
+    params: SamplingParams,
+    stream: RowStream,
+    output: Output,
+}
+
+/// A generation in progress (see [`Generator::session`]).
+pub struct Session<'g, 'a> {
+    generator: &'g Generator<'a>,
+    cache: KvCache,
+    batcher: Batcher,
+    /// Blocks the budget buys: the cache never grows past them.
+    budget: usize,
+    rows: HashMap<usize, Live>,
+    timings: Timings,
+    reported: Instant,
+    new_tokens: u64,
+}
+
+impl Session<'_, '_> {
+    /// Queues a row; returns its sequence number, or why it can never run (too long for
+    /// the context, or needing more cache than the budget buys). Grows the cache first
+    /// when the rows not yet finished need more than it holds (at least doubling it, so
+    /// a stream of rows copies the cache a few times, not once per row).
+    pub fn add(&mut self, row: Prepared) -> std::result::Result<usize, String> {
+        let (length, max_new) = (row.prompt.len(), row.params.max_new_tokens);
+        if let Some(reason) = self.batcher.refusal(length, max_new, self.budget) {
+            return Err(reason);
+        }
+        let needed = self.batcher.blocks_for(length, max_new);
+        let have = self.batcher.config().blocks;
+        let wanted = self.batcher.blocks_wanted() + needed;
+        if wanted > have {
+            let grown = wanted.max(2 * have).min(self.budget).max(needed);
+            if grown > have {
+                let block_tokens = self.batcher.config().block_tokens;
+                self.cache.grow((grown + 1) * block_tokens);
+                self.batcher.grow(grown);
+            }
+        }
+        let seq = self.batcher.add(row.prompt, row.params.max_new_tokens)?;
+        self.rows.insert(
+            seq,
+            Live {
+                params: row.params,
+                stream: row.stream,
+                output: Output {
+                    tokens: Vec::new(),
+                    finish: Finish::Length,
+                    logprobs: Vec::new(),
+                    logits: Vec::new(),
+                },
+            },
+        );
+        Ok(seq)
+    }
+
+    /// Whether no row is waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.batcher.is_done()
+    }
+
+    /// Where the time went so far.
+    pub fn timings(&self) -> Timings {
+        self.timings
+    }
+
+    /// Runs one step (decodes and prompt chunks) and returns the rows it finished, by
+    /// sequence number. `text` decodes generated tokens (for stop strings); `on_stats`
+    /// hears progress at the generator's pace.
+    pub fn step(
+        &mut self,
+        text: &dyn Fn(&[i64]) -> String,
+        on_stats: &mut dyn FnMut(GenStats),
+    ) -> Result<Vec<(usize, Output)>> {
+        let g = self.generator;
+        let step = self.batcher.schedule();
+        if step.is_empty() {
+            return Err(Error::Invalid("the batcher planned an empty step with sequences left".into()));
+        }
+        let mut finished = Vec::new();
+        for (decoding, works) in [(true, &step.decode), (false, &step.prefill)] {
+            if works.is_empty() {
+                continue;
+            }
+            let started = Instant::now();
+            let feeds: Vec<Feed> = works.iter().map(|w| self.batcher.feed(w)).collect();
+            let last_logits = g.forward(&self.cache, &feeds)?;
+            for (n, work) in works.iter().enumerate() {
+                let live = self
+                    .rows
+                    .get_mut(&work.seq)
+                    .ok_or_else(|| Error::Invalid("a running sequence has no row".into()))?;
+                let token = if work.sample {
+                    let logits = last_logits
+                        .get(n)
+                        .ok_or_else(|| Error::Invalid("a logits row is missing".into()))?;
+                    let index = self.batcher.generated(work.seq).len();
+                    let choice = choose(logits, &live.params, live.stream, index);
+                    if live.params.logprobs {
+                        live.output.logprobs.push(choice.logprob);
+                    }
+                    if g.keep_logits {
+                        live.output.logits.push(logits.clone());
+                    }
+                    self.new_tokens += 1;
+                    Some(choice.token)
+                } else {
+                    None
+                };
+                if let Some(reason) = self.batcher.advance(work, token) {
+                    self.batcher.finish(work.seq, reason);
+                } else if token.is_some()
+                    && !live.params.stop.is_empty()
+                    && stop_at(&text(self.batcher.generated(work.seq)), &live.params.stop).is_some()
+                {
+                    self.batcher.finish(work.seq, Finish::Stop);
+                }
+                if let Some(reason) = self.batcher.finished(work.seq) {
+                    if let Some(mut live) = self.rows.remove(&work.seq) {
+                        let out = &mut live.output;
+                        out.tokens = self.batcher.generated(work.seq).to_vec();
+                        out.finish = reason;
+                        out.logprobs.truncate(out.tokens.len());
+                        out.logits.truncate(out.tokens.len());
+                        finished.push((work.seq, live.output));
+                        self.batcher.forget(work.seq);
+                    }
+                }
+            }
+            let seconds = started.elapsed().as_secs_f64();
+            if decoding {
+                self.timings.decode_seconds += seconds;
+                self.timings.decode_tokens += works.len() as u64;
+            } else {
+                self.timings.prefill_seconds += seconds;
+                self.timings.prefill_tokens += works.iter().map(|w| (w.end - w.start) as u64).sum::<u64>();
+            }
+        }
+        if self.reported.elapsed() >= g.stats_every {
+            self.report(on_stats);
+        }
+        Ok(finished)
+    }
+
+    /// Tells `on_stats` the figures now (and the tokens since the last report).
+    pub fn report(&mut self, on_stats: &mut dyn FnMut(GenStats)) {
+        let o = self.batcher.occupancy();
+        on_stats(GenStats {
+            running: o.running,
+            waiting: o.waiting,
+            max_batch: self.batcher.config().max_running,
+            used_blocks: o.used_blocks,
+            blocks: o.blocks,
+            new_tokens: self.new_tokens,
+        });
+        self.new_tokens = 0;
+        self.reported = Instant::now();
     }
 }

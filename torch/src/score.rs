@@ -5,11 +5,11 @@
 use crate::error::{Error, Result};
 use tch::{Device, Kind, Tensor};
 
-use regatta_scorer::generate::{stop_at, GenRequest, GenStats, Generation, GenerationSetup, Prompt, RowStream};
+use regatta_scorer::generate::{stop_at, GenRequest, Generation, GenerationSetup, Prompt, RowStream};
 use regatta_trainer::documents::{Message, TokenizerSettings};
 
 use crate::data::TextTokenizer;
-use crate::generate::{Generator, Prepared};
+use crate::generate::{Generator, Output, Prepared};
 use crate::hf::HfModel;
 use crate::lora::Adapter;
 use crate::model::{arrange, logits, parameter_count, Model};
@@ -295,63 +295,53 @@ impl Scorer {
         self.tokenizer.encode(text.as_bytes()).map_err(|e| e.to_string())
     }
 
-    /// Generates for every request with the KV cache and continuous batching; a row that
-    /// cannot run gets its reason, the model failing fails the whole call.
-    pub fn generate_rows(
-        &self,
-        requests: &[GenRequest],
-        setup: &GenerationSetup,
-        on_stats: &mut dyn FnMut(GenStats),
-    ) -> Result<Vec<std::result::Result<Generation, String>>> {
+    /// The generator of this scorer's model under `setup` (the executor keeps one
+    /// [`crate::generate::Session`] of it for every row it is sent).
+    pub fn generator(&self, setup: &GenerationSetup) -> Result<Generator<'_>> {
         let Net::Model { model, params } = &self.net else {
             return Err(Error::Invalid(
                 "generation needs a model folder or checkpoint; a TorchScript module has no KV cache".into(),
             ));
         };
-        let generator = Generator::new(
+        Generator::new(
             model.as_ref(),
             params,
             setup.clone(),
             self.context,
             self.eos.clone(),
             self.device,
-        )?;
-        let mut prepared = Vec::with_capacity(requests.len());
-        let mut slots = Vec::with_capacity(requests.len());
-        for request in requests {
-            match self.prompt_ids(&request.prompt) {
-                Ok(prompt) => {
-                    slots.push(Ok(prepared.len()));
-                    prepared.push(Prepared {
-                        prompt,
-                        params: request.params.clone(),
-                        stream: RowStream::new(request.params.seed, &request.id),
-                    });
-                }
-                Err(reason) => slots.push(Err(reason)),
-            }
+        )
+    }
+
+    /// A request ready for a generator: its prompt's token ids, settings and random
+    /// stream; or why its prompt cannot be rendered or tokenized.
+    pub fn prepare(&self, request: &GenRequest) -> std::result::Result<Prepared, String> {
+        Ok(Prepared {
+            prompt: self.prompt_ids(&request.prompt)?,
+            params: request.params.clone(),
+            stream: RowStream::new(request.params.seed, &request.id),
+        })
+    }
+
+    /// Text of token ids.
+    pub fn decode(&self, ids: &[i64]) -> String {
+        self.tokenizer.decode(ids)
+    }
+
+    /// A finished row as it is written: its text up to the first stop string, its counts,
+    /// why it ended and, when asked for, its tokens' log-probabilities.
+    pub fn generation(&self, request: &GenRequest, prompt_tokens: usize, output: Output) -> Generation {
+        let mut text = self.tokenizer.decode(&output.tokens);
+        if let Some(cut) = stop_at(&text, &request.params.stop) {
+            text.truncate(cut);
         }
-        let decode = |ids: &[i64]| self.tokenizer.decode(ids);
-        let mut outputs = generator.run(&prepared, &decode, on_stats)?.into_iter();
-        let mut results = Vec::with_capacity(requests.len());
-        for (request, slot) in requests.iter().zip(slots) {
-            let result = slot.and_then(|n| {
-                let output = outputs.next().ok_or("a generation is missing")??;
-                let mut text = self.tokenizer.decode(&output.tokens);
-                if let Some(cut) = stop_at(&text, &request.params.stop) {
-                    text.truncate(cut);
-                }
-                Ok(Generation {
-                    text,
-                    prompt_tokens: prepared[n].prompt.len() as u64,
-                    generated_tokens: output.tokens.len() as u64,
-                    finish_reason: output.finish.as_str().to_string(),
-                    logprobs: request.params.logprobs.then_some(output.logprobs),
-                })
-            });
-            results.push(result);
+        Generation {
+            text,
+            prompt_tokens: prompt_tokens as u64,
+            generated_tokens: output.tokens.len() as u64,
+            finish_reason: output.finish.as_str().to_string(),
+            logprobs: request.params.logprobs.then_some(output.logprobs),
         }
-        Ok(results)
     }
 
     /// Greedy continuation of `ids` by up to `max_new_tokens` tokens.

@@ -2,10 +2,13 @@
 //! stdin (a setup, then batches), writes [`FromScorer`] lines on stdout; exits when stdin
 //! closes.
 
+use std::collections::HashMap;
 use std::io::{BufRead, Write};
 use std::process::ExitCode;
+use std::sync::mpsc::{Receiver, TryRecvError};
 
 use regatta_object_store::Place;
+use regatta_scorer::generate::{GenRequest, Generation, GenerationSetup};
 use regatta_scorer::protocol::{is_torchscript, FromScorer, RowScore, ScorerSetup, ToScorer};
 use tch::Device;
 
@@ -105,23 +108,28 @@ fn tempfile_beside(out: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("regatta-export-{}-{name}", std::process::id()))
 }
 
-/// Serves scoring requests on stdin/stdout.
+/// Serves scoring or generation requests on stdin/stdout. A reader thread takes requests
+/// as they come, so a generating executor adds a partition's rows to the running batch
+/// while earlier ones still decode.
 pub fn score_main() -> ExitCode {
-    let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
-    let mut next = || -> Option<ToScorer> {
-        loop {
-            let line = lines.next()?.ok()?;
+    let (sender, messages) = std::sync::mpsc::channel::<ToScorer>();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            let Ok(line) = line else { break };
             if line.trim().is_empty() {
                 continue;
             }
             match serde_json::from_str(&line) {
-                Ok(message) => return Some(message),
+                Ok(message) => {
+                    if sender.send(message).is_err() {
+                        break;
+                    }
+                }
                 Err(e) => eprintln!("ignored a malformed request: {e}"),
             }
         }
-    };
-    let Some(ToScorer::Setup(setup)) = next() else {
+    });
+    let Ok(ToScorer::Setup(setup)) = messages.recv() else {
         emit(&FromScorer::Failed("expected a setup line first".into()));
         return ExitCode::from(2);
     };
@@ -137,17 +145,153 @@ pub fn score_main() -> ExitCode {
         params,
         device: format!("{device:?}").to_lowercase(),
     });
-    while let Some(message) = next() {
+    match &setup.generation {
+        Some(generation) => generate_loop(&scorer, generation, &messages),
+        None => score_loop(&scorer, &setup, &messages),
+    }
+}
+
+/// A generate request whose rows are still running.
+struct InFlight {
+    requests: Vec<GenRequest>,
+    prompt_tokens: Vec<usize>,
+    results: Vec<Option<std::result::Result<Generation, String>>>,
+    left: usize,
+}
+
+impl InFlight {
+    fn answer(self, tag: u64) {
+        let results = self
+            .results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err("the row's generation is missing".into())))
+            .collect();
+        emit(&FromScorer::Generated { tag, results });
+    }
+}
+
+/// One generation session for every request: a request's rows join the running batch at
+/// the next step, and its answer goes out when its last row ends. A step the model fails
+/// loses every request in flight (one `Failed`); the next request starts a new session.
+fn generate_loop(scorer: &Scorer, setup: &GenerationSetup, messages: &Receiver<ToScorer>) -> ExitCode {
+    let generator = match scorer.generator(setup) {
+        Ok(generator) => generator,
+        Err(reason) => {
+            emit(&FromScorer::Failed(reason.to_string()));
+            return ExitCode::from(1);
+        }
+    };
+    let fresh = || generator.session();
+    let mut session = match fresh() {
+        Ok(session) => session,
+        Err(reason) => {
+            emit(&FromScorer::Failed(reason.to_string()));
+            return ExitCode::from(1);
+        }
+    };
+    let mut in_flight: HashMap<u64, InFlight> = HashMap::new();
+    let mut owner: HashMap<usize, (u64, usize)> = HashMap::new();
+    let decode = |ids: &[i64]| scorer.decode(ids);
+    let mut stats = |s| emit(&FromScorer::Stats(s));
+    let mut open = true;
+    loop {
+        // Take every request that has arrived; wait for one only when nothing runs.
+        let message = if session.is_idle() {
+            if !open {
+                return ExitCode::SUCCESS;
+            }
+            messages.recv().ok()
+        } else {
+            match messages.try_recv() {
+                Ok(message) => Some(message),
+                Err(TryRecvError::Empty) => None,
+                Err(TryRecvError::Disconnected) => {
+                    open = false;
+                    None
+                }
+            }
+        };
+        if session.is_idle() && message.is_none() {
+            // stdin closed with nothing running.
+            return ExitCode::SUCCESS;
+        }
+        if let Some(message) = message {
+            match message {
+                ToScorer::Generate { tag, rows } => {
+                    let mut flight = InFlight {
+                        prompt_tokens: vec![0; rows.len()],
+                        results: vec![None; rows.len()],
+                        left: 0,
+                        requests: Vec::new(),
+                    };
+                    for (i, request) in rows.iter().enumerate() {
+                        let added = scorer.prepare(request).and_then(|prepared| {
+                            let tokens = prepared.prompt.len();
+                            session.add(prepared).map(|seq| (seq, tokens))
+                        });
+                        match added {
+                            Ok((seq, tokens)) => {
+                                owner.insert(seq, (tag, i));
+                                flight.prompt_tokens[i] = tokens;
+                                flight.left += 1;
+                            }
+                            Err(reason) => flight.results[i] = Some(Err(reason)),
+                        }
+                    }
+                    flight.requests = rows;
+                    if flight.left == 0 {
+                        flight.answer(tag);
+                    } else {
+                        in_flight.insert(tag, flight);
+                    }
+                }
+                ToScorer::Batch(_) => {
+                    emit(&FromScorer::Failed("this executor generates; it was sent rows to score".into()));
+                }
+                ToScorer::Setup(_) => eprintln!("ignored a second setup"),
+            }
+            continue;
+        }
+        match session.step(&decode, &mut stats) {
+            Ok(finished) => {
+                for (seq, output) in finished {
+                    let Some((tag, i)) = owner.remove(&seq) else { continue };
+                    let Some(flight) = in_flight.get_mut(&tag) else { continue };
+                    flight.results[i] = Some(Ok(scorer.generation(&flight.requests[i], flight.prompt_tokens[i], output)));
+                    flight.left -= 1;
+                    if flight.left == 0 {
+                        if let Some(flight) = in_flight.remove(&tag) {
+                            flight.answer(tag);
+                        }
+                    }
+                }
+            }
+            Err(reason) => {
+                // The model itself failed (not one row): every request in flight fails.
+                eprintln!("generation failed: {reason}");
+                emit(&FromScorer::Failed(reason.to_string()));
+                in_flight.clear();
+                owner.clear();
+                session = match fresh() {
+                    Ok(session) => session,
+                    Err(_) => return ExitCode::from(1),
+                };
+            }
+        }
+    }
+}
+
+/// Scores each batch as it comes.
+fn score_loop(scorer: &Scorer, setup: &ScorerSetup, messages: &Receiver<ToScorer>) -> ExitCode {
+    while let Ok(message) = messages.recv() {
         let rows = match message {
             ToScorer::Batch(rows) => rows,
-            ToScorer::Generate(requests) => {
-                let setup = setup.generation.clone().unwrap_or_default();
-                let mut stats = |s| emit(&FromScorer::Stats(s));
-                match scorer.generate_rows(&requests, &setup, &mut stats) {
-                    Ok(results) => emit(&FromScorer::Generated(results)),
-                    // The model itself failed (not one row): the partition fails with it.
-                    Err(reason) => emit(&FromScorer::Failed(reason.to_string())),
-                }
+            ToScorer::Generate { tag, rows } => {
+                let results = rows
+                    .iter()
+                    .map(|_| Err("this run scores; it was not set up to generate".to_string()))
+                    .collect();
+                emit(&FromScorer::Generated { tag, results });
                 continue;
             }
             ToScorer::Setup(_) => {

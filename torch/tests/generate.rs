@@ -361,3 +361,51 @@ fn a_sliding_window_limits_cached_attention_as_it_limits_full_windows() {
         "the window changed nothing: the test proves nothing"
     );
 }
+
+#[test]
+fn rows_added_while_others_decode_join_the_running_batch_and_equal_a_one_shot_run() {
+    tch::set_num_threads(1);
+    let (model, params) = load(&fixture("llama"));
+    let rows: Vec<Prepared> = (0..8)
+        .map(|i| Prepared {
+            prompt: (0..4 + i as i64 * 3).map(|t| 3 + (t * 41 + i as i64 * 97) % 500).collect(),
+            params: greedy(10),
+            stream: RowStream::new(0, &i.to_string()),
+        })
+        .collect();
+    let generator = Generator::new(model.as_ref(), &params, setup(1 << 20, 8, 64), 128, Vec::new(), Device::Cpu)
+        .unwrap()
+        .stats_every(std::time::Duration::ZERO);
+    let (expected, _) = run(&generator, &rows);
+
+    // A first partition of four rows runs a few steps; a second partition's four rows
+    // arrive while those still decode and run beside them.
+    let mut session = generator.session().unwrap();
+    let mut stats = Vec::new();
+    let mut done = HashMap::new();
+    let first: Vec<usize> = rows[..4].iter().map(|r| session.add(r.clone()).unwrap()).collect();
+    for _ in 0..3 {
+        done.extend(session.step(&|_| String::new(), &mut |s| stats.push(s)).unwrap());
+    }
+    assert!(done.is_empty(), "the first rows are still running");
+    let second: Vec<usize> = rows[4..].iter().map(|r| session.add(r.clone()).unwrap()).collect();
+    stats.clear();
+    done.extend(session.step(&|_| String::new(), &mut |s| stats.push(s)).unwrap());
+    assert_eq!(stats.last().unwrap().running, 8, "both partitions' rows run in one batch: {stats:?}");
+    while !session.is_idle() {
+        done.extend(session.step(&|_| String::new(), &mut |_| {}).unwrap());
+    }
+    for (i, seq) in first.iter().chain(&second).enumerate() {
+        assert_eq!(done[seq].tokens, expected[i].tokens, "row {i}");
+    }
+    // A row needing more cache than the whole budget is refused, naming the budget.
+    let small = Generator::new(model.as_ref(), &params, setup(20 * 4 * 256, 8, 64), 128, Vec::new(), Device::Cpu).unwrap();
+    let mut session = small.session().unwrap();
+    let long = Prepared {
+        prompt: vec![5; 90],
+        params: greedy(20),
+        stream: RowStream::new(0, "long"),
+    };
+    let reason = session.add(long).unwrap_err();
+    assert!(reason.contains("raise the KV cache budget"), "{reason}");
+}

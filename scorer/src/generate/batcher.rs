@@ -166,25 +166,10 @@ impl Batcher {
     /// number, or why it can never run (empty, as long as the context, or needing more
     /// cache than there is).
     pub fn add(&mut self, prompt: Vec<i64>, max_new_tokens: usize) -> Result<usize, String> {
-        let context = self.config.context;
-        if prompt.is_empty() {
-            return Err("the prompt has no tokens".into());
+        if let Some(reason) = self.refusal(prompt.len(), max_new_tokens, self.config.blocks) {
+            return Err(reason);
         }
-        if prompt.len() >= context {
-            return Err(format!(
-                "the prompt has {} tokens; the model's context is {context}, so nothing is left to generate",
-                prompt.len()
-            ));
-        }
-        let limit = (prompt.len() + max_new_tokens.max(1)).min(context);
-        let needed = limit.div_ceil(self.config.block_tokens);
-        if needed > self.config.blocks {
-            return Err(format!(
-                "the sequence needs {limit} tokens of KV cache ({needed} blocks of {}); the cache holds {} blocks: \
-                 raise the KV cache budget or lower max_new_tokens",
-                self.config.block_tokens, self.config.blocks
-            ));
-        }
+        let limit = self.limit(prompt.len(), max_new_tokens);
         let seq = self.sequences.len();
         self.sequences.push(Sequence {
             prompt: prompt.len(),
@@ -196,6 +181,59 @@ impl Batcher {
         });
         self.waiting.push_back(seq);
         Ok(seq)
+    }
+
+    /// The length a sequence with a prompt of `length` tokens may reach.
+    fn limit(&self, length: usize, max_new_tokens: usize) -> usize {
+        (length + max_new_tokens.max(1)).min(self.config.context)
+    }
+
+    /// Blocks a sequence with a prompt of `length` tokens holds while it runs.
+    pub fn blocks_for(&self, length: usize, max_new_tokens: usize) -> usize {
+        self.limit(length, max_new_tokens).div_ceil(self.config.block_tokens)
+    }
+
+    /// Why a prompt of `length` tokens can never run in a cache of `blocks` blocks (empty,
+    /// as long as the context, or needing more blocks); `None` when it can.
+    pub fn refusal(&self, length: usize, max_new_tokens: usize, blocks: usize) -> Option<String> {
+        let context = self.config.context;
+        if length == 0 {
+            return Some("the prompt has no tokens".into());
+        }
+        if length >= context {
+            return Some(format!(
+                "the prompt has {length} tokens; the model's context is {context}, so nothing is left to generate"
+            ));
+        }
+        let limit = self.limit(length, max_new_tokens);
+        let needed = self.blocks_for(length, max_new_tokens);
+        (needed > blocks).then(|| {
+            format!(
+                "the sequence needs {limit} tokens of KV cache ({needed} blocks of {}); the cache holds {blocks} blocks: \
+                 raise the KV cache budget or lower max_new_tokens",
+                self.config.block_tokens
+            )
+        })
+    }
+
+    /// Blocks the sequences not yet finished hold or will hold (running and waiting).
+    pub fn blocks_wanted(&self) -> usize {
+        self.running
+            .iter()
+            .chain(&self.waiting)
+            .map(|&seq| self.sequences[seq].limit.div_ceil(self.config.block_tokens))
+            .sum()
+    }
+
+    /// Adds blocks up to `blocks` in all (the cache behind them grew); never shrinks.
+    pub fn grow(&mut self, blocks: usize) {
+        if blocks > self.config.blocks {
+            // Popped from the end: the new blocks go after the free ones already there.
+            let mut added: Vec<usize> = (self.config.blocks + 1..=blocks).rev().collect();
+            added.append(&mut self.free);
+            self.free = added;
+            self.config.blocks = blocks;
+        }
     }
 
     /// Admits waiting sequences in order while a batch slot and their blocks are free,
@@ -281,6 +319,17 @@ impl Batcher {
         s.state = State::Finished(reason);
         self.free.extend(s.blocks.drain(..).rev());
         self.running.retain(|r| *r != seq);
+    }
+
+    /// Drops a finished sequence's tokens (a long-lived batcher keeps only a small record
+    /// of it); [`Batcher::generated`] is empty for it afterwards.
+    pub fn forget(&mut self, seq: usize) {
+        let s = &mut self.sequences[seq];
+        if matches!(s.state, State::Finished(_)) {
+            s.tokens = Vec::new();
+            s.prompt = 0;
+            s.computed = 0;
+        }
     }
 
     /// Tokens generated so far by `seq`.
@@ -464,6 +513,38 @@ mod tests {
             .add(vec![1; 10], 20)
             .unwrap_err()
             .contains("raise the KV cache budget"));
+    }
+
+    #[test]
+    fn a_grown_cache_admits_what_a_small_one_made_wait_and_keeps_old_blocks() {
+        let mut b = batcher(2, 8, 100);
+        let first = b.add(vec![1, 1, 1], 5).unwrap();
+        let second = b.add(vec![2, 2, 2], 5).unwrap();
+        assert_eq!(b.blocks_wanted(), 4);
+        b.schedule();
+        assert_eq!((b.occupancy().running, b.occupancy().waiting), (1, 1));
+        let held = b.feed(&Work { seq: first, start: 0, end: 3, sample: true }).write;
+        b.grow(4);
+        b.grow(3); // never shrinks
+        assert_eq!(b.config().blocks, 4);
+        b.schedule();
+        assert_eq!(b.occupancy().running, 2, "the waiting sequence joined once blocks were added");
+        assert_eq!(b.feed(&Work { seq: first, start: 0, end: 3, sample: true }).write, held);
+        let other = b.feed(&Work { seq: second, start: 0, end: 3, sample: true }).write;
+        assert!(other.iter().all(|slot| *slot >= 12), "the new sequence got the new blocks: {other:?}");
+        assert!(b.refusal(10, 20, 4).unwrap().contains("the cache holds 4 blocks"));
+        assert_eq!(b.refusal(10, 6, 4), None);
+    }
+
+    #[test]
+    fn a_forgotten_sequence_keeps_no_tokens() {
+        let mut b = batcher(8, 8, 100);
+        let seq = b.add(vec![1; 6], 2).unwrap();
+        drive(&mut b, |_, _| 9);
+        assert_eq!(b.generated(seq), &[9, 9]);
+        b.forget(seq);
+        assert!(b.generated(seq).is_empty());
+        assert_eq!(b.finished(seq), Some(Finish::Length));
     }
 
     #[test]
