@@ -100,7 +100,22 @@ fn assert_same_texts(dir: &Path, reference: &BTreeMap<String, GeneratedRow>) {
     let rows = outputs(dir);
     assert_eq!(rows.len(), ROWS, "every row exactly once");
     for (id, row) in &rows {
-        assert_eq!(row, &reference[id], "{id}");
+        // Rows share batches with whatever other rows are in flight (partitions overlap
+        // in an actor's batch), so log-probabilities agree to float noise, not bit for bit.
+        let expected = &reference[id];
+        let strip = |r: &GeneratedRow| GeneratedRow {
+            token_logprobs: None,
+            ..r.clone()
+        };
+        assert_eq!(strip(row), strip(expected), "{id}");
+        if let (Some(got), Some(want)) = (&row.token_logprobs, &expected.token_logprobs) {
+            assert_eq!(got.len(), want.len(), "{id}");
+            for (a, b) in got.iter().zip(want) {
+                assert!((a - b).abs() < 1e-4, "{id}: log-probabilities {a} and {b}");
+            }
+        } else {
+            assert_eq!(row.token_logprobs.is_some(), expected.token_logprobs.is_some(), "{id}");
+        }
     }
 }
 
