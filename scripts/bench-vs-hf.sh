@@ -6,6 +6,11 @@
 # included) and generation only, as a Markdown table for BENCHMARKS.md.
 #
 #   scripts/bench-vs-hf.sh [--batches "1 16 64"] [--rows 64] [--max-new-tokens 64] [--threads 2]
+#                          [--score-rows 1000]
+#
+# Then the user's path: `regatta score --generate` with its default settings (actors,
+# partitions, batch limit, cache) over --score-rows rows of the same kind (0: skipped),
+# beside the engine alone (generate-ids, batch limit 32, the same rows and threads).
 #
 # Set-up, once per machine and cached outside the clone: PyTorch 2.11 + transformers in the
 # virtualenv scripts/test.sh makes (REGATTA_TORCH_VENV), plus `gguf` and the PyPI package
@@ -18,13 +23,15 @@ batches="1 16 64"
 rows=64
 max_new=64
 threads=2
+score_rows=1000
 while [ $# -gt 0 ]; do
     case "$1" in
         --batches) batches="$2"; shift 2 ;;
         --rows) rows="$2"; shift 2 ;;
         --max-new-tokens) max_new="$2"; shift 2 ;;
         --threads) threads="$2"; shift 2 ;;
-        *) echo "usage: $0 [--batches \"1 16 64\"] [--rows N] [--max-new-tokens N] [--threads N]" >&2; exit 2 ;;
+        --score-rows) score_rows="$2"; shift 2 ;;
+        *) echo "usage: $0 [--batches \"1 16 64\"] [--rows N] [--max-new-tokens N] [--threads N] [--score-rows N]" >&2; exit 2 ;;
     esac
 done
 
@@ -45,7 +52,7 @@ if [ ! -f "$model/config.json" ]; then
 fi
 
 bash scripts/setup-libtorch.sh >/dev/null
-cargo build --release --quiet -p regatta-torch --bin regatta-torch-rank
+cargo build --release --quiet -p regatta -p regatta-torch --bins
 rank="$root/target/release/regatta-torch-rank"
 
 work="$(mktemp -d -t regatta-bench-vs-hf.XXXXXX)"
@@ -70,4 +77,35 @@ PY
     "$PY" scripts/bench_vs_hf.py compare --peer "$work/peer-$batch.json" --ours "$work/ours-$batch.json" \
         --batch "$batch" || status=1
 done
+
+if [ "$score_rows" -gt 0 ]; then
+    "$PY" scripts/bench_vs_hf.py prompts --model "$model" --rows "$score_rows" --out "$work/score-prompts.json" \
+        --jsonl "$work/rows.jsonl"
+    "$PY" - "$work/score-prompts.json" "$work/score-job.json" "$max_new" "$threads" <<'PY'
+import json, sys
+job = json.load(open(sys.argv[1]))
+job.update(max_batch=32, max_new_tokens=int(sys.argv[3]), threads=int(sys.argv[4]))
+json.dump(job, open(sys.argv[2], "w"))
+PY
+    started=$(date +%s.%N)
+    "$root/target/release/regatta" score --generate --input "$work/rows.jsonl" --model "$model" \
+        --output "$work/score-out" --max-new-tokens "$max_new" --json > "$work/score.json" 2>"$work/score.log"
+    ended=$(date +%s.%N)
+    "$rank" generate-ids "$model" "$work/score-job.json" > "$work/engine.json"
+    "$PY" - "$work/score.json" "$work/engine.json" "$started" "$ended" "$score_rows" <<'PY'
+import json, sys
+score = json.loads([l for l in open(sys.argv[1]).read().splitlines() if l.startswith("{")][-1])
+engine = json.load(open(sys.argv[2]))
+wall = float(sys.argv[4]) - float(sys.argv[3])
+tokens = score["output_tokens"]
+engine_tokens = sum(len(o) for o in engine["outputs"])
+engine_rate = engine_tokens / (engine["load_seconds"] + engine["generate_seconds"])
+print()
+print(f"user path, {sys.argv[5]} rows: `regatta score --generate` (defaults) {tokens} tokens, "
+      f"{tokens / score['seconds']:.0f} tok/s over the run's {score['seconds']:.1f} s, "
+      f"{tokens / wall:.0f} tok/s over the command's {wall:.1f} s (local cluster start included); "
+      f"the engine alone (batch limit 32, model load included): {engine_tokens} tokens, {engine_rate:.0f} tok/s; "
+      f"run / engine = {tokens / score['seconds'] / engine_rate:.2f}")
+PY
+fi
 exit $status

@@ -57,16 +57,23 @@ def prompts(args):
     import transformers
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     rows = []
+    texts = []
     for i in range(args.rows):
         n = 4 + i % 7
         topic = " ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(n))
         messages = [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} {topic}."}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         rows.append([int(t) for t in ids])
+        texts.append(text)
     eos = tokenizer.eos_token_id
     json.dump({"prompts": rows, "eos": [eos] if eos is not None else []}, open(args.out, "w"))
+    if args.jsonl:
+        # The same prompts as rows for `regatta score --generate` (rendered text, so both
+        # paths tokenize the same string).
+        with open(args.jsonl, "w") as out:
+            for i, text in enumerate(texts):
+                out.write(json.dumps({"id": f"r{i:05d}", "prompt": text}) + "\n")
 
 
 def hf(args):
@@ -131,6 +138,7 @@ def main():
     s.add_argument("--model", required=True)
     s.add_argument("--rows", type=int, default=64)
     s.add_argument("--out", required=True)
+    s.add_argument("--jsonl")
     s = sub.add_parser("hf")
     s.add_argument("--model", required=True)
     s.add_argument("--prompts", required=True)

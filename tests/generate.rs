@@ -209,3 +209,112 @@ async fn seeded_generation_is_the_same_with_1_and_3_actors_and_survives_a_killed
     assert!(error.contains("generation settings"), "{error}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_openai_batch_file_runs_as_is_and_answers_in_openais_output_and_error_formats() {
+    let dir = temp_dir("generate-openai");
+    let mut lines = Vec::new();
+    for i in 0..12 {
+        let line = if i % 3 == 0 {
+            serde_json::json!({"custom_id": format!("c{i}"), "method": "POST", "url": "/v1/completions",
+                "body": {"model": "gpt-4o-mini", "prompt": format!("the river {i}"), "max_tokens": 5, "stop": "\n"}})
+        } else {
+            serde_json::json!({"custom_id": format!("c{i}"), "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": format!("tell me about {i}")}],
+                         "max_tokens": 6, "temperature": 0}})
+        };
+        lines.push(line.to_string());
+    }
+    lines.push(
+        serde_json::json!({"custom_id": "bad-key", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}})
+        .to_string(),
+    );
+    lines.push(
+        serde_json::json!({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}}).to_string(),
+    );
+    let input = dir.join("batch.jsonl");
+    std::fs::write(&input, lines.join("\n") + "\n").unwrap();
+    // The fixture model with a ChatML template, for the chat rows.
+    let model_dir = dir.join("model");
+    std::fs::create_dir_all(&model_dir).unwrap();
+    for entry in std::fs::read_dir(model()).unwrap().flatten() {
+        std::fs::copy(entry.path(), model_dir.join(entry.file_name())).unwrap();
+    }
+    let settings_path = model_dir.join("tokenizer_config.json");
+    let mut settings: serde_json::Value = serde_json::from_slice(&std::fs::read(&settings_path).unwrap()).unwrap();
+    settings["chat_template"] = serde_json::Value::String(
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}\
+         {% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+            .into(),
+    );
+    std::fs::write(&settings_path, settings.to_string()).unwrap();
+    let cluster = TestCluster::start(&[("w1", "CPU=2")]).await;
+    let out = dir.join("out");
+    let mut c = config(&input, &out, 1);
+    c.model = model_dir.to_string_lossy().into_owned();
+    c.partitions = 3;
+    c.temperature = 0.0;
+    let done = ScoreRun::new(cluster.client.cluster().clone(), c)
+        .unwrap()
+        .run(|_| {})
+        .await
+        .unwrap();
+    assert_eq!((done.rows, done.errors), (12, 2));
+    let parquet = outputs(&out);
+    let mut answered = BTreeMap::new();
+    let mut refused = BTreeMap::new();
+    for entry in std::fs::read_dir(&out).unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+        let target = if name.ends_with(".openai.jsonl") {
+            &mut answered
+        } else if name.ends_with(".openai-errors.jsonl") {
+            &mut refused
+        } else {
+            continue;
+        };
+        for line in text.lines() {
+            let value: serde_json::Value = serde_json::from_str(line).unwrap();
+            let id = value["custom_id"].as_str().unwrap().to_string();
+            assert!(target.insert(id.clone(), value).is_none(), "{id} answered twice");
+        }
+    }
+    assert_eq!(answered.len(), 12);
+    for (id, line) in &answered {
+        let body = &line["response"]["body"];
+        let row = &parquet[id];
+        let choice = &body["choices"][0];
+        let n: usize = id[1..].parse().unwrap();
+        let text = if n % 3 == 0 {
+            assert_eq!(body["object"], "text_completion");
+            &choice["text"]
+        } else {
+            assert_eq!(body["object"], "chat.completion");
+            assert_eq!(choice["message"]["role"], "assistant");
+            &choice["message"]["content"]
+        };
+        assert_eq!(text.as_str(), Some(row.generated.as_str()), "{id}");
+        assert_eq!(body["model"], "gpt-4o-mini", "the row's model is echoed");
+        assert_eq!(body["usage"]["completion_tokens"], row.generated_tokens);
+        assert_eq!(body["usage"]["prompt_tokens"], row.prompt_tokens);
+        let expected = if row.finish_reason == "length" {
+            "length"
+        } else {
+            "stop"
+        };
+        assert_eq!(choice["finish_reason"], expected, "{id}");
+        assert!(row.generated_tokens <= if n % 3 == 0 { 5 } else { 6 });
+    }
+    assert_eq!(refused.keys().collect::<Vec<_>>(), vec!["bad-key", "bad-url"]);
+    assert!(refused["bad-key"]["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("`presence_penalty`"));
+    assert!(refused["bad-url"]["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("not served"));
+    assert_eq!(refused["bad-key"]["response"], serde_json::Value::Null);
+    let _ = std::fs::remove_dir_all(&dir);
+}

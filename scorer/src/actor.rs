@@ -21,12 +21,13 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout};
 use tokio::sync::oneshot;
 
+use crate::generate::openai::{self, Endpoint, OpenAiRow};
 use crate::generate::{parse_prompt_row, GenRequest, GenStats, Generation, Prompt, PromptRow, SamplingParams};
 use crate::jsonl::read_owned_lines;
 use crate::output::{generated_to_parquet, to_parquet, GeneratedRow, ScoredRow};
 use crate::parquet_input::{ParquetInput, RowSlice};
 use crate::partition::{parse_row, Row, RowError};
-use crate::plan::{errors_name, length_batches, output_name};
+use crate::plan::{errors_name, length_batches, openai_errors_name, openai_output_name, output_name};
 use crate::protocol::{FromScorer, ScorerSetup, ToScorer};
 
 /// How long loading a checkpoint may take.
@@ -111,6 +112,7 @@ struct Metrics {
     capacity: IntGauge,
     kv_used: IntGauge,
     kv_blocks: IntGauge,
+    preemptions: prometheus::IntCounter,
 }
 
 impl Metrics {
@@ -125,6 +127,8 @@ impl Metrics {
         self.output_tokens
             .with_label_values(&[] as &[&str])
             .inc_by(after.new_tokens);
+        self.preemptions
+            .inc_by(after.preemptions.saturating_sub(before.preemptions));
     }
 }
 
@@ -164,6 +168,15 @@ fn metrics() -> &'static Metrics {
                 "Sequences the node's generating scorers may decode at once (their max_batch)",
             ),
             kv_used: gauge("regatta_score_kv_blocks_used", "KV cache blocks in use"),
+            preemptions: {
+                let metric = prometheus::IntCounter::new(
+                    "regatta_score_preemptions_total",
+                    "Sequences preempted for cache blocks (recomputed when they join again)",
+                )
+                .expect("valid metric");
+                let _ = registry.register(Box::new(metric.clone()));
+                metric
+            },
             kv_blocks: gauge(
                 "regatta_score_kv_blocks",
                 "KV cache blocks of the node's generating scorers",
@@ -188,6 +201,8 @@ fn metrics() -> &'static Metrics {
 struct Outcome {
     rows: u64,
     file: Bytes,
+    /// Files written before the output file (OpenAI-format results), by name.
+    extra: Vec<(String, Bytes)>,
     errors: Vec<RowError>,
     tokens: u64,
     output_tokens: u64,
@@ -214,6 +229,8 @@ pub struct ScorerActor {
 struct Link {
     stdin: Arc<tokio::sync::Mutex<ChildStdin>>,
     sampling: SamplingParams,
+    /// The model's name in OpenAI-format answers (the last part of its location).
+    model_name: String,
     state: std::sync::Mutex<LinkState>,
 }
 
@@ -229,7 +246,10 @@ struct LinkState {
 impl Link {
     /// Registers a partition's answer before its rows go out.
     fn expect(&self, tag: u64) -> Result<oneshot::Receiver<Answer>> {
-        let mut state = self.state.lock().map_err(|_| Error::Executor("a scorer link lock was poisoned".into()))?;
+        let mut state = self
+            .state
+            .lock()
+            .map_err(|_| Error::Executor("a scorer link lock was poisoned".into()))?;
         if let Some(reason) = &state.gone {
             return Err(Error::Executor(reason.clone()));
         }
@@ -305,19 +325,23 @@ impl ScorerActor {
 
     /// A generating run's rows: JSONL lines with `prompt`, `text` or `messages` (and
     /// `params`); Parquet rows' `text` as the prompt.
-    async fn read_prompt_rows(task: &PartitionTask) -> Result<(Vec<(u64, PromptRow)>, Vec<RowError>)> {
+    /// Also says whether any line is in OpenAI's batch input format (the partition's
+    /// results are then also written in OpenAI's batch output format).
+    async fn read_prompt_rows(task: &PartitionTask) -> Result<(Vec<(u64, PromptRow)>, Vec<RowError>, bool)> {
         match &task.slice {
             Slice::Bytes { start, end } => {
                 let (place, name) = Place::file(&task.input).map_err(Error::Storage)?;
                 let size = place.size(&name).await.map_err(Error::Storage)?;
-                let (mut rows, mut errors) = (Vec::new(), Vec::new());
+                let (mut rows, mut errors, mut openai_lines) = (Vec::new(), Vec::new(), false);
                 for (offset, line) in read_owned_lines(&place, &name, size, *start..*end).await? {
+                    // A cheap look for OpenAI's key; the parse decides the row.
+                    openai_lines |= line.windows(11).any(|w| w == b"\"custom_id\"");
                     match parse_prompt_row(&line, offset) {
                         Ok(row) => rows.push((offset, row)),
                         Err(error) => errors.push(error),
                     }
                 }
-                Ok((rows, errors))
+                Ok((rows, errors, openai_lines))
             }
             Slice::Rows(_) => {
                 let (rows, errors) = Self::read_rows(task).await?;
@@ -328,11 +352,12 @@ impl ScorerActor {
                             id: row.id,
                             prompt: Prompt::Text(row.text),
                             params: None,
+                            openai: None,
                         };
                         (offset, prompt)
                     })
                     .collect();
-                Ok((rows, errors))
+                Ok((rows, errors, false))
             }
         }
     }
@@ -392,6 +417,7 @@ impl ScorerActor {
         Ok(Outcome {
             rows: scored.len() as u64,
             file: to_parquet(&scored)?,
+            extra: Vec::new(),
             errors,
             tokens,
             output_tokens: 0,
@@ -423,13 +449,15 @@ impl ScorerActor {
 /// in one request, tagged with the partition, and joins its running batch; rows it cannot
 /// run, and rows with bad settings, go to the errors file.
 async fn generate(link: &Link, task: &PartitionTask) -> Result<Outcome> {
-    let (rows, mut errors) = ScorerActor::read_prompt_rows(task).await?;
+    let (rows, mut errors, openai_lines) = ScorerActor::read_prompt_rows(task).await?;
     let mut requests = Vec::with_capacity(rows.len());
     let mut offsets = Vec::with_capacity(rows.len());
+    let mut metas = Vec::with_capacity(rows.len());
     for (offset, row) in rows {
         match link.sampling.with_overrides(row.params.as_ref()) {
             Ok(params) => {
                 offsets.push(offset);
+                metas.push(row.openai);
                 requests.push(GenRequest {
                     id: row.id,
                     prompt: row.prompt,
@@ -474,12 +502,39 @@ async fn generate(link: &Link, task: &PartitionTask) -> Result<Outcome> {
         results
     };
     let mut out = Vec::with_capacity(results.len());
+    let mut openai_out = String::new();
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     let (mut prompt_tokens, mut output_tokens) = (0, 0);
-    for ((request, offset), result) in requests.into_iter().zip(offsets).zip(results) {
+    for (((request, offset), meta), result) in requests.into_iter().zip(offsets).zip(metas).zip(results) {
         match result {
             Ok(g) => {
                 prompt_tokens += g.prompt_tokens;
                 output_tokens += g.generated_tokens;
+                if openai_lines {
+                    let meta = meta.unwrap_or(OpenAiRow {
+                        endpoint: if matches!(request.prompt, Prompt::Chat(_)) {
+                            Endpoint::Chat
+                        } else {
+                            Endpoint::Completions
+                        },
+                        model: None,
+                    });
+                    let line = openai::output_line(
+                        &request.id,
+                        &meta,
+                        &link.model_name,
+                        &g.text,
+                        &g.finish_reason,
+                        g.prompt_tokens,
+                        g.generated_tokens,
+                        created,
+                    );
+                    openai_out.push_str(&line.to_string());
+                    openai_out.push('\n');
+                }
                 out.push(GeneratedRow {
                     id: request.id,
                     generated: g.text,
@@ -496,9 +551,20 @@ async fn generate(link: &Link, task: &PartitionTask) -> Result<Outcome> {
             }),
         }
     }
+    let mut extra = Vec::new();
+    if openai_lines {
+        let mut error_lines = String::new();
+        for error in &errors {
+            error_lines.push_str(&openai::error_line(error).to_string());
+            error_lines.push('\n');
+        }
+        extra.push((openai_errors_name(task.partition), Bytes::from(error_lines)));
+        extra.push((openai_output_name(task.partition), Bytes::from(openai_out)));
+    }
     Ok(Outcome {
         rows: out.len() as u64,
         file: generated_to_parquet(&out)?,
+        extra,
         errors,
         tokens: prompt_tokens,
         output_tokens,
@@ -529,6 +595,9 @@ async fn finish_partition(
             out.put(&errors_name(task.partition), Bytes::from(text))
                 .await
                 .map_err(Error::Storage)?;
+        }
+        for (name, bytes) in done.extra {
+            out.put(&name, bytes).await.map_err(Error::Storage)?;
         }
         out.put(&output_name(task.partition), done.file)
             .await
@@ -590,6 +659,13 @@ impl Actor for ScorerActor {
         .map_err(|e| Error::Executor(e.to_string()))?;
         let (child, mut stdin, stdout) = (executor.child, executor.stdin, executor.stdout);
         let mut stdout = BufReader::new(stdout).lines();
+        let model_name = setup
+            .checkpoint
+            .trim_end_matches('/')
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_string();
         let line = serde_json::to_string(&ToScorer::Setup(setup))?;
         stdin
             .write_all(format!("{line}\n").as_bytes())
@@ -617,6 +693,7 @@ impl Actor for ScorerActor {
                 let link = Arc::new(Link {
                     stdin: stdin.clone(),
                     sampling,
+                    model_name,
                     state: std::sync::Mutex::new(LinkState::default()),
                 });
                 tokio::spawn(link.clone().read_replies(stdout));

@@ -15,6 +15,17 @@ pub fn errors_name(partition: usize) -> String {
     format!("part-{partition:05}.errors.jsonl")
 }
 
+/// A partition's results in OpenAI's batch output format (when its input lines were in
+/// OpenAI's batch input format).
+pub fn openai_output_name(partition: usize) -> String {
+    format!("part-{partition:05}.openai.jsonl")
+}
+
+/// A partition's refused rows in OpenAI's batch error format.
+pub fn openai_errors_name(partition: usize) -> String {
+    format!("part-{partition:05}.openai-errors.jsonl")
+}
+
 /// The partition an output file name belongs to.
 pub fn partition_of(name: &str) -> Option<usize> {
     name.strip_prefix("part-")?.strip_suffix(".parquet")?.parse().ok()

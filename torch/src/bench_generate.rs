@@ -254,7 +254,10 @@ pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
     let outputs = outputs
         .into_iter()
         .enumerate()
-        .map(|(i, o)| o.map(|o| o.tokens).map_err(|reason| Error::Invalid(format!("row {i}: {reason}"))))
+        .map(|(i, o)| {
+            o.map(|o| o.tokens)
+                .map_err(|reason| Error::Invalid(format!("row {i}: {reason}")))
+        })
         .collect::<Result<Vec<_>>>()?;
     Ok(IdsOutcome {
         outputs,

@@ -180,7 +180,8 @@ impl<'a> Generator<'a> {
         on_stats: &mut dyn FnMut(GenStats),
     ) -> Result<(Vec<std::result::Result<Output, String>>, Timings)> {
         let mut session = self.session()?;
-        let sequences: Vec<std::result::Result<usize, String>> = rows.iter().map(|row| session.add(row.clone())).collect();
+        let sequences: Vec<std::result::Result<usize, String>> =
+            rows.iter().map(|row| session.add(row.clone())).collect();
         let mut done = HashMap::new();
         while !session.is_idle() {
             done.extend(session.step(text, on_stats)?);
@@ -188,7 +189,12 @@ impl<'a> Generator<'a> {
         session.report(on_stats);
         let results = sequences
             .into_iter()
-            .map(|seq| seq.and_then(|seq| done.remove(&seq).ok_or_else(|| "the row's generation is missing".to_string())))
+            .map(|seq| {
+                seq.and_then(|seq| {
+                    done.remove(&seq)
+                        .ok_or_else(|| "the row's generation is missing".to_string())
+                })
+            })
             .collect();
         Ok((results, session.timings()))
     }
@@ -325,24 +331,18 @@ pub struct Session<'g, 'a> {
 impl Session<'_, '_> {
     /// Queues a row; returns its sequence number, or why it can never run (too long for
     /// the context, or needing more cache than the budget buys). Grows the cache first
-    /// when the rows not yet finished need more than it holds (at least doubling it, so
-    /// a stream of rows copies the cache a few times, not once per row).
+    /// when a full batch of the rows not yet finished needs more than it holds (at least
+    /// doubling it, so a stream of rows copies the cache a few times, not once per row).
     pub fn add(&mut self, row: Prepared) -> std::result::Result<usize, String> {
         let (length, max_new) = (row.prompt.len(), row.params.max_new_tokens);
         if let Some(reason) = self.batcher.refusal(length, max_new, self.budget) {
             return Err(reason);
         }
         let needed = self.batcher.blocks_for(length, max_new);
-        let have = self.batcher.config().blocks;
-        let wanted = self.batcher.blocks_wanted() + needed;
-        if wanted > have {
-            let grown = wanted.max(2 * have).min(self.budget).max(needed);
-            if grown > have {
-                let block_tokens = self.batcher.config().block_tokens;
-                self.cache.grow((grown + 1) * block_tokens);
-                self.batcher.grow(grown);
-            }
-        }
+        // The new row counts only when it would be in the next full batch.
+        let o = self.batcher.occupancy();
+        let in_next_batch = o.running + o.waiting < self.batcher.config().max_running;
+        self.fit(if in_next_batch { needed } else { 0 }, needed);
         let seq = self.batcher.add(row.prompt, row.params.max_new_tokens)?;
         self.rows.insert(
             seq,
@@ -358,6 +358,22 @@ impl Session<'_, '_> {
             },
         );
         Ok(seq)
+    }
+
+    /// Grows the cache (at least doubling it, never past the budget) when a full batch of
+    /// the rows not yet finished, plus `extra` blocks, would need more than it holds, or
+    /// when it holds fewer than `at_least` blocks (one row's whole length).
+    fn fit(&mut self, extra: usize, at_least: usize) {
+        let have = self.batcher.config().blocks;
+        let wanted = self.batcher.blocks_wanted() + extra;
+        if wanted > have || at_least > have {
+            let grown = wanted.max(2 * have).min(self.budget).max(at_least);
+            if grown > have {
+                let block_tokens = self.batcher.config().block_tokens;
+                self.cache.grow((grown + 1) * block_tokens);
+                self.batcher.grow(grown);
+            }
+        }
     }
 
     /// Whether no row is waiting or running.
@@ -379,9 +395,13 @@ impl Session<'_, '_> {
         on_stats: &mut dyn FnMut(GenStats),
     ) -> Result<Vec<(usize, Output)>> {
         let g = self.generator;
+        // Rows that moved up the queue may be longer than the ones the cache was sized for.
+        self.fit(0, 0);
         let step = self.batcher.schedule();
         if step.is_empty() {
-            return Err(Error::Invalid("the batcher planned an empty step with sequences left".into()));
+            return Err(Error::Invalid(
+                "the batcher planned an empty step with sequences left".into(),
+            ));
         }
         let mut finished = Vec::new();
         for (decoding, works) in [(true, &step.decode), (false, &step.prefill)] {
@@ -415,11 +435,16 @@ impl Session<'_, '_> {
                 };
                 if let Some(reason) = self.batcher.advance(work, token) {
                     self.batcher.finish(work.seq, reason);
-                } else if token.is_some()
-                    && !live.params.stop.is_empty()
-                    && stop_at(&text(self.batcher.generated(work.seq)), &live.params.stop).is_some()
-                {
-                    self.batcher.finish(work.seq, Finish::Stop);
+                } else if token.is_some() && !live.params.stop.is_empty() {
+                    // Only a stop string ending in the newest token is new, and one of n
+                    // bytes spans at most n tokens: decode that tail (and a few tokens more,
+                    // for a character split across tokens), not the whole output each step.
+                    let longest = live.params.stop.iter().map(String::len).max().unwrap_or(0);
+                    let generated = self.batcher.generated(work.seq);
+                    let tail = &generated[generated.len().saturating_sub(longest + 3)..];
+                    if stop_at(&text(tail), &live.params.stop).is_some() {
+                        self.batcher.finish(work.seq, Finish::Stop);
+                    }
                 }
                 if let Some(reason) = self.batcher.finished(work.seq) {
                     if let Some(mut live) = self.rows.remove(&work.seq) {
@@ -458,6 +483,7 @@ impl Session<'_, '_> {
             used_blocks: o.used_blocks,
             blocks: o.blocks,
             new_tokens: self.new_tokens,
+            preemptions: self.batcher.preemptions(),
         });
         self.new_tokens = 0;
         self.reported = Instant::now();

@@ -294,7 +294,13 @@ pub fn inference_layout(params: Vec<Vec<Tensor>>, device: Device) -> Vec<Vec<Ten
             }
             tensors
                 .into_iter()
-                .map(|w| if w.dim() == 2 { w.transpose(0, 1).contiguous().transpose(0, 1) } else { w })
+                .map(|w| {
+                    if w.dim() == 2 {
+                        w.transpose(0, 1).contiguous().transpose(0, 1)
+                    } else {
+                        w
+                    }
+                })
                 .collect()
         })
         .collect()

@@ -246,7 +246,9 @@ fn generate_loop(scorer: &Scorer, setup: &GenerationSetup, messages: &Receiver<T
                     }
                 }
                 ToScorer::Batch(_) => {
-                    emit(&FromScorer::Failed("this executor generates; it was sent rows to score".into()));
+                    emit(&FromScorer::Failed(
+                        "this executor generates; it was sent rows to score".into(),
+                    ));
                 }
                 ToScorer::Setup(_) => eprintln!("ignored a second setup"),
             }
@@ -256,8 +258,14 @@ fn generate_loop(scorer: &Scorer, setup: &GenerationSetup, messages: &Receiver<T
             Ok(finished) => {
                 for (seq, output) in finished {
                     let Some((tag, i)) = owner.remove(&seq) else { continue };
-                    let Some(flight) = in_flight.get_mut(&tag) else { continue };
-                    flight.results[i] = Some(Ok(scorer.generation(&flight.requests[i], flight.prompt_tokens[i], output)));
+                    let Some(flight) = in_flight.get_mut(&tag) else {
+                        continue;
+                    };
+                    flight.results[i] = Some(Ok(scorer.generation(
+                        &flight.requests[i],
+                        flight.prompt_tokens[i],
+                        output,
+                    )));
                     flight.left -= 1;
                     if flight.left == 0 {
                         if let Some(flight) = in_flight.remove(&tag) {

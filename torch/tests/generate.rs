@@ -178,6 +178,13 @@ fn sequences_joining_and_leaving_at_different_steps_equal_full_window_recomputat
     // The cache (20 blocks of 4 tokens), not the batch limit of 8, held sequences back.
     assert!(stats.iter().any(|s| s.waiting > 0 && s.running < 8), "{stats:?}");
     assert!(stats.iter().map(|s| s.used_blocks).max().unwrap() > 10, "{stats:?}");
+    // Blocks are taken as tokens arrive: sequences started on what they held and the
+    // youngest gave its blocks up when the cache ran out; recomputed, it still equals the
+    // whole-window reference below.
+    assert!(
+        stats.last().unwrap().preemptions > 0,
+        "no sequence was preempted: {stats:?}"
+    );
     for (i, out) in outputs.iter().enumerate() {
         let (tokens, steps) = full_window(model.as_ref(), &params, &rows[i].prompt, new[i]);
         assert_eq!(out.tokens, tokens, "row {i}");
@@ -368,14 +375,23 @@ fn rows_added_while_others_decode_join_the_running_batch_and_equal_a_one_shot_ru
     let (model, params) = load(&fixture("llama"));
     let rows: Vec<Prepared> = (0..8)
         .map(|i| Prepared {
-            prompt: (0..4 + i as i64 * 3).map(|t| 3 + (t * 41 + i as i64 * 97) % 500).collect(),
+            prompt: (0..4 + i as i64 * 3)
+                .map(|t| 3 + (t * 41 + i as i64 * 97) % 500)
+                .collect(),
             params: greedy(10),
             stream: RowStream::new(0, &i.to_string()),
         })
         .collect();
-    let generator = Generator::new(model.as_ref(), &params, setup(1 << 20, 8, 64), 128, Vec::new(), Device::Cpu)
-        .unwrap()
-        .stats_every(std::time::Duration::ZERO);
+    let generator = Generator::new(
+        model.as_ref(),
+        &params,
+        setup(1 << 20, 8, 64),
+        128,
+        Vec::new(),
+        Device::Cpu,
+    )
+    .unwrap()
+    .stats_every(std::time::Duration::ZERO);
     let (expected, _) = run(&generator, &rows);
 
     // A first partition of four rows runs a few steps; a second partition's four rows
@@ -391,7 +407,11 @@ fn rows_added_while_others_decode_join_the_running_batch_and_equal_a_one_shot_ru
     let second: Vec<usize> = rows[4..].iter().map(|r| session.add(r.clone()).unwrap()).collect();
     stats.clear();
     done.extend(session.step(&|_| String::new(), &mut |s| stats.push(s)).unwrap());
-    assert_eq!(stats.last().unwrap().running, 8, "both partitions' rows run in one batch: {stats:?}");
+    assert_eq!(
+        stats.last().unwrap().running,
+        8,
+        "both partitions' rows run in one batch: {stats:?}"
+    );
     while !session.is_idle() {
         done.extend(session.step(&|_| String::new(), &mut |_| {}).unwrap());
     }
@@ -399,7 +419,15 @@ fn rows_added_while_others_decode_join_the_running_batch_and_equal_a_one_shot_ru
         assert_eq!(done[seq].tokens, expected[i].tokens, "row {i}");
     }
     // A row needing more cache than the whole budget is refused, naming the budget.
-    let small = Generator::new(model.as_ref(), &params, setup(20 * 4 * 256, 8, 64), 128, Vec::new(), Device::Cpu).unwrap();
+    let small = Generator::new(
+        model.as_ref(),
+        &params,
+        setup(20 * 4 * 256, 8, 64),
+        128,
+        Vec::new(),
+        Device::Cpu,
+    )
+    .unwrap();
     let mut session = small.session().unwrap();
     let long = Prepared {
         prompt: vec![5; 90],
@@ -408,4 +436,44 @@ fn rows_added_while_others_decode_join_the_running_batch_and_equal_a_one_shot_ru
     };
     let reason = session.add(long).unwrap_err();
     assert!(reason.contains("raise the KV cache budget"), "{reason}");
+}
+
+#[test]
+fn a_stop_string_split_across_tokens_ends_the_row_at_the_token_completing_it() {
+    tch::set_num_threads(1);
+    let (model, params) = load(&fixture("llama"));
+    let generator = Generator::new(
+        model.as_ref(),
+        &params,
+        setup(1 << 20, 4, 64),
+        128,
+        Vec::new(),
+        Device::Cpu,
+    )
+    .unwrap();
+    let row = |stop: Vec<String>| Prepared {
+        prompt: vec![5, 17, 230, 41, 9],
+        params: SamplingParams { stop, ..greedy(30) },
+        stream: RowStream::new(0, "s"),
+    };
+    // Each token reads as "<id>": a stop string made of one token's end and the next one's
+    // start is only ever seen across two tokens.
+    let text = |ids: &[i64]| ids.iter().map(|t| format!("<{t}>")).collect::<String>();
+    let (free, _) = generator.run_timed(&[row(Vec::new())], &text, &mut |_| {}).unwrap();
+    let tokens = free[0].as_ref().unwrap().tokens.clone();
+    assert_eq!(tokens.len(), 30);
+    // The first place where "<a" + "><b" spans two tokens' text and did not occur before.
+    let (at, stop) = (12..tokens.len())
+        .map(|i| {
+            let (a, b) = (tokens[i - 1].to_string(), tokens[i].to_string());
+            (i, format!("{}><{}", &a[a.len() - 1..], &b[..1]))
+        })
+        .find(|(i, stop)| !text(&tokens[..*i]).contains(stop.as_str()))
+        .expect("some adjacent pair is new");
+    let (stopped, _) = generator
+        .run_timed(&[row(vec![stop.clone()])], &text, &mut |_| {})
+        .unwrap();
+    let out = stopped[0].as_ref().unwrap();
+    assert_eq!(out.finish, Finish::Stop, "{stop:?}");
+    assert_eq!(out.tokens, tokens[..=at], "ended at the token that completed {stop:?}");
 }

@@ -5,11 +5,15 @@
 //! waiting one joins at the next step without the batch draining.
 //!
 //! The cache is `blocks` blocks of `block_tokens` token slots (block 0 is a scratch block
-//! that padding writes to and no sequence owns). A sequence is admitted only when blocks
-//! for its whole length (prompt plus its generation limit, capped at the context) are free,
-//! so a running sequence never runs out of cache and nothing is ever evicted: when the
-//! cache is full, new sequences wait. Slot `block * block_tokens + offset` holds the keys
-//! and values of one token of one sequence.
+//! that padding writes to and no sequence owns). Blocks are taken as tokens arrive, not
+//! reserved for a sequence's whole length: a sequence joins when blocks for the tokens it
+//! holds are free, and gets another block when its next token starts one. When a running
+//! sequence needs a block and none is free, the youngest running sequence is **preempted**
+//! (as vLLM does): its blocks are freed and it waits at the front of the queue, to be
+//! recomputed from its tokens (prompt and what it generated) when it joins again. So the
+//! batch is limited by the cache actually used, and a row is refused only when its whole
+//! length could never fit. Slot `block * block_tokens + offset` holds the keys and values of
+//! one token of one sequence.
 
 use std::collections::VecDeque;
 
@@ -138,6 +142,7 @@ pub struct Batcher {
     sequences: Vec<Sequence>,
     waiting: VecDeque<usize>,
     running: Vec<usize>,
+    preemptions: u64,
 }
 
 impl Batcher {
@@ -154,6 +159,7 @@ impl Batcher {
             sequences: Vec::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            preemptions: 0,
         }
     }
 
@@ -216,11 +222,14 @@ impl Batcher {
         })
     }
 
-    /// Blocks the sequences not yet finished hold or will hold (running and waiting).
+    /// Blocks a full batch of the sequences not yet finished would hold at their whole
+    /// lengths: the running ones and the next waiting ones up to the batch limit (a cache
+    /// grown past that could never be used).
     pub fn blocks_wanted(&self) -> usize {
+        let room = self.config.max_running.saturating_sub(self.running.len());
         self.running
             .iter()
-            .chain(&self.waiting)
+            .chain(self.waiting.iter().take(room))
             .map(|&seq| self.sequences[seq].limit.div_ceil(self.config.block_tokens))
             .sum()
     }
@@ -236,47 +245,99 @@ impl Batcher {
         }
     }
 
-    /// Admits waiting sequences in order while a batch slot and their blocks are free,
-    /// then plans the step: a decode for every running sequence whose prompt is in the
-    /// cache, and prompt chunks in admission order within the prefill budget.
+    /// Admits waiting sequences in order while a batch slot and blocks for the tokens they
+    /// hold (and the next one) are free, then plans the step: a decode for every running
+    /// sequence whose tokens are all in the cache but the newest, and prompt chunks (or a
+    /// preempted sequence's recomputation) in admission order within the prefill budget.
+    /// Blocks are taken as the planned tokens need them; when none is free, the youngest
+    /// running sequence is preempted: its blocks are freed and it waits at the front of
+    /// the queue, to be recomputed from its tokens when it joins again.
     pub fn schedule(&mut self) -> Step {
+        let block_tokens = self.config.block_tokens;
+        let mut promised = 0;
         while self.running.len() < self.config.max_running {
             let Some(&seq) = self.waiting.front() else { break };
-            let needed = self.sequences[seq].limit.div_ceil(self.config.block_tokens);
-            if needed > self.free.len() {
+            let s = &self.sequences[seq];
+            let needed = (s.tokens.len() + 1).min(s.limit).div_ceil(block_tokens);
+            if promised + needed > self.free.len() {
                 break;
             }
+            promised += needed;
             self.waiting.pop_front();
-            let blocks = self.free.split_off(self.free.len() - needed);
-            let s = &mut self.sequences[seq];
-            s.blocks = blocks.into_iter().rev().collect();
-            s.state = State::Running;
+            self.sequences[seq].state = State::Running;
             self.running.push(seq);
         }
         let mut step = Step::default();
         let mut budget = self.config.prefill_tokens;
-        for &seq in &self.running {
+        let mut i = 0;
+        while i < self.running.len() {
+            let seq = self.running[i];
             let s = &self.sequences[seq];
             let pending = s.tokens.len() - s.computed;
-            if s.computed >= s.prompt {
-                step.decode.push(Work {
+            let decoding = s.computed >= s.prompt && pending == 1;
+            let work = if decoding {
+                Work {
                     seq,
                     start: s.computed,
                     end: s.tokens.len(),
                     sample: true,
-                });
+                }
             } else if budget > 0 {
                 let take = pending.min(budget);
-                budget -= take;
-                step.prefill.push(Work {
+                Work {
                     seq,
                     start: s.computed,
                     end: s.computed + take,
                     sample: s.computed + take == s.tokens.len(),
-                });
+                }
+            } else {
+                i += 1;
+                continue;
+            };
+            // Blocks for every position the work writes.
+            let needed = work.end.div_ceil(block_tokens);
+            while self.sequences[seq].blocks.len() < needed {
+                if let Some(block) = self.free.pop() {
+                    self.sequences[seq].blocks.push(block);
+                    continue;
+                }
+                // The youngest running sequence gives its blocks up (itself, if it is the
+                // youngest: it then waits too, and this step runs without it).
+                let youngest = self.running.len() - 1;
+                self.preempt(youngest);
+                if youngest == i {
+                    break;
+                }
             }
+            if i >= self.running.len() {
+                break;
+            }
+            if decoding {
+                step.decode.push(work);
+            } else {
+                budget -= work.end - work.start;
+                step.prefill.push(work);
+            }
+            i += 1;
         }
         step
+    }
+
+    /// Takes the running sequence at `index` out of the batch: its blocks are freed, its
+    /// tokens kept to be recomputed, and it waits at the front of the queue.
+    fn preempt(&mut self, index: usize) {
+        let seq = self.running.remove(index);
+        let s = &mut self.sequences[seq];
+        self.free.extend(s.blocks.drain(..).rev());
+        s.computed = 0;
+        s.state = State::Waiting;
+        self.waiting.push_front(seq);
+        self.preemptions += 1;
+    }
+
+    /// Sequences preempted so far (each recomputed once it joined again).
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
     }
 
     /// The model's inputs for `work`.
@@ -489,26 +550,51 @@ mod tests {
     }
 
     #[test]
-    fn when_the_cache_is_full_new_sequences_wait_instead_of_overcommitting() {
-        // 4 blocks of 4 tokens; each sequence needs 3 + 5 = 8 tokens = 2 blocks.
+    fn a_full_cache_preempts_the_youngest_and_every_sequence_still_finishes_whole() {
+        // 4 blocks of 4 tokens; each sequence grows to 3 + 5 = 8 tokens = 2 blocks, so at
+        // most two fit at full length, but four can start.
         let mut b = batcher(4, 8, 100);
-        for _ in 0..5 {
-            b.add(vec![1, 1, 1], 5).unwrap();
-        }
-        let (mut most_running, mut most_blocks) = (0, 0);
+        let seqs: Vec<usize> = (0..5).map(|_| b.add(vec![1, 1, 1], 5).unwrap()).collect();
+        let (mut most_running, mut recomputed) = (0, 0);
+        let mut steps = 0;
         while !b.is_done() {
             let step = b.schedule();
             let o = b.occupancy();
             most_running = most_running.max(o.running);
-            most_blocks = most_blocks.max(o.used_blocks);
-            assert!(o.used_blocks <= o.blocks);
+            assert!(o.used_blocks <= o.blocks, "{o:?}");
             for work in step.decode.iter().chain(&step.prefill) {
-                if let Some(reason) = b.advance(work, work.sample.then_some(7)) {
+                let feed = b.feed(work);
+                assert_eq!(feed.read.len(), work.end, "a work reads every position before its end");
+                if work.start == 0 && work.end > 3 {
+                    // A preempted sequence comes back with its generated tokens as input.
+                    recomputed += 1;
+                    assert_eq!(&feed.read[..], &feed.write[..]);
+                }
+                let token = work
+                    .sample
+                    .then(|| 10 + (work.seq * 10 + b.generated(work.seq).len()) as i64);
+                if let Some(reason) = b.advance(work, token) {
                     b.finish(work.seq, reason);
                 }
             }
+            steps += 1;
+            assert!(steps < 200, "no progress");
         }
-        assert_eq!((most_running, most_blocks), (2, 4));
+        assert_eq!(
+            most_running, 4,
+            "four sequences started on what they held, not their whole length"
+        );
+        assert!(b.preemptions() > 0 && recomputed > 0);
+        for seq in seqs {
+            let expected: Vec<i64> = (0..5).map(|n| 10 + (seq * 10 + n) as i64).collect();
+            assert_eq!(
+                b.generated(seq),
+                &expected[..],
+                "sequence {seq} lost or repeated tokens"
+            );
+            assert_eq!(b.finished(seq), Some(Finish::Length));
+        }
+        assert_eq!(b.occupancy().used_blocks, 0);
         assert!(b
             .add(vec![1; 10], 20)
             .unwrap_err()
@@ -516,22 +602,67 @@ mod tests {
     }
 
     #[test]
+    fn a_sequence_alone_in_too_small_a_cache_for_company_still_runs() {
+        // 3 blocks: the long sequence needs all of them; the short ones are preempted or
+        // wait, and everything finishes.
+        let mut b = batcher(3, 4, 100);
+        let long = b.add(vec![1; 6], 6).unwrap();
+        let short: Vec<usize> = (0..3).map(|_| b.add(vec![2; 2], 2).unwrap()).collect();
+        drive(&mut b, |_, _| 9);
+        assert_eq!(b.generated(long).len(), 6);
+        for seq in short {
+            assert_eq!(b.generated(seq).len(), 2);
+        }
+    }
+
+    #[test]
     fn a_grown_cache_admits_what_a_small_one_made_wait_and_keeps_old_blocks() {
-        let mut b = batcher(2, 8, 100);
-        let first = b.add(vec![1, 1, 1], 5).unwrap();
-        let second = b.add(vec![2, 2, 2], 5).unwrap();
-        assert_eq!(b.blocks_wanted(), 4);
+        // One block: room for the first sequence's prompt and next token only.
+        let mut b = batcher(1, 8, 100);
+        let first = b.add(vec![1, 1, 1], 1).unwrap();
+        let second = b.add(vec![2, 2, 2], 1).unwrap();
+        assert_eq!(b.blocks_wanted(), 2);
         b.schedule();
         assert_eq!((b.occupancy().running, b.occupancy().waiting), (1, 1));
-        let held = b.feed(&Work { seq: first, start: 0, end: 3, sample: true }).write;
+        let held = b
+            .feed(&Work {
+                seq: first,
+                start: 0,
+                end: 3,
+                sample: true,
+            })
+            .write;
         b.grow(4);
         b.grow(3); // never shrinks
         assert_eq!(b.config().blocks, 4);
         b.schedule();
-        assert_eq!(b.occupancy().running, 2, "the waiting sequence joined once blocks were added");
-        assert_eq!(b.feed(&Work { seq: first, start: 0, end: 3, sample: true }).write, held);
-        let other = b.feed(&Work { seq: second, start: 0, end: 3, sample: true }).write;
-        assert!(other.iter().all(|slot| *slot >= 12), "the new sequence got the new blocks: {other:?}");
+        assert_eq!(
+            b.occupancy().running,
+            2,
+            "the waiting sequence joined once blocks were added"
+        );
+        assert_eq!(
+            b.feed(&Work {
+                seq: first,
+                start: 0,
+                end: 3,
+                sample: true
+            })
+            .write,
+            held
+        );
+        let other = b
+            .feed(&Work {
+                seq: second,
+                start: 0,
+                end: 3,
+                sample: true,
+            })
+            .write;
+        assert!(
+            other.iter().all(|slot| *slot >= 8),
+            "the new sequence got the new blocks: {other:?}"
+        );
         assert!(b.refusal(10, 20, 4).unwrap().contains("the cache holds 4 blocks"));
         assert_eq!(b.refusal(10, 6, 4), None);
     }

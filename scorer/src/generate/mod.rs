@@ -4,6 +4,7 @@
 //! executor. The executor (regatta-torch) runs the model where this module says.
 
 pub mod batcher;
+pub mod openai;
 pub mod params;
 pub mod sample;
 
@@ -45,13 +46,21 @@ pub struct PromptRow {
     pub prompt: Prompt,
     /// Its own `params` object, laid over the run's defaults.
     pub params: Option<Value>,
+    /// Set for a line in OpenAI's batch input format: how its answer is written.
+    pub openai: Option<openai::OpenAiRow>,
 }
 
 /// Parses one JSONL line of a generation input: an `id` and one of `messages` (a list of
-/// `{role, content}`), `prompt` or `text`, and optionally `params`.
+/// `{role, content}`), `prompt` or `text`, and optionally `params`; or a line in OpenAI's
+/// batch input format (see [`openai`]).
 pub fn parse_prompt_row(line: &[u8], offset: u64) -> Result<PromptRow, RowError> {
     let fail = |id: Option<String>, reason: String| RowError { id, offset, reason };
     let value: Value = serde_json::from_slice(line).map_err(|e| fail(None, format!("not valid JSON: {e}")))?;
+    if openai::is_openai_row(&value) {
+        let (mut row, meta) = openai::parse_openai_row(&value, offset)?;
+        row.openai = Some(meta);
+        return Ok(row);
+    }
     let id = row_id(&value).map_err(|reason| fail(None, reason))?;
     let prompt = if let Some(messages) = value.get("messages").filter(|m| !m.is_null()) {
         let messages: Vec<ChatMessage> = serde_json::from_value(messages.clone()).map_err(|e| {
@@ -79,6 +88,7 @@ pub fn parse_prompt_row(line: &[u8], offset: u64) -> Result<PromptRow, RowError>
         id,
         prompt,
         params: value.get("params").cloned(),
+        openai: None,
     })
 }
 
@@ -154,6 +164,10 @@ pub struct GenStats {
     pub blocks: usize,
     /// Tokens generated since the last report.
     pub new_tokens: u64,
+    /// Sequences preempted since the generation started (their cache blocks given to
+    /// others; recomputed when they joined again).
+    #[serde(default)]
+    pub preemptions: u64,
 }
 
 #[cfg(test)]

@@ -317,7 +317,8 @@ fn main() -> ExitCode {
             }
         }
         Some("generate-ids") => {
-            let usage = "usage: regatta-torch-rank generate-ids MODEL_DIR JOB.json (prints the outputs and timings as JSON)";
+            let usage =
+                "usage: regatta-torch-rank generate-ids MODEL_DIR JOB.json (prints the outputs and timings as JSON)";
             let (Some(model), Some(job)) = (args.get(1), args.get(2)) else {
                 eprintln!("{usage}");
                 return ExitCode::from(2);
