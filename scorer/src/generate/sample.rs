@@ -84,47 +84,132 @@ pub fn choose(logits: &[f32], params: &SamplingParams, stream: RowStream, index:
 /// to the smallest set whose probability reaches top-p, in order of decreasing
 /// probability (ties by id), so the same `u` always gives the same token.
 fn sample(logits: &[f32], params: &SamplingParams, u: f64) -> usize {
-    let temperature = params.temperature;
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
-    let k = if params.top_k == 0 {
-        logits.len()
-    } else {
-        params.top_k.min(logits.len())
-    };
-    if k < order.len() {
-        order.select_nth_unstable_by(k - 1, by_logit);
-        order.truncate(k);
-    }
-    order.sort_unstable_by(by_logit);
-    let max = logits[order[0]] as f64;
-    let weights: Vec<f64> = order
+    Nucleus::new(logits, params).draw(u)
+}
+
+/// The tokens a sampling row may draw and their probabilities, most likely first: the
+/// tempered softmax cut to the top-k tokens, then to the top-p nucleus, renormalised (as
+/// `transformers`' temperature, top-k and top-p logits warpers leave it). Needs a
+/// temperature above 0.
+pub fn distribution(logits: &[f32], params: &SamplingParams) -> Vec<(usize, f64)> {
+    let mut nucleus = Nucleus::new(logits, params);
+    let kept = nucleus.kept;
+    nucleus.sort_to(kept);
+    nucleus.order[..kept]
         .iter()
-        .map(|&i| ((logits[i] as f64 - max) / temperature).exp())
-        .collect();
-    let total: f64 = weights.iter().sum();
-    // The nucleus: the shortest prefix whose mass reaches top_p (at least one token).
-    let mut kept = weights.len();
-    if params.top_p < 1.0 {
-        let mut mass = 0.0;
-        for (n, w) in weights.iter().enumerate() {
-            mass += w / total;
-            if mass >= params.top_p {
-                kept = n + 1;
-                break;
+        .map(|&i| (i, nucleus.weight(i) / nucleus.kept_total))
+        .collect()
+}
+
+/// A row's candidates: walked from the most likely down and sorted only as far as a walk
+/// reaches (chunks of 64, 256, ... by partial selection), not the whole vocabulary.
+struct Nucleus<'l> {
+    logits: &'l [f32],
+    temperature: f64,
+    max: f64,
+    /// Candidate ids; `order[..sorted]` are the most likely, in order.
+    order: Vec<usize>,
+    sorted: usize,
+    /// Candidates in the nucleus (a prefix of the sorted order).
+    kept: usize,
+    kept_total: f64,
+}
+
+impl<'l> Nucleus<'l> {
+    fn new(logits: &'l [f32], params: &SamplingParams) -> Self {
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        let k = if params.top_k == 0 {
+            logits.len()
+        } else {
+            params.top_k.min(logits.len())
+        };
+        let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+        if k < order.len() {
+            order.select_nth_unstable_by(k - 1, by_logit);
+            // Tokens tied with the k-th stay, as `transformers`' top-k keeps every token
+            // whose logit is at least the k-th largest.
+            let edge = logits[order[k - 1]];
+            let mut end = k;
+            for n in k..order.len() {
+                if logits[order[n]] >= edge {
+                    order.swap(end, n);
+                    end += 1;
+                }
+            }
+            order.truncate(end);
+        }
+        let max = order.iter().map(|&i| logits[i]).fold(f32::NEG_INFINITY, f32::max) as f64;
+        let mut nucleus = Self {
+            logits,
+            temperature: params.temperature,
+            max,
+            kept: order.len(),
+            order,
+            sorted: 0,
+            kept_total: 0.0,
+        };
+        let total: f64 = nucleus.order.iter().map(|&i| nucleus.weight(i)).sum();
+        nucleus.kept_total = total;
+        if params.top_p < 1.0 {
+            // The shortest prefix whose mass reaches top_p (at least one token).
+            let (mut mass, mut kept_total, mut n, mut chunk) = (0.0, 0.0, 0, 64);
+            'walk: while n < nucleus.order.len() {
+                nucleus.sort_to(n + chunk);
+                while n < nucleus.sorted {
+                    let w = nucleus.weight(nucleus.order[n]);
+                    mass += w / total;
+                    kept_total += w;
+                    n += 1;
+                    if mass >= params.top_p {
+                        nucleus.kept = n;
+                        nucleus.kept_total = kept_total;
+                        break 'walk;
+                    }
+                }
+                chunk *= 4;
             }
         }
+        nucleus
     }
-    let kept_total: f64 = weights[..kept].iter().sum();
-    let target = u * kept_total;
-    let mut running = 0.0;
-    for (n, w) in weights[..kept].iter().enumerate() {
-        running += w;
-        if target < running {
-            return order[n];
+
+    fn weight(&self, i: usize) -> f64 {
+        ((self.logits[i] as f64 - self.max) / self.temperature).exp()
+    }
+
+    /// Extends the sorted prefix to `want` candidates: a partial selection of the next
+    /// ones among the rest, then a sort of those alone.
+    fn sort_to(&mut self, want: usize) {
+        let want = want.min(self.order.len());
+        if want <= self.sorted {
+            return;
         }
+        let logits = self.logits;
+        let by_logit = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+        let rest = &mut self.order[self.sorted..];
+        if want - self.sorted < rest.len() {
+            rest.select_nth_unstable_by(want - self.sorted - 1, by_logit);
+        }
+        self.order[self.sorted..want].sort_unstable_by(by_logit);
+        self.sorted = want;
     }
-    order[kept - 1]
+
+    /// The token at `u` of the nucleus's cumulative weight, most likely first.
+    fn draw(&mut self, u: f64) -> usize {
+        let target = u * self.kept_total;
+        let (mut running, mut n, mut chunk) = (0.0, 0, 64);
+        while n < self.kept {
+            self.sort_to((n + chunk).min(self.kept));
+            while n < self.sorted.min(self.kept) {
+                running += self.weight(self.order[n]);
+                if target < running {
+                    return self.order[n];
+                }
+                n += 1;
+            }
+            chunk *= 4;
+        }
+        self.order[self.kept - 1]
+    }
 }
 
 #[cfg(test)]
@@ -196,5 +281,39 @@ mod tests {
         assert_eq!(seen(&params(1.0, 1, 1.0)), vec![3]);
         // A very low temperature is all but greedy.
         assert_eq!(seen(&params(1e-4, 0, 1.0)), vec![3]);
+    }
+
+    #[test]
+    fn top_k_and_top_p_keep_what_transformers_logits_warpers_keep() {
+        // Made by scripts/make-sampling-fixtures.py with transformers' own warpers.
+        let fixture: serde_json::Value =
+            serde_json::from_str(include_str!("../../tests/fixtures/sampling.json")).unwrap();
+        let rows: Vec<Vec<f32>> = serde_json::from_value(fixture["logits"].clone()).unwrap();
+        let cases = fixture["cases"].as_array().unwrap();
+        assert!(cases.len() >= 20, "{} cases", cases.len());
+        for case in cases {
+            let p = params(
+                case["temperature"].as_f64().unwrap(),
+                case["top_k"].as_u64().unwrap() as usize,
+                case["top_p"].as_f64().unwrap(),
+            );
+            let logits = &rows[case["row"].as_u64().unwrap() as usize];
+            let got = distribution(logits, &p);
+            let mut tokens: Vec<usize> = got.iter().map(|(t, _)| *t).collect();
+            tokens.sort_unstable();
+            let expected: Vec<usize> = serde_json::from_value(case["tokens"].clone()).unwrap();
+            assert_eq!(tokens, expected, "{case:?}");
+            let probs: Vec<f64> = serde_json::from_value(case["probs"].clone()).unwrap();
+            let by_token: std::collections::HashMap<usize, f64> = got.into_iter().collect();
+            for (t, want) in expected.iter().zip(probs) {
+                let diff = (by_token[t] - want).abs();
+                assert!(diff < 1e-6, "token {t}: {} vs transformers' {want}", by_token[t]);
+            }
+        }
+        // Draws only ever land in the nucleus, and the most likely token is first.
+        let p = params(1.0, 0, 0.9);
+        let kept: std::collections::HashSet<usize> = distribution(&rows[0], &p).into_iter().map(|(t, _)| t).collect();
+        let stream = RowStream::new(3, "z");
+        assert!((0..500).all(|i| kept.contains(&(choose(&rows[0], &p, stream, i).token as usize))));
     }
 }
