@@ -59,6 +59,11 @@ fn setup(kv_cache_bytes: u64, max_batch: usize, prefill_tokens: usize) -> Genera
     }
 }
 
+/// A generator of `model` on the CPU with a context of 128 and no end-of-sequence token.
+fn on_cpu<'a>(model: &'a dyn Model, params: &'a [Vec<Tensor>], setup: GenerationSetup) -> Generator<'a> {
+    Generator::new(model, params, setup, 128, Vec::new(), Device::Cpu).unwrap()
+}
+
 fn ids(t: &Tensor) -> Vec<i64> {
     Vec::<i64>::try_from(t.to_kind(tch::Kind::Int64)).unwrap()
 }
@@ -296,15 +301,7 @@ fn seeded_sampling_gives_a_row_the_same_text_in_any_company() {
 #[test]
 fn rows_that_cannot_run_get_a_reason_and_the_others_still_run() {
     let (model, params) = load(&fixture("llama"));
-    let generator = Generator::new(
-        model.as_ref(),
-        &params,
-        setup(1 << 20, 4, 64),
-        128,
-        Vec::new(),
-        Device::Cpu,
-    )
-    .unwrap();
+    let generator = on_cpu(model.as_ref(), &params, setup(1 << 20, 4, 64));
     let rows = [vec![5; 128], vec![5; 4]].map(|prompt| Prepared {
         prompt,
         params: greedy(3),
@@ -442,15 +439,7 @@ fn rows_added_while_others_decode_join_the_running_batch_and_equal_a_one_shot_ru
 fn a_stop_string_split_across_tokens_ends_the_row_at_the_token_completing_it() {
     tch::set_num_threads(1);
     let (model, params) = load(&fixture("llama"));
-    let generator = Generator::new(
-        model.as_ref(),
-        &params,
-        setup(1 << 20, 4, 64),
-        128,
-        Vec::new(),
-        Device::Cpu,
-    )
-    .unwrap();
+    let generator = on_cpu(model.as_ref(), &params, setup(1 << 20, 4, 64));
     let row = |stop: Vec<String>| Prepared {
         prompt: vec![5, 17, 230, 41, 9],
         params: SamplingParams { stop, ..greedy(30) },
