@@ -41,6 +41,8 @@ struct Shared {
     bound: Option<FromExecutor>,
     stderr: VecDeque<String>,
     exited: Option<String>,
+    /// The executor's stdout was read to its end: every event it wrote is in `events`.
+    stdout_done: bool,
 }
 
 /// One rank of a trainer group.
@@ -105,6 +107,7 @@ impl Actor for TrainRank {
                     Err(_) => tracing::info!(rank, "executor: {line}"),
                 }
             }
+            lock(&events).stdout_done = true;
         });
         let tail = shared.clone();
         tokio::spawn(async move {
@@ -128,8 +131,15 @@ impl Actor for TrainRank {
                 drop(child);
                 match status {
                     Ok(Some(status)) => {
-                        // Let the output readers drain what the executor wrote last.
-                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        // The exit is reported only once the events the executor wrote last
+                        // are read (a step's loss must not be lost behind its exit on a busy
+                        // machine); a pipe some other process keeps open ends the wait after
+                        // a few seconds. Then a moment for stderr's last lines.
+                        let drained = tokio::time::Instant::now() + Duration::from_secs(5);
+                        while !lock(&ended).stdout_done && tokio::time::Instant::now() < drained {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
                         let mut shared = lock(&ended);
                         let tail: Vec<String> = shared.stderr.iter().cloned().collect();
                         shared.exited = Some(format!(
