@@ -6,7 +6,11 @@
 # included) and generation only, as a Markdown table for BENCHMARKS.md.
 #
 #   scripts/bench-vs-hf.sh [--batches "1 16 64"] [--rows 64] [--max-new-tokens 64] [--threads 2]
-#                          [--score-rows 1000]
+#                          [--score-rows 1000] [--prefix-rows 64]
+#
+# Prefix caching: --prefix-rows chat rows that share a long system prompt, through the
+# engine alone (batch limit 32) with prefix caching on and off; both must give the same
+# tokens (0: skipped).
 #
 # Then the user's path: `regatta score --generate` with its default settings (actors,
 # partitions, batch limit, cache) over --score-rows rows of the same kind (0: skipped),
@@ -24,6 +28,7 @@ rows=64
 max_new=64
 threads=2
 score_rows=1000
+prefix_rows=64
 while [ $# -gt 0 ]; do
     case "$1" in
         --batches) batches="$2"; shift 2 ;;
@@ -31,7 +36,8 @@ while [ $# -gt 0 ]; do
         --max-new-tokens) max_new="$2"; shift 2 ;;
         --threads) threads="$2"; shift 2 ;;
         --score-rows) score_rows="$2"; shift 2 ;;
-        *) echo "usage: $0 [--batches \"1 16 64\"] [--rows N] [--max-new-tokens N] [--threads N] [--score-rows N]" >&2; exit 2 ;;
+        --prefix-rows) prefix_rows="$2"; shift 2 ;;
+        *) echo "usage: $0 [--batches \"1 16 64\"] [--rows N] [--max-new-tokens N] [--threads N] [--score-rows N] [--prefix-rows N]" >&2; exit 2 ;;
     esac
 done
 
@@ -77,6 +83,40 @@ PY
     "$PY" scripts/bench_vs_hf.py compare --peer "$work/peer-$batch.json" --ours "$work/ours-$batch.json" \
         --batch "$batch" || status=1
 done
+
+if [ "$prefix_rows" -gt 0 ]; then
+    system="You are a careful assistant for a regional trading cooperative. Answer in plain English, in at most \
+three short paragraphs, without lists or headings. When a question concerns prices, weights or dates, say which \
+figures you are unsure of and never invent a source. Prefer concrete examples from farming, weaving and river \
+transport. If a question is unclear, answer the most likely reading and say in one sentence what you assumed."
+    "$PY" scripts/bench_vs_hf.py prompts --model "$model" --rows "$prefix_rows" --out "$work/prefix-prompts.json" \
+        --system "$system"
+    for caching in true false; do
+        "$PY" - "$work/prefix-prompts.json" "$work/prefix-$caching.json" "$max_new" "$threads" "$caching" <<'PY'
+import json, sys
+job = json.load(open(sys.argv[1]))
+job.update(max_batch=32, max_new_tokens=int(sys.argv[3]), threads=int(sys.argv[4]), prefix_caching=sys.argv[5] == "true")
+json.dump(job, open(sys.argv[2], "w"))
+PY
+        "$rank" generate-ids "$model" "$work/prefix-$caching.json" > "$work/prefix-out-$caching.json"
+    done
+    "$PY" - "$work/prefix-out-true.json" "$work/prefix-out-false.json" "$work/prefix-prompts.json" <<'PY' || status=1
+import json, sys
+on, off, job = (json.load(open(p)) for p in sys.argv[1:4])
+rows = len(job["prompts"])
+lengths = [len(p) for p in job["prompts"]]
+common = min(next((i for i, (a, b) in enumerate(zip(p, job["prompts"][0])) if a != b), len(p)) for p in job["prompts"][1:])
+same = sum(a == b for a, b in zip(on["outputs"], off["outputs"]))
+tokens = sum(len(o) for o in on["outputs"])
+rate = lambda r: tokens / r["generate_seconds"]
+print()
+print(f"prefix caching, {rows} chat rows sharing a {common}-token system prompt (prompts {min(lengths)}-{max(lengths)} tokens), "
+      f"batch limit 32: on {rate(on):.0f} tok/s generating ({on['prefill_tokens']} prompt tokens prefilled, "
+      f"{on['cached_tokens']} found cached), off {rate(off):.0f} tok/s ({off['prefill_tokens']} prefilled); "
+      f"on / off = {rate(on) / rate(off):.2f}; identical rows {same}/{rows}")
+sys.exit(0 if same == rows else 1)
+PY
+fi
 
 if [ "$score_rows" -gt 0 ]; then
     "$PY" scripts/bench_vs_hf.py prompts --model "$model" --rows "$score_rows" --out "$work/score-prompts.json" \

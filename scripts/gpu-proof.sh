@@ -52,7 +52,7 @@ prepare() {
     for fixture in llama mistral qwen2; do
         cp -r "$repo/torch/tests/fixtures/$fixture" "$out/fixtures/"
     done
-    cp "$repo"/scripts/gpu_proof/* "$out/"
+    cp "$repo"/scripts/gpu_proof/* "$repo/scripts/bench_vs_hf.py" "$out/"
     cp "$repo/scripts/gpu-proof.sh" "$out/gpu-proof.sh"
     cp "$repo/data/bench-llama.json" "$repo/data/corpus.txt" "$out/"
     git -C "$repo" rev-parse --short HEAD >"$out/COMMIT" 2>/dev/null || echo unknown >"$out/COMMIT"
@@ -170,7 +170,7 @@ partitions = 1
 generate = true
 max_new_tokens = $GEN_TOKENS
 max_batch = $batch
-kv_cache_mb = $KV_MB
+${KV_MB:+kv_cache_mb = $KV_MB}
 device = "$DEVICE"
 threads = $THREADS
 resources = $RESOURCES
@@ -227,7 +227,7 @@ run() {
         # 80 GB H100 while Regatta still computes in f32 with the math attention kernel.
         DEVICE=cuda DTYPE=bfloat16 MODEL_CONFIG="$root/llama-1b.json" SEQ=2048 MICRO_BATCH=4
         TRAIN_STEPS=20 THREADS=4 RESOURCES='{ CPU = 1, GPU = 1 }' GEN_BATCHES="1 32 128"
-        GEN_TOKENS=64 KV_MB=32768 LORA_STEPS=10 DOCTOR_FLAGS="--require-cuda"
+        GEN_TOKENS=64 KV_MB="" LORA_STEPS=10 DOCTOR_FLAGS="--require-cuda"
         CHECKPOINTING=true PEER_FLAGS="--checkpointing"
     else
         DEVICE=cpu DTYPE=float32 MODEL_CONFIG="$root/bench-llama.json" SEQ=64 MICRO_BATCH=2
@@ -306,6 +306,19 @@ PY
         step "peer-generate-b$batch" 300 "$PY" "$root/peer.py" generate --model "$work/model" --prompts "$work/prompts-$batch.jsonl" \
             --max-new-tokens "$GEN_TOKENS" --batch "$batch" --device "$DEVICE" --dtype "$DTYPE"
         json_of "peer-generate-b$batch"
+        # The budget each actor's executor chose (unset kv_cache_mb on the GPU: from the
+        # memory free after the weights), from the local cluster's node logs.
+        step "kv-budget-b$batch" 10 bash -c "grep -rh 'KV cache budget' \"\$(sed -n 's/.*(logs in \(.*\))/\1/p' '$work/generate-b$batch.log' | head -n 1)\""
+        # The engine alone beside transformers.generate on the same token ids (tokenized
+        # once here), each side's load and generation timed apart: the side-by-side of
+        # scripts/bench-vs-hf.sh, on the device.
+        "$PY" "$root/bench_vs_hf.py" ids --model "$work/model" --jsonl "$work/prompts-$batch.jsonl" \
+            --out "$work/ids-$batch.json" --batch "$batch" --max-new-tokens "$GEN_TOKENS" --threads "$THREADS" \
+            --device "$DEVICE" --kv-cache-mb "${KV_MB:-32768}" >"$work/ids-$batch.log" 2>&1
+        # Both print every row's tokens as one JSON line: into run/NAME.json, not the report.
+        step "engine-b$batch" 300 bash -c "'$rank' generate-ids '$work/model' '$work/ids-$batch.json' >'$work/engine-b$batch.json'"
+        step "peer-ids-b$batch" 300 bash -c "'$PY' '$root/bench_vs_hf.py' hf --model '$work/model' --prompts '$work/ids-$batch.json' \
+            --batch $batch --max-new-tokens $GEN_TOKENS --threads $THREADS --device $DEVICE --dtype $DTYPE >'$work/peer-ids-b$batch.json'"
     done
 
     # LoRA needs the model folder make-model wrote; without it the step fails on its own.
@@ -317,6 +330,12 @@ PY
     step peer-lora 300 "$PY" "$root/peer.py" train --config "$MODEL_CONFIG" --seq "$SEQ" --batch "$MICRO_BATCH" \
         --steps "$LORA_STEPS" --device "$DEVICE" --dtype "$DTYPE" --lora-rank 8 --warmup 1 $PEER_FLAGS
     json_of peer-lora
+
+    # `regatta bench train` on the device: ranks as the GPUs allow, MFU against the bf16
+    # GEMM rate it measures itself (a short run: --quick, the 1.1B model).
+    if [ "$mode" = gpu ]; then
+        step bench-train 180 env REGATTA_BENCH_CORPUS="$root/corpus.txt" "$regatta" bench train --device cuda --quick --trials 1 --model "$MODEL_CONFIG"
+    fi
 
     "$PY" "$root/figures.py" "$work" "$GEN_BATCHES" >"$work/figures.md" 2>&1 || true
     { echo "## Figures"; echo; cat "$work/figures.md"; echo; echo "$failed step(s) failed."; } >>"$report"

@@ -167,7 +167,7 @@ async fn generate(
         generate: true,
         max_new_tokens: NEW_TOKENS,
         max_batch: 16,
-        kv_cache_mb: 16,
+        kv_cache_mb: Some(16),
         ..ScoreConfig::default()
     };
     let done = ScoreRun::new(cluster.clone(), config)

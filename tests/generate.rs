@@ -72,7 +72,7 @@ fn config(input: &Path, output: &Path, actors: usize) -> ScoreConfig {
         top_p: 0.95,
         seed: 5,
         max_batch: 8,
-        kv_cache_mb: 4,
+        kv_cache_mb: Some(4),
         prefill_tokens: 24,
         ..ScoreConfig::default()
     }

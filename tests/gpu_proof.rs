@@ -197,6 +197,9 @@ fn gpu_proof_script_prepares_its_folder_and_runs_every_step_on_cpu() {
         "make-model",
         "generate-b1",
         "peer-generate-b8",
+        "kv-budget-b1",
+        "engine-b1",
+        "peer-ids-b8",
         "train-lora",
         "peer-lora",
     ] {
@@ -226,6 +229,16 @@ fn gpu_proof_script_prepares_its_folder_and_runs_every_step_on_cpu() {
             "{row}"
         );
     }
+    // The engine alone beside transformers.generate on the same ids: in f32 on the same CPU
+    // both sides choose the same greedy tokens, so every row is identical.
+    let row = figure("engine alone (generate-ids), batch limit 8");
+    let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+    assert!(
+        cells[2].parse::<f64>().is_ok() && cells[3].parse::<f64>().is_ok(),
+        "{row}"
+    );
+    let identical = figure("... identical rows");
+    assert!(identical.contains("| 16/16; 128/128 |"), "{identical}");
     // f32 on the same CPU: Regatta's logits equal transformers' to 1e-3 of their range.
     let row = figure("qwen2 fixture logits");
     assert!(row.contains("argmax agreement 1.000"), "{row}");

@@ -187,7 +187,7 @@ async fn every_dashboard_panel_returns_data_from_a_real_prometheus() {
             generate: true,
             max_new_tokens: 4,
             max_batch: 8,
-            kv_cache_mb: 4,
+            kv_cache_mb: Some(4),
             ..Default::default()
         },
     )

@@ -113,6 +113,7 @@ struct Metrics {
     kv_used: IntGauge,
     kv_blocks: IntGauge,
     preemptions: prometheus::IntCounter,
+    cached_tokens: prometheus::IntCounter,
 }
 
 impl Metrics {
@@ -129,6 +130,8 @@ impl Metrics {
             .inc_by(after.new_tokens);
         self.preemptions
             .inc_by(after.preemptions.saturating_sub(before.preemptions));
+        self.cached_tokens
+            .inc_by(after.cached_tokens.saturating_sub(before.cached_tokens));
     }
 }
 
@@ -153,6 +156,11 @@ fn metrics() -> &'static Metrics {
             let _ = registry.register(Box::new(metric.clone()));
             metric
         };
+        let plain_counter = |name: &str, help: &str| {
+            let metric = prometheus::IntCounter::new(name, help).expect("valid metric");
+            let _ = registry.register(Box::new(metric.clone()));
+            metric
+        };
         Metrics {
             output_tokens: counter("regatta_score_output_tokens_total", "Tokens generated", &[]),
             running: gauge(
@@ -168,15 +176,14 @@ fn metrics() -> &'static Metrics {
                 "Sequences the node's generating scorers may decode at once (their max_batch)",
             ),
             kv_used: gauge("regatta_score_kv_blocks_used", "KV cache blocks in use"),
-            preemptions: {
-                let metric = prometheus::IntCounter::new(
-                    "regatta_score_preemptions_total",
-                    "Sequences preempted for cache blocks (recomputed when they join again)",
-                )
-                .expect("valid metric");
-                let _ = registry.register(Box::new(metric.clone()));
-                metric
-            },
+            preemptions: plain_counter(
+                "regatta_score_preemptions_total",
+                "Sequences preempted for cache blocks (recomputed when they join again)",
+            ),
+            cached_tokens: plain_counter(
+                "regatta_score_prefix_cached_tokens_total",
+                "Prompt tokens found in cached KV blocks of a shared prefix (not computed again)",
+            ),
             kv_blocks: gauge(
                 "regatta_score_kv_blocks",
                 "KV cache blocks of the node's generating scorers",
@@ -672,7 +679,17 @@ impl Actor for ScorerActor {
             .await
             .map_err(|e| Error::Executor(format!("the scorer executor is gone: {e}")))?;
         match tokio::time::timeout(READY_TIMEOUT, read_reply(&mut stdout)).await {
-            Ok(Ok(FromScorer::Ready { .. })) => {}
+            Ok(Ok(FromScorer::Ready {
+                params,
+                device,
+                kv_cache_bytes,
+            })) => match kv_cache_bytes {
+                Some(bytes) => tracing::info!(
+                    "scorer ready: {params} parameters on {device}, KV cache budget {} MiB",
+                    bytes >> 20
+                ),
+                None => tracing::info!("scorer ready: {params} parameters on {device}"),
+            },
             Ok(Ok(FromScorer::Failed(reason))) => {
                 return Err(Error::Executor(format!("the scorer cannot load its model: {reason}")).into())
             }

@@ -80,10 +80,14 @@ pub struct ScoreConfig {
     pub logprobs: bool,
     /// Generation: sequences decoded together per actor.
     pub max_batch: usize,
-    /// Generation: the KV cache's budget per actor, in MiB.
-    pub kv_cache_mb: u64,
+    /// Generation: the KV cache's budget per actor, in MiB; unset: each executor takes a
+    /// share of the memory it finds free ([`crate::generate::auto_kv_cache_bytes`]).
+    pub kv_cache_mb: Option<u64>,
     /// Generation: prompt tokens prefilled per step (longer prompts take several steps).
     pub prefill_tokens: usize,
+    /// Generation: rows share the KV cache blocks of a common prefix (a system prompt, a
+    /// few-shot header) instead of computing them again.
+    pub prefix_caching: bool,
 }
 
 /// Tokens generated per row when generating and `max_new_tokens` is not set.
@@ -114,8 +118,9 @@ impl Default for ScoreConfig {
             stop: Vec::new(),
             logprobs: false,
             max_batch: 32,
-            kv_cache_mb: 1024,
+            kv_cache_mb: None,
             prefill_tokens: 512,
+            prefix_caching: true,
         }
     }
 }
@@ -195,11 +200,8 @@ impl ScoreConfig {
                 self.max_batch
             )));
         }
-        if !(1..=1 << 20).contains(&self.kv_cache_mb) {
-            return Err(Error::Config(format!(
-                "kv_cache_mb must be 1..=1048576, not {}",
-                self.kv_cache_mb
-            )));
+        if let Some(mb) = self.kv_cache_mb.filter(|mb| !(1..=1 << 20).contains(mb)) {
+            return Err(Error::Config(format!("kv_cache_mb must be 1..=1048576, not {mb}")));
         }
         if !(1..=1 << 20).contains(&self.prefill_tokens) {
             return Err(Error::Config(format!(
@@ -230,9 +232,10 @@ impl ScoreConfig {
     /// The executor's KV cache and batch limits.
     pub fn generation_setup(&self) -> GenerationSetup {
         GenerationSetup {
-            kv_cache_bytes: self.kv_cache_mb << 20,
+            kv_cache_bytes: self.kv_cache_mb.map(|mb| mb << 20),
             max_batch: self.max_batch,
             prefill_tokens: self.prefill_tokens,
+            prefix_caching: self.prefix_caching,
             ..GenerationSetup::default()
         }
     }
@@ -758,16 +761,17 @@ mod tests {
         .unwrap();
         assert_eq!(
             (parsed.temperature, parsed.stop.clone(), parsed.kv_cache_mb),
-            (0.7, vec!["\n".to_string()], 64)
+            (0.7, vec!["\n".to_string()], Some(64))
         );
-        assert_eq!(parsed.generation_setup().kv_cache_bytes, 64 << 20);
+        assert_eq!(parsed.generation_setup().kv_cache_bytes, Some(64 << 20));
+        assert_eq!(ScoreConfig::default().generation_setup().kv_cache_bytes, None);
         type Change = fn(&mut ScoreConfig);
         let cases: [(Change, &str); 5] = [
             (|c| c.model = "/m/model.pt".into(), "TorchScript module has no KV cache"),
             (|c| c.temperature = -0.5, "temperature must be"),
             (|c| c.top_p = 2.0, "top_p must be"),
             (|c| c.max_batch = 0, "max_batch must be"),
-            (|c| c.kv_cache_mb = 0, "kv_cache_mb must be"),
+            (|c| c.kv_cache_mb = Some(0), "kv_cache_mb must be"),
         ];
         for (change, expected) in cases {
             let mut config = base.clone();

@@ -87,6 +87,10 @@ pub enum FromScorer {
         params: u64,
         /// `cpu` or `cuda`.
         device: String,
+        /// Generating: the KV cache budget in bytes (the set one, or what the executor
+        /// decided from the memory it found free).
+        #[serde(default)]
+        kv_cache_bytes: Option<u64>,
     },
     /// One result per row of the batch, in order: a score or why the row cannot be scored.
     Scored(Vec<Result<RowScore, String>>),

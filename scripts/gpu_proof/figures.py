@@ -64,6 +64,27 @@ for batch in batches:
     theirs = (load(f"peer-generate-b{batch}") or {}).get("output_tokens_per_sec")
     ratio = f"{ours / theirs:.2f}x" if ours and theirs else "-"
     rows.append(f"| generate, batch limit {batch}, output tokens/s (Regatta: end to end, start-up included) | {fmt(ours)} | {fmt(theirs)} | {ratio} |")
+for batch in batches:
+    ours, theirs = load(f"engine-b{batch}"), load(f"peer-ids-b{batch}")
+    if not ours or not theirs:
+        rows.append(f"| engine alone, batch limit {batch} | - | - | - |")
+        continue
+    tokens = sum(len(o) for o in ours["outputs"])
+    peer_tokens = sum(len(o) for o in theirs["outputs"])
+    same = sum(a == b for a, b in zip(ours["outputs"], theirs["outputs"]))
+    agree = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                for a, b in zip(ours["outputs"], theirs["outputs"]))
+    gen, peer_gen = tokens / ours["generate_seconds"], peer_tokens / theirs["generate_seconds"]
+    e2e = tokens / (ours["load_seconds"] + ours["generate_seconds"])
+    peer_e2e = peer_tokens / (theirs["load_seconds"] + theirs["generate_seconds"])
+    decode = ours["decode_tokens"] / max(ours["decode_seconds"], 1e-9)
+    rows.append(f"| engine alone (generate-ids), batch limit {batch}: output tokens/s generating | {gen:.0f} | {peer_gen:.0f} | {gen / peer_gen:.2f}x |")
+    rows.append(f"| ... end to end, model load included | {e2e:.0f} | {peer_e2e:.0f} | {e2e / peer_e2e:.2f}x |")
+    rows.append(f"| ... decode steps alone (Regatta) | {decode:.0f} | | |")
+    rows.append(f"| ... identical rows; leading tokens in agreement | {same}/{len(ours['outputs'])}; {agree}/{peer_tokens} | | |")
+    if ours.get("peak_allocated_bytes") or theirs.get("peak_allocated_bytes"):
+        rows.append(f"| ... peak allocated | {ours.get('peak_allocated_bytes', 0) / 2**30:.2f} GiB | "
+                    f"{theirs.get('peak_allocated_bytes', 0) / 2**30:.2f} GiB | |")
 lora, peer_lora = (load("train-lora") or {}).get("last") or {}, load("peer-lora") or {}
 tps, peer_tps = lora.get("tokens_per_sec"), peer_lora.get("tokens_per_sec")
 ratio = f"{tps / peer_tps:.2f}x" if tps and peer_tps else "-"

@@ -40,6 +40,10 @@ pub struct BenchArgs {
     /// `train`: compare with the optimizer state offloaded to the host (ZeRO-3, 2 ranks).
     #[arg(long)]
     pub offload: bool,
+    /// `train`: `cpu`, or `cuda` (one GPU per rank, MFU against the GPU's own bf16 GEMM
+    /// rate at the model's shapes, measured in the same run).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
     /// `objects`: the head's `--object-fanout` (network pulls of one object a holder
     /// serves at once; 0: every node pulls from the holder), to compare broadcasts.
     #[arg(long)]
@@ -108,7 +112,7 @@ async fn run_suite(suite: &str, trials: usize, args: &BenchArgs) -> anyhow::Resu
         return train::variants(trials, quick, model, args.lora, args.offload).await;
     }
     if suite == "train" {
-        return train::train(trials, quick, model).await;
+        return train::train(trials, quick, model, &args.device).await;
     }
     if suite == "score" {
         return score::score(trials, quick).await;

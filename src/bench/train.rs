@@ -18,7 +18,16 @@ use crate::local::{LocalCluster, LocalOptions};
 /// The run for `world` ranks: the built-in GPT, or `model` (a Hugging Face folder, or a
 /// `config.json` file to initialise a Llama-family model from).
 fn config(world: usize, quick: bool, model: Option<&str>) -> anyhow::Result<TrainConfig> {
+    config_on(world, quick, model, "cpu")
+}
+
+/// [`config`] on `device` (`cpu`, or `cuda`: one GPU per rank, granted as `GPU = 1`).
+fn config_on(world: usize, quick: bool, model: Option<&str>, device: &str) -> anyhow::Result<TrainConfig> {
     let mut config = TrainConfig::default();
+    config.device = device.to_string();
+    if device == "cuda" {
+        config.resources.insert("GPU".to_string(), 1.0);
+    }
     config.data.path = format!("{}/data/corpus.txt", env!("CARGO_MANIFEST_DIR"));
     if let Ok(path) = std::env::var("REGATTA_BENCH_CORPUS") {
         config.data.path = path;
@@ -70,7 +79,7 @@ async fn timed_steps(config: TrainConfig, warmup: usize) -> anyhow::Result<Vec<S
 
 /// The machine's matmul FLOP/s at the model's shapes with every core, and the model's
 /// FLOPs per token, from the executor (the one binary that links libtorch).
-fn measure_peak(config: &TrainConfig) -> anyhow::Result<(f64, f64, u64)> {
+fn measure_peak(config: &TrainConfig) -> anyhow::Result<Peak> {
     let executor = regatta_runtime::executor::executor_path(None).map_err(anyhow::Error::msg)?;
     let file = std::env::temp_dir().join(format!("regatta-bench-train-{}.json", std::process::id()));
     std::fs::write(&file, serde_json::to_vec(config)?)?;
@@ -87,11 +96,23 @@ fn measure_peak(config: &TrainConfig) -> anyhow::Result<(f64, f64, u64)> {
     );
     let peak: serde_json::Value = serde_json::from_slice(&output.stdout)?;
     let field = |name: &str| peak[name].as_f64().with_context(|| format!("no {name} in {peak}"));
-    Ok((
-        field("flops_per_sec")?,
-        field("model_flops_per_token")?,
-        field("parameters")? as u64,
-    ))
+    Ok(Peak {
+        flops_per_sec: field("flops_per_sec")?,
+        flops_per_token: field("model_flops_per_token")?,
+        parameters: field("parameters")? as u64,
+        device: peak["device"].as_str().unwrap_or("cpu").to_string(),
+        cuda_devices: peak["cuda_devices"].as_u64().unwrap_or(0) as usize,
+    })
+}
+
+/// What `regatta-torch-rank peak` measured.
+struct Peak {
+    flops_per_sec: f64,
+    flops_per_token: f64,
+    parameters: u64,
+    /// `cpu` or `cuda:N`.
+    device: String,
+    cuda_devices: usize,
 }
 
 fn path_str(path: &Path) -> anyhow::Result<&str> {
@@ -99,24 +120,34 @@ fn path_str(path: &Path) -> anyhow::Result<&str> {
 }
 
 /// Runs the training benchmark and prints one line per figure.
-pub async fn train(trials: usize, quick: bool, model: Option<&str>) -> anyhow::Result<()> {
+///
+/// On `device = "cuda"` each rank takes one GPU of this host (so 1 to 3 ranks as the GPUs
+/// allow), and the peak is the device's bf16 GEMM rate at the model's shapes.
+pub async fn train(trials: usize, quick: bool, model: Option<&str>, device: &str) -> anyhow::Result<()> {
     let warmup = if quick { 2 } else { 5 };
-    let (peak, flops_per_token, parameters) = measure_peak(&config(1, quick, model)?)?;
+    let measured = measure_peak(&config_on(1, quick, model, device)?)?;
+    let (peak, flops_per_token) = (measured.flops_per_sec, measured.flops_per_token);
     let name = model.map_or("built-in GPT".to_string(), |m| {
         m.rsplit('/').next().unwrap_or(m).to_string()
     });
-    println!("train model {name} parameters {parameters}");
+    println!("train model {name} parameters {}", measured.parameters);
     println!(
-        "train machine GEMM peak at the model's shapes GFLOP/s {:.2} +- 0.00",
+        "train machine GEMM peak at the model's shapes on {} GFLOP/s {:.2} +- 0.00",
+        measured.device,
         peak / 1e9
     );
+    let worlds = if device == "cuda" {
+        measured.cuda_devices.clamp(1, 3)
+    } else {
+        3
+    };
     let mut base = None;
-    for world in 1..=3usize {
+    for world in 1..=worlds {
         let mut tokens = Vec::new();
         let mut step_secs = Vec::new();
         let mut collective = Vec::new();
         for _ in 0..trials {
-            let config = config(world, quick, model)?;
+            let config = config_on(world, quick, model, device)?;
             let timed = timed_steps(config, warmup).await?;
             let n = timed.len() as f64;
             let secs = timed.iter().map(|s| s.step_secs).sum::<f64>() / n;

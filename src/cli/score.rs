@@ -72,9 +72,14 @@ pub struct ScoreArgs {
     /// Sequences each actor decodes together.
     #[arg(long)]
     pub max_batch: Option<usize>,
-    /// Each actor's KV cache budget in MiB.
+    /// Each actor's KV cache budget in MiB (default: 90% of its GPU's memory less the
+    /// weights, or a quarter of the host's available memory on the CPU).
     #[arg(long)]
     pub kv_cache_mb: Option<u64>,
+    /// Compute every row's prompt in full: no sharing of the KV cache blocks of a prefix
+    /// rows have in common (prefix caching is on by default).
+    #[arg(long)]
+    pub no_prefix_caching: bool,
     /// Longest token sequence a TorchScript model takes (required with one).
     #[arg(long)]
     pub context: Option<usize>,
@@ -149,7 +154,10 @@ impl ScoreArgs {
             config.max_batch = v;
         }
         if let Some(v) = self.kv_cache_mb {
-            config.kv_cache_mb = v;
+            config.kv_cache_mb = Some(v);
+        }
+        if self.no_prefix_caching {
+            config.prefix_caching = false;
         }
         config.validate().map_err(anyhow::Error::msg)?;
         Ok(config)
@@ -186,6 +194,17 @@ pub fn progress_line(p: &Progress) -> String {
 async fn score(cluster: &Cluster, config: ScoreConfig, json: bool) -> anyhow::Result<ExitCode> {
     let output = config.output.clone();
     let generate = config.generate;
+    if generate {
+        match config.kv_cache_mb {
+            Some(mb) => println!("KV cache budget per actor: {mb} MiB"),
+            None => println!(
+                "KV cache budget per actor: auto ({:.0}% of its GPU's memory less the weights, or {:.0}% of the \
+                 host's available memory on the CPU; each actor's figure is in its node's log)",
+                100.0 * regatta_scorer::generate::DEVICE_MEMORY_SHARE,
+                100.0 * regatta_scorer::generate::HOST_MEMORY_SHARE
+            ),
+        }
+    }
     let run = ScoreRun::new(cluster.clone(), config).map_err(anyhow::Error::msg)?;
     let tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let done = run

@@ -27,6 +27,12 @@ type Loaded = (Box<dyn Model>, Vec<Vec<Tensor>>, usize);
 
 /// A model folder, or a Llama-family `config.json` initialised at random.
 fn load(model: &str) -> Result<Loaded> {
+    load_on(model, Kind::Float, Device::Cpu)
+}
+
+/// [`load`] with the weights in `kind` on `device` (a bf16 file read as bf16, never
+/// widened on the way).
+fn load_on(model: &str, kind: Kind, device: Device) -> Result<Loaded> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let context_of = |json: &serde_json::Value| {
         json.get("max_position_embeddings")
@@ -42,7 +48,7 @@ fn load(model: &str) -> Result<Loaded> {
         let mut stored = HashMap::new();
         for spec in built.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
             let tensor = Tensor::randn(spec.shape.as_slice(), (Kind::Float, Device::Cpu)) * 0.02;
-            stored.insert(spec.name, tensor);
+            stored.insert(spec.name, tensor.to_kind(kind).to_device(device));
         }
         let params = arrange(built.as_ref(), &stored)?;
         return Ok((built, params, context_of(&json)));
@@ -53,8 +59,8 @@ fn load(model: &str) -> Result<Loaded> {
     hf.check(built.as_ref())?;
     let mut stored = HashMap::new();
     for spec in built.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
-        let tensor = runtime.block_on(hf.read(&spec))?;
-        stored.insert(spec.name, tensor);
+        let tensor = runtime.block_on(hf.read_as(&spec, kind))?;
+        stored.insert(spec.name, tensor.to_device(device));
     }
     let params = arrange(built.as_ref(), &stored)?;
     Ok((built, params, context_of(hf.config_json())))
@@ -140,10 +146,10 @@ pub fn bench_generate(model_path: &str, threads: usize) -> Result<()> {
     for limit in BATCH_LIMITS {
         let rows = prompts((2 * limit).max(4), model.vocab());
         let setup = GenerationSetup {
-            kv_cache_bytes: 2 << 30,
+            kv_cache_bytes: Some(2 << 30),
             max_batch: limit,
             prefill_tokens: 1024,
-            block_tokens: 16,
+            ..GenerationSetup::default()
         };
         let generator = Generator::new(model.as_ref(), &params, setup, context, Vec::new(), Device::Cpu)?;
         let start = Instant::now();
@@ -199,6 +205,21 @@ pub struct IdsJob {
     /// KV cache budget in MiB (default 2048).
     #[serde(default)]
     pub kv_cache_mb: Option<u64>,
+    /// `cpu` (the default) or `cuda`: on CUDA the weights and the KV cache are bf16 (f16
+    /// before Ampere), as `regatta score` has them.
+    #[serde(default = "cpu")]
+    pub device: String,
+    /// Whether rows share the cache blocks of a common prefix (default true).
+    #[serde(default = "yes")]
+    pub prefix_caching: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn cpu() -> String {
+    "cpu".into()
 }
 
 /// What it prints: every row's tokens and where the time went.
@@ -218,15 +239,30 @@ pub struct IdsOutcome {
     pub prefill_seconds: f64,
     /// Prompt tokens prefilled.
     pub prefill_tokens: u64,
+    /// Prompt tokens found in cached blocks instead (prefix caching).
+    pub cached_tokens: u64,
+    /// Where it ran: `cpu` or `cuda:N`.
+    pub device: String,
+    /// The CUDA caching allocator's peak allocated bytes (0 on the CPU).
+    pub peak_allocated_bytes: u64,
+    /// Its peak reserved bytes (0 on the CPU).
+    pub peak_reserved_bytes: u64,
 }
 
 /// Greedy generation for token-id prompts with a model folder: the engine alone, for the
 /// side-by-side with `transformers.generate` (scripts/bench-vs-hf.sh).
 pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
     tch::set_num_threads(job.threads.max(1) as i32);
+    let device = crate::cuda::pick_device(&job.device, &[])?;
+    let sync = || {
+        if let Device::Cuda(ordinal) = device {
+            tch::Cuda::synchronize(ordinal as i64);
+        }
+    };
     let started = Instant::now();
-    let (model, params, context) = load(model_path)?;
-    let params = crate::model::inference_layout(params, Device::Cpu);
+    let (model, params, context) = load_on(model_path, crate::cuda::inference_kind(device), device)?;
+    let params = crate::model::inference_layout(params, device);
+    sync();
     let load_seconds = started.elapsed().as_secs_f64();
     let rows: Vec<Prepared> = job
         .prompts
@@ -242,15 +278,21 @@ pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
         })
         .collect();
     let setup = GenerationSetup {
-        kv_cache_bytes: job.kv_cache_mb.unwrap_or(2048) << 20,
+        kv_cache_bytes: Some(job.kv_cache_mb.unwrap_or(2048) << 20),
         max_batch: job.max_batch.max(1),
         prefill_tokens: 1024,
-        block_tokens: 16,
+        prefix_caching: job.prefix_caching,
+        ..GenerationSetup::default()
     };
-    let generator = Generator::new(model.as_ref(), &params, setup, context, job.eos.clone(), Device::Cpu)?;
+    let generator = Generator::new(model.as_ref(), &params, setup, context, job.eos.clone(), device)?;
     let started = Instant::now();
     let (outputs, timings) = generator.run_timed(&rows, &|_| String::new(), &mut |_| {})?;
+    sync();
     let generate_seconds = started.elapsed().as_secs_f64();
+    let memory = match device {
+        Device::Cuda(ordinal) => Some(crate::shim::cuda_memory(ordinal, false)?),
+        _ => None,
+    };
     let outputs = outputs
         .into_iter()
         .enumerate()
@@ -267,5 +309,9 @@ pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
         decode_tokens: timings.decode_tokens,
         prefill_seconds: timings.prefill_seconds,
         prefill_tokens: timings.prefill_tokens,
+        cached_tokens: timings.cached_tokens,
+        device: crate::cuda::device_label(device),
+        peak_allocated_bytes: memory.map_or(0, |m| m.peak_allocated),
+        peak_reserved_bytes: memory.map_or(0, |m| m.peak_reserved),
     })
 }

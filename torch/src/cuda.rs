@@ -464,6 +464,15 @@ fn driver_device(ordinal: usize) -> Option<cudarc::driver::sys::CUdevice> {
     result::device::get(ordinal as i32).ok()
 }
 
+/// The memory of CUDA device `ordinal` in bytes, from the driver; `None` without one.
+pub fn total_memory_bytes(ordinal: usize) -> Option<u64> {
+    let device = driver_device(ordinal)?;
+    // SAFETY: `device` came from cuDeviceGet.
+    unsafe { cudarc::driver::result::device::total_mem(device) }
+        .ok()
+        .map(|bytes| bytes as u64)
+}
+
 /// How failures name a device: `cpu`, or `cuda:0 (NVIDIA H100 80GB HBM3)` (the name from
 /// the driver, where it answers).
 pub fn device_label(device: Device) -> String {

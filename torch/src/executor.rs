@@ -734,7 +734,8 @@ pub fn reference_run(
 /// utilisation: the peak MFU is measured against, not a datasheet constant.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct GemmPeak {
-    /// Float32 FLOP/s of libtorch matmuls at the model's weight shapes, `tokens` rows each.
+    /// FLOP/s of libtorch matmuls at the model's weight shapes, `tokens` rows each (f32 on
+    /// the CPU, the training dtype on CUDA).
     pub flops_per_sec: f64,
     /// Threads libtorch used.
     pub threads: usize,
@@ -744,6 +745,10 @@ pub struct GemmPeak {
     pub model_flops_per_token: f64,
     /// The model's parameters.
     pub parameters: u64,
+    /// Where the products ran: `cpu`, or `cuda:N` (in the dtype training computes in there).
+    pub device: String,
+    /// CUDA devices this process sees (0 on the CPU).
+    pub cuda_devices: usize,
 }
 
 /// FLOP/s of libtorch's float32 matmuls on the CPU, `[rows, in] x [in, out]` at every
@@ -819,8 +824,19 @@ pub fn gemm_peak(config: &TrainConfig, threads: usize, make_model: &ModelFactory
     let run_model = runtime.block_on(open_run_model(config, make_model))?;
     let model = run_model.model.as_ref();
     let tokens = config.micro_batch_size * config.model.context;
+    // On the device the run trains on, in the dtype it computes in there (bf16 on CUDA).
+    let device = crate::cuda::pick_device(&config.device, &[])?;
+    let (flops_per_sec, cuda_devices) = match device {
+        Device::Cuda(_) => (
+            matmul_flops_per_sec_on(model, tokens, device, crate::cuda::training_kind(device)?),
+            tch::Cuda::device_count().max(0) as usize,
+        ),
+        _ => (matmul_flops_per_sec(model, tokens), 0),
+    };
     Ok(GemmPeak {
-        flops_per_sec: matmul_flops_per_sec(model, tokens),
+        flops_per_sec,
+        device: crate::cuda::device_label(device),
+        cuda_devices,
         threads: threads.max(1),
         tokens,
         model_flops_per_token: model.flops_per_token(config.model.context),

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use regatta_scorer::generate::{
-    choose, stop_at, Batcher, BatcherConfig, Feed, Finish, GenStats, GenerationSetup, RowStream, SamplingParams,
+    auto_kv_cache_bytes, choose, mem_available, stop_at, Batcher, Choice, FreeMemory, BatcherConfig, Feed, Finish, GenStats, GenerationSetup, RowStream, SamplingParams,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -93,6 +93,8 @@ pub struct Timings {
     pub prefill_seconds: f64,
     /// Prompt tokens prefilled.
     pub prefill_tokens: u64,
+    /// Prompt tokens found in cached blocks instead of prefilled (prefix caching).
+    pub cached_tokens: u64,
 }
 
 /// Generation with one model.
@@ -105,6 +107,8 @@ pub struct Generator<'a> {
     eos: Vec<i64>,
     device: Device,
     kind: Kind,
+    /// The KV cache budget in bytes (the setup's, or decided from the memory free here).
+    kv_cache_bytes: u64,
     keep_logits: bool,
     stats_every: Duration,
 }
@@ -128,7 +132,12 @@ impl<'a> Generator<'a> {
             .and_then(|block| block.first())
             .map(Tensor::kind)
             .unwrap_or(Kind::Float);
+        let kv_cache_bytes = match setup.kv_cache_bytes {
+            Some(bytes) => bytes,
+            None => auto_kv_cache_bytes(free_memory(device)?),
+        };
         Ok(Self {
+            kv_cache_bytes,
             model,
             params,
             layout,
@@ -154,10 +163,16 @@ impl<'a> Generator<'a> {
         self
     }
 
+    /// The KV cache budget in bytes: the setup's, or (unset) a share of the memory this
+    /// process found free on its device when the generator was made.
+    pub fn kv_cache_bytes(&self) -> u64 {
+        self.kv_cache_bytes
+    }
+
     /// The cache blocks the budget buys (the scratch block not counted).
     pub fn blocks(&self) -> usize {
         let block_bytes = KvCache::bytes_per_token(&self.layout, self.kind) * self.setup.block_tokens.max(1) as u64;
-        (self.setup.kv_cache_bytes / block_bytes.max(1)).saturating_sub(1) as usize
+        (self.kv_cache_bytes / block_bytes.max(1)).saturating_sub(1) as usize
     }
 
     /// Generates for every row, `max_batch` sequences at a time with continuous batching.
@@ -207,7 +222,7 @@ impl<'a> Generator<'a> {
         if budget == 0 {
             return Err(Error::Invalid(format!(
                 "a KV cache of {} bytes holds no block of {} tokens ({} bytes a token); raise the budget",
-                self.setup.kv_cache_bytes,
+                self.kv_cache_bytes,
                 self.setup.block_tokens,
                 KvCache::bytes_per_token(&self.layout, self.kind)
             )));
@@ -224,6 +239,7 @@ impl<'a> Generator<'a> {
                 prefill_tokens: self.setup.prefill_tokens,
                 context: self.context,
                 eos: self.eos.clone(),
+                prefix_caching: self.setup.prefix_caching,
             }),
             budget,
             rows: HashMap::new(),
@@ -233,9 +249,11 @@ impl<'a> Generator<'a> {
         })
     }
 
-    /// One forward of `feeds` (padded into `[rows, time]`) against the cache; returns the
-    /// logits of each row's last fed token, on the CPU.
-    fn forward(&self, cache: &KvCache, feeds: &[Feed]) -> Result<Vec<Vec<f32>>> {
+    /// One forward of `feeds` (padded into `[rows, time]`) against the cache; returns, for
+    /// each row, what `wants` asks of its last fed token's logits: nothing, the greedy token
+    /// chosen where the logits are (on the GPU only a token and a log-probability cross to
+    /// the host, not a vocabulary of floats), or the logits themselves on the CPU.
+    fn forward(&self, cache: &KvCache, feeds: &[Feed], wants: &[Want]) -> Result<Vec<Picked>> {
         let rows = feeds.len() as i64;
         let time = feeds.iter().map(|f| f.tokens.len()).max().unwrap_or(1) as i64;
         let keys = feeds.iter().map(|f| f.read.len()).max().unwrap_or(1) as i64;
@@ -301,11 +319,95 @@ impl<'a> Generator<'a> {
             self.model
                 .forward(last_block, &self.params[last_block], &picked, &batch)
         });
-        let logits = logits.to_kind(Kind::Float).to_device(Device::Cpu).view([rows, -1]);
-        let vocab = logits.size()[1] as usize;
-        let flat = Vec::<f32>::try_from(logits.contiguous().view([-1]))?;
-        Ok(flat.chunks(vocab).map(<[f32]>::to_vec).collect())
+        pick(&logits.view([rows, -1]), wants)
     }
+}
+
+/// The memory the KV cache may be sized from on `device`: the GPU's total and what this
+/// process's caching allocator holds there now (the weights, loaded before), or the host's
+/// available memory.
+fn free_memory(device: Device) -> Result<FreeMemory> {
+    match device {
+        Device::Cuda(ordinal) => {
+            let total = crate::cuda::total_memory_bytes(ordinal).ok_or_else(|| {
+                Error::Invalid(format!("cannot read cuda:{ordinal}'s memory size to size the KV cache; set kv_cache_mb"))
+            })?;
+            let held = crate::shim::cuda_memory(ordinal, false)?.reserved;
+            Ok(FreeMemory::Device { total, held })
+        }
+        _ => {
+            let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+            let available = mem_available(&meminfo).ok_or_else(|| {
+                Error::Invalid("cannot read the host's available memory (/proc/meminfo) to size the KV cache; set kv_cache_mb".into())
+            })?;
+            Ok(FreeMemory::Host { available })
+        }
+    }
+}
+
+/// What a step needs of a row's last logits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Want {
+    /// Nothing: a prompt chunk that is not the prompt's last.
+    Nothing,
+    /// The most likely token (ties to the lowest id), and its log-probability when asked.
+    Greedy { logprob: bool },
+    /// The logits on the CPU (sampling, or kept for tests).
+    Logits,
+}
+
+/// What [`Generator::forward`] gives back for a row (see [`Want`]).
+#[derive(Clone, Debug, PartialEq)]
+enum Picked {
+    Nothing,
+    Token { token: i64, logprob: f64 },
+    Logits(Vec<f32>),
+}
+
+/// Picks from `logits` (`[rows, vocab]`, on the model's device and in its dtype) what each
+/// row wants. Greedy rows are chosen where the logits are, as `choose` would: `argmax`
+/// gives the first of equal maxima (the lowest id), and the log-probability is the
+/// token's logit less the log-sum-exp of the row, in f64.
+fn pick(logits: &Tensor, wants: &[Want]) -> Result<Vec<Picked>> {
+    let device = logits.device();
+    let rows_where = |keep: &dyn Fn(&Want) -> bool| -> Vec<i64> {
+        (0..wants.len() as i64).filter(|&r| keep(&wants[r as usize])).collect()
+    };
+    let greedy = rows_where(&|w| matches!(w, Want::Greedy { .. }));
+    let full = rows_where(&|w| *w == Want::Logits);
+    let mut picked = vec![Picked::Nothing; wants.len()];
+    if !greedy.is_empty() {
+        let chosen = logits.index_select(0, &Tensor::from_slice(&greedy).to_device(device));
+        let tokens = chosen.argmax(-1, true);
+        let with_logprob = greedy
+            .iter()
+            .any(|&r| wants[r as usize] == Want::Greedy { logprob: true });
+        let logprobs = if with_logprob {
+            let chosen = chosen.to_kind(Kind::Double);
+            let lp = chosen.gather(-1, &tokens, false) - chosen.logsumexp([-1i64].as_slice(), true);
+            Vec::<f64>::try_from(lp.view([-1]).to_device(Device::Cpu))?
+        } else {
+            vec![0.0; greedy.len()]
+        };
+        let tokens = Vec::<i64>::try_from(tokens.view([-1]).to_device(Device::Cpu))?;
+        for ((&r, token), logprob) in greedy.iter().zip(tokens).zip(logprobs) {
+            let logprob = if wants[r as usize] == (Want::Greedy { logprob: true }) { logprob } else { 0.0 };
+            picked[r as usize] = Picked::Token { token, logprob };
+        }
+    }
+    if !full.is_empty() {
+        let chosen = logits
+            .index_select(0, &Tensor::from_slice(&full).to_device(device))
+            .to_kind(Kind::Float)
+            .to_device(Device::Cpu)
+            .contiguous();
+        let vocab = chosen.size()[1] as usize;
+        let flat = Vec::<f32>::try_from(chosen.view([-1]))?;
+        for (&r, row) in full.iter().zip(flat.chunks(vocab.max(1))) {
+            picked[r as usize] = Picked::Logits(row.to_vec());
+        }
+    }
+    Ok(picked)
 }
 
 /// A row being generated: its settings and what it produced so far.
@@ -383,7 +485,10 @@ impl Session<'_, '_> {
 
     /// Where the time went so far.
     pub fn timings(&self) -> Timings {
-        self.timings
+        Timings {
+            cached_tokens: self.batcher.cached_tokens(),
+            ..self.timings
+        }
     }
 
     /// Runs one step (decodes and prompt chunks) and returns the rows it finished, by
@@ -410,29 +515,44 @@ impl Session<'_, '_> {
             }
             let started = Instant::now();
             let feeds: Vec<Feed> = works.iter().map(|w| self.batcher.feed(w)).collect();
-            let last_logits = g.forward(&self.cache, &feeds)?;
-            for (n, work) in works.iter().enumerate() {
+            let wants = works
+                .iter()
+                .map(|w| match self.rows.get(&w.seq) {
+                    _ if !w.sample => Want::Nothing,
+                    Some(live) if live.params.temperature <= 0.0 && !g.keep_logits => Want::Greedy {
+                        logprob: live.params.logprobs,
+                    },
+                    _ => Want::Logits,
+                })
+                .collect::<Vec<_>>();
+            let picked = g.forward(&self.cache, &feeds, &wants)?;
+            for (work, picked) in works.iter().zip(picked) {
                 let live = self
                     .rows
                     .get_mut(&work.seq)
                     .ok_or_else(|| Error::Invalid("a running sequence has no row".into()))?;
-                let token = if work.sample {
-                    let logits = last_logits
-                        .get(n)
-                        .ok_or_else(|| Error::Invalid("a logits row is missing".into()))?;
-                    let index = self.batcher.generated(work.seq).len();
-                    let choice = choose(logits, &live.params, live.stream, index);
+                let choice = match picked {
+                    Picked::Nothing => None,
+                    Picked::Token { token, logprob } => Some(Choice { token, logprob }),
+                    Picked::Logits(logits) => {
+                        let index = self.batcher.generated(work.seq).len();
+                        let choice = choose(&logits, &live.params, live.stream, index);
+                        if g.keep_logits {
+                            live.output.logits.push(logits);
+                        }
+                        Some(choice)
+                    }
+                };
+                if work.sample != choice.is_some() {
+                    return Err(Error::Invalid("a sampled row's choice is missing".into()));
+                }
+                let token = choice.map(|choice| {
                     if live.params.logprobs {
                         live.output.logprobs.push(choice.logprob);
                     }
-                    if g.keep_logits {
-                        live.output.logits.push(logits.clone());
-                    }
                     self.new_tokens += 1;
-                    Some(choice.token)
-                } else {
-                    None
-                };
+                    choice.token
+                });
                 if let Some(reason) = self.batcher.advance(work, token) {
                     self.batcher.finish(work.seq, reason);
                 } else if token.is_some() && !live.params.stop.is_empty() {
@@ -484,6 +604,7 @@ impl Session<'_, '_> {
             blocks: o.blocks,
             new_tokens: self.new_tokens,
             preemptions: self.batcher.preemptions(),
+            cached_tokens: self.batcher.cached_tokens(),
         });
         self.new_tokens = 0;
         self.reported = Instant::now();

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::sync::mpsc::{Receiver, TryRecvError};
 
 use regatta_object_store::Place;
-use regatta_scorer::generate::{GenRequest, Generation, GenerationSetup};
+use regatta_scorer::generate::{GenRequest, Generation};
 use regatta_scorer::protocol::{is_torchscript, FromScorer, RowScore, ScorerSetup, ToScorer};
 use tch::Device;
 
@@ -16,6 +16,7 @@ use crate::checkpoint::open_model;
 use crate::data::TextTokenizer;
 use crate::error::{Error, Result};
 use crate::lora::Adapter;
+use crate::generate::Generator;
 use crate::score::Scorer;
 
 fn emit(message: &FromScorer) {
@@ -141,14 +142,31 @@ pub fn score_main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    emit(&FromScorer::Ready {
+    let ready = |kv_cache_bytes| FromScorer::Ready {
         params,
         device: format!("{device:?}").to_lowercase(),
-    });
-    match &setup.generation {
-        Some(generation) => generate_loop(&scorer, generation, &messages),
-        None => score_loop(&scorer, &setup, &messages),
-    }
+        kv_cache_bytes,
+    };
+    let Some(generation) = &setup.generation else {
+        emit(&ready(None));
+        return score_loop(&scorer, &setup, &messages);
+    };
+    // The generator sizes its cache budget (unset: from the memory left after the weights).
+    let generator = match scorer.generator(generation) {
+        Ok(generator) => generator,
+        Err(reason) => {
+            emit(&FromScorer::Failed(reason.to_string()));
+            return ExitCode::from(1);
+        }
+    };
+    let budget = generator.kv_cache_bytes();
+    eprintln!(
+        "KV cache budget {} MiB ({})",
+        budget >> 20,
+        if generation.kv_cache_bytes.is_some() { "kv_cache_mb" } else { "auto" }
+    );
+    emit(&ready(Some(budget)));
+    generate_loop(&scorer, &generator, &messages)
 }
 
 /// A generate request whose rows are still running.
@@ -173,14 +191,7 @@ impl InFlight {
 /// One generation session for every request: a request's rows join the running batch at
 /// the next step, and its answer goes out when its last row ends. A step the model fails
 /// loses every request in flight (one `Failed`); the next request starts a new session.
-fn generate_loop(scorer: &Scorer, setup: &GenerationSetup, messages: &Receiver<ToScorer>) -> ExitCode {
-    let generator = match scorer.generator(setup) {
-        Ok(generator) => generator,
-        Err(reason) => {
-            emit(&FromScorer::Failed(reason.to_string()));
-            return ExitCode::from(1);
-        }
-    };
+fn generate_loop(scorer: &Scorer, generator: &Generator, messages: &Receiver<ToScorer>) -> ExitCode {
     let fresh = || generator.session();
     let mut session = match fresh() {
         Ok(session) => session,

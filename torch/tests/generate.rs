@@ -52,10 +52,11 @@ fn greedy(max_new_tokens: usize) -> SamplingParams {
 
 fn setup(kv_cache_bytes: u64, max_batch: usize, prefill_tokens: usize) -> GenerationSetup {
     GenerationSetup {
-        kv_cache_bytes,
+        kv_cache_bytes: Some(kv_cache_bytes),
         max_batch,
         prefill_tokens,
         block_tokens: 4,
+        ..GenerationSetup::default()
     }
 }
 
@@ -465,4 +466,88 @@ fn a_stop_string_split_across_tokens_ends_the_row_at_the_token_completing_it() {
     let out = stopped[0].as_ref().unwrap();
     assert_eq!(out.finish, Finish::Stop, "{stop:?}");
     assert_eq!(out.tokens, tokens[..=at], "ended at the token that completed {stop:?}");
+}
+
+/// Rows of a chat-like shape: a common header (a system prompt) and a tail of their own,
+/// greedy, with log-probabilities.
+fn header_rows(rows: usize, header: usize) -> Vec<Prepared> {
+    let header: Vec<i64> = (0..header as i64).map(|t| 3 + (t * 53) % 500).collect();
+    (0..rows)
+        .map(|i| Prepared {
+            prompt: header
+                .iter()
+                .copied()
+                .chain((0..3 + i as i64 % 4).map(|t| 7 + (t * 31 + i as i64 * 89) % 500))
+                .collect(),
+            params: SamplingParams {
+                logprobs: true,
+                ..greedy(8)
+            },
+            stream: RowStream::new(0, &i.to_string()),
+        })
+        .collect()
+}
+
+#[test]
+fn rows_sharing_a_prefix_take_its_cached_blocks_and_generate_what_they_would_alone() {
+    tch::set_num_threads(1);
+    for name in ["llama", "qwen2"] {
+        let (model, params) = load(&fixture(name));
+        // Two rows at a time: later rows join after the header's blocks are registered.
+        let rows = header_rows(6, 22);
+        let with = |caching: bool| {
+            let setup = GenerationSetup {
+                prefix_caching: caching,
+                ..setup(1 << 20, 2, 64)
+            };
+            on_cpu(model.as_ref(), &params, setup)
+                .run_timed(&rows, &|_| String::new(), &mut |_| {})
+                .unwrap()
+        };
+        let (cached, cached_timings) = with(true);
+        let (plain, plain_timings) = with(false);
+        assert_eq!(plain_timings.cached_tokens, 0);
+        // The header is 22 tokens: 5 whole blocks of 4 are shared by every row after the
+        // first two (and so prefilled only once per pair running together).
+        assert!(
+            cached_timings.cached_tokens >= 4 * 20,
+            "{name}: {cached_timings:?}"
+        );
+        assert_eq!(
+            cached_timings.prefill_tokens + cached_timings.cached_tokens,
+            plain_timings.prefill_tokens,
+            "{name}: every prompt token is either prefilled or found cached"
+        );
+        for (i, (a, b)) in cached.iter().zip(&plain).enumerate() {
+            let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
+            assert_eq!(a.tokens, b.tokens, "{name} row {i}: tokens");
+            for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+                assert!((x - y).abs() < 1e-4, "{name} row {i}: logprob {x} vs {y}");
+            }
+        }
+    }
+}
+
+#[test]
+fn greedy_tokens_chosen_where_the_logits_are_equal_the_host_choice() {
+    tch::set_num_threads(1);
+    let (model, params) = load(&fixture("mistral"));
+    let rows = header_rows(5, 9);
+    let run_with = |keep: bool| {
+        let generator = on_cpu(model.as_ref(), &params, setup(1 << 20, 3, 64));
+        let generator = if keep { generator.keep_logits() } else { generator };
+        run(&generator, &rows).0
+    };
+    // Kept logits make every choice on the host (`choose`); without, greedy rows are
+    // chosen by the tensor's argmax and log-sum-exp.
+    let host = run_with(true);
+    let device = run_with(false);
+    for (i, (h, d)) in host.iter().zip(&device).enumerate() {
+        assert_eq!(h.tokens, d.tokens, "row {i}");
+        assert_eq!(h.logprobs.len(), h.tokens.len());
+        for (x, y) in h.logprobs.iter().zip(&d.logprobs) {
+            assert!((x - y).abs() < 1e-9, "row {i}: logprob {x} vs {y}");
+        }
+        assert!(d.logits.is_empty());
+    }
 }

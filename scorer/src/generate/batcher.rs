@@ -14,8 +14,14 @@
 //! batch is limited by the cache actually used, and a row is refused only when its whole
 //! length could never fit. Slot `block * block_tokens + offset` holds the keys and values of
 //! one token of one sequence.
+//!
+//! With prefix caching ([`BatcherConfig::prefix_caching`], see `blocks.rs`) a joining
+//! sequence takes the cached blocks that hold its first tokens and is prefilled from the
+//! first token they do not hold (never its last token: its logits are needed).
 
 use std::collections::VecDeque;
+
+use super::blocks::BlockPool;
 
 /// The shape of the cache and the batch.
 #[derive(Clone, Debug, PartialEq)]
@@ -32,6 +38,8 @@ pub struct BatcherConfig {
     pub context: usize,
     /// Token ids that end a sequence.
     pub eos: Vec<i64>,
+    /// Whether sequences share the cache blocks of a common prefix.
+    pub prefix_caching: bool,
 }
 
 /// Why a sequence ended.
@@ -72,6 +80,8 @@ struct Sequence {
     /// The length the sequence may reach.
     limit: usize,
     blocks: Vec<usize>,
+    /// Content ids of its leading full blocks (prefix caching's chain).
+    chain: Vec<u64>,
     state: State,
 }
 
@@ -128,7 +138,7 @@ pub struct Occupancy {
     pub running: usize,
     /// Sequences waiting to join.
     pub waiting: usize,
-    /// Cache blocks owned by running sequences.
+    /// Cache blocks held by running sequences.
     pub used_blocks: usize,
     /// Cache blocks in all.
     pub blocks: usize,
@@ -138,11 +148,12 @@ pub struct Occupancy {
 #[derive(Clone, Debug)]
 pub struct Batcher {
     config: BatcherConfig,
-    free: Vec<usize>,
+    pool: BlockPool,
     sequences: Vec<Sequence>,
     waiting: VecDeque<usize>,
     running: Vec<usize>,
     preemptions: u64,
+    cached_tokens: u64,
 }
 
 impl Batcher {
@@ -151,15 +162,14 @@ impl Batcher {
         config.block_tokens = config.block_tokens.max(1);
         config.max_running = config.max_running.max(1);
         config.prefill_tokens = config.prefill_tokens.max(1);
-        // Popped from the end: lower block ids first.
-        let free = (1..=config.blocks).rev().collect();
         Self {
+            pool: BlockPool::new(config.blocks, config.prefix_caching),
             config,
-            free,
             sequences: Vec::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             preemptions: 0,
+            cached_tokens: 0,
         }
     }
 
@@ -183,6 +193,7 @@ impl Batcher {
             computed: 0,
             limit,
             blocks: Vec::new(),
+            chain: Vec::new(),
             state: State::Waiting,
         });
         self.waiting.push_back(seq);
@@ -237,16 +248,14 @@ impl Batcher {
     /// Adds blocks up to `blocks` in all (the cache behind them grew); never shrinks.
     pub fn grow(&mut self, blocks: usize) {
         if blocks > self.config.blocks {
-            // Popped from the end: the new blocks go after the free ones already there.
-            let mut added: Vec<usize> = (self.config.blocks + 1..=blocks).rev().collect();
-            added.append(&mut self.free);
-            self.free = added;
+            self.pool.grow(blocks);
             self.config.blocks = blocks;
         }
     }
 
     /// Admits waiting sequences in order while a batch slot and blocks for the tokens they
-    /// hold (and the next one) are free, then plans the step: a decode for every running
+    /// hold (and the next one) are free (a sequence first takes the cached blocks of its
+    /// prefix, with prefix caching), then plans the step: a decode for every running
     /// sequence whose tokens are all in the cache but the newest, and prompt chunks (or a
     /// preempted sequence's recomputation) in admission order within the prefill budget.
     /// Blocks are taken as the planned tokens need them; when none is free, the youngest
@@ -258,13 +267,27 @@ impl Batcher {
         while self.running.len() < self.config.max_running {
             let Some(&seq) = self.waiting.front() else { break };
             let s = &self.sequences[seq];
-            let needed = (s.tokens.len() + 1).min(s.limit).div_ceil(block_tokens);
-            if promised + needed > self.free.len() {
+            // Cached blocks hold whole blocks of tokens before the last one (whose logits
+            // the sequence needs, so it is always computed).
+            let found = self
+                .pool
+                .lookup(&s.tokens, block_tokens, (s.tokens.len() - 1) / block_tokens);
+            let needed = (s.tokens.len() + 1).min(s.limit).div_ceil(block_tokens) - found.len();
+            let revived = found.iter().filter(|&&(block, _)| self.pool.is_idle(block)).count();
+            if promised + needed + revived > self.pool.available() {
                 break;
             }
             promised += needed;
             self.waiting.pop_front();
-            self.sequences[seq].state = State::Running;
+            let s = &mut self.sequences[seq];
+            for &(block, id) in &found {
+                self.pool.share(block);
+                s.blocks.push(block);
+                s.chain.push(id);
+            }
+            s.computed = found.len() * block_tokens;
+            self.cached_tokens += s.computed as u64;
+            s.state = State::Running;
             self.running.push(seq);
         }
         let mut step = Step::default();
@@ -297,7 +320,7 @@ impl Batcher {
             // Blocks for every position the work writes.
             let needed = work.end.div_ceil(block_tokens);
             while self.sequences[seq].blocks.len() < needed {
-                if let Some(block) = self.free.pop() {
+                if let Some(block) = self.pool.take() {
                     self.sequences[seq].blocks.push(block);
                     continue;
                 }
@@ -328,7 +351,10 @@ impl Batcher {
     fn preempt(&mut self, index: usize) {
         let seq = self.running.remove(index);
         let s = &mut self.sequences[seq];
-        self.free.extend(s.blocks.drain(..).rev());
+        for block in s.blocks.drain(..).rev() {
+            self.pool.release(block);
+        }
+        s.chain.clear();
         s.computed = 0;
         s.state = State::Waiting;
         self.waiting.push_front(seq);
@@ -338,6 +364,11 @@ impl Batcher {
     /// Sequences preempted so far (each recomputed once it joined again).
     pub fn preemptions(&self) -> u64 {
         self.preemptions
+    }
+
+    /// Tokens joining sequences found in cached blocks so far (not computed again).
+    pub fn cached_tokens(&self) -> u64 {
+        self.cached_tokens
     }
 
     /// The model's inputs for `work`.
@@ -358,8 +389,18 @@ impl Batcher {
     /// Records that `work` ran and, when it sampled, the token chosen; returns how the
     /// sequence ended if it did (an end-of-sequence token, its limit or the context).
     pub fn advance(&mut self, work: &Work, token: Option<i64>) -> Option<Finish> {
+        let block_tokens = self.config.block_tokens;
         let s = &mut self.sequences[work.seq];
         s.computed = work.end;
+        // Blocks now full of computed tokens are registered for later sequences to share.
+        if self.config.prefix_caching {
+            while s.chain.len() < s.computed / block_tokens {
+                let j = s.chain.len();
+                let tokens = &s.tokens[j * block_tokens..(j + 1) * block_tokens];
+                let id = self.pool.register(s.blocks[j], s.chain.last().copied(), tokens);
+                s.chain.push(id);
+            }
+        }
         let token = token?;
         s.tokens.push(token);
         if self.config.eos.contains(&token) {
@@ -378,7 +419,11 @@ impl Batcher {
             return;
         }
         s.state = State::Finished(reason);
-        self.free.extend(s.blocks.drain(..).rev());
+        // Last block first: cached prefixes outlive the tails that followed them.
+        for block in s.blocks.drain(..).rev() {
+            self.pool.release(block);
+        }
+        s.chain = Vec::new();
         self.running.retain(|r| *r != seq);
     }
 
@@ -417,7 +462,7 @@ impl Batcher {
         Occupancy {
             running: self.running.len(),
             waiting: self.waiting.len(),
-            used_blocks: self.config.blocks - self.free.len(),
+            used_blocks: self.pool.in_use(),
             blocks: self.config.blocks,
         }
     }
@@ -435,7 +480,110 @@ mod tests {
             prefill_tokens,
             context: 64,
             eos: vec![2],
+            prefix_caching: false,
         })
+    }
+
+    fn caching(blocks: usize, max_running: usize) -> Batcher {
+        Batcher::new(BatcherConfig {
+            prefix_caching: true,
+            ..batcher(blocks, max_running, 100).config
+        })
+    }
+
+    #[test]
+    fn a_later_row_takes_the_cached_blocks_of_a_common_prefix_and_computes_the_rest() {
+        let mut b = caching(16, 4);
+        // 10 common tokens: two whole blocks of 4 are shareable.
+        let header: Vec<i64> = (10..20).collect();
+        let first = b.add([header.clone(), vec![30, 31]].concat(), 2).unwrap();
+        drive(&mut b, |_, _| 9);
+        assert_eq!(b.cached_tokens(), 0);
+        let second = b.add([header.clone(), vec![40, 41, 42]].concat(), 2).unwrap();
+        let step = b.schedule();
+        assert_eq!(
+            step.prefill,
+            vec![Work {
+                seq: second,
+                start: 8,
+                end: 13,
+                sample: true
+            }]
+        );
+        assert_eq!(b.cached_tokens(), 8);
+        // It reads the first row's blocks for positions 0..8 and writes past them only.
+        let feed = b.feed(&step.prefill[0]);
+        let shared = &feed.read[..8];
+        assert!(feed.write.iter().all(|w| !shared.contains(w)), "{feed:?}");
+        assert!(feed.write.iter().all(|w| *w >= 4), "the scratch block is never written");
+        assert_ne!(first, second);
+    }
+
+    #[test]
+    fn a_prompt_wholly_in_the_cache_still_computes_its_last_token() {
+        let mut b = caching(16, 4);
+        let prompt: Vec<i64> = (1..=8).collect();
+        b.add(prompt.clone(), 1).unwrap();
+        drive(&mut b, |_, _| 9);
+        let again = b.add(prompt, 1).unwrap();
+        let step = b.schedule();
+        // Two whole blocks are cached, but only the first is taken: the last token is fed.
+        assert_eq!(step.prefill[0].start, 4);
+        assert_eq!(step.prefill[0].end, 8);
+        assert!(step.prefill[0].sample);
+        assert_eq!(b.generated(again).len(), 0);
+    }
+
+    #[test]
+    fn rows_running_together_share_blocks_and_free_them_only_when_the_last_finishes() {
+        let mut b = caching(6, 4);
+        let header: Vec<i64> = (1..=8).collect();
+        // The first row computes the header; the others join once it is registered.
+        let a = b.add([header.clone(), vec![20]].concat(), 6).unwrap();
+        let first = b.schedule();
+        b.advance(&first.prefill[0], Some(9));
+        let c = b.add([header.clone(), vec![21]].concat(), 1).unwrap();
+        let step = b.schedule();
+        let prefill: Vec<_> = step.prefill.iter().map(|w| (w.seq, w.start)).collect();
+        assert_eq!(prefill, vec![(c, 8)]);
+        // a: 3 blocks (9 + 1 tokens); c shares 2 and owns 1.
+        assert_eq!(b.occupancy().used_blocks, 4);
+        for work in step.decode.iter().chain(&step.prefill) {
+            let token = work.sample.then_some(9);
+            if let Some(reason) = b.advance(work, token) {
+                b.finish(work.seq, reason);
+            }
+        }
+        assert_eq!(b.finished(c), Some(Finish::Length));
+        assert_eq!(b.occupancy().used_blocks, 3, "c's own block is back, the shared ones are a's");
+        drive(&mut b, |_, _| 9);
+        assert_eq!(b.generated(a).len(), 6);
+        assert_eq!(b.occupancy().used_blocks, 0);
+    }
+
+    #[test]
+    fn cached_blocks_give_way_to_new_rows_when_the_cache_is_full() {
+        let mut b = caching(4, 1);
+        b.add((1..=8).collect(), 1).unwrap();
+        drive(&mut b, |_, _| 9);
+        // 4 blocks, 2 cached: a row of 13 tokens + 1 needs all 4, evicting the cached ones.
+        let other = b.add((100..113).collect(), 3).unwrap();
+        drive(&mut b, |_, _| 9);
+        assert_eq!(b.generated(other).len(), 3);
+        assert_eq!(b.preemptions(), 0);
+        assert_eq!(b.cached_tokens(), 0);
+    }
+
+    #[test]
+    fn a_preempted_row_finds_its_own_blocks_again_when_they_are_still_cached() {
+        let mut b = caching(5, 4);
+        let old = b.add((1..=8).collect(), 8).unwrap();
+        let young = b.add((50..54).collect(), 8).unwrap();
+        let steps = drive(&mut b, |_, _| 9);
+        assert!(b.preemptions() > 0, "{steps:?}");
+        assert_eq!(b.generated(old).len(), 8);
+        assert_eq!(b.generated(young).len(), 8);
+        assert!(b.cached_tokens() > 0, "the preempted row took cached blocks back");
     }
 
     /// Runs every step, answering each sample with `next(seq, generated so far)`, and

@@ -4,6 +4,7 @@
 //! executor. The executor (regatta-torch) runs the model where this module says.
 
 pub mod batcher;
+mod blocks;
 pub mod openai;
 pub mod params;
 pub mod sample;
@@ -102,25 +103,67 @@ pub fn stop_at(text: &str, stops: &[String]) -> Option<usize> {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GenerationSetup {
-    /// Bytes of keys and values the cache may hold (all layers).
-    pub kv_cache_bytes: u64,
+    /// Bytes of keys and values the cache may hold (all layers); `None`: decided where the
+    /// executor runs, from the memory it finds free ([`auto_kv_cache_bytes`]).
+    pub kv_cache_bytes: Option<u64>,
     /// Sequences decoded together at most.
     pub max_batch: usize,
     /// Prompt tokens prefilled per step (longer prompts take several steps).
     pub prefill_tokens: usize,
     /// Token slots per cache block.
     pub block_tokens: usize,
+    /// Whether rows share the cache blocks of a common prefix (a chat template's system
+    /// prompt, a few-shot header) instead of computing them again.
+    pub prefix_caching: bool,
 }
 
 impl Default for GenerationSetup {
     fn default() -> Self {
         Self {
-            kv_cache_bytes: 1 << 30,
+            kv_cache_bytes: None,
             max_batch: 32,
             prefill_tokens: 512,
             block_tokens: 16,
+            prefix_caching: true,
         }
     }
+}
+
+/// The memory an executor finds when it sizes its KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FreeMemory {
+    /// A GPU: its memory in all, and what this process holds on it already (the weights).
+    Device { total: u64, held: u64 },
+    /// The host: its available memory (`MemAvailable`).
+    Host { available: u64 },
+}
+
+/// Share of a GPU's memory generation may use in all, weights included (vLLM's
+/// `gpu_memory_utilization` default): the rest is headroom for activations and other
+/// processes.
+pub const DEVICE_MEMORY_SHARE: f64 = 0.9;
+
+/// Share of the host's available memory a CPU executor's cache may take (several actors
+/// may share a host, and the cache only grows as rows need it).
+pub const HOST_MEMORY_SHARE: f64 = 0.25;
+
+/// The KV cache budget when none is set: on a GPU, [`DEVICE_MEMORY_SHARE`] of its memory
+/// less what the process holds already; on the CPU, [`HOST_MEMORY_SHARE`] of the available
+/// memory. Never below 64 MiB, so a crowded device still generates (or says the budget
+/// is too small for a row).
+pub fn auto_kv_cache_bytes(memory: FreeMemory) -> u64 {
+    let bytes = match memory {
+        FreeMemory::Device { total, held } => ((total as f64 * DEVICE_MEMORY_SHARE) as u64).saturating_sub(held),
+        FreeMemory::Host { available } => (available as f64 * HOST_MEMORY_SHARE) as u64,
+    };
+    bytes.max(64 << 20)
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+pub fn mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// One row to generate, with its settings already merged and checked.
@@ -168,11 +211,36 @@ pub struct GenStats {
     /// others; recomputed when they joined again).
     #[serde(default)]
     pub preemptions: u64,
+    /// Prompt tokens found in cached blocks since the generation started (prefix caching:
+    /// not computed again).
+    #[serde(default)]
+    pub cached_tokens: u64,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unset_kv_budget_takes_a_share_of_the_memory_left() {
+        const GIB: u64 = 1 << 30;
+        // An 80 GiB GPU holding 2.2 GiB of weights: 90% of it less the weights.
+        let gpu = auto_kv_cache_bytes(FreeMemory::Device {
+            total: 80 * GIB,
+            held: 2 * GIB,
+        });
+        assert_eq!(gpu, (80.0 * 0.9 * GIB as f64) as u64 - 2 * GIB);
+        assert_eq!(auto_kv_cache_bytes(FreeMemory::Host { available: 20 * GIB }), 5 * GIB);
+        // A device already full still gets a floor (rows too long for it are refused).
+        let full = FreeMemory::Device {
+            total: GIB,
+            held: GIB,
+        };
+        assert_eq!(auto_kv_cache_bytes(full), 64 << 20);
+        let meminfo = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   20971520 kB\n";
+        assert_eq!(mem_available(meminfo), Some(20 * GIB));
+        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+    }
 
     #[test]
     fn prompt_rows_take_messages_then_prompt_then_text() {
