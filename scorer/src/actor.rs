@@ -182,7 +182,7 @@ fn metrics() -> &'static Metrics {
             ),
             cached_tokens: plain_counter(
                 "regatta_score_prefix_cached_tokens_total",
-                "Prompt tokens found in cached KV blocks of a shared prefix (not computed again)",
+                "Tokens found in cached KV blocks when a row joined (a shared prefix, or a preempted row's own blocks)",
             ),
             kv_blocks: gauge(
                 "regatta_score_kv_blocks",

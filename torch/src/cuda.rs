@@ -473,6 +473,14 @@ pub fn total_memory_bytes(ordinal: usize) -> Option<u64> {
         .map(|bytes| bytes as u64)
 }
 
+/// Free memory of CUDA device `ordinal` as the driver counts it (every process's use
+/// taken), through the context libtorch made current on this thread; `None` where there
+/// is no driver or no current context.
+pub fn free_memory_bytes(ordinal: usize) -> Option<u64> {
+    driver_device(ordinal)?;
+    cudarc::driver::result::mem_get_info().ok().map(|(free, _)| free as u64)
+}
+
 /// How failures name a device: `cpu`, or `cuda:0 (NVIDIA H100 80GB HBM3)` (the name from
 /// the driver, where it answers).
 pub fn device_label(device: Device) -> String {

@@ -333,7 +333,8 @@ fn free_memory(device: Device) -> Result<FreeMemory> {
                 Error::Invalid(format!("cannot read cuda:{ordinal}'s memory size to size the KV cache; set kv_cache_mb"))
             })?;
             let held = crate::shim::cuda_memory(ordinal, false)?.reserved;
-            Ok(FreeMemory::Device { total, held })
+            let free = crate::cuda::free_memory_bytes(ordinal);
+            Ok(FreeMemory::Device { total, held, free })
         }
         _ => {
             let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
@@ -378,7 +379,10 @@ fn pick(logits: &Tensor, wants: &[Want]) -> Result<Vec<Picked>> {
     let mut picked = vec![Picked::Nothing; wants.len()];
     if !greedy.is_empty() {
         let chosen = logits.index_select(0, &Tensor::from_slice(&greedy).to_device(device));
-        let tokens = chosen.argmax(-1, true);
+        // `argmax` takes NaN for the largest value; `choose` never picks one (a row of NaN
+        // picks token 0), so NaN counts as -inf here.
+        let finite = chosen.nan_to_num(Some(f64::NEG_INFINITY), None, None);
+        let tokens = finite.argmax(-1, true);
         let with_logprob = greedy
             .iter()
             .any(|&r| wants[r as usize] == Want::Greedy { logprob: true });

@@ -82,6 +82,8 @@ struct Sequence {
     blocks: Vec<usize>,
     /// Content ids of its leading full blocks (prefix caching's chain).
     chain: Vec<u64>,
+    /// Tokens found in cached blocks when it last joined, counted once its work runs.
+    found: usize,
     state: State,
 }
 
@@ -194,6 +196,7 @@ impl Batcher {
             limit,
             blocks: Vec::new(),
             chain: Vec::new(),
+            found: 0,
             state: State::Waiting,
         });
         self.waiting.push_back(seq);
@@ -263,7 +266,16 @@ impl Batcher {
     /// the queue, to be recomputed from its tokens when it joins again.
     pub fn schedule(&mut self) -> Step {
         let block_tokens = self.config.block_tokens;
-        let mut promised = 0;
+        // Blocks the running sequences' pending tokens start are theirs first: a sequence
+        // admitted on them would only be preempted again in this step.
+        let mut promised: usize = self
+            .running
+            .iter()
+            .map(|&seq| {
+                let s = &self.sequences[seq];
+                s.tokens.len().div_ceil(block_tokens).saturating_sub(s.blocks.len())
+            })
+            .sum();
         while self.running.len() < self.config.max_running {
             let Some(&seq) = self.waiting.front() else { break };
             let s = &self.sequences[seq];
@@ -286,7 +298,7 @@ impl Batcher {
                 s.chain.push(id);
             }
             s.computed = found.len() * block_tokens;
-            self.cached_tokens += s.computed as u64;
+            s.found = s.computed;
             s.state = State::Running;
             self.running.push(seq);
         }
@@ -356,6 +368,7 @@ impl Batcher {
         }
         s.chain.clear();
         s.computed = 0;
+        s.found = 0;
         s.state = State::Waiting;
         self.waiting.push_front(seq);
         self.preemptions += 1;
@@ -366,7 +379,8 @@ impl Batcher {
         self.preemptions
     }
 
-    /// Tokens joining sequences found in cached blocks so far (not computed again).
+    /// Tokens found in cached blocks by sequences that joined and ran (a shared prefix, or
+    /// a preempted sequence's own blocks): not computed again.
     pub fn cached_tokens(&self) -> u64 {
         self.cached_tokens
     }
@@ -392,6 +406,7 @@ impl Batcher {
         let block_tokens = self.config.block_tokens;
         let s = &mut self.sequences[work.seq];
         s.computed = work.end;
+        self.cached_tokens += std::mem::take(&mut s.found) as u64;
         // Blocks now full of computed tokens are registered for later sequences to share.
         if self.config.prefix_caching {
             while s.chain.len() < s.computed / block_tokens {
@@ -510,12 +525,15 @@ mod tests {
                 sample: true
             }]
         );
-        assert_eq!(b.cached_tokens(), 8);
+        // Counted once the work runs (a row preempted before running skipped nothing).
+        assert_eq!(b.cached_tokens(), 0);
         // It reads the first row's blocks for positions 0..8 and writes past them only.
         let feed = b.feed(&step.prefill[0]);
         let shared = &feed.read[..8];
         assert!(feed.write.iter().all(|w| !shared.contains(w)), "{feed:?}");
         assert!(feed.write.iter().all(|w| *w >= 4), "the scratch block is never written");
+        b.advance(&step.prefill[0], Some(9));
+        assert_eq!(b.cached_tokens(), 8);
         assert_ne!(first, second);
     }
 
@@ -571,6 +589,10 @@ mod tests {
         drive(&mut b, |_, _| 9);
         assert_eq!(b.generated(other).len(), 3);
         assert_eq!(b.preemptions(), 0);
+        assert_eq!(b.cached_tokens(), 0);
+        // The first prompt's blocks were evicted: it is computed in full again.
+        b.add((1..=8).collect(), 1).unwrap();
+        drive(&mut b, |_, _| 9);
         assert_eq!(b.cached_tokens(), 0);
     }
 

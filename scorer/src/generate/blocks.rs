@@ -162,12 +162,16 @@ impl BlockPool {
     /// (`None`: it is the first); returns its content id. When another block already holds
     /// that content, this one stays unregistered and the other's id is returned.
     pub(crate) fn register(&mut self, block: usize, parent: Option<u64>, tokens: &[i64]) -> u64 {
+        // A block registered already (taken through a lookup) keeps its content and id.
+        if let Some((_, id)) = &self.registered[block] {
+            return *id;
+        }
         let key = (parent.unwrap_or(ROOT), tokens.to_vec());
         if let Some(&(_, id)) = self.index.get(&key) {
             return id;
         }
         let id = self.next_id;
-        if self.caching && self.registered[block].is_none() {
+        if self.caching {
             self.next_id += 1;
             self.index.insert(key.clone(), (block, id));
             self.registered[block] = Some((key, id));

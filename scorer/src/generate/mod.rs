@@ -132,8 +132,9 @@ impl Default for GenerationSetup {
 /// The memory an executor finds when it sizes its KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FreeMemory {
-    /// A GPU: its memory in all, and what this process holds on it already (the weights).
-    Device { total: u64, held: u64 },
+    /// A GPU: its memory in all, what this process holds on it already (the weights), and
+    /// what the driver says is free (other processes' share taken), where it answers.
+    Device { total: u64, held: u64, free: Option<u64> },
     /// The host: its available memory (`MemAvailable`).
     Host { available: u64 },
 }
@@ -148,12 +149,17 @@ pub const DEVICE_MEMORY_SHARE: f64 = 0.9;
 pub const HOST_MEMORY_SHARE: f64 = 0.25;
 
 /// The KV cache budget when none is set: on a GPU, [`DEVICE_MEMORY_SHARE`] of its memory
-/// less what the process holds already; on the CPU, [`HOST_MEMORY_SHARE`] of the available
-/// memory. Never below 64 MiB, so a crowded device still generates (or says the budget
-/// is too small for a row).
+/// less what the process holds already, and never more than the free memory less the
+/// same headroom (so other processes on the GPU are left their share); on the CPU,
+/// [`HOST_MEMORY_SHARE`] of the available memory. Never below 64 MiB, so a crowded device
+/// still generates (or says the budget is too small for a row).
 pub fn auto_kv_cache_bytes(memory: FreeMemory) -> u64 {
     let bytes = match memory {
-        FreeMemory::Device { total, held } => ((total as f64 * DEVICE_MEMORY_SHARE) as u64).saturating_sub(held),
+        FreeMemory::Device { total, held, free } => {
+            let share = ((total as f64 * DEVICE_MEMORY_SHARE) as u64).saturating_sub(held);
+            let headroom = total - (total as f64 * DEVICE_MEMORY_SHARE) as u64;
+            free.map_or(share, |free| share.min(free.saturating_sub(headroom)))
+        }
         FreeMemory::Host { available } => (available as f64 * HOST_MEMORY_SHARE) as u64,
     };
     bytes.max(64 << 20)
@@ -211,8 +217,8 @@ pub struct GenStats {
     /// others; recomputed when they joined again).
     #[serde(default)]
     pub preemptions: u64,
-    /// Prompt tokens found in cached blocks since the generation started (prefix caching:
-    /// not computed again).
+    /// Tokens found in cached blocks since the generation started (prefix caching: a shared
+    /// prefix, or a preempted row's own blocks; not computed again).
     #[serde(default)]
     pub cached_tokens: u64,
 }
@@ -228,13 +234,22 @@ mod tests {
         let gpu = auto_kv_cache_bytes(FreeMemory::Device {
             total: 80 * GIB,
             held: 2 * GIB,
+            free: Some(78 * GIB),
         });
         assert_eq!(gpu, (80.0 * 0.9 * GIB as f64) as u64 - 2 * GIB);
+        // Another process holds 40 GiB: the budget leaves it there, and the headroom.
+        let shared = auto_kv_cache_bytes(FreeMemory::Device {
+            total: 80 * GIB,
+            held: 2 * GIB,
+            free: Some(38 * GIB),
+        });
+        assert_eq!(shared, 38 * GIB - (80 * GIB - (80.0 * 0.9 * GIB as f64) as u64));
         assert_eq!(auto_kv_cache_bytes(FreeMemory::Host { available: 20 * GIB }), 5 * GIB);
         // A device already full still gets a floor (rows too long for it are refused).
         let full = FreeMemory::Device {
             total: GIB,
             held: GIB,
+            free: None,
         };
         assert_eq!(auto_kv_cache_bytes(full), 64 << 20);
         let meminfo = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   20971520 kB\n";
