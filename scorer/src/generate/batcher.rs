@@ -17,9 +17,12 @@
 //!
 //! With prefix caching ([`BatcherConfig::prefix_caching`], see `blocks.rs`) a joining
 //! sequence takes the cached blocks that hold its first tokens and is prefilled from the
-//! first token they do not hold (never its last token: its logits are needed).
+//! first token they do not hold (never its last token: its logits are needed). A row whose
+//! next block of prompt another running row is computing right now waits for it to be
+//! cached (rows of a chat template that arrive together compute the common header once).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
 
 use super::blocks::BlockPool;
 
@@ -84,6 +87,8 @@ struct Sequence {
     chain: Vec<u64>,
     /// Tokens found in cached blocks when it last joined, counted once its work runs.
     found: usize,
+    /// Chain hashes of the whole blocks of tokens it held when it joined (prefix caching).
+    hashes: Vec<u64>,
     state: State,
 }
 
@@ -156,6 +161,9 @@ pub struct Batcher {
     running: Vec<usize>,
     preemptions: u64,
     cached_tokens: u64,
+    /// Chain hashes of blocks running sequences are computing and will register, with how
+    /// many are computing each (prefix caching).
+    computing: HashMap<u64, usize>,
 }
 
 impl Batcher {
@@ -172,6 +180,7 @@ impl Batcher {
             running: Vec::new(),
             preemptions: 0,
             cached_tokens: 0,
+            computing: HashMap::new(),
         }
     }
 
@@ -197,6 +206,7 @@ impl Batcher {
             blocks: Vec::new(),
             chain: Vec::new(),
             found: 0,
+            hashes: Vec::new(),
             state: State::Waiting,
         });
         self.waiting.push_back(seq);
@@ -289,9 +299,27 @@ impl Batcher {
             if promised + needed + revived > self.pool.available() {
                 break;
             }
+            let hashes = if self.config.prefix_caching {
+                chain_hashes(&s.tokens, block_tokens)
+            } else {
+                Vec::new()
+            };
+            // Its next block of prompt is being computed by a running sequence: it joins
+            // once that block is cached (a step or a few), not computing it a second time.
+            let shareable = (s.tokens.len() - 1) / block_tokens;
+            if self.config.prefix_caching
+                && found.len() < shareable
+                && self.computing.contains_key(&hashes[found.len()])
+            {
+                break;
+            }
             promised += needed;
             self.waiting.pop_front();
+            for hash in &hashes[found.len()..] {
+                *self.computing.entry(*hash).or_default() += 1;
+            }
             let s = &mut self.sequences[seq];
+            s.hashes = hashes;
             for &(block, id) in &found {
                 self.pool.share(block);
                 s.blocks.push(block);
@@ -366,6 +394,8 @@ impl Batcher {
         for block in s.blocks.drain(..).rev() {
             self.pool.release(block);
         }
+        forget_computing(&mut self.computing, &s.hashes[s.chain.len().min(s.hashes.len())..]);
+        s.hashes.clear();
         s.chain.clear();
         s.computed = 0;
         s.found = 0;
@@ -414,6 +444,9 @@ impl Batcher {
                 let tokens = &s.tokens[j * block_tokens..(j + 1) * block_tokens];
                 let id = self.pool.register(s.blocks[j], s.chain.last().copied(), tokens);
                 s.chain.push(id);
+                if let Some(hash) = s.hashes.get(j) {
+                    forget_computing(&mut self.computing, std::slice::from_ref(hash));
+                }
             }
         }
         let token = token?;
@@ -438,6 +471,8 @@ impl Batcher {
         for block in s.blocks.drain(..).rev() {
             self.pool.release(block);
         }
+        forget_computing(&mut self.computing, &s.hashes[s.chain.len().min(s.hashes.len())..]);
+        s.hashes = Vec::new();
         s.chain = Vec::new();
         self.running.retain(|r| *r != seq);
     }
@@ -479,6 +514,32 @@ impl Batcher {
             waiting: self.waiting.len(),
             used_blocks: self.pool.in_use(),
             blocks: self.config.blocks,
+        }
+    }
+}
+
+/// A hash of every whole block of `tokens` with all the tokens before it: equal hashes
+/// (short of a collision, which only makes a row wait a step) mean equal prefixes.
+fn chain_hashes(tokens: &[i64], block_tokens: usize) -> Vec<u64> {
+    let mut hashes = Vec::with_capacity(tokens.len() / block_tokens);
+    let mut previous = 0u64;
+    for block in tokens.chunks_exact(block_tokens) {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        (previous, block).hash(&mut hasher);
+        previous = hasher.finish();
+        hashes.push(previous);
+    }
+    hashes
+}
+
+/// Drops one count of each of `hashes` from `computing`.
+fn forget_computing(computing: &mut HashMap<u64, usize>, hashes: &[u64]) {
+    for hash in hashes {
+        if let Some(count) = computing.get_mut(hash) {
+            *count -= 1;
+            if *count == 0 {
+                computing.remove(hash);
+            }
         }
     }
 }
@@ -535,6 +596,53 @@ mod tests {
         b.advance(&step.prefill[0], Some(9));
         assert_eq!(b.cached_tokens(), 8);
         assert_ne!(first, second);
+    }
+
+    #[test]
+    fn rows_arriving_together_with_a_common_header_compute_it_once() {
+        let mut b = caching(32, 8);
+        let header: Vec<i64> = (10..22).collect();
+        let rows: Vec<usize> = (0..4)
+            .map(|i| b.add([header.clone(), vec![40 + i, 50 + i]].concat(), 3).unwrap())
+            .collect();
+        let first = b.schedule();
+        // Only the first computes the header's blocks; the others wait for them.
+        assert_eq!(first.prefill.iter().map(|w| w.seq).collect::<Vec<_>>(), vec![rows[0]]);
+        assert_eq!(b.occupancy().waiting, 3);
+        for work in &first.prefill {
+            b.advance(work, Some(9));
+        }
+        let second = b.schedule();
+        let joined: Vec<_> = second.prefill.iter().map(|w| (w.seq, w.start)).collect();
+        assert_eq!(joined, vec![(rows[1], 12), (rows[2], 12), (rows[3], 12)]);
+        drive(&mut b, |_, _| 9);
+        assert_eq!(b.cached_tokens(), 3 * 12);
+        for seq in rows {
+            assert_eq!(b.generated(seq).len(), 3);
+        }
+        // Without prefix caching nobody waits.
+        let mut plain = batcher(32, 8, 100);
+        for i in 0..4 {
+            plain.add([header.clone(), vec![40 + i, 50 + i]].concat(), 3).unwrap();
+        }
+        assert_eq!(plain.schedule().prefill.len(), 4);
+    }
+
+    #[test]
+    fn rows_sharing_a_header_finish_whole_through_preemption_and_leave_nothing_announced() {
+        // 7 blocks of 4: the first row (16 tokens, growing to 24) and the second (its header
+        // and one token, growing to 21) cannot both grow: one is preempted, gives its
+        // blocks and what it announced up, and both still finish whole.
+        let mut b = caching(7, 8);
+        let header: Vec<i64> = (1..=12).collect();
+        let a = b.add([header.clone(), vec![30, 31, 32, 33]].concat(), 8).unwrap();
+        let c = b.add([header.clone(), vec![40]].concat(), 8).unwrap();
+        drive(&mut b, |_, _| 9);
+        assert_eq!(b.generated(a).len(), 8);
+        assert_eq!(b.generated(c).len(), 8);
+        assert_eq!(b.occupancy().used_blocks, 0);
+        assert!(b.preemptions() > 0);
+        assert!(b.computing.is_empty(), "nothing is left announced");
     }
 
     #[test]
