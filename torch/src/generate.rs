@@ -9,7 +9,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use regatta_scorer::generate::{
-    auto_kv_cache_bytes, choose, mem_available, stop_at, Batcher, Choice, FreeMemory, BatcherConfig, Feed, Finish, GenStats, GenerationSetup, RowStream, SamplingParams,
+    auto_kv_cache_bytes, choose, mem_available, stop_at, Batcher, BatcherConfig, Choice, Feed, Finish, FreeMemory,
+    GenStats, GenerationSetup, RowStream, SamplingParams,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -330,7 +331,9 @@ fn free_memory(device: Device) -> Result<FreeMemory> {
     match device {
         Device::Cuda(ordinal) => {
             let total = crate::cuda::total_memory_bytes(ordinal).ok_or_else(|| {
-                Error::Invalid(format!("cannot read cuda:{ordinal}'s memory size to size the KV cache; set kv_cache_mb"))
+                Error::Invalid(format!(
+                    "cannot read cuda:{ordinal}'s memory size to size the KV cache; set kv_cache_mb"
+                ))
             })?;
             let held = crate::shim::cuda_memory(ordinal, false)?.reserved;
             let free = crate::cuda::free_memory_bytes(ordinal);
@@ -339,7 +342,10 @@ fn free_memory(device: Device) -> Result<FreeMemory> {
         _ => {
             let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
             let available = mem_available(&meminfo).ok_or_else(|| {
-                Error::Invalid("cannot read the host's available memory (/proc/meminfo) to size the KV cache; set kv_cache_mb".into())
+                Error::Invalid(
+                    "cannot read the host's available memory (/proc/meminfo) to size the KV cache; set kv_cache_mb"
+                        .into(),
+                )
             })?;
             Ok(FreeMemory::Host { available })
         }
@@ -395,7 +401,11 @@ fn pick(logits: &Tensor, wants: &[Want]) -> Result<Vec<Picked>> {
         };
         let tokens = Vec::<i64>::try_from(tokens.view([-1]).to_device(Device::Cpu))?;
         for ((&r, token), logprob) in greedy.iter().zip(tokens).zip(logprobs) {
-            let logprob = if wants[r as usize] == (Want::Greedy { logprob: true }) { logprob } else { 0.0 };
+            let logprob = if wants[r as usize] == (Want::Greedy { logprob: true }) {
+                logprob
+            } else {
+                0.0
+            };
             picked[r as usize] = Picked::Token { token, logprob };
         }
     }

@@ -15,8 +15,8 @@ use tch::Device;
 use crate::checkpoint::open_model;
 use crate::data::TextTokenizer;
 use crate::error::{Error, Result};
-use crate::lora::Adapter;
 use crate::generate::Generator;
+use crate::lora::Adapter;
 use crate::score::Scorer;
 
 fn emit(message: &FromScorer) {
@@ -163,7 +163,11 @@ pub fn score_main() -> ExitCode {
     eprintln!(
         "KV cache budget {} MiB ({})",
         budget >> 20,
-        if generation.kv_cache_bytes.is_some() { "kv_cache_mb" } else { "auto" }
+        if generation.kv_cache_bytes.is_some() {
+            "kv_cache_mb"
+        } else {
+            "auto"
+        }
     );
     emit(&ready(Some(budget)));
     generate_loop(&scorer, &generator, &messages)

@@ -509,10 +509,7 @@ fn rows_sharing_a_prefix_take_its_cached_blocks_and_generate_what_they_would_alo
         assert_eq!(plain_timings.cached_tokens, 0);
         // The header is 22 tokens: 5 whole blocks of 4 are shared by every row after the
         // first two (and so prefilled only once per pair running together).
-        assert!(
-            cached_timings.cached_tokens >= 4 * 20,
-            "{name}: {cached_timings:?}"
-        );
+        assert!(cached_timings.cached_tokens >= 4 * 20, "{name}: {cached_timings:?}");
         assert_eq!(
             cached_timings.prefill_tokens + cached_timings.cached_tokens,
             plain_timings.prefill_tokens,

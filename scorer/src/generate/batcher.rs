@@ -681,7 +681,11 @@ mod tests {
             }
         }
         assert_eq!(b.finished(c), Some(Finish::Length));
-        assert_eq!(b.occupancy().used_blocks, 3, "c's own block is back, the shared ones are a's");
+        assert_eq!(
+            b.occupancy().used_blocks,
+            3,
+            "c's own block is back, the shared ones are a's"
+        );
         drive(&mut b, |_, _| 9);
         assert_eq!(b.generated(a).len(), 6);
         assert_eq!(b.occupancy().used_blocks, 0);
