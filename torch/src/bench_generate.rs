@@ -253,6 +253,13 @@ pub struct IdsOutcome {
 /// side-by-side with `transformers.generate` (scripts/bench-vs-hf.sh).
 pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
     tch::set_num_threads(job.threads.max(1) as i32);
+    // `pick_device` reads anything but `cpu` and `cuda` as `auto`: a typo would run on the CPU.
+    if !matches!(job.device.as_str(), "cpu" | "cuda") {
+        return Err(Error::Invalid(format!(
+            "device must be cpu or cuda, not {:?}",
+            job.device
+        )));
+    }
     let device = crate::cuda::pick_device(&job.device, &[])?;
     let sync = || {
         if let Device::Cuda(ordinal) = device {
