@@ -50,6 +50,15 @@ PY
         # cudarc (the NCCL binding) looks for libnccl.so; the wheel ships libnccl.so.2.
         [ -e "$cache/lib/libnccl.so.2" ] && ln -sf libnccl.so.2 "$cache/lib/libnccl.so"
         link_all "$cache/lib"
+        # CUDA graphs for the decode step (regatta-torch-rank looks beside libtorch), built
+        # against the same wheel where the torch venv scripts/test.sh makes is at hand;
+        # without it the image's engine decodes eagerly and its log says so.
+        torch_python="${REGATTA_TORCH_VENV:-$HOME/.cache/regatta/torch-venv}/bin/python"
+        if [ -x "$torch_python" ]; then
+            bash "$repo/scripts/build-cuda-graphs.sh" "$out" "$torch_python" >/dev/null
+        else
+            echo "warning: no torch venv at $torch_python: the image gets no CUDA graphs library" >&2
+        fi
         ;;
     *)
         echo "unknown flavour $flavour; use cpu or cuda" >&2

@@ -22,6 +22,11 @@
 #                           are skipped, not cut, so report.md is whole before a hard limit
 #   REGATTA_PROOF_BIN_DIR   take regatta and regatta-torch-rank from here instead of
 #                           building (the test hands over the binaries under test)
+#   REGATTA_PROOF_STEPS     run only the steps whose names match this extended regular
+#                           expression (default: all), e.g. '^(doctor|make-model|engine-.*|peer-ids-.*)$'
+#   REGATTA_PROOF_PYTHON    (prepare too) the python whose CUDA torch wheel
+#                           libregatta_cuda_graphs.so is built against (default: the torch
+#                           venv scripts/test.sh makes); without one, the engine decodes eagerly
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 
@@ -49,6 +54,13 @@ prepare() {
     for bin in regatta regatta-torch-rank; do
         strip -o "$out/bin/$bin" "$target_dir/$bin"
     done
+    # CUDA graphs for the decode step, beside regatta-torch-rank (where it looks for them).
+    local graphs_python="${REGATTA_PROOF_PYTHON:-${REGATTA_TORCH_VENV:-$HOME/.cache/regatta/torch-venv}/bin/python}"
+    if [ -x "$graphs_python" ] || command -v "$graphs_python" >/dev/null 2>&1; then
+        bash "$repo/scripts/build-cuda-graphs.sh" "$out/bin" "$graphs_python" >/dev/null
+    else
+        echo "warning: no python with a CUDA torch at $graphs_python: no CUDA graphs library (the engine will decode eagerly)" >&2
+    fi
     for fixture in llama mistral qwen2; do
         cp -r "$repo/torch/tests/fixtures/$fixture" "$out/fixtures/"
     done
@@ -79,6 +91,10 @@ step() {
     local name="$1" limit="$2"
     shift 2
     local log="$work/$name.log" started status
+    if [ -n "${REGATTA_PROOF_STEPS:-}" ] && ! [[ "$name" =~ $REGATTA_PROOF_STEPS ]]; then
+        echo "$name: not selected"
+        return 0
+    fi
     started=$(date +%s)
     # The whole run keeps within its budget (the lent machine's command limit): a step
     # that would start too late is skipped, and never cut below 30 s.
@@ -316,6 +332,11 @@ PY
             --out "$work/ids-$batch.json" --batch "$batch" --max-new-tokens "$GEN_TOKENS" --threads "$THREADS" \
             --device "$DEVICE" --kv-cache-mb "${KV_MB:-32768}" >"$work/ids-$batch.log" 2>&1
         # Both print every row's tokens as one JSON line: into run/NAME.json, not the report.
+        # First without CUDA graphs (each decode step's kernels launched one by one), then
+        # with them (the default).
+        "$PY" -c 'import json, sys; job = json.load(open(sys.argv[1])); job["cuda_graphs"] = False; json.dump(job, open(sys.argv[2], "w"))' \
+            "$work/ids-$batch.json" "$work/ids-eager-$batch.json"
+        step "engine-eager-b$batch" 300 bash -c "'$rank' generate-ids '$work/model' '$work/ids-eager-$batch.json' >'$work/engine-eager-b$batch.json'"
         step "engine-b$batch" 300 bash -c "'$rank' generate-ids '$work/model' '$work/ids-$batch.json' >'$work/engine-b$batch.json'"
         step "peer-ids-b$batch" 300 bash -c "'$PY' '$root/bench_vs_hf.py' hf --model '$work/model' --prompts '$work/ids-$batch.json' \
             --batch $batch --max-new-tokens $GEN_TOKENS --threads $THREADS --device $DEVICE --dtype $DTYPE >'$work/peer-ids-b$batch.json'"

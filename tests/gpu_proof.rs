@@ -160,6 +160,9 @@ fn gpu_proof_script_prepares_its_folder_and_runs_every_step_on_cpu() {
     for needed in [
         "bin/regatta",
         "bin/regatta-torch-rank",
+        // Built against the torch venv's CUDA wheel (it compiles and links here; only a GPU
+        // host can capture a graph).
+        "bin/libregatta_cuda_graphs.so",
         "gpu-proof.sh",
         "peer.py",
         "fixtures/qwen2/config.json",
@@ -198,6 +201,7 @@ fn gpu_proof_script_prepares_its_folder_and_runs_every_step_on_cpu() {
         "generate-b1",
         "peer-generate-b8",
         "kv-budget-b1",
+        "engine-eager-b1",
         "engine-b1",
         "peer-ids-b8",
         "train-lora",

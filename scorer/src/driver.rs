@@ -88,6 +88,9 @@ pub struct ScoreConfig {
     /// Generation: rows share the KV cache blocks of a common prefix (a system prompt, a
     /// few-shot header) instead of computing them again.
     pub prefix_caching: bool,
+    /// Generation: on CUDA, each decode step's batch shape is captured once as a CUDA graph
+    /// and replayed (greedy rows); off, every step launches its kernels one by one.
+    pub cuda_graphs: bool,
 }
 
 /// Tokens generated per row when generating and `max_new_tokens` is not set.
@@ -121,6 +124,7 @@ impl Default for ScoreConfig {
             kv_cache_mb: None,
             prefill_tokens: 512,
             prefix_caching: true,
+            cuda_graphs: true,
         }
     }
 }
@@ -236,6 +240,7 @@ impl ScoreConfig {
             max_batch: self.max_batch,
             prefill_tokens: self.prefill_tokens,
             prefix_caching: self.prefix_caching,
+            cuda_graphs: self.cuda_graphs,
             ..GenerationSetup::default()
         }
     }

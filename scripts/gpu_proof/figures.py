@@ -82,6 +82,16 @@ for batch in batches:
     rows.append(f"| ... end to end, model load included | {e2e:.0f} | {peer_e2e:.0f} | {e2e / peer_e2e:.2f}x |")
     rows.append(f"| ... decode steps alone (Regatta) | {decode:.0f} | | |")
     rows.append(f"| ... identical rows; leading tokens in agreement | {same}/{len(ours['outputs'])}; {agree}/{peer_tokens} | | |")
+    rows.append(f"| ... CUDA graphs: decode steps replayed; graphs captured | {ours.get('graph_steps', 0)}; {ours.get('graphs_captured', 0)}"
+                f"{' (off: ' + ours['graphs_off'] + ')' if ours.get('graphs_off') else ''} | | |")
+    eager = load(f"engine-eager-b{batch}")
+    if eager:
+        eager_tokens = sum(len(o) for o in eager["outputs"])
+        eager_gen = eager_tokens / eager["generate_seconds"]
+        eager_decode = eager["decode_tokens"] / max(eager["decode_seconds"], 1e-9)
+        same_eager = sum(a == b for a, b in zip(ours["outputs"], eager["outputs"]))
+        rows.append(f"| ... eager decode (`cuda_graphs: false`): tokens/s generating; decode steps alone; rows identical to graphs' | "
+                    f"{eager_gen:.0f}; {eager_decode:.0f}; {same_eager}/{len(eager['outputs'])} | | graphs {gen / eager_gen:.2f}x |")
     if ours.get("peak_allocated_bytes") or theirs.get("peak_allocated_bytes"):
         rows.append(f"| ... peak allocated | {ours.get('peak_allocated_bytes', 0) / 2**30:.2f} GiB | "
                     f"{theirs.get('peak_allocated_bytes', 0) / 2**30:.2f} GiB | |")

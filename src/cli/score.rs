@@ -80,6 +80,10 @@ pub struct ScoreArgs {
     /// rows have in common (prefix caching is on by default).
     #[arg(long)]
     pub no_prefix_caching: bool,
+    /// On CUDA, launch every decode step's kernels one by one instead of replaying the
+    /// step as a captured CUDA graph (graphs are on by default).
+    #[arg(long)]
+    pub no_cuda_graphs: bool,
     /// Longest token sequence a TorchScript model takes (required with one).
     #[arg(long)]
     pub context: Option<usize>,
@@ -158,6 +162,9 @@ impl ScoreArgs {
         }
         if self.no_prefix_caching {
             config.prefix_caching = false;
+        }
+        if self.no_cuda_graphs {
+            config.cuda_graphs = false;
         }
         config.validate().map_err(anyhow::Error::msg)?;
         Ok(config)

@@ -212,6 +212,9 @@ pub struct IdsJob {
     /// Whether rows share the cache blocks of a common prefix (default true).
     #[serde(default = "yes")]
     pub prefix_caching: bool,
+    /// Whether CUDA replays decode steps as graphs (default true; ignored on the CPU).
+    #[serde(default = "yes")]
+    pub cuda_graphs: bool,
 }
 
 fn yes() -> bool {
@@ -241,6 +244,12 @@ pub struct IdsOutcome {
     pub prefill_tokens: u64,
     /// Prompt tokens found in cached blocks instead (prefix caching).
     pub cached_tokens: u64,
+    /// Decode steps replayed from CUDA graphs.
+    pub graph_steps: u64,
+    /// CUDA graphs captured.
+    pub graphs_captured: u64,
+    /// Why CUDA graphs were not used (none asked, on the CPU, or a failure), if so.
+    pub graphs_off: Option<String>,
     /// Where it ran: `cpu` or `cuda:N`.
     pub device: String,
     /// The CUDA caching allocator's peak allocated bytes (0 on the CPU).
@@ -289,6 +298,7 @@ pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
         max_batch: job.max_batch.max(1),
         prefill_tokens: 1024,
         prefix_caching: job.prefix_caching,
+        cuda_graphs: job.cuda_graphs,
         ..GenerationSetup::default()
     };
     let generator = Generator::new(model.as_ref(), &params, setup, context, job.eos.clone(), device)?;
@@ -317,6 +327,9 @@ pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
         prefill_seconds: timings.prefill_seconds,
         prefill_tokens: timings.prefill_tokens,
         cached_tokens: timings.cached_tokens,
+        graph_steps: timings.graph_steps,
+        graphs_captured: timings.graphs_captured,
+        graphs_off: timings.graphs_off.clone(),
         device: crate::cuda::device_label(device),
         peak_allocated_bytes: memory.map_or(0, |m| m.peak_allocated),
         peak_reserved_bytes: memory.map_or(0, |m| m.peak_reserved),

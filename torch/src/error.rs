@@ -45,6 +45,9 @@ pub enum Error {
     /// A training or checkpoint invariant does not hold.
     #[error("{0}")]
     Invalid(String),
+    /// CUDA graphs cannot be loaded, captured or replayed (the engine then decodes eagerly).
+    #[error("CUDA graph: {0}")]
+    CudaGraph(String),
 }
 
 impl From<regatta_trainer::HfConfigError> for Error {

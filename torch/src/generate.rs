@@ -15,6 +15,7 @@ use regatta_scorer::generate::{
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
+use crate::graphs::{CudaGraph, Pool};
 use crate::model::{Batch, KvLayout, KvStep, Model};
 
 /// How often progress figures are reported while generating.
@@ -84,7 +85,7 @@ pub struct Output {
 }
 
 /// Where a run's time went: forwards of single-token decodes and of prompt chunks.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Timings {
     /// Seconds in decode forwards (sampling included).
     pub decode_seconds: f64,
@@ -96,6 +97,24 @@ pub struct Timings {
     pub prefill_tokens: u64,
     /// Prompt tokens found in cached blocks instead of prefilled (prefix caching).
     pub cached_tokens: u64,
+    /// Decode steps run in a fixed batch shape (replayed CUDA graphs on a GPU).
+    pub graph_steps: u64,
+    /// CUDA graphs captured (one per batch shape and cache size).
+    pub graphs_captured: u64,
+    /// Why CUDA graphs were turned off during the run (decode then ran eagerly).
+    pub graphs_off: Option<String>,
+}
+
+/// How decode steps run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DecodeMode {
+    /// Each step's forward as its own kernels, in the step's exact shape.
+    Eager,
+    /// Greedy steps padded to a fixed shape (rows and keys rounded up to powers of two),
+    /// without capture: what a graph replays, run as is (tests it on the CPU).
+    Fixed,
+    /// Fixed shapes, each captured once as a CUDA graph on this device and replayed.
+    Graphs(usize),
 }
 
 /// Generation with one model.
@@ -112,6 +131,7 @@ pub struct Generator<'a> {
     kv_cache_bytes: u64,
     keep_logits: bool,
     stats_every: Duration,
+    decode: DecodeMode,
 }
 
 impl<'a> Generator<'a> {
@@ -137,7 +157,12 @@ impl<'a> Generator<'a> {
             Some(bytes) => bytes,
             None => auto_kv_cache_bytes(free_memory(device)?),
         };
+        let decode = match device {
+            Device::Cuda(ordinal) if setup.cuda_graphs => DecodeMode::Graphs(ordinal),
+            _ => DecodeMode::Eager,
+        };
         Ok(Self {
+            decode,
             kv_cache_bytes,
             model,
             params,
@@ -150,6 +175,13 @@ impl<'a> Generator<'a> {
             keep_logits: false,
             stats_every: STATS_EVERY,
         })
+    }
+
+    /// Runs greedy decode steps in the fixed shapes CUDA graphs replay, without capturing
+    /// them (on any device): for tests and for measuring the padding's cost.
+    pub fn fixed_shape_decode(mut self) -> Self {
+        self.decode = DecodeMode::Fixed;
+        self
     }
 
     /// Also return the logits every token was chosen from (for tests).
@@ -247,6 +279,7 @@ impl<'a> Generator<'a> {
             timings: Timings::default(),
             reported: Instant::now(),
             new_tokens: 0,
+            fixed: FixedShapes::default(),
         })
     }
 
@@ -281,47 +314,231 @@ impl<'a> Generator<'a> {
         let int = |v: &[i64]| Tensor::from_slice(v).to_device(device);
         let tokens = int(&tokens).view([rows, time]);
         let positions = int(&positions).view([rows, time]);
+        let last = int(&last);
+        let logits = self.logits(
+            cache,
+            &tokens,
+            &positions,
+            &int(&lengths),
+            &int(&write),
+            &int(&read).view([rows, keys]),
+            Some(&last),
+        );
+        pick(&logits, wants)
+    }
+
+    /// The forward of `tokens` `[rows, time]` at `positions` against the cache: their keys
+    /// and values written to slots `write` (`[rows * time]`), each row attending to the
+    /// slots `read` (`[rows, keys]`) of which its first `lengths` are real. Returns the
+    /// logits `[rows, vocab]` of each row's token at flat index `last` (`[rows]`; `None`:
+    /// time is 1). Device ops only, no host data: what a CUDA graph captures.
+    #[allow(clippy::too_many_arguments)]
+    fn logits(
+        &self,
+        cache: &KvCache,
+        tokens: &Tensor,
+        positions: &Tensor,
+        lengths: &Tensor,
+        write: &Tensor,
+        read: &Tensor,
+        last: Option<&Tensor>,
+    ) -> Tensor {
+        let (rows, time) = tokens.size2().expect("tokens are [rows, time]");
+        let keys = read.size()[1];
+        let device = tokens.device();
         // Query at position p sees keys 0..=p of its own row (and, with a sliding window,
         // only the last `window` of them); a padding query sees key 0.
         let key_index = Tensor::arange(keys, (Kind::Int64, device)).view([1, 1, 1, keys]);
         let query_position = positions.view([rows, 1, time, 1]);
         let mut mask = key_index
             .le_tensor(&query_position)
-            .logical_and(&key_index.lt_tensor(&int(&lengths).view([rows, 1, 1, 1])));
+            .logical_and(&key_index.lt_tensor(&lengths.view([rows, 1, 1, 1])));
         if let Some(window) = self.layout.sliding_window {
             mask = mask.logical_and(&key_index.gt_tensor(&(&query_position - window as i64)));
         }
         let mut batch = Batch {
-            positions,
+            positions: positions.shallow_clone(),
             mask: Some(mask),
             segments: None,
             derived: Vec::new(),
             kv: Some(KvStep {
                 keys: cache.keys.iter().map(Tensor::shallow_clone).collect(),
                 values: cache.values.iter().map(Tensor::shallow_clone).collect(),
-                write: int(&write),
-                read: int(&read).view([rows, keys]),
+                write: write.shallow_clone(),
+                read: read.shallow_clone(),
             }),
             dropout_seed: None,
         };
         self.model.prepare(&mut batch);
         let last_block = self.params.len() - 1;
         let logits = tch::no_grad(|| {
-            let mut hidden = tokens;
+            let mut hidden = tokens.shallow_clone();
             for (block, params) in self.params.iter().enumerate().take(last_block) {
                 hidden = self.model.forward(block, params, &hidden, &batch);
             }
             // Only each row's last token needs logits: the head runs on those alone.
             let width = hidden.size()[2];
-            let picked = hidden
-                .view([rows * time, width])
-                .index_select(0, &int(&last))
-                .view([rows, 1, width]);
+            let picked = match last {
+                Some(last) => hidden.view([rows * time, width]).index_select(0, last),
+                None => hidden.view([rows * time, width]),
+            }
+            .view([rows, 1, width]);
             self.model
                 .forward(last_block, &self.params[last_block], &picked, &batch)
         });
-        pick(&logits.view([rows, -1]), wants)
+        logits.view([rows, -1])
     }
+
+    /// A greedy decode step (every feed one token, every row greedy) run in a fixed shape:
+    /// rows and keys padded up to powers of two, inputs copied into that shape's tensors,
+    /// and on CUDA the shape's graph replayed (captured at its first use). `None`: this
+    /// step cannot run so (graphs off, or not a greedy decode step).
+    fn fixed_forward(
+        &self,
+        fixed: &mut FixedShapes,
+        cache: &KvCache,
+        feeds: &[Feed],
+        wants: &[Want],
+    ) -> Option<Result<Vec<Picked>>> {
+        if self.decode == DecodeMode::Eager || fixed.off.is_some() {
+            return None;
+        }
+        if feeds.iter().any(|f| f.tokens.len() != 1) || wants.iter().any(|w| !matches!(w, Want::Greedy { .. })) {
+            return None;
+        }
+        let rows = feeds.len().max(1).next_power_of_two() as i64;
+        let block_tokens = self.setup.block_tokens.max(1) as i64;
+        let longest = feeds.iter().map(|f| f.read.len()).max().unwrap_or(1);
+        let keys = longest.max(block_tokens as usize).next_power_of_two() as i64;
+        // Graphs hold the cache tensors they were captured with: a grown cache is new ones.
+        let slots = cache.keys.first().map_or(0, |k| k.size()[0]);
+        if fixed.slots != slots {
+            fixed.shapes.clear();
+            fixed.pool = None;
+            fixed.slots = slots;
+        }
+        // The inputs as one host buffer, one copy to the device: tokens, positions, write
+        // slots, lengths (each [rows]), then the read slots [rows, keys].
+        let (r, k) = (rows as usize, keys as usize);
+        let mut host = vec![0i64; 4 * r + r * k];
+        for i in 0..r {
+            match feeds.get(i) {
+                Some(feed) => {
+                    host[i] = feed.tokens[0];
+                    host[r + i] = feed.positions[0];
+                    host[2 * r + i] = feed.write[0];
+                    host[3 * r + i] = feed.read.len() as i64;
+                    host[4 * r + i * k..4 * r + i * k + feed.read.len()].copy_from_slice(&feed.read);
+                }
+                // A padding row: token 0 at position 0, written to a scratch slot, reading
+                // scratch slot 0.
+                None => {
+                    host[2 * r + i] = i as i64 % block_tokens;
+                    host[3 * r + i] = 1;
+                }
+            }
+        }
+        let result = (|| -> Result<Vec<f64>> {
+            let shape = match fixed.shapes.entry((rows, keys)) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    let inputs = Tensor::zeros([(4 * r + r * k) as i64], (Kind::Int64, self.device));
+                    let mut shape = FixedShape {
+                        inputs,
+                        output: None,
+                        graph: None,
+                    };
+                    let _ = shape.inputs.copy_(&Tensor::from_slice(&host));
+                    if let DecodeMode::Graphs(ordinal) = self.decode {
+                        let (graph, pool, output) = CudaGraph::capture(ordinal, fixed.pool, &mut || {
+                            Ok(self.fixed_step(cache, &shape.inputs, rows, keys))
+                        })?;
+                        fixed.pool = Some(pool);
+                        fixed.captured += 1;
+                        shape.graph = Some(graph);
+                        shape.output = Some(output);
+                    }
+                    e.insert(shape)
+                }
+            };
+            let _ = shape.inputs.copy_(&Tensor::from_slice(&host));
+            let output = match &shape.graph {
+                Some(graph) => {
+                    graph.replay()?;
+                    shape
+                        .output
+                        .as_ref()
+                        .map(Tensor::shallow_clone)
+                        .ok_or_else(|| Error::CudaGraph("a captured graph has no output".into()))?
+                }
+                None => self.fixed_step(cache, &shape.inputs, rows, keys),
+            };
+            Ok(Vec::<f64>::try_from(output.to_device(Device::Cpu))?)
+        })();
+        let out = match result {
+            Ok(out) => out,
+            Err(Error::CudaGraph(reason)) => {
+                // Eager from here on: slower, not wrong.
+                eprintln!("regatta: CUDA graphs off, decoding eagerly: {reason}");
+                fixed.off = Some(reason);
+                fixed.shapes.clear();
+                return None;
+            }
+            Err(e) => return Some(Err(e)),
+        };
+        fixed.steps += 1;
+        let picked = feeds
+            .iter()
+            .enumerate()
+            .map(|(i, _)| {
+                let logprob = match wants[i] {
+                    Want::Greedy { logprob: true } => out[r + i],
+                    _ => 0.0,
+                };
+                Picked::Token {
+                    token: out[i] as i64,
+                    logprob,
+                }
+            })
+            .collect();
+        Some(Ok(picked))
+    }
+
+    /// One fixed-shape greedy step from the packed `inputs` (see [`Self::fixed_forward`]):
+    /// returns `[2 * rows]` f64, each row's token then each row's log-probability.
+    fn fixed_step(&self, cache: &KvCache, inputs: &Tensor, rows: i64, keys: i64) -> Tensor {
+        let part = |i: i64| inputs.narrow(0, i * rows, rows);
+        let tokens = part(0).view([rows, 1]);
+        let positions = part(1).view([rows, 1]);
+        let read = inputs.narrow(0, 4 * rows, rows * keys).view([rows, keys]);
+        let logits = self.logits(cache, &tokens, &positions, &part(3), &part(2), &read, None);
+        let (tokens, logprobs) = greedy(&logits);
+        Tensor::cat(&[tokens.to_kind(Kind::Double), logprobs], 0)
+    }
+}
+
+/// The fixed decode shapes a session has run, by (rows, keys).
+#[derive(Default)]
+struct FixedShapes {
+    shapes: HashMap<(i64, i64), FixedShape>,
+    /// The memory pool the graphs share.
+    pool: Option<Pool>,
+    /// Cache slots when the shapes were made (a grown cache drops them).
+    slots: i64,
+    /// Why graphs were turned off (a capture failed, or no library).
+    off: Option<String>,
+    /// Steps run in a fixed shape.
+    steps: u64,
+    /// Graphs captured.
+    captured: u64,
+}
+
+/// One fixed decode shape: its input tensor, and on CUDA its graph and the output the
+/// graph writes.
+struct FixedShape {
+    inputs: Tensor,
+    output: Option<Tensor>,
+    graph: Option<CudaGraph>,
 }
 
 /// The memory the KV cache may be sized from on `device`: the GPU's total and what this
@@ -385,21 +602,15 @@ fn pick(logits: &Tensor, wants: &[Want]) -> Result<Vec<Picked>> {
     let mut picked = vec![Picked::Nothing; wants.len()];
     if !greedy.is_empty() {
         let chosen = logits.index_select(0, &Tensor::from_slice(&greedy).to_device(device));
-        // `argmax` takes NaN for the largest value; `choose` never picks one (a row of NaN
-        // picks token 0), so NaN counts as -inf here.
-        let finite = chosen.nan_to_num(Some(f64::NEG_INFINITY), None, None);
-        let tokens = finite.argmax(-1, true);
         let with_logprob = greedy
             .iter()
             .any(|&r| wants[r as usize] == Want::Greedy { logprob: true });
-        let logprobs = if with_logprob {
-            let chosen = chosen.to_kind(Kind::Double);
-            let lp = chosen.gather(-1, &tokens, false) - chosen.logsumexp([-1i64].as_slice(), true);
-            Vec::<f64>::try_from(lp.view([-1]).to_device(Device::Cpu))?
-        } else {
-            vec![0.0; greedy.len()]
+        let (tokens, logprobs) = greedy_tokens(&chosen, with_logprob);
+        let logprobs = match logprobs {
+            Some(lp) => Vec::<f64>::try_from(lp.to_device(Device::Cpu))?,
+            None => vec![0.0; greedy.len()],
         };
-        let tokens = Vec::<i64>::try_from(tokens.view([-1]).to_device(Device::Cpu))?;
+        let tokens = Vec::<i64>::try_from(tokens.to_device(Device::Cpu))?;
         for ((&r, token), logprob) in greedy.iter().zip(tokens).zip(logprobs) {
             let logprob = if wants[r as usize] == (Want::Greedy { logprob: true }) {
                 logprob
@@ -424,6 +635,28 @@ fn pick(logits: &Tensor, wants: &[Want]) -> Result<Vec<Picked>> {
     Ok(picked)
 }
 
+/// Each row's most likely token (`[rows]`, the lowest id of equal maxima) and its
+/// log-probability (`[rows]`, f64: the token's logit less the row's log-sum-exp), chosen
+/// where `logits` (`[rows, vocab]`) are.
+fn greedy(logits: &Tensor) -> (Tensor, Tensor) {
+    let (tokens, logprobs) = greedy_tokens(logits, true);
+    let logprobs = logprobs.unwrap_or_else(|| tokens.zeros_like().to_kind(Kind::Double));
+    (tokens, logprobs)
+}
+
+/// [`greedy`], the log-probabilities only when asked for.
+fn greedy_tokens(logits: &Tensor, logprob: bool) -> (Tensor, Option<Tensor>) {
+    // `argmax` takes NaN for the largest value; `choose` never picks one (a row of NaN
+    // picks token 0), so NaN counts as -inf here.
+    let finite = logits.nan_to_num(Some(f64::NEG_INFINITY), None, None);
+    let tokens = finite.argmax(-1, true);
+    let logprobs = logprob.then(|| {
+        let logits = logits.to_kind(Kind::Double);
+        (logits.gather(-1, &tokens, false) - logits.logsumexp([-1i64].as_slice(), true)).view([-1])
+    });
+    (tokens.view([-1]), logprobs)
+}
+
 /// A row being generated: its settings and what it produced so far.
 struct Live {
     params: SamplingParams,
@@ -442,6 +675,7 @@ pub struct Session<'g, 'a> {
     timings: Timings,
     reported: Instant,
     new_tokens: u64,
+    fixed: FixedShapes,
 }
 
 impl Session<'_, '_> {
@@ -501,8 +735,16 @@ impl Session<'_, '_> {
     pub fn timings(&self) -> Timings {
         Timings {
             cached_tokens: self.batcher.cached_tokens(),
-            ..self.timings
+            graph_steps: self.fixed.steps,
+            graphs_captured: self.fixed.captured,
+            graphs_off: self.fixed.off.clone(),
+            ..self.timings.clone()
         }
+    }
+
+    /// Why CUDA graphs stopped being used in this session (decode then runs eagerly).
+    pub fn graphs_off(&self) -> Option<&str> {
+        self.fixed.off.as_deref()
     }
 
     /// Runs one step (decodes and prompt chunks) and returns the rows it finished, by
@@ -539,7 +781,15 @@ impl Session<'_, '_> {
                     _ => Want::Logits,
                 })
                 .collect::<Vec<_>>();
-            let picked = g.forward(&self.cache, &feeds, &wants)?;
+            let fixed = if decoding {
+                g.fixed_forward(&mut self.fixed, &self.cache, &feeds, &wants)
+            } else {
+                None
+            };
+            let picked = match fixed {
+                Some(picked) => picked?,
+                None => g.forward(&self.cache, &feeds, &wants)?,
+            };
             for (work, picked) in works.iter().zip(picked) {
                 let live = self
                     .rows

@@ -16,6 +16,7 @@ pub mod engine;
 pub mod error;
 pub mod executor;
 pub mod generate;
+pub mod graphs;
 pub mod hf;
 pub mod llama;
 pub mod lora;

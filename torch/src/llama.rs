@@ -24,8 +24,27 @@ pub struct Llama {
     /// The `config.json` it came from (written back into checkpoints).
     json: serde_json::Value,
     inv_freq: Vec<f32>,
+    /// `inv_freq` on the device the last forward ran on, made once: a host-to-device copy
+    /// each forward would cost a copy a step and cannot be part of a captured CUDA graph.
+    inv_freq_on: OnDevice,
     /// Adapters on the targeted projections; the base is then frozen.
     lora: Option<LoraConfig>,
+}
+
+/// A tensor kept on the device it was last used on (a clone starts empty).
+#[derive(Default)]
+struct OnDevice(std::sync::Mutex<Option<Tensor>>);
+
+impl Clone for OnDevice {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+impl std::fmt::Debug for OnDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnDevice")
+    }
 }
 
 /// Rotary inverse frequencies, with the config's scaling (as `transformers` computes them).
@@ -67,6 +86,7 @@ impl Llama {
             config,
             json,
             inv_freq,
+            inv_freq_on: OnDevice::default(),
             lora: None,
         }
     }
@@ -343,7 +363,17 @@ impl Model for Llama {
 
     fn prepare(&self, batch: &mut Batch) {
         let device = batch.positions.device();
-        let inv_freq = Tensor::from_slice(&self.inv_freq).to_device(device);
+        let inv_freq = {
+            let mut held = self.inv_freq_on.0.lock().unwrap_or_else(|p| p.into_inner());
+            match held.as_ref().filter(|t| t.device() == device) {
+                Some(t) => t.shallow_clone(),
+                None => {
+                    let t = Tensor::from_slice(&self.inv_freq).to_device(device);
+                    *held = Some(t.shallow_clone());
+                    t
+                }
+            }
+        };
         // [batch, time, dim / 2] -> [batch, 1, time, dim], as transformers builds them.
         let freqs = batch.positions.to_kind(Kind::Float).unsqueeze(-1) * inv_freq;
         let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);

@@ -548,3 +548,50 @@ fn greedy_tokens_chosen_where_the_logits_are_equal_the_host_choice() {
         assert!(d.logits.is_empty());
     }
 }
+
+#[test]
+fn fixed_shape_decode_steps_equal_transformers_generate_and_the_eager_steps() {
+    tch::set_num_threads(1);
+    for name in FIXTURES {
+        let (model, params) = load(&fixture(name));
+        let expected: HashMap<String, Tensor> = Tensor::read_safetensors(fixture(name).join("generate.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+        let rows: Vec<Prepared> = (0..4)
+            .map(|i| Prepared {
+                prompt: ids(&expected[&format!("prompt.{i}")]),
+                params: SamplingParams {
+                    logprobs: true,
+                    ..greedy(16)
+                },
+                stream: RowStream::new(0, &i.to_string()),
+            })
+            .collect();
+        // Three sequences at a time: decode steps of 3, 2 and 1 rows run padded to 4, 2 and
+        // 1 rows, their keys to a power of two (what a CUDA graph replays).
+        let make = || Generator::new(model.as_ref(), &params, setup(1 << 20, 3, 8), 128, vec![2], Device::Cpu).unwrap();
+        let run_timed = |generator: &Generator| {
+            let (outputs, timings) = generator.run_timed(&rows, &|_| String::new(), &mut |_| {}).unwrap();
+            (outputs.into_iter().map(Result::unwrap).collect::<Vec<_>>(), timings)
+        };
+        let (fixed, timings) = run_timed(&make().fixed_shape_decode());
+        assert!(timings.graph_steps > 0, "{name}: no step ran in a fixed shape");
+        assert_eq!(timings.graphs_captured, 0, "{name}: no graph is captured on the CPU");
+        assert_eq!(timings.graphs_off, None);
+        let (eager, eager_timings) = run_timed(&make());
+        assert_eq!(eager_timings.graph_steps, 0, "{name}: graphs are for CUDA only");
+        for (i, (f, e)) in fixed.iter().zip(&eager).enumerate() {
+            assert_eq!(
+                f.tokens,
+                ids(&expected[&format!("tokens.{i}")]),
+                "{name} prompt {i}: tokens"
+            );
+            assert_eq!(f.tokens, e.tokens, "{name} prompt {i}");
+            assert_eq!(f.logprobs.len(), f.tokens.len());
+            for (x, y) in f.logprobs.iter().zip(&e.logprobs) {
+                assert!((x - y).abs() < 1e-5, "{name} prompt {i}: logprob {x} vs {y}");
+            }
+        }
+    }
+}

@@ -115,6 +115,9 @@ pub struct GenerationSetup {
     /// Whether rows share the cache blocks of a common prefix (a chat template's system
     /// prompt, a few-shot header) instead of computing them again.
     pub prefix_caching: bool,
+    /// Whether a CUDA device replays each decode step's batch shape as a captured CUDA
+    /// graph (greedy rows; eager where no graph library is found).
+    pub cuda_graphs: bool,
 }
 
 impl Default for GenerationSetup {
@@ -125,6 +128,7 @@ impl Default for GenerationSetup {
             prefill_tokens: 512,
             block_tokens: 16,
             prefix_caching: true,
+            cuda_graphs: true,
         }
     }
 }
