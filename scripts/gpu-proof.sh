@@ -342,6 +342,21 @@ PY
             --batch $batch --max-new-tokens $GEN_TOKENS --threads $THREADS --device $DEVICE --dtype $DTYPE >'$work/peer-ids-b$batch.json'"
     done
 
+    # Sampling rows (temperature 0.8, top-p 0.95, each row its own seeded stream) at the
+    # largest batch limit, without and with CUDA graphs: the same logits give the same draws,
+    # so the rows must be identical.
+    local last_batch="${GEN_BATCHES##* }"
+    if [ -f "$work/ids-$last_batch.json" ]; then
+        "$PY" -c 'import json, sys
+job = json.load(open(sys.argv[1]))
+job.update(temperature=0.8, top_p=0.95, seed=7)
+json.dump(job, open(sys.argv[2], "w"))
+job["cuda_graphs"] = False
+json.dump(job, open(sys.argv[3], "w"))' "$work/ids-$last_batch.json" "$work/ids-sampled-$last_batch.json" "$work/ids-sampled-eager-$last_batch.json"
+    fi
+    step "engine-sampled-eager-b$last_batch" 300 bash -c "'$rank' generate-ids '$work/model' '$work/ids-sampled-eager-$last_batch.json' >'$work/engine-sampled-eager-b$last_batch.json'"
+    step "engine-sampled-b$last_batch" 300 bash -c "'$rank' generate-ids '$work/model' '$work/ids-sampled-$last_batch.json' >'$work/engine-sampled-b$last_batch.json'"
+
     # LoRA needs the model folder make-model wrote; without it the step fails on its own.
     mkdir -p "$work/model"
     write_train_toml "$work/train-lora.toml" "$work/model" 2 8

@@ -203,6 +203,8 @@ fn gpu_proof_script_prepares_its_folder_and_runs_every_step_on_cpu() {
         "kv-budget-b1",
         "engine-eager-b1",
         "engine-b1",
+        "engine-sampled-eager-b8",
+        "engine-sampled-b8",
         "peer-ids-b8",
         "train-lora",
         "peer-lora",

@@ -89,7 +89,7 @@ pub struct ScoreConfig {
     /// few-shot header) instead of computing them again.
     pub prefix_caching: bool,
     /// Generation: on CUDA, each decode step's batch shape is captured once as a CUDA graph
-    /// and replayed (greedy rows); off, every step launches its kernels one by one.
+    /// and replayed; off, every step launches its kernels one by one.
     pub cuda_graphs: bool,
 }
 

@@ -95,6 +95,16 @@ for batch in batches:
     if ours.get("peak_allocated_bytes") or theirs.get("peak_allocated_bytes"):
         rows.append(f"| ... peak allocated | {ours.get('peak_allocated_bytes', 0) / 2**30:.2f} GiB | "
                     f"{theirs.get('peak_allocated_bytes', 0) / 2**30:.2f} GiB | |")
+sampled, sampled_eager = load(f"engine-sampled-b{batches[-1]}"), load(f"engine-sampled-eager-b{batches[-1]}")
+if sampled and sampled_eager:
+    rate = lambda o: sum(len(t) for t in o["outputs"]) / o["generate_seconds"]
+    same = sum(a == b for a, b in zip(sampled["outputs"], sampled_eager["outputs"]))
+    rows.append(f"| engine alone, sampling (temperature 0.8, top-p 0.95), batch limit {batches[-1]}: tokens/s generating, graphs; eager; rows identical "
+                f"| {rate(sampled):.0f}; {rate(sampled_eager):.0f}; {same}/{len(sampled['outputs'])} | | graphs {rate(sampled) / rate(sampled_eager):.2f}x |")
+    rows.append(f"| ... CUDA graphs: decode steps replayed; graphs captured | {sampled.get('graph_steps', 0)}; {sampled.get('graphs_captured', 0)}"
+                f"{' (off: ' + sampled['graphs_off'] + ')' if sampled.get('graphs_off') else ''} | | |")
+else:
+    rows.append(f"| engine alone, sampling, batch limit {batches[-1]} | - | | |")
 lora, peer_lora = (load("train-lora") or {}).get("last") or {}, load("peer-lora") or {}
 tps, peer_tps = lora.get("tokens_per_sec"), peer_lora.get("tokens_per_sec")
 ratio = f"{tps / peer_tps:.2f}x" if tps and peer_tps else "-"

@@ -215,6 +215,20 @@ pub struct IdsJob {
     /// Whether CUDA replays decode steps as graphs (default true; ignored on the CPU).
     #[serde(default = "yes")]
     pub cuda_graphs: bool,
+    /// Sampling temperature (default 0: greedy); with `top_p` and `seed`, each row drawing
+    /// from its own random stream (row `i` is stream `i` of `seed`).
+    #[serde(default)]
+    pub temperature: f64,
+    /// Nucleus cut (default 1: none).
+    #[serde(default = "one")]
+    pub top_p: f64,
+    /// Seed of the rows' random streams.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 fn yes() -> bool {
@@ -258,7 +272,7 @@ pub struct IdsOutcome {
     pub peak_reserved_bytes: u64,
 }
 
-/// Greedy generation for token-id prompts with a model folder: the engine alone, for the
+/// Generation (greedy unless the job sets a temperature) for token-id prompts with a model folder: the engine alone, for the
 /// side-by-side with `transformers.generate` (scripts/bench-vs-hf.sh).
 pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
     tch::set_num_threads(job.threads.max(1) as i32);
@@ -269,6 +283,15 @@ pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
             job.device
         )));
     }
+    SamplingParams {
+        max_new_tokens: job.max_new_tokens,
+        temperature: job.temperature,
+        top_p: job.top_p,
+        seed: job.seed,
+        ..SamplingParams::default()
+    }
+    .validate()
+    .map_err(Error::Invalid)?;
     let device = crate::cuda::pick_device(&job.device, &[])?;
     let sync = || {
         if let Device::Cuda(ordinal) = device {
@@ -288,9 +311,12 @@ pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
             prompt: prompt.clone(),
             params: SamplingParams {
                 max_new_tokens: job.max_new_tokens,
+                temperature: job.temperature,
+                top_p: job.top_p,
+                seed: job.seed,
                 ..SamplingParams::default()
             },
-            stream: RowStream::new(0, &i.to_string()),
+            stream: RowStream::new(job.seed, &i.to_string()),
         })
         .collect();
     let setup = GenerationSetup {

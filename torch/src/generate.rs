@@ -177,7 +177,7 @@ impl<'a> Generator<'a> {
         })
     }
 
-    /// Runs greedy decode steps in the fixed shapes CUDA graphs replay, without capturing
+    /// Runs decode steps in the fixed shapes CUDA graphs replay, without capturing
     /// them (on any device): for tests and for measuring the padding's cost.
     pub fn fixed_shape_decode(mut self) -> Self {
         self.decode = DecodeMode::Fixed;
@@ -389,10 +389,12 @@ impl<'a> Generator<'a> {
         logits.view([rows, -1])
     }
 
-    /// A greedy decode step (every feed one token, every row greedy) run in a fixed shape:
-    /// rows and keys padded up to powers of two, inputs copied into that shape's tensors,
-    /// and on CUDA the shape's graph replayed (captured at its first use). `None`: this
-    /// step cannot run so (graphs off, or not a greedy decode step).
+    /// A decode step (every feed one token) run in a fixed shape: rows and keys padded up
+    /// to powers of two, inputs copied into that shape's tensors, and on CUDA the shape's
+    /// graph replayed (captured at its first use). Greedy rows take the token the graph
+    /// chose; sampling rows (and rows whose logits are kept) get their logits from the
+    /// graph's output, to choose on the host. `None`: this step cannot run so (graphs off,
+    /// or not a decode step).
     fn fixed_forward(
         &self,
         fixed: &mut FixedShapes,
@@ -403,7 +405,7 @@ impl<'a> Generator<'a> {
         if self.decode == DecodeMode::Eager || fixed.off.is_some() {
             return None;
         }
-        if feeds.iter().any(|f| f.tokens.len() != 1) || wants.iter().any(|w| !matches!(w, Want::Greedy { .. })) {
+        if feeds.iter().any(|f| f.tokens.len() != 1) || wants.contains(&Want::Nothing) {
             return None;
         }
         let rows = feeds.len().max(1).next_power_of_two() as i64;
@@ -438,7 +440,7 @@ impl<'a> Generator<'a> {
                 }
             }
         }
-        let result = (|| -> Result<Vec<f64>> {
+        let result = (|| -> Result<(Vec<f64>, Tensor)> {
             let shape = match fixed.shapes.entry((rows, keys)) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(e) => {
@@ -462,20 +464,20 @@ impl<'a> Generator<'a> {
                 }
             };
             let _ = shape.inputs.copy_(&Tensor::from_slice(&host));
-            let output = match &shape.graph {
+            let (chosen, logits) = match &shape.graph {
                 Some(graph) => {
                     graph.replay()?;
-                    shape
+                    let (chosen, logits) = shape
                         .output
                         .as_ref()
-                        .map(Tensor::shallow_clone)
-                        .ok_or_else(|| Error::CudaGraph("a captured graph has no output".into()))?
+                        .ok_or_else(|| Error::CudaGraph("a captured graph has no output".into()))?;
+                    (chosen.shallow_clone(), logits.shallow_clone())
                 }
                 None => self.fixed_step(cache, &shape.inputs, rows, keys),
             };
-            Ok(Vec::<f64>::try_from(output.to_device(Device::Cpu))?)
+            Ok((Vec::<f64>::try_from(chosen.to_device(Device::Cpu))?, logits))
         })();
-        let out = match result {
+        let (out, logits) = match result {
             Ok(out) => out,
             Err(Error::CudaGraph(reason)) => {
                 // Eager from here on: slower, not wrong.
@@ -487,33 +489,44 @@ impl<'a> Generator<'a> {
             Err(e) => return Some(Err(e)),
         };
         fixed.steps += 1;
-        let picked = feeds
+        let mut picked: Vec<Picked> = wants
             .iter()
             .enumerate()
-            .map(|(i, _)| {
-                let logprob = match wants[i] {
-                    Want::Greedy { logprob: true } => out[r + i],
-                    _ => 0.0,
-                };
-                Picked::Token {
+            .map(|(i, want)| match want {
+                Want::Greedy { logprob } => Picked::Token {
                     token: out[i] as i64,
-                    logprob,
-                }
+                    logprob: if *logprob { out[r + i] } else { 0.0 },
+                },
+                _ => Picked::Nothing,
             })
             .collect();
+        let full: Vec<i64> = (0..wants.len() as i64)
+            .filter(|&i| wants[i as usize] == Want::Logits)
+            .collect();
+        if !full.is_empty() {
+            match host_logits(&logits, &full) {
+                Ok(rows) => {
+                    for (&i, row) in full.iter().zip(rows) {
+                        picked[i as usize] = Picked::Logits(row);
+                    }
+                }
+                Err(e) => return Some(Err(e)),
+            }
+        }
         Some(Ok(picked))
     }
 
-    /// One fixed-shape greedy step from the packed `inputs` (see [`Self::fixed_forward`]):
-    /// returns `[2 * rows]` f64, each row's token then each row's log-probability.
-    fn fixed_step(&self, cache: &KvCache, inputs: &Tensor, rows: i64, keys: i64) -> Tensor {
+    /// One fixed-shape decode step from the packed `inputs` (see [`Self::fixed_forward`]):
+    /// returns `[2 * rows]` f64, each row's greedy token then its log-probability, and the
+    /// logits `[rows, vocab]` they were chosen from.
+    fn fixed_step(&self, cache: &KvCache, inputs: &Tensor, rows: i64, keys: i64) -> (Tensor, Tensor) {
         let part = |i: i64| inputs.narrow(0, i * rows, rows);
         let tokens = part(0).view([rows, 1]);
         let positions = part(1).view([rows, 1]);
         let read = inputs.narrow(0, 4 * rows, rows * keys).view([rows, keys]);
         let logits = self.logits(cache, &tokens, &positions, &part(3), &part(2), &read, None);
         let (tokens, logprobs) = greedy(&logits);
-        Tensor::cat(&[tokens.to_kind(Kind::Double), logprobs], 0)
+        (Tensor::cat(&[tokens.to_kind(Kind::Double), logprobs], 0), logits)
     }
 }
 
@@ -537,7 +550,8 @@ struct FixedShapes {
 /// graph writes.
 struct FixedShape {
     inputs: Tensor,
-    output: Option<Tensor>,
+    /// The chosen tokens and log-probabilities, and the logits.
+    output: Option<(Tensor, Tensor)>,
     graph: Option<CudaGraph>,
 }
 
@@ -621,18 +635,23 @@ fn pick(logits: &Tensor, wants: &[Want]) -> Result<Vec<Picked>> {
         }
     }
     if !full.is_empty() {
-        let chosen = logits
-            .index_select(0, &Tensor::from_slice(&full).to_device(device))
-            .to_kind(Kind::Float)
-            .to_device(Device::Cpu)
-            .contiguous();
-        let vocab = chosen.size()[1] as usize;
-        let flat = Vec::<f32>::try_from(chosen.view([-1]))?;
-        for (&r, row) in full.iter().zip(flat.chunks(vocab.max(1))) {
-            picked[r as usize] = Picked::Logits(row.to_vec());
+        for (&r, row) in full.iter().zip(host_logits(logits, &full)?) {
+            picked[r as usize] = Picked::Logits(row);
         }
     }
     Ok(picked)
+}
+
+/// Rows `rows` of `logits` (`[rows, vocab]`, any device and dtype) as f32 on the host.
+fn host_logits(logits: &Tensor, rows: &[i64]) -> Result<Vec<Vec<f32>>> {
+    let chosen = logits
+        .index_select(0, &Tensor::from_slice(rows).to_device(logits.device()))
+        .to_kind(Kind::Float)
+        .to_device(Device::Cpu)
+        .contiguous();
+    let vocab = chosen.size()[1] as usize;
+    let flat = Vec::<f32>::try_from(chosen.view([-1]))?;
+    Ok(flat.chunks(vocab.max(1)).map(<[f32]>::to_vec).collect())
 }
 
 /// Each row's most likely token (`[rows]`, the lowest id of equal maxima) and its

@@ -50,6 +50,19 @@ fn greedy(max_new_tokens: usize) -> SamplingParams {
     }
 }
 
+/// Seeded nucleus sampling with log-probabilities.
+fn sampled(max_new_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        max_new_tokens,
+        temperature: 1.0,
+        top_p: 0.9,
+        top_k: 50,
+        seed: 42,
+        logprobs: true,
+        ..SamplingParams::default()
+    }
+}
+
 fn setup(kv_cache_bytes: u64, max_batch: usize, prefill_tokens: usize) -> GenerationSetup {
     GenerationSetup {
         kv_cache_bytes: Some(kv_cache_bytes),
@@ -247,15 +260,7 @@ fn the_builtin_gpt_generates_the_same_with_and_without_the_cache() {
 fn seeded_sampling_gives_a_row_the_same_text_in_any_company() {
     tch::set_num_threads(1);
     let (model, params) = load(&fixture("qwen2"));
-    let sampled = SamplingParams {
-        max_new_tokens: 12,
-        temperature: 1.0,
-        top_p: 0.9,
-        top_k: 50,
-        seed: 42,
-        logprobs: true,
-        ..SamplingParams::default()
-    };
+    let sampled = sampled(12);
     let rows: Vec<Prepared> = (0..5)
         .map(|i| Prepared {
             prompt: vec![3 + i, 50, 60 + i],
@@ -591,6 +596,68 @@ fn fixed_shape_decode_steps_equal_transformers_generate_and_the_eager_steps() {
             assert_eq!(f.logprobs.len(), f.tokens.len());
             for (x, y) in f.logprobs.iter().zip(&e.logprobs) {
                 assert!((x - y).abs() < 1e-5, "{name} prompt {i}: logprob {x} vs {y}");
+            }
+        }
+    }
+}
+
+#[test]
+fn sampled_rows_and_kept_logits_decode_in_fixed_shapes_as_they_do_eagerly() {
+    tch::set_num_threads(1);
+    let (model, params) = load(&fixture("qwen2"));
+    let sampled = sampled(12);
+    // Sampling rows and greedy rows in the same decode steps, five at a time (padded to 8).
+    let rows: Vec<Prepared> = (0..5)
+        .map(|i| Prepared {
+            prompt: vec![3 + i, 50, 60 + i],
+            params: if i % 2 == 0 {
+                sampled.clone()
+            } else {
+                SamplingParams {
+                    logprobs: true,
+                    ..greedy(12)
+                }
+            },
+            stream: RowStream::new(42, &format!("row-{i}")),
+        })
+        .collect();
+    let make = || {
+        Generator::new(
+            model.as_ref(),
+            &params,
+            setup(1 << 20, 5, 64),
+            128,
+            Vec::new(),
+            Device::Cpu,
+        )
+        .unwrap()
+    };
+    let runs = |keep: bool| {
+        let fixed = if keep { make().keep_logits() } else { make() }.fixed_shape_decode();
+        let eager = if keep { make().keep_logits() } else { make() };
+        let (fixed_out, timings) = fixed.run_timed(&rows, &|_| String::new(), &mut |_| {}).unwrap();
+        assert!(
+            timings.graph_steps >= 11,
+            "{} decode steps in fixed shapes",
+            timings.graph_steps
+        );
+        (
+            fixed_out.into_iter().map(Result::unwrap).collect::<Vec<_>>(),
+            run(&eager, &rows).0,
+        )
+    };
+    for keep in [false, true] {
+        let (fixed, eager) = runs(keep);
+        for (i, (f, e)) in fixed.iter().zip(&eager).enumerate() {
+            assert_eq!(f.tokens, e.tokens, "row {i} (logits kept: {keep})");
+            assert_eq!(f.logprobs.len(), 12);
+            for (x, y) in f.logprobs.iter().zip(&e.logprobs) {
+                assert!((x - y).abs() < 1e-5, "row {i}: logprob {x} vs {y}");
+            }
+            assert_eq!(f.logits.len(), if keep { 12 } else { 0 });
+            for (a, b) in f.logits.iter().zip(&e.logits) {
+                let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                assert!(diff < 1e-4, "row {i}: logits differ by {diff}");
             }
         }
     }

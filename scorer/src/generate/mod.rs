@@ -116,7 +116,7 @@ pub struct GenerationSetup {
     /// prompt, a few-shot header) instead of computing them again.
     pub prefix_caching: bool,
     /// Whether a CUDA device replays each decode step's batch shape as a captured CUDA
-    /// graph (greedy rows; eager where no graph library is found).
+    /// graph (eager where no graph library is found).
     pub cuda_graphs: bool,
 }
 
