@@ -809,7 +809,9 @@ impl Session<'_, '_> {
                 Some(picked) => picked?,
                 None => g.forward(&self.cache, &feeds, &wants)?,
             };
-            for (work, picked) in works.iter().zip(picked) {
+            let seqs: Vec<usize> = works.iter().map(|w| w.seq).collect();
+            let sampled = self.choose_sampled(&seqs, &picked)?;
+            for ((work, picked), sampled) in works.iter().zip(picked).zip(sampled) {
                 let live = self
                     .rows
                     .get_mut(&work.seq)
@@ -818,12 +820,10 @@ impl Session<'_, '_> {
                     Picked::Nothing => None,
                     Picked::Token { token, logprob } => Some(Choice { token, logprob }),
                     Picked::Logits(logits) => {
-                        let index = self.batcher.generated(work.seq).len();
-                        let choice = choose(&logits, &live.params, live.stream, index);
                         if g.keep_logits {
                             live.output.logits.push(logits);
                         }
-                        Some(choice)
+                        sampled
                     }
                 };
                 if work.sample != choice.is_some() {
@@ -874,6 +874,57 @@ impl Session<'_, '_> {
             self.report(on_stats);
         }
         Ok(finished)
+    }
+
+    /// The choices of the rows `picked` brought logits for (the others `None`), each with
+    /// its own parameters and random stream. Sorting a vocabulary is most of a sampled step
+    /// at large batches (milliseconds a row at 32k tokens), so the rows are spread over
+    /// the cores; every row's choice is the same as alone.
+    fn choose_sampled(&self, seqs: &[usize], picked: &[Picked]) -> Result<Vec<Option<Choice>>> {
+        let mut jobs = Vec::new();
+        for (i, (seq, picked)) in seqs.iter().zip(picked).enumerate() {
+            if let Picked::Logits(logits) = picked {
+                let live = self
+                    .rows
+                    .get(seq)
+                    .ok_or_else(|| Error::Invalid("a running sequence has no row".into()))?;
+                jobs.push((
+                    i,
+                    logits.as_slice(),
+                    &live.params,
+                    live.stream,
+                    self.batcher.generated(*seq).len(),
+                ));
+            }
+        }
+        let mut out = vec![None; seqs.len()];
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // At least a few rows a thread: a spawn costs tens of microseconds.
+        let threads = cores.min(jobs.len().div_ceil(4)).max(1);
+        let per_thread = jobs.len().div_ceil(threads).max(1);
+        let chosen: Vec<Vec<(usize, Choice)>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = jobs
+                .chunks(per_thread)
+                .map(|part| {
+                    scope.spawn(move || {
+                        part.iter()
+                            .map(|&(i, logits, params, stream, index)| (i, choose(logits, params, stream, index)))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .map_err(|_| Error::Invalid("a sampling thread panicked".into()))
+                })
+                .collect::<Result<_>>()
+        })?;
+        for (i, choice) in chosen.into_iter().flatten() {
+            out[i] = Some(choice);
+        }
+        Ok(out)
     }
 
     /// Tells `on_stats` the figures now (and the tokens since the last report).
