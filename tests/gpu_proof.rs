@@ -73,6 +73,10 @@ fn doctor_reports_the_cpu_libtorch_and_refuses_to_promise_cuda() {
     // The CPU's attention kernel choices are listed (libtorch answers for the CPU).
     assert_eq!(report["sdpa"][0]["on"], "Cpu Float");
     assert_eq!(report["driver"]["state"], "missing");
+    // Without libtorch_cuda there are no CUDA graphs, and doctor says why.
+    assert_eq!(report["cuda_graphs"]["state"], "missing", "{report:#}");
+    let reason = report["cuda_graphs"]["reason"].as_str().unwrap();
+    assert!(reason.contains("libtorch_cuda is not loaded"), "{reason}");
 
     let out = doctor(&[], &["--require-cuda"]);
     assert_eq!(
@@ -133,6 +137,64 @@ fn cuda_libtorch_loads_its_cuda_half_and_doctor_reports_no_device_cleanly() {
         "{text}"
     );
     assert!(text.contains("verdict: CPU only"), "{text}");
+    // Nothing beside the binary or libtorch: generation would decode eagerly, and the
+    // report names the library and where it looked.
+    let report = json_of(&doctor(&[("LD_LIBRARY_PATH", path)], &["--json"]));
+    assert_eq!(report["cuda_graphs"]["state"], "missing", "{report:#}");
+    let reason = report["cuda_graphs"]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("libregatta_cuda_graphs.so not found") && reason.contains("build-cuda-graphs.sh"),
+        "{reason}"
+    );
+}
+
+#[test]
+fn the_cuda_graphs_library_builds_against_the_wheel_and_loads_beside_its_libtorch_cuda() {
+    let venv = torch_venv();
+    let lib = venv_torch_lib(&venv);
+    let dir = std::env::temp_dir().join(format!("regatta-cuda-graphs-{}", std::process::id()));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/build-cuda-graphs.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg(&dir)
+        .arg(venv.join("bin/python"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "build-cuda-graphs.sh failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let built = dir.join("libregatta_cuda_graphs.so");
+    let (path, built_str) = (lib.to_str().unwrap(), built.to_str().unwrap());
+    // Every symbol the C API and libtorch's graph calls need resolves in the process
+    // (RTLD_NOW): only capturing needs a GPU.
+    let report = json_of(&doctor(
+        &[("LD_LIBRARY_PATH", path), ("REGATTA_CUDA_GRAPHS_LIB", built_str)],
+        &["--json"],
+    ));
+    assert_eq!(report["cuda_graphs"]["state"], "available", "{report:#}");
+    assert_eq!(
+        report["cuda_graphs"]["version"],
+        format!("loaded from {built_str}"),
+        "{report:#}"
+    );
+    // A file that is not the library is refused with the loader's reason, not a crash.
+    let bogus = dir.join("bogus.so");
+    std::fs::write(&bogus, b"not a shared library").unwrap();
+    let report = json_of(&doctor(
+        &[
+            ("LD_LIBRARY_PATH", path),
+            ("REGATTA_CUDA_GRAPHS_LIB", bogus.to_str().unwrap()),
+        ],
+        &["--json"],
+    ));
+    assert_eq!(report["cuda_graphs"]["state"], "missing", "{report:#}");
+    assert!(
+        report["cuda_graphs"]["reason"].as_str().unwrap().contains("bogus.so"),
+        "{report:#}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -238,6 +238,9 @@ pub struct Diagnosis {
     pub packed_attention: String,
     /// Why a rank granted a GPU could not use one here; `None` when it can.
     pub cuda_unusable: Option<String>,
+    /// `libregatta_cuda_graphs.so` (decode steps replayed as CUDA graphs): where it was
+    /// loaded from, or why generation on CUDA will decode eagerly.
+    pub cuda_graphs: Found,
 }
 
 /// Looks at this process's libtorch, CUDA driver, devices and NCCL.
@@ -290,6 +293,12 @@ pub fn diagnose() -> Diagnosis {
             )
         },
         cuda_unusable,
+        cuda_graphs: match crate::graphs::loaded_from() {
+            Ok(path) => Found::Available {
+                version: format!("loaded from {}", path.display()),
+            },
+            Err(e) => Found::Missing { reason: e.to_string() },
+        },
     }
 }
 
@@ -571,6 +580,7 @@ impl Diagnosis {
             e.flash, e.efficient, e.math, e.cudnn
         ));
         out.push(format!("packed training rows attend with: {}", self.packed_attention));
+        out.push(format!("CUDA graphs for decoding: {}", self.cuda_graphs.show()));
         out.push(match &self.cuda_unusable {
             None => "verdict: CUDA usable".to_string(),
             Some(reason) => format!("verdict: CPU only: {reason}"),

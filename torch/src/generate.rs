@@ -450,7 +450,7 @@ impl<'a> Generator<'a> {
                         output: None,
                         graph: None,
                     };
-                    let _ = shape.inputs.copy_(&Tensor::from_slice(&host));
+                    shape.inputs.copy_(&Tensor::from_slice(&host));
                     if let DecodeMode::Graphs(ordinal) = self.decode {
                         let (graph, pool, output) = CudaGraph::capture(ordinal, fixed.pool, &mut || {
                             Ok(self.fixed_step(cache, &shape.inputs, rows, keys))
@@ -463,7 +463,7 @@ impl<'a> Generator<'a> {
                     e.insert(shape)
                 }
             };
-            let _ = shape.inputs.copy_(&Tensor::from_slice(&host));
+            shape.inputs.copy_(&Tensor::from_slice(&host));
             let (chosen, logits) = match &shape.graph {
                 Some(graph) => {
                     graph.replay()?;

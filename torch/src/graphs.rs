@@ -25,6 +25,7 @@ type Status = c_int;
 
 /// The library's functions (kept for the process's life).
 struct Api {
+    path: PathBuf,
     new: unsafe extern "C" fn(*mut *mut c_void, *mut c_char, usize) -> Status,
     free: unsafe extern "C" fn(*mut c_void),
     stream: unsafe extern "C" fn(c_int, c_int, *mut c_char, usize) -> Status,
@@ -90,23 +91,28 @@ fn load() -> std::result::Result<Api, String> {
                 version()
             ));
         }
-        let symbol = |name: &[u8]| -> std::result::Result<*const c_void, String> {
-            library
-                .get::<*const c_void>(name)
-                .map(|s| *s)
-                .map_err(|e| e.to_string())
-        };
+        fn symbol<T: Copy>(library: &libloading::os::unix::Library, name: &[u8]) -> std::result::Result<T, String> {
+            // SAFETY: see above: the caller names a symbol of exactly type `T`.
+            unsafe { library.get::<T>(name) }.map(|s| *s).map_err(|e| e.to_string())
+        }
         Api {
-            new: std::mem::transmute::<*const c_void, _>(symbol(b"regatta_graph_new\0")?),
-            free: std::mem::transmute::<*const c_void, _>(symbol(b"regatta_graph_free\0")?),
-            stream: std::mem::transmute::<*const c_void, _>(symbol(b"regatta_graph_stream\0")?),
-            begin: std::mem::transmute::<*const c_void, _>(symbol(b"regatta_graph_capture_begin\0")?),
-            end: std::mem::transmute::<*const c_void, _>(symbol(b"regatta_graph_capture_end\0")?),
-            replay: std::mem::transmute::<*const c_void, _>(symbol(b"regatta_graph_replay\0")?),
+            path: path.clone(),
+            new: symbol(&library, b"regatta_graph_new\0")?,
+            free: symbol(&library, b"regatta_graph_free\0")?,
+            stream: symbol(&library, b"regatta_graph_stream\0")?,
+            begin: symbol(&library, b"regatta_graph_capture_begin\0")?,
+            end: symbol(&library, b"regatta_graph_capture_end\0")?,
+            replay: symbol(&library, b"regatta_graph_replay\0")?,
         }
     };
     std::mem::forget(library);
     Ok(api)
+}
+
+/// Loads the library if not yet (after libtorch_cuda) and says where it came from, or why
+/// it cannot be used (`regatta-torch-rank doctor` reports it).
+pub fn loaded_from() -> Result<PathBuf> {
+    Ok(api()?.path.clone())
 }
 
 /// Calls `f` with an error buffer; a non-zero status becomes the text the library wrote.
