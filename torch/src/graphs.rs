@@ -51,49 +51,55 @@ pub fn library_paths() -> Vec<PathBuf> {
 /// Loads the library once per process (after libtorch_cuda); later calls return the first
 /// outcome.
 fn api() -> Result<&'static Api> {
-    static LOADED: OnceLock<std::result::Result<Api, String>> = OnceLock::new();
-    LOADED
-        .get_or_init(load)
-        .as_ref()
-        .map_err(|reason| Error::CudaGraph(reason.clone()))
+    static LOADED: OnceLock<Result<Api>> = OnceLock::new();
+    LOADED.get_or_init(load).as_ref().map_err(|e| match e {
+        Error::CudaGraph(reason) => Error::CudaGraph(reason.clone()),
+        other => Error::CudaGraph(other.to_string()),
+    })
 }
 
-fn load() -> std::result::Result<Api, String> {
+fn unavailable(reason: impl Into<String>) -> Error {
+    Error::CudaGraph(reason.into())
+}
+
+fn load() -> Result<Api> {
     if let crate::cuda::CudaLibrary::Absent { .. } | crate::cuda::CudaLibrary::Failed { .. } =
         crate::cuda::load_libtorch_cuda()
     {
-        return Err("libtorch_cuda is not loaded".into());
+        return Err(unavailable("libtorch_cuda is not loaded"));
     }
     let candidates = library_paths();
     let Some(path) = candidates.iter().find(|p| p.exists()).cloned() else {
         let looked: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
-        return Err(format!(
+        return Err(unavailable(format!(
             "{LIBRARY} not found (looked at {}; build it with scripts/build-cuda-graphs.sh, or set REGATTA_CUDA_GRAPHS_LIB)",
             looked.join(", ")
-        ));
+        )));
     };
     let flags = libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_LOCAL;
-    // SAFETY: the library's initialisers only register nothing; it links the libtorch
+    // SAFETY: the library has no initialisers of its own; it links the libtorch
     // already loaded in this process (same sonames), and its functions catch every C++
     // exception.
     let library = unsafe { libloading::os::unix::Library::open(Some(&path), flags) }
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+        .map_err(|e| unavailable(format!("{}: {e}", path.display())))?;
     // SAFETY: each symbol is declared in cuda_graphs.cpp with exactly this signature; the
     // library is kept loaded for the process's life below, so the pointers stay valid.
     let api = unsafe {
         let version = *library
             .get::<unsafe extern "C" fn() -> c_int>(b"regatta_graphs_api_version\0")
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| unavailable(e.to_string()))?;
         if version() != API_VERSION {
-            return Err(format!(
+            return Err(unavailable(format!(
                 "{} speaks API version {}, this binary {API_VERSION}: rebuild it",
                 path.display(),
                 version()
-            ));
+            )));
         }
-        fn symbol<T: Copy>(library: &libloading::os::unix::Library, name: &[u8]) -> std::result::Result<T, String> {
+        fn symbol<T: Copy>(library: &libloading::os::unix::Library, name: &[u8]) -> Result<T> {
             // SAFETY: see above: the caller names a symbol of exactly type `T`.
-            unsafe { library.get::<T>(name) }.map(|s| *s).map_err(|e| e.to_string())
+            unsafe { library.get::<T>(name) }
+                .map(|s| *s)
+                .map_err(|e| unavailable(e.to_string()))
         }
         Api {
             path: path.clone(),
