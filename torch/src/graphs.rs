@@ -12,6 +12,7 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use crate::error::{Error, Result};
@@ -132,6 +133,10 @@ fn checked(f: impl FnOnce(*mut c_char, usize) -> Status) -> Result<()> {
     Ok(())
 }
 
+/// Set once a capture failed in this process: libtorch's caching allocator may still count
+/// that capture's pool as in use, so later sessions do not try again (they decode eagerly).
+static CAPTURE_FAILED: AtomicBool = AtomicBool::new(false);
+
 /// The memory pool graphs share: a later capture takes the first one's, so the graphs of
 /// every batch shape reuse one set of intermediate buffers (they never replay at once).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -155,6 +160,11 @@ impl CudaGraph {
         work: &mut dyn FnMut() -> Result<T>,
     ) -> Result<(Self, Pool, T)> {
         let api = api()?;
+        if CAPTURE_FAILED.load(Ordering::Relaxed) {
+            return Err(Error::CudaGraph(
+                "an earlier capture in this process failed; decoding eagerly".into(),
+            ));
+        }
         let mut handle: *mut c_void = std::ptr::null_mut();
         // SAFETY: a valid out-pointer and error buffer.
         checked(|e, n| unsafe { (api.new)(&mut handle, e, n) })?;
@@ -193,6 +203,9 @@ impl CudaGraph {
         })();
         // SAFETY: plain calls with an error buffer.
         let restored = checked(|e, n| unsafe { (api.stream)(device, 0, e, n) });
+        if captured.is_err() {
+            CAPTURE_FAILED.store(true, Ordering::Relaxed);
+        }
         let (pool, out) = captured?;
         restored?;
         Ok((graph, pool, out))

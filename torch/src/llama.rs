@@ -24,16 +24,16 @@ pub struct Llama {
     /// The `config.json` it came from (written back into checkpoints).
     json: serde_json::Value,
     inv_freq: Vec<f32>,
-    /// `inv_freq` on the device the last forward ran on, made once: a host-to-device copy
+    /// `inv_freq` on each device a forward ran on, made once: a host-to-device copy
     /// each forward would cost a copy a step and cannot be part of a captured CUDA graph.
     inv_freq_on: OnDevice,
     /// Adapters on the targeted projections; the base is then frozen.
     lora: Option<LoraConfig>,
 }
 
-/// A tensor kept on the device it was last used on (a clone starts empty).
+/// A tensor's copies on each device it was used on (a clone starts empty).
 #[derive(Default)]
-struct OnDevice(std::sync::Mutex<Option<Tensor>>);
+struct OnDevice(std::sync::Mutex<Vec<Tensor>>);
 
 impl Clone for OnDevice {
     fn clone(&self) -> Self {
@@ -365,11 +365,12 @@ impl Model for Llama {
         let device = batch.positions.device();
         let inv_freq = {
             let mut held = self.inv_freq_on.0.lock().unwrap_or_else(|p| p.into_inner());
-            match held.as_ref().filter(|t| t.device() == device) {
+            match held.iter().find(|t| t.device() == device) {
                 Some(t) => t.shallow_clone(),
                 None => {
+                    // Kept for good, one per device: a captured graph reads this tensor.
                     let t = Tensor::from_slice(&self.inv_freq).to_device(device);
-                    *held = Some(t.shallow_clone());
+                    held.push(t.shallow_clone());
                     t
                 }
             }

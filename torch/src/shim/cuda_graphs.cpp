@@ -41,6 +41,9 @@ int regatta_graph_new(void** out, char* error, size_t error_len) {
     } catch (const std::exception& e) {
         write_error(e.what(), error, error_len);
         return 1;
+    } catch (...) {
+        write_error("an exception that is not a std::exception", error, error_len);
+        return 1;
     }
 }
 
@@ -69,6 +72,9 @@ int regatta_graph_stream(int device, int side, char* error, size_t error_len) {
     } catch (const std::exception& e) {
         write_error(e.what(), error, error_len);
         return 1;
+    } catch (...) {
+        write_error("an exception that is not a std::exception", error, error_len);
+        return 1;
     }
 }
 
@@ -82,6 +88,9 @@ int regatta_graph_capture_begin(void* graph, uint64_t pool_a, uint64_t pool_b, c
         return 0;
     } catch (const std::exception& e) {
         write_error(e.what(), error, error_len);
+        return 1;
+    } catch (...) {
+        write_error("an exception that is not a std::exception", error, error_len);
         return 1;
     }
 }
@@ -98,6 +107,9 @@ int regatta_graph_capture_end(void* graph, uint64_t* pool_a, uint64_t* pool_b, c
     } catch (const std::exception& e) {
         write_error(e.what(), error, error_len);
         return 1;
+    } catch (...) {
+        write_error("an exception that is not a std::exception", error, error_len);
+        return 1;
     }
 }
 
@@ -108,6 +120,9 @@ int regatta_graph_replay(void* graph, char* error, size_t error_len) {
         return 0;
     } catch (const std::exception& e) {
         write_error(e.what(), error, error_len);
+        return 1;
+    } catch (...) {
+        write_error("an exception that is not a std::exception", error, error_len);
         return 1;
     }
 }
