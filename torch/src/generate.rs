@@ -110,7 +110,7 @@ pub struct Timings {
 enum DecodeMode {
     /// Each step's forward as its own kernels, in the step's exact shape.
     Eager,
-    /// Greedy steps padded to a fixed shape (rows and keys rounded up to powers of two),
+    /// Decode steps padded to a fixed shape (rows and keys rounded up to powers of two),
     /// without capture: what a graph replays, run as is (tests it on the CPU).
     Fixed,
     /// Fixed shapes, each captured once as a CUDA graph on this device and replayed.
@@ -440,6 +440,7 @@ impl<'a> Generator<'a> {
                 }
             }
         }
+        let host = Tensor::from_slice(&host);
         let result = (|| -> Result<(Vec<f64>, Tensor)> {
             let shape = match fixed.shapes.entry((rows, keys)) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
@@ -450,7 +451,8 @@ impl<'a> Generator<'a> {
                         output: None,
                         graph: None,
                     };
-                    shape.inputs.copy_(&Tensor::from_slice(&host));
+                    // The capture's eager run does this step's work: it needs the inputs.
+                    shape.inputs.copy_(&host);
                     if let DecodeMode::Graphs(ordinal) = self.decode {
                         let (graph, pool, output) = CudaGraph::capture(ordinal, fixed.pool, &mut || {
                             Ok(self.fixed_step(cache, &shape.inputs, rows, keys))
@@ -463,7 +465,7 @@ impl<'a> Generator<'a> {
                     e.insert(shape)
                 }
             };
-            shape.inputs.copy_(&Tensor::from_slice(&host));
+            shape.inputs.copy_(&host);
             let (chosen, logits) = match &shape.graph {
                 Some(graph) => {
                     graph.replay()?;
@@ -658,22 +660,28 @@ fn host_logits(logits: &Tensor, rows: &[i64]) -> Result<Vec<Vec<f32>>> {
 /// log-probability (`[rows]`, f64: the token's logit less the row's log-sum-exp), chosen
 /// where `logits` (`[rows, vocab]`) are.
 fn greedy(logits: &Tensor) -> (Tensor, Tensor) {
-    let (tokens, logprobs) = greedy_tokens(logits, true);
-    let logprobs = logprobs.unwrap_or_else(|| tokens.zeros_like().to_kind(Kind::Double));
-    (tokens, logprobs)
+    let tokens = argmax_tokens(logits);
+    let logprobs = logprobs_of(logits, &tokens);
+    (tokens.view([-1]), logprobs)
 }
 
 /// [`greedy`], the log-probabilities only when asked for.
 fn greedy_tokens(logits: &Tensor, logprob: bool) -> (Tensor, Option<Tensor>) {
-    // `argmax` takes NaN for the largest value; `choose` never picks one (a row of NaN
-    // picks token 0), so NaN counts as -inf here.
-    let finite = logits.nan_to_num(Some(f64::NEG_INFINITY), None, None);
-    let tokens = finite.argmax(-1, true);
-    let logprobs = logprob.then(|| {
-        let logits = logits.to_kind(Kind::Double);
-        (logits.gather(-1, &tokens, false) - logits.logsumexp([-1i64].as_slice(), true)).view([-1])
-    });
+    let tokens = argmax_tokens(logits);
+    let logprobs = logprob.then(|| logprobs_of(logits, &tokens));
     (tokens.view([-1]), logprobs)
+}
+
+/// Each row's most likely token, `[rows, 1]`. `argmax` takes NaN for the largest value;
+/// `choose` never picks one (a row of NaN picks token 0), so NaN counts as -inf here.
+fn argmax_tokens(logits: &Tensor) -> Tensor {
+    logits.nan_to_num(Some(f64::NEG_INFINITY), None, None).argmax(-1, true)
+}
+
+/// The log-probability of each row's `tokens` (`[rows, 1]`), `[rows]` in f64.
+fn logprobs_of(logits: &Tensor, tokens: &Tensor) -> Tensor {
+    let logits = logits.to_kind(Kind::Double);
+    (logits.gather(-1, tokens, false) - logits.logsumexp([-1i64].as_slice(), true)).view([-1])
 }
 
 /// A row being generated: its settings and what it produced so far.

@@ -21,6 +21,20 @@ void write_error(const char* text, char* error, size_t error_len) {
     }
 }
 
+// Runs `work`; returns 0, or 1 with the reason in `error` for any C++ exception.
+template <typename Work>
+int guarded(char* error, size_t error_len, Work work) {
+    try {
+        work();
+        return 0;
+    } catch (const std::exception& e) {
+        write_error(e.what(), error, error_len);
+    } catch (...) {
+        write_error("an exception that is not a std::exception", error, error_len);
+    }
+    return 1;
+}
+
 at::cuda::CUDAGraph* as_graph(void* graph) {
     return static_cast<at::cuda::CUDAGraph*>(graph);
 }
@@ -35,31 +49,19 @@ int regatta_graphs_api_version() {
 
 // A new, empty graph in `*out`. Returns 0, or 1 with the reason in `error`.
 int regatta_graph_new(void** out, char* error, size_t error_len) {
-    try {
-        *out = new at::cuda::CUDAGraph();
-        return 0;
-    } catch (const std::exception& e) {
-        write_error(e.what(), error, error_len);
-        return 1;
-    } catch (...) {
-        write_error("an exception that is not a std::exception", error, error_len);
-        return 1;
-    }
+    return guarded(error, error_len, [&] { *out = new at::cuda::CUDAGraph(); });
 }
 
 // Frees a graph (and, with the last graph using it, its memory pool).
 void regatta_graph_free(void* graph) {
-    try {
-        delete as_graph(graph);
-    } catch (...) {
-    }
+    guarded(nullptr, 0, [&] { delete as_graph(graph); });
 }
 
 // Waits for all work on `device`, then makes a side stream (`side` != 0) or the default
 // stream libtorch's current one there: captures must run on a side stream, and the eager
 // code around them on the default one.
 int regatta_graph_stream(int device, int side, char* error, size_t error_len) {
-    try {
+    return guarded(error, error_len, [&] {
         auto index = static_cast<c10::DeviceIndex>(device);
         c10::cuda::CUDAGuard guard(index);
         c10::cuda::device_synchronize();
@@ -68,62 +70,32 @@ int regatta_graph_stream(int device, int side, char* error, size_t error_len) {
         } else {
             c10::cuda::setCurrentCUDAStream(c10::cuda::getDefaultCUDAStream(index));
         }
-        return 0;
-    } catch (const std::exception& e) {
-        write_error(e.what(), error, error_len);
-        return 1;
-    } catch (...) {
-        write_error("an exception that is not a std::exception", error, error_len);
-        return 1;
-    }
+    });
 }
 
 // Starts capturing the current stream's work into `graph`; its allocations come from the
 // memory pool (pool_a, pool_b), or a new pool when both are 0.
 int regatta_graph_capture_begin(void* graph, uint64_t pool_a, uint64_t pool_b, char* error, size_t error_len) {
-    try {
+    return guarded(error, error_len, [&] {
         at::cuda::MempoolId_t pool{static_cast<at::cuda::CaptureId_t>(pool_a),
                                    static_cast<at::cuda::CaptureId_t>(pool_b)};
         as_graph(graph)->capture_begin(pool);
-        return 0;
-    } catch (const std::exception& e) {
-        write_error(e.what(), error, error_len);
-        return 1;
-    } catch (...) {
-        write_error("an exception that is not a std::exception", error, error_len);
-        return 1;
-    }
+    });
 }
 
 // Ends the capture (instantiating the graph) and says which memory pool it used.
 int regatta_graph_capture_end(void* graph, uint64_t* pool_a, uint64_t* pool_b, char* error, size_t error_len) {
-    try {
+    return guarded(error, error_len, [&] {
         auto* g = as_graph(graph);
         g->capture_end();
         auto pool = g->pool();
         *pool_a = static_cast<uint64_t>(pool.first);
         *pool_b = static_cast<uint64_t>(pool.second);
-        return 0;
-    } catch (const std::exception& e) {
-        write_error(e.what(), error, error_len);
-        return 1;
-    } catch (...) {
-        write_error("an exception that is not a std::exception", error, error_len);
-        return 1;
-    }
+    });
 }
 
 // Replays the captured work on the current stream.
 int regatta_graph_replay(void* graph, char* error, size_t error_len) {
-    try {
-        as_graph(graph)->replay();
-        return 0;
-    } catch (const std::exception& e) {
-        write_error(e.what(), error, error_len);
-        return 1;
-    } catch (...) {
-        write_error("an exception that is not a std::exception", error, error_len);
-        return 1;
-    }
+    return guarded(error, error_len, [&] { as_graph(graph)->replay(); });
 }
 }
