@@ -80,15 +80,20 @@ pub struct LocalOptions {
 impl LocalOptions {
     /// Two CPU workers, logs under the system temp dir, binary found by [`find_binary`].
     pub fn new(workers: Vec<WorkerSpec>) -> anyhow::Result<Self> {
+        Ok(Self::with_binary(workers, find_binary()?))
+    }
+
+    /// [`LocalOptions::new`] running a given `regatta` binary.
+    pub fn with_binary(workers: Vec<WorkerSpec>, binary: PathBuf) -> Self {
         let log_dir = std::env::temp_dir().join(format!("regatta-local-{}-{}", std::process::id(), unique()));
-        Ok(Self {
-            binary: find_binary()?,
+        Self {
+            binary,
             workers,
             heartbeat_timeout_ms: 3_000,
             log_dir,
             token: None,
             head_args: Vec::new(),
-        })
+        }
     }
 }
 

@@ -204,6 +204,28 @@ impl Segment {
         Self::from_file(file, Some(bytes.len() as u64))
     }
 
+    /// Seals a memfd another part of this process wrote (a Python driver writes an object's
+    /// parts straight into one: the one copy of its put) and takes it as a segment. The file
+    /// must be open for writing, made with `MFD_ALLOW_SEALING`, and have no writable mapping
+    /// left; anything else is refused by the kernel's seal call, with its error.
+    pub fn seal(file: File) -> io::Result<Self> {
+        // SAFETY: fcntl on a descriptor `file` owns, with integer arguments.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
+            let error = io::Error::last_os_error();
+            return Err(io::Error::new(
+                error.kind(),
+                format!("cannot seal the object's file (a memfd made with MFD_ALLOW_SEALING, open for writing, unmapped): {error}"),
+            ));
+        }
+        Self::from_file(file, None)
+    }
+
+    /// A second descriptor of the segment's file, for a reader in this process that maps it
+    /// itself (the Python package's `get`); the file stays sealed whoever holds it.
+    pub fn duplicate(&self) -> io::Result<File> {
+        self.file.try_clone()
+    }
+
     pub(crate) fn from_file(file: File, expect_len: Option<u64>) -> io::Result<Self> {
         let meta = file.metadata()?;
         if let Some(len) = expect_len {

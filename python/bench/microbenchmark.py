@@ -33,9 +33,25 @@ def main():
         def small(self):
             return b"ok"
 
+    @api.remote
+    class Client:
+        """One of n callers of n actors (Ray's n:n case)."""
+
+        def __init__(self, servers):
+            self.servers = servers
+
+        def round(self, calls):
+            return len(api.get([s.small.remote() for _ in range(calls) for s in self.servers]))
+
     actor = Actor.remote()
-    api.get(actor.small.remote())
+    concurrent = Actor.options(max_concurrency=16).remote()
+    n = args.cpus
+    servers = [Actor.remote() for _ in range(n)]
+    clients = [Client.remote(servers) for _ in range(n)]
+    api.get([actor.small.remote(), concurrent.small.remote()] + [s.small.remote() for s in servers])
     api.get([small.remote() for _ in range(20)])
+    api.get([c.round.remote(1) for c in clients])
+    value = api.put(0)
 
     def timeit(name, body, per_call):
         # Warm-up, then as many rounds as fit in the time.
@@ -55,6 +71,15 @@ def main():
         "1:1 actor calls sync": timeit("1:1 actor calls sync", lambda: api.get(actor.small.remote()), 1),
         "1:1 actor calls async": timeit(
             "1:1 actor calls async", lambda: api.get([actor.small.remote() for _ in range(200)]), 200),
+        "1:1 actor calls concurrent": timeit(
+            "1:1 actor calls concurrent", lambda: api.get([concurrent.small.remote() for _ in range(200)]), 200),
+        "1:n actor calls async": timeit(
+            "1:n actor calls async", lambda: api.get([s.small.remote() for _ in range(100) for s in servers]),
+            100 * n),
+        "n:n actor calls async": timeit(
+            "n:n actor calls async", lambda: api.get([c.round.remote(50) for c in clients]), 50 * n * n),
+        "single client put calls": timeit("single client put calls", lambda: api.put(0), 1),
+        "single client get calls": timeit("single client get calls", lambda: api.get(value), 1),
     }
     # put and get of one large numpy array, against a plain copy of it (the memcpy floor).
     import numpy as np

@@ -29,7 +29,9 @@ import asyncio
 import atexit
 import inspect
 import itertools
+import mmap
 import os
+import shutil
 import struct
 import sys
 import threading
@@ -122,6 +124,17 @@ def _worker_path():
 _WORKER_ENV = "REGATTA_PYTHON_WORKER"
 
 
+def _binary():
+    """The ``regatta`` binary a local cluster runs: ``REGATTA_BIN``, else the one this wheel
+    carries (``regatta/bin/regatta``), else ``regatta`` on PATH; None when there is none."""
+    if os.environ.get("REGATTA_BIN"):
+        return os.environ["REGATTA_BIN"]
+    bundled = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "regatta")
+    if os.access(bundled, os.X_OK):
+        return bundled
+    return shutil.which("regatta")
+
+
 def _current():
     driver = _driver
     if driver is None and os.environ.get(_WORKER_ENV) == "1":
@@ -154,7 +167,8 @@ def init(address=None, *, token=None, num_cpus=None, num_gpus=None, resources=No
     (``REGATTA_ADDRESS``, as a job's driver has it) or ``"HOST:PORT"``; the token comes
     from ``token``, ``REGATTA_TOKEN`` or ``~/.regatta/token``. A local cluster is a head
     and one worker with ``num_cpus`` (default: this machine's), ``num_gpus`` and
-    ``resources``, run by the ``regatta`` binary (``binary``, ``REGATTA_BIN`` or PATH)."""
+    ``resources``, run by the ``regatta`` binary (``binary``, ``REGATTA_BIN``, the one this
+    wheel carries, or PATH)."""
     global _driver
     with _driver_lock:
         if _driver is not None:
@@ -169,8 +183,12 @@ def init(address=None, *, token=None, num_cpus=None, num_gpus=None, resources=No
                 parts.append(f"GPU={num_gpus}")
             for name, amount in (resources or {}).items():
                 parts.append(f"{name}={amount}")
-            cluster = _native.Cluster.start_local([("worker-0", ",".join(parts))],
-                                                  binary or os.environ.get("REGATTA_BIN"), log_dir)
+            binary = binary or _binary()
+            if binary is None:
+                raise RegattaError("cannot find the regatta binary for a local cluster: pass binary=..., set "
+                                   "REGATTA_BIN, put `regatta` on PATH, or install a wheel built by "
+                                   "scripts/build-wheel.sh (it carries one)")
+            cluster = _native.Cluster.start_local([("worker-0", ",".join(parts))], binary, log_dir)
             local, token = True, cluster.token
         else:
             if num_cpus is not None or num_gpus is not None or resources is not None:
@@ -325,12 +343,50 @@ def _serialize(value):
     view the object's bytes instead of copies."""
     buffers = []
     header = cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    raws = [bytes(b.raw()) for b in buffers]
+    # The buffers' own memory, not copies: the put writes each straight into the object.
+    raws = [b.raw() for b in buffers]
     table = _MAGIC + struct.pack(">IQ", len(raws), len(header)) + b"".join(struct.pack(">Q", len(r)) for r in raws)
     parts = [table, _pad(len(table)), header, _pad(len(header))]
     for raw in raws:
         parts += [raw, _pad(len(raw))]
     return parts
+
+
+# Objects of at least this many bytes are written straight into shared memory (a sealed
+# memfd the store keeps) and read by mapping it: the store's SHARED_MEMORY_MIN_BYTES.
+_SHARED_MIN = 1 << 20
+# The most one write() call takes (Linux caps a write at just under 2 GiB).
+_WRITE_MAX = 1 << 30
+
+
+def _store(cluster, parts):
+    """Stores an object's parts: a large one with one copy, written into a memfd the store
+    then seals and keeps (readers on this host map those pages); a small one as bytes."""
+    total = sum(len(p) for p in parts)
+    if total < _SHARED_MIN or not hasattr(os, "memfd_create"):
+        return cluster.put([bytes(p) for p in parts])
+    fd = os.memfd_create("regatta-object", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while len(view):
+                view = view[os.write(fd, view[:_WRITE_MAX]):]
+        return cluster.put_memfd(fd)
+    finally:
+        os.close(fd)
+
+
+def _read(store):
+    """A stored object's contents: bytes for a small one, else a read-only mapping of the
+    shared memory that holds it (no copy; arrays read from it are views of these pages)."""
+    data, shared = _current().cluster.read(store)
+    if shared is None:
+        return data
+    fd, length = shared
+    try:
+        return mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
 
 
 def _deserialize(blob):
@@ -381,7 +437,7 @@ class ObjectRef:
             if self._store is not None:
                 # Read each time, as Ray does: the ref does not keep a copy alive.
                 try:
-                    return _deserialize(_current().cluster.get(self._store))
+                    return _deserialize(_read(self._store))
                 except RuntimeError as error:
                     raise RegattaError(f"cannot read object {self._store.id}: {error}") from None
             while not self._settled:
@@ -395,9 +451,9 @@ class ObjectRef:
                     self._pending = self._retry()
                     continue
                 self._settled = True
-                self._pending = None
+                pending, self._pending = self._pending, None
                 try:
-                    self._value, self._error = _decode(self._what, kind, bytes(payload), self._is_task)
+                    self._value, self._error = _decode(self._what, kind, bytes(payload), self._is_task, pending)
                 finally:
                     if self._on_done is not None:
                         self._on_done()
@@ -455,7 +511,7 @@ def _split(ref, num_returns):
     return [_PartRef(ref, i, num_returns) for i in range(num_returns)]
 
 
-def _decode(what, kind, payload, is_task):
+def _decode(what, kind, payload, is_task, pending=None):
     if kind == "ok" and payload[:1] == b"L":
         pid, length = struct.unpack(">II", payload[1:9])
         text = payload[9:9 + length].decode("utf-8", "replace")
@@ -467,6 +523,12 @@ def _decode(what, kind, payload, is_task):
     if kind == "ok":
         if payload[:1] == b"O":
             return cloudpickle.loads(payload[1:]), None
+        if payload[:1] == b"R":
+            # A large result, stored by the worker and held by this driver since it came.
+            stored = pending.stored() if pending is not None else None
+            if stored is None:
+                return None, RegattaError(f"{what}: its result object {payload[1:].decode()} is not held")
+            return _deserialize(_read(stored)), None
         if payload[:1] == b"E":
             cause, text = cloudpickle.loads(payload[1:])
             return None, TaskError(what, text, cause).as_instanceof_cause()
@@ -488,7 +550,7 @@ def put(value):
     5), and a reader's arrays are read-only views of the object it read."""
     driver = _current()
     parts = _serialize(value)
-    return ObjectRef("put", store=driver.cluster.put(parts))
+    return ObjectRef("put", store=_store(driver.cluster, parts))
 
 
 def get(refs, *, timeout=None):

@@ -5,7 +5,8 @@ its stdin and stdout: a 4-byte big-endian length, then that many bytes. The firs
 the constructor: ``cloudpickle`` of ``(class, args, kwargs)``, or of ``(None, (), {})`` for a
 task worker; it is answered ``O`` (ready) or ``E`` followed by the error's text. Then each
 frame is a call, ``(method_name, function, args, kwargs)``: an actor method by name, or a
-task's function. It is answered ``O`` + the pickled result, or ``E`` + the pickled
+task's function. It is answered ``O`` + the pickled result, ``R`` + the id of the object
+it stored a result of a mebibyte or more in (see ``_answer``), or ``E`` + the pickled
 ``(exception or None, traceback text)``, preceded, when the call printed anything, by
 ``L`` + this process's pid and the text's length (4 bytes each, big-endian) + the text:
 the driver prints it as Ray's ``log_to_driver`` does.
@@ -78,6 +79,20 @@ def _resolve_top_level(args, kwargs):
     return tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
 
 
+def _answer(result, cloudpickle):
+    """A call's ``O`` answer, or for a result of at least a mebibyte (numpy arrays, tensors,
+    ...) ``R`` + the id of an object this process stores it in, buffers out of band: the
+    caller maps it on this host instead of receiving it through the pipes. The caller holds
+    the object from the moment the answer arrives; this process lets go of it at once."""
+    import regatta
+
+    parts = regatta._serialize(result)
+    if sum(len(p) for p in parts) < regatta._SHARED_MIN:
+        return b"O" + cloudpickle.dumps(result)
+    stored = regatta._store(regatta._current().cluster, parts)
+    return b"R" + stored.id.encode()
+
+
 def _serve_concurrently(instance, read, write, limit, failure, cloudpickle):
     """Calls beside each other: coroutine methods on one event loop, plain ones on a pool of
     ``limit`` threads, at most ``limit`` at once; each frame and answer starts with the
@@ -108,7 +123,7 @@ def _serve_concurrently(instance, read, write, limit, failure, cloudpickle):
                     result = await loop.run_in_executor(pool, lambda: target(*args, **kwargs))
                     if inspect.iscoroutine(result):
                         result = await result
-                answer = b"O" + cloudpickle.dumps(result)
+                answer = _answer(result, cloudpickle)
             except BaseException as error:  # noqa: BLE001 - everything goes back to the caller
                 answer = failure(error)
             send(key, answer)
@@ -189,7 +204,7 @@ def main():
 
                 loop = loop or asyncio.new_event_loop()
                 result = loop.run_until_complete(result)
-            answer = b"O" + cloudpickle.dumps(result)
+            answer = _answer(result, cloudpickle)
         except BaseException as error:  # noqa: BLE001 - everything goes back to the caller
             answer = failure(error)
         finally:

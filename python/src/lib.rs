@@ -12,7 +12,7 @@ use std::time::Duration;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use regatta::local::{LocalCluster, LocalOptions, WorkerSpec};
 use regatta::{
@@ -38,6 +38,45 @@ fn error(e: impl std::fmt::Display) -> PyErr {
     PyRuntimeError::new_err(e.to_string())
 }
 
+/// The object a call's answer names when its result went through the object store: the
+/// answer is `R` + the object's id, after the optional `L` section of what the call printed
+/// (`L`, pid and length as 4-byte big-endian numbers, the text).
+fn stored_result(answer: &[u8]) -> Option<ObjectId> {
+    let rest = match answer.first() {
+        Some(b'L') => {
+            let length = u32::from_be_bytes(answer.get(5..9)?.try_into().ok()?) as usize;
+            answer.get(9usize.checked_add(length)?..)?
+        }
+        _ => answer,
+    };
+    let id = rest.strip_prefix(b"R")?;
+    std::str::from_utf8(id).ok()?.parse().ok()
+}
+
+/// Ends a call: a result stored in the object store is held by this driver from the
+/// moment the answer arrives (the worker that stored it lets go of it after answering),
+/// until the Python side has read it.
+async fn settle(cluster: &regatta::Cluster, slot: &Slot, result: regatta::Result<Vec<u8>>) {
+    let held = match &result {
+        Ok(answer) => match stored_result(answer) {
+            Some(id) => {
+                let reference = ObjectRef::<bytes::Bytes>::from_id(id);
+                match cluster.adopt(&reference).await {
+                    Ok(()) => Some(reference),
+                    Err(e) => {
+                        let message = format!("the call's result (object {id}) could not be held: {e}");
+                        slot.set(("error".into(), message.into_bytes()), None);
+                        return;
+                    }
+                }
+            }
+            None => None,
+        },
+        Err(_) => None,
+    };
+    slot.set(outcome(result), held);
+}
+
 /// How a call ended, as the Python side sorts it: `ok` (the process's answer), `dead` (the
 /// actor is gone for good: its constructor failed, its node died, it was killed),
 /// `failed` (its process died during the call; the actor may have restarted), `error`
@@ -54,11 +93,14 @@ fn outcome(result: regatta::Result<Vec<u8>>) -> (String, Vec<u8>) {
 #[derive(Default)]
 struct Slot {
     value: Mutex<Option<(String, Vec<u8>)>>,
+    /// The result's object, for a result stored in the object store.
+    held: Mutex<Option<ObjectRef<bytes::Bytes>>>,
     ready: Condvar,
 }
 
 impl Slot {
-    fn set(&self, value: (String, Vec<u8>)) {
+    fn set(&self, value: (String, Vec<u8>), held: Option<ObjectRef<bytes::Bytes>>) {
+        *self.held.lock().unwrap_or_else(|p| p.into_inner()) = held;
         let mut slot = self.value.lock().unwrap_or_else(|p| p.into_inner());
         *slot = Some(value);
         self.ready.notify_all();
@@ -104,6 +146,13 @@ impl Pending {
             guard.clone()
         });
         Ok(value.map(|(kind, bytes)| (kind, PyBytes::new(py, &bytes))))
+    }
+
+    /// The object holding the call's result when it went through the object store (an
+    /// answer `R` + id), held since the answer came.
+    fn stored(&self) -> Option<Object> {
+        let held = self.slot.held.lock().unwrap_or_else(|p| p.into_inner());
+        held.clone().map(|reference| Object { reference })
     }
 }
 
@@ -198,10 +247,10 @@ impl Cluster {
             .iter()
             .map(|(name, resources)| WorkerSpec::new(name, resources))
             .collect();
-        let mut options = LocalOptions::new(specs).map_err(error)?;
-        if let Some(binary) = binary {
-            options.binary = binary.into();
-        }
+        let mut options = match binary {
+            Some(binary) => LocalOptions::with_binary(specs, binary.into()),
+            None => LocalOptions::new(specs).map_err(error)?,
+        };
         if let Some(dir) = log_dir {
             options.log_dir = dir.into();
         }
@@ -330,17 +379,19 @@ impl Cluster {
         Ok(Group { group })
     }
 
-    /// Sends `request` to actor `actor`. Calls from this driver to one actor are sent in
-    /// order, each after the one before was answered; with `ordered` false (an actor whose
-    /// calls run beside each other) each goes at once.
+    /// Sends `request` to actor `actor`. Calls from this driver to one actor reach it in
+    /// order: each is written after the one before is on the wire, without waiting for its
+    /// answer (pipelined); with `ordered` false (an actor whose calls run beside each
+    /// other) each goes at once.
     #[pyo3(signature = (actor, request, ordered=true))]
     fn call(&self, actor: u64, request: Vec<u8>, ordered: bool) -> PyResult<Pending> {
         let slot = Arc::new(Slot::default());
+        let cluster = self.cluster()?;
         if !ordered {
-            let handle = self.cluster()?.handle::<PythonActor>(ActorId(actor));
+            let handle = cluster.handle::<PythonActor>(ActorId(actor));
             let answer = slot.clone();
             runtime().spawn(async move {
-                answer.set(outcome(handle.call_timeout(request, CALL_TIMEOUT).await));
+                settle(&cluster, &answer, handle.call_timeout(request, CALL_TIMEOUT).await).await;
             });
             return Ok(Pending { slot });
         }
@@ -349,10 +400,18 @@ impl Cluster {
             Some(queue) if !queue.is_closed() => queue.clone(),
             _ => {
                 let (queue, mut requests) = mpsc::unbounded_channel::<(Vec<u8>, Arc<Slot>)>();
-                let handle = self.cluster()?.handle::<PythonActor>(ActorId(actor));
+                let handle = cluster.handle::<PythonActor>(ActorId(actor));
                 runtime().spawn(async move {
                     while let Some((request, slot)) = requests.recv().await {
-                        slot.set(outcome(handle.call_timeout(request, CALL_TIMEOUT).await));
+                        let (sent, written) = oneshot::channel();
+                        let (handle, cluster) = (handle.clone(), cluster.clone());
+                        tokio::spawn(async move {
+                            let result = handle.call_pipelined(request, CALL_TIMEOUT, sent).await;
+                            settle(&cluster, &slot, result).await;
+                        });
+                        // The next call goes once this one is on the wire (calls reach the
+                        // actor in the order they were written), or once it ended.
+                        let _ = written.await;
                     }
                 });
                 queues.insert(actor, queue.clone());
@@ -379,6 +438,53 @@ impl Cluster {
         Ok(Object { reference })
     }
 
+    /// Stores the object a Python driver wrote into memfd `fd` (made with
+    /// `MFD_ALLOW_SEALING`, no mapping of it left): sealed here and kept as it is, so the
+    /// put's one copy was the write. The caller keeps and closes its own `fd`.
+    fn put_memfd(&self, py: Python<'_>, fd: i32) -> PyResult<Object> {
+        let cluster = self.cluster()?;
+        if fd < 0 {
+            return Err(PyValueError::new_err(format!("bad file descriptor {fd}")));
+        }
+        // A second open of the same file (through /proc) that this side owns, writable as
+        // sealing needs; the caller's descriptor stays the caller's.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/self/fd/{fd}"))
+            .map_err(|e| error(format!("cannot open the object's file (descriptor {fd}): {e}")))?;
+        let segment = regatta_object_store::Segment::seal(file).map_err(error)?;
+        let reference = py
+            .detach(|| runtime().block_on(cluster.put_segment(segment)))
+            .map_err(error)?;
+        Ok(Object { reference })
+    }
+
+    /// An object's contents: `(bytes, None)` for a small one, or `(None, (fd, length))` for
+    /// one held in shared memory on this host: a new read-only descriptor of its sealed
+    /// file, which the caller maps (zero-copy) and closes.
+    #[allow(clippy::type_complexity)]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        object: PyRef<'py, Object>,
+    ) -> PyResult<(Option<Bound<'py, PyBytes>>, Option<(i32, u64)>)> {
+        use std::os::fd::IntoRawFd;
+        let cluster = self.cluster()?;
+        let reference = object.reference.clone();
+        let (bytes, segment) = py
+            .detach(|| runtime().block_on(cluster.get_shared(&reference)))
+            .map_err(error)?;
+        if let Some(segment) = segment {
+            match segment.duplicate() {
+                Ok(file) => return Ok((None, Some((file.into_raw_fd(), segment.len())))),
+                // Out of descriptors, say: a copy still reads it.
+                Err(_) => return Ok((Some(PyBytes::new(py, &bytes)), None)),
+            }
+        }
+        Ok((Some(PyBytes::new(py, &bytes)), None))
+    }
+
     /// An object by id (a reference received from elsewhere; held from its first read).
     fn object(&self, id: &str) -> PyResult<Object> {
         let id: ObjectId = id
@@ -387,16 +493,6 @@ impl Cluster {
         Ok(Object {
             reference: ObjectRef::from_id(id),
         })
-    }
-
-    /// An object's bytes (fetched to this node when another holds it).
-    fn get<'py>(&self, py: Python<'py>, object: PyRef<'py, Object>) -> PyResult<Bound<'py, PyBytes>> {
-        let cluster = self.cluster()?;
-        let reference = object.reference.clone();
-        let bytes = py
-            .detach(|| runtime().block_on(cluster.get_bytes(&reference)))
-            .map_err(error)?;
-        Ok(PyBytes::new(py, &bytes))
     }
 
     /// Kills an actor (it is not restarted).

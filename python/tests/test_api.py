@@ -82,6 +82,17 @@ def test_an_actor_keeps_its_state_and_answers_in_call_order():
     counter = Counter.remote(10)
     refs = [counter.add.remote(1) for _ in range(50)]
     assert regatta.get(refs) == list(range(11, 61))
+    # Calls are pipelined (each written before the one before is answered) and still run
+    # in the order they were made, from two actors' interleaved streams.
+    other = Counter.remote(0)
+    refs = [(counter if i % 3 else other).add.remote(i) for i in range(600)]
+    got = regatta.get(refs)
+    expected, totals = [], {"counter": 60, "other": 0}
+    for i in range(600):
+        key = "counter" if i % 3 else "other"
+        totals[key] += i
+        expected.append(totals[key])
+    assert got == expected
 
 
 def test_a_remote_exception_is_a_task_error_and_an_instance_of_its_class():
@@ -290,6 +301,69 @@ def test_put_stores_an_array_once_and_tasks_and_actors_read_it_from_the_store():
     # A put value is a snapshot: changing the original later changes nothing stored.
     array[0] = 99.0
     assert regatta.get(ref)[0] == 0.0
+
+
+def mapped_file(array):
+    """What holds the array's first byte, from /proc/self/maps: (path, inode)."""
+    address = array.__array_interface__["data"][0]
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                return (fields[5].strip() if len(fields) > 5 else ""), fields[4]
+    return "", ""
+
+
+@regatta.remote
+def mapping_in_a_task(array):
+    return mapped_file(array), array.flags.writeable, float(array[-1])
+
+
+def test_arrays_read_from_the_store_are_views_of_its_shared_memory_not_copies():
+    import numpy as np
+
+    array = np.arange(4 << 20, dtype=np.float32)  # 16 MiB: above the 1 MiB shared-memory floor
+    ref = regatta.put(array)
+    first, second = regatta.get(ref), regatta.get(ref)
+    assert np.array_equal(first, array) and not first.flags.writeable
+    name, inode = mapped_file(first)
+    # Not the heap and not an anonymous copy: the sealed memfd the put wrote and the store keeps.
+    assert name.startswith("/memfd:regatta-object"), f"the array lives in {name!r}, not the object's shared memory"
+    assert mapped_file(second) == (name, inode), "a second get maps the same pages"
+    assert first.__array_interface__["data"][0] != array.__array_interface__["data"][0]
+    # A task on the same host maps the very same file (same inode), read-only.
+    (task_name, task_inode), writeable, last = regatta.get(mapping_in_a_task.remote(ref))
+    assert task_name.startswith("/memfd:regatta-object") and task_inode == inode
+    assert not writeable and last == float(array[-1])
+    # Below the floor, values are copied as bytes, and still read-only arrays.
+    small = regatta.get(regatta.put(np.arange(1000, dtype=np.int64)))
+    assert small[-1] == 999 and not mapped_file(small)[0].startswith("/memfd:")
+
+
+@regatta.remote
+def big_result(n):
+    import numpy as np
+
+    return {"rows": np.full(n, 7, dtype=np.int32), "label": "big"}
+
+
+def test_large_results_come_through_the_store_and_are_read_in_place():
+    import numpy as np
+
+    # A task's result of 16 MiB: stored by the worker, held by the driver as the answer came,
+    # mapped here (the worker's memfd), not copied through the pipes.
+    ref = big_result.remote(4 << 20)
+    time.sleep(0.5)  # the worker has long let go of it by the time it is read
+    value = regatta.get(ref)
+    assert value["label"] == "big" and value["rows"].shape == (4 << 20,) and int(value["rows"][-1]) == 7
+    name, _ = mapped_file(value["rows"])
+    assert name.startswith("/memfd:regatta-object"), f"the result lives in {name!r}, not in shared memory"
+    assert regatta.get(ref) is value, "a call's result is read once"
+    # An actor's large result too, and small ones still travel in the answer.
+    counter = Counter.remote(0)
+    assert regatta.get(counter.add.remote(np.ones(1 << 19))).sum() == 1 << 19
+    assert int(regatta.get(big_result.remote(10))["rows"].sum()) == 70
 
 
 @regatta.remote(num_returns=2)

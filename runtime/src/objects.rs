@@ -348,10 +348,28 @@ impl ObjectService {
     /// Stores bytes (no copy) and registers them with the head; this process holds the
     /// first reference.
     pub async fn put(self: &Arc<Self>, bytes: Bytes, job: Option<String>) -> Result<ObjectId> {
+        self.put_held(bytes, None, job).await
+    }
+
+    /// Stores an object whose bytes are already in a sealed segment (written there by this
+    /// process): the store holds its mapping, and same-host peers and readers map the same
+    /// pages, so the object is on the host once.
+    pub async fn put_segment(self: &Arc<Self>, segment: Segment, job: Option<String>) -> Result<ObjectId> {
+        let segment = Arc::new(segment);
+        let bytes = segment
+            .map_lazily()
+            .map_err(|e| Error::Rejected(format!("cannot map the object's segment: {e}")))?;
+        self.put_held(bytes, Some(segment), job).await
+    }
+
+    async fn put_held(self: &Arc<Self>, bytes: Bytes, segment: Option<Arc<Segment>>, job: Option<String>) -> Result<ObjectId> {
         let id = ObjectId::random();
         let checksum = crc32(&bytes);
         let size = bytes.len() as u64;
         self.store(id, bytes).await?;
+        if let Some(segment) = segment {
+            self.keep_segment(id, segment);
+        }
         self.count_ref(id);
         let put = HeadRequest::ObjectPut {
             id,
@@ -370,6 +388,30 @@ impl ObjectService {
             return Err(e);
         }
         Ok(id)
+    }
+
+    /// Remembers the segment that holds an object's bytes, up to [`MAX_SEGMENTS`].
+    fn keep_segment(&self, id: ObjectId, segment: Arc<Segment>) {
+        let mut segments = self.segments();
+        if segments.len() < MAX_SEGMENTS {
+            segments.insert(id, segment);
+        }
+    }
+
+    /// The object's bytes and, for one of at least [`SHARED_MEMORY_MIN_BYTES`], the sealed
+    /// segment that holds them (made now, one copy, when it has none yet): what a reader in
+    /// this process maps itself instead of copying. Blocking for that copy.
+    pub async fn get_shared(self: &Arc<Self>, id: ObjectId, timeout: Duration) -> Result<(Bytes, Option<Arc<Segment>>)> {
+        let bytes = self.get(id, timeout).await?;
+        if (bytes.len() as u64) < SHARED_MEMORY_MIN_BYTES {
+            return Ok((bytes, None));
+        }
+        if let Some(segment) = self.segments().get(&id) {
+            return Ok((bytes, Some(segment.clone())));
+        }
+        let me = self.clone();
+        let segment = tokio::task::spawn_blocking(move || me.share(id)).await.ok().flatten();
+        Ok((bytes, segment))
     }
 
     /// Makes room (spilling least-recently-used objects) and keeps `bytes` in memory.
@@ -520,9 +562,12 @@ impl ObjectService {
                     if segment.is_some() {
                         self.counters.shared_in.fetch_add(location.size, Ordering::Relaxed);
                     }
-                    // The mapping keeps the pages; the segment (an open descriptor) is not
-                    // kept: a third process maps the holder's, or gets a copy of this one.
                     end.kept = self.cache(id, bytes.clone()).await;
+                    // The segment (an open descriptor) is kept while there is room for it: a
+                    // reader here that maps objects itself maps these pages, not a copy.
+                    if let (true, Some(segment)) = (end.kept, segment) {
+                        self.keep_segment(id, segment);
+                    }
                     return Ok(bytes);
                 }
                 Err(e) => {

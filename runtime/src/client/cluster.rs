@@ -226,7 +226,7 @@ impl Cluster {
                 router: &router,
             };
             self.calls
-                .call(target, actor, bytes, TIMEOUT, false)
+                .call(target, actor, bytes, TIMEOUT, false, &mut None)
                 .await
                 .map(|(reply, _)| reply)
         } else {

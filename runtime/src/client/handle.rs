@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ractor::ActorCell;
+use tokio::sync::oneshot;
 
 use super::actor::Actor;
 use super::cluster::{ActorOptions, Cluster, DEFAULT_CALL_TIMEOUT};
@@ -106,7 +107,25 @@ impl<A: Actor> ActorHandle<A> {
 
     /// [`ActorHandle::call`] with an explicit timeout covering placement and the reply.
     pub async fn call_timeout(&self, request: A::Request, timeout: Duration) -> Result<A::Reply> {
-        self.call_with(request, timeout, false).await.map(|(reply, _)| reply)
+        self.call_with(request, timeout, false, &mut None)
+            .await
+            .map(|(reply, _)| reply)
+    }
+
+    /// [`ActorHandle::call_timeout`] for a caller that keeps its calls in order without
+    /// waiting for each answer: `sent` fires once the request is written to the actor's
+    /// node over the call channel (requests written one after another reach the actor in
+    /// that order), and is dropped unfired when the call ended another way (the session
+    /// path, or an error), so the caller sends its next call after this one's end.
+    pub async fn call_pipelined(
+        &self,
+        request: A::Request,
+        timeout: Duration,
+        sent: oneshot::Sender<()>,
+    ) -> Result<A::Reply> {
+        self.call_with(request, timeout, false, &mut Some(sent))
+            .await
+            .map(|(reply, _)| reply)
     }
 
     /// [`ActorHandle::call`], also saying where the call's time went hop by hop: the
@@ -114,7 +133,7 @@ impl<A: Actor> ActorHandle<A> {
     /// or a request over the channel's size). Meant for diagnosing latency: a timed call
     /// carries 32 bytes more each way and takes a few more clock readings.
     pub async fn call_timed(&self, request: A::Request) -> Result<(A::Reply, Option<CallTiming>)> {
-        self.call_with(request, DEFAULT_CALL_TIMEOUT, true).await
+        self.call_with(request, DEFAULT_CALL_TIMEOUT, true, &mut None).await
     }
 
     async fn call_with(
@@ -122,6 +141,7 @@ impl<A: Actor> ActorHandle<A> {
         request: A::Request,
         timeout: Duration,
         timed: bool,
+        sent: &mut Option<oneshot::Sender<()>>,
     ) -> Result<(A::Reply, Option<CallTiming>)> {
         let called = if timed { wall_clock_ns() } else { 0 };
         let deadline = Instant::now() + timeout;
@@ -137,7 +157,7 @@ impl<A: Actor> ActorHandle<A> {
             let sent = self
                 .cluster
                 .calls
-                .call(target, self.id, wire::encode(&request), remaining, timed)
+                .call(target, self.id, wire::encode(&request), remaining, timed, sent)
                 .await;
             let (bytes, hops) = match sent {
                 Ok(answered) => answered,

@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use regatta_object_store::{Location, ObjectId};
+use regatta_object_store::{Location, ObjectId, Segment};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -83,6 +83,26 @@ impl Cluster {
     /// Stores bytes; handing over a `Vec<u8>` or `Bytes` moves them without a copy.
     pub async fn put_bytes(&self, bytes: impl Into<Bytes>) -> Result<ObjectRef<Bytes>> {
         self.put_raw(bytes.into()).await
+    }
+
+    /// Stores an object whose bytes this process wrote into a sealed shared-memory
+    /// segment: the store keeps that segment's mapping instead of a copy, and readers on
+    /// this host map the same pages.
+    pub async fn put_segment(&self, segment: Segment) -> Result<ObjectRef<Bytes>> {
+        let service = self.object_service()?;
+        let id = service.put_segment(segment, self.job().map(str::to_string)).await?;
+        let reference = ObjectRef::from_id(id);
+        let _ = reference.guard.set(service.guard(id));
+        Ok(reference)
+    }
+
+    /// An object's bytes and, when it is large enough to be shared on the host, the sealed
+    /// segment holding them, for a reader that maps it itself (zero-copy reads from Python).
+    pub async fn get_shared<T>(&self, reference: &ObjectRef<T>) -> Result<(Bytes, Option<Arc<Segment>>)> {
+        self.adopt(reference).await?;
+        self.object_service()?
+            .get_shared(reference.id, Duration::from_secs(600))
+            .await
     }
 
     async fn put_raw<T>(&self, bytes: Bytes) -> Result<ObjectRef<T>> {

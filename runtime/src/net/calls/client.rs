@@ -106,6 +106,7 @@ impl CallPlane {
         request: Vec<u8>,
         timeout: Duration,
         timed: bool,
+        sent: &mut Option<oneshot::Sender<()>>,
     ) -> std::result::Result<(Vec<u8>, Option<Hops>), CallError> {
         let deadline = Instant::now() + timeout;
         if request.len() > wire::MAX_MESSAGE_BYTES {
@@ -114,7 +115,7 @@ impl CallPlane {
             return Ok((reply, None));
         }
         if let Some(connection) = self.connection(&target, deadline).await {
-            match connection.call_with(actor, &request, deadline, timed).await {
+            match connection.send_call(actor, &request, deadline, timed, sent).await {
                 Ok(answered) => return Ok(answered),
                 Err(Unsent::Failed(e)) => return Err(e),
                 // The connection broke before this call went out: nothing was delivered.
@@ -419,12 +420,26 @@ impl Connection {
     }
 
     /// Sends one call and waits for its answer; `timed` asks the server for its stamps.
+    #[cfg(test)]
     pub(super) async fn call_with(
         &self,
         actor: ActorId,
         request: &[u8],
         deadline: Instant,
         timed: bool,
+    ) -> std::result::Result<(Vec<u8>, Option<Hops>), Unsent> {
+        self.send_call(actor, request, deadline, timed, &mut None).await
+    }
+
+    /// Sends one call and waits for its answer, firing `sent` (when given) once the request
+    /// is written; `timed` asks the server for its stamps.
+    async fn send_call(
+        &self,
+        actor: ActorId,
+        request: &[u8],
+        deadline: Instant,
+        timed: bool,
+        sent: &mut Option<oneshot::Sender<()>>,
     ) -> std::result::Result<(Vec<u8>, Option<Hops>), Unsent> {
         let start = if timed { wall_clock_ns() } else { 0 };
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
@@ -442,15 +457,19 @@ impl Connection {
             RequestKind::Call
         };
         let frame = RequestHeader::frame(kind, seq, actor, request);
-        let sent = tokio::time::timeout_at(deadline.into(), self.write(&frame)).await;
+        let written = tokio::time::timeout_at(deadline.into(), self.write(&frame)).await;
         let sent_at = if timed { wall_clock_ns() } else { 0 };
         let forget = || {
             if let Ok(mut pending) = self.pending.lock() {
                 pending.calls.remove(&seq);
             }
         };
-        match sent {
-            Ok(Ok(())) => {}
+        match written {
+            Ok(Ok(())) => {
+                if let Some(sent) = sent.take() {
+                    let _ = sent.send(());
+                }
+            }
             Ok(Err(unsent)) => {
                 forget();
                 return Err(unsent);
