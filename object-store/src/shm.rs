@@ -462,6 +462,39 @@ mod tests {
     }
 
     #[test]
+    fn a_memfd_written_elsewhere_is_sealed_as_it_is_and_other_files_are_refused() {
+        // What the Python driver does: its own memfd, written, then handed over.
+        // SAFETY: a plain memfd_create; the descriptor goes straight into a File.
+        let fd = unsafe { libc::memfd_create(c"test".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        assert!(fd >= 0);
+        // SAFETY: memfd_create returned a fresh descriptor nothing else owns.
+        let mut written = unsafe { File::from_raw_fd(fd) };
+        written.write_all(b"written by the driver").unwrap();
+        let handed = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/self/fd/{fd}"))
+            .unwrap();
+        let segment = Arc::new(Segment::seal(handed).unwrap());
+        assert_eq!(&segment.map().unwrap()[..], b"written by the driver");
+        assert!(written.write_all(b"more").is_err(), "sealed: the writer's own descriptor writes no more");
+        let copy = segment.duplicate().unwrap();
+        assert_eq!(copy.metadata().unwrap().ino(), segment.handle().inode);
+        assert!(Segment::open(&segment.handle()).is_ok(), "a peer opens it as any segment");
+
+        // A memfd made without MFD_ALLOW_SEALING, and a plain file, are refused with the reason.
+        // SAFETY: as above.
+        let unsealable = unsafe { File::from_raw_fd(libc::memfd_create(c"test".as_ptr(), libc::MFD_CLOEXEC)) };
+        let error = Segment::seal(unsealable).unwrap_err();
+        assert!(error.to_string().contains("cannot seal"), "{error}");
+        let path = std::env::temp_dir().join(format!("regatta-seal-test-{}", std::process::id()));
+        std::fs::write(&path, b"plain").unwrap();
+        let plain = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        assert!(Segment::seal(plain).is_err());
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
     fn empty_objects_map_to_empty_bytes() {
         let segment = Arc::new(Segment::create(b"").unwrap());
         assert!(segment.is_empty());

@@ -94,9 +94,9 @@ def _answer(result, cloudpickle):
 
 
 def _serve_concurrently(instance, read, write, limit, failure, cloudpickle):
-    """Calls beside each other: coroutine methods on one event loop, plain ones on a pool of
-    ``limit`` threads, at most ``limit`` at once; each frame and answer starts with the
-    call's 8-byte number."""
+    """Calls beside each other: coroutine methods on one event loop, at most ``limit`` at
+    once, plain ones on a pool of ``limit`` threads (at most 64); each frame and answer
+    starts with the call's 8-byte number."""
     import asyncio
     import concurrent.futures
     import inspect
@@ -111,22 +111,36 @@ def _serve_concurrently(instance, read, write, limit, failure, cloudpickle):
         with lock:
             write(struct.pack(">Q", key) + answer)
 
-    async def handle(key, request):
+    async def run_async(key, target, args, kwargs):
         async with gate:
             try:
-                method, function, args, kwargs = cloudpickle.loads(request)
                 args, kwargs = await loop.run_in_executor(pool, _resolve_top_level, args, kwargs)
-                target = function if function is not None else getattr(instance, method)
-                if inspect.iscoroutinefunction(target):
-                    result = await target(*args, **kwargs)
-                else:
-                    result = await loop.run_in_executor(pool, lambda: target(*args, **kwargs))
-                    if inspect.iscoroutine(result):
-                        result = await result
-                answer = _answer(result, cloudpickle)
+                answer = _answer(await target(*args, **kwargs), cloudpickle)
             except BaseException as error:  # noqa: BLE001 - everything goes back to the caller
                 answer = failure(error)
             send(key, answer)
+
+    async def finish(key, coroutine):
+        # A coroutine that a plain method returned, awaited on the loop.
+        try:
+            answer = _answer(await coroutine, cloudpickle)
+        except BaseException as error:  # noqa: BLE001
+            answer = failure(error)
+        send(key, answer)
+
+    def run_plain(key, target, args, kwargs):
+        # A plain method: one hop, straight onto a pool thread (the pool's size caps how many
+        # run at once), which resolves its refs, runs it and answers.
+        try:
+            args, kwargs = _resolve_top_level(args, kwargs)
+            result = target(*args, **kwargs)
+            if inspect.iscoroutine(result):
+                asyncio.run_coroutine_threadsafe(finish(key, result), loop)
+                return
+            answer = _answer(result, cloudpickle)
+        except BaseException as error:  # noqa: BLE001
+            answer = failure(error)
+        send(key, answer)
 
     def reader():
         while True:
@@ -135,7 +149,16 @@ def _serve_concurrently(instance, read, write, limit, failure, cloudpickle):
                 loop.call_soon_threadsafe(loop.stop)
                 return
             (key,) = struct.unpack(">Q", frame[:8])
-            asyncio.run_coroutine_threadsafe(handle(key, frame[8:]), loop)
+            try:
+                method, function, args, kwargs = cloudpickle.loads(frame[8:])
+                target = function if function is not None else getattr(instance, method)
+            except BaseException as error:  # noqa: BLE001
+                send(key, failure(error))
+                continue
+            if inspect.iscoroutinefunction(target):
+                asyncio.run_coroutine_threadsafe(run_async(key, target, args, kwargs), loop)
+            else:
+                pool.submit(run_plain, key, target, args, kwargs)
 
     threading.Thread(target=reader, daemon=True, name="regatta-frames").start()
     loop.run_forever()
