@@ -477,10 +477,16 @@ mod tests {
             .unwrap();
         let segment = Arc::new(Segment::seal(handed).unwrap());
         assert_eq!(&segment.map().unwrap()[..], b"written by the driver");
-        assert!(written.write_all(b"more").is_err(), "sealed: the writer's own descriptor writes no more");
+        assert!(
+            written.write_all(b"more").is_err(),
+            "sealed: the writer's own descriptor writes no more"
+        );
         let copy = segment.duplicate().unwrap();
         assert_eq!(copy.metadata().unwrap().ino(), segment.handle().inode);
-        assert!(Segment::open(&segment.handle()).is_ok(), "a peer opens it as any segment");
+        assert!(
+            Segment::open(&segment.handle()).is_ok(),
+            "a peer opens it as any segment"
+        );
 
         // A memfd made without MFD_ALLOW_SEALING, and a plain file, are refused with the reason.
         // SAFETY: as above.

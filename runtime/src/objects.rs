@@ -362,7 +362,12 @@ impl ObjectService {
         self.put_held(bytes, Some(segment), job).await
     }
 
-    async fn put_held(self: &Arc<Self>, bytes: Bytes, segment: Option<Arc<Segment>>, job: Option<String>) -> Result<ObjectId> {
+    async fn put_held(
+        self: &Arc<Self>,
+        bytes: Bytes,
+        segment: Option<Arc<Segment>>,
+        job: Option<String>,
+    ) -> Result<ObjectId> {
         let id = ObjectId::random();
         let checksum = crc32(&bytes);
         let size = bytes.len() as u64;
@@ -401,7 +406,11 @@ impl ObjectService {
     /// The object's bytes and, for one of at least [`SHARED_MEMORY_MIN_BYTES`], the sealed
     /// segment that holds them (made now, one copy, when it has none yet): what a reader in
     /// this process maps itself instead of copying. Blocking for that copy.
-    pub async fn get_shared(self: &Arc<Self>, id: ObjectId, timeout: Duration) -> Result<(Bytes, Option<Arc<Segment>>)> {
+    pub async fn get_shared(
+        self: &Arc<Self>,
+        id: ObjectId,
+        timeout: Duration,
+    ) -> Result<(Bytes, Option<Arc<Segment>>)> {
         let bytes = self.get(id, timeout).await?;
         if (bytes.len() as u64) < SHARED_MEMORY_MIN_BYTES {
             return Ok((bytes, None));
