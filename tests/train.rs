@@ -438,7 +438,20 @@ async fn a_sigkilled_rank_resumes_from_the_checkpoint_with_the_same_loss_curve()
             .any(|e| matches!(e, TrainEvent::Restarting { rank: 1, .. })),
         "{events:?}"
     );
-    assert_eq!(summary.losses.len(), 150);
+    // A hole here has been seen about once in five full suites beside a CPU hog (149 of
+    // 150): the message says which step and around what, for whoever chases it.
+    let missing: Vec<u64> = (1..=150).filter(|s| !summary.losses.contains_key(s)).collect();
+    let checkpoints: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            TrainEvent::Checkpoint { step, .. } => Some(*step),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "no loss for steps {missing:?}; killed at step {killed}, resumed from {resumed_from}, checkpoints seen {checkpoints:?}"
+    );
     for (step, loss) in &baseline.losses {
         let resumed = summary.losses[step];
         assert!(

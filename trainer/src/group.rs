@@ -23,6 +23,10 @@ use crate::error::TrainError;
 use crate::protocol::{FromExecutor, RankSetup, StepReport, TrainOp, TrainReply};
 use crate::rank::{TrainRank, TrainRankArgs};
 
+/// How long a failed attempt waits for its surviving ranks' executors to exit, taking in
+/// what they reported, before the restart.
+const DRAIN_FOR: Duration = Duration::from_secs(5);
+
 /// How often the driver asks the ranks for events.
 const POLL_EVERY: Duration = Duration::from_millis(200);
 /// How long a placement group may wait for resources.
@@ -463,15 +467,28 @@ impl TrainerGroup {
             return Ok(());
         };
         // Ranks still alive may hold steps and checkpoints not polled yet (a checkpoint
-        // the restart resumes from must not leave a hole in the loss curve): drain them.
+        // the restart resumes from must not leave a hole in the loss curve): drain them,
+        // each until its executor has exited (every line it wrote read: a step reported
+        // just before its checkpoint was saved may still be in the pipe) or for
+        // DRAIN_FOR at most.
         let mut unreachable = Vec::new();
+        let until = Instant::now() + DRAIN_FOR;
         for (rank, handle) in ranks.iter().enumerate() {
-            match handle.call_timeout(TrainOp::Poll, Duration::from_secs(5)).await {
-                Ok(TrainReply::Events { events, .. }) => {
-                    let _ = seen.absorb(rank, events, summary, on_event);
+            loop {
+                match handle.call_timeout(TrainOp::Poll, Duration::from_secs(5)).await {
+                    Ok(TrainReply::Events { events, exited }) => {
+                        let _ = seen.absorb(rank, events, summary, on_event);
+                        if exited.is_some() || Instant::now() >= until {
+                            break;
+                        }
+                        tokio::time::sleep(POLL_EVERY).await;
+                    }
+                    Ok(_) => break,
+                    Err(e) => {
+                        unreachable.push((rank, e.to_string()));
+                        break;
+                    }
                 }
-                Ok(_) => {}
-                Err(e) => unreachable.push((rank, e.to_string())),
             }
         }
         Err(blame(error, &unreachable))
