@@ -337,14 +337,19 @@ def _pad(n):
     return b"\0" * (-n % _ALIGN)
 
 
-def _serialize(value):
-    """A value as the parts of one stored object: a table, the pickle (protocol 5), then
-    each out-of-band buffer (numpy arrays, ...) 64-byte aligned, so a reader's arrays
-    view the object's bytes instead of copies."""
+def _pickle(value):
+    """The pickle of a value (protocol 5) and its out-of-band buffers: the buffers' own
+    memory (numpy arrays, ...), not copies."""
     buffers = []
     header = cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    # The buffers' own memory, not copies: the put writes each straight into the object.
-    raws = [b.raw() for b in buffers]
+    return header, [b.raw() for b in buffers]
+
+
+def _serialize(value, pickled=None):
+    """A value (or its ``_pickle``) as the parts of one stored object: a table, the pickle,
+    then each out-of-band buffer 64-byte aligned, so a reader's arrays view the object's
+    bytes instead of copies; the put writes each part straight into the object."""
+    header, raws = pickled or _pickle(value)
     table = _MAGIC + struct.pack(">IQ", len(raws), len(header)) + b"".join(struct.pack(">Q", len(r)) for r in raws)
     parts = [table, _pad(len(table)), header, _pad(len(header))]
     for raw in raws:

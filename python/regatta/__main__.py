@@ -2,7 +2,6 @@
 carries (``regatta/bin/regatta``), or else ``REGATTA_BIN`` or ``regatta`` on PATH."""
 
 import os
-import shutil
 import sys
 
 from . import _binary

@@ -86,10 +86,11 @@ def _answer(result, cloudpickle):
     the object from the moment the answer arrives; this process lets go of it at once."""
     import regatta
 
-    parts = regatta._serialize(result)
-    if sum(len(p) for p in parts) < regatta._SHARED_MIN:
-        return b"O" + cloudpickle.dumps(result)
-    stored = regatta._store(regatta._current().cluster, parts)
+    header, raws = regatta._pickle(result)
+    if len(header) + sum(len(r) for r in raws) < regatta._SHARED_MIN:
+        # Without out-of-band buffers this pickle is the in-band one: no second pickling.
+        return b"O" + (header if not raws else cloudpickle.dumps(result))
+    stored = regatta._store(regatta._current().cluster, regatta._serialize(result, (header, raws)))
     return b"R" + stored.id.encode()
 
 

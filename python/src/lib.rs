@@ -475,14 +475,11 @@ impl Cluster {
         let (bytes, segment) = py
             .detach(|| runtime().block_on(cluster.get_shared(&reference)))
             .map_err(error)?;
-        if let Some(segment) = segment {
-            match segment.duplicate() {
-                Ok(file) => return Ok((None, Some((file.into_raw_fd(), segment.len())))),
-                // Out of descriptors, say: a copy still reads it.
-                Err(_) => return Ok((Some(PyBytes::new(py, &bytes)), None)),
-            }
+        // Without a segment, or out of descriptors to hand one over: a copy still reads it.
+        match segment.map(|segment| segment.duplicate().map(|file| (file, segment.len()))) {
+            Some(Ok((file, len))) => Ok((None, Some((file.into_raw_fd(), len)))),
+            _ => Ok((Some(PyBytes::new(py, &bytes)), None)),
         }
-        Ok((Some(PyBytes::new(py, &bytes)), None))
     }
 
     /// An object by id (a reference received from elsewhere; held from its first read).

@@ -114,6 +114,14 @@ fn max_diff(a: &[f32], b: &Tensor) -> f64 {
     (Tensor::from_slice(a) - b).abs().max().double_value(&[])
 }
 
+/// Two runs of one row gave the same tokens and log-probabilities within `tolerance`.
+fn assert_same_row(what: &str, a: &Output, b: &Output, tolerance: f64) {
+    assert_eq!(a.tokens, b.tokens, "{what}: tokens");
+    for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+        assert!((x - y).abs() < tolerance, "{what}: logprob {x} vs {y}");
+    }
+}
+
 #[test]
 fn cached_continuous_batching_equals_transformers_generate() {
     tch::set_num_threads(1);
@@ -522,10 +530,7 @@ fn rows_sharing_a_prefix_take_its_cached_blocks_and_generate_what_they_would_alo
         );
         for (i, (a, b)) in cached.iter().zip(&plain).enumerate() {
             let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
-            assert_eq!(a.tokens, b.tokens, "{name} row {i}: tokens");
-            for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
-                assert!((x - y).abs() < 1e-4, "{name} row {i}: logprob {x} vs {y}");
-            }
+            assert_same_row(&format!("{name} row {i}"), a, b, 1e-4);
         }
     }
 }
@@ -545,11 +550,8 @@ fn greedy_tokens_chosen_where_the_logits_are_equal_the_host_choice() {
     let host = run_with(true);
     let device = run_with(false);
     for (i, (h, d)) in host.iter().zip(&device).enumerate() {
-        assert_eq!(h.tokens, d.tokens, "row {i}");
+        assert_same_row(&format!("row {i}"), h, d, 1e-9);
         assert_eq!(h.logprobs.len(), h.tokens.len());
-        for (x, y) in h.logprobs.iter().zip(&d.logprobs) {
-            assert!((x - y).abs() < 1e-9, "row {i}: logprob {x} vs {y}");
-        }
         assert!(d.logits.is_empty());
     }
 }
@@ -592,11 +594,8 @@ fn fixed_shape_decode_steps_equal_transformers_generate_and_the_eager_steps() {
                 ids(&expected[&format!("tokens.{i}")]),
                 "{name} prompt {i}: tokens"
             );
-            assert_eq!(f.tokens, e.tokens, "{name} prompt {i}");
+            assert_same_row(&format!("{name} prompt {i}"), f, e, 1e-5);
             assert_eq!(f.logprobs.len(), f.tokens.len());
-            for (x, y) in f.logprobs.iter().zip(&e.logprobs) {
-                assert!((x - y).abs() < 1e-5, "{name} prompt {i}: logprob {x} vs {y}");
-            }
         }
     }
 }
@@ -649,11 +648,8 @@ fn sampled_rows_and_kept_logits_decode_in_fixed_shapes_as_they_do_eagerly() {
     for keep in [false, true] {
         let (fixed, eager) = runs(keep);
         for (i, (f, e)) in fixed.iter().zip(&eager).enumerate() {
-            assert_eq!(f.tokens, e.tokens, "row {i} (logits kept: {keep})");
+            assert_same_row(&format!("row {i} (logits kept: {keep})"), f, e, 1e-5);
             assert_eq!(f.logprobs.len(), 12);
-            for (x, y) in f.logprobs.iter().zip(&e.logprobs) {
-                assert!((x - y).abs() < 1e-5, "row {i}: logprob {x} vs {y}");
-            }
             assert_eq!(f.logits.len(), if keep { 12 } else { 0 });
             for (a, b) in f.logits.iter().zip(&e.logits) {
                 let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
