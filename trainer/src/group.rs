@@ -467,12 +467,16 @@ impl TrainerGroup {
             return Ok(());
         };
         // Ranks still alive may hold steps and checkpoints not polled yet (a checkpoint
-        // the restart resumes from must not leave a hole in the loss curve): drain them,
-        // each until its executor has exited (every line it wrote read: a step reported
-        // just before its checkpoint was saved may still be in the pipe) or for
-        // DRAIN_FOR at most.
+        // the restart resumes from must not leave a hole in the loss curve): drain them.
+        // After a lost rank the survivors cannot go on: each is drained until its executor
+        // has exited (every line it wrote read: a step reported just before its checkpoint
+        // was saved may still be in the pipe), for DRAIN_FOR at most. Healthy ranks (the
+        // group grows) are polled once: they would train on while waited for.
         let mut unreachable = Vec::new();
-        let until = Instant::now() + DRAIN_FOR;
+        let until = match error {
+            AttemptError::Lost { .. } => Instant::now() + DRAIN_FOR,
+            _ => Instant::now(),
+        };
         for (rank, handle) in ranks.iter().enumerate() {
             loop {
                 match handle.call_timeout(TrainOp::Poll, Duration::from_secs(5)).await {
