@@ -317,6 +317,35 @@ def _dumps(value, what):
         raise TypeError(f"{what} cannot be sent to the cluster: it cannot be pickled ({error})") from error
 
 
+# A call whose arguments pickle to more than this goes with each large top-level argument
+# stored in the object store and sent as its ref (Ray's 100 KB threshold): the worker reads
+# it from the store on its node (a mapping on this host) instead of through the call.
+_INLINE_ARGS_MAX = 100 * 1024
+
+
+def _request(head, args, kwargs, what):
+    """A call's request: the pickle of ``head + (args, kwargs)``, and the refs of the
+    arguments it stored (held by the call until it is done, so the worker finds them)."""
+    request = _dumps(head + (args, kwargs), what)
+    if len(request) <= _INLINE_ARGS_MAX:
+        return request, []
+    kept = []
+
+    def stored(value):
+        if isinstance(value, ObjectRef):
+            return value
+        pickled = _pickle(value)
+        if len(pickled[0]) + sum(len(r) for r in pickled[1]) <= _INLINE_ARGS_MAX:
+            return value
+        ref = ObjectRef("argument", store=_store(_current().cluster, _serialize(value, pickled)))
+        kept.append(ref)
+        return ref
+
+    args = tuple(stored(a) for a in args)
+    kwargs = {k: stored(v) for k, v in kwargs.items()}
+    return _dumps(head + (args, kwargs), what), kept
+
+
 def _resolve_args(args, kwargs):
     """Top-level ObjectRef arguments become their values (as Ray resolves them): a stored
     object travels as its id and the worker reads it from the object store; the result of
@@ -421,8 +450,10 @@ class ObjectRef:
     for it, or ``await`` it."""
 
     def __init__(self, what, pending=None, value=None, retry=None, retries=0, on_done=None, is_task=False,
-                 store=None):
+                 store=None, kept=()):
         self._what = what
+        # Stored arguments of the call, held until it is done.
+        self._kept = kept
         self._is_task = is_task
         self._pending = pending
         self._store = store
@@ -456,6 +487,7 @@ class ObjectRef:
                     self._pending = self._retry()
                     continue
                 self._settled = True
+                self._kept = ()
                 pending, self._pending = self._pending, None
                 try:
                     self._value, self._error = _decode(self._what, kind, bytes(payload), self._is_task, pending)
@@ -621,7 +653,7 @@ class RemoteFunction:
         if self._pickled is None:
             self._pickled = _dumps(self._function, f"function {self._name}")
         args, kwargs = _resolve_args(args, kwargs)
-        request = _dumps((None, _Raw(self._pickled), args, kwargs), f"the arguments of {self._name}")
+        request, kept = _request((None, _Raw(self._pickled)), args, kwargs, f"the arguments of {self._name}")
         resources = _resource_text(self._options)
         retries = self._options.get("max_retries", 3)
         what = f"task {self._name}"
@@ -646,13 +678,13 @@ class RemoteFunction:
                         pass
                     driver.forget(actor)
 
-            return _split(ObjectRef(what, submit(), retry=submit, retries=retries, on_done=done, is_task=True),
-                          self._options.get("num_returns"))
+            return _split(ObjectRef(what, submit(), retry=submit, retries=retries, on_done=done, is_task=True,
+                                    kept=kept), self._options.get("num_returns"))
 
         def submit():
             return driver.cluster.call(driver.task_worker(), request)
 
-        return _split(ObjectRef(what, submit(), retry=submit, retries=retries, is_task=True),
+        return _split(ObjectRef(what, submit(), retry=submit, retries=retries, is_task=True, kept=kept),
                       self._options.get("num_returns"))
 
 
@@ -757,7 +789,7 @@ class _ActorMethod:
         driver = _current()
         args, kwargs = _resolve_args(args, kwargs)
         what = f"{self._handle._class_name}.{self._name}"
-        request = _dumps((self._name, None, args, kwargs), f"the arguments of {what}")
+        request, kept = _request((self._name, None), args, kwargs, f"the arguments of {what}")
         actor = self._handle._actor_id
         ordered = not self._handle._concurrent
 
@@ -765,7 +797,8 @@ class _ActorMethod:
             return driver.cluster.call(actor, request, ordered)
 
         retry = submit if self._handle._retries > 0 else None
-        return _split(ObjectRef(what, submit(), retry=retry, retries=self._handle._retries), self._num_returns)
+        return _split(ObjectRef(what, submit(), retry=retry, retries=self._handle._retries, kept=kept),
+                      self._num_returns)
 
 
 def remote(*args, **options):

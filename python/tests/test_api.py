@@ -366,6 +366,32 @@ def test_large_results_come_through_the_store_and_are_read_in_place():
     assert int(regatta.get(big_result.remote(10))["rows"].sum()) == 70
 
 
+def test_large_arguments_go_through_the_store_and_small_ones_in_the_call():
+    import gc
+
+    import numpy as np
+
+    # A 16 MiB argument (above Ray's 100 KB threshold): stored by the driver and read by the
+    # task on this host as a mapping of that object, not unpickled from the call's bytes.
+    array = np.arange(4 << 20, dtype=np.float32)
+    (name, _), writeable, last = regatta.get(mapping_in_a_task.remote(array))
+    assert name.startswith("/memfd:regatta-object"), f"the argument arrived in {name!r}, not in shared memory"
+    assert not writeable and last == float(array[-1])
+    # One of 400 KB (stored, below the shared-memory floor) and a keyword argument.
+    assert regatta.get(total.remote(array=np.ones(100_000))) == (100_000.0, False)
+    # A small one travels inside the call: a writable array of the worker's own.
+    (name, _), writeable, _ = regatta.get(mapping_in_a_task.remote(np.ones(10)))
+    assert writeable and not name.startswith("/memfd:")
+    # The stored argument outlives the caller's last reference until the call ran.
+    ref = mapping_in_a_task.remote(np.full(1 << 20, 3, dtype=np.float32))
+    gc.collect()
+    time.sleep(0.3)
+    assert regatta.get(ref)[2] == 3.0
+    # An actor's method too.
+    counter = Counter.remote(0)
+    assert regatta.get(counter.add.remote(np.ones(1 << 18))).sum() == 1 << 18
+
+
 @regatta.remote(num_returns=2)
 def pair(x):
     return x, x + 1
