@@ -27,6 +27,13 @@ pub struct LogLine {
     pub at_ms: u64,
     /// The text (one line, no newline).
     pub text: String,
+    /// Its number on this node: later lines have larger numbers (a reader's cursor).
+    #[serde(default)]
+    pub seq: u64,
+    /// Written while a call runs, for its caller to follow (Python's prints of a long
+    /// call: the caller's driver prints them as they come, not with the call's result).
+    #[serde(default)]
+    pub live: bool,
 }
 
 /// The lines of every actor a worker hosts or hosted lately.
@@ -34,6 +41,8 @@ pub struct LogLine {
 pub struct ActorLogBook {
     lines: BTreeMap<ActorId, (u64, VecDeque<LogLine>)>,
     writes: u64,
+    /// Lines written so far (the next line's `seq`).
+    written: u64,
 }
 
 impl ActorLogBook {
@@ -44,6 +53,11 @@ impl ActorLogBook {
 
     /// Keeps `text` (each of its lines) for `actor`.
     pub fn push(&mut self, actor: ActorId, at_ms: u64, text: &str) {
+        self.push_marked(actor, at_ms, text, false);
+    }
+
+    /// Keeps `text` for `actor`, marked `live` (for the caller of the call that wrote it).
+    pub fn push_marked(&mut self, actor: ActorId, at_ms: u64, text: &str, live: bool) {
         if !self.lines.contains_key(&actor) && self.lines.len() >= MAX_ACTORS {
             let oldest = self
                 .lines
@@ -61,7 +75,13 @@ impl ActorLogBook {
             if lines.len() >= MAX_LINES {
                 lines.pop_front();
             }
-            lines.push_back(LogLine { at_ms, text: cut(line) });
+            self.written += 1;
+            lines.push_back(LogLine {
+                at_ms,
+                text: cut(line),
+                seq: self.written,
+                live,
+            });
         }
     }
 
@@ -125,5 +145,18 @@ mod tests {
             "actor 1 was written to least recently"
         );
         assert_eq!(book.lines(ActorId(u64::MAX)).len(), 1);
+    }
+
+    #[test]
+    fn lines_are_numbered_in_order_across_actors_and_keep_their_mark() {
+        let mut book = ActorLogBook::new();
+        book.push(ActorId(1), 5, "a\nb");
+        book.push_marked(ActorId(2), 5, "live one", true);
+        book.push(ActorId(1), 6, "c");
+        let one = book.lines(ActorId(1));
+        assert_eq!(one.iter().map(|l| l.seq).collect::<Vec<_>>(), vec![1, 2, 4]);
+        assert!(one.iter().all(|l| !l.live));
+        let two = book.lines(ActorId(2));
+        assert_eq!((two[0].seq, two[0].live, two[0].text.as_str()), (3, true, "live one"));
     }
 }

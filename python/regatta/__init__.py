@@ -27,6 +27,7 @@ accounted by the cluster like any other actor. Values travel pickled with cloudp
 
 import asyncio
 import atexit
+import collections
 import inspect
 import itertools
 import mmap
@@ -61,6 +62,78 @@ _NOT_YET = {"placement_group", "concurrency_groups",
             "retry_exceptions", "label_selector"}
 
 
+# A call that has run this long has its prints followed live (the worker's _LIVE_AFTER);
+# followed actors' logs are read this often.
+_LIVE_AFTER = 1.0
+_FOLLOW_EVERY = 0.5
+
+
+class _Follower:
+    """Prints what calls print while they run (Ray's ``log_to_driver``): a call that runs
+    longer than a second, and every call of an actor that runs calls beside each other,
+    writes its prints marked live into its actor's log; a thread here reads those actors'
+    new lines every half second while such calls run (and once after they end) and prints
+    them prefixed. Shorter calls' prints come with their answers instead (``_decode``)."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.calls = collections.deque()  # (actor, what, started, pending, concurrent), in call order
+        self.followed = {}  # actor -> [(what, pending, concurrent)] of calls followed
+        self.seen = {}  # actor -> number of the last log line printed
+        self.lock = threading.Lock()
+        self.thread = None
+        self.stopped = threading.Event()
+
+    def call(self, actor, what, pending, concurrent):
+        """Notes a call just made (cheap: most calls end before they are looked at)."""
+        self.calls.append((actor, what, time.monotonic(), pending, concurrent))
+        if self.thread is None:
+            with self.lock:
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self.run, daemon=True, name="regatta-logs")
+                    self.thread.start()
+
+    def run(self):
+        while not self.stopped.wait(_FOLLOW_EVERY):
+            self.tick()
+
+    def tick(self):
+        with self.lock:
+            now = time.monotonic()
+            # Calls old enough to be followed (or of a concurrent actor) become followed;
+            # a call that already ended in its first second printed through its answer.
+            while self.calls and (self.calls[0][4] or now - self.calls[0][2] >= _LIVE_AFTER):
+                actor, what, _, pending, concurrent = self.calls.popleft()
+                if concurrent or not pending.done():
+                    self.followed.setdefault(actor, []).append((what, pending, concurrent))
+            for actor, calls in list(self.followed.items()):
+                # Ended calls are let go after this read, which catches their last lines.
+                ended = [call for call in calls if call[1].done()]
+                self.print_new(actor, calls[0][0].removeprefix("task "))
+                left = [call for call in calls if call not in ended]
+                if left:
+                    self.followed[actor] = left
+                else:
+                    del self.followed[actor]
+
+    def print_new(self, actor, name):
+        try:
+            lines = self.cluster.actor_logs(actor, self.seen.get(actor, 0))
+        except Exception:  # the actor or its node is gone: its lines went with it
+            return
+        for number, live, text in lines:
+            self.seen[actor] = max(self.seen.get(actor, 0), number)
+            if live:
+                print(f"({name}) {text}", flush=True)
+
+    def stop(self):
+        """Stops following, after a last read of the calls still followed."""
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+            self.tick()
+
+
 class _Driver:
     def __init__(self, cluster, local, token):
         self.cluster = cluster
@@ -72,6 +145,14 @@ class _Driver:
         self.owned = set()  # actors this driver stops at shutdown (not detached)
         self.python = sys.executable
         self.path = _worker_path()
+        self.follower = _Follower(cluster)
+
+    def call(self, actor, request, what, ordered=True, concurrent=False):
+        """Calls an actor (or a task worker); its prints are followed while it runs."""
+        pending = self.cluster.call(actor, request, ordered)
+        if log_to_driver:
+            self.follower.call(actor, what, pending, concurrent)
+        return pending
 
     def worker_env(self):
         """What a worker process needs to join the cluster as a driver of its own (to call
@@ -217,6 +298,7 @@ def shutdown():
         driver, _driver = _driver, None
     if driver is None:
         return
+    driver.follower.stop()
     with driver.lock:
         owned = list(driver.owned)
     for actor in owned:
@@ -667,7 +749,7 @@ class RemoteFunction:
             def submit():
                 actor = driver.spawn(cloudpickle.dumps((None, (), {})), resources, strategy=strategy, env_vars=env_vars)
                 holder["actor"] = actor
-                return driver.cluster.call(actor, request)
+                return driver.call(actor, request, what)
 
             def done():
                 actor = holder.get("actor")
@@ -682,7 +764,7 @@ class RemoteFunction:
                                     kept=kept), self._options.get("num_returns"))
 
         def submit():
-            return driver.cluster.call(driver.task_worker(), request)
+            return driver.call(driver.task_worker(), request, what)
 
         return _split(ObjectRef(what, submit(), retry=submit, retries=retries, is_task=True, kept=kept),
                       self._options.get("num_returns"))
@@ -794,7 +876,7 @@ class _ActorMethod:
         ordered = not self._handle._concurrent
 
         def submit():
-            return driver.cluster.call(actor, request, ordered)
+            return driver.call(actor, request, what, ordered, concurrent=not ordered)
 
         retry = submit if self._handle._retries > 0 else None
         return _split(ObjectRef(what, submit(), retry=retry, retries=self._handle._retries, kept=kept),

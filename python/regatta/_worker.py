@@ -9,7 +9,10 @@ task's function. It is answered ``O`` + the pickled result, ``R`` + the id of th
 it stored a result of a mebibyte or more in (see ``_answer``), or ``E`` + the pickled
 ``(exception or None, traceback text)``, preceded, when the call printed anything, by
 ``L`` + this process's pid and the text's length (4 bytes each, big-endian) + the text:
-the driver prints it as Ray's ``log_to_driver`` does.
+the driver prints it as Ray's ``log_to_driver`` does. A call that runs longer than a second
+sends no such text: what it prints (from its start) goes to stderr marked live (lines
+starting ``\x1e``), and the driver follows those lines through the actor's log as they
+come; so do actors whose calls run beside each other, for everything they print.
 
 User code's prints go to stderr (the node's log and the actor's log on the dashboard), never
 into the frames' own bytes.
@@ -47,19 +50,88 @@ def _read_exact(stream, n):
     return b"".join(chunks)
 
 
+# A call that has run this long has its prints followed live by its caller.
+_LIVE_AFTER = 1.0
+# What starts a stderr line the caller follows live (the Rust side keeps it marked live).
+_LIVE_MARK = "\x1e"
+
+
+class _Live:
+    """Writes to the process's stderr with each line marked live: the caller's driver
+    follows these lines through the actor's log while the call runs."""
+
+    def __init__(self, out):
+        self.out = out
+        self.line_start = True
+
+    def write(self, text):
+        parts = text.split("\n")
+        for i, part in enumerate(parts):
+            piece = part if i == len(parts) - 1 else part + "\n"
+            if not piece:
+                continue
+            if self.line_start:
+                self.out.write(_LIVE_MARK)
+            self.out.write(piece)
+            self.line_start = piece.endswith("\n")
+        return len(text)
+
+    def flush(self):
+        self.out.flush()
+
+    def isatty(self):
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.out, name)
+
+
 class _Tee:
-    """Writes to the process's stderr and keeps a copy of what this call printed."""
+    """What one call prints: held for the call's first second, then (once the call has run
+    that long) written marked live, what was held first. A call that ends sooner sends what
+    it printed with its answer (``kept``), and it goes to stderr unmarked then (``close``):
+    each line reaches the driver once, in order, and the node's log once."""
 
     def __init__(self, out):
         self.out = out
         self.kept = []
+        self.started = time.monotonic()
+        self.live = None
+        self.closed = False
+        self.lock = threading.Lock()
+
+    def go_live(self):
+        """Once the call has run a second: what was held, and from now on all, goes out
+        marked live (also called by a watcher, for a call that printed and then went quiet)."""
+        with self.lock:
+            if self.live is None and not self.closed and time.monotonic() - self.started >= _LIVE_AFTER:
+                self.live = _Live(self.out)
+                self.live.write("".join(self.kept))
+                self.out.flush()
+                self.kept = []
 
     def write(self, text):
-        self.kept.append(text)
-        return self.out.write(text)
+        self.go_live()
+        with self.lock:
+            if self.live is not None:
+                return self.live.write(text)
+            self.kept.append(text)
+            return len(text)
+
+    def close(self):
+        """Ends the call: what was held goes to stderr unmarked; the held text, for the answer."""
+        with self.lock:
+            self.closed = True
+            held = "".join(self.kept)
+            if held:
+                self.out.write(held)
+            self.out.flush()
+            return held
 
     def flush(self):
-        self.out.flush()
+        with self.lock:
+            if self.live is not None:
+                self.out.flush()
 
     def isatty(self):
         return False
@@ -206,14 +278,26 @@ def main():
     write(b"O")
     limit = int(os.environ.get("REGATTA_MAX_CONCURRENCY", "1"))
     if limit > 1:
+        # Calls beside each other print into one stream: all of it followed live.
+        sys.stdout = sys.stderr = _Live(sys.__stderr__)
         _serve_concurrently(instance, read, write, limit, failure, cloudpickle)
         return
     loop = None
+    current = [None]
+
+    def watch_quiet_calls():
+        while True:
+            time.sleep(_LIVE_AFTER / 4)
+            tee = current[0]
+            if tee is not None:
+                tee.go_live()
+
+    threading.Thread(target=watch_quiet_calls, daemon=True, name="regatta-live").start()
     while True:
         request = read()
         if request is None:
             return
-        tee = _Tee(sys.__stderr__)
+        tee = current[0] = _Tee(sys.__stderr__)
         sys.stdout = sys.stderr = tee
         try:
             method, function, args, kwargs = cloudpickle.loads(request)
@@ -233,8 +317,7 @@ def main():
             answer = failure(error)
         finally:
             sys.stdout = sys.stderr = sys.__stderr__
-            sys.__stderr__.flush()
-        printed = "".join(tee.kept).encode("utf-8", "replace")
+        printed = tee.close().encode("utf-8", "replace")
         if printed:
             answer = b"L" + struct.pack(">II", os.getpid(), len(printed)) + printed + answer
         write(answer)

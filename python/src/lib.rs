@@ -500,6 +500,17 @@ impl Cluster {
             .map_err(error)
     }
 
+    /// The actor's log lines after line number `after`, as `(number, live, text)`: what
+    /// the driver follows of a long call (`live` lines are the ones the call's worker
+    /// marked for its caller).
+    fn actor_logs(&self, py: Python<'_>, actor: u64, after: u64) -> PyResult<Vec<(u64, bool, String)>> {
+        let cluster = self.cluster()?;
+        let lines = py
+            .detach(|| runtime().block_on(cluster.actor_logs(ActorId(actor), after)))
+            .map_err(error)?;
+        Ok(lines.into_iter().map(|line| (line.seq, line.live, line.text)).collect())
+    }
+
     /// The id of the live actor named `name`, if any.
     fn named(&self, py: Python<'_>, name: String) -> PyResult<Option<u64>> {
         let cluster = self.cluster()?;

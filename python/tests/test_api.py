@@ -276,6 +276,54 @@ def test_what_remote_code_prints_reaches_the_driver_prefixed(capsys):
 
 
 @regatta.remote
+def ticker(n, pause):
+    import sys
+
+    print("tick 0 (held a second, then sent live)")
+    for i in range(1, n):
+        time.sleep(pause)
+        print(f"tick {i}", file=sys.stderr if i % 2 else sys.stdout)
+    return n
+
+
+@regatta.remote(max_concurrency=2)
+class Announcer:
+    def say(self, text):
+        print(text)
+        return text
+
+
+def printed(capsys, needle):
+    return [line for line in capsys.readouterr().out.splitlines() if needle in line]
+
+
+def test_a_long_call_prints_while_it_runs_each_line_once_in_order(capsys):
+    ref = ticker.remote(16, 0.4)
+    # Lines arrive while the call runs: long before its result.
+    seen, deadline = [], time.time() + 30
+    while not any("tick 3" in line for line in seen) and time.time() < deadline:
+        seen += printed(capsys, "tick")
+        time.sleep(0.1)
+    assert any(line == "(ticker) tick 3" for line in seen), seen
+    assert not ref._ready(), "the lines came before the result"
+    assert regatta.get(ref, timeout=60) == 16
+    deadline = time.time() + 10
+    while not any("tick 15" in line for line in seen) and time.time() < deadline:
+        seen += printed(capsys, "tick")
+        time.sleep(0.1)
+    texts = [line.removeprefix("(ticker) ") for line in seen]
+    assert texts == ["tick 0 (held a second, then sent live)"] + [f"tick {i}" for i in range(1, 16)], seen
+    # An actor whose calls run beside each other: its prints are followed too.
+    announcer = Announcer.remote()
+    assert regatta.get(announcer.say.remote("hello from beside")) == "hello from beside"
+    seen, deadline = [], time.time() + 10
+    while not seen and time.time() < deadline:
+        seen = printed(capsys, "hello from beside")
+        time.sleep(0.1)
+    assert seen == ["(Announcer.say) hello from beside"], seen
+
+
+@regatta.remote
 def total(array):
     return float(array.sum()), array.flags.writeable
 

@@ -103,10 +103,19 @@ impl ActorContext {
     /// Writes `text` to this actor's log: kept on its node (the last 200 lines), shown on
     /// the dashboard's actor page, and logged by the worker process too.
     pub fn log(&self, text: impl AsRef<str>) {
-        let text = text.as_ref();
+        self.log_marked(text.as_ref(), false);
+    }
+
+    /// Writes `text` to this actor's log marked live: written while a call runs, for its
+    /// caller to follow as it comes (what a Python driver prints of a long call).
+    pub fn log_live(&self, text: impl AsRef<str>) {
+        self.log_marked(text.as_ref(), true);
+    }
+
+    fn log_marked(&self, text: &str, live: bool) {
         tracing::info!(actor = %self.id, "{text}");
         if let Ok(mut book) = self.logs.lock() {
-            book.push(self.id, unix_ms(), text);
+            book.push_marked(self.id, unix_ms(), text, live);
         }
     }
 

@@ -8,14 +8,17 @@ use ractor::ActorCell;
 use serde::de::DeserializeOwned;
 
 use crate::calls::{CallPath, CallPlane, Target};
-use crate::error::{Error, Result};
+use crate::error::{failure_to_error, Error, Result};
 use crate::headlink::HeadLink;
 use crate::node;
 use crate::objects::ObjectService;
 use crate::placement::Strategy;
-use crate::protocol::{ActorId, ActorView, BundleRef, ClusterStatus, GroupId, GroupSpec, HeadRequest};
+use crate::protocol::{
+    ActorId, ActorView, AgentRequest, BundleRef, ClusterStatus, Failure, GroupId, GroupSpec, HeadRequest,
+};
 use crate::resources::Resources;
 use crate::wire::{self, CallError};
+use regatta_proto::actor_log::LogLine;
 use regatta_proto::runs::RunPoint;
 use regatta_proto::view::{View, ViewQuery};
 
@@ -207,6 +210,46 @@ impl Cluster {
         node::wait_member(self.scope(), group, wait).await
     }
 
+    /// `node`'s address from the head when this process sees no member of its `group`
+    /// yet (no session to that node: [`Cluster::node_member`] opens one).
+    async fn address_to_reach(&self, node: &str, group: &str) -> Result<Option<String>> {
+        if node::first_member(self.scope(), group).is_some() {
+            return Ok(None);
+        }
+        let status = self.status().await?;
+        Ok(status.nodes.into_iter().find(|n| n.name == node).map(|n| n.address))
+    }
+
+    /// The actor's log lines after line number `after` (0: all it keeps), asked of the
+    /// agent on the node it runs (or last ran) on: what a driver follows of a long call.
+    /// Empty while the actor is not placed yet.
+    pub async fn actor_logs(&self, id: ActorId, after: u64) -> Result<Vec<LogLine>> {
+        const WAIT: Duration = Duration::from_secs(5);
+        let row = match self.view(ViewQuery::Actor(id)).await? {
+            View::Actor(Some(row)) => row,
+            _ => return Err(Error::Rejected(format!("no actor {id} (dead actors are kept for a while only)"))),
+        };
+        let Some(node) = row.node.or(row.last_node) else {
+            return Ok(Vec::new());
+        };
+        let group = node::agent_group(&node);
+        let address = self.address_to_reach(&node, &group).await?;
+        let agent = self
+            .node_member(&node, &group, address.as_deref(), WAIT)
+            .await
+            .ok_or_else(|| Error::Rejected(format!("node {node} is not reachable: its log lines went with it")))?;
+        let reply = wire::call_raw(&agent, wire::encode(&AgentRequest::Logs(id)), WAIT)
+            .await
+            .map_err(|e| match e {
+                CallError::Timeout => Error::Rejected(format!("node {node} did not answer in {WAIT:?}")),
+                CallError::Unreachable(why) | CallError::NotSent(why) => Error::Rejected(why),
+            })?;
+        let lines = wire::decode::<std::result::Result<Vec<LogLine>, Failure>>(&reply, "actor log lines")
+            .and_then(|lines| lines)
+            .map_err(|failure| failure_to_error(failure, Some(id)))?;
+        Ok(lines.into_iter().filter(|line| line.seq > after).collect())
+    }
+
     /// Sends raw bytes as a call to `target` (`head`, `agent/<node>`, `router/<node>`, or
     /// `actor/<id>`: a user actor, through its node's router) and returns the raw reply, for
     /// protocol robustness tests.
@@ -238,13 +281,7 @@ impl Cluster {
                     // `agent/<node>` or `router/<node>`: a session to that node first, when
                     // this process has none (its address from the head).
                     let node = target.split_once('/').map(|(_, node)| node).unwrap_or_default();
-                    let address = match node::first_member(self.scope(), target) {
-                        Some(_) => None,
-                        None => {
-                            let status = self.status().await.map_err(|e| e.to_string())?;
-                            status.nodes.into_iter().find(|n| n.name == node).map(|n| n.address)
-                        }
-                    };
+                    let address = self.address_to_reach(node, target).await.map_err(|e| e.to_string())?;
                     self.node_member(node, target, address.as_deref(), TIMEOUT)
                         .await
                         .ok_or_else(|| format!("no actor in group {target}"))?

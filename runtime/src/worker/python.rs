@@ -11,7 +11,8 @@
 //! (the error's text). A call's answer starts with `O` or `E` too; the driver unpickles it.
 //!
 //! What the process prints (its stderr) becomes the actor's log: the node's log, and the
-//! actor's last lines on the dashboard.
+//! actor's last lines on the dashboard. Lines the process starts with `\x1e` are kept
+//! marked live: the calling driver follows them while the call runs.
 //!
 //! A process that dies fails the call in flight with its cause; the next call starts a
 //! new process and runs the constructor again, up to `max_restarts` times (Ray's actor
@@ -31,6 +32,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::client::{Actor, ActorContext, ActorError};
 use crate::executor::{self, Executor, Launch};
+
+/// What starts a line of the process's stderr that its caller follows live (the worker
+/// marks what a call prints once it has run a while; see `_worker.py`).
+const LIVE_MARK: char = '\u{1e}';
 
 /// The largest frame either side sends (2 GiB): bigger values belong in the object store.
 pub const MAX_FRAME: usize = (1 << 31) - 1;
@@ -168,7 +173,10 @@ impl PythonActor {
                 use tokio::io::AsyncBufReadExt;
                 let mut lines = tokio::io::BufReader::new(stderr).lines();
                 while let Ok(Some(line)) = lines.next_line().await {
-                    ctx.log(line);
+                    match line.strip_prefix(LIVE_MARK) {
+                        Some(live) => ctx.log_live(live),
+                        None => ctx.log(line),
+                    }
                 }
             });
         }
