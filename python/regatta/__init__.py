@@ -66,6 +66,8 @@ _NOT_YET = {"placement_group", "concurrency_groups",
 # followed actors' logs are read this often.
 _LIVE_AFTER = 1.0
 _FOLLOW_EVERY = 0.5
+# A call whose actor has waited this long for resources is warned about (once per actor).
+_WAITING_WARN_AFTER = float(os.environ.get("REGATTA_WAITING_WARN_AFTER", "10"))
 
 
 class _Follower:
@@ -80,6 +82,7 @@ class _Follower:
         self.calls = collections.deque()  # (actor, what, started, pending, concurrent), in call order
         self.followed = {}  # actor -> [(what, pending, concurrent)] of calls followed
         self.seen = {}  # actor -> number of the last log line printed
+        self.warned = set()  # actors said to be waiting for resources
         self.lock = threading.Lock()
         self.thread = None
         self.stopped = threading.Event()
@@ -110,11 +113,29 @@ class _Follower:
                 # Ended calls are let go after this read, which catches their last lines.
                 ended = [call for call in calls if call[1].done()]
                 self.print_new(actor, calls[0][0].removeprefix("task "))
+                if len(ended) < len(calls):
+                    self.warn_if_waiting(actor, calls[0][0])
                 left = [call for call in calls if call not in ended]
                 if left:
                     self.followed[actor] = left
                 else:
                     del self.followed[actor]
+
+    def warn_if_waiting(self, actor, what):
+        """Says once, as Ray does, when a call's actor has waited long for resources that no
+        node has free (an actor asking for more than any node has is refused at once)."""
+        if actor in self.warned:
+            return
+        try:
+            waiting = self.cluster.actor_waiting(actor)
+        except Exception:
+            return
+        if waiting is not None and waiting[0] >= _WAITING_WARN_AFTER:
+            self.warned.add(actor)
+            print(f"regatta: warning: {what} has waited {waiting[0]:.0f} s for resources: it asks for "
+                  f"{waiting[1] or 'nothing'}, which no node has free now (held by other actors or "
+                  "reservations). It starts when they are freed; `regatta status` lists it pending.",
+                  file=sys.stderr, flush=True)
 
     def print_new(self, actor, name):
         try:

@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, oneshot};
 use regatta::local::{LocalCluster, LocalOptions, WorkerSpec};
 use regatta::{
     ActorId, ActorOptions, Client, ObjectId, ObjectRef, PlacementGroup, PythonActor, PythonArgs, Resources, Strategy,
+    View, ViewQuery,
 };
 
 /// Python calls have no deadline of their own (as in Ray): a day is "never" for a driver.
@@ -509,6 +510,19 @@ impl Cluster {
             .detach(|| runtime().block_on(cluster.actor_logs(ActorId(actor), after)))
             .map_err(error)?;
         Ok(lines.into_iter().map(|line| (line.seq, line.live, line.text)).collect())
+    }
+
+    /// For an actor waiting for resources (pending, or restarting elsewhere): `(seconds
+    /// waited, resources it asks for)`; None once it is placed (or gone).
+    fn actor_waiting(&self, py: Python<'_>, actor: u64) -> PyResult<Option<(f64, String)>> {
+        let cluster = self.cluster()?;
+        let view = py
+            .detach(|| runtime().block_on(cluster.view(ViewQuery::Actor(ActorId(actor)))))
+            .map_err(error)?;
+        Ok(match view {
+            View::Actor(Some(row)) => row.waiting_s.map(|waited| (waited, row.resources.to_string())),
+            _ => None,
+        })
     }
 
     /// The id of the live actor named `name`, if any.

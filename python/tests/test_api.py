@@ -183,6 +183,23 @@ def test_resources_are_reported_and_requests_are_honoured():
     assert "GPU" in str(caught.value)
 
 
+def test_a_call_whose_actor_waits_for_resources_is_warned_about_and_runs_once_they_are_free(capsys, monkeypatch):
+    monkeypatch.setattr(regatta, "_WAITING_WARN_AFTER", 1.0)
+    holder = Counter.options(num_cpus=2).remote(0)
+    assert regatta.get(holder.add.remote(1), timeout=60) == 1
+    waiting = Counter.options(num_cpus=1).remote(0)
+    ref = waiting.add.remote(5)
+    deadline, err = time.time() + 30, ""
+    while "waited" not in err and time.time() < deadline:
+        err += capsys.readouterr().err
+        time.sleep(0.2)
+    assert "Counter.add has waited" in err and "CPU=1" in err and "regatta status" in err, err
+    assert not ref._ready()
+    regatta.kill(holder)
+    assert regatta.get(ref, timeout=60) == 5
+    regatta.kill(waiting)
+
+
 def test_bad_input_gets_a_clear_error():
     with pytest.raises(ValueError, match="unknown option 'num_cpu'"):
         square.options(num_cpu=1)
