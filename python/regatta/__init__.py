@@ -80,7 +80,7 @@ class _Follower:
     def __init__(self, cluster):
         self.cluster = cluster
         self.calls = collections.deque()  # (actor, what, started, pending, concurrent), in call order
-        self.followed = {}  # actor -> [(what, pending, concurrent)] of calls followed
+        self.followed = {}  # actor -> [(what, started, pending)] of calls followed, in call order
         self.seen = {}  # actor -> number of the last log line printed
         self.warned = set()  # actors said to be waiting for resources
         self.lock = threading.Lock()
@@ -106,18 +106,18 @@ class _Follower:
             # Calls old enough to be followed (or of a concurrent actor) become followed;
             # a call that already ended in its first second printed through its answer.
             while self.calls and (self.calls[0][4] or now - self.calls[0][2] >= _LIVE_AFTER):
-                actor, what, _, pending, concurrent = self.calls.popleft()
+                actor, what, started, pending, concurrent = self.calls.popleft()
                 if concurrent or not pending.done():
-                    self.followed.setdefault(actor, []).append((what, pending, concurrent))
+                    self.followed.setdefault(actor, []).append((what, started, pending))
             for actor, calls in list(self.followed.items()):
-                # Ended calls are let go after this read, which catches their last lines.
-                ended = [call for call in calls if call[1].done()]
+                # Calls that ended before this read are let go after it: it has their last lines.
+                ended = [call[2].done() for call in calls]
                 self.print_new(actor, calls[0][0].removeprefix("task "))
-                if len(ended) < len(calls):
-                    self.warn_if_waiting(actor, calls[0][0])
-                left = [call for call in calls if call not in ended]
+                left = [call for call, done in zip(calls, ended) if not done]
                 if left:
                     self.followed[actor] = left
+                    if now - left[0][1] >= _WAITING_WARN_AFTER:
+                        self.warn_if_waiting(actor, left[0][0])
                 else:
                     del self.followed[actor]
 

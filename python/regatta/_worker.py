@@ -241,7 +241,7 @@ def main():
     import cloudpickle
 
     _exit_when_orphaned()
-    frames_in = os.fdopen(0, "rb", buffering=0)
+    frames_in = os.fdopen(0, "rb")  # buffered: a frame's length and bytes in one read
     frames_out = os.fdopen(os.dup(1), "wb")
     # Prints, of user code and of libraries, go to stderr from here on.
     os.dup2(2, 1)
