@@ -30,11 +30,16 @@ fn crc32_in(bytes: &[u8], threads: usize) -> u32 {
             .collect();
         let mut sums = vec![(crc32fast::hash(first), first.len() as u64)];
         // A thread that cannot run its piece (it panicked) is summed again here.
-        sums.extend(others.into_iter().zip(bytes.chunks(piece).skip(1)).map(|(handle, chunk)| {
-            handle
-                .join()
-                .unwrap_or_else(|_| (crc32fast::hash(chunk), chunk.len() as u64))
-        }));
+        sums.extend(
+            others
+                .into_iter()
+                .zip(bytes.chunks(piece).skip(1))
+                .map(|(handle, chunk)| {
+                    handle
+                        .join()
+                        .unwrap_or_else(|_| (crc32fast::hash(chunk), chunk.len() as u64))
+                }),
+        );
         sums
     });
     let mut whole = crc32fast::Hasher::new();
@@ -58,7 +63,10 @@ mod tests {
         for threads in [1, 2, 3, 5] {
             assert_eq!(crc32_in(&bytes, threads), whole, "{threads} threads");
         }
-        assert_eq!(crc32_in(&bytes[..PARALLEL_MIN - 1], 4), crc32fast::hash(&bytes[..PARALLEL_MIN - 1]));
+        assert_eq!(
+            crc32_in(&bytes[..PARALLEL_MIN - 1], 4),
+            crc32fast::hash(&bytes[..PARALLEL_MIN - 1])
+        );
         assert_ne!(crc32_in(&bytes[1..], 4), whole);
     }
 }

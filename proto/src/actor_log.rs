@@ -85,6 +85,16 @@ impl ActorLogBook {
         }
     }
 
+    /// Marks the last `count` lines kept for `actor` live: a call's first lines, written
+    /// as they came, that its caller is to follow now that the call runs long.
+    pub fn mark_live(&mut self, actor: ActorId, count: usize) {
+        if let Some((_, lines)) = self.lines.get_mut(&actor) {
+            for line in lines.iter_mut().rev().take(count) {
+                line.live = true;
+            }
+        }
+    }
+
     /// The kept lines of `actor`, oldest first.
     pub fn lines(&self, actor: ActorId) -> Vec<LogLine> {
         self.lines
@@ -158,5 +168,10 @@ mod tests {
         assert!(one.iter().all(|l| !l.live));
         let two = book.lines(ActorId(2));
         assert_eq!((two[0].seq, two[0].live, two[0].text.as_str()), (3, true, "live one"));
+        book.mark_live(ActorId(1), 2);
+        let live: Vec<bool> = book.lines(ActorId(1)).iter().map(|l| l.live).collect();
+        assert_eq!(live, vec![false, true, true]);
+        book.mark_live(ActorId(9), 1);
+        assert!(book.lines(ActorId(9)).is_empty());
     }
 }

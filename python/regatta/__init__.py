@@ -142,9 +142,11 @@ class _Follower:
             lines = self.cluster.actor_logs(actor, self.seen.get(actor, 0))
         except Exception:  # the actor or its node is gone: its lines went with it
             return
+        # Only live lines move the cursor: a call's first lines are marked live after the
+        # fact, so lines read unmarked are read again until a live line passes them.
         for number, live, text in lines:
-            self.seen[actor] = max(self.seen.get(actor, 0), number)
             if live:
+                self.seen[actor] = max(self.seen.get(actor, 0), number)
                 print(f"({name}) {text}", flush=True)
 
     def stop(self):

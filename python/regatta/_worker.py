@@ -87,10 +87,11 @@ class _Live:
 
 
 class _Tee:
-    """What one call prints: held for the call's first second, then (once the call has run
-    that long) written marked live, what was held first. A call that ends sooner sends what
-    it printed with its answer (``kept``), and it goes to stderr unmarked then (``close``):
-    each line reaches the driver once, in order, and the node's log once."""
+    """What one call prints, written to stderr as it comes (so a crash loses none of it)
+    and kept: a call that ends within its first second sends the kept text with its answer.
+    Once the call has run that long, the kept lines are marked live after the fact (a
+    ``\x1e\x1d`` + count line) and what follows is written marked live, for the driver to
+    follow: each line reaches the driver once, in order, and the node's log once."""
 
     def __init__(self, out):
         self.out = out
@@ -106,7 +107,14 @@ class _Tee:
         with self.lock:
             if self.live is None and not self.closed and time.monotonic() - self.started >= _LIVE_AFTER:
                 self.live = _Live(self.out)
-                self.live.write("".join(self.kept))
+                kept = "".join(self.kept)
+                if kept:
+                    if not kept.endswith("\n"):
+                        kept += "\n"
+                        self.out.write("\n")
+                    # The lines the node kept of it: empty ones are not kept.
+                    count = sum(1 for line in kept.split("\n") if line.rstrip("\r"))
+                    self.out.write(f"{_LIVE_MARK}\x1d{count}\n")
                 self.out.flush()
                 self.kept = []
 
@@ -116,17 +124,14 @@ class _Tee:
             if self.live is not None:
                 return self.live.write(text)
             self.kept.append(text)
-            return len(text)
+            return self.out.write(text)
 
     def close(self):
-        """Ends the call: what was held goes to stderr unmarked; the held text, for the answer."""
+        """Ends the call: the text kept for its answer (none once it went live)."""
         with self.lock:
             self.closed = True
-            held = "".join(self.kept)
-            if held:
-                self.out.write(held)
             self.out.flush()
-            return held
+            return "".join(self.kept)
 
     def flush(self):
         with self.lock:

@@ -112,6 +112,13 @@ impl ActorContext {
         self.log_marked(text.as_ref(), true);
     }
 
+    /// Marks this actor's last `count` log lines live (see [`ActorContext::log_live`]).
+    pub fn mark_live(&self, count: usize) {
+        if let Ok(mut book) = self.logs.lock() {
+            book.mark_live(self.id, count);
+        }
+    }
+
     fn log_marked(&self, text: &str, live: bool) {
         tracing::info!(actor = %self.id, "{text}");
         if let Ok(mut book) = self.logs.lock() {

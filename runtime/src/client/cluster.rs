@@ -227,7 +227,11 @@ impl Cluster {
         const WAIT: Duration = Duration::from_secs(5);
         let row = match self.view(ViewQuery::Actor(id)).await? {
             View::Actor(Some(row)) => row,
-            _ => return Err(Error::Rejected(format!("no actor {id} (dead actors are kept for a while only)"))),
+            _ => {
+                return Err(Error::Rejected(format!(
+                    "no actor {id} (dead actors are kept for a while only)"
+                )))
+            }
         };
         let Some(node) = row.node.or(row.last_node) else {
             return Ok(Vec::new());

@@ -12,7 +12,8 @@
 //!
 //! What the process prints (its stderr) becomes the actor's log: the node's log, and the
 //! actor's last lines on the dashboard. Lines the process starts with `\x1e` are kept
-//! marked live: the calling driver follows them while the call runs.
+//! marked live: the calling driver follows them while the call runs; `\x1e\x1d` and a
+//! count marks that many of the actor's last lines live.
 //!
 //! A process that dies fails the call in flight with its cause; the next call starts a
 //! new process and runs the constructor again, up to `max_restarts` times (Ray's actor
@@ -36,6 +37,9 @@ use crate::executor::{self, Executor, Launch};
 /// What starts a line of the process's stderr that its caller follows live (the worker
 /// marks what a call prints once it has run a while; see `_worker.py`).
 const LIVE_MARK: char = '\u{1e}';
+/// After [`LIVE_MARK`], with a count: "my last this many lines are live too" (what a call
+/// printed in its first second, written as it came, once the call has run that long).
+const MARK_LIVE: char = '\u{1d}';
 
 /// Frames up to this size are written with one copy into one buffer (one write).
 const SMALL_FRAME: usize = 64 << 10;
@@ -185,6 +189,10 @@ impl PythonActor {
                 let mut lines = tokio::io::BufReader::new(stderr).lines();
                 while let Ok(Some(line)) = lines.next_line().await {
                     match line.strip_prefix(LIVE_MARK) {
+                        Some(held) if held.starts_with(MARK_LIVE) => match held[MARK_LIVE.len_utf8()..].parse() {
+                            Ok(count) => ctx.mark_live(count),
+                            Err(_) => ctx.log_live(held),
+                        },
                         Some(live) => ctx.log_live(live),
                         None => ctx.log(line),
                     }
