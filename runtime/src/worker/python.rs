@@ -189,11 +189,10 @@ impl PythonActor {
                 let mut lines = tokio::io::BufReader::new(stderr).lines();
                 while let Ok(Some(line)) = lines.next_line().await {
                     match line.strip_prefix(LIVE_MARK) {
-                        Some(held) if held.starts_with(MARK_LIVE) => match held[MARK_LIVE.len_utf8()..].parse() {
-                            Ok(count) => ctx.mark_live(count),
-                            Err(_) => ctx.log_live(held),
+                        Some(live) => match live.strip_prefix(MARK_LIVE).map(str::parse) {
+                            Some(Ok(count)) => ctx.mark_live(count),
+                            _ => ctx.log_live(live),
                         },
-                        Some(live) => ctx.log_live(live),
                         None => ctx.log(line),
                     }
                 }
