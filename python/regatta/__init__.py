@@ -66,6 +66,8 @@ _NOT_YET = {"placement_group", "concurrency_groups",
 # followed actors' logs are read this often.
 _LIVE_AFTER = 1.0
 _FOLLOW_EVERY = 0.5
+# How long an ended call's actor is still read (its last lines may come after its answer).
+_ENDED_GRACE = 1.0
 # A call whose actor has waited this long for resources is warned about (once per actor).
 _WAITING_WARN_AFTER = float(os.environ.get("REGATTA_WAITING_WARN_AFTER", "10"))
 
@@ -74,13 +76,13 @@ class _Follower:
     """Prints what calls print while they run (Ray's ``log_to_driver``): a call that runs
     longer than a second, and every call of an actor that runs calls beside each other,
     writes its prints marked live into its actor's log; a thread here reads those actors'
-    new lines every half second while such calls run (and once after they end) and prints
-    them prefixed. Shorter calls' prints come with their answers instead (``_decode``)."""
+    new lines every half second while such calls run (and for a second after they end) and
+    prints them prefixed. Shorter calls' prints come with their answers instead (``_decode``)."""
 
     def __init__(self, cluster):
         self.cluster = cluster
         self.calls = collections.deque()  # (actor, what, started, pending, concurrent), in call order
-        self.followed = {}  # actor -> [(what, started, pending)] of calls followed, in call order
+        self.followed = {}  # actor -> [(what, started, pending, seen ended at)] of calls followed
         self.seen = {}  # actor -> number of the last log line printed
         self.warned = set()  # actors said to be waiting for resources
         self.lock = threading.Lock()
@@ -108,16 +110,20 @@ class _Follower:
             while self.calls and (self.calls[0][4] or now - self.calls[0][2] >= _LIVE_AFTER):
                 actor, what, started, pending, concurrent = self.calls.popleft()
                 if concurrent or not pending.done():
-                    self.followed.setdefault(actor, []).append((what, started, pending))
+                    self.followed.setdefault(actor, []).append((what, started, pending, None))
             for actor, calls in list(self.followed.items()):
-                # Calls that ended before this read are let go after it: it has their last lines.
-                ended = [call[2].done() for call in calls]
+                # A call's last lines can reach its node's log just after its answer reached
+                # here: an ended call is let go only after a read a grace period later.
+                for i, (what, started, pending, ended) in enumerate(calls):
+                    if ended is None and pending.done():
+                        calls[i] = (what, started, pending, now)
                 self.print_new(actor, calls[0][0].removeprefix("task "))
-                left = [call for call, done in zip(calls, ended) if not done]
+                left = [call for call in calls if call[3] is None or now - call[3] < _ENDED_GRACE]
                 if left:
                     self.followed[actor] = left
-                    if now - left[0][1] >= _WAITING_WARN_AFTER:
-                        self.warn_if_waiting(actor, left[0][0])
+                    waiting = [call for call in left if call[3] is None]
+                    if waiting and now - waiting[0][1] >= _WAITING_WARN_AFTER:
+                        self.warn_if_waiting(actor, waiting[0][0])
                 else:
                     del self.followed[actor]
 
@@ -150,10 +156,13 @@ class _Follower:
                 print(f"({name}) {text}", flush=True)
 
     def stop(self):
-        """Stops following, after a last read of the calls still followed."""
+        """Stops following, after a last read of the calls still followed (a moment after
+        the last answers, whose lines may still be on their way into the nodes' logs)."""
         self.stopped.set()
         if self.thread is not None:
             self.thread.join(timeout=5)
+            if self.followed or self.calls:
+                time.sleep(_FOLLOW_EVERY / 2)
             self.tick()
 
 
