@@ -83,7 +83,8 @@ class _Follower:
         self.cluster = cluster
         self.calls = collections.deque()  # (actor, what, started, pending, concurrent), in call order
         self.followed = {}  # actor -> [(what, started, pending, seen ended at)] of calls followed
-        self.seen = {}  # actor -> number of the last log line printed
+        self.seen = {}  # (actor, node) -> number of the last log line printed there
+        self.nodes = {}  # actor -> the node its lines were last read on
         self.warned = set()  # actors said to be waiting for resources
         self.lock = threading.Lock()
         self.thread = None
@@ -144,15 +145,23 @@ class _Follower:
                   file=sys.stderr, flush=True)
 
     def print_new(self, actor, name):
+        # Lines are numbered per node: an actor restarted on another node starts a cursor there.
+        node = self.nodes.get(actor)
         try:
-            lines = self.cluster.actor_logs(actor, self.seen.get(actor, 0))
+            node_now, lines = self.cluster.actor_logs(actor, self.seen.get((actor, node), 0))
         except Exception:  # the actor or its node is gone: its lines went with it
             return
+        if node_now != node:
+            self.nodes[actor] = node_now
+            try:
+                node_now, lines = self.cluster.actor_logs(actor, self.seen.get((actor, node_now), 0))
+            except Exception:
+                return
         # Only live lines move the cursor: a call's first lines are marked live after the
         # fact, so lines read unmarked are read again until a live line passes them.
         for number, live, text in lines:
             if live:
-                self.seen[actor] = max(self.seen.get(actor, 0), number)
+                self.seen[(actor, node_now)] = max(self.seen.get((actor, node_now), 0), number)
                 print(f"({name}) {text}", flush=True)
 
     def stop(self):

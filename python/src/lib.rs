@@ -501,15 +501,25 @@ impl Cluster {
             .map_err(error)
     }
 
-    /// The actor's log lines after line number `after`, as `(number, live, text)`: what
-    /// the driver follows of a long call (`live` lines are the ones the call's worker
-    /// marked for its caller).
-    fn actor_logs(&self, py: Python<'_>, actor: u64, after: u64) -> PyResult<Vec<(u64, bool, String)>> {
+    /// The node the actor runs (or last ran) on, and its log lines there after line number
+    /// `after` (the node's own numbering), as `(number, live, text)`: what the driver
+    /// follows of a long call (`live` lines are the ones the call's worker marked for its
+    /// caller).
+    #[allow(clippy::type_complexity)]
+    fn actor_logs(
+        &self,
+        py: Python<'_>,
+        actor: u64,
+        after: u64,
+    ) -> PyResult<(Option<String>, Vec<(u64, bool, String)>)> {
         let cluster = self.cluster()?;
-        let lines = py
+        let (node, lines) = py
             .detach(|| runtime().block_on(cluster.actor_logs(ActorId(actor), after)))
             .map_err(error)?;
-        Ok(lines.into_iter().map(|line| (line.seq, line.live, line.text)).collect())
+        Ok((
+            node,
+            lines.into_iter().map(|line| (line.seq, line.live, line.text)).collect(),
+        ))
     }
 
     /// For an actor waiting for resources (pending, or restarting elsewhere): `(seconds

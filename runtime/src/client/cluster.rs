@@ -220,10 +220,11 @@ impl Cluster {
         Ok(status.nodes.into_iter().find(|n| n.name == node).map(|n| n.address))
     }
 
-    /// The actor's log lines after line number `after` (0: all it keeps), asked of the
-    /// agent on the node it runs (or last ran) on: what a driver follows of a long call.
-    /// Empty while the actor is not placed yet.
-    pub async fn actor_logs(&self, id: ActorId, after: u64) -> Result<Vec<LogLine>> {
+    /// The node the actor runs (or last ran) on and its log lines there after line number
+    /// `after` (0: all it keeps; numbers are the node's own), asked of that node's agent:
+    /// what a driver follows of a long call. No node and no lines while the actor is not
+    /// placed yet.
+    pub async fn actor_logs(&self, id: ActorId, after: u64) -> Result<(Option<String>, Vec<LogLine>)> {
         const WAIT: Duration = Duration::from_secs(5);
         let row = match self.view(ViewQuery::Actor(id)).await? {
             View::Actor(Some(row)) => row,
@@ -234,7 +235,7 @@ impl Cluster {
             }
         };
         let Some(node) = row.node.or(row.last_node) else {
-            return Ok(Vec::new());
+            return Ok((None, Vec::new()));
         };
         let group = node::agent_group(&node);
         let address = self.address_to_reach(&node, &group).await?;
@@ -251,7 +252,7 @@ impl Cluster {
         let lines = wire::decode::<std::result::Result<Vec<LogLine>, Failure>>(&reply, "actor log lines")
             .and_then(|lines| lines)
             .map_err(|failure| failure_to_error(failure, Some(id)))?;
-        Ok(lines.into_iter().filter(|line| line.seq > after).collect())
+        Ok((Some(node), lines.into_iter().filter(|line| line.seq > after).collect()))
     }
 
     /// Sends raw bytes as a call to `target` (`head`, `agent/<node>`, `router/<node>`, or
