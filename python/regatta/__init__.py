@@ -42,12 +42,13 @@ import time
 import cloudpickle
 
 from . import _native
-from .exceptions import ActorDiedError, GetTimeoutError, RegattaError, TaskError, WorkerCrashedError
+from .exceptions import (ActorDiedError, GetTimeoutError, InfeasibleError, RegattaError, TaskError,
+                         WorkerCrashedError)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "remote", "get", "put", "wait", "kill", "get_actor",
     "cluster_resources", "available_resources", "nodes", "ObjectRef", "ActorHandle",
-    "TaskError", "ActorDiedError", "WorkerCrashedError", "GetTimeoutError", "RegattaError",
+    "TaskError", "ActorDiedError", "WorkerCrashedError", "GetTimeoutError", "InfeasibleError", "RegattaError",
 ]
 
 _driver = None
@@ -206,8 +207,11 @@ class _Driver:
               env_vars=None):
         group, bundle = _placement(strategy)
         env = list((env_vars or {}).items()) + self.worker_env()
-        actor = self.cluster.spawn(init, self.python, self.path, resources, name, max_restarts, env,
-                                   group, bundle, max_concurrency)
+        try:
+            actor = self.cluster.spawn(init, self.python, self.path, resources, name, max_restarts, env,
+                                       group, bundle, max_concurrency)
+        except _native.Infeasible as error:
+            raise InfeasibleError(f"no node could ever hold this request: {error}") from None
         if not detached:
             with self.lock:
                 self.owned.add(actor)

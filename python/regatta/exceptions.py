@@ -51,3 +51,10 @@ class WorkerCrashedError(RegattaError):
 
 class GetTimeoutError(RegattaError, TimeoutError):
     """``get`` gave up waiting."""
+
+
+class InfeasibleError(RegattaError, ValueError):
+    """No node of the cluster could ever hold what an actor, a task or a placement group
+    asks for (more of a resource than any node has, or one no node has): refused at once,
+    naming what falls short. A request that only waits for resources held elsewhere is not
+    an error: it runs when they are freed (and the driver warns after a while)."""

@@ -76,7 +76,10 @@ def placement_group(bundles, strategy="PACK", name=""):
     if not bundles:
         raise ValueError("a placement group needs at least one bundle")
     texts = [_bundle_text(b) for b in bundles]
-    group = regatta._current().cluster.create_group(texts, strategy)
+    try:
+        group = regatta._current().cluster.create_group(texts, strategy)
+    except regatta._native.Infeasible as error:
+        raise regatta.InfeasibleError(f"no node could ever hold this placement group: {error}") from None
     return PlacementGroup(group, [dict(b) for b in bundles], strategy)
 
 

@@ -39,6 +39,22 @@ fn error(e: impl std::fmt::Display) -> PyErr {
     PyRuntimeError::new_err(e.to_string())
 }
 
+pyo3::create_exception!(
+    _native,
+    Infeasible,
+    PyRuntimeError,
+    "No node could ever hold what an actor, task or placement group asks for."
+);
+
+/// A spawn's or a placement group's error: `Infeasible` when no node could ever hold the
+/// request (the Python side raises `regatta.exceptions.InfeasibleError` for it).
+fn placing_error(e: regatta::Error) -> PyErr {
+    match e {
+        regatta::Error::Infeasible(why) => Infeasible::new_err(why),
+        other => error(other),
+    }
+}
+
 /// The object a call's answer names when its result went through the object store: the
 /// answer is `R` + the object's id, after the optional `L` section of what the call printed
 /// (`L`, pid and length as 4-byte big-endian numbers, the text).
@@ -360,7 +376,7 @@ impl Cluster {
         };
         let handle = py
             .detach(|| runtime().block_on(cluster.spawn::<PythonActor>(args, options)))
-            .map_err(error)?;
+            .map_err(placing_error)?;
         Ok(handle.id().0)
     }
 
@@ -376,7 +392,7 @@ impl Cluster {
             .collect::<PyResult<Vec<_>>>()?;
         let group = py
             .detach(|| runtime().block_on(cluster.create_placement_group(bundles, strategy)))
-            .map_err(error)?;
+            .map_err(placing_error)?;
         Ok(Group { group })
     }
 
@@ -596,5 +612,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Object>()?;
     m.add_function(wrap_pyfunction!(token_authority_der, m)?)?;
     m.add("MAX_FRAME", regatta::PYTHON_MAX_FRAME)?;
+    m.add("Infeasible", m.py().get_type::<Infeasible>())?;
     Ok(())
 }

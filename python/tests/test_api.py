@@ -178,9 +178,11 @@ def test_resources_are_reported_and_requests_are_honoured():
     assert regatta.get(holder.add.remote(1), timeout=60) == 1
     assert regatta.available_resources().get("CPU", 0.0) == 0.0
     regatta.kill(holder)
-    with pytest.raises(Exception) as caught:
+    with pytest.raises(regatta.InfeasibleError, match="GPU") as caught:
         Counter.options(num_gpus=4).remote(0)
-    assert "GPU" in str(caught.value)
+    assert isinstance(caught.value, ValueError)
+    with pytest.raises(regatta.InfeasibleError, match="GPU"):
+        square.options(num_gpus=1).remote(2)
 
 
 def test_a_call_whose_actor_waits_for_resources_is_warned_about_and_runs_once_they_are_free(capsys, monkeypatch):

@@ -83,7 +83,7 @@ def test_placement_groups_reserve_place_and_release():
         regatta.get(placed[0].double.remote(1), timeout=60)
     assert waiting.wait(30) is True, "the freed CPUs go to the waiting group"
     remove_placement_group(waiting)
-    with pytest.raises(Exception, match="GPU"):
+    with pytest.raises(regatta.InfeasibleError, match="GPU"):
         placement_group([{"GPU": 1}])
     with pytest.raises(ValueError, match="bundle index"):
         PlacementGroupSchedulingStrategy(waiting, 3)
