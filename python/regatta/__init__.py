@@ -444,12 +444,6 @@ _PLAIN = frozenset((int, float, str, bytes, bool, type(None)))
 
 
 def _dumps(value, what):
-    if type(value) is tuple and len(value) == 4 and type(value[2]) is tuple and type(value[3]) is dict:
-        # A call's request, (method, function, args, kwargs), with plain arguments only.
-        head, args, kwargs = value[:2], value[2], value[3]
-        if (type(head[0]) in _PLAIN and (head[1] is None or type(head[1]) is _Raw)
-                and all(type(a) in _PLAIN for a in args) and all(type(v) in _PLAIN for v in kwargs.values())):
-            return pickle.dumps(value, protocol=5)
     try:
         return cloudpickle.dumps(value)
     except Exception as error:
@@ -465,7 +459,11 @@ _INLINE_ARGS_MAX = 100 * 1024
 def _request(head, args, kwargs, what):
     """A call's request: the pickle of ``head + (args, kwargs)``, and the refs of the
     arguments it stored (held by the call until it is done, so the worker finds them)."""
-    request = _dumps(head + (args, kwargs), what)
+    if all(type(a) in _PLAIN for a in args) and all(type(v) in _PLAIN for v in kwargs.values()):
+        # The head is a method's name or a function pickled once (_Raw): plain too.
+        request = pickle.dumps(head + (args, kwargs), protocol=5)
+    else:
+        request = _dumps(head + (args, kwargs), what)
     if len(request) <= _INLINE_ARGS_MAX:
         return request, []
     kept = []
