@@ -125,11 +125,17 @@ pub fn find_binary() -> anyhow::Result<PathBuf> {
     bail!("cannot find the regatta binary: build it with `cargo build --release` or set REGATTA_BIN")
 }
 
-fn unique() -> u128 {
-    std::time::SystemTime::now()
+/// A name part no other call in this process returns: a counter beside the clock. The clock
+/// alone repeated once when two tests started clusters at the same instant (a coarse clock
+/// on the CI machine), and the second head found the first one's state directory locked.
+fn unique() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let count = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
-        .unwrap_or(0)
+        .unwrap_or(0);
+    format!("{nanos}-{count}")
 }
 
 /// A running local cluster.

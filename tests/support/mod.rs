@@ -101,11 +101,15 @@ pub fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
-fn rand_suffix() -> u128 {
-    std::time::SystemTime::now()
+/// The clock and a counter: the clock alone can repeat for two tests started at once.
+fn rand_suffix() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let count = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
-        .unwrap_or(0)
+        .unwrap_or(0);
+    format!("{nanos}-{count}")
 }
 
 /// The `host:port` of an `http://` or `https://` base address.
