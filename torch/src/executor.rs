@@ -53,11 +53,13 @@ impl From<Error> for Failure {
     }
 }
 
-/// The `tokenizer.json` a run uses: `data.tokenizer`, else the model folder's, else none
-/// (bytes are tokens).
+/// The `tokenizer.json` a run uses: `data.tokenizer`, else the model folder's (a GGUF
+/// model file is its own tokenizer), else none (bytes are tokens).
 pub fn tokenizer_spec(config: &TrainConfig) -> String {
     if !config.data.tokenizer.is_empty() {
         config.data.tokenizer.clone()
+    } else if crate::hf::is_gguf(&config.model.path) {
+        config.model.path.clone()
     } else if !config.model.path.is_empty() {
         format!("{}/tokenizer.json", config.model.path.trim_end_matches('/'))
     } else {
@@ -147,8 +149,10 @@ pub async fn open_run_model(config: &TrainConfig, make_model: &ModelFactory) -> 
         });
     }
     if source.is_none() && !config.data.tokenizer.is_empty() {
-        let (place, name) = Place::file(&config.data.tokenizer).map_err(Error::Storage)?;
-        side_files.push(("tokenizer.json".into(), place.get(&name).await.map_err(Error::Storage)?));
+        side_files.push((
+            "tokenizer.json".into(),
+            crate::data::tokenizer_json(&config.data.tokenizer).await?,
+        ));
     }
     let settings = tokenizer_settings(&spec).await?;
     Ok(RunModel {
@@ -164,6 +168,12 @@ pub async fn open_run_model(config: &TrainConfig, make_model: &ModelFactory) -> 
 async fn tokenizer_settings(spec: &str) -> Result<TokenizerSettings, Error> {
     if spec.is_empty() {
         return Ok(TokenizerSettings::default());
+    }
+    if crate::hf::is_gguf(spec) {
+        let model = HfModel::open(spec).await?;
+        let bytes = model.file("tokenizer_config.json").await?.unwrap_or_default();
+        let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+        return Ok(TokenizerSettings::from_json(&json));
     }
     let (place, _) = Place::file(spec).map_err(Error::Storage)?;
     let Some(bytes) = place.get_opt("tokenizer_config.json").await.map_err(Error::Storage)? else {

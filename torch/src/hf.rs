@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use bytes::Bytes;
 use regatta_object_store::Place;
+use regatta_trainer::gguf::{GgufError, GgufHeader, GgufModel, GgufTensor};
 use regatta_trainer::hf::LlamaConfig;
 use serde_json::Value;
 use tch::{Device, Kind, Tensor};
@@ -38,14 +39,29 @@ struct Entry {
     shape: Vec<i64>,
     start: u64,
     end: u64,
+    /// How a GGUF file stores it (dequantized, and un-permuted, as it is read).
+    gguf: Option<GgufTensor>,
 }
 
-/// An opened model folder.
+/// An opened model folder, or a GGUF file seen as one.
 pub struct HfModel {
     place: Place,
+    /// The folder's URL, or the GGUF file's.
+    url: String,
     config_json: Value,
     entries: HashMap<String, Entry>,
+    /// The files a GGUF file's metadata makes (`tokenizer.json`, `tokenizer_config.json`),
+    /// or why one cannot be made.
+    gguf_files: Option<HashMap<&'static str, std::result::Result<Bytes, GgufError>>>,
 }
+
+/// Whether a model path names a GGUF file rather than a folder.
+pub fn is_gguf(path: &str) -> bool {
+    path.to_ascii_lowercase().ends_with(".gguf")
+}
+
+/// The first bytes read of a GGUF file; more are read while its header goes on.
+const GGUF_FIRST_READ: u64 = 4 << 20;
 
 fn storage(e: String) -> Error {
     Error::Storage(e)
@@ -100,6 +116,7 @@ fn parse_header(file: &str, header: &[u8], file_size: u64) -> Result<Vec<(String
                 shape,
                 start,
                 end,
+                gguf: None,
             },
         ));
     }
@@ -118,6 +135,9 @@ fn element_kind(dtype: &str) -> Option<(Kind, u64)> {
 impl HfModel {
     /// Opens the folder at `url` (a path or an object-store URL).
     pub async fn open(url: &str) -> Result<Self> {
+        if is_gguf(url) {
+            return Self::open_gguf(url).await;
+        }
         let place = Place::dir(url).map_err(storage)?;
         let config_bytes = place.get_opt("config.json").await.map_err(storage)?.ok_or_else(|| Error::ModelFile {
             path: url.to_string(),
@@ -172,9 +192,70 @@ impl HfModel {
             }
         }
         Ok(Self {
+            url: place.url().to_string(),
             place,
             config_json,
             entries,
+            gguf_files: None,
+        })
+    }
+
+    /// Opens a GGUF file: its header only (read in growing pieces until it parses), its
+    /// metadata turned into `config.json`, tokenizer files and tensor names as
+    /// `transformers` has them.
+    async fn open_gguf(url: &str) -> Result<Self> {
+        let (place, file) = Place::file(url).map_err(storage)?;
+        let path = format!("{}/{file}", place.url());
+        let size = place.size(&file).await.map_err(|e| Error::ModelFile {
+            path: path.clone(),
+            problem: format!("cannot be read: {e}"),
+        })?;
+        let bad = |e: GgufError| Error::ModelFile {
+            path: path.clone(),
+            problem: e.to_string(),
+        };
+        let mut read = GGUF_FIRST_READ.min(size);
+        let header = loop {
+            let bytes = place.get_range(&file, 0..read).await.map_err(storage)?;
+            match GgufHeader::parse(&bytes, size) {
+                Ok(header) => break header,
+                Err(GgufError::Truncated { needed }) if read < size => {
+                    read = needed.max(read.saturating_mul(2)).min(size);
+                }
+                Err(GgufError::Truncated { .. }) => {
+                    return Err(bad(GgufError::Malformed(
+                        "the header runs past the end of the file".into(),
+                    )))
+                }
+                Err(e) => return Err(bad(e)),
+            }
+        };
+        let model = GgufModel::from_header(&header).map_err(bad)?;
+        let entries = model
+            .tensors
+            .into_iter()
+            .map(|tensor| {
+                let entry = Entry {
+                    file: file.clone(),
+                    dtype: tensor.info.kind.name().to_string(),
+                    shape: tensor.info.shape(),
+                    start: tensor.info.start,
+                    end: tensor.info.end,
+                    gguf: Some(tensor.clone()),
+                };
+                (tensor.name, entry)
+            })
+            .collect();
+        let json_bytes = |value: &Value| Bytes::from(serde_json::to_vec(value).unwrap_or_default());
+        let mut files = HashMap::new();
+        files.insert("tokenizer.json", model.tokenizer.map(|t| json_bytes(&t)));
+        files.insert("tokenizer_config.json", Ok(json_bytes(&model.tokenizer_config)));
+        Ok(Self {
+            url: path,
+            place,
+            config_json: model.config,
+            entries,
+            gguf_files: Some(files),
         })
     }
 
@@ -201,12 +282,17 @@ impl HfModel {
 
     /// The folder's URL.
     pub fn url(&self) -> &str {
-        self.place.url()
+        &self.url
     }
 
     /// The model `config.json` describes.
     pub fn model(&self) -> Result<Box<dyn Model>> {
-        model_from_config(&self.config_json, &format!("{}/config.json", self.place.url()))
+        let source = if self.is_gguf() {
+            format!("{} (its metadata)", self.url)
+        } else {
+            format!("{}/config.json", self.place.url())
+        };
+        model_from_config(&self.config_json, &source)
     }
 
     /// Checks that the weight files hold exactly the model's tensors with their shapes.
@@ -251,6 +337,10 @@ impl HfModel {
                 problem: format!("has shape {:?}; config.json implies {:?}", entry.shape, spec.shape),
             });
         }
+        if entry.gguf.is_some() {
+            // The header's parse checked the byte count of its type; values come out as f32.
+            return Ok((entry, Kind::Float));
+        }
         let (kind, width) = element_kind(&entry.dtype).ok_or_else(|| Error::Tensor {
             path: path.clone(),
             name: spec.name.clone(),
@@ -287,17 +377,52 @@ impl HfModel {
             .get_range(&entry.file, entry.start..entry.end)
             .await
             .map_err(storage)?;
-        let tensor = Tensor::f_from_data_size(&bytes, &entry.shape, stored)?;
+        let tensor = match &entry.gguf {
+            Some(gguf) => {
+                let values = gguf.values(&bytes).map_err(|e| Error::Tensor {
+                    path: format!("{}/{}", self.place.url(), entry.file),
+                    name: spec.name.clone(),
+                    problem: e.to_string(),
+                })?;
+                Tensor::f_from_slice(&values)?.f_reshape(&entry.shape)?
+            }
+            None => Tensor::f_from_data_size(&bytes, &entry.shape, stored)?,
+        };
         Ok(if stored == kind { tensor } else { tensor.to_kind(kind) })
     }
 
-    /// One file of the folder, if it exists.
+    /// One file of the folder, if it exists. A GGUF file has the tokenizer files its
+    /// metadata makes, and no others.
     pub async fn file(&self, name: &str) -> Result<Option<Bytes>> {
+        if let Some(files) = &self.gguf_files {
+            return match files.get(name) {
+                Some(Ok(bytes)) => Ok(Some(bytes.clone())),
+                Some(Err(e)) => Err(Error::ModelFile {
+                    path: self.url().to_string(),
+                    problem: e.to_string(),
+                }),
+                None => Ok(None),
+            };
+        }
         self.place.get_opt(name).await.map_err(storage)
     }
 
-    /// The folder's tokenizer and generation files that exist, with their bytes.
+    /// Whether this is a GGUF file.
+    pub fn is_gguf(&self) -> bool {
+        self.gguf_files.is_some()
+    }
+
+    /// The folder's tokenizer and generation files that exist, with their bytes (for a
+    /// GGUF file, the tokenizer files it can make).
     pub async fn side_files(&self) -> Result<Vec<(String, Bytes)>> {
+        if let Some(files) = &self.gguf_files {
+            let mut out: Vec<(String, Bytes)> = files
+                .iter()
+                .filter_map(|(name, bytes)| Some((name.to_string(), bytes.as_ref().ok()?.clone())))
+                .collect();
+            out.sort();
+            return Ok(out);
+        }
         let mut out = Vec::new();
         for name in SIDE_FILES {
             if let Some(bytes) = self.place.get_opt(name).await.map_err(storage)? {

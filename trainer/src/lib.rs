@@ -14,6 +14,7 @@ pub mod config;
 pub mod data;
 pub mod documents;
 pub mod error;
+pub mod gguf;
 pub mod group;
 pub mod hex;
 pub mod hf;

@@ -260,8 +260,12 @@ pub fn loader_file(rank: usize, world: usize) -> String {
 }
 
 /// Opens a model folder: a Hugging Face folder, a checkpoint's step directory, or a
-/// checkpoint directory (its newest step). Returns the manifest when there is one.
+/// checkpoint directory (its newest step); or a GGUF file. Returns the manifest when there
+/// is one.
 pub async fn open_model(url: &str) -> Result<(Option<Manifest>, HfModel)> {
+    if crate::hf::is_gguf(url) {
+        return Ok((None, HfModel::open(url).await?));
+    }
     let mut place = Place::dir(url).map_err(storage)?;
     let mut manifest = latest(&place).await?;
     match &manifest {

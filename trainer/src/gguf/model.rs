@@ -1,0 +1,523 @@
+//! A GGUF header seen as a Hugging Face folder: the `config.json` its metadata says, each
+//! tensor under its `transformers` name and shape, and the tokenizer files built from the
+//! vocabulary it carries. llama.cpp's converter reorders the rows of a Llama model's query
+//! and key projections for its RoPE kernel; [`GgufTensor::values`] puts them back.
+
+use serde_json::{json, Map, Value as Json};
+
+use super::{dequantize, GgufError, GgufHeader, TensorInfo, Value};
+
+/// Token types of a GGUF vocabulary (llama.cpp's `llama_token_type`).
+const TOKEN_CONTROL: u64 = 3;
+const TOKEN_USER_DEFINED: u64 = 4;
+
+/// Llama 3's pre-tokenizer pattern (llama.cpp's `llama-bpe`).
+const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's pre-tokenizer pattern: Llama 3's with single digits.
+const QWEN2_PATTERN: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// One tensor of the model under its Hugging Face name.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GgufTensor {
+    /// The `transformers` parameter name (`model.layers.0.self_attn.q_proj.weight`).
+    pub name: String,
+    /// Where its bytes are and how they are stored.
+    pub info: TensorInfo,
+    /// Heads whose rows llama.cpp reordered for its RoPE (Llama q and k projections).
+    pub permuted_heads: Option<usize>,
+}
+
+impl GgufTensor {
+    /// The tensor's values in PyTorch's layout, from the bytes `info` points at.
+    pub fn values(&self, bytes: &[u8]) -> Result<Vec<f32>, GgufError> {
+        let mut out = vec![0f32; self.info.numel() as usize];
+        dequantize(self.info.kind, bytes, &mut out)?;
+        match self.permuted_heads {
+            Some(heads) => {
+                let rows = self.info.dims.last().copied().unwrap_or(0) as usize;
+                unpermute(&out, rows, heads, &self.info.name)
+            }
+            None => Ok(out),
+        }
+    }
+}
+
+/// Undoes llama.cpp's `permute(w, n_head)`, which writes row `h·d + t·d/2 + j` of a head of
+/// `d` rows at `h·d + 2j + t` (the halves of each head interleaved). `rows` is the outer
+/// dimension: a weight's output features, or a bias's length.
+fn unpermute(values: &[f32], rows: usize, heads: usize, name: &str) -> Result<Vec<f32>, GgufError> {
+    let fits = heads > 0 && rows.is_multiple_of(heads) && (rows / heads).is_multiple_of(2);
+    if !fits || rows == 0 || !values.len().is_multiple_of(rows) {
+        return Err(GgufError::Malformed(format!(
+            "tensor {name} has {rows} rows, not a whole number of heads ({heads}) of even size"
+        )));
+    }
+    let (d, cols) = (rows / heads, values.len() / rows);
+    let mut out = vec![0f32; values.len()];
+    for h in 0..heads {
+        for t in 0..2 {
+            for j in 0..d / 2 {
+                let from = (h * d + 2 * j + t) * cols;
+                let to = (h * d + t * d / 2 + j) * cols;
+                out[to..to + cols].copy_from_slice(&values[from..from + cols]);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A GGUF model as a Hugging Face folder would hold it.
+#[derive(Clone, Debug)]
+pub struct GgufModel {
+    /// What `config.json` would say.
+    pub config: Json,
+    /// Every tensor, under its `transformers` name.
+    pub tensors: Vec<GgufTensor>,
+    /// `tokenizer.json`, or why the file's vocabulary cannot make one.
+    pub tokenizer: Result<Json, GgufError>,
+    /// `tokenizer_config.json`: special tokens and the chat template.
+    pub tokenizer_config: Json,
+}
+
+/// Reads typed metadata of one architecture.
+struct Meta<'a> {
+    header: &'a GgufHeader,
+    arch: &'a str,
+}
+
+impl Meta<'_> {
+    fn key(&self, name: &str) -> String {
+        format!("{}.{name}", self.arch)
+    }
+
+    fn count(&self, name: &str) -> Result<Option<u64>, GgufError> {
+        let key = self.key(name);
+        match self.header.get(&key) {
+            None => Ok(None),
+            Some(Value::Array(_)) => Err(GgufError::Unsupported(format!(
+                "metadata `{key}` differs per layer; Regatta runs models whose layers are alike"
+            ))),
+            Some(v) => v.as_u64().map(Some).ok_or_else(|| GgufError::Metadata {
+                key,
+                problem: format!("must be a non-negative integer, not {v:?}"),
+            }),
+        }
+    }
+
+    fn need(&self, name: &str) -> Result<u64, GgufError> {
+        self.count(name)?.ok_or_else(|| GgufError::Metadata {
+            key: self.key(name),
+            problem: "is missing".into(),
+        })
+    }
+
+    fn number(&self, name: &str) -> Result<Option<f64>, GgufError> {
+        let key = self.key(name);
+        match self.header.get(&key) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| GgufError::Metadata {
+                key,
+                problem: format!("must be a number, not {v:?}"),
+            }),
+        }
+    }
+}
+
+/// The `transformers` name of a GGUF tensor of a Llama-family model.
+fn hf_name(gguf: &str) -> Option<String> {
+    let top = match gguf {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(name) = top {
+        return Some(name.to_string());
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (part, suffix) = rest.rsplit_once('.')?;
+    if suffix != "weight" && suffix != "bias" {
+        return None;
+    }
+    let module = match part {
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{module}.{suffix}"))
+}
+
+impl GgufModel {
+    /// The model `header` describes (errors do not name the file: the caller knows it).
+    pub fn from_header(header: &GgufHeader) -> Result<Self, GgufError> {
+        let arch = header
+            .get("general.architecture")
+            .and_then(Value::as_str)
+            .ok_or_else(|| GgufError::Metadata {
+                key: "general.architecture".into(),
+                problem: "is missing".into(),
+            })?;
+        let (class, model_type, permutes) = match arch {
+            "llama" => ("LlamaForCausalLM", "llama", true),
+            "qwen2" => ("Qwen2ForCausalLM", "qwen2", false),
+            other => {
+                return Err(GgufError::Unsupported(format!(
+                    "architecture {other:?} is not supported; Regatta reads GGUF models of architecture llama (Llama, Mistral, SmolLM) and qwen2"
+                )))
+            }
+        };
+        let meta = Meta { header, arch };
+        let heads = meta.need("attention.head_count")?;
+        let kv_heads = meta.count("attention.head_count_kv")?.unwrap_or(heads);
+        let hidden = meta.need("embedding_length")?;
+        if heads == 0 || kv_heads == 0 {
+            return Err(GgufError::Metadata {
+                key: meta.key("attention.head_count"),
+                problem: "must be positive".into(),
+            });
+        }
+        let head_dim = match meta.count("attention.key_length")? {
+            Some(d) => d,
+            None => hidden / heads,
+        };
+        if let Some(rope) = meta.count("rope.dimension_count")? {
+            if rope != head_dim {
+                return Err(GgufError::Unsupported(format!(
+                    "rotary embeddings over {rope} of {head_dim} head dimensions (partial RoPE) are not supported"
+                )));
+            }
+        }
+        if header.tensors.iter().any(|t| t.name == "rope_freqs.weight") {
+            return Err(GgufError::Unsupported(format!(
+                "per-frequency RoPE factors (rope_freqs.weight, Llama 3.1's rope scaling) are not read yet; use the model's Hugging Face folder"
+            )));
+        }
+        let mut config = Map::new();
+        config.insert("architectures".into(), json!([class]));
+        config.insert("model_type".into(), json!(model_type));
+        config.insert("hidden_size".into(), json!(hidden));
+        config.insert("intermediate_size".into(), json!(meta.need("feed_forward_length")?));
+        config.insert("num_hidden_layers".into(), json!(meta.need("block_count")?));
+        config.insert("num_attention_heads".into(), json!(heads));
+        config.insert("num_key_value_heads".into(), json!(kv_heads));
+        config.insert("head_dim".into(), json!(head_dim));
+        config.insert("hidden_act".into(), json!("silu"));
+        config.insert(
+            "rms_norm_eps".into(),
+            json!(meta.number("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6)),
+        );
+        config.insert(
+            "rope_theta".into(),
+            json!(meta.number("rope.freq_base")?.unwrap_or(10000.0)),
+        );
+        if let Some(context) = meta.count("context_length")? {
+            config.insert("max_position_embeddings".into(), json!(context));
+        }
+        match header.get(&meta.key("rope.scaling.type")).and_then(Value::as_str) {
+            None | Some("none") => {}
+            Some("linear") => {
+                let factor = meta.number("rope.scaling.factor")?.ok_or_else(|| GgufError::Metadata {
+                    key: meta.key("rope.scaling.factor"),
+                    problem: "is missing (rope.scaling.type is linear)".into(),
+                })?;
+                config.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": factor}));
+            }
+            Some(other) => {
+                return Err(GgufError::Unsupported(format!(
+                    "RoPE scaling {other:?} is not supported (none or linear)"
+                )))
+            }
+        }
+        let tokens = header.get("tokenizer.ggml.tokens").and_then(Value::as_array);
+        let embedding = header.tensors.iter().find(|t| t.name == "token_embd.weight");
+        let vocab = match (meta.count("vocab_size")?, tokens, embedding) {
+            (Some(v), _, _) => v,
+            (None, Some(tokens), _) => tokens.len() as u64,
+            (None, None, Some(e)) => e.dims.get(1).copied().unwrap_or(0),
+            (None, None, None) => return Err(GgufError::Unsupported("the file has no token_embd.weight".into())),
+        };
+        config.insert("vocab_size".into(), json!(vocab));
+        let tied = !header.tensors.iter().any(|t| t.name == "output.weight");
+        config.insert("tie_word_embeddings".into(), json!(tied));
+        let token_id = |key: &str| header.get(key).and_then(Value::as_u64);
+        if let Some(id) = token_id("tokenizer.ggml.bos_token_id") {
+            config.insert("bos_token_id".into(), json!(id));
+        }
+        if let Some(id) = token_id("tokenizer.ggml.eos_token_id") {
+            config.insert("eos_token_id".into(), json!(id));
+        }
+        if arch == "llama" && header.tensors.iter().any(|t| t.name.ends_with("attn_q.bias")) {
+            config.insert("attention_bias".into(), json!(true));
+        }
+
+        let mut tensors = Vec::with_capacity(header.tensors.len());
+        for info in &header.tensors {
+            let name = hf_name(&info.name)
+                .ok_or_else(|| GgufError::Unsupported(format!("tensor {} has no counterpart in {class}", info.name)))?;
+            let permuted_heads = match (permutes, info.name.rsplit('.').nth(1)) {
+                (true, Some("attn_q")) => Some(heads as usize),
+                (true, Some("attn_k")) => Some(kv_heads as usize),
+                _ => None,
+            };
+            tensors.push(GgufTensor {
+                name,
+                info: info.clone(),
+                permuted_heads,
+            });
+        }
+        Ok(Self {
+            config: Json::Object(config),
+            tensors,
+            tokenizer: tokenizer_json(header),
+            tokenizer_config: tokenizer_config(header),
+        })
+    }
+}
+
+/// `tokenizer_config.json`: the special tokens' texts and the chat template.
+fn tokenizer_config(header: &GgufHeader) -> Json {
+    let tokens = header.get("tokenizer.ggml.tokens").and_then(Value::as_array);
+    let text = |key: &str| {
+        let id = header.get(key).and_then(Value::as_u64)?;
+        tokens?.get(id as usize)?.as_str().map(str::to_string)
+    };
+    let mut out = Map::new();
+    for (field, key) in [
+        ("bos_token", "tokenizer.ggml.bos_token_id"),
+        ("eos_token", "tokenizer.ggml.eos_token_id"),
+        ("unk_token", "tokenizer.ggml.unknown_token_id"),
+        ("pad_token", "tokenizer.ggml.padding_token_id"),
+    ] {
+        if let Some(t) = text(key) {
+            out.insert(field.into(), json!(t));
+        }
+    }
+    if let Some(add) = header.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool) {
+        out.insert("add_bos_token".into(), json!(add));
+    }
+    if let Some(template) = header.get("tokenizer.chat_template").and_then(Value::as_str) {
+        out.insert("chat_template".into(), json!(template));
+    }
+    Json::Object(out)
+}
+
+/// `tokenizer.json` for a byte-level BPE vocabulary (`tokenizer.ggml.model = gpt2`), with
+/// the pre-tokenizer `tokenizer.ggml.pre` names.
+fn tokenizer_json(header: &GgufHeader) -> Result<Json, GgufError> {
+    let model = header
+        .get("tokenizer.ggml.model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| GgufError::Unsupported("the file carries no tokenizer (tokenizer.ggml.model)".into()))?;
+    if model != "gpt2" {
+        return Err(GgufError::Unsupported(format!(
+            "tokenizer.ggml.model {model:?} (SentencePiece-style) is not read yet, only gpt2 (byte-level BPE); set data.tokenizer to the model's tokenizer.json"
+        )));
+    }
+    let strings = |key: &str| -> Result<Vec<String>, GgufError> {
+        let list = header
+            .get(key)
+            .and_then(Value::as_array)
+            .ok_or_else(|| GgufError::Metadata {
+                key: key.into(),
+                problem: "is missing or not an array".into(),
+            })?;
+        list.iter()
+            .map(|v| v.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| GgufError::Metadata {
+                key: key.into(),
+                problem: "must hold strings".into(),
+            })
+    };
+    let tokens = strings("tokenizer.ggml.tokens")?;
+    let merges = strings("tokenizer.ggml.merges")?;
+    let types: Vec<u64> = match header.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
+        Some(list) => list.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
+        None => vec![1; tokens.len()],
+    };
+    let mut vocab = Map::new();
+    let mut added = Vec::new();
+    for (id, token) in tokens.iter().enumerate() {
+        vocab.insert(token.clone(), json!(id));
+        let kind = types.get(id).copied().unwrap_or(1);
+        if kind == TOKEN_CONTROL || kind == TOKEN_USER_DEFINED {
+            added.push(json!({
+                "id": id, "content": token, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": kind == TOKEN_USER_DEFINED, "special": kind == TOKEN_CONTROL,
+            }));
+        }
+    }
+    if vocab.len() != tokens.len() {
+        return Err(GgufError::Metadata {
+            key: "tokenizer.ggml.tokens".into(),
+            problem: "holds the same token twice".into(),
+        });
+    }
+    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+    let split = |pattern: &str| json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
+    let pre = header
+        .get("tokenizer.ggml.pre")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let (pre_tokenizer, ignore_merges) = match pre {
+        "default" | "gpt2" | "gpt-2" => (byte_level(true), false),
+        "smollm" => (
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
+            false,
+        ),
+        "llama-bpe" | "llama3" => (
+            json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_PATTERN), byte_level(false)]}),
+            true,
+        ),
+        "qwen2" => (
+            json!({"type": "Sequence", "pretokenizers": [split(QWEN2_PATTERN), byte_level(false)]}),
+            false,
+        ),
+        other => {
+            return Err(GgufError::Unsupported(format!(
+                "pre-tokenizer {other:?} (tokenizer.ggml.pre) is not known; Regatta builds default, smollm, llama-bpe and qwen2; set data.tokenizer to the model's tokenizer.json"
+            )))
+        }
+    };
+    Ok(json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": byte_level(true),
+        "decoder": byte_level(true),
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+            "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges,
+        },
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::file;
+    use super::*;
+
+    fn llama_meta() -> Vec<(&'static str, Value)> {
+        vec![
+            ("general.architecture", Value::String("llama".into())),
+            ("llama.embedding_length", Value::Uint(64)),
+            ("llama.feed_forward_length", Value::Uint(160)),
+            ("llama.block_count", Value::Uint(2)),
+            ("llama.attention.head_count", Value::Uint(4)),
+            ("llama.attention.head_count_kv", Value::Uint(2)),
+            ("llama.rope.freq_base", Value::Float(10000.0)),
+            ("tokenizer.ggml.model", Value::String("gpt2".into())),
+            (
+                "tokenizer.ggml.tokens",
+                Value::Array(
+                    ["<s>", "a", "b", "ab"]
+                        .iter()
+                        .map(|s| Value::String(s.to_string()))
+                        .collect(),
+                ),
+            ),
+            ("tokenizer.ggml.merges", Value::Array(vec![Value::String("a b".into())])),
+            (
+                "tokenizer.ggml.token_type",
+                Value::Array(vec![Value::Int(3), Value::Int(1), Value::Int(1), Value::Int(1)]),
+            ),
+            ("tokenizer.ggml.bos_token_id", Value::Uint(0)),
+            ("tokenizer.chat_template", Value::String("{{ messages }}".into())),
+        ]
+    }
+
+    #[test]
+    fn unpermuting_inverts_llama_cpps_permutation() {
+        // llama.cpp: w.reshape(heads, 2, d/2, cols).swapaxes(1, 2).reshape(rows, cols).
+        let (heads, d, cols) = (2usize, 4usize, 3usize);
+        let original: Vec<f32> = (0..heads * d * cols).map(|v| v as f32).collect();
+        let mut permuted = vec![0f32; original.len()];
+        for h in 0..heads {
+            for j in 0..d / 2 {
+                for t in 0..2 {
+                    let src = (h * d + t * d / 2 + j) * cols;
+                    let dst = (h * d + j * 2 + t) * cols;
+                    permuted[dst..dst + cols].copy_from_slice(&original[src..src + cols]);
+                }
+            }
+        }
+        assert_ne!(permuted, original);
+        assert_eq!(
+            unpermute(&permuted, heads * d, heads, "q").expect("unpermute"),
+            original
+        );
+        assert!(unpermute(&permuted, heads * d, 3, "q").is_err());
+    }
+
+    #[test]
+    fn a_llama_header_becomes_a_config_and_tokenizer() {
+        let bytes = file(&llama_meta());
+        let header = GgufHeader::parse(&bytes, bytes.len() as u64).expect("parse");
+        // The test file's one tensor is `t`, which no Llama has.
+        let err = GgufModel::from_header(&header).expect_err("t");
+        assert!(err.to_string().contains("tensor t has no counterpart"), "{err}");
+        let mut header = header;
+        header.tensors[0].name = "token_embd.weight".into();
+        let model = GgufModel::from_header(&header).expect("model");
+        let config = crate::LlamaConfig::from_json(&model.config, "m.gguf").expect("config");
+        assert_eq!(
+            (config.num_key_value_heads, config.head_dim, config.vocab_size),
+            (2, 16, 4)
+        );
+        assert!(config.tie_word_embeddings);
+        assert_eq!(model.tensors[0].name, "model.embed_tokens.weight");
+        assert_eq!(model.tokenizer_config["bos_token"], "<s>");
+        assert_eq!(model.tokenizer_config["chat_template"], "{{ messages }}");
+        let tokenizer = model.tokenizer.expect("tokenizer");
+        assert_eq!(tokenizer["added_tokens"][0]["content"], "<s>");
+        assert_eq!(tokenizer["model"]["vocab"]["ab"], 3);
+    }
+
+    #[test]
+    fn unsupported_models_are_refused_by_name() {
+        let mut meta = llama_meta();
+        meta[0].1 = Value::String("gemma2".into());
+        let bytes = file(&meta);
+        let header = GgufHeader::parse(&bytes, bytes.len() as u64).expect("parse");
+        let err = GgufModel::from_header(&header).expect_err("gemma2");
+        assert!(err.to_string().contains("\"gemma2\" is not supported"), "{err}");
+
+        let mut meta = llama_meta();
+        meta[7].1 = Value::String("llama".into());
+        let bytes = file(&meta);
+        let mut header = GgufHeader::parse(&bytes, bytes.len() as u64).expect("parse");
+        header.tensors[0].name = "token_embd.weight".into();
+        let model = GgufModel::from_header(&header).expect("model");
+        let err = model.tokenizer.expect_err("sentencepiece");
+        assert!(err.to_string().contains("SentencePiece"), "{err}");
+    }
+
+    #[test]
+    fn names_map_to_transformers() {
+        assert_eq!(
+            hf_name("blk.12.ffn_down.weight").as_deref(),
+            Some("model.layers.12.mlp.down_proj.weight")
+        );
+        assert_eq!(
+            hf_name("blk.0.attn_q.bias").as_deref(),
+            Some("model.layers.0.self_attn.q_proj.bias")
+        );
+        assert_eq!(hf_name("blk.x.attn_q.weight"), None);
+        assert_eq!(hf_name("blk.0.attn_qkv.weight"), None);
+    }
+}
