@@ -275,3 +275,108 @@ fn lora_with_zero3_offload_over_worker_processes_matches_the_reference_resumes_a
     assert!(!output.status.success() && said.contains("--adapter"), "{said}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// LoRA on a quantized GGUF base, as a user runs it: `[model] path` names a Q4_1 `.gguf`
+/// file and nothing names a tokenizer, so the run takes the tokenizer and the chat template
+/// from the file's metadata for chat rows; the checkpoint carries them beside the adapter;
+/// and the adapter scored unmerged on the GGUF base equals the merged weights the run wrote.
+#[test]
+fn lora_trains_on_a_quantized_gguf_base_with_its_own_tokenizer_and_chat_template() {
+    let dir = temp_dir("lora-gguf");
+    let base = format!("{}/torch/tests/fixtures/gguf/mistral-q4_1.gguf", root());
+    let checkpoints = dir.join("ckpt");
+    let data = dir.join("chat.jsonl");
+    let rows: String = (0..24)
+        .map(|i| {
+            let q = format!("What is the code word number {}?", i % 3);
+            let a = ["Heron.", "Skiff.", "Tiller."][i % 3];
+            format!(
+                "{}\n",
+                serde_json::json!({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+            )
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let config = dir.join("train.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "zero_stage = 3\nworld_size = 2\nsteps = 4\nmicro_batch_size = 2\n\
+             [model]\npath = \"{base}\"\ncontext = 48\n\
+             [lora]\nrank = 4\nalpha = 8\nmerge_on_save = true\n\
+             [optimizer]\nlr = 2e-2\nwarmup_steps = 1\nschedule = \"constant\"\n\
+             [data]\npath = \"{}\"\n\
+             [checkpoint]\ndir = \"{}\"\ninterval = 4\n",
+            data.display(),
+            checkpoints.display()
+        ),
+    )
+    .unwrap();
+    let out = run(regatta().args([
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--json",
+        "--log-every",
+        "1",
+    ]));
+    assert!(out.contains("ZeRO-3 over 2 ranks"), "{out}");
+    let losses = losses(&out);
+    assert_eq!(losses.len(), 4);
+    assert!(losses[3] < losses[0], "the loss falls: {losses:?}");
+
+    let step = checkpoints.join("step-00000004");
+    for file in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "merged/config.json",
+        "merged/model.safetensors",
+    ] {
+        assert!(step.join(file).is_file(), "{file} in {}", step.display());
+    }
+    let tokenizer_config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(step.join("tokenizer_config.json")).unwrap()).unwrap();
+    assert!(tokenizer_config["chat_template"]
+        .as_str()
+        .unwrap()
+        .contains("<|im_start|>"));
+    let adapter: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(step.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(adapter["base_model_name_or_path"], base.as_str());
+
+    let rows = dir.join("rows.jsonl");
+    let text: String = (0..12)
+        .map(|i| format!("{}\n", serde_json::json!({"id": format!("r{i:02}"), "text": format!("The code word number {} is {}.", i % 3, ["Heron", "Skiff", "Tiller"][i % 3])})))
+        .collect();
+    std::fs::write(&rows, text).unwrap();
+    let score = |tag: &str, extra: &[&str]| {
+        let out = dir.join(tag);
+        run(regatta()
+            .args(["score", "--actors", "1", "--input", rows.to_str().unwrap()])
+            .args(["--output", out.to_str().unwrap()])
+            .args(extra));
+        scores(&out)
+    };
+    let unmerged = score(
+        "unmerged",
+        &["--model", &base, "--adapter", checkpoints.to_str().unwrap()],
+    );
+    let merged = score("merged", &["--model", checkpoints.to_str().unwrap()]);
+    let plain = score("base", &["--model", &base]);
+    assert_eq!(unmerged.len(), 12);
+    let mut moved = 0.0f64;
+    for (id, row) in &unmerged {
+        let diff = (row.log_likelihood - merged[id].log_likelihood).abs();
+        assert!(
+            diff < 1e-3,
+            "{id}: adapter on the GGUF base {} vs merged {}",
+            row.log_likelihood,
+            merged[id].log_likelihood
+        );
+        moved = moved.max((row.log_likelihood - plain[id].log_likelihood).abs());
+    }
+    assert!(moved > 1e-3, "the trained adapter changes the scores ({moved})");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -245,3 +245,46 @@ fn smollm2_from_its_gguf_tokenizes_chats_and_predicts_as_transformers() {
         "the last position's logits differ from transformers' by {gap}"
     );
 }
+
+#[test]
+fn smollm2_from_its_gguf_generates_through_the_kv_cache_as_the_full_window_does() {
+    use regatta_scorer::generate::{GenerationSetup, RowStream, SamplingParams};
+    use regatta_torch::{Generator, Prepared};
+    tch::set_num_threads(2);
+    let path = smollm2();
+    let expected = read_safetensors(&fixtures().join("gguf/smollm2.safetensors"));
+    let chat: Vec<i64> = Vec::try_from(&expected["chat_ids"]).unwrap();
+    let (_, model, params) = load(&path);
+    // Greedy by recomputing the whole window for each token: the path the logits test proves.
+    let mut sequence = chat.clone();
+    let mut want = Vec::new();
+    for _ in 0..8 {
+        let input = Tensor::from_slice(&sequence).view([1, -1]);
+        let out = tch::no_grad(|| logits(model.as_ref(), &params, &input));
+        let next = out
+            .get(0)
+            .get(sequence.len() as i64 - 1)
+            .argmax(0, false)
+            .int64_value(&[]);
+        want.push(next);
+        sequence.push(next);
+    }
+    let params = regatta_torch::model::inference_layout(params, tch::Device::Cpu);
+    let setup = GenerationSetup {
+        kv_cache_bytes: Some(64 << 20),
+        max_batch: 4,
+        ..GenerationSetup::default()
+    };
+    let generator = Generator::new(model.as_ref(), &params, setup, 2048, Vec::new(), tch::Device::Cpu).unwrap();
+    let rows = [Prepared {
+        prompt: chat,
+        params: SamplingParams {
+            max_new_tokens: 8,
+            ..SamplingParams::default()
+        },
+        stream: RowStream::new(0, "0"),
+    }];
+    let outputs = generator.run(&rows, &|_| String::new(), &mut |_| {}).unwrap();
+    let got = outputs.into_iter().next().unwrap().unwrap().tokens;
+    assert_eq!(got, want, "the cached engine's greedy tokens");
+}
