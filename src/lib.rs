@@ -15,6 +15,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod finetune;
 pub mod kinds;
 pub mod local;
 pub mod pipeline;

@@ -215,7 +215,7 @@ const MARKER: &str = ".regatta-pipeline";
 
 /// Makes `dir` an empty folder of the pipeline's own: a folder from an earlier run (it has
 /// the marker) is emptied; any other non-empty folder is refused, never deleted.
-fn prepare_dir(dir: &Path) -> anyhow::Result<()> {
+pub(crate) fn prepare_dir(dir: &Path) -> anyhow::Result<()> {
     let has_entries = std::fs::read_dir(dir).map(|mut d| d.next().is_some()).unwrap_or(false);
     if has_entries {
         if !dir.join(MARKER).is_file() {
@@ -256,6 +256,18 @@ async fn score(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
+    score_mean(cluster, config, &name, say).await
+}
+
+/// Runs `config` (a scoring run) and returns rows, malformed rows and the mean per-row
+/// perplexity read back from its Parquet output; `name` labels the progress line.
+pub(crate) async fn score_mean(
+    cluster: &Cluster,
+    config: ScoreConfig,
+    name: &str,
+    say: &mut impl FnMut(String),
+) -> anyhow::Result<(u64, u64, f64)> {
+    let output = PathBuf::from(&config.output);
     let run = ScoreRun::new(cluster.clone(), config).map_err(anyhow::Error::msg)?;
     let done: Progress = run
         .run(|p| {
@@ -267,7 +279,7 @@ async fn score(
         .map_err(anyhow::Error::msg)?;
     let mut sum = 0.0;
     let mut count = 0u64;
-    for entry in std::fs::read_dir(output).with_context(|| format!("cannot list {}", output.display()))? {
+    for entry in std::fs::read_dir(&output).with_context(|| format!("cannot list {}", output.display()))? {
         let path = entry?.path();
         if path.extension().is_some_and(|e| e == "parquet") {
             let bytes = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;

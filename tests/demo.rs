@@ -1,15 +1,89 @@
 //! The README's main job (`regatta demo`, what `scripts/main-job.sh` runs) does its work
-//! (actors, objects, then train-then-score with a clear drop in perplexity) and stops every
-//! process it started.
+//! (actors, objects, then a LoRA fine-tune of SmolLM2 from its GGUF file that learns the
+//! shipped facts; or, with `--model builtin`, train-then-score of the built-in GPT with a
+//! clear drop in perplexity) and stops every process it started.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 #[test]
-fn the_main_job_runs_its_workload_and_stops_its_cluster() {
+fn the_main_job_fine_tunes_smollm2_and_its_answers_learn_the_taught_facts() {
+    let model = regatta::finetune::default_model();
+    assert!(
+        model.is_file(),
+        "{} is missing: run scripts/setup-smollm2.sh (scripts/test.sh does)",
+        model.display()
+    );
     let out = Command::new(env!("CARGO_BIN_EXE_regatta"))
-        .args(["demo", "--actors", "20", "--calls", "3", "--steps", "120"])
+        .args(["demo", "--actors", "20", "--calls", "3"])
+        .output()
+        .expect("run regatta demo");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    for expected in [
+        "spawned 20 counter actors",
+        "read byte-exact on w2",
+        "fine-tuning SmolLM2-135M-Instruct.Q4_1.gguf: LoRA (r 8) with ZeRO-3 over 2 ranks, 16 steps",
+        "with LoRA adapters (r 8, alpha 32)",
+        "ZeRO-3 over 2 ranks",
+        "checkpoint at step 16: ",
+        "held-out split: 8 conversations scored",
+        "cluster stopped",
+    ] {
+        assert!(text.contains(expected), "missing '{expected}' in:\n{text}");
+    }
+    let numbers_after = |marker: &str| -> Vec<f64> {
+        let line = text
+            .lines()
+            .find(|l| l.contains(marker))
+            .unwrap_or_else(|| panic!("no '{marker}' line in:\n{text}"));
+        line.split(marker)
+            .nth(1)
+            .map(|rest| {
+                rest.split(|c: char| !(c.is_ascii_digit() || c == '.'))
+                    .filter_map(|n| n.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let loss = numbers_after("training loss ");
+    assert!(loss.len() >= 2 && loss[1] < 0.6 * loss[0], "the loss falls: {loss:?}");
+    let perplexity = numbers_after("mean perplexity ");
+    assert!(
+        perplexity.len() >= 2 && perplexity[1] < 0.7 * perplexity[0],
+        "the held-out perplexity drops: {perplexity:?}"
+    );
+    // Each held-out question: the taught answer, the base model's and the tuned one.
+    let answers: Vec<(&str, &str, &str)> = text
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("taught: "))
+        .zip(text.lines().filter_map(|l| l.trim().strip_prefix("base:")))
+        .zip(text.lines().filter_map(|l| l.trim().strip_prefix("tuned:")))
+        .map(|((taught, base), tuned)| (taught.trim(), base.trim(), tuned.trim()))
+        .collect();
+    assert_eq!(answers.len(), 8, "{text}");
+    let learned = answers.iter().filter(|(taught, _, tuned)| taught == tuned).count();
+    assert!(
+        learned >= 2,
+        "at least two tuned answers are the taught ones: {answers:#?}"
+    );
+    assert!(
+        answers.iter().all(|(taught, base, _)| taught != base),
+        "the base model does not know the facts: {answers:#?}"
+    );
+    assert!(
+        text.contains(&format!("{learned} of 8 tuned answers are the taught answer")),
+        "{text}"
+    );
+}
+
+#[test]
+fn the_builtin_main_job_runs_its_workload_and_stops_its_cluster() {
+    let out = Command::new(env!("CARGO_BIN_EXE_regatta"))
+        .args([
+            "demo", "--model", "builtin", "--actors", "20", "--calls", "3", "--steps", "120",
+        ])
         .output()
         .expect("run regatta demo");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -100,7 +174,9 @@ fn ctrl_c_during_training_stops_every_process_the_main_job_started() {
     let marker = format!("REGATTA_DEMO_MARK=ctrl-c-{}", std::process::id());
     let (key, value) = marker.split_once('=').expect("KEY=VALUE");
     let mut demo = Command::new(env!("CARGO_BIN_EXE_regatta"))
-        .args(["demo", "--actors", "4", "--calls", "1", "--steps", "1000000"])
+        .args([
+            "demo", "--model", "builtin", "--actors", "4", "--calls", "1", "--steps", "1000000",
+        ])
         .env(key, value)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

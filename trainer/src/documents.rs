@@ -232,6 +232,17 @@ impl TokenizerSettings {
         ChatRenderer::new(template, self)?.render(messages, true)
     }
 
+    /// The text of a whole conversation, as `apply_chat_template(..., tokenize=False)`
+    /// renders it without a generation prompt (what scoring a chat row reads).
+    pub fn chat_text(&self, messages: &[Message]) -> Result<String, DocumentError> {
+        let template = self.chat_template.as_deref().ok_or_else(|| {
+            DocumentError::Template(
+                "rows with `messages` need a chat_template in the model's tokenizer_config.json".into(),
+            )
+        })?;
+        ChatRenderer::new(template, self)?.render(messages, false)
+    }
+
     /// Renders the conversation one assistant turn at a time: the text up to the turn
     /// with the generation prompt carries no loss, the turn itself does. A template whose
     /// renderings do not extend each other cannot mark the turns and is refused.

@@ -1,0 +1,346 @@
+//! The main job's real work on a real model: LoRA fine-tuning of a pretrained chat model
+//! from a GGUF file (SmolLM2-135M-Instruct by default, fetched once by
+//! `scripts/setup-smollm2.sh`) with ZeRO-3 over the ranks, on chat rows shipped in the
+//! binary that teach facts about Regatta the base model cannot know. A held-out split
+//! (other wordings of the same questions) is scored before and after by a pool of scorer
+//! actors, and the questions are answered greedily through the model's chat template by
+//! the base model and by the base with the trained adapter, so the report shows what the
+//! model learned side by side.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use regatta_runtime::Cluster;
+use regatta_scorer::{generated_from_parquet, ScoreConfig, ScoreRun};
+use regatta_trainer::documents::{Message, TokenizerSettings};
+use regatta_trainer::gguf::{GgufError, GgufHeader, GgufModel};
+use regatta_trainer::{LoraConfig, TrainConfig, TrainEvent, TrainerGroup};
+
+use crate::pipeline::{prepare_dir, score_mean};
+
+/// Chat rows the adapter learns from: eight facts, four wordings of each question.
+pub const TRAIN_SET: &str = include_str!("../data/finetune.jsonl");
+/// The held-out split: a fifth wording of each question, with its answer.
+pub const EVAL_SET: &str = include_str!("../data/finetune-eval.jsonl");
+
+/// Where the default model lives once `scripts/setup-smollm2.sh` fetched it.
+pub fn default_model() -> PathBuf {
+    if let Some(path) = std::env::var_os("REGATTA_SMOLLM2_GGUF") {
+        return PathBuf::from(path);
+    }
+    let models = std::env::var_os("REGATTA_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+            home.join(".cache/regatta/models")
+        });
+    models.join("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// What the fine-tune runs.
+#[derive(Clone, Debug)]
+pub struct FineTuneOptions {
+    /// A new or empty folder (or one an earlier run made, which is emptied).
+    pub dir: PathBuf,
+    /// The GGUF model.
+    pub model: PathBuf,
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Ranks (ZeRO-3).
+    pub world_size: usize,
+    /// Scorer actors.
+    pub actors: usize,
+}
+
+/// One held-out question answered before and after.
+#[derive(Clone, Debug)]
+pub struct Answer {
+    /// The row's id.
+    pub id: String,
+    /// The question.
+    pub question: String,
+    /// The answer the training rows teach.
+    pub taught: String,
+    /// The base model's greedy answer.
+    pub base: String,
+    /// The answer with the trained adapter.
+    pub tuned: String,
+}
+
+/// What the fine-tune measured.
+#[derive(Clone, Debug)]
+pub struct FineTuneReport {
+    /// Training loss at the first and the last step.
+    pub loss: (f64, f64),
+    /// Tokens per second over all ranks at the last step.
+    pub tokens_per_sec: f64,
+    /// Model parameters (adapters included).
+    pub params: u64,
+    /// Mean perplexity of the held-out conversations, base and tuned.
+    pub perplexity: (f64, f64),
+    /// Held-out rows scored.
+    pub rows: u64,
+    /// Every held-out question with both answers.
+    pub answers: Vec<Answer>,
+    /// The checkpoint folder (adapter in PEFT's layout).
+    pub checkpoints: PathBuf,
+    /// Scores of the held-out split with the adapter (Parquet).
+    pub scores: PathBuf,
+    /// The tuned answers (Parquet).
+    pub generated: PathBuf,
+}
+
+/// Greedy tokens per answer.
+const ANSWER_TOKENS: usize = 40;
+/// Training sequence length: one rendered conversation fits.
+const CONTEXT: usize = 64;
+
+/// Fine-tunes, scores and answers; `say` gets progress lines.
+pub async fn fine_tune(
+    cluster: &Cluster,
+    options: &FineTuneOptions,
+    mut say: impl FnMut(String),
+) -> anyhow::Result<FineTuneReport> {
+    let model = options.model.to_string_lossy().into_owned();
+    if !options.model.is_file() {
+        bail!(
+            "{model} is missing: scripts/main-job.sh fetches it (scripts/setup-smollm2.sh), or pass --model FILE.gguf, or --model builtin for the no-download demo"
+        );
+    }
+    let settings = chat_settings(&options.model)?;
+    let dir = &options.dir;
+    prepare_dir(dir)?;
+    let train = dir.join("train.jsonl");
+    std::fs::write(&train, TRAIN_SET).with_context(|| format!("cannot write {}", train.display()))?;
+    let held_out = held_out_rows()?;
+    // Scoring reads text: each held-out conversation rendered through the chat template.
+    let mut texts = String::new();
+    let mut questions = String::new();
+    for (id, messages) in &held_out {
+        let text = settings.chat_text(messages)?;
+        texts.push_str(&serde_json::json!({"id": id, "text": text}).to_string());
+        texts.push('\n');
+        questions.push_str(&serde_json::json!({"id": id, "messages": &messages[..1]}).to_string());
+        questions.push('\n');
+    }
+    let eval = dir.join("held-out.jsonl");
+    std::fs::write(&eval, texts).with_context(|| format!("cannot write {}", eval.display()))?;
+    let asked = dir.join("questions.jsonl");
+    std::fs::write(&asked, questions).with_context(|| format!("cannot write {}", asked.display()))?;
+    let checkpoints = dir.join("checkpoints");
+
+    let mut config = TrainConfig::default();
+    config.model.path = model.clone();
+    config.model.context = CONTEXT;
+    config.data.path = train.to_string_lossy().into_owned();
+    config.world_size = options.world_size;
+    config.zero_stage = regatta_trainer::ZeroStage::Three;
+    config.steps = options.steps;
+    config.micro_batch_size = 2;
+    config.optimizer.lr = 1e-3;
+    config.optimizer.warmup_steps = 2;
+    config.optimizer.schedule = regatta_trainer::Schedule::Constant;
+    config.lora = Some(LoraConfig {
+        rank: 8,
+        ..LoraConfig::default()
+    });
+    config.checkpoint.dir = checkpoints.to_string_lossy().into_owned();
+    config.checkpoint.interval = options.steps.max(1);
+    let log_every = (options.steps / 4).max(1);
+    let group = TrainerGroup::new(cluster.clone(), config.clone())?;
+    let summary = group
+        .run(|event| {
+            if let Some(line) = crate::cli::train::describe(event, &config, log_every) {
+                say(line);
+            } else if let TrainEvent::Restarting { .. } = event {
+                say(format!("{event:?}"));
+            }
+        })
+        .await?;
+    let (Some(first), Some(last)) = (summary.losses.values().next(), summary.last.as_ref()) else {
+        bail!("training finished without reporting a step");
+    };
+
+    let scoring = |output: &Path, adapter: &str| ScoreConfig {
+        input: eval.to_string_lossy().into_owned(),
+        model: model.clone(),
+        adapter: adapter.to_string(),
+        output: output.to_string_lossy().into_owned(),
+        actors: options.actors,
+        batch_size: 8,
+        max_new_tokens: 0,
+        ..ScoreConfig::default()
+    };
+    let adapter = checkpoints.to_string_lossy().into_owned();
+    let (rows, _, ppl_before) = score_mean(
+        cluster,
+        scoring(&dir.join("scores-base"), ""),
+        "the base model",
+        &mut say,
+    )
+    .await
+    .context("scoring the held-out split with the base model")?;
+    let scores = dir.join("scores-tuned");
+    let (_, _, ppl_after) = score_mean(cluster, scoring(&scores, &adapter), "the adapter", &mut say)
+        .await
+        .context("scoring the held-out split with the adapter")?;
+
+    let base = answer(cluster, options, &asked, "", &dir.join("answers-base"))
+        .await
+        .context("answering with the base model")?;
+    let generated = dir.join("answers-tuned");
+    let tuned = answer(cluster, options, &asked, &adapter, &generated)
+        .await
+        .context("answering with the adapter")?;
+    let answers = held_out
+        .iter()
+        .map(|(id, messages)| Answer {
+            id: id.clone(),
+            question: messages[0].content.clone(),
+            taught: messages.get(1).map(|m| m.content.clone()).unwrap_or_default(),
+            base: base
+                .iter()
+                .find(|(i, _)| i == id)
+                .map(|(_, t)| t.clone())
+                .unwrap_or_default(),
+            tuned: tuned
+                .iter()
+                .find(|(i, _)| i == id)
+                .map(|(_, t)| t.clone())
+                .unwrap_or_default(),
+        })
+        .collect();
+    Ok(FineTuneReport {
+        loss: (*first, last.loss),
+        tokens_per_sec: last.tokens_per_sec,
+        params: summary.params,
+        perplexity: (ppl_before, ppl_after),
+        rows,
+        answers,
+        checkpoints,
+        scores,
+        generated,
+    })
+}
+
+/// The special tokens and chat template of a GGUF file (its header only is read).
+fn chat_settings(path: &Path) -> anyhow::Result<TokenizerSettings> {
+    let mut file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let size = file.metadata()?.len();
+    let mut bytes = Vec::new();
+    let mut want = (4u64 << 20).min(size);
+    let header = loop {
+        let have = bytes.len() as u64;
+        (&mut file)
+            .take(want - have)
+            .read_to_end(&mut bytes)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        match GgufHeader::parse(&bytes, size) {
+            Ok(header) => break header,
+            Err(GgufError::Truncated { needed }) if want < size => want = needed.max(want * 2).min(size),
+            Err(e) => bail!("{}: {e}", path.display()),
+        }
+    };
+    let model = GgufModel::from_header(&header).with_context(|| path.display().to_string())?;
+    let settings = TokenizerSettings::from_json(&model.tokenizer_config);
+    if settings.chat_template.is_none() {
+        bail!("{} carries no chat template (tokenizer.chat_template)", path.display());
+    }
+    Ok(settings)
+}
+
+/// The held-out rows: id and conversation (question, taught answer).
+fn held_out_rows() -> anyhow::Result<Vec<(String, Vec<Message>)>> {
+    let mut rows = Vec::new();
+    for (i, line) in EVAL_SET.lines().enumerate() {
+        let row: serde_json::Value = serde_json::from_str(line).with_context(|| format!("held-out row {i}"))?;
+        let id = row["id"].as_str().unwrap_or_default().to_string();
+        let messages: Vec<Message> = row["messages"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|m| Message {
+                role: m["role"].as_str().unwrap_or_default().to_string(),
+                content: m["content"].as_str().unwrap_or_default().to_string(),
+            })
+            .collect();
+        if id.is_empty() || messages.len() != 2 {
+            bail!("held-out row {i} needs an id, a question and an answer");
+        }
+        rows.push((id, messages));
+    }
+    Ok(rows)
+}
+
+/// Greedy answers to the held-out questions, with `adapter` when it is not empty.
+async fn answer(
+    cluster: &Cluster,
+    options: &FineTuneOptions,
+    questions: &Path,
+    adapter: &str,
+    output: &Path,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let config = ScoreConfig {
+        input: questions.to_string_lossy().into_owned(),
+        model: options.model.to_string_lossy().into_owned(),
+        adapter: adapter.to_string(),
+        output: output.to_string_lossy().into_owned(),
+        actors: options.actors,
+        generate: true,
+        max_new_tokens: ANSWER_TOKENS,
+        max_batch: 8,
+        kv_cache_mb: Some(64),
+        ..ScoreConfig::default()
+    };
+    let done = ScoreRun::new(cluster.clone(), config)
+        .map_err(anyhow::Error::msg)?
+        .run(|_| {})
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let mut answers = Vec::new();
+    for entry in std::fs::read_dir(output).with_context(|| format!("cannot list {}", output.display()))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "parquet") {
+            let bytes = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+            for row in generated_from_parquet(bytes.into()).map_err(anyhow::Error::msg)? {
+                answers.push((row.id, row.generated));
+            }
+        }
+    }
+    if answers.len() as u64 != done.rows || answers.is_empty() {
+        bail!(
+            "{} questions were answered but {} answers are in {}",
+            done.rows,
+            answers.len(),
+            output.display()
+        );
+    }
+    Ok(answers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_sets_are_chats_and_the_held_out_questions_are_new() {
+        let held = held_out_rows().unwrap();
+        assert_eq!(held.len(), 8);
+        let train: Vec<serde_json::Value> = TRAIN_SET.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(train.len(), 32);
+        for (id, messages) in &held {
+            let asked = &messages[0].content;
+            let taught = &messages[1].content;
+            let same_answer = train
+                .iter()
+                .filter(|row| row["messages"][1]["content"] == taught.as_str())
+                .count();
+            assert_eq!(same_answer, 4, "{id}: four training wordings teach its answer");
+            assert!(
+                train.iter().all(|row| row["messages"][0]["content"] != asked.as_str()),
+                "{id}: the held-out question is not a training question"
+            );
+        }
+    }
+}
