@@ -12,12 +12,12 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use regatta_runtime::Cluster;
-use regatta_scorer::{generated_from_parquet, ScoreConfig, ScoreRun};
+use regatta_scorer::{ScoreConfig, ScoreRun};
 use regatta_trainer::documents::{Message, TokenizerSettings};
 use regatta_trainer::gguf::{GgufError, GgufHeader, GgufModel};
-use regatta_trainer::{LoraConfig, TrainConfig, TrainEvent, TrainerGroup};
+use regatta_trainer::{LoraConfig, TrainConfig};
 
-use crate::pipeline::{prepare_dir, score_mean};
+use crate::pipeline::{generated_rows, prepare_dir, score_mean, train};
 
 /// Chat rows the adapter learns from: eight facts, four wordings of each question.
 pub const TRAIN_SET: &str = include_str!("../data/finetune.jsonl");
@@ -111,8 +111,8 @@ pub async fn fine_tune(
     let settings = chat_settings(&options.model)?;
     let dir = &options.dir;
     prepare_dir(dir)?;
-    let train = dir.join("train.jsonl");
-    std::fs::write(&train, TRAIN_SET).with_context(|| format!("cannot write {}", train.display()))?;
+    let rows = dir.join("train.jsonl");
+    std::fs::write(&rows, TRAIN_SET).with_context(|| format!("cannot write {}", rows.display()))?;
     let held_out = held_out_rows()?;
     // Scoring reads text: each held-out conversation rendered through the chat template.
     let mut texts = String::new();
@@ -133,7 +133,7 @@ pub async fn fine_tune(
     let mut config = TrainConfig::default();
     config.model.path = model.clone();
     config.model.context = CONTEXT;
-    config.data.path = train.to_string_lossy().into_owned();
+    config.data.path = rows.to_string_lossy().into_owned();
     config.world_size = options.world_size;
     config.zero_stage = regatta_trainer::ZeroStage::Three;
     config.steps = options.steps;
@@ -147,20 +147,7 @@ pub async fn fine_tune(
     });
     config.checkpoint.dir = checkpoints.to_string_lossy().into_owned();
     config.checkpoint.interval = options.steps.max(1);
-    let log_every = (options.steps / 4).max(1);
-    let group = TrainerGroup::new(cluster.clone(), config.clone())?;
-    let summary = group
-        .run(|event| {
-            if let Some(line) = crate::cli::train::describe(event, &config, log_every) {
-                say(line);
-            } else if let TrainEvent::Restarting { .. } = event {
-                say(format!("{event:?}"));
-            }
-        })
-        .await?;
-    let (Some(first), Some(last)) = (summary.losses.values().next(), summary.last.as_ref()) else {
-        bail!("training finished without reporting a step");
-    };
+    let trained = train(cluster, &config, (options.steps / 4).max(1), &mut say).await?;
 
     let scoring = |output: &Path, adapter: &str| ScoreConfig {
         input: eval.to_string_lossy().into_owned(),
@@ -212,9 +199,9 @@ pub async fn fine_tune(
         })
         .collect();
     Ok(FineTuneReport {
-        loss: (*first, last.loss),
-        tokens_per_sec: last.tokens_per_sec,
-        params: summary.params,
+        loss: trained.loss,
+        tokens_per_sec: trained.tokens_per_sec,
+        params: trained.params,
         perplexity: (ppl_before, ppl_after),
         rows,
         answers,
@@ -298,25 +285,7 @@ async fn answer(
         .run(|_| {})
         .await
         .map_err(anyhow::Error::msg)?;
-    let mut answers = Vec::new();
-    for entry in std::fs::read_dir(output).with_context(|| format!("cannot list {}", output.display()))? {
-        let path = entry?.path();
-        if path.extension().is_some_and(|e| e == "parquet") {
-            let bytes = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
-            for row in generated_from_parquet(bytes.into()).map_err(anyhow::Error::msg)? {
-                answers.push((row.id, row.generated));
-            }
-        }
-    }
-    if answers.len() as u64 != done.rows || answers.is_empty() {
-        bail!(
-            "{} questions were answered but {} answers are in {}",
-            done.rows,
-            answers.len(),
-            output.display()
-        );
-    }
-    Ok(answers)
+    generated_rows(output, done.rows)
 }
 
 #[cfg(test)]

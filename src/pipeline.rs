@@ -99,19 +99,7 @@ pub async fn train_then_score(
     config.checkpoint.interval = options.steps.max(1);
     config.checkpoint.initial = true;
     let log_every = (options.steps / 10).max(1);
-    let group = TrainerGroup::new(cluster.clone(), config.clone())?;
-    let summary = group
-        .run(|event| {
-            if let Some(line) = crate::cli::train::describe(event, &config, log_every) {
-                say(line);
-            } else if let TrainEvent::Restarting { .. } = event {
-                say(format!("{event:?}"));
-            }
-        })
-        .await?;
-    let (Some(first), Some(last)) = (summary.losses.values().next(), summary.last.as_ref()) else {
-        bail!("training finished without reporting a step");
-    };
+    let trained = train(cluster, &config, log_every, &mut say).await?;
 
     let before = checkpoints.join("step-00000000");
     let (rows, malformed, ppl_before) = score(cluster, options, &eval, &before, &dir.join("scores-before"), &mut say)
@@ -125,9 +113,9 @@ pub async fn train_then_score(
         .await
         .context("generating with the trained weights")?;
     Ok(PipelineReport {
-        loss: (*first, last.loss),
-        tokens_per_sec: last.tokens_per_sec,
-        params: summary.params,
+        loss: trained.loss,
+        tokens_per_sec: trained.tokens_per_sec,
+        params: trained.params,
         rows,
         malformed,
         perplexity: (ppl_before, ppl_after),
@@ -175,26 +163,8 @@ async fn generate(
         .run(|_| {})
         .await
         .map_err(anyhow::Error::msg)?;
-    let mut example = None;
-    let mut count = 0u64;
-    for entry in std::fs::read_dir(output).with_context(|| format!("cannot list {}", output.display()))? {
-        let path = entry?.path();
-        if path.extension().is_some_and(|e| e == "parquet") {
-            let bytes = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
-            for row in generated_from_parquet(bytes.into()).map_err(anyhow::Error::msg)? {
-                count += 1;
-                example.get_or_insert((row.id, row.generated));
-            }
-        }
-    }
-    if count != done.rows || count == 0 {
-        bail!(
-            "{} rows were generated for but {count} are in {}",
-            done.rows,
-            output.display()
-        );
-    }
-    let (id, continuation) = example.unwrap_or_default();
+    let rows = generated_rows(output, done.rows)?;
+    let (id, continuation) = rows.into_iter().next().unwrap_or_default();
     let prompt = std::fs::read_to_string(&input)?
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
@@ -208,6 +178,67 @@ async fn generate(
         example: (prompt, continuation),
         output: output.to_path_buf(),
     })
+}
+
+/// What a training run reported: the first and last loss, the last tokens/s, parameters.
+pub(crate) struct Trained {
+    /// Loss at the first and the last step.
+    pub loss: (f64, f64),
+    /// Tokens per second over all ranks at the last step.
+    pub tokens_per_sec: f64,
+    /// Model parameters.
+    pub params: u64,
+}
+
+/// Runs a trainer group for `config`; its step lines (every `log_every` steps) and
+/// restarts go to `say`.
+pub(crate) async fn train(
+    cluster: &Cluster,
+    config: &TrainConfig,
+    log_every: u64,
+    say: &mut impl FnMut(String),
+) -> anyhow::Result<Trained> {
+    let group = TrainerGroup::new(cluster.clone(), config.clone())?;
+    let summary = group
+        .run(|event| {
+            if let Some(line) = crate::cli::train::describe(event, config, log_every) {
+                say(line);
+            } else if let TrainEvent::Restarting { .. } = event {
+                say(format!("{event:?}"));
+            }
+        })
+        .await?;
+    let (Some(first), Some(last)) = (summary.losses.values().next(), summary.last.as_ref()) else {
+        bail!("training finished without reporting a step");
+    };
+    Ok(Trained {
+        loss: (*first, last.loss),
+        tokens_per_sec: last.tokens_per_sec,
+        params: summary.params,
+    })
+}
+
+/// The `(id, generated text)` rows of a generation run's Parquet output, checked to be the
+/// `expected` count (and not none).
+pub(crate) fn generated_rows(output: &Path, expected: u64) -> anyhow::Result<Vec<(String, String)>> {
+    let mut rows = Vec::new();
+    for entry in std::fs::read_dir(output).with_context(|| format!("cannot list {}", output.display()))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "parquet") {
+            let bytes = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+            for row in generated_from_parquet(bytes.into()).map_err(anyhow::Error::msg)? {
+                rows.push((row.id, row.generated));
+            }
+        }
+    }
+    if rows.len() as u64 != expected || rows.is_empty() {
+        bail!(
+            "{expected} rows were generated for but {} are in {}",
+            rows.len(),
+            output.display()
+        );
+    }
+    Ok(rows)
 }
 
 /// Marks a folder the pipeline made, so a later run may empty it.
