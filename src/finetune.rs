@@ -103,12 +103,7 @@ pub async fn fine_tune(
     mut say: impl FnMut(String),
 ) -> anyhow::Result<FineTuneReport> {
     let model = options.model.to_string_lossy().into_owned();
-    if !options.model.is_file() {
-        bail!(
-            "{model} is missing: scripts/main-job.sh fetches it (scripts/setup-smollm2.sh), or pass --model FILE.gguf, or --model builtin for the no-download demo"
-        );
-    }
-    let settings = chat_settings(&options.model)?;
+    let settings = check_model(&options.model)?;
     let dir = &options.dir;
     prepare_dir(dir)?;
     let rows = dir.join("train.jsonl");
@@ -211,6 +206,18 @@ pub async fn fine_tune(
     })
 }
 
+/// Checks that `path` is a GGUF model with a chat template (its header only is read) and
+/// returns its special tokens and template.
+pub fn check_model(path: &Path) -> anyhow::Result<TokenizerSettings> {
+    if !path.is_file() {
+        bail!(
+            "{} is missing: scripts/main-job.sh fetches it (scripts/setup-smollm2.sh), or pass --model FILE.gguf, or --model builtin for the no-download demo",
+            path.display()
+        );
+    }
+    chat_settings(path)
+}
+
 /// The special tokens and chat template of a GGUF file (its header only is read).
 fn chat_settings(path: &Path) -> anyhow::Result<TokenizerSettings> {
     let mut file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
@@ -230,6 +237,9 @@ fn chat_settings(path: &Path) -> anyhow::Result<TokenizerSettings> {
         }
     };
     let model = GgufModel::from_header(&header).with_context(|| path.display().to_string())?;
+    if let Err(e) = &model.tokenizer {
+        bail!("{}: {e}", path.display());
+    }
     let settings = TokenizerSettings::from_json(&model.tokenizer_config);
     if settings.chat_template.is_none() {
         bail!("{} carries no chat template (tokenizer.chat_template)", path.display());

@@ -225,3 +225,22 @@ fn ctrl_c_during_training_stops_every_process_the_main_job_started() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+#[test]
+fn a_missing_model_is_said_before_any_process_starts() {
+    let out = Command::new(env!("CARGO_BIN_EXE_regatta"))
+        .args(["demo", "--model", "/nonexistent/model.gguf"])
+        .output()
+        .expect("run regatta demo");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("/nonexistent/model.gguf is missing") && text.contains("--model builtin"),
+        "{text}"
+    );
+    assert!(!text.contains("starting a local cluster"), "{text}");
+}

@@ -46,6 +46,10 @@ pub struct DemoArgs {
 
 /// Runs the demo; Ctrl-C stops it and every process it started.
 pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    // A missing model is said before any process starts.
+    if let Some(model) = gguf_model(&args) {
+        crate::finetune::check_model(&model)?;
+    }
     let workers = vec![
         WorkerSpec::new("w1", "CPU=4,GPU=2,accelerator_type:H100=1,pin:w1=1"),
         WorkerSpec::new("w2", "CPU=4,pin:w2=1"),
@@ -184,12 +188,9 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
         .out
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join(format!("regatta-demo-{}", std::process::id())));
-    match args.model.as_deref() {
-        Some("builtin") => builtin(client.cluster(), args, dir).await?,
-        other => {
-            let model = other.map_or_else(crate::finetune::default_model, std::path::PathBuf::from);
-            fine_tune(client.cluster(), args, dir, model).await?
-        }
+    match gguf_model(args) {
+        None => builtin(client.cluster(), args, dir).await?,
+        Some(model) => fine_tune(client.cluster(), args, dir, model).await?,
     }
     println!(
         "  metrics: {}/metrics (Prometheus discovery: {}/api/prometheus/sd); job API: {}",
@@ -198,6 +199,14 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
     println!("  dashboards: docker/grafana/dashboards (Trainer, Scorer, Cluster, Actors, Object store, Jobs)");
     println!("done in {:.2}s", started.elapsed().as_secs_f64());
     Ok(ExitCode::SUCCESS)
+}
+
+/// The GGUF file the demo fine-tunes, or `None` for the built-in GPT.
+fn gguf_model(args: &DemoArgs) -> Option<std::path::PathBuf> {
+    match args.model.as_deref() {
+        Some("builtin") => None,
+        other => Some(other.map_or_else(crate::finetune::default_model, std::path::PathBuf::from)),
+    }
 }
 
 /// The cluster's actors, as `regatta status` shows them, before the report.
