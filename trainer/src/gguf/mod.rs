@@ -164,7 +164,7 @@ struct Cursor<'a> {
 
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: u64) -> Result<&'a [u8], GgufError> {
-        let end = (self.at as u64).checked_add(n).ok_or_else(|| overflow())?;
+        let end = (self.at as u64).checked_add(n).ok_or_else(overflow)?;
         if end > self.bytes.len() as u64 {
             return Err(GgufError::Truncated { needed: end });
         }

@@ -198,9 +198,10 @@ impl GgufModel {
             }
         }
         if header.tensors.iter().any(|t| t.name == "rope_freqs.weight") {
-            return Err(GgufError::Unsupported(format!(
+            return Err(GgufError::Unsupported(
                 "per-frequency RoPE factors (rope_freqs.weight, Llama 3.1's rope scaling) are not read yet; use the model's Hugging Face folder"
-            )));
+                    .into(),
+            ));
         }
         let mut config = Map::new();
         config.insert("architectures".into(), json!([class]));
