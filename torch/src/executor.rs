@@ -114,13 +114,27 @@ pub async fn open_run_model(config: &TrainConfig, make_model: &ModelFactory) -> 
         Some(HfModel::open(&config.model.path).await?)
     };
     let spec = tokenizer_spec(config);
-    let tokenizer = TextTokenizer::load(&spec).await.map_err(|e| match e {
-        Error::Storage(problem) => Error::ModelFile {
-            path: spec.clone(),
-            problem,
-        },
-        other => other,
-    })?;
+    let (tokenizer, settings) = if crate::hf::is_gguf(&spec) {
+        // The model file itself when it is the tokenizer: its header is read once.
+        let opened;
+        let file = match hf.as_ref().filter(|h| h.is_gguf() && config.data.tokenizer.is_empty()) {
+            Some(model) => model,
+            None => {
+                opened = HfModel::open(&spec).await?;
+                &opened
+            }
+        };
+        gguf_tokenizer(file).await?
+    } else {
+        let tokenizer = TextTokenizer::load(&spec).await.map_err(|e| match e {
+            Error::Storage(problem) => Error::ModelFile {
+                path: spec.clone(),
+                problem,
+            },
+            other => other,
+        })?;
+        (tokenizer, tokenizer_settings(&spec).await?)
+    };
     let (mut model, source, mut side_files) = if let Some(hf) = hf {
         let model = hf.model()?;
         hf.check(model.as_ref())?;
@@ -154,7 +168,6 @@ pub async fn open_run_model(config: &TrainConfig, make_model: &ModelFactory) -> 
             crate::data::tokenizer_json(&config.data.tokenizer).await?,
         ));
     }
-    let settings = tokenizer_settings(&spec).await?;
     Ok(RunModel {
         model,
         source,
@@ -164,16 +177,34 @@ pub async fn open_run_model(config: &TrainConfig, make_model: &ModelFactory) -> 
     })
 }
 
+/// The tokenizer and the special tokens and chat template a GGUF file's metadata makes.
+async fn gguf_tokenizer(file: &HfModel) -> Result<(TextTokenizer, TokenizerSettings), Error> {
+    let missing = |name: &str| Error::ModelFile {
+        path: file.url().to_string(),
+        problem: format!("makes no {name}"),
+    };
+    let tokenizer = file
+        .file("tokenizer.json")
+        .await?
+        .ok_or_else(|| missing("tokenizer.json"))?;
+    let config = file
+        .file("tokenizer_config.json")
+        .await?
+        .ok_or_else(|| missing("tokenizer_config.json"))?;
+    let json: serde_json::Value = serde_json::from_slice(&config).map_err(|e| Error::ModelFile {
+        path: file.url().to_string(),
+        problem: format!("makes a tokenizer_config.json that is not JSON: {e}"),
+    })?;
+    Ok((
+        TextTokenizer::from_json(&tokenizer, file.url())?,
+        TokenizerSettings::from_json(&json),
+    ))
+}
+
 /// The `tokenizer_config.json` beside the tokenizer at `spec`, when there is one.
 async fn tokenizer_settings(spec: &str) -> Result<TokenizerSettings, Error> {
     if spec.is_empty() {
         return Ok(TokenizerSettings::default());
-    }
-    if crate::hf::is_gguf(spec) {
-        let model = HfModel::open(spec).await?;
-        let bytes = model.file("tokenizer_config.json").await?.unwrap_or_default();
-        let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
-        return Ok(TokenizerSettings::from_json(&json));
     }
     let (place, _) = Place::file(spec).map_err(Error::Storage)?;
     let Some(bytes) = place.get_opt("tokenizer_config.json").await.map_err(Error::Storage)? else {
