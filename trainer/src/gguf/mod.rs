@@ -2,7 +2,9 @@
 //! first bytes of a file and its size and returns the metadata and where each tensor's
 //! bytes lie (or how many more bytes it needs); [`quant`] dequantizes tensor bytes to f32;
 //! [`model`] turns a header into what a Hugging Face folder holds (`config.json`, tensor
-//! names and shapes, `tokenizer.json`, `tokenizer_config.json`).
+//! names and shapes) and, with the private `tokenizer` module, the tokenizer files
+//! (`tokenizer.json` from a byte-level BPE or SentencePiece-style vocabulary,
+//! `tokenizer_config.json`).
 //!
 //! The format (version 2 and 3, little-endian): `GGUF`, version, tensor count, metadata
 //! count; metadata as key, type, value; tensor infos as name, dimensions (innermost
@@ -10,6 +12,7 @@
 
 pub mod model;
 pub mod quant;
+mod tokenizer;
 
 use std::collections::BTreeMap;
 

@@ -5,17 +5,8 @@
 
 use serde_json::{json, Map, Value as Json};
 
+use super::tokenizer::{tokenizer_config, tokenizer_json};
 use super::{dequantize, GgufError, GgufHeader, TensorInfo, Value};
-
-/// Token types of a GGUF vocabulary (llama.cpp's `llama_token_type`).
-const TOKEN_CONTROL: u64 = 3;
-const TOKEN_USER_DEFINED: u64 = 4;
-
-/// Llama 3's pre-tokenizer pattern (llama.cpp's `llama-bpe`).
-const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-/// Qwen2's pre-tokenizer pattern: Llama 3's with single digits.
-const QWEN2_PATTERN: &str =
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// One tensor of the model under its Hugging Face name.
 #[derive(Clone, Debug, PartialEq)]
@@ -285,129 +276,6 @@ impl GgufModel {
     }
 }
 
-/// `tokenizer_config.json`: the special tokens' texts and the chat template.
-fn tokenizer_config(header: &GgufHeader) -> Json {
-    let tokens = header.get("tokenizer.ggml.tokens").and_then(Value::as_array);
-    let text = |key: &str| {
-        let id = header.get(key).and_then(Value::as_u64)?;
-        tokens?.get(id as usize)?.as_str().map(str::to_string)
-    };
-    let mut out = Map::new();
-    for (field, key) in [
-        ("bos_token", "tokenizer.ggml.bos_token_id"),
-        ("eos_token", "tokenizer.ggml.eos_token_id"),
-        ("unk_token", "tokenizer.ggml.unknown_token_id"),
-        ("pad_token", "tokenizer.ggml.padding_token_id"),
-    ] {
-        if let Some(t) = text(key) {
-            out.insert(field.into(), json!(t));
-        }
-    }
-    if let Some(add) = header.get("tokenizer.ggml.add_bos_token").and_then(Value::as_bool) {
-        out.insert("add_bos_token".into(), json!(add));
-    }
-    if let Some(template) = header.get("tokenizer.chat_template").and_then(Value::as_str) {
-        out.insert("chat_template".into(), json!(template));
-    }
-    Json::Object(out)
-}
-
-/// `tokenizer.json` for a byte-level BPE vocabulary (`tokenizer.ggml.model = gpt2`), with
-/// the pre-tokenizer `tokenizer.ggml.pre` names.
-fn tokenizer_json(header: &GgufHeader) -> Result<Json, GgufError> {
-    let model = header
-        .get("tokenizer.ggml.model")
-        .and_then(Value::as_str)
-        .ok_or_else(|| GgufError::Unsupported("the file carries no tokenizer (tokenizer.ggml.model)".into()))?;
-    if model != "gpt2" {
-        return Err(GgufError::Unsupported(format!(
-            "tokenizer.ggml.model {model:?} (SentencePiece-style) is not read yet, only gpt2 (byte-level BPE); set data.tokenizer to the model's tokenizer.json"
-        )));
-    }
-    let strings = |key: &str| -> Result<Vec<String>, GgufError> {
-        let list = header
-            .get(key)
-            .and_then(Value::as_array)
-            .ok_or_else(|| GgufError::Metadata {
-                key: key.into(),
-                problem: "is missing or not an array".into(),
-            })?;
-        list.iter()
-            .map(|v| v.as_str().map(str::to_string))
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| GgufError::Metadata {
-                key: key.into(),
-                problem: "must hold strings".into(),
-            })
-    };
-    let tokens = strings("tokenizer.ggml.tokens")?;
-    let merges = strings("tokenizer.ggml.merges")?;
-    let types: Vec<u64> = match header.get("tokenizer.ggml.token_type").and_then(Value::as_array) {
-        Some(list) => list.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
-        None => vec![1; tokens.len()],
-    };
-    let mut vocab = Map::new();
-    let mut added = Vec::new();
-    for (id, token) in tokens.iter().enumerate() {
-        vocab.insert(token.clone(), json!(id));
-        let kind = types.get(id).copied().unwrap_or(1);
-        if kind == TOKEN_CONTROL || kind == TOKEN_USER_DEFINED {
-            added.push(json!({
-                "id": id, "content": token, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": kind == TOKEN_USER_DEFINED, "special": kind == TOKEN_CONTROL,
-            }));
-        }
-    }
-    if vocab.len() != tokens.len() {
-        return Err(GgufError::Metadata {
-            key: "tokenizer.ggml.tokens".into(),
-            problem: "holds the same token twice".into(),
-        });
-    }
-    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
-    let split = |pattern: &str| json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
-    let pre = header
-        .get("tokenizer.ggml.pre")
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    let (pre_tokenizer, ignore_merges) = match pre {
-        "default" | "gpt2" | "gpt-2" => (byte_level(true), false),
-        "smollm" => (
-            json!({"type": "Sequence", "pretokenizers": [
-                {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
-            false,
-        ),
-        "llama-bpe" | "llama3" => (
-            json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_PATTERN), byte_level(false)]}),
-            true,
-        ),
-        "qwen2" => (
-            json!({"type": "Sequence", "pretokenizers": [split(QWEN2_PATTERN), byte_level(false)]}),
-            false,
-        ),
-        other => {
-            return Err(GgufError::Unsupported(format!(
-                "pre-tokenizer {other:?} (tokenizer.ggml.pre) is not known; Regatta builds default, smollm, llama-bpe and qwen2; set data.tokenizer to the model's tokenizer.json"
-            )))
-        }
-    };
-    Ok(json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": byte_level(true),
-        "decoder": byte_level(true),
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-            "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges,
-        },
-    }))
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::tests::file;
@@ -499,13 +367,13 @@ mod tests {
         assert!(err.to_string().contains("\"gemma2\" is not supported"), "{err}");
 
         let mut meta = llama_meta();
-        meta[7].1 = Value::String("llama".into());
+        meta[7].1 = Value::String("t5".into());
         let bytes = file(&meta);
         let mut header = GgufHeader::parse(&bytes, bytes.len() as u64).expect("parse");
         header.tensors[0].name = "token_embd.weight".into();
         let model = GgufModel::from_header(&header).expect("model");
-        let err = model.tokenizer.expect_err("sentencepiece");
-        assert!(err.to_string().contains("SentencePiece"), "{err}");
+        let err = model.tokenizer.expect_err("unigram");
+        assert!(err.to_string().contains("\"t5\" is not read"), "{err}");
     }
 
     #[test]
