@@ -9,6 +9,7 @@
 use regatta_scorer::{byte_ranges, read_owned_lines};
 use regatta_trainer::config::DataFormat;
 use regatta_trainer::documents::{Document, Packed, Record, TokenizerSettings};
+use regatta_trainer::eval::Holdout;
 use regatta_trainer::{chunks, DataLayout, BYTE_VOCAB};
 use tch::{Kind, Tensor};
 
@@ -59,6 +60,24 @@ impl TextTokenizer {
                     .encode(text.as_ref(), false)
                     .map_err(|e| Error::Dataset(format!("cannot tokenize: {e}")))?;
                 Ok(encoding.get_ids().iter().map(|id| i64::from(*id)).collect())
+            }
+        }
+    }
+
+    /// Token ids of `text`, each with the byte offset in `text` where its piece starts.
+    pub fn encode_with_offsets(&self, text: &str) -> Result<Vec<(i64, usize)>> {
+        match self {
+            Self::Bytes => Ok(text.bytes().enumerate().map(|(at, b)| (i64::from(b), at)).collect()),
+            Self::Hf(t) => {
+                let encoding = t
+                    .encode(text, false)
+                    .map_err(|e| Error::Dataset(format!("cannot tokenize: {e}")))?;
+                Ok(encoding
+                    .get_ids()
+                    .iter()
+                    .zip(encoding.get_offsets())
+                    .map(|(id, (start, _))| (i64::from(*id), *start))
+                    .collect())
             }
         }
     }
@@ -127,6 +146,9 @@ pub struct DataSource<'a> {
     pub tokenizer: &'a TextTokenizer,
     /// Special tokens and chat template for document rows.
     pub settings: &'a TokenizerSettings,
+    /// A split of JSONL or Parquet rows between training and validation: only this side's
+    /// rows are read (`None`: every row).
+    pub holdout: Option<Holdout>,
 }
 
 impl RankData {
@@ -142,9 +164,9 @@ impl RankData {
             let part = match format {
                 DataFormat::Jsonl | DataFormat::Parquet => {
                     let records = if format == DataFormat::Jsonl {
-                        jsonl_records(path, partitions, p).await?
+                        jsonl_records(path, partitions, p, source.holdout).await?
                     } else {
-                        parquet_records(path, partitions, p).await?
+                        parquet_records(path, partitions, p, source.holdout).await?
                     };
                     let documents = records
                         .iter()
@@ -177,6 +199,50 @@ impl RankData {
     /// Sequences in each loaded partition.
     pub fn sequences(&self) -> Vec<usize> {
         self.loaded.iter().map(Part::sequences).collect()
+    }
+
+    /// Inputs, targets and documents of the first partition's rows `picks`, in order; a
+    /// `None` is a row that carries no loss (the first row with every target
+    /// [`crate::engine::IGNORE`]), filling a batch to its size.
+    pub fn rows(&self, picks: &[Option<usize>]) -> (Tensor, Tensor, Option<Tensor>) {
+        let t = self.context;
+        let mut inputs = Vec::with_capacity(picks.len() * t);
+        let mut targets = Vec::with_capacity(inputs.capacity());
+        let mut documents = Vec::new();
+        let Some(part) = self.loaded.first() else {
+            return (
+                Tensor::zeros([0, t as i64], (Kind::Int64, tch::Device::Cpu)),
+                Tensor::zeros([0, t as i64], (Kind::Int64, tch::Device::Cpu)),
+                None,
+            );
+        };
+        for pick in picks {
+            let index = pick.unwrap_or(0).min(part.sequences().saturating_sub(1));
+            let before = targets.len();
+            match part {
+                Part::Stream(tokens, _) => {
+                    let sequence = &tokens[index * t..index * t + t + 1];
+                    inputs.extend_from_slice(&sequence[..t]);
+                    targets.extend_from_slice(&sequence[1..]);
+                }
+                Part::Packed(packed) => {
+                    let row = packed.row(index);
+                    inputs.extend(row.inputs);
+                    targets.extend(row.targets);
+                    documents.extend(row.documents);
+                }
+            }
+            if pick.is_none() {
+                targets[before..].fill(crate::engine::IGNORE);
+            }
+        }
+        let shape = [picks.len() as i64, t as i64];
+        let tensor = |values: &[i64]| Tensor::from_slice(values).view(shape).to_kind(Kind::Int64);
+        (
+            tensor(&inputs),
+            tensor(&targets),
+            self.documents.then(|| tensor(&documents)),
+        )
     }
 
     /// Inputs, targets (`[n, context]` token ids; [`crate::engine::IGNORE`] where no loss) and, for
@@ -224,11 +290,23 @@ fn document(source: &DataSource<'_>, record: &Record) -> Result<Document> {
 }
 
 /// A record's token ids through `tokenizer`, each marked with whether it carries loss
-/// (BOS, EOS and chat turns as `settings` say).
+/// (BOS, EOS and chat turns as `settings` say). The record's text is tokenized whole, as
+/// `apply_chat_template(..., tokenize=True)` does (pieces tokenized apart can merge
+/// differently at their seams: "\n\n" ending a chat header, "." before "</s>"); a token
+/// carries loss when the piece it starts in does.
 pub fn encode_record(tokenizer: &TextTokenizer, settings: &TokenizerSettings, record: &Record) -> Result<Document> {
+    let segments = settings.segments(record).map_err(regatta_trainer::Error::from)?;
+    let mut text = String::new();
+    let mut learned = Vec::new();
+    for segment in &segments {
+        if segment.loss {
+            learned.push(text.len()..text.len() + segment.text.len());
+        }
+        text.push_str(&segment.text);
+    }
     let mut document = Document::default();
-    for segment in settings.segments(record).map_err(regatta_trainer::Error::from)? {
-        document.push(&tokenizer.encode(segment.text.as_bytes())?, segment.loss);
+    for (id, start) in tokenizer.encode_with_offsets(&text)? {
+        document.push(&[id], learned.iter().any(|span| span.contains(&start)));
     }
     Ok(document)
 }
@@ -260,7 +338,12 @@ async fn text_part(path: &str, tokenizer: &TextTokenizer, context: usize, partit
 /// The rows of partition `p` of a JSONL file (the lines starting in its byte range), each
 /// with where it starts. A line that is not a usable row is an error naming its offset:
 /// training never skips data silently.
-async fn jsonl_records(path: &str, partitions: usize, p: usize) -> Result<Vec<(String, Record)>> {
+async fn jsonl_records(
+    path: &str,
+    partitions: usize,
+    p: usize,
+    holdout: Option<Holdout>,
+) -> Result<Vec<(String, Record)>> {
     let (place, name) = Place::file(path).map_err(Error::Storage)?;
     let size = place.size(&name).await.map_err(Error::Storage)?;
     let ranges = byte_ranges(size, partitions);
@@ -277,6 +360,9 @@ async fn jsonl_records(path: &str, partitions: usize, p: usize) -> Result<Vec<(S
         })?;
     let mut records = Vec::with_capacity(lines.len());
     for (offset, line) in lines {
+        if holdout.is_some_and(|h| !h.keeps(offset)) {
+            continue;
+        }
         let at = format!("the line at byte {offset}");
         let value: serde_json::Value = serde_json::from_slice(&line)
             .map_err(|e| Error::Dataset(format!("{path}: {at} is not valid JSON: {e}")))?;
@@ -288,7 +374,12 @@ async fn jsonl_records(path: &str, partitions: usize, p: usize) -> Result<Vec<(S
 
 /// The rows of partition `p` of a Parquet file (an even share of its rows), read from the
 /// columns `text`, `prompt`/`response` or `messages`.
-async fn parquet_records(path: &str, partitions: usize, p: usize) -> Result<Vec<(String, Record)>> {
+async fn parquet_records(
+    path: &str,
+    partitions: usize,
+    p: usize,
+    holdout: Option<Holdout>,
+) -> Result<Vec<(String, Record)>> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     let (place, name) = Place::file(path).map_err(Error::Storage)?;
     let bytes = place.get(&name).await.map_err(Error::Storage)?;
@@ -304,6 +395,9 @@ async fn parquet_records(path: &str, partitions: usize, p: usize) -> Result<Vec<
     let mut records = Vec::with_capacity(mine.len());
     let iter = reader.get_row_iter(None).map_err(not_parquet)?;
     for (number, row) in iter.enumerate().skip(mine.start).take(mine.len()) {
+        if holdout.is_some_and(|h| !h.keeps(number as u64)) {
+            continue;
+        }
         let at = format!("row {number}");
         let row = row.map_err(|e| Error::Dataset(format!("{path}: {at}: {e}")))?;
         let record = Record::parse(&row.to_json_value()).map_err(|e| Error::Dataset(format!("{path}: {at}: {e}")))?;

@@ -50,6 +50,7 @@ fn load(
         format,
         tokenizer: &tokenizer,
         settings: &settings,
+        holdout: None,
     };
     runtime().block_on(RankData::load(&source, context, partitions, which))
 }
@@ -143,6 +144,81 @@ fn parquet_rows_load_like_the_same_jsonl_rows() {
     );
 }
 
+/// The numbers of the "Document number N " texts the rows of `data` hold.
+fn document_numbers(data: &RankData) -> std::collections::BTreeSet<usize> {
+    let (inputs, _, _) = data.batch(0, data.sequences()[0]);
+    let ids = Vec::<i64>::try_from(inputs.view(-1)).unwrap();
+    let text = tokenizer().decode(&ids);
+    text.split("Document number ")
+        .skip(1)
+        .filter_map(|rest| rest.split(' ').next()?.parse().ok())
+        .collect()
+}
+
+#[test]
+fn a_held_out_split_puts_every_row_on_one_side() {
+    use regatta_trainer::eval::{Holdout, Side};
+    let dir = temp_dir("split");
+    let texts: Vec<String> = (0..200).map(|i| format!("Document number {i} is here.")).collect();
+    let jsonl: String = texts
+        .iter()
+        .map(|t| format!("{}\n", serde_json::json!({"text": t})))
+        .collect();
+    std::fs::write(dir.join("docs.jsonl"), jsonl).unwrap();
+    let rows: Vec<(String, Option<String>)> = texts
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (i.to_string(), Some(t.clone())))
+        .collect();
+    std::fs::write(
+        dir.join("docs.parquet"),
+        regatta_scorer::rows_to_parquet(&rows, 7).unwrap(),
+    )
+    .unwrap();
+    let (tokenizer, settings) = (tokenizer(), settings());
+    for name in ["docs.jsonl", "docs.parquet"] {
+        let path = dir.join(name);
+        let side = |side: Side, partitions: usize, p: usize| {
+            let source = DataSource {
+                path: path.to_str().unwrap(),
+                format: DataFormat::Auto,
+                tokenizer: &tokenizer,
+                settings: &settings,
+                holdout: Some(Holdout {
+                    fraction: 0.2,
+                    seed: 3,
+                    side,
+                }),
+            };
+            runtime()
+                .block_on(RankData::load(&source, 16, partitions, &[p]))
+                .unwrap()
+        };
+        let held = document_numbers(&side(Side::Eval, 1, 0));
+        // Training over two partitions, as two ranks read it.
+        let trained: std::collections::BTreeSet<usize> = (0..2)
+            .flat_map(|p| document_numbers(&side(Side::Train, 2, p)))
+            .collect();
+        assert!(
+            held.is_disjoint(&trained),
+            "{name}: {:?}",
+            held.intersection(&trained).collect::<Vec<_>>()
+        );
+        // Each load drops at most its last row's tail: at most a document or two a side.
+        assert!(
+            held.len() + trained.len() + 4 >= 200,
+            "{name}: {} + {}",
+            held.len(),
+            trained.len()
+        );
+        assert!(
+            (20..=60).contains(&held.len()),
+            "{name}: {} held out of 200",
+            held.len()
+        );
+    }
+}
+
 #[test]
 fn bad_rows_are_errors_that_name_the_file_and_the_row() {
     let dir = temp_dir("bad");
@@ -168,6 +244,7 @@ fn bad_rows_are_errors_that_name_the_file_and_the_row() {
         format: DataFormat::Jsonl,
         tokenizer: &tokenizer,
         settings: &none,
+        holdout: None,
     };
     let error = runtime()
         .block_on(RankData::load(&source, 4, 1, &[0]))
