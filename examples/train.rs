@@ -48,7 +48,7 @@ async fn run() -> anyhow::Result<()> {
                     step.step, step.loss, step.tokens_per_sec
                 )
             }
-            TrainEvent::Checkpoint { step, url } => println!("checkpoint at step {step}: {url}"),
+            TrainEvent::Checkpoint { step, url, .. } => println!("checkpoint at step {step}: {url}"),
             _ => {}
         })
         .await?;

@@ -30,6 +30,10 @@ fi
 if [ ! -x "$venv/bin/maturin" ] || ! "$venv/bin/python" -c 'import cloudpickle, pytest, numpy' >/dev/null 2>&1; then
     "$venv/bin/pip" install --quiet 'maturin>=1.9,<2' cloudpickle pytest numpy
 fi
+# TensorBoard's own reader for the test that a run's event files hold its figures.
+if ! "$venv/bin/python" -c 'import tensorboard' >/dev/null 2>&1; then
+    "$venv/bin/pip" install --quiet 'tensorboard==2.21.0'
+fi
 # One interpreter for PyO3's build configuration, so cargo and maturin share the build.
 export PYO3_PYTHON="$venv/bin/python"
 export REGATTA_TEST_VENV="$venv"

@@ -15,7 +15,7 @@ use regatta_runtime::Cluster;
 use regatta_scorer::{ScoreConfig, ScoreRun};
 use regatta_trainer::documents::{Message, TokenizerSettings};
 use regatta_trainer::gguf::{GgufError, GgufHeader, GgufModel};
-use regatta_trainer::{LoraConfig, TrainConfig};
+use regatta_trainer::{EvalConfig, LoraConfig, TrainConfig};
 
 use crate::pipeline::{generated_rows, prepare_dir, score_mean, train};
 
@@ -73,6 +73,13 @@ pub struct Answer {
 pub struct FineTuneReport {
     /// Training loss at the first and the last step.
     pub loss: (f64, f64),
+    /// Validation loss on the held-out split before training and at the last step.
+    pub validation: (f64, f64),
+    /// The checkpoint that validated lowest, whose adapter is scored and answers: its step
+    /// and folder.
+    pub best: (u64, String),
+    /// The TensorBoard events file.
+    pub tensorboard: String,
     /// Tokens per second over all ranks at the last step.
     pub tokens_per_sec: f64,
     /// Model parameters (adapters included).
@@ -121,6 +128,8 @@ pub async fn fine_tune(
     }
     let eval = dir.join("held-out.jsonl");
     std::fs::write(&eval, texts).with_context(|| format!("cannot write {}", eval.display()))?;
+    let validation = dir.join("validation.jsonl");
+    std::fs::write(&validation, EVAL_SET).with_context(|| format!("cannot write {}", validation.display()))?;
     let asked = dir.join("questions.jsonl");
     std::fs::write(&asked, questions).with_context(|| format!("cannot write {}", asked.display()))?;
     let checkpoints = dir.join("checkpoints");
@@ -140,9 +149,23 @@ pub async fn fine_tune(
         rank: 8,
         ..LoraConfig::default()
     });
+    // Validation loss on the held-out chats four times during training (and before it);
+    // a checkpoint at each, and the one that validates lowest is what gets scored.
+    let quarter = (options.steps / 4).max(1);
+    config.eval = Some(EvalConfig {
+        path: validation.to_string_lossy().into_owned(),
+        interval: quarter,
+        ..EvalConfig::default()
+    });
     config.checkpoint.dir = checkpoints.to_string_lossy().into_owned();
-    config.checkpoint.interval = options.steps.max(1);
-    let trained = train(cluster, &config, (options.steps / 4).max(1), &mut say).await?;
+    config.checkpoint.interval = quarter;
+    config.checkpoint.keep_best = true;
+    config.logging.tensorboard = dir.join("tensorboard").to_string_lossy().into_owned();
+    let trained = train(cluster, &config, quarter, &mut say).await?;
+    let (Some(validation), Some(best), Some(tensorboard)) = (trained.validation, trained.best, trained.tensorboard)
+    else {
+        bail!("training finished without a validation loss, a best checkpoint or a TensorBoard file");
+    };
 
     let scoring = |output: &Path, adapter: &str| ScoreConfig {
         input: eval.to_string_lossy().into_owned(),
@@ -154,7 +177,7 @@ pub async fn fine_tune(
         max_new_tokens: 0,
         ..ScoreConfig::default()
     };
-    let adapter = checkpoints.to_string_lossy().into_owned();
+    let adapter = best.1.clone();
     let (rows, _, ppl_before) = score_mean(
         cluster,
         scoring(&dir.join("scores-base"), ""),
@@ -195,6 +218,9 @@ pub async fn fine_tune(
         .collect();
     Ok(FineTuneReport {
         loss: trained.loss,
+        validation,
+        best,
+        tensorboard,
         tokens_per_sec: trained.tokens_per_sec,
         params: trained.params,
         perplexity: (ppl_before, ppl_after),

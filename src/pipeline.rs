@@ -188,6 +188,12 @@ pub(crate) struct Trained {
     pub tokens_per_sec: f64,
     /// Model parameters.
     pub params: u64,
+    /// Validation loss at the first and the last validation (`[eval]`).
+    pub validation: Option<(f64, f64)>,
+    /// The checkpoint that validated lowest (`keep_best`): step and step directory.
+    pub best: Option<(u64, String)>,
+    /// The TensorBoard events file (`[logging] tensorboard`).
+    pub tensorboard: Option<String>,
 }
 
 /// Runs a trainer group for `config`; its step lines (every `log_every` steps) and
@@ -215,6 +221,14 @@ pub(crate) async fn train(
         loss: (*first, last.loss),
         tokens_per_sec: last.tokens_per_sec,
         params: summary.params,
+        validation: summary
+            .evals
+            .values()
+            .next()
+            .zip(summary.evals.values().last())
+            .map(|(a, b)| (*a, *b)),
+        best: summary.best.clone(),
+        tensorboard: summary.tensorboard.clone(),
     })
 }
 

@@ -28,6 +28,9 @@ fn the_main_job_fine_tunes_smollm2_and_its_answers_learn_the_taught_facts() {
         "with LoRA adapters (r 8, alpha 32)",
         "ZeRO-3 over 2 ranks",
         "checkpoint at step 16: ",
+        "validation at step 0/16",
+        "validation at step 8/16",
+        "validation at step 16/16",
         "held-out split: 8 conversations scored",
         "cluster stopped",
     ] {
@@ -49,6 +52,20 @@ fn the_main_job_fine_tunes_smollm2_and_its_answers_learn_the_taught_facts() {
     };
     let loss = numbers_after("training loss ");
     assert!(loss.len() >= 2 && loss[1] < 0.6 * loss[0], "the loss falls: {loss:?}");
+    // Validation on the held-out chats during training: it falls, a best checkpoint is
+    // named, and the TensorBoard events file is where the report says.
+    let validation = numbers_after("validation loss on the held-out split ");
+    assert!(
+        validation.len() >= 2 && validation[1] < 0.8 * validation[0],
+        "the validation loss falls: {validation:?}"
+    );
+    assert!(text.contains("best checkpoint at step "), "{text}");
+    let events = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("TensorBoard events (tensorboard --logdir): "))
+        .unwrap_or_else(|| panic!("no TensorBoard line in:\n{text}"));
+    let events = std::fs::metadata(events).unwrap_or_else(|e| panic!("{events}: {e}"));
+    assert!(events.len() > 100, "the events file holds the run's scalars");
     let perplexity = numbers_after("mean perplexity ");
     assert!(
         perplexity.len() >= 2 && perplexity[1] < 0.7 * perplexity[0],

@@ -282,6 +282,157 @@ fn a_hugging_face_tokenizer_trains_the_same_over_ranks_as_in_one_process() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// TensorBoard's own reader (`EventAccumulator`, from the test virtualenv that
+/// scripts/test.sh fills) on `dir`: every scalar tag with its `(step, value)` points.
+fn tensorboard_scalars(dir: &Path) -> BTreeMap<String, Vec<(u64, f64)>> {
+    let venv = std::env::var_os("REGATTA_TEST_VENV")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/regatta/test-venv")))
+        .expect("HOME or REGATTA_TEST_VENV");
+    let script = "import json, sys\n\
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n\
+        acc = EventAccumulator(sys.argv[1], size_guidance={'scalars': 0})\n\
+        acc.Reload()\n\
+        print(json.dumps({t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()['scalars']}))\n";
+    let output = Command::new(venv.join("bin/python"))
+        .args(["-c", script, dir.to_str().unwrap()])
+        .output()
+        .expect("the test virtualenv's python (scripts/test.sh installs tensorboard there)");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+/// The validation set is the training set and one global batch (4 sequences of the byte
+/// corpus over 2 ranks), so the validation loss after k steps must equal the loss the
+/// plain single-process reference computes at its step k + 1 (same weights, same rows);
+/// with a constant learning rate a 4-step reference serves the 3-step run. A second run at
+/// a rate high enough that the loss rises after step 2 shows `best` is not just the newest.
+#[test]
+fn validation_losses_equal_the_reference_and_reach_tensorboard_and_the_best_pointer() {
+    let bins = bin_dir();
+    let dir = temp_dir("train-eval");
+    let corpus_bytes = std::fs::read(corpus()).unwrap();
+    let data = dir.join("four-sequences.txt");
+    std::fs::write(&data, &corpus_bytes[..4 * 17 + 1]).unwrap();
+    let run = |steps: u64, lr: f64| {
+        format!(
+            "steps = {steps}\nworld_size = 2\nzero_stage = 3\nmicro_batch_size = 2\n\
+             [model]\nlayers = 2\nwidth = 25\nheads = 5\ncontext = 17\n\
+             [optimizer]\nlr = {lr}\nwarmup_steps = 0\nschedule = \"constant\"\n[data]\npath = \"{}\"\n",
+            data.display()
+        )
+    };
+    let reference = dir.join("reference.toml");
+    std::fs::write(&reference, run(4, 0.01)).unwrap();
+    let ref_losses = reference_run(&bins, &reference, 2, &dir.join("reference.safetensors"));
+    let (ckpt, tb) = (dir.join("ckpt"), dir.join("tb"));
+    let train = |steps: u64, lr: f64, ckpt: &Path| {
+        let config = dir.join("train.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "{}[eval]\npath = \"{}\"\ninterval = 1\n[checkpoint]\ndir = \"{}\"\ninterval = 2\nkeep_best = true\n\
+                 [logging]\ntensorboard = \"{}\"\n",
+                run(steps, lr),
+                data.display(),
+                ckpt.display(),
+                tb.display()
+            ),
+        )
+        .unwrap();
+        let summary = run_json(&["train", "--config", config.to_str().unwrap(), "--json"]);
+        let evals: Vec<(u64, f64)> = summary["eval_losses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| (e["step"].as_u64().unwrap(), e["loss"].as_f64().unwrap()))
+            .collect();
+        (summary, evals)
+    };
+    let (summary, evals) = train(3, 0.01, &ckpt);
+    assert_eq!(
+        evals.iter().map(|e| e.0).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3],
+        "{summary}"
+    );
+    for (step, loss) in &evals {
+        let expected = ref_losses[*step as usize];
+        assert!(
+            (loss - expected).abs() < 1e-5,
+            "step {step}: {loss} vs the reference's {expected}"
+        );
+    }
+    // Checkpoints at steps 2 and 3 (the last); each validated, and `best` names the lower.
+    let at = |step: u64| evals[step as usize].1;
+    let best = if at(2) <= at(3) { 2 } else { 3 };
+    let pointer = std::fs::read_to_string(ckpt.join("best")).unwrap();
+    assert_eq!(pointer.trim(), format!("step-{best:08}"));
+    assert!(
+        summary["best_checkpoint"].as_str().unwrap().ends_with(&pointer),
+        "{summary}"
+    );
+    for step in [2, 3] {
+        let manifest: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(ckpt.join(format!("step-{step:08}/manifest.json"))).unwrap())
+                .unwrap();
+        assert_eq!(manifest["eval_loss"].as_f64(), Some(at(step)));
+    }
+    // TensorBoard reads back every step's loss and every validation (as float32).
+    let scalars = tensorboard_scalars(&tb);
+    let losses: Vec<f64> = serde_json::from_value(summary["losses"].clone()).unwrap();
+    let trained = &scalars["train/loss"];
+    assert_eq!(trained.iter().map(|p| p.0).collect::<Vec<_>>(), vec![1, 2, 3]);
+    for ((_, value), loss) in trained.iter().zip(&losses) {
+        assert!(
+            (value - loss).abs() < 1e-5 * loss.abs().max(1.0),
+            "{trained:?} vs {losses:?}"
+        );
+    }
+    let validated = &scalars["eval/loss"];
+    assert_eq!(validated.len(), evals.len());
+    for ((step, value), (eval_step, loss)) in validated.iter().zip(&evals) {
+        assert_eq!(step, eval_step);
+        assert!(
+            (value - loss).abs() < 1e-5 * loss.abs().max(1.0),
+            "{validated:?} vs {evals:?}"
+        );
+    }
+    let lr = &scalars["train/learning_rate"];
+    assert!(lr.iter().all(|(_, v)| (v - 0.01).abs() < 1e-7), "{lr:?}");
+    for tag in [
+        "train/grad_norm",
+        "train/tokens_per_sec",
+        "train/bytes_per_rank",
+        "eval/perplexity",
+    ] {
+        assert!(
+            scalars[tag].iter().all(|(_, v)| v.is_finite() && *v > 0.0),
+            "{tag}: {scalars:?}"
+        );
+    }
+    // At a rate of 0.3 the loss rises after step 2: `best` stays on step 2 while `latest`
+    // moves to step 4.
+    let ckpt = dir.join("ckpt-high-rate");
+    let (summary, evals) = train(4, 0.3, &ckpt);
+    assert!(
+        evals[2].1 < evals[4].1,
+        "the run was meant to get worse after step 2: {evals:?}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ckpt.join("best")).unwrap().trim(),
+        "step-00000002"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ckpt.join("latest")).unwrap().trim(),
+        "step-00000004"
+    );
+    assert!(
+        summary["best_checkpoint"].as_str().unwrap().ends_with("step-00000002"),
+        "{summary}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn checkpoints_go_to_s3_and_a_resumed_run_continues_from_the_newest() {
     bin_dir();
@@ -342,6 +493,74 @@ async fn checkpoints_go_to_s3_and_a_resumed_run_continues_from_the_newest() {
         assert!((a - b).abs() < 1e-5, "resumed {resumed:?} vs one run {whole:?}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A GGUF model named by an object-store URL: its header is read in growing pieces and each
+/// tensor by byte range from S3 (moto), and the run trains exactly as from the local file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gguf_model_by_s3_url_trains_as_the_local_file_does() {
+    bin_dir();
+    let moto = start_moto("regatta-models").await;
+    let local = format!(
+        "{}/torch/tests/fixtures/gguf/mistral-q8_0.gguf",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let put = reqwest::Client::new()
+        .put(format!("{}/regatta-models/gguf/mistral-q8_0.gguf", moto.endpoint))
+        .body(std::fs::read(&local).unwrap())
+        .send()
+        .await
+        .unwrap();
+    assert!(put.status().is_success(), "{}", put.status());
+    let dir = temp_dir("train-gguf-s3");
+    let rows: String = (0..16)
+        .map(|i| {
+            format!(
+                "{}\n",
+                serde_json::json!({"prompt": format!("Count to {i}."), "response": format!(" {i}.")})
+            )
+        })
+        .collect();
+    std::fs::write(dir.join("rows.jsonl"), rows).unwrap();
+    let train = |model: &str| {
+        let config = dir.join("gguf.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "steps = 2\nworld_size = 2\nmicro_batch_size = 1\n[model]\npath = \"{model}\"\ncontext = 16\n\
+                 [data]\npath = \"{}\"\n",
+                dir.join("rows.jsonl").display()
+            ),
+        )
+        .unwrap();
+        let output = Command::new(env!("CARGO_BIN_EXE_regatta"))
+            .args(["train", "--config", config.to_str().unwrap(), "--json"])
+            .env("AWS_ENDPOINT_URL", &moto.endpoint)
+            .env("AWS_ALLOW_HTTP", "true")
+            .env("AWS_ACCESS_KEY_ID", "test")
+            .env("AWS_SECRET_ACCESS_KEY", "test")
+            .env("AWS_REGION", "us-east-1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(
+            output.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let json = stdout
+            .lines()
+            .rev()
+            .find(|l| l.starts_with('{'))
+            .expect("a JSON summary");
+        let summary: serde_json::Value = serde_json::from_str(json).unwrap();
+        serde_json::from_value::<Vec<f64>>(summary["losses"].clone()).unwrap()
+    };
+    let from_s3 = tokio::task::block_in_place(|| train("s3://regatta-models/gguf/mistral-q8_0.gguf"));
+    let from_disk = tokio::task::block_in_place(|| train(&local));
+    assert_eq!(from_s3.len(), 2);
+    assert_eq!(from_s3, from_disk, "the same weights, tokenizer and rows");
+    assert!(from_s3.iter().all(|l| l.is_finite() && *l > 0.0), "{from_s3:?}");
 }
 
 fn recovery_config(checkpoints: &Path) -> TrainConfig {

@@ -252,6 +252,15 @@ async fn fine_tune(
         report.loss.0, report.loss.1, options.steps, report.params, report.tokens_per_sec
     );
     println!(
+        "  validation loss on the held-out split {:.3} -> {:.3} during training (perplexity {:.2} -> {:.2}); best checkpoint at step {}: {}",
+        report.validation.0,
+        report.validation.1,
+        report.validation.0.exp(),
+        report.validation.1.exp(),
+        report.best.0,
+        report.best.1
+    );
+    println!(
         "  held-out split: {} conversations scored; mean perplexity {:.2} with the base model, {:.2} with the adapter",
         report.rows, report.perplexity.0, report.perplexity.1
     );
@@ -277,6 +286,7 @@ async fn fine_tune(
     );
     println!("  scores (Parquet): {}", report.scores.display());
     println!("  tuned answers (Parquet): {}", report.generated.display());
+    println!("  TensorBoard events (tensorboard --logdir): {}", report.tensorboard);
     Ok(())
 }
 

@@ -251,7 +251,18 @@ pub fn describe(event: &TrainEvent, config: &TrainConfig, log_every: u64) -> Opt
                 gpu_figures(s)
             ))
         }
-        TrainEvent::Checkpoint { step, url } => Some(format!("checkpoint at step {step}: {url}")),
+        TrainEvent::Checkpoint { step, url, best } => Some(format!(
+            "checkpoint at step {step}: {url}{}",
+            if *best { " (best so far: the `best` pointer names it)" } else { "" }
+        )),
+        TrainEvent::Eval(e) => Some(format!(
+            "validation at step {}/{}  loss {:.4}  perplexity {:.2}  ({} tokens)",
+            e.step,
+            config.steps,
+            e.loss,
+            e.perplexity(),
+            e.tokens
+        )),
         TrainEvent::Rescaled { from, to, reason } => Some(format!(
             "world size {from} -> {to} ({reason}); gradient accumulation {} -> {}, global batch {} sequences",
             config.rescale(*from).map_or(0, |c| c.gradient_accumulation),
@@ -312,6 +323,21 @@ fn report(summary: &TrainSummary, config: &TrainConfig, json: bool) -> anyhow::R
             .map(|(step, url)| format!(", checkpoint (step {step}) at {url}"))
             .unwrap_or_default()
     );
+    if let (Some((step, first)), Some((_, last))) = (summary.evals.iter().next(), summary.evals.iter().last()) {
+        println!(
+            "validation loss {first:.4} (step {step}) -> {last:.4}, perplexity {:.2} -> {:.2}{}",
+            first.exp(),
+            last.exp(),
+            summary
+                .best
+                .as_ref()
+                .map(|(step, url)| format!("; best checkpoint (step {step}) at {url}"))
+                .unwrap_or_default()
+        );
+    }
+    if let Some(url) = &summary.tensorboard {
+        println!("TensorBoard events: {url}");
+    }
     if json {
         let value = serde_json::json!({
             "steps": summary.losses.keys().last().copied().unwrap_or(config.steps),
@@ -322,8 +348,13 @@ fn report(summary: &TrainSummary, config: &TrainConfig, json: bool) -> anyhow::R
             "params": summary.params,
             "seconds": summary.seconds,
             "checkpoint": summary.checkpoint.as_ref().map(|(_, url)| url),
+            "eval_losses": summary.evals.iter().map(|(step, loss)| serde_json::json!({"step": step, "loss": loss})).collect::<Vec<_>>(),
+            "best_checkpoint": summary.best.as_ref().map(|(_, url)| url),
+            "tensorboard": summary.tensorboard,
             "last": {
                 "loss": last.loss,
+                "lr": last.lr,
+                "grad_norm": last.grad_norm,
                 "tokens_per_sec": last.tokens_per_sec,
                 "step_secs": last.step_secs,
                 "collective_secs": last.collective_secs,

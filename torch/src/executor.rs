@@ -29,6 +29,7 @@ use crate::model::{Gpt, Model, ParamSpec};
 use crate::stream::{Loader, LoaderSpec};
 use regatta_object_store::Place;
 use regatta_trainer::documents::TokenizerSettings;
+use regatta_trainer::eval::{improves, rank_batches, EvalReport, Side};
 
 /// Largest weight shard a checkpoint writes.
 pub const SHARD_BYTES: u64 = 2 << 30;
@@ -85,14 +86,50 @@ pub struct RunModel {
 impl RunModel {
     /// Partitions `which` of `partitions` of the run's dataset, tokenized by this model's
     /// tokenizer into sequences of the run's context.
+    /// With `eval.split`, the held-out rows are left out.
     pub async fn data(&self, config: &TrainConfig, partitions: usize, which: &[usize]) -> Result<RankData, Error> {
         let source = DataSource {
             path: &config.data.path,
             format: config.data.format,
             tokenizer: &self.tokenizer,
             settings: &self.settings,
+            holdout: config.eval.as_ref().and_then(|e| e.holdout(config.seed, Side::Train)),
         };
         RankData::load(&source, config.model.context, partitions, which).await
+    }
+
+    /// The validation rows of `[eval]` (all of them: each rank evaluates its share of
+    /// them by [`regatta_trainer::eval::rank_batches`]) and how many are used
+    /// (`eval.max_rows` at most); `None` without `[eval]`.
+    pub async fn eval_data(&self, config: &TrainConfig) -> Result<Option<(RankData, usize)>, Error> {
+        let Some(eval) = &config.eval else {
+            return Ok(None);
+        };
+        let source = if eval.path.is_empty() {
+            DataSource {
+                path: &config.data.path,
+                format: config.data.format,
+                tokenizer: &self.tokenizer,
+                settings: &self.settings,
+                holdout: eval.holdout(config.seed, Side::Eval),
+            }
+        } else {
+            DataSource {
+                path: &eval.path,
+                format: regatta_trainer::DataFormat::Auto,
+                tokenizer: &self.tokenizer,
+                settings: &self.settings,
+                holdout: None,
+            }
+        };
+        let data = RankData::load(&source, config.model.context, 1, &[0])
+            .await
+            .map_err(|e| match e {
+                Error::Dataset(problem) => Error::Dataset(format!("validation data ([eval]): {problem}")),
+                other => other,
+            })?;
+        let rows = data.sequences()[0].min(eval.max_rows);
+        Ok(Some((data, rows)))
     }
 }
 
@@ -396,6 +433,7 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
                 .map_err(fatal)?,
         )
     };
+    let validation = runtime.block_on(run_model.eval_data(&config)).map_err(fatal)?;
     let nccl = device.is_cuda() && world > 1;
     let nccl_id = if nccl && rank == 0 {
         Some(regatta_trainer::hex::encode(&crate::nccl::unique_id().map_err(fatal)?))
@@ -491,64 +529,126 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
         );
     }
     let streaming = config.streaming();
-    let save =
-        |engine: &mut Engine, done: u64, place: &Place, loader: Option<(String, Bytes)>| -> Result<(), Failure> {
-            let manifest = Manifest {
-                step: done,
-                world,
-                zero_stage: config.zero_stage,
-                model: config.model.clone(),
-                vocab,
-                tokenizer: tokenizer_spec(&config),
-                params: engine.parameter_count(),
-                positions: vec![done * per_rank as u64; world],
-                loader_files: if streaming {
-                    (0..world).map(|r| checkpoint::loader_file(r, world)).collect()
-                } else {
-                    Vec::new()
-                },
-                files: (0..world)
-                    .map(|r| format!("optim-rank-{r}-of-{world}.safetensors"))
-                    .chain(
-                        (0..world)
-                            .filter(|_| streaming)
-                            .map(|r| checkpoint::loader_file(r, world)),
-                    )
-                    .chain(match &config.lora {
-                        None => vec!["config.json".to_string()],
-                        Some(lora) => {
-                            let mut files = vec![
-                                regatta_trainer::lora::ADAPTER_CONFIG.to_string(),
-                                regatta_trainer::lora::ADAPTER_WEIGHTS.to_string(),
-                            ];
-                            if lora.merge_on_save {
-                                files.push(format!("{}/config.json", checkpoint::MERGED));
-                            }
-                            files
+    let keep_best = config.checkpoint.keep_best;
+    // The lowest validation loss of a checkpoint so far (a resumed run continues the
+    // earlier attempt's).
+    let best = std::cell::Cell::new(match (&place, keep_best && setup.resume) {
+        (Some(place), true) => runtime.block_on(checkpoint::best(place))?.and_then(|m| m.eval_loss),
+        _ => None,
+    });
+    let save = |engine: &mut Engine,
+                done: u64,
+                place: &Place,
+                loader: Option<(String, Bytes)>,
+                eval_loss: Option<f64>|
+     -> Result<(), Failure> {
+        let manifest = Manifest {
+            step: done,
+            world,
+            zero_stage: config.zero_stage,
+            model: config.model.clone(),
+            vocab,
+            tokenizer: tokenizer_spec(&config),
+            params: engine.parameter_count(),
+            positions: vec![done * per_rank as u64; world],
+            loader_files: if streaming {
+                (0..world).map(|r| checkpoint::loader_file(r, world)).collect()
+            } else {
+                Vec::new()
+            },
+            files: (0..world)
+                .map(|r| format!("optim-rank-{r}-of-{world}.safetensors"))
+                .chain(
+                    (0..world)
+                        .filter(|_| streaming)
+                        .map(|r| checkpoint::loader_file(r, world)),
+                )
+                .chain(match &config.lora {
+                    None => vec!["config.json".to_string()],
+                    Some(lora) => {
+                        let mut files = vec![
+                            regatta_trainer::lora::ADAPTER_CONFIG.to_string(),
+                            regatta_trainer::lora::ADAPTER_WEIGHTS.to_string(),
+                        ];
+                        if lora.merge_on_save {
+                            files.push(format!("{}/config.json", checkpoint::MERGED));
                         }
-                    })
-                    .chain(["manifest.json".to_string()])
-                    .collect(),
-                data: config.data.clone(),
-                lora: config.lora.clone(),
-                micro_batch_size: config.micro_batch_size,
-                gradient_accumulation: config.gradient_accumulation,
-            };
-            let spec = SaveSpec {
-                manifest,
-                side_files: &side_files,
-                shard_bytes: SHARD_BYTES,
-                loader,
-                weights_kind,
-            };
-            let url = checkpoint::save(&runtime, place, engine, rank, world, spec)?;
-            if rank == 0 {
-                emit(&FromExecutor::Checkpoint { step: done, url });
-            }
-            Ok(())
+                        files
+                    }
+                })
+                .chain(["manifest.json".to_string()])
+                .collect(),
+            data: config.data.clone(),
+            lora: config.lora.clone(),
+            micro_batch_size: config.micro_batch_size,
+            gradient_accumulation: config.gradient_accumulation,
+            eval_loss,
         };
-    if let (Some(place), None, true) = (&place, &manifest, config.checkpoint.initial) {
-        save(&mut engine, 0, place, feed.saved(rank, world)?)?;
+        let spec = SaveSpec {
+            manifest,
+            side_files: &side_files,
+            shard_bytes: SHARD_BYTES,
+            loader,
+            weights_kind,
+        };
+        let url = checkpoint::save(&runtime, place, engine, rank, world, spec)?;
+        let is_best = keep_best && eval_loss.is_some_and(|loss| improves(best.get(), loss));
+        if is_best {
+            best.set(eval_loss);
+        }
+        if rank == 0 {
+            if is_best {
+                let pointer = Bytes::from(checkpoint::step_dir(done));
+                runtime
+                    .block_on(place.put(checkpoint::BEST, pointer))
+                    .map_err(|e| lost(format!("cannot write the best-checkpoint pointer: {e}")))?;
+            }
+            emit(&FromExecutor::Checkpoint {
+                step: done,
+                url,
+                best: is_best,
+            });
+        }
+        Ok(())
+    };
+    // Validation of this rank's share of the rows; rank 0 reports the loss of all ranks.
+    let validate = |engine: &mut Engine, done: u64| -> Result<Option<f64>, Failure> {
+        let Some((data, rows)) = &validation else {
+            return Ok(None);
+        };
+        let micro: Vec<MicroBatch> = rank_batches(*rows, world, rank, config.micro_batch_size)
+            .iter()
+            .map(|picks| {
+                let (tokens, targets, documents) = data.rows(picks);
+                MicroBatch {
+                    tokens,
+                    targets,
+                    documents,
+                }
+            })
+            .collect();
+        let (loss, tokens) = engine.eval_loss(&micro)?;
+        if !loss.is_finite() {
+            return Err(fatal(format!(
+                "the validation loss at step {done} is {loss} over {tokens} target tokens: the validation rows carry \
+                 no loss or the model diverged"
+            )));
+        }
+        if rank == 0 {
+            emit(&FromExecutor::Eval(EvalReport {
+                step: done,
+                loss,
+                tokens,
+            }));
+        }
+        Ok(Some(loss))
+    };
+    if start_step == 0 {
+        // The model before training: the first point of the validation curve.
+        let eval_loss = validate(&mut engine, 0)?;
+        if let (Some(place), None, true) = (&place, &manifest, config.checkpoint.initial) {
+            save(&mut engine, 0, place, feed.saved(rank, world)?, eval_loss)?;
+        }
     }
     let mut last = start_step;
     for step in start_step..config.steps {
@@ -583,16 +683,27 @@ fn run_rank(setup: RankSetup, rx: &mpsc::Receiver<ToExecutor>, make_model: &Mode
             host_optimizer_bytes: held.host_optimizer,
             frozen_param_bytes: held.frozen_parameters,
             mfu,
+            lr: config.lr_at(step + 1),
+            grad_norm: outcome.grad_norm,
             cuda_peak_allocated_bytes: memory.map(|m| m.peak_allocated),
             cuda_peak_reserved_bytes: memory.map(|m| m.peak_reserved),
         }));
         let done = step + 1;
         last = done;
         let data_over = feed.after_step(done, keys, config.data.epochs.is_some(), &mut engine)?;
-        if let Some(place) = &place {
-            if done % config.checkpoint.interval == 0 || done == config.steps || data_over {
-                save(&mut engine, done, place, feed.saved(rank, world)?)?;
-            }
+        let checkpoint_now =
+            place.is_some() && (done % config.checkpoint.interval == 0 || done == config.steps || data_over);
+        let validate_now = config
+            .eval
+            .as_ref()
+            .is_some_and(|e| e.due(done, config.steps) || data_over || (keep_best && checkpoint_now));
+        let eval_loss = if validate_now {
+            validate(&mut engine, done)?
+        } else {
+            None
+        };
+        if let (Some(place), true) = (&place, checkpoint_now) {
+            save(&mut engine, done, place, feed.saved(rank, world)?, eval_loss)?;
         }
         if data_over {
             eprintln!(

@@ -419,6 +419,7 @@ fn save_step(
         lora: None,
         micro_batch_size: 2,
         gradient_accumulation: 1,
+        eval_loss: None,
     };
     let spec = SaveSpec {
         manifest,

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
+use crate::eval::EvalConfig;
 use crate::lora::{LoraConfig, Offload, ZeroConfig};
 use crate::zero::partition::ZeroStage;
 
@@ -56,6 +57,10 @@ pub struct TrainConfig {
     pub zero: ZeroConfig,
     /// `[scaling]`: an elastic run; absent: exactly `world_size` ranks.
     pub scaling: Option<ScalingConfig>,
+    /// `[eval]`: validation during training; absent: none.
+    pub eval: Option<EvalConfig>,
+    /// `[logging]`: TensorBoard event files.
+    pub logging: crate::tensorboard::LoggingConfig,
 }
 
 /// The model. `path` (a Hugging Face folder, local or by URL) or `config` (a Hugging Face
@@ -263,6 +268,9 @@ pub struct CheckpointConfig {
     /// Also write the initial weights as step 0 when a run starts from scratch (to score
     /// the model before and after training).
     pub initial: bool,
+    /// Validate at every checkpoint too and keep a `best` pointer (beside `latest`) to the
+    /// checkpoint with the lowest validation loss (needs `[eval]`).
+    pub keep_best: bool,
 }
 
 impl Default for TrainConfig {
@@ -288,6 +296,8 @@ impl Default for TrainConfig {
             lora: None,
             zero: ZeroConfig::default(),
             scaling: None,
+            eval: None,
+            logging: Default::default(),
         }
     }
 }
@@ -343,6 +353,7 @@ impl Default for CheckpointConfig {
             interval: 50,
             resume: false,
             initial: false,
+            keep_best: false,
         }
     }
 }
@@ -495,6 +506,7 @@ impl TrainConfig {
             ));
         }
         self.validate_streaming()?;
+        self.validate_eval()?;
         self.strategy
             .parse::<regatta_runtime::Strategy>()
             .map_err(|e| Error::Config(format!("strategy: {e}")))?;
@@ -510,7 +522,11 @@ impl TrainConfig {
             &mut self.checkpoint.dir,
             &mut self.model.path,
             &mut self.data.ledger,
+            &mut self.logging.tensorboard,
         ] {
+            *path = regatta_object_store::absolute(path, base);
+        }
+        if let Some(path) = self.eval.as_mut().map(|e| &mut e.path) {
             *path = regatta_object_store::absolute(path, base);
         }
         for source in &mut self.data.sources {
@@ -521,6 +537,34 @@ impl TrainConfig {
     /// Whether the data comes from the streaming loader (`[[data.sources]]`).
     pub fn streaming(&self) -> bool {
         !self.data.sources.is_empty()
+    }
+
+    fn validate_eval(&self) -> crate::Result<()> {
+        let fail = |m: &str| Err(Error::Config(m.into()));
+        let Some(eval) = &self.eval else {
+            if self.checkpoint.keep_best {
+                return fail("checkpoint.keep_best needs an [eval] section: the best checkpoint is the one that validates lowest");
+            }
+            return Ok(());
+        };
+        eval.validate()?;
+        if self.checkpoint.keep_best && self.checkpoint.dir.is_empty() {
+            return fail("checkpoint.keep_best needs checkpoint.dir");
+        }
+        if eval.split > 0.0 {
+            if self.streaming() {
+                return fail(
+                    "eval.split holds rows out of data.path; with [[data.sources]] name a validation set in eval.path",
+                );
+            }
+            if !matches!(
+                self.data.format.resolve(&self.data.path),
+                DataFormat::Jsonl | DataFormat::Parquet
+            ) {
+                return fail("eval.split holds out rows of a JSONL or Parquet data.path; a text stream has no rows to hold out: name a validation file in eval.path");
+            }
+        }
+        Ok(())
     }
 
     fn validate_streaming(&self) -> crate::Result<()> {
@@ -820,6 +864,23 @@ mod tests {
     }
 
     #[test]
+    fn eval_and_logging_sections_parse() {
+        let config = TrainConfig::from_toml(
+            "[data]\npath = \"d.jsonl\"\n[eval]\nsplit = 0.25\ninterval = 4\n\
+             [checkpoint]\ndir = \"c\"\nkeep_best = true\n[logging]\ntensorboard = \"s3://b/tb\"",
+        )
+        .unwrap();
+        let eval = config.eval.clone().unwrap();
+        assert_eq!((eval.split, eval.interval, eval.max_rows), (0.25, 4, 256));
+        assert!(config.checkpoint.keep_best);
+        assert_eq!(config.logging.tensorboard, "s3://b/tb");
+        let mut config = TrainConfig::from_toml("[eval]\npath = \"v.jsonl\"\n[logging]\ntensorboard = \"tb\"").unwrap();
+        config.resolve_paths(std::path::Path::new("/work"));
+        assert_eq!(config.eval.unwrap().path, "/work/v.jsonl");
+        assert_eq!(config.logging.tensorboard, "/work/tb");
+    }
+
+    #[test]
     fn bad_values_and_typos_are_named() {
         let cases = [
             ("zero_stage = 4", "zero_stage"),
@@ -847,6 +908,18 @@ mod tests {
                 "needs zero_stage = 3",
             ),
             ("zero_stage = 3\n[zero]\noffload_params = \"cpu\"", "offload_optimizer"),
+            ("[eval]\ninterval = 5", "needs path"),
+            ("[eval]\nsplit = 0.1", "JSONL or Parquet"),
+            (
+                "[data]\npath = \"d.jsonl\"\n[eval]\nsplit = 0.1\nmax_rows = 0",
+                "eval.max_rows",
+            ),
+            ("[checkpoint]\ndir = \"c\"\nkeep_best = true", "needs an [eval] section"),
+            (
+                "[eval]\npath = \"v.jsonl\"\n[checkpoint]\nkeep_best = true",
+                "needs checkpoint.dir",
+            ),
+            ("[logging]\ntensorbord = \"t\"", "unknown field"),
         ];
         for (text, expected) in cases {
             let error = TrainConfig::from_toml(text).unwrap_err();

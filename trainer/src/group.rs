@@ -20,8 +20,10 @@ use regatta_runtime::{ActorHandle, ActorOptions, Cluster, Resources, RunReporter
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
+use crate::eval::EvalReport;
 use crate::protocol::{FromExecutor, RankSetup, StepReport, TrainOp, TrainReply};
 use crate::rank::{TrainRank, TrainRankArgs};
+use crate::tensorboard::TensorBoardWriter;
 
 /// How long a failed attempt waits for its surviving ranks' executors to exit, taking in
 /// what they reported, before the restart.
@@ -77,7 +79,11 @@ pub enum TrainEvent {
         step: u64,
         /// Where.
         url: String,
+        /// It validates lowest so far (`keep_best`: the `best` pointer names it).
+        best: bool,
     },
+    /// A validation finished (`[eval]`).
+    Eval(EvalReport),
     /// A rank was lost; the group restarts from the newest checkpoint.
     Restarting {
         /// The rank that failed.
@@ -102,6 +108,12 @@ pub struct TrainSummary {
     pub failures: u32,
     /// The newest checkpoint.
     pub checkpoint: Option<(u64, String)>,
+    /// Validation loss by step (`[eval]`).
+    pub evals: BTreeMap<u64, f64>,
+    /// The checkpoint that validated lowest (`keep_best`).
+    pub best: Option<(u64, String)>,
+    /// The TensorBoard events file written (`[logging] tensorboard`).
+    pub tensorboard: Option<String>,
     /// Model parameters.
     pub params: u64,
     /// Wall time of the whole run.
@@ -163,17 +175,44 @@ impl TrainerGroup {
 
     /// Trains to the last step, calling `on_event` as things happen. Each step is also
     /// reported to the head's dashboard as a point of this run.
+    /// With `[logging] tensorboard`, steps and validations also go to a TensorBoard events
+    /// file there (a directory that cannot be written fails the run before it starts).
     pub async fn run(&self, mut on_event: impl FnMut(&TrainEvent)) -> Result<TrainSummary, TrainError> {
+        let mut tensorboard = match self.config.logging.tensorboard.as_str() {
+            "" => None,
+            dir => Some(TensorBoardWriter::create(dir).await?),
+        };
         let mut reporter = RunReporter::new(&self.cluster, "train");
-        let outcome = self
+        let mut outcome = self
             .run_attempts(|event| {
-                if let TrainEvent::Step(report) = event {
-                    reporter.report(report.step, step_figures(report));
+                match event {
+                    TrainEvent::Step(report) => reporter.report(report.step, step_figures(report)),
+                    TrainEvent::Eval(report) => reporter.report(
+                        report.step,
+                        BTreeMap::from([
+                            ("eval_loss".to_string(), report.loss),
+                            ("eval_perplexity".to_string(), report.perplexity()),
+                        ]),
+                    ),
+                    _ => {}
+                }
+                if let Some(writer) = tensorboard.as_mut() {
+                    writer.record(event);
                 }
                 on_event(event)
             })
             .await;
         reporter.finish(outcome.is_err());
+        if let Some(writer) = tensorboard {
+            // Written whether the run finished or failed: its curves are what shows why.
+            let url = writer.finish().await;
+            match (&mut outcome, url) {
+                (Ok(summary), Ok(url)) => summary.tensorboard = Some(url),
+                (Ok(_), Err(e)) => outcome = Err(e),
+                (Err(_), Err(e)) => tracing::warn!("{e}"),
+                (Err(_), Ok(_)) => {}
+            }
+        }
         outcome
     }
 
@@ -599,11 +638,19 @@ impl Seen {
                         on_event(&TrainEvent::Step(report));
                     }
                 }
-                FromExecutor::Checkpoint { step, url } if rank == 0 => {
+                FromExecutor::Checkpoint { step, url, best } if rank == 0 => {
                     self.new_checkpoint = Some(step);
                     self.checkpoints += 1;
                     summary.checkpoint = Some((step, url.clone()));
-                    on_event(&TrainEvent::Checkpoint { step, url });
+                    if best {
+                        summary.best = Some((step, url.clone()));
+                    }
+                    on_event(&TrainEvent::Checkpoint { step, url, best });
+                }
+                FromExecutor::Eval(report) if rank == 0 => {
+                    self.last_progress = Instant::now();
+                    summary.evals.insert(report.step, report.loss);
+                    on_event(&TrainEvent::Eval(report));
                 }
                 FromExecutor::Finished { .. } => self.finished[rank] = true,
                 FromExecutor::Skipped { what, count } => on_event(&TrainEvent::Skipped { rank, what, count }),
@@ -622,6 +669,8 @@ impl Seen {
 fn step_figures(report: &StepReport) -> BTreeMap<String, f64> {
     let mut figures = BTreeMap::from([
         ("loss".to_string(), report.loss),
+        ("lr".to_string(), report.lr),
+        ("grad_norm".to_string(), report.grad_norm),
         ("tokens_per_sec".to_string(), report.tokens_per_sec),
         ("step_secs".to_string(), report.step_secs),
         ("collective_secs".to_string(), report.collective_secs),

@@ -14,6 +14,7 @@ pub mod config;
 pub mod data;
 pub mod documents;
 pub mod error;
+pub mod eval;
 pub mod gguf;
 pub mod group;
 pub mod hex;
@@ -25,6 +26,7 @@ pub mod protocol;
 pub mod rank;
 pub mod ring_group;
 pub mod stream;
+pub mod tensorboard;
 pub mod zero;
 
 pub use collective::{
@@ -34,6 +36,7 @@ pub use config::{DataFormat, ScalingConfig, Schedule, SourceConfig, TrainConfig,
 pub use data::DataLayout;
 pub use documents::{Document, DocumentError, Message, Packed, PackedRow, Record, Segment, TokenizerSettings};
 pub use error::{Error, Result, TrainError};
+pub use eval::{EvalConfig, EvalReport};
 pub use group::{TrainEvent, TrainSummary, TrainerGroup};
 pub use hf::{Architecture, HfConfigError, LlamaConfig, RopeScaling};
 pub use link::{LinkOptions, RingAddress, RingLinkBuilder, StreamLink, RING_TRANSPORT_ENV};

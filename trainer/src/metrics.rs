@@ -10,6 +10,9 @@ use crate::protocol::FromExecutor;
 /// Every trainer metric.
 pub struct TrainMetrics {
     loss: GaugeVec,
+    eval_loss: GaugeVec,
+    lr: GaugeVec,
+    grad_norm: GaugeVec,
     step: GaugeVec,
     step_seconds: GaugeVec,
     tokens_per_second: GaugeVec,
@@ -43,6 +46,17 @@ impl TrainMetrics {
         static METRICS: OnceLock<TrainMetrics> = OnceLock::new();
         METRICS.get_or_init(|| TrainMetrics {
             loss: gauge("regatta_train_loss", "Mean loss of the last step", &["rank"]),
+            eval_loss: gauge(
+                "regatta_train_eval_loss",
+                "Mean validation loss per target token, last validation ([eval]; reported by rank 0)",
+                &["rank"],
+            ),
+            lr: gauge("regatta_train_learning_rate", "Learning rate of the last step", &["rank"]),
+            grad_norm: gauge(
+                "regatta_train_grad_norm",
+                "Global gradient norm of the last step, before clipping",
+                &["rank"],
+            ),
             step: gauge("regatta_train_step", "Steps done", &["rank"]),
             step_seconds: gauge("regatta_train_step_seconds", "Wall time of the last step", &["rank"]),
             tokens_per_second: gauge(
@@ -99,6 +113,8 @@ impl TrainMetrics {
         match event {
             FromExecutor::Step(s) => {
                 self.loss.with_label_values(&[&r]).set(s.loss);
+                self.lr.with_label_values(&[&r]).set(s.lr);
+                self.grad_norm.with_label_values(&[&r]).set(s.grad_norm);
                 self.step.with_label_values(&[&r]).set(s.step as f64);
                 self.step_seconds.with_label_values(&[&r]).set(s.step_secs);
                 self.tokens_per_second.with_label_values(&[&r]).set(s.tokens_per_sec);
@@ -129,6 +145,7 @@ impl TrainMetrics {
                     }
                 }
             }
+            FromExecutor::Eval(report) => self.eval_loss.with_label_values(&[&r]).set(report.loss),
             FromExecutor::Checkpoint { .. } => self.checkpoints.with_label_values(&[&r]).inc(),
             FromExecutor::Skipped { count, .. } => self.skipped_rows.with_label_values(&[&r]).inc_by(*count),
             _ => {}

@@ -79,6 +79,12 @@ pub struct StepReport {
     pub frozen_param_bytes: u64,
     /// Model FLOPs utilisation estimate (GPU only).
     pub mfu: Option<f64>,
+    /// The learning rate the step's update used.
+    #[serde(default)]
+    pub lr: f64,
+    /// The global gradient norm before clipping.
+    #[serde(default)]
+    pub grad_norm: f64,
     /// Most bytes the CUDA caching allocator handed to tensors during the step (GPU only).
     #[serde(default)]
     pub cuda_peak_allocated_bytes: Option<u64>,
@@ -112,7 +118,12 @@ pub enum FromExecutor {
         step: u64,
         /// Where it is.
         url: String,
+        /// It validates lowest so far and the `best` pointer names it (`keep_best`).
+        #[serde(default)]
+        best: bool,
     },
+    /// A validation finished (rank 0 reports it; the loss is reduced over every rank).
+    Eval(crate::eval::EvalReport),
     /// Dataset rows were skipped (not trained on): the first's `url@offset` and why.
     Skipped {
         /// What and why.

@@ -47,6 +47,9 @@ pub struct Manifest {
     pub micro_batch_size: usize,
     /// Micro-batches per step.
     pub gradient_accumulation: usize,
+    /// The validation loss at this step (`[eval]`, when it validated here).
+    #[serde(default)]
+    pub eval_loss: Option<f64>,
 }
 
 impl Manifest {
@@ -184,7 +187,20 @@ pub(super) fn storage(e: String) -> Error {
 
 /// The newest complete checkpoint in `place`, if any.
 pub async fn latest(place: &Place) -> Result<Option<Manifest>> {
-    let Some(name) = place.get_opt("latest").await.map_err(storage)? else {
+    pointed(place, "latest").await
+}
+
+/// The checkpoint in `place` that validated lowest (`keep_best`), if any.
+pub async fn best(place: &Place) -> Result<Option<Manifest>> {
+    pointed(place, BEST).await
+}
+
+/// The pointer file naming the best checkpoint's step directory (`keep_best`).
+pub const BEST: &str = "best";
+
+/// The manifest of the step directory the pointer file `pointer` names.
+async fn pointed(place: &Place, pointer: &str) -> Result<Option<Manifest>> {
+    let Some(name) = place.get_opt(pointer).await.map_err(storage)? else {
         return Ok(None);
     };
     let name = String::from_utf8_lossy(&name).trim().to_string();

@@ -22,7 +22,7 @@ use regatta_trainer::lora::{is_adapter, ADAPTER_CONFIG};
 pub mod manifest;
 
 use manifest::storage;
-pub use manifest::{from_safetensors, latest, step_dir, to_safetensors, Manifest, MERGED};
+pub use manifest::{best, from_safetensors, latest, step_dir, to_safetensors, Manifest, BEST, MERGED};
 
 /// What a checkpoint writes besides the engine's state.
 pub struct SaveSpec<'a> {
@@ -314,6 +314,7 @@ mod tests {
             lora: None,
             micro_batch_size: config.micro_batch_size,
             gradient_accumulation: config.gradient_accumulation,
+            eval_loss: None,
         }
     }
 

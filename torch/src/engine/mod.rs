@@ -197,6 +197,25 @@ pub fn token_loss_sum(logits: &Tensor, targets: &Tensor) -> Tensor {
         .cross_entropy_loss::<Tensor>(&targets.reshape([-1]), None, Reduction::Sum, IGNORE, 0.0)
 }
 
+/// [`token_loss_sum`] a chunk of rows at a time (as [`token_loss_and_grad`] chunks them),
+/// without gradients: a float64 scalar on the logits' device.
+pub fn token_loss_sum_chunked(logits: &Tensor, targets: &Tensor) -> Tensor {
+    tch::no_grad(|| {
+        let vocab = logits.size()[logits.dim() - 1];
+        let flat = logits.reshape([-1, vocab]);
+        let targets = targets.reshape([-1]).to_device(flat.device());
+        let (rows, chunk_rows) = (flat.size()[0], (LOSS_CHUNK_ELEMENTS / vocab.max(1)).max(1));
+        let mut loss = Tensor::zeros([], (Kind::Double, flat.device()));
+        let mut start = 0;
+        while start < rows {
+            let len = chunk_rows.min(rows - start);
+            loss += token_loss_sum(&flat.narrow(0, start, len), &targets.narrow(0, start, len)).to_kind(Kind::Double);
+            start += len;
+        }
+        loss
+    })
+}
+
 /// Elements of f32 logits the loss works on at once (64 MiB): the loss never holds an f32
 /// copy of the whole `[batch, time, vocab]` logits, which at bf16 compute would be twice
 /// the logits' own size again.

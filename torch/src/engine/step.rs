@@ -45,6 +45,36 @@ impl Engine {
         })
     }
 
+    /// The validation loss over every rank's micro-batches: forward only, without dropout
+    /// or gradients, block by block (gathering parameters at ZeRO-3). A collective: every
+    /// rank calls it with the same number of micro-batches. Returns the mean loss per
+    /// target token and the target tokens of all ranks (0 and NaN when none has one).
+    pub fn eval_loss(&mut self, micro: &[MicroBatch]) -> Result<(f64, u64)> {
+        let device = self.settings.device;
+        let kernel = self.model.attention_kernel(device, self.settings.compute);
+        let mut local = Tensor::zeros([], (Kind::Double, device));
+        let mut local_count = 0i64;
+        for m in micro {
+            let targets = m.targets.to_device(device);
+            let mut batch = m.batch(device, kernel);
+            self.model.prepare(&mut batch);
+            let mut hidden = m.tokens.to_device(device);
+            for block in 0..self.specs.len() {
+                let leaves = self.leaves(block, false)?;
+                let views = self.views(block, &leaves);
+                hidden = tch::no_grad(|| self.model.forward(block, &views, &hidden, &batch));
+            }
+            // The loss by chunks of rows, as training computes it (no f32 copy of all logits).
+            local += token_loss_sum_chunked(&hidden, &targets);
+            local_count += targets.ne(IGNORE).sum(Kind::Int64).int64_value(&[]);
+        }
+        let sum = self.sum_over_ranks(local.double_value(&[]))?;
+        let count = self.sum_over_ranks(local_count as f64)?.round();
+        let mean = if count >= 1.0 { sum / count } else { f64::NAN };
+        let _ = self.coll.take_spent();
+        Ok((mean, count as u64))
+    }
+
     /// Forward and backward of one micro-batch, adding the gradients of its loss sum
     /// divided by `count` to the held ones. Returns its loss sum and the gradient bytes
     /// held (all, and of those on the host).

@@ -428,7 +428,7 @@ async function updateRuns() {
 }
 
 // Chart order: the figures people look at first.
-const SERIES_ORDER = ['loss', 'tokens_per_sec', 'step_secs', 'collective_secs', 'mfu', 'partitions_done', 'rows_per_sec',
+const SERIES_ORDER = ['loss', 'eval_loss', 'eval_perplexity', 'lr', 'grad_norm', 'tokens_per_sec', 'step_secs', 'collective_secs', 'mfu', 'partitions_done', 'rows_per_sec',
   'output_tokens_per_sec', 'errors', 'retries'];
 
 function chart(name, points) {
