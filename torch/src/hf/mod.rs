@@ -5,19 +5,33 @@
 //! range, so a rank never holds more of the model than it asks for. Writing plans shards
 //! of bounded size from the parameter specs alone ([`ShardPlan`], pure) and encodes each
 //! shard as safetensors.
+//!
+//! Its parts: opening a GGUF file as a folder (`gguf`), the safetensors format read and
+//! written (`safetensors`), and weight files' shards and index (`shards`).
 
-use std::collections::{BTreeMap, HashMap};
+mod gguf;
+mod safetensors;
+mod shards;
+
+use std::collections::HashMap;
 
 use bytes::Bytes;
 use regatta_object_store::Place;
-use regatta_trainer::gguf::{GgufError, GgufHeader, GgufModel, GgufTensor};
+use regatta_trainer::gguf::{GgufError, GgufTensor};
 use regatta_trainer::hf::LlamaConfig;
 use serde_json::Value;
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::llama::Llama;
 use crate::model::{Gpt, Model, ParamSpec, GPT_ARCHITECTURE};
+
+pub use gguf::is_gguf;
+pub use safetensors::{config_dtype, encode_safetensors, encode_safetensors_as, stored_dtype};
+pub use shards::ShardPlan;
+
+use safetensors::{element_kind, parse_header};
+use shards::index_files;
 
 /// The single-file weights' name.
 pub const WEIGHTS: &str = "model.safetensors";
@@ -55,81 +69,8 @@ pub struct HfModel {
     gguf_files: Option<HashMap<&'static str, std::result::Result<Bytes, GgufError>>>,
 }
 
-/// Whether a model path names a GGUF file rather than a folder.
-pub fn is_gguf(path: &str) -> bool {
-    path.to_ascii_lowercase().ends_with(".gguf")
-}
-
-/// The first bytes read of a GGUF file; more are read while its header goes on.
-const GGUF_FIRST_READ: u64 = 4 << 20;
-
 fn storage(e: String) -> Error {
     Error::Storage(e)
-}
-
-/// Parses a safetensors header (the JSON after the 8-byte length) of a file of
-/// `file_size` bytes into entries with absolute byte ranges.
-fn parse_header(file: &str, header: &[u8], file_size: u64) -> Result<Vec<(String, Entry)>> {
-    let bad = |problem: String| Error::ModelFile {
-        path: file.to_string(),
-        problem,
-    };
-    let value: Value =
-        serde_json::from_slice(header).map_err(|e| bad(format!("the safetensors header is not JSON: {e}")))?;
-    let object = value
-        .as_object()
-        .ok_or_else(|| bad("the safetensors header is not an object".into()))?;
-    let base = 8 + header.len() as u64;
-    let mut out = Vec::new();
-    for (name, info) in object {
-        if name == "__metadata__" {
-            continue;
-        }
-        let dtype = info
-            .get("dtype")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string();
-        let shape: Option<Vec<i64>> = info
-            .get("shape")
-            .and_then(Value::as_array)
-            .map(|dims| dims.iter().filter_map(Value::as_i64).collect());
-        let offsets: Vec<u64> = info
-            .get("data_offsets")
-            .and_then(Value::as_array)
-            .map(|o| o.iter().filter_map(Value::as_u64).collect())
-            .unwrap_or_default();
-        let (Some(shape), &[start, end]) = (shape, offsets.as_slice()) else {
-            return Err(bad(format!("the header entry of {name} lacks a shape or data_offsets")));
-        };
-        let (start, end) = (base.saturating_add(start), base.saturating_add(end));
-        if start > end || end > file_size {
-            return Err(bad(format!(
-                "tensor {name}'s bytes {start}..{end} run past the end of the file ({file_size} bytes)"
-            )));
-        }
-        out.push((
-            name.clone(),
-            Entry {
-                file: file.to_string(),
-                dtype,
-                shape,
-                start,
-                end,
-                gguf: None,
-            },
-        ));
-    }
-    Ok(out)
-}
-
-fn element_kind(dtype: &str) -> Option<(Kind, u64)> {
-    match dtype {
-        "F32" => Some((Kind::Float, 4)),
-        "BF16" => Some((Kind::BFloat16, 2)),
-        "F16" => Some((Kind::Half, 2)),
-        _ => None,
-    }
 }
 
 impl HfModel {
@@ -200,66 +141,6 @@ impl HfModel {
         })
     }
 
-    /// Opens a GGUF file: its header only (read in growing pieces until it parses), its
-    /// metadata turned into `config.json`, tokenizer files and tensor names as
-    /// `transformers` has them.
-    async fn open_gguf(url: &str) -> Result<Self> {
-        let (place, file) = Place::file(url).map_err(storage)?;
-        let path = format!("{}/{file}", place.url());
-        let size = place.size(&file).await.map_err(|e| Error::ModelFile {
-            path: path.clone(),
-            problem: format!("cannot be read: {e}"),
-        })?;
-        let bad = |e: GgufError| Error::ModelFile {
-            path: path.clone(),
-            problem: e.to_string(),
-        };
-        let mut read = GGUF_FIRST_READ.min(size);
-        let header = loop {
-            let bytes = place.get_range(&file, 0..read).await.map_err(storage)?;
-            match GgufHeader::parse(&bytes, size) {
-                Ok(header) => break header,
-                Err(GgufError::Truncated { needed }) if read < size => {
-                    read = needed.max(read.saturating_mul(2)).min(size);
-                }
-                Err(GgufError::Truncated { .. }) => {
-                    return Err(bad(GgufError::Malformed(
-                        "the header runs past the end of the file".into(),
-                    )))
-                }
-                Err(e) => return Err(bad(e)),
-            }
-        };
-        let model = GgufModel::from_header(&header).map_err(bad)?;
-        let entries = model
-            .tensors
-            .into_iter()
-            .map(|tensor| {
-                let entry = Entry {
-                    file: file.clone(),
-                    dtype: tensor.info.kind.name().to_string(),
-                    shape: tensor.info.shape(),
-                    start: tensor.info.start,
-                    end: tensor.info.end,
-                    gguf: Some(tensor.clone()),
-                };
-                (tensor.name, entry)
-            })
-            .collect();
-        let json_bytes = |value: &Value| Bytes::from(serde_json::to_vec(value).unwrap_or_default());
-        let mut files = HashMap::new();
-        files.insert("tokenizer.json", model.tokenizer.map(|t| json_bytes(&t)));
-        files.insert("tokenizer_config.json", Ok(json_bytes(&model.tokenizer_config)));
-        Ok(Self {
-            url: path,
-            place,
-            config_json: model.config,
-            entries,
-            gguf_files: Some(files),
-        })
-    }
-
-    /// `config.json` as read.
     /// The kind the folder's weights are stored in: BF16 or F16 when every tensor is, else
     /// F32 (what a checkpoint of a run from this folder writes its weights in).
     pub fn weights_kind(&self) -> Kind {
@@ -276,6 +157,7 @@ impl HfModel {
         }
     }
 
+    /// `config.json` as read.
     pub fn config_json(&self) -> &Value {
         &self.config_json
     }
@@ -433,25 +315,6 @@ impl HfModel {
     }
 }
 
-fn index_files(index: &[u8], path: &str) -> Result<Vec<String>> {
-    let bad = |problem: &str| Error::ModelFile {
-        path: path.to_string(),
-        problem: problem.to_string(),
-    };
-    let value: Value = serde_json::from_slice(index).map_err(|e| bad(&format!("is not valid JSON: {e}")))?;
-    let map = value
-        .get("weight_map")
-        .and_then(Value::as_object)
-        .ok_or_else(|| bad("has no weight_map object"))?;
-    let mut files: Vec<String> = map.values().filter_map(Value::as_str).map(str::to_string).collect();
-    files.sort();
-    files.dedup();
-    if files.is_empty() || files.iter().any(|f| f.contains('/') || f.contains("..")) {
-        return Err(bad("weight_map must name shard files in the same folder"));
-    }
-    Ok(files)
-}
-
 /// The model a `config.json` describes: the Llama family, or the built-in GPT of a
 /// Regatta checkpoint.
 pub fn model_from_config(json: &Value, source: &str) -> Result<Box<dyn Model>> {
@@ -468,171 +331,4 @@ pub fn model_from_config(json: &Value, source: &str) -> Result<Box<dyn Model>> {
     }
     let config = LlamaConfig::from_json(json, source)?;
     Ok(Box::new(Llama::new(config, json.clone())))
-}
-
-/// How a model's parameters are cut into weight files: whole blocks, in order, each file
-/// up to `max_bytes` (a larger block gets a file of its own).
-#[derive(Clone, Debug, PartialEq)]
-pub struct ShardPlan {
-    /// Each file's name and the blocks it holds.
-    pub files: Vec<(String, Vec<usize>)>,
-}
-
-impl ShardPlan {
-    /// Plans files for `blocks` (tied parameters take no space) at 4 bytes an element.
-    pub fn new(blocks: &[Vec<ParamSpec>], max_bytes: u64) -> Self {
-        let mut groups: Vec<Vec<usize>> = Vec::new();
-        let mut current = 0u64;
-        for (block, specs) in blocks.iter().enumerate() {
-            let bytes: u64 = specs
-                .iter()
-                .filter(|s| s.tied_to.is_none())
-                .map(|s| 4 * s.numel() as u64)
-                .sum();
-            match groups.last_mut() {
-                Some(group) if current + bytes <= max_bytes => {
-                    group.push(block);
-                    current += bytes;
-                }
-                _ => {
-                    groups.push(vec![block]);
-                    current = bytes;
-                }
-            }
-        }
-        let n = groups.len();
-        let files = groups
-            .into_iter()
-            .enumerate()
-            .map(|(i, blocks)| {
-                let name = if n == 1 {
-                    WEIGHTS.to_string()
-                } else {
-                    format!("model-{:05}-of-{n:05}.safetensors", i + 1)
-                };
-                (name, blocks)
-            })
-            .collect();
-        Self { files }
-    }
-
-    /// `model.safetensors.index.json` for the plan (only needed with several files).
-    pub fn index(&self, blocks: &[Vec<ParamSpec>]) -> Value {
-        self.index_as(blocks, Kind::Float)
-    }
-
-    /// The index of the files with every tensor written in `kind`.
-    pub fn index_as(&self, blocks: &[Vec<ParamSpec>], kind: Kind) -> Value {
-        let width = stored_dtype(kind).1;
-        let mut weight_map = BTreeMap::new();
-        let mut total = 0u64;
-        for (file, members) in &self.files {
-            for &block in members {
-                for spec in blocks[block].iter().filter(|s| s.tied_to.is_none()) {
-                    weight_map.insert(spec.name.clone(), file.clone());
-                    total += width * spec.numel() as u64;
-                }
-            }
-        }
-        serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map })
-    }
-}
-
-/// Float32 tensors as the bytes of a safetensors file.
-pub fn encode_safetensors(tensors: &[(String, Tensor)]) -> Result<Bytes> {
-    encode_safetensors_as(tensors, Kind::Float)
-}
-
-/// The safetensors name and element width of a kind weights are written in.
-pub fn stored_dtype(kind: Kind) -> (&'static str, u64) {
-    match kind {
-        Kind::BFloat16 => ("BF16", 2),
-        Kind::Half => ("F16", 2),
-        _ => ("F32", 4),
-    }
-}
-
-/// `config.json`'s name of a kind weights are written in (`torch_dtype` / `dtype`).
-pub fn config_dtype(kind: Kind) -> &'static str {
-    match kind {
-        Kind::BFloat16 => "bfloat16",
-        Kind::Half => "float16",
-        _ => "float32",
-    }
-}
-
-/// Tensors as the bytes of a safetensors file with every tensor in `kind` (F32, BF16 or
-/// F16; any other kind is written as F32).
-pub fn encode_safetensors_as(tensors: &[(String, Tensor)], kind: Kind) -> Result<Bytes> {
-    let (dtype, width) = stored_dtype(kind);
-    let kind = match dtype {
-        "BF16" => Kind::BFloat16,
-        "F16" => Kind::Half,
-        _ => Kind::Float,
-    };
-    let mut header = serde_json::Map::new();
-    let mut offset = 0u64;
-    for (name, tensor) in tensors {
-        let bytes = width * tensor.numel() as u64;
-        header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": dtype, "shape": tensor.size(), "data_offsets": [offset, offset + bytes]}),
-        );
-        offset += bytes;
-    }
-    header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
-    let mut text = serde_json::to_vec(&Value::Object(header)).map_err(|e| Error::Invalid(e.to_string()))?;
-    while !text.len().is_multiple_of(8) {
-        text.push(b' ');
-    }
-    let mut out = Vec::with_capacity(8 + text.len() + offset as usize);
-    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
-    out.extend_from_slice(&text);
-    for (_, tensor) in tensors {
-        // libtorch's bytes are little-endian on every host Regatta builds for (x86-64,
-        // aarch64), as safetensors wants them.
-        let values = tensor.to_kind(kind).to_device(Device::Cpu).contiguous();
-        let numel = values.numel();
-        let start = out.len();
-        out.resize(start + numel * width as usize, 0);
-        values.f_copy_data_u8(&mut out[start..], numel)?;
-    }
-    Ok(Bytes::from(out))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::model::Init;
-
-    fn block(sizes: &[i64]) -> Vec<ParamSpec> {
-        sizes
-            .iter()
-            .enumerate()
-            .map(|(i, n)| ParamSpec::new(format!("p{n}.{i}"), &[*n], Init::Zeros))
-            .collect()
-    }
-
-    #[test]
-    fn shards_hold_whole_blocks_up_to_the_limit() {
-        let blocks = vec![block(&[10]), block(&[5, 5]), block(&[30]), block(&[1])];
-        let plan = ShardPlan::new(&blocks, 80);
-        let groups: Vec<Vec<usize>> = plan.files.iter().map(|(_, b)| b.clone()).collect();
-        assert_eq!(groups, vec![vec![0, 1], vec![2], vec![3]]);
-        assert_eq!(plan.files[0].0, "model-00001-of-00003.safetensors");
-        let index = plan.index(&blocks);
-        assert_eq!(index["metadata"]["total_size"], 4 * 51);
-        assert_eq!(index["weight_map"]["p30.0"], "model-00002-of-00003.safetensors");
-        assert_eq!(ShardPlan::new(&blocks, 1 << 20).files[0].0, WEIGHTS);
-    }
-
-    #[test]
-    fn a_header_that_points_past_the_file_is_an_error() {
-        let header = br#"{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}"#;
-        let ok = parse_header("f", header, 8 + header.len() as u64 + 16).unwrap();
-        assert_eq!(ok[0].1.end - ok[0].1.start, 16);
-        let error = parse_header("f", header, 8 + header.len() as u64 + 15).unwrap_err();
-        assert!(error.to_string().contains("run past the end"), "{error}");
-        assert!(parse_header("f", b"{\"w\": {}}", 100).is_err());
-    }
 }
