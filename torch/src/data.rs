@@ -205,44 +205,22 @@ impl RankData {
     /// `None` is a row that carries no loss (the first row with every target
     /// [`crate::engine::IGNORE`]), filling a batch to its size.
     pub fn rows(&self, picks: &[Option<usize>]) -> (Tensor, Tensor, Option<Tensor>) {
-        let t = self.context;
-        let mut inputs = Vec::with_capacity(picks.len() * t);
-        let mut targets = Vec::with_capacity(inputs.capacity());
-        let mut documents = Vec::new();
-        let Some(part) = self.loaded.first() else {
-            return (
-                Tensor::zeros([0, t as i64], (Kind::Int64, tch::Device::Cpu)),
-                Tensor::zeros([0, t as i64], (Kind::Int64, tch::Device::Cpu)),
-                None,
-            );
-        };
-        for pick in picks {
-            let index = pick.unwrap_or(0).min(part.sequences().saturating_sub(1));
-            let before = targets.len();
-            match part {
-                Part::Stream(tokens, _) => {
-                    let sequence = &tokens[index * t..index * t + t + 1];
-                    inputs.extend_from_slice(&sequence[..t]);
-                    targets.extend_from_slice(&sequence[1..]);
+        let mut rows = Rows::default();
+        if let Some(part) = self.loaded.first() {
+            for pick in picks {
+                let from = rows.targets.len();
+                rows.push(
+                    part,
+                    pick.unwrap_or(0).min(part.sequences().saturating_sub(1)),
+                    0,
+                    self.context,
+                );
+                if pick.is_none() {
+                    rows.targets[from..].fill(crate::engine::IGNORE);
                 }
-                Part::Packed(packed) => {
-                    let row = packed.row(index);
-                    inputs.extend(row.inputs);
-                    targets.extend(row.targets);
-                    documents.extend(row.documents);
-                }
-            }
-            if pick.is_none() {
-                targets[before..].fill(crate::engine::IGNORE);
             }
         }
-        let shape = [picks.len() as i64, t as i64];
-        let tensor = |values: &[i64]| Tensor::from_slice(values).view(shape).to_kind(Kind::Int64);
-        (
-            tensor(&inputs),
-            tensor(&targets),
-            self.documents.then(|| tensor(&documents)),
-        )
+        rows.tensors(self.context, self.documents)
     }
 
     /// Inputs, targets (`[n, context]` token ids; [`crate::engine::IGNORE`] where no loss) and, for
@@ -250,36 +228,52 @@ impl RankData {
     /// `per_partition` sequences from each loaded partition, in partition order, wrapping
     /// at its end.
     pub fn batch(&self, position: u64, per_partition: usize) -> (Tensor, Tensor, Option<Tensor>) {
-        let t = self.context;
-        let mut inputs = Vec::with_capacity(self.loaded.len() * per_partition * t);
-        let mut targets = Vec::with_capacity(inputs.capacity());
-        let mut documents = Vec::new();
+        let mut rows = Rows::default();
         for (number, part) in self.loaded.iter().enumerate() {
             for j in 0..per_partition as u64 {
                 let index = ((position + j) % part.sequences() as u64) as usize;
-                match part {
-                    Part::Stream(tokens, _) => {
-                        let sequence = &tokens[index * t..index * t + t + 1];
-                        inputs.extend_from_slice(&sequence[..t]);
-                        targets.extend_from_slice(&sequence[1..]);
-                    }
-                    Part::Packed(packed) => {
-                        let row = packed.row(index);
-                        inputs.extend(row.inputs);
-                        targets.extend(row.targets);
-                        // Partitions number their documents apart.
-                        documents.extend(row.documents.iter().map(|d| d + ((number as i64) << 32)));
-                    }
-                }
+                rows.push(part, index, number as i64, self.context);
             }
         }
-        let rows = (inputs.len() / t) as i64;
-        let shape = [rows, t as i64];
+        rows.tensors(self.context, self.documents)
+    }
+}
+
+/// Rows gathered for a batch, flat: inputs, targets and each input's document.
+#[derive(Default)]
+struct Rows {
+    inputs: Vec<i64>,
+    targets: Vec<i64>,
+    documents: Vec<i64>,
+}
+
+impl Rows {
+    /// Appends row `index` of `part` (rows of `context` tokens); partition `number`'s
+    /// documents are numbered apart from other partitions'.
+    fn push(&mut self, part: &Part, index: usize, number: i64, context: usize) {
+        match part {
+            Part::Stream(tokens, _) => {
+                let sequence = &tokens[index * context..index * context + context + 1];
+                self.inputs.extend_from_slice(&sequence[..context]);
+                self.targets.extend_from_slice(&sequence[1..]);
+            }
+            Part::Packed(packed) => {
+                let row = packed.row(index);
+                self.inputs.extend(row.inputs);
+                self.targets.extend(row.targets);
+                self.documents.extend(row.documents.iter().map(|d| d + (number << 32)));
+            }
+        }
+    }
+
+    /// The rows as `[n, context]` tensors (documents only for packed rows).
+    fn tensors(self, context: usize, documents: bool) -> (Tensor, Tensor, Option<Tensor>) {
+        let shape = [(self.inputs.len() / context.max(1)) as i64, context as i64];
         let tensor = |values: &[i64]| Tensor::from_slice(values).view(shape).to_kind(Kind::Int64);
         (
-            tensor(&inputs),
-            tensor(&targets),
-            self.documents.then(|| tensor(&documents)),
+            tensor(&self.inputs),
+            tensor(&self.targets),
+            documents.then(|| tensor(&self.documents)),
         )
     }
 }
