@@ -274,6 +274,13 @@ run() {
 
     step attention-check 180 "$rank" attention-check --device "$DEVICE" --time "$SEQ"
     json_of attention-check
+    # NCCL on the one GPU: collectives on the communication stream, device timing, overlap,
+    # a missing rank's join timeout, ZeRO-3 (prefetch, offload) over NCCL against no
+    # collective (torch/src/nccl_check.rs). It needs CUDA: not a CPU-mode step.
+    if [ "$mode" = gpu ]; then
+        step nccl-check 300 "$rank" nccl-check
+        json_of nccl-check
+    fi
     # Training rows are documents (the corpus's lines, a docstring paragraph each) packed to
     # the context, so the packed-rows attention path is the one measured.
     "$PY" - "$root/corpus.txt" "$work/corpus.jsonl" <<'PY'

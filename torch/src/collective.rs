@@ -11,6 +11,53 @@ use tch::{Device, Kind, Tensor};
 /// A failed collective.
 pub type CollResult<T> = Result<T>;
 
+/// Orders compute after a collective that may still be running on a stream of its own
+/// (NCCL): the compute stream waits for it; the host does not.
+pub trait Landing: Send {
+    /// Makes work issued from now on the compute stream wait for the collective.
+    fn order_compute(&self) -> CollResult<()>;
+}
+
+/// A collective's result that may still be on its way. [`Pending::wait`] orders compute
+/// after it (without blocking the host); dropping it unused orders compute likewise, so
+/// its memory is never reused while the collective still reads or writes it.
+pub struct Pending {
+    out: Tensor,
+    landing: Option<Box<dyn Landing>>,
+}
+
+impl Pending {
+    /// A result already complete (the CPU ring, a group of one).
+    pub fn done(out: Tensor) -> Self {
+        Self { out, landing: None }
+    }
+
+    /// A result that `landing` orders compute after.
+    pub fn landing(out: Tensor, landing: Box<dyn Landing>) -> Self {
+        Self {
+            out,
+            landing: Some(landing),
+        }
+    }
+
+    /// The result, for compute issued after this call.
+    pub fn wait(mut self) -> CollResult<Tensor> {
+        if let Some(landing) = self.landing.take() {
+            landing.order_compute()?;
+        }
+        Ok(self.out.shallow_clone())
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(landing) = self.landing.take() {
+            // Nothing to report to: a failed wait shows at the next settle.
+            let _ = landing.order_compute();
+        }
+    }
+}
+
 /// Collectives on flat (1-D) tensors, summing. Every rank calls each one in the same order.
 pub trait TensorCollective: Send {
     /// This rank.
@@ -27,6 +74,28 @@ pub trait TensorCollective: Send {
     fn broadcast(&mut self, input: &Tensor, root: usize) -> CollResult<Tensor>;
     /// Returns once every rank has called it.
     fn barrier(&mut self) -> CollResult<()>;
+    /// Starts an all-gather whose result is taken later ([`Pending::wait`]), so it can
+    /// overlap compute issued in between (stage 3 gathers the next block's parameters
+    /// while this one computes). Backends without a stream of their own gather now.
+    fn all_gather_start(&mut self, input: &Tensor) -> CollResult<Pending> {
+        self.all_gather(input).map(Pending::done)
+    }
+    /// Whether started collectives run beside compute (prefetching is worth its memory).
+    fn overlaps(&self) -> bool {
+        false
+    }
+    /// Returns once every collective issued so far has completed on the device, or fails
+    /// with the cause (a lost rank, an NCCL error, a timeout) after aborting the group:
+    /// called before the host reads a value that depends on them, so a failure ends the
+    /// step with a cause instead of a hang.
+    fn settle(&mut self) -> CollResult<()> {
+        Ok(())
+    }
+    /// Time the collectives took on the device since the last call, where the backend
+    /// measures it there (CUDA events); `None` where the host's wall time is the measure.
+    fn take_device_time(&mut self) -> Option<Duration> {
+        None
+    }
 }
 
 /// A group of one: every collective is the identity.
@@ -214,9 +283,12 @@ impl Timed {
         }
     }
 
-    /// Time spent since the last call.
+    /// Time spent since the last call: measured on the device where the backend does
+    /// (NCCL, CUDA events, after [`TensorCollective::settle`]), else the host's time in
+    /// the calls.
     pub fn take_spent(&mut self) -> Duration {
-        std::mem::take(&mut self.spent)
+        let host = std::mem::take(&mut self.spent);
+        self.inner.take_device_time().unwrap_or(host)
     }
 
     fn time<T>(&mut self, op: impl FnOnce(&mut dyn TensorCollective) -> T) -> T {
@@ -248,6 +320,18 @@ impl TensorCollective for Timed {
     }
     fn barrier(&mut self) -> CollResult<()> {
         self.time(|c| c.barrier())
+    }
+    fn all_gather_start(&mut self, input: &Tensor) -> CollResult<Pending> {
+        self.time(|c| c.all_gather_start(input))
+    }
+    fn overlaps(&self) -> bool {
+        self.inner.overlaps()
+    }
+    fn settle(&mut self) -> CollResult<()> {
+        self.time(|c| c.settle())
+    }
+    fn take_device_time(&mut self) -> Option<Duration> {
+        self.inner.take_device_time()
     }
 }
 

@@ -22,6 +22,7 @@ pub mod llama;
 pub mod lora;
 pub mod model;
 pub mod nccl;
+pub mod nccl_check;
 pub mod reference;
 pub mod score;
 pub mod score_executor;

@@ -1,15 +1,36 @@
-//! The NCCL backend (cudarc, loaded at run time): collectives on CUDA tensors in place.
+//! The NCCL backend (cudarc, loaded at run time): collectives on CUDA tensors.
+//!
 //! Rank 0 makes the unique id, the group hands it to every rank through the cluster, and
-//! each rank joins on its own thread (`ncclCommInitRank` blocks until all ranks join).
+//! each rank joins with a non-blocking `ncclCommInitRankConfig`, polled until the group is
+//! formed or the join deadline passes (then the communicator is aborted and the error says
+//! which rank waited for how long), so a rank that never comes cannot hang the others.
+//!
+//! Collectives run on a communication stream of their own (non-blocking, so it never
+//! serialises with libtorch's default stream), ordered with events: the stream waits for
+//! the compute issued before the call, and compute that uses the result waits for the
+//! collective ([`Pending::wait`]). Started collectives therefore overlap the compute issued
+//! between start and wait (stage 3 gathers the next block while this one computes). Each
+//! collective is bracketed by timing events: the step's collective time is what the device
+//! spent in them, read at [`TensorCollective::settle`].
+//!
+//! `settle` is where a failure surfaces: it polls the last collective's event and
+//! `ncclCommGetAsyncError` until done, and on an NCCL error or when the collective timeout
+//! passes (a peer lost mid-collective never completes it) calls `ncclCommAbort` and fails
+//! with the cause. The engine settles before every host read that depends on a collective.
+//!
 //! Where libnccl is missing, [`check_library`] says which library and how to point at it
 //! (cudarc would panic on first use).
 #![allow(unsafe_code)]
 
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
 use crate::error::{Error, Result};
+use cudarc::driver::{result as driver, sys as cu};
 use cudarc::nccl::{result, sys};
 use tch::{Kind, Tensor};
 
-use crate::collective::{CollResult, TensorCollective};
+use crate::collective::{CollResult, Landing, Pending, TensorCollective};
 
 /// Is libnccl loadable? Errors with what to do when it is not.
 pub fn check_library() -> Result<()> {
@@ -36,19 +57,209 @@ pub fn unique_id() -> Result<Vec<u8>> {
     Ok(id.internal.iter().map(|c| *c as u8).collect())
 }
 
-/// One rank's NCCL communicator on the current CUDA device.
-pub struct NcclCollective {
-    comm: sys::ncclComm_t,
-    rank: usize,
-    world: usize,
+/// How long a rank waits for the group to form, and for one collective to complete,
+/// before it aborts the communicator and fails with the cause.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NcclTimeouts {
+    /// For every rank to join (`REGATTA_NCCL_JOIN_TIMEOUT_SECS`, default 300).
+    pub join: Duration,
+    /// For the collectives issued before a settle to complete
+    /// (`REGATTA_NCCL_TIMEOUT_SECS`, default 600, as PyTorch's process groups).
+    pub collective: Duration,
 }
 
-// SAFETY: a communicator is used by one thread at a time (the rank's own), which NCCL allows.
+impl Default for NcclTimeouts {
+    fn default() -> Self {
+        Self {
+            join: Duration::from_secs(300),
+            collective: Duration::from_secs(600),
+        }
+    }
+}
+
+impl NcclTimeouts {
+    /// The defaults, with the environment's settings where given (whole seconds, > 0).
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let defaults = Self::default();
+        let read = |name: &str, default: Duration| match get(name) {
+            None => Ok(default),
+            Some(text) => match text.trim().parse::<u64>() {
+                Ok(secs) if secs > 0 => Ok(Duration::from_secs(secs)),
+                _ => Err(Error::Invalid(format!(
+                    "{name} must be a whole number of seconds above 0, not {text:?}"
+                ))),
+            },
+        };
+        Ok(Self {
+            join: read("REGATTA_NCCL_JOIN_TIMEOUT_SECS", defaults.join)?,
+            collective: read("REGATTA_NCCL_TIMEOUT_SECS", defaults.collective)?,
+        })
+    }
+}
+
+/// What one poll of an outstanding NCCL operation saw.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Seen {
+    /// Complete.
+    Done,
+    /// Still running, no error reported.
+    Running,
+    /// NCCL or the device reported this error.
+    Failed(String),
+}
+
+/// What to do after a poll: the pure rule behind joins and settles.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Verdict {
+    Done,
+    Wait,
+    Abort(String),
+}
+
+fn verdict(seen: Seen, waited: Duration, limit: Duration, what: &str) -> Verdict {
+    match seen {
+        Seen::Done => Verdict::Done,
+        Seen::Failed(cause) => Verdict::Abort(cause),
+        Seen::Running if waited >= limit => Verdict::Abort(format!(
+            "{what} did not complete within {} s: a rank is lost, stuck or never started",
+            limit.as_secs()
+        )),
+        Seen::Running => Verdict::Wait,
+    }
+}
+
+/// NCCL_CONFIG_INITIALIZER with `blocking = 0`, for the library version `version` (every
+/// other field left undefined: NCCL's defaults).
+fn nonblocking_config(version: i32) -> sys::ncclConfig_t {
+    const UNDEF: i32 = i32::MIN;
+    sys::ncclConfig_t {
+        size: std::mem::size_of::<sys::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: version as u32,
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
+        maxP2pPeers: UNDEF,
+    }
+}
+
+fn nccl_error(code: sys::ncclResult_t, comm: sys::ncclComm_t) -> String {
+    // SAFETY: both return pointers to static or communicator-owned C strings (or null).
+    let text = |p: *const std::ffi::c_char| {
+        (!p.is_null()).then(|| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    };
+    let name = text(unsafe { sys::ncclGetErrorString(code) }).unwrap_or_else(|| format!("{code:?}"));
+    let last = if comm.is_null() {
+        None
+    } else {
+        text(unsafe { sys::ncclGetLastError(comm) }).filter(|t| !t.is_empty())
+    };
+    match last {
+        Some(last) => format!("{name} ({last})"),
+        None => name,
+    }
+}
+
+fn driver_error(what: &str, e: driver::DriverError) -> Error {
+    Error::Collective(format!("{what}: {e:?}"))
+}
+
+/// A pair of timing events bracketing one collective on the communication stream,
+/// destroyed when the last holder lets go.
+struct Marks {
+    start: cu::CUevent,
+    end: cu::CUevent,
+}
+
+// SAFETY: CUDA events are plain handles usable from any thread of the context.
+unsafe impl Send for Marks {}
+unsafe impl Sync for Marks {}
+
+impl Marks {
+    fn new() -> Result<Self> {
+        let make = || driver::event::create(cu::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = make().map_err(|e| driver_error("cuEventCreate", e))?;
+        let end = make().map_err(|e| driver_error("cuEventCreate", e))?;
+        Ok(Self { start, end })
+    }
+}
+
+impl Drop for Marks {
+    fn drop(&mut self) {
+        // SAFETY: created by `Marks::new`, destroyed once (CUDA frees them at completion
+        // when still pending).
+        unsafe {
+            let _ = driver::event::destroy(self.start);
+            let _ = driver::event::destroy(self.end);
+        }
+    }
+}
+
+/// Compute waits for one collective; the input stays alive until then (its memory must
+/// not be reused by compute while the collective still reads it).
+struct NcclLanding {
+    marks: Arc<Marks>,
+    _input: Tensor,
+}
+
+// SAFETY: the tensor handle is only dropped, never used, from here.
+unsafe impl Send for NcclLanding {}
+
+impl Landing for NcclLanding {
+    fn order_compute(&self) -> CollResult<()> {
+        // SAFETY: the event is alive (held by `marks`); the null stream is libtorch's
+        // default (legacy) stream, which its kernels run on.
+        unsafe { driver::stream::wait_event(driver::stream::null(), self.marks.end, cu::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(|e| driver_error("cuStreamWaitEvent", e))
+    }
+}
+
+/// One rank's NCCL communicator on its CUDA device, with its communication stream.
+pub struct NcclCollective {
+    comm: sys::ncclComm_t,
+    /// The device's primary context (libtorch's): made current before each call, so the
+    /// communicator can be used from any thread.
+    context: cu::CUcontext,
+    ordinal: usize,
+    stream: cu::CUstream,
+    /// Recorded on the compute stream at each call, waited for by the communication stream.
+    ready: cu::CUevent,
+    rank: usize,
+    world: usize,
+    timeouts: NcclTimeouts,
+    /// Collectives issued since the last settle, in order.
+    issued: Vec<Arc<Marks>>,
+    /// Device time of the settled collectives since the last `take_device_time`.
+    spent: Duration,
+    /// Why the communicator was aborted (every later call fails with it).
+    aborted: Option<String>,
+}
+
+// SAFETY: a communicator, its context and its stream are used by one thread at a time
+// (the rank's own), which NCCL and CUDA allow.
 unsafe impl Send for NcclCollective {}
 
 impl NcclCollective {
-    /// Joins the group `id` as `rank` of `world`; blocks until every rank has joined.
-    pub fn join(id: &[u8], rank: usize, world: usize) -> Result<Self> {
+    /// Joins the group `id` as `rank` of `world` on CUDA device `ordinal`, waiting at most
+    /// the join timeout for every rank.
+    pub fn join(id: &[u8], rank: usize, world: usize, ordinal: usize, timeouts: NcclTimeouts) -> Result<Self> {
         check_library()?;
         if id.len() != 128 {
             return Err(Error::Collective(format!("an NCCL id has 128 bytes, not {}", id.len())));
@@ -57,11 +268,108 @@ impl NcclCollective {
         for (slot, byte) in unique.internal.iter_mut().zip(id) {
             *slot = *byte as std::ffi::c_char;
         }
+        // SAFETY: only tries to dlopen libcuda; cudarc panics on a call without it.
+        if !unsafe { cu::is_culib_present() } {
+            return Err(Error::Collective(
+                "NCCL needs the CUDA driver, and libcuda cannot be loaded on this host".into(),
+            ));
+        }
+        // The device's primary context (libtorch's) current on this thread: NCCL, the
+        // stream and the events all belong to it.
+        driver::init().map_err(|e| driver_error("cuInit", e))?;
+        let device = driver::device::get(ordinal as i32).map_err(|e| driver_error("cuDeviceGet", e))?;
+        // SAFETY: `device` came from cuDeviceGet; the retained context lives as long as
+        // the process (libtorch holds the same primary context).
+        let context = unsafe {
+            let context = driver::primary_ctx::retain(device).map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
+            driver::ctx::set_current(context).map_err(|e| driver_error("cuCtxSetCurrent", e))?;
+            context
+        };
+        let mut version = 0;
+        // SAFETY: a valid out-pointer.
+        unsafe { sys::ncclGetVersion(&mut version) };
+        let mut config = nonblocking_config(version);
         let mut comm = std::ptr::null_mut();
-        // SAFETY: `comm` is a valid out-pointer; the id came from ncclGetUniqueId on rank 0.
-        unsafe { result::comm_init_rank(&mut comm, world as i32, unique, rank as i32) }
-            .map_err(|e| Error::Collective(format!("ncclCommInitRank: {e:?}")))?;
-        Ok(Self { comm, rank, world })
+        // SAFETY: `comm` and `config` are valid pointers; the id came from ncclGetUniqueId.
+        let code = unsafe { sys::ncclCommInitRankConfig(&mut comm, world as i32, unique, rank as i32, &mut config) };
+        let what = format!("joining the NCCL group as rank {rank} of {world}");
+        if !matches!(code, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) {
+            return Err(Error::Collective(format!("{what}: ncclCommInitRankConfig: {}", nccl_error(code, comm))));
+        }
+        let stream = driver::stream::create(driver::stream::StreamKind::NonBlocking)
+            .map_err(|e| driver_error("cuStreamCreate", e))?;
+        let ready = driver::event::create(cu::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| driver_error("cuEventCreate", e))?;
+        let mut this = Self {
+            comm,
+            context,
+            ordinal,
+            stream,
+            ready,
+            rank,
+            world,
+            timeouts,
+            issued: Vec::new(),
+            spent: Duration::ZERO,
+            aborted: None,
+        };
+        this.await_comm(&what, timeouts.join)?;
+        Ok(this)
+    }
+
+    /// NCCL's own report on the communicator: complete, still in progress, or an error.
+    fn comm_state(&self) -> Seen {
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: a live communicator and a valid out-pointer.
+        let code = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+        match (code, state) {
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess) => Seen::Done,
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclInProgress) => Seen::Running,
+            (sys::ncclResult_t::ncclSuccess, error) => Seen::Failed(nccl_error(error, self.comm)),
+            (error, _) => Seen::Failed(format!("ncclCommGetAsyncError: {}", nccl_error(error, self.comm))),
+        }
+    }
+
+    /// Polls `seen` until done; on an error or past `limit`, aborts and fails with the cause.
+    fn poll(&mut self, what: &str, limit: Duration, mut seen: impl FnMut(&Self) -> Seen) -> Result<()> {
+        let started = Instant::now();
+        let mut pause = Duration::from_micros(20);
+        loop {
+            match verdict(seen(self), started.elapsed(), limit, what) {
+                Verdict::Done => return Ok(()),
+                Verdict::Abort(cause) => return Err(self.abort(what, cause)),
+                Verdict::Wait => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(2));
+                }
+            }
+        }
+    }
+
+    /// Waits for a non-blocking NCCL call on the communicator to take effect.
+    fn await_comm(&mut self, what: &str, limit: Duration) -> Result<()> {
+        self.poll(what, limit, Self::comm_state)
+    }
+
+    /// Aborts the communicator (its kernels stop, the peers see the error) and returns the
+    /// error every later call repeats.
+    fn abort(&mut self, what: &str, cause: String) -> Error {
+        if self.aborted.is_none() {
+            // SAFETY: a live communicator, aborted once.
+            unsafe { sys::ncclCommAbort(self.comm) };
+            self.aborted = Some(format!("{what}: {cause}; the NCCL communicator was aborted"));
+        }
+        Error::Collective(format!("rank {} of {}: {}", self.rank, self.world, self.aborted.as_deref().unwrap_or_default()))
+    }
+
+    /// Fails with the abort's cause once aborted; else makes the device's context current
+    /// on the calling thread.
+    fn usable(&self) -> Result<()> {
+        if let Some(why) = &self.aborted {
+            return Err(Error::Collective(format!("rank {} of {}: {why}", self.rank, self.world)));
+        }
+        // SAFETY: the primary context retained in `join`, alive for the process.
+        unsafe { driver::ctx::set_current(self.context) }.map_err(|e| driver_error("cuCtxSetCurrent", e))
     }
 
     /// NCCL's type for a contiguous CUDA tensor, or why it cannot take part.
@@ -75,6 +383,81 @@ impl NcclCollective {
                 tensor.device()
             ))),
         }
+    }
+
+    /// Issues `op` on the communication stream after the compute issued so far, bracketed
+    /// by timing events; the result lands in `out`.
+    fn launch(
+        &mut self,
+        what: &str,
+        input: &Tensor,
+        out: Tensor,
+        op: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
+    ) -> CollResult<Pending> {
+        self.usable()?;
+        let marks = Arc::new(Marks::new()?);
+        let stream = self.stream;
+        // SAFETY: the events and the stream are alive and of this thread's context; the
+        // null stream is the one libtorch computes on.
+        unsafe {
+            driver::event::record(self.ready, driver::stream::null()).map_err(|e| driver_error("cuEventRecord", e))?;
+            driver::stream::wait_event(stream, self.ready, cu::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+                .map_err(|e| driver_error("cuStreamWaitEvent", e))?;
+            driver::event::record(marks.start, stream).map_err(|e| driver_error("cuEventRecord", e))?;
+        }
+        let code = op(self.comm, stream as sys::cudaStream_t);
+        match code {
+            sys::ncclResult_t::ncclSuccess => {}
+            // A non-blocking communicator may still be enqueueing: wait for that (not
+            // for the collective itself).
+            sys::ncclResult_t::ncclInProgress => self.await_comm(what, self.timeouts.collective)?,
+            error => {
+                let cause = nccl_error(error, self.comm);
+                return Err(self.abort(what, cause));
+            }
+        }
+        // SAFETY: as above.
+        unsafe { driver::event::record(marks.end, stream) }.map_err(|e| driver_error("cuEventRecord", e))?;
+        self.issued.push(marks.clone());
+        Ok(Pending::landing(
+            out,
+            Box::new(NcclLanding {
+                marks,
+                _input: input.shallow_clone(),
+            }),
+        ))
+    }
+
+    fn all_reduce_start(&mut self, input: &Tensor) -> CollResult<Pending> {
+        let kind = Self::check(input)?;
+        let out = input.empty_like();
+        let (send, recv, n) = (input.data_ptr(), out.data_ptr(), input.numel());
+        // SAFETY: both buffers are live contiguous device tensors of n elements of the
+        // type `kind` names, kept alive until compute waits for the collective.
+        self.launch("ncclAllReduce", input, out, |comm, stream| unsafe {
+            sys::ncclAllReduce(send, recv, n, kind, sys::ncclRedOp_t::ncclSum, comm, stream)
+        })
+    }
+
+    fn reduce_scatter_start(&mut self, input: &Tensor) -> CollResult<Pending> {
+        let kind = Self::check(input)?;
+        let n = input.numel() / self.world;
+        let out = Tensor::empty([n as i64], (input.kind(), input.device()));
+        let (send, recv) = (input.data_ptr(), out.data_ptr());
+        // SAFETY: input holds world * n elements and out n, both live on the device.
+        self.launch("ncclReduceScatter", input, out, |comm, stream| unsafe {
+            sys::ncclReduceScatter(send, recv, n, kind, sys::ncclRedOp_t::ncclSum, comm, stream)
+        })
+    }
+
+    fn broadcast_start(&mut self, input: &Tensor, root: usize) -> CollResult<Pending> {
+        let kind = Self::check(input)?;
+        let out = input.empty_like();
+        let (send, recv, n) = (input.data_ptr(), out.data_ptr(), input.numel());
+        // SAFETY: both buffers are live contiguous device tensors of n elements.
+        self.launch("ncclBroadcast", input, out, |comm, stream| unsafe {
+            sys::ncclBroadcast(send, recv, n, kind, root as i32, comm, stream)
+        })
     }
 }
 
@@ -93,12 +476,18 @@ pub fn nccl_type(kind: Kind) -> Option<sys::ncclDataType_t> {
 
 impl Drop for NcclCollective {
     fn drop(&mut self) {
-        // SAFETY: the communicator was created by comm_init_rank and is destroyed once.
-        let _ = unsafe { result::comm_destroy(self.comm) };
+        // SAFETY: the communicator, stream and event were created in `join` and are
+        // released once; an aborted communicator is already gone.
+        unsafe {
+            if self.aborted.is_none() {
+                let _ = driver::stream::synchronize(self.stream);
+                let _ = result::comm_destroy(self.comm);
+            }
+            let _ = driver::event::destroy(self.ready);
+            let _ = driver::stream::destroy(self.stream);
+        }
     }
 }
-
-const STREAM: sys::cudaStream_t = std::ptr::null_mut();
 
 impl TensorCollective for NcclCollective {
     fn rank(&self) -> usize {
@@ -108,75 +497,61 @@ impl TensorCollective for NcclCollective {
         self.world
     }
     fn all_reduce(&mut self, input: &Tensor) -> CollResult<Tensor> {
-        let kind = Self::check(input)?;
-        let out = input.empty_like();
-        // SAFETY: both buffers are live contiguous device tensors of input.numel() elements
-        // of the type `kind` names.
-        unsafe {
-            result::all_reduce(
-                input.data_ptr(),
-                out.data_ptr(),
-                input.numel(),
-                kind,
-                sys::ncclRedOp_t::ncclSum,
-                self.comm,
-                STREAM,
-            )
-        }
-        .map_err(|e| Error::Collective(format!("ncclAllReduce: {e:?}")))?;
-        Ok(out)
+        self.all_reduce_start(input)?.wait()
     }
     fn reduce_scatter(&mut self, input: &Tensor) -> CollResult<Tensor> {
-        let kind = Self::check(input)?;
-        let n = input.numel() / self.world;
-        let out = Tensor::empty([n as i64], (input.kind(), input.device()));
-        // SAFETY: input holds world * n elements and out n, both live on the device, of
-        // the type `kind` names.
-        unsafe {
-            result::reduce_scatter(
-                input.data_ptr(),
-                out.data_ptr(),
-                n,
-                kind,
-                sys::ncclRedOp_t::ncclSum,
-                self.comm,
-                STREAM,
-            )
-        }
-        .map_err(|e| Error::Collective(format!("ncclReduceScatter: {e:?}")))?;
-        Ok(out)
+        self.reduce_scatter_start(input)?.wait()
     }
     fn all_gather(&mut self, input: &Tensor) -> CollResult<Tensor> {
-        let kind = Self::check(input)?;
-        let out = Tensor::empty([(input.numel() * self.world) as i64], (input.kind(), input.device()));
-        // SAFETY: input holds n elements and out world * n, both live on the device, of
-        // the type `kind` names.
-        unsafe { result::all_gather(input.data_ptr(), out.data_ptr(), input.numel(), kind, self.comm, STREAM) }
-            .map_err(|e| Error::Collective(format!("ncclAllGather: {e:?}")))?;
-        Ok(out)
+        self.all_gather_start(input)?.wait()
     }
     fn broadcast(&mut self, input: &Tensor, root: usize) -> CollResult<Tensor> {
-        let kind = Self::check(input)?;
-        let out = input.copy();
-        // SAFETY: both buffers are live contiguous device tensors of input.numel() elements
-        // of the type `kind` names.
-        unsafe {
-            result::broadcast(
-                input.data_ptr(),
-                out.data_ptr(),
-                input.numel(),
-                kind,
-                root as i32,
-                self.comm,
-                STREAM,
-            )
-        }
-        .map_err(|e| Error::Collective(format!("ncclBroadcast: {e:?}")))?;
-        Ok(out)
+        self.broadcast_start(input, root)?.wait()
     }
     fn barrier(&mut self) -> CollResult<()> {
-        let token = Tensor::zeros([1], (Kind::Float, tch::Device::Cuda(0)));
-        self.all_reduce(&token).map(|_| ())
+        let token = Tensor::zeros([1], (Kind::Float, tch::Device::Cuda(self.ordinal)));
+        let _ = self.all_reduce(&token)?;
+        self.settle()
+    }
+    fn all_gather_start(&mut self, input: &Tensor) -> CollResult<Pending> {
+        let kind = Self::check(input)?;
+        let out = Tensor::empty([(input.numel() * self.world) as i64], (input.kind(), input.device()));
+        let (send, recv, n) = (input.data_ptr(), out.data_ptr(), input.numel());
+        // SAFETY: input holds n elements and out world * n, both live on the device.
+        self.launch("ncclAllGather", input, out, |comm, stream| unsafe {
+            sys::ncclAllGather(send, recv, n, kind, comm, stream)
+        })
+    }
+    fn overlaps(&self) -> bool {
+        true
+    }
+    fn settle(&mut self) -> CollResult<()> {
+        self.usable()?;
+        let Some(last) = self.issued.last().cloned() else {
+            return Ok(());
+        };
+        let limit = self.timeouts.collective;
+        self.poll("a collective", limit, |this| {
+            // SAFETY: the event is alive (held by `last`).
+            match unsafe { driver::event::query(last.end) } {
+                Ok(()) => Seen::Done,
+                Err(e) if e.0 == cu::cudaError_enum::CUDA_ERROR_NOT_READY => match this.comm_state() {
+                    Seen::Done => Seen::Running,
+                    other => other,
+                },
+                Err(e) => Seen::Failed(format!("the communication stream failed: {e:?}")),
+            }
+        })?;
+        for marks in self.issued.drain(..) {
+            // SAFETY: both events have completed (the last one has, and the stream is in order).
+            if let Ok(ms) = unsafe { driver::event::elapsed(marks.start, marks.end) } {
+                self.spent += Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3);
+            }
+        }
+        Ok(())
+    }
+    fn take_device_time(&mut self) -> Option<Duration> {
+        Some(std::mem::take(&mut self.spent))
     }
 }
 
@@ -200,7 +575,7 @@ mod tests {
     #[test]
     fn a_missing_library_is_a_clear_error_not_a_panic() {
         match check_library() {
-            // A GPU host with NCCL: joining needs a device, covered by the GPU benchmark.
+            // A GPU host with NCCL: joining needs a device, covered by the GPU proof.
             Ok(()) => assert!(unique_id().is_ok()),
             Err(message) => {
                 assert!(matches!(message, Error::Collective(_)), "{message:?}");
@@ -208,8 +583,56 @@ mod tests {
                 assert!(message.contains("NCCL is not available"), "{message}");
                 assert!(message.contains("LD_LIBRARY_PATH"), "{message}");
                 assert!(unique_id().unwrap_err().to_string().contains("NCCL is not available"));
-                assert!(NcclCollective::join(&[0; 128], 0, 1).is_err());
+                assert!(NcclCollective::join(&[0; 128], 0, 1, 0, NcclTimeouts::default()).is_err());
             }
         }
+    }
+
+    #[test]
+    fn a_poll_waits_while_running_and_aborts_on_an_error_or_past_the_limit() {
+        let limit = Duration::from_secs(10);
+        let early = Duration::from_secs(3);
+        assert_eq!(verdict(Seen::Done, early, limit, "x"), Verdict::Done);
+        // Done wins even past the limit: the work completed.
+        assert_eq!(verdict(Seen::Done, limit * 2, limit, "x"), Verdict::Done);
+        assert_eq!(verdict(Seen::Running, early, limit, "x"), Verdict::Wait);
+        match verdict(Seen::Running, limit, limit, "joining the NCCL group as rank 0 of 2") {
+            Verdict::Abort(cause) => {
+                assert!(cause.starts_with("joining the NCCL group as rank 0 of 2 did not complete within 10 s"), "{cause}");
+                assert!(cause.contains("a rank is lost"), "{cause}");
+            }
+            other => panic!("past the limit must abort, not {other:?}"),
+        }
+        assert_eq!(
+            verdict(Seen::Failed("remote process exited".into()), early, limit, "x"),
+            Verdict::Abort("remote process exited".into())
+        );
+    }
+
+    #[test]
+    fn timeouts_default_and_read_whole_seconds_from_the_environment() {
+        let none = NcclTimeouts::from_lookup(|_| None).unwrap();
+        assert_eq!(none, NcclTimeouts::default());
+        assert_eq!(none.collective, Duration::from_secs(600));
+        let set = NcclTimeouts::from_lookup(|name| (name == "REGATTA_NCCL_JOIN_TIMEOUT_SECS").then(|| " 5 ".to_string())).unwrap();
+        assert_eq!(set.join, Duration::from_secs(5));
+        assert_eq!(set.collective, Duration::from_secs(600));
+        for bad in ["0", "-3", "1.5", "soon", ""] {
+            let error = NcclTimeouts::from_lookup(|name| (name == "REGATTA_NCCL_TIMEOUT_SECS").then(|| bad.to_string()))
+                .expect_err(bad);
+            assert!(error.to_string().contains("REGATTA_NCCL_TIMEOUT_SECS must be a whole number"), "{error}");
+        }
+    }
+
+    #[test]
+    fn the_nonblocking_config_is_nccls_initializer_with_blocking_off() {
+        let config = nonblocking_config(22809);
+        assert_eq!(config.magic, 0xcafe_beef);
+        assert_eq!(config.size, std::mem::size_of::<sys::ncclConfig_t>());
+        assert_eq!(config.version, 22809);
+        assert_eq!(config.blocking, 0);
+        // Undefined fields keep NCCL's defaults (NCCL_CONFIG_UNDEF_INT), not zero CTAs.
+        assert_eq!((config.minCTAs, config.maxCTAs, config.cgaClusterSize), (i32::MIN, i32::MIN, i32::MIN));
+        assert!(config.netName.is_null() && config.commName.is_null());
     }
 }

@@ -19,7 +19,10 @@
 //! [--dtype float32|bfloat16]`: a Hugging Face model's logits for the `input_ids` tensor of
 //! IDS, written as `logits` (float32), for comparison with `transformers` on the same device;
 //! `regatta-torch-rank attention-check [--device D] [--dtype T] [--time N]`: the packed-rows
-//! attention kernel against SDPA with the dense mask, forward and backward, as JSON.
+//! attention kernel against SDPA with the dense mask, forward and backward, as JSON;
+//! `regatta-torch-rank nccl-check`: the NCCL backend on the first GPU (collectives on the
+//! communication stream, device timing, overlap, a missing rank's join timeout, ZeRO-3 over
+//! NCCL against no collective), as JSON; exit 1 when a part fails.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -271,6 +274,15 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         },
+        Some("nccl-check") => {
+            let result = regatta_torch::nccl_check::check(0);
+            println!("{}", serde_json::to_string(&result).unwrap_or_default());
+            if result.ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
         Some("attention-check") => attention_check(&args[1..]).unwrap_or_else(|e| {
             eprintln!("error: {e}");
             ExitCode::from(2)
@@ -396,7 +408,7 @@ fn main() -> ExitCode {
             }
         },
         Some(other) => {
-            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`, `merge`, `peak`, `bench-generate`, `bench-adamw`, `bench-data`, `doctor`, `logits`, `attention-check`");
+            eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`, `merge`, `peak`, `bench-generate`, `bench-adamw`, `bench-data`, `doctor`, `logits`, `attention-check`, `nccl-check`");
             ExitCode::from(2)
         }
     }

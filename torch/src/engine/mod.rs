@@ -45,7 +45,7 @@ use regatta_trainer::{Offload, ZeroConfig, ZeroStage};
 use tch::{Device, Kind, Tensor};
 
 use crate::attention::Kernel;
-use crate::collective::{TensorCollective, Timed};
+use crate::collective::{Pending, TensorCollective, Timed};
 use crate::error::{Error, Result};
 use crate::model::{Batch, Model, ParamSpec};
 use storage::{Flat, Initial, Layout, Slot, Source, Store};
@@ -166,6 +166,12 @@ pub struct Engine {
     decay: Vec<Vec<Range<usize>>>,
     full_grads: Vec<Option<Tensor>>,
     grad_shards: Vec<Option<Tensor>>,
+    /// Gradient slices on their way to host memory (optimizer offload on a GPU): copied
+    /// without blocking, added to `grad_shards` after the micro-batch's one sync.
+    arriving: Vec<(usize, Tensor)>,
+    /// Stage 3 over a backend whose collectives overlap compute: the gathers started for
+    /// the block that runs next (trained, frozen), taken when it runs.
+    prefetched: Vec<(Option<Pending>, Option<Pending>)>,
 }
 
 /// A block's parameters as leaves of one backward: the trained buffer, the frozen one and
@@ -199,6 +205,20 @@ fn pinned(tensor: Tensor, device: Device) -> Tensor {
         tensor.pin_memory(device)
     } else {
         tensor
+    }
+}
+
+/// `tensor` on `device`, copied without blocking the host where a GPU is at either end
+/// (into pinned memory when the copy goes to the host: libtorch pins a non-blocking
+/// device-to-host copy's output). A host copy must be read only after a sync
+/// ([`Engine::host_sync`]); a host source must not change until the device has read it.
+fn moved(tensor: &Tensor, device: Device) -> Tensor {
+    if tensor.device() == device {
+        tensor.shallow_clone()
+    } else if device.is_cuda() || tensor.device().is_cuda() {
+        tensor.to_device_(device, tensor.kind(), true, false)
+    } else {
+        tensor.to_device(device)
     }
 }
 
@@ -246,6 +266,8 @@ impl Engine {
             decay,
             full_grads: (0..blocks).map(|_| None).collect(),
             grad_shards: (0..blocks).map(|_| None).collect(),
+            arriving: Vec::new(),
+            prefetched: (0..blocks).map(|_| (None, None)).collect(),
         };
         engine.refresh_params()?;
         Ok(engine)
@@ -292,16 +314,20 @@ impl Engine {
     /// slice; stage 3 with the optimizer on the host copies its slice to the device
     /// (unless parameters are offloaded too).
     fn refresh_params(&mut self) -> Result<()> {
+        // Gathers started before the update hold the old values.
+        for pair in &mut self.prefetched {
+            *pair = (None, None);
+        }
         let (device, compute) = (self.settings.device, self.settings.compute);
         for block in 0..self.master.len() {
             if self.train[block].is_empty() {
                 continue;
             }
             if !self.three() {
-                let full = self.coll.all_gather(&self.master[block].to_device(device))?;
+                let full = self.coll.all_gather(&moved(&self.master[block], device))?;
                 self.full[block] = Some(full.to_kind(compute));
             } else if self.settings.offload.offload_optimizer == Offload::Cpu && !self.offload_params() {
-                self.param_shards[block] = Some(self.master[block].to_device(device).to_kind(compute));
+                self.param_shards[block] = Some(moved(&self.master[block], device).to_kind(compute));
             }
         }
         Ok(())
@@ -316,13 +342,41 @@ impl Engine {
         if let Some(full) = &self.full[block] {
             return Ok(full.shallow_clone());
         }
-        // Gathered in the compute type: a bf16 gather moves half the bytes of an f32 one,
-        // and rounding each element before or after the gather gives the same values.
-        let shard = match &self.param_shards[block] {
-            Some(shard) => shard.to_kind(compute),
-            None => self.master[block].to_device(device).to_kind(compute),
-        };
+        if let Some(pending) = self.prefetched[block].0.take() {
+            return pending.wait();
+        }
+        let shard = self.trained_shard(block);
         self.coll.all_gather(&shard)
+    }
+
+    /// This rank's slice of a block's trained parameters in the compute type, on the
+    /// device (stage 3). Gathered in the compute type: a bf16 gather moves half the bytes
+    /// of an f32 one, and rounding each element before or after the gather is the same.
+    fn trained_shard(&self, block: usize) -> Tensor {
+        let (device, compute) = (self.settings.device, self.settings.compute);
+        match &self.param_shards[block] {
+            Some(shard) => shard.to_kind(compute),
+            None => moved(&self.master[block], device).to_kind(compute),
+        }
+    }
+
+    /// Stage 3 over collectives that overlap compute: starts gathering `block`'s
+    /// parameters now, so they arrive while the block before it computes. Every rank
+    /// prefetches the same blocks in the same order (collectives must match).
+    fn prefetch(&mut self, block: usize) -> Result<()> {
+        if !self.three() || !self.coll.overlaps() || block >= self.specs.len() {
+            return Ok(());
+        }
+        let (device, compute) = (self.settings.device, self.settings.compute);
+        if self.prefetched[block].0.is_none() && !self.train[block].is_empty() {
+            let shard = self.trained_shard(block);
+            self.prefetched[block].0 = Some(self.coll.all_gather_start(&shard)?);
+        }
+        if self.prefetched[block].1.is_none() && !self.frozen_flat[block].is_empty() {
+            let shard = moved(&self.frozen[block], device).to_kind(compute);
+            self.prefetched[block].1 = Some(self.coll.all_gather_start(&shard)?);
+        }
+        Ok(())
     }
 
     /// A block's full flat frozen parameters in the compute type, on the device.
@@ -331,7 +385,10 @@ impl Engine {
         if !self.three() || self.frozen_flat[block].is_empty() {
             return Ok(self.frozen[block].shallow_clone());
         }
-        let shard = self.frozen[block].to_device(device).to_kind(compute);
+        if let Some(pending) = self.prefetched[block].1.take() {
+            return pending.wait();
+        }
+        let shard = moved(&self.frozen[block], device).to_kind(compute);
         self.coll.all_gather(&shard)
     }
 

@@ -99,7 +99,8 @@ impl Engine {
             return Ok(Vec::new());
         }
         let shard = self.master[block].to_device(self.settings.device);
-        let full = self.coll.all_gather(&shard)?.to_device(Device::Cpu);
+        let full = self.coll.all_gather(&shard)?;
+        let full = self.to_host(&full)?;
         let flat = &self.train[block];
         Ok(flat
             .layout
@@ -116,7 +117,8 @@ impl Engine {
     pub fn merged_block(&mut self, block: usize) -> Result<Vec<(String, Tensor)>> {
         let trained: HashMap<String, Tensor> = self.gather_block(block)?.into_iter().collect();
         let scale = self.model.lora().map_or(0.0, |l| l.scale());
-        let full = self.frozen_params(block)?.to_device(Device::Cpu).to_kind(Kind::Float);
+        let full = self.frozen_params(block)?;
+        let full = self.to_host(&full)?.to_kind(Kind::Float);
         let flat = &self.frozen_flat[block];
         let mut out: Vec<(String, Tensor)> = Vec::new();
         for spec in self.specs[block].iter().filter(|s| s.tied_to.is_none()) {
@@ -153,7 +155,8 @@ impl Engine {
     pub fn frozen_consolidated(&mut self) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
         for block in 0..self.specs.len() {
-            let full = self.frozen_params(block)?.to_device(Device::Cpu);
+            let full = self.frozen_params(block)?;
+            let full = self.to_host(&full)?;
             let flat = &self.frozen_flat[block];
             out.extend(
                 flat.layout
@@ -183,6 +186,27 @@ impl Engine {
     /// Sums a scalar over ranks.
     pub fn sum_over_ranks(&mut self, value: f64) -> Result<f64> {
         let t = Tensor::from_slice(&[value as f32]).to_device(self.settings.device);
-        Ok(self.coll.all_reduce(&t)?.double_value(&[0]))
+        let sum = self.coll.all_reduce(&t)?;
+        self.coll.settle()?;
+        Ok(sum.double_value(&[0]))
+    }
+
+    /// Once the collectives issued so far have completed (or failed with their cause,
+    /// never a hang: [`TensorCollective::settle`]), and with optimizer state on the host,
+    /// once the device has finished its asynchronous copies to and from host memory.
+    pub(super) fn host_sync(&mut self) -> Result<()> {
+        self.coll.settle()?;
+        if let Device::Cuda(ordinal) = self.settings.device {
+            if self.host == Device::Cpu {
+                tch::Cuda::synchronize(ordinal as i64);
+            }
+        }
+        Ok(())
+    }
+
+    /// A collective's result copied to the host, after the collectives complete.
+    pub(super) fn to_host(&mut self, tensor: &Tensor) -> Result<Tensor> {
+        self.coll.settle()?;
+        Ok(tensor.to_device(Device::Cpu))
     }
 }

@@ -32,9 +32,13 @@ impl Engine {
             });
             grad_bytes = held;
         }
+        self.coll.settle()?;
         let local_loss = local_loss.map_or(0.0, |t| t.double_value(&[]));
         let loss = self.sum_over_ranks(local_loss)? / count;
         let grad_norm = self.apply_adamw()?;
+        // The new parameters' gathers complete inside the step they belong to (their time
+        // counts here, and a failure ends this step).
+        self.coll.settle()?;
         Ok(StepOutcome {
             loss,
             collective_secs: self.coll.take_spent().as_secs_f64(),
@@ -61,13 +65,16 @@ impl Engine {
             let mut hidden = m.tokens.to_device(device);
             for block in 0..self.specs.len() {
                 let leaves = self.leaves(block, false)?;
+                self.prefetch(block + 1)?;
                 let views = self.views(block, &leaves);
                 hidden = tch::no_grad(|| self.model.forward(block, &views, &hidden, &batch));
             }
             // The loss by chunks of rows, as training computes it (no f32 copy of all logits).
             local += token_loss_sum_chunked(&hidden, &targets);
-            local_count += targets.ne(IGNORE).sum(Kind::Int64).int64_value(&[]);
+            // Counted on the host's copy: no device sync inside the loop.
+            local_count += m.targets.ne(IGNORE).sum(Kind::Int64).int64_value(&[]);
         }
+        self.coll.settle()?;
         let sum = self.sum_over_ranks(local.double_value(&[]))?;
         let count = self.sum_over_ranks(local_count as f64)?.round();
         let mean = if count >= 1.0 { sum / count } else { f64::NAN };
@@ -97,6 +104,8 @@ impl Engine {
                 inputs.push(hidden.shallow_clone());
                 if block + 1 < blocks {
                     let leaves = self.leaves(block, false)?;
+                    // The next block's gather runs while this one computes.
+                    self.prefetch(block + 1)?;
                     let views = self.views(block, &leaves);
                     hidden = tch::no_grad(|| self.model.forward(block, &views, &hidden, &batch));
                 }
@@ -128,6 +137,9 @@ impl Engine {
             }
             let (leaves, input, out) = if recompute {
                 let leaves = self.leaves(block, true)?;
+                if block > 0 {
+                    self.prefetch(block - 1)?;
+                }
                 let input = (block > 0).then(|| inputs[block].detach().set_requires_grad(true));
                 let x = input.as_ref().unwrap_or(&inputs[0]);
                 let out = self.model.forward(block, &self.views(block, &leaves), x, &batch);
@@ -181,6 +193,7 @@ impl Engine {
                 held.1 += on_host;
             }
         }
+        self.land_gradients()?;
         Ok((loss_sum, held))
     }
 
@@ -218,7 +231,13 @@ impl Engine {
         let (slot, grad) = if self.settings.stage == ZeroStage::One {
             (&mut self.full_grads[block], grad)
         } else {
-            let shard = self.coll.reduce_scatter(&grad)?.to_device(self.host);
+            let shard = moved(&self.coll.reduce_scatter(&grad)?, self.host);
+            if self.host != self.settings.device {
+                // Copied to pinned host memory without blocking; added after the sync.
+                let held = bytes(&shard);
+                self.arriving.push((block, shard));
+                return Ok((held, held));
+            }
             (&mut self.grad_shards[block], shard)
         };
         let total = match slot.take() {
@@ -253,12 +272,15 @@ impl Engine {
             let grad = match self.settings.stage {
                 ZeroStage::One => {
                     let full = self.full_grads[block].take().ok_or_else(missing)?;
-                    self.coll.reduce_scatter(&full)?.to_device(self.host)
+                    moved(&self.coll.reduce_scatter(&full)?, self.host)
                 }
                 _ => self.grad_shards[block].take().ok_or_else(missing)?,
             };
             shards.push(Some(grad));
         }
+        // The shards complete (collectives, copies to the host) before they are read, and
+        // with offload the device has read the master slices the host updates next.
+        self.host_sync()?;
         // Squares summed where the shards are, then read once (not one host sync a block).
         let squares: Vec<Tensor> = shards
             .iter()
@@ -303,5 +325,25 @@ impl Engine {
         }
         self.refresh_params()?;
         Ok(norm)
+    }
+
+    /// Adds the gradient slices copied to the host during backward to the held ones,
+    /// after one sync for all of them.
+    fn land_gradients(&mut self) -> Result<()> {
+        if self.arriving.is_empty() {
+            return Ok(());
+        }
+        self.host_sync()?;
+        for (block, shard) in std::mem::take(&mut self.arriving) {
+            let total = match self.grad_shards[block].take() {
+                Some(mut held) => {
+                    let _ = tch::no_grad(|| held.g_add_(&shard));
+                    held
+                }
+                None => shard,
+            };
+            self.grad_shards[block] = Some(total);
+        }
+        Ok(())
     }
 }

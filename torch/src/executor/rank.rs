@@ -225,7 +225,12 @@ impl Rank {
         } else if endpoint.nccl {
             let id = regatta_trainer::hex::decode(nccl_id.as_deref().unwrap_or_default())
                 .ok_or_else(|| fatal("malformed NCCL id"))?;
-            Box::new(crate::nccl::NcclCollective::join(&id, rank, world).map_err(lost)?)
+            let ordinal = match self.device {
+                tch::Device::Cuda(ordinal) => ordinal,
+                other => return Err(fatal(format!("NCCL needs a CUDA device, this rank computes on {other:?}"))),
+            };
+            let timeouts = crate::nccl::NcclTimeouts::from_env().map_err(|e| fatal(e.to_string()))?;
+            Box::new(crate::nccl::NcclCollective::join(&id, rank, world, ordinal, timeouts).map_err(lost)?)
         } else {
             let builder = endpoint.ring.ok_or_else(|| fatal("no ring endpoint"))?;
             let link = self.runtime.block_on(builder.connect(&next)).map_err(lost)?;
