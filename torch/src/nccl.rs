@@ -120,12 +120,12 @@ enum Verdict {
     Abort(String),
 }
 
-fn verdict(seen: Seen, waited: Duration, limit: Duration, what: &str) -> Verdict {
+fn verdict(seen: Seen, waited: Duration, limit: Duration) -> Verdict {
     match seen {
         Seen::Done => Verdict::Done,
         Seen::Failed(cause) => Verdict::Abort(cause),
         Seen::Running if waited >= limit => Verdict::Abort(format!(
-            "{what} did not complete within {} s: a rank is lost, stuck or never started",
+            "not done within {} s: a rank is lost, stuck or never started",
             limit.as_secs()
         )),
         Seen::Running => Verdict::Wait,
@@ -292,9 +292,12 @@ impl NcclCollective {
         let mut comm = std::ptr::null_mut();
         // SAFETY: `comm` and `config` are valid pointers; the id came from ncclGetUniqueId.
         let code = unsafe { sys::ncclCommInitRankConfig(&mut comm, world as i32, unique, rank as i32, &mut config) };
-        let what = format!("joining the NCCL group as rank {rank} of {world}");
+        let what = "joining the NCCL group";
         if !matches!(code, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) {
-            return Err(Error::Collective(format!("{what}: ncclCommInitRankConfig: {}", nccl_error(code, comm))));
+            return Err(Error::Collective(format!(
+                "rank {rank} of {world}: {what}: ncclCommInitRankConfig: {}",
+                nccl_error(code, comm)
+            )));
         }
         let stream = driver::stream::create(driver::stream::StreamKind::NonBlocking)
             .map_err(|e| driver_error("cuStreamCreate", e))?;
@@ -313,7 +316,7 @@ impl NcclCollective {
             spent: Duration::ZERO,
             aborted: None,
         };
-        this.await_comm(&what, timeouts.join)?;
+        this.await_comm(what, timeouts.join)?;
         Ok(this)
     }
 
@@ -335,7 +338,7 @@ impl NcclCollective {
         let started = Instant::now();
         let mut pause = Duration::from_micros(20);
         loop {
-            match verdict(seen(self), started.elapsed(), limit, what) {
+            match verdict(seen(self), started.elapsed(), limit) {
                 Verdict::Done => return Ok(()),
                 Verdict::Abort(cause) => return Err(self.abort(what, cause)),
                 Verdict::Wait => {
@@ -592,19 +595,19 @@ mod tests {
     fn a_poll_waits_while_running_and_aborts_on_an_error_or_past_the_limit() {
         let limit = Duration::from_secs(10);
         let early = Duration::from_secs(3);
-        assert_eq!(verdict(Seen::Done, early, limit, "x"), Verdict::Done);
+        assert_eq!(verdict(Seen::Done, early, limit), Verdict::Done);
         // Done wins even past the limit: the work completed.
-        assert_eq!(verdict(Seen::Done, limit * 2, limit, "x"), Verdict::Done);
-        assert_eq!(verdict(Seen::Running, early, limit, "x"), Verdict::Wait);
-        match verdict(Seen::Running, limit, limit, "joining the NCCL group as rank 0 of 2") {
+        assert_eq!(verdict(Seen::Done, limit * 2, limit), Verdict::Done);
+        assert_eq!(verdict(Seen::Running, early, limit), Verdict::Wait);
+        match verdict(Seen::Running, limit, limit) {
             Verdict::Abort(cause) => {
-                assert!(cause.starts_with("joining the NCCL group as rank 0 of 2 did not complete within 10 s"), "{cause}");
+                assert!(cause.starts_with("not done within 10 s"), "{cause}");
                 assert!(cause.contains("a rank is lost"), "{cause}");
             }
             other => panic!("past the limit must abort, not {other:?}"),
         }
         assert_eq!(
-            verdict(Seen::Failed("remote process exited".into()), early, limit, "x"),
+            verdict(Seen::Failed("remote process exited".into()), early, limit),
             Verdict::Abort("remote process exited".into())
         );
     }

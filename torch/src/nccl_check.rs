@@ -36,9 +36,15 @@ pub struct CollectiveCheck {
     pub device_ms: f64,
 }
 
-/// A collective started before compute and waited for after it.
+/// Collectives started before compute and waited for after it.
 #[derive(Debug, Serialize)]
 pub struct Overlap {
+    /// What the compute was: GEMMs (which compete with a group of one's device copy for
+    /// the same SMs and memory) or a chain of small kernels (launch-bound: the device has
+    /// room, so a collective on a concurrent stream runs in it).
+    pub compute: &'static str,
+    /// Collectives started.
+    pub collectives: usize,
     /// The compute alone (host clock around it and a sync).
     pub compute_ms: f64,
     /// The collective alone.
@@ -86,8 +92,8 @@ pub struct NcclCheck {
     pub failures: Vec<String>,
     /// Per collective and dtype.
     pub collectives: Vec<CollectiveCheck>,
-    /// Collective beside compute.
-    pub overlap: Option<Overlap>,
+    /// Collectives beside compute.
+    pub overlap: Vec<Overlap>,
     /// The missing rank.
     pub join_timeout: Option<JoinTimeout>,
     /// Training over the group.
@@ -149,41 +155,64 @@ fn timed(ordinal: usize, work: impl FnOnce() -> Result<()>) -> Result<f64> {
     Ok(started.elapsed().as_secs_f64() * 1e3)
 }
 
-fn overlap(coll: &mut NcclCollective, ordinal: usize, device: Device) -> Result<Overlap> {
+fn overlap(coll: &mut NcclCollective, ordinal: usize, device: Device, light: bool) -> Result<Overlap> {
     let a = Tensor::randn([8192, 8192], (Kind::BFloat16, device));
-    let buffer = Tensor::randn([1 << 30], (Kind::BFloat16, device));
+    let small = Tensor::randn([1024], (Kind::Float, device));
+    let buffer = Tensor::randn([1 << 28], (Kind::BFloat16, device));
     let compute = |n: usize| {
-        let mut x = a.shallow_clone();
-        for _ in 0..n {
-            x = x.matmul(&a) / 100.0;
+        if light {
+            let mut x = small.shallow_clone();
+            for _ in 0..n {
+                x = x * 1.0001;
+            }
+            x
+        } else {
+            let mut x = a.shallow_clone();
+            for _ in 0..n {
+                x = x.matmul(&a) / 100.0;
+            }
+            x
         }
-        x
     };
-    let comm = |coll: &mut NcclCollective| -> Result<()> {
-        let _ = coll.all_reduce(&buffer)?;
+    let unit = if light { 200 } else { 1 };
+    // Warm both, then time one collective and one unit of compute alone.
+    let _ = coll.all_gather_start(&buffer)?.wait()?;
+    coll.settle()?;
+    let _ = compute(2 * unit);
+    let one_collective = timed(ordinal, || {
+        let _ = coll.all_gather_start(&buffer)?.wait()?;
         coll.settle()
-    };
-    // Warm both, then size the compute near the collective's time.
-    comm(coll)?;
-    let _ = compute(2);
-    let collective_ms = timed(ordinal, || comm(coll))?;
-    let one = timed(ordinal, || {
-        let _ = compute(4);
+    })?;
+    let one_unit = timed(ordinal, || {
+        let _ = compute(4 * unit);
         Ok(())
     })? / 4.0;
-    let n = ((collective_ms / one.max(1e-3)).round() as usize).clamp(1, 200);
+    // About 8 collectives' worth of compute, and as many collectives as fit in it.
+    let units = ((8.0 * one_collective / one_unit.max(1e-3)).round() as usize).clamp(1, 400);
     let compute_ms = timed(ordinal, || {
-        let _ = compute(n);
+        let _ = compute(units * unit);
         Ok(())
     })?;
+    let collectives = ((compute_ms / one_collective.max(1e-3)).round() as usize).clamp(1, 16);
+    let collective_ms = timed(ordinal, || {
+        let started: Vec<_> = (0..collectives).map(|_| coll.all_gather_start(&buffer)).collect::<Result<_>>()?;
+        for pending in started {
+            let _ = pending.wait()?;
+        }
+        coll.settle()
+    })?;
     let together_ms = timed(ordinal, || {
-        let pending = coll.all_gather_start(&buffer)?;
-        let _ = compute(n);
-        let _ = pending.wait()?;
+        let started: Vec<_> = (0..collectives).map(|_| coll.all_gather_start(&buffer)).collect::<Result<_>>()?;
+        let _ = compute(units * unit);
+        for pending in started {
+            let _ = pending.wait()?;
+        }
         coll.settle()
     })?;
     let shorter = compute_ms.min(collective_ms).max(1e-9);
     Ok(Overlap {
+        compute: if light { "chain of small kernels" } else { "bf16 GEMMs 8192^3" },
+        collectives,
         compute_ms,
         collective_ms,
         together_ms,
@@ -324,19 +353,31 @@ pub fn check(ordinal: usize) -> NcclCheck {
     let device = Device::Cuda(ordinal);
     let mut failures = Vec::new();
     let mut collective_checks = Vec::new();
-    let mut overlap_seen = None;
+    let mut overlap_seen = Vec::new();
     if let Some(mut coll) = part("a group of one", &mut failures, || group_of_one(ordinal)) {
         let mut found = NcclCheck::empty();
         part("collectives", &mut failures, || collectives(&mut coll, device, &mut found));
         failures.append(&mut found.failures);
         collective_checks = found.collectives;
-        overlap_seen = part("overlap", &mut failures, || overlap(&mut coll, ordinal, device));
+        for light in [false, true] {
+            if let Some(o) = part("overlap", &mut failures, || overlap(&mut coll, ordinal, device, light)) {
+                // Beside launch-bound compute, a collective on a stream of its own runs in
+                // the gaps; serialised with compute, none of it would hide.
+                if light && o.hidden < 0.5 {
+                    failures.push(format!(
+                        "only {:.0}% of the collectives hid behind launch-bound compute: the communication stream does not run beside compute",
+                        o.hidden * 100.0
+                    ));
+                }
+                overlap_seen.push(o);
+            }
+        }
     }
     let join = part("join timeout", &mut failures, || join_timeout(ordinal));
     if let Some(j) = &join {
         match &j.error {
             None => failures.push("a group of two with one rank formed without the other".into()),
-            Some(e) if !e.contains("did not complete within 5 s") => {
+            Some(e) if !e.contains("joining the NCCL group: not done within 5 s") => {
                 failures.push(format!("the missing rank failed with another cause: {e}"))
             }
             Some(_) if j.waited_s > j.limit_s + 10.0 => {
@@ -375,7 +416,7 @@ impl NcclCheck {
             ok: false,
             failures: Vec::new(),
             collectives: Vec::new(),
-            overlap: None,
+            overlap: Vec::new(),
             join_timeout: None,
             engine: Vec::new(),
         }
