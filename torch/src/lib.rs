@@ -23,6 +23,7 @@ pub mod lora;
 pub mod model;
 pub mod nccl;
 pub mod nccl_check;
+pub mod quant;
 pub mod reference;
 pub mod score;
 pub mod score_executor;

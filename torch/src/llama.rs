@@ -8,11 +8,15 @@
 //! Blocks: the embedding, one per decoder layer, then the final norm with the LM head.
 
 use regatta_trainer::hf::{LlamaConfig, RopeScaling};
+use std::collections::HashMap;
+
 use regatta_trainer::lora::{LoraConfig, PROJECTIONS};
-use tch::{Kind, Tensor};
+use regatta_trainer::quant::Quant4Type;
+use tch::{Device, Kind, Tensor};
 
 use crate::attention::{self, Kernel, Segments};
 use crate::model::{dropout, matmul_flops_per_token, Batch, Init, KvLayout, Model, ParamSpec};
+use crate::quant::QuantWeight;
 
 /// The embedding's name, which a tied LM head points at.
 const EMBED: &str = "model.embed_tokens.weight";
@@ -29,6 +33,9 @@ pub struct Llama {
     inv_freq_on: OnDevice,
     /// Adapters on the targeted projections; the base is then frozen.
     lora: Option<LoraConfig>,
+    /// QLoRA: the base's projection weights in 4 bits, by name (held here, not by the
+    /// engine: every rank holds the whole quantized base).
+    quantized: HashMap<String, QuantWeight>,
 }
 
 /// A tensor's copies on each device it was used on (a clone starts empty).
@@ -88,6 +95,7 @@ impl Llama {
             inv_freq,
             inv_freq_on: OnDevice::default(),
             lora: None,
+            quantized: HashMap::new(),
         }
     }
 
@@ -109,11 +117,14 @@ impl Llama {
     /// adapter's A `[r, in]` and B `[out, r]` when it is targeted.
     fn projection_specs(&self, specs: &mut Vec<ParamSpec>, module: &str, (out, inp): (i64, i64), bias: bool) {
         let proj = module.rsplit('.').next().unwrap_or(module);
-        specs.push(self.base(ParamSpec::new(
-            format!("{module}.weight"),
-            &[out, inp],
-            Init::Normal(0.02),
-        )));
+        // A quantized base weight is the model's own (see `quantized_specs`).
+        if self.quant4().is_none() {
+            specs.push(self.base(ParamSpec::new(
+                format!("{module}.weight"),
+                &[out, inp],
+                Init::Normal(0.02),
+            )));
+        }
         if bias {
             specs.push(self.base(ParamSpec::new(format!("{module}.bias"), &[out], Init::Zeros)));
         }
@@ -131,6 +142,17 @@ impl Llama {
                 Init::Zeros,
             ));
         }
+    }
+
+    /// The 4-bit type of a QLoRA base.
+    fn quant4(&self) -> Option<Quant4Type> {
+        self.lora.as_ref().and_then(|l| l.base_quantization.four_bit())
+    }
+
+    /// A projection weight's name.
+    fn projection_weight(layer: usize, proj: usize) -> String {
+        let module = if proj < 4 { "self_attn" } else { "mlp" };
+        format!("model.layers.{layer}.{module}.{}.weight", PROJECTIONS[proj])
     }
 
     fn layer_specs(&self, layer: usize) -> Vec<ParamSpec> {
@@ -167,7 +189,18 @@ impl Llama {
             next.next()
                 .expect("a Llama layer block holds every parameter its specs list")
         };
-        let weight = take();
+        let dequantized;
+        let weight = if self.quant4().is_some() {
+            let name = Self::projection_weight(layer, proj);
+            let held = self
+                .quantized
+                .get(&name)
+                .unwrap_or_else(|| panic!("the quantized base has no {name}: the engine loads every one first"));
+            dequantized = held.dequantize(x.kind());
+            &dequantized
+        } else {
+            take()
+        };
         let bias = if self.config.qkv_bias && proj < 3 {
             Some(take())
         } else {
@@ -433,6 +466,51 @@ impl Model for Llama {
 
     fn lora(&self) -> Option<&LoraConfig> {
         self.lora.as_ref()
+    }
+
+    fn quantized_specs(&self) -> Vec<ParamSpec> {
+        if self.quant4().is_none() {
+            return Vec::new();
+        }
+        let c = &self.config;
+        let (d, i) = (c.hidden_size as i64, c.intermediate_size as i64);
+        let (q, kv) = (
+            (c.num_attention_heads * c.head_dim) as i64,
+            (c.num_key_value_heads * c.head_dim) as i64,
+        );
+        let shapes = [(q, d), (kv, d), (kv, d), (d, q), (i, d), (i, d), (d, i)];
+        (0..c.num_hidden_layers)
+            .flat_map(|layer| {
+                shapes.iter().enumerate().map(move |(proj, (out, inp))| {
+                    ParamSpec::new(Self::projection_weight(layer, proj), &[*out, *inp], Init::Normal(0.02)).frozen()
+                })
+            })
+            .collect()
+    }
+
+    fn set_quantized(&mut self, spec: &ParamSpec, weight: &Tensor, device: Device) -> crate::error::Result<()> {
+        let (Some(kind), Some(lora)) = (self.quant4(), self.lora.as_ref()) else {
+            return Err(crate::error::Error::Invalid(format!(
+                "{} is not quantized: [lora] base_quantization is none",
+                spec.name
+            )));
+        };
+        if weight.size() != spec.shape {
+            return Err(crate::error::Error::Invalid(format!(
+                "{} has shape {:?}, the model needs {:?}",
+                spec.name,
+                weight.size(),
+                spec.shape
+            )));
+        }
+        let held = QuantWeight::new(weight, kind, lora.quant_block_size, lora.double_quant, device)
+            .map_err(|e| crate::error::Error::Invalid(format!("{}: {e}", spec.name)))?;
+        self.quantized.insert(spec.name.clone(), held);
+        Ok(())
+    }
+
+    fn quantized_bytes(&self) -> u64 {
+        self.quantized.values().map(QuantWeight::bytes).sum()
     }
 
     fn kv_layout(&self) -> Option<KvLayout> {

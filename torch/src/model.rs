@@ -259,6 +259,23 @@ pub trait Model: Send {
     fn attention_kernel(&self, _device: tch::Device, _kind: Kind) -> Kernel {
         Kernel::DenseMask
     }
+    /// Frozen weights the model holds itself, quantized (QLoRA's base projections): what
+    /// to load into [`Model::set_quantized`]. [`Model::blocks`] does not list them.
+    fn quantized_specs(&self) -> Vec<ParamSpec> {
+        Vec::new()
+    }
+    /// Takes one of [`Model::quantized_specs`]'s weights (float, its shape) and holds it
+    /// quantized on `device`.
+    fn set_quantized(&mut self, spec: &ParamSpec, _weight: &Tensor, _device: Device) -> Result<()> {
+        Err(Error::Invalid(format!(
+            "this model holds no quantized weight ({})",
+            spec.name
+        )))
+    }
+    /// Bytes of the quantized weights held.
+    fn quantized_bytes(&self) -> u64 {
+        0
+    }
 }
 
 /// Logits of every position for token ids `[batch, time]` (unpacked, causal), with
@@ -390,7 +407,9 @@ pub fn transformer_flops_per_token(params: u64, layers: usize, attention_width: 
 /// lookups and count nothing unless a later block ties to them (the LM head); vectors
 /// (norms, biases) count nothing. Plus attention's `attention_flops` (scores and values).
 pub fn matmul_flops_per_token(model: &dyn Model, attention_flops: f64) -> f64 {
-    let blocks = model.blocks();
+    let mut blocks = model.blocks();
+    // A quantized base multiplies like any frozen one.
+    blocks.push(model.quantized_specs());
     let weights: f64 = blocks
         .iter()
         .enumerate()

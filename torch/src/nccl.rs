@@ -226,8 +226,14 @@ impl Landing for NcclLanding {
     fn order_compute(&self) -> CollResult<()> {
         // SAFETY: the event is alive (held by `marks`); the null stream is libtorch's
         // default (legacy) stream, which its kernels run on.
-        unsafe { driver::stream::wait_event(driver::stream::null(), self.marks.end, cu::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-            .map_err(|e| driver_error("cuStreamWaitEvent", e))
+        unsafe {
+            driver::stream::wait_event(
+                driver::stream::null(),
+                self.marks.end,
+                cu::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| driver_error("cuStreamWaitEvent", e))
     }
 }
 
@@ -281,7 +287,8 @@ impl NcclCollective {
         // SAFETY: `device` came from cuDeviceGet; the retained context lives as long as
         // the process (libtorch holds the same primary context).
         let context = unsafe {
-            let context = driver::primary_ctx::retain(device).map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
+            let context =
+                driver::primary_ctx::retain(device).map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
             driver::ctx::set_current(context).map_err(|e| driver_error("cuCtxSetCurrent", e))?;
             context
         };
@@ -362,14 +369,22 @@ impl NcclCollective {
             unsafe { sys::ncclCommAbort(self.comm) };
             self.aborted = Some(format!("{what}: {cause}; the NCCL communicator was aborted"));
         }
-        Error::Collective(format!("rank {} of {}: {}", self.rank, self.world, self.aborted.as_deref().unwrap_or_default()))
+        Error::Collective(format!(
+            "rank {} of {}: {}",
+            self.rank,
+            self.world,
+            self.aborted.as_deref().unwrap_or_default()
+        ))
     }
 
     /// Fails with the abort's cause once aborted; else makes the device's context current
     /// on the calling thread.
     fn usable(&self) -> Result<()> {
         if let Some(why) = &self.aborted {
-            return Err(Error::Collective(format!("rank {} of {}: {why}", self.rank, self.world)));
+            return Err(Error::Collective(format!(
+                "rank {} of {}: {why}",
+                self.rank, self.world
+            )));
         }
         // SAFETY: the primary context retained in `join`, alive for the process.
         unsafe { driver::ctx::set_current(self.context) }.map_err(|e| driver_error("cuCtxSetCurrent", e))
@@ -617,13 +632,21 @@ mod tests {
         let none = NcclTimeouts::from_lookup(|_| None).unwrap();
         assert_eq!(none, NcclTimeouts::default());
         assert_eq!(none.collective, Duration::from_secs(600));
-        let set = NcclTimeouts::from_lookup(|name| (name == "REGATTA_NCCL_JOIN_TIMEOUT_SECS").then(|| " 5 ".to_string())).unwrap();
+        let set =
+            NcclTimeouts::from_lookup(|name| (name == "REGATTA_NCCL_JOIN_TIMEOUT_SECS").then(|| " 5 ".to_string()))
+                .unwrap();
         assert_eq!(set.join, Duration::from_secs(5));
         assert_eq!(set.collective, Duration::from_secs(600));
         for bad in ["0", "-3", "1.5", "soon", ""] {
-            let error = NcclTimeouts::from_lookup(|name| (name == "REGATTA_NCCL_TIMEOUT_SECS").then(|| bad.to_string()))
-                .expect_err(bad);
-            assert!(error.to_string().contains("REGATTA_NCCL_TIMEOUT_SECS must be a whole number"), "{error}");
+            let error =
+                NcclTimeouts::from_lookup(|name| (name == "REGATTA_NCCL_TIMEOUT_SECS").then(|| bad.to_string()))
+                    .expect_err(bad);
+            assert!(
+                error
+                    .to_string()
+                    .contains("REGATTA_NCCL_TIMEOUT_SECS must be a whole number"),
+                "{error}"
+            );
         }
     }
 
@@ -635,7 +658,10 @@ mod tests {
         assert_eq!(config.version, 22809);
         assert_eq!(config.blocking, 0);
         // Undefined fields keep NCCL's defaults (NCCL_CONFIG_UNDEF_INT), not zero CTAs.
-        assert_eq!((config.minCTAs, config.maxCTAs, config.cgaClusterSize), (i32::MIN, i32::MIN, i32::MIN));
+        assert_eq!(
+            (config.minCTAs, config.maxCTAs, config.cgaClusterSize),
+            (i32::MIN, i32::MIN, i32::MIN)
+        );
         assert!(config.netName.is_null() && config.commName.is_null());
     }
 }

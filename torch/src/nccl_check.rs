@@ -105,7 +105,10 @@ fn group_of_one(ordinal: usize) -> Result<NcclCollective> {
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a.to_kind(Kind::Float) - b.to_kind(Kind::Float)).abs().max().double_value(&[])
+    (a.to_kind(Kind::Float) - b.to_kind(Kind::Float))
+        .abs()
+        .max()
+        .double_value(&[])
 }
 
 fn collectives(coll: &mut NcclCollective, device: Device, out: &mut NcclCheck) -> Result<()> {
@@ -195,14 +198,18 @@ fn overlap(coll: &mut NcclCollective, ordinal: usize, device: Device, light: boo
     })?;
     let collectives = ((compute_ms / one_collective.max(1e-3)).round() as usize).clamp(1, 16);
     let collective_ms = timed(ordinal, || {
-        let started: Vec<_> = (0..collectives).map(|_| coll.all_gather_start(&buffer)).collect::<Result<_>>()?;
+        let started: Vec<_> = (0..collectives)
+            .map(|_| coll.all_gather_start(&buffer))
+            .collect::<Result<_>>()?;
         for pending in started {
             let _ = pending.wait()?;
         }
         coll.settle()
     })?;
     let together_ms = timed(ordinal, || {
-        let started: Vec<_> = (0..collectives).map(|_| coll.all_gather_start(&buffer)).collect::<Result<_>>()?;
+        let started: Vec<_> = (0..collectives)
+            .map(|_| coll.all_gather_start(&buffer))
+            .collect::<Result<_>>()?;
         let _ = compute(units * unit);
         for pending in started {
             let _ = pending.wait()?;
@@ -211,7 +218,11 @@ fn overlap(coll: &mut NcclCollective, ordinal: usize, device: Device, light: boo
     })?;
     let shorter = compute_ms.min(collective_ms).max(1e-9);
     Ok(Overlap {
-        compute: if light { "chain of small kernels" } else { "bf16 GEMMs 8192^3" },
+        compute: if light {
+            "chain of small kernels"
+        } else {
+            "bf16 GEMMs 8192^3"
+        },
         collectives,
         compute_ms,
         collective_ms,
@@ -245,8 +256,8 @@ fn small_llama() -> Result<Box<dyn crate::model::Model>> {
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
         "tie_word_embeddings": false, "hidden_act": "silu"
     });
-    let config = regatta_trainer::hf::LlamaConfig::from_json(&json, "nccl-check")
-        .map_err(|e| Error::Invalid(e.to_string()))?;
+    let config =
+        regatta_trainer::hf::LlamaConfig::from_json(&json, "nccl-check").map_err(|e| Error::Invalid(e.to_string()))?;
     Ok(Box::new(crate::llama::Llama::new(config, json)))
 }
 
@@ -272,7 +283,12 @@ fn batches(steps: usize, rows: i64, time: i64) -> Vec<Vec<MicroBatch>> {
         .collect()
 }
 
-fn train(coll: Box<dyn TensorCollective>, device: Device, offload: bool, steps: &[Vec<MicroBatch>]) -> Result<(Vec<f64>, Vec<f64>, f64)> {
+fn train(
+    coll: Box<dyn TensorCollective>,
+    device: Device,
+    offload: bool,
+    steps: &[Vec<MicroBatch>],
+) -> Result<(Vec<f64>, Vec<f64>, f64)> {
     let offload = if offload {
         ZeroConfig {
             offload_optimizer: Offload::Cpu,
@@ -317,7 +333,11 @@ fn engine(ordinal: usize, device: Device, offload: bool) -> Result<EngineCompare
     Ok(EngineCompare {
         run: format!(
             "ZeRO-3 bf16, 200M Llama, 4 steps of 4x1024 packed tokens{}",
-            if offload { ", optimizer and parameters offloaded (pinned, asynchronous copies)" } else { "" }
+            if offload {
+                ", optimizer and parameters offloaded (pinned, asynchronous copies)"
+            } else {
+                ""
+            }
         ),
         nccl_losses,
         solo_losses,
@@ -356,7 +376,9 @@ pub fn check(ordinal: usize) -> NcclCheck {
     let mut overlap_seen = Vec::new();
     if let Some(mut coll) = part("a group of one", &mut failures, || group_of_one(ordinal)) {
         let mut found = NcclCheck::empty();
-        part("collectives", &mut failures, || collectives(&mut coll, device, &mut found));
+        part("collectives", &mut failures, || {
+            collectives(&mut coll, device, &mut found)
+        });
         failures.append(&mut found.failures);
         collective_checks = found.collectives;
         for light in [false, true] {
@@ -380,9 +402,10 @@ pub fn check(ordinal: usize) -> NcclCheck {
             Some(e) if !e.contains("joining the NCCL group: not done within 5 s") => {
                 failures.push(format!("the missing rank failed with another cause: {e}"))
             }
-            Some(_) if j.waited_s > j.limit_s + 10.0 => {
-                failures.push(format!("the join took {:.1} s to fail, limit {} s", j.waited_s, j.limit_s))
-            }
+            Some(_) if j.waited_s > j.limit_s + 10.0 => failures.push(format!(
+                "the join took {:.1} s to fail, limit {} s",
+                j.waited_s, j.limit_s
+            )),
             Some(_) => {}
         }
     }

@@ -633,3 +633,85 @@ fn optimizer_offload_gives_the_same_run_with_the_state_on_the_host() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The Llama fixture with every projection weight replaced by bitsandbytes' NF4 round trip
+/// (double quantization, blocks of 64; tests/fixtures/qlora, made by
+/// scripts/make-qlora-fixtures.py): the float model QLoRA's base stands for.
+fn dequantized_llama(dir: &Path) -> PathBuf {
+    let folder = dir.join("llama-nf4-dequantized");
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::copy(fixture("llama").join("config.json"), folder.join("config.json")).unwrap();
+    std::fs::copy(
+        fixture("qlora").join("llama-nf4-dequantized.safetensors"),
+        folder.join("model.safetensors"),
+    )
+    .unwrap();
+    folder
+}
+
+#[test]
+fn qlora_on_an_nf4_base_trains_as_lora_on_bitsandbytes_dequantized_base_at_every_stage() {
+    tch::set_num_threads(1);
+    let dir = temp_dir("qlora");
+    let data = corpus(&dir);
+    let plain = adapters(4, &["all-linear"]);
+    let quantized = LoraConfig {
+        base_quantization: regatta_trainer::lora::BaseQuantization::Nf4,
+        double_quant: true,
+        quant_block_size: 64,
+        ..plain.clone()
+    };
+    // The reference: plain LoRA on the float weights bitsandbytes' dequantization gives.
+    let mut reference_config = lora_config(data.clone(), 1, Some(plain.clone()), ZeroConfig::default());
+    reference_config.model.path = dequantized_llama(&dir).to_string_lossy().into_owned();
+    let (ref_losses, ref_weights) = reference_run(&reference_config, 2, &builtin_model).unwrap();
+    assert!(
+        ref_losses[3] < ref_losses[0] - 0.05,
+        "the adapters learn: {ref_losses:?}"
+    );
+    // What a float base holds, for the memory comparison.
+    let float_run = run_ranks(&lora_config(data.clone(), 1, Some(plain), ZeroConfig::default()));
+    // The 4-bit rounding matters: the float base trains otherwise, so equality below
+    // means the base really is the quantized one.
+    assert!(
+        (float_run[0].losses[0] - ref_losses[0]).abs() > 1e-4,
+        "{:?} vs {ref_losses:?}",
+        float_run[0].losses
+    );
+    // Projection weights of the fixture (2 layers, width 64, 4 heads of 16, 2 KV heads, MLP 160).
+    let shapes: [i64; 7] = [64 * 64, 32 * 64, 32 * 64, 64 * 64, 160 * 64, 160 * 64, 64 * 160];
+    let quantized_bytes: i64 = 2 * shapes
+        .iter()
+        .map(|n| n / 2 + n / 64 + ((n / 64 + 255) / 256) * 4 + 4)
+        .sum::<i64>();
+    let float_bytes: i64 = 2 * shapes.iter().sum::<i64>() * 4;
+    for stage in 1..=3u8 {
+        let runs = run_ranks(&lora_config(
+            data.clone(),
+            stage,
+            Some(quantized.clone()),
+            ZeroConfig::default(),
+        ));
+        for (rank, run) in runs.iter().enumerate() {
+            let what = format!("stage {stage} rank {rank}");
+            for (step, (a, b)) in run.losses.iter().zip(&ref_losses).enumerate() {
+                assert!((a - b).abs() < 1e-5, "{what} step {step}: {a} vs {b}");
+            }
+            let diff = max_difference(&run.trained, &ref_weights);
+            assert!(diff < 1e-5, "{what}: adapters differ from the reference by {diff}");
+            // The projections are held in 4 bits (whole on every rank), not in f32.
+            assert!(
+                run.frozen.iter().all(|(name, _)| !name.ends_with("proj.weight")),
+                "{what}: the engine holds no projection weight"
+            );
+            if stage == 1 {
+                assert_eq!(
+                    float_run[rank].held.frozen_parameters as i64 - run.held.frozen_parameters as i64,
+                    float_bytes - quantized_bytes,
+                    "{what}: frozen bytes"
+                );
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -23,6 +23,7 @@ pub mod link;
 pub mod lora;
 pub mod metrics;
 pub mod protocol;
+pub mod quant;
 pub mod rank;
 pub mod ring_group;
 pub mod stream;

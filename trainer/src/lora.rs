@@ -48,6 +48,40 @@ pub struct LoraConfig {
     pub use_rslora: bool,
     /// Also write merged weights (a plain Hugging Face model) beside each checkpoint's adapter.
     pub merge_on_save: bool,
+    /// QLoRA: the frozen base's projection weights held in 4 bits (`nf4` or `fp4`,
+    /// quantized as bitsandbytes does at load), or `none` (the compute dtype).
+    pub base_quantization: BaseQuantization,
+    /// Quantize the 4-bit blocks' absmax values too (bitsandbytes' double quantization,
+    /// `bnb_4bit_use_double_quant`): about 0.37 bits a parameter less.
+    pub double_quant: bool,
+    /// Elements per absmax block (bitsandbytes: 64).
+    pub quant_block_size: usize,
+}
+
+/// How a LoRA run holds the frozen base's projection weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BaseQuantization {
+    /// In the compute dtype.
+    #[default]
+    None,
+    /// NormalFloat 4 (QLoRA).
+    Nf4,
+    /// bitsandbytes' 4-bit float.
+    Fp4,
+    /// LLM.int8 (refused for now, with a message).
+    Int8,
+}
+
+impl BaseQuantization {
+    /// The 4-bit type, where 4-bit.
+    pub fn four_bit(self) -> Option<crate::quant::Quant4Type> {
+        match self {
+            Self::Nf4 => Some(crate::quant::Quant4Type::Nf4),
+            Self::Fp4 => Some(crate::quant::Quant4Type::Fp4),
+            Self::None | Self::Int8 => None,
+        }
+    }
 }
 
 impl Default for LoraConfig {
@@ -59,6 +93,9 @@ impl Default for LoraConfig {
             target_modules: PROJECTIONS.iter().map(|p| p.to_string()).collect(),
             use_rslora: false,
             merge_on_save: false,
+            base_quantization: BaseQuantization::None,
+            double_quant: false,
+            quant_block_size: 64,
         }
     }
 }
@@ -75,6 +112,24 @@ impl LoraConfig {
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return bad(format!("lora.dropout must lie in [0, 1), not {}", self.dropout));
+        }
+        match self.base_quantization {
+            BaseQuantization::Int8 => {
+                return bad(
+                    "lora.base_quantization = \"int8\" is not supported yet; use \"nf4\" or \"fp4\" (4-bit, as bitsandbytes' load_in_4bit) or \"none\"".into(),
+                )
+            }
+            BaseQuantization::Nf4 | BaseQuantization::Fp4 => {
+                if let Err(e) = crate::quant::check_block(self.quant_block_size) {
+                    return bad(format!("lora.{e}"));
+                }
+                if self.merge_on_save {
+                    return bad(
+                        "lora.merge_on_save is not supported with lora.base_quantization yet: merge an adapter afterwards with `regatta-torch-rank merge BASE ADAPTER OUT` on the unquantized base".into(),
+                    );
+                }
+            }
+            BaseQuantization::None => {}
         }
         if self.target_modules.is_empty() {
             return bad("lora.target_modules must name at least one projection".into());
@@ -219,7 +274,8 @@ impl LoraConfig {
             dropout: get("lora_dropout").and_then(|v| v.as_f64()).unwrap_or(0.0),
             target_modules,
             use_rslora: flag("use_rslora"),
-            merge_on_save: false,
+            // How the base is held is the run's choice, not the adapter's.
+            ..Self::default()
         };
         config.validate().map_err(|e| bad(e.to_string()))?;
         Ok(config)
@@ -273,6 +329,52 @@ pub struct ZeroConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn qlora_settings_parse_and_bad_ones_name_the_setting() {
+        let config: LoraConfig =
+            toml::from_str("base_quantization = \"nf4\"\ndouble_quant = true\nquant_block_size = 128").unwrap();
+        assert_eq!(config.base_quantization, BaseQuantization::Nf4);
+        assert_eq!(config.base_quantization.four_bit(), Some(crate::quant::Quant4Type::Nf4));
+        assert!(config.double_quant && config.quant_block_size == 128);
+        config.validate().unwrap();
+        assert_eq!(LoraConfig::default().base_quantization, BaseQuantization::None);
+        let refused = |config: LoraConfig| config.validate().unwrap_err().to_string();
+        let int8 = refused(LoraConfig {
+            base_quantization: BaseQuantization::Int8,
+            ..LoraConfig::default()
+        });
+        assert!(int8.contains("\"int8\" is not supported yet"), "{int8}");
+        let block = refused(LoraConfig {
+            base_quantization: BaseQuantization::Fp4,
+            quant_block_size: 100,
+            ..LoraConfig::default()
+        });
+        assert!(
+            block.contains("lora.quant_block_size must be a power of two"),
+            "{block}"
+        );
+        let merge = refused(LoraConfig {
+            base_quantization: BaseQuantization::Nf4,
+            merge_on_save: true,
+            ..LoraConfig::default()
+        });
+        assert!(
+            merge.contains("lora.merge_on_save is not supported with lora.base_quantization"),
+            "{merge}"
+        );
+        // A block size is only checked where it is used.
+        LoraConfig {
+            quant_block_size: 100,
+            ..LoraConfig::default()
+        }
+        .validate()
+        .unwrap();
+        let unknown = toml::from_str::<LoraConfig>("base_quantization = \"nf5\"")
+            .unwrap_err()
+            .to_string();
+        assert!(unknown.contains("nf4"), "{unknown}");
+    }
 
     #[test]
     fn targets_and_scale() {

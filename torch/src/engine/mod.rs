@@ -226,11 +226,17 @@ impl Engine {
     /// A rank whose weights start as `init` gives them (float32, the spec's shape; called
     /// for every stored parameter in block order, the same on every rank).
     pub fn new(
-        model: Box<dyn Model>,
+        mut model: Box<dyn Model>,
         coll: Box<dyn TensorCollective>,
         settings: EngineSettings,
         init: &mut dyn FnMut(&ParamSpec) -> Result<Tensor>,
     ) -> Result<Self> {
+        // A QLoRA base: each projection weight read, quantized and held by the model, one
+        // at a time (the float weight is dropped before the next is read).
+        for spec in model.quantized_specs() {
+            let weight = init(&spec)?;
+            model.set_quantized(&spec, &weight, settings.device)?;
+        }
         let specs = model.blocks();
         let (world, rank) = (coll.world(), coll.rank());
         let device = settings.device;

@@ -21,7 +21,9 @@ impl Engine {
         } else {
             sum(&mut self.full.iter().flatten())
         };
-        let frozen = sum(&mut self.frozen.iter());
+        // A QLoRA base's 4-bit weights are held by the model, on the device, whole on
+        // every rank.
+        let frozen = sum(&mut self.frozen.iter()) + self.model.quantized_bytes();
         let full_grads = sum(&mut self.full_grads.iter().flatten());
         let grad_shards = sum(&mut self.grad_shards.iter().flatten());
         let on_host = |offloaded: bool, bytes: u64| if offloaded { bytes } else { 0 };

@@ -227,7 +227,11 @@ impl Rank {
                 .ok_or_else(|| fatal("malformed NCCL id"))?;
             let ordinal = match self.device {
                 tch::Device::Cuda(ordinal) => ordinal,
-                other => return Err(fatal(format!("NCCL needs a CUDA device, this rank computes on {other:?}"))),
+                other => {
+                    return Err(fatal(format!(
+                        "NCCL needs a CUDA device, this rank computes on {other:?}"
+                    )))
+                }
             };
             let timeouts = crate::nccl::NcclTimeouts::from_env().map_err(|e| fatal(e.to_string()))?;
             Box::new(crate::nccl::NcclCollective::join(&id, rank, world, ordinal, timeouts).map_err(lost)?)

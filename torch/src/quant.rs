@@ -1,0 +1,147 @@
+//! A QLoRA base weight held in 4 bits on the device, dequantized to the compute dtype
+//! where a projection uses it (forward, and backward's input gradient) and dropped after:
+//! the whole base is never held dequantized. The codes and absmax values are made by
+//! `regatta_trainer::quant` (bitsandbytes' arithmetic, bit for bit); dequantizing here is
+//! bitsandbytes' too (code times absmax in f32, then the compute dtype).
+
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+use regatta_trainer::quant::{dynamic_map, quantize_4bit, Absmax, Quant4, Quant4Type, NESTED_BLOCK};
+
+/// The absmax values, as held.
+#[derive(Debug)]
+enum HeldAbsmax {
+    Plain(Tensor),
+    Double { codes: Tensor, absmax: Tensor, offset: f64 },
+}
+
+/// One weight in 4 bits.
+#[derive(Debug)]
+pub struct QuantWeight {
+    shape: Vec<i64>,
+    block: i64,
+    /// `[numel / 2]` bytes, two codes each (the first in the high nibble).
+    packed: Tensor,
+    absmax: HeldAbsmax,
+    /// The 16 values of the data type (f32).
+    code: Tensor,
+    /// bitsandbytes' dynamic map (f32), for double quantization.
+    map: Option<Tensor>,
+}
+
+impl Clone for HeldAbsmax {
+    fn clone(&self) -> Self {
+        match self {
+            Self::Plain(values) => Self::Plain(values.shallow_clone()),
+            Self::Double { codes, absmax, offset } => Self::Double {
+                codes: codes.shallow_clone(),
+                absmax: absmax.shallow_clone(),
+                offset: *offset,
+            },
+        }
+    }
+}
+
+/// A clone shares the tensors (they are never written after quantization).
+impl Clone for QuantWeight {
+    fn clone(&self) -> Self {
+        Self {
+            shape: self.shape.clone(),
+            block: self.block,
+            packed: self.packed.shallow_clone(),
+            absmax: self.absmax.clone(),
+            code: self.code.shallow_clone(),
+            map: self.map.as_ref().map(Tensor::shallow_clone),
+        }
+    }
+}
+
+impl QuantWeight {
+    /// Quantizes `weight` (any float kind, any device) in blocks of `block`, held on `device`.
+    pub fn new(weight: &Tensor, kind: Quant4Type, block: usize, double: bool, device: Device) -> Result<Self> {
+        let values = crate::collective::to_vec(weight);
+        let q = quantize_4bit(&values, block, kind, double)
+            .map_err(|e| Error::Invalid(format!("cannot quantize a weight of shape {:?}: {e}", weight.size())))?;
+        Ok(Self::from_quant(&q, weight.size(), device))
+    }
+
+    /// Holds `q` (a tensor of `shape`) on `device`.
+    pub fn from_quant(q: &Quant4, shape: Vec<i64>, device: Device) -> Self {
+        let bytes = |v: &[u8]| Tensor::from_slice(v).to_device(device);
+        let floats = |v: &[f32]| Tensor::from_slice(v).to_device(device);
+        let (absmax, map) = match &q.absmax {
+            Absmax::Plain(values) => (HeldAbsmax::Plain(floats(values)), None),
+            Absmax::Double { codes, absmax, offset } => (
+                HeldAbsmax::Double {
+                    codes: bytes(codes),
+                    absmax: floats(absmax),
+                    offset: f64::from(*offset),
+                },
+                Some(floats(&dynamic_map())),
+            ),
+        };
+        Self {
+            shape,
+            block: q.block as i64,
+            packed: bytes(&q.packed),
+            absmax,
+            code: floats(&q.kind.code()),
+            map,
+        }
+    }
+
+    fn numel(&self) -> i64 {
+        self.shape.iter().product()
+    }
+
+    /// Each block's absmax, f32.
+    fn absmax_values(&self) -> Tensor {
+        match (&self.absmax, &self.map) {
+            (HeldAbsmax::Plain(values), _) => values.shallow_clone(),
+            (HeldAbsmax::Double { codes, absmax, offset }, Some(map)) => {
+                let blocks = codes.size()[0];
+                let nested = absmax
+                    .repeat_interleave_self_int(NESTED_BLOCK as i64, 0, None)
+                    .narrow(0, 0, blocks);
+                map.index_select(0, &codes.to_kind(Kind::Int64)) * nested + *offset
+            }
+            (HeldAbsmax::Double { .. }, None) => unreachable!("double quantization holds its map"),
+        }
+    }
+
+    /// The weight in `kind`, its shape.
+    pub fn dequantize(&self, kind: Kind) -> Tensor {
+        let numel = self.numel();
+        let high = self.packed.bitwise_right_shift_tensor_scalar(4);
+        let low = self.packed.bitwise_and(15);
+        let codes = Tensor::stack(&[high, low], 1).view([-1]).narrow(0, 0, numel);
+        let values = self.code.index_select(0, &codes.to_kind(Kind::Int64));
+        let absmax = self.absmax_values();
+        let full = numel - numel % self.block;
+        let scaled = if full == numel {
+            (values.view([-1, self.block]) * absmax.unsqueeze(1)).view([-1])
+        } else {
+            let blocks = full / self.block;
+            Tensor::cat(
+                &[
+                    (values.narrow(0, 0, full).view([-1, self.block]) * absmax.narrow(0, 0, blocks).unsqueeze(1))
+                        .view([-1]),
+                    values.narrow(0, full, numel - full) * absmax.narrow(0, blocks, 1),
+                ],
+                0,
+            )
+        };
+        scaled.to_kind(kind).view(self.shape.as_slice())
+    }
+
+    /// Bytes held: the codes and the absmax values (with double quantization, their codes,
+    /// the nested absmax and the offset).
+    pub fn bytes(&self) -> u64 {
+        let absmax = match &self.absmax {
+            HeldAbsmax::Plain(values) => values.numel() * 4,
+            HeldAbsmax::Double { codes, absmax, .. } => codes.numel() + absmax.numel() * 4 + 4,
+        };
+        (self.packed.numel() + absmax) as u64
+    }
+}
