@@ -370,6 +370,14 @@ json.dump(job, open(sys.argv[3], "w"))' "$work/ids-$last_batch.json" "$work/ids-
     sed -i "s/^steps = .*/steps = $LORA_STEPS/" "$work/train-lora.toml"
     step train-lora 300 "$regatta" train --config "$work/train-lora.toml" --json --log-every 5
     json_of train-lora
+    # QLoRA: the same run with the base's projections in 4 bits (NF4; then with double
+    # quantization): the step lines' frozen bytes and CUDA peaks against train-lora's.
+    for quant in nf4 nf4-dq; do
+        sed -e "s/^rank = 8$/rank = 8\nbase_quantization = \"nf4\"/" "$work/train-lora.toml" >"$work/train-qlora-$quant.toml"
+        [ "$quant" = nf4-dq ] && sed -i "s/^base_quantization = .*/&\ndouble_quant = true/" "$work/train-qlora-$quant.toml"
+        step "train-qlora-$quant" 300 "$regatta" train --config "$work/train-qlora-$quant.toml" --json --log-every 5
+        json_of "train-qlora-$quant"
+    done
     step peer-lora 300 "$PY" "$root/peer.py" train --config "$MODEL_CONFIG" --seq "$SEQ" --batch "$MICRO_BATCH" \
         --steps "$LORA_STEPS" --device "$DEVICE" --dtype "$DTYPE" --lora-rank 8 --warmup 1 $PEER_FLAGS
     json_of peer-lora

@@ -269,6 +269,8 @@ fn gpu_proof_script_prepares_its_folder_and_runs_every_step_on_cpu() {
         "engine-sampled-b8",
         "peer-ids-b8",
         "train-lora",
+        "train-qlora-nf4",
+        "train-qlora-nf4-dq",
         "peer-lora",
     ] {
         assert!(

@@ -109,4 +109,14 @@ lora, peer_lora = (load("train-lora") or {}).get("last") or {}, load("peer-lora"
 tps, peer_tps = lora.get("tokens_per_sec"), peer_lora.get("tokens_per_sec")
 ratio = f"{tps / peer_tps:.2f}x" if tps and peer_tps else "-"
 rows.append(f"| LoRA r8 (ZeRO-2), tokens/s | {fmt(tps)} | {fmt(peer_tps)} | {ratio} |")
+# QLoRA beside that LoRA run: the base's bytes held, the CUDA peak and tokens/s.
+for name, label in [("train-lora", "base as is"), ("train-qlora-nf4", "NF4"), ("train-qlora-nf4-dq", "NF4, double quantization")]:
+    last = (load(name) or {}).get("last") or {}
+    if not last:
+        rows.append(f"| LoRA r8, base {label}: frozen bytes; CUDA peak allocated; tokens/s | - | | |")
+        continue
+    peak_bytes = last.get("cuda_peak_allocated_bytes")
+    peak_text = "-" if peak_bytes is None else f"{peak_bytes / 2**30:.2f} GiB"
+    rows.append(f"| LoRA r8, base {label}: frozen bytes; CUDA peak allocated; tokens/s | "
+                f"{last.get('frozen_param_bytes', 0) / 2**20:.1f} MiB; {peak_text}; {fmt(last.get('tokens_per_sec'))} | | |")
 print("\n".join(rows))
