@@ -387,13 +387,19 @@ pub fn dropout(x: &Tensor, p: f64, seed: u64) -> Tensor {
 
 /// Parameters of a model (tied ones counted once).
 pub fn parameter_count(model: &dyn Model) -> u64 {
-    model
-        .blocks()
+    weight_specs(model)
         .iter()
-        .flatten()
         .filter(|p| p.tied_to.is_none())
         .map(|p| p.numel() as u64)
         .sum()
+}
+
+/// Every weight of the model: the engine's ([`Model::blocks`], in order) and then those
+/// the model holds quantized itself ([`Model::quantized_specs`]).
+pub fn weight_specs(model: &dyn Model) -> Vec<ParamSpec> {
+    let mut specs: Vec<ParamSpec> = model.blocks().into_iter().flatten().collect();
+    specs.extend(model.quantized_specs());
+    specs
 }
 
 /// 6 FLOPs per parameter and token plus attention's score and value products.
@@ -408,7 +414,7 @@ pub fn transformer_flops_per_token(params: u64, layers: usize, attention_width: 
 /// (norms, biases) count nothing. Plus attention's `attention_flops` (scores and values).
 pub fn matmul_flops_per_token(model: &dyn Model, attention_flops: f64) -> f64 {
     let mut blocks = model.blocks();
-    // A quantized base multiplies like any frozen one.
+    // A quantized base multiplies like any frozen one (dequantized, in the compute dtype).
     blocks.push(model.quantized_specs());
     let weights: f64 = blocks
         .iter()

@@ -141,3 +141,41 @@ fn a_held_4bit_weight_dequantizes_on_libtorch_as_bitsandbytes_does() {
     assert_eq!(plain.bytes(), 300 * 64 / 2 + 300 * 4);
     assert_eq!(double.bytes(), 300 * 64 / 2 + 300 + 2 * 4 + 4);
 }
+
+#[test]
+fn a_quantized_base_counts_as_parameters_and_flops_as_the_float_one_does() {
+    use regatta_trainer::lora::BaseQuantization;
+    use regatta_trainer::LoraConfig;
+    let dir = format!("{}/tests/fixtures/llama", env!("CARGO_MANIFEST_DIR"));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let hf = runtime.block_on(regatta_torch::HfModel::open(&dir)).unwrap();
+    let model_with = |quantization| {
+        let mut model = hf.model().unwrap();
+        model
+            .set_lora(&LoraConfig {
+                rank: 4,
+                base_quantization: quantization,
+                ..LoraConfig::default()
+            })
+            .unwrap();
+        model
+    };
+    let (float, nf4) = (model_with(BaseQuantization::None), model_with(BaseQuantization::Nf4));
+    // The engine holds no projection weight; the model lists them to load.
+    let engine_held = |m: &dyn regatta_torch::Model| m.blocks().into_iter().flatten().count();
+    assert_eq!(engine_held(float.as_ref()) - engine_held(nf4.as_ref()), 2 * 7);
+    assert_eq!(nf4.quantized_specs().len(), 2 * 7);
+    assert!(nf4
+        .quantized_specs()
+        .iter()
+        .all(|s| s.frozen && s.name.ends_with("proj.weight")));
+    assert_eq!(
+        regatta_torch::model::parameter_count(nf4.as_ref()),
+        regatta_torch::model::parameter_count(float.as_ref())
+    );
+    assert_eq!(nf4.flops_per_token(16), float.flops_per_token(16));
+    assert!(float.quantized_specs().is_empty());
+}

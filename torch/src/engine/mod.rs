@@ -286,11 +286,13 @@ impl Engine {
 
     /// Real (unpadded) parameters of the model, trained and frozen.
     pub fn parameter_count(&self) -> u64 {
+        let quantized: u64 = self.model.quantized_specs().iter().map(|s| s.numel() as u64).sum();
         self.train
             .iter()
             .chain(&self.frozen_flat)
             .map(|f| f.layout.numel as u64)
-            .sum()
+            .sum::<u64>()
+            + quantized
     }
 
     /// Real parameters that train (a LoRA run: the adapters).

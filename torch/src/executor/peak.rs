@@ -43,7 +43,8 @@ pub fn matmul_flops_per_sec(model: &dyn Model, rows: usize) -> f64 {
 /// around each round. Best of 5 rounds after a warm-up.
 pub fn matmul_flops_per_sec_on(model: &dyn Model, rows: usize, device: Device, kind: Kind) -> f64 {
     let mut shapes: Vec<((i64, i64), usize)> = Vec::new();
-    for spec in model.blocks().iter().flatten() {
+    // A QLoRA base's projections multiply dequantized, at the same shapes.
+    for spec in &crate::model::weight_specs(model) {
         if spec.shape.len() == 2 && spec.tied_to.is_none() {
             let shape = (spec.shape[1], spec.shape[0]);
             match shapes.iter_mut().find(|(s, _)| *s == shape) {
