@@ -166,7 +166,7 @@ fn overlap(coll: &mut NcclCollective, ordinal: usize, device: Device, light: boo
         if light {
             let mut x = small.shallow_clone();
             for _ in 0..n {
-                x = x * 1.0001;
+                x *= 1.0001;
             }
             x
         } else {
@@ -414,7 +414,8 @@ pub fn check(ordinal: usize) -> NcclCheck {
         if let Some(compare) = part(&format!("engine (offload {offload})"), &mut failures, || {
             engine(ordinal, device, offload)
         }) {
-            if !(compare.max_rel_diff <= 2e-3) {
+            // NaN fails too.
+            if compare.max_rel_diff.is_nan() || compare.max_rel_diff > 2e-3 {
                 failures.push(format!(
                     "{}: losses over NCCL differ from the solo run's by {:.2e}",
                     compare.run, compare.max_rel_diff

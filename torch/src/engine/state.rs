@@ -102,7 +102,7 @@ impl Engine {
         }
         let shard = self.master[block].to_device(self.settings.device);
         let full = self.coll.all_gather(&shard)?;
-        let full = self.to_host(&full)?;
+        let full = self.settled_on_host(&full)?;
         let flat = &self.train[block];
         Ok(flat
             .layout
@@ -120,7 +120,7 @@ impl Engine {
         let trained: HashMap<String, Tensor> = self.gather_block(block)?.into_iter().collect();
         let scale = self.model.lora().map_or(0.0, |l| l.scale());
         let full = self.frozen_params(block)?;
-        let full = self.to_host(&full)?.to_kind(Kind::Float);
+        let full = self.settled_on_host(&full)?.to_kind(Kind::Float);
         let flat = &self.frozen_flat[block];
         let mut out: Vec<(String, Tensor)> = Vec::new();
         for spec in self.specs[block].iter().filter(|s| s.tied_to.is_none()) {
@@ -158,7 +158,7 @@ impl Engine {
         let mut out = Vec::new();
         for block in 0..self.specs.len() {
             let full = self.frozen_params(block)?;
-            let full = self.to_host(&full)?;
+            let full = self.settled_on_host(&full)?;
             let flat = &self.frozen_flat[block];
             out.extend(
                 flat.layout
@@ -207,7 +207,7 @@ impl Engine {
     }
 
     /// A collective's result copied to the host, after the collectives complete.
-    pub(super) fn to_host(&mut self, tensor: &Tensor) -> Result<Tensor> {
+    pub(super) fn settled_on_host(&mut self, tensor: &Tensor) -> Result<Tensor> {
         self.coll.settle()?;
         Ok(tensor.to_device(Device::Cpu))
     }
