@@ -70,3 +70,23 @@ for name, tensor in weights.items():
 dequantized_out = out.replace("bnb.safetensors", "llama-nf4-dequantized.safetensors")
 save_file(dequantized, dequantized_out, metadata={"format": "pt"})
 print(f"wrote {dequantized_out}: {len(dequantized)} tensors")
+
+# The Llama fixture as transformers saves it quantized by bitsandbytes (NF4, double
+# quantization): a folder Regatta reads as the float model bitsandbytes' dequantization
+# gives (torch/tests/qlora.rs compares it with llama-nf4-dequantized.safetensors).
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+bnb_config = BitsAndBytesConfig(
+    load_in_4bit=True,
+    bnb_4bit_quant_type="nf4",
+    bnb_4bit_use_double_quant=True,
+    bnb_4bit_compute_dtype=torch.float32,
+)
+quantized = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=bnb_config, device_map="cpu")
+folder = out.replace("bnb.safetensors", "bnb-llama")
+quantized.save_pretrained(folder)
+import os
+for extra in ["generation_config.json"]:
+    if os.path.exists(f"{folder}/{extra}"):
+        os.remove(f"{folder}/{extra}")
+print(f"wrote {folder}: {sorted(os.listdir(folder))}")

@@ -509,6 +509,31 @@ impl Model for Llama {
         Ok(())
     }
 
+    fn take_stored(
+        &mut self,
+        spec: &ParamSpec,
+        stored: &regatta_trainer::quant::Quant4,
+        device: Device,
+    ) -> crate::error::Result<bool> {
+        let (Some(kind), Some(lora)) = (self.quant4(), self.lora.as_ref()) else {
+            return Ok(false);
+        };
+        let double = matches!(stored.absmax, regatta_trainer::quant::Absmax::Double { .. });
+        let fits = stored.kind == kind
+            && stored.block == lora.quant_block_size
+            && double == lora.double_quant
+            && stored.numel == spec.numel();
+        if fits {
+            let held = QuantWeight::from_quant(stored, spec.shape.clone(), device);
+            self.quantized.insert(spec.name.clone(), held);
+        }
+        Ok(fits)
+    }
+
+    fn holds_quantized(&self, name: &str) -> bool {
+        self.quantized.contains_key(name)
+    }
+
     fn quantized_bytes(&self) -> u64 {
         self.quantized.values().map(QuantWeight::bytes).sum()
     }

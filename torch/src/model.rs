@@ -272,6 +272,21 @@ pub trait Model: Send {
             spec.name
         )))
     }
+    /// Takes one of [`Model::quantized_specs`]'s weights as a folder stored it in 4 bits
+    /// (bitsandbytes), when that is how the run holds it (same type, block and double
+    /// quantization): no quantization again. `false`: not taken.
+    fn take_stored(
+        &mut self,
+        _spec: &ParamSpec,
+        _stored: &regatta_trainer::quant::Quant4,
+        _device: Device,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+    /// Whether the model already holds this quantized weight.
+    fn holds_quantized(&self, _name: &str) -> bool {
+        false
+    }
     /// Bytes of the quantized weights held.
     fn quantized_bytes(&self) -> u64 {
         0

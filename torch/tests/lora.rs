@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use regatta_torch::collective::{CpuCollective, TensorCollective};
 use regatta_torch::engine::{Engine, EngineSettings, Held};
-use regatta_torch::executor::{initial_weights, open_run_model, step_batches};
+use regatta_torch::executor::{initial_weights, open_run_model, step_batches, take_stored_quantized};
 use regatta_torch::lora::{adapter_files, merge, Adapter};
 use regatta_torch::model::{arrange, dropout, logits};
 use regatta_torch::tch::{self, Device, Kind, Tensor};
@@ -438,9 +438,12 @@ fn run_ranks(config: &TrainConfig) -> Vec<RankRun> {
                     seed: config.seed,
                 };
                 let source = run_model.source;
+                let mut model = run_model.model;
+                rt.block_on(take_stored_quantized(model.as_mut(), source.as_ref(), Device::Cpu))
+                    .unwrap();
                 let mut init =
                     |spec: &regatta_torch::ParamSpec| rt.block_on(initial_weights(source.as_ref(), spec, config.seed));
-                let mut engine = Engine::new(run_model.model, coll, settings, &mut init).unwrap();
+                let mut engine = Engine::new(model, coll, settings, &mut init).unwrap();
                 let (mut losses, mut norms) = (Vec::new(), Vec::new());
                 for step in 0..config.steps {
                     let outcome = engine.train_step(&step_batches(&config, &data, step)).unwrap();
@@ -711,6 +714,29 @@ fn qlora_on_an_nf4_base_trains_as_lora_on_bitsandbytes_dequantized_base_at_every
                     "{what}: frozen bytes"
                 );
             }
+        }
+    }
+    // A folder bitsandbytes saved in 4 bits (transformers' save_pretrained, NF4 with double
+    // quantization) reads as the float model its dequantization gives: plain LoRA on it is
+    // the reference bit for bit, and QLoRA on it takes the stored codes as they are.
+    let bnb_folder = fixture("qlora").join("bnb-llama").to_string_lossy().into_owned();
+    let mut on_bnb = lora_config(
+        data.clone(),
+        1,
+        Some(adapters(4, &["all-linear"])),
+        ZeroConfig::default(),
+    );
+    on_bnb.model.path = bnb_folder.clone();
+    let (bnb_losses, _) = reference_run(&on_bnb, 2, &builtin_model).unwrap();
+    assert_eq!(bnb_losses, ref_losses, "LoRA on the 4-bit folder");
+    let mut qlora_on_bnb = lora_config(data.clone(), 2, Some(quantized), ZeroConfig::default());
+    qlora_on_bnb.model.path = bnb_folder;
+    for run in run_ranks(&qlora_on_bnb) {
+        for (step, (a, b)) in run.losses.iter().zip(&ref_losses).enumerate() {
+            assert!(
+                (a - b).abs() < 1e-5,
+                "QLoRA on the 4-bit folder, step {step}: {a} vs {b}"
+            );
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -179,3 +179,120 @@ fn a_quantized_base_counts_as_parameters_and_flops_as_the_float_one_does() {
     assert_eq!(nf4.flops_per_token(16), float.flops_per_token(16));
     assert!(float.quantized_specs().is_empty());
 }
+
+fn qlora_fixture(name: &str) -> String {
+    format!("{}/tests/fixtures/qlora/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn a_folder_bitsandbytes_quantized_reads_as_the_float_model_its_dequantization_gives() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    // transformers' save_pretrained of the Llama fixture loaded with
+    // BitsAndBytesConfig(load_in_4bit, nf4, double quantization) (make-qlora-fixtures.py).
+    let hf = runtime
+        .block_on(regatta_torch::HfModel::open(&qlora_fixture("bnb-llama")))
+        .unwrap();
+    let model = hf.model().unwrap();
+    hf.check(model.as_ref()).unwrap();
+    let want: HashMap<String, Tensor> = Tensor::read_safetensors(qlora_fixture("llama-nf4-dequantized.safetensors"))
+        .unwrap()
+        .into_iter()
+        .collect();
+    let specs: Vec<_> = model
+        .blocks()
+        .into_iter()
+        .flatten()
+        .filter(|s| s.tied_to.is_none())
+        .collect();
+    assert_eq!(specs.len(), want.len());
+    let mut quantized = 0;
+    for spec in &specs {
+        let read = runtime.block_on(hf.read(spec)).unwrap();
+        let expected = &want[&spec.name];
+        assert_eq!(read.size(), expected.size(), "{}", spec.name);
+        assert!(
+            bits(&f32s(&read)) == bits(&f32s(expected)),
+            "{}: differs from bitsandbytes' dequantization",
+            spec.name
+        );
+        quantized += usize::from(spec.name.ends_with("proj.weight"));
+    }
+    assert_eq!(
+        quantized,
+        2 * 7,
+        "every projection of both layers was 4-bit in the folder"
+    );
+}
+
+#[test]
+fn quantized_folders_regatta_cannot_read_are_refused_by_name() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let source = qlora_fixture("bnb-llama");
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(format!("{source}/config.json")).unwrap()).unwrap();
+    for (key, value, expected) in [
+        ("load_in_8bit", serde_json::json!(true), "load_in_8bit (LLM.int8)"),
+        ("quant_method", serde_json::json!("gptq"), "quant_method = \"gptq\""),
+    ] {
+        let dir = std::env::temp_dir().join(format!("regatta-bnb-{key}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(format!("{source}/model.safetensors"), dir.join("model.safetensors")).unwrap();
+        let mut changed = config.clone();
+        changed["quantization_config"][key] = value;
+        std::fs::write(dir.join("config.json"), serde_json::to_vec(&changed).unwrap()).unwrap();
+        let error = match runtime.block_on(regatta_torch::HfModel::open(dir.to_str().unwrap())) {
+            Ok(_) => panic!("{key}: a folder Regatta cannot read was opened"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            error.contains(expected) && error.contains("config.json"),
+            "{key}: {error}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn a_qlora_run_takes_a_4bit_folders_codes_as_stored_when_its_settings_match() {
+    use regatta_trainer::lora::BaseQuantization;
+    use regatta_trainer::LoraConfig;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let hf = runtime
+        .block_on(regatta_torch::HfModel::open(&qlora_fixture("bnb-llama")))
+        .unwrap();
+    for (double, taken) in [(true, 14), (false, 0)] {
+        let mut model = hf.model().unwrap();
+        model
+            .set_lora(&LoraConfig {
+                rank: 4,
+                base_quantization: BaseQuantization::Nf4,
+                double_quant: double,
+                ..LoraConfig::default()
+            })
+            .unwrap();
+        runtime
+            .block_on(regatta_torch::executor::take_stored_quantized(
+                model.as_mut(),
+                Some(&hf),
+                regatta_torch::tch::Device::Cpu,
+            ))
+            .unwrap();
+        let held = model
+            .quantized_specs()
+            .iter()
+            .filter(|s| model.holds_quantized(&s.name))
+            .count();
+        // The folder is NF4 with double quantization: a run asking for that takes all 14
+        // projections as stored; one without double quantization quantizes them itself.
+        assert_eq!(held, taken, "double_quant = {double}");
+    }
+}

@@ -234,6 +234,10 @@ impl Engine {
         // A QLoRA base: each projection weight read, quantized and held by the model, one
         // at a time (the float weight is dropped before the next is read).
         for spec in model.quantized_specs() {
+            if model.holds_quantized(&spec.name) {
+                // Taken as a folder stored it (executor::take_stored_quantized).
+                continue;
+            }
             let weight = init(&spec)?;
             model.set_quantized(&spec, &weight, settings.device)?;
         }

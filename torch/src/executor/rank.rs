@@ -18,8 +18,8 @@ use tokio::runtime::Runtime;
 
 use super::feed::Feed;
 use super::{
-    emit, fatal, initial_weights, lost, matmul_flops_per_sec_on, open_run_model, Failure, ModelFactory, RunModel,
-    RANK_DEVICE,
+    emit, fatal, initial_weights, lost, matmul_flops_per_sec_on, open_run_model, take_stored_quantized, Failure,
+    ModelFactory, RunModel, RANK_DEVICE,
 };
 use crate::checkpoint::{self, Manifest};
 use crate::collective::{CpuCollective, Solo, TensorCollective};
@@ -259,7 +259,9 @@ impl Rank {
             offload: config.zero.clone(),
             seed: config.seed,
         };
-        let RunModel { model, source, .. } = run_model;
+        let RunModel { mut model, source, .. } = run_model;
+        self.runtime
+            .block_on(take_stored_quantized(model.as_mut(), source.as_ref(), self.device))?;
         let seed = config.seed;
         let mut init = |spec: &ParamSpec| self.runtime.block_on(initial_weights(source.as_ref(), spec, seed));
         let mut engine = Engine::new(model, coll, settings, &mut init)?;

@@ -8,7 +8,7 @@ use regatta_object_store::Place;
 use regatta_trainer::config::TrainConfig;
 use regatta_trainer::documents::TokenizerSettings;
 use regatta_trainer::eval::Side;
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 use super::{ModelFactory, NamedTensors};
 use crate::data::{DataSource, RankData, TextTokenizer};
@@ -108,6 +108,25 @@ pub async fn initial_weights(source: Option<&HfModel>, spec: &ParamSpec, seed: u
         Some(hf) if !regatta_trainer::lora::is_adapter(&spec.name) => hf.read(spec).await,
         _ => Ok(seeded(spec, seed)),
     }
+}
+
+/// Hands the model the weights it holds quantized that `source` already stores in 4 bits
+/// in the run's settings (a bitsandbytes folder), as stored: the engine then quantizes only
+/// the others.
+pub async fn take_stored_quantized(
+    model: &mut dyn Model,
+    source: Option<&HfModel>,
+    device: Device,
+) -> Result<(), Error> {
+    let Some(hf) = source else {
+        return Ok(());
+    };
+    for spec in model.quantized_specs() {
+        if let Some(stored) = hf.read_quant4(&spec).await? {
+            model.take_stored(&spec, &stored, device)?;
+        }
+    }
+    Ok(())
 }
 
 /// Opens the model and tokenizer `config` names (a folder, a config, or `make_model`'s).

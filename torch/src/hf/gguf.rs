@@ -63,6 +63,7 @@ impl HfModel {
                     start: tensor.info.start,
                     end: tensor.info.end,
                     gguf: Some(tensor.clone()),
+                    bnb: None,
                 };
                 (tensor.name, entry)
             })

@@ -6,9 +6,11 @@
 //! of bounded size from the parameter specs alone ([`ShardPlan`], pure) and encodes each
 //! shard as safetensors.
 //!
-//! Its parts: opening a GGUF file as a folder (`gguf`), the safetensors format read and
+//! Its parts: opening a GGUF file as a folder (`gguf`), a folder bitsandbytes quantized to
+//! 4 bits read as the float model it stands for (`bnb`), the safetensors format read and
 //! written (`safetensors`), and weight files' shards and index (`shards`).
 
+mod bnb;
 mod gguf;
 mod safetensors;
 mod shards;
@@ -55,6 +57,8 @@ struct Entry {
     end: u64,
     /// How a GGUF file stores it (dequantized, and un-permuted, as it is read).
     gguf: Option<GgufTensor>,
+    /// How bitsandbytes stored it in 4 bits (dequantized as it is read).
+    bnb: Option<Box<bnb::BnbTensor>>,
 }
 
 /// An opened model folder, or a GGUF file seen as one.
@@ -132,6 +136,7 @@ impl HfModel {
                 entries.insert(name, entry);
             }
         }
+        bnb::fold(&place, &config_json, &mut entries).await?;
         Ok(Self {
             url: place.url().to_string(),
             place,
@@ -219,8 +224,8 @@ impl HfModel {
                 problem: format!("has shape {:?}; config.json implies {:?}", entry.shape, spec.shape),
             });
         }
-        if entry.gguf.is_some() {
-            // The header's parse checked the byte count of its type; values come out as f32.
+        if entry.gguf.is_some() || entry.bnb.is_some() {
+            // Opening checked the byte counts of its pieces; values come out as f32.
             return Ok((entry, Kind::Float));
         }
         let (kind, width) = element_kind(&entry.dtype).ok_or_else(|| Error::Tensor {
@@ -244,6 +249,15 @@ impl HfModel {
         Ok((entry, kind))
     }
 
+    /// A weight the folder stores in 4 bits (bitsandbytes), as stored; `None` for any other.
+    pub async fn read_quant4(&self, spec: &ParamSpec) -> Result<Option<regatta_trainer::quant::Quant4>> {
+        let (entry, _) = self.entry(spec)?;
+        match &entry.bnb {
+            Some(bnb) => Ok(Some(bnb.quant4(&self.place).await?)),
+            None => Ok(None),
+        }
+    }
+
     /// One parameter's values as float32 on the CPU, whatever its dtype in the file
     /// (bf16 and f16 weights are upcast: a CPU run computes in float32).
     pub async fn read(&self, spec: &ParamSpec) -> Result<Tensor> {
@@ -254,6 +268,11 @@ impl HfModel {
     /// dtype (a bf16 file read as bf16 is never widened on the way).
     pub async fn read_as(&self, spec: &ParamSpec, kind: Kind) -> Result<Tensor> {
         let (entry, stored) = self.entry(spec)?;
+        if let Some(bnb) = &entry.bnb {
+            let values = bnb.values(&self.place).await?;
+            let tensor = Tensor::f_from_slice(&values)?.f_reshape(&entry.shape)?;
+            return Ok(tensor.to_kind(kind));
+        }
         let bytes = self
             .place
             .get_range(&entry.file, entry.start..entry.end)

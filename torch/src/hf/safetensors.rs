@@ -58,6 +58,7 @@ pub(super) fn parse_header(file: &str, header: &[u8], file_size: u64) -> Result<
                 start,
                 end,
                 gguf: None,
+                bnb: None,
             },
         ));
     }
