@@ -356,11 +356,7 @@ fn part<T>(name: &str, failures: &mut Vec<String>, run: impl FnOnce() -> Result<
             None
         }
         Err(panic) => {
-            let what = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "a panic".into());
+            let what = crate::executor::panic_text(panic.as_ref());
             failures.push(format!("{name}: {}", what.lines().next().unwrap_or_default()));
             None
         }

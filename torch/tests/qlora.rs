@@ -184,17 +184,22 @@ fn qlora_fixture(name: &str) -> String {
     format!("{}/tests/fixtures/qlora/{name}", env!("CARGO_MANIFEST_DIR"))
 }
 
-#[test]
-fn a_folder_bitsandbytes_quantized_reads_as_the_float_model_its_dequantization_gives() {
+/// transformers' save_pretrained of the Llama fixture loaded with
+/// BitsAndBytesConfig(load_in_4bit, nf4, double quantization) (make-qlora-fixtures.py).
+fn open_bnb_llama() -> (tokio::runtime::Runtime, regatta_torch::HfModel) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    // transformers' save_pretrained of the Llama fixture loaded with
-    // BitsAndBytesConfig(load_in_4bit, nf4, double quantization) (make-qlora-fixtures.py).
     let hf = runtime
         .block_on(regatta_torch::HfModel::open(&qlora_fixture("bnb-llama")))
         .unwrap();
+    (runtime, hf)
+}
+
+#[test]
+fn a_folder_bitsandbytes_quantized_reads_as_the_float_model_its_dequantization_gives() {
+    let (runtime, hf) = open_bnb_llama();
     let model = hf.model().unwrap();
     hf.check(model.as_ref()).unwrap();
     let want: HashMap<String, Tensor> = Tensor::read_safetensors(qlora_fixture("llama-nf4-dequantized.safetensors"))
@@ -262,13 +267,7 @@ fn quantized_folders_regatta_cannot_read_are_refused_by_name() {
 fn a_qlora_run_takes_a_4bit_folders_codes_as_stored_when_its_settings_match() {
     use regatta_trainer::lora::BaseQuantization;
     use regatta_trainer::LoraConfig;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let hf = runtime
-        .block_on(regatta_torch::HfModel::open(&qlora_fixture("bnb-llama")))
-        .unwrap();
+    let (runtime, hf) = open_bnb_llama();
     for (double, taken) in [(true, 14), (false, 0)] {
         let mut model = hf.model().unwrap();
         model

@@ -61,6 +61,15 @@ impl From<Error> for Failure {
     }
 }
 
+/// What a caught panic said (its `String` or `&str` payload).
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
 fn fatal(reason: impl ToString) -> Failure {
     Failure {
         reason: reason.to_string(),
@@ -119,14 +128,7 @@ pub fn executor_main(make_model: &ModelFactory) -> ExitCode {
     let failure = match result {
         Ok(Ok(())) => return ExitCode::SUCCESS,
         Ok(Err(failure)) => failure,
-        Err(panic) => {
-            let message = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            fatal(format!("the executor panicked: {message}"))
-        }
+        Err(panic) => fatal(format!("the executor panicked: {}", panic_text(panic.as_ref()))),
     };
     // Name the device the rank ran on (a CUDA out-of-memory or a vanished GPU reads as
     // `on cuda:0 (NVIDIA H100 80GB HBM3): ...`), once it was picked.
