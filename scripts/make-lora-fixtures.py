@@ -21,6 +21,13 @@ adapter_config.json names, and its merged weights (STEP_DIR/merged) with
 `from_pretrained`; it prints the
 largest difference of their logits on fixed token ids (the note of issue 16 says where
 this ran).
+
+`--check-qlora STEP_DIR` loads a QLoRA checkpoint's adapter (a run with
+`base_quantization`) with `PeftModel.from_pretrained` on its base as bitsandbytes holds it
+in 4 bits (the base folder already 4-bit, or quantized at load with the run's settings
+from its adapter_config.json's base and `--quant nf4|fp4 [--double]`), and prints the
+adapter's effect on the logits and how far they are from the same adapter on the float
+base given by `--float-base DIR` (bitsandbytes' dequantization of it), if given.
 """
 import argparse
 import json
@@ -60,12 +67,49 @@ def check_load(step_dir):
     print(f"adapter effect: max |adapter - base| = {(a - plain).abs().max().item():.3e}")
 
 
+def check_qlora(step_dir, quant, double, float_base):
+    step = pathlib.Path(step_dir)
+    base_path = json.loads((step / "adapter_config.json").read_text())["base_model_name_or_path"]
+    config = json.loads((pathlib.Path(base_path) / "config.json").read_text())
+    kwargs = {}
+    if "quantization_config" not in config:
+        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quant,
+            bnb_4bit_use_double_quant=double,
+            bnb_4bit_compute_dtype=torch.float32,
+        )
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_path, device_map="cpu", **kwargs)
+    kinds = sorted({type(m).__name__ for m in base.modules() if "4bit" in type(m).__name__})
+    with_adapter = peft.PeftModel.from_pretrained(base, step).eval()
+    ids = torch.randint(3, base.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        a = with_adapter(input_ids=ids).logits
+        with with_adapter.disable_adapter():
+            plain = with_adapter(input_ids=ids).logits
+    print(f"peft loaded the adapter on a 4-bit base ({', '.join(kinds) or 'no 4-bit layers!'})")
+    print(f"adapter effect: max |adapter - base| = {(a - plain).abs().max().item():.3e}")
+    if float_base:
+        reference = transformers.AutoModelForCausalLM.from_pretrained(float_base, dtype=torch.float32)
+        reference = peft.PeftModel.from_pretrained(reference, step).eval()
+        with torch.no_grad():
+            b = reference(input_ids=ids).logits
+        print(f"4-bit base vs its float dequantization, same adapter: max |logits difference| = {(a - b).abs().max().item():.3e}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--check-load", metavar="STEP_DIR")
+    parser.add_argument("--check-qlora", metavar="STEP_DIR")
+    parser.add_argument("--quant", default="nf4")
+    parser.add_argument("--double", action="store_true")
+    parser.add_argument("--float-base", metavar="DIR")
     args = parser.parse_args()
     if args.check_load:
         check_load(args.check_load)
+        return
+    if args.check_qlora:
+        check_qlora(args.check_qlora, args.quant, args.double, args.float_base)
         return
     for name, settings in ADAPTERS.items():
         base = fixtures / name
