@@ -296,20 +296,33 @@ impl NcclCollective {
         // SAFETY: a valid out-pointer.
         unsafe { sys::ncclGetVersion(&mut version) };
         let mut config = nonblocking_config(version);
+        // The stream and event first: once the join has started, every way out goes
+        // through `Self` (whose drop releases the communicator).
+        let stream = driver::stream::create(driver::stream::StreamKind::NonBlocking)
+            .map_err(|e| driver_error("cuStreamCreate", e))?;
+        let ready = match driver::event::create(cu::CUevent_flags::CU_EVENT_DISABLE_TIMING) {
+            Ok(ready) => ready,
+            Err(e) => {
+                // SAFETY: created just above, never used.
+                let _ = unsafe { driver::stream::destroy(stream) };
+                return Err(driver_error("cuEventCreate", e));
+            }
+        };
         let mut comm = std::ptr::null_mut();
         // SAFETY: `comm` and `config` are valid pointers; the id came from ncclGetUniqueId.
         let code = unsafe { sys::ncclCommInitRankConfig(&mut comm, world as i32, unique, rank as i32, &mut config) };
         let what = "joining the NCCL group";
         if !matches!(code, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) {
+            let cause = nccl_error(code, comm);
+            // SAFETY: created above, never used.
+            unsafe {
+                let _ = driver::event::destroy(ready);
+                let _ = driver::stream::destroy(stream);
+            }
             return Err(Error::Collective(format!(
-                "rank {rank} of {world}: {what}: ncclCommInitRankConfig: {}",
-                nccl_error(code, comm)
+                "rank {rank} of {world}: {what}: ncclCommInitRankConfig: {cause}"
             )));
         }
-        let stream = driver::stream::create(driver::stream::StreamKind::NonBlocking)
-            .map_err(|e| driver_error("cuStreamCreate", e))?;
-        let ready = driver::event::create(cu::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(|e| driver_error("cuEventCreate", e))?;
         let mut this = Self {
             comm,
             context,
@@ -494,11 +507,19 @@ pub fn nccl_type(kind: Kind) -> Option<sys::ncclDataType_t> {
 
 impl Drop for NcclCollective {
     fn drop(&mut self) {
+        // A collective still running (a rank failed for another cause before settling,
+        // say) may never finish if a peer is gone: abort rather than wait for it.
+        let outstanding = self.issued.last().is_some_and(|last| {
+            // SAFETY: the event is alive (held by `last`).
+            unsafe { driver::event::query(last.end) }.is_err()
+        });
+        if outstanding && self.aborted.is_none() {
+            let _ = self.abort("dropping the communicator", "collectives were still running".into());
+        }
         // SAFETY: the communicator, stream and event were created in `join` and are
         // released once; an aborted communicator is already gone.
         unsafe {
             if self.aborted.is_none() {
-                let _ = driver::stream::synchronize(self.stream);
                 let _ = result::comm_destroy(self.comm);
             }
             let _ = driver::event::destroy(self.ready);

@@ -117,7 +117,10 @@ pub(super) async fn fold(place: &Place, config: &Value, entries: &mut HashMap<St
             .map(|dims| dims.iter().filter_map(Value::as_i64).collect())
             .filter(|dims: &Vec<i64>| !dims.is_empty() && dims.iter().all(|d| *d > 0))
             .ok_or_else(|| bad("has a quant_state without a shape".into()))?;
-        let numel = shape.iter().product::<i64>() as usize;
+        let numel = shape
+            .iter()
+            .try_fold(1usize, |n, d| n.checked_mul(*d as usize))
+            .ok_or_else(|| bad(format!("has a quant_state shape {shape:?} too large to hold")))?;
         let blocks = numel.div_ceil(block);
         let mut take = |suffix: &str| entries.remove(&format!("{weight}{suffix}"));
         let (packed, absmax) = (take(""), take(".absmax"));
@@ -142,6 +145,9 @@ pub(super) async fn fold(place: &Place, config: &Value, entries: &mut HashMap<St
         }
         let nested = match (&nested_absmax, state.get("nested_offset").and_then(Value::as_f64)) {
             (Some(nested), Some(offset)) => {
+                if !offset.is_finite() {
+                    return Err(bad(format!("has a nested_offset of {offset}")));
+                }
                 let nested_block = state.get("nested_blocksize").and_then(Value::as_u64).unwrap_or(0) as usize;
                 if nested_block != NESTED_BLOCK {
                     return Err(bad(format!(

@@ -270,8 +270,13 @@ pub fn double_quantize_around(absmax: &[f32], offset: f32) -> Absmax {
 const LUT_SIZE: usize = 65_536;
 
 /// bitsandbytes' lookup table for the dynamic map: for 65,536 evenly spaced values of
-/// [-1, 1], the nearest code (by the midpoints).
-fn lookup_table() -> Vec<u8> {
+/// [-1, 1], the nearest code (by the midpoints). Built once.
+fn lookup_table() -> &'static [u8] {
+    static TABLE: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(build_lookup_table)
+}
+
+fn build_lookup_table() -> Vec<u8> {
     let map = dynamic_map();
     let midpoints: Vec<f32> = map.windows(2).map(|w| 0.5 * (w[0] + w[1])).collect();
     let mut code = 0usize;
