@@ -380,3 +380,105 @@ fn lora_trains_on_a_quantized_gguf_base_with_its_own_tokenizer_and_chat_template
     assert!(moved > 1e-3, "the trained adapter changes the scores ({moved})");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// QLoRA as a user runs it: `[lora] base_quantization = "nf4"` with double quantization
+/// and `merge_on_save`, ZeRO-3 over 2 worker processes. A resumed run continues the curve
+/// of one run; the run's merged weights are the base's dequantized weights plus B A, so
+/// they score as the checkpoint's adapter does on the base held in 4 bits (`regatta score
+/// --adapter CKPT`, whose `adapter_base = "auto"` follows the run), and as
+/// `regatta-torch-rank merge` writes them; on the float base the adapter scores otherwise.
+#[test]
+fn qlora_resumes_merges_on_save_and_its_adapter_scores_on_the_4bit_base_as_its_merged_weights() {
+    let dir = temp_dir("qlora-e2e");
+    let base = format!("{}/torch/tests/fixtures/llama", root());
+    let checkpoints = dir.join("ckpt");
+    let config = dir.join("train.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "zero_stage = 3\nworld_size = 2\nsteps = 4\nmicro_batch_size = 1\ngradient_accumulation = 2\n\
+             [model]\npath = \"{base}\"\ncontext = 16\n\
+             [lora]\nrank = 4\nalpha = 8\nmerge_on_save = true\nbase_quantization = \"nf4\"\ndouble_quant = true\n\
+             [optimizer]\nlr = 2e-2\nwarmup_steps = 1\nschedule = \"constant\"\n\
+             [data]\npath = \"{}/data/corpus.txt\"\ntokenizer = \"{}/data/tokenizer.json\"\n\
+             [checkpoint]\ndir = \"{}\"\ninterval = 2\n",
+            root(),
+            root(),
+            checkpoints.display()
+        ),
+    )
+    .unwrap();
+    let train = |steps: &str, resume: bool, ckpt: bool| {
+        let mut command = regatta();
+        command.args([
+            "train",
+            "--config",
+            config.to_str().unwrap(),
+            "--steps",
+            steps,
+            "--json",
+        ]);
+        command.args(["--log-every", "1"]);
+        if resume {
+            command.arg("--resume");
+        }
+        if !ckpt {
+            command.args(["--checkpoint-dir", dir.join("other").to_str().unwrap()]);
+        }
+        run(&mut command)
+    };
+    let first = train("2", false, true);
+    let resumed = train("4", true, true);
+    assert!(resumed.contains("from step 2"), "{resumed}");
+    let whole = losses(&train("4", false, false));
+    let resumed = losses(&resumed);
+    assert_eq!((resumed.len(), whole.len()), (2, 4));
+    for (a, b) in resumed.iter().zip(&whole[2..]) {
+        assert!((a - b).abs() < 1e-5, "resumed {resumed:?} vs one run {whole:?}");
+    }
+    assert!(losses(&first)[0] > 0.0);
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(checkpoints.join("step-00000004/manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["lora"]["base_quantization"], "nf4");
+    assert!(checkpoints.join("step-00000004/merged/model.safetensors").is_file());
+
+    let rows = dir.join("rows.jsonl");
+    let text: String = (0..12)
+        .map(|i| format!("{}\n", serde_json::json!({"id": format!("r{i:02}"), "text": format!("line {i}: the quick brown fox jumps over {} lazy dogs.", i % 5)})))
+        .collect();
+    std::fs::write(&rows, text).unwrap();
+    let by_tool = dir.join("merged");
+    run(torch_rank().args(["merge", &base, checkpoints.to_str().unwrap(), by_tool.to_str().unwrap()]));
+    let score = |tag: &str, extra: &[&str]| {
+        let out = dir.join(tag);
+        run(regatta()
+            .args(["score", "--actors", "1", "--input", rows.to_str().unwrap()])
+            .args(["--output", out.to_str().unwrap()])
+            .args(extra));
+        scores(&out)
+    };
+    let adapter = checkpoints.to_str().unwrap();
+    let on_4bit = score("adapter", &["--model", &base, "--adapter", adapter]);
+    let merged = score("merged", &["--model", adapter]);
+    let merged_by_tool = score("by-tool", &["--model", by_tool.to_str().unwrap()]);
+    let on_float = score(
+        "adapter-float",
+        &["--model", &base, "--adapter", adapter, "--adapter-base", "none"],
+    );
+    assert_eq!(on_4bit.len(), 12);
+    let mut moved = 0.0f64;
+    for (id, row) in &on_4bit {
+        for (what, other) in [("the run's merged weights", &merged), ("merge", &merged_by_tool)] {
+            let diff = (row.log_likelihood - other[id].log_likelihood).abs();
+            assert!(
+                diff < 1e-3,
+                "{id}: adapter on the 4-bit base {} vs {what} {}",
+                row.log_likelihood,
+                other[id].log_likelihood
+            );
+        }
+        moved = moved.max((row.log_likelihood - on_float[id].log_likelihood).abs());
+    }
+    assert!(moved > 1e-2, "the 4-bit base scores as the float one ({moved})");
+    let _ = std::fs::remove_dir_all(&dir);
+}

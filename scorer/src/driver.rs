@@ -18,7 +18,7 @@ use crate::generate::{GenerationSetup, SamplingParams};
 use crate::parquet_input::{is_parquet, row_slices, ParquetInput};
 use crate::partition::byte_ranges;
 use crate::plan::Plan;
-use crate::protocol::ScorerSetup;
+use crate::protocol::{AdapterBase, ScorerSetup};
 
 /// How long spawning one scorer actor (placing it and loading its model) may take.
 const SPAWN_TIMEOUT: Duration = Duration::from_secs(120);
@@ -39,6 +39,13 @@ pub struct ScoreConfig {
     /// (`adapter_config.json` + `adapter_model.safetensors`) or a LoRA training run's
     /// checkpoint directory (its newest step) or step directory. Empty: none.
     pub adapter: String,
+    /// How the base under `adapter` is held: `auto` (as the adapter was trained: quantized
+    /// for a QLoRA run's checkpoint, or 4-bit for a base folder bitsandbytes stored so),
+    /// `none` (the compute dtype), `nf4` or `fp4` (4 bits in blocks of 64) or `int8`
+    /// (LLM.int8's row-wise bytes), dequantized per projection as it is used.
+    pub adapter_base: AdapterBase,
+    /// With `adapter_base` nf4 or fp4: quantize the absmax values again (8 bits).
+    pub double_quant: bool,
     /// Longest token sequence a TorchScript model takes (required for one; a checkpoint
     /// carries its own).
     pub context: usize,
@@ -102,6 +109,8 @@ impl Default for ScoreConfig {
             input: String::new(),
             model: String::new(),
             adapter: String::new(),
+            adapter_base: AdapterBase::Auto,
+            double_quant: false,
             context: 0,
             output: String::new(),
             tokenizer: String::new(),
@@ -177,6 +186,12 @@ impl ScoreConfig {
             return Err(Error::Config(
                 "adapter needs a Hugging Face model folder or checkpoint as model, not a TorchScript module".into(),
             ));
+        }
+        if !matches!(self.adapter_base, AdapterBase::Auto | AdapterBase::None) && self.adapter.is_empty() {
+            return Err(Error::Config(format!(
+                "adapter_base = \"{}\" holds the base under an adapter quantized (QLoRA) and needs `adapter`",
+                self.adapter_base.name()
+            )));
         }
         if crate::protocol::is_torchscript(&self.model) && !(2..=1 << 20).contains(&self.context) {
             return Err(Error::Config(format!(
@@ -442,6 +457,8 @@ impl ScoreRun {
             setup: ScorerSetup {
                 checkpoint: self.config.model.clone(),
                 adapter: self.config.adapter.clone(),
+                adapter_base: self.config.adapter_base,
+                double_quant: self.config.double_quant,
                 context: self.config.context,
                 tokenizer: self.config.tokenizer.clone(),
                 device: self.config.device.clone(),
@@ -784,6 +801,33 @@ mod tests {
             let error = config.validate().unwrap_err().to_string();
             assert!(error.contains(expected), "{error}");
         }
+    }
+
+    #[test]
+    fn a_4bit_base_is_asked_by_name_and_only_under_an_adapter() {
+        let parsed = ScoreConfig::from_toml(
+            "input = \"a\"\nmodel = \"m\"\noutput = \"o\"\nadapter = \"run/ckpt\"\nadapter_base = \"nf4\"\ndouble_quant = true",
+        )
+        .unwrap();
+        assert_eq!((parsed.adapter_base, parsed.double_quant), (AdapterBase::Nf4, true));
+        parsed.validate().unwrap();
+        assert_eq!(ScoreConfig::default().adapter_base, AdapterBase::Auto);
+        let without = ScoreConfig {
+            adapter: String::new(),
+            ..parsed.clone()
+        };
+        let error = without.validate().unwrap_err().to_string();
+        assert!(
+            error.contains("adapter_base = \"nf4\"") && error.contains("needs `adapter`"),
+            "{error}"
+        );
+        let unknown = ScoreConfig::from_toml("adapter_base = \"nf5\"")
+            .unwrap_err()
+            .to_string();
+        assert!(unknown.contains("adapter_base") || unknown.contains("nf5"), "{unknown}");
+        assert_eq!("fp4".parse::<AdapterBase>().unwrap(), AdapterBase::Fp4);
+        let flag = "int4".parse::<AdapterBase>().unwrap_err().to_string();
+        assert!(flag.contains("auto, none, nf4, fp4 or int8, not \"int4\""), "{flag}");
     }
 
     #[test]

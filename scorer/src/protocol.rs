@@ -18,6 +18,52 @@ pub fn is_torchscript(model: &str) -> bool {
     [".pt", ".ts", ".torchscript"].iter().any(|ext| name.ends_with(ext))
 }
 
+/// How the base model under an adapter is held while scoring and generating (QLoRA).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AdapterBase {
+    /// As the adapter was trained: quantized as a QLoRA run's checkpoint records, else as
+    /// a bitsandbytes 4-bit base folder stores it, else in the compute dtype.
+    #[default]
+    Auto,
+    /// In the compute dtype (a 4-bit folder is dequantized once as it is read).
+    None,
+    /// NormalFloat 4, blocks of 64 (bitsandbytes' `load_in_4bit` defaults).
+    Nf4,
+    /// bitsandbytes' 4-bit float, blocks of 64.
+    Fp4,
+    /// LLM.int8's layout: a byte per weight, each row scaled by its absmax.
+    Int8,
+}
+
+impl AdapterBase {
+    /// The setting's value as written in `score.toml`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::None => "none",
+            Self::Nf4 => "nf4",
+            Self::Fp4 => "fp4",
+            Self::Int8 => "int8",
+        }
+    }
+}
+
+impl std::str::FromStr for AdapterBase {
+    type Err = crate::Error;
+
+    fn from_str(text: &str) -> crate::Result<Self> {
+        [Self::Auto, Self::None, Self::Nf4, Self::Fp4, Self::Int8]
+            .into_iter()
+            .find(|b| b.name() == text)
+            .ok_or_else(|| {
+                crate::Error::Config(format!(
+                    "adapter_base must be auto, none, nf4, fp4 or int8, not {text:?}"
+                ))
+            })
+    }
+}
+
 /// How the executor loads its model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ScorerSetup {
@@ -27,6 +73,12 @@ pub struct ScorerSetup {
     /// A LoRA adapter folder applied to the model unmerged; empty: none.
     #[serde(default)]
     pub adapter: String,
+    /// How the base under the adapter is held.
+    #[serde(default)]
+    pub adapter_base: AdapterBase,
+    /// With `adapter_base` nf4 or fp4: the absmax values quantized again (8 bits).
+    #[serde(default)]
+    pub double_quant: bool,
     /// Longest token sequence a TorchScript model takes (checkpoints carry their own).
     pub context: usize,
     /// A `tokenizer.json` overriding the checkpoint's; empty: the checkpoint's own.

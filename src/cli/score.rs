@@ -32,6 +32,13 @@ pub struct ScoreArgs {
     /// A LoRA adapter (PEFT folder or LoRA checkpoint) applied to --model without merging.
     #[arg(long)]
     pub adapter: Option<String>,
+    /// How the base under --adapter is held: auto (as the adapter was trained), none, nf4
+    /// or fp4 (QLoRA's 4 bits) or int8.
+    #[arg(long)]
+    pub adapter_base: Option<regatta_scorer::protocol::AdapterBase>,
+    /// With --adapter-base nf4 or fp4: quantize the absmax values again (8 bits).
+    #[arg(long)]
+    pub double_quant: bool,
     /// Output directory.
     #[arg(long)]
     pub output: Option<String>,
@@ -120,6 +127,10 @@ impl ScoreArgs {
                 *field = v.clone();
             }
         }
+        if let Some(v) = self.adapter_base {
+            config.adapter_base = v;
+        }
+        config.double_quant |= self.double_quant;
         if let Some(v) = &self.output {
             config.output = v.clone();
         }

@@ -10,8 +10,7 @@
 use regatta_trainer::hf::{LlamaConfig, RopeScaling};
 use std::collections::HashMap;
 
-use regatta_trainer::lora::{LoraConfig, PROJECTIONS};
-use regatta_trainer::quant::Quant4Type;
+use regatta_trainer::lora::{BaseQuantization, LoraConfig, PROJECTIONS};
 use tch::{Device, Kind, Tensor};
 
 use crate::attention::{self, Kernel, Segments};
@@ -118,7 +117,7 @@ impl Llama {
     fn projection_specs(&self, specs: &mut Vec<ParamSpec>, module: &str, (out, inp): (i64, i64), bias: bool) {
         let proj = module.rsplit('.').next().unwrap_or(module);
         // A quantized base weight is the model's own (see `quantized_specs`).
-        if self.quant4().is_none() {
+        if !self.quantized_base() {
             specs.push(self.base(ParamSpec::new(
                 format!("{module}.weight"),
                 &[out, inp],
@@ -144,9 +143,11 @@ impl Llama {
         }
     }
 
-    /// The 4-bit type of a QLoRA base.
-    fn quant4(&self) -> Option<Quant4Type> {
-        self.lora.as_ref().and_then(|l| l.base_quantization.four_bit())
+    /// Whether the base's projections are held quantized (QLoRA).
+    fn quantized_base(&self) -> bool {
+        self.lora
+            .as_ref()
+            .is_some_and(|l| l.base_quantization != BaseQuantization::None)
     }
 
     /// A projection weight's name.
@@ -190,7 +191,7 @@ impl Llama {
                 .expect("a Llama layer block holds every parameter its specs list")
         };
         let dequantized;
-        let weight = if self.quant4().is_some() {
+        let weight = if self.quantized_base() {
             let name = Self::projection_weight(layer, proj);
             let held = self
                 .quantized
@@ -469,27 +470,42 @@ impl Model for Llama {
     }
 
     fn quantized_specs(&self) -> Vec<ParamSpec> {
-        if self.quant4().is_none() {
+        (1..=self.config.num_hidden_layers)
+            .flat_map(|block| self.quantized_block(block))
+            .collect()
+    }
+
+    fn quantized_block(&self, block: usize) -> Vec<ParamSpec> {
+        let c = &self.config;
+        if !self.quantized_base() || !(1..=c.num_hidden_layers).contains(&block) {
             return Vec::new();
         }
-        let c = &self.config;
         let (d, i) = (c.hidden_size as i64, c.intermediate_size as i64);
         let (q, kv) = (
             (c.num_attention_heads * c.head_dim) as i64,
             (c.num_key_value_heads * c.head_dim) as i64,
         );
         let shapes = [(q, d), (kv, d), (kv, d), (d, q), (i, d), (i, d), (d, i)];
-        (0..c.num_hidden_layers)
-            .flat_map(|layer| {
-                shapes.iter().enumerate().map(move |(proj, (out, inp))| {
-                    ParamSpec::new(Self::projection_weight(layer, proj), &[*out, *inp], Init::Normal(0.02)).frozen()
-                })
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(proj, (out, inp))| {
+                ParamSpec::new(
+                    Self::projection_weight(block - 1, proj),
+                    &[*out, *inp],
+                    Init::Normal(0.02),
+                )
+                .frozen()
             })
             .collect()
     }
 
+    fn dequantized(&self, name: &str) -> Option<Tensor> {
+        self.quantized.get(name).map(|held| held.dequantize(Kind::Float))
+    }
+
     fn set_quantized(&mut self, spec: &ParamSpec, weight: &Tensor, device: Device) -> crate::error::Result<()> {
-        let (Some(kind), Some(lora)) = (self.quant4(), self.lora.as_ref()) else {
+        let Some(lora) = self.lora.as_ref().filter(|_| self.quantized_base()) else {
             return Err(crate::error::Error::Invalid(format!(
                 "{} is not quantized: [lora] base_quantization is none",
                 spec.name
@@ -503,8 +519,11 @@ impl Model for Llama {
                 spec.shape
             )));
         }
-        let held = QuantWeight::new(weight, kind, lora.quant_block_size, lora.double_quant, device)
-            .map_err(|e| crate::error::Error::Invalid(format!("{}: {e}", spec.name)))?;
+        let held = match lora.base_quantization.four_bit() {
+            Some(kind) => QuantWeight::new(weight, kind, lora.quant_block_size, lora.double_quant, device),
+            None => QuantWeight::new_int8(weight, device),
+        }
+        .map_err(|e| crate::error::Error::Invalid(format!("{}: {e}", spec.name)))?;
         self.quantized.insert(spec.name.clone(), held);
         Ok(())
     }
@@ -515,7 +534,11 @@ impl Model for Llama {
         stored: &regatta_trainer::quant::Quant4,
         device: Device,
     ) -> crate::error::Result<bool> {
-        let (Some(kind), Some(lora)) = (self.quant4(), self.lora.as_ref()) else {
+        let Some((kind, lora)) = self
+            .lora
+            .as_ref()
+            .and_then(|l| l.base_quantization.four_bit().map(|kind| (kind, l)))
+        else {
             return Ok(false);
         };
         let double = matches!(stored.absmax, regatta_trainer::quant::Absmax::Double { .. });

@@ -10,7 +10,9 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use regatta_object_store::Place;
-use regatta_trainer::lora::{from_peft_name, is_adapter, peft_name, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+use regatta_scorer::protocol::AdapterBase;
+use regatta_trainer::lora::{from_peft_name, is_adapter, peft_name, BaseQuantization, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+use regatta_trainer::quant::Quant4Type;
 use regatta_trainer::LoraConfig;
 use tch::{Kind, Tensor};
 
@@ -55,7 +57,20 @@ impl Adapter {
             path: config_path.clone(),
             problem: format!("is not valid JSON: {e}"),
         })?;
-        let config = LoraConfig::from_peft_json(&json, &config_path)?;
+        let mut config = LoraConfig::from_peft_json(&json, &config_path)?;
+        // A LoRA run's step directory records how the run held its base (QLoRA).
+        if let Some(bytes) = place.get_opt("manifest.json").await.map_err(storage)? {
+            let manifest: crate::checkpoint::manifest::Manifest =
+                serde_json::from_slice(&bytes).map_err(|e| Error::ModelFile {
+                    path: format!("{url}/manifest.json"),
+                    problem: format!("is not a valid manifest: {e}"),
+                })?;
+            if let Some(trained) = manifest.lora {
+                config.base_quantization = trained.base_quantization;
+                config.double_quant = trained.double_quant;
+                config.quant_block_size = trained.quant_block_size;
+            }
+        }
         let weights_path = format!("{url}/{ADAPTER_WEIGHTS}");
         let bytes = place
             .get_opt(ADAPTER_WEIGHTS)
@@ -128,6 +143,40 @@ impl Adapter {
     }
 }
 
+/// Sets how the base under an adapter is held for scoring and generation: `asked`, or
+/// with `auto` as the adapter's run held it (its checkpoint's manifest, already in
+/// `config`), else as a bitsandbytes base folder stores it (`stored`: type, block size,
+/// double quantization, whose codes are then taken as stored), else in the compute dtype.
+pub fn hold_base(
+    config: &mut LoraConfig,
+    asked: AdapterBase,
+    double_quant: bool,
+    stored: Option<(Quant4Type, usize, bool)>,
+) {
+    let explicit = |kind: BaseQuantization, config: &mut LoraConfig| {
+        config.base_quantization = kind;
+        config.double_quant = double_quant;
+        config.quant_block_size = LoraConfig::default().quant_block_size;
+    };
+    match asked {
+        AdapterBase::None => config.base_quantization = BaseQuantization::None,
+        AdapterBase::Nf4 => explicit(BaseQuantization::Nf4, config),
+        AdapterBase::Fp4 => explicit(BaseQuantization::Fp4, config),
+        AdapterBase::Int8 => explicit(BaseQuantization::Int8, config),
+        AdapterBase::Auto if config.base_quantization != BaseQuantization::None => {}
+        AdapterBase::Auto => {
+            if let Some((kind, block, double)) = stored {
+                config.base_quantization = match kind {
+                    Quant4Type::Nf4 => BaseQuantization::Nf4,
+                    Quant4Type::Fp4 => BaseQuantization::Fp4,
+                };
+                config.quant_block_size = block;
+                config.double_quant = double;
+            }
+        }
+    }
+}
+
 /// A base weight `name` (`<module>.weight`) plus `scale * B A` when `adapters` (by
 /// Regatta's names) hold that module's A and B; other parameters as they are.
 pub fn merged_weight(name: &str, mut weight: Tensor, adapters: &HashMap<String, Tensor>, scale: f64) -> Tensor {
@@ -158,12 +207,16 @@ pub fn adapter_files(config: &LoraConfig, base: &str, tensors: &[(String, Tensor
 /// Writes `base` + `adapter` merged (each targeted weight plus `scale * B A`, computed in
 /// float32 and written in the base's dtype: a bf16 base gives a bf16 folder) as a Hugging
 /// Face folder at `out`, with the base's tokenizer and generation files; one weight shard
-/// in memory at a time. Returns the files written.
+/// in memory at a time. An adapter a QLoRA run trained (its manifest records the base's
+/// quantization) merges onto the base's dequantized weights, what the run trained against.
+/// Returns the files written.
 pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u64) -> Result<Vec<String>> {
     let mut model = base.model()?;
     base.check(model.as_ref())?;
     model.set_lora(&adapter.config)?;
     adapter.check(model.as_ref())?;
+    // A QLoRA run's adapter merges onto the base as the run held it: dequantized.
+    crate::executor::load_quantized(model.as_mut(), base, tch::Device::Cpu).await?;
     let scale = adapter.config.scale();
     let plain = base.model()?;
     let blocks = plain.blocks();
@@ -176,7 +229,10 @@ pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u6
         for &block in members {
             for spec in blocks[block].iter().filter(|s| s.tied_to.is_none()) {
                 // Any dtype: merging trains nothing (a bf16 base merges in float32).
-                let weight = base.read(spec).await?;
+                let weight = match model.dequantized(&spec.name) {
+                    Some(weight) => weight,
+                    None => base.read(spec).await?,
+                };
                 tensors.push((
                     spec.name.clone(),
                     merged_weight(&spec.name, weight, &adapter.tensors, scale),
@@ -214,4 +270,79 @@ pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u6
         written.push(name);
     }
     Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trained(kind: BaseQuantization, double: bool, block: usize) -> LoraConfig {
+        LoraConfig {
+            base_quantization: kind,
+            double_quant: double,
+            quant_block_size: block,
+            ..LoraConfig::default()
+        }
+    }
+
+    fn held(config: &LoraConfig) -> (BaseQuantization, bool, usize) {
+        (config.base_quantization, config.double_quant, config.quant_block_size)
+    }
+
+    #[test]
+    fn the_base_under_an_adapter_is_held_as_asked_or_as_it_was_trained_or_stored() {
+        let nf4_folder = Some((Quant4Type::Nf4, 64, true));
+        let fp4_folder = Some((Quant4Type::Fp4, 128, false));
+        let cases = [
+            // auto: a QLoRA checkpoint's own settings win over the folder's.
+            (
+                trained(BaseQuantization::Fp4, false, 128),
+                AdapterBase::Auto,
+                false,
+                nf4_folder,
+                (BaseQuantization::Fp4, false, 128),
+            ),
+            // auto on a plain adapter: as the folder stores the base, or float.
+            (
+                LoraConfig::default(),
+                AdapterBase::Auto,
+                false,
+                fp4_folder,
+                (BaseQuantization::Fp4, false, 128),
+            ),
+            (
+                LoraConfig::default(),
+                AdapterBase::Auto,
+                true,
+                None,
+                (BaseQuantization::None, false, 64),
+            ),
+            // asked: bitsandbytes' block of 64 and the double quantization asked for.
+            (
+                trained(BaseQuantization::Fp4, false, 128),
+                AdapterBase::Nf4,
+                true,
+                None,
+                (BaseQuantization::Nf4, true, 64),
+            ),
+            (
+                LoraConfig::default(),
+                AdapterBase::Fp4,
+                false,
+                nf4_folder,
+                (BaseQuantization::Fp4, false, 64),
+            ),
+            (
+                trained(BaseQuantization::Nf4, true, 64),
+                AdapterBase::None,
+                false,
+                nf4_folder,
+                (BaseQuantization::None, true, 64),
+            ),
+        ];
+        for (i, (mut config, asked, double, stored, want)) in cases.into_iter().enumerate() {
+            hold_base(&mut config, asked, double, stored);
+            assert_eq!(held(&config), want, "case {i}");
+        }
+    }
 }

@@ -264,6 +264,15 @@ pub trait Model: Send {
     fn quantized_specs(&self) -> Vec<ParamSpec> {
         Vec::new()
     }
+    /// The quantized weights block `block`'s forward uses (a subset of
+    /// [`Model::quantized_specs`]): with the block's own specs, the block's whole weights.
+    fn quantized_block(&self, _block: usize) -> Vec<ParamSpec> {
+        Vec::new()
+    }
+    /// A quantized weight the model holds, dequantized to f32 on its device.
+    fn dequantized(&self, _name: &str) -> Option<Tensor> {
+        None
+    }
     /// Takes one of [`Model::quantized_specs`]'s weights (float, its shape) and holds it
     /// quantized on `device`.
     fn set_quantized(&mut self, spec: &ParamSpec, _weight: &Tensor, _device: Device) -> Result<()> {

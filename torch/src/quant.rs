@@ -1,13 +1,18 @@
-//! A QLoRA base weight held in 4 bits on the device, dequantized to the compute dtype
-//! where a projection uses it (forward, and backward's input gradient) and dropped after:
-//! the whole base is never held dequantized. The codes and absmax values are made by
-//! `regatta_trainer::quant` (bitsandbytes' arithmetic, bit for bit); dequantizing here is
-//! bitsandbytes' too (code times absmax in f32, then the compute dtype).
+//! A QLoRA base weight held in 4 bits (or LLM.int8's 8) on the device, dequantized to the
+//! compute dtype where a projection uses it (forward, and backward's input gradient) and
+//! dropped after: the whole base is never held dequantized. The codes and scales are made
+//! by `regatta_trainer::quant` (bitsandbytes' arithmetic, bit for bit); dequantizing here
+//! is bitsandbytes' too (code times absmax in f32, then the compute dtype).
 
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
-use regatta_trainer::quant::{dynamic_map, quantize_4bit, Absmax, Quant4, Quant4Type, NESTED_BLOCK};
+use regatta_trainer::quant::{
+    dynamic_map, quantize_4bit, quantize_int8_rows, Absmax, Int8Rows, Quant4, Quant4Type, NESTED_BLOCK,
+};
+
+/// bitsandbytes' `1 / 127` (`int8_vectorwise_dequant`).
+const INVERSE_127: f64 = 7.874015718698502e-3;
 
 /// The absmax values, as held.
 #[derive(Debug)]
@@ -18,8 +23,7 @@ enum HeldAbsmax {
 
 /// One weight in 4 bits.
 #[derive(Debug)]
-pub struct QuantWeight {
-    shape: Vec<i64>,
+struct Four {
     block: i64,
     /// `[numel / 2]` bytes, two codes each (the first in the high nibble).
     packed: Tensor,
@@ -28,6 +32,28 @@ pub struct QuantWeight {
     code: Tensor,
     /// bitsandbytes' dynamic map (f32), for double quantization.
     map: Option<Tensor>,
+}
+
+/// One weight in LLM.int8's layout.
+#[derive(Debug)]
+struct Eight {
+    /// `[rows, cols]` signed bytes.
+    codes: Tensor,
+    /// `[rows]` f32: each row's absmax.
+    scales: Tensor,
+}
+
+#[derive(Debug)]
+enum Held {
+    Four(Four),
+    Eight(Eight),
+}
+
+/// One weight held quantized.
+#[derive(Debug)]
+pub struct QuantWeight {
+    shape: Vec<i64>,
+    held: Held,
 }
 
 impl Clone for HeldAbsmax {
@@ -46,13 +72,22 @@ impl Clone for HeldAbsmax {
 /// A clone shares the tensors (they are never written after quantization).
 impl Clone for QuantWeight {
     fn clone(&self) -> Self {
+        let held = match &self.held {
+            Held::Four(four) => Held::Four(Four {
+                block: four.block,
+                packed: four.packed.shallow_clone(),
+                absmax: four.absmax.clone(),
+                code: four.code.shallow_clone(),
+                map: four.map.as_ref().map(Tensor::shallow_clone),
+            }),
+            Held::Eight(eight) => Held::Eight(Eight {
+                codes: eight.codes.shallow_clone(),
+                scales: eight.scales.shallow_clone(),
+            }),
+        };
         Self {
             shape: self.shape.clone(),
-            block: self.block,
-            packed: self.packed.shallow_clone(),
-            absmax: self.absmax.clone(),
-            code: self.code.shallow_clone(),
-            map: self.map.as_ref().map(Tensor::shallow_clone),
+            held,
         }
     }
 }
@@ -64,6 +99,31 @@ impl QuantWeight {
         let q = quantize_4bit(&values, block, kind, double)
             .map_err(|e| Error::Invalid(format!("cannot quantize a weight of shape {:?}: {e}", weight.size())))?;
         Ok(Self::from_quant(&q, weight.size(), device))
+    }
+
+    /// Quantizes a 2-D `weight` row by row to LLM.int8's layout as bitsandbytes'
+    /// `Int8Params` does (the weight rounded to f16 first), held on `device`.
+    pub fn new_int8(weight: &Tensor, device: Device) -> Result<Self> {
+        let shape = weight.size();
+        let [_, cols] = shape[..] else {
+            return Err(Error::Invalid(format!(
+                "int8 quantizes 2-D weights row by row, not one of shape {shape:?}"
+            )));
+        };
+        let values = crate::collective::to_vec(&weight.to_kind(Kind::Half));
+        let q = quantize_int8_rows(&values, cols as usize)
+            .map_err(|e| Error::Invalid(format!("cannot quantize a weight of shape {shape:?}: {e}")))?;
+        Ok(Self::from_int8(&q, shape, device))
+    }
+
+    /// Holds `q` (a tensor of `shape`, rows of `q.cols`) on `device`.
+    pub fn from_int8(q: &Int8Rows, shape: Vec<i64>, device: Device) -> Self {
+        let codes = Tensor::from_slice(&q.codes).view([-1, q.cols as i64]).to_device(device);
+        let scales = Tensor::from_slice(&q.scales).to_device(device);
+        Self {
+            shape,
+            held: Held::Eight(Eight { codes, scales }),
+        }
     }
 
     /// Holds `q` (a tensor of `shape`) on `device`.
@@ -81,20 +141,42 @@ impl QuantWeight {
                 Some(floats(&dynamic_map())),
             ),
         };
-        Self {
-            shape,
+        let four = Four {
             block: q.block as i64,
             packed: bytes(&q.packed),
             absmax,
             code: floats(&q.kind.code()),
             map,
+        };
+        Self {
+            shape,
+            held: Held::Four(four),
         }
     }
 
-    fn numel(&self) -> i64 {
-        self.shape.iter().product()
+    /// The weight in `kind`, its shape.
+    pub fn dequantize(&self, kind: Kind) -> Tensor {
+        let numel = self.shape.iter().product();
+        let values = match &self.held {
+            Held::Four(four) => four.dequantize(numel),
+            // (code * absmax) * (1/127) in f32, as bitsandbytes' int8_vectorwise_dequant.
+            Held::Eight(eight) => (eight.codes.to_kind(Kind::Float) * eight.scales.unsqueeze(1)) * INVERSE_127,
+        };
+        values.to_kind(kind).view(self.shape.as_slice())
     }
 
+    /// Bytes held: the codes and the absmax values (with double quantization, their codes,
+    /// the nested absmax and the offset), or int8's codes and row scales.
+    pub fn bytes(&self) -> u64 {
+        let bytes = match &self.held {
+            Held::Four(four) => four.bytes(),
+            Held::Eight(eight) => eight.codes.numel() + eight.scales.numel() * 4,
+        };
+        bytes as u64
+    }
+}
+
+impl Four {
     /// Each block's absmax, f32.
     fn absmax_values(&self) -> Tensor {
         match (&self.absmax, &self.map) {
@@ -110,16 +192,15 @@ impl QuantWeight {
         }
     }
 
-    /// The weight in `kind`, its shape.
-    pub fn dequantize(&self, kind: Kind) -> Tensor {
-        let numel = self.numel();
+    /// The `numel` values, f32 and flat.
+    fn dequantize(&self, numel: i64) -> Tensor {
         let high = self.packed.bitwise_right_shift_tensor_scalar(4);
         let low = self.packed.bitwise_and(15);
         let codes = Tensor::stack(&[high, low], 1).view([-1]).narrow(0, 0, numel);
         let values = self.code.index_select(0, &codes.to_kind(Kind::Int64));
         let absmax = self.absmax_values();
         let full = numel - numel % self.block;
-        let scaled = if full == numel {
+        if full == numel {
             (values.view([-1, self.block]) * absmax.unsqueeze(1)).view([-1])
         } else {
             let blocks = full / self.block;
@@ -131,17 +212,14 @@ impl QuantWeight {
                 ],
                 0,
             )
-        };
-        scaled.to_kind(kind).view(self.shape.as_slice())
+        }
     }
 
-    /// Bytes held: the codes and the absmax values (with double quantization, their codes,
-    /// the nested absmax and the offset).
-    pub fn bytes(&self) -> u64 {
+    fn bytes(&self) -> usize {
         let absmax = match &self.absmax {
             HeldAbsmax::Plain(values) => values.numel() * 4,
             HeldAbsmax::Double { codes, absmax, .. } => codes.numel() + absmax.numel() * 4 + 4,
         };
-        (self.packed.numel() + absmax) as u64
+        self.packed.numel() + absmax
     }
 }

@@ -69,6 +69,8 @@ impl Scorer {
         if let Some(adapter) = adapter {
             model.set_lora(&adapter.config)?;
             adapter.check(model.as_ref())?;
+            // A QLoRA base: its projections held in 4 bits by the model itself.
+            crate::executor::load_quantized(model.as_mut(), hf, device).await?;
         }
         if tokenizer.vocab() > model.vocab() {
             return Err(Error::Invalid(format!(
@@ -186,6 +188,15 @@ impl Scorer {
     pub fn parameters(&self) -> u64 {
         match &self.net {
             Net::Model { model, .. } => parameter_count(model.as_ref()),
+            Net::Script(_) => 0,
+        }
+    }
+
+    /// Bytes of the weights the model holds quantized (a QLoRA base's 4-bit projections:
+    /// codes and absmax values); 0 when none is.
+    pub fn quantized_bytes(&self) -> u64 {
+        match &self.net {
+            Net::Model { model, .. } => model.quantized_bytes(),
             Net::Script(_) => 0,
         }
     }

@@ -9,14 +9,14 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 
 use regatta_object_store::Place;
 use regatta_scorer::generate::{GenRequest, Generation};
-use regatta_scorer::protocol::{is_torchscript, FromScorer, RowScore, ScorerSetup, ToScorer};
+use regatta_scorer::protocol::{is_torchscript, AdapterBase, FromScorer, RowScore, ScorerSetup, ToScorer};
 use tch::Device;
 
 use crate::checkpoint::open_model;
 use crate::data::TextTokenizer;
 use crate::error::{Error, Result};
 use crate::generate::Generator;
-use crate::lora::Adapter;
+use crate::lora::{hold_base, Adapter};
 use crate::score::Scorer;
 
 fn emit(message: &FromScorer) {
@@ -41,7 +41,7 @@ fn load(setup: &ScorerSetup) -> Result<(Scorer, u64, Device)> {
     }
     let (scorer, params) = runtime.block_on(open_scorer(
         &setup.checkpoint,
-        &setup.adapter,
+        (&setup.adapter, setup.adapter_base, setup.double_quant),
         &setup.tokenizer,
         setup.context,
         device,
@@ -51,9 +51,10 @@ fn load(setup: &ScorerSetup) -> Result<(Scorer, u64, Device)> {
 
 /// The scorer of a model folder or checkpoint: its tokenizer is `tokenizer` when given,
 /// else the folder's `tokenizer.json`, else the one the training run named, else bytes.
+/// `adapter`: the adapter's folder (empty: none) and how the base under it is held.
 async fn open_scorer(
     url: &str,
-    adapter: &str,
+    (adapter, base, double_quant): (&str, AdapterBase, bool),
     tokenizer: &str,
     context: usize,
     device: Device,
@@ -62,7 +63,9 @@ async fn open_scorer(
     let adapter = if adapter.is_empty() {
         None
     } else {
-        Some(Adapter::open(adapter).await?)
+        let mut adapter = Adapter::open(adapter).await?;
+        hold_base(&mut adapter.config, base, double_quant, hf.stored_quant4());
+        Some(adapter)
     };
     let tokenizer = if !tokenizer.is_empty() {
         TextTokenizer::load(tokenizer).await?
@@ -88,7 +91,13 @@ async fn open_scorer(
 /// TorchScript module (any batch size, up to the model's context); returns the context.
 pub fn export(checkpoint: &str, out: &str) -> Result<usize> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (scorer, _) = runtime.block_on(open_scorer(checkpoint, "", "", 0, Device::Cpu))?;
+    let (scorer, _) = runtime.block_on(open_scorer(
+        checkpoint,
+        ("", AdapterBase::None, false),
+        "",
+        0,
+        Device::Cpu,
+    ))?;
     let module = scorer.export()?;
     let file = tempfile_beside(out);
     module

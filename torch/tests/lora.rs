@@ -637,15 +637,16 @@ fn optimizer_offload_gives_the_same_run_with_the_state_on_the_host() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The Llama fixture with every projection weight replaced by bitsandbytes' NF4 round trip
-/// (double quantization, blocks of 64; tests/fixtures/qlora, made by
-/// scripts/make-qlora-fixtures.py): the float model QLoRA's base stands for.
-fn dequantized_llama(dir: &Path) -> PathBuf {
-    let folder = dir.join("llama-nf4-dequantized");
+/// The Llama fixture with every projection weight replaced by bitsandbytes' round trip of
+/// `kind` (`nf4`: NF4 with double quantization, blocks of 64; `int8`: LLM.int8's row-wise
+/// bytes of the weight cast to f16; tests/fixtures/qlora, made by
+/// scripts/make-qlora-fixtures.py and -2.py): the float model QLoRA's base stands for.
+fn dequantized_llama(dir: &Path, kind: &str) -> PathBuf {
+    let folder = dir.join(format!("llama-{kind}-dequantized"));
     std::fs::create_dir_all(&folder).unwrap();
     std::fs::copy(fixture("llama").join("config.json"), folder.join("config.json")).unwrap();
     std::fs::copy(
-        fixture("qlora").join("llama-nf4-dequantized.safetensors"),
+        fixture("qlora").join(format!("llama-{kind}-dequantized.safetensors")),
         folder.join("model.safetensors"),
     )
     .unwrap();
@@ -666,7 +667,7 @@ fn qlora_on_an_nf4_base_trains_as_lora_on_bitsandbytes_dequantized_base_at_every
     };
     // The reference: plain LoRA on the float weights bitsandbytes' dequantization gives.
     let mut reference_config = lora_config(data.clone(), 1, Some(plain.clone()), ZeroConfig::default());
-    reference_config.model.path = dequantized_llama(&dir).to_string_lossy().into_owned();
+    reference_config.model.path = dequantized_llama(&dir, "nf4").to_string_lossy().into_owned();
     let (ref_losses, ref_weights) = reference_run(&reference_config, 2, &builtin_model).unwrap();
     assert!(
         ref_losses[3] < ref_losses[0] - 0.05,
@@ -737,6 +738,60 @@ fn qlora_on_an_nf4_base_trains_as_lora_on_bitsandbytes_dequantized_base_at_every
                 (a - b).abs() < 1e-5,
                 "QLoRA on the 4-bit folder, step {step}: {a} vs {b}"
             );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_int8_base_trains_as_lora_on_bitsandbytes_int8_dequantized_base() {
+    tch::set_num_threads(1);
+    let dir = temp_dir("qlora-int8");
+    let data = corpus(&dir);
+    let plain = adapters(4, &["all-linear"]);
+    let quantized = LoraConfig {
+        base_quantization: regatta_trainer::lora::BaseQuantization::Int8,
+        ..plain.clone()
+    };
+    let mut reference_config = lora_config(data.clone(), 1, Some(plain.clone()), ZeroConfig::default());
+    reference_config.model.path = dequantized_llama(&dir, "int8").to_string_lossy().into_owned();
+    let (ref_losses, ref_weights) = reference_run(&reference_config, 2, &builtin_model).unwrap();
+    let float_run = run_ranks(&lora_config(data.clone(), 1, Some(plain), ZeroConfig::default()));
+    // LLM.int8's rounding is finer than NF4's but still moves the loss: equality below
+    // means the base really is the 8-bit one.
+    assert!(
+        (float_run[0].losses[0] - ref_losses[0]).abs() > 1e-6,
+        "{:?} vs {ref_losses:?}",
+        float_run[0].losses
+    );
+    // A byte a weight and an f32 scale a row, against 4 bytes a weight.
+    let (shapes, rows): ([i64; 7], [i64; 7]) = (
+        [64 * 64, 32 * 64, 32 * 64, 64 * 64, 160 * 64, 160 * 64, 64 * 160],
+        [64, 32, 32, 64, 160, 160, 64],
+    );
+    let int8_bytes: i64 = 2 * shapes.iter().zip(rows).map(|(n, r)| n + 4 * r).sum::<i64>();
+    let float_bytes: i64 = 2 * shapes.iter().sum::<i64>() * 4;
+    for stage in [1u8, 3] {
+        let runs = run_ranks(&lora_config(
+            data.clone(),
+            stage,
+            Some(quantized.clone()),
+            ZeroConfig::default(),
+        ));
+        for (rank, run) in runs.iter().enumerate() {
+            let what = format!("int8 stage {stage} rank {rank}");
+            for (step, (a, b)) in run.losses.iter().zip(&ref_losses).enumerate() {
+                assert!((a - b).abs() < 1e-5, "{what} step {step}: {a} vs {b}");
+            }
+            let diff = max_difference(&run.trained, &ref_weights);
+            assert!(diff < 1e-5, "{what}: adapters differ from the reference by {diff}");
+            if stage == 1 {
+                assert_eq!(
+                    float_run[rank].held.frozen_parameters as i64 - run.held.frozen_parameters as i64,
+                    float_bytes - int8_bytes,
+                    "{what}: frozen bytes"
+                );
+            }
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -295,3 +295,265 @@ fn a_qlora_run_takes_a_4bit_folders_codes_as_stored_when_its_settings_match() {
         assert_eq!(held, taken, "double_quant = {double}");
     }
 }
+
+/// Scores and greedy continuations of a few texts by the Llama fixture folder at `base`
+/// with the fixture PEFT adapter on it, the base held as `asked`.
+fn adapter_scores(
+    runtime: &tokio::runtime::Runtime,
+    base: &str,
+    asked: regatta_scorer::protocol::AdapterBase,
+    double_quant: bool,
+) -> (Vec<(f64, String)>, u64, u64) {
+    use regatta_torch::data::TextTokenizer;
+    use regatta_torch::lora::{hold_base, Adapter};
+    use regatta_torch::score::Scorer;
+    let fixtures = format!("{}/tests/fixtures", env!("CARGO_MANIFEST_DIR"));
+    let hf = runtime.block_on(regatta_torch::HfModel::open(base)).unwrap();
+    let mut adapter = runtime
+        .block_on(Adapter::open(&format!("{fixtures}/llama-lora")))
+        .unwrap();
+    hold_base(&mut adapter.config, asked, double_quant, hf.stored_quant4());
+    let tokenizer = runtime
+        .block_on(TextTokenizer::load(&format!("{fixtures}/llama/tokenizer.json")))
+        .unwrap();
+    let scorer = runtime
+        .block_on(Scorer::from_folder(
+            &hf,
+            Some(&adapter),
+            0,
+            tokenizer,
+            regatta_torch::tch::Device::Cpu,
+            Kind::Float,
+        ))
+        .unwrap();
+    let rows: Vec<(Vec<i64>, bool)> = [
+        "the quick brown fox jumps over the lazy dog",
+        "a b c d e f g h",
+        "hello hello",
+    ]
+    .iter()
+    .map(|text| scorer.tokenize(text).unwrap())
+    .collect();
+    let scored = scorer
+        .score(&rows, 6)
+        .unwrap()
+        .into_iter()
+        .map(|s| (s.log_likelihood, s.generated))
+        .collect();
+    (scored, scorer.parameters(), scorer.quantized_bytes())
+}
+
+#[test]
+fn an_adapter_scores_and_generates_on_a_4bit_base_as_on_bitsandbytes_dequantized_float_base() {
+    use regatta_scorer::protocol::AdapterBase;
+    regatta_torch::tch::set_num_threads(1);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let fixtures = format!("{}/tests/fixtures", env!("CARGO_MANIFEST_DIR"));
+    // The reference: the adapter on the float model bitsandbytes' NF4 round trip (double
+    // quantization, blocks of 64) gives.
+    let dequantized = std::env::temp_dir().join(format!("regatta-qlora-score-{}", std::process::id()));
+    std::fs::create_dir_all(&dequantized).unwrap();
+    std::fs::copy(format!("{fixtures}/llama/config.json"), dequantized.join("config.json")).unwrap();
+    std::fs::copy(
+        qlora_fixture("llama-nf4-dequantized.safetensors"),
+        dequantized.join("model.safetensors"),
+    )
+    .unwrap();
+    let (want, params, none) = adapter_scores(&runtime, dequantized.to_str().unwrap(), AdapterBase::None, false);
+    let float_base = format!("{fixtures}/llama");
+    let close = |got: &[(f64, String)], what: &str| {
+        for ((a, text_a), (b, text_b)) in got.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-4, "{what}: log-likelihood {a} vs {b}");
+            assert_eq!(text_a, text_b, "{what}: greedy continuation");
+        }
+    };
+    // Quantized by Regatta at load from the float folder.
+    let (ours, ours_params, held) = adapter_scores(&runtime, &float_base, AdapterBase::Nf4, true);
+    close(&ours, "nf4 from the float folder");
+    assert_eq!(
+        ours_params, params,
+        "a 4-bit base counts its parameters as the float one"
+    );
+    // Every projection of both layers in 4 bits: half a byte per weight, one absmax code
+    // per block of 64, a nested f32 absmax per 256 blocks and the offset.
+    let shapes: [u64; 7] = [64 * 64, 32 * 64, 32 * 64, 64 * 64, 160 * 64, 160 * 64, 64 * 160];
+    let four_bit: u64 = 2 * shapes
+        .iter()
+        .map(|n| n / 2 + n / 64 + (n / 64).div_ceil(256) * 4 + 4)
+        .sum::<u64>();
+    assert_eq!((none, held), (0, four_bit), "bytes held quantized");
+    // A folder bitsandbytes stored in 4 bits: `auto` keeps its codes (and the same answers).
+    let (stored, _, stored_held) = adapter_scores(&runtime, &qlora_fixture("bnb-llama"), AdapterBase::Auto, false);
+    close(&stored, "auto on the bitsandbytes folder");
+    assert_eq!(stored_held, four_bit, "auto holds the bitsandbytes folder in 4 bits");
+    // The rounding matters: on the float base the adapter scores otherwise, so the
+    // equalities above mean the base really was held in 4 bits.
+    let (float, _, float_held) = adapter_scores(&runtime, &float_base, AdapterBase::Auto, false);
+    assert_eq!(
+        float_held, 0,
+        "auto on a float folder with a PEFT adapter holds it in float"
+    );
+    let moved = float
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a.0 - b.0).abs())
+        .fold(0.0, f64::max);
+    assert!(moved > 1e-3, "the float base scores as the 4-bit one ({moved})");
+    let _ = std::fs::remove_dir_all(&dequantized);
+}
+
+#[test]
+fn int8_codes_row_scales_and_dequantized_weights_equal_bitsandbytes_bit_for_bit() {
+    use regatta_torch::quant::QuantWeight;
+    use regatta_trainer::quant::{dequantize_int8_rows, quantize_int8_rows};
+    let fixture: HashMap<String, Tensor> = Tensor::read_safetensors(qlora_fixture("bnb-int8.safetensors"))
+        .unwrap()
+        .into_iter()
+        .collect();
+    let codes_of = |t: &Tensor| {
+        let t = t.contiguous().view([-1]);
+        assert_eq!(t.kind(), Kind::Int8);
+        let mut out = vec![0i8; t.numel()];
+        t.copy_data(&mut out, t.numel());
+        out
+    };
+    let mut subjects: Vec<&str> = fixture.keys().filter_map(|k| k.strip_suffix(".input")).collect();
+    subjects.sort();
+    assert_eq!(subjects.len(), 8, "{subjects:?}");
+    for name in subjects {
+        let input = &fixture[&format!("{name}.input")];
+        let cols = input.size()[1] as usize;
+        // As int8_vectorwise_quant computes it on f32 weights, and on the weight rounded to
+        // f16 first (what Int8Params, transformers' load_in_8bit, stores).
+        for (key, values) in [("int8", f32s(input)), ("int8_f16", f32s(&input.to_kind(Kind::Half)))] {
+            let what = format!("{name} {key}");
+            let q = quantize_int8_rows(&values, cols).unwrap();
+            assert!(
+                q.codes == codes_of(&fixture[&format!("{name}.{key}.codes")]),
+                "{what}: codes differ from bitsandbytes'"
+            );
+            assert_eq!(
+                bits(&q.scales),
+                bits(&f32s(&fixture[&format!("{name}.{key}.scales")])),
+                "{what}: row scales"
+            );
+            let want = bits(&f32s(&fixture[&format!("{name}.{key}.dequantized")]));
+            assert!(bits(&dequantize_int8_rows(&q)) == want, "{what}: dequantized");
+        }
+        // The held weight (f16 first, as Int8Params) dequantizes on libtorch to the same bits.
+        let held = QuantWeight::new_int8(input, regatta_torch::tch::Device::Cpu).unwrap();
+        let want = bits(&f32s(&fixture[&format!("{name}.int8_f16.dequantized")]));
+        assert!(
+            bits(&f32s(&held.dequantize(Kind::Float))) == want,
+            "{name}: held int8 dequantized"
+        );
+        assert_eq!(
+            held.bytes() as i64,
+            input.numel() as i64 + input.size()[0] * 4,
+            "{name}: bytes"
+        );
+    }
+    // The all-zero row: absmax 0, codes 0, back to zeros.
+    let zero = &fixture["random.zero_row.int8.codes"].get(5);
+    assert_eq!(codes_of(zero), vec![0i8; 64]);
+    assert!(QuantWeight::new_int8(
+        &Tensor::zeros([4], (Kind::Float, regatta_torch::tch::Device::Cpu)),
+        regatta_torch::tch::Device::Cpu
+    )
+    .unwrap_err()
+    .to_string()
+    .contains("2-D"));
+}
+
+/// Logits of the width-64 Llama fixture (every projection a multiple of bitsandbytes' CPU
+/// block) with its base held as `lora` says, on `tokens`; the adapters are zero (B = 0),
+/// so the logits are the base's.
+fn base_logits(lora: &regatta_trainer::LoraConfig, tokens: &Tensor) -> (Tensor, u64) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let device = regatta_torch::tch::Device::Cpu;
+    let hf = runtime
+        .block_on(regatta_torch::HfModel::open(&qlora_fixture("llama64")))
+        .unwrap();
+    let mut model = hf.model().unwrap();
+    model.set_lora(lora).unwrap();
+    runtime
+        .block_on(regatta_torch::executor::load_quantized(model.as_mut(), &hf, device))
+        .unwrap();
+    let mut stored = HashMap::new();
+    for spec in model.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
+        let tensor = if regatta_trainer::lora::is_adapter(&spec.name) {
+            Tensor::zeros(spec.shape.as_slice(), (Kind::Float, device))
+        } else {
+            runtime.block_on(hf.read(&spec)).unwrap()
+        };
+        stored.insert(spec.name.clone(), tensor);
+    }
+    let params = regatta_torch::model::arrange(model.as_ref(), &stored).unwrap();
+    let logits = regatta_torch::tch::no_grad(|| regatta_torch::model::logits(model.as_ref(), &params, tokens));
+    (logits, model.quantized_bytes())
+}
+
+#[test]
+fn logits_of_a_quantized_base_equal_transformers_loading_it_with_bitsandbytes() {
+    use regatta_trainer::lora::BaseQuantization;
+    regatta_torch::tch::set_num_threads(1);
+    let fixture: HashMap<String, Tensor> = Tensor::read_safetensors(qlora_fixture("llama64-logits.safetensors"))
+        .unwrap()
+        .into_iter()
+        .collect();
+    let tokens = &fixture["tokens"];
+    let float = &fixture["float.logits"];
+    // Two layers of width 64, 4 heads of 16, 2 KV heads, MLP 128.
+    let shapes: [u64; 7] = [64 * 64, 32 * 64, 32 * 64, 64 * 64, 128 * 64, 128 * 64, 64 * 128];
+    let rows: [u64; 7] = [64, 32, 32, 64, 128, 128, 64];
+    let four = |double: bool| {
+        2 * shapes
+            .iter()
+            .map(|n| {
+                n / 2
+                    + if double {
+                        n / 64 + (n / 64).div_ceil(256) * 4 + 4
+                    } else {
+                        n / 64 * 4
+                    }
+            })
+            .sum::<u64>()
+    };
+    let int8 = 2 * shapes.iter().zip(rows).map(|(n, r)| n + r * 4).sum::<u64>();
+    // transformers with BitsAndBytesConfig(load_in_4bit, compute dtype f32) for the 4-bit
+    // types; for int8 the float model on LLM.int8's dequantized weights (transformers'
+    // own 8-bit forward quantizes the activations too, which a QLoRA base does not).
+    for (key, kind, double, bytes) in [
+        ("nf4_double", BaseQuantization::Nf4, true, four(true)),
+        ("nf4", BaseQuantization::Nf4, false, four(false)),
+        ("fp4", BaseQuantization::Fp4, false, four(false)),
+        ("int8_dequantized", BaseQuantization::Int8, false, int8),
+    ] {
+        let lora = regatta_trainer::LoraConfig {
+            rank: 4,
+            base_quantization: kind,
+            double_quant: double,
+            ..regatta_trainer::LoraConfig::default()
+        };
+        let (got, held) = base_logits(&lora, tokens);
+        let want = &fixture[&format!("{key}.logits")];
+        let diff = (&got - want).abs().max().double_value(&[]);
+        assert!(diff < 1e-4, "{key}: logits differ from the reference by {diff}");
+        // Quantization moved them: equality above is not the float model's.
+        let moved = (want - float).abs().max().double_value(&[]);
+        assert!(moved > 1e-2, "{key}: the reference is the float model ({moved})");
+        assert_eq!(held, bytes, "{key}: bytes held quantized");
+    }
+    let (plain, held) = base_logits(&regatta_trainer::LoraConfig::default(), tokens);
+    let diff = (&plain - float).abs().max().double_value(&[]);
+    assert!(
+        diff < 1e-4 && held == 0,
+        "the float base: {diff}, {held} bytes quantized"
+    );
+}

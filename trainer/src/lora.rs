@@ -69,7 +69,7 @@ pub enum BaseQuantization {
     Nf4,
     /// bitsandbytes' 4-bit float.
     Fp4,
-    /// LLM.int8 (refused for now, with a message).
+    /// LLM.int8's layout: a signed byte per element, each row scaled by its absmax.
     Int8,
 }
 
@@ -114,22 +114,13 @@ impl LoraConfig {
             return bad(format!("lora.dropout must lie in [0, 1), not {}", self.dropout));
         }
         match self.base_quantization {
-            BaseQuantization::Int8 => {
-                return bad(
-                    "lora.base_quantization = \"int8\" is not supported yet; use \"nf4\" or \"fp4\" (4-bit, as bitsandbytes' load_in_4bit) or \"none\"".into(),
-                )
-            }
             BaseQuantization::Nf4 | BaseQuantization::Fp4 => {
                 if let Err(e) = crate::quant::check_block(self.quant_block_size) {
                     return bad(format!("lora.{e}"));
                 }
-                if self.merge_on_save {
-                    return bad(
-                        "lora.merge_on_save is not supported with lora.base_quantization yet: merge an adapter afterwards with `regatta-torch-rank merge BASE ADAPTER OUT` on the unquantized base".into(),
-                    );
-                }
             }
-            BaseQuantization::None => {}
+            // Row-wise: no block.
+            BaseQuantization::Int8 | BaseQuantization::None => {}
         }
         if self.target_modules.is_empty() {
             return bad("lora.target_modules must name at least one projection".into());
@@ -340,11 +331,14 @@ mod tests {
         config.validate().unwrap();
         assert_eq!(LoraConfig::default().base_quantization, BaseQuantization::None);
         let refused = |config: LoraConfig| config.validate().unwrap_err().to_string();
-        let int8 = refused(LoraConfig {
+        // int8 is row-wise: it has no block to check.
+        let int8 = LoraConfig {
             base_quantization: BaseQuantization::Int8,
+            quant_block_size: 100,
             ..LoraConfig::default()
-        });
-        assert!(int8.contains("\"int8\" is not supported yet"), "{int8}");
+        };
+        int8.validate().unwrap();
+        assert_eq!(int8.base_quantization.four_bit(), None);
         let block = refused(LoraConfig {
             base_quantization: BaseQuantization::Fp4,
             quant_block_size: 100,
@@ -354,15 +348,14 @@ mod tests {
             block.contains("lora.quant_block_size must be a power of two"),
             "{block}"
         );
-        let merge = refused(LoraConfig {
+        // Merged weights of a quantized base are its dequantized weights plus B A.
+        LoraConfig {
             base_quantization: BaseQuantization::Nf4,
             merge_on_save: true,
             ..LoraConfig::default()
-        });
-        assert!(
-            merge.contains("lora.merge_on_save is not supported with lora.base_quantization"),
-            "{merge}"
-        );
+        }
+        .validate()
+        .unwrap();
         // A block size is only checked where it is used.
         LoraConfig {
             quant_block_size: 100,

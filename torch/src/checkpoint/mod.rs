@@ -73,11 +73,20 @@ pub fn save(
     // A LoRA run's merged weights go to a folder of their own: `transformers` would apply
     // an adapter_config.json beside them a second time.
     let weights_dir = if lora.is_some() { dir.child(MERGED) } else { dir.clone() };
-    // The base's own blocks (a LoRA run's merged weights carry no adapter tensors).
+    // The base's own blocks (a LoRA run's merged weights carry no adapter tensors; a QLoRA
+    // base's projections, which the model holds itself, are in them).
     let base_specs: Vec<Vec<ParamSpec>> = engine
         .specs()
         .iter()
-        .map(|block| block.iter().filter(|s| !is_adapter(&s.name)).cloned().collect())
+        .enumerate()
+        .map(|(b, block)| {
+            block
+                .iter()
+                .filter(|s| !is_adapter(&s.name))
+                .cloned()
+                .chain(engine.model().quantized_block(b))
+                .collect()
+        })
         .collect();
     let plan = ShardPlan::new(&base_specs, spec.shard_bytes);
     for (i, (file, blocks)) in plan.files.iter().enumerate().filter(|_| write_weights) {

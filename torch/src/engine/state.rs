@@ -140,6 +140,18 @@ impl Engine {
                 crate::lora::merged_weight(&spec.name, weight, &trained, scale),
             ));
         }
+        // A QLoRA base's projections: dequantized (every rank holds them whole), plus B A.
+        for spec in self.model.quantized_block(block) {
+            let weight = self
+                .model
+                .dequantized(&spec.name)
+                .ok_or_else(|| Error::Invalid(format!("the quantized base has no {} to merge", spec.name)))?;
+            let weight = weight.to_device(Device::Cpu);
+            out.push((
+                spec.name.clone(),
+                crate::lora::merged_weight(&spec.name, weight, &trained, scale),
+            ));
+        }
         Ok(out)
     }
 

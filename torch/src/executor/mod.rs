@@ -30,8 +30,8 @@ mod run_model;
 pub use feed::stream_batches;
 pub use peak::{gemm_peak, matmul_flops_per_sec, matmul_flops_per_sec_on, GemmPeak};
 pub use run_model::{
-    builtin_model, initial_weights, open_run_model, reference_run, step_batches, take_stored_quantized, tokenizer_spec,
-    RunModel,
+    builtin_model, initial_weights, load_quantized, open_run_model, reference_run, step_batches, take_stored_quantized,
+    tokenizer_spec, RunModel,
 };
 
 /// Largest weight shard a checkpoint writes.

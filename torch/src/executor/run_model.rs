@@ -129,6 +129,20 @@ pub async fn take_stored_quantized(
     Ok(())
 }
 
+/// Loads every weight `model` holds quantized (a QLoRA base) from `hf`: as the folder
+/// stores it where that fits the settings, else read and quantized one at a time (the
+/// float weight dropped before the next is read).
+pub async fn load_quantized(model: &mut dyn Model, hf: &HfModel, device: Device) -> Result<(), Error> {
+    take_stored_quantized(model, Some(hf), device).await?;
+    for spec in model.quantized_specs() {
+        if !model.holds_quantized(&spec.name) {
+            let weight = hf.read(&spec).await?;
+            model.set_quantized(&spec, &weight, device)?;
+        }
+    }
+    Ok(())
+}
+
 /// Opens the model and tokenizer `config` names (a folder, a config, or `make_model`'s).
 pub async fn open_run_model(config: &TrainConfig, make_model: &ModelFactory) -> Result<RunModel, Error> {
     // The model folder first: a wrong path is named as a missing model, not a tokenizer.

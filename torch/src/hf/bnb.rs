@@ -232,6 +232,11 @@ pub(super) async fn fold(place: &Place, config: &Value, entries: &mut HashMap<St
 }
 
 impl BnbTensor {
+    /// The 4-bit type, the block size and whether the absmax values are quantized again.
+    pub(super) fn settings(&self) -> (Quant4Type, usize, bool) {
+        (self.kind, self.block, self.nested.is_some())
+    }
+
     /// The weight's values as bitsandbytes dequantizes them (f32, flat).
     pub(super) async fn values(&self, place: &Place) -> Result<Vec<f32>> {
         Ok(dequantize_4bit(&self.quant4(place).await?))

@@ -249,6 +249,17 @@ impl HfModel {
         Ok((entry, kind))
     }
 
+    /// How the folder stores its 4-bit weights (bitsandbytes): the type, the block size and
+    /// whether double quantization was used; `None` for a folder holding none (the settings
+    /// of the first such weight by name when they differ, which transformers never writes).
+    pub fn stored_quant4(&self) -> Option<(regatta_trainer::quant::Quant4Type, usize, bool)> {
+        self.entries
+            .iter()
+            .filter_map(|(name, entry)| entry.bnb.as_ref().map(|b| (name, b)))
+            .min_by_key(|(name, _)| *name)
+            .map(|(_, b)| b.settings())
+    }
+
     /// A weight the folder stores in 4 bits (bitsandbytes), as stored; `None` for any other.
     pub async fn read_quant4(&self, spec: &ParamSpec) -> Result<Option<regatta_trainer::quant::Quant4>> {
         let (entry, _) = self.entry(spec)?;

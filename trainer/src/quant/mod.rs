@@ -5,13 +5,16 @@
 //! element in the high nibble). The arithmetic follows bitsandbytes 0.50's CPU paths step
 //! for step (its default 4-bit kernel: reciprocal scaling, `bucketize` on the code's
 //! midpoints; its C++ 8-bit kernel: a 65,536-entry lookup table), so the bytes equal
-//! bitsandbytes' — checked on fixtures it made (torch/tests/qlora.rs).
+//! bitsandbytes' — checked on fixtures it made (torch/tests/qlora.rs). LLM.int8's
+//! row-wise 8 bits are in `int8`.
 
 mod dynamic_map;
+mod int8;
 
 use serde::{Deserialize, Serialize};
 
 pub use dynamic_map::DYNAMIC_MAP_BITS;
+pub use int8::{dequantize_int8_rows, quantize_int8_rows, Int8Rows};
 
 /// The block the absmax values of double quantization are quantized in.
 pub const NESTED_BLOCK: usize = 256;
@@ -155,6 +158,14 @@ pub enum QuantError {
     /// Nothing to quantize.
     #[error("an empty tensor cannot be quantized")]
     Empty,
+    /// A row-wise quantization of a tensor whose length is not a whole number of rows.
+    #[error("{len} elements are not whole rows of {cols}")]
+    Ragged {
+        /// Elements.
+        len: usize,
+        /// Elements a row.
+        cols: usize,
+    },
     /// NaN or infinity in the weights.
     #[error("the tensor holds a value that is not finite (at element {0})")]
     NotFinite(usize),
