@@ -500,6 +500,20 @@ impl Model for Llama {
             .collect()
     }
 
+    fn take_quantized(&mut self, name: &str) -> Option<QuantWeight> {
+        self.quantized.remove(name)
+    }
+
+    fn put_quantized(&mut self, name: String, weight: QuantWeight) -> crate::error::Result<()> {
+        if !self.quantized_base() {
+            return Err(crate::error::Error::Invalid(format!(
+                "{name} is not quantized: [lora] base_quantization is none"
+            )));
+        }
+        self.quantized.insert(name, weight);
+        Ok(())
+    }
+
     fn dequantized(&self, name: &str) -> Option<Tensor> {
         self.quantized.get(name).map(|held| held.dequantize(Kind::Float))
     }

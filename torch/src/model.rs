@@ -269,6 +269,15 @@ pub trait Model: Send {
     fn quantized_block(&self, _block: usize) -> Vec<ParamSpec> {
         Vec::new()
     }
+    /// Gives up a quantized weight the model holds (a ZeRO-3 rank packs a block's and
+    /// keeps its slice; [`Model::put_quantized`] hands it back for the block's turn).
+    fn take_quantized(&mut self, _name: &str) -> Option<crate::quant::QuantWeight> {
+        None
+    }
+    /// Holds a quantized weight (one [`Model::take_quantized`] gave up).
+    fn put_quantized(&mut self, name: String, _weight: crate::quant::QuantWeight) -> Result<()> {
+        Err(Error::Invalid(format!("this model holds no quantized weight ({name})")))
+    }
     /// A quantized weight the model holds, dequantized to f32 on its device.
     fn dequantized(&self, _name: &str) -> Option<Tensor> {
         None

@@ -223,3 +223,159 @@ impl Four {
         self.packed.numel() + absmax
     }
 }
+
+impl QuantWeight {
+    /// The tensors holding the weight's values, in a fixed order: what a ZeRO-3 shard
+    /// slices (the codes and the absmax or row scales; the data type's 16 levels, the
+    /// dynamic map and the double quantization's offset are constants kept whole).
+    fn parts(&self) -> Vec<Tensor> {
+        match &self.held {
+            Held::Four(four) => {
+                let mut parts = vec![four.packed.shallow_clone()];
+                match &four.absmax {
+                    HeldAbsmax::Plain(values) => parts.push(values.shallow_clone()),
+                    HeldAbsmax::Double { codes, absmax, .. } => {
+                        parts.extend([codes.shallow_clone(), absmax.shallow_clone()])
+                    }
+                }
+                parts
+            }
+            Held::Eight(eight) => vec![eight.codes.shallow_clone(), eight.scales.shallow_clone()],
+        }
+    }
+
+    /// This weight with its [`QuantWeight::parts`] replaced by `parts` (same order).
+    fn with_parts(&self, parts: &[Tensor]) -> Self {
+        let part = |i: usize| parts[i].shallow_clone();
+        let held = match &self.held {
+            Held::Four(four) => Held::Four(Four {
+                block: four.block,
+                packed: part(0),
+                absmax: match &four.absmax {
+                    HeldAbsmax::Plain(_) => HeldAbsmax::Plain(part(1)),
+                    HeldAbsmax::Double { offset, .. } => HeldAbsmax::Double {
+                        codes: part(1),
+                        absmax: part(2),
+                        offset: *offset,
+                    },
+                },
+                code: four.code.shallow_clone(),
+                map: four.map.as_ref().map(Tensor::shallow_clone),
+            }),
+            Held::Eight(_) => Held::Eight(Eight {
+                codes: part(0),
+                scales: part(1),
+            }),
+        };
+        Self {
+            shape: self.shape.clone(),
+            held,
+        }
+    }
+}
+
+/// Where one part of a packed weight lies in the byte buffer.
+#[derive(Debug)]
+struct PartPlace {
+    offset: i64,
+    bytes: i64,
+    kind: Kind,
+    shape: Vec<i64>,
+}
+
+/// Several quantized weights as one byte buffer, each part at a 4-byte boundary and the
+/// whole a multiple of the alignment asked for: a ZeRO-3 rank keeps one slice of it and
+/// gathers the rest when the weights' block runs.
+#[derive(Debug)]
+pub struct PackedWeights {
+    /// Each weight's name, its skeleton (parts emptied) and where its parts lie.
+    weights: Vec<(String, QuantWeight, Vec<PartPlace>)>,
+    /// The buffer's bytes.
+    len: i64,
+    /// Bytes of the constants each weight keeps whole (the double quantization's offset).
+    whole: u64,
+}
+
+impl PackedWeights {
+    /// Packs `weights` into one `Uint8` buffer on their device, its length a multiple of
+    /// `align` (a multiple of 4). `None` for no weights.
+    pub fn pack(weights: Vec<(String, QuantWeight)>, align: i64) -> Option<(Self, Tensor)> {
+        let device = weights.first()?.1.parts()[0].device();
+        let mut pieces = Vec::new();
+        let mut placed = Vec::new();
+        let mut offset = 0i64;
+        let mut whole = 0u64;
+        let pad = |n: i64, to: i64| (to - n % to) % to;
+        for (name, weight) in weights {
+            let mut places = Vec::new();
+            let mut empty = Vec::new();
+            for part in weight.parts() {
+                let bytes = part.contiguous().view([-1]).view_dtype(Kind::Uint8);
+                let len = bytes.numel() as i64;
+                places.push(PartPlace {
+                    offset,
+                    bytes: len,
+                    kind: part.kind(),
+                    shape: part.size(),
+                });
+                empty.push(Tensor::empty([0], (part.kind(), device)));
+                pieces.push(bytes);
+                let gap = pad(len, 4);
+                if gap > 0 {
+                    pieces.push(Tensor::zeros([gap], (Kind::Uint8, device)));
+                }
+                offset += len + gap;
+            }
+            whole += weight.bytes() - places.iter().map(|p| p.bytes as u64).sum::<u64>();
+            placed.push((name, weight.with_parts(&empty), places));
+        }
+        let gap = pad(offset, align);
+        if gap > 0 {
+            pieces.push(Tensor::zeros([gap], (Kind::Uint8, device)));
+        }
+        let buffer = Tensor::cat(&pieces, 0);
+        Some((
+            Self {
+                weights: placed,
+                len: offset + gap,
+                whole,
+            },
+            buffer,
+        ))
+    }
+
+    /// The buffer's length in bytes.
+    pub fn len(&self) -> i64 {
+        self.len
+    }
+
+    /// Whether no weight is packed (never: [`PackedWeights::pack`] gives `None` then).
+    pub fn is_empty(&self) -> bool {
+        self.weights.is_empty()
+    }
+
+    /// Bytes of the constants each weight keeps whole beside its slice.
+    pub fn whole_bytes(&self) -> u64 {
+        self.whole
+    }
+
+    /// The weights back from the whole buffer (`Uint8`, [`PackedWeights::len`] bytes):
+    /// views of it, no copy.
+    pub fn unpack(&self, buffer: &Tensor) -> Vec<(String, QuantWeight)> {
+        self.weights
+            .iter()
+            .map(|(name, skeleton, places)| {
+                let parts: Vec<Tensor> = places
+                    .iter()
+                    .map(|p| {
+                        buffer
+                            .narrow(0, p.offset, p.bytes)
+                            .view_dtype(p.kind)
+                            .view(p.shape.as_slice())
+                    })
+                    .collect();
+                (name.clone(), skeleton.with_parts(&parts))
+            })
+            .collect()
+    }
+}

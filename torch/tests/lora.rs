@@ -674,7 +674,13 @@ fn qlora_on_an_nf4_base_trains_as_lora_on_bitsandbytes_dequantized_base_at_every
         "the adapters learn: {ref_losses:?}"
     );
     // What a float base holds, for the memory comparison.
-    let float_run = run_ranks(&lora_config(data.clone(), 1, Some(plain), ZeroConfig::default()));
+    let float_run = run_ranks(&lora_config(
+        data.clone(),
+        1,
+        Some(plain.clone()),
+        ZeroConfig::default(),
+    ));
+    let float_run3 = run_ranks(&lora_config(data.clone(), 3, Some(plain), ZeroConfig::default()));
     // The 4-bit rounding matters: the float base trains otherwise, so equality below
     // means the base really is the quantized one.
     assert!(
@@ -713,6 +719,18 @@ fn qlora_on_an_nf4_base_trains_as_lora_on_bitsandbytes_dequantized_base_at_every
                     float_run[rank].held.frozen_parameters as i64 - run.held.frozen_parameters as i64,
                     float_bytes - quantized_bytes,
                     "{what}: frozen bytes"
+                );
+            }
+            if stage == 3 {
+                // Each rank holds half of every layer's packed codes, absmax codes and
+                // nested absmax (padded to whole f32 words of both ranks) and the offsets
+                // whole, against half of the float projections.
+                let packed: i64 = shapes.iter().map(|n| n / 2 + n / 64 + 4).sum();
+                let per_rank = 2 * ((packed + 7) / 8 * 8 / 2 + 7 * 4);
+                assert_eq!(
+                    float_run3[rank].held.frozen_parameters as i64 - run.held.frozen_parameters as i64,
+                    float_bytes / 2 - per_rank,
+                    "{what}: a rank's frozen bytes at ZeRO-3"
                 );
             }
         }
@@ -756,7 +774,13 @@ fn an_int8_base_trains_as_lora_on_bitsandbytes_int8_dequantized_base() {
     let mut reference_config = lora_config(data.clone(), 1, Some(plain.clone()), ZeroConfig::default());
     reference_config.model.path = dequantized_llama(&dir, "int8").to_string_lossy().into_owned();
     let (ref_losses, ref_weights) = reference_run(&reference_config, 2, &builtin_model).unwrap();
-    let float_run = run_ranks(&lora_config(data.clone(), 1, Some(plain), ZeroConfig::default()));
+    let float_run = run_ranks(&lora_config(
+        data.clone(),
+        1,
+        Some(plain.clone()),
+        ZeroConfig::default(),
+    ));
+    let float_run3 = run_ranks(&lora_config(data.clone(), 3, Some(plain), ZeroConfig::default()));
     // LLM.int8's rounding is finer than NF4's but still moves the loss: equality below
     // means the base really is the 8-bit one.
     assert!(
@@ -785,13 +809,18 @@ fn an_int8_base_trains_as_lora_on_bitsandbytes_int8_dequantized_base() {
             }
             let diff = max_difference(&run.trained, &ref_weights);
             assert!(diff < 1e-5, "{what}: adapters differ from the reference by {diff}");
-            if stage == 1 {
-                assert_eq!(
-                    float_run[rank].held.frozen_parameters as i64 - run.held.frozen_parameters as i64,
-                    float_bytes - int8_bytes,
-                    "{what}: frozen bytes"
-                );
-            }
+            let (float, quantized) = if stage == 1 {
+                (&float_run[rank], int8_bytes)
+            } else {
+                // Half of each layer's codes and row scales a rank (they split evenly here).
+                (&float_run3[rank], int8_bytes / 2)
+            };
+            let float_share = if stage == 1 { float_bytes } else { float_bytes / 2 };
+            assert_eq!(
+                float.held.frozen_parameters as i64 - run.held.frozen_parameters as i64,
+                float_share - quantized,
+                "{what}: frozen bytes"
+            );
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -29,6 +29,7 @@
 mod adamw;
 mod init;
 mod loss;
+mod quantized;
 mod state;
 mod step;
 mod storage;
@@ -48,6 +49,7 @@ use crate::attention::Kernel;
 use crate::collective::{Pending, TensorCollective, Timed};
 use crate::error::{Error, Result};
 use crate::model::{Batch, Model, ParamSpec};
+use quantized::QuantShard;
 use storage::{Flat, Initial, Layout, Slot, Source, Store};
 
 /// The target id that carries no loss.
@@ -172,6 +174,10 @@ pub struct Engine {
     /// Stage 3 over a backend whose collectives overlap compute: the gathers started for
     /// the block that runs next (trained, frozen), taken when it runs.
     prefetched: Vec<(Option<Pending>, Option<Pending>)>,
+    /// ZeRO-3's slices of a QLoRA base, by block.
+    quant_shards: Vec<Option<QuantShard>>,
+    /// The block whose quantized weights are gathered now.
+    installed: Option<usize>,
 }
 
 /// A block's parameters as leaves of one backward: the trained buffer, the frozen one and
@@ -231,18 +237,28 @@ impl Engine {
         settings: EngineSettings,
         init: &mut dyn FnMut(&ParamSpec) -> Result<Tensor>,
     ) -> Result<Self> {
-        // A QLoRA base: each projection weight read, quantized and held by the model, one
-        // at a time (the float weight is dropped before the next is read).
-        for spec in model.quantized_specs() {
-            if model.holds_quantized(&spec.name) {
-                // Taken as a folder stored it (executor::take_stored_quantized).
-                continue;
-            }
-            let weight = init(&spec)?;
-            model.set_quantized(&spec, &weight, settings.device)?;
-        }
         let specs = model.blocks();
         let (world, rank) = (coll.world(), coll.rank());
+        // A QLoRA base: each projection weight read, quantized and held by the model, one
+        // at a time (the float weight is dropped before the next is read); at ZeRO-3 each
+        // block's are then packed and sliced, so a rank holds its share of the base.
+        let slice = settings.stage == ZeroStage::Three && world > 1;
+        let mut quant_shards = Vec::with_capacity(specs.len());
+        for block in 0..specs.len() {
+            for spec in model.quantized_block(block) {
+                if model.holds_quantized(&spec.name) {
+                    // Taken as a folder stored it (executor::take_stored_quantized).
+                    continue;
+                }
+                let weight = init(&spec)?;
+                model.set_quantized(&spec, &weight, settings.device)?;
+            }
+            quant_shards.push(if slice {
+                QuantShard::of_block(model.as_mut(), block, world, rank)
+            } else {
+                None
+            });
+        }
         let device = settings.device;
         let host = if settings.offload.offload_optimizer == Offload::Cpu {
             Device::Cpu
@@ -278,6 +294,8 @@ impl Engine {
             grad_shards: (0..blocks).map(|_| None).collect(),
             arriving: Vec::new(),
             prefetched: (0..blocks).map(|_| (None, None)).collect(),
+            quant_shards,
+            installed: None,
         };
         engine.refresh_params()?;
         Ok(engine)
@@ -406,6 +424,7 @@ impl Engine {
 
     /// The block's parameters as leaves (`grad`: whether trained ones require gradients).
     fn leaves(&mut self, block: usize, grad: bool) -> Result<Leaves> {
+        self.install_quantized(block)?;
         let flat = self.block_params(block)?.detach();
         let own = (0..self.train[block].layout.tensors.len())
             .map(|slot| self.train[block].view(slot, &flat).detach().set_requires_grad(grad))

@@ -21,9 +21,9 @@ impl Engine {
         } else {
             sum(&mut self.full.iter().flatten())
         };
-        // A QLoRA base's 4-bit weights are held by the model, on the device, whole on
-        // every rank.
-        let frozen = sum(&mut self.frozen.iter()) + self.model.quantized_bytes();
+        // A QLoRA base's quantized weights: on the device, whole on every rank or (ZeRO-3)
+        // a slice of each block's.
+        let frozen = sum(&mut self.frozen.iter()) + self.quantized_held();
         let full_grads = sum(&mut self.full_grads.iter().flatten());
         let grad_shards = sum(&mut self.grad_shards.iter().flatten());
         let on_host = |offloaded: bool, bytes: u64| if offloaded { bytes } else { 0 };
@@ -140,7 +140,8 @@ impl Engine {
                 crate::lora::merged_weight(&spec.name, weight, &trained, scale),
             ));
         }
-        // A QLoRA base's projections: dequantized (every rank holds them whole), plus B A.
+        // A QLoRA base's projections: dequantized (gathered first at ZeRO-3), plus B A.
+        self.install_quantized(block)?;
         for spec in self.model.quantized_block(block) {
             let weight = self
                 .model

@@ -74,6 +74,7 @@ impl Engine {
             // Counted on the host's copy: no device sync inside the loop.
             local_count += m.targets.ne(IGNORE).sum(Kind::Int64).int64_value(&[]);
         }
+        self.release_quantized();
         self.coll.settle()?;
         let sum = self.sum_over_ranks(local.double_value(&[]))?;
         let count = self.sum_over_ranks(local_count as f64)?.round();
@@ -193,6 +194,7 @@ impl Engine {
                 held.1 += on_host;
             }
         }
+        self.release_quantized();
         self.land_gradients()?;
         Ok((loss_sum, held))
     }
