@@ -371,9 +371,10 @@ json.dump(job, open(sys.argv[3], "w"))' "$work/ids-$last_batch.json" "$work/ids-
     step train-lora 300 "$regatta" train --config "$work/train-lora.toml" --json --log-every 5
     json_of train-lora
     # QLoRA: the same run with the base's projections in 4 bits (NF4; then with double
-    # quantization): the step lines' frozen bytes and CUDA peaks against train-lora's.
-    for quant in nf4 nf4-dq; do
-        sed -e "s/^rank = 8$/rank = 8\nbase_quantization = \"nf4\"/" "$work/train-lora.toml" >"$work/train-qlora-$quant.toml"
+    # quantization) and in LLM.int8's bytes: the step lines' frozen bytes and CUDA peaks
+    # against train-lora's.
+    for quant in nf4 nf4-dq int8; do
+        sed -e "s/^rank = 8$/rank = 8\nbase_quantization = \"${quant%-dq}\"/" "$work/train-lora.toml" >"$work/train-qlora-$quant.toml"
         [ "$quant" = nf4-dq ] && sed -i "s/^base_quantization = .*/&\ndouble_quant = true/" "$work/train-qlora-$quant.toml"
         step "train-qlora-$quant" 300 "$regatta" train --config "$work/train-qlora-$quant.toml" --json --log-every 5
         json_of "train-qlora-$quant"

@@ -271,6 +271,7 @@ fn gpu_proof_script_prepares_its_folder_and_runs_every_step_on_cpu() {
         "train-lora",
         "train-qlora-nf4",
         "train-qlora-nf4-dq",
+        "train-qlora-int8",
         "peer-lora",
     ] {
         assert!(

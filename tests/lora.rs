@@ -53,6 +53,60 @@ fn losses(stdout: &str) -> Vec<f64> {
     serde_json::from_value(summary["losses"].clone()).unwrap()
 }
 
+/// `regatta train --config CONFIG --steps STEPS --json --log-every 1`, resuming when
+/// `resume`, and with its checkpoints in `dir/other` rather than the config's unless `ckpt`.
+fn train_run(config: &Path, dir: &Path, steps: &str, resume: bool, ckpt: bool) -> String {
+    let mut command = regatta();
+    command.args([
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--steps",
+        steps,
+        "--json",
+    ]);
+    command.args(["--log-every", "1"]);
+    if resume {
+        command.arg("--resume");
+    }
+    if !ckpt {
+        command.args(["--checkpoint-dir", dir.join("other").to_str().unwrap()]);
+    }
+    run(&mut command)
+}
+
+/// `regatta score --actors 1 --input ROWS --output OUT EXTRA...`, and the scores it wrote.
+fn score_run(rows: &Path, out: &Path, extra: &[&str]) -> BTreeMap<String, ScoredRow> {
+    run(regatta()
+        .args(["score", "--actors", "1", "--input", rows.to_str().unwrap()])
+        .args(["--output", out.to_str().unwrap()])
+        .args(extra));
+    scores(out)
+}
+
+/// Checks every row of `adapter` scores within 1e-3 of each of `same`; returns how far
+/// `other` moved from it at most.
+fn agree_and_move(
+    adapter: &BTreeMap<String, ScoredRow>,
+    same: &[(&str, &BTreeMap<String, ScoredRow>)],
+    other: &BTreeMap<String, ScoredRow>,
+) -> f64 {
+    let mut moved = 0.0f64;
+    for (id, row) in adapter {
+        for (what, scored) in same {
+            let diff = (row.log_likelihood - scored[id].log_likelihood).abs();
+            assert!(
+                diff < 1e-3,
+                "{id}: the adapter unmerged {} vs {what} {}",
+                row.log_likelihood,
+                scored[id].log_likelihood
+            );
+        }
+        moved = moved.max((row.log_likelihood - other[id].log_likelihood).abs());
+    }
+    moved
+}
+
 fn scores(dir: &Path) -> BTreeMap<String, ScoredRow> {
     let mut rows = BTreeMap::new();
     for entry in std::fs::read_dir(dir).unwrap().flatten() {
@@ -87,26 +141,7 @@ fn lora_with_zero3_offload_over_worker_processes_matches_the_reference_resumes_a
         ),
     )
     .unwrap();
-    let train = |steps: &str, resume: bool, ckpt: bool| {
-        let mut command = regatta();
-        command.args([
-            "train",
-            "--config",
-            config.to_str().unwrap(),
-            "--steps",
-            steps,
-            "--json",
-            "--log-every",
-            "1",
-        ]);
-        if resume {
-            command.arg("--resume");
-        }
-        if !ckpt {
-            command.args(["--checkpoint-dir", dir.join("other").to_str().unwrap()]);
-        }
-        run(&mut command)
-    };
+    let train = |steps: &str, resume: bool, ckpt: bool| train_run(&config, &dir, steps, resume, ckpt);
     let first = train("3", false, true);
     assert!(
         first.contains("with LoRA adapters (r 4, alpha 8) on q_proj, v_proj, down_proj"),
@@ -191,20 +226,7 @@ fn lora_with_zero3_offload_over_worker_processes_matches_the_reference_resumes_a
         said.contains("model.safetensors") && said.contains("config.json"),
         "{said}"
     );
-    let score = |tag: &str, extra: &[&str]| {
-        let out = dir.join(tag);
-        run(regatta()
-            .args([
-                "score",
-                "--input",
-                rows.to_str().unwrap(),
-                "--output",
-                out.to_str().unwrap(),
-            ])
-            .args(["--actors", "1"])
-            .args(extra));
-        scores(&out)
-    };
+    let score = |tag: &str, extra: &[&str]| score_run(&rows, &dir.join(tag), extra);
     let unmerged = score(
         "unmerged",
         &["--model", &base, "--adapter", checkpoints.to_str().unwrap()],
@@ -213,19 +235,11 @@ fn lora_with_zero3_offload_over_worker_processes_matches_the_reference_resumes_a
     let by_tool = score("by-tool", &["--model", merged.to_str().unwrap()]);
     let plain = score("base", &["--model", &base]);
     assert_eq!(unmerged.len(), 40);
-    let mut moved = 0.0f64;
-    for (id, row) in &unmerged {
-        for (what, other) in [("the run's merged weights", &by_run), ("merge", &by_tool)] {
-            let diff = (row.log_likelihood - other[id].log_likelihood).abs();
-            assert!(
-                diff < 1e-3,
-                "{id}: adapter {} vs {what} {}",
-                row.log_likelihood,
-                other[id].log_likelihood
-            );
-        }
-        moved = moved.max((row.log_likelihood - plain[id].log_likelihood).abs());
-    }
+    let moved = agree_and_move(
+        &unmerged,
+        &[("the run's merged weights", &by_run), ("merge", &by_tool)],
+        &plain,
+    );
     assert!(moved > 1e-3, "the trained adapter changes the scores ({moved})");
     // Greedy generation with the adapter unmerged equals generation with merged weights.
     let generate = |tag: &str, extra: &[&str]| {
@@ -351,14 +365,7 @@ fn lora_trains_on_a_quantized_gguf_base_with_its_own_tokenizer_and_chat_template
         .map(|i| format!("{}\n", serde_json::json!({"id": format!("r{i:02}"), "text": format!("The code word number {} is {}.", i % 3, ["Heron", "Skiff", "Tiller"][i % 3])})))
         .collect();
     std::fs::write(&rows, text).unwrap();
-    let score = |tag: &str, extra: &[&str]| {
-        let out = dir.join(tag);
-        run(regatta()
-            .args(["score", "--actors", "1", "--input", rows.to_str().unwrap()])
-            .args(["--output", out.to_str().unwrap()])
-            .args(extra));
-        scores(&out)
-    };
+    let score = |tag: &str, extra: &[&str]| score_run(&rows, &dir.join(tag), extra);
     let unmerged = score(
         "unmerged",
         &["--model", &base, "--adapter", checkpoints.to_str().unwrap()],
@@ -408,25 +415,7 @@ fn qlora_resumes_merges_on_save_and_its_adapter_scores_on_the_4bit_base_as_its_m
         ),
     )
     .unwrap();
-    let train = |steps: &str, resume: bool, ckpt: bool| {
-        let mut command = regatta();
-        command.args([
-            "train",
-            "--config",
-            config.to_str().unwrap(),
-            "--steps",
-            steps,
-            "--json",
-        ]);
-        command.args(["--log-every", "1"]);
-        if resume {
-            command.arg("--resume");
-        }
-        if !ckpt {
-            command.args(["--checkpoint-dir", dir.join("other").to_str().unwrap()]);
-        }
-        run(&mut command)
-    };
+    let train = |steps: &str, resume: bool, ckpt: bool| train_run(&config, &dir, steps, resume, ckpt);
     let first = train("2", false, true);
     let resumed = train("4", true, true);
     assert!(resumed.contains("from step 2"), "{resumed}");
@@ -449,14 +438,7 @@ fn qlora_resumes_merges_on_save_and_its_adapter_scores_on_the_4bit_base_as_its_m
     std::fs::write(&rows, text).unwrap();
     let by_tool = dir.join("merged");
     run(torch_rank().args(["merge", &base, checkpoints.to_str().unwrap(), by_tool.to_str().unwrap()]));
-    let score = |tag: &str, extra: &[&str]| {
-        let out = dir.join(tag);
-        run(regatta()
-            .args(["score", "--actors", "1", "--input", rows.to_str().unwrap()])
-            .args(["--output", out.to_str().unwrap()])
-            .args(extra));
-        scores(&out)
-    };
+    let score = |tag: &str, extra: &[&str]| score_run(&rows, &dir.join(tag), extra);
     let adapter = checkpoints.to_str().unwrap();
     let on_4bit = score("adapter", &["--model", &base, "--adapter", adapter]);
     let merged = score("merged", &["--model", adapter]);
@@ -466,19 +448,11 @@ fn qlora_resumes_merges_on_save_and_its_adapter_scores_on_the_4bit_base_as_its_m
         &["--model", &base, "--adapter", adapter, "--adapter-base", "none"],
     );
     assert_eq!(on_4bit.len(), 12);
-    let mut moved = 0.0f64;
-    for (id, row) in &on_4bit {
-        for (what, other) in [("the run's merged weights", &merged), ("merge", &merged_by_tool)] {
-            let diff = (row.log_likelihood - other[id].log_likelihood).abs();
-            assert!(
-                diff < 1e-3,
-                "{id}: adapter on the 4-bit base {} vs {what} {}",
-                row.log_likelihood,
-                other[id].log_likelihood
-            );
-        }
-        moved = moved.max((row.log_likelihood - on_float[id].log_likelihood).abs());
-    }
+    let moved = agree_and_move(
+        &on_4bit,
+        &[("the run's merged weights", &merged), ("merge", &merged_by_tool)],
+        &on_float,
+    );
     assert!(moved > 1e-2, "the 4-bit base scores as the float one ({moved})");
     let _ = std::fs::remove_dir_all(&dir);
 }

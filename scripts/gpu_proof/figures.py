@@ -110,7 +110,7 @@ tps, peer_tps = lora.get("tokens_per_sec"), peer_lora.get("tokens_per_sec")
 ratio = f"{tps / peer_tps:.2f}x" if tps and peer_tps else "-"
 rows.append(f"| LoRA r8 (ZeRO-2), tokens/s | {fmt(tps)} | {fmt(peer_tps)} | {ratio} |")
 # QLoRA beside that LoRA run: the base's bytes held, the CUDA peak and tokens/s.
-for name, label in [("train-lora", "as is (bf16)"), ("train-qlora-nf4", "NF4"), ("train-qlora-nf4-dq", "NF4, double quantization")]:
+for name, label in [("train-lora", "as is (bf16)"), ("train-qlora-nf4", "NF4"), ("train-qlora-nf4-dq", "NF4, double quantization"), ("train-qlora-int8", "int8 (LLM.int8)")]:
     last = (load(name) or {}).get("last") or {}
     if not last:
         rows.append(f"| LoRA r8, base {label}: frozen bytes; CUDA peak allocated; tokens/s | - | | |")

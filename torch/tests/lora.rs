@@ -465,6 +465,15 @@ fn run_ranks(config: &TrainConfig) -> Vec<RankRun> {
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
+/// A rank's losses and trained weights equal the reference's within 1e-5.
+fn assert_trains_as(what: &str, run: &RankRun, ref_losses: &[f64], ref_weights: &[(String, Tensor)]) {
+    for (step, (a, b)) in run.losses.iter().zip(ref_losses).enumerate() {
+        assert!((a - b).abs() < 1e-5, "{what} step {step}: {a} vs {b}");
+    }
+    let diff = max_difference(&run.trained, ref_weights);
+    assert!(diff < 1e-5, "{what}: adapters differ from the reference by {diff}");
+}
+
 fn max_difference(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter()
@@ -516,11 +525,7 @@ fn lora_training_over_two_ranks_matches_the_reference_at_every_stage_and_trains_
         for (rank, run) in runs.iter().enumerate() {
             let what = format!("stage {stage} rank {rank}");
             assert!(run.norms[1] > 0.05, "{what}: clipping acts ({:?})", run.norms);
-            for (step, (a, b)) in run.losses.iter().zip(&ref_losses).enumerate() {
-                assert!((a - b).abs() < 1e-5, "{what} step {step}: {a} vs {b}");
-            }
-            let diff = max_difference(&run.trained, &ref_weights);
-            assert!(diff < 1e-5, "{what}: adapters differ from the reference by {diff}");
+            assert_trains_as(&what, run, &ref_losses, &ref_weights);
             assert_eq!(run.trained_count, adapter_numel as u64);
             for (name, t) in &run.frozen {
                 let spec = hf
@@ -704,11 +709,7 @@ fn qlora_on_an_nf4_base_trains_as_lora_on_bitsandbytes_dequantized_base_at_every
         ));
         for (rank, run) in runs.iter().enumerate() {
             let what = format!("stage {stage} rank {rank}");
-            for (step, (a, b)) in run.losses.iter().zip(&ref_losses).enumerate() {
-                assert!((a - b).abs() < 1e-5, "{what} step {step}: {a} vs {b}");
-            }
-            let diff = max_difference(&run.trained, &ref_weights);
-            assert!(diff < 1e-5, "{what}: adapters differ from the reference by {diff}");
+            assert_trains_as(&what, run, &ref_losses, &ref_weights);
             // The projections are held in 4 bits (whole on every rank), not in f32.
             assert!(
                 run.frozen.iter().all(|(name, _)| !name.ends_with("proj.weight")),
@@ -804,11 +805,7 @@ fn an_int8_base_trains_as_lora_on_bitsandbytes_int8_dequantized_base() {
         ));
         for (rank, run) in runs.iter().enumerate() {
             let what = format!("int8 stage {stage} rank {rank}");
-            for (step, (a, b)) in run.losses.iter().zip(&ref_losses).enumerate() {
-                assert!((a - b).abs() < 1e-5, "{what} step {step}: {a} vs {b}");
-            }
-            let diff = max_difference(&run.trained, &ref_weights);
-            assert!(diff < 1e-5, "{what}: adapters differ from the reference by {diff}");
+            assert_trains_as(&what, run, &ref_losses, &ref_weights);
             let (float, quantized) = if stage == 1 {
                 (&float_run[rank], int8_bytes)
             } else {
