@@ -8,7 +8,7 @@
 use super::QuantError;
 
 /// bitsandbytes' `1 / 127`, as f32.
-const INVERSE_127: f32 = 7.874015718698502e-3;
+const INVERSE_127: f32 = 7.874015718698502e-3_f64 as f32;
 
 /// A 2-D weight in 8 bits, row by row.
 #[derive(Clone, Debug, PartialEq)]
@@ -33,7 +33,7 @@ pub fn quantize_int8_rows(values: &[f32], cols: usize) -> Result<Int8Rows, Quant
     if values.is_empty() || cols == 0 {
         return Err(QuantError::Empty);
     }
-    if values.len() % cols != 0 {
+    if !values.len().is_multiple_of(cols) {
         return Err(QuantError::Ragged {
             len: values.len(),
             cols,
