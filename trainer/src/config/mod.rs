@@ -102,11 +102,31 @@ impl Default for TrainConfig {
     }
 }
 
+/// A QLoRA setting written outside `[lora]` (at the top or in `[model]`), by its place.
+fn misplaced_qlora_key(text: &str) -> Option<String> {
+    let table: toml::Table = toml::from_str(text).ok()?;
+    let keys = ["base_quantization", "double_quant", "quant_block_size"];
+    let model = table.get("model").and_then(toml::Value::as_table);
+    keys.iter().find_map(|key| {
+        if table.contains_key(*key) {
+            Some(key.to_string())
+        } else {
+            model.filter(|m| m.contains_key(*key)).map(|_| format!("model.{key}"))
+        }
+    })
+}
+
 impl TrainConfig {
     /// Parses `train.toml` text; unknown keys are errors (a typo never silently falls back
     /// to a default).
     pub fn from_toml(text: &str) -> crate::Result<Self> {
-        let config: Self = toml::from_str(text).map_err(|e| Error::Config(e.to_string()))?;
+        let config: Self = toml::from_str(text).map_err(|e| match misplaced_qlora_key(text) {
+            Some(key) => Error::Config(format!(
+                "{key} is a LoRA setting: QLoRA's base quantization goes in the [lora] section \
+                 (base_quantization, double_quant, quant_block_size), with the adapters it trains ({e})"
+            )),
+            None => Error::Config(e.to_string()),
+        })?;
         config.validate()?;
         Ok(config)
     }

@@ -291,6 +291,15 @@ mod tests {
                 "needs checkpoint.dir",
             ),
             ("[logging]\ntensorbord = \"t\"", "unknown field"),
+            // QLoRA asked without [lora]: the setting is named with where it goes.
+            (
+                "base_quantization = \"nf4\"",
+                "base_quantization is a LoRA setting: QLoRA's base quantization goes in the [lora] section",
+            ),
+            (
+                "[model]\npath = \"m\"\ndouble_quant = true",
+                "model.double_quant is a LoRA setting",
+            ),
         ];
         for (text, expected) in cases {
             let error = TrainConfig::from_toml(text).unwrap_err();
