@@ -40,7 +40,7 @@ pub use handshake_slots::{
 pub use id::ObjectId;
 pub use identity::{identity_from_token, TlsIdentity};
 pub use memory::{MemoryStats, MemoryStore, NoRoom};
-pub use place::{absolute, Place};
+pub use place::{absolute, Place, PlaceError};
 pub use quic::endpoint;
 pub use receive_pool::{pooled_bytes, RECEIVE_POOL_ENV};
 pub use sealed::{

@@ -9,6 +9,69 @@ use bytes::Bytes;
 use object_store::path::Path;
 use object_store::{ObjectStore, PutPayload};
 
+/// Why a place could not be opened, read or written; each names the file or directory.
+#[derive(Debug, thiserror::Error)]
+pub enum PlaceError {
+    /// The location is not a directory Regatta can open (an unknown scheme, a bad URL, a
+    /// backend that cannot be configured).
+    #[error(transparent)]
+    Open(#[from] crate::Error),
+    /// A location that should name a file ends in `/` (or is empty).
+    #[error("{0} does not name a file")]
+    NotAFile(String),
+    /// The file does not exist.
+    #[error("{0} does not exist")]
+    Missing(String),
+    /// Reading a file (or its size) failed.
+    #[error("cannot read {url}: {source}")]
+    Read {
+        /// The file.
+        url: String,
+        /// The backend's error.
+        source: object_store::Error,
+    },
+    /// Reading a byte range of a file failed.
+    #[error("cannot read bytes {range:?} of {url}: {source}")]
+    ReadRange {
+        /// The file.
+        url: String,
+        /// The bytes asked for.
+        range: Range<u64>,
+        /// The backend's error.
+        source: object_store::Error,
+    },
+    /// Listing a directory failed.
+    #[error("cannot list {url}: {source}")]
+    List {
+        /// The directory.
+        url: String,
+        /// The backend's error.
+        source: object_store::Error,
+    },
+    /// Writing a file failed.
+    #[error("cannot write {url}: {source}")]
+    Write {
+        /// The file.
+        url: String,
+        /// The backend's error.
+        source: object_store::Error,
+    },
+}
+
+impl PlaceError {
+    /// Whether the same request may succeed later (the backend failed: a network or disk
+    /// hiccup), as opposed to a bad location or a missing file.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Read { source, .. }
+            | Self::ReadRange { source, .. }
+            | Self::List { source, .. }
+            | Self::Write { source, .. } => !matches!(source, object_store::Error::NotFound { .. }),
+            Self::Open(_) | Self::NotAFile(_) | Self::Missing(_) => false,
+        }
+    }
+}
+
 /// A directory-like place in a backend.
 #[derive(Clone)]
 pub struct Place {
@@ -53,11 +116,11 @@ pub fn absolute(path: &str, base: &std::path::Path) -> String {
 
 impl Place {
     /// Opens a directory: `/abs/dir`, `file:///abs/dir` or `s3://bucket/prefix`.
-    pub fn dir(text: &str) -> Result<Self, String> {
+    pub fn dir(text: &str) -> Result<Self, PlaceError> {
         let text = &normalize(text);
         let dir = format!("{}/", text.trim_end_matches('/'));
-        let url = crate::spill::parse_spill_url(&dir).map_err(|e| e.to_string())?;
-        let (store, prefix) = crate::spill::open_store(&url).map_err(|e| e.to_string())?;
+        let url = crate::spill::parse_spill_url(&dir)?;
+        let (store, prefix) = crate::spill::open_store(&url)?;
         Ok(Self {
             store,
             prefix,
@@ -66,12 +129,12 @@ impl Place {
     }
 
     /// Opens the directory holding a file and returns it with the file's name.
-    pub fn file(text: &str) -> Result<(Self, String), String> {
+    pub fn file(text: &str) -> Result<(Self, String), PlaceError> {
         let text = &normalize(text);
         let (dir, name) = text
             .rsplit_once('/')
             .filter(|(_, name)| !name.is_empty())
-            .ok_or_else(|| format!("{text} does not name a file"))?;
+            .ok_or_else(|| PlaceError::NotAFile(text.to_string()))?;
         let dir = if dir.is_empty() || dir.ends_with(':') {
             format!("{dir}/")
         } else {
@@ -102,49 +165,67 @@ impl Place {
     }
 
     /// The size of a file.
-    pub async fn size(&self, name: &str) -> Result<u64, String> {
+    pub async fn size(&self, name: &str) -> Result<u64, PlaceError> {
         let meta = self
             .store
             .head(&self.path(name))
             .await
-            .map_err(|e| format!("cannot read {}: {e}", display(&self.url, name)))?;
+            .map_err(|source| self.read_error(name, source))?;
         Ok(meta.size)
     }
 
     /// A file's bytes, or `None` when it does not exist.
-    pub async fn get_opt(&self, name: &str) -> Result<Option<Bytes>, String> {
+    pub async fn get_opt(&self, name: &str) -> Result<Option<Bytes>, PlaceError> {
         match self.store.get(&self.path(name)).await {
             Ok(result) => result
                 .bytes()
                 .await
                 .map(Some)
-                .map_err(|e| format!("cannot read {}: {e}", display(&self.url, name))),
+                .map_err(|source| self.read_error(name, source)),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(format!("cannot read {}: {e}", display(&self.url, name))),
+            Err(source) => Err(self.read_error(name, source)),
+        }
+    }
+
+    fn read_error(&self, name: &str, source: object_store::Error) -> PlaceError {
+        PlaceError::Read {
+            url: display(&self.url, name),
+            source,
         }
     }
 
     /// A file's bytes.
-    pub async fn get(&self, name: &str) -> Result<Bytes, String> {
+    pub async fn get(&self, name: &str) -> Result<Bytes, PlaceError> {
         self.get_opt(name)
             .await?
-            .ok_or_else(|| format!("{} does not exist", display(&self.url, name)))
+            .ok_or_else(|| PlaceError::Missing(display(&self.url, name)))
     }
 
     /// A byte range of a file.
-    pub async fn get_range(&self, name: &str, range: Range<u64>) -> Result<Bytes, String> {
+    pub async fn get_range(&self, name: &str, range: Range<u64>) -> Result<Bytes, PlaceError> {
         self.store
             .get_range(&self.path(name), range.clone())
             .await
-            .map_err(|e| format!("cannot read bytes {range:?} of {}: {e}", display(&self.url, name)))
+            .map_err(|source| PlaceError::ReadRange {
+                url: display(&self.url, name),
+                range,
+                source,
+            })
+    }
+
+    fn list_error(&self, source: object_store::Error) -> PlaceError {
+        PlaceError::List {
+            url: self.url.clone(),
+            source,
+        }
     }
 
     /// Names of the files directly in this directory.
-    pub async fn list(&self) -> Result<Vec<String>, String> {
+    pub async fn list(&self) -> Result<Vec<String>, PlaceError> {
         let listing = match self.store.list_with_delimiter(Some(&self.prefix)).await {
             Ok(listing) => listing,
             Err(object_store::Error::NotFound { .. }) => return Ok(Vec::new()),
-            Err(e) => return Err(format!("cannot list {}: {e}", self.url)),
+            Err(source) => return Err(self.list_error(source)),
         };
         Ok(listing
             .objects
@@ -155,13 +236,13 @@ impl Place {
 
     /// Every file under this directory, at any depth: names relative to it (with `/`
     /// between folders) and sizes, sorted by name.
-    pub async fn list_all(&self) -> Result<Vec<(String, u64)>, String> {
+    pub async fn list_all(&self) -> Result<Vec<(String, u64)>, PlaceError> {
         use futures::TryStreamExt;
         let prefix = self.prefix.as_ref().to_string();
         let metas: Vec<object_store::ObjectMeta> = match self.store.list(Some(&self.prefix)).try_collect().await {
             Ok(metas) => metas,
             Err(object_store::Error::NotFound { .. }) => Vec::new(),
-            Err(e) => return Err(format!("cannot list {}: {e}", self.url)),
+            Err(source) => return Err(self.list_error(source)),
         };
         let mut files: Vec<(String, u64)> = metas
             .into_iter()
@@ -181,12 +262,15 @@ impl Place {
     }
 
     /// Writes a whole file (atomic on both backends: a reader sees the old or the new one).
-    pub async fn put(&self, name: &str, bytes: Bytes) -> Result<(), String> {
+    pub async fn put(&self, name: &str, bytes: Bytes) -> Result<(), PlaceError> {
         self.store
             .put(&self.path(name), PutPayload::from_bytes(bytes))
             .await
             .map(|_| ())
-            .map_err(|e| format!("cannot write {}: {e}", display(&self.url, name)))
+            .map_err(|source| PlaceError::Write {
+                url: display(&self.url, name),
+                source,
+            })
     }
 }
 
@@ -199,5 +283,33 @@ mod tests {
         assert_eq!(normalize("/a/b/../c/./d/"), "/a/c/d");
         assert_eq!(normalize("/.."), "/");
         assert_eq!(normalize("s3://bucket/x/../y"), "s3://bucket/x/../y");
+    }
+
+    #[test]
+    fn failures_are_typed_name_the_location_and_only_backend_ones_are_transient() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let dir = std::env::temp_dir().join(format!("regatta-place-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+        let place = Place::dir(dir.to_str().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}"));
+        let missing = runtime.block_on(place.get("absent.json")).unwrap_err();
+        assert!(
+            matches!(&missing, PlaceError::Missing(url) if url.ends_with("/absent.json")),
+            "{missing}"
+        );
+        assert!(!missing.is_transient());
+        assert_eq!(runtime.block_on(place.get_opt("absent.json")).ok(), Some(None));
+        let size = runtime.block_on(place.size("absent.json")).unwrap_err();
+        assert!(
+            matches!(size, PlaceError::Read { .. }) && !size.is_transient(),
+            "{size}"
+        );
+        let not_a_file = Place::file("s3://bucket/dir/").err().map(|e| e.to_string());
+        assert_eq!(not_a_file.as_deref(), Some("s3://bucket/dir/ does not name a file"));
+        let scheme = Place::dir("ftp://host/x").err();
+        assert!(matches!(scheme, Some(PlaceError::Open(_))), "{scheme:?}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -337,8 +337,8 @@ impl ScorerActor {
     async fn read_prompt_rows(task: &PartitionTask) -> Result<(Vec<(u64, PromptRow)>, Vec<RowError>, bool)> {
         match &task.slice {
             Slice::Bytes { start, end } => {
-                let (place, name) = Place::file(&task.input).map_err(Error::Storage)?;
-                let size = place.size(&name).await.map_err(Error::Storage)?;
+                let (place, name) = Place::file(&task.input)?;
+                let size = place.size(&name).await?;
                 let (mut rows, mut errors, mut openai_lines) = (Vec::new(), Vec::new(), false);
                 for (offset, line) in read_owned_lines(&place, &name, size, *start..*end).await? {
                     // A cheap look for OpenAI's key; the parse decides the row.
@@ -439,8 +439,8 @@ impl ScorerActor {
     }
 
     async fn read_lines(input: &str, range: Range<u64>) -> Result<(Vec<(u64, Row)>, Vec<RowError>)> {
-        let (place, name) = Place::file(input).map_err(Error::Storage)?;
-        let size = place.size(&name).await.map_err(Error::Storage)?;
+        let (place, name) = Place::file(input)?;
+        let size = place.size(&name).await?;
         let (mut rows, mut errors) = (Vec::new(), Vec::new());
         for (offset, line) in read_owned_lines(&place, &name, size, range).await? {
             match parse_row(&line, offset) {
@@ -592,23 +592,19 @@ async fn finish_partition(
     }
     let outcome = async {
         let done = work.await?;
-        let out = Place::dir(&task.output).map_err(Error::Storage)?;
+        let out = Place::dir(&task.output)?;
         if !done.errors.is_empty() {
             let mut text = String::new();
             for error in &done.errors {
                 text.push_str(&serde_json::to_string(error).map_err(|e| Error::Output(e.to_string()))?);
                 text.push('\n');
             }
-            out.put(&errors_name(task.partition), Bytes::from(text))
-                .await
-                .map_err(Error::Storage)?;
+            out.put(&errors_name(task.partition), Bytes::from(text)).await?;
         }
         for (name, bytes) in done.extra {
-            out.put(&name, bytes).await.map_err(Error::Storage)?;
+            out.put(&name, bytes).await?;
         }
-        out.put(&output_name(task.partition), done.file)
-            .await
-            .map_err(Error::Storage)?;
+        out.put(&output_name(task.partition), done.file).await?;
         m.rows.with_label_values(&["scored"]).inc_by(done.rows);
         m.rows
             .with_label_values(&["malformed"])

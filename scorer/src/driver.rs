@@ -513,7 +513,7 @@ impl ScoreRun {
             partitions: slices.iter().map(|(slice, _)| slice.clone()).collect(),
             generation: self.config.generate.then(|| self.config.sampling()),
         };
-        match output.get_opt(PLAN_FILE).await.map_err(Error::Storage)? {
+        match output.get_opt(PLAN_FILE).await? {
             Some(bytes) => {
                 let earlier: OutputLayout = serde_json::from_slice(&bytes)
                     .map_err(|e| Error::Output(format!("{}/{PLAN_FILE} is not a scoring plan: {e}", output.url())))?;
@@ -534,7 +534,7 @@ impl ScoreRun {
             }
             None => {
                 let body = serde_json::to_vec_pretty(&layout)?;
-                output.put(PLAN_FILE, Bytes::from(body)).await.map_err(Error::Storage)
+                output.put(PLAN_FILE, Bytes::from(body)).await.map_err(Error::from)
             }
         }
     }
@@ -558,8 +558,8 @@ impl ScoreRun {
         let c = &self.config;
         let count = if c.partitions == 0 { 4 * c.actors } else { c.partitions };
         let (slices, size) = plan_slices(&c.input, count).await?;
-        let output = Place::dir(&c.output).map_err(Error::Storage)?;
-        let existing = output.list().await.map_err(Error::Storage)?;
+        let output = Place::dir(&c.output)?;
+        let existing = output.list().await?;
         self.claim_output(&output, &existing, &slices, size).await?;
         let mut plan = Plan::new(slices.len(), &existing, c.max_attempts);
         let mut progress = Progress {
@@ -719,10 +719,7 @@ impl ScoreRun {
             errors_this_run: progress.errors,
         };
         let body = serde_json::to_vec_pretty(&manifest)?;
-        output
-            .put("_manifest.json", Bytes::from(body))
-            .await
-            .map_err(Error::Storage)?;
+        output.put("_manifest.json", Bytes::from(body)).await?;
         progress.seconds = started.elapsed().as_secs_f64();
         Ok(progress)
     }
@@ -745,8 +742,8 @@ async fn plan_slices(input: &str, count: usize) -> Result<(Vec<(Slice, u64)>, u6
             .collect();
         return Ok((slices, size));
     }
-    let (place, name) = Place::file(input).map_err(Error::Storage)?;
-    let size = place.size(&name).await.map_err(Error::Storage)?;
+    let (place, name) = Place::file(input)?;
+    let size = place.size(&name).await?;
     let slices = byte_ranges(size, count)
         .into_iter()
         .map(|r| {

@@ -15,9 +15,9 @@ pub enum Error {
     /// The scorer executor process could not start, load its model or answer.
     #[error("{0}")]
     Executor(String),
-    /// Reading or writing through `object_store` failed.
+    /// A file or directory (local or S3) could not be opened, read or written.
     #[error("storage: {0}")]
-    Storage(String),
+    Place(#[from] regatta_object_store::PlaceError),
     /// The run could not finish: partitions kept failing or every actor died.
     #[error("{0}")]
     Run(String),

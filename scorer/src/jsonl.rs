@@ -7,7 +7,7 @@ use std::ops::Range;
 use bytes::Bytes;
 use regatta_object_store::Place;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::partition::{owned_lines, read_window};
 
 /// Each non-blank line starting in `range` of the file `name` (of `size` bytes) in `place`,
@@ -16,7 +16,7 @@ pub async fn read_owned_lines(place: &Place, name: &str, size: u64, range: Range
     let range = range.start..range.end.min(size);
     let mut window = read_window(&range);
     loop {
-        let buf = place.get_range(name, window.clone()).await.map_err(Error::Storage)?;
+        let buf = place.get_range(name, window.clone()).await?;
         let (lines, more) = owned_lines(&buf, window.start, &range, window.end >= size);
         if more.is_some() {
             let grow = (window.end - window.start).max(64 << 10);

@@ -125,14 +125,14 @@ pub struct ParquetInput {
 impl ParquetInput {
     /// Reads the footer of `input` (path or URL) and checks it has `id` and `text` columns.
     pub async fn open(input: &str) -> Result<Self> {
-        let (place, name) = Place::file(input).map_err(Error::Storage)?;
-        let size = place.size(&name).await.map_err(Error::Storage)?;
+        let (place, name) = Place::file(input)?;
+        let size = place.size(&name).await?;
         let not_parquet = |why: String| Error::Input(format!("{input} is not a readable Parquet file: {why}"));
         if size < 12 {
             return Err(not_parquet(format!("{size} bytes")));
         }
         let tail_start = size.saturating_sub(64 << 10);
-        let mut tail = place.get_range(&name, tail_start..size).await.map_err(Error::Storage)?;
+        let mut tail = place.get_range(&name, tail_start..size).await?;
         if &tail[tail.len() - 4..] != b"PAR1" {
             return Err(not_parquet("no PAR1 footer magic".into()));
         }
@@ -146,10 +146,7 @@ impl ParquetInput {
         let mut tail_offset = tail_start;
         if footer > tail.len() as u64 {
             tail_offset = size - footer;
-            tail = place
-                .get_range(&name, tail_offset..size)
-                .await
-                .map_err(Error::Storage)?;
+            tail = place.get_range(&name, tail_offset..size).await?;
         }
         let pieces = Pieces {
             size,
@@ -230,11 +227,7 @@ impl ParquetInput {
                 self.url, slice.group
             )));
         }
-        let data = self
-            .place
-            .get_range(&self.name, span.clone())
-            .await
-            .map_err(Error::Storage)?;
+        let data = self.place.get_range(&self.name, span.clone()).await?;
         let pieces = Pieces {
             size: self.size,
             pieces: vec![(span.start, data)],

@@ -67,12 +67,9 @@ pub struct BenchDataResult {
 
 /// Bytes of `text` fields per token over the first MiB of `file` of `source`.
 async fn bytes_per_token(source: &str, file: &str, tokenizer: &TextTokenizer) -> Result<f64> {
-    let place = Place::dir(source).map_err(Error::Storage)?;
-    let size = place.size(file).await.map_err(Error::Storage)?;
-    let head = place
-        .get_range(file, 0..size.min(1 << 20))
-        .await
-        .map_err(Error::Storage)?;
+    let place = Place::dir(source)?;
+    let size = place.size(file).await?;
+    let head = place.get_range(file, 0..size.min(1 << 20)).await?;
     let (mut bytes, mut tokens) = (0usize, 0usize);
     for line in head.split(|b| *b == b'\n') {
         if let Ok(serde_json::Value::Object(row)) = serde_json::from_slice::<serde_json::Value>(line) {
@@ -97,7 +94,7 @@ fn rss_mib() -> f64 {
 }
 
 async fn upload(from: &str, to: &str) -> Result<()> {
-    let target = Place::dir(to).map_err(Error::Storage)?;
+    let target = Place::dir(to)?;
     let mut names: Vec<_> = std::fs::read_dir(from)?
         .filter_map(|e| e.ok())
         .filter(|e| e.path().is_file())
@@ -106,7 +103,7 @@ async fn upload(from: &str, to: &str) -> Result<()> {
     for entry in names {
         let bytes = std::fs::read(entry.path())?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        target.put(&name, Bytes::from(bytes)).await.map_err(Error::Storage)?;
+        target.put(&name, Bytes::from(bytes)).await?;
     }
     Ok(())
 }

@@ -106,8 +106,8 @@ pub async fn tokenizer_json(spec: &str) -> Result<bytes::Bytes> {
             problem: "makes no tokenizer.json".into(),
         });
     }
-    let (place, name) = Place::file(spec).map_err(Error::Storage)?;
-    place.get(&name).await.map_err(Error::Storage)
+    let (place, name) = Place::file(spec)?;
+    place.get(&name).await.map_err(Error::from)
 }
 
 /// One loaded partition: a slice of a text stream, or packed document rows.
@@ -307,8 +307,8 @@ pub fn encode_record(tokenizer: &TextTokenizer, settings: &TokenizerSettings, re
 
 /// Partition `p` of `partitions` of a text stream: a slice of the file's bytes, as tokens.
 async fn text_part(path: &str, tokenizer: &TextTokenizer, context: usize, partitions: usize, p: usize) -> Result<Part> {
-    let (place, name) = Place::file(path).map_err(Error::Storage)?;
-    let size = place.size(&name).await.map_err(Error::Storage)?;
+    let (place, name) = Place::file(path)?;
+    let size = place.size(&name).await?;
     let (range, sequences) = match tokenizer {
         TextTokenizer::Bytes => {
             let layout = DataLayout::new(size, context, partitions)?;
@@ -319,7 +319,7 @@ async fn text_part(path: &str, tokenizer: &TextTokenizer, context: usize, partit
             (r.start as u64..r.end as u64, 0)
         }
     };
-    let bytes = place.get_range(&name, range).await.map_err(Error::Storage)?;
+    let bytes = place.get_range(&name, range).await?;
     let tokens = tokenizer.encode(&bytes)?;
     let sequences = if sequences > 0 {
         sequences
@@ -338,8 +338,8 @@ async fn jsonl_records(
     p: usize,
     holdout: Option<Holdout>,
 ) -> Result<Vec<(String, Record)>> {
-    let (place, name) = Place::file(path).map_err(Error::Storage)?;
-    let size = place.size(&name).await.map_err(Error::Storage)?;
+    let (place, name) = Place::file(path)?;
+    let size = place.size(&name).await?;
     let ranges = byte_ranges(size, partitions);
     let Some(range) = ranges.get(p).cloned() else {
         return Err(Error::Dataset(format!(
@@ -349,7 +349,7 @@ async fn jsonl_records(
     let lines = read_owned_lines(&place, &name, size, range)
         .await
         .map_err(|e| match e {
-            regatta_scorer::Error::Storage(problem) => Error::Storage(problem),
+            regatta_scorer::Error::Place(e) => Error::Place(e),
             other => Error::Dataset(format!("{path}: {other}")),
         })?;
     let mut records = Vec::with_capacity(lines.len());
@@ -375,8 +375,8 @@ async fn parquet_records(
     holdout: Option<Holdout>,
 ) -> Result<Vec<(String, Record)>> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
-    let (place, name) = Place::file(path).map_err(Error::Storage)?;
-    let bytes = place.get(&name).await.map_err(Error::Storage)?;
+    let (place, name) = Place::file(path)?;
+    let bytes = place.get(&name).await?;
     let not_parquet =
         |e: parquet::errors::ParquetError| Error::Dataset(format!("{path} is not a readable Parquet file: {e}"));
     let reader = SerializedFileReader::new(bytes).map_err(not_parquet)?;

@@ -27,6 +27,9 @@ pub enum Error {
     /// Reading or writing through `object_store` failed.
     #[error("storage: {0}")]
     Storage(String),
+    /// A file or directory (local or S3) could not be opened, read or written.
+    #[error("storage: {0}")]
+    Place(#[from] regatta_object_store::PlaceError),
     /// libtorch refused an operation.
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
@@ -71,6 +74,10 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     /// Whether a retry with the same inputs may succeed (a lost peer or storage hiccup).
     pub fn is_transient(&self) -> bool {
-        matches!(self, Self::Collective(_) | Self::Storage(_))
+        match self {
+            Self::Collective(_) | Self::Storage(_) => true,
+            Self::Place(e) => e.is_transient(),
+            _ => false,
+        }
     }
 }

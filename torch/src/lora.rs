@@ -21,10 +21,6 @@ use crate::error::{Error, Result};
 use crate::hf::{HfModel, ShardPlan, INDEX};
 use crate::model::{Model, ParamSpec};
 
-fn storage(e: String) -> Error {
-    Error::Storage(e)
-}
-
 /// An adapter read from a folder.
 pub struct Adapter {
     /// Its settings, from `adapter_config.json`.
@@ -39,27 +35,23 @@ impl Adapter {
     /// Opens the adapter at `url`: a PEFT folder, a LoRA checkpoint's step directory, or
     /// a checkpoint directory (its newest step).
     pub async fn open(url: &str) -> Result<Self> {
-        let mut place = Place::dir(url).map_err(storage)?;
+        let mut place = Place::dir(url)?;
         if let Some(manifest) = latest(&place).await? {
             place = place.child(&step_dir(manifest.step));
         }
         let url = place.url().to_string();
         let config_path = format!("{url}/{ADAPTER_CONFIG}");
-        let bytes = place
-            .get_opt(ADAPTER_CONFIG)
-            .await
-            .map_err(storage)?
-            .ok_or_else(|| Error::ModelFile {
-                path: url.clone(),
-                problem: format!("has no {ADAPTER_CONFIG}: not a LoRA adapter folder (PEFT's save_pretrained layout)"),
-            })?;
+        let bytes = place.get_opt(ADAPTER_CONFIG).await?.ok_or_else(|| Error::ModelFile {
+            path: url.clone(),
+            problem: format!("has no {ADAPTER_CONFIG}: not a LoRA adapter folder (PEFT's save_pretrained layout)"),
+        })?;
         let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::ModelFile {
             path: config_path.clone(),
             problem: format!("is not valid JSON: {e}"),
         })?;
         let mut config = LoraConfig::from_peft_json(&json, &config_path)?;
         // A LoRA run's step directory records how the run held its base (QLoRA).
-        if let Some(bytes) = place.get_opt("manifest.json").await.map_err(storage)? {
+        if let Some(bytes) = place.get_opt("manifest.json").await? {
             let manifest: crate::checkpoint::manifest::Manifest =
                 serde_json::from_slice(&bytes).map_err(|e| Error::ModelFile {
                     path: format!("{url}/manifest.json"),
@@ -72,14 +64,10 @@ impl Adapter {
             }
         }
         let weights_path = format!("{url}/{ADAPTER_WEIGHTS}");
-        let bytes = place
-            .get_opt(ADAPTER_WEIGHTS)
-            .await
-            .map_err(storage)?
-            .ok_or_else(|| Error::ModelFile {
-                path: url.clone(),
-                problem: format!("has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}"),
-            })?;
+        let bytes = place.get_opt(ADAPTER_WEIGHTS).await?.ok_or_else(|| Error::ModelFile {
+            path: url.clone(),
+            problem: format!("has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}"),
+        })?;
         let mut tensors = HashMap::new();
         for (name, tensor) in from_safetensors(&bytes, &weights_path)? {
             let ours = from_peft_name(&name)
@@ -220,7 +208,7 @@ pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u6
     let scale = adapter.config.scale();
     let plain = base.model()?;
     let blocks = plain.blocks();
-    let place = Place::dir(out).map_err(storage)?;
+    let place = Place::dir(out)?;
     let plan = ShardPlan::new(&blocks, shard_bytes);
     let kind = base.weights_kind();
     let mut written = Vec::new();
@@ -241,8 +229,7 @@ pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u6
         }
         place
             .put(file, crate::hf::encode_safetensors_as(&tensors, kind)?)
-            .await
-            .map_err(storage)?;
+            .await?;
         written.push(file.clone());
     }
     let json = |value: &serde_json::Value| -> Result<Bytes> {
@@ -251,10 +238,7 @@ pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u6
             .map_err(|e| Error::Invalid(e.to_string()))
     };
     if plan.files.len() > 1 {
-        place
-            .put(INDEX, json(&plan.index_as(&blocks, kind))?)
-            .await
-            .map_err(storage)?;
+        place.put(INDEX, json(&plan.index_as(&blocks, kind))?).await?;
         written.push(INDEX.to_string());
     }
     place
@@ -262,11 +246,10 @@ pub async fn merge(base: &HfModel, adapter: &Adapter, out: &str, shard_bytes: u6
             "config.json",
             json(&crate::checkpoint::with_dtype(plain.hf_config(), kind))?,
         )
-        .await
-        .map_err(storage)?;
+        .await?;
     written.push("config.json".to_string());
     for (name, bytes) in base.side_files().await? {
-        place.put(&name, bytes).await.map_err(storage)?;
+        place.put(&name, bytes).await?;
         written.push(name);
     }
     Ok(written)

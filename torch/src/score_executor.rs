@@ -32,8 +32,8 @@ fn load(setup: &ScorerSetup) -> Result<(Scorer, u64, Device)> {
     let device = crate::cuda::pick_device(&setup.device, &setup.gpus)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     if is_torchscript(&setup.checkpoint) {
-        let (place, name) = Place::file(&setup.checkpoint).map_err(Error::Storage)?;
-        let bytes = runtime.block_on(place.get(&name)).map_err(Error::Storage)?;
+        let (place, name) = Place::file(&setup.checkpoint)?;
+        let bytes = runtime.block_on(place.get(&name))?;
         let tokenizer = runtime.block_on(TextTokenizer::load(&setup.tokenizer))?;
         let scorer = Scorer::from_torchscript(&bytes, setup.context, tokenizer, device)
             .map_err(|e| Error::Invalid(format!("{}: {e}", setup.checkpoint)))?;
@@ -105,10 +105,8 @@ pub fn export(checkpoint: &str, out: &str) -> Result<usize> {
         .map_err(|e| Error::Invalid(format!("cannot write {}: {e}", file.display())))?;
     let bytes = std::fs::read(&file).map_err(|e| Error::Invalid(format!("cannot read {}: {e}", file.display())))?;
     let _ = std::fs::remove_file(&file);
-    let (place, name) = Place::file(out).map_err(Error::Storage)?;
-    runtime
-        .block_on(place.put(&name, bytes.into()))
-        .map_err(Error::Storage)?;
+    let (place, name) = Place::file(out)?;
+    runtime.block_on(place.put(&name, bytes.into()))?;
     Ok(scorer.context())
 }
 

@@ -181,10 +181,6 @@ pub fn from_safetensors(bytes: &[u8], what: &str) -> Result<Vec<(String, Tensor)
     result
 }
 
-pub(super) fn storage(e: String) -> Error {
-    Error::Storage(e)
-}
-
 /// The newest complete checkpoint in `place`, if any.
 pub async fn latest(place: &Place) -> Result<Option<Manifest>> {
     pointed(place, "latest").await
@@ -200,11 +196,11 @@ pub const BEST: &str = "best";
 
 /// The manifest of the step directory the pointer file `pointer` names.
 async fn pointed(place: &Place, pointer: &str) -> Result<Option<Manifest>> {
-    let Some(name) = place.get_opt(pointer).await.map_err(storage)? else {
+    let Some(name) = place.get_opt(pointer).await? else {
         return Ok(None);
     };
     let name = String::from_utf8_lossy(&name).trim().to_string();
-    let bytes = place.child(&name).get("manifest.json").await.map_err(storage)?;
+    let bytes = place.child(&name).get("manifest.json").await?;
     let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| Error::ModelFile {
         path: format!("{}/{name}/manifest.json", place.url()),
         problem: format!("is not a valid manifest: {e}"),

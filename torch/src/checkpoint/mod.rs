@@ -21,7 +21,6 @@ use regatta_trainer::lora::{is_adapter, ADAPTER_CONFIG};
 
 pub mod manifest;
 
-use manifest::storage;
 pub use manifest::{best, from_safetensors, latest, step_dir, to_safetensors, Manifest, BEST, MERGED};
 
 /// What a checkpoint writes besides the engine's state.
@@ -52,11 +51,9 @@ pub fn save(
 ) -> Result<String> {
     let dir = place.child(&step_dir(spec.manifest.step));
     let shard = format!("optim-rank-{rank}-of-{world}.safetensors");
-    runtime
-        .block_on(dir.put(&shard, to_safetensors(&engine.optimizer_state())?))
-        .map_err(storage)?;
+    runtime.block_on(dir.put(&shard, to_safetensors(&engine.optimizer_state())?))?;
     if let Some((name, bytes)) = &spec.loader {
-        runtime.block_on(dir.put(name, bytes.clone())).map_err(storage)?;
+        runtime.block_on(dir.put(name, bytes.clone()))?;
     }
     let lora = engine.model().lora().cloned();
     if let Some(lora) = &lora {
@@ -65,7 +62,7 @@ pub fn save(
         if rank == 0 {
             let base = spec.manifest.model.path.clone();
             for (name, bytes) in crate::lora::adapter_files(lora, &base, &adapter)? {
-                runtime.block_on(dir.put(&name, bytes)).map_err(storage)?;
+                runtime.block_on(dir.put(&name, bytes))?;
             }
         }
     }
@@ -103,9 +100,7 @@ pub fn save(
             }
         }
         if rank == owner {
-            runtime
-                .block_on(weights_dir.put(file, encode_safetensors_as(&tensors, spec.weights_kind)?))
-                .map_err(storage)?;
+            runtime.block_on(weights_dir.put(file, encode_safetensors_as(&tensors, spec.weights_kind)?))?;
         }
     }
     if rank == 0 {
@@ -115,36 +110,26 @@ pub fn save(
                 .map_err(|e| Error::Invalid(e.to_string()))
         };
         if write_weights && plan.files.len() > 1 {
-            runtime
-                .block_on(weights_dir.put(INDEX, json(&plan.index_as(&base_specs, spec.weights_kind))?))
-                .map_err(storage)?;
+            runtime.block_on(weights_dir.put(INDEX, json(&plan.index_as(&base_specs, spec.weights_kind))?))?;
         }
         if write_weights {
-            runtime
-                .block_on(weights_dir.put(
-                    "config.json",
-                    json(&with_dtype(engine.model().hf_config(), spec.weights_kind))?,
-                ))
-                .map_err(storage)?;
+            runtime.block_on(weights_dir.put(
+                "config.json",
+                json(&with_dtype(engine.model().hf_config(), spec.weights_kind))?,
+            ))?;
         }
         for (name, bytes) in spec.side_files {
-            runtime.block_on(dir.put(name, bytes.clone())).map_err(storage)?;
+            runtime.block_on(dir.put(name, bytes.clone()))?;
             if lora.is_some() && write_weights {
-                runtime
-                    .block_on(weights_dir.put(name, bytes.clone()))
-                    .map_err(storage)?;
+                runtime.block_on(weights_dir.put(name, bytes.clone()))?;
             }
         }
     }
     engine.barrier()?;
     if rank == 0 {
         let body = serde_json::to_vec_pretty(&spec.manifest).map_err(|e| Error::Invalid(e.to_string()))?;
-        runtime
-            .block_on(dir.put("manifest.json", Bytes::from(body)))
-            .map_err(storage)?;
-        runtime
-            .block_on(place.put("latest", Bytes::from(step_dir(spec.manifest.step))))
-            .map_err(storage)?;
+        runtime.block_on(dir.put("manifest.json", Bytes::from(body)))?;
+        runtime.block_on(place.put("latest", Bytes::from(step_dir(spec.manifest.step))))?;
     }
     Ok(dir.url().to_string())
 }
@@ -176,7 +161,7 @@ pub fn restore(
     let dir = place.child(&step_dir(manifest.step));
     let read = |old: usize| -> Result<std::collections::HashMap<String, Tensor>> {
         let name = format!("optim-rank-{old}-of-{}.safetensors", manifest.world);
-        let bytes = runtime.block_on(dir.get(&name)).map_err(storage)?;
+        let bytes = runtime.block_on(dir.get(&name))?;
         Ok(from_safetensors(&bytes, &format!("{}/{name}", dir.url()))?
             .into_iter()
             .collect())
@@ -238,7 +223,7 @@ pub fn loader_state(
     let mut lasts = Vec::with_capacity(manifest.loader_files.len());
     let mut fingerprint = None;
     for name in &manifest.loader_files {
-        let bytes = runtime.block_on(dir.get(name)).map_err(storage)?;
+        let bytes = runtime.block_on(dir.get(name))?;
         let saved: SavedShards = serde_json::from_slice(&bytes).map_err(|e| Error::ModelFile {
             path: format!("{}/{name}", dir.url()),
             problem: format!("is not a loader state: {e}"),
@@ -275,23 +260,23 @@ pub async fn open_model(url: &str) -> Result<(Option<Manifest>, HfModel)> {
     if crate::hf::is_gguf(url) {
         return Ok((None, HfModel::open(url).await?));
     }
-    let mut place = Place::dir(url).map_err(storage)?;
+    let mut place = Place::dir(url)?;
     let mut manifest = latest(&place).await?;
     match &manifest {
         Some(m) => place = place.child(&step_dir(m.step)),
         None => {
-            manifest = match place.get_opt("manifest.json").await.map_err(storage)? {
+            manifest = match place.get_opt("manifest.json").await? {
                 Some(bytes) => serde_json::from_slice(&bytes).ok(),
                 None => None,
             }
         }
     }
-    let has_config = |place: Place| async move { place.get_opt("config.json").await.map_err(storage) };
+    let has_config = |place: Place| async move { place.get_opt("config.json").await.map_err(Error::from) };
     if has_config(place.clone()).await?.is_none() && has_config(place.child(MERGED)).await?.is_some() {
         // A LoRA checkpoint with merged weights.
         place = place.child(MERGED);
     }
-    if has_config(place.clone()).await?.is_none() && place.get_opt(ADAPTER_CONFIG).await.map_err(storage)?.is_some() {
+    if has_config(place.clone()).await?.is_none() && place.get_opt(ADAPTER_CONFIG).await?.is_some() {
         return Err(Error::ModelFile {
             path: place.url().to_string(),
             problem: "holds a LoRA adapter, not a model: score it with --model BASE --adapter THIS_FOLDER, or write \

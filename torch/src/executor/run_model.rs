@@ -169,6 +169,10 @@ pub async fn open_run_model(config: &TrainConfig, make_model: &ModelFactory) -> 
                 path: spec.clone(),
                 problem,
             },
+            Error::Place(e) => Error::ModelFile {
+                path: spec.clone(),
+                problem: e.to_string(),
+            },
             other => other,
         })?;
         (tokenizer, tokenizer_settings(&spec).await?)
@@ -244,8 +248,8 @@ async fn tokenizer_settings(spec: &str) -> Result<TokenizerSettings, Error> {
     if spec.is_empty() {
         return Ok(TokenizerSettings::default());
     }
-    let (place, _) = Place::file(spec).map_err(Error::Storage)?;
-    let Some(bytes) = place.get_opt("tokenizer_config.json").await.map_err(Error::Storage)? else {
+    let (place, _) = Place::file(spec)?;
+    let Some(bytes) = place.get_opt("tokenizer_config.json").await? else {
         return Ok(TokenizerSettings::default());
     };
     let json: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::ModelFile {

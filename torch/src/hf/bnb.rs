@@ -15,7 +15,7 @@ use regatta_object_store::Place;
 use regatta_trainer::quant::{check_block, dequantize_4bit, dynamic_map, Absmax, Quant4, Quant4Type, NESTED_BLOCK};
 use serde_json::Value;
 
-use super::{storage, Entry};
+use super::Entry;
 use crate::error::{Error, Result};
 
 /// Where one piece of a quantized weight lies.
@@ -54,7 +54,7 @@ async fn bytes(place: &Place, piece: &Piece) -> Result<bytes::Bytes> {
     place
         .get_range(&piece.file, piece.start..piece.end)
         .await
-        .map_err(storage)
+        .map_err(Error::from)
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {

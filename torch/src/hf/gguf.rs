@@ -9,7 +9,7 @@ use regatta_object_store::Place;
 use regatta_trainer::gguf::{GgufError, GgufHeader, GgufModel};
 use serde_json::Value;
 
-use super::{storage, Entry, HfModel};
+use super::{Entry, HfModel};
 use crate::error::{Error, Result};
 
 /// Whether a model path names a GGUF file rather than a folder.
@@ -25,7 +25,7 @@ impl HfModel {
     /// metadata turned into `config.json`, tokenizer files and tensor names as
     /// `transformers` has them.
     pub(super) async fn open_gguf(url: &str) -> Result<Self> {
-        let (place, file) = Place::file(url).map_err(storage)?;
+        let (place, file) = Place::file(url)?;
         let path = format!("{}/{file}", place.url());
         let size = place.size(&file).await.map_err(|e| Error::ModelFile {
             path: path.clone(),
@@ -37,7 +37,7 @@ impl HfModel {
         };
         let mut read = GGUF_FIRST_READ.min(size);
         let header = loop {
-            let bytes = place.get_range(&file, 0..read).await.map_err(storage)?;
+            let bytes = place.get_range(&file, 0..read).await?;
             match GgufHeader::parse(&bytes, size) {
                 Ok(header) => break header,
                 Err(GgufError::Truncated { needed }) if read < size => {

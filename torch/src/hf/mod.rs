@@ -73,18 +73,14 @@ pub struct HfModel {
     gguf_files: Option<HashMap<&'static str, std::result::Result<Bytes, GgufError>>>,
 }
 
-fn storage(e: String) -> Error {
-    Error::Storage(e)
-}
-
 impl HfModel {
     /// Opens the folder at `url` (a path or an object-store URL).
     pub async fn open(url: &str) -> Result<Self> {
         if is_gguf(url) {
             return Self::open_gguf(url).await;
         }
-        let place = Place::dir(url).map_err(storage)?;
-        let config_bytes = place.get_opt("config.json").await.map_err(storage)?.ok_or_else(|| Error::ModelFile {
+        let place = Place::dir(url)?;
+        let config_bytes = place.get_opt("config.json").await?.ok_or_else(|| Error::ModelFile {
             path: url.to_string(),
             problem: "has no config.json: a Hugging Face model folder holds config.json, model.safetensors (or shards with model.safetensors.index.json) and tokenizer.json".into(),
         })?;
@@ -93,7 +89,7 @@ impl HfModel {
             path: config_path.clone(),
             problem: format!("is not valid JSON: {e}"),
         })?;
-        let files = match place.get_opt(INDEX).await.map_err(storage)? {
+        let files = match place.get_opt(INDEX).await? {
             Some(index) => index_files(&index, &format!("{}/{INDEX}", place.url()))?,
             None => vec![WEIGHTS.to_string()],
         };
@@ -118,7 +114,7 @@ impl HfModel {
             if size < 8 {
                 return Err(too_short());
             }
-            let head = place.get_range(file, 0..8).await.map_err(storage)?;
+            let head = place.get_range(file, 0..8).await?;
             let length = head
                 .get(..8)
                 .and_then(|b| <[u8; 8]>::try_from(b).ok())
@@ -130,7 +126,7 @@ impl HfModel {
                     problem: format!("declares a {length}-byte header in a {size}-byte file: not a safetensors file"),
                 });
             }
-            let header = place.get_range(file, 8..8 + length).await.map_err(storage)?;
+            let header = place.get_range(file, 8..8 + length).await?;
             for (name, mut entry) in parse_header(&path, &header, size)? {
                 entry.file = file.clone();
                 entries.insert(name, entry);
@@ -284,11 +280,7 @@ impl HfModel {
             let tensor = Tensor::f_from_slice(&values)?.f_reshape(&entry.shape)?;
             return Ok(tensor.to_kind(kind));
         }
-        let bytes = self
-            .place
-            .get_range(&entry.file, entry.start..entry.end)
-            .await
-            .map_err(storage)?;
+        let bytes = self.place.get_range(&entry.file, entry.start..entry.end).await?;
         let tensor = match &entry.gguf {
             Some(gguf) => {
                 let values = gguf.values(&bytes).map_err(|e| Error::Tensor {
@@ -316,7 +308,7 @@ impl HfModel {
                 None => Ok(None),
             };
         }
-        self.place.get_opt(name).await.map_err(storage)
+        self.place.get_opt(name).await.map_err(Error::from)
     }
 
     /// Whether this is a GGUF file.
@@ -337,7 +329,7 @@ impl HfModel {
         }
         let mut out = Vec::new();
         for name in SIDE_FILES {
-            if let Some(bytes) = self.place.get_opt(name).await.map_err(storage)? {
+            if let Some(bytes) = self.place.get_opt(name).await? {
                 out.push((name.to_string(), bytes));
             }
         }

@@ -20,9 +20,8 @@ pub async fn plan(data: &DataConfig, seed: u64) -> Result<DataPlan> {
 }
 
 async fn list_source(url: &str, weight: f64) -> Result<SourceListing> {
-    let storage = Error::Storage;
-    let dir = Place::dir(url).map_err(storage)?;
-    let mut found = dir.list_all().await.map_err(storage)?;
+    let dir = Place::dir(url)?;
+    let mut found = dir.list_all().await?;
     let mut base = url.trim_end_matches('/').to_string();
     if found.is_empty() && !url.ends_with('/') {
         // A single file.
@@ -38,7 +37,7 @@ async fn list_source(url: &str, weight: f64) -> Result<SourceListing> {
             "{url}: no such file, folder or prefix (nothing is listed there)"
         )));
     }
-    let place = Place::dir(&base).map_err(storage)?;
+    let place = Place::dir(&base)?;
     let mut files = Vec::new();
     let mut ignored = Vec::new();
     for (name, size) in found {

@@ -73,7 +73,7 @@ impl ShardReader {
         let places = plan
             .sources
             .iter()
-            .map(|s| Place::dir(&s.url).map_err(Error::Storage))
+            .map(|s| Place::dir(&s.url).map_err(Error::from))
             .collect::<Result<Vec<_>>>()?;
         let weights = plan.sources.iter().map(|s| s.weight).collect();
         let yielded = state

@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use bytes::Bytes;
-use regatta_object_store::Place;
+use regatta_object_store::{Place, PlaceError};
 
 /// Bytes one ranged read fetches at most. Each open unit holds one read and the next one
 /// in flight, so a rank's read buffers stay near 2 x this x its shards.
@@ -19,8 +19,8 @@ pub(super) const READ_ATTEMPTS: u32 = 4;
 
 /// A failed ranged read (after its retries), told apart from bad bytes by its kind: the
 /// rank restarts from its checkpoint rather than skip data it could not fetch.
-pub(super) fn storage_failure(reason: impl Into<String>) -> std::io::Error {
-    std::io::Error::new(std::io::ErrorKind::ConnectionAborted, reason.into())
+pub(super) fn storage_failure(reason: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::ConnectionAborted, reason.to_string())
 }
 
 pub(super) fn is_storage_failure(error: &std::io::Error) -> bool {
@@ -50,13 +50,14 @@ impl Remote {
         format!("{}/{}", self.place.url(), self.name)
     }
 
-    async fn fetch(place: Place, name: String, range: Range<u64>) -> std::result::Result<Bytes, String> {
+    /// The bytes, retrying a backend failure (not a missing file) with backoff.
+    async fn fetch(place: Place, name: String, range: Range<u64>) -> std::result::Result<Bytes, PlaceError> {
         let mut wait = Duration::from_millis(100);
         let mut attempt = 1;
         loop {
             match place.get_range(&name, range.clone()).await {
                 Ok(bytes) => return Ok(bytes),
-                Err(e) if attempt >= READ_ATTEMPTS => return Err(e),
+                Err(e) if attempt >= READ_ATTEMPTS || !e.is_transient() => return Err(e),
                 Err(_) => {
                     tokio::time::sleep(wait).await;
                     wait *= 2;
@@ -85,7 +86,7 @@ pub struct RangedRead {
     pos: u64,
     buf: Bytes,
     next_len: u64,
-    ahead: Option<tokio::task::JoinHandle<std::result::Result<Bytes, String>>>,
+    ahead: Option<tokio::task::JoinHandle<std::result::Result<Bytes, PlaceError>>>,
     /// Ranges starting here or later are fetched only when read (a unit's reader
     /// rarely needs more than its own bytes).
     ahead_until: u64,
@@ -107,7 +108,7 @@ impl RangedRead {
         &self,
         start: u64,
         len: u64,
-    ) -> Option<tokio::task::JoinHandle<std::result::Result<Bytes, String>>> {
+    ) -> Option<tokio::task::JoinHandle<std::result::Result<Bytes, PlaceError>>> {
         let end = (start + len).min(self.remote.size);
         (start < end && start < self.ahead_until).then(|| {
             let (place, name) = (self.remote.place.clone(), self.remote.name.clone());

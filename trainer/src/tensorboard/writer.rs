@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use regatta_object_store::Place;
+use regatta_object_store::{Place, PlaceError};
 use tokio::task::JoinHandle;
 
 use super::{file_name, EventFile};
@@ -21,7 +21,7 @@ pub struct TensorBoardWriter {
     name: String,
     file: EventFile,
     last_put: Instant,
-    in_flight: Option<JoinHandle<Result<(), String>>>,
+    in_flight: Option<JoinHandle<Result<(), PlaceError>>>,
 }
 
 fn now() -> f64 {
@@ -34,7 +34,7 @@ impl TensorBoardWriter {
     /// Starts a file in `dir` and writes its first record, so a directory that cannot be
     /// written fails the run before it trains.
     pub async fn create(dir: &str) -> Result<Self, Error> {
-        let fail = |e: String| Error::Fatal(format!("logging.tensorboard: {e}"));
+        let fail = |e: PlaceError| Error::Fatal(format!("logging.tensorboard: {e}"));
         let place = Place::dir(dir).map_err(fail)?;
         let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into());
         let wall = now();
