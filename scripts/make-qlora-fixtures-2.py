@@ -27,6 +27,9 @@
 3. torch/tests/fixtures/qlora/llama-int8-dequantized.safetensors: the Llama fixture with
    every projection weight replaced by that same round trip.
 
+4. torch/tests/fixtures/qlora/bnb-llama-int8/: the Llama fixture as transformers saves it
+   loaded with BitsAndBytesConfig(load_in_8bit=True) (`W` int8, `W.SCB`, `W.weight_format`).
+
 Run with a python holding torch, transformers (5.x) and bitsandbytes (0.50):
     python scripts/make-qlora-fixtures-2.py torch/tests/fixtures/llama torch/tests/fixtures/qlora
 """
@@ -278,3 +281,23 @@ dequantized = {
 out = f"{qlora_dir}/llama-int8-dequantized.safetensors"
 save_file(dequantized, out, metadata={"format": "pt"})
 print(f"wrote {out}: {len(dequantized)} tensors")
+
+# ---------------------------------------------------------------- 4. an 8-bit folder
+# The Llama fixture as transformers saves it loaded with load_in_8bit: each projection
+# as `W` (int8 codes), `W.SCB` (f32 row absmax) and `W.weight_format` (0: row-major); a
+# folder Regatta reads as llama-int8-dequantized.safetensors and an int8 QLoRA run takes
+# as stored.
+folder8 = f"{qlora_dir}/bnb-llama-int8"
+quantized = AutoModelForCausalLM.from_pretrained(
+    model_dir, quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map="cpu"
+)
+quantized.save_pretrained(folder8)
+for extra in ["generation_config.json"]:
+    if os.path.exists(f"{folder8}/{extra}"):
+        os.remove(f"{folder8}/{extra}")
+saved8 = load_file(f"{folder8}/model.safetensors")
+for name, tensor in dequantized.items():
+    if name.endswith("proj.weight"):
+        back = F.int8_vectorwise_dequant(saved8[name], saved8[name.replace(".weight", ".SCB")]).float()
+        assert torch.equal(back, tensor), name
+print(f"wrote {folder8}: {sorted(os.listdir(folder8))}; its codes dequantize to llama-int8-dequantized")

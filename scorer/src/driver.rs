@@ -40,7 +40,7 @@ pub struct ScoreConfig {
     /// checkpoint directory (its newest step) or step directory. Empty: none.
     pub adapter: String,
     /// How the base under `adapter` is held: `auto` (as the adapter was trained: quantized
-    /// for a QLoRA run's checkpoint, or 4-bit for a base folder bitsandbytes stored so),
+    /// for a QLoRA run's checkpoint, or as a base folder bitsandbytes stored in 4 or 8 bits),
     /// `none` (the compute dtype), `nf4` or `fp4` (4 bits in blocks of 64) or `int8`
     /// (LLM.int8's row-wise bytes), dequantized per projection as it is used.
     pub adapter_base: AdapterBase,

@@ -23,7 +23,7 @@ pub fn is_torchscript(model: &str) -> bool {
 #[serde(rename_all = "lowercase")]
 pub enum AdapterBase {
     /// As the adapter was trained: quantized as a QLoRA run's checkpoint records, else as
-    /// a bitsandbytes 4-bit base folder stores it, else in the compute dtype.
+    /// a bitsandbytes 4-bit or 8-bit base folder stores it, else in the compute dtype.
     #[default]
     Auto,
     /// In the compute dtype (a 4-bit folder is dequantized once as it is read).

@@ -545,26 +545,35 @@ impl Model for Llama {
     fn take_stored(
         &mut self,
         spec: &ParamSpec,
-        stored: &regatta_trainer::quant::Quant4,
+        stored: &regatta_trainer::quant::Stored,
         device: Device,
     ) -> crate::error::Result<bool> {
-        let Some((kind, lora)) = self
-            .lora
-            .as_ref()
-            .and_then(|l| l.base_quantization.four_bit().map(|kind| (kind, l)))
-        else {
+        use regatta_trainer::quant::{Absmax, Stored};
+        let Some(lora) = self.lora.as_ref().filter(|_| self.quantized_base()) else {
             return Ok(false);
         };
-        let double = matches!(stored.absmax, regatta_trainer::quant::Absmax::Double { .. });
-        let fits = stored.kind == kind
-            && stored.block == lora.quant_block_size
-            && double == lora.double_quant
-            && stored.numel == spec.numel();
-        if fits {
-            let held = QuantWeight::from_quant(stored, spec.shape.clone(), device);
+        let held = match stored {
+            Stored::Four(q) => {
+                let double = matches!(q.absmax, Absmax::Double { .. });
+                let fits = lora.base_quantization.four_bit() == Some(q.kind)
+                    && q.block == lora.quant_block_size
+                    && double == lora.double_quant
+                    && q.numel == spec.numel();
+                fits.then(|| QuantWeight::from_quant(q, spec.shape.clone(), device))
+            }
+            Stored::Eight(q) => {
+                let fits = lora.base_quantization == BaseQuantization::Int8
+                    && spec.shape.len() == 2
+                    && q.cols as i64 == spec.shape[1]
+                    && q.codes.len() == spec.numel();
+                fits.then(|| QuantWeight::from_int8(q, spec.shape.clone(), device))
+            }
+        };
+        let taken = held.is_some();
+        if let Some(held) = held {
             self.quantized.insert(spec.name.clone(), held);
         }
-        Ok(fits)
+        Ok(taken)
     }
 
     fn holds_quantized(&self, name: &str) -> bool {

@@ -12,7 +12,6 @@ use bytes::Bytes;
 use regatta_object_store::Place;
 use regatta_scorer::protocol::AdapterBase;
 use regatta_trainer::lora::{from_peft_name, is_adapter, peft_name, BaseQuantization, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
-use regatta_trainer::quant::Quant4Type;
 use regatta_trainer::LoraConfig;
 use tch::{Kind, Tensor};
 
@@ -133,13 +132,14 @@ impl Adapter {
 
 /// Sets how the base under an adapter is held for scoring and generation: `asked`, or
 /// with `auto` as the adapter's run held it (its checkpoint's manifest, already in
-/// `config`), else as a bitsandbytes base folder stores it (`stored`: type, block size,
-/// double quantization, whose codes are then taken as stored), else in the compute dtype.
+/// `config`), else as a bitsandbytes base folder stores it (`stored`: the quantization,
+/// block size and double quantization, whose codes are then taken as stored), else in the
+/// compute dtype.
 pub fn hold_base(
     config: &mut LoraConfig,
     asked: AdapterBase,
     double_quant: bool,
-    stored: Option<(Quant4Type, usize, bool)>,
+    stored: Option<(BaseQuantization, usize, bool)>,
 ) {
     let explicit = |kind: BaseQuantization, config: &mut LoraConfig| {
         config.base_quantization = kind;
@@ -154,11 +154,10 @@ pub fn hold_base(
         AdapterBase::Auto if config.base_quantization != BaseQuantization::None => {}
         AdapterBase::Auto => {
             if let Some((kind, block, double)) = stored {
-                config.base_quantization = match kind {
-                    Quant4Type::Nf4 => BaseQuantization::Nf4,
-                    Quant4Type::Fp4 => BaseQuantization::Fp4,
-                };
-                config.quant_block_size = block;
+                config.base_quantization = kind;
+                if kind != BaseQuantization::Int8 {
+                    config.quant_block_size = block;
+                }
                 config.double_quant = double;
             }
         }
@@ -274,8 +273,9 @@ mod tests {
 
     #[test]
     fn the_base_under_an_adapter_is_held_as_asked_or_as_it_was_trained_or_stored() {
-        let nf4_folder = Some((Quant4Type::Nf4, 64, true));
-        let fp4_folder = Some((Quant4Type::Fp4, 128, false));
+        let nf4_folder = Some((BaseQuantization::Nf4, 64, true));
+        let fp4_folder = Some((BaseQuantization::Fp4, 128, false));
+        let int8_folder = Some((BaseQuantization::Int8, 0, false));
         let cases = [
             // auto: a QLoRA checkpoint's own settings win over the folder's.
             (
@@ -292,6 +292,13 @@ mod tests {
                 false,
                 fp4_folder,
                 (BaseQuantization::Fp4, false, 128),
+            ),
+            (
+                LoraConfig::default(),
+                AdapterBase::Auto,
+                false,
+                int8_folder,
+                (BaseQuantization::Int8, false, 64),
             ),
             (
                 LoraConfig::default(),

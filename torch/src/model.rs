@@ -290,13 +290,14 @@ pub trait Model: Send {
             spec.name
         )))
     }
-    /// Takes one of [`Model::quantized_specs`]'s weights as a folder stored it in 4 bits
-    /// (bitsandbytes), when that is how the run holds it (same type, block and double
-    /// quantization): no quantization again. `false`: not taken.
+    /// Takes one of [`Model::quantized_specs`]'s weights as a folder stored it quantized
+    /// (bitsandbytes' 4 or 8 bits), when that is how the run holds it (same type, and for
+    /// 4 bits the same block and double quantization): no quantization again. `false`:
+    /// not taken.
     fn take_stored(
         &mut self,
         _spec: &ParamSpec,
-        _stored: &regatta_trainer::quant::Quant4,
+        _stored: &regatta_trainer::quant::Stored,
         _device: Device,
     ) -> Result<bool> {
         Ok(false)

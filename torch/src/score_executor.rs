@@ -64,7 +64,7 @@ async fn open_scorer(
         None
     } else {
         let mut adapter = Adapter::open(adapter).await?;
-        hold_base(&mut adapter.config, base, double_quant, hf.stored_quant4());
+        hold_base(&mut adapter.config, base, double_quant, hf.stored_quantization());
         Some(adapter)
     };
     let tokenizer = if !tokenizer.is_empty() {

@@ -796,6 +796,28 @@ fn an_int8_base_trains_as_lora_on_bitsandbytes_int8_dequantized_base() {
     );
     let int8_bytes: i64 = 2 * shapes.iter().zip(rows).map(|(n, r)| n + 4 * r).sum::<i64>();
     let float_bytes: i64 = 2 * shapes.iter().sum::<i64>() * 4;
+    // A folder transformers saved with load_in_8bit reads as bitsandbytes' dequantization
+    // (plain LoRA on it is the reference bit for bit), and an int8 run takes its codes.
+    let bnb_folder = fixture("qlora").join("bnb-llama-int8").to_string_lossy().into_owned();
+    let mut on_bnb = lora_config(
+        data.clone(),
+        1,
+        Some(adapters(4, &["all-linear"])),
+        ZeroConfig::default(),
+    );
+    on_bnb.model.path = bnb_folder.clone();
+    let (bnb_losses, _) = reference_run(&on_bnb, 2, &builtin_model).unwrap();
+    assert_eq!(bnb_losses, ref_losses, "LoRA on the 8-bit folder");
+    let mut int8_on_bnb = lora_config(data.clone(), 3, Some(quantized.clone()), ZeroConfig::default());
+    int8_on_bnb.model.path = bnb_folder;
+    for (rank, run) in run_ranks(&int8_on_bnb).iter().enumerate() {
+        assert_trains_as(
+            &format!("int8 on the 8-bit folder, rank {rank}"),
+            run,
+            &ref_losses,
+            &ref_weights,
+        );
+    }
     for stage in [1u8, 3] {
         let runs = run_ranks(&lora_config(
             data.clone(),

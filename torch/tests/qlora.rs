@@ -312,7 +312,7 @@ fn adapter_scores(
     let mut adapter = runtime
         .block_on(Adapter::open(&format!("{fixtures}/llama-lora")))
         .unwrap();
-    hold_base(&mut adapter.config, asked, double_quant, hf.stored_quant4());
+    hold_base(&mut adapter.config, asked, double_quant, hf.stored_quantization());
     let tokenizer = runtime
         .block_on(TextTokenizer::load(&format!("{fixtures}/llama/tokenizer.json")))
         .unwrap();
@@ -556,4 +556,93 @@ fn logits_of_a_quantized_base_equal_transformers_loading_it_with_bitsandbytes() 
         diff < 1e-4 && held == 0,
         "the float base: {diff}, {held} bytes quantized"
     );
+}
+
+#[test]
+fn an_8bit_folder_reads_as_llm_int8_dequantizes_it_and_an_int8_run_takes_its_codes() {
+    use regatta_trainer::lora::BaseQuantization;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    // transformers' save_pretrained of the Llama fixture loaded with load_in_8bit.
+    let source = qlora_fixture("bnb-llama-int8");
+    let hf = runtime.block_on(regatta_torch::HfModel::open(&source)).unwrap();
+    assert_eq!(hf.stored_quantization(), Some((BaseQuantization::Int8, 0, false)));
+    let model = hf.model().unwrap();
+    hf.check(model.as_ref()).unwrap();
+    let want: HashMap<String, Tensor> = Tensor::read_safetensors(qlora_fixture("llama-int8-dequantized.safetensors"))
+        .unwrap()
+        .into_iter()
+        .collect();
+    let mut quantized = 0;
+    for spec in model.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
+        let read = runtime.block_on(hf.read(&spec)).unwrap();
+        assert!(
+            bits(&f32s(&read)) == bits(&f32s(&want[&spec.name])),
+            "{}: differs from bitsandbytes' int8 dequantization",
+            spec.name
+        );
+        quantized += usize::from(spec.name.ends_with("proj.weight"));
+    }
+    assert_eq!(quantized, 2 * 7);
+    // An int8 run takes the codes as stored; a 4-bit one quantizes the float weights itself.
+    for (kind, taken) in [(BaseQuantization::Int8, 14), (BaseQuantization::Nf4, 0)] {
+        let mut model = hf.model().unwrap();
+        model
+            .set_lora(&regatta_trainer::LoraConfig {
+                rank: 4,
+                base_quantization: kind,
+                ..regatta_trainer::LoraConfig::default()
+            })
+            .unwrap();
+        runtime
+            .block_on(regatta_torch::executor::take_stored_quantized(
+                model.as_mut(),
+                Some(&hf),
+                regatta_torch::tch::Device::Cpu,
+            ))
+            .unwrap();
+        let held = model
+            .quantized_specs()
+            .iter()
+            .filter(|s| model.holds_quantized(&s.name))
+            .count();
+        assert_eq!(held, taken, "{kind:?}");
+    }
+    // A weight_format other than row-major, and row scales of the wrong length, are refused
+    // naming the weight.
+    let tensors: Vec<(String, Tensor)> = Tensor::read_safetensors(format!("{source}/model.safetensors")).unwrap();
+    let module = "model.layers.1.mlp.up_proj";
+    for (what, change, expected) in [
+        ("format", format!("{module}.weight_format"), "weight_format"),
+        ("scales", format!("{module}.SCB"), "row scales"),
+    ] {
+        let dir = std::env::temp_dir().join(format!("regatta-bnb8-{what}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(format!("{source}/config.json"), dir.join("config.json")).unwrap();
+        let edited: Vec<(String, Tensor)> = tensors
+            .iter()
+            .map(|(name, t)| {
+                let t = if *name != change {
+                    t.shallow_clone()
+                } else if what == "format" {
+                    Tensor::from_slice(&[1u8]).view([])
+                } else {
+                    t.narrow(0, 0, t.size()[0] - 1)
+                };
+                (name.clone(), t)
+            })
+            .collect();
+        Tensor::write_safetensors(&edited, dir.join("model.safetensors")).unwrap();
+        let error = match runtime.block_on(regatta_torch::HfModel::open(dir.to_str().unwrap())) {
+            Ok(_) => panic!("{what}: a broken 8-bit folder was opened"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            error.contains(&format!("{module}.weight")) && error.contains(expected),
+            "{what}: {error}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -110,9 +110,9 @@ pub async fn initial_weights(source: Option<&HfModel>, spec: &ParamSpec, seed: u
     }
 }
 
-/// Hands the model the weights it holds quantized that `source` already stores in 4 bits
-/// in the run's settings (a bitsandbytes folder), as stored: the engine then quantizes only
-/// the others.
+/// Hands the model the weights it holds quantized that `source` already stores so in the
+/// run's settings (a bitsandbytes 4-bit or 8-bit folder), as stored: the engine then
+/// quantizes only the others.
 pub async fn take_stored_quantized(
     model: &mut dyn Model,
     source: Option<&HfModel>,
@@ -122,7 +122,7 @@ pub async fn take_stored_quantized(
         return Ok(());
     };
     for spec in model.quantized_specs() {
-        if let Some(stored) = hf.read_quant4(&spec).await? {
+        if let Some(stored) = hf.read_stored(&spec).await? {
             model.take_stored(&spec, &stored, device)?;
         }
     }

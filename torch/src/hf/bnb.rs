@@ -7,12 +7,20 @@
 //! the nested offset). Opening folds those tensors into one entry per weight of the
 //! weight's shape, read as bitsandbytes dequantizes it (code times absmax, f32): the model
 //! is then the float model the 4-bit one stands for, and a QLoRA run over it quantizes it
-//! again to the same codes.
+//! again to the same codes (or, its settings matching, takes them as stored).
+//!
+//! 8-bit folders (`load_in_8bit`, LLM.int8) store each quantized weight as `W` (int8 codes,
+//! row-major), `W.SCB` (each row's absmax, f32) beside the module's `weight_format` (0:
+//! row-major); they fold the same way and read as `int8_vectorwise_dequant` gives them.
 
 use std::collections::HashMap;
 
 use regatta_object_store::Place;
-use regatta_trainer::quant::{check_block, dequantize_4bit, dynamic_map, Absmax, Quant4, Quant4Type, NESTED_BLOCK};
+use regatta_trainer::lora::BaseQuantization;
+use regatta_trainer::quant::{
+    check_block, dequantize_4bit, dequantize_int8_rows, dynamic_map, Absmax, Int8Rows, Quant4, Quant4Type, Stored,
+    NESTED_BLOCK,
+};
 use serde_json::Value;
 
 use super::Entry;
@@ -26,9 +34,26 @@ pub(super) struct Piece {
     end: u64,
 }
 
+/// A weight stored quantized by bitsandbytes.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum BnbTensor {
+    /// NF4 or FP4 (`load_in_4bit`).
+    Four(Bnb4),
+    /// LLM.int8 (`load_in_8bit`).
+    Eight(Bnb8),
+}
+
+/// A weight stored in 8 bits: codes row by row and each row's absmax.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Bnb8 {
+    cols: usize,
+    codes: Piece,
+    scales: Piece,
+}
+
 /// A weight stored 4-bit by bitsandbytes.
 #[derive(Clone, Debug, PartialEq)]
-pub(super) struct BnbTensor {
+pub(super) struct Bnb4 {
     kind: Quant4Type,
     block: usize,
     numel: usize,
@@ -64,7 +89,7 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// Folds a bitsandbytes 4-bit folder's tensors into one entry per quantized weight; a
+/// Folds a bitsandbytes 4-bit or 8-bit folder's tensors into one entry per quantized weight; a
 /// folder without `quantization_config` is left as it is.
 pub(super) async fn fold(place: &Place, config: &Value, entries: &mut HashMap<String, Entry>) -> Result<()> {
     let Some(quantization) = config.get("quantization_config") else {
@@ -81,14 +106,17 @@ pub(super) async fn fold(place: &Place, config: &Value, entries: &mut HashMap<St
         .unwrap_or("bitsandbytes");
     if method != "bitsandbytes" {
         return Err(refuse(format!(
-            "has quantization_config.quant_method = {method:?}; Regatta reads bitsandbytes' 4-bit folders only"
+            "has quantization_config.quant_method = {method:?}; Regatta reads bitsandbytes' 4-bit and 8-bit folders only"
         )));
     }
     let flag = |key: &str| quantization.get(key).and_then(Value::as_bool).unwrap_or(false);
     if flag("load_in_8bit") || flag("_load_in_8bit") {
-        return Err(refuse(
-            "is quantized with bitsandbytes' load_in_8bit (LLM.int8), which Regatta does not read yet; use the float model or a 4-bit (NF4/FP4) folder".into(),
-        ));
+        if let Some(state) = entries.keys().find(|n| n.contains(STATE)) {
+            return Err(refuse(format!(
+                "says load_in_8bit (LLM.int8) but holds 4-bit tensors ({state}): the folder is not one transformers wrote"
+            )));
+        }
+        return fold_int8(place, &folder, entries).await;
     }
     let states: Vec<String> = entries.keys().filter(|n| n.contains(STATE)).cloned().collect();
     for state_name in states {
@@ -209,14 +237,14 @@ pub(super) async fn fold(place: &Place, config: &Value, entries: &mut HashMap<St
                 start: packed.start,
                 end: packed.end,
                 gguf: None,
-                bnb: Some(Box::new(BnbTensor {
+                bnb: Some(Box::new(BnbTensor::Four(Bnb4 {
                     kind,
                     block,
                     numel,
                     packed: piece(&packed),
                     absmax: piece(&absmax),
                     nested,
-                })),
+                }))),
             },
         );
     }
@@ -231,19 +259,104 @@ pub(super) async fn fold(place: &Place, config: &Value, entries: &mut HashMap<St
     Ok(())
 }
 
+/// Folds an 8-bit folder's `W.SCB` and `W.weight_format` into `W`'s entry.
+async fn fold_int8(place: &Place, folder: &str, entries: &mut HashMap<String, Entry>) -> Result<()> {
+    let scales: Vec<String> = entries.keys().filter(|n| n.ends_with(".SCB")).cloned().collect();
+    for scale_name in scales {
+        let module = scale_name.trim_end_matches(".SCB");
+        let weight = format!("{module}.weight");
+        let bad = |problem: String| Error::Tensor {
+            path: folder.to_string(),
+            name: weight.clone(),
+            problem,
+        };
+        let scale = entries.remove(&scale_name).ok_or_else(|| bad("lost its SCB".into()))?;
+        if let Some(format) = entries.remove(&format!("{module}.weight_format")) {
+            let value = bytes(place, &piece(&format)).await?;
+            if format.dtype != "U8" || value.as_ref() != [0] {
+                return Err(bad(format!(
+                    "has weight_format {value:?} ({}); Regatta reads row-major codes (0)",
+                    format.dtype
+                )));
+            }
+        }
+        let entry = entries
+            .get_mut(&weight)
+            .ok_or_else(|| bad(format!("is missing beside its {scale_name}")))?;
+        let [rows, cols] = entry.shape[..] else {
+            return Err(bad(format!("has shape {:?}; 8-bit weights are 2-D", entry.shape)));
+        };
+        let (rows, cols) = (rows.max(0) as u64, cols.max(0) as u64);
+        let length = |e: &Entry| e.end - e.start;
+        if entry.dtype != "I8" || length(entry) != rows * cols || scale.dtype != "F32" || length(&scale) != rows * 4 {
+            return Err(bad(format!(
+                "holds {} bytes of {} codes and {} bytes of {} row scales; shape [{rows}, {cols}] needs {} bytes of I8 and {} of F32",
+                length(entry),
+                entry.dtype,
+                length(&scale),
+                scale.dtype,
+                rows * cols,
+                rows * 4
+            )));
+        }
+        entry.dtype = "F32".into();
+        entry.bnb = Some(Box::new(BnbTensor::Eight(Bnb8 {
+            cols: cols as usize,
+            codes: piece(entry),
+            scales: piece(&scale),
+        })));
+    }
+    if let Some(stray) = entries.keys().find(|n| n.ends_with(".weight_format")) {
+        return Err(Error::Tensor {
+            path: folder.to_string(),
+            name: stray.clone(),
+            problem: "is a bitsandbytes 8-bit format tensor without its weight's SCB".into(),
+        });
+    }
+    Ok(())
+}
+
 impl BnbTensor {
-    /// The 4-bit type, the block size and whether the absmax values are quantized again.
-    pub(super) fn settings(&self) -> (Quant4Type, usize, bool) {
-        (self.kind, self.block, self.nested.is_some())
+    /// How the weight is stored: the quantization, its block size (0 for int8) and
+    /// whether the absmax values are quantized again.
+    pub(super) fn settings(&self) -> (BaseQuantization, usize, bool) {
+        match self {
+            Self::Four(four) => (
+                match four.kind {
+                    Quant4Type::Nf4 => BaseQuantization::Nf4,
+                    Quant4Type::Fp4 => BaseQuantization::Fp4,
+                },
+                four.block,
+                four.nested.is_some(),
+            ),
+            Self::Eight(_) => (BaseQuantization::Int8, 0, false),
+        }
     }
 
     /// The weight's values as bitsandbytes dequantizes them (f32, flat).
     pub(super) async fn values(&self, place: &Place) -> Result<Vec<f32>> {
-        Ok(dequantize_4bit(&self.quant4(place).await?))
+        Ok(match self.stored(place).await? {
+            Stored::Four(q) => dequantize_4bit(&q),
+            Stored::Eight(q) => dequantize_int8_rows(&q),
+        })
     }
 
+    /// The weight as stored, bit for bit.
+    pub(super) async fn stored(&self, place: &Place) -> Result<Stored> {
+        Ok(match self {
+            Self::Four(four) => Stored::Four(four.quant4(place).await?),
+            Self::Eight(eight) => Stored::Eight(Int8Rows {
+                cols: eight.cols,
+                codes: bytes(place, &eight.codes).await?.iter().map(|b| *b as i8).collect(),
+                scales: f32s(&bytes(place, &eight.scales).await?),
+            }),
+        })
+    }
+}
+
+impl Bnb4 {
     /// The weight as stored: codes, absmax and double quantization, bit for bit.
-    pub(super) async fn quant4(&self, place: &Place) -> Result<Quant4> {
+    async fn quant4(&self, place: &Place) -> Result<Quant4> {
         let packed = bytes(place, &self.packed).await?.to_vec();
         let absmax_bytes = bytes(place, &self.absmax).await?;
         let absmax = match &self.nested {

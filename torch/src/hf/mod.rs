@@ -245,10 +245,11 @@ impl HfModel {
         Ok((entry, kind))
     }
 
-    /// How the folder stores its 4-bit weights (bitsandbytes): the type, the block size and
-    /// whether double quantization was used; `None` for a folder holding none (the settings
-    /// of the first such weight by name when they differ, which transformers never writes).
-    pub fn stored_quant4(&self) -> Option<(regatta_trainer::quant::Quant4Type, usize, bool)> {
+    /// How the folder stores its quantized weights (bitsandbytes): the quantization, the
+    /// block size (0 for int8) and whether double quantization was used; `None` for a
+    /// folder holding none (the settings of the first such weight by name when they
+    /// differ, which transformers never writes).
+    pub fn stored_quantization(&self) -> Option<(regatta_trainer::lora::BaseQuantization, usize, bool)> {
         self.entries
             .iter()
             .filter_map(|(name, entry)| entry.bnb.as_ref().map(|b| (name, b)))
@@ -256,11 +257,11 @@ impl HfModel {
             .map(|(_, b)| b.settings())
     }
 
-    /// A weight the folder stores in 4 bits (bitsandbytes), as stored; `None` for any other.
-    pub async fn read_quant4(&self, spec: &ParamSpec) -> Result<Option<regatta_trainer::quant::Quant4>> {
+    /// A weight the folder stores quantized (bitsandbytes), as stored; `None` for any other.
+    pub async fn read_stored(&self, spec: &ParamSpec) -> Result<Option<regatta_trainer::quant::Stored>> {
         let (entry, _) = self.entry(spec)?;
         match &entry.bnb {
-            Some(bnb) => Ok(Some(bnb.quant4(&self.place).await?)),
+            Some(bnb) => Ok(Some(bnb.stored(&self.place).await?)),
             None => Ok(None),
         }
     }

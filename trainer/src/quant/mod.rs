@@ -149,6 +149,15 @@ impl Quant4 {
     }
 }
 
+/// A weight as a folder stores it quantized (bitsandbytes' 4-bit or 8-bit layout).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Stored {
+    /// NF4 or FP4 in blocks.
+    Four(Quant4),
+    /// LLM.int8's rows.
+    Eight(Int8Rows),
+}
+
 /// Why a tensor cannot be quantized.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuantError {
