@@ -184,24 +184,33 @@ pub enum CallError {
     Timeout,
 }
 
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Unreachable(cause) | Self::NotSent(cause) => f.write_str(cause),
+            Self::Timeout => f.write_str("no reply in time"),
+        }
+    }
+}
+
 /// The largest message payload: ractor_cluster drops a session that receives a frame
 /// over 16 MiB, so larger payloads are refused here, before they are sent.
 pub const MAX_MESSAGE_BYTES: usize = 15 << 20;
 
-fn check_size(payload: &[u8]) -> Result<(), String> {
+fn check_size(payload: &[u8]) -> Result<(), CallError> {
     if payload.len() > MAX_MESSAGE_BYTES {
-        return Err(format!(
+        return Err(CallError::Unreachable(format!(
             "a message of {} bytes exceeds the {} byte limit of actor messages; put large data in the object store and send the ObjectRef",
             payload.len(),
             MAX_MESSAGE_BYTES
-        ));
+        )));
     }
     Ok(())
 }
 
 /// Sends `request` and waits up to `timeout` for the raw reply bytes.
 pub async fn call_raw(target: &ActorCell, request: Vec<u8>, timeout: Duration) -> Result<Vec<u8>, CallError> {
-    check_size(&request).map_err(CallError::Unreachable)?;
+    check_size(&request)?;
     call_with(target, |port| Wire::Call(request, port), timeout).await
 }
 
@@ -213,17 +222,17 @@ pub async fn call_actor_raw(
     request: Vec<u8>,
     timeout: Duration,
 ) -> Result<Vec<u8>, CallError> {
-    check_size(&request).map_err(CallError::Unreachable)?;
+    check_size(&request)?;
     call_with(router, |port| Wire::CallActor(actor, request, port), timeout).await
 }
 
 /// Sends a fire-and-forget message to user actor `actor` through its node's `router`.
-pub fn cast_actor_raw(router: &ActorCell, actor: ActorId, payload: Vec<u8>) -> Result<(), String> {
+pub fn cast_actor_raw(router: &ActorCell, actor: ActorId, payload: Vec<u8>) -> Result<(), CallError> {
     check_size(&payload)?;
     let router: ActorRef<Wire> = router.clone().into();
     router
         .send_message(Wire::CastActor(actor, payload))
-        .map_err(|e| format!("could not deliver the message: {e}"))
+        .map_err(|e| CallError::Unreachable(format!("could not deliver the message: {e}")))
 }
 
 async fn call_with(
@@ -247,18 +256,30 @@ async fn call_with(
 }
 
 /// Sends a fire-and-forget message.
-pub fn cast_raw(target: &ActorCell, payload: Vec<u8>) -> Result<(), String> {
+pub fn cast_raw(target: &ActorCell, payload: Vec<u8>) -> Result<(), CallError> {
     check_size(&payload)?;
     let target: ActorRef<Wire> = target.clone().into();
     target
         .send_message(Wire::Cast(payload))
-        .map_err(|e| format!("could not deliver the message: {e}"))
+        .map_err(|e| CallError::Unreachable(format!("could not deliver the message: {e}")))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::protocol::HeadRequest;
+
+    #[test]
+    fn an_oversized_message_is_refused_before_sending_with_what_to_do() {
+        assert!(check_size(&vec![0u8; MAX_MESSAGE_BYTES]).is_ok());
+        let refused = check_size(&vec![0u8; MAX_MESSAGE_BYTES + 1]).err();
+        assert!(
+            matches!(&refused, Some(CallError::Unreachable(cause)) if cause.contains("send the ObjectRef")),
+            "{}",
+            refused.map(|e| e.to_string()).unwrap_or_default()
+        );
+        assert_eq!(CallError::Timeout.to_string(), "no reply in time");
+    }
 
     #[test]
     fn garbage_decodes_to_a_failure_not_a_panic() {

@@ -145,7 +145,7 @@ impl CallPlane {
                 }
             }
         }
-        wire::cast_actor_raw(target.router, actor, message).map_err(CallError::Unreachable)
+        wire::cast_actor_raw(target.router, actor, message)
     }
 
     /// The open connection to `target`'s node, opening one if needed; `None`: use the
