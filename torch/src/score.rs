@@ -400,7 +400,7 @@ fn model_context(json: &serde_json::Value) -> Option<usize> {
 mod tests {
     use super::*;
     use crate::engine::seeded;
-    use crate::model::Gpt;
+    use crate::gpt::Gpt;
     use regatta_trainer::config::ModelConfig;
 
     fn scorer() -> Scorer {

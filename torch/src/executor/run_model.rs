@@ -14,8 +14,9 @@ use super::{ModelFactory, NamedTensors};
 use crate::data::{DataSource, RankData, TextTokenizer};
 use crate::engine::{seeded, MicroBatch};
 use crate::error::Error;
+use crate::gpt::Gpt;
 use crate::hf::{model_from_config, HfModel};
-use crate::model::{Gpt, Model, ParamSpec};
+use crate::model::{Model, ParamSpec};
 
 /// The built-in GPT for a configuration and vocabulary.
 pub fn builtin_model(config: &TrainConfig, vocab: usize) -> Box<dyn Model> {

@@ -25,8 +25,9 @@ use serde_json::Value;
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
+use crate::gpt::{Gpt, GPT_ARCHITECTURE};
 use crate::llama::Llama;
-use crate::model::{Gpt, Model, ParamSpec, GPT_ARCHITECTURE};
+use crate::model::{Model, ParamSpec};
 
 pub use gguf::is_gguf;
 pub use safetensors::{config_dtype, encode_safetensors, encode_safetensors_as, stored_dtype};
