@@ -127,10 +127,10 @@ impl StateFile {
         &self.path
     }
 
-    fn refused(&self, path: &Path, reason: String) -> Error {
+    fn refused(&self, path: &Path, problem: StateFileError) -> Error {
         Error::HeadState {
             path: path.to_path_buf(),
-            reason,
+            reason: problem.to_string(),
         }
     }
 
@@ -161,7 +161,7 @@ impl StateFile {
     pub(crate) fn encode(&self, snapshot: &Snapshot<'_>, seq: u64) -> Result<Vec<u8>> {
         let body = codec()
             .serialize(snapshot)
-            .map_err(|e| self.refused(&self.path, format!("cannot encode it: {e}")))?;
+            .map_err(|source| self.refused(&self.path, StateFileError::Encode { what: "it", source }))?;
         let mut bytes = Vec::with_capacity(body.len() + 64);
         bytes.extend_from_slice(MAGIC);
         bytes.extend_from_slice(&VERSION.to_le_bytes());
@@ -176,9 +176,15 @@ impl StateFile {
 
     /// Encodes one change as a log record.
     pub(crate) fn record(&self, change: &ChangeRef<'_>, seq: u64) -> Result<Vec<u8>> {
-        let body = codec()
-            .serialize(change)
-            .map_err(|e| self.refused(&self.log, format!("cannot encode a change: {e}")))?;
+        let body = codec().serialize(change).map_err(|source| {
+            self.refused(
+                &self.log,
+                StateFileError::Encode {
+                    what: "a change",
+                    source,
+                },
+            )
+        })?;
         let mut framed = Vec::with_capacity(body.len() + 16);
         framed.extend_from_slice(&seq.to_le_bytes());
         framed.extend_from_slice(&body);
@@ -297,6 +303,57 @@ fn read_if_there(path: &Path) -> Result<Option<Vec<u8>>> {
     }
 }
 
+/// Why a state file or change log cannot be written or read back; each says what to do.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum StateFileError {
+    /// The file ends inside a field.
+    #[error("it ends before its {what} ({len} bytes in all; was the disk full?); {ASIDE}")]
+    Truncated {
+        /// The field cut short.
+        what: &'static str,
+        /// The file's length.
+        len: usize,
+    },
+    /// Another file's magic.
+    #[error("it is not a Regatta head {0}; {ASIDE}")]
+    NotOurs(&'static str),
+    /// Another format version.
+    #[error(
+        "it is of format version {0}, this head reads version {VERSION}; start the Regatta version that wrote it, or {ASIDE}"
+    )]
+    Version(u32),
+    /// The cluster fingerprint's length is impossible.
+    #[error("its cluster fingerprint is corrupt; {ASIDE}")]
+    Fingerprint,
+    /// Written for another cluster token.
+    #[error(
+        "it belongs to a cluster with another token; start the head with that token, or give this cluster its own --state-dir"
+    )]
+    OtherCluster,
+    /// The body's length disagrees with the header.
+    #[error("its body should be {expected} bytes but {found} follow (a torn or truncated write); {ASIDE}")]
+    Torn {
+        /// Bytes the header promises.
+        expected: u64,
+        /// Bytes present.
+        found: usize,
+    },
+    /// The checksum does not match.
+    #[error("its checksum does not match (the file is corrupt); {ASIDE}")]
+    Checksum,
+    /// The body does not decode.
+    #[error("it does not decode ({0}); {ASIDE}")]
+    Decode(bincode::Error),
+    /// The state or a change cannot be encoded.
+    #[error("cannot encode {what}: {source}")]
+    Encode {
+        /// `it` (the snapshot) or `a change`.
+        what: &'static str,
+        /// The encoder's error.
+        source: bincode::Error,
+    },
+}
+
 /// A cursor over a file's bytes whose errors say what was cut short.
 struct Reader<'a> {
     all: usize,
@@ -311,54 +368,49 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn take(&mut self, n: usize, what: &str) -> std::result::Result<&'a [u8], String> {
+    fn take(&mut self, n: usize, what: &'static str) -> std::result::Result<&'a [u8], StateFileError> {
         if self.rest.len() < n {
-            return Err(format!(
-                "it ends before its {what} ({} bytes in all; was the disk full?); {ASIDE}",
-                self.all
-            ));
+            return Err(StateFileError::Truncated { what, len: self.all });
         }
         let (head, tail) = self.rest.split_at(n);
         self.rest = tail;
         Ok(head)
     }
 
-    fn u32(&mut self, what: &str) -> std::result::Result<u32, String> {
+    fn u32(&mut self, what: &'static str) -> std::result::Result<u32, StateFileError> {
         let mut raw = [0u8; 4];
         raw.copy_from_slice(self.take(4, what)?);
         Ok(u32::from_le_bytes(raw))
     }
 
-    fn u64(&mut self, what: &str) -> std::result::Result<u64, String> {
+    fn u64(&mut self, what: &'static str) -> std::result::Result<u64, StateFileError> {
         let mut raw = [0u8; 8];
         raw.copy_from_slice(self.take(8, what)?);
         Ok(u64::from_le_bytes(raw))
     }
 
     /// The magic, version and fingerprint every file starts with.
-    fn header(&mut self, magic: &[u8], kind: &str, scope: &str) -> std::result::Result<(), String> {
+    fn header(&mut self, magic: &[u8], kind: &'static str, scope: &str) -> std::result::Result<(), StateFileError> {
         if self.take(magic.len(), "header")? != magic {
-            return Err(format!("it is not a Regatta head {kind}; {ASIDE}"));
+            return Err(StateFileError::NotOurs(kind));
         }
         let version = self.u32("version")?;
         if version != VERSION {
-            return Err(format!(
-                "it is of format version {version}, this head reads version {VERSION}; start the Regatta version that wrote it, or {ASIDE}"
-            ));
+            return Err(StateFileError::Version(version));
         }
         let scope_len = self.u32("cluster fingerprint")? as usize;
         if scope_len > 256 {
-            return Err(format!("its cluster fingerprint is corrupt; {ASIDE}"));
+            return Err(StateFileError::Fingerprint);
         }
         if self.take(scope_len, "cluster fingerprint")? != scope.as_bytes() {
-            return Err("it belongs to a cluster with another token; start the head with that token, or give this cluster its own --state-dir".into());
+            return Err(StateFileError::OtherCluster);
         }
         Ok(())
     }
 }
 
 /// Reads a snapshot back: the state and the sequence number of its last change.
-fn decode(bytes: &[u8], scope: &str) -> std::result::Result<(Saved, u64), String> {
+fn decode(bytes: &[u8], scope: &str) -> std::result::Result<(Saved, u64), StateFileError> {
     let mut reader = Reader::new(bytes);
     reader.header(MAGIC, "state file", scope)?;
     let seq = reader.u64("sequence number")?;
@@ -366,23 +418,21 @@ fn decode(bytes: &[u8], scope: &str) -> std::result::Result<(Saved, u64), String
     let crc = reader.u32("checksum")?;
     let rest = reader.rest;
     if len > MAX_BODY_BYTES || len as usize != rest.len() {
-        return Err(format!(
-            "its body should be {len} bytes but {} follow (a torn or truncated write); {ASIDE}",
-            rest.len()
-        ));
+        return Err(StateFileError::Torn {
+            expected: len,
+            found: rest.len(),
+        });
     }
     if regatta_object_store::crc32(rest) != crc {
-        return Err(format!("its checksum does not match (the file is corrupt); {ASIDE}"));
+        return Err(StateFileError::Checksum);
     }
-    let saved = codec()
-        .deserialize(rest)
-        .map_err(|e| format!("it does not decode ({e}); {ASIDE}"))?;
+    let saved = codec().deserialize(rest).map_err(StateFileError::Decode)?;
     Ok((saved, seq))
 }
 
 /// Reads the log: the changes after `after` in order, the last sequence number, and the
 /// bytes dropped at its end.
-fn read_log(bytes: &[u8], scope: &str, after: u64) -> std::result::Result<(Vec<Change>, u64, usize), String> {
+fn read_log(bytes: &[u8], scope: &str, after: u64) -> std::result::Result<(Vec<Change>, u64, usize), StateFileError> {
     if bytes.is_empty() {
         return Ok((Vec::new(), after, 0));
     }
@@ -452,6 +502,26 @@ pub(crate) fn lock(dir: &Path) -> Result<std::fs::File> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_damaged_header_is_told_apart_by_kind() {
+        let mut header = MAGIC.to_vec();
+        header.extend(2u32.to_le_bytes());
+        assert!(matches!(decode(&header, "scope"), Err(StateFileError::Version(2))));
+        assert!(matches!(
+            decode(b"REGATTA-HEAD-STATX", "scope"),
+            Err(StateFileError::NotOurs("state file"))
+        ));
+        let cut = decode(&MAGIC[..4], "scope").err();
+        assert!(
+            matches!(cut, Some(StateFileError::Truncated { what: "header", len: 4 })),
+            "{cut:?}"
+        );
+        assert!(matches!(
+            read_log(&header, "scope", 0),
+            Err(StateFileError::NotOurs("change log"))
+        ));
+    }
     use regatta_proto::head::HeadCore;
     use regatta_proto::protocol::HeadRequest;
 
