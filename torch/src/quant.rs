@@ -56,39 +56,10 @@ pub struct QuantWeight {
     held: Held,
 }
 
-impl Clone for HeldAbsmax {
-    fn clone(&self) -> Self {
-        match self {
-            Self::Plain(values) => Self::Plain(values.shallow_clone()),
-            Self::Double { codes, absmax, offset } => Self::Double {
-                codes: codes.shallow_clone(),
-                absmax: absmax.shallow_clone(),
-                offset: *offset,
-            },
-        }
-    }
-}
-
 /// A clone shares the tensors (they are never written after quantization).
 impl Clone for QuantWeight {
     fn clone(&self) -> Self {
-        let held = match &self.held {
-            Held::Four(four) => Held::Four(Four {
-                block: four.block,
-                packed: four.packed.shallow_clone(),
-                absmax: four.absmax.clone(),
-                code: four.code.shallow_clone(),
-                map: four.map.as_ref().map(Tensor::shallow_clone),
-            }),
-            Held::Eight(eight) => Held::Eight(Eight {
-                codes: eight.codes.shallow_clone(),
-                scales: eight.scales.shallow_clone(),
-            }),
-        };
-        Self {
-            shape: self.shape.clone(),
-            held,
-        }
+        self.with_parts(&self.parts())
     }
 }
 

@@ -263,33 +263,41 @@ fn quantized_folders_regatta_cannot_read_are_refused_by_name() {
     }
 }
 
+/// How many quantized weights a run with `lora` takes from `hf` as the folder stores them.
+fn taken_as_stored(
+    runtime: &tokio::runtime::Runtime,
+    hf: &regatta_torch::HfModel,
+    lora: &regatta_trainer::LoraConfig,
+) -> usize {
+    let mut model = hf.model().unwrap();
+    model.set_lora(lora).unwrap();
+    runtime
+        .block_on(regatta_torch::executor::take_stored_quantized(
+            model.as_mut(),
+            Some(hf),
+            regatta_torch::tch::Device::Cpu,
+        ))
+        .unwrap();
+    model
+        .quantized_specs()
+        .iter()
+        .filter(|s| model.holds_quantized(&s.name))
+        .count()
+}
+
 #[test]
 fn a_qlora_run_takes_a_4bit_folders_codes_as_stored_when_its_settings_match() {
     use regatta_trainer::lora::BaseQuantization;
     use regatta_trainer::LoraConfig;
     let (runtime, hf) = open_bnb_llama();
     for (double, taken) in [(true, 14), (false, 0)] {
-        let mut model = hf.model().unwrap();
-        model
-            .set_lora(&LoraConfig {
-                rank: 4,
-                base_quantization: BaseQuantization::Nf4,
-                double_quant: double,
-                ..LoraConfig::default()
-            })
-            .unwrap();
-        runtime
-            .block_on(regatta_torch::executor::take_stored_quantized(
-                model.as_mut(),
-                Some(&hf),
-                regatta_torch::tch::Device::Cpu,
-            ))
-            .unwrap();
-        let held = model
-            .quantized_specs()
-            .iter()
-            .filter(|s| model.holds_quantized(&s.name))
-            .count();
+        let lora = LoraConfig {
+            rank: 4,
+            base_quantization: BaseQuantization::Nf4,
+            double_quant: double,
+            ..LoraConfig::default()
+        };
+        let held = taken_as_stored(&runtime, &hf, &lora);
         // The folder is NF4 with double quantization: a run asking for that takes all 14
         // projections as stored; one without double quantization quantizes them itself.
         assert_eq!(held, taken, "double_quant = {double}");
@@ -588,27 +596,12 @@ fn an_8bit_folder_reads_as_llm_int8_dequantizes_it_and_an_int8_run_takes_its_cod
     assert_eq!(quantized, 2 * 7);
     // An int8 run takes the codes as stored; a 4-bit one quantizes the float weights itself.
     for (kind, taken) in [(BaseQuantization::Int8, 14), (BaseQuantization::Nf4, 0)] {
-        let mut model = hf.model().unwrap();
-        model
-            .set_lora(&regatta_trainer::LoraConfig {
-                rank: 4,
-                base_quantization: kind,
-                ..regatta_trainer::LoraConfig::default()
-            })
-            .unwrap();
-        runtime
-            .block_on(regatta_torch::executor::take_stored_quantized(
-                model.as_mut(),
-                Some(&hf),
-                regatta_torch::tch::Device::Cpu,
-            ))
-            .unwrap();
-        let held = model
-            .quantized_specs()
-            .iter()
-            .filter(|s| model.holds_quantized(&s.name))
-            .count();
-        assert_eq!(held, taken, "{kind:?}");
+        let lora = regatta_trainer::LoraConfig {
+            rank: 4,
+            base_quantization: kind,
+            ..regatta_trainer::LoraConfig::default()
+        };
+        assert_eq!(taken_as_stored(&runtime, &hf, &lora), taken, "{kind:?}");
     }
     // A weight_format other than row-major, and row scales of the wrong length, are refused
     // naming the weight.

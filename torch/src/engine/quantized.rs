@@ -73,11 +73,12 @@ impl Engine {
     /// weights when not sliced.
     pub(super) fn quantized_held(&self) -> u64 {
         let slices: u64 = self.quant_shards.iter().flatten().map(QuantShard::bytes).sum();
-        // A block gathered for its turn is transient, as a stage-3 gather of float ones.
-        let gathered: u64 = match self.installed {
-            Some(_) => self.model.quantized_bytes(),
-            None => 0,
+        // Sliced, the model holds only a block gathered for its turn: transient, as a
+        // stage-3 gather of float ones.
+        let whole = match self.installed {
+            Some(_) => 0,
+            None => self.model.quantized_bytes(),
         };
-        slices + self.model.quantized_bytes() - gathered
+        slices + whole
     }
 }
