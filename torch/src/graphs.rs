@@ -178,14 +178,8 @@ impl CudaGraph {
         // libtorch's refusals reach tch's plain ops as panics: one inside a capture (an op
         // that waits for the device, say) becomes this capture's error.
         let mut guarded = || {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut *work)).unwrap_or_else(|panic| {
-                let text = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "the captured work panicked".into());
-                Err(Error::CudaGraph(text))
-            })
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut *work))
+                .unwrap_or_else(|panic| Err(Error::CudaGraph(crate::executor::panic_text(&*panic))))
         };
         let captured = (|| -> Result<(Pool, T)> {
             guarded()?;

@@ -639,3 +639,62 @@ fn an_8bit_folder_reads_as_llm_int8_dequantizes_it_and_an_int8_run_takes_its_cod
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+#[test]
+fn a_4bit_quant_state_beyond_what_bitsandbytes_writes_is_refused_naming_the_weight() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let source = qlora_fixture("bnb-llama");
+    let state = "model.layers.0.mlp.down_proj.weight.quant_state.bitsandbytes__nf4";
+    let tensors: Vec<(String, Tensor)> = Tensor::read_safetensors(format!("{source}/model.safetensors")).unwrap();
+    let original: serde_json::Value = {
+        let t = &tensors.iter().find(|(n, _)| n == state).unwrap().1;
+        serde_json::from_slice(&bytes(t)).unwrap()
+    };
+    for (what, key, value, expected) in [
+        // Finite as f64, infinite as the f32 it is held in.
+        (
+            "offset",
+            "nested_offset",
+            serde_json::json!(1e39),
+            "nested_offset of 1e39",
+        ),
+        (
+            "shape",
+            "shape",
+            serde_json::json!([64, 160.5]),
+            "positive whole dimensions",
+        ),
+        ("dtype", "dtype", serde_json::json!("float64"), "dtype \"float64\""),
+    ] {
+        let mut changed = original.clone();
+        changed[key] = value;
+        let json = serde_json::to_vec(&changed).unwrap();
+        let dir = std::env::temp_dir().join(format!("regatta-bnb-state-{what}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(format!("{source}/config.json"), dir.join("config.json")).unwrap();
+        let edited: Vec<(String, Tensor)> = tensors
+            .iter()
+            .map(|(name, t)| {
+                let t = if name == state {
+                    Tensor::from_slice(&json)
+                } else {
+                    t.shallow_clone()
+                };
+                (name.clone(), t)
+            })
+            .collect();
+        Tensor::write_safetensors(&edited, dir.join("model.safetensors")).unwrap();
+        let error = match runtime.block_on(regatta_torch::HfModel::open(dir.to_str().unwrap())) {
+            Ok(_) => panic!("{what}: a quant_state bitsandbytes never writes was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            error.contains("model.layers.0.mlp.down_proj.weight") && error.contains(expected),
+            "{what}: {error}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

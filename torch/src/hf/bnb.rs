@@ -142,9 +142,9 @@ pub(super) async fn fold(place: &Place, config: &Value, entries: &mut HashMap<St
         let shape: Vec<i64> = state
             .get("shape")
             .and_then(Value::as_array)
-            .map(|dims| dims.iter().filter_map(Value::as_i64).collect())
-            .filter(|dims: &Vec<i64>| !dims.is_empty() && dims.iter().all(|d| *d > 0))
-            .ok_or_else(|| bad("has a quant_state without a shape".into()))?;
+            .and_then(|dims| dims.iter().map(Value::as_i64).collect::<Option<Vec<i64>>>())
+            .filter(|dims| !dims.is_empty() && dims.iter().all(|d| *d > 0))
+            .ok_or_else(|| bad("has a quant_state without a shape of positive whole dimensions".into()))?;
         let numel = shape
             .iter()
             .try_fold(1usize, |n, d| n.checked_mul(*d as usize))
@@ -172,9 +172,11 @@ pub(super) async fn fold(place: &Place, config: &Value, entries: &mut HashMap<St
             }
         }
         let nested = match (&nested_absmax, state.get("nested_offset").and_then(Value::as_f64)) {
-            (Some(nested), Some(offset)) => {
+            (Some(nested), Some(wide)) => {
+                // Held as f32: a finite f64 beyond f32's range would become infinite.
+                let offset = wide as f32;
                 if !offset.is_finite() {
-                    return Err(bad(format!("has a nested_offset of {offset}")));
+                    return Err(bad(format!("has a nested_offset of {wide:e}, which f32 cannot hold")));
                 }
                 let nested_block = state.get("nested_blocksize").and_then(Value::as_u64).unwrap_or(0) as usize;
                 if nested_block != NESTED_BLOCK {
@@ -204,7 +206,7 @@ pub(super) async fn fold(place: &Place, config: &Value, entries: &mut HashMap<St
                         blocks.div_ceil(NESTED_BLOCK) * 4
                     )));
                 }
-                Some((piece(nested), offset as f32))
+                Some((piece(nested), offset))
             }
             (None, None) => {
                 if absmax.dtype != "F32" || length(&absmax) != blocks * 4 {
@@ -226,7 +228,12 @@ pub(super) async fn fold(place: &Place, config: &Value, entries: &mut HashMap<St
         let dtype = match state.get("dtype").and_then(Value::as_str) {
             Some("bfloat16") => "BF16",
             Some("float16") => "F16",
-            _ => "F32",
+            Some("float32") | None => "F32",
+            Some(other) => {
+                return Err(bad(format!(
+                    "has a quant_state dtype {other:?}; bitsandbytes writes bfloat16, float16 or float32"
+                )))
+            }
         };
         entries.insert(
             weight.clone(),
