@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::protocol::{ActorId, Failure};
+use regatta_proto::protocol::{ActorId, Failure};
 
 impl From<regatta_proto::Error> for Error {
     fn from(error: regatta_proto::Error) -> Self {

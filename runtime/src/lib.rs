@@ -30,57 +30,50 @@ mod client;
 mod error;
 pub mod executor;
 mod head;
+mod jobs;
 mod metrics;
 mod net;
 mod objects;
 mod worker;
 
-// The pure core, under the names the runtime has always used for it.
-use regatta_proto::{job, placement, pool as pool_book, protocol, resources, scheduler};
-// Short paths for the parts every folder uses.
-use client::{job_client, pool};
-use head::{job_log, job_manager, job_packages, job_shim, job_store};
-use net::{calls, headlink, http, https, node, token, wire};
-use worker::{agent, detect, registry};
-
-pub use calls::{CallPath, CALL_PATH_ENV};
+pub use client::job_client::{JobClient, DEFAULT_JOB_ADDRESS};
+pub use client::pool::ActorPool;
 pub use client::{Actor, ActorContext, ActorError};
 pub use client::{ActorHandle, ActorOptions, Client, Cluster, PlacementGroup, DEFAULT_CALL_TIMEOUT};
 pub use client::{CallTiming, ObjectRef, RunReporter};
-pub use detect::{
-    accelerator_tag, accelerator_type, detect_gpus, detect_resources, parse_nvidia_smi, visible_devices, GpuDevice,
-    GpuInventory,
-};
 pub use error::{Error, Result};
+pub use head::job_manager::{JobConfig, ADDRESS_ENV};
 pub use head::{start_head, HeadConfig, RunningHead, HEAD_NODE};
-pub use https::{job_api_client_tls, ApiTls};
-pub use job::JOB_ID_ENV;
-pub use job::{JobRecord, JobStatus, JobSubmission, ProcessIdentity, RuntimeEnv};
-pub use job_client::{JobClient, DEFAULT_JOB_ADDRESS};
-pub use job_manager::{JobConfig, ADDRESS_ENV};
-pub use job_shim::{supervise_job, ShimArgs, ShimOutcome};
+pub use jobs::shim::{supervise_job, ShimArgs, ShimOutcome};
 pub use metrics::{metrics, Metrics, SdTarget};
+pub use net::calls::{CallPath, CALL_PATH_ENV};
+pub use net::https::{job_api_client_tls, ApiTls};
+pub use net::token::{default_token_file, resolve_token, TokenSource, TOKEN_ENV};
+/// The node protocol's encoding (for benchmarks and robustness tests).
+#[doc(hidden)]
+pub use net::wire::{decode as wire_decode, encode as wire_encode};
 pub use objects::{ObjectConfig, ObjectStats};
-pub use placement::{Allocation, Decision, Ledger, Strategy};
-pub use pool::ActorPool;
-pub use pool_book::{PoolBook, Seq};
-pub use protocol::{
+pub use regatta_object_store::{DirectoryStats, ObjectId, FAULT_CORRUPT_ENV, NO_SHARED_MEMORY_ENV};
+pub use regatta_proto::job::JOB_ID_ENV;
+pub use regatta_proto::job::{JobRecord, JobStatus, JobSubmission, ProcessIdentity, RuntimeEnv};
+/// Network pulls of one large object a holder serves at once by default (`--object-fanout`).
+pub use regatta_proto::object::fanout::DEFAULT_PER_SOURCE as DEFAULT_OBJECT_FANOUT;
+pub use regatta_proto::placement::{Allocation, Decision, Ledger, Strategy};
+pub use regatta_proto::pool::{PoolBook, Seq};
+pub use regatta_proto::protocol::{
     ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, GroupId, GroupStatus, NodeStatus,
     PendingLine, RESTART_FOREVER,
 };
-pub use regatta_object_store::{DirectoryStats, ObjectId, FAULT_CORRUPT_ENV, NO_SHARED_MEMORY_ENV};
-/// Network pulls of one large object a holder serves at once by default (`--object-fanout`).
-pub use regatta_proto::object::fanout::DEFAULT_PER_SOURCE as DEFAULT_OBJECT_FANOUT;
+pub use regatta_proto::resources::{format_fixed, Resources, GPU, UNIT};
 pub use regatta_proto::runs::{RunDetail, RunPoint, RunSample, RunSummary};
 pub use regatta_proto::view::{
     ActorFilter, ActorRow, NodeRow, Overview, Page, PageRequest, ResourceUse, View, ViewQuery, MAX_PAGE,
 };
-pub use registry::Registry;
-pub use resources::{format_fixed, Resources, GPU, UNIT};
-pub use token::{default_token_file, resolve_token, TokenSource, TOKEN_ENV};
-/// The node protocol's encoding (for benchmarks and robustness tests).
-#[doc(hidden)]
-pub use wire::{decode as wire_decode, encode as wire_encode};
+pub use worker::detect::{
+    accelerator_tag, accelerator_type, detect_gpus, detect_resources, parse_nvidia_smi, visible_devices, GpuDevice,
+    GpuInventory,
+};
 pub use worker::python::{PythonActor, PythonArgs, MAX_FRAME as PYTHON_MAX_FRAME};
+pub use worker::registry::Registry;
 pub use worker::simulate::{run_simulated_nodes, simulated_name, SimulatedNodes};
 pub use worker::{run_worker, WorkerConfig};

@@ -21,8 +21,8 @@ use serde::Serialize;
 
 use crate::error::Result;
 use crate::objects::ObjectStats;
-use crate::protocol::ClusterStatus;
-use crate::resources::UNIT;
+use regatta_proto::protocol::ClusterStatus;
+use regatta_proto::resources::UNIT;
 
 /// Every metric Regatta exports.
 pub struct Metrics {
@@ -403,7 +403,7 @@ pub(crate) async fn serve(
         .route("/metrics", get(scrape))
         .route("/api/prometheus/sd", get(discovery))
         .with_state(state);
-    crate::http::serve(app, bind, "metrics endpoint", None).await
+    crate::net::http::serve(app, bind, "metrics endpoint", None).await
 }
 
 async fn scrape(State(state): State<MetricsState>) -> Response {
@@ -425,8 +425,8 @@ async fn discovery(State(state): State<MetricsState>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::{ActorLine, ActorView, NodeStatus};
-    use crate::resources::Resources;
+    use regatta_proto::protocol::{ActorLine, ActorView, NodeStatus};
+    use regatta_proto::resources::Resources;
 
     fn value(text: &str, series: &str) -> Option<f64> {
         text.lines()
@@ -454,7 +454,7 @@ mod tests {
 
     #[test]
     fn cluster_snapshot_sets_nodes_resources_actors_and_objects() {
-        use crate::protocol::ActorState;
+        use regatta_proto::protocol::ActorState;
         let m = Metrics::new();
         let mut used = Resources::new();
         used.set("CPU", 1.5);

@@ -149,11 +149,11 @@ fn select_jobs(
     Ok((jobs, matched))
 }
 
-fn key_value(text: &str) -> Result<(String, String), String> {
+fn key_value(text: &str) -> Result<(String, String), super::ArgError> {
     text.split_once('=')
         .filter(|(k, _)| !k.is_empty())
         .map(|(k, v)| (k.to_string(), v.to_string()))
-        .ok_or_else(|| format!("'{text}' is not KEY=VALUE"))
+        .ok_or_else(|| super::ArgError::NotKeyValue(text.to_string()))
 }
 
 /// Joins arguments into one shell command line, quoting where needed.

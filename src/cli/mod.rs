@@ -117,16 +117,28 @@ impl ObjectArgs {
     }
 }
 
+/// A command-line value that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ArgError {
+    /// A size without a number.
+    #[error("'{0}' is not a size like 512MiB")]
+    NotASize(String),
+    /// A size with a unit this does not know.
+    #[error("unknown size unit '{unit}' in '{text}'; use B, KB, KiB, MB, MiB, GB, GiB")]
+    SizeUnit { unit: String, text: String },
+    /// A `--env`/`--metadata` value without `=` or without a key.
+    #[error("'{0}' is not KEY=VALUE")]
+    NotKeyValue(String),
+}
+
 /// Parses `1234`, `64KB`, `64KiB`, `512MiB`, `4GB`, `1.5GiB`.
-pub fn parse_bytes(text: &str) -> Result<u64, String> {
+pub fn parse_bytes(text: &str) -> Result<u64, ArgError> {
     let trimmed = text.trim();
     let split = trimmed
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(trimmed.len());
     let (number, unit) = trimmed.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("'{text}' is not a size like 512MiB"))?;
+    let value: f64 = number.parse().map_err(|_| ArgError::NotASize(text.to_string()))?;
     let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "kb" => 1e3,
@@ -138,9 +150,10 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
         "tb" => 1e12,
         "tib" | "t" => 1024.0_f64.powi(4),
         other => {
-            return Err(format!(
-                "unknown size unit '{other}' in '{text}'; use B, KB, KiB, MB, MiB, GB, GiB"
-            ))
+            return Err(ArgError::SizeUnit {
+                unit: other.to_string(),
+                text: text.to_string(),
+            })
         }
     };
     Ok((value * scale) as u64)
@@ -494,7 +507,15 @@ mod tests {
         assert_eq!(parse_bytes("40MiB"), Ok(40 << 20));
         assert_eq!(parse_bytes("4GB"), Ok(4_000_000_000));
         assert_eq!(parse_bytes("1.5GiB"), Ok(3 << 29));
-        assert!(parse_bytes("12 parsecs").unwrap_err().contains("unknown size unit"));
-        assert!(parse_bytes("MiB").unwrap_err().contains("not a size"));
+        let unit = parse_bytes("12 parsecs").unwrap_err();
+        assert!(
+            matches!(&unit, ArgError::SizeUnit { unit, .. } if unit == "parsecs"),
+            "{unit:?}"
+        );
+        assert!(
+            unit.to_string().contains("unknown size unit 'parsecs' in '12 parsecs'"),
+            "{unit}"
+        );
+        assert_eq!(parse_bytes("MiB"), Err(ArgError::NotASize("MiB".into())));
     }
 }

@@ -7,8 +7,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::cluster::Cluster;
-use crate::protocol::ActorId;
-use crate::resources::Resources;
+use regatta_proto::protocol::ActorId;
+use regatta_proto::resources::Resources;
 
 /// The error a user actor returns; anything that converts into a boxed error works with `?`.
 pub type ActorError = Box<dyn std::error::Error + Send + Sync>;

@@ -7,18 +7,18 @@ use std::time::Duration;
 use ractor::ActorCell;
 use serde::de::DeserializeOwned;
 
-use crate::calls::{CallPath, CallPlane, Target};
 use crate::error::{failure_to_error, Error, Result};
-use crate::headlink::HeadLink;
-use crate::node;
+use crate::net::calls::{CallPath, CallPlane, Target};
+use crate::net::headlink::HeadLink;
+use crate::net::node;
+use crate::net::wire::{self, CallError};
 use crate::objects::ObjectService;
-use crate::placement::Strategy;
-use crate::protocol::{
+use regatta_proto::actor_log::LogLine;
+use regatta_proto::placement::Strategy;
+use regatta_proto::protocol::{
     ActorId, ActorView, AgentRequest, BundleRef, ClusterStatus, Failure, GroupId, GroupSpec, HeadRequest,
 };
-use crate::resources::Resources;
-use crate::wire::{self, CallError};
-use regatta_proto::actor_log::LogLine;
+use regatta_proto::resources::Resources;
 use regatta_proto::runs::RunPoint;
 use regatta_proto::view::{View, ViewQuery};
 
@@ -259,16 +259,21 @@ impl Cluster {
     /// `actor/<id>`: a user actor, through its node's router) and returns the raw reply, for
     /// protocol robustness tests.
     #[doc(hidden)]
-    pub async fn send_raw(&self, target: &str, bytes: Vec<u8>) -> std::result::Result<Vec<u8>, String> {
+    pub async fn send_raw(&self, target: &str, bytes: Vec<u8>) -> Result<Vec<u8>> {
         const TIMEOUT: Duration = Duration::from_secs(5);
         let outcome = if let Some(id) = target.strip_prefix("actor/") {
-            let actor = ActorId(id.parse().map_err(|_| format!("'{target}' names no actor id"))?);
-            let view = self.actor_view(actor, TIMEOUT).await.map_err(|e| e.to_string())?;
-            let node = view.node.ok_or_else(|| format!("actor {actor} is not placed"))?;
+            let actor = ActorId(
+                id.parse()
+                    .map_err(|_| Error::Rejected(format!("'{target}' names no actor id")))?,
+            );
+            let view = self.actor_view(actor, TIMEOUT).await?;
+            let node = view
+                .node
+                .ok_or_else(|| Error::Rejected(format!("actor {actor} is not placed")))?;
             let router = self
                 .node_member(&node, &node::router_group(&node), view.address.as_deref(), TIMEOUT)
                 .await
-                .ok_or_else(|| format!("node {node}'s router is not visible"))?;
+                .ok_or_else(|| Error::Rejected(format!("node {node}'s router is not visible")))?;
             let target = Target {
                 node: &node,
                 router: &router,
@@ -281,22 +286,25 @@ impl Cluster {
             // The head through the link (its cached actor): a process-group entry can vanish
             // when a duplicate session to the head closes, while the link's actor still runs.
             let cell = match target {
-                node::HEAD_GROUP => self.link.head().map_err(|e| e.to_string())?,
+                node::HEAD_GROUP => self.link.head()?,
                 _ => {
                     // `agent/<node>` or `router/<node>`: a session to that node first, when
                     // this process has none (its address from the head).
                     let node = target.split_once('/').map(|(_, node)| node).unwrap_or_default();
-                    let address = self.address_to_reach(node, target).await.map_err(|e| e.to_string())?;
+                    let address = self.address_to_reach(node, target).await?;
                     self.node_member(node, target, address.as_deref(), TIMEOUT)
                         .await
-                        .ok_or_else(|| format!("no actor in group {target}"))?
+                        .ok_or_else(|| Error::Rejected(format!("no actor in group {target}")))?
                 }
             };
             wire::call_raw(&cell, bytes, TIMEOUT).await
         };
         outcome.map_err(|e| match e {
-            CallError::Timeout => "timeout".to_string(),
-            CallError::Unreachable(c) | CallError::NotSent(c) => c,
+            CallError::Timeout => Error::Timeout {
+                what: format!("a raw call to {target}"),
+                timeout: TIMEOUT,
+            },
+            CallError::Unreachable(c) | CallError::NotSent(c) => Error::Rejected(c),
         })
     }
 }

@@ -11,11 +11,11 @@ use tokio::sync::oneshot;
 use super::actor::Actor;
 use super::cluster::{ActorOptions, Cluster, DEFAULT_CALL_TIMEOUT};
 use super::timing::CallTiming;
-use crate::calls::{wall_clock_ns, Target};
 use crate::error::{failure_to_error, Error, Result};
-use crate::node;
-use crate::protocol::{ActorId, ActorSpec, ActorState, ActorView, Failure, HeadRequest};
-use crate::wire::{self, CallError};
+use crate::net::calls::{wall_clock_ns, Target};
+use crate::net::node;
+use crate::net::wire::{self, CallError};
+use regatta_proto::protocol::{ActorId, ActorSpec, ActorState, ActorView, Failure, HeadRequest};
 
 impl Cluster {
     /// Spawns an actor of kind `A`. Returns once the head accepted it: an unknown kind or a

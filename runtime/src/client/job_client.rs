@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::job::{JobRecord, JobSubmission};
+use regatta_proto::job::{JobRecord, JobSubmission};
 
 /// Default job API address.
 pub const DEFAULT_JOB_ADDRESS: &str = "https://127.0.0.1:8265";
@@ -44,7 +44,7 @@ impl JobClient {
         };
         let mut builder = reqwest::Client::builder().connect_timeout(Duration::from_secs(10));
         if base.starts_with("https://") {
-            builder = builder.use_preconfigured_tls(crate::https::job_api_client_tls(token, ca_pem)?);
+            builder = builder.use_preconfigured_tls(crate::net::https::job_api_client_tls(token, ca_pem)?);
         } else {
             tracing::warn!(address = %base, "talking to the job API over plain HTTP: the cluster token crosses the network in cleartext (use https:// unless the head runs with --insecure)");
         }

@@ -22,12 +22,12 @@ pub use objects::ObjectRef;
 pub use runs::RunReporter;
 pub use timing::CallTiming;
 
-use crate::calls::{CallPath, CallPlane, CallTls};
 use crate::error::{Error, Result};
-use crate::headlink::HeadLink;
-use crate::node::{self, LocalNode, SessionEvent};
+use crate::net::calls::{CallPath, CallPlane, CallTls};
+use crate::net::headlink::HeadLink;
+use crate::net::node::{self, LocalNode, SessionEvent};
 use crate::objects::{ObjectConfig, ObjectService};
-use crate::protocol::HeadRequest;
+use regatta_proto::protocol::HeadRequest;
 
 /// How long a client waits between attempts to join a head that went away.
 const REJOIN_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
@@ -168,14 +168,18 @@ impl Client {
                 let identity = regatta_object_store::identity_from_token(token)?;
                 let config = ObjectConfig::for_client(&host);
                 let objects = ObjectService::start(&name, &identity, config, link.clone()).await?;
-                let job = std::env::var(crate::job::JOB_ID_ENV).ok().filter(|j| !j.is_empty());
+                let job = std::env::var(regatta_proto::job::JOB_ID_ENV)
+                    .ok()
+                    .filter(|j| !j.is_empty());
                 report_objects_on_rejoin(Arc::downgrade(&objects), link.clone(), job, on_rejoin);
                 (Some(objects), CallPlane::new(CallTls::new(&identity), path))
             }
             None => (None, CallPlane::session_only()),
         };
         // A driver started by the job manager belongs to its job.
-        let job = std::env::var(crate::job::JOB_ID_ENV).ok().filter(|j| !j.is_empty());
+        let job = std::env::var(regatta_proto::job::JOB_ID_ENV)
+            .ok()
+            .filter(|j| !j.is_empty());
         Ok(Self {
             cluster: Cluster::new(link, objects, calls).with_job(job),
             _node: local,

@@ -12,9 +12,9 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::cluster::Cluster;
 use crate::error::{failure_to_error, Error, Result};
+use crate::net::wire;
 use crate::objects::{ObjectStats, RefGuard};
-use crate::protocol::HeadRequest;
-use crate::wire;
+use regatta_proto::protocol::HeadRequest;
 
 /// A reference to an object of type `T` somewhere in the cluster. Cheap to clone and to
 /// send inside actor messages (only the id travels). A reference received in a message

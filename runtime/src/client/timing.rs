@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::calls::Hops;
+use crate::net::calls::Hops;
 
 /// The time one call spent in each hop from the caller to the actor and back, measured by
 /// stamps both processes take on the host's one clock (the system clock).
@@ -83,7 +83,7 @@ impl CallTiming {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::calls::ServerStamps;
+    use crate::net::calls::ServerStamps;
 
     #[test]
     fn each_hop_is_the_gap_between_its_stamps_and_they_add_up_to_the_whole_call() {

@@ -29,11 +29,11 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::json;
 
-use super::job_api::{error, Api};
-use crate::node;
-use crate::protocol::{ActorId, AgentRequest, Failure, HeadRequest};
-use crate::wire;
+use super::api::{error, Api};
+use crate::net::node;
+use crate::net::wire;
 use regatta_proto::actor_log::LogLine;
+use regatta_proto::protocol::{ActorId, AgentRequest, Failure, HeadRequest};
 use regatta_proto::view::{ActorFilter, PageRequest, View, ViewQuery};
 
 /// How long an endpoint waits for the head actor.

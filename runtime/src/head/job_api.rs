@@ -38,13 +38,15 @@ use tokio_rustls::rustls::ServerConfig;
 
 use std::sync::Arc;
 
+use super::api::{error, Api};
 use super::dashboard;
-use super::job_log::read_from;
-use super::job_packages;
 use crate::error::Result;
-use crate::headlink::HeadLink;
-use crate::job::JobSubmission;
-use crate::job_manager::{JobError, JobManager};
+use crate::head::job_manager::JobManager;
+use crate::jobs::log::read_from;
+use crate::jobs::packages;
+use crate::jobs::JobError;
+use crate::net::headlink::HeadLink;
+use regatta_proto::job::JobSubmission;
 
 /// Largest accepted request body.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
@@ -81,17 +83,6 @@ async fn read_capped(body: Body, limit: usize, drain: usize) -> std::result::Res
         return Err(BodyError::TooLarge);
     }
     Ok(Bytes::from(kept))
-}
-
-#[derive(Clone)]
-pub(crate) struct Api {
-    pub(crate) manager: JobManager,
-    pub(crate) link: Arc<HeadLink>,
-    token: String,
-}
-
-pub(crate) fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    (status, Json(json!({ "error": message.into() }))).into_response()
 }
 
 impl IntoResponse for JobError {
@@ -136,7 +127,7 @@ pub(crate) async fn serve(
         .merge(protected)
         .layer(middleware::map_response(dashboard::security_headers));
     let scheme = if tls.is_some() { "https" } else { "http" };
-    let address = crate::http::serve(app, bind, "job API", tls).await?;
+    let address = crate::net::http::serve(app, bind, "job API", tls).await?;
     tracing::info!(%address, scheme, "job API listening");
     Ok(address)
 }
@@ -203,7 +194,7 @@ async fn version(State(api): State<Api>) -> Response {
 }
 
 async fn package_exists(State(api): State<Api>, Path((protocol, name)): Path<(String, String)>) -> Response {
-    if let Err(e) = job_packages::parse_name(&protocol, &name) {
+    if let Err(e) = packages::parse_name(&protocol, &name) {
         return e.into_response();
     }
     if api.manager.packages().exists(&name) {
@@ -221,7 +212,7 @@ async fn package_upload(
     Path((protocol, name)): Path<(String, String)>,
     request: Request,
 ) -> Response {
-    let address = match job_packages::parse_name(&protocol, &name) {
+    let address = match packages::parse_name(&protocol, &name) {
         Ok(address) => address,
         Err(e) => return e.into_response(),
     };

@@ -9,9 +9,9 @@ use serde::de::DeserializeOwned;
 
 use crate::error::failure_to_error;
 use crate::error::{Error, Result};
-use crate::node::{self, Peers};
-use crate::protocol::{Failure, HeadRequest};
-use crate::wire::{self, CallError};
+use crate::net::node::{self, Peers};
+use crate::net::wire::{self, CallError};
+use regatta_proto::protocol::{Failure, HeadRequest};
 
 /// How a process reaches the head.
 pub(crate) struct HeadLink {

@@ -7,7 +7,7 @@ use axum::Router;
 use tokio_rustls::rustls::ServerConfig;
 
 use crate::error::{Error, Result};
-use crate::https::TlsIncoming;
+use crate::net::https::TlsIncoming;
 
 /// Binds `bind`, serves `app` on a background task (over TLS with `tls`, else plain
 /// HTTP), and returns the bound address; `what` names the service in errors and logs.

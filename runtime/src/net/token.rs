@@ -55,7 +55,7 @@ pub fn resolve_token(flag: Option<&str>, file: Option<&Path>, create: bool) -> R
             default.display()
         )));
     }
-    let token = crate::node::random_hex(24);
+    let token = crate::net::node::random_hex(24);
     write_token(&default, &token)?;
     Ok((token, TokenSource::Generated(default)))
 }

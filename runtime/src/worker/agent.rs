@@ -9,12 +9,13 @@ use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
 use crate::client::actor::{unix_ms, LogBook};
 use crate::client::ActorContext;
 use crate::client::Cluster;
-use crate::node;
-use crate::protocol::{ActorId, AgentRequest, Failure, HeadRequest, RunningActor, StartActor};
-use crate::registry::{Host, HostArgs, Registry};
-use crate::wire::{self, LocalSignal, Wire};
+use crate::net::node;
+use crate::net::wire::{self, LocalSignal, Wire};
+use crate::worker::registry::{Host, HostArgs, Registry, StartError};
+use regatta_proto::protocol::{ActorId, AgentRequest, Failure, HeadRequest, RunningActor, StartActor};
 
-use super::router::{Router, Routes};
+use super::router::Router;
+use crate::net::calls::Routes;
 
 /// How long an agent waits for the head to take a report.
 const REPORT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -29,7 +30,7 @@ pub(crate) struct AgentArgs {
     /// Where the node's hosted actors' queues are, shared with its call channel.
     pub(crate) routes: Routes,
     /// The node's call channel address, if it serves one.
-    pub(crate) call_address: Option<crate::calls::CallAddress>,
+    pub(crate) call_address: Option<crate::net::calls::CallAddress>,
 }
 
 pub(crate) struct AgentState {
@@ -324,10 +325,13 @@ async fn start_actor(
         )
         .await
         {
-            Err(e) => Err(format!("could not start the actor's host: {e}")),
+            Err(e) => Err(StartError::Host(e)),
             Ok((host, _)) => {
                 // Routed before the head hears it started: a caller told "alive" reaches it.
-                routes.insert(start.actor, start.attempt, &queue, &start.kind);
+                let depth = crate::metrics::metrics()
+                    .mailbox_depth
+                    .with_label_values(&[&start.kind]);
+                routes.insert(start.actor, start.attempt, &queue, depth);
                 drop(queue);
                 let hosted = LocalSignal::Hosted {
                     actor: start.actor,
@@ -336,7 +340,7 @@ async fn start_actor(
                 };
                 if agent.send_message(Wire::Local(hosted)).is_err() {
                     host.stop(None);
-                    Err("the node agent is shutting down".to_string())
+                    Err(StartError::ShuttingDown)
                 } else {
                     Ok(())
                 }
@@ -353,7 +357,7 @@ async fn start_actor(
     let report = HeadRequest::Started {
         actor: start.actor,
         attempt: start.attempt,
-        outcome,
+        outcome: outcome.map_err(|cause| cause.to_string()),
     };
     if let Err(e) = cluster.ask_head::<()>(&report, REPORT_TIMEOUT).await {
         tracing::warn!(actor = %start.actor, error = %e, "could not report an actor start to the head");

@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-use crate::resources::{Resources, GPU};
+use regatta_proto::resources::{Resources, GPU};
 
 /// GPUs found through `nvidia-smi`: count and model names.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -32,7 +32,7 @@ pub fn detect_resources() -> Resources {
     let mut set = Resources::new();
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     set.set("CPU", cpus as f64);
-    if let Some(bytes) = total_memory_bytes() {
+    if let Some(bytes) = crate::objects::total_memory_bytes() {
         set.set("memory", bytes as f64);
     }
     let gpus = detect_gpus();
@@ -43,14 +43,6 @@ pub fn detect_resources() -> Resources {
         }
     }
     set
-}
-
-/// Reads `MemTotal` from /proc/meminfo.
-pub fn total_memory_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }
 
 /// Lists the NVIDIA GPUs this process may use: `nvidia-smi`'s devices filtered by

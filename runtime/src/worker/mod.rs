@@ -3,7 +3,6 @@
 
 pub(crate) mod agent;
 pub(crate) mod detect;
-pub(crate) mod job_driver;
 pub mod python;
 pub(crate) mod registry;
 pub(crate) mod router;
@@ -15,21 +14,21 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorRef};
 
-use crate::agent::{Agent, AgentArgs};
+use crate::worker::agent::{Agent, AgentArgs};
 use std::sync::Arc;
 
-use crate::calls::{CallPath, CallPlane, CallServer, CallTls};
 use crate::client::Cluster;
 use crate::error::{Error, Result};
-use crate::headlink::HeadLink;
-use crate::node::{self, LocalNode};
+use crate::net::calls::Routes;
+use crate::net::calls::{CallCounters, CallPath, CallPlane, CallServer, CallTls};
+use crate::net::headlink::HeadLink;
+use crate::net::node::{self, LocalNode};
+use crate::net::wire::{self, LocalSignal, Wire};
 use crate::objects::{ObjectConfig, ObjectService};
-use crate::protocol::{AgentRequest, Failure, HeadRequest, NodeInfo, Registration, RunningActor};
-use crate::registry::Registry;
-use crate::resources::Resources;
-use crate::wire::{self, LocalSignal, Wire};
+use crate::worker::registry::Registry;
 use regatta_object_store::identity_from_token;
-use router::Routes;
+use regatta_proto::protocol::{AgentRequest, Failure, HeadRequest, NodeInfo, Registration, RunningActor};
+use regatta_proto::resources::Resources;
 
 /// How a worker runs.
 #[derive(Clone, Debug)]
@@ -79,16 +78,54 @@ impl WorkerConfig {
     }
 }
 
+/// Serves the node's call channel when the worker has a call port, counting into this
+/// process's metrics.
+async fn serve_calls(
+    config: &WorkerConfig,
+    host: &str,
+    tls: &CallTls,
+    name: &str,
+    routes: &Routes,
+) -> Result<Option<CallServer>> {
+    let Some(port) = config.call_port else {
+        return Ok(None);
+    };
+    let messages = &crate::metrics::metrics().call_channel_messages;
+    let counters = CallCounters {
+        calls: messages.with_label_values(&["call"]),
+        casts: messages.with_label_values(&["cast"]),
+    };
+    let server = CallServer::start(config.bind, port, host, tls, name.to_string(), routes.clone(), counters).await?;
+    Ok(Some(server))
+}
+
+/// Serves `/metrics` when the worker has a metrics port; returns where Prometheus reaches it.
+async fn serve_metrics(
+    config: &WorkerConfig,
+    host: &str,
+    name: &str,
+    store: Arc<ObjectService>,
+) -> Result<Option<String>> {
+    let Some(port) = config.metrics_port else {
+        return Ok(None);
+    };
+    let node = name.to_string();
+    let refresh: Arc<dyn Fn() + Send + Sync> =
+        Arc::new(move || crate::metrics::metrics().publish_objects(&node, &store.stats()));
+    let bound = crate::metrics::serve(std::net::SocketAddr::new(config.bind, port), Some(refresh), None).await?;
+    Ok(Some(format!("{host}:{}", bound.port())))
+}
+
 /// Runs a worker until `shutdown` resolves. Fails at once on a refused token; an
 /// unreachable head is retried.
 pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl Future<Output = ()>) -> Result<()> {
     // Every worker can host a job's driver placed by its entrypoint resources.
-    let registry = registry.register::<job_driver::JobDriver>();
+    let registry = registry.register::<crate::jobs::driver::JobDriver>();
     // And Python actors and tasks (the `regatta` Python package).
     let registry = registry.register::<python::PythonActor>();
     let mut resources = detect::detect_resources();
     resources.override_with(&config.resources);
-    crate::placement::validate_capacity(&resources).map_err(|why| Error::BadResources {
+    regatta_proto::placement::validate_capacity(&resources).map_err(|why| Error::BadResources {
         input: resources.to_string(),
         reason: why,
     })?;
@@ -120,22 +157,8 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
         CallPlane::new(tls.clone(), CallPath::from_env()?),
     );
     let routes = Routes::default();
-    let calls = match config.call_port {
-        Some(port) => Some(CallServer::start(config.bind, port, &host, &tls, name.clone(), routes.clone()).await?),
-        None => None,
-    };
-    let metrics_address = match config.metrics_port {
-        Some(port) => {
-            let node = name.clone();
-            let refresh: Arc<dyn Fn() + Send + Sync> =
-                Arc::new(move || crate::metrics::metrics().publish_objects(&node, &store.stats()));
-            let bound =
-                crate::metrics::serve(std::net::SocketAddr::new(config.bind, port), Some(refresh), None).await?;
-            Some(format!("{host}:{}", bound.port()))
-        }
-        None => None,
-    };
-
+    let calls = serve_calls(&config, &host, &tls, &name, &routes).await?;
+    let metrics_address = serve_metrics(&config, &host, &name, store).await?;
     let info = NodeInfo {
         name: name.clone(),
         address: local.address.clone(),

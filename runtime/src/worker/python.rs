@@ -66,28 +66,84 @@ fn one() -> u32 {
     1
 }
 
-type Waiters = std::collections::HashMap<u64, tokio::sync::oneshot::Sender<Result<Vec<u8>, String>>>;
+/// Why a call to a Python actor's process, or the process's start, failed.
+#[derive(Clone, Debug, thiserror::Error)]
+pub(crate) enum WorkerError {
+    /// The interpreter could not be started.
+    #[error("cannot start the Python worker ({python}): {cause}")]
+    Launch { python: String, cause: Arc<crate::Error> },
+    /// The process died during an exchange.
+    #[error("the Python worker process (pid {pid}) died: {ending}; its last output is in the actor's log")]
+    Died { pid: u32, ending: Ending },
+    /// The process of an actor whose calls run beside each other died.
+    #[error("the Python worker process (pid {pid}) died; its last output is in the actor's log")]
+    DiedBeside { pid: u32 },
+    /// A call could not be written to the process.
+    #[error("the Python worker process died: its pipe broke: {0}")]
+    PipeBroke(Arc<std::io::Error>),
+    /// The process ended with the call in it, unanswered.
+    #[error("the Python worker process went away")]
+    Gone,
+    /// An answer of a concurrent actor without the call's number.
+    #[error("the Python worker process sent a frame without a call number")]
+    NoCallNumber,
+    /// The constructor raised: the worker's account of it (exception and traceback).
+    #[error("{0}")]
+    Constructor(String),
+    /// The constructor's answer is neither success nor an exception.
+    #[error("the Python worker answered its constructor with an unknown frame")]
+    UnknownFrame,
+    /// A process that died could not be started again.
+    #[error("the actor could not be restarted: {0}")]
+    Restart(Box<WorkerError>),
+    /// The process died once more than `max_restarts` allows: the actor is dead.
+    #[error("{cause} (restarts exhausted: {max_restarts})")]
+    Exhausted { cause: Box<WorkerError>, max_restarts: u32 },
+    /// No process runs (a start is under way or failed).
+    #[error("the Python worker is not running")]
+    NotRunning,
+}
+
+/// How a process that died during an exchange ended, as far as can be told.
+#[derive(Clone, Debug)]
+pub(crate) enum Ending {
+    /// It exited.
+    Exited(std::process::ExitStatus),
+    /// Not (yet) reaped; its pipe broke.
+    PipeBroke(Arc<std::io::Error>),
+}
+
+impl std::fmt::Display for Ending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Exited(status) => write!(f, "it exited with {status}"),
+            Self::PipeBroke(e) => write!(f, "its pipe broke: {e}"),
+        }
+    }
+}
+
+type Waiters = std::collections::HashMap<u64, tokio::sync::oneshot::Sender<Result<Vec<u8>, WorkerError>>>;
 
 /// The process of an actor whose calls run beside each other: a writer shared by the
 /// calls, a reader task that hands each answer to its call, and the cause once it died.
 struct Shared {
     stdin: tokio::sync::Mutex<tokio::process::ChildStdin>,
     waiters: std::sync::Mutex<Waiters>,
-    dead: std::sync::Mutex<Option<String>>,
+    dead: std::sync::Mutex<Option<WorkerError>>,
     next: std::sync::atomic::AtomicU64,
     _child: std::sync::Mutex<tokio::process::Child>,
 }
 
 impl Shared {
-    fn fail_all(&self, why: &str) {
-        *self.dead.lock().unwrap_or_else(|p| p.into_inner()) = Some(why.to_string());
+    fn fail_all(&self, why: &WorkerError) {
+        *self.dead.lock().unwrap_or_else(|p| p.into_inner()) = Some(why.clone());
         let waiters = std::mem::take(&mut *self.waiters.lock().unwrap_or_else(|p| p.into_inner()));
         for (_, waiter) in waiters {
-            let _ = waiter.send(Err(why.to_string()));
+            let _ = waiter.send(Err(why.clone()));
         }
     }
 
-    async fn call(self: Arc<Self>, request: Vec<u8>) -> Result<Vec<u8>, String> {
+    async fn call(self: Arc<Self>, request: Vec<u8>) -> Result<Vec<u8>, WorkerError> {
         if let Some(why) = self.dead.lock().unwrap_or_else(|p| p.into_inner()).clone() {
             return Err(why);
         }
@@ -105,13 +161,11 @@ impl Shared {
             write_frame(&mut *stdin, &frame).await
         };
         if let Err(e) = sent {
-            let why = format!("the Python worker process died: its pipe broke: {e}");
+            let why = WorkerError::PipeBroke(Arc::new(e));
             self.fail_all(&why);
             return Err(why);
         }
-        waiting
-            .await
-            .unwrap_or_else(|_| Err("the Python worker process went away".into()))
+        waiting.await.unwrap_or(Err(WorkerError::Gone))
     }
 }
 
@@ -122,7 +176,7 @@ pub struct PythonActor {
     process: Option<Executor>,
     shared: Option<Arc<Shared>>,
     restarts: u32,
-    dead: Option<String>,
+    dead: Option<WorkerError>,
 }
 
 async fn write_frame(to: &mut (impl AsyncWriteExt + Unpin), bytes: &[u8]) -> std::io::Result<()> {
@@ -151,7 +205,7 @@ async fn read_frame(from: &mut (impl AsyncReadExt + Unpin)) -> std::io::Result<V
 
 impl PythonActor {
     /// Starts the process and runs the constructor.
-    async fn start(&mut self, ctx: &ActorContext) -> Result<(), String> {
+    async fn start(&mut self, ctx: &ActorContext) -> Result<(), WorkerError> {
         let mut env = self.args.env.clone();
         let inherited = std::env::var("PYTHONPATH").ok().filter(|p| !p.is_empty());
         let path: Vec<String> = self.args.path.iter().cloned().chain(inherited).collect();
@@ -170,7 +224,10 @@ impl PythonActor {
             gpus: self.gpus.clone(),
             capture_stderr: true,
         })
-        .map_err(|e| format!("cannot start the Python worker ({}): {e}", self.args.python))?;
+        .map_err(|cause| WorkerError::Launch {
+            python: self.args.python.clone(),
+            cause: Arc::new(cause),
+        })?;
         if let Some(stderr) = process.stderr.take() {
             let ctx = ctx.clone();
             tokio::spawn(async move {
@@ -197,8 +254,8 @@ impl PythonActor {
                 self.process = Some(process);
                 Ok(())
             }
-            Some((b'E', text)) => Err(String::from_utf8_lossy(text).into_owned()),
-            _ => Err("the Python worker answered its constructor with an unknown frame".into()),
+            Some((b'E', text)) => Err(WorkerError::Constructor(String::from_utf8_lossy(text).into_owned())),
+            _ => Err(WorkerError::UnknownFrame),
         }
     }
 }
@@ -234,13 +291,11 @@ fn share(process: Executor) -> Arc<Shared> {
                     }
                 }
                 Ok(_) => {
-                    shared.fail_all("the Python worker process sent a frame without a call number");
+                    shared.fail_all(&WorkerError::NoCallNumber);
                     return;
                 }
                 Err(_) => {
-                    shared.fail_all(&format!(
-                        "the Python worker process (pid {pid}) died; its last output is in the actor's log"
-                    ));
+                    shared.fail_all(&WorkerError::DiedBeside { pid });
                     return;
                 }
             }
@@ -250,21 +305,21 @@ fn share(process: Executor) -> Arc<Shared> {
 }
 
 /// Sends one frame and reads the answer; a process that dies on the way is described.
-async fn exchange(process: &mut Executor, request: &[u8]) -> Result<Vec<u8>, String> {
+async fn exchange(process: &mut Executor, request: &[u8]) -> Result<Vec<u8>, WorkerError> {
     let sent = write_frame(&mut process.stdin, request).await;
     let answer = match sent {
         Ok(()) => read_frame(&mut process.stdout).await,
         Err(e) => Err(e),
     };
     answer.map_err(|e| {
-        let status = match process.child.try_wait() {
-            Ok(Some(status)) => format!("it exited with {status}"),
-            _ => format!("its pipe broke: {e}"),
+        let ending = match process.child.try_wait() {
+            Ok(Some(status)) => Ending::Exited(status),
+            _ => Ending::PipeBroke(Arc::new(e)),
         };
-        format!(
-            "the Python worker process (pid {}) died: {status}; its last output is in the actor's log",
-            process.child.id().unwrap_or(0)
-        )
+        WorkerError::Died {
+            pid: process.child.id().unwrap_or(0),
+            ending,
+        }
     })
 }
 
@@ -294,20 +349,23 @@ impl Actor for PythonActor {
         if self.process.is_none() {
             self.restarts += 1;
             if let Err(why) = self.start(ctx).await {
-                let why = format!("the actor could not be restarted: {why}");
+                let why = WorkerError::Restart(Box::new(why));
                 self.dead = Some(why.clone());
                 return Err(why.into());
             }
         }
         let Some(process) = self.process.as_mut() else {
-            return Err("the Python worker is not running".into());
+            return Err(WorkerError::NotRunning.into());
         };
         match exchange(process, &request).await {
             Ok(answer) => Ok(answer),
             Err(why) => {
                 self.process = None;
                 if self.restarts >= self.args.max_restarts {
-                    self.dead = Some(format!("{why} (restarts exhausted: {})", self.args.max_restarts));
+                    self.dead = Some(WorkerError::Exhausted {
+                        cause: Box::new(why.clone()),
+                        max_restarts: self.args.max_restarts,
+                    });
                 }
                 // A moment for the node's log to hold the process's last words.
                 tokio::time::sleep(Duration::from_millis(50)).await;

@@ -10,8 +10,8 @@ use futures::FutureExt;
 use ractor::{ActorProcessingErr, ActorRef};
 
 use crate::client::{Actor, ActorContext};
-use crate::protocol::Failure;
-use crate::wire::{self, Wire};
+use crate::net::wire::{self, Wire};
+use regatta_proto::protocol::Failure;
 
 /// A constructed user actor behind a byte interface.
 pub(crate) trait Hosted: Send {
@@ -66,7 +66,30 @@ impl<A: Actor> Hosted for Typed<A> {
 }
 
 type Constructor =
-    Arc<dyn Fn(Vec<u8>, ActorContext) -> BoxFuture<'static, Result<Box<dyn Hosted>, String>> + Send + Sync>;
+    Arc<dyn Fn(Vec<u8>, ActorContext) -> BoxFuture<'static, Result<Box<dyn Hosted>, StartError>> + Send + Sync>;
+
+/// Why a worker could not start an actor it was asked to.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum StartError {
+    /// No kind of that name is compiled into this worker.
+    #[error("unknown actor kind '{kind}' on this worker; it registers: {}", known.join(", "))]
+    UnknownKind { kind: String, known: Vec<String> },
+    /// The constructor's arguments do not decode as the kind's `Args`.
+    #[error("{0}")]
+    BadArguments(String),
+    /// The kind's constructor returned an error.
+    #[error("{0}")]
+    Constructor(crate::client::ActorError),
+    /// The kind's constructor panicked.
+    #[error("the constructor of '{kind}' panicked")]
+    Panicked { kind: &'static str },
+    /// The actor was built but its host could not be started.
+    #[error("could not start the actor's host: {0}")]
+    Host(ractor::SpawnErr),
+    /// The node's agent is stopping.
+    #[error("the node agent is shutting down")]
+    ShuttingDown,
+}
 
 /// The actor kinds a worker binary can construct, by name.
 #[derive(Clone, Default)]
@@ -86,14 +109,14 @@ impl Registry {
             Box::pin(async move {
                 let args: A::Args = wire::decode(&args, &format!("constructor arguments for actor kind '{}'", A::KIND))
                     .map_err(|f| match f {
-                        Failure::BadMessage(m) => m,
-                        other => format!("{other:?}"),
+                        Failure::BadMessage(m) => StartError::BadArguments(m),
+                        other => StartError::BadArguments(format!("{other:?}")),
                     })?;
                 let built = AssertUnwindSafe(A::create(args, &ctx)).catch_unwind().await;
                 match built {
                     Ok(Ok(actor)) => Ok(Box::new(Typed(actor)) as Box<dyn Hosted>),
-                    Ok(Err(e)) => Err(e.to_string()),
-                    Err(_) => Err(format!("the constructor of '{}' panicked", A::KIND)),
+                    Ok(Err(e)) => Err(StartError::Constructor(e)),
+                    Err(_) => Err(StartError::Panicked { kind: A::KIND }),
                 }
             })
         });
@@ -112,12 +135,10 @@ impl Registry {
         kind: &str,
         args: Vec<u8>,
         ctx: ActorContext,
-    ) -> Result<Box<dyn Hosted>, String> {
-        let constructor = self.kinds.get(kind).ok_or_else(|| {
-            format!(
-                "unknown actor kind '{kind}' on this worker; it registers: {}",
-                self.kinds().join(", ")
-            )
+    ) -> Result<Box<dyn Hosted>, StartError> {
+        let constructor = self.kinds.get(kind).ok_or_else(|| StartError::UnknownKind {
+            kind: kind.to_string(),
+            known: self.kinds(),
         })?;
         constructor(args, ctx).await
     }
@@ -190,35 +211,23 @@ async fn drain(
     ctx: ActorContext,
     kind: String,
 ) {
-    use futures::StreamExt;
-    type Running = futures::stream::FuturesUnordered<
-        futures::future::BoxFuture<'static, (u64, std::thread::Result<Result<Vec<u8>, Failure>>)>,
-    >;
-    let metrics = crate::metrics::metrics();
-    let depth = metrics.mailbox_depth.with_label_values(&[&kind]);
+    let depth = crate::metrics::metrics().mailbox_depth.with_label_values(&[&kind]);
     let limit = actor.max_concurrency();
-    let mut why = "the actor was stopped".to_string();
-    let mut running: Running = futures::stream::FuturesUnordered::new();
-    // The reply ports and start times of the messages running beside each other.
-    let mut waiting: std::collections::HashMap<u64, (Option<ractor::RpcReplyPort<Vec<u8>>>, std::time::Instant)> =
-        std::collections::HashMap::new();
-    let mut next_key = 0u64;
-    'messages: loop {
+    let mut beside = Beside::default();
+    // Why it ends: `Some(reason)` when a message panicked, `None` when it was stopped.
+    let panicked: Option<String> = 'messages: loop {
         let message = tokio::select! {
             biased;
-            _ = &mut stopped => break,
-            Some((key, outcome)) = running.next(), if !running.is_empty() => {
-                let (port, started) = waiting.remove(&key).unwrap_or((None, std::time::Instant::now()));
-                if let Some(reason) = finish(outcome, port, started, &ctx, &kind) {
-                    why = reason;
-                    host.stop(Some(why.clone()));
-                    break;
+            _ = &mut stopped => break None,
+            Some(ended) = beside.next(), if !beside.is_empty() => {
+                match ended.finish(&ctx, &kind) {
+                    Some(reason) => break Some(reason),
+                    None => continue,
                 }
-                continue;
             }
-            message = inbox.recv(), if running.len() < limit => match message {
+            message = inbox.recv(), if beside.len() < limit => match message {
                 Some(message) => message,
-                None => break,
+                None => break None,
             },
         };
         depth.dec();
@@ -231,27 +240,19 @@ async fn drain(
         if limit > 1 {
             match actor.handle_concurrently(request, &ctx) {
                 Ok(handling) => {
-                    let key = next_key;
-                    next_key += 1;
-                    waiting.insert(key, (port, started));
-                    running.push(Box::pin(async move {
-                        (key, AssertUnwindSafe(handling).catch_unwind().await)
-                    }));
+                    beside.push(handling, port, started);
                     continue;
                 }
                 Err(back) => request = back,
             }
             // A message for `handle` waits for those running beside each other.
-            while !running.is_empty() {
+            while !beside.is_empty() {
                 tokio::select! {
                     biased;
-                    _ = &mut stopped => break 'messages,
-                    Some((key, outcome)) = running.next() => {
-                        let (port, started) = waiting.remove(&key).unwrap_or((None, std::time::Instant::now()));
-                        if let Some(reason) = finish(outcome, port, started, &ctx, &kind) {
-                            why = reason;
-                            host.stop(Some(why.clone()));
-                            break 'messages;
+                    _ = &mut stopped => break 'messages None,
+                    Some(ended) = beside.next() => {
+                        if let Some(reason) = ended.finish(&ctx, &kind) {
+                            break 'messages Some(reason);
                         }
                     }
                 }
@@ -264,19 +265,23 @@ async fn drain(
                 if let Some(port) = port {
                     answer_lost(port, "the actor was stopped during the call");
                 }
-                break;
+                break None;
             }
         };
-        if let Some(reason) = finish(outcome, port, started, &ctx, &kind) {
-            why = reason;
-            host.stop(Some(why.clone()));
-            break;
+        let ended = Ended { outcome, port, started };
+        if let Some(reason) = ended.finish(&ctx, &kind) {
+            break Some(reason);
         }
-    }
-    for (port, _) in waiting.into_values() {
-        if let Some(port) = port {
-            answer_lost(port, &why);
+    };
+    let why = match panicked {
+        Some(reason) => {
+            host.stop(Some(reason.clone()));
+            reason
         }
+        None => "the actor was stopped".to_string(),
+    };
+    for port in beside.ports() {
+        answer_lost(port, &why);
     }
     inbox.close();
     while let Ok(message) = inbox.try_recv() {
@@ -284,6 +289,69 @@ async fn drain(
         if let Wire::Call(_, port) = message {
             answer_lost(port, &why);
         }
+    }
+}
+
+type Outcome = std::thread::Result<Result<Vec<u8>, Failure>>;
+
+/// One message handled, to be answered.
+struct Ended {
+    outcome: Outcome,
+    port: Option<ractor::RpcReplyPort<Vec<u8>>>,
+    started: std::time::Instant,
+}
+
+impl Ended {
+    /// Answers it; a panic's reason comes back, to stop the host with.
+    fn finish(self, ctx: &ActorContext, kind: &str) -> Option<String> {
+        finish(self.outcome, self.port, self.started, ctx, kind)
+    }
+}
+
+/// The messages of an actor running beside each other, with their reply ports and start
+/// times.
+#[derive(Default)]
+struct Beside {
+    running: futures::stream::FuturesUnordered<futures::future::BoxFuture<'static, (u64, Outcome)>>,
+    waiting: std::collections::HashMap<u64, (Option<ractor::RpcReplyPort<Vec<u8>>>, std::time::Instant)>,
+    next_key: u64,
+}
+
+impl Beside {
+    fn is_empty(&self) -> bool {
+        self.running.is_empty()
+    }
+
+    fn len(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Runs `handling` beside the others.
+    fn push(
+        &mut self,
+        handling: BoxFuture<'static, Result<Vec<u8>, Failure>>,
+        port: Option<ractor::RpcReplyPort<Vec<u8>>>,
+        started: std::time::Instant,
+    ) {
+        let key = self.next_key;
+        self.next_key += 1;
+        self.waiting.insert(key, (port, started));
+        self.running.push(Box::pin(async move {
+            (key, AssertUnwindSafe(handling).catch_unwind().await)
+        }));
+    }
+
+    /// The next one to end (pending while none runs).
+    async fn next(&mut self) -> Option<Ended> {
+        use futures::StreamExt;
+        let (key, outcome) = self.running.next().await?;
+        let (port, started) = self.waiting.remove(&key).unwrap_or((None, std::time::Instant::now()));
+        Some(Ended { outcome, port, started })
+    }
+
+    /// The reply ports of those still running (the actor stopped under them).
+    fn ports(self) -> impl Iterator<Item = ractor::RpcReplyPort<Vec<u8>>> {
+        self.waiting.into_values().filter_map(|(port, _)| port)
     }
 }
 

@@ -9,15 +9,15 @@ use std::sync::Arc;
 use ractor::Actor;
 
 use super::{join_with_retry, keep_membership};
-use crate::agent::{Agent, AgentArgs};
-use crate::calls::CallPlane;
 use crate::client::Cluster;
 use crate::error::{Error, Result};
-use crate::headlink::HeadLink;
-use crate::node::{self, LocalNode};
-use crate::protocol::NodeInfo;
-use crate::registry::Registry;
-use crate::resources::Resources;
+use crate::net::calls::CallPlane;
+use crate::net::headlink::HeadLink;
+use crate::net::node::{self, LocalNode};
+use crate::worker::agent::{Agent, AgentArgs};
+use crate::worker::registry::Registry;
+use regatta_proto::protocol::NodeInfo;
+use regatta_proto::resources::Resources;
 
 /// How many simulated nodes one process runs, and what each declares.
 #[derive(Clone, Debug)]
@@ -49,7 +49,7 @@ pub async fn run_simulated_nodes(
     registry: Registry,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
-    crate::placement::validate_capacity(&config.resources).map_err(|why| Error::BadResources {
+    regatta_proto::placement::validate_capacity(&config.resources).map_err(|why| Error::BadResources {
         input: config.resources.to_string(),
         reason: why,
     })?;

@@ -17,11 +17,11 @@ use super::frame::{
     wall_clock_ns, ReplyHeader, ReplyStatus, RequestHeader, RequestKind, ServerStamps, REPLY_HEADER_BYTES,
 };
 use super::socket::{connect_local, keep_alive, this_host, CallAddress, Socket, Transport};
+use super::RouterQuery;
 use super::{CallPath, CallTls};
 use crate::error::{failure_to_error, Error, Result};
-use crate::protocol::{ActorId, Failure};
-use crate::wire::{self, CallError};
-use crate::worker::router::RouterQuery;
+use crate::net::wire::{self, CallError};
+use regatta_proto::protocol::{ActorId, Failure};
 
 /// How long opening a connection (TCP and TLS) may take before the session path is used.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);

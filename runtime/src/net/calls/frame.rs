@@ -11,8 +11,8 @@
 //! [`ServerStamps`], then the answer. Its other replies (not hosted, lost) are plain.
 
 use crate::error::{Error, Result};
-use crate::protocol::ActorId;
-use crate::wire::MAX_MESSAGE_BYTES;
+use crate::net::wire::MAX_MESSAGE_BYTES;
+use regatta_proto::protocol::ActorId;
 
 /// Largest payload either side accepts: an actor message's limit, plus room for a reply's
 /// `Result` wrapper.

@@ -7,7 +7,7 @@
 //! able to wake a parked worker thread on an idle core; on a machine with slow wake-ups
 //! that, not the network, bounded one-at-a-time calls. Here a call is the caller's write,
 //! the serving connection's read, the host's queue and one reply write: the host's queue
-//! is the same one the node's router fills ([`crate::worker::router::Routes`]), so
+//! is the same one the node's router fills ([`Routes`]), so
 //! restarts, "not hosted here" answers and mailbox metrics are unchanged.
 //!
 //! Every worker serves the channel on its own TCP port (`--call-port`, any free one by
@@ -23,6 +23,7 @@
 
 mod client;
 mod frame;
+mod routes;
 mod server;
 mod socket;
 
@@ -30,7 +31,8 @@ pub(crate) use client::{CallPlane, Hops, Target};
 pub(crate) use frame::wall_clock_ns;
 #[cfg(test)]
 pub(crate) use frame::ServerStamps;
-pub(crate) use server::CallServer;
+pub(crate) use routes::{RouterQuery, Routes};
+pub(crate) use server::{CallCounters, CallServer};
 pub(crate) use socket::CallAddress;
 
 use regatta_object_store::{TlsIdentity, SERVER_NAME};

@@ -17,10 +17,10 @@ use super::frame::{
 };
 use super::socket::{bind_local, keep_alive, this_host, CallAddress, LocalAddress, Socket};
 use super::CallTls;
+use super::Routes;
 use crate::error::{Error, Result};
-use crate::protocol::Failure;
-use crate::wire::{self, Wire};
-use crate::worker::router::Routes;
+use crate::net::wire::{self, Wire};
+use regatta_proto::protocol::Failure;
 
 /// How long a connecting peer has to finish the TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -48,6 +48,7 @@ impl CallServer {
         tls: &CallTls,
         node: String,
         routes: Routes,
+        counters: CallCounters,
     ) -> Result<Self> {
         let listener = TcpListener::bind(SocketAddr::new(bind, port))
             .await
@@ -73,7 +74,11 @@ impl CallServer {
             local: local.as_ref().map(|(_, address)| address.clone()),
         };
         tracing::info!(address = %address.tcp, %node, "serving actor calls");
-        let node = Arc::new(Node { name: node, routes });
+        let node = Arc::new(Node {
+            name: node,
+            routes,
+            counters,
+        });
         let accept = tokio::spawn(accept_loop(listener, local.map(|(l, _)| l), tls.clone(), node));
         Ok(Self { address, accept })
     }
@@ -88,6 +93,29 @@ impl CallServer {
 struct Node {
     name: String,
     routes: Routes,
+    counters: CallCounters,
+}
+
+/// The counters a call server adds to: requests read, calls and casts apart (handed in by
+/// the process, so the channel reads no global registry).
+#[derive(Clone)]
+pub(crate) struct CallCounters {
+    /// Calls read.
+    pub(crate) calls: prometheus::IntCounter,
+    /// Casts read.
+    pub(crate) casts: prometheus::IntCounter,
+}
+
+impl CallCounters {
+    /// Counters of their own, counted nowhere else (tests).
+    #[cfg(test)]
+    pub(crate) fn unregistered() -> Self {
+        let counter = |name: &str| prometheus::IntCounter::new(name, "test").expect("a counter");
+        Self {
+            calls: counter("calls"),
+            casts: counter("casts"),
+        }
+    }
 }
 
 /// The next connection on either listener, with the peer's address (`None` for the Unix
@@ -188,11 +216,7 @@ async fn read_requests<R: AsyncRead, W: AsyncWrite>(
     waiting: mpsc::UnboundedSender<Waiting>,
 ) -> Result<()> {
     let mut reader = std::pin::pin!(reader);
-    let metrics = crate::metrics::metrics();
-    let (calls, casts) = (
-        metrics.call_channel_messages.with_label_values(&["call"]),
-        metrics.call_channel_messages.with_label_values(&["cast"]),
-    );
+    let CallCounters { calls, casts } = &node.counters;
     let mut header = [0u8; REQUEST_HEADER_BYTES];
     loop {
         match reader.read_exact(&mut header).await {

@@ -41,7 +41,7 @@ pub(crate) fn this_host() -> Option<String> {
 /// Binds a fresh abstract Unix socket; returns it and its name.
 pub(crate) fn bind_local() -> io::Result<(UnixListener, String)> {
     use std::os::linux::net::SocketAddrExt;
-    let name = format!("regatta-calls-{}", crate::node::random_hex(12));
+    let name = format!("regatta-calls-{}", crate::net::node::random_hex(12));
     let address = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
     let listener = std::os::unix::net::UnixListener::bind_addr(&address)?;
     listener.set_nonblocking(true)?;

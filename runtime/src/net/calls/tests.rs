@@ -9,10 +9,10 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use super::client::{connect, Connection, Unsent};
 use super::frame::{RequestHeader, RequestKind};
 use super::socket::{CallAddress, LocalAddress, Transport};
+use super::{CallCounters, Routes};
 use super::{CallPath, CallServer, CallTls};
-use crate::protocol::{ActorId, Failure};
-use crate::wire::{self, CallError, Wire};
-use crate::worker::router::Routes;
+use crate::net::wire::{self, CallError, Wire};
+use regatta_proto::protocol::{ActorId, Failure};
 
 const ACTOR: ActorId = ActorId(7);
 
@@ -32,10 +32,23 @@ async fn serve(token: &str) -> (Served, UnboundedReceiver<Wire>) {
     let tls = tls_for(token);
     let routes = Routes::default();
     let (queue, inbox) = unbounded_channel();
-    routes.insert(ACTOR, 0, &queue, "test");
-    let server = CallServer::start([127, 0, 0, 1].into(), 0, "127.0.0.1", &tls, "n1".into(), routes)
-        .await
-        .unwrap();
+    routes.insert(
+        ACTOR,
+        0,
+        &queue,
+        prometheus::IntGauge::new("depth", "test").expect("a gauge"),
+    );
+    let server = CallServer::start(
+        [127, 0, 0, 1].into(),
+        0,
+        "127.0.0.1",
+        &tls,
+        "n1".into(),
+        routes,
+        CallCounters::unregistered(),
+    )
+    .await
+    .unwrap();
     (
         Served {
             server,

@@ -18,11 +18,11 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::log;
+use super::packages;
+use super::shim::{self, RunFiles, ShimArgs, ShimOutcome, StartError};
 use crate::client::{Actor, ActorContext, ActorError};
-use crate::job::{ProcessIdentity, RuntimeEnv, PACKAGE_SCHEME};
-use crate::job_log;
-use crate::job_packages;
-use crate::job_shim::{self, RunFiles, ShimArgs, ShimOutcome};
+use regatta_proto::job::{ProcessIdentity, RuntimeEnv, PACKAGE_SCHEME};
 
 /// What the head gives a job's driver actor.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -115,7 +115,7 @@ impl JobDriver {
 
     fn archive(&self, name: &str) -> Result<PathBuf, ActorError> {
         // Package names were checked by the head; refuse anything else all the same.
-        job_packages::parse_name(job_packages::PROTOCOL, name)?;
+        packages::parse_name(packages::PROTOCOL, name)?;
         Ok(self.dir.join("packages").join(name))
     }
 
@@ -123,7 +123,7 @@ impl JobDriver {
         let archive = self.archive(name)?;
         let dest = self.dir.join("unpacked").join(name);
         if !dest.is_dir() {
-            job_packages::unpack(&archive, &dest).map_err(|e| format!("cannot unpack the package {name}: {e}"))?;
+            packages::unpack(&archive, &dest).map_err(|e| format!("cannot unpack the package {name}: {e}"))?;
         }
         Ok(dest)
     }
@@ -154,8 +154,11 @@ impl JobDriver {
                 .collect(),
             ..RuntimeEnv::default()
         };
-        let (working_dir, python_path) = job_packages::driver_dirs(&packages, inherited, |name| {
-            self.unpacked(name).map_err(|e| e.to_string())
+        let (working_dir, python_path) = packages::driver_dirs(&packages, inherited, |name| {
+            self.unpacked(name).map_err(|cause| StartError::Package {
+                name: name.to_string(),
+                cause,
+            })
         })?;
         env.extend(python_path.map(|path| ("PYTHONPATH".into(), path)));
         if !ctx.gpu_ids().is_empty() {
@@ -173,7 +176,7 @@ impl JobDriver {
             entrypoint: self.args.entrypoint.clone(),
             parent: Some(std::process::id()),
         };
-        self.supervisor = Some(job_shim::start_supervisor(&binary, &shim, &env)?);
+        self.supervisor = Some(shim::start_supervisor(&binary, &shim, &env)?);
         Ok(DriverReply::Started {
             node: ctx.node().to_string(),
             host: ctx.host().to_string(),
@@ -183,25 +186,25 @@ impl JobDriver {
     fn poll(&mut self, offset: u64) -> DriverReply {
         let files = RunFiles::new(&self.run_dir(), &self.args.job);
         if self.driver.is_none() {
-            self.driver = job_shim::read_json(&files.driver);
+            self.driver = shim::read_json(&files.driver);
         }
         // The outcome is read before the log, so the log read after it is complete.
-        let mut outcome: Option<ShimOutcome> = job_shim::read_json(&files.status);
+        let mut outcome: Option<ShimOutcome> = shim::read_json(&files.status);
         let mut lost = None;
         if let (None, Some(supervisor)) = (&outcome, &self.supervisor) {
-            if !job_shim::is_alive(supervisor) {
+            if !shim::is_alive(supervisor) {
                 // It writes the outcome before it exits: look once more.
-                outcome = job_shim::read_json(&files.status);
+                outcome = shim::read_json(&files.status);
                 if outcome.is_none() {
                     lost = Some(format!(
                         "the job's supervisor (pid {}) ended without recording how the driver ended: {}",
                         supervisor.pid,
-                        job_shim::tail_of(&files.messages)
+                        shim::tail_of(&files.messages)
                     ));
                 }
             }
         }
-        let (log, next) = job_log::read_from(&self.log(), offset);
+        let (log, next) = log::read_from(&self.log(), offset);
         DriverReply::Progress {
             log,
             next,
@@ -219,7 +222,7 @@ impl Actor for JobDriver {
     type Reply = DriverReply;
 
     async fn create(args: DriverArgs, ctx: &ActorContext) -> Result<Self, ActorError> {
-        crate::job::validate_id(&args.job)?;
+        regatta_proto::job::validate_id(&args.job)?;
         let dir = std::env::temp_dir()
             .join("regatta-drivers")
             .join(format!("{}-{}", args.job, ctx.id()));
@@ -255,7 +258,7 @@ impl Actor for JobDriver {
             DriverRequest::Poll { offset } => Ok(self.poll(offset)),
             DriverRequest::Stop => {
                 if let Some(supervisor) = &self.supervisor {
-                    job_shim::signal_process(supervisor, "TERM");
+                    shim::signal_process(supervisor, "TERM");
                 }
                 Ok(DriverReply::Done)
             }
@@ -266,15 +269,15 @@ impl Actor for JobDriver {
 impl Drop for JobDriver {
     fn drop(&mut self) {
         let files = RunFiles::new(&self.run_dir(), &self.args.job);
-        let ended = job_shim::read_json::<ShimOutcome>(&files.status).is_some();
+        let ended = shim::read_json::<ShimOutcome>(&files.status).is_some();
         if !ended {
             // The job is over for the head (ended, stopped, or this node is going away):
             // nothing of it may run on with the cluster's token.
             if let Some(supervisor) = &self.supervisor {
-                job_shim::signal_process(supervisor, "KILL");
+                shim::signal_process(supervisor, "KILL");
             }
-            if let Some(driver) = self.driver.clone().or_else(|| job_shim::read_json(&files.driver)) {
-                job_shim::signal_group_of(&driver, "KILL");
+            if let Some(driver) = self.driver.clone().or_else(|| shim::read_json(&files.driver)) {
+                shim::signal_group_of(&driver, "KILL");
             }
         }
         let _ = std::fs::remove_dir_all(&self.dir);

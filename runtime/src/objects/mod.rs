@@ -10,18 +10,22 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::future::{BoxFuture, FutureExt, Shared};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use regatta_object_store::{
-    crc32, Fetched, Location, MemoryStore, ObjectId, ObjectSource, Segment, SpillBackend, TlsIdentity, Transfer,
-};
+use regatta_object_store::{crc32, MemoryStore, ObjectId, ObjectSource, Segment, SpillBackend, TlsIdentity, Transfer};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::headlink::HeadLink;
-use crate::node;
-use crate::protocol::{Failure, HeadRequest, HeldObject, ObjectCommand};
-use crate::wire::{self, Wire};
+use crate::net::headlink::HeadLink;
+use crate::net::node;
+use crate::net::wire::{self, Wire};
+use regatta_proto::protocol::{Failure, HeadRequest, HeldObject, ObjectCommand};
+
+mod pull;
+mod shared;
+
+use pull::Fetch;
+#[cfg(test)]
+use shared::{MAX_SEGMENTS, SHARED_MEMORY_MIN_BYTES};
 
 /// Default share of this machine's memory an object store may hold.
 pub const DEFAULT_MEMORY_SHARE: f64 = 0.3;
@@ -96,59 +100,6 @@ struct Counters {
     transfer_out: AtomicU64,
 }
 
-type Fetch = Shared<BoxFuture<'static, std::result::Result<Bytes, PullFailure>>>;
-
-/// Why a pull found no copy, and whether asking the head again may help.
-#[derive(Clone, Debug)]
-struct PullFailure {
-    message: String,
-    /// Every holder failed to answer (not corrupt, not refused): it may be dying, and the
-    /// head will say so once it notices.
-    transient: bool,
-}
-
-/// Smallest object handed to a same-host peer through shared memory: below it streaming
-/// costs about as little, and a segment holds a descriptor for as long as the object is held.
-pub const SHARED_MEMORY_MIN_BYTES: u64 = 1 << 20;
-
-/// Most shared-memory segments one process holds at once (each is an open descriptor);
-/// beyond it objects are streamed to same-host peers too.
-pub const MAX_SEGMENTS: usize = 256;
-
-/// Whether to make a shared-memory segment for an object of `len` bytes while holding
-/// `segments_held` of them.
-fn worth_sharing(len: u64, segments_held: usize) -> bool {
-    len >= SHARED_MEMORY_MIN_BYTES && segments_held < MAX_SEGMENTS
-}
-
-/// How long a node waits for the head to name the holder to pull from: in a broadcast the
-/// head holds the answer until a holder has room, as long as the pulls ahead take; the
-/// get's own timeout is what bounds a caller's wait.
-const PULL_ASK_TIMEOUT: Duration = Duration::from_secs(600);
-
-/// A pull under way: tells the head it ended when it did without keeping a copy here (a
-/// kept copy's `ObjectAddSource` says so), whatever the way out (an error, the getters
-/// giving up), so that the holder's share it held is free at once.
-struct PullEnd<'a> {
-    service: &'a ObjectService,
-    id: ObjectId,
-    kept: bool,
-}
-
-impl Drop for PullEnd<'_> {
-    fn drop(&mut self) {
-        if !self.kept {
-            self.service.link.tell(&HeadRequest::ObjectPullEnded {
-                id: self.id,
-                node: self.service.node.clone(),
-            });
-        }
-    }
-}
-
-/// Pause before pulling again from holders that did not answer.
-const PULL_RETRY: Duration = Duration::from_millis(250);
-
 /// One process's object store.
 pub struct ObjectService {
     node: String,
@@ -198,9 +149,17 @@ impl ObjectSource for Source {
 }
 
 fn default_capacity() -> u64 {
-    crate::detect::total_memory_bytes()
+    total_memory_bytes()
         .map(|total| (total as f64 * DEFAULT_MEMORY_SHARE) as u64)
         .unwrap_or(1 << 30)
+}
+
+/// Reads `MemTotal` from /proc/meminfo.
+pub(crate) fn total_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 impl ObjectService {
@@ -272,79 +231,6 @@ impl ObjectService {
         self.memory.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn segments(&self) -> std::sync::MutexGuard<'_, HashMap<ObjectId, Arc<Segment>>> {
-        self.segments.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// The object's shared-memory segment for a same-host peer: the one made before, else
-    /// (for an object of at least [`SHARED_MEMORY_MIN_BYTES`]) a new one, one copy of the
-    /// bytes, after which this store holds the mapping instead of its own copy (the object is
-    /// in memory once on the host however many processes read it). Blocking: runs on a
-    /// blocking thread. The copy is made without holding the segments lock, which release
-    /// and spill take on async threads.
-    fn share(&self, id: ObjectId) -> Option<Arc<Segment>> {
-        let gate = {
-            let mut making = self.making.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            making.entry(id).or_default().clone()
-        };
-        let shared = {
-            let _maker = gate.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            self.share_once(id)
-        };
-        let mut making = self.making.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        // The last of the peers that waited removes the gate.
-        if Arc::strong_count(&gate) == 2 {
-            making.remove(&id);
-        }
-        shared
-    }
-
-    /// [`ObjectService::share`] under the object's gate.
-    fn share_once(&self, id: ObjectId) -> Option<Arc<Segment>> {
-        let held = {
-            let segments = self.segments();
-            if let Some(segment) = segments.get(&id) {
-                return Some(segment.clone());
-            }
-            segments.len()
-        };
-        let bytes = self.memory().pin(id)?;
-        if !worth_sharing(bytes.len() as u64, held) {
-            self.memory().unpin(id);
-            return None;
-        }
-        let made = Segment::create(&bytes).map(Arc::new).and_then(|segment| {
-            let mapped = segment.map_lazily()?;
-            Ok((segment, mapped))
-        });
-        let outcome = match made {
-            Ok((segment, mapped)) => {
-                let mut segments = self.segments();
-                if let Some(other) = segments.get(&id) {
-                    // Another peer's pull made one meanwhile: serve that, drop this one.
-                    Some(other.clone())
-                } else if let Ok(replaced) = self.memory().replace(id, mapped) {
-                    segments.insert(id, segment.clone());
-                    // Unmapping a large heap copy takes a while: not on the way to the reply.
-                    let old = (bytes, replaced);
-                    let _ = std::thread::Builder::new()
-                        .name("regatta-free".into())
-                        .spawn(move || drop(old));
-                    Some(segment)
-                } else {
-                    // Released while the copy was made: nothing to serve.
-                    None
-                }
-            }
-            Err(e) => {
-                tracing::warn!(%id, error = %e, "cannot make a shared-memory segment; peers will stream the object");
-                None
-            }
-        };
-        self.memory().unpin(id);
-        outcome
-    }
-
     /// Stores bytes (no copy) and registers them with the head; this process holds the
     /// first reference.
     pub async fn put(self: &Arc<Self>, bytes: Bytes, job: Option<String>) -> Result<ObjectId> {
@@ -395,34 +281,6 @@ impl ObjectService {
         Ok(id)
     }
 
-    /// Remembers the segment that holds an object's bytes, up to [`MAX_SEGMENTS`].
-    fn keep_segment(&self, id: ObjectId, segment: Arc<Segment>) {
-        let mut segments = self.segments();
-        if segments.len() < MAX_SEGMENTS {
-            segments.insert(id, segment);
-        }
-    }
-
-    /// The object's bytes and, for one of at least [`SHARED_MEMORY_MIN_BYTES`], the sealed
-    /// segment that holds them (made now, one copy, when it has none yet): what a reader in
-    /// this process maps itself instead of copying. Blocking for that copy.
-    pub async fn get_shared(
-        self: &Arc<Self>,
-        id: ObjectId,
-        timeout: Duration,
-    ) -> Result<(Bytes, Option<Arc<Segment>>)> {
-        let bytes = self.get(id, timeout).await?;
-        if (bytes.len() as u64) < SHARED_MEMORY_MIN_BYTES {
-            return Ok((bytes, None));
-        }
-        if let Some(segment) = self.segments().get(&id) {
-            return Ok((bytes, Some(segment.clone())));
-        }
-        let me = self.clone();
-        let segment = tokio::task::spawn_blocking(move || me.share(id)).await.ok().flatten();
-        Ok((bytes, segment))
-    }
-
     /// Makes room (spilling least-recently-used objects) and keeps `bytes` in memory.
     async fn store(&self, id: ObjectId, bytes: Bytes) -> Result<()> {
         let size = bytes.len() as u64;
@@ -464,173 +322,6 @@ impl ObjectService {
             spilled_to: Some(url),
         });
         Ok(())
-    }
-
-    /// The object's bytes: from memory without a copy, else pulled from a peer (mapped from
-    /// a same-host peer's shared memory, or streamed; or restored from its spilled copy),
-    /// checked, and cached here. A holder that cannot be reached is tried again until the
-    /// head says what became of it (lost with its node) or the timeout ends.
-    pub async fn get(self: &Arc<Self>, id: ObjectId, timeout: Duration) -> Result<Bytes> {
-        if let Some(bytes) = self.memory().get(id) {
-            return Ok(bytes);
-        }
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let fetch = {
-                let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
-                inflight
-                    .entry(id)
-                    .or_insert_with(|| {
-                        let me = self.clone();
-                        async move { me.pull(id).await }.boxed().shared()
-                    })
-                    .clone()
-            };
-            let outcome = tokio::time::timeout_at(deadline, fetch.clone()).await;
-            {
-                // The entry goes once its pull is over, or when this getter gave up and
-                // nobody else waits on it (dropping it cancels the pull, which tells the
-                // head). A pull other getters still wait on stays theirs, and a newer
-                // pull's entry is not this one's to remove: one pull per node and object.
-                let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
-                let ours = inflight.get(&id).is_some_and(|entry| entry.ptr_eq(&fetch));
-                if ours && (outcome.is_ok() || fetch.strong_count() <= Some(2)) {
-                    inflight.remove(&id);
-                }
-            }
-            drop(fetch);
-            match outcome {
-                Ok(Ok(bytes)) => return Ok(bytes),
-                Ok(Err(failure)) => {
-                    let error = self.explain(id, &failure.message).await;
-                    let again = tokio::time::Instant::now() + PULL_RETRY;
-                    if failure.transient && matches!(error, Error::Rejected(_)) && again < deadline {
-                        tracing::debug!(%id, reason = %failure.message, "no holder answered; asking again");
-                        tokio::time::sleep_until(again).await;
-                        continue;
-                    }
-                    return Err(error);
-                }
-                Err(_) => {
-                    return Err(Error::Timeout {
-                        what: format!("get of object {id}"),
-                        timeout,
-                    })
-                }
-            }
-        }
-    }
-
-    /// Turns a failed pull into the typed error (lost, unknown) when the head knows why.
-    async fn explain(&self, id: ObjectId, message: &str) -> Error {
-        match self
-            .link
-            .ask::<Location>(&HeadRequest::ObjectLocate(id), Duration::from_secs(5))
-            .await
-        {
-            Err(e @ (Error::ObjectLost { .. } | Error::ObjectUnknown { .. })) => e,
-            _ => Error::Rejected(format!("object {id} could not be read: {message}")),
-        }
-    }
-
-    async fn pull(self: Arc<Self>, id: ObjectId) -> std::result::Result<Bytes, PullFailure> {
-        // Until this node keeps a copy (and tells the head), its pull may hold a share of a
-        // holder's sending at the head; any other way out of here frees it.
-        let mut end = PullEnd {
-            service: &self,
-            id,
-            kept: false,
-        };
-        // The head names the holder to pull from first: in a broadcast it holds the answer
-        // back until a holder has room in its share, for as long as the pulls ahead take.
-        // The get's own timeout bounds the wait.
-        let ask = HeadRequest::ObjectPull {
-            id,
-            node: self.node.clone(),
-            address: self.address.clone(),
-        };
-        let location: Location = self.link.ask(&ask, PULL_ASK_TIMEOUT).await.map_err(|e| PullFailure {
-            message: e.to_string(),
-            transient: false,
-        })?;
-        let mut failures = Vec::new();
-        // Whether every copy failed only for want of an answer (its holder may be dying).
-        let mut transient = true;
-        for (node, address) in &location.sources {
-            if node == &self.node {
-                continue;
-            }
-            let Ok(peer) = address.parse::<SocketAddr>() else {
-                failures.push(format!("{node}: bad address {address}"));
-                transient = false;
-                continue;
-            };
-            match self.transfer.fetch(peer, id, location.size, location.checksum).await {
-                Ok(Fetched { bytes, segment }) => {
-                    self.counters.transfer_in.fetch_add(location.size, Ordering::Relaxed);
-                    if segment.is_some() {
-                        self.counters.shared_in.fetch_add(location.size, Ordering::Relaxed);
-                    }
-                    end.kept = self.cache(id, bytes.clone()).await;
-                    // The segment (an open descriptor) is kept while there is room for it: a
-                    // reader here that maps objects itself maps these pages, not a copy.
-                    if let (true, Some(segment)) = (end.kept, segment) {
-                        self.keep_segment(id, segment);
-                    }
-                    return Ok(bytes);
-                }
-                Err(e) => {
-                    tracing::warn!(%id, node = %node, error = %e, "pull failed; trying the next copy");
-                    transient &= matches!(
-                        e,
-                        regatta_object_store::Error::Transfer(_) | regatta_object_store::Error::NotHeld { .. }
-                    );
-                    failures.push(format!("{node}: {e}"));
-                }
-            }
-        }
-        if let Some(url) = &location.spilled {
-            match regatta_object_store::restore(url, id, location.size, location.checksum).await {
-                Ok(bytes) => {
-                    self.counters.restores.fetch_add(1, Ordering::Relaxed);
-                    end.kept = self.cache(id, bytes.clone()).await;
-                    return Ok(bytes);
-                }
-                Err(e) => {
-                    failures.push(format!("spilled copy: {e}"));
-                    transient = false;
-                }
-            }
-        }
-        if failures.is_empty() {
-            failures.push("no copy is held anywhere".into());
-            transient = false;
-        }
-        Err(PullFailure {
-            message: failures.join("; "),
-            transient,
-        })
-    }
-
-    /// Keeps a pulled copy here if there is room, and tells the head; true when it is kept.
-    async fn cache(&self, id: ObjectId, bytes: Bytes) -> bool {
-        if self.memory().contains(id) {
-            return false;
-        }
-        match self.store(id, bytes).await {
-            Ok(()) => {
-                self.link.tell(&HeadRequest::ObjectAddSource {
-                    id,
-                    node: self.node.clone(),
-                    address: self.address.clone(),
-                });
-                true
-            }
-            Err(e) => {
-                tracing::debug!(%id, error = %e, "not caching a pulled object");
-                false
-            }
-        }
     }
 
     /// Drops this node's copy (and the spilled copy it wrote) on the head's order.
@@ -783,6 +474,7 @@ impl Actor for ObjectsActor {
 
 #[cfg(test)]
 mod tests {
+    use super::shared::worth_sharing;
     use super::*;
 
     #[test]

@@ -26,7 +26,8 @@ use std::time::{Duration, SystemTime};
 
 use sha1::{Digest, Sha1};
 
-use super::job_manager::JobError;
+use super::shim::StartError;
+use super::JobError;
 
 /// The largest package accepted (Ray's default limit).
 pub(crate) const MAX_PACKAGE_BYTES: u64 = 500 << 20;
@@ -336,10 +337,10 @@ pub(crate) fn unpack(archive_path: &Path, dest: &Path) -> Result<(), JobError> {
 /// each `py_modules` package's folder follows, then `inherited`. A `working_dir` that is a
 /// path on the node is used as it is; without packages the path is left alone (`None`).
 pub(crate) fn driver_dirs(
-    env: &crate::job::RuntimeEnv,
+    env: &regatta_proto::job::RuntimeEnv,
     inherited: Option<std::ffi::OsString>,
-    mut unpack: impl FnMut(&str) -> Result<PathBuf, String>,
-) -> Result<(Option<PathBuf>, Option<std::ffi::OsString>), String> {
+    mut unpack: impl FnMut(&str) -> Result<PathBuf, StartError>,
+) -> Result<(Option<PathBuf>, Option<std::ffi::OsString>), StartError> {
     let mut path = Vec::new();
     let working_dir = match env.working_dir_package() {
         Some(name) => {
@@ -356,7 +357,7 @@ pub(crate) fn driver_dirs(
         return Ok((working_dir, None));
     }
     path.extend(inherited.iter().flat_map(std::env::split_paths));
-    let joined = std::env::join_paths(path).map_err(|e| format!("cannot build the driver's PYTHONPATH: {e}"))?;
+    let joined = std::env::join_paths(path)?;
     Ok((working_dir, Some(joined)))
 }
 
@@ -415,7 +416,7 @@ impl PackageStore {
     pub(crate) fn incoming(&self) -> PathBuf {
         self.dir
             .join(".incoming")
-            .join(format!("upload-{}", crate::node::random_hex(8)))
+            .join(format!("upload-{}", crate::net::node::random_hex(8)))
     }
 
     /// Checks a received file against `name` and stores it; the file is gone either way.
@@ -454,7 +455,7 @@ impl PackageStore {
         let staging = self
             .dir
             .join(".incoming")
-            .join(format!("unpack-{}", crate::node::random_hex(8)));
+            .join(format!("unpack-{}", crate::net::node::random_hex(8)));
         let unpacked = unpack(&self.archive(name), &staging);
         if let Err(e) = unpacked {
             let _ = std::fs::remove_dir_all(&staging);

@@ -24,9 +24,9 @@ use serde::{Deserialize, Serialize};
 use tokio::io::AsyncReadExt;
 use tokio::process::Command;
 
+use super::log::CappedLog;
 use crate::error::{Error, Result};
-use crate::job::ProcessIdentity;
-use crate::job_log::CappedLog;
+use regatta_proto::job::ProcessIdentity;
 
 /// What a supervisor is told on its command line.
 #[derive(Clone, Debug)]
@@ -92,6 +92,36 @@ impl RunFiles {
     }
 }
 
+/// Why a job's supervisor or its driver could not be started.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum StartError {
+    /// A file the start needs could not be created.
+    #[error("cannot create {what} {}: {cause}", path.display())]
+    Create {
+        what: &'static str,
+        path: PathBuf,
+        cause: std::io::Error,
+    },
+    /// The supervisor's process could not be started.
+    #[error("could not start the job supervisor {}: {cause}", binary.display())]
+    Supervisor { binary: PathBuf, cause: std::io::Error },
+    /// The driver's process could not be started.
+    #[error("could not start the driver: {0}")]
+    Driver(std::io::Error),
+    /// The supervisor ended before its identity could be read: its own last messages.
+    #[error("the job supervisor (pid {pid}) ended at once: {messages}")]
+    EndedAtOnce { pid: u32, messages: String },
+    /// A package the driver needs could not be unpacked.
+    #[error("cannot prepare the package gcs://{name}: {cause}")]
+    Package {
+        name: String,
+        cause: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The packages' folders do not make a `PYTHONPATH`.
+    #[error("cannot build the driver's PYTHONPATH: {0}")]
+    PythonPath(#[from] std::env::JoinPathsError),
+}
+
 /// Starts `<binary> job-shim` for `args` in a process group of its own, with `env` over
 /// the inherited environment (later entries win) and its own messages in the run files;
 /// returns the supervisor's identity once it runs. The supervisor is reaped when it ends;
@@ -100,11 +130,14 @@ pub(crate) fn start_supervisor(
     binary: &Path,
     args: &ShimArgs,
     env: &[(std::ffi::OsString, std::ffi::OsString)],
-) -> std::result::Result<ProcessIdentity, String> {
+) -> std::result::Result<ProcessIdentity, StartError> {
     let files = RunFiles::new(&args.run_dir, &args.job);
     files.remove();
-    let messages = std::fs::File::create(&files.messages)
-        .map_err(|e| format!("cannot create {}: {e}", files.messages.display()))?;
+    let messages = std::fs::File::create(&files.messages).map_err(|cause| StartError::Create {
+        what: "the supervisor's messages file",
+        path: files.messages.clone(),
+        cause,
+    })?;
     let mut command = Command::new(binary);
     command
         .arg("job-shim")
@@ -133,16 +166,15 @@ pub(crate) fn start_supervisor(
         .stderr(messages)
         .process_group(0)
         .kill_on_drop(false);
-    let mut child = command
-        .spawn()
-        .map_err(|e| format!("could not start the job supervisor {}: {e}", binary.display()))?;
+    let mut child = command.spawn().map_err(|cause| StartError::Supervisor {
+        binary: binary.to_path_buf(),
+        cause,
+    })?;
     let pid = child.id().unwrap_or(0);
     tokio::spawn(async move { child.wait().await });
-    identity_of(pid).ok_or_else(|| {
-        format!(
-            "the job supervisor (pid {pid}) ended at once: {}",
-            tail_of(&files.messages)
-        )
+    identity_of(pid).ok_or_else(|| StartError::EndedAtOnce {
+        pid,
+        messages: tail_of(&files.messages),
     })
 }
 
@@ -258,7 +290,7 @@ pub async fn supervise_job(args: ShimArgs) -> Result<ShimOutcome> {
         signal(SignalKind::terminate()).map_err(|e| Error::io("cannot handle SIGTERM in the job supervisor", e))?;
     let outcome = match start_driver(&args, &files) {
         Err(reason) => ShimOutcome {
-            error: Some(reason),
+            error: Some(reason.to_string()),
             ..ShimOutcome::default()
         },
         Ok((mut child, copies)) => {
@@ -347,9 +379,12 @@ type Copies = Vec<tokio::task::JoinHandle<()>>;
 
 /// Starts the driver in its own process group with its output going into the log, and
 /// records its identity.
-fn start_driver(args: &ShimArgs, files: &RunFiles) -> std::result::Result<(tokio::process::Child, Copies), String> {
-    let log = CappedLog::create(&args.log, args.log_cap_bytes)
-        .map_err(|e| format!("cannot create the job log {}: {e}", args.log.display()))?;
+fn start_driver(args: &ShimArgs, files: &RunFiles) -> std::result::Result<(tokio::process::Child, Copies), StartError> {
+    let log = CappedLog::create(&args.log, args.log_cap_bytes).map_err(|cause| StartError::Create {
+        what: "the job log",
+        path: args.log.clone(),
+        cause,
+    })?;
     let mut command = Command::new("sh");
     command
         .arg("-c")
@@ -362,9 +397,7 @@ fn start_driver(args: &ShimArgs, files: &RunFiles) -> std::result::Result<(tokio
     if let Some(dir) = &args.working_dir {
         command.current_dir(dir);
     }
-    let mut child = command
-        .spawn()
-        .map_err(|e| format!("could not start the driver: {e}"))?;
+    let mut child = command.spawn().map_err(StartError::Driver)?;
     let pid = child.id().unwrap_or(0);
     // Not reaped before `wait`: a driver that already exited still has its identity.
     if let Some(identity) = child_identity(pid) {

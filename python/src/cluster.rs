@@ -1,0 +1,442 @@
+//! A driver's connection to a cluster (a local one it started, or a running head), and
+//! the placement groups and objects it holds.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tokio::sync::{mpsc, oneshot};
+
+use regatta::local::{LocalCluster, LocalOptions, WorkerSpec};
+use regatta::{
+    ActorId, ActorOptions, Client, ObjectId, ObjectRef, PlacementGroup, PythonActor, PythonArgs, Resources, Strategy,
+    View, ViewQuery,
+};
+
+use crate::pending::{settle, Pending, Slot};
+use crate::{error, placing_error, runtime, CALL_TIMEOUT};
+
+/// A placement group: bundles of resources reserved together.
+#[pyclass(module = "regatta._native")]
+pub(crate) struct Group {
+    group: PlacementGroup,
+}
+
+#[pymethods]
+impl Group {
+    /// The group's id.
+    #[getter]
+    fn id(&self) -> String {
+        self.group.id().to_string()
+    }
+
+    /// Waits up to `timeout` seconds for every bundle to be reserved: the node of each
+    /// bundle, or None when the time ran out.
+    fn ready(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Vec<String>>> {
+        if !timeout.is_finite() || timeout < 0.0 {
+            return Err(PyValueError::new_err(format!(
+                "timeout must be a number >= 0, not {timeout}"
+            )));
+        }
+        let group = self.group.clone();
+        match py.detach(|| runtime().block_on(group.ready(Duration::from_secs_f64(timeout)))) {
+            Ok(nodes) => Ok(Some(nodes)),
+            Err(regatta::Error::Timeout { .. }) => Ok(None),
+            Err(e) => Err(error(e)),
+        }
+    }
+
+    /// Removes the group: its actors are killed and its resources freed.
+    fn remove(&self, py: Python<'_>) -> PyResult<()> {
+        let group = self.group.clone();
+        py.detach(|| runtime().block_on(group.remove())).map_err(error)
+    }
+}
+
+/// An object in the cluster's object store, held while this lives (and, once it is
+/// dropped everywhere, kept a grace period for references in flight).
+#[pyclass(module = "regatta._native")]
+pub(crate) struct Object {
+    pub(crate) reference: ObjectRef<bytes::Bytes>,
+}
+
+#[pymethods]
+impl Object {
+    /// The object's id (what travels when a reference is sent).
+    #[getter]
+    fn id(&self) -> String {
+        self.reference.id().to_string()
+    }
+}
+
+type Queue = mpsc::UnboundedSender<(Vec<u8>, Arc<Slot>)>;
+
+/// A driver's connection to a cluster.
+#[pyclass(module = "regatta._native")]
+pub(crate) struct Cluster {
+    client: Mutex<Option<Client>>,
+    local: Mutex<Option<LocalCluster>>,
+    queues: Mutex<HashMap<u64, Queue>>,
+    address: String,
+}
+
+impl Cluster {
+    fn cluster(&self) -> PyResult<regatta::Cluster> {
+        let client = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        client
+            .as_ref()
+            .map(|c| c.cluster().clone())
+            .ok_or_else(|| PyRuntimeError::new_err("regatta is shut down: call regatta.init() first"))
+    }
+}
+
+#[pymethods]
+impl Cluster {
+    /// Starts a head and workers as processes of the `regatta` binary (`binary`, else
+    /// `REGATTA_BIN` or `regatta` on PATH) and connects to it. `workers` are
+    /// `(name, resources)` pairs such as `("worker-0", "CPU=8")`.
+    #[staticmethod]
+    #[pyo3(signature = (workers, binary=None, log_dir=None))]
+    fn start_local(
+        py: Python<'_>,
+        workers: Vec<(String, String)>,
+        binary: Option<String>,
+        log_dir: Option<String>,
+    ) -> PyResult<Self> {
+        let specs = workers
+            .iter()
+            .map(|(name, resources)| WorkerSpec::new(name, resources))
+            .collect();
+        let mut options = match binary {
+            Some(binary) => LocalOptions::with_binary(specs, binary.into()),
+            None => LocalOptions::new(specs).map_err(error)?,
+        };
+        if let Some(dir) = log_dir {
+            options.log_dir = dir.into();
+        }
+        py.detach(move || {
+            let local = LocalCluster::start(options).map_err(|e| format!("{e:#}"))?;
+            let client = runtime()
+                .block_on(local.connect(Duration::from_secs(60)))
+                .map_err(|e| {
+                    format!(
+                        "the local cluster did not come up: {e:#}\nhead log:\n{}",
+                        local.log("head")
+                    )
+                })?;
+            let address = local.address.clone();
+            Ok::<_, String>(Self {
+                client: Mutex::new(Some(client)),
+                local: Mutex::new(Some(local)),
+                queues: Mutex::new(HashMap::new()),
+                address,
+            })
+        })
+        .map_err(PyRuntimeError::new_err)
+    }
+
+    /// Connects to a running head (`host:port`) with the cluster token.
+    #[staticmethod]
+    fn connect(py: Python<'_>, address: String, token: String) -> PyResult<Self> {
+        let client = py
+            .detach(|| runtime().block_on(Client::connect(&address, &token)))
+            .map_err(error)?;
+        Ok(Self {
+            client: Mutex::new(Some(client)),
+            local: Mutex::new(None),
+            queues: Mutex::new(HashMap::new()),
+            address,
+        })
+    }
+
+    /// The head's cluster address.
+    #[getter]
+    fn address(&self) -> String {
+        self.address.clone()
+    }
+
+    /// The local cluster's job API (`https://127.0.0.1:PORT`), when this driver started one.
+    #[getter]
+    fn job_address(&self) -> Option<String> {
+        let local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        local.as_ref().map(|l| l.job_address.clone())
+    }
+
+    /// The local cluster's token, when this driver started one.
+    #[getter]
+    fn token(&self) -> Option<String> {
+        let local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        local.as_ref().map(|l| l.token.clone())
+    }
+
+    /// The local cluster's head log folder, when this driver started one.
+    fn log_dir(&self) -> Option<String> {
+        let local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        local
+            .as_ref()
+            .and_then(|l| l.log_path("head").parent().map(|p| p.display().to_string()))
+    }
+
+    /// Spawns a Python actor; returns its id. `resources` is a resource list
+    /// (`CPU=1,GPU=1`); the constructor runs when the actor is placed (its failure makes
+    /// the actor dead, seen at its first call).
+    #[pyo3(signature = (init, python, path, resources, name=None, max_restarts=0, env=Vec::new(), group=None, bundle=None, max_concurrency=1))]
+    #[allow(clippy::too_many_arguments)]
+    fn spawn(
+        &self,
+        py: Python<'_>,
+        init: Vec<u8>,
+        python: String,
+        path: Vec<String>,
+        resources: String,
+        name: Option<String>,
+        max_restarts: u32,
+        env: Vec<(String, String)>,
+        group: Option<PyRef<'_, Group>>,
+        bundle: Option<usize>,
+        max_concurrency: u32,
+    ) -> PyResult<u64> {
+        let cluster = self.cluster()?;
+        let resources = if resources.trim().is_empty() {
+            Resources::default()
+        } else {
+            Resources::parse_request(&resources).map_err(|e| PyValueError::new_err(e.to_string()))?
+        };
+        let mut options = ActorOptions::new().resources(resources).max_restarts(max_restarts);
+        if let Some(name) = name {
+            options = options.name(name);
+        }
+        if let Some(group) = &group {
+            options = options.in_group(&group.group, bundle);
+        }
+        let args = PythonArgs {
+            python,
+            path,
+            env,
+            init,
+            max_restarts,
+            max_concurrency: max_concurrency.max(1),
+        };
+        let handle = py
+            .detach(|| runtime().block_on(cluster.spawn::<PythonActor>(args, options)))
+            .map_err(placing_error)?;
+        Ok(handle.id().0)
+    }
+
+    /// Reserves a placement group of `bundles` (resource lists) with `strategy` (`PACK`,
+    /// `SPREAD`, `STRICT_PACK`, `STRICT_SPREAD`); fails at once when no nodes could ever
+    /// hold it.
+    fn create_group(&self, py: Python<'_>, bundles: Vec<String>, strategy: String) -> PyResult<Group> {
+        let cluster = self.cluster()?;
+        let strategy: Strategy = strategy.parse().map_err(PyValueError::new_err)?;
+        let bundles = bundles
+            .iter()
+            .map(|b| Resources::parse_request(b).map_err(|e| PyValueError::new_err(e.to_string())))
+            .collect::<PyResult<Vec<_>>>()?;
+        let group = py
+            .detach(|| runtime().block_on(cluster.create_placement_group(bundles, strategy)))
+            .map_err(placing_error)?;
+        Ok(Group { group })
+    }
+
+    /// Sends `request` to actor `actor`. Calls from this driver to one actor reach it in
+    /// order: each is written after the one before is on the wire, without waiting for its
+    /// answer (pipelined); with `ordered` false (an actor whose calls run beside each
+    /// other) each goes at once.
+    #[pyo3(signature = (actor, request, ordered=true))]
+    fn call(&self, actor: u64, request: Vec<u8>, ordered: bool) -> PyResult<Pending> {
+        let slot = Arc::new(Slot::default());
+        let cluster = self.cluster()?;
+        if !ordered {
+            let handle = cluster.handle::<PythonActor>(ActorId(actor));
+            let answer = slot.clone();
+            runtime().spawn(async move {
+                settle(&cluster, &answer, handle.call_timeout(request, CALL_TIMEOUT).await).await;
+            });
+            return Ok(Pending { slot });
+        }
+        let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
+        let queue = match queues.get(&actor) {
+            Some(queue) if !queue.is_closed() => queue.clone(),
+            _ => {
+                let (queue, mut requests) = mpsc::unbounded_channel::<(Vec<u8>, Arc<Slot>)>();
+                let handle = cluster.handle::<PythonActor>(ActorId(actor));
+                runtime().spawn(async move {
+                    while let Some((request, slot)) = requests.recv().await {
+                        let (sent, written) = oneshot::channel();
+                        let (handle, cluster) = (handle.clone(), cluster.clone());
+                        tokio::spawn(async move {
+                            let result = handle.call_pipelined(request, CALL_TIMEOUT, sent).await;
+                            settle(&cluster, &slot, result).await;
+                        });
+                        // The next call goes once this one is on the wire (calls reach the
+                        // actor in the order they were written), or once it ended.
+                        let _ = written.await;
+                    }
+                });
+                queues.insert(actor, queue.clone());
+                queue
+            }
+        };
+        queue
+            .send((request, slot.clone()))
+            .map_err(|_| PyRuntimeError::new_err("the call queue is closed"))?;
+        Ok(Pending { slot })
+    }
+
+    /// Stores `parts`, concatenated, as one object in this node's object store.
+    fn put(&self, py: Python<'_>, parts: Vec<pyo3::pybacked::PyBackedBytes>) -> PyResult<Object> {
+        let cluster = self.cluster()?;
+        let total = parts.iter().map(|p| p.len()).sum();
+        let mut bytes = Vec::with_capacity(total);
+        for part in &parts {
+            bytes.extend_from_slice(part);
+        }
+        let reference = py
+            .detach(|| runtime().block_on(cluster.put_bytes(bytes)))
+            .map_err(error)?;
+        Ok(Object { reference })
+    }
+
+    /// Stores the object a Python driver wrote into memfd `fd` (made with
+    /// `MFD_ALLOW_SEALING`, no mapping of it left): sealed here and kept as it is, so the
+    /// put's one copy was the write. The caller keeps and closes its own `fd`.
+    fn put_memfd(&self, py: Python<'_>, fd: i32) -> PyResult<Object> {
+        let cluster = self.cluster()?;
+        if fd < 0 {
+            return Err(PyValueError::new_err(format!("bad file descriptor {fd}")));
+        }
+        // A second open of the same file (through /proc) that this side owns, writable as
+        // sealing needs; the caller's descriptor stays the caller's.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/self/fd/{fd}"))
+            .map_err(|e| error(format!("cannot open the object's file (descriptor {fd}): {e}")))?;
+        let segment = regatta_object_store::Segment::seal(file).map_err(error)?;
+        let reference = py
+            .detach(|| runtime().block_on(cluster.put_segment(segment)))
+            .map_err(error)?;
+        Ok(Object { reference })
+    }
+
+    /// An object's contents: `(bytes, None)` for a small one, or `(None, (fd, length))` for
+    /// one held in shared memory on this host: a new read-only descriptor of its sealed
+    /// file, which the caller maps (zero-copy) and closes.
+    #[allow(clippy::type_complexity)]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        object: PyRef<'py, Object>,
+    ) -> PyResult<(Option<Bound<'py, PyBytes>>, Option<(i32, u64)>)> {
+        use std::os::fd::IntoRawFd;
+        let cluster = self.cluster()?;
+        let reference = object.reference.clone();
+        let (bytes, segment) = py
+            .detach(|| runtime().block_on(cluster.get_shared(&reference)))
+            .map_err(error)?;
+        // Without a segment, or out of descriptors to hand one over: a copy still reads it.
+        match segment.map(|segment| segment.duplicate().map(|file| (file, segment.len()))) {
+            Some(Ok((file, len))) => Ok((None, Some((file.into_raw_fd(), len)))),
+            _ => Ok((Some(PyBytes::new(py, &bytes)), None)),
+        }
+    }
+
+    /// An object by id (a reference received from elsewhere; held from its first read).
+    fn object(&self, id: &str) -> PyResult<Object> {
+        let id: ObjectId = id
+            .parse()
+            .map_err(|e| PyValueError::new_err(format!("bad object id {id:?}: {e}")))?;
+        Ok(Object {
+            reference: ObjectRef::from_id(id),
+        })
+    }
+
+    /// Kills an actor (it is not restarted).
+    fn kill(&self, py: Python<'_>, actor: u64) -> PyResult<()> {
+        let cluster = self.cluster()?;
+        self.queues.lock().unwrap_or_else(|p| p.into_inner()).remove(&actor);
+        py.detach(|| runtime().block_on(cluster.kill(ActorId(actor))))
+            .map_err(error)
+    }
+
+    /// The node the actor runs (or last ran) on, and its log lines there after line number
+    /// `after` (the node's own numbering), as `(number, live, text)`: what the driver
+    /// follows of a long call (`live` lines are the ones the call's worker marked for its
+    /// caller).
+    #[allow(clippy::type_complexity)]
+    fn actor_logs(
+        &self,
+        py: Python<'_>,
+        actor: u64,
+        after: u64,
+    ) -> PyResult<(Option<String>, Vec<(u64, bool, String)>)> {
+        let cluster = self.cluster()?;
+        let (node, lines) = py
+            .detach(|| runtime().block_on(cluster.actor_logs(ActorId(actor), after)))
+            .map_err(error)?;
+        Ok((
+            node,
+            lines.into_iter().map(|line| (line.seq, line.live, line.text)).collect(),
+        ))
+    }
+
+    /// For an actor waiting for resources (pending, or restarting elsewhere): `(seconds
+    /// waited, resources it asks for)`; None once it is placed (or gone).
+    fn actor_waiting(&self, py: Python<'_>, actor: u64) -> PyResult<Option<(f64, String)>> {
+        let cluster = self.cluster()?;
+        let view = py
+            .detach(|| runtime().block_on(cluster.view(ViewQuery::Actor(ActorId(actor)))))
+            .map_err(error)?;
+        Ok(match view {
+            View::Actor(Some(row)) => row.waiting_s.map(|waited| (waited, row.resources.to_string())),
+            _ => None,
+        })
+    }
+
+    /// The id of the live actor named `name`, if any.
+    fn named(&self, py: Python<'_>, name: String) -> PyResult<Option<u64>> {
+        let cluster = self.cluster()?;
+        let found = py
+            .detach(|| runtime().block_on(cluster.named::<PythonActor>(&name)))
+            .map_err(error)?;
+        Ok(found.map(|h| h.id().0))
+    }
+
+    /// The nodes: `(name, state, total resources, available resources)`, resources as
+    /// `{name: amount}`.
+    #[allow(clippy::type_complexity)]
+    fn nodes(&self, py: Python<'_>) -> PyResult<Vec<(String, String, HashMap<String, f64>, HashMap<String, f64>)>> {
+        let cluster = self.cluster()?;
+        let status = py.detach(|| runtime().block_on(cluster.status())).map_err(error)?;
+        Ok(status
+            .nodes
+            .iter()
+            .map(|n| {
+                let mut available = n.total.clone();
+                available.subtract(&n.used);
+                (n.name.clone(), n.state.clone(), amounts(&n.total), amounts(&available))
+            })
+            .collect())
+    }
+
+    /// Disconnects, and stops the local cluster this driver started.
+    fn shutdown(&self, py: Python<'_>) {
+        self.queues.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        let client = self.client.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let local = self.local.lock().unwrap_or_else(|p| p.into_inner()).take();
+        py.detach(move || {
+            drop(client);
+            if let Some(mut local) = local {
+                local.shutdown();
+            }
+        });
+    }
+}
+
+fn amounts(resources: &Resources) -> HashMap<String, f64> {
+    resources.to_units().into_iter().collect()
+}
