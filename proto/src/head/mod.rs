@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use crate::object::{Directory, Fanout, Missing, ObjectId};
 use crate::protocol::{
-    ActorId, ActorState, ActorView, ClusterStatus, Failure, GroupId, HeadRequest, NodeInfo, RunningActor,
+    ActorId, ActorState, ActorView, ClusterStatus, Failure, GroupId, HeadRequest, NodeInfo, RunningActor, StartFailure,
 };
 use crate::runs::RunBook;
 use crate::scheduler::{Effect, Scheduler};
@@ -265,7 +265,10 @@ impl HeadCore {
             HeadRequest::Named(name) => answer(to, Answer::Named(self.scheduler.named(&name)), out),
             HeadRequest::View(query) => answer(to, Answer::View(Box::new(self.view(query, now))), out),
             HeadRequest::RunReport(point) => {
-                let result = self.runs.report(point, now).map_err(Failure::Rejected);
+                let result = self
+                    .runs
+                    .report(point, now)
+                    .map_err(|e| Failure::Rejected(e.to_string()));
                 answer(to, Answer::Done(result), out);
             }
             HeadRequest::Kill(id) => {
@@ -379,7 +382,7 @@ impl HeadCore {
         &mut self,
         actor: ActorId,
         attempt: u32,
-        outcome: Result<(), String>,
+        outcome: Result<(), StartFailure>,
         to: Option<ReplyTo>,
         out: &mut Vec<Output>,
     ) {

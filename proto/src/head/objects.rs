@@ -56,7 +56,7 @@ impl HeadCore {
                 job,
             } => {
                 let result = self.directory.put(id, size, checksum, &node, &node, &address, job);
-                self.put_registered(id, result.map_err(Failure::Rejected), to, now, out);
+                self.put_registered(id, result.map_err(|e| Failure::Rejected(e.to_string())), to, now, out);
             }
             HeadRequest::ObjectLocate(id) => match (self.directory.locate(id), to) {
                 (Err(Missing::Unknown), Some(to)) => self.park(id, HeadRequest::ObjectLocate(id), to, now),

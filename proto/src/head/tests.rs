@@ -897,7 +897,11 @@ fn a_snapshot_and_the_changes_after_it_replay_to_the_same_head() {
                 }
                 4 | 5 if !starts_seen.is_empty() => {
                     let start = starts_seen.remove(next(starts_seen.len() as u64) as usize);
-                    let outcome = if next(6) == 0 { Err("boom".to_string()) } else { Ok(()) };
+                    let outcome = if next(6) == 0 {
+                        Err(StartFailure::new("boom"))
+                    } else {
+                        Ok(())
+                    };
                     HeadRequest::Started {
                         actor: start.actor,
                         attempt: start.attempt,

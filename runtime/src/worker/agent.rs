@@ -10,7 +10,7 @@ use crate::client::actor::{unix_ms, LogBook};
 use crate::client::ActorContext;
 use crate::client::Cluster;
 use crate::node;
-use crate::protocol::{ActorId, AgentRequest, Failure, HeadRequest, RunningActor, StartActor};
+use crate::protocol::{ActorId, AgentRequest, Failure, HeadRequest, RunningActor, StartActor, StartFailure};
 use crate::registry::{Host, HostArgs, Registry};
 use crate::wire::{self, LocalSignal, Wire};
 
@@ -309,7 +309,7 @@ async fn start_actor(
     };
     let (queue, inbox) = tokio::sync::mpsc::unbounded_channel();
     let outcome = match registry.construct(&start.kind, start.args, ctx.clone()).await {
-        Err(cause) => Err(cause),
+        Err(cause) => Err(StartFailure::new(cause)),
         Ok(actor) => match Actor::spawn_linked(
             None,
             Host,
@@ -324,7 +324,7 @@ async fn start_actor(
         )
         .await
         {
-            Err(e) => Err(format!("could not start the actor's host: {e}")),
+            Err(e) => Err(StartFailure::new(format!("could not start the actor's host: {e}"))),
             Ok((host, _)) => {
                 // Routed before the head hears it started: a caller told "alive" reaches it.
                 routes.insert(start.actor, start.attempt, &queue, &start.kind);
@@ -336,7 +336,7 @@ async fn start_actor(
                 };
                 if agent.send_message(Wire::Local(hosted)).is_err() {
                     host.stop(None);
-                    Err("the node agent is shutting down".to_string())
+                    Err(StartFailure::new("the node agent is shutting down"))
                 } else {
                     Ok(())
                 }
