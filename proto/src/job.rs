@@ -10,6 +10,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::Error;
 use crate::protocol::GroupId;
 
 /// Environment variable a driver finds its job id in.
@@ -94,9 +95,9 @@ struct RawRuntimeEnv {
 }
 
 impl TryFrom<RawRuntimeEnv> for RuntimeEnv {
-    type Error = String;
+    type Error = Error;
 
-    fn try_from(raw: RawRuntimeEnv) -> Result<Self, String> {
+    fn try_from(raw: RawRuntimeEnv) -> Result<Self, Error> {
         // Ray's client adds its own bookkeeping (`_ray_commit`): no feature, nothing to do.
         if let Some(name) = raw.other.keys().find(|name| !name.starts_with('_')) {
             let why = match name.as_str() {
@@ -106,10 +107,7 @@ impl TryFrom<RawRuntimeEnv> for RuntimeEnv {
                 "container" | "image_uri" => "Regatta runs drivers on the node itself, not in a per-job container",
                 _ => "Regatta does not carry it out",
             };
-            return Err(format!(
-                "runtime_env.{name} is not supported: {why}; supported keys are {}",
-                RUNTIME_ENV_KEYS.join(", ")
-            ));
+            return Err(Error::UnsupportedRuntimeEnv { key: name.clone(), why });
         }
         Ok(Self {
             env_vars: raw.env_vars,
@@ -193,40 +191,33 @@ pub const MAX_ID_LEN: usize = 128;
 
 impl JobSubmission {
     /// Checks what JSON parsing cannot: a non-empty entrypoint, a safe id, sane amounts.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Error> {
         if self.entrypoint.trim().is_empty() {
-            return Err("entrypoint is empty; give the driver's command line".into());
+            return Err(Error::EmptyEntrypoint);
         }
         if let Some(id) = &self.submission_id {
             validate_id(id)?;
         }
         for (name, value) in self.runtime_env.env_vars.iter() {
             if name.is_empty() || name.contains('=') || name.contains('\0') || value.contains('\0') {
-                return Err(format!("runtime_env.env_vars has an invalid entry '{name}'"));
+                return Err(Error::BadEnvVar { name: name.clone() });
             }
         }
         if self.entrypoint_label_selector.as_ref().is_some_and(|s| !s.is_empty()) {
-            return Err(
-                "entrypoint_label_selector is not supported: place the driver with entrypoint_resources (e.g. a node's custom resource)"
-                    .into(),
-            );
+            return Err(Error::LabelSelectorUnsupported);
         }
         for uri in self.runtime_env.working_dir.iter().chain(&self.runtime_env.py_modules) {
             if uri.contains("://") && !uri.starts_with(PACKAGE_SCHEME) {
-                return Err(format!(
-                    "runtime_env package '{uri}' is not supported: give a folder (the client uploads it as {PACKAGE_SCHEME}...) or a path on the node"
-                ));
+                return Err(Error::UnsupportedPackage { uri: uri.clone() });
             }
         }
-        if self
+        if let Some(module) = self
             .runtime_env
             .py_modules
             .iter()
-            .any(|m| !m.starts_with(PACKAGE_SCHEME))
+            .find(|m| !m.starts_with(PACKAGE_SCHEME))
         {
-            return Err(format!(
-                "runtime_env.py_modules takes uploaded packages ({PACKAGE_SCHEME}...): give local folders to the client, which uploads them"
-            ));
+            return Err(Error::PyModuleNotUploaded { module: module.clone() });
         }
         let amounts = self
             .entrypoint_num_cpus
@@ -235,7 +226,7 @@ impl JobSubmission {
             .chain(self.entrypoint_resources.values());
         for amount in amounts {
             if !amount.is_finite() || *amount < 0.0 {
-                return Err(format!("resource amount {amount} must be a finite number >= 0"));
+                return Err(Error::BadAmount { amount: *amount });
             }
         }
         Ok(())
@@ -261,7 +252,7 @@ impl JobSubmission {
 }
 
 /// Ids become file names: only letters, digits, `-`, `_` and `.`, not starting with `.`.
-pub fn validate_id(id: &str) -> Result<(), String> {
+pub fn validate_id(id: &str) -> Result<(), Error> {
     let ok = !id.is_empty()
         && id.len() <= MAX_ID_LEN
         && !id.starts_with('.')
@@ -271,9 +262,10 @@ pub fn validate_id(id: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!(
-            "submission_id '{id}' is not allowed: use 1 to {MAX_ID_LEN} letters, digits, '-', '_' or '.', not starting with '.'"
-        ))
+        Err(Error::BadJobId {
+            id: id.to_string(),
+            max: MAX_ID_LEN,
+        })
     }
 }
 
@@ -514,7 +506,7 @@ mod tests {
 
     fn submission(json: &str) -> Result<JobSubmission, String> {
         let parsed: JobSubmission = serde_json::from_str(json).map_err(|e| e.to_string())?;
-        parsed.validate().map(|()| parsed)
+        parsed.validate().map(|()| parsed).map_err(|e| e.to_string())
     }
 
     #[test]
@@ -631,6 +623,29 @@ mod tests {
         assert!(submission(r#"{"entrypoint": "x", "entrypoint_num_cpus": -1}"#)
             .unwrap_err()
             .contains(">= 0"));
+    }
+
+    #[test]
+    fn refusals_are_typed_by_what_is_wrong() {
+        let parse = |json: &str| serde_json::from_str::<JobSubmission>(json).unwrap();
+        assert_eq!(parse(r#"{"entrypoint": " "}"#).validate(), Err(Error::EmptyEntrypoint));
+        assert_eq!(
+            validate_id("../etc"),
+            Err(Error::BadJobId {
+                id: "../etc".into(),
+                max: MAX_ID_LEN
+            })
+        );
+        assert_eq!(
+            parse(r#"{"entrypoint": "x", "entrypoint_num_gpus": -1}"#).validate(),
+            Err(Error::BadAmount { amount: -1.0 })
+        );
+        assert_eq!(
+            parse(r#"{"entrypoint": "x", "runtime_env": {"py_modules": ["/home/me/lib"]}}"#).validate(),
+            Err(Error::PyModuleNotUploaded {
+                module: "/home/me/lib".into()
+            })
+        );
     }
 
     #[test]

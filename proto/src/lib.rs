@@ -33,7 +33,7 @@ pub use placement::{Allocation, Decision, Ledger, Strategy};
 pub use pool::{PoolBook, Seq};
 pub use protocol::{
     ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, GroupId, GroupStatus, NodeStatus,
-    PendingLine, Registration, RunningActor, RESTART_FOREVER,
+    PendingLine, Registration, RunningActor, StartFailure, RESTART_FOREVER,
 };
 pub use resources::{format_fixed, Resources, GPU, UNIT};
 pub use runs::{RunBook, RunDetail, RunPoint, RunSample, RunSummary};

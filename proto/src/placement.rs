@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::Error;
 use crate::resources::{format_fixed, Resources, GPU, UNIT};
 
 /// How the bundles of a placement group are spread over nodes (Ray's four strategies).
@@ -25,16 +26,16 @@ pub enum Strategy {
 }
 
 impl std::str::FromStr for Strategy {
-    type Err = String;
-    fn from_str(text: &str) -> Result<Self, String> {
+    type Err = Error;
+    fn from_str(text: &str) -> Result<Self, Error> {
         match text.to_ascii_uppercase().replace('-', "_").as_str() {
             "PACK" => Ok(Self::Pack),
             "SPREAD" => Ok(Self::Spread),
             "STRICT_PACK" => Ok(Self::StrictPack),
             "STRICT_SPREAD" => Ok(Self::StrictSpread),
-            _ => Err(format!(
-                "unknown placement strategy '{text}'; use PACK, SPREAD, STRICT_PACK or STRICT_SPREAD"
-            )),
+            _ => Err(Error::UnknownStrategy {
+                input: text.to_string(),
+            }),
         }
     }
 }
@@ -222,13 +223,10 @@ impl Ledger {
 }
 
 /// Checks the shape of a request before placement: GPU amounts above one must be whole.
-pub fn validate_request(request: &Resources) -> Result<(), String> {
+pub fn validate_request(request: &Resources) -> Result<(), Error> {
     let gpu = request.fixed(GPU);
     if gpu > UNIT && !gpu.is_multiple_of(UNIT) {
-        return Err(format!(
-            "GPU={} is not allowed: ask for a fraction of one GPU (below 1) or a whole number",
-            format_fixed(gpu)
-        ));
+        return Err(Error::GpuRequestNotWhole { gpu });
     }
     Ok(())
 }
@@ -237,19 +235,16 @@ pub fn validate_request(request: &Resources) -> Result<(), String> {
 pub const MAX_GPUS_PER_NODE: u64 = 256;
 
 /// Checks a node's declared capacity: GPUs are whole devices, and a sane number of them.
-pub fn validate_capacity(capacity: &Resources) -> Result<(), String> {
+pub fn validate_capacity(capacity: &Resources) -> Result<(), Error> {
     let gpu = capacity.fixed(GPU);
     if !gpu.is_multiple_of(UNIT) {
-        return Err(format!(
-            "GPU={} is not allowed on a node: declare whole GPUs",
-            format_fixed(gpu)
-        ));
+        return Err(Error::NodeGpuNotWhole { gpu });
     }
     if gpu / UNIT > MAX_GPUS_PER_NODE {
-        return Err(format!(
-            "GPU={} is more than {MAX_GPUS_PER_NODE} GPUs on one node; declare the real count",
-            format_fixed(gpu)
-        ));
+        return Err(Error::TooManyGpus {
+            gpu,
+            max: MAX_GPUS_PER_NODE,
+        });
     }
     Ok(())
 }
@@ -702,16 +697,43 @@ mod tests {
     fn node_capacity_must_be_whole_and_sane_gpus() {
         let cap = |t: &str| Resources::parse_capacity(t).unwrap();
         assert!(validate_capacity(&cap("CPU=8,GPU=8")).is_ok());
-        assert!(validate_capacity(&cap("GPU=1.5")).unwrap_err().contains("whole GPUs"));
-        assert!(validate_capacity(&cap("GPU=1000000000"))
-            .unwrap_err()
-            .contains("more than 256"));
+        let fraction = validate_capacity(&cap("GPU=1.5")).unwrap_err();
+        assert_eq!(fraction, Error::NodeGpuNotWhole { gpu: 3 * UNIT / 2 });
+        assert_eq!(
+            fraction.to_string(),
+            "GPU=1.5 is not allowed on a node: declare whole GPUs"
+        );
+        let many = validate_capacity(&cap("GPU=1000000000")).unwrap_err();
+        assert!(matches!(many, Error::TooManyGpus { max: 256, .. }), "{many}");
+        assert!(many.to_string().contains("more than 256"), "{many}");
     }
 
     #[test]
     fn fractional_gpu_above_one_is_rejected() {
-        assert!(validate_request(&req("GPU=1.5")).is_err());
+        let refused = validate_request(&req("GPU=1.5")).unwrap_err();
+        assert_eq!(refused, Error::GpuRequestNotWhole { gpu: 3 * UNIT / 2 });
+        assert_eq!(
+            refused.to_string(),
+            "GPU=1.5 is not allowed: ask for a fraction of one GPU (below 1) or a whole number"
+        );
         assert!(validate_request(&req("GPU=0.5")).is_ok());
         assert!(validate_request(&req("GPU=2")).is_ok());
+    }
+
+    #[test]
+    fn strategies_parse_from_rays_names_and_refuse_others_by_name() {
+        assert_eq!("strict-spread".parse::<Strategy>(), Ok(Strategy::StrictSpread));
+        assert_eq!("PACK".parse::<Strategy>(), Ok(Strategy::Pack));
+        let unknown = "EVERYWHERE".parse::<Strategy>().unwrap_err();
+        assert_eq!(
+            unknown,
+            Error::UnknownStrategy {
+                input: "EVERYWHERE".into()
+            }
+        );
+        assert_eq!(
+            unknown.to_string(),
+            "unknown placement strategy 'EVERYWHERE'; use PACK, SPREAD, STRICT_PACK or STRICT_SPREAD"
+        );
     }
 }

@@ -175,6 +175,27 @@ pub enum Failure {
     },
 }
 
+/// Why an actor's start attempt failed, as its node's agent reports it to the head in
+/// [`HeadRequest::Started`]: the constructor's error, or why the node could not host the
+/// actor it built. The head marks the actor dead with it (`constructor failed: <cause>`)
+/// and does not restart it: the same arguments would fail again.
+///
+/// A struct of one string, it encodes on the wire and in the head's change log exactly as
+/// the plain `String` it replaced.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{cause}")]
+pub struct StartFailure {
+    /// What went wrong, for people.
+    pub cause: String,
+}
+
+impl StartFailure {
+    /// A failure saying `cause`.
+    pub fn new(cause: impl Into<String>) -> Self {
+        Self { cause: cause.into() }
+    }
+}
+
 /// Requests the head answers.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum HeadRequest {
@@ -231,8 +252,8 @@ pub enum HeadRequest {
         actor: ActorId,
         /// The attempt number from [`StartActor`].
         attempt: u32,
-        /// `Err(cause)` when the constructor failed.
-        outcome: Result<(), String>,
+        /// `Err` when the actor could not be started.
+        outcome: Result<(), StartFailure>,
     },
     /// A new object: replies `()`.
     ObjectPut {

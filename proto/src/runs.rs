@@ -11,6 +11,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::Error;
+
 /// Points kept per run.
 pub const MAX_POINTS: usize = 2048;
 /// Runs kept.
@@ -103,12 +105,12 @@ impl RunBook {
     }
 
     /// Takes in a report; returns why it was refused, if it was.
-    pub fn report(&mut self, point: RunPoint, now_ms: u64) -> Result<(), String> {
+    pub fn report(&mut self, point: RunPoint, now_ms: u64) -> Result<(), Error> {
         if point.run.is_empty() || point.run.len() > MAX_NAME || point.kind.len() > MAX_NAME {
-            return Err(format!(
-                "run name must be 1 to {MAX_NAME} bytes and its kind at most {MAX_NAME} (got {:?})",
-                point.run.chars().take(40).collect::<String>()
-            ));
+            return Err(Error::BadRunName {
+                run: point.run.chars().take(40).collect(),
+                max: MAX_NAME,
+            });
         }
         let values: BTreeMap<String, f64> = point
             .values
@@ -280,8 +282,18 @@ mod tests {
     #[test]
     fn bad_names_are_refused() {
         let mut book = RunBook::new();
-        assert!(book.report(point("", 1, 1.0), 0).is_err());
-        assert!(book.report(point(&"x".repeat(MAX_NAME + 1), 1, 1.0), 0).is_err());
+        assert!(matches!(
+            book.report(point("", 1, 1.0), 0),
+            Err(Error::BadRunName { .. })
+        ));
+        let long = book.report(point(&"x".repeat(MAX_NAME + 1), 1, 1.0), 0).unwrap_err();
+        assert_eq!(
+            long,
+            Error::BadRunName {
+                run: "x".repeat(40),
+                max: MAX_NAME
+            }
+        );
         assert!(book.is_empty());
     }
 }

@@ -231,7 +231,9 @@ impl Cluster {
     /// hold it.
     fn create_group(&self, py: Python<'_>, bundles: Vec<String>, strategy: String) -> PyResult<Group> {
         let cluster = self.cluster()?;
-        let strategy: Strategy = strategy.parse().map_err(PyValueError::new_err)?;
+        let strategy = strategy
+            .parse::<Strategy>()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let bundles = bundles
             .iter()
             .map(|b| Resources::parse_request(b).map_err(|e| PyValueError::new_err(e.to_string())))

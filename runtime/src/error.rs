@@ -9,6 +9,22 @@ impl From<regatta_proto::Error> for Error {
         match error {
             regatta_proto::Error::BadResources { input, reason } => Self::BadResources { input, reason },
             regatta_proto::Error::BadQuery(reason) => Self::Rejected(format!("bad query: {reason}")),
+            // Input refused as it was given: the caller's to fix, as the message says.
+            refused @ (regatta_proto::Error::UnknownStrategy { .. }
+            | regatta_proto::Error::GpuRequestNotWhole { .. }
+            | regatta_proto::Error::NodeGpuNotWhole { .. }
+            | regatta_proto::Error::TooManyGpus { .. }
+            | regatta_proto::Error::BadRunName { .. }
+            | regatta_proto::Error::BadObjectId { .. }
+            | regatta_proto::Error::ObjectExists { .. }
+            | regatta_proto::Error::UnsupportedRuntimeEnv { .. }
+            | regatta_proto::Error::EmptyEntrypoint
+            | regatta_proto::Error::BadEnvVar { .. }
+            | regatta_proto::Error::LabelSelectorUnsupported
+            | regatta_proto::Error::UnsupportedPackage { .. }
+            | regatta_proto::Error::PyModuleNotUploaded { .. }
+            | regatta_proto::Error::BadAmount { .. }
+            | regatta_proto::Error::BadJobId { .. }) => Self::Rejected(refused.to_string()),
         }
     }
 }

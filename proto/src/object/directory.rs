@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use serde::{Deserialize, Serialize};
 
 use super::id::ObjectId;
+use crate::error::Error;
 use crate::protocol::HeldObject;
 
 /// Where an object can be read from.
@@ -124,10 +125,10 @@ impl Directory {
         node: &str,
         address: &str,
         job: Option<String>,
-    ) -> Result<(), String> {
+    ) -> Result<(), Error> {
         if let Some(meta) = self.objects.get_mut(&id) {
             if meta.size != size || meta.checksum != checksum {
-                return Err(format!("object {id} already exists"));
+                return Err(Error::ObjectExists { id });
             }
             // The same bytes registered again by a process that holds them (a client
             // telling a restarted head what it holds): one more source, nothing dropped.
@@ -482,8 +483,9 @@ mod tests {
             .expect("the same bytes again");
         let sources = dir.locate(ObjectId(1)).unwrap().sources;
         assert_eq!(sources.len(), 2, "{sources:?}");
-        assert!(dir.put(ObjectId(1), 10, 43, "client", "client", "caddr", None).is_err());
-        assert!(dir.put(ObjectId(1), 11, 42, "client", "client", "caddr", None).is_err());
+        let exists = Err(Error::ObjectExists { id: ObjectId(1) });
+        assert_eq!(dir.put(ObjectId(1), 10, 43, "client", "client", "caddr", None), exists);
+        assert_eq!(dir.put(ObjectId(1), 11, 42, "client", "client", "caddr", None), exists);
         // An object given up as lost comes back when a holder registers it again.
         dir.reconcile("w1", "addr", &[], 5);
         dir.reconcile("client", "caddr", &[], 5);

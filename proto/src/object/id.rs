@@ -5,6 +5,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::Error;
+
 /// A cluster-wide object id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct ObjectId(pub u128);
@@ -36,11 +38,13 @@ impl fmt::Display for ObjectId {
 }
 
 impl FromStr for ObjectId {
-    type Err = String;
-    fn from_str(text: &str) -> Result<Self, String> {
+    type Err = Error;
+    fn from_str(text: &str) -> Result<Self, Error> {
         u128::from_str_radix(text, 16)
             .map(Self)
-            .map_err(|_| format!("'{text}' is not an object id (32 hex digits)"))
+            .map_err(|_| Error::BadObjectId {
+                input: text.to_string(),
+            })
     }
 }
 

@@ -2,12 +2,12 @@
 
 use super::{ActorRecord, Effect, Scheduler, MAX_DEAD_ACTORS};
 use crate::placement::{self, Allocation, Decision, Ledger};
-use crate::protocol::{ActorId, ActorSpec, ActorState, ActorView, Failure, GroupId};
+use crate::protocol::{ActorId, ActorSpec, ActorState, ActorView, Failure, GroupId, StartFailure};
 
 impl Scheduler {
     /// Accepts an actor for placement, or refuses it at once when it can never run.
     pub fn submit(&mut self, spec: ActorSpec, now_ms: u64) -> Result<ActorId, Failure> {
-        placement::validate_request(&spec.resources).map_err(Failure::Infeasible)?;
+        placement::validate_request(&spec.resources).map_err(|e| Failure::Infeasible(e.to_string()))?;
         if let Some(name) = &spec.name {
             if let Some(existing) = self.named.get(name) {
                 if !matches!(self.actors[existing].state, ActorState::Dead { .. }) {
@@ -138,7 +138,7 @@ impl Scheduler {
     }
 
     /// An agent reports that a start attempt finished.
-    pub fn started(&mut self, id: ActorId, attempt: u32, outcome: Result<(), String>) {
+    pub fn started(&mut self, id: ActorId, attempt: u32, outcome: Result<(), StartFailure>) {
         let Some(actor) = self.actors.get_mut(&id) else { return };
         if actor.attempt != attempt || actor.state != ActorState::Starting {
             return;

@@ -8,7 +8,7 @@ impl Scheduler {
     /// Accepts a placement group, or refuses it at once when it can never be placed.
     pub fn create_group(&mut self, spec: GroupSpec, now_ms: u64) -> Result<GroupId, Failure> {
         for bundle in &spec.bundles {
-            placement::validate_request(bundle).map_err(Failure::Infeasible)?;
+            placement::validate_request(bundle).map_err(|e| Failure::Infeasible(e.to_string()))?;
         }
         let candidates = self.candidates(None);
         if let Decision::Infeasible(why) = placement::place_bundles(&candidates, &spec.bundles, spec.strategy) {

@@ -25,7 +25,7 @@ impl JobStore {
 
     /// Writes a record (atomically).
     pub(crate) fn save(&self, record: &JobRecord) -> Result<()> {
-        validate_id(&record.submission_id).map_err(Error::Rejected)?;
+        validate_id(&record.submission_id)?;
         let path = self.path(&record.submission_id);
         let tmp = self.dir.join(format!(".{}.json.tmp", record.submission_id));
         let text = serde_json::to_vec_pretty(record)

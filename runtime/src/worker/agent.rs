@@ -12,7 +12,7 @@ use crate::client::Cluster;
 use crate::net::node;
 use crate::net::wire::{self, LocalSignal, Wire};
 use crate::worker::registry::{Host, HostArgs, Registry, StartError};
-use regatta_proto::protocol::{ActorId, AgentRequest, Failure, HeadRequest, RunningActor, StartActor};
+use regatta_proto::protocol::{ActorId, AgentRequest, Failure, HeadRequest, RunningActor, StartActor, StartFailure};
 
 use super::router::Router;
 use crate::net::calls::Routes;
@@ -357,7 +357,7 @@ async fn start_actor(
     let report = HeadRequest::Started {
         actor: start.actor,
         attempt: start.attempt,
-        outcome: outcome.map_err(|cause| cause.to_string()),
+        outcome: outcome.map_err(|cause| StartFailure::new(cause.to_string())),
     };
     if let Err(e) = cluster.ask_head::<()>(&report, REPORT_TIMEOUT).await {
         tracing::warn!(actor = %start.actor, error = %e, "could not report an actor start to the head");

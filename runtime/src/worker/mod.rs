@@ -127,7 +127,7 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
     resources.override_with(&config.resources);
     regatta_proto::placement::validate_capacity(&resources).map_err(|why| Error::BadResources {
         input: resources.to_string(),
-        reason: why,
+        reason: why.to_string(),
     })?;
     let name = config
         .name

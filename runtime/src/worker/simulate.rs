@@ -51,7 +51,7 @@ pub async fn run_simulated_nodes(
 ) -> Result<()> {
     regatta_proto::placement::validate_capacity(&config.resources).map_err(|why| Error::BadResources {
         input: config.resources.to_string(),
-        reason: why,
+        reason: why.to_string(),
     })?;
     let host = "127.0.0.1".to_string();
     let session = format!("{}-{}-{}", config.prefix, config.first, node::random_hex(3));

@@ -22,7 +22,11 @@ impl TrainerGroup {
         &self,
         wait: Duration,
     ) -> Result<(regatta_runtime::PlacementGroup, usize), AttemptError> {
-        let strategy: Strategy = self.config.strategy.parse().map_err(AttemptError::Fatal)?;
+        let strategy = self
+            .config
+            .strategy
+            .parse::<Strategy>()
+            .map_err(|e| AttemptError::Fatal(e.to_string()))?;
         let Some(scaling) = self.scaling() else {
             // A fixed-size run: a cluster too small for it is an error at once.
             let world = self.config.world_size;

@@ -293,7 +293,7 @@ impl JobManager {
 
     /// Accepts a job and starts its driver in the background.
     pub(crate) fn submit(&self, submission: JobSubmission) -> std::result::Result<String, JobError> {
-        submission.validate().map_err(JobError::Invalid)?;
+        submission.validate().map_err(|e| JobError::Invalid(e.to_string()))?;
         for package in submission.runtime_env.packages() {
             if !self.inner.packages.exists(package) {
                 return Err(JobError::Invalid(format!(
