@@ -109,35 +109,93 @@ pub async fn fine_tune(
     options: &FineTuneOptions,
     mut say: impl FnMut(String),
 ) -> anyhow::Result<FineTuneReport> {
-    let model = options.model.to_string_lossy().into_owned();
     let settings = check_model(&options.model)?;
     let dir = &options.dir;
     prepare_dir(dir)?;
-    let rows = dir.join("train.jsonl");
-    std::fs::write(&rows, TRAIN_SET).with_context(|| format!("cannot write {}", rows.display()))?;
     let held_out = held_out_rows()?;
-    // Scoring reads text: each held-out conversation rendered through the chat template.
-    let mut texts = String::new();
-    let mut questions = String::new();
-    for (id, messages) in &held_out {
-        let text = settings.chat_text(messages)?;
-        texts.push_str(&serde_json::json!({"id": id, "text": text}).to_string());
-        texts.push('\n');
-        questions.push_str(&serde_json::json!({"id": id, "messages": &messages[..1]}).to_string());
-        questions.push('\n');
-    }
-    let eval = dir.join("held-out.jsonl");
-    std::fs::write(&eval, texts).with_context(|| format!("cannot write {}", eval.display()))?;
-    let validation = dir.join("validation.jsonl");
-    std::fs::write(&validation, EVAL_SET).with_context(|| format!("cannot write {}", validation.display()))?;
-    let asked = dir.join("questions.jsonl");
-    std::fs::write(&asked, questions).with_context(|| format!("cannot write {}", asked.display()))?;
+    let inputs = Inputs::write(dir, &settings, &held_out)?;
     let checkpoints = dir.join("checkpoints");
+    let config = train_config(options, &inputs, &checkpoints);
+    let trained = train(cluster, &config, config.checkpoint.interval, &mut say).await?;
+    let (Some(validation), Some(best), Some(tensorboard)) = (trained.validation, trained.best, trained.tensorboard)
+    else {
+        bail!("training finished without a validation loss, a best checkpoint or a TensorBoard file");
+    };
+    let adapter = best.1.clone();
+    let scores = dir.join("scores-tuned");
+    let (rows, perplexity) = perplexities(cluster, options, &inputs.held_out, &adapter, &scores, &mut say).await?;
+    let base = answer(cluster, options, &inputs.questions, "", &dir.join("answers-base"))
+        .await
+        .context("answering with the base model")?;
+    let generated = dir.join("answers-tuned");
+    let tuned = answer(cluster, options, &inputs.questions, &adapter, &generated)
+        .await
+        .context("answering with the adapter")?;
+    Ok(FineTuneReport {
+        loss: trained.loss,
+        validation,
+        best,
+        tensorboard,
+        tokens_per_sec: trained.tokens_per_sec,
+        params: trained.params,
+        perplexity,
+        rows,
+        answers: side_by_side(&held_out, &base, &tuned),
+        checkpoints,
+        scores,
+        generated,
+    })
+}
 
+/// The files a fine-tune reads, written into its folder.
+struct Inputs {
+    /// The training rows.
+    train: PathBuf,
+    /// The held-out conversations rendered through the chat template, for scoring.
+    held_out: PathBuf,
+    /// The held-out split as chat rows, for the validation loss during training.
+    validation: PathBuf,
+    /// The held-out questions alone, to answer.
+    questions: PathBuf,
+}
+
+impl Inputs {
+    fn write(dir: &Path, settings: &TokenizerSettings, held_out: &[(String, Vec<Message>)]) -> anyhow::Result<Self> {
+        let train = dir.join("train.jsonl");
+        std::fs::write(&train, TRAIN_SET).with_context(|| format!("cannot write {}", train.display()))?;
+        // Scoring reads text: each held-out conversation rendered through the chat template.
+        let mut texts = String::new();
+        let mut questions = String::new();
+        for (id, messages) in held_out {
+            let text = settings.chat_text(messages)?;
+            texts.push_str(&serde_json::json!({"id": id, "text": text}).to_string());
+            texts.push('\n');
+            questions.push_str(&serde_json::json!({"id": id, "messages": &messages[..1]}).to_string());
+            questions.push('\n');
+        }
+        let inputs = Self {
+            train,
+            held_out: dir.join("held-out.jsonl"),
+            validation: dir.join("validation.jsonl"),
+            questions: dir.join("questions.jsonl"),
+        };
+        let write = |path: &Path, text: &str| {
+            std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
+        };
+        write(&inputs.held_out, &texts)?;
+        write(&inputs.validation, EVAL_SET)?;
+        write(&inputs.questions, &questions)?;
+        Ok(inputs)
+    }
+}
+
+/// LoRA (rank 8) with ZeRO-3 on the training rows, validated on the held-out split four
+/// times during training (and before it), with a checkpoint at each.
+fn train_config(options: &FineTuneOptions, inputs: &Inputs, checkpoints: &Path) -> TrainConfig {
     let mut config = TrainConfig::default();
-    config.model.path = model.clone();
+    config.model.path = options.model.to_string_lossy().into_owned();
     config.model.context = CONTEXT;
-    config.data.path = rows.to_string_lossy().into_owned();
+    config.data.path = inputs.train.to_string_lossy().into_owned();
     config.world_size = options.world_size;
     config.zero_stage = regatta_trainer::ZeroStage::Three;
     config.steps = options.steps;
@@ -149,27 +207,33 @@ pub async fn fine_tune(
         rank: 8,
         ..LoraConfig::default()
     });
-    // Validation loss on the held-out chats four times during training (and before it);
-    // a checkpoint at each, and the one that validates lowest is what gets scored.
+    // The checkpoint that validates lowest is what gets scored.
     let quarter = (options.steps / 4).max(1);
     config.eval = Some(EvalConfig {
-        path: validation.to_string_lossy().into_owned(),
+        path: inputs.validation.to_string_lossy().into_owned(),
         interval: quarter,
         ..EvalConfig::default()
     });
     config.checkpoint.dir = checkpoints.to_string_lossy().into_owned();
     config.checkpoint.interval = quarter;
     config.checkpoint.keep_best = true;
-    config.logging.tensorboard = dir.join("tensorboard").to_string_lossy().into_owned();
-    let trained = train(cluster, &config, quarter, &mut say).await?;
-    let (Some(validation), Some(best), Some(tensorboard)) = (trained.validation, trained.best, trained.tensorboard)
-    else {
-        bail!("training finished without a validation loss, a best checkpoint or a TensorBoard file");
-    };
+    config.logging.tensorboard = options.dir.join("tensorboard").to_string_lossy().into_owned();
+    config
+}
 
+/// Scores the held-out conversations with the base model and with `adapter` (the tuned
+/// scores go to `scores`): the rows scored and the mean perplexity of each.
+async fn perplexities(
+    cluster: &Cluster,
+    options: &FineTuneOptions,
+    held_out: &Path,
+    adapter: &str,
+    scores: &Path,
+    say: &mut impl FnMut(String),
+) -> anyhow::Result<(u64, (f64, f64))> {
     let scoring = |output: &Path, adapter: &str| ScoreConfig {
-        input: eval.to_string_lossy().into_owned(),
-        model: model.clone(),
+        input: held_out.to_string_lossy().into_owned(),
+        model: options.model.to_string_lossy().into_owned(),
         adapter: adapter.to_string(),
         output: output.to_string_lossy().into_owned(),
         actors: options.actors,
@@ -177,59 +241,44 @@ pub async fn fine_tune(
         max_new_tokens: 0,
         ..ScoreConfig::default()
     };
-    let adapter = best.1.clone();
-    let (rows, _, ppl_before) = score_mean(
+    let (rows, _, before) = score_mean(
         cluster,
-        scoring(&dir.join("scores-base"), ""),
+        scoring(&options.dir.join("scores-base"), ""),
         "the base model",
-        &mut say,
+        &mut *say,
     )
     .await
     .context("scoring the held-out split with the base model")?;
-    let scores = dir.join("scores-tuned");
-    let (_, _, ppl_after) = score_mean(cluster, scoring(&scores, &adapter), "the adapter", &mut say)
+    let (_, _, after) = score_mean(cluster, scoring(scores, adapter), "the adapter", &mut *say)
         .await
         .context("scoring the held-out split with the adapter")?;
+    Ok((rows, (before, after)))
+}
 
-    let base = answer(cluster, options, &asked, "", &dir.join("answers-base"))
-        .await
-        .context("answering with the base model")?;
-    let generated = dir.join("answers-tuned");
-    let tuned = answer(cluster, options, &asked, &adapter, &generated)
-        .await
-        .context("answering with the adapter")?;
-    let answers = held_out
+/// Each held-out question with the taught answer and the `base` and `tuned` ones (empty
+/// where a row got none).
+fn side_by_side(
+    held_out: &[(String, Vec<Message>)],
+    base: &[(String, String)],
+    tuned: &[(String, String)],
+) -> Vec<Answer> {
+    let answer_to = |answers: &[(String, String)], id: &str| {
+        answers
+            .iter()
+            .find(|(i, _)| i == id)
+            .map(|(_, t)| t.clone())
+            .unwrap_or_default()
+    };
+    held_out
         .iter()
         .map(|(id, messages)| Answer {
             id: id.clone(),
             question: messages[0].content.clone(),
             taught: messages.get(1).map(|m| m.content.clone()).unwrap_or_default(),
-            base: base
-                .iter()
-                .find(|(i, _)| i == id)
-                .map(|(_, t)| t.clone())
-                .unwrap_or_default(),
-            tuned: tuned
-                .iter()
-                .find(|(i, _)| i == id)
-                .map(|(_, t)| t.clone())
-                .unwrap_or_default(),
+            base: answer_to(base, id),
+            tuned: answer_to(tuned, id),
         })
-        .collect();
-    Ok(FineTuneReport {
-        loss: trained.loss,
-        validation,
-        best,
-        tensorboard,
-        tokens_per_sec: trained.tokens_per_sec,
-        params: trained.params,
-        perplexity: (ppl_before, ppl_after),
-        rows,
-        answers,
-        checkpoints,
-        scores,
-        generated,
-    })
+        .collect()
 }
 
 /// Checks that `path` is a GGUF model with a chat template (its header only is read) and

@@ -8,10 +8,12 @@
 use std::sync::Arc;
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair, KeyUsagePurpose,
+    BasicConstraints, Certificate, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair, KeyUsagePurpose,
     PKCS_ECDSA_P256_SHA256, PKCS_ED25519,
 };
+use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use rustls::server::danger::ClientCertVerifier;
 use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
 use sha2::{Digest, Sha256};
@@ -68,36 +70,64 @@ fn cert(what: &str) -> impl Fn(rcgen::Error) -> Error + '_ {
     move |e| Error::Tls(format!("{what}: {e}"))
 }
 
+/// The cluster's certificate authority: the same key on every node, derived from the token.
+struct Authority {
+    key: KeyPair,
+    cert: Certificate,
+}
+
+impl Authority {
+    /// The authority of `token`: an Ed25519 key seeded by SHA-256 of the token, and its
+    /// self-signed certificate.
+    fn from_token(token: &str) -> Result<Self> {
+        let seed: [u8; 32] = Sha256::new()
+            .chain_update(b"regatta quic certificate authority v1\0")
+            .chain_update(token.as_bytes())
+            .finalize()
+            .into();
+        let der = PrivatePkcs8KeyDer::from(ed25519_pkcs8(&seed));
+        let key = KeyPair::from_pkcs8_der_and_sign_algo(&der, &PKCS_ED25519).map_err(cert("cluster CA key"))?;
+        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(cert("cluster CA"))?;
+        let mut name = DistinguishedName::new();
+        name.push(DnType::CommonName, "regatta cluster CA");
+        params.distinguished_name = name;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+        let cert = params.self_signed(&key).map_err(cert("cluster CA certificate"))?;
+        Ok(Self { key, cert })
+    }
+
+    /// A certificate of `params` for `key`, signed by the authority; `what` names it in errors.
+    fn sign(&self, params: CertificateParams, key: &KeyPair, what: &str) -> Result<Certificate> {
+        params.signed_by(key, &self.cert, &self.key).map_err(cert(what))
+    }
+
+    /// A root store that trusts this authority alone.
+    fn roots(&self) -> Result<Arc<RootCertStore>> {
+        let mut roots = RootCertStore::empty();
+        roots
+            .add(self.cert.der().clone())
+            .map_err(tls("trust the cluster CA"))?;
+        Ok(Arc::new(roots))
+    }
+}
+
+/// What a node's certificates say: the name [`SERVER_NAME`], common name `regatta node`.
+fn node_params() -> Result<CertificateParams> {
+    let mut params = CertificateParams::new(vec![SERVER_NAME.to_string()]).map_err(cert("node certificate"))?;
+    let mut name = DistinguishedName::new();
+    name.push(DnType::CommonName, "regatta node");
+    params.distinguished_name = name;
+    Ok(params)
+}
+
 /// Builds this node's TLS identity from the cluster token.
 pub fn identity_from_token(token: &str) -> Result<TlsIdentity> {
-    let seed: [u8; 32] = Sha256::new()
-        .chain_update(b"regatta quic certificate authority v1\0")
-        .chain_update(token.as_bytes())
-        .finalize()
-        .into();
-    let ca_der = PrivatePkcs8KeyDer::from(ed25519_pkcs8(&seed));
-    let ca_key = KeyPair::from_pkcs8_der_and_sign_algo(&ca_der, &PKCS_ED25519).map_err(cert("cluster CA key"))?;
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(cert("cluster CA"))?;
-    let mut ca_name = DistinguishedName::new();
-    ca_name.push(DnType::CommonName, "regatta cluster CA");
-    ca_params.distinguished_name = ca_name;
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
-    let ca_cert = ca_params.self_signed(&ca_key).map_err(cert("cluster CA certificate"))?;
-
+    let authority = Authority::from_token(token)?;
     let leaf_key = KeyPair::generate_for(&PKCS_ED25519).map_err(cert("node key"))?;
-    let mut leaf_params = CertificateParams::new(vec![SERVER_NAME.to_string()]).map_err(cert("node certificate"))?;
-    let mut leaf_name = DistinguishedName::new();
-    leaf_name.push(DnType::CommonName, "regatta node");
-    leaf_params.distinguished_name = leaf_name;
-    let leaf = leaf_params
-        .clone()
-        .signed_by(&leaf_key, &ca_cert, &ca_key)
-        .map_err(cert("node certificate"))?;
-
-    let mut roots = RootCertStore::empty();
-    roots.add(ca_cert.der().clone()).map_err(tls("trust the cluster CA"))?;
-    let roots = Arc::new(roots);
+    let leaf_params = node_params()?;
+    let leaf = authority.sign(leaf_params.clone(), &leaf_key, "node certificate")?;
+    let roots = authority.roots()?;
     let chain: Vec<CertificateDer<'static>> = vec![leaf.der().clone()];
     let key = || PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
@@ -109,51 +139,92 @@ pub fn identity_from_token(token: &str) -> Result<TlsIdentity> {
         cipher_suites: cluster_cipher_suites(),
         ..rustls::crypto::aws_lc_rs::default_provider()
     });
+    let (required, optional) = client_verifiers(&roots, &provider)?;
+    let https = https_config(&authority, leaf_params, provider, optional)?;
+    let server = cluster_server(cluster.clone(), required, chain.clone(), key())?;
+    let client = cluster_client(cluster, roots, chain, key())?;
+    Ok(TlsIdentity {
+        server: Arc::new(server),
+        client: Arc::new(client),
+        https: Arc::new(https),
+        ca: authority.cert.der().clone(),
+    })
+}
 
-    let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
+/// Client verifiers trusting `roots`: one that requires a certificate (the cluster's own
+/// connections), one that lets a client without one in (browsers on the job API).
+fn client_verifiers(
+    roots: &Arc<RootCertStore>,
+    provider: &Arc<CryptoProvider>,
+) -> Result<(Arc<dyn ClientCertVerifier>, Arc<dyn ClientCertVerifier>)> {
+    let required = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
         .build()
         .map_err(|e| Error::Tls(format!("client verifier: {e}")))?;
     let optional = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
         .allow_unauthenticated()
         .build()
         .map_err(|e| Error::Tls(format!("client verifier: {e}")))?;
+    Ok((required, optional))
+}
+
+/// The HTTPS server configuration: a certificate of `params` for a fresh key, ALPN
+/// `http/1.1`, a client certificate optional.
+fn https_config(
+    authority: &Authority,
+    params: CertificateParams,
+    provider: Arc<CryptoProvider>,
+    verifier: Arc<dyn ClientCertVerifier>,
+) -> Result<rustls::ServerConfig> {
     // Browsers do not sign with Ed25519 in TLS (Chromium fails the handshake), so the
     // HTTPS leaf is ECDSA P-256, under the same authority.
     let web_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(cert("HTTPS key"))?;
-    let web = leaf_params
-        .signed_by(&web_key, &ca_cert, &ca_key)
-        .map_err(cert("HTTPS certificate"))?;
-    let mut https = rustls::ServerConfig::builder_with_provider(provider.clone())
+    let web = authority.sign(params, &web_key, "HTTPS certificate")?;
+    let mut https = rustls::ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls("server protocol versions"))?
-        .with_client_cert_verifier(optional)
+        .with_client_cert_verifier(verifier)
         .with_single_cert(
             vec![web.der().clone()],
             PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(web_key.serialize_der())),
         )
         .map_err(tls("HTTPS certificate"))?;
     https.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let mut server = rustls::ServerConfig::builder_with_provider(cluster.clone())
+    Ok(https)
+}
+
+/// The server side of the cluster's own connections: mutual TLS 1.3, ALPN [`ALPN`].
+fn cluster_server(
+    provider: Arc<CryptoProvider>,
+    verifier: Arc<dyn ClientCertVerifier>,
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> Result<rustls::ServerConfig> {
+    let mut server = rustls::ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls("server protocol versions"))?
         .with_client_cert_verifier(verifier)
-        .with_single_cert(chain.clone(), key())
+        .with_single_cert(chain, key)
         .map_err(tls("server certificate"))?;
     server.alpn_protocols = vec![ALPN.to_vec()];
+    Ok(server)
+}
 
-    let mut client = rustls::ClientConfig::builder_with_provider(cluster)
+/// The client side of the cluster's own connections: trusts `roots` alone and presents
+/// `chain`, ALPN [`ALPN`].
+fn cluster_client(
+    provider: Arc<CryptoProvider>,
+    roots: Arc<RootCertStore>,
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+) -> Result<rustls::ClientConfig> {
+    let mut client = rustls::ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls("client protocol versions"))?
         .with_root_certificates(roots)
-        .with_client_auth_cert(chain, key())
+        .with_client_auth_cert(chain, key)
         .map_err(tls("client certificate"))?;
     client.alpn_protocols = vec![ALPN.to_vec()];
-    Ok(TlsIdentity {
-        server: Arc::new(server),
-        client: Arc::new(client),
-        https: Arc::new(https),
-        ca: ca_cert.der().clone(),
-    })
+    Ok(client)
 }
 
 /// The TLS 1.3 suites of the cluster's own connections, fastest first.

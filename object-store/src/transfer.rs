@@ -41,7 +41,6 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::rustls::pki_types::ServerName;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
-use crate::checksum::crc32;
 use crate::error::{Error, Result};
 use crate::handshake_slots::{HandshakeSlots, MAX_HANDSHAKES_PER_SOURCE};
 use crate::id::ObjectId;
@@ -50,6 +49,10 @@ pub use crate::identity::SERVER_NAME;
 use crate::idle_pool::{IdlePool, IDLE_LIMIT};
 use crate::sealed::SealedStream;
 use crate::shm::{Handle, HostKey, Segment};
+
+mod serve;
+
+use serve::serve_connection;
 
 /// Bytes per chunk on the wire.
 pub const CHUNK_BYTES: usize = 1 << 20;
@@ -355,6 +358,27 @@ impl Transfer {
         size: u64,
         checksum: u32,
     ) -> std::result::Result<(Fetched, SealedStream), Attempt> {
+        let mut reply = self.ask(&mut stream, id).await.map_err(Attempt::NoAnswer)?;
+        let failed = |e: &dyn std::fmt::Display| transfer_failed(id, peer, e);
+        if reply.first() == Some(&STATUS_SHARED) {
+            match map_segment(&mut stream, &reply, peer, id, size).await? {
+                Ok(fetched) => return Ok((fetched, stream)),
+                Err(reason) => {
+                    tracing::debug!(%id, %peer, %reason, "cannot map the peer's segment; streaming instead");
+                    reply = timed(stream.receive_message()).await.map_err(|e| failed(&e))?.1;
+                }
+            }
+        }
+        let their_size = streamed_size(&reply, peer, id)?;
+        let bytes = receive_stream(&mut stream, peer, id, their_size, size, checksum).await?;
+        // Tell the holder it may unpin the object.
+        timed(stream.send(0, &[1])).await.map_err(|e| failed(&e))?;
+        Ok((Fetched { bytes, segment: None }, stream))
+    }
+
+    /// Sends the request for `id` (offering this host's key when the shared-memory path is
+    /// on) and waits for the holder's first answer.
+    async fn ask(&self, stream: &mut SealedStream, id: ObjectId) -> io::Result<Vec<u8>> {
         let mut request = [0u8; REQUEST_LEN];
         request[..16].copy_from_slice(&id.to_bytes());
         if let Some(host) = self.host {
@@ -368,68 +392,67 @@ impl Transfer {
         } else {
             IO_TIMEOUT
         };
-        let asked = async {
-            timed(stream.send(0, &request)).await?;
-            match tokio::time::timeout(first_answer, stream.receive_message()).await {
-                Ok(read) => read,
-                Err(_) => Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("no answer in {first_answer:?}"),
-                )),
-            }
-        };
-        let (_, mut reply) = asked.await.map_err(Attempt::NoAnswer)?;
-        let failed = |e: &dyn std::fmt::Display| transfer_failed(id, peer, e);
-        if reply.first() == Some(&STATUS_SHARED) {
-            let handle = <[u8; Handle::LEN]>::try_from(&reply[1..])
-                .map(|raw| Handle::from_bytes(&raw))
-                .map_err(|_| failed(&format!("a shared-memory handle of {} bytes", reply.len() - 1)))?;
-            let mapped = if handle.len == size {
-                tokio::task::spawn_blocking(move || {
-                    let segment = Arc::new(Segment::open(&handle)?);
-                    let bytes = segment.map()?;
-                    Ok::<_, io::Error>((segment, bytes))
-                })
-                .await
-                .map_err(|e| failed(&e))?
-                .map_err(|e| e.to_string())
-            } else {
-                Err(format!("segment of {} bytes, the directory says {size}", handle.len))
-            };
-            let answer = u8::from(mapped.is_ok());
-            timed(stream.send(0, &[answer])).await.map_err(|e| failed(&e))?;
-            match mapped {
-                Ok((segment, bytes)) => {
-                    let fetched = Fetched {
-                        bytes,
-                        segment: Some(segment),
-                    };
-                    return Ok((fetched, stream));
-                }
-                Err(reason) => {
-                    tracing::debug!(%id, %peer, %reason, "cannot map the peer's segment; streaming instead");
-                    reply = timed(stream.receive_message()).await.map_err(|e| failed(&e))?.1;
-                }
-            }
+        timed(stream.send(0, &request)).await?;
+        match tokio::time::timeout(first_answer, stream.receive_message()).await {
+            Ok(read) => Ok(read?.1),
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no answer in {first_answer:?}"),
+            )),
         }
-        match reply.first() {
-            Some(&STATUS_STREAM) => {}
-            Some(&STATUS_MISSING) => {
-                return Err(Attempt::Failed(Error::NotHeld {
-                    id,
-                    peer: peer.to_string(),
-                }))
-            }
-            other => return Err(failed(&format!("unknown status {other:?}"))),
-        }
-        let their_size = <[u8; 8]>::try_from(&reply[1..])
-            .map(u64::from_le_bytes)
-            .map_err(|_| failed(&format!("a stream header of {} bytes", reply.len())))?;
-        let bytes = receive_stream(&mut stream, peer, id, their_size, size, checksum).await?;
-        // Tell the holder it may unpin the object.
-        timed(stream.send(0, &[1])).await.map_err(|e| failed(&e))?;
-        Ok((Fetched { bytes, segment: None }, stream))
     }
+}
+
+/// Maps the segment a same-host holder's `reply` hands over and tells the holder whether
+/// it could; the inner error says why not (the holder then streams the object).
+async fn map_segment(
+    stream: &mut SealedStream,
+    reply: &[u8],
+    peer: SocketAddr,
+    id: ObjectId,
+    size: u64,
+) -> std::result::Result<std::result::Result<Fetched, String>, Attempt> {
+    let failed = |e: &dyn std::fmt::Display| transfer_failed(id, peer, e);
+    let handle = <[u8; Handle::LEN]>::try_from(&reply[1..])
+        .map(|raw| Handle::from_bytes(&raw))
+        .map_err(|_| failed(&format!("a shared-memory handle of {} bytes", reply.len() - 1)))?;
+    let mapped = if handle.len == size {
+        tokio::task::spawn_blocking(move || {
+            let segment = Arc::new(Segment::open(&handle)?);
+            let bytes = segment.map()?;
+            Ok::<_, io::Error>((segment, bytes))
+        })
+        .await
+        .map_err(|e| failed(&e))?
+        .map_err(|e| e.to_string())
+    } else {
+        Err(format!("segment of {} bytes, the directory says {size}", handle.len))
+    };
+    let answer = u8::from(mapped.is_ok());
+    timed(stream.send(0, &[answer])).await.map_err(|e| failed(&e))?;
+    Ok(mapped.map(|(segment, bytes)| Fetched {
+        bytes,
+        segment: Some(segment),
+    }))
+}
+
+/// The size a holder's stream `reply` announces; a holder without the object fails the
+/// pull with [`Error::NotHeld`].
+fn streamed_size(reply: &[u8], peer: SocketAddr, id: ObjectId) -> std::result::Result<u64, Attempt> {
+    let failed = |e: &dyn std::fmt::Display| transfer_failed(id, peer, e);
+    match reply.first() {
+        Some(&STATUS_STREAM) => {}
+        Some(&STATUS_MISSING) => {
+            return Err(Attempt::Failed(Error::NotHeld {
+                id,
+                peer: peer.to_string(),
+            }))
+        }
+        other => return Err(failed(&format!("unknown status {other:?}"))),
+    }
+    <[u8; 8]>::try_from(&reply[1..])
+        .map(u64::from_le_bytes)
+        .map_err(|_| failed(&format!("a stream header of {} bytes", reply.len())))
 }
 
 /// A pull that failed on its connection, naming the object and the peer.
@@ -500,104 +523,10 @@ async fn fill(
     Ok(())
 }
 
-/// Answers requests on one connection until the peer closes it.
-async fn serve_connection(
-    mut stream: SealedStream,
-    source: Arc<dyn ObjectSource>,
-    corrupt: bool,
-    host: Option<HostKey>,
-) -> io::Result<()> {
-    // Waiting for the next request has no deadline: the caller keeps idle connections.
-    while let Some((_, request)) = stream.receive_message_or_end().await? {
-        let request = <[u8; REQUEST_LEN]>::try_from(&request[..]).map_err(|_| {
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("a request of {} bytes, {REQUEST_LEN} expected", request.len()),
-            )
-        })?;
-        serve_one(&mut stream, &request, &source, corrupt, host).await?;
-    }
-    Ok(())
-}
-
-async fn serve_one(
-    stream: &mut SealedStream,
-    request: &[u8; REQUEST_LEN],
-    source: &Arc<dyn ObjectSource>,
-    corrupt: bool,
-    host: Option<HostKey>,
-) -> io::Result<()> {
-    let mut raw = [0u8; 16];
-    raw.copy_from_slice(&request[..16]);
-    let id = ObjectId::from_bytes(raw);
-    let mut key = [0u8; HostKey::LEN];
-    key.copy_from_slice(&request[17..]);
-    let same_host = request[16] & WANTS_SHARED != 0 && host == Some(HostKey::from_bytes(&key));
-    if same_host {
-        let shared = {
-            let source = source.clone();
-            tokio::task::spawn_blocking(move || source.share(id))
-                .await
-                .map_err(io::Error::other)?
-        };
-        if let Some(segment) = shared {
-            let mut reply = vec![STATUS_SHARED];
-            reply.extend_from_slice(&segment.handle().to_bytes());
-            timed(stream.send(0, &reply)).await?;
-            // The caller answers once it has mapped the segment (populating a large one takes
-            // a while); a caller that never answers does not hold this task for ever.
-            let answer = match tokio::time::timeout(SHARED_ANSWER_TIMEOUT, stream.receive_message()).await {
-                Ok(read) => read?.1,
-                Err(_) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "no answer to a shared-memory handle",
-                    ))
-                }
-            };
-            if answer == [1] {
-                source.sent(segment.len());
-                return Ok(());
-            }
-            // The caller could not map it (another user, say): stream it after all.
-        }
-    }
-    let Some(bytes) = source.open(id) else {
-        return timed(stream.send(0, &[STATUS_MISSING])).await;
-    };
-    let outcome = stream_object(stream, &bytes, corrupt).await;
-    source.release(id);
-    if outcome.is_ok() {
-        source.sent(bytes.len() as u64);
-    }
-    outcome
-}
-
-async fn stream_object(stream: &mut SealedStream, bytes: &Bytes, corrupt: bool) -> io::Result<()> {
-    let mut header = vec![STATUS_STREAM];
-    header.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-    timed(stream.send(0, &header)).await?;
-    let mut offset = 0;
-    while offset < bytes.len() {
-        let end = (offset + CHUNK_BYTES).min(bytes.len());
-        let mut chunk = bytes.slice(offset..end);
-        let crc = crc32(&chunk);
-        if corrupt && offset == 0 {
-            let mut damaged = chunk.to_vec();
-            damaged[0] ^= 0xff;
-            chunk = Bytes::from(damaged);
-        }
-        timed(stream.send(crc, &chunk)).await?;
-        offset = end;
-    }
-    // Keep the object pinned until the caller has every byte.
-    timed(stream.receive_message()).await?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checksum::crc32;
     use crate::identity::identity_from_token;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

@@ -89,61 +89,8 @@ pub(super) fn dashboard(trials: usize, quick: bool) -> anyhow::Result<()> {
         &[(1_000, 10_000), (1_000, 100_000)]
     };
     for &(nodes, actors) in sizes {
-        let built = Instant::now();
-        let rss_before = super::measure::rss_bytes(std::process::id());
-        let (head, mut micros) = synthetic(nodes, actors)?;
-        let rss_after = super::measure::rss_bytes(std::process::id());
-        let seconds = built.elapsed().as_secs_f64();
-        println!("# synthetic head: {nodes} nodes, {actors} actors placed and started in {seconds:.1} s");
-        report(
-            &format!("core memory per actor at {nodes} nodes, {actors} actors (records, indexes)"),
-            "bytes",
-            &[rss_after.saturating_sub(rss_before) as f64 / actors as f64],
-        );
-        // The head's core alone (no sockets): what placement costs as the cluster fills.
-        report(
-            &format!("core spawn+start at {nodes} nodes, {actors} actors"),
-            "actors/s",
-            &[actors as f64 / seconds],
-        );
-        for (name, q) in [("p50", 0.5), ("p99", 0.99), ("max", 1.0)] {
-            report(
-                &format!("core spawn+start {name} at {nodes} nodes, {actors} actors"),
-                "microseconds",
-                &[quantile(&mut micros, q)],
-            );
-        }
-        let page = |offset| PageRequest { offset, limit: 100 };
-        let filter = |f: ActorFilter| ViewQuery::Actors(f, page(0));
-        let cases: Vec<(&str, ViewQuery)> = vec![
-            ("overview", ViewQuery::Overview),
-            ("nodes page", ViewQuery::Nodes(page(0))),
-            ("actors first page", filter(ActorFilter::default())),
-            (
-                "actors last page",
-                ViewQuery::Actors(ActorFilter::default(), page(actors - 100)),
-            ),
-            (
-                "actors by state+kind+node",
-                filter(ActorFilter {
-                    state: Some("alive".into()),
-                    kind: Some("echo".into()),
-                    node: Some("node-0008".into()),
-                    ..Default::default()
-                }),
-            ),
-            (
-                "actors by job and name",
-                filter(ActorFilter {
-                    job: Some("job-0".into()),
-                    name: Some("actor-99".into()),
-                    ..Default::default()
-                }),
-            ),
-            ("one actor", ViewQuery::Actor(ActorId(actors as u64 / 2))),
-            ("runs", ViewQuery::Runs),
-        ];
-        for (case, query) in cases {
+        let head = build_head(nodes, actors)?;
+        for (case, query) in endpoint_queries(actors) {
             let mut millis = Vec::new();
             let mut size = 0;
             for _ in 0..trials.max(5) {
@@ -168,4 +115,68 @@ pub(super) fn dashboard(trials: usize, quick: bool) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The synthetic head of `nodes` and `actors`, and what building it cost: the core's
+/// memory per actor and its spawn-and-start rate and latencies.
+fn build_head(nodes: usize, actors: usize) -> anyhow::Result<HeadCore> {
+    let built = Instant::now();
+    let rss_before = super::measure::rss_bytes(std::process::id());
+    let (head, mut micros) = synthetic(nodes, actors)?;
+    let rss_after = super::measure::rss_bytes(std::process::id());
+    let seconds = built.elapsed().as_secs_f64();
+    println!("# synthetic head: {nodes} nodes, {actors} actors placed and started in {seconds:.1} s");
+    report(
+        &format!("core memory per actor at {nodes} nodes, {actors} actors (records, indexes)"),
+        "bytes",
+        &[rss_after.saturating_sub(rss_before) as f64 / actors as f64],
+    );
+    // The head's core alone (no sockets): what placement costs as the cluster fills.
+    report(
+        &format!("core spawn+start at {nodes} nodes, {actors} actors"),
+        "actors/s",
+        &[actors as f64 / seconds],
+    );
+    for (name, q) in [("p50", 0.5), ("p99", 0.99), ("max", 1.0)] {
+        report(
+            &format!("core spawn+start {name} at {nodes} nodes, {actors} actors"),
+            "microseconds",
+            &[quantile(&mut micros, q)],
+        );
+    }
+    Ok(head)
+}
+
+/// What each dashboard endpoint asks the head, by case name, on a head of `actors` actors.
+fn endpoint_queries(actors: usize) -> Vec<(&'static str, ViewQuery)> {
+    let page = |offset| PageRequest { offset, limit: 100 };
+    let filter = |f: ActorFilter| ViewQuery::Actors(f, page(0));
+    vec![
+        ("overview", ViewQuery::Overview),
+        ("nodes page", ViewQuery::Nodes(page(0))),
+        ("actors first page", filter(ActorFilter::default())),
+        (
+            "actors last page",
+            ViewQuery::Actors(ActorFilter::default(), page(actors - 100)),
+        ),
+        (
+            "actors by state+kind+node",
+            filter(ActorFilter {
+                state: Some("alive".into()),
+                kind: Some("echo".into()),
+                node: Some("node-0008".into()),
+                ..Default::default()
+            }),
+        ),
+        (
+            "actors by job and name",
+            filter(ActorFilter {
+                job: Some("job-0".into()),
+                name: Some("actor-99".into()),
+                ..Default::default()
+            }),
+        ),
+        ("one actor", ViewQuery::Actor(ActorId(actors as u64 / 2))),
+        ("runs", ViewQuery::Runs),
+    ]
 }

@@ -4,6 +4,7 @@
 mod dashboard;
 mod data;
 mod measure;
+mod objects;
 mod runtime;
 mod scale;
 mod score;
@@ -148,13 +149,13 @@ async fn run_suite(suite: &str, trials: usize, args: &BenchArgs) -> anyhow::Resu
         return tokio::task::block_in_place(|| data::run(&bench));
     }
     let mut cluster = if suite == "objects" {
-        runtime::start_objects(quick, args.object_fanout)?
+        objects::start_objects(quick, args.object_fanout)?
     } else {
         runtime::start_cluster()?
     };
     let outcome = match suite {
         "actors" => runtime::actors(&cluster, trials, quick).await,
-        _ => runtime::objects(&cluster, trials, quick).await,
+        _ => objects::objects(&cluster, trials, quick).await,
     };
     cluster.shutdown();
     outcome

@@ -168,9 +168,34 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
     let head = *cluster.pids().first().context("the head is not running")?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss_empty = rss_bytes(head);
+    let shares = node_shares(bench);
+    let mut simulators = join_nodes(cluster, &client, bench, &shares).await?;
+    let rss_nodes = head_cost_of_nodes(head, bench.nodes, rss_empty).await;
+    let one = one_cpu_actor()?;
+    let remaining = spawn_one_at_a_time(&client, &one, bench.actors).await?;
+    spawn_the_rest(&client, &one, bench.actors, remaining).await?;
+    placement_in_head(cluster, bench.actors)?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss_actors = rss_bytes(head);
+    report(
+        "scale head memory per actor",
+        "bytes",
+        &[rss_actors.saturating_sub(rss_nodes) as f64 / bench.actors as f64],
+    );
+    status_at_size(&client).await?;
+    groups(&client, bench).await?;
+    if bench.durable {
+        head_restart(cluster, &client, bench).await?;
+    }
+    let doomed = shares[0];
+    nodes_die_at_once(&client, &mut simulators, doomed, bench.actors).await?;
+    drop(simulators);
+    Ok(())
+}
 
-    // Nodes: one simulator process holds the nodes that die later; the rest share out the
-    // others.
+/// How many nodes each simulator process runs: the first holds the nodes that die later;
+/// the rest share out the others.
+fn node_shares(bench: &ScaleBench) -> Vec<usize> {
     let doomed = (bench.nodes / 10).clamp(1, 100);
     let mut shares = vec![doomed];
     let rest = bench.nodes - doomed;
@@ -178,6 +203,17 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
     for p in 0..others {
         shares.push(rest / others + usize::from(p < rest % others));
     }
+    shares
+}
+
+/// Starts the simulator processes and waits for every node to be alive; prints how fast
+/// they joined.
+async fn join_nodes(
+    cluster: &LocalCluster,
+    client: &Client,
+    bench: &ScaleBench,
+    shares: &[usize],
+) -> anyhow::Result<Simulators> {
     let joined = Instant::now();
     let mut simulators = Simulators(Vec::new());
     let mut first = 0;
@@ -206,7 +242,7 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
         first += count;
     }
     let nodes = bench.nodes;
-    wait_for(&client, "every simulated node alive", Duration::from_secs(300), |o| {
+    wait_for(client, "every simulated node alive", Duration::from_secs(300), |o| {
         o.nodes_alive == nodes
     })
     .await?;
@@ -217,6 +253,12 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
     );
     println!("nodes alive {nodes}/{nodes}");
     report("scale nodes joined", "per second", &[nodes as f64 / join_secs]);
+    Ok(simulators)
+}
+
+/// The head's memory per node and its CPU while idle with every node heartbeating; returns
+/// its resident bytes with the nodes in.
+async fn head_cost_of_nodes(head: u32, nodes: usize, rss_empty: u64) -> u64 {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_nodes = rss_bytes(head);
     report(
@@ -238,12 +280,20 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
         "cores",
         &[busy],
     );
+    rss_nodes
+}
 
-    // Placement latency of one spawn at a time (the head's reply comes after placing).
-    let one = ActorOptions::new()
+/// What every actor of the run asks for: one CPU, three restarts.
+fn one_cpu_actor() -> anyhow::Result<ActorOptions> {
+    Ok(ActorOptions::new()
         .resources(Resources::parse_request("CPU=1")?)
-        .max_restarts(3);
-    let samples = bench.actors.min(1_000);
+        .max_restarts(3))
+}
+
+/// Placement latency of one spawn at a time (the head's reply comes after placing), over
+/// the first thousand actors; returns how many are left to spawn.
+async fn spawn_one_at_a_time(client: &Client, one: &ActorOptions, actors: usize) -> anyhow::Result<usize> {
+    let samples = actors.min(1_000);
     let mut micros = Vec::with_capacity(samples);
     for _ in 0..samples {
         let started = Instant::now();
@@ -257,10 +307,13 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
             &[quantile(&mut micros, q)],
         );
     }
+    Ok(actors - samples)
+}
 
-    // The rest in flight together: placed per second, then all alive.
+/// The `remaining` actors spawned [`IN_FLIGHT`] at a time: placed per second, then all
+/// `actors` alive.
+async fn spawn_the_rest(client: &Client, one: &ActorOptions, actors: usize, remaining: usize) -> anyhow::Result<()> {
     let placing = Instant::now();
-    let remaining = bench.actors - samples;
     let results: Vec<_> = futures::stream::iter(0..remaining)
         .map(|_| {
             let cluster = client.cluster().clone();
@@ -284,8 +337,7 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
         "per second",
         &[remaining as f64 / placed_secs],
     );
-    let actors = bench.actors;
-    let seen = wait_for(&client, "every actor alive", Duration::from_secs(600), |o| {
+    let seen = wait_for(client, "every actor alive", Duration::from_secs(600), |o| {
         alive(o) == actors
     })
     .await?;
@@ -296,16 +348,11 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
         "per second",
         &[remaining as f64 / alive_secs],
     );
-    placement_in_head(cluster, actors)?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let rss_actors = rss_bytes(head);
-    report(
-        "scale head memory per actor",
-        "bytes",
-        &[rss_actors.saturating_sub(rss_nodes) as f64 / actors as f64],
-    );
+    Ok(())
+}
 
-    // Status and the dashboard's data at this size, through the real session.
+/// Status and the dashboard's data at this size, through the real session.
+async fn status_at_size(client: &Client) -> anyhow::Result<()> {
     for (case, query) in [
         ("overview", ViewQuery::Overview),
         (
@@ -331,32 +378,33 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
         "milliseconds",
         &[started.elapsed().as_secs_f64() * 1000.0],
     );
+    Ok(())
+}
 
-    groups(&client, bench).await?;
-    if bench.durable {
-        head_restart(cluster, &client, bench).await?;
-    }
-
-    // Nodes dying at once: the doomed simulator process is killed.
+/// Nodes dying at once: the simulator process holding the `doomed` nodes is killed; how
+/// long until the head declares them dead, and until their actors run again elsewhere.
+async fn nodes_die_at_once(
+    client: &Client,
+    simulators: &mut Simulators,
+    doomed: usize,
+    actors: usize,
+) -> anyhow::Result<()> {
     // The guard still holds it: killed and reaped here, and again (harmlessly) on drop.
     let doomed_process = &mut simulators.0[0];
     let killed = Instant::now();
     doomed_process.kill().context("cannot kill a simulator process")?;
     let _ = doomed_process.wait();
     wait_for(
-        &client,
+        client,
         "the killed nodes declared dead",
         Duration::from_secs(120),
         |o| o.nodes_dead >= doomed,
     )
     .await?;
     let noticed = killed.elapsed().as_secs_f64();
-    let seen = wait_for(
-        &client,
-        "the lost actors running again",
-        Duration::from_secs(300),
-        |o| alive(o) == actors && o.waiting == 0,
-    )
+    let seen = wait_for(client, "the lost actors running again", Duration::from_secs(300), |o| {
+        alive(o) == actors && o.waiting == 0
+    })
     .await?;
     let recovered = killed.elapsed().as_secs_f64();
     println!("actors alive after {doomed} nodes died {}/{actors}", alive(&seen));
@@ -370,7 +418,6 @@ async fn run(cluster: &mut LocalCluster, bench: &ScaleBench) -> anyhow::Result<(
         "seconds",
         &[recovered],
     );
-    drop(simulators);
     Ok(())
 }
 

@@ -178,6 +178,58 @@ struct Variant {
     offload: bool,
 }
 
+impl Variant {
+    /// Full fine-tuning, then with the optimizer offloaded, LoRA of `lora`'s rank, and
+    /// both, as asked.
+    fn all(lora: Option<usize>, offload: bool) -> Vec<Self> {
+        let mut variants = vec![Variant {
+            name: "full".into(),
+            lora: None,
+            offload: false,
+        }];
+        if offload {
+            variants.push(Variant {
+                name: "full + offload".into(),
+                lora: None,
+                offload: true,
+            });
+        }
+        if let Some(rank) = lora {
+            variants.push(Variant {
+                name: format!("LoRA r{rank}"),
+                lora: Some(rank),
+                offload: false,
+            });
+            if offload {
+                variants.push(Variant {
+                    name: format!("LoRA r{rank} + offload"),
+                    lora: Some(rank),
+                    offload: true,
+                });
+            }
+        }
+        variants
+    }
+
+    /// The run of this variant: ZeRO-3 over 2 ranks.
+    fn config(&self, quick: bool, model: Option<&str>) -> anyhow::Result<TrainConfig> {
+        let mut config = config(2, quick, model)?;
+        config.zero_stage = regatta_trainer::ZeroStage::Three;
+        if let Some(rank) = self.lora {
+            config.lora = Some(regatta_trainer::LoraConfig {
+                rank,
+                alpha: 2.0 * rank as f64,
+                ..Default::default()
+            });
+        }
+        if self.offload {
+            config.zero.offload_optimizer = regatta_trainer::Offload::Cpu;
+        }
+        config.validate().map_err(anyhow::Error::msg)?;
+        Ok(config)
+    }
+}
+
 /// Full fine-tuning against LoRA and/or optimizer offload, each over 2 ranks with ZeRO-3 on
 /// the same model and batches: tokens/s and the bytes each rank holds, by kind, on the
 /// device and on the host (from the tensors, as the step reports give them); then the host
@@ -194,32 +246,7 @@ pub async fn variants(
     // Adapters need a Llama-family model: the benchmark's own by default.
     let default_model = format!("{}/data/bench-llama.json", env!("CARGO_MANIFEST_DIR"));
     let model = Some(model.unwrap_or(&default_model));
-    let mut variants = vec![Variant {
-        name: "full".into(),
-        lora: None,
-        offload: false,
-    }];
-    if offload {
-        variants.push(Variant {
-            name: "full + offload".into(),
-            lora: None,
-            offload: true,
-        });
-    }
-    if let Some(rank) = lora {
-        variants.push(Variant {
-            name: format!("LoRA r{rank}"),
-            lora: Some(rank),
-            offload: false,
-        });
-        if offload {
-            variants.push(Variant {
-                name: format!("LoRA r{rank} + offload"),
-                lora: Some(rank),
-                offload: true,
-            });
-        }
-    }
+    let variants = Variant::all(lora, offload);
     let name = model.map_or("built-in GPT".to_string(), |m| {
         m.rsplit('/').next().unwrap_or(m).to_string()
     });
@@ -228,20 +255,7 @@ pub async fn variants(
         let mut tokens = Vec::new();
         let mut last = None;
         for _ in 0..trials {
-            let mut config = config(2, quick, model)?;
-            config.zero_stage = regatta_trainer::ZeroStage::Three;
-            if let Some(rank) = variant.lora {
-                config.lora = Some(regatta_trainer::LoraConfig {
-                    rank,
-                    alpha: 2.0 * rank as f64,
-                    ..Default::default()
-                });
-            }
-            if variant.offload {
-                config.zero.offload_optimizer = regatta_trainer::Offload::Cpu;
-            }
-            config.validate().map_err(anyhow::Error::msg)?;
-            let timed = timed_steps(config, warmup).await?;
+            let timed = timed_steps(variant.config(quick, model)?, warmup).await?;
             tokens.push(timed.iter().map(|s| s.tokens_per_sec).sum::<f64>() / timed.len() as f64);
             last = timed.last().cloned();
         }
@@ -252,31 +266,38 @@ pub async fn variants(
         }
     }
     if offload {
-        let executor = regatta_runtime::executor::executor_path(None).map_err(anyhow::Error::msg)?;
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let elements = if quick { 1 << 20 } else { 50_000_000 };
-        let output = std::process::Command::new(&executor)
-            .args(["bench-adamw", &elements.to_string(), &cores.to_string()])
-            .output()
-            .with_context(|| format!("cannot run {}", executor.display()))?;
-        anyhow::ensure!(
-            output.status.success(),
-            "bench-adamw failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let figures: serde_json::Value = serde_json::from_slice(&output.stdout)?;
-        let field = |name: &str| {
-            figures[name]
-                .as_f64()
-                .with_context(|| format!("no {name} in {figures}"))
-        };
-        println!(
-            "train host AdamW over {elements} parameters with {cores} thread(s): {:.1} M parameters/s, {:.2} GB/s of the 28 bytes a parameter a fused update moves, {:.2} of this machine's copy bandwidth ({:.2} GB/s)",
-            field("parameters_per_sec")? / 1e6,
-            field("adamw_gbps")?,
-            field("fraction_of_copy_bandwidth")?,
-            field("copy_gbps")?
-        );
+        host_adamw(quick)?;
     }
+    Ok(())
+}
+
+/// The host AdamW update's rate and memory traffic against a plain copy on this machine,
+/// from the executor (`regatta-torch-rank bench-adamw`).
+fn host_adamw(quick: bool) -> anyhow::Result<()> {
+    let executor = regatta_runtime::executor::executor_path(None).map_err(anyhow::Error::msg)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let elements = if quick { 1 << 20 } else { 50_000_000 };
+    let output = std::process::Command::new(&executor)
+        .args(["bench-adamw", &elements.to_string(), &cores.to_string()])
+        .output()
+        .with_context(|| format!("cannot run {}", executor.display()))?;
+    anyhow::ensure!(
+        output.status.success(),
+        "bench-adamw failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let figures: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    let field = |name: &str| {
+        figures[name]
+            .as_f64()
+            .with_context(|| format!("no {name} in {figures}"))
+    };
+    println!(
+        "train host AdamW over {elements} parameters with {cores} thread(s): {:.1} M parameters/s, {:.2} GB/s of the 28 bytes a parameter a fused update moves, {:.2} of this machine's copy bandwidth ({:.2} GB/s)",
+        field("parameters_per_sec")? / 1e6,
+        field("adamw_gbps")?,
+        field("fraction_of_copy_bandwidth")?,
+        field("copy_gbps")?
+    );
     Ok(())
 }

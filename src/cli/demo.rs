@@ -15,7 +15,7 @@ use crate::finetune::FineTuneOptions;
 use crate::kinds::{Counter, CounterOp, CounterReply, Echo, Store, StoreOp, StoreReply};
 use crate::local::{LocalCluster, LocalOptions, WorkerSpec};
 use crate::pipeline::{train_then_score, PipelineOptions};
-use regatta_runtime::{ActorOptions, Resources, Strategy};
+use regatta_runtime::{ActorHandle, ActorOptions, Client, Resources, Strategy};
 
 /// Options of `regatta demo`.
 #[derive(Args, Debug, Clone)]
@@ -80,10 +80,43 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
         started.elapsed().as_secs_f64(),
         cluster.address
     );
+    let counters = spawn_counters(&client, args.actors).await?;
+    call_counters(&counters, args.calls).await?;
+    let group = client
+        .create_placement_group(vec![Resources::parse_request("CPU=1")?; 2], Strategy::StrictSpread)
+        .await?;
+    let nodes = group.ready(Duration::from_secs(10)).await?;
+    println!(
+        "placement group {} (STRICT_SPREAD) reserved bundles on {nodes:?}",
+        group.id()
+    );
+    call_gpu_actor(&client).await?;
+    call_peer(&counters).await?;
+    group.remove().await?;
+    object_across_nodes(&client).await?;
 
+    let dir = args
+        .out
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("regatta-demo-{}", std::process::id())));
+    match gguf_model(args) {
+        None => builtin(client.cluster(), args, dir).await?,
+        Some(model) => fine_tune(client.cluster(), args, dir, model).await?,
+    }
+    println!(
+        "  metrics: {}/metrics (Prometheus discovery: {}/api/prometheus/sd); job API: {}",
+        cluster.metrics_address, cluster.metrics_address, cluster.job_address
+    );
+    println!("  dashboards: docker/grafana/dashboards (Trainer, Scorer, Cluster, Actors, Object store, Jobs)");
+    println!("done in {:.2}s", started.elapsed().as_secs_f64());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `count` counter actors across the workers, counter `i` starting at `i`, each ready.
+async fn spawn_counters(client: &Client, count: usize) -> anyhow::Result<Vec<ActorHandle<Counter>>> {
     let t = Instant::now();
-    let mut counters = Vec::with_capacity(args.actors);
-    for i in 0..args.actors {
+    let mut counters = Vec::with_capacity(count);
+    for i in 0..count {
         let options = ActorOptions::new().resources(Resources::parse_request("CPU=0.01")?);
         counters.push(client.spawn::<Counter>(i as i64, options).await?);
     }
@@ -95,34 +128,34 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
         counters.len(),
         t.elapsed().as_secs_f64()
     );
+    Ok(counters)
+}
 
+/// `calls` additions of 1 to every counter at once, each checking its total at the end.
+async fn call_counters(counters: &[ActorHandle<Counter>], calls: usize) -> anyhow::Result<()> {
     let t = Instant::now();
-    let calls = futures::future::try_join_all(counters.iter().enumerate().map(|(i, counter)| async move {
+    let done = futures::future::try_join_all(counters.iter().enumerate().map(|(i, counter)| async move {
         let mut last = 0;
-        for _ in 0..args.calls {
+        for _ in 0..calls {
             if let CounterReply::Total(total) = counter.call(CounterOp::Add(1)).await? {
                 last = total;
             }
         }
-        anyhow::ensure!(last == (i + args.calls) as i64, "counter {i} ended at {last}");
+        anyhow::ensure!(last == (i + calls) as i64, "counter {i} ended at {last}");
         anyhow::Ok(())
     }))
     .await?;
-    let total_calls = calls.len() * args.calls;
+    let total_calls = done.len() * calls;
     let secs = t.elapsed().as_secs_f64();
     println!(
         "{total_calls} actor calls in {secs:.2}s ({:.0} calls/s), every total checked",
         total_calls as f64 / secs
     );
+    Ok(())
+}
 
-    let group = client
-        .create_placement_group(vec![Resources::parse_request("CPU=1")?; 2], Strategy::StrictSpread)
-        .await?;
-    let nodes = group.ready(Duration::from_secs(10)).await?;
-    println!(
-        "placement group {} (STRICT_SPREAD) reserved bundles on {nodes:?}",
-        group.id()
-    );
+/// An actor asking for one H100 GPU: it must be given exactly one.
+async fn call_gpu_actor(client: &Client) -> anyhow::Result<()> {
     let gpu = client
         .spawn::<Echo>(
             "gpu actor: ".into(),
@@ -139,6 +172,11 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
         "GPU actor {} runs on {} with GPU indices {:?}",
         reply.placement.actor, reply.placement.node, reply.placement.gpu_ids
     );
+    Ok(())
+}
+
+/// The first counter adds 5 to the last one: a call from one actor to another.
+async fn call_peer(counters: &[ActorHandle<Counter>]) -> anyhow::Result<()> {
     let (a, b) = (&counters[0], &counters[counters.len() - 1]);
     let via = a
         .call(CounterOp::AddToPeer {
@@ -152,8 +190,11 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
         a.id(),
         b.id()
     );
-    group.remove().await?;
+    Ok(())
+}
 
+/// A 64 MiB object put by a store actor on w1 and read by one on w2, checked byte for byte.
+async fn object_across_nodes(client: &Client) -> anyhow::Result<()> {
     let pin = |node: &str| Resources::parse_request(&format!("pin:{node}")).map(|r| ActorOptions::new().resources(r));
     let (a, b) = (
         client.spawn::<Store>((), pin("w1")?).await?,
@@ -183,22 +224,7 @@ async fn workload(cluster: &LocalCluster, args: &DemoArgs, started: Instant) -> 
         reference.id(),
         t.elapsed().as_secs_f64()
     );
-
-    let dir = args
-        .out
-        .clone()
-        .unwrap_or_else(|| std::env::temp_dir().join(format!("regatta-demo-{}", std::process::id())));
-    match gguf_model(args) {
-        None => builtin(client.cluster(), args, dir).await?,
-        Some(model) => fine_tune(client.cluster(), args, dir, model).await?,
-    }
-    println!(
-        "  metrics: {}/metrics (Prometheus discovery: {}/api/prometheus/sd); job API: {}",
-        cluster.metrics_address, cluster.metrics_address, cluster.job_address
-    );
-    println!("  dashboards: docker/grafana/dashboards (Trainer, Scorer, Cluster, Actors, Object store, Jobs)");
-    println!("done in {:.2}s", started.elapsed().as_secs_f64());
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 /// The GGUF file the demo fine-tunes, or `None` for the built-in GPT.

@@ -5,14 +5,14 @@
 //! driver sees as this rank failing with the executor's last log lines as the cause.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use regatta_runtime::executor::{launch, Launch};
 use regatta_runtime::{Actor, ActorContext, ActorError};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::process::{Child, ChildStdin};
+use tokio::process::{Child, ChildStderr, ChildStdin, ChildStdout};
 
 use crate::metrics::TrainMetrics;
 use crate::protocol::{FromExecutor, RankSetup, ToExecutor, TrainOp, TrainReply};
@@ -90,72 +90,10 @@ impl Actor for TrainRank {
         let shared = Arc::new(Mutex::new(Shared::default()));
         let metrics = TrainMetrics::get();
         metrics.started(rank, world, rescales);
-        let events = shared.clone();
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stdout).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                match serde_json::from_str::<FromExecutor>(&line) {
-                    Ok(event) => {
-                        metrics.observe(rank, &event);
-                        let mut shared = lock(&events);
-                        if matches!(event, FromExecutor::Bound { .. }) {
-                            shared.bound = Some(event);
-                        } else {
-                            shared.events.push(event);
-                        }
-                    }
-                    Err(_) => tracing::info!(rank, "executor: {line}"),
-                }
-            }
-            lock(&events).stdout_done = true;
-        });
-        let tail = shared.clone();
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                tracing::info!(rank, "executor: {line}");
-                let mut shared = lock(&tail);
-                if shared.stderr.len() == STDERR_TAIL {
-                    shared.stderr.pop_front();
-                }
-                shared.stderr.push_back(line);
-            }
-        });
+        tokio::spawn(relay_events(stdout, shared.clone(), metrics, rank));
+        tokio::spawn(keep_stderr_tail(stderr, shared.clone(), rank));
         let child = Arc::new(tokio::sync::Mutex::new(child));
-        let (waiter, ended) = (Arc::downgrade(&child), shared.clone());
-        tokio::spawn(async move {
-            // Polls through a weak reference, so dropping the actor drops (and kills) the child.
-            loop {
-                let Some(child) = waiter.upgrade() else { return };
-                let status = child.lock().await.try_wait();
-                drop(child);
-                match status {
-                    Ok(Some(status)) => {
-                        // The exit is reported only once the events the executor wrote last
-                        // are read (a step's loss must not be lost behind its exit on a busy
-                        // machine); a pipe some other process keeps open ends the wait after
-                        // a few seconds. Then a moment for stderr's last lines.
-                        let drained = tokio::time::Instant::now() + Duration::from_secs(5);
-                        while !lock(&ended).stdout_done && tokio::time::Instant::now() < drained {
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                        }
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        let mut shared = lock(&ended);
-                        let tail: Vec<String> = shared.stderr.iter().cloned().collect();
-                        shared.exited = Some(format!(
-                            "executor exited with {status}; last output: {}",
-                            tail.join(" | ")
-                        ));
-                        return;
-                    }
-                    Ok(None) => tokio::time::sleep(Duration::from_millis(100)).await,
-                    Err(e) => {
-                        lock(&ended).exited = Some(format!("cannot watch the executor: {e}"));
-                        return;
-                    }
-                }
-            }
-        });
+        tokio::spawn(watch_exit(Arc::downgrade(&child), shared.clone()));
         Ok(Self {
             rank,
             stdin,
@@ -219,6 +157,76 @@ impl Actor for TrainRank {
                     events: std::mem::take(&mut shared.events),
                     exited: shared.exited.clone(),
                 })
+            }
+        }
+    }
+}
+
+/// Reads the executor's events from its stdout into `shared` (its other lines are its
+/// log), until the executor closes it.
+async fn relay_events(stdout: ChildStdout, shared: Arc<Mutex<Shared>>, metrics: &'static TrainMetrics, rank: usize) {
+    let mut lines = BufReader::new(stdout).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        match serde_json::from_str::<FromExecutor>(&line) {
+            Ok(event) => {
+                metrics.observe(rank, &event);
+                let mut shared = lock(&shared);
+                if matches!(event, FromExecutor::Bound { .. }) {
+                    shared.bound = Some(event);
+                } else {
+                    shared.events.push(event);
+                }
+            }
+            Err(_) => tracing::info!(rank, "executor: {line}"),
+        }
+    }
+    lock(&shared).stdout_done = true;
+}
+
+/// Logs the executor's stderr and keeps its last [`STDERR_TAIL`] lines for the cause of a
+/// failure.
+async fn keep_stderr_tail(stderr: ChildStderr, shared: Arc<Mutex<Shared>>, rank: usize) {
+    let mut lines = BufReader::new(stderr).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        tracing::info!(rank, "executor: {line}");
+        let mut shared = lock(&shared);
+        if shared.stderr.len() == STDERR_TAIL {
+            shared.stderr.pop_front();
+        }
+        shared.stderr.push_back(line);
+    }
+}
+
+/// Waits for the executor to exit and records why in `shared`. Polls through a weak
+/// reference, so dropping the actor drops (and kills) the child.
+async fn watch_exit(child: Weak<tokio::sync::Mutex<Child>>, shared: Arc<Mutex<Shared>>) {
+    loop {
+        let Some(child) = child.upgrade() else { return };
+        let status = child.lock().await.try_wait();
+        drop(child);
+        match status {
+            Ok(Some(status)) => {
+                // The exit is reported only once the events the executor wrote last are
+                // read (a step's loss must not be lost behind its exit on a busy machine); a
+                // pipe some other process keeps open ends the wait after a few seconds. Then
+                // a moment for stderr's last lines.
+                let drained = tokio::time::Instant::now() + Duration::from_secs(5);
+                while !lock(&shared).stdout_done && tokio::time::Instant::now() < drained {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let mut shared = lock(&shared);
+                let tail: Vec<String> = shared.stderr.iter().cloned().collect();
+                shared.exited = Some(format!(
+                    "executor exited with {status}; last output: {}",
+                    tail.join(" | ")
+                ));
+                return;
+            }
+            Ok(None) => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(e) => {
+                lock(&shared).exited = Some(format!("cannot watch the executor: {e}"));
+                return;
             }
         }
     }

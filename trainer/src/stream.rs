@@ -174,6 +174,84 @@ fn fnv(hash: u64, bytes: &[u8]) -> u64 {
         .fold(hash, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 
+/// Cuts `files` into units: a unit per Parquet row group, byte ranges of about
+/// `unit_bytes` of a plain JSONL file, a compressed file whole (an empty one gives none).
+fn cut_units(files: &[FileEntry], unit_bytes: u64) -> Vec<Unit> {
+    let mut units = Vec::new();
+    for (number, file) in files.iter().enumerate() {
+        let file_index = number as u32;
+        match (file.kind, file.compression) {
+            (FileKind::Parquet, _) => {
+                units.extend((0..file.row_groups).map(|g| Unit {
+                    file: file_index,
+                    part: Part::RowGroup(g),
+                }));
+            }
+            (FileKind::Jsonl, Compression::None) => {
+                let mut start = 0;
+                while start < file.size {
+                    let end = (start + unit_bytes).min(file.size);
+                    units.push(Unit {
+                        file: file_index,
+                        part: Part::Bytes { start, end },
+                    });
+                    start = end;
+                }
+            }
+            (FileKind::Jsonl, _) if file.size > 0 => units.push(Unit {
+                file: file_index,
+                part: Part::Whole,
+            }),
+            _ => {}
+        }
+    }
+    units
+}
+
+/// The byte range a unit of `listing`'s plain JSONL files spans: their bytes spread over
+/// [`UNITS_PER_SHARD`] units per shard, within [`UNIT_BYTES`].
+fn unit_bytes(listing: &SourceListing, shards: usize) -> u64 {
+    let plain: u64 = listing
+        .files
+        .iter()
+        .filter(|f| f.kind == FileKind::Jsonl && f.compression == Compression::None)
+        .map(|f| f.size)
+        .sum();
+    (plain / (shards as u64 * UNITS_PER_SHARD)).clamp(UNIT_BYTES.start, UNIT_BYTES.end)
+}
+
+/// Deals the units of one source after another round-robin to the shards.
+struct Dealer {
+    /// Units dealt so far, all sources together.
+    dealt: usize,
+    /// Units each shard holds, all sources together.
+    per_shard: Vec<usize>,
+}
+
+impl Dealer {
+    fn new(shards: usize) -> Self {
+        Self {
+            dealt: 0,
+            per_shard: vec![0; shards],
+        }
+    }
+
+    /// `units` of the source at `index`, shuffled with `seed` and dealt to the shards.
+    fn deal(&mut self, units: &[Unit], index: usize, seed: u64) -> Vec<Vec<Unit>> {
+        let shards = self.per_shard.len();
+        let mut dealt = vec![Vec::new(); shards];
+        // Each source continues where the previous one stopped dealing, so small sources
+        // do not all land on the first shards.
+        for u in permutation(units.len(), seed ^ mix(index as u64 + 1)) {
+            let shard = self.dealt % shards;
+            dealt[shard].push(units[u]);
+            self.per_shard[shard] += 1;
+            self.dealt += 1;
+        }
+        dealt
+    }
+}
+
 impl DataPlan {
     /// Cuts every source's files into units and deals them to `shards` shards; errors
     /// when a source has no file or some shard would get no unit at all.
@@ -185,9 +263,8 @@ impl DataPlan {
             fnv(0xcbf2_9ce4_8422_2325, &seed.to_le_bytes()),
             &(shards as u64).to_le_bytes(),
         );
-        let mut dealt_so_far = 0usize;
+        let mut dealer = Dealer::new(shards);
         let mut sources = Vec::with_capacity(listings.len());
-        let mut per_shard = vec![0usize; shards];
         for (index, listing) in listings.into_iter().enumerate() {
             if listing.files.is_empty() {
                 return Err(Error::Dataset(format!(
@@ -195,60 +272,19 @@ impl DataPlan {
                     listing.url
                 )));
             }
-            let plain: u64 = listing
-                .files
-                .iter()
-                .filter(|f| f.kind == FileKind::Jsonl && f.compression == Compression::None)
-                .map(|f| f.size)
-                .sum();
-            let unit_bytes = (plain / (shards as u64 * UNITS_PER_SHARD)).clamp(UNIT_BYTES.start, UNIT_BYTES.end);
-            let mut units = Vec::new();
-            for (number, file) in listing.files.iter().enumerate() {
+            for file in &listing.files {
                 fingerprint = fnv(fnv(fingerprint, file.name.as_bytes()), &file.size.to_le_bytes());
-                let file_index = number as u32;
-                match (file.kind, file.compression) {
-                    (FileKind::Parquet, _) => {
-                        units.extend((0..file.row_groups).map(|g| Unit {
-                            file: file_index,
-                            part: Part::RowGroup(g),
-                        }));
-                    }
-                    (FileKind::Jsonl, Compression::None) => {
-                        let mut start = 0;
-                        while start < file.size {
-                            let end = (start + unit_bytes).min(file.size);
-                            units.push(Unit {
-                                file: file_index,
-                                part: Part::Bytes { start, end },
-                            });
-                            start = end;
-                        }
-                    }
-                    (FileKind::Jsonl, _) if file.size > 0 => units.push(Unit {
-                        file: file_index,
-                        part: Part::Whole,
-                    }),
-                    _ => {}
-                }
             }
-            let mut dealt = vec![Vec::new(); shards];
-            // Each source continues where the previous one stopped dealing, so small sources
-            // do not all land on the first shards.
-            for u in permutation(units.len(), seed ^ mix(index as u64 + 1)) {
-                let shard = dealt_so_far % shards;
-                dealt[shard].push(units[u]);
-                per_shard[shard] += 1;
-                dealt_so_far += 1;
-            }
+            let units = cut_units(&listing.files, unit_bytes(&listing, shards));
             sources.push(SourcePlan {
+                units: dealer.deal(&units, index, seed),
                 url: listing.url,
                 weight: listing.weight,
                 files: listing.files,
-                units: dealt,
             });
         }
-        let units: usize = per_shard.iter().sum();
-        if per_shard.contains(&0) {
+        let units: usize = dealer.per_shard.iter().sum();
+        if dealer.per_shard.contains(&0) {
             return Err(Error::Dataset(format!(
                 "the dataset makes {units} units (byte ranges of JSONL files, Parquet row groups, whole compressed \
                  files), fewer than data.shards = {shards}: every logical shard needs one; lower data.shards"

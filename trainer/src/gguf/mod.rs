@@ -242,91 +242,141 @@ fn overflow() -> GgufError {
     GgufError::Malformed("a length overflows".into())
 }
 
+/// A tensor's entry in the header, before its bytes are placed in the data section.
+struct TensorEntry {
+    name: String,
+    dims: Vec<u64>,
+    type_id: u32,
+    offset: u64,
+}
+
+impl TensorEntry {
+    /// Where the tensor's bytes lie in a file of `file_size` bytes whose data section
+    /// starts at `data_start`; errors when its type is unknown or its bytes do not fit.
+    fn place(self, data_start: u64, file_size: u64) -> Result<TensorInfo, GgufError> {
+        let Self {
+            name,
+            dims,
+            type_id,
+            offset,
+        } = self;
+        let kind = GgmlType::from_id(type_id).map_err(|type_name| GgufError::UnsupportedType {
+            tensor: name.clone(),
+            type_name: type_name.to_string(),
+        })?;
+        let numel = dims
+            .iter()
+            .try_fold(1u64, |n, d| n.checked_mul(*d))
+            .ok_or_else(overflow)?;
+        let length = kind.bytes_for(dims[0], numel).ok_or_else(|| {
+            GgufError::Malformed(format!(
+                "tensor {name}'s rows of {} values are not whole {} blocks of {}",
+                dims[0],
+                kind.name(),
+                kind.block_size()
+            ))
+        })?;
+        let start = data_start.checked_add(offset).ok_or_else(overflow)?;
+        let end = start.checked_add(length).ok_or_else(overflow)?;
+        if end > file_size {
+            return Err(GgufError::Malformed(format!(
+                "tensor {name}'s bytes {start}..{end} run past the end of the file ({file_size} bytes)"
+            )));
+        }
+        Ok(TensorInfo {
+            name,
+            dims,
+            kind,
+            start,
+            end,
+        })
+    }
+}
+
+impl Cursor<'_> {
+    /// The magic and the version (2 or 3).
+    fn preamble(&mut self) -> Result<u32, GgufError> {
+        let magic = self.array::<4>()?;
+        if &magic != b"GGUF" {
+            return Err(GgufError::NotGguf(
+                "the file does not start with GGUF: not a GGUF file".into(),
+            ));
+        }
+        let version = self.u32()?;
+        if !(2..=3).contains(&version) {
+            return Err(GgufError::NotGguf(format!(
+                "GGUF version {version} is not read (versions 2 and 3 are)"
+            )));
+        }
+        Ok(version)
+    }
+
+    /// `count` metadata entries: key, type, value.
+    fn metadata(&mut self, count: u64) -> Result<BTreeMap<String, Value>, GgufError> {
+        let mut metadata = BTreeMap::new();
+        for _ in 0..count {
+            let key = self.string()?;
+            let kind = self.u32()?;
+            let value = self.value(kind, 0)?;
+            metadata.insert(key, value);
+        }
+        Ok(metadata)
+    }
+
+    /// `count` tensor entries: name, dimensions, type, offset.
+    fn tensor_entries(&mut self, count: u64) -> Result<Vec<TensorEntry>, GgufError> {
+        let mut entries = Vec::with_capacity(count.min(self.remaining()) as usize);
+        for _ in 0..count {
+            let name = self.string()?;
+            let n_dims = self.u32()?;
+            if n_dims == 0 || n_dims > MAX_DIMS {
+                return Err(GgufError::Malformed(format!("tensor {name} has {n_dims} dimensions")));
+            }
+            let dims = (0..n_dims).map(|_| self.u64()).collect::<Result<Vec<_>, _>>()?;
+            let type_id = self.u32()?;
+            let offset = self.u64()?;
+            entries.push(TensorEntry {
+                name,
+                dims,
+                type_id,
+                offset,
+            });
+        }
+        Ok(entries)
+    }
+}
+
+/// The data section's alignment: `general.alignment`, a power of two, or the default.
+fn alignment(metadata: &BTreeMap<String, Value>) -> Result<u64, GgufError> {
+    match metadata.get("general.alignment") {
+        None => Ok(DEFAULT_ALIGNMENT),
+        Some(v) => match v.as_u64() {
+            Some(a) if a > 0 && a.is_power_of_two() => Ok(a),
+            _ => Err(GgufError::Metadata {
+                key: "general.alignment".into(),
+                problem: format!("must be a power of two, not {v:?}"),
+            }),
+        },
+    }
+}
+
 impl GgufHeader {
     /// Parses the header from the first bytes of a file of `file_size` bytes. When the
     /// header goes on past `bytes`, the error is [`GgufError::Truncated`] with how many bytes
     /// to read before trying again.
     pub fn parse(bytes: &[u8], file_size: u64) -> Result<Self, GgufError> {
         let mut cursor = Cursor { bytes, at: 0 };
-        let magic = cursor.array::<4>()?;
-        if &magic != b"GGUF" {
-            return Err(GgufError::NotGguf(
-                "the file does not start with GGUF: not a GGUF file".into(),
-            ));
-        }
-        let version = cursor.u32()?;
-        if !(2..=3).contains(&version) {
-            return Err(GgufError::NotGguf(format!(
-                "GGUF version {version} is not read (versions 2 and 3 are)"
-            )));
-        }
+        let version = cursor.preamble()?;
         let tensor_count = cursor.u64()?;
         let metadata_count = cursor.u64()?;
-        let mut metadata = BTreeMap::new();
-        for _ in 0..metadata_count {
-            let key = cursor.string()?;
-            let kind = cursor.u32()?;
-            let value = cursor.value(kind, 0)?;
-            metadata.insert(key, value);
-        }
-        let alignment = match metadata.get("general.alignment") {
-            None => DEFAULT_ALIGNMENT,
-            Some(v) => match v.as_u64() {
-                Some(a) if a > 0 && a.is_power_of_two() => a,
-                _ => {
-                    return Err(GgufError::Metadata {
-                        key: "general.alignment".into(),
-                        problem: format!("must be a power of two, not {v:?}"),
-                    })
-                }
-            },
-        };
-        let mut raw = Vec::with_capacity(tensor_count.min(cursor.remaining()) as usize);
-        for _ in 0..tensor_count {
-            let name = cursor.string()?;
-            let n_dims = cursor.u32()?;
-            if n_dims == 0 || n_dims > MAX_DIMS {
-                return Err(GgufError::Malformed(format!("tensor {name} has {n_dims} dimensions")));
-            }
-            let dims = (0..n_dims).map(|_| cursor.u64()).collect::<Result<Vec<_>, _>>()?;
-            let type_id = cursor.u32()?;
-            let offset = cursor.u64()?;
-            raw.push((name, dims, type_id, offset));
-        }
+        let metadata = cursor.metadata(metadata_count)?;
+        let alignment = alignment(&metadata)?;
+        let entries = cursor.tensor_entries(tensor_count)?;
         let data_start = (cursor.at as u64).next_multiple_of(alignment);
-        let mut tensors = Vec::with_capacity(raw.len());
-        for (name, dims, type_id, offset) in raw {
-            let kind = GgmlType::from_id(type_id).map_err(|type_name| GgufError::UnsupportedType {
-                tensor: name.clone(),
-                type_name: type_name.to_string(),
-            })?;
-            let numel = dims
-                .iter()
-                .try_fold(1u64, |n, d| n.checked_mul(*d))
-                .ok_or_else(overflow)?;
-            let length = kind.bytes_for(dims[0], numel).ok_or_else(|| {
-                GgufError::Malformed(format!(
-                    "tensor {name}'s rows of {} values are not whole {} blocks of {}",
-                    dims[0],
-                    kind.name(),
-                    kind.block_size()
-                ))
-            })?;
-            let start = data_start.checked_add(offset).ok_or_else(overflow)?;
-            let end = start.checked_add(length).ok_or_else(overflow)?;
-            if end > file_size {
-                return Err(GgufError::Malformed(format!(
-                    "tensor {name}'s bytes {start}..{end} run past the end of the file ({file_size} bytes)"
-                )));
-            }
-            tensors.push(TensorInfo {
-                name,
-                dims,
-                kind,
-                start,
-                end,
-            });
-        }
+        let tensors = entries
+            .into_iter()
+            .map(|entry| entry.place(data_start, file_size))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             version,
             metadata,

@@ -148,9 +148,19 @@ fn hf_name(gguf: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{module}.{suffix}"))
 }
 
-impl GgufModel {
-    /// The model `header` describes (errors do not name the file: the caller knows it).
-    pub fn from_header(header: &GgufHeader) -> Result<Self, GgufError> {
+/// What `transformers` calls a GGUF architecture.
+struct Architecture {
+    /// GGUF's name (`llama`), the prefix of its metadata keys.
+    name: &'static str,
+    /// The model class in `config.json`'s `architectures`.
+    class: &'static str,
+    /// Whether llama.cpp's converter reordered the rows of the q and k projections.
+    permutes: bool,
+}
+
+impl Architecture {
+    /// The architecture `general.architecture` names, or why Regatta cannot run it.
+    fn of(header: &GgufHeader) -> Result<Self, GgufError> {
         let arch = header
             .get("general.architecture")
             .and_then(Value::as_str)
@@ -158,87 +168,127 @@ impl GgufModel {
                 key: "general.architecture".into(),
                 problem: "is missing".into(),
             })?;
-        let (class, model_type, permutes) = match arch {
-            "llama" => ("LlamaForCausalLM", "llama", true),
-            "qwen2" => ("Qwen2ForCausalLM", "qwen2", false),
-            other => {
-                return Err(GgufError::Unsupported(format!(
-                    "architecture {other:?} is not supported; Regatta reads GGUF models of architecture llama (Llama, Mistral, SmolLM) and qwen2"
-                )))
-            }
-        };
-        let meta = Meta { header, arch };
-        let heads = meta.need("attention.head_count")?;
-        let kv_heads = meta.count("attention.head_count_kv")?.unwrap_or(heads);
-        let hidden = meta.need("embedding_length")?;
+        match arch {
+            "llama" => Ok(Self {
+                name: "llama",
+                class: "LlamaForCausalLM",
+                permutes: true,
+            }),
+            "qwen2" => Ok(Self {
+                name: "qwen2",
+                class: "Qwen2ForCausalLM",
+                permutes: false,
+            }),
+            other => Err(GgufError::Unsupported(format!(
+                "architecture {other:?} is not supported; Regatta reads GGUF models of architecture llama (Llama, Mistral, SmolLM) and qwen2"
+            ))),
+        }
+    }
+}
+
+/// The attention's shape.
+struct Attention {
+    heads: u64,
+    kv_heads: u64,
+    hidden: u64,
+    head_dim: u64,
+}
+
+impl Meta<'_> {
+    /// The attention's shape; refuses rotary embeddings Regatta does not compute (partial
+    /// RoPE, per-frequency factors).
+    fn attention(&self) -> Result<Attention, GgufError> {
+        let heads = self.need("attention.head_count")?;
+        let kv_heads = self.count("attention.head_count_kv")?.unwrap_or(heads);
+        let hidden = self.need("embedding_length")?;
         if heads == 0 || kv_heads == 0 {
             return Err(GgufError::Metadata {
-                key: meta.key("attention.head_count"),
+                key: self.key("attention.head_count"),
                 problem: "must be positive".into(),
             });
         }
-        let head_dim = match meta.count("attention.key_length")? {
+        let head_dim = match self.count("attention.key_length")? {
             Some(d) => d,
             None => hidden / heads,
         };
-        if let Some(rope) = meta.count("rope.dimension_count")? {
+        if let Some(rope) = self.count("rope.dimension_count")? {
             if rope != head_dim {
                 return Err(GgufError::Unsupported(format!(
                     "rotary embeddings over {rope} of {head_dim} head dimensions (partial RoPE) are not supported"
                 )));
             }
         }
-        if header.tensors.iter().any(|t| t.name == "rope_freqs.weight") {
+        if self.header.tensors.iter().any(|t| t.name == "rope_freqs.weight") {
             return Err(GgufError::Unsupported(
                 "per-frequency RoPE factors (rope_freqs.weight, Llama 3.1's rope scaling) are not read yet; use the model's Hugging Face folder"
                     .into(),
             ));
         }
+        Ok(Attention {
+            heads,
+            kv_heads,
+            hidden,
+            head_dim,
+        })
+    }
+
+    /// `config.json`'s `rope_scaling`, if the model scales its positions.
+    fn rope_scaling(&self) -> Result<Option<Json>, GgufError> {
+        match self.header.get(&self.key("rope.scaling.type")).and_then(Value::as_str) {
+            None | Some("none") => Ok(None),
+            Some("linear") => {
+                let factor = self.number("rope.scaling.factor")?.ok_or_else(|| GgufError::Metadata {
+                    key: self.key("rope.scaling.factor"),
+                    problem: "is missing (rope.scaling.type is linear)".into(),
+                })?;
+                Ok(Some(json!({"rope_type": "linear", "factor": factor})))
+            }
+            Some(other) => Err(GgufError::Unsupported(format!(
+                "RoPE scaling {other:?} is not supported (none or linear)"
+            ))),
+        }
+    }
+
+    /// The vocabulary's size: said, or the tokens listed, or the embedding's rows.
+    fn vocab_size(&self) -> Result<u64, GgufError> {
+        let tokens = self.header.get("tokenizer.ggml.tokens").and_then(Value::as_array);
+        let embedding = self.header.tensors.iter().find(|t| t.name == "token_embd.weight");
+        match (self.count("vocab_size")?, tokens, embedding) {
+            (Some(v), _, _) => Ok(v),
+            (None, Some(tokens), _) => Ok(tokens.len() as u64),
+            (None, None, Some(e)) => Ok(e.dims.get(1).copied().unwrap_or(0)),
+            (None, None, None) => Err(GgufError::Unsupported("the file has no token_embd.weight".into())),
+        }
+    }
+
+    /// What `config.json` would say.
+    fn config(&self, arch: &Architecture, attention: &Attention) -> Result<Map<String, Json>, GgufError> {
+        let header = self.header;
         let mut config = Map::new();
-        config.insert("architectures".into(), json!([class]));
-        config.insert("model_type".into(), json!(model_type));
-        config.insert("hidden_size".into(), json!(hidden));
-        config.insert("intermediate_size".into(), json!(meta.need("feed_forward_length")?));
-        config.insert("num_hidden_layers".into(), json!(meta.need("block_count")?));
-        config.insert("num_attention_heads".into(), json!(heads));
-        config.insert("num_key_value_heads".into(), json!(kv_heads));
-        config.insert("head_dim".into(), json!(head_dim));
+        config.insert("architectures".into(), json!([arch.class]));
+        config.insert("model_type".into(), json!(arch.name));
+        config.insert("hidden_size".into(), json!(attention.hidden));
+        config.insert("intermediate_size".into(), json!(self.need("feed_forward_length")?));
+        config.insert("num_hidden_layers".into(), json!(self.need("block_count")?));
+        config.insert("num_attention_heads".into(), json!(attention.heads));
+        config.insert("num_key_value_heads".into(), json!(attention.kv_heads));
+        config.insert("head_dim".into(), json!(attention.head_dim));
         config.insert("hidden_act".into(), json!("silu"));
         config.insert(
             "rms_norm_eps".into(),
-            json!(meta.number("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6)),
+            json!(self.number("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6)),
         );
         config.insert(
             "rope_theta".into(),
-            json!(meta.number("rope.freq_base")?.unwrap_or(10000.0)),
+            json!(self.number("rope.freq_base")?.unwrap_or(10000.0)),
         );
-        if let Some(context) = meta.count("context_length")? {
+        if let Some(context) = self.count("context_length")? {
             config.insert("max_position_embeddings".into(), json!(context));
         }
-        match header.get(&meta.key("rope.scaling.type")).and_then(Value::as_str) {
-            None | Some("none") => {}
-            Some("linear") => {
-                let factor = meta.number("rope.scaling.factor")?.ok_or_else(|| GgufError::Metadata {
-                    key: meta.key("rope.scaling.factor"),
-                    problem: "is missing (rope.scaling.type is linear)".into(),
-                })?;
-                config.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": factor}));
-            }
-            Some(other) => {
-                return Err(GgufError::Unsupported(format!(
-                    "RoPE scaling {other:?} is not supported (none or linear)"
-                )))
-            }
+        if let Some(scaling) = self.rope_scaling()? {
+            config.insert("rope_scaling".into(), scaling);
         }
-        let tokens = header.get("tokenizer.ggml.tokens").and_then(Value::as_array);
-        let embedding = header.tensors.iter().find(|t| t.name == "token_embd.weight");
-        let vocab = match (meta.count("vocab_size")?, tokens, embedding) {
-            (Some(v), _, _) => v,
-            (None, Some(tokens), _) => tokens.len() as u64,
-            (None, None, Some(e)) => e.dims.get(1).copied().unwrap_or(0),
-            (None, None, None) => return Err(GgufError::Unsupported("the file has no token_embd.weight".into())),
-        };
-        config.insert("vocab_size".into(), json!(vocab));
+        config.insert("vocab_size".into(), json!(self.vocab_size()?));
         let tied = !header.tensors.iter().any(|t| t.name == "output.weight");
         config.insert("tie_word_embeddings".into(), json!(tied));
         let token_id = |key: &str| header.get(key).and_then(Value::as_u64);
@@ -248,28 +298,48 @@ impl GgufModel {
         if let Some(id) = token_id("tokenizer.ggml.eos_token_id") {
             config.insert("eos_token_id".into(), json!(id));
         }
-        if arch == "llama" && header.tensors.iter().any(|t| t.name.ends_with("attn_q.bias")) {
+        if arch.name == "llama" && header.tensors.iter().any(|t| t.name.ends_with("attn_q.bias")) {
             config.insert("attention_bias".into(), json!(true));
         }
+        Ok(config)
+    }
+}
 
-        let mut tensors = Vec::with_capacity(header.tensors.len());
-        for info in &header.tensors {
-            let name = hf_name(&info.name)
-                .ok_or_else(|| GgufError::Unsupported(format!("tensor {} has no counterpart in {class}", info.name)))?;
-            let permuted_heads = match (permutes, info.name.rsplit('.').nth(1)) {
-                (true, Some("attn_q")) => Some(heads as usize),
-                (true, Some("attn_k")) => Some(kv_heads as usize),
-                _ => None,
-            };
-            tensors.push(GgufTensor {
-                name,
-                info: info.clone(),
-                permuted_heads,
-            });
-        }
+/// Every tensor of `header` under its `transformers` name, with the heads to unpermute
+/// where llama.cpp reordered them.
+fn hf_tensors(header: &GgufHeader, arch: &Architecture, attention: &Attention) -> Result<Vec<GgufTensor>, GgufError> {
+    let mut tensors = Vec::with_capacity(header.tensors.len());
+    for info in &header.tensors {
+        let name = hf_name(&info.name).ok_or_else(|| {
+            GgufError::Unsupported(format!("tensor {} has no counterpart in {}", info.name, arch.class))
+        })?;
+        let permuted_heads = match (arch.permutes, info.name.rsplit('.').nth(1)) {
+            (true, Some("attn_q")) => Some(attention.heads as usize),
+            (true, Some("attn_k")) => Some(attention.kv_heads as usize),
+            _ => None,
+        };
+        tensors.push(GgufTensor {
+            name,
+            info: info.clone(),
+            permuted_heads,
+        });
+    }
+    Ok(tensors)
+}
+
+impl GgufModel {
+    /// The model `header` describes (errors do not name the file: the caller knows it).
+    pub fn from_header(header: &GgufHeader) -> Result<Self, GgufError> {
+        let arch = Architecture::of(header)?;
+        let meta = Meta {
+            header,
+            arch: arch.name,
+        };
+        let attention = meta.attention()?;
+        let config = meta.config(&arch, &attention)?;
         Ok(Self {
             config: Json::Object(config),
-            tensors,
+            tensors: hf_tensors(header, &arch, &attention)?,
             tokenizer: tokenizer_json(header),
             tokenizer_config: tokenizer_config(header),
         })
