@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use regatta::{ActorState, Error, JobClient, JobStatus, JobSubmission};
+use regatta::{ActorState, DeathCause, Error, JobClient, JobStatus, JobSubmission};
 use support::{eventually, ticks, TestCluster};
 
 fn job_driver() -> PathBuf {
@@ -94,7 +94,7 @@ async fn a_job_uses_actors_and_objects_and_its_actors_and_objects_go_when_it_end
     let job_actors: Vec<_> = status
         .actors
         .iter()
-        .filter(|a| matches!(&a.view.state, ActorState::Dead { cause } if cause == &format!("job {id} ended")))
+        .filter(|a| matches!(&a.view.state, ActorState::Dead { cause: DeathCause::JobEnded { job } } if *job == id))
         .collect();
     assert_eq!(
         job_actors.len(),

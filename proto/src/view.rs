@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::object::DirectoryStats;
-use crate::protocol::{ActorId, GroupStatus};
+use crate::protocol::ids::ActorId;
+use crate::protocol::status::GroupStatus;
 use crate::resources::Resources;
 use crate::runs::{RunDetail, RunSummary};
 use crate::{Error, Result};

@@ -690,6 +690,7 @@ def _split(ref, num_returns):
 
 
 def _decode(what, kind, payload, is_task, pending=None):
+    kind, _, cause = kind.partition("/")
     if kind == "ok" and payload[:1] == b"L":
         pid, length = struct.unpack(">II", payload[1:9])
         text = payload[9:9 + length].decode("utf-8", "replace")
@@ -713,11 +714,11 @@ def _decode(what, kind, payload, is_task, pending=None):
         return None, RegattaError(f"{what}: the worker answered with an unknown frame")
     message = payload.decode("utf-8", "replace")
     if kind == "dead":
-        return None, ActorDiedError(f"{what}: the actor is dead: {message}")
+        return None, ActorDiedError(f"{what}: the actor is dead: {message}", cause=cause)
     if kind == "failed":
         if is_task:
             return None, WorkerCrashedError(f"{what}: the worker process died and the task's retries are spent: {message}")
-        return None, ActorDiedError(f"{what}: the actor's process died during the call: {message}")
+        return None, ActorDiedError(f"{what}: the actor's process died during the call: {message}", cause="exited")
     return None, RegattaError(f"{what}: {message}")
 
 

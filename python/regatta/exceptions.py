@@ -42,7 +42,15 @@ class TaskError(RegattaError):
 
 class ActorDiedError(RegattaError):
     """The actor is dead: its constructor failed, its process or node died and it was not
-    restarted, or it was killed. The message says which."""
+    restarted, or it was killed. The message says which, and ``cause`` names it for code:
+    ``"constructor_failed"``, ``"killed"``, ``"job_ended"``, ``"group_removed"``,
+    ``"unplaceable"``, ``"node_lost"`` (its node died, restarted or never took its start,
+    past its restarts), ``"restarts_exhausted"`` (its own process kept dying), or
+    ``"exited"`` (its process died during the call; it may be restarted)."""
+
+    def __init__(self, message, cause=None):
+        super().__init__(message)
+        self.cause = cause
 
 
 class WorkerCrashedError(RegattaError):

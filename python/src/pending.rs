@@ -4,6 +4,7 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use regatta::{ObjectId, ObjectRef};
@@ -56,7 +57,10 @@ pub(crate) async fn settle(cluster: &regatta::Cluster, slot: &Slot, result: rega
 fn outcome(result: regatta::Result<Vec<u8>>) -> (String, Vec<u8>) {
     match result {
         Ok(bytes) => ("ok".into(), bytes),
-        Err(regatta::Error::ActorDead { cause, .. }) => ("dead".into(), cause.into_bytes()),
+        // `dead/<why>`: the cause's label (`regatta.exceptions.ActorDiedError.cause`).
+        Err(regatta::Error::ActorDead { cause, .. }) => {
+            (format!("dead/{}", cause.label()), cause.to_string().into_bytes())
+        }
         Err(regatta::Error::Remote { message, .. }) => ("failed".into(), message.into_bytes()),
         Err(e) => ("error".into(), e.to_string().into_bytes()),
     }

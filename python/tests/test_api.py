@@ -109,6 +109,7 @@ def test_a_failed_constructor_makes_the_actor_dead_with_its_cause():
     with pytest.raises(ActorDiedError) as caught:
         regatta.get(broken.ping.remote(), timeout=60)
     assert "the constructor gives up" in str(caught.value)
+    assert caught.value.cause == "constructor_failed"
 
 
 def test_get_times_out_and_wait_splits_ready_from_pending():
@@ -165,8 +166,9 @@ def test_named_actors_are_found_and_killed():
     found = regatta.get_actor("the-counter")
     assert regatta.get(found.add.remote(1)) == 101
     regatta.kill(found)
-    with pytest.raises(ActorDiedError):
+    with pytest.raises(ActorDiedError) as caught:
         regatta.get(found.add.remote(1), timeout=60)
+    assert caught.value.cause == "killed", str(caught.value)
     with pytest.raises(ValueError):
         regatta.get_actor("nobody-by-this-name")
 

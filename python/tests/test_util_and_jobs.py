@@ -79,8 +79,9 @@ def test_placement_groups_reserve_place_and_release():
     waiting = placement_group([{"CPU": 2}])
     assert waiting.wait(0.5) is False
     remove_placement_group(group)
-    with pytest.raises(regatta.ActorDiedError):
+    with pytest.raises(regatta.ActorDiedError) as caught:
         regatta.get(placed[0].double.remote(1), timeout=60)
+    assert caught.value.cause == "group_removed", str(caught.value)
     assert waiting.wait(30) is True, "the freed CPUs go to the waiting group"
     remove_placement_group(waiting)
     with pytest.raises(regatta.InfeasibleError, match="GPU"):

@@ -62,7 +62,7 @@ pub enum Error {
         /// Its kind.
         kind: String,
         /// Why it died.
-        cause: String,
+        cause: regatta_proto::protocol::DeathCause,
     },
     /// A call or cast could not be delivered or its reply was lost.
     #[error("call to actor {actor} failed: {cause}")]

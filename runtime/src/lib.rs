@@ -61,8 +61,8 @@ pub use regatta_proto::object::fanout::DEFAULT_PER_SOURCE as DEFAULT_OBJECT_FANO
 pub use regatta_proto::placement::{Allocation, Decision, Ledger, Strategy};
 pub use regatta_proto::pool::{PoolBook, Seq};
 pub use regatta_proto::protocol::{
-    ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, GroupId, GroupStatus, NodeStatus,
-    PendingLine, RESTART_FOREVER,
+    ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, DeathCause, GroupId, GroupStatus,
+    Loss, NodeStatus, PendingLine, RESTART_FOREVER,
 };
 pub use regatta_proto::resources::{format_fixed, Resources, GPU, UNIT};
 pub use regatta_proto::runs::{RunDetail, RunPoint, RunSample, RunSummary};

@@ -36,6 +36,15 @@ pub enum Error {
     /// A collective with the other ranks failed (a lost peer).
     #[error("collective: {0}")]
     Collective(String),
+    /// A collective (or joining the group) was still running past its limit: a rank is
+    /// lost, stuck or never started. `text` says which rank and operation.
+    #[error("collective: {text}")]
+    CollectiveTimeout {
+        /// The rank, the operation and the limit, for people.
+        text: String,
+        /// The limit it ran past.
+        limit: std::time::Duration,
+    },
     /// A dataset cannot be read or does not fit the run; the text names the file and row.
     #[error("{0}")]
     Dataset(String),
@@ -75,7 +84,7 @@ impl Error {
     /// Whether a retry with the same inputs may succeed (a lost peer or storage hiccup).
     pub fn is_transient(&self) -> bool {
         match self {
-            Self::Collective(_) | Self::Storage(_) => true,
+            Self::Collective(_) | Self::CollectiveTimeout { .. } | Self::Storage(_) => true,
             Self::Place(e) => e.is_transient(),
             _ => false,
         }

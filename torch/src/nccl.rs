@@ -117,17 +117,36 @@ enum Seen {
 enum Verdict {
     Done,
     Wait,
-    Abort(String),
+    Abort(Stop),
+}
+
+/// Why an operation is given up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Stop {
+    /// NCCL or the device reported this error.
+    Failed(String),
+    /// Still running past its limit.
+    TimedOut(Duration),
+}
+
+impl std::fmt::Display for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Failed(cause) => f.write_str(cause),
+            Self::TimedOut(limit) => write!(
+                f,
+                "not done within {} s: a rank is lost, stuck or never started",
+                limit.as_secs()
+            ),
+        }
+    }
 }
 
 fn verdict(seen: Seen, waited: Duration, limit: Duration) -> Verdict {
     match seen {
         Seen::Done => Verdict::Done,
-        Seen::Failed(cause) => Verdict::Abort(cause),
-        Seen::Running if waited >= limit => Verdict::Abort(format!(
-            "not done within {} s: a rank is lost, stuck or never started",
-            limit.as_secs()
-        )),
+        Seen::Failed(cause) => Verdict::Abort(Stop::Failed(cause)),
+        Seen::Running if waited >= limit => Verdict::Abort(Stop::TimedOut(limit)),
         Seen::Running => Verdict::Wait,
     }
 }
@@ -376,18 +395,23 @@ impl NcclCollective {
 
     /// Aborts the communicator (its kernels stop, the peers see the error) and returns the
     /// error every later call repeats.
-    fn abort(&mut self, what: &str, cause: String) -> Error {
-        if self.aborted.is_none() {
+    fn abort(&mut self, what: &str, cause: Stop) -> Error {
+        let first = self.aborted.is_none();
+        if first {
             // SAFETY: a live communicator, aborted once.
             unsafe { sys::ncclCommAbort(self.comm) };
             self.aborted = Some(format!("{what}: {cause}; the NCCL communicator was aborted"));
         }
-        Error::Collective(format!(
+        let text = format!(
             "rank {} of {}: {}",
             self.rank,
             self.world,
             self.aborted.as_deref().unwrap_or_default()
-        ))
+        );
+        match cause {
+            Stop::TimedOut(limit) if first => Error::CollectiveTimeout { text, limit },
+            _ => Error::Collective(text),
+        }
     }
 
     /// Fails with the abort's cause once aborted; else makes the device's context current
@@ -444,7 +468,7 @@ impl NcclCollective {
             sys::ncclResult_t::ncclInProgress => self.await_comm(what, self.timeouts.collective)?,
             error => {
                 let cause = nccl_error(error, self.comm);
-                return Err(self.abort(what, cause));
+                return Err(self.abort(what, Stop::Failed(cause)));
             }
         }
         // SAFETY: as above.
@@ -514,7 +538,10 @@ impl Drop for NcclCollective {
             unsafe { driver::event::query(last.end) }.is_err()
         });
         if outstanding && self.aborted.is_none() {
-            let _ = self.abort("dropping the communicator", "collectives were still running".into());
+            let _ = self.abort(
+                "dropping the communicator",
+                Stop::Failed("collectives were still running".into()),
+            );
         }
         // SAFETY: the communicator, stream and event were created in `join` and are
         // released once; an aborted communicator is already gone.
@@ -635,16 +662,17 @@ mod tests {
         // Done wins even past the limit: the work completed.
         assert_eq!(verdict(Seen::Done, limit * 2, limit), Verdict::Done);
         assert_eq!(verdict(Seen::Running, early, limit), Verdict::Wait);
-        match verdict(Seen::Running, limit, limit) {
-            Verdict::Abort(cause) => {
-                assert!(cause.starts_with("not done within 10 s"), "{cause}");
-                assert!(cause.contains("a rank is lost"), "{cause}");
-            }
-            other => panic!("past the limit must abort, not {other:?}"),
-        }
+        assert_eq!(
+            verdict(Seen::Running, limit, limit),
+            Verdict::Abort(Stop::TimedOut(limit))
+        );
+        assert_eq!(
+            Stop::TimedOut(limit).to_string(),
+            "not done within 10 s: a rank is lost, stuck or never started"
+        );
         assert_eq!(
             verdict(Seen::Failed("remote process exited".into()), early, limit),
-            Verdict::Abort("remote process exited".into())
+            Verdict::Abort(Stop::Failed("remote process exited".into()))
         );
     }
 

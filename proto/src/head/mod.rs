@@ -303,7 +303,7 @@ impl HeadCore {
                     actor,
                     cause: cause.clone(),
                 }));
-                self.scheduler.exited(actor, attempt, &cause, now);
+                self.scheduler.exited(actor, attempt, cause, now);
                 answer(to, Answer::Done(Ok(())), out);
             }
             HeadRequest::Undelivered { actor, attempt, cause } => {

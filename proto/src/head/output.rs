@@ -1,7 +1,7 @@
 //! What the head hands back: answers to reply tokens, effects, releases and notices.
 
 use crate::object::{Location, Release};
-use crate::protocol::{ActorId, ActorView, ClusterStatus, Failure, GroupId, Registration, StartFailure};
+use crate::protocol::{ActorId, ActorView, ClusterStatus, Failure, GroupId, Loss, Registration, StartFailure};
 use crate::scheduler::Effect;
 
 /// Who an answer goes to: a token the shell maps to the caller's reply port.
@@ -77,7 +77,7 @@ pub enum Notice {
         /// The actor.
         actor: ActorId,
         /// Why.
-        cause: String,
+        cause: Loss,
     },
     /// An object registration was refused.
     ObjectRefused(Failure),

@@ -1,7 +1,7 @@
 use super::durable::REPLAYED;
 use super::*;
 use crate::placement::Strategy;
-use crate::protocol::{ActorSpec, GroupSpec, NodeInfo, Registration};
+use crate::protocol::{ActorSpec, DeathCause, GroupSpec, Loss, NodeInfo, Registration};
 use crate::resources::Resources;
 use crate::scheduler::Scheduler;
 
@@ -424,7 +424,15 @@ fn a_node_dies_with_actors_and_a_pending_group_and_each_goes_where_it_should() {
     match replies(&out).as_slice() {
         [(ReplyTo(3), Answer::Actor(Ok(view)))] => {
             assert!(
-                matches!(&view.state, ActorState::Dead { cause } if cause.contains("w1")),
+                matches!(
+                    &view.state,
+                    ActorState::Dead {
+                        cause: DeathCause::RestartsExhausted {
+                            last: Loss::NodeDied { node, .. },
+                            ..
+                        }
+                    } if node == "w1"
+                ),
                 "{view:?}"
             )
         }
@@ -448,7 +456,7 @@ fn an_actor_that_keeps_exiting_is_restarted_until_its_budget_runs_out() {
     let exit = |attempt| HeadRequest::Exited {
         actor: id,
         attempt,
-        cause: format!("crash {attempt}"),
+        cause: Loss::Exited(format!("crash {attempt}")),
     };
     let out = head.handle(exit(first), None, 5);
     let again = starts(&out);
@@ -469,7 +477,15 @@ fn an_actor_that_keeps_exiting_is_restarted_until_its_budget_runs_out() {
     match replies(&out).as_slice() {
         [(ReplyTo(9), Answer::Actor(Ok(view)))] => {
             assert!(
-                matches!(&view.state, ActorState::Dead { cause } if cause.contains(&format!("crash {}", first + 1))),
+                matches!(
+                    &view.state,
+                    ActorState::Dead {
+                        cause: DeathCause::RestartsExhausted {
+                            last: Loss::Exited(crash),
+                            max_restarts: 1,
+                        }
+                    } if *crash == format!("crash {}", first + 1)
+                ),
                 "{view:?}"
             );
             assert_eq!(view.restarts, 1);
@@ -911,7 +927,7 @@ fn a_snapshot_and_the_changes_after_it_replay_to_the_same_head() {
                 6 => HeadRequest::Exited {
                     actor: ActorId(1 + next(20)),
                     attempt: 1 + next(2) as u32,
-                    cause: "panicked".into(),
+                    cause: Loss::Exited("panicked".into()),
                 },
                 7 => HeadRequest::Kill(ActorId(1 + next(20))),
                 8 => HeadRequest::CreateGroup(crate::protocol::GroupSpec {

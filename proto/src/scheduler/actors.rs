@@ -2,7 +2,7 @@
 
 use super::{ActorRecord, Effect, Scheduler, MAX_DEAD_ACTORS};
 use crate::placement::{self, Allocation, Decision, Ledger};
-use crate::protocol::{ActorId, ActorSpec, ActorState, ActorView, Failure, GroupId, StartFailure};
+use crate::protocol::{ActorId, ActorSpec, ActorState, ActorView, DeathCause, Failure, GroupId, Loss, StartFailure};
 
 impl Scheduler {
     /// Accepts an actor for placement, or refuses it at once when it can never run.
@@ -148,13 +148,13 @@ impl Scheduler {
             // A constructor that fails will fail again with the same arguments: no restart.
             Err(cause) => {
                 self.release(id);
-                self.set_dead(id, format!("constructor failed: {cause}"));
+                self.set_dead(id, DeathCause::ConstructorFailed(cause));
             }
         }
     }
 
     /// An agent reports that a running actor stopped (panic or error in a handler).
-    pub fn exited(&mut self, id: ActorId, attempt: u32, cause: &str, now_ms: u64) {
+    pub fn exited(&mut self, id: ActorId, attempt: u32, cause: Loss, now_ms: u64) {
         let current = self
             .actors
             .get(&id)
@@ -204,14 +204,15 @@ impl Scheduler {
             .into_iter()
             .collect();
         self.release(id);
-        self.set_dead(id, "killed by request".to_string());
+        self.set_dead(id, DeathCause::Killed);
         Ok(effects)
     }
 
     /// A job ended: its actors die (no restart) with the cause named.
     pub fn end_job(&mut self, job: &str) -> Vec<Effect> {
         let all: Vec<ActorId> = self.actors.keys().copied().collect();
-        self.kill_where(all, |a| a.spec.job.as_deref() == Some(job), &format!("job {job} ended"))
+        let cause = DeathCause::JobEnded { job: job.to_string() };
+        self.kill_where(all, |a| a.spec.job.as_deref() == Some(job), cause)
     }
 
     /// Kills every live actor among `among` matching `doomed` (no restart), stopping it on
@@ -220,7 +221,7 @@ impl Scheduler {
         &mut self,
         among: impl IntoIterator<Item = ActorId>,
         doomed: impl Fn(&ActorRecord) -> bool,
-        cause: &str,
+        cause: DeathCause,
     ) -> Vec<Effect> {
         let members: Vec<ActorId> = among
             .into_iter()
@@ -239,12 +240,12 @@ impl Scheduler {
                 });
             }
             self.release(id);
-            self.set_dead(id, cause.to_string());
+            self.set_dead(id, cause.clone());
         }
         effects
     }
 
-    pub(super) fn actor_lost(&mut self, id: ActorId, cause: &str, node_alive: bool, now_ms: u64) {
+    pub(super) fn actor_lost(&mut self, id: ActorId, cause: Loss, node_alive: bool, now_ms: u64) {
         if node_alive {
             self.release(id);
         } else {
@@ -257,12 +258,18 @@ impl Scheduler {
             actor.waiting_since_ms = now_ms;
             self.enqueue(id);
         } else {
-            let budget = actor.spec.max_restarts;
-            self.set_dead(id, format!("{cause}; restart budget exhausted (max_restarts={budget})"));
+            let max_restarts = actor.spec.max_restarts;
+            self.set_dead(
+                id,
+                DeathCause::RestartsExhausted {
+                    last: cause,
+                    max_restarts,
+                },
+            );
         }
     }
 
-    pub(super) fn set_dead(&mut self, id: ActorId, cause: String) {
+    pub(super) fn set_dead(&mut self, id: ActorId, cause: DeathCause) {
         self.dequeue(id);
         let Some(actor) = self.actors.get_mut(&id) else { return };
         let first_time = !matches!(actor.state, ActorState::Dead { .. });

@@ -2,7 +2,7 @@
 
 use super::{Effect, GroupRecord, Scheduler};
 use crate::placement::{self, Decision};
-use crate::protocol::{Failure, GroupId, GroupSpec};
+use crate::protocol::{DeathCause, Failure, GroupId, GroupSpec};
 
 impl Scheduler {
     /// Accepts a placement group, or refuses it at once when it can never be placed.
@@ -52,7 +52,7 @@ impl Scheduler {
         let effects = self.kill_where(
             members,
             |a| a.spec.placement.as_ref().is_some_and(|p| p.group == id),
-            &format!("placement group {id} was removed"),
+            DeathCause::GroupRemoved { group: id },
         );
         if let Some(group) = self.groups.remove(&id) {
             for bundle in group.bundles.into_iter().flatten() {

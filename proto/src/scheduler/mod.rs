@@ -235,7 +235,7 @@ mod tests {
     use super::*;
     use crate::placement::{Decision, Strategy};
     use crate::protocol::BundleRef;
-    use crate::protocol::Failure;
+    use crate::protocol::{DeathCause, Failure, Loss};
     use crate::resources::Resources;
 
     fn node(name: &str, resources: &str) -> NodeInfo {
@@ -357,9 +357,17 @@ mod tests {
         match dead.state {
             ActorState::Dead { cause } => {
                 assert!(
-                    cause.contains("node w1 died") && cause.contains("max_restarts=0"),
+                    matches!(
+                        &cause,
+                        DeathCause::RestartsExhausted {
+                            last: Loss::NodeDied { node, .. },
+                            max_restarts: 0,
+                        } if node == "w1"
+                    ),
                     "{cause}"
-                )
+                );
+                assert!(cause.node_lost() && cause.label() == "node_lost");
+                assert!(cause.to_string().starts_with("node w1 died: "), "{cause}");
             }
             other => panic!("{other:?}"),
         }
@@ -384,7 +392,9 @@ mod tests {
                 actor: a
             }]
         );
-        assert!(matches!(s.actor_view(a).unwrap().state, ActorState::Dead { cause } if cause == "job j1 ended"));
+        assert!(
+            matches!(s.actor_view(a).unwrap().state, ActorState::Dead { cause } if cause == DeathCause::JobEnded { job: "j1".into() })
+        );
         assert_eq!(s.actor_view(b).unwrap().state, ActorState::Alive);
         assert_eq!(
             s.status(0).nodes[0].used.fixed("CPU"),
@@ -421,7 +431,7 @@ mod tests {
         s.register(node("w1", "CPU=1"), &[], 0).unwrap();
         let id = s.submit(spec("CPU=1", 5), 0).unwrap();
         let first = starts(&s.schedule(0)).remove(0);
-        s.exited(id, first.attempt, "panicked", 1);
+        s.exited(id, first.attempt, Loss::Exited("panicked".into()), 1);
         let second = starts(&s.schedule(1)).remove(0);
         s.started(id, first.attempt, Ok(()));
         assert_eq!(s.actor_view(id).unwrap().state, ActorState::Starting);
@@ -592,7 +602,7 @@ mod tests {
                         let live: Vec<ActorId> = s.actors.keys().copied().collect();
                         if let Some(id) = live.get(next(live.len() as u64 + 1) as usize) {
                             let attempt = s.actors[id].attempt;
-                            s.exited(*id, attempt, "panicked", now);
+                            s.exited(*id, attempt, Loss::Exited("panicked".into()), now);
                         }
                     }
                     4 => {

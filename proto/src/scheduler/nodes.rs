@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 
 use super::{NodeRecord, Scheduler};
 use crate::placement::{self, Ledger};
-use crate::protocol::{ActorId, ActorState, Failure, NodeInfo, Registration, RunningActor};
+use crate::protocol::{ActorId, ActorState, Failure, Loss, NodeInfo, Registration, RunningActor};
 
 impl Scheduler {
     /// A worker joins, or joins again: after a head restart, after the head lost it for a
@@ -66,8 +66,8 @@ impl Scheduler {
                     }
                 }
                 _ => {
-                    let cause = format!("node {name} registered again without it (its worker restarted)");
-                    self.actor_lost(id, &cause, true, now_ms);
+                    let cause = Loss::NodeRestarted { node: name.to_string() };
+                    self.actor_lost(id, cause, true, now_ms);
                 }
             }
         }
@@ -165,7 +165,11 @@ impl Scheduler {
             }
         }
         for id in lost {
-            self.actor_lost(id, &format!("node {node} died: {cause}"), false, now_ms);
+            let loss = Loss::NodeDied {
+                node: node.to_string(),
+                cause: cause.to_string(),
+            };
+            self.actor_lost(id, loss, false, now_ms);
         }
     }
 

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use super::index::{Lookup, NodeState, Shape};
 use super::{Bundle, Effect, NodeRecord, Placed, Scheduler, WaitKey};
 use crate::placement::{self, Candidate, Decision, Ledger};
-use crate::protocol::{ActorId, ActorState, GroupId, StartActor};
+use crate::protocol::{ActorId, ActorState, DeathCause, GroupId, StartActor};
 use crate::resources::Resources;
 
 impl Scheduler {
@@ -173,7 +173,7 @@ impl Scheduler {
                 }
                 Decision::Busy => None,
                 Decision::Infeasible(why) => {
-                    self.set_dead(id, format!("cannot be placed any more: {why}"));
+                    self.set_dead(id, DeathCause::Unplaceable { why });
                     let _ = now_ms;
                     return None;
                 }

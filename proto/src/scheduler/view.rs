@@ -138,7 +138,7 @@ fn row(id: ActorId, actor: &ActorRecord, now_ms: u64) -> ActorRow {
         name: actor.spec.name.clone(),
         state: actor.state.label().to_string(),
         cause: match &actor.state {
-            ActorState::Dead { cause } => Some(cause.clone()),
+            ActorState::Dead { cause } => Some(cause.to_string()),
             _ => None,
         },
         node: actor.placed.as_ref().map(|p| p.node.clone()),

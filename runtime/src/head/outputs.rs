@@ -6,7 +6,7 @@ use std::time::Duration;
 use ractor::ActorRef;
 use regatta_object_store::Release;
 use regatta_proto::head::{Answer, Notice};
-use regatta_proto::protocol::{AgentRequest, Failure, HeadRequest, ObjectCommand, StartActor};
+use regatta_proto::protocol::{AgentRequest, Failure, HeadRequest, Loss, ObjectCommand, StartActor};
 use regatta_proto::scheduler::Effect;
 
 use crate::net::node;
@@ -85,20 +85,19 @@ pub(super) fn carry_out(head: &ActorRef<Wire>, scope: &str, effect: Effect) {
     tokio::spawn(async move {
         let delivered = wire::call_raw(&agent, wire::encode(&request), Duration::from_secs(10)).await;
         if let (Err(_), Some(start)) = (delivered, start) {
-            report_undeliverable(
-                &head,
-                &start,
-                format!("node {}'s agent did not accept the start", start.node),
-            );
+            report_undeliverable(&head, &start);
         }
     });
 }
 
-fn report_undeliverable(head: &ActorRef<Wire>, start: &StartActor, cause: String) {
+/// A start the node's agent did not take: the actor is lost with its node's part in it.
+fn report_undeliverable(head: &ActorRef<Wire>, start: &StartActor) {
     let report = HeadRequest::Exited {
         actor: start.actor,
         attempt: start.attempt,
-        cause,
+        cause: Loss::Undelivered {
+            node: start.node.clone(),
+        },
     };
     let _ = head.send_message(Wire::Local(LocalSignal::Deferred(wire::encode(&report))));
 }

@@ -28,7 +28,9 @@ const MAGIC: &[u8] = b"REGATTA-HEAD-STATE";
 const LOG_MAGIC: &[u8] = b"REGATTA-HEAD-LOG";
 /// What an operator does with a state file the head cannot use.
 const ASIDE: &str = "move it aside (or delete it) to start an empty cluster; the workers then stop their actors";
-const VERSION: u32 = 1;
+/// The format's version: 2 since a dead actor's cause and an exit's loss are typed
+/// (`DeathCause`, `Loss`) instead of text.
+const VERSION: u32 = 2;
 /// The snapshot's name in the state directory.
 pub(crate) const FILE_NAME: &str = "cluster.state";
 /// The change log's name in the state directory.

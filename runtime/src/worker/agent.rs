@@ -12,7 +12,9 @@ use crate::client::Cluster;
 use crate::net::node;
 use crate::net::wire::{self, LocalSignal, Wire};
 use crate::worker::registry::{Host, HostArgs, Registry, StartError};
-use regatta_proto::protocol::{ActorId, AgentRequest, Failure, HeadRequest, RunningActor, StartActor, StartFailure};
+use regatta_proto::protocol::{
+    ActorId, AgentRequest, Failure, HeadRequest, Loss, RunningActor, StartActor, StartFailure,
+};
 
 use super::router::Router;
 use crate::net::calls::Routes;
@@ -192,7 +194,11 @@ impl Actor for Agent {
         state.log(actor, &format!("exited: {cause}"));
         let cluster = state.cluster.clone();
         tokio::spawn(async move {
-            let report = HeadRequest::Exited { actor, attempt, cause };
+            let report = HeadRequest::Exited {
+                actor,
+                attempt,
+                cause: Loss::Exited(cause),
+            };
             if let Err(e) = cluster.ask_head::<()>(&report, REPORT_TIMEOUT).await {
                 tracing::warn!(%actor, error = %e, "could not report an actor exit to the head");
             }

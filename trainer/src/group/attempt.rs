@@ -189,7 +189,7 @@ fn classify(rank: usize, error: regatta_runtime::Error) -> AttemptError {
     use regatta_runtime::Error;
     let text = error.to_string();
     let lost = match &error {
-        Error::ActorDead { cause, .. } => cause.contains("node "),
+        Error::ActorDead { cause, .. } => cause.node_lost(),
         Error::CallFailed { .. } | Error::Timeout { .. } => true,
         Error::Remote { .. } => true,
         _ => false,

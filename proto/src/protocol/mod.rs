@@ -3,46 +3,20 @@
 //! Every remote actor in Regatta receives `Wire` envelopes whose payload is one
 //! of these types encoded with bincode; replies are `Result<T, Failure>` encoded the same way.
 
-use std::fmt;
-
 use serde::{Deserialize, Serialize};
 
-use crate::object::{DirectoryStats, ObjectId};
+pub mod actor;
+pub mod ids;
+pub mod status;
+
+pub use actor::{ActorState, ActorView, DeathCause, Loss, StartFailure};
+pub use ids::{ActorId, BundleRef, GroupId, RESTART_FOREVER};
+pub use status::{ActorLine, ClusterStatus, GroupStatus, NodeStatus, PendingLine};
+
+use crate::object::ObjectId;
 
 use crate::placement::Strategy;
 use crate::resources::Resources;
-
-/// A cluster-wide actor id, stable across restarts of the actor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub struct ActorId(pub u64);
-
-impl fmt::Display for ActorId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
-
-/// A placement group id.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub struct GroupId(pub u64);
-
-impl fmt::Display for GroupId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "pg-{}", self.0)
-    }
-}
-
-/// Restart budget meaning "restart forever".
-pub const RESTART_FOREVER: u32 = u32::MAX;
-
-/// Which bundle of which placement group an actor goes into.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BundleRef {
-    /// The group.
-    pub group: GroupId,
-    /// The bundle index; `None` lets the head pick any bundle with room.
-    pub bundle: Option<usize>,
-}
 
 /// Everything the head needs to place and (re)start an actor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -149,7 +123,7 @@ pub enum Failure {
         /// Its kind.
         kind: String,
         /// Why.
-        cause: String,
+        cause: DeathCause,
     },
     /// The handler returned an error.
     Handler(String),
@@ -173,27 +147,6 @@ pub enum Failure {
         /// The node that answered.
         node: String,
     },
-}
-
-/// Why an actor's start attempt failed, as its node's agent reports it to the head in
-/// [`HeadRequest::Started`]: the constructor's error, or why the node could not host the
-/// actor it built. The head marks the actor dead with it (`constructor failed: <cause>`)
-/// and does not restart it: the same arguments would fail again.
-///
-/// A struct of one string, it encodes on the wire and in the head's change log exactly as
-/// the plain `String` it replaced.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
-#[error("{cause}")]
-pub struct StartFailure {
-    /// What went wrong, for people.
-    pub cause: String,
-}
-
-impl StartFailure {
-    /// A failure saying `cause`.
-    pub fn new(cause: impl Into<String>) -> Self {
-        Self { cause: cause.into() }
-    }
 }
 
 /// Requests the head answers.
@@ -317,7 +270,7 @@ pub enum HeadRequest {
         /// The attempt number it was started with.
         attempt: u32,
         /// Why it stopped.
-        cause: String,
+        cause: Loss,
     },
     /// From the head's shell to its core: a start could not be delivered because the
     /// node's agent is not reachable (no session to it). The node is lost; the actor waits
@@ -434,55 +387,6 @@ pub enum ObjectCommand {
     },
 }
 
-/// Where an actor is and how it is doing.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ActorView {
-    /// The actor.
-    pub id: ActorId,
-    /// Its kind.
-    pub kind: String,
-    /// Its state.
-    pub state: ActorState,
-    /// The node it runs on, if placed.
-    pub node: Option<String>,
-    /// `host:port` of that node's cluster listener, for opening a session to it.
-    #[serde(default)]
-    pub address: Option<String>,
-    /// How many times it was restarted.
-    pub restarts: u32,
-}
-
-/// An actor's lifecycle state.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ActorState {
-    /// Waiting for resources.
-    Pending,
-    /// Placed; its constructor is running.
-    Starting,
-    /// Running.
-    Alive,
-    /// Lost its node or process; waiting to be placed again.
-    Restarting,
-    /// Gone for good.
-    Dead {
-        /// Why.
-        cause: String,
-    },
-}
-
-impl ActorState {
-    /// A short lower-case label.
-    pub fn label(&self) -> &'static str {
-        match self {
-            Self::Pending => "pending",
-            Self::Starting => "starting",
-            Self::Alive => "alive",
-            Self::Restarting => "restarting",
-            Self::Dead { .. } => "dead",
-        }
-    }
-}
-
 /// Requests a node agent answers.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum AgentRequest {
@@ -520,82 +424,4 @@ pub struct StartActor {
     /// The job it belongs to.
     #[serde(default)]
     pub job: Option<String>,
-}
-
-/// A snapshot of the cluster for `regatta status`.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct ClusterStatus {
-    /// Every node ever registered.
-    pub nodes: Vec<NodeStatus>,
-    /// Placement groups not removed.
-    pub groups: Vec<GroupStatus>,
-    /// Actors not dead, plus recent dead ones.
-    pub actors: Vec<ActorLine>,
-    /// Requests waiting for resources.
-    pub pending: Vec<PendingLine>,
-    /// The object directory's figures.
-    #[serde(default)]
-    pub objects: DirectoryStats,
-}
-
-/// One node in [`ClusterStatus`].
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct NodeStatus {
-    /// Name.
-    pub name: String,
-    /// Cluster listener address.
-    pub address: String,
-    /// `alive` or `dead`.
-    pub state: String,
-    /// Seconds since the node reached that state.
-    pub since_s: f64,
-    /// Why it died, if it did.
-    pub cause: Option<String>,
-    /// Total resources.
-    pub total: Resources,
-    /// Resources in use.
-    pub used: Resources,
-    /// Actor kinds it can construct.
-    pub kinds: Vec<String>,
-    /// Live actors on it.
-    pub actors: usize,
-}
-
-/// One placement group in [`ClusterStatus`].
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct GroupStatus {
-    /// Id.
-    pub id: GroupId,
-    /// Name, if any.
-    pub name: Option<String>,
-    /// Strategy.
-    pub strategy: Strategy,
-    /// `pending`, `created` or `rescheduling`.
-    pub state: String,
-    /// Node per bundle (`None` while unplaced).
-    pub bundles: Vec<(Resources, Option<String>)>,
-}
-
-/// One actor in [`ClusterStatus`].
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct ActorLine {
-    /// The actor.
-    pub view: ActorView,
-    /// Name, if any.
-    pub name: Option<String>,
-    /// Resources it holds or asks for.
-    pub resources: Resources,
-    /// GPU indices it holds.
-    pub gpu_ids: Vec<u32>,
-}
-
-/// One waiting request in [`ClusterStatus`].
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct PendingLine {
-    /// `actor 7 (echo)` or `pg-3`.
-    pub what: String,
-    /// What it asks for.
-    pub resources: String,
-    /// Seconds it has waited.
-    pub waiting_s: f64,
 }
