@@ -39,10 +39,10 @@ pub(super) async fn generate(link: &Link, task: &PartitionTask) -> Result<Outcom
     {
         match result {
             Ok(generation) => written.push(request, meta, generation),
-            Err(reason) => errors.push(RowError {
+            Err(failure) => errors.push(RowError {
                 id: Some(request.id),
                 offset,
-                reason,
+                reason: failure.message,
             }),
         }
     }
@@ -123,10 +123,10 @@ fn queue(sampling: &SamplingParams, rows: Vec<(u64, PromptRow)>, errors: &mut Ve
                     params,
                 });
             }
-            Err(reason) => errors.push(RowError {
+            Err(error) => errors.push(RowError {
                 id: Some(row.id),
                 offset,
-                reason,
+                reason: error.to_string(),
             }),
         }
     }

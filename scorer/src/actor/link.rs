@@ -11,7 +11,7 @@ use tokio::sync::oneshot;
 use super::metrics::metrics;
 use crate::error::{Error, Result};
 use crate::generate::{GenRequest, GenStats, Generation, SamplingParams};
-use crate::protocol::{FromScorer, ToScorer};
+use crate::protocol::{FromScorer, RowFailure, ToScorer};
 
 /// What a generating scorer's partitions share: the executor's stdin, and the answers
 /// its reply reader hands to each partition by tag.
@@ -23,7 +23,12 @@ pub(super) struct Link {
     pub(super) state: std::sync::Mutex<LinkState>,
 }
 
-type Answer = std::result::Result<Vec<std::result::Result<Generation, String>>, String>;
+/// A generate request's rows, one result each, in order: or why the whole request was
+/// lost (a step of the model failed, or the executor is gone).
+type Answer = Result<Rows>;
+
+/// One result per row of a generate request: a generation, or why the row has none.
+pub(super) type Rows = Vec<std::result::Result<Generation, RowFailure>>;
 
 #[derive(Default)]
 pub(super) struct LinkState {
@@ -56,11 +61,18 @@ impl Link {
         }
     }
 
+    /// Stops waiting for the answer tagged `tag` (its rows never went out).
+    fn forget(&self, tag: u64) {
+        if let Ok(mut state) = self.state.lock() {
+            state.waiting.remove(&tag);
+        }
+    }
+
     /// Fails every partition waiting (and, when `gone`, every later one).
     fn fail_all(&self, reason: &str, gone: bool) {
         if let Ok(mut state) = self.state.lock() {
             for (_, sender) in state.waiting.drain() {
-                let _ = sender.send(Err(reason.to_string()));
+                let _ = sender.send(Err(Error::Executor(reason.to_string())));
             }
             if gone {
                 state.gone = Some(reason.to_string());
@@ -70,11 +82,7 @@ impl Link {
 
     /// Sends `rows` to the executor tagged `tag` (they join its running batch) and waits
     /// for their results, one per row in order.
-    pub(super) async fn generate(
-        &self,
-        tag: u64,
-        rows: &[GenRequest],
-    ) -> Result<Vec<std::result::Result<Generation, String>>> {
+    pub(super) async fn generate(&self, tag: u64, rows: &[GenRequest]) -> Result<Rows> {
         let answer = self.expect(tag)?;
         let sent = send(
             &self.stdin,
@@ -85,13 +93,12 @@ impl Link {
         )
         .await;
         if let Err(e) = sent {
-            self.answer(tag, Err(e.to_string()));
+            self.forget(tag);
             return Err(e);
         }
         let results = answer
             .await
-            .map_err(|_| Error::Executor("the scorer executor's reply reader stopped".into()))?
-            .map_err(Error::Executor)?;
+            .map_err(|_| Error::Executor("the scorer executor's reply reader stopped".into()))??;
         if results.len() != rows.len() {
             return Err(Error::Executor(format!(
                 "the scorer executor answered {} rows to generate with {} results",

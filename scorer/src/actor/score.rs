@@ -71,10 +71,10 @@ impl ScorerActor {
                             generated: score.generated,
                         });
                     }
-                    Err(reason) => errors.push(RowError {
+                    Err(failure) => errors.push(RowError {
                         id: Some(rows[i].id.clone()),
                         offset: offsets[i],
-                        reason,
+                        reason: failure.message,
                     }),
                 }
             }

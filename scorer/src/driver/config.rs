@@ -198,7 +198,7 @@ impl ScoreConfig {
             }
             return Ok(());
         }
-        self.sampling().validate().map_err(Error::Config)?;
+        self.sampling().validate().map_err(|e| Error::Config(e.to_string()))?;
         if !(1..=4096).contains(&self.max_batch) {
             return Err(Error::Config(format!(
                 "max_batch must be 1..=4096, not {}",

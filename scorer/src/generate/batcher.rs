@@ -25,6 +25,7 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
 
 use super::blocks::BlockPool;
+use crate::error::{Error, Result};
 
 /// The shape of the cache and the batch.
 #[derive(Clone, Debug, PartialEq)]
@@ -202,9 +203,9 @@ impl Batcher {
     /// Queues a prompt to be continued by up to `max_new_tokens`; returns its sequence
     /// number, or why it can never run (empty, as long as the context, or needing more
     /// cache than there is).
-    pub fn add(&mut self, prompt: Vec<i64>, max_new_tokens: usize) -> Result<usize, String> {
-        if let Some(reason) = self.refusal(prompt.len(), max_new_tokens, self.config.blocks) {
-            return Err(reason);
+    pub fn add(&mut self, prompt: Vec<i64>, max_new_tokens: usize) -> Result<usize> {
+        if let Some(refusal) = self.refusal(prompt.len(), max_new_tokens, self.config.blocks) {
+            return Err(refusal);
         }
         let limit = self.limit(prompt.len(), max_new_tokens);
         let seq = self.sequences.len();
@@ -235,24 +236,20 @@ impl Batcher {
 
     /// Why a prompt of `length` tokens can never run in a cache of `blocks` blocks (empty,
     /// as long as the context, or needing more blocks); `None` when it can.
-    pub fn refusal(&self, length: usize, max_new_tokens: usize, blocks: usize) -> Option<String> {
+    pub fn refusal(&self, length: usize, max_new_tokens: usize, blocks: usize) -> Option<Error> {
         let context = self.config.context;
         if length == 0 {
-            return Some("the prompt has no tokens".into());
+            return Some(Error::EmptyPrompt);
         }
         if length >= context {
-            return Some(format!(
-                "the prompt has {length} tokens; the model's context is {context}, so nothing is left to generate"
-            ));
+            return Some(Error::PromptFillsContext { length, context });
         }
-        let limit = self.limit(length, max_new_tokens);
         let needed = self.blocks_for(length, max_new_tokens);
-        (needed > blocks).then(|| {
-            format!(
-                "the sequence needs {limit} tokens of KV cache ({needed} blocks of {}); the cache holds {blocks} blocks: \
-                 raise the KV cache budget or lower max_new_tokens",
-                self.config.block_tokens
-            )
+        (needed > blocks).then(|| Error::CacheTooSmall {
+            tokens: self.limit(length, max_new_tokens),
+            needed,
+            block_tokens: self.config.block_tokens,
+            blocks,
         })
     }
 
@@ -933,6 +930,7 @@ mod tests {
         assert!(b
             .add(vec![1; 10], 20)
             .unwrap_err()
+            .to_string()
             .contains("raise the KV cache budget"));
     }
 
@@ -998,8 +996,12 @@ mod tests {
             other.iter().all(|slot| *slot >= 8),
             "the new sequence got the new blocks: {other:?}"
         );
-        assert!(b.refusal(10, 20, 4).unwrap().contains("the cache holds 4 blocks"));
-        assert_eq!(b.refusal(10, 6, 4), None);
+        assert!(b
+            .refusal(10, 20, 4)
+            .unwrap()
+            .to_string()
+            .contains("the cache holds 4 blocks"));
+        assert!(b.refusal(10, 6, 4).is_none());
     }
 
     #[test]
@@ -1023,7 +1025,7 @@ mod tests {
         assert_eq!(b.generated(stops), &[9, 9, 2], "the eos token is part of the output");
         assert_eq!(b.finished(capped), Some(Finish::Length));
         assert_eq!(b.generated(capped).len(), 4, "stopped at the context of 64");
-        assert!(b.add(vec![1; 64], 1).unwrap_err().contains("context is 64"));
-        assert!(b.add(Vec::new(), 1).unwrap_err().contains("no tokens"));
+        assert!(b.add(vec![1; 64], 1).unwrap_err().to_string().contains("context is 64"));
+        assert!(b.add(Vec::new(), 1).unwrap_err().to_string().contains("no tokens"));
     }
 }
