@@ -90,14 +90,19 @@ pub struct RowError {
     pub reason: String,
 }
 
-/// A row's `id`: a non-empty string, or an integer written as text.
-pub(crate) fn row_id(value: &serde_json::Value) -> Result<String, String> {
-    match value.get("id") {
-        Some(serde_json::Value::String(s)) if !s.is_empty() => Ok(s.clone()),
-        Some(serde_json::Value::Number(n)) if n.is_u64() || n.is_i64() => Ok(n.to_string()),
-        Some(other) => Err(format!("`id` must be a non-empty string or an integer, not {other}")),
-        None => Err("no `id` field".into()),
-    }
+/// The `id` of the row at `offset`: a non-empty string, or an integer written as text.
+pub(crate) fn row_id(value: &serde_json::Value, offset: u64) -> Result<String, RowError> {
+    let reason = match value.get("id") {
+        Some(serde_json::Value::String(s)) if !s.is_empty() => return Ok(s.clone()),
+        Some(serde_json::Value::Number(n)) if n.is_u64() || n.is_i64() => return Ok(n.to_string()),
+        Some(other) => format!("`id` must be a non-empty string or an integer, not {other}"),
+        None => "no `id` field".into(),
+    };
+    Err(RowError {
+        id: None,
+        offset,
+        reason,
+    })
 }
 
 /// Parses one JSONL line: an object with an `id` (string or integer) and a `text` string.
@@ -105,7 +110,7 @@ pub fn parse_row(line: &[u8], offset: u64) -> Result<Row, RowError> {
     let fail = |id: Option<String>, reason: String| RowError { id, offset, reason };
     let value: serde_json::Value =
         serde_json::from_slice(line).map_err(|e| fail(None, format!("not valid JSON: {e}")))?;
-    let id = row_id(&value).map_err(|reason| fail(None, reason))?;
+    let id = row_id(&value, offset)?;
     match value.get("text") {
         Some(serde_json::Value::String(text)) if !text.is_empty() => Ok(Row { id, text: text.clone() }),
         Some(serde_json::Value::String(_)) => Err(fail(Some(id), "`text` is empty".into())),

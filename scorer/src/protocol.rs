@@ -129,6 +129,26 @@ pub struct RowScore {
     pub generated: String,
 }
 
+/// Why the executor could not score or generate for one row: the row goes to the
+/// partition's errors file with this reason, and the other rows go on. On the wire it is
+/// the message alone (a JSON string).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(transparent)]
+#[error("{message}")]
+pub struct RowFailure {
+    /// What is wrong with the row, for people.
+    pub message: String,
+}
+
+impl RowFailure {
+    /// A row's failure, saying `message`.
+    pub fn new(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+        }
+    }
+}
+
 /// Executor to agent.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -145,18 +165,31 @@ pub enum FromScorer {
         kv_cache_bytes: Option<u64>,
     },
     /// One result per row of the batch, in order: a score or why the row cannot be scored.
-    Scored(Vec<Result<RowScore, String>>),
+    Scored(Vec<Result<RowScore, RowFailure>>),
     /// One result per row of the [`ToScorer::Generate`] with this tag, in order: a
     /// generation or why the row cannot be generated for.
     Generated {
         /// The request's tag.
         tag: u64,
         /// Its rows' results.
-        results: Vec<Result<Generation, String>>,
+        results: Vec<Result<Generation, RowFailure>>,
     },
     /// Figures while generating (sent about twice a second).
     Stats(GenStats),
     /// The executor gave up: while loading, or (generating) the model failed a step, and
     /// every request then in flight is lost (the executor starts afresh for the next).
     Failed(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_row_failure_travels_as_its_message_alone() {
+        let scored = FromScorer::Scored(vec![Err(RowFailure::new("the text has no tokens"))]);
+        let line = serde_json::to_string(&scored).unwrap();
+        assert_eq!(line, r#"{"scored":[{"Err":"the text has no tokens"}]}"#);
+        assert_eq!(serde_json::from_str::<FromScorer>(&line).unwrap(), scored);
+    }
 }

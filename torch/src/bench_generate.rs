@@ -291,7 +291,7 @@ pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
         ..SamplingParams::default()
     }
     .validate()
-    .map_err(Error::Invalid)?;
+    .map_err(|e| Error::Invalid(e.to_string()))?;
     let device = crate::cuda::pick_device(&job.device, &[])?;
     let sync = || {
         if let Device::Cuda(ordinal) = device {

@@ -9,7 +9,7 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 
 use regatta_object_store::Place;
 use regatta_scorer::generate::{GenRequest, Generation};
-use regatta_scorer::protocol::{is_torchscript, AdapterBase, FromScorer, RowScore, ScorerSetup, ToScorer};
+use regatta_scorer::protocol::{is_torchscript, AdapterBase, FromScorer, RowFailure, RowScore, ScorerSetup, ToScorer};
 use tch::Device;
 
 use crate::checkpoint::open_model;
@@ -184,7 +184,7 @@ pub fn score_main() -> ExitCode {
 struct InFlight {
     requests: Vec<GenRequest>,
     prompt_tokens: Vec<usize>,
-    results: Vec<Option<std::result::Result<Generation, String>>>,
+    results: Vec<Option<std::result::Result<Generation, RowFailure>>>,
     left: usize,
 }
 
@@ -193,7 +193,7 @@ impl InFlight {
         let results = self
             .results
             .into_iter()
-            .map(|r| r.unwrap_or_else(|| Err("the row's generation is missing".into())))
+            .map(|r| r.unwrap_or_else(|| Err(RowFailure::new("the row's generation is missing"))))
             .collect();
         emit(&FromScorer::Generated { tag, results });
     }
@@ -257,7 +257,7 @@ fn generate_loop(scorer: &Scorer, generator: &Generator, messages: &Receiver<ToS
                                 flight.prompt_tokens[i] = tokens;
                                 flight.left += 1;
                             }
-                            Err(reason) => flight.results[i] = Some(Err(reason)),
+                            Err(reason) => flight.results[i] = Some(Err(RowFailure::new(reason))),
                         }
                     }
                     flight.requests = rows;
@@ -319,7 +319,7 @@ fn score_loop(scorer: &Scorer, setup: &ScorerSetup, messages: &Receiver<ToScorer
             ToScorer::Generate { tag, rows } => {
                 let results = rows
                     .iter()
-                    .map(|_| Err("this run scores; it was not set up to generate".to_string()))
+                    .map(|_| Err(RowFailure::new("this run scores; it was not set up to generate")))
                     .collect();
                 emit(&FromScorer::Generated { tag, results });
                 continue;
@@ -344,8 +344,8 @@ fn score_loop(scorer: &Scorer, setup: &ScorerSetup, messages: &Receiver<ToScorer
             .map(|r| {
                 // Row errors travel to the scorer actor as text: they are written to the
                 // partition's errors file for people.
-                r.map_err(|e| e.to_string()).and_then(|_| {
-                    let s = scored.next().ok_or("a score is missing")?;
+                r.map_err(|e| RowFailure::new(e.to_string())).and_then(|_| {
+                    let s = scored.next().ok_or_else(|| RowFailure::new("a score is missing"))?;
                     Ok(RowScore {
                         tokens: s.tokens as u64,
                         truncated: s.truncated,

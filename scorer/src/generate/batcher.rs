@@ -25,6 +25,7 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
 
 use super::blocks::BlockPool;
+use crate::error::{Error, Result};
 
 /// The shape of the cache and the batch.
 #[derive(Clone, Debug, PartialEq)]
@@ -166,6 +167,16 @@ pub struct Batcher {
     computing: HashMap<u64, usize>,
 }
 
+/// What a waiting sequence takes when it joins the batch.
+struct Admission {
+    /// Cached blocks holding its first tokens, with their content ids.
+    found: Vec<(usize, u64)>,
+    /// New blocks for the tokens it holds and the next one.
+    needed: usize,
+    /// Chain hashes of its whole blocks of tokens (prefix caching; empty without).
+    hashes: Vec<u64>,
+}
+
 impl Batcher {
     /// An empty batcher; sizes of 0 are raised to 1.
     pub fn new(mut config: BatcherConfig) -> Self {
@@ -192,9 +203,9 @@ impl Batcher {
     /// Queues a prompt to be continued by up to `max_new_tokens`; returns its sequence
     /// number, or why it can never run (empty, as long as the context, or needing more
     /// cache than there is).
-    pub fn add(&mut self, prompt: Vec<i64>, max_new_tokens: usize) -> Result<usize, String> {
-        if let Some(reason) = self.refusal(prompt.len(), max_new_tokens, self.config.blocks) {
-            return Err(reason);
+    pub fn add(&mut self, prompt: Vec<i64>, max_new_tokens: usize) -> Result<usize> {
+        if let Some(refusal) = self.refusal(prompt.len(), max_new_tokens, self.config.blocks) {
+            return Err(refusal);
         }
         let limit = self.limit(prompt.len(), max_new_tokens);
         let seq = self.sequences.len();
@@ -225,24 +236,20 @@ impl Batcher {
 
     /// Why a prompt of `length` tokens can never run in a cache of `blocks` blocks (empty,
     /// as long as the context, or needing more blocks); `None` when it can.
-    pub fn refusal(&self, length: usize, max_new_tokens: usize, blocks: usize) -> Option<String> {
+    pub fn refusal(&self, length: usize, max_new_tokens: usize, blocks: usize) -> Option<Error> {
         let context = self.config.context;
         if length == 0 {
-            return Some("the prompt has no tokens".into());
+            return Some(Error::EmptyPrompt);
         }
         if length >= context {
-            return Some(format!(
-                "the prompt has {length} tokens; the model's context is {context}, so nothing is left to generate"
-            ));
+            return Some(Error::PromptFillsContext { length, context });
         }
-        let limit = self.limit(length, max_new_tokens);
         let needed = self.blocks_for(length, max_new_tokens);
-        (needed > blocks).then(|| {
-            format!(
-                "the sequence needs {limit} tokens of KV cache ({needed} blocks of {}); the cache holds {blocks} blocks: \
-                 raise the KV cache budget or lower max_new_tokens",
-                self.config.block_tokens
-            )
+        (needed > blocks).then(|| Error::CacheTooSmall {
+            tokens: self.limit(length, max_new_tokens),
+            needed,
+            block_tokens: self.config.block_tokens,
+            blocks,
         })
     }
 
@@ -275,104 +282,99 @@ impl Batcher {
     /// running sequence is preempted: its blocks are freed and it waits at the front of
     /// the queue, to be recomputed from its tokens when it joins again.
     pub fn schedule(&mut self) -> Step {
+        self.admit();
+        self.plan_step()
+    }
+
+    /// Admits waiting sequences in order while a batch slot and the blocks each needs are
+    /// free (see [`Batcher::admission`]).
+    fn admit(&mut self) {
+        let mut promised = self.promised_blocks();
+        while self.running.len() < self.config.max_running {
+            let Some(&seq) = self.waiting.front() else { break };
+            let Some(admission) = self.admission(seq, promised) else {
+                break;
+            };
+            promised += admission.needed;
+            self.waiting.pop_front();
+            self.join(seq, admission);
+        }
+    }
+
+    /// Blocks the running sequences' pending tokens start: theirs first, since a sequence
+    /// admitted on them would only be preempted again in this step.
+    fn promised_blocks(&self) -> usize {
         let block_tokens = self.config.block_tokens;
-        // Blocks the running sequences' pending tokens start are theirs first: a sequence
-        // admitted on them would only be preempted again in this step.
-        let mut promised: usize = self
-            .running
+        self.running
             .iter()
             .map(|&seq| {
                 let s = &self.sequences[seq];
                 s.tokens.len().div_ceil(block_tokens).saturating_sub(s.blocks.len())
             })
-            .sum();
-        while self.running.len() < self.config.max_running {
-            let Some(&seq) = self.waiting.front() else { break };
-            let s = &self.sequences[seq];
-            // Cached blocks hold whole blocks of tokens before the last one (whose logits
-            // the sequence needs, so it is always computed).
-            let found = self
-                .pool
-                .lookup(&s.tokens, block_tokens, (s.tokens.len() - 1) / block_tokens);
-            let needed = (s.tokens.len() + 1).min(s.limit).div_ceil(block_tokens) - found.len();
-            let revived = found.iter().filter(|&&(block, _)| self.pool.is_idle(block)).count();
-            if promised + needed + revived > self.pool.available() {
-                break;
-            }
-            let hashes = if self.config.prefix_caching {
-                chain_hashes(&s.tokens, block_tokens)
-            } else {
-                Vec::new()
-            };
-            // Its next block of prompt is being computed by a running sequence: it joins
-            // once that block is cached (a step or a few), not computing it a second time.
-            let shareable = (s.tokens.len() - 1) / block_tokens;
-            if self.config.prefix_caching
-                && found.len() < shareable
-                && self.computing.contains_key(&hashes[found.len()])
-            {
-                break;
-            }
-            promised += needed;
-            self.waiting.pop_front();
-            for hash in &hashes[found.len()..] {
-                *self.computing.entry(*hash).or_default() += 1;
-            }
-            let s = &mut self.sequences[seq];
-            s.hashes = hashes;
-            for &(block, id) in &found {
-                self.pool.share(block);
-                s.blocks.push(block);
-                s.chain.push(id);
-            }
-            s.computed = found.len() * block_tokens;
-            s.found = s.computed;
-            s.state = State::Running;
-            self.running.push(seq);
+            .sum()
+    }
+
+    /// What waiting sequence `seq` takes when it joins now, with `promised` blocks spoken
+    /// for: the cached blocks of its prefix and new blocks for the tokens it holds (and the
+    /// next one). `None`: it cannot join this step, for want of blocks or because a running
+    /// sequence is computing its next block of prompt (it joins once that block is cached,
+    /// a step or a few later, instead of computing it a second time).
+    fn admission(&self, seq: usize, promised: usize) -> Option<Admission> {
+        let block_tokens = self.config.block_tokens;
+        let s = &self.sequences[seq];
+        // Cached blocks hold whole blocks of tokens before the last one (whose logits the
+        // sequence needs, so it is always computed).
+        let shareable = (s.tokens.len() - 1) / block_tokens;
+        let found = self.pool.lookup(&s.tokens, block_tokens, shareable);
+        let needed = (s.tokens.len() + 1).min(s.limit).div_ceil(block_tokens) - found.len();
+        let revived = found.iter().filter(|&&(block, _)| self.pool.is_idle(block)).count();
+        if promised + needed + revived > self.pool.available() {
+            return None;
         }
+        let hashes = if self.config.prefix_caching {
+            chain_hashes(&s.tokens, block_tokens)
+        } else {
+            Vec::new()
+        };
+        if self.config.prefix_caching && found.len() < shareable && self.computing.contains_key(&hashes[found.len()]) {
+            return None;
+        }
+        Some(Admission { found, needed, hashes })
+    }
+
+    /// Moves `seq` into the running batch with its cached prefix blocks; the blocks it
+    /// will compute count as being computed.
+    fn join(&mut self, seq: usize, admission: Admission) {
+        let Admission { found, hashes, .. } = admission;
+        for hash in &hashes[found.len()..] {
+            *self.computing.entry(*hash).or_default() += 1;
+        }
+        let s = &mut self.sequences[seq];
+        s.hashes = hashes;
+        for &(block, id) in &found {
+            self.pool.share(block);
+            s.blocks.push(block);
+            s.chain.push(id);
+        }
+        s.computed = found.len() * self.config.block_tokens;
+        s.found = s.computed;
+        s.state = State::Running;
+        self.running.push(seq);
+    }
+
+    /// Plans the step over the running sequences in admission order: a decode for each
+    /// whose tokens are all in the cache but the newest, and prompt chunks (or a preempted
+    /// sequence's recomputation) within the prefill budget, each with the blocks it writes.
+    fn plan_step(&mut self) -> Step {
         let mut step = Step::default();
         let mut budget = self.config.prefill_tokens;
         let mut i = 0;
         while i < self.running.len() {
-            let seq = self.running[i];
-            let s = &self.sequences[seq];
-            let pending = s.tokens.len() - s.computed;
-            let decoding = s.computed >= s.prompt && pending == 1;
-            let work = if decoding {
-                Work {
-                    seq,
-                    start: s.computed,
-                    end: s.tokens.len(),
-                    sample: true,
-                }
-            } else if budget > 0 {
-                let take = pending.min(budget);
-                Work {
-                    seq,
-                    start: s.computed,
-                    end: s.computed + take,
-                    sample: s.computed + take == s.tokens.len(),
-                }
-            } else {
+            let Some((work, decoding)) = self.next_work(self.running[i], budget) else {
                 i += 1;
                 continue;
             };
-            // Blocks for every position the work writes.
-            let needed = work.end.div_ceil(block_tokens);
-            while self.sequences[seq].blocks.len() < needed {
-                if let Some(block) = self.pool.take() {
-                    self.sequences[seq].blocks.push(block);
-                    continue;
-                }
-                // The youngest running sequence gives its blocks up (itself, if it is the
-                // youngest: it then waits too, and this step runs without it).
-                let youngest = self.running.len() - 1;
-                self.preempt(youngest);
-                if youngest == i {
-                    break;
-                }
-            }
-            if i >= self.running.len() {
+            if !self.take_blocks(i, work.end) {
                 break;
             }
             if decoding {
@@ -384,6 +386,54 @@ impl Batcher {
             i += 1;
         }
         step
+    }
+
+    /// The work of running sequence `seq` this step, and whether it is a decode; `None`
+    /// when it has a prompt chunk to prefill but no `budget` is left.
+    fn next_work(&self, seq: usize, budget: usize) -> Option<(Work, bool)> {
+        let s = &self.sequences[seq];
+        let pending = s.tokens.len() - s.computed;
+        if s.computed >= s.prompt && pending == 1 {
+            let work = Work {
+                seq,
+                start: s.computed,
+                end: s.tokens.len(),
+                sample: true,
+            };
+            return Some((work, true));
+        }
+        if budget == 0 {
+            return None;
+        }
+        let take = pending.min(budget);
+        let work = Work {
+            seq,
+            start: s.computed,
+            end: s.computed + take,
+            sample: s.computed + take == s.tokens.len(),
+        };
+        Some((work, false))
+    }
+
+    /// Gives the running sequence at `index` blocks for every position up to `end`,
+    /// preempting the youngest running sequence while none is free (itself, if it is the
+    /// youngest: it then waits too, and this step runs without it). Returns whether the
+    /// sequence is still running.
+    fn take_blocks(&mut self, index: usize, end: usize) -> bool {
+        let seq = self.running[index];
+        let needed = end.div_ceil(self.config.block_tokens);
+        while self.sequences[seq].blocks.len() < needed {
+            if let Some(block) = self.pool.take() {
+                self.sequences[seq].blocks.push(block);
+                continue;
+            }
+            let youngest = self.running.len() - 1;
+            self.preempt(youngest);
+            if youngest == index {
+                break;
+            }
+        }
+        index < self.running.len()
     }
 
     /// Takes the running sequence at `index` out of the batch: its blocks are freed, its
@@ -880,6 +930,7 @@ mod tests {
         assert!(b
             .add(vec![1; 10], 20)
             .unwrap_err()
+            .to_string()
             .contains("raise the KV cache budget"));
     }
 
@@ -945,8 +996,12 @@ mod tests {
             other.iter().all(|slot| *slot >= 8),
             "the new sequence got the new blocks: {other:?}"
         );
-        assert!(b.refusal(10, 20, 4).unwrap().contains("the cache holds 4 blocks"));
-        assert_eq!(b.refusal(10, 6, 4), None);
+        assert!(b
+            .refusal(10, 20, 4)
+            .unwrap()
+            .to_string()
+            .contains("the cache holds 4 blocks"));
+        assert!(b.refusal(10, 6, 4).is_none());
     }
 
     #[test]
@@ -970,7 +1025,7 @@ mod tests {
         assert_eq!(b.generated(stops), &[9, 9, 2], "the eos token is part of the output");
         assert_eq!(b.finished(capped), Some(Finish::Length));
         assert_eq!(b.generated(capped).len(), 4, "stopped at the context of 64");
-        assert!(b.add(vec![1; 64], 1).unwrap_err().contains("context is 64"));
-        assert!(b.add(Vec::new(), 1).unwrap_err().contains("no tokens"));
+        assert!(b.add(vec![1; 64], 1).unwrap_err().to_string().contains("context is 64"));
+        assert!(b.add(Vec::new(), 1).unwrap_err().to_string().contains("no tokens"));
     }
 }

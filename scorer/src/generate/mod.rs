@@ -62,7 +62,7 @@ pub fn parse_prompt_row(line: &[u8], offset: u64) -> Result<PromptRow, RowError>
         row.openai = Some(meta);
         return Ok(row);
     }
-    let id = row_id(&value).map_err(|reason| fail(None, reason))?;
+    let id = row_id(&value, offset)?;
     let prompt = if let Some(messages) = value.get("messages").filter(|m| !m.is_null()) {
         let messages: Vec<ChatMessage> = serde_json::from_value(messages.clone()).map_err(|e| {
             fail(

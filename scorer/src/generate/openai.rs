@@ -68,25 +68,43 @@ pub fn parse_openai_row(value: &Value, offset: u64) -> Result<(PromptRow, OpenAi
         offset,
         reason,
     };
+    let endpoint = endpoint(value, &fail)?;
+    let body = body(value, &fail)?;
+    let prompt = prompt(endpoint, body, &fail)?;
+    let model = body.get("model").and_then(Value::as_str).map(str::to_string);
+    Ok((
+        PromptRow {
+            id: custom_id,
+            prompt,
+            params: sampling_params(body),
+            openai: None,
+        },
+        OpenAiRow { endpoint, model },
+    ))
+}
+
+/// The endpoint a line addresses: its `url`, by `POST` (the only method served).
+fn endpoint(value: &Value, fail: &impl Fn(String) -> RowError) -> Result<Endpoint, RowError> {
     if let Some(method) = value.get("method") {
         if method != "POST" {
             return Err(fail(format!("`method` must be \"POST\", not {method}")));
         }
     }
-    let endpoint = match value.get("url").and_then(Value::as_str) {
-        Some("/v1/chat/completions") => Endpoint::Chat,
-        Some("/v1/completions") => Endpoint::Completions,
-        Some(other) => {
-            return Err(fail(format!(
-                "`url` {other:?} is not served: use \"/v1/chat/completions\" or \"/v1/completions\""
-            )))
-        }
-        None => {
-            return Err(fail(
-                "no `url` (\"/v1/chat/completions\" or \"/v1/completions\")".into(),
-            ))
-        }
-    };
+    match value.get("url").and_then(Value::as_str) {
+        Some("/v1/chat/completions") => Ok(Endpoint::Chat),
+        Some("/v1/completions") => Ok(Endpoint::Completions),
+        Some(other) => Err(fail(format!(
+            "`url` {other:?} is not served: use \"/v1/chat/completions\" or \"/v1/completions\""
+        ))),
+        None => Err(fail(
+            "no `url` (\"/v1/chat/completions\" or \"/v1/completions\")".into(),
+        )),
+    }
+}
+
+/// A line's `body`: an object with only keys understood ([`BODY_KEYS`]), asking for one
+/// choice.
+fn body<'v>(value: &'v Value, fail: &impl Fn(String) -> RowError) -> Result<&'v Map<String, Value>, RowError> {
     let Some(Value::Object(body)) = value.get("body") else {
         return Err(fail("no `body` object".into()));
     };
@@ -107,7 +125,16 @@ pub fn parse_openai_row(value: &Value, offset: u64) -> Result<(PromptRow, OpenAi
             return Err(fail(format!("`n` must be 1 (one choice per row), not {n}")));
         }
     }
-    let prompt = match endpoint {
+    Ok(body)
+}
+
+/// The prompt of a body: chat `messages` or a completion's `prompt` string.
+fn prompt(
+    endpoint: Endpoint,
+    body: &Map<String, Value>,
+    fail: &impl Fn(String) -> RowError,
+) -> Result<Prompt, RowError> {
+    match endpoint {
         Endpoint::Chat => {
             let messages = body
                 .get("messages")
@@ -120,15 +147,20 @@ pub fn parse_openai_row(value: &Value, offset: u64) -> Result<(PromptRow, OpenAi
             if messages.is_empty() {
                 return Err(fail("`messages` is empty".into()));
             }
-            Prompt::Chat(messages)
+            Ok(Prompt::Chat(messages))
         }
         Endpoint::Completions => match body.get("prompt") {
-            Some(Value::String(text)) if !text.is_empty() => Prompt::Text(text.clone()),
-            Some(Value::String(_)) => return Err(fail("`prompt` is empty".into())),
-            Some(other) => return Err(fail(format!("`prompt` must be one string, not {other}"))),
-            None => return Err(fail("a completions row needs `prompt`".into())),
+            Some(Value::String(text)) if !text.is_empty() => Ok(Prompt::Text(text.clone())),
+            Some(Value::String(_)) => Err(fail("`prompt` is empty".into())),
+            Some(other) => Err(fail(format!("`prompt` must be one string, not {other}"))),
+            None => Err(fail("a completions row needs `prompt`".into())),
         },
-    };
+    }
+}
+
+/// A body's sampling settings as a row's `params` (OpenAI's names mapped to ours; a
+/// single stop string made a list); `None` when it sets none.
+fn sampling_params(body: &Map<String, Value>) -> Option<Value> {
     let mut params = Map::new();
     if let Some(max) = body.get("max_completion_tokens").or_else(|| body.get("max_tokens")) {
         params.insert("max_new_tokens".into(), max.clone());
@@ -147,16 +179,7 @@ pub fn parse_openai_row(value: &Value, offset: u64) -> Result<(PromptRow, OpenAi
             params.insert("stop".into(), list.clone());
         }
     }
-    let model = body.get("model").and_then(Value::as_str).map(str::to_string);
-    Ok((
-        PromptRow {
-            id: custom_id,
-            prompt,
-            params: (!params.is_empty()).then_some(Value::Object(params)),
-            openai: None,
-        },
-        OpenAiRow { endpoint, model },
-    ))
+    (!params.is_empty()).then_some(Value::Object(params))
 }
 
 /// A generated row's output line in OpenAI's batch output format.

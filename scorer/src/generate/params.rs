@@ -5,6 +5,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::error::{Error, Result};
+
 /// Longest generation a row may ask for.
 pub const MAX_NEW_TOKENS_LIMIT: usize = 32_768;
 /// Stop strings a row may give.
@@ -49,50 +51,44 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     /// Checks every field; the error names the field, its value and the allowed range.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<()> {
         if !(1..=MAX_NEW_TOKENS_LIMIT).contains(&self.max_new_tokens) {
-            return Err(format!(
-                "max_new_tokens must be 1..={MAX_NEW_TOKENS_LIMIT}, not {}",
-                self.max_new_tokens
-            ));
+            return Err(Error::MaxNewTokens(self.max_new_tokens));
         }
         if !(self.temperature.is_finite() && (0.0..=100.0).contains(&self.temperature)) {
-            return Err(format!(
-                "temperature must be 0..=100 (0: greedy), not {}",
-                self.temperature
-            ));
+            return Err(Error::Temperature(self.temperature));
         }
         if !(self.top_p.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], not {}", self.top_p));
+            return Err(Error::TopP(self.top_p));
         }
         if self.stop.len() > MAX_STOPS {
-            return Err(format!("at most {MAX_STOPS} stop strings, not {}", self.stop.len()));
+            return Err(Error::TooManyStops(self.stop.len()));
         }
         if self.stop.iter().any(String::is_empty) {
-            return Err("a stop string is empty".into());
+            return Err(Error::EmptyStop);
         }
         Ok(())
     }
 
     /// These defaults with a row's `params` object laid over them (only the keys it has);
     /// unknown keys and wrong types are errors, as are values out of range.
-    pub fn with_overrides(&self, params: Option<&Value>) -> Result<Self, String> {
+    pub fn with_overrides(&self, params: Option<&Value>) -> Result<Self> {
         let merged = match params {
             None | Some(Value::Null) => self.clone(),
             Some(Value::Object(overrides)) => {
-                let mut base = serde_json::to_value(self).map_err(|e| e.to_string())?;
-                let object = base.as_object_mut().ok_or("sampling defaults are not an object")?;
+                let mut base = serde_json::to_value(self)?;
+                let object = base
+                    .as_object_mut()
+                    .expect("SamplingParams, a struct with named fields, serializes as a JSON object");
                 for (key, value) in overrides {
                     if !object.contains_key(key) {
-                        return Err(format!(
-                            "`params` has an unknown key `{key}` (known: max_new_tokens, temperature, top_p, top_k, seed, stop, logprobs)"
-                        ));
+                        return Err(Error::UnknownParam(key.clone()));
                     }
                     object.insert(key.clone(), value.clone());
                 }
-                serde_json::from_value(base).map_err(|e| format!("`params`: {e}"))?
+                serde_json::from_value(base).map_err(Error::ParamType)?
             }
-            Some(other) => return Err(format!("`params` must be an object, not {other}")),
+            Some(other) => return Err(Error::ParamsNotObject(other.clone())),
         };
         merged.validate()?;
         Ok(merged)
@@ -133,7 +129,7 @@ mod tests {
             (json!([1]), "must be an object"),
         ];
         for (params, expected) in cases {
-            let error = d.with_overrides(Some(&params)).unwrap_err();
+            let error = d.with_overrides(Some(&params)).unwrap_err().to_string();
             assert!(error.contains(expected), "{params}: {error}");
         }
     }

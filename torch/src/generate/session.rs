@@ -79,15 +79,18 @@ impl Session<'_, '_> {
     /// doubling it, so a stream of rows copies the cache a few times, not once per row).
     pub fn add(&mut self, row: Prepared) -> std::result::Result<usize, String> {
         let (length, max_new) = (row.prompt.len(), row.params.max_new_tokens);
-        if let Some(reason) = self.batcher.refusal(length, max_new, self.budget) {
-            return Err(reason);
+        if let Some(refusal) = self.batcher.refusal(length, max_new, self.budget) {
+            return Err(refusal.to_string());
         }
         let needed = self.batcher.blocks_for(length, max_new);
         // The new row counts only when it would be in the next full batch.
         let o = self.batcher.occupancy();
         let in_next_batch = o.running + o.waiting < self.batcher.config().max_running;
         self.fit(if in_next_batch { needed } else { 0 }, needed);
-        let seq = self.batcher.add(row.prompt, row.params.max_new_tokens)?;
+        let seq = self
+            .batcher
+            .add(row.prompt, row.params.max_new_tokens)
+            .map_err(|refusal| refusal.to_string())?;
         self.rows.insert(
             seq,
             Live {
