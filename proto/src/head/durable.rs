@@ -182,6 +182,7 @@ impl HeadCore {
             fanout: Fanout::new(crate::object::fanout::DEFAULT_PER_SOURCE),
             pull_waiters: BTreeMap::new(),
             pull_wakes: PullWakes::default(),
+            object_waits: Vec::new(),
         }
     }
 

@@ -23,6 +23,7 @@ use crate::view::{View, ViewQuery};
 mod durable;
 mod objects;
 mod output;
+mod waits;
 
 pub use durable::{Change, ChangeRef, Saved, Snapshot};
 pub use objects::UNKNOWN_OBJECT_WAIT_MS;
@@ -47,6 +48,8 @@ pub struct HeadCore {
     /// again.
     pull_waiters: BTreeMap<ObjectId, Vec<PullWait>>,
     pull_wakes: PullWakes,
+    /// Parked `ObjectsWait`s. Not saved, as other waits.
+    object_waits: Vec<waits::ObjectsWait>,
 }
 
 impl HeadCore {
@@ -64,6 +67,7 @@ impl HeadCore {
             fanout: Fanout::new(crate::object::fanout::DEFAULT_PER_SOURCE),
             pull_waiters: BTreeMap::new(),
             pull_wakes: PullWakes::default(),
+            object_waits: Vec::new(),
         }
     }
 
@@ -206,6 +210,7 @@ impl HeadCore {
         for waiters in self.pull_waiters.values_mut() {
             waiters.retain(|wait| !gone(wait.to));
         }
+        self.object_waits.retain(|wait| !gone(wait.to));
         self.pull_waiters.retain(|_, w| !w.is_empty());
         self.actor_waiters.retain(|_, w| !w.is_empty());
         self.group_waiters.retain(|_, w| !w.is_empty());
@@ -218,6 +223,7 @@ impl HeadCore {
             + self.group_waiters.values().map(Vec::len).sum::<usize>()
             + self.object_waiters.values().map(Vec::len).sum::<usize>()
             + self.pull_waiters.values().map(Vec::len).sum::<usize>()
+            + self.object_waits.len()
     }
 
     /// After any change: place what waits, then answer the waits that are over.
@@ -249,6 +255,7 @@ impl HeadCore {
                 out.push(Output::Reply(to, Answer::GroupPlaced(outcome.clone())));
             }
         }
+        self.settle_waits(now_ms, out);
     }
 
     /// Routes one request to its handler; each answers `to` (when given) through `out`.
@@ -314,6 +321,11 @@ impl HeadCore {
                 }
                 answer(to, Answer::Done(Ok(())), out);
             }
+            HeadRequest::ObjectsWait {
+                ids,
+                wanted,
+                timeout_ms,
+            } => self.wait_objects(ids, wanted, timeout_ms, to, now, out),
             object => self.object_request(object, to, now, out),
         }
     }

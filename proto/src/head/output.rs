@@ -1,6 +1,6 @@
 //! What the head hands back: answers to reply tokens, effects, releases and notices.
 
-use crate::object::{Location, Release};
+use crate::object::{Location, ObjectId, Release};
 use crate::protocol::{ActorId, ActorView, ClusterStatus, Failure, GroupId, Loss, Registration, StartFailure};
 use crate::scheduler::Effect;
 
@@ -32,6 +32,8 @@ pub enum Answer {
     View(Box<crate::view::View>),
     /// `ObjectLocate`: where to read the object.
     Location(Result<Location, Failure>),
+    /// `ObjectsWait`: the objects readable now, in the order asked.
+    Ready(Result<Vec<ObjectId>, Failure>),
     /// Requests with no value to return.
     Done(Result<(), Failure>),
 }

@@ -255,6 +255,57 @@ fn a_broadcast_pull_waits_for_a_copy_when_its_holder_serves_its_share() {
 }
 
 #[test]
+fn a_wait_for_objects_is_answered_once_enough_are_readable_or_at_its_deadline() {
+    let mut head = HeadCore::new(3_000, 10_000);
+    let (a, b, never) = (ObjectId::random(), ObjectId::random(), ObjectId::random());
+    let put = |id| HeadRequest::ObjectPut {
+        id,
+        size: 5,
+        checksum: 9,
+        node: "w1".into(),
+        address: "w1:2".into(),
+        job: None,
+    };
+    let wait = |ids: Vec<ObjectId>, wanted, timeout_ms| HeadRequest::ObjectsWait {
+        ids,
+        wanted,
+        timeout_ms,
+    };
+    let ready = |out: &[Output], to: ReplyTo| -> Option<Vec<ObjectId>> {
+        replies(out).into_iter().find_map(|(t, answer)| match answer {
+            Answer::Ready(Ok(ids)) if t == to => Some(ids),
+            _ => None,
+        })
+    };
+    // Two of three wanted: parked until the second put, answered with those readable.
+    assert!(head
+        .handle(wait(vec![a, never, b], 2, 5_000), Some(ReplyTo(1)), 0)
+        .is_empty());
+    // A wait the directory already satisfies is answered at once (nothing wanted).
+    let out = head.handle(wait(vec![never], 0, 5_000), Some(ReplyTo(2)), 0);
+    assert_eq!(ready(&out, ReplyTo(2)), Some(vec![]));
+    let out = head.handle(put(a), Some(ReplyTo(3)), 10);
+    assert_eq!(ready(&out, ReplyTo(1)), None, "one of two is not enough");
+    assert_eq!(head.parked(), 1);
+    let out = head.handle(put(b), Some(ReplyTo(4)), 20);
+    assert_eq!(ready(&out, ReplyTo(1)), Some(vec![a, b]), "in the order asked");
+    assert_eq!(head.parked(), 0);
+    // A wait that cannot be met is answered at its deadline with what is readable.
+    assert!(head
+        .handle(wait(vec![a, never], 2, 100), Some(ReplyTo(5)), 30)
+        .is_empty());
+    assert_eq!(ready(&head.tick(129), ReplyTo(5)), None);
+    assert_eq!(ready(&head.tick(130), ReplyTo(5)), Some(vec![a]));
+    // A caller that went away leaves nothing parked.
+    assert!(head
+        .handle(wait(vec![never], 1, 60_000), Some(ReplyTo(6)), 200)
+        .is_empty());
+    assert_eq!(head.parked(), 1);
+    head.forget(|to| to == ReplyTo(6));
+    assert_eq!(head.parked(), 0);
+}
+
+#[test]
 fn a_lookup_of_an_unregistered_object_waits_for_its_put_or_runs_out() {
     let mut head = HeadCore::new(3_000, 10_000);
     let (early, never) = (ObjectId::random(), ObjectId::random());

@@ -310,6 +310,17 @@ pub enum HeadRequest {
         /// The pulling node (process).
         node: String,
     },
+    /// Wait until `wanted` of `ids` can be read (a copy in memory on some node, or a
+    /// spilled one), or `timeout_ms` has passed: replies `Vec<ObjectId>`, those readable
+    /// then, in the order asked. Parked in the head, not polled.
+    ObjectsWait {
+        /// The objects.
+        ids: Vec<ObjectId>,
+        /// How many must be readable (at most `ids.len()`).
+        wanted: usize,
+        /// How long to wait at most.
+        timeout_ms: u64,
+    },
 }
 
 impl HeadRequest {
@@ -328,6 +339,7 @@ impl HeadRequest {
             Self::RemoveGroup(_) => "remove-placement-group",
             Self::Status => "status",
             Self::StatusPage { .. } => "status_page",
+            Self::ObjectsWait { .. } => "objects-wait",
             Self::Started { .. } => "started",
             Self::ObjectPut { .. } => "object-put",
             Self::ObjectLocate(_) => "object-locate",
@@ -364,6 +376,7 @@ impl HeadRequest {
                 | Self::Announce(_)
                 | Self::ObjectPull { .. }
                 | Self::ObjectPullEnded { .. }
+                | Self::ObjectsWait { .. }
         )
     }
 

@@ -3,18 +3,21 @@
 
 use std::marker::PhantomData;
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
-use regatta_object_store::{Location, ObjectId, Segment};
+use regatta_object_store::{ObjectId, Segment};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::cluster::Cluster;
-use crate::error::{failure_to_error, Error, Result};
+use crate::error::{failure_to_error, Result};
 use crate::net::wire;
 use crate::objects::{ObjectStats, RefGuard};
 use regatta_proto::protocol::HeadRequest;
+
+/// Time beyond a wait's own deadline for the head's answer to arrive.
+const WAIT_SLACK: Duration = Duration::from_secs(5);
 
 /// A reference to an object of type `T` somewhere in the cluster. Cheap to clone and to
 /// send inside actor messages (only the id travels). A reference received in a message
@@ -142,30 +145,16 @@ impl Cluster {
         k: usize,
         timeout: Duration,
     ) -> Result<(Vec<ObjectRef<T>>, Vec<ObjectRef<T>>)> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let mut ready = Vec::new();
-            let mut waiting = Vec::new();
-            for reference in references {
-                let left = deadline
-                    .saturating_duration_since(Instant::now())
-                    .max(Duration::from_millis(10));
-                let found = self
-                    .ask_head::<Location>(&HeadRequest::ObjectLocate(reference.id), left)
-                    .await;
-                match found {
-                    Ok(location) if !location.sources.is_empty() || location.spilled.is_some() => {
-                        ready.push(reference.clone())
-                    }
-                    Ok(_) | Err(Error::ObjectUnknown { .. } | Error::Timeout { .. }) => waiting.push(reference.clone()),
-                    Err(e) => return Err(e),
-                }
-            }
-            if ready.len() >= k.min(references.len()) || Instant::now() >= deadline {
-                return Ok((ready, waiting));
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let request = HeadRequest::ObjectsWait {
+            ids: references.iter().map(|r| r.id).collect(),
+            wanted: k,
+            timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+        };
+        // The head answers at the wait's own deadline at the latest; a little more here
+        // covers the trip.
+        let ready: Vec<ObjectId> = self.ask_head(&request, timeout.saturating_add(WAIT_SLACK)).await?;
+        let ready: std::collections::HashSet<ObjectId> = ready.into_iter().collect();
+        Ok(references.iter().cloned().partition(|r| ready.contains(&r.id)))
     }
 
     /// Frees an object everywhere now, even if others still reference it.

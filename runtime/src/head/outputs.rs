@@ -26,6 +26,7 @@ pub(super) fn encode_answer(answer: Answer) -> Vec<u8> {
         Answer::Status(status) => wire::encode(&Ok::<_, Failure>(*status)),
         Answer::View(view) => wire::encode(&Ok::<_, Failure>(*view)),
         Answer::Location(r) => wire::encode(&r),
+        Answer::Ready(r) => wire::encode(&r),
         Answer::Done(r) => wire::encode(&r),
     }
 }

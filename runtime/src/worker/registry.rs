@@ -215,7 +215,7 @@ async fn drain(
     let limit = actor.max_concurrency();
     let mut beside = Beside::default();
     // Why it ends: `Some(reason)` when a message panicked, `None` when it was stopped.
-    let panicked: Option<String> = 'messages: loop {
+    let panicked: Option<String> = loop {
         let message = tokio::select! {
             biased;
             _ = &mut stopped => break None,
@@ -246,16 +246,8 @@ async fn drain(
                 Err(back) => request = back,
             }
             // A message for `handle` waits for those running beside each other.
-            while !beside.is_empty() {
-                tokio::select! {
-                    biased;
-                    _ = &mut stopped => break 'messages None,
-                    Some(ended) = beside.next() => {
-                        if let Some(reason) = ended.finish(&ctx, &kind) {
-                            break 'messages Some(reason);
-                        }
-                    }
-                }
+            if let Err(end) = beside.finish_all(&mut stopped, &ctx, &kind).await {
+                break end;
             }
         }
         let outcome = tokio::select! {
@@ -347,6 +339,28 @@ impl Beside {
         let (key, outcome) = self.running.next().await?;
         let (port, started) = self.waiting.remove(&key).unwrap_or((None, std::time::Instant::now()));
         Some(Ended { outcome, port, started })
+    }
+
+    /// Waits for every one running to end and answers each. `Err` when the actor must
+    /// stop: with a panic's reason, or `None` when it was stopped meanwhile.
+    async fn finish_all(
+        &mut self,
+        stopped: &mut tokio::sync::oneshot::Receiver<()>,
+        ctx: &ActorContext,
+        kind: &str,
+    ) -> Result<(), Option<String>> {
+        while !self.is_empty() {
+            tokio::select! {
+                biased;
+                _ = &mut *stopped => return Err(None),
+                Some(ended) = self.next() => {
+                    if let Some(reason) = ended.finish(ctx, kind) {
+                        return Err(Some(reason));
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The reply ports of those still running (the actor stopped under them).
