@@ -17,6 +17,7 @@ use regatta_proto::protocol::{
 };
 
 use super::router::Router;
+use crate::error::Error;
 use crate::net::calls::Routes;
 
 /// How long an agent waits for the head to take a report.
@@ -33,6 +34,17 @@ pub(crate) struct AgentArgs {
     pub(crate) routes: Routes,
     /// The node's call channel address, if it serves one.
     pub(crate) call_address: Option<crate::net::calls::CallAddress>,
+}
+
+/// Starts a node's agent and joins it to the node's agent group, where the head and
+/// peers find it.
+pub(crate) async fn start_agent(scope: &str, args: AgentArgs) -> crate::error::Result<ActorRef<Wire>> {
+    let name = args.node.clone();
+    let (agent, _) = Actor::spawn(None, Agent, args)
+        .await
+        .map_err(|e| Error::Actor(format!("cannot start node {name}'s agent: {e}")))?;
+    node::join_group(scope, &node::agent_group(&name), agent.get_cell());
+    Ok(agent)
 }
 
 pub(crate) struct AgentState {

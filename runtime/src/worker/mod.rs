@@ -12,9 +12,9 @@ use std::future::Future;
 use std::net::IpAddr;
 use std::time::Duration;
 
-use ractor::{Actor, ActorRef};
+use ractor::ActorRef;
 
-use crate::worker::agent::{Agent, AgentArgs};
+use crate::worker::agent::{start_agent, AgentArgs};
 use std::sync::Arc;
 
 use crate::client::Cluster;
@@ -167,21 +167,15 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
         pid: std::process::id(),
         metrics_address,
     };
-    let (agent, _) = Actor::spawn(
-        None,
-        Agent,
-        AgentArgs {
-            node: name.clone(),
-            host: host.clone(),
-            registry,
-            cluster: cluster.clone(),
-            routes,
-            call_address: calls.as_ref().map(|server| server.address().clone()),
-        },
-    )
-    .await
-    .map_err(|e| Error::Actor(format!("cannot start the node agent: {e}")))?;
-    node::join_group(local.scope(), &node::agent_group(&name), agent.get_cell());
+    let args = AgentArgs {
+        node: name.clone(),
+        host: host.clone(),
+        registry,
+        cluster: cluster.clone(),
+        routes,
+        call_address: calls.as_ref().map(|server| server.address().clone()),
+    };
+    let agent = start_agent(local.scope(), args).await?;
 
     tokio::select! {
         result = keep_membership(&local, &cluster, &agent, &info, config.heartbeat_interval_ms) => result,

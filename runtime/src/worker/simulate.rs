@@ -6,7 +6,6 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use ractor::Actor;
 
 use super::{join_with_retry, keep_membership};
 use crate::client::Cluster;
@@ -14,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::net::calls::CallPlane;
 use crate::net::headlink::HeadLink;
 use crate::net::node::{self, LocalNode};
-use crate::worker::agent::{Agent, AgentArgs};
+use crate::worker::agent::{start_agent, AgentArgs};
 use crate::worker::registry::Registry;
 use regatta_proto::protocol::NodeInfo;
 use regatta_proto::resources::Resources;
@@ -63,22 +62,16 @@ pub async fn run_simulated_nodes(
     let mut members = Vec::with_capacity(config.count);
     for index in config.first..config.first + config.count {
         let name = simulated_name(&config.prefix, index);
-        let (agent, _) = Actor::spawn(
-            None,
-            Agent,
-            AgentArgs {
-                node: name.clone(),
-                host: host.clone(),
-                registry: registry.clone(),
-                cluster: cluster.clone(),
-                routes: Default::default(),
-                // Simulated nodes are reached through the sessions only.
-                call_address: None,
-            },
-        )
-        .await
-        .map_err(|e| Error::Actor(format!("cannot start simulated node {name}'s agent: {e}")))?;
-        node::join_group(local.scope(), &node::agent_group(&name), agent.get_cell());
+        let args = AgentArgs {
+            node: name.clone(),
+            host: host.clone(),
+            registry: registry.clone(),
+            cluster: cluster.clone(),
+            routes: Default::default(),
+            // Simulated nodes are reached through the sessions only.
+            call_address: None,
+        };
+        let agent = start_agent(local.scope(), args).await?;
         let info = NodeInfo {
             name,
             address: local.address.clone(),
