@@ -42,7 +42,7 @@ pub use group::{TrainEvent, TrainSummary, TrainerGroup};
 pub use hf::{Architecture, HfConfigError, LlamaConfig, RopeScaling};
 pub use link::{LinkOptions, RingAddress, RingLinkBuilder, StreamLink, RING_TRANSPORT_ENV};
 pub use lora::{LoraConfig, Offload, ZeroConfig};
-pub use protocol::{FromExecutor, RankSetup, StepReport, ToExecutor, TrainOp, TrainReply};
+pub use protocol::{Binding, FromExecutor, RankSetup, StepReport, ToExecutor, TrainOp, TrainReply};
 pub use rank::{TrainRank, TrainRankArgs, SECRET_ENV};
 pub use regatta_runtime::executor::{executor_path, EXECUTOR_ENV};
 pub use ring_group::{RankArgs, RankOp, RankReply, RingGroup, RingRank};

@@ -93,23 +93,30 @@ pub struct StepReport {
     pub cuda_peak_reserved_bytes: Option<u64>,
 }
 
+/// What a rank's executor reports once its ring endpoint listens: its address and what
+/// it loaded. The executor sends it ([`FromExecutor::Bound`]) and the rank's actor hands
+/// it to the driver as it is ([`TrainReply::Bound`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Binding {
+    /// `host:port`.
+    pub addr: String,
+    /// Parameters of the model (real, without padding).
+    pub params: u64,
+    /// The step training starts after (0, or the checkpoint's step).
+    pub start_step: u64,
+    /// `cpu` or `cuda:N` (with the compute dtype and attention kernel).
+    pub device: String,
+    /// Rank 0 on GPUs: the NCCL unique id (hex) every rank joins with.
+    pub nccl_id: Option<String>,
+}
+
 /// Executor to agent.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FromExecutor {
-    /// The ring endpoint is listening.
-    Bound {
-        /// `host:port`.
-        addr: String,
-        /// Parameters of the model (real, without padding).
-        params: u64,
-        /// The step training starts after (0, or the checkpoint's step).
-        start_step: u64,
-        /// `cpu` or `cuda:N`.
-        device: String,
-        /// Rank 0 on GPUs: the NCCL unique id (hex) every rank joins with.
-        nccl_id: Option<String>,
-    },
+    /// The ring endpoint is listening (on the wire as the struct variant it was:
+    /// `{"bound": {"addr": ..}}`).
+    Bound(Binding),
     /// A step finished.
     Step(StepReport),
     /// A checkpoint was committed (rank 0 reports it once every rank's shard is written).
@@ -165,18 +172,7 @@ pub enum TrainOp {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum TrainReply {
     /// The executor's ring address and what it loaded.
-    Bound {
-        /// `host:port`.
-        addr: String,
-        /// Model parameters.
-        params: u64,
-        /// First step's predecessor.
-        start_step: u64,
-        /// Device.
-        device: String,
-        /// Rank 0 on GPUs: the NCCL id.
-        nccl_id: Option<String>,
-    },
+    Bound(Binding),
     /// The executor failed before binding; `fatal` when retrying cannot help (bad data, a
     /// bad model folder) rather than a lost peer.
     Failed {
@@ -194,4 +190,29 @@ pub enum TrainReply {
         /// Set once the executor process is gone: how it ended and its last log lines.
         exited: Option<String>,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_binding_travels_as_the_struct_variant_it_replaced() {
+        let binding = Binding {
+            addr: "h:1".into(),
+            params: 7,
+            start_step: 3,
+            device: "cpu".into(),
+            nccl_id: None,
+        };
+        let line = serde_json::to_string(&FromExecutor::Bound(binding.clone())).expect("encodes");
+        assert_eq!(
+            line,
+            r#"{"bound":{"addr":"h:1","params":7,"start_step":3,"device":"cpu","nccl_id":null}}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<FromExecutor>(&line).expect("decodes"),
+            FromExecutor::Bound(binding)
+        );
+    }
 }

@@ -109,21 +109,8 @@ impl Actor for TrainRank {
                 loop {
                     {
                         let shared = lock(&self.shared);
-                        if let Some(FromExecutor::Bound {
-                            addr,
-                            params,
-                            start_step,
-                            device,
-                            nccl_id,
-                        }) = &shared.bound
-                        {
-                            return Ok(TrainReply::Bound {
-                                addr: addr.clone(),
-                                params: *params,
-                                start_step: *start_step,
-                                device: device.clone(),
-                                nccl_id: nccl_id.clone(),
-                            });
+                        if let Some(FromExecutor::Bound(binding)) = &shared.bound {
+                            return Ok(TrainReply::Bound(binding.clone()));
                         }
                         if let Some(FromExecutor::Failed { reason, fatal }) = shared.events.last() {
                             return Ok(TrainReply::Failed {
@@ -171,7 +158,7 @@ async fn relay_events(stdout: ChildStdout, shared: Arc<Mutex<Shared>>, metrics: 
             Ok(event) => {
                 metrics.observe(rank, &event);
                 let mut shared = lock(&shared);
-                if matches!(event, FromExecutor::Bound { .. }) {
+                if matches!(event, FromExecutor::Bound(_)) {
                     shared.bound = Some(event);
                 } else {
                     shared.events.push(event);

@@ -6,7 +6,6 @@
 use std::future::Future;
 use std::sync::Arc;
 
-
 use super::{join_with_retry, keep_membership};
 use crate::client::Cluster;
 use crate::error::{Error, Result};

@@ -11,7 +11,7 @@ use regatta_object_store::Place;
 use regatta_trainer::config::TrainConfig;
 use regatta_trainer::eval::{rank_batches, EvalReport};
 use regatta_trainer::{
-    FromExecutor, LinkOptions, RankSetup, RingCollective, RingLinkBuilder, StepReport, ToExecutor, SECRET_ENV,
+    Binding, FromExecutor, LinkOptions, RankSetup, RingCollective, RingLinkBuilder, StepReport, ToExecutor, SECRET_ENV,
 };
 use tch::{Device, Kind};
 use tokio::runtime::Runtime;
@@ -192,7 +192,7 @@ impl Rank {
         };
         let params = crate::model::parameter_count(run_model.model.as_ref());
         let (device, compute) = (self.device, self.compute);
-        emit(&FromExecutor::Bound {
+        emit(&FromExecutor::Bound(Binding {
             addr,
             params,
             start_step: self.start_step(),
@@ -204,7 +204,7 @@ impl Rank {
                 run_model.model.attention_kernel(device, compute).name()
             ),
             nccl_id: endpoint.nccl_id.clone(),
-        });
+        }));
         Ok(())
     }
 

@@ -10,7 +10,7 @@ use regatta_runtime::{ActorHandle, ActorOptions};
 use super::placement::{RemoveOnDrop, PLACEMENT_TIMEOUT};
 use super::{TrainEvent, TrainSummary, TrainerGroup};
 use crate::config::TrainConfig;
-use crate::protocol::{RankSetup, TrainOp, TrainReply};
+use crate::protocol::{Binding, RankSetup, TrainOp, TrainReply};
 use crate::rank::{TrainRank, TrainRankArgs};
 
 /// Why an attempt ended before the run finished.
@@ -137,13 +137,13 @@ async fn bind_all(ranks: &[ActorHandle<TrainRank>]) -> Result<Bound, AttemptErro
                 AttemptError::Lost { rank, reason }
             });
         }
-        let TrainReply::Bound {
+        let TrainReply::Bound(Binding {
             addr,
             params,
             start_step,
             device,
             nccl_id,
-        } = reply
+        }) = reply
         else {
             return Err(AttemptError::Fatal("a rank replied out of turn".into()));
         };
