@@ -1,9 +1,8 @@
 //! The one error type of the pure core: input that does not parse into its typed value, or
 //! that breaks a rule the core keeps (whole GPUs, a job's id, a run's name).
 
-use crate::job::RUNTIME_ENV_KEYS;
+use crate::fixed::format_fixed;
 use crate::object::ObjectId;
-use crate::resources::format_fixed;
 
 /// What the pure core refuses, each with the input that caused it.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -69,12 +68,14 @@ pub enum Error {
         id: ObjectId,
     },
     /// A `runtime_env` key Regatta does not carry out.
-    #[error("runtime_env.{key} is not supported: {why}; supported keys are {}", RUNTIME_ENV_KEYS.join(", "))]
+    #[error("runtime_env.{key} is not supported: {why}; supported keys are {}", supported.join(", "))]
     UnsupportedRuntimeEnv {
         /// The key given.
         key: String,
         /// Why Regatta does not carry it out, and what to do instead.
         why: &'static str,
+        /// The keys Regatta carries out.
+        supported: &'static [&'static str],
     },
     /// A job submission with no command line.
     #[error("entrypoint is empty; give the driver's command line")]
@@ -92,21 +93,23 @@ pub enum Error {
     LabelSelectorUnsupported,
     /// A `working_dir` or `py_modules` URI that is neither a path nor an uploaded package.
     #[error(
-        "runtime_env package '{uri}' is not supported: give a folder (the client uploads it as {scheme}...) or a path on the node",
-        scheme = crate::job::PACKAGE_SCHEME
+        "runtime_env package '{uri}' is not supported: give a folder (the client uploads it as {scheme}...) or a path on the node"
     )]
     UnsupportedPackage {
         /// The URI given.
         uri: String,
+        /// The scheme of uploaded packages.
+        scheme: &'static str,
     },
     /// A `py_modules` entry that is not an uploaded package.
     #[error(
-        "runtime_env.py_modules takes uploaded packages ({scheme}...): give local folders to the client, which uploads them",
-        scheme = crate::job::PACKAGE_SCHEME
+        "runtime_env.py_modules takes uploaded packages ({scheme}...): give local folders to the client, which uploads them"
     )]
     PyModuleNotUploaded {
         /// The entry given.
         module: String,
+        /// The scheme of uploaded packages.
+        scheme: &'static str,
     },
     /// A job's resource amount that is negative or not finite.
     #[error("resource amount {amount} must be a finite number >= 0")]

@@ -107,7 +107,11 @@ impl TryFrom<RawRuntimeEnv> for RuntimeEnv {
                 "container" | "image_uri" => "Regatta runs drivers on the node itself, not in a per-job container",
                 _ => "Regatta does not carry it out",
             };
-            return Err(Error::UnsupportedRuntimeEnv { key: name.clone(), why });
+            return Err(Error::UnsupportedRuntimeEnv {
+                key: name.clone(),
+                why,
+                supported: RUNTIME_ENV_KEYS,
+            });
         }
         Ok(Self {
             env_vars: raw.env_vars,
@@ -208,7 +212,10 @@ impl JobSubmission {
         }
         for uri in self.runtime_env.working_dir.iter().chain(&self.runtime_env.py_modules) {
             if uri.contains("://") && !uri.starts_with(PACKAGE_SCHEME) {
-                return Err(Error::UnsupportedPackage { uri: uri.clone() });
+                return Err(Error::UnsupportedPackage {
+                    uri: uri.clone(),
+                    scheme: PACKAGE_SCHEME,
+                });
             }
         }
         if let Some(module) = self
@@ -217,7 +224,10 @@ impl JobSubmission {
             .iter()
             .find(|m| !m.starts_with(PACKAGE_SCHEME))
         {
-            return Err(Error::PyModuleNotUploaded { module: module.clone() });
+            return Err(Error::PyModuleNotUploaded {
+                module: module.clone(),
+                scheme: PACKAGE_SCHEME,
+            });
         }
         let amounts = self
             .entrypoint_num_cpus
@@ -643,7 +653,8 @@ mod tests {
         assert_eq!(
             parse(r#"{"entrypoint": "x", "runtime_env": {"py_modules": ["/home/me/lib"]}}"#).validate(),
             Err(Error::PyModuleNotUploaded {
-                module: "/home/me/lib".into()
+                module: "/home/me/lib".into(),
+                scheme: PACKAGE_SCHEME,
             })
         );
     }

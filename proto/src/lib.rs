@@ -14,6 +14,7 @@
 
 pub mod actor_log;
 mod error;
+mod fixed;
 pub mod head;
 pub mod job;
 pub mod object;

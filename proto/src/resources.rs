@@ -12,8 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-/// Fixed-point scale: one whole unit of a resource.
-pub const UNIT: u64 = 10_000;
+pub use crate::fixed::{format_fixed, UNIT};
 
 /// The amount a request gets for a bare name (`accelerator_type:H100`): enough to require
 /// that the node has the tag, small enough that thousands of actors can share it.
@@ -200,17 +199,6 @@ impl fmt::Display for Resources {
         }
         Ok(())
     }
-}
-
-/// Formats a fixed-point amount without trailing zeros (`1`, `0.5`, `0.001`).
-pub fn format_fixed(amount: u64) -> String {
-    let whole = amount / UNIT;
-    let frac = amount % UNIT;
-    if frac == 0 {
-        return whole.to_string();
-    }
-    let digits = format!("{frac:04}");
-    format!("{whole}.{}", digits.trim_end_matches('0'))
 }
 
 fn to_fixed(units: f64) -> u64 {

@@ -16,6 +16,7 @@ use regatta::{
     View, ViewQuery,
 };
 
+use crate::object::Object;
 use crate::pending::{settle, Pending, Slot};
 use crate::{error, placing_error, runtime, CALL_TIMEOUT};
 
@@ -53,22 +54,6 @@ impl Group {
     fn remove(&self, py: Python<'_>) -> PyResult<()> {
         let group = self.group.clone();
         py.detach(|| runtime().block_on(group.remove())).map_err(error)
-    }
-}
-
-/// An object in the cluster's object store, held while this lives (and, once it is
-/// dropped everywhere, kept a grace period for references in flight).
-#[pyclass(module = "regatta._native")]
-pub(crate) struct Object {
-    pub(crate) reference: ObjectRef<bytes::Bytes>,
-}
-
-#[pymethods]
-impl Object {
-    /// The object's id (what travels when a reference is sent).
-    #[getter]
-    fn id(&self) -> String {
-        self.reference.id().to_string()
     }
 }
 

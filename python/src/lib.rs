@@ -13,9 +13,11 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 mod cluster;
+mod object;
 mod pending;
 
-use cluster::{Cluster, Group, Object};
+use cluster::{Cluster, Group};
+use object::Object;
 use pending::Pending;
 
 /// Python calls have no deadline of their own (as in Ray): a day is "never" for a driver.

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use regatta::{ObjectId, ObjectRef};
 
-use crate::cluster::Object;
+use crate::object::Object;
 
 /// The object a call's answer names when its result went through the object store: the
 /// answer is `R` + the object's id, after the optional `L` section of what the call printed

@@ -1,7 +1,5 @@
 //! The one error type of `regatta-scorer`.
 
-use crate::generate::params::{MAX_NEW_TOKENS_LIMIT, MAX_STOPS};
-
 /// What went wrong while scoring a dataset.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -34,8 +32,13 @@ pub enum Error {
     Cluster(#[from] regatta_runtime::Error),
     /// A sampling setting (the run's, or a row's `params`) asks for more tokens than a row
     /// may generate, or none.
-    #[error("max_new_tokens must be 1..={limit}, not {0}", limit = MAX_NEW_TOKENS_LIMIT)]
-    MaxNewTokens(usize),
+    #[error("max_new_tokens must be 1..={limit}, not {asked}")]
+    MaxNewTokens {
+        /// The count asked for.
+        asked: usize,
+        /// The most a row may generate.
+        limit: usize,
+    },
     /// A sampling temperature is negative, above 100 or not a number.
     #[error("temperature must be 0..=100 (0: greedy), not {0}")]
     Temperature(f64),
@@ -43,8 +46,13 @@ pub enum Error {
     #[error("top_p must be in (0, 1], not {0}")]
     TopP(f64),
     /// More stop strings than a row may give.
-    #[error("at most {limit} stop strings, not {0}", limit = MAX_STOPS)]
-    TooManyStops(usize),
+    #[error("at most {limit} stop strings, not {given}")]
+    TooManyStops {
+        /// The stop strings given.
+        given: usize,
+        /// The most a row may give.
+        limit: usize,
+    },
     /// A stop string is empty (it would end every text at once).
     #[error("a stop string is empty")]
     EmptyStop,

@@ -44,6 +44,29 @@ pub(super) struct HeadState {
 }
 
 impl HeadState {
+    /// Logs a change (written with the next append), when the head keeps its state.
+    fn record(&mut self, change: &ChangeRef<'_>) {
+        if let Some(persist) = &mut self.persist {
+            persist.record(change);
+        }
+    }
+
+    /// After a change: its records go to the writer now, or after the write under way.
+    fn commit(&mut self) {
+        let now = self.now_ms();
+        if let Some(persist) = &mut self.persist {
+            persist.commit(&self.core, now);
+        }
+    }
+
+    /// The writer finished an append.
+    fn written(&mut self) {
+        let now = self.now_ms();
+        if let Some(persist) = &mut self.persist {
+            persist.written(&self.core, now);
+        }
+    }
+
     pub(super) fn now_ms(&self) -> u64 {
         self.clock_offset_ms + self.epoch.elapsed().as_millis() as u64
     }

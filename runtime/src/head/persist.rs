@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 use ractor::{ActorProcessingErr, ActorRef, RpcReplyPort};
 use regatta_proto::head::{ChangeRef, HeadCore, Saved};
 
-use super::actor::HeadState;
 use super::state_file::{self, StateFile};
 use super::{HeadConfig, HEAD_NODE};
 use crate::error::Result;
@@ -118,14 +117,13 @@ enum Write {
     Checkpoint(Vec<u8>),
 }
 
-impl HeadState {
+impl Persist {
     /// Logs a change (written with the next append).
     pub(super) fn record(&mut self, change: &ChangeRef<'_>) {
-        let Some(persist) = &mut self.persist else { return };
-        match persist.file.record(change, persist.seq + 1) {
+        match self.file.record(change, self.seq + 1) {
             Ok(bytes) => {
-                persist.seq += 1;
-                persist.pending.extend_from_slice(&bytes);
+                self.seq += 1;
+                self.pending.extend_from_slice(&bytes);
             }
             Err(e) => {
                 tracing::error!(error = %e, "could not encode a change of the head's state; a restarted head would miss it")
@@ -134,29 +132,29 @@ impl HeadState {
     }
 
     /// After a change: hands the records to the writer now, or after the write under way.
-    pub(super) fn commit(&mut self) {
-        if self.persist.as_ref().is_some_and(|p| !p.writing) {
-            self.send_records();
+    pub(super) fn commit(&mut self, core: &HeadCore, now: u64) {
+        if !self.writing {
+            self.send_records(core, now);
         }
     }
 
-    fn send_records(&mut self) {
-        let now = self.now_ms();
-        let Some(persist) = &mut self.persist else { return };
-        if persist.pending.is_empty() && persist.held.is_empty() {
+    /// Hands the records made so far to the writer, and a snapshot of `core` once the log
+    /// has grown past [`state_file::CHECKPOINT_BYTES`].
+    fn send_records(&mut self, core: &HeadCore, now: u64) {
+        if self.pending.is_empty() && self.held.is_empty() {
             return;
         }
-        let bytes = std::mem::take(&mut persist.pending);
-        persist.since_checkpoint += bytes.len() as u64;
-        let answers = std::mem::take(&mut persist.held);
-        persist.writing = persist.writer.send(Write::Append { bytes, answers }).is_ok();
-        if persist.since_checkpoint >= state_file::CHECKPOINT_BYTES {
-            persist.since_checkpoint = 0;
+        let bytes = std::mem::take(&mut self.pending);
+        self.since_checkpoint += bytes.len() as u64;
+        let answers = std::mem::take(&mut self.held);
+        self.writing = self.writer.send(Write::Append { bytes, answers }).is_ok();
+        if self.since_checkpoint >= state_file::CHECKPOINT_BYTES {
+            self.since_checkpoint = 0;
             let encoding = Instant::now();
-            match persist.file.encode(&self.core.snapshot(now), persist.seq) {
+            match self.file.encode(&core.snapshot(now), self.seq) {
                 Ok(snapshot) => {
                     observe_snapshot("log-full", encoding.elapsed(), snapshot.len());
-                    let _ = persist.writer.send(Write::Checkpoint(snapshot));
+                    let _ = self.writer.send(Write::Checkpoint(snapshot));
                 }
                 Err(e) => tracing::error!(error = %e, "could not encode the head's state; its log keeps growing"),
             }
@@ -164,11 +162,9 @@ impl HeadState {
     }
 
     /// The writer finished an append: the records made meanwhile go next.
-    pub(super) fn written(&mut self) {
-        if let Some(persist) = &mut self.persist {
-            persist.writing = false;
-        }
-        self.send_records();
+    pub(super) fn written(&mut self, core: &HeadCore, now: u64) {
+        self.writing = false;
+        self.send_records(core, now);
     }
 }
 

@@ -53,7 +53,10 @@ impl SamplingParams {
     /// Checks every field; the error names the field, its value and the allowed range.
     pub fn validate(&self) -> Result<()> {
         if !(1..=MAX_NEW_TOKENS_LIMIT).contains(&self.max_new_tokens) {
-            return Err(Error::MaxNewTokens(self.max_new_tokens));
+            return Err(Error::MaxNewTokens {
+                asked: self.max_new_tokens,
+                limit: MAX_NEW_TOKENS_LIMIT,
+            });
         }
         if !(self.temperature.is_finite() && (0.0..=100.0).contains(&self.temperature)) {
             return Err(Error::Temperature(self.temperature));
@@ -62,7 +65,10 @@ impl SamplingParams {
             return Err(Error::TopP(self.top_p));
         }
         if self.stop.len() > MAX_STOPS {
-            return Err(Error::TooManyStops(self.stop.len()));
+            return Err(Error::TooManyStops {
+                given: self.stop.len(),
+                limit: MAX_STOPS,
+            });
         }
         if self.stop.iter().any(String::is_empty) {
             return Err(Error::EmptyStop);
