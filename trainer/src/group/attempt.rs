@@ -13,19 +13,7 @@ use crate::config::TrainConfig;
 use crate::protocol::{Binding, RankSetup, TrainOp, TrainReply};
 use crate::rank::{TrainRank, TrainRankArgs};
 
-/// Why an attempt ended before the run finished.
-pub(super) enum AttemptError {
-    Lost {
-        rank: usize,
-        reason: String,
-    },
-    /// Capacity for more ranks returned (an elastic run restarts larger).
-    Grow {
-        to: usize,
-    },
-    Fatal(String),
-    Cluster(regatta_runtime::Error),
-}
+pub(super) use super::outcome::AttemptError;
 
 impl TrainerGroup {
     pub(super) async fn attempt(

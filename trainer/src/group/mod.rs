@@ -27,6 +27,7 @@ use crate::tensorboard::TensorBoardWriter;
 
 mod attempt;
 mod events;
+mod outcome;
 mod placement;
 mod watch;
 

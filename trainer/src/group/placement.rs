@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use regatta_runtime::Strategy;
 
-use super::attempt::AttemptError;
+use super::outcome::AttemptError;
 use super::TrainerGroup;
 
 /// How long a placement group may wait for resources.
