@@ -3,7 +3,7 @@
 //!
 //! This crate links no libtorch: it holds the pure parts (configuration, ZeRO partition
 //! arithmetic, data partitioning), the CPU collectives ([`collective`] over [`link`]: a Unix
-//! socket between ranks on one host, QUIC between hosts),
+//! socket between ranks on one host, TCP with sealed frames between hosts, QUIC as the fallback),
 //! the rank actor that runs inside a node's agent and supervises the rank's executor
 //! process ([`rank`]), and the driver's [`TrainerGroup`]. The executor itself, the model,
 //! the ZeRO engine, checkpoints and the NCCL backend live in `regatta-torch`, the one

@@ -1,9 +1,9 @@
 //! A ring of rank actors across the cluster: the rendezvous and CPU collective plumbing the
 //! trainer group stands on. The driver reserves one bundle per rank (a placement group),
-//! spawns a [`RingRank`] in each, asks every rank for its QUIC address (rank 0's view of
+//! spawns a [`RingRank`] in each, asks every rank for its ring address (rank 0's view of
 //! the ring is the list of those addresses), and tells each rank its successor; the ranks
-//! then run collectives among themselves (a Unix socket between ranks on one host, QUIC
-//! between hosts: [`crate::link`]).
+//! then run collectives among themselves (a Unix socket between ranks on one host, TCP with
+//! sealed frames between hosts, QUIC as the fallback: [`crate::link`]).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,7 +23,7 @@ pub struct RankArgs {
     pub rank: usize,
     /// Ranks in the ring.
     pub world: usize,
-    /// A secret shared by the ring's ranks only; their QUIC TLS identity derives from it.
+    /// A secret shared by the ring's ranks only; their TLS identity (TCP and QUIC) derives from it.
     pub secret: String,
 }
 
