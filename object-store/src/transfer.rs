@@ -403,6 +403,23 @@ impl Transfer {
     }
 }
 
+/// Why a same-host holder's segment was not mapped: not a failure, the holder then
+/// streams the object.
+#[derive(Debug, thiserror::Error)]
+enum Unmapped {
+    /// The handle names a segment of another size than the directory's.
+    #[error("segment of {segment} bytes, the directory says {size}")]
+    Size {
+        /// The segment's bytes.
+        segment: u64,
+        /// The object's bytes, as the directory has them.
+        size: u64,
+    },
+    /// Opening or mapping the segment failed.
+    #[error(transparent)]
+    Map(#[from] io::Error),
+}
+
 /// Maps the segment a same-host holder's `reply` hands over and tells the holder whether
 /// it could; the inner error says why not (the holder then streams the object).
 async fn map_segment(
@@ -411,7 +428,7 @@ async fn map_segment(
     peer: SocketAddr,
     id: ObjectId,
     size: u64,
-) -> std::result::Result<std::result::Result<Fetched, String>, Attempt> {
+) -> std::result::Result<std::result::Result<Fetched, Unmapped>, Attempt> {
     let failed = |e: &dyn std::fmt::Display| transfer_failed(id, peer, e);
     let handle = <[u8; Handle::LEN]>::try_from(&reply[1..])
         .map(|raw| Handle::from_bytes(&raw))
@@ -424,9 +441,12 @@ async fn map_segment(
         })
         .await
         .map_err(|e| failed(&e))?
-        .map_err(|e| e.to_string())
+        .map_err(Unmapped::Map)
     } else {
-        Err(format!("segment of {} bytes, the directory says {size}", handle.len))
+        Err(Unmapped::Size {
+            segment: handle.len,
+            size,
+        })
     };
     let answer = u8::from(mapped.is_ok());
     timed(stream.send(0, &[answer])).await.map_err(|e| failed(&e))?;

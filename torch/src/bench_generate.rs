@@ -283,15 +283,7 @@ pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
             job.device
         )));
     }
-    SamplingParams {
-        max_new_tokens: job.max_new_tokens,
-        temperature: job.temperature,
-        top_p: job.top_p,
-        seed: job.seed,
-        ..SamplingParams::default()
-    }
-    .validate()
-    .map_err(|e| Error::Invalid(e.to_string()))?;
+    job.sampling().validate().map_err(|e| Error::Invalid(e.to_string()))?;
     let device = crate::cuda::pick_device(&job.device, &[])?;
     let sync = || {
         if let Device::Cuda(ordinal) = device {
@@ -303,31 +295,8 @@ pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
     let params = crate::model::inference_layout(params, device);
     sync();
     let load_seconds = started.elapsed().as_secs_f64();
-    let rows: Vec<Prepared> = job
-        .prompts
-        .iter()
-        .enumerate()
-        .map(|(i, prompt)| Prepared {
-            prompt: prompt.clone(),
-            params: SamplingParams {
-                max_new_tokens: job.max_new_tokens,
-                temperature: job.temperature,
-                top_p: job.top_p,
-                seed: job.seed,
-                ..SamplingParams::default()
-            },
-            stream: RowStream::new(job.seed, &i.to_string()),
-        })
-        .collect();
-    let setup = GenerationSetup {
-        kv_cache_bytes: Some(job.kv_cache_mb.unwrap_or(2048) << 20),
-        max_batch: job.max_batch.max(1),
-        prefill_tokens: 1024,
-        prefix_caching: job.prefix_caching,
-        cuda_graphs: job.cuda_graphs,
-        ..GenerationSetup::default()
-    };
-    let generator = Generator::new(model.as_ref(), &params, setup, context, job.eos.clone(), device)?;
+    let rows = job.rows();
+    let generator = Generator::new(model.as_ref(), &params, job.setup(), context, job.eos.clone(), device)?;
     let started = Instant::now();
     let (outputs, timings) = generator.run_timed(&rows, &|_| String::new(), &mut |_| {})?;
     sync();
@@ -360,4 +329,42 @@ pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
         peak_allocated_bytes: memory.map_or(0, |m| m.peak_allocated),
         peak_reserved_bytes: memory.map_or(0, |m| m.peak_reserved),
     })
+}
+
+impl IdsJob {
+    /// How every row is continued.
+    fn sampling(&self) -> SamplingParams {
+        SamplingParams {
+            max_new_tokens: self.max_new_tokens,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            seed: self.seed,
+            ..SamplingParams::default()
+        }
+    }
+
+    /// The rows: row `i` is its prompt with stream `i` of the seed.
+    fn rows(&self) -> Vec<Prepared> {
+        self.prompts
+            .iter()
+            .enumerate()
+            .map(|(i, prompt)| Prepared {
+                prompt: prompt.clone(),
+                params: self.sampling(),
+                stream: RowStream::new(self.seed, &i.to_string()),
+            })
+            .collect()
+    }
+
+    /// The generator's settings (a 2 GiB cache unless the job sets one).
+    fn setup(&self) -> GenerationSetup {
+        GenerationSetup {
+            kv_cache_bytes: Some(self.kv_cache_mb.unwrap_or(2048) << 20),
+            max_batch: self.max_batch.max(1),
+            prefill_tokens: 1024,
+            prefix_caching: self.prefix_caching,
+            cuda_graphs: self.cuda_graphs,
+            ..GenerationSetup::default()
+        }
+    }
 }

@@ -35,7 +35,7 @@ pub use bench_generate::bench_generate;
 pub use engine::{Engine, EngineSettings, Held, MicroBatch, StepOutcome};
 pub use error::{Error, Result};
 pub use executor::{builtin_model, executor_main, gemm_peak, reference_run, GemmPeak};
-pub use generate::{Generator, KvCache, Output, Prepared};
+pub use generate::{Generator, KvCache, Output, Prepared, RowError};
 pub use gpt::Gpt;
 pub use hf::HfModel;
 pub use llama::Llama;

@@ -26,62 +26,18 @@ pub fn plain_run(
     steps: &[Vec<MicroBatch>],
     optimizer: &OptimizerConfig,
 ) -> Result<(Vec<f64>, NamedTensors)> {
-    let store = nn::VarStore::new(Device::Cpu);
-    let root = store.root();
-    let mut stored = Vec::new();
-    let mut frozen = Vec::new();
-    for spec in model.blocks().iter().flatten().filter(|s| s.tied_to.is_none()) {
-        let values = init(spec)?.to_kind(Kind::Float);
-        if spec.frozen {
-            // Not a variable: no gradient, no optimizer state.
-            frozen.push((spec.name.clone(), values));
-            continue;
-        }
-        let group = if spec.decays() { 0 } else { 1 };
-        // VarStore names may not hold dots.
-        let var = root.set_group(group).var_copy(&spec.name.replace('.', "_"), &values);
-        stored.push((spec.name.clone(), var));
-    }
+    let (store, stored, frozen) = variables(model, init)?;
     let by_name: HashMap<String, Tensor> = stored
         .iter()
         .chain(&frozen)
         .map(|(n, t)| (n.clone(), t.shallow_clone()))
         .collect();
     let params = arrange(model, &by_name)?;
-    let mut opt = nn::AdamW {
-        beta1: optimizer.beta1,
-        beta2: optimizer.beta2,
-        wd: optimizer.weight_decay,
-        eps: optimizer.eps,
-        amsgrad: false,
-    }
-    .build(&store, optimizer.lr)?;
-    // A group exists once a variable is in it (a LoRA run's adapters are all matrices).
-    let blocks = model.blocks();
-    let trained = || blocks.iter().flatten().filter(|s| s.tied_to.is_none() && !s.frozen);
-    if trained().any(|s| s.decays()) {
-        opt.set_weight_decay_group(0, optimizer.weight_decay);
-    }
-    if trained().any(|s| !s.decays()) {
-        opt.set_weight_decay_group(1, 0.0);
-    }
+    let mut opt = adamw(&store, model, optimizer)?;
     let total = steps.len() as u64;
     let mut losses = Vec::with_capacity(steps.len());
     for (step, micro) in steps.iter().enumerate() {
-        let cat = |pick: &dyn Fn(&MicroBatch) -> Tensor| Tensor::cat(&micro.iter().map(pick).collect::<Vec<_>>(), 0);
-        let tokens = cat(&|m| m.tokens.shallow_clone());
-        let targets = cat(&|m| m.targets.shallow_clone());
-        let mut batch = match micro.first().and_then(|m| m.documents.as_ref()) {
-            Some(_) => Batch::packed(
-                &cat(&|m| {
-                    m.documents
-                        .as_ref()
-                        .map_or_else(|| m.tokens.zeros_like(), Tensor::shallow_clone)
-                }),
-                true,
-            ),
-            None => Batch::plain(&tokens),
-        };
+        let (tokens, targets, mut batch) = global_batch(micro);
         model.prepare(&mut batch);
         opt.zero_grad();
         let mut hidden = tokens.shallow_clone();
@@ -100,4 +56,71 @@ pub fn plain_run(
     }
     let weights = stored.into_iter().map(|(name, t)| (name, t.detach().copy())).collect();
     Ok((losses, weights))
+}
+
+/// The model's parameters from `init`: trained ones as variables of a store (group 0:
+/// weight decay, 1: none), frozen ones as plain tensors.
+fn variables(
+    model: &dyn Model,
+    init: &mut dyn FnMut(&ParamSpec) -> Result<Tensor>,
+) -> Result<(nn::VarStore, NamedTensors, NamedTensors)> {
+    let store = nn::VarStore::new(Device::Cpu);
+    let root = store.root();
+    let mut stored = Vec::new();
+    let mut frozen = Vec::new();
+    for spec in model.blocks().iter().flatten().filter(|s| s.tied_to.is_none()) {
+        let values = init(spec)?.to_kind(Kind::Float);
+        if spec.frozen {
+            // Not a variable: no gradient, no optimizer state.
+            frozen.push((spec.name.clone(), values));
+            continue;
+        }
+        let group = if spec.decays() { 0 } else { 1 };
+        // VarStore names may not hold dots.
+        let var = root.set_group(group).var_copy(&spec.name.replace('.', "_"), &values);
+        stored.push((spec.name.clone(), var));
+    }
+    Ok((store, stored, frozen))
+}
+
+/// libtorch's AdamW over the store's variables, weight decay on the decaying group only.
+fn adamw(store: &nn::VarStore, model: &dyn Model, optimizer: &OptimizerConfig) -> Result<nn::Optimizer> {
+    let mut opt = nn::AdamW {
+        beta1: optimizer.beta1,
+        beta2: optimizer.beta2,
+        wd: optimizer.weight_decay,
+        eps: optimizer.eps,
+        amsgrad: false,
+    }
+    .build(store, optimizer.lr)?;
+    // A group exists once a variable is in it (a LoRA run's adapters are all matrices).
+    let blocks = model.blocks();
+    let trained = || blocks.iter().flatten().filter(|s| s.tied_to.is_none() && !s.frozen);
+    if trained().any(|s| s.decays()) {
+        opt.set_weight_decay_group(0, optimizer.weight_decay);
+    }
+    if trained().any(|s| !s.decays()) {
+        opt.set_weight_decay_group(1, 0.0);
+    }
+    Ok(opt)
+}
+
+/// A step's micro-batches as one batch: tokens, targets and the batch (packed when the
+/// micro-batches carry documents).
+fn global_batch(micro: &[MicroBatch]) -> (Tensor, Tensor, Batch) {
+    let cat = |pick: &dyn Fn(&MicroBatch) -> Tensor| Tensor::cat(&micro.iter().map(pick).collect::<Vec<_>>(), 0);
+    let tokens = cat(&|m| m.tokens.shallow_clone());
+    let targets = cat(&|m| m.targets.shallow_clone());
+    let batch = match micro.first().and_then(|m| m.documents.as_ref()) {
+        Some(_) => Batch::packed(
+            &cat(&|m| {
+                m.documents
+                    .as_ref()
+                    .map_or_else(|| m.tokens.zeros_like(), Tensor::shallow_clone)
+            }),
+            true,
+        ),
+        None => Batch::plain(&tokens),
+    };
+    (tokens, targets, batch)
 }

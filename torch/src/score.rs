@@ -9,7 +9,7 @@ use regatta_scorer::generate::{stop_at, GenRequest, Generation, GenerationSetup,
 use regatta_trainer::documents::{Message, TokenizerSettings};
 
 use crate::data::TextTokenizer;
-use crate::generate::{Generator, Output, Prepared};
+use crate::generate::{Generator, Output, Prepared, RowError};
 use crate::hf::HfModel;
 use crate::lora::Adapter;
 use crate::model::{arrange, logits, parameter_count, Model};
@@ -286,7 +286,7 @@ impl Scorer {
 
     /// The token ids of a generation prompt: text as is (after a BOS when the tokenizer
     /// adds one), chat messages through the model's chat template.
-    pub fn prompt_ids(&self, prompt: &Prompt) -> std::result::Result<Vec<i64>, String> {
+    pub fn prompt_ids(&self, prompt: &Prompt) -> std::result::Result<Vec<i64>, RowError> {
         let text = match prompt {
             Prompt::Text(text) => match (&self.settings.bos_token, self.settings.add_bos_token) {
                 (Some(bos), true) => format!("{bos}{text}"),
@@ -300,10 +300,10 @@ impl Scorer {
                         content: m.content.clone(),
                     })
                     .collect();
-                self.settings.chat_prompt(&messages).map_err(|e| e.to_string())?
+                self.settings.chat_prompt(&messages).map_err(RowError::Chat)?
             }
         };
-        self.tokenizer.encode(text.as_bytes()).map_err(|e| e.to_string())
+        self.tokenizer.encode(text.as_bytes()).map_err(RowError::Tokenize)
     }
 
     /// The generator of this scorer's model under `setup` (the executor keeps one
@@ -326,7 +326,7 @@ impl Scorer {
 
     /// A request ready for a generator: its prompt's token ids, settings and random
     /// stream; or why its prompt cannot be rendered or tokenized.
-    pub fn prepare(&self, request: &GenRequest) -> std::result::Result<Prepared, String> {
+    pub fn prepare(&self, request: &GenRequest) -> std::result::Result<Prepared, RowError> {
         Ok(Prepared {
             prompt: self.prompt_ids(&request.prompt)?,
             params: request.params.clone(),

@@ -15,7 +15,7 @@ use tch::Device;
 use crate::checkpoint::open_model;
 use crate::data::TextTokenizer;
 use crate::error::{Error, Result};
-use crate::generate::Generator;
+use crate::generate::{Generator, Output, Session};
 use crate::lora::{hold_base, Adapter};
 use crate::score::Scorer;
 
@@ -203,109 +203,153 @@ impl InFlight {
 /// the next step, and its answer goes out when its last row ends. A step the model fails
 /// loses every request in flight (one `Failed`); the next request starts a new session.
 fn generate_loop(scorer: &Scorer, generator: &Generator, messages: &Receiver<ToScorer>) -> ExitCode {
-    let fresh = || generator.session();
-    let mut session = match fresh() {
+    let session = match generator.session() {
         Ok(session) => session,
         Err(reason) => {
             emit(&FromScorer::Failed(reason.to_string()));
             return ExitCode::from(1);
         }
     };
-    let mut in_flight: HashMap<u64, InFlight> = HashMap::new();
-    let mut owner: HashMap<usize, (u64, usize)> = HashMap::new();
-    let decode = |ids: &[i64]| scorer.decode(ids);
-    let mut stats = |s| emit(&FromScorer::Stats(s));
+    let mut generating = Generating {
+        scorer,
+        generator,
+        session,
+        in_flight: HashMap::new(),
+        owner: HashMap::new(),
+    };
     let mut open = true;
     loop {
-        // Take every request that has arrived; wait for one only when nothing runs.
-        let message = if session.is_idle() {
-            if !open {
-                return ExitCode::SUCCESS;
-            }
-            messages.recv().ok()
-        } else {
-            match messages.try_recv() {
-                Ok(message) => Some(message),
-                Err(TryRecvError::Empty) => None,
-                Err(TryRecvError::Disconnected) => {
-                    open = false;
-                    None
-                }
-            }
-        };
-        if session.is_idle() && message.is_none() {
+        let message = next_message(messages, generating.session.is_idle(), &mut open);
+        if generating.session.is_idle() && message.is_none() {
             // stdin closed with nothing running.
             return ExitCode::SUCCESS;
         }
-        if let Some(message) = message {
-            match message {
-                ToScorer::Generate { tag, rows } => {
-                    let mut flight = InFlight {
-                        prompt_tokens: vec![0; rows.len()],
-                        results: vec![None; rows.len()],
-                        left: 0,
-                        requests: Vec::new(),
-                    };
-                    for (i, request) in rows.iter().enumerate() {
-                        let added = scorer.prepare(request).and_then(|prepared| {
-                            let tokens = prepared.prompt.len();
-                            session.add(prepared).map(|seq| (seq, tokens))
-                        });
-                        match added {
-                            Ok((seq, tokens)) => {
-                                owner.insert(seq, (tag, i));
-                                flight.prompt_tokens[i] = tokens;
-                                flight.left += 1;
-                            }
-                            Err(reason) => flight.results[i] = Some(Err(RowFailure::new(reason))),
-                        }
-                    }
-                    flight.requests = rows;
-                    if flight.left == 0 {
-                        flight.answer(tag);
-                    } else {
-                        in_flight.insert(tag, flight);
-                    }
+        match message {
+            Some(message) => generating.handle(message),
+            None => {
+                if generating.step().is_err() {
+                    return ExitCode::from(1);
                 }
-                ToScorer::Batch(_) => {
-                    emit(&FromScorer::Failed(
-                        "this executor generates; it was sent rows to score".into(),
-                    ));
-                }
-                ToScorer::Setup(_) => eprintln!("ignored a second setup"),
             }
-            continue;
         }
-        match session.step(&decode, &mut stats) {
+    }
+}
+
+/// The next message: every one that has arrived is taken before a step, and one is waited
+/// for only when nothing runs (`idle`). `None` when none has arrived, or once stdin is
+/// closed (`open` then turns false).
+fn next_message(messages: &Receiver<ToScorer>, idle: bool, open: &mut bool) -> Option<ToScorer> {
+    if idle {
+        if !*open {
+            return None;
+        }
+        return messages.recv().ok();
+    }
+    match messages.try_recv() {
+        Ok(message) => Some(message),
+        Err(TryRecvError::Empty) => None,
+        Err(TryRecvError::Disconnected) => {
+            *open = false;
+            None
+        }
+    }
+}
+
+/// The generating executor's state: the session every request's rows join, the requests
+/// still running and which request and row each running sequence answers.
+struct Generating<'s, 'g, 'a> {
+    scorer: &'s Scorer,
+    generator: &'g Generator<'a>,
+    session: Session<'g, 'a>,
+    in_flight: HashMap<u64, InFlight>,
+    /// A running sequence's request tag and row.
+    owner: HashMap<usize, (u64, usize)>,
+}
+
+impl Generating<'_, '_, '_> {
+    fn handle(&mut self, message: ToScorer) {
+        match message {
+            ToScorer::Generate { tag, rows } => self.admit(tag, rows),
+            ToScorer::Batch(_) => {
+                emit(&FromScorer::Failed(
+                    "this executor generates; it was sent rows to score".into(),
+                ));
+            }
+            ToScorer::Setup(_) => eprintln!("ignored a second setup"),
+        }
+    }
+
+    /// Adds a request's rows to the session; a row that cannot run gets its reason now, and
+    /// a request none of whose rows runs is answered at once.
+    fn admit(&mut self, tag: u64, rows: Vec<GenRequest>) {
+        let mut flight = InFlight {
+            prompt_tokens: vec![0; rows.len()],
+            results: vec![None; rows.len()],
+            left: 0,
+            requests: Vec::new(),
+        };
+        for (i, request) in rows.iter().enumerate() {
+            let added = self.scorer.prepare(request).and_then(|prepared| {
+                let tokens = prepared.prompt.len();
+                self.session.add(prepared).map(|seq| (seq, tokens))
+            });
+            match added {
+                Ok((seq, tokens)) => {
+                    self.owner.insert(seq, (tag, i));
+                    flight.prompt_tokens[i] = tokens;
+                    flight.left += 1;
+                }
+                Err(reason) => flight.results[i] = Some(Err(RowFailure::new(reason.to_string()))),
+            }
+        }
+        flight.requests = rows;
+        if flight.left == 0 {
+            flight.answer(tag);
+        } else {
+            self.in_flight.insert(tag, flight);
+        }
+    }
+
+    /// Runs one step and files the rows it finished. When the model fails, every request in
+    /// flight fails and a new session starts; an error only when that cannot.
+    fn step(&mut self) -> Result<()> {
+        let decode = |ids: &[i64]| self.scorer.decode(ids);
+        let mut stats = |s| emit(&FromScorer::Stats(s));
+        match self.session.step(&decode, &mut stats) {
             Ok(finished) => {
                 for (seq, output) in finished {
-                    let Some((tag, i)) = owner.remove(&seq) else { continue };
-                    let Some(flight) = in_flight.get_mut(&tag) else {
-                        continue;
-                    };
-                    flight.results[i] = Some(Ok(scorer.generation(
-                        &flight.requests[i],
-                        flight.prompt_tokens[i],
-                        output,
-                    )));
-                    flight.left -= 1;
-                    if flight.left == 0 {
-                        if let Some(flight) = in_flight.remove(&tag) {
-                            flight.answer(tag);
-                        }
-                    }
+                    self.finish(seq, output);
                 }
             }
             Err(reason) => {
                 // The model itself failed (not one row): every request in flight fails.
                 eprintln!("generation failed: {reason}");
                 emit(&FromScorer::Failed(reason.to_string()));
-                in_flight.clear();
-                owner.clear();
-                session = match fresh() {
-                    Ok(session) => session,
-                    Err(_) => return ExitCode::from(1),
-                };
+                self.in_flight.clear();
+                self.owner.clear();
+                self.session = self.generator.session()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Files a finished sequence's row in its request, answered when it was the last.
+    fn finish(&mut self, seq: usize, output: Output) {
+        let Some((tag, i)) = self.owner.remove(&seq) else {
+            return;
+        };
+        let Some(flight) = self.in_flight.get_mut(&tag) else {
+            return;
+        };
+        flight.results[i] = Some(Ok(self.scorer.generation(
+            &flight.requests[i],
+            flight.prompt_tokens[i],
+            output,
+        )));
+        flight.left -= 1;
+        if flight.left == 0 {
+            if let Some(flight) = self.in_flight.remove(&tag) {
+                flight.answer(tag);
             }
         }
     }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use regatta_scorer::generate::{Finish, GenStats, GenerationSetup, RowStream, SamplingParams};
 use regatta_torch::engine::seeded;
 use regatta_torch::model::{arrange, inference_layout, logits};
-use regatta_torch::{tch, Generator, Gpt, HfModel, Model, Output, Prepared};
+use regatta_torch::{tch, Generator, Gpt, HfModel, Model, Output, Prepared, RowError};
 use regatta_trainer::config::ModelConfig;
 use tch::{Device, Tensor};
 
@@ -322,7 +322,15 @@ fn rows_that_cannot_run_get_a_reason_and_the_others_still_run() {
         stream: RowStream::new(0, "r"),
     });
     let results = generator.run(&rows, &|_| String::new(), &mut |_| {}).unwrap();
-    assert!(results[0].as_ref().unwrap_err().contains("context is 128"));
+    let refused = results[0].as_ref().unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            RowError::Refused(regatta_scorer::Error::PromptFillsContext { context: 128, .. })
+        ),
+        "{refused}"
+    );
+    assert!(refused.to_string().contains("context is 128"), "{refused}");
     assert_eq!(results[1].as_ref().unwrap().tokens.len(), 3);
     let tiny = Generator::new(model.as_ref(), &params, setup(100, 4, 64), 128, Vec::new(), Device::Cpu).unwrap();
     let error = tiny
@@ -446,7 +454,11 @@ fn rows_added_while_others_decode_join_the_running_batch_and_equal_a_one_shot_ru
         stream: RowStream::new(0, "long"),
     };
     let reason = session.add(long).unwrap_err();
-    assert!(reason.contains("raise the KV cache budget"), "{reason}");
+    assert!(
+        matches!(reason, RowError::Refused(regatta_scorer::Error::CacheTooSmall { .. })),
+        "{reason}"
+    );
+    assert!(reason.to_string().contains("raise the KV cache budget"), "{reason}");
 }
 
 #[test]

@@ -27,7 +27,7 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use regatta_torch::{bench_generate, builtin_model, checkpoint, executor_main, gemm_peak, reference_run};
+use regatta_torch::{builtin_model, checkpoint, executor_main, gemm_peak, reference_run};
 use regatta_trainer::TrainConfig;
 
 fn reference(args: &[String]) -> anyhow::Result<()> {
@@ -262,35 +262,110 @@ fn doctor(args: &[String]) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// Says a subcommand's error and exits with `code`.
+fn fail(error: impl std::fmt::Display, code: u8) -> ExitCode {
+    eprintln!("error: {error}");
+    ExitCode::from(code)
+}
+
+/// The exit of a subcommand that prints its own output: success, or its error and `code`.
+fn exit(result: anyhow::Result<()>, code: u8) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(e, code),
+    }
+}
+
+/// Runs the NCCL check on the first GPU (see the module docs); exit 1 when a part fails.
+fn nccl_check() -> ExitCode {
+    let result = regatta_torch::nccl_check::check(0);
+    println!("{}", serde_json::to_string(&result).unwrap_or_default());
+    if result.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+/// Exports a checkpoint as TorchScript (see the module docs).
+fn export(args: &[String]) -> ExitCode {
+    let [checkpoint, out] = args else {
+        eprintln!("usage: regatta-torch-rank export CHECKPOINT_DIR OUT.pt");
+        return ExitCode::from(2);
+    };
+    match regatta_torch::score_executor::export(checkpoint, out) {
+        Ok(context) => {
+            println!("wrote {out}: a TorchScript module over token ids [batch, time], time up to {context}; score it with --context {context}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(e, 1),
+    }
+}
+
+/// Measures KV-cache generation (see the module docs).
+fn bench_generate(args: &[String]) -> ExitCode {
+    let (Some(model), Some(threads)) = (args.first(), args.get(1).and_then(|t| t.parse::<usize>().ok())) else {
+        eprintln!("usage: regatta-torch-rank bench-generate MODEL_DIR_OR_CONFIG.json THREADS");
+        return ExitCode::from(2);
+    };
+    exit(regatta_torch::bench_generate(model, threads).map_err(Into::into), 1)
+}
+
+/// Generates for a job of token ids and prints the outputs and timings as JSON.
+fn generate_ids(args: &[String]) -> ExitCode {
+    let (Some(model), Some(job)) = (args.first(), args.get(1)) else {
+        eprintln!("usage: regatta-torch-rank generate-ids MODEL_DIR JOB.json (prints the outputs and timings as JSON)");
+        return ExitCode::from(2);
+    };
+    match ids_job(model, job) {
+        Ok(line) => {
+            println!("{line}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(e, 1),
+    }
+}
+
+/// Reads the generate-ids job at `job`, runs it over `model` and gives the JSON line.
+fn ids_job(model: &str, job: &str) -> anyhow::Result<String> {
+    let bytes = std::fs::read(job).map_err(|e| anyhow::anyhow!("cannot read {job}: {e}"))?;
+    let spec = serde_json::from_slice::<regatta_torch::bench_generate::IdsJob>(&bytes)
+        .map_err(|e| anyhow::anyhow!("{job} is not a generate-ids job: {e}"))?;
+    let outcome = regatta_torch::bench_generate::generate_ids(model, &spec)?;
+    Ok(serde_json::to_string(&outcome)?)
+}
+
+/// Measures the streaming loader (see the module docs).
+fn bench_data(args: &[String]) -> ExitCode {
+    let spec = match args
+        .first()
+        .map(|s| serde_json::from_str::<regatta_torch::bench_data::BenchDataSpec>(s))
+    {
+        Some(Ok(spec)) => spec,
+        Some(Err(e)) => {
+            eprintln!("error: bad spec: {e}");
+            return ExitCode::from(2);
+        }
+        None => {
+            eprintln!("usage: regatta-torch-rank bench-data SPEC_JSON");
+            return ExitCode::from(2);
+        }
+    };
+    match regatta_torch::bench_data::bench_data(&spec) {
+        Ok(result) => {
+            println!("{}", serde_json::to_string(&result).unwrap_or_default());
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(e, 1),
+    }
+}
+
 fn main() -> ExitCode {
     // Before anything asks libtorch about CUDA: see regatta_torch::cuda.
     regatta_torch::cuda::load_libtorch_cuda();
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let rest = args.get(1..).unwrap_or_default();
     match args.first().map(String::as_str) {
-        Some("logits") => match model_logits(&args[1..]) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::from(1)
-            }
-        },
-        Some("nccl-check") => {
-            let result = regatta_torch::nccl_check::check(0);
-            println!("{}", serde_json::to_string(&result).unwrap_or_default());
-            if result.ok {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(1)
-            }
-        }
-        Some("attention-check") => attention_check(&args[1..]).unwrap_or_else(|e| {
-            eprintln!("error: {e}");
-            ExitCode::from(2)
-        }),
-        Some("doctor") => doctor(&args[1..]).unwrap_or_else(|e| {
-            eprintln!("error: {e}");
-            ExitCode::from(2)
-        }),
         None => {
             regatta_runtime::executor::exit_when_orphaned();
             executor_main(&builtin_model)
@@ -299,114 +374,18 @@ fn main() -> ExitCode {
             regatta_runtime::executor::exit_when_orphaned();
             regatta_torch::score_executor::score_main()
         }
-        Some("export") => match &args[1..] {
-            [checkpoint, out] => match regatta_torch::score_executor::export(checkpoint, out) {
-                Ok(context) => {
-                    println!("wrote {out}: a TorchScript module over token ids [batch, time], time up to {context}; score it with --context {context}");
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    ExitCode::from(1)
-                }
-            },
-            _ => {
-                eprintln!("usage: regatta-torch-rank export CHECKPOINT_DIR OUT.pt");
-                ExitCode::from(2)
-            }
-        },
-        Some("bench-generate") => {
-            let (Some(model), Some(threads)) = (args.get(1), args.get(2).and_then(|t| t.parse::<usize>().ok())) else {
-                eprintln!("usage: regatta-torch-rank bench-generate MODEL_DIR_OR_CONFIG.json THREADS");
-                return ExitCode::from(2);
-            };
-            match bench_generate(model, threads) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Some("generate-ids") => {
-            let usage =
-                "usage: regatta-torch-rank generate-ids MODEL_DIR JOB.json (prints the outputs and timings as JSON)";
-            let (Some(model), Some(job)) = (args.get(1), args.get(2)) else {
-                eprintln!("{usage}");
-                return ExitCode::from(2);
-            };
-            let job = std::fs::read(job)
-                .map_err(|e| anyhow::anyhow!("cannot read {job}: {e}"))
-                .and_then(|bytes| {
-                    serde_json::from_slice::<regatta_torch::bench_generate::IdsJob>(&bytes)
-                        .map_err(|e| anyhow::anyhow!("{job} is not a generate-ids job: {e}"))
-                });
-            let outcome = job.and_then(|job| Ok(regatta_torch::bench_generate::generate_ids(model, &job)?));
-            match outcome.and_then(|o| Ok(serde_json::to_string(&o)?)) {
-                Ok(line) => {
-                    println!("{line}");
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Some("peak") => match peak(&args[1..]) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::from(2)
-            }
-        },
-        Some("bench-data") => {
-            let spec = match args
-                .get(1)
-                .map(|s| serde_json::from_str::<regatta_torch::bench_data::BenchDataSpec>(s))
-            {
-                Some(Ok(spec)) => spec,
-                Some(Err(e)) => {
-                    eprintln!("error: bad spec: {e}");
-                    return ExitCode::from(2);
-                }
-                None => {
-                    eprintln!("usage: regatta-torch-rank bench-data SPEC_JSON");
-                    return ExitCode::from(2);
-                }
-            };
-            match regatta_torch::bench_data::bench_data(&spec) {
-                Ok(result) => {
-                    println!("{}", serde_json::to_string(&result).unwrap_or_default());
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Some("bench-adamw") => match bench_adamw(&args[1..]) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::from(2)
-            }
-        },
-        Some("merge") => match merge(&args[1..]) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::from(1)
-            }
-        },
-        Some("reference") => match reference(&args[1..]) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::from(2)
-            }
-        },
+        Some("logits") => exit(model_logits(rest), 1),
+        Some("nccl-check") => nccl_check(),
+        Some("attention-check") => attention_check(rest).unwrap_or_else(|e| fail(e, 2)),
+        Some("doctor") => doctor(rest).unwrap_or_else(|e| fail(e, 2)),
+        Some("export") => export(rest),
+        Some("bench-generate") => bench_generate(rest),
+        Some("generate-ids") => generate_ids(rest),
+        Some("peak") => exit(peak(rest), 2),
+        Some("bench-data") => bench_data(rest),
+        Some("bench-adamw") => exit(bench_adamw(rest), 2),
+        Some("merge") => exit(merge(rest), 1),
+        Some("reference") => exit(reference(rest), 2),
         Some(other) => {
             eprintln!("error: unknown argument {other:?}; run without arguments as a rank executor, or `reference`, `score`, `export`, `merge`, `peak`, `bench-generate`, `bench-adamw`, `bench-data`, `doctor`, `logits`, `attention-check`, `nccl-check`");
             ExitCode::from(2)

@@ -56,53 +56,69 @@ impl Manifest {
     /// Why resuming this checkpoint with `config` would skip or repeat data or fail, if it
     /// would.
     pub fn resume_conflict(&self, config: &regatta_trainer::TrainConfig, vocab: usize) -> Option<String> {
-        // The adapters' shapes and scale: what the saved adapter and optimizer state fit
-        // (dropout and merge_on_save may change).
+        self.adapters_conflict(config)
+            .or_else(|| self.global_batch_conflict(config))
+            .or_else(|| self.setting_conflict(config, vocab))
+    }
+
+    /// The adapters' shapes and scale: what the saved adapter and optimizer state fit
+    /// (dropout and merge_on_save may change).
+    fn adapters_conflict(&self, config: &regatta_trainer::TrainConfig) -> Option<String> {
         let adapters = |l: &Option<LoraConfig>| {
             l.as_ref()
                 .map(|l| format!("r {}, scale {}, on {}", l.rank, l.scale(), l.targeted().join(", ")))
         };
         let (then, now) = (adapters(&self.lora), adapters(&config.lora));
-        if then != now {
-            let describe = |a: Option<String>| {
-                a.map_or("no adapters (full fine-tuning)".to_string(), |a| {
-                    format!("adapters {a}")
-                })
-            };
-            return Some(format!(
-                "the checkpoint at step {} holds {}, this run asks for {}: its state would not fit; start a new \
-                 checkpoint.dir or restore [lora]",
-                self.step,
-                describe(then),
-                describe(now)
-            ));
+        if then == now {
+            return None;
         }
+        let describe = |a: Option<String>| {
+            a.map_or("no adapters (full fine-tuning)".to_string(), |a| {
+                format!("adapters {a}")
+            })
+        };
+        Some(format!(
+            "the checkpoint at step {} holds {}, this run asks for {}: its state would not fit; start a new \
+             checkpoint.dir or restore [lora]",
+            self.step,
+            describe(then),
+            describe(now)
+        ))
+    }
+
+    /// The streaming loader's state is the same on any number of ranks: only the global
+    /// batch must stay, or the steps would mean other amounts of data.
+    fn global_batch_conflict(&self, config: &regatta_trainer::TrainConfig) -> Option<String> {
+        if !config.streaming() {
+            return None;
+        }
+        let global = self.micro_batch_size * self.gradient_accumulation * self.world;
+        if global == config.global_batch() {
+            return None;
+        }
+        let allowed = regatta_trainer::stream::allowed_worlds(config.data.shards, global, config.micro_batch_size);
+        Some(format!(
+            "the checkpoint at step {} trained on global batches of {global} sequences, this run's is {} \
+             ({} ranks x {} micro-batches of {}); at micro_batch_size {} the world sizes that keep it are \
+             {allowed:?}",
+            self.step,
+            config.global_batch(),
+            config.world_size,
+            config.gradient_accumulation,
+            config.micro_batch_size,
+            config.micro_batch_size
+        ))
+    }
+
+    /// The first setting that decides what a step trains on and differs (world size and
+    /// batch shape only without streaming, whose loader re-splits its shards).
+    fn setting_conflict(&self, config: &regatta_trainer::TrainConfig, vocab: usize) -> Option<String> {
         fn differs<T: PartialEq + std::fmt::Debug>(
             what: &'static str,
             then: &T,
             now: &T,
         ) -> Option<(&'static str, String, String)> {
             (then != now).then(|| (what, format!("{then:?}"), format!("{now:?}")))
-        }
-        if config.streaming() {
-            // The streaming loader's state is the same on any number of ranks: only the
-            // global batch must stay, or the steps would mean other amounts of data.
-            let global = self.micro_batch_size * self.gradient_accumulation * self.world;
-            if global != config.global_batch() {
-                let allowed =
-                    regatta_trainer::stream::allowed_worlds(config.data.shards, global, config.micro_batch_size);
-                return Some(format!(
-                    "the checkpoint at step {} trained on global batches of {global} sequences, this run's is {} \
-                     ({} ranks x {} micro-batches of {}); at micro_batch_size {} the world sizes that keep it are \
-                     {allowed:?}",
-                    self.step,
-                    config.global_batch(),
-                    config.world_size,
-                    config.gradient_accumulation,
-                    config.micro_batch_size,
-                    config.micro_batch_size
-                ));
-            }
         }
         let world = if config.streaming() {
             None

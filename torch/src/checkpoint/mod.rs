@@ -67,71 +67,110 @@ pub fn save(
         }
     }
     let write_weights = lora.as_ref().is_none_or(|l| l.merge_on_save);
-    // A LoRA run's merged weights go to a folder of their own: `transformers` would apply
-    // an adapter_config.json beside them a second time.
-    let weights_dir = if lora.is_some() { dir.child(MERGED) } else { dir.clone() };
-    // The base's own blocks (a LoRA run's merged weights carry no adapter tensors; a QLoRA
-    // base's projections, which the model holds itself, are in them).
-    let base_specs: Vec<Vec<ParamSpec>> = engine
-        .specs()
-        .iter()
-        .enumerate()
-        .map(|(b, block)| {
-            block
-                .iter()
-                .filter(|s| !is_adapter(&s.name))
-                .cloned()
-                .chain(engine.model().quantized_block(b))
-                .collect()
-        })
-        .collect();
-    let plan = ShardPlan::new(&base_specs, spec.shard_bytes);
-    for (i, (file, blocks)) in plan.files.iter().enumerate().filter(|_| write_weights) {
-        let owner = i % world;
-        let mut tensors = Vec::new();
-        for &block in blocks {
-            let gathered = if lora.is_some() {
-                engine.merged_block(block)?
-            } else {
-                engine.gather_block(block)?
-            };
-            if rank == owner {
-                tensors.extend(gathered);
-            }
-        }
-        if rank == owner {
-            runtime.block_on(weights_dir.put(file, encode_safetensors_as(&tensors, spec.weights_kind)?))?;
-        }
+    let weights = WeightFiles::new(engine, &dir, lora.is_some(), &spec);
+    if write_weights {
+        weights.write_shards(runtime, engine, rank, world)?;
     }
     if rank == 0 {
-        let json = |value: &serde_json::Value| -> Result<Bytes> {
-            serde_json::to_vec_pretty(value)
-                .map(Bytes::from)
-                .map_err(|e| Error::Invalid(e.to_string()))
-        };
-        if write_weights && plan.files.len() > 1 {
-            runtime.block_on(weights_dir.put(INDEX, json(&plan.index_as(&base_specs, spec.weights_kind))?))?;
-        }
-        if write_weights {
-            runtime.block_on(weights_dir.put(
-                "config.json",
-                json(&with_dtype(engine.model().hf_config(), spec.weights_kind))?,
-            ))?;
+        let weights = write_weights.then_some(&weights);
+        if let Some(weights) = weights {
+            weights.write_index_and_config(runtime, engine)?;
         }
         for (name, bytes) in spec.side_files {
             runtime.block_on(dir.put(name, bytes.clone()))?;
-            if lora.is_some() && write_weights {
-                runtime.block_on(weights_dir.put(name, bytes.clone()))?;
+            if let Some(weights) = weights.filter(|w| w.merged) {
+                runtime.block_on(weights.dir.put(name, bytes.clone()))?;
             }
         }
     }
     engine.barrier()?;
     if rank == 0 {
-        let body = serde_json::to_vec_pretty(&spec.manifest).map_err(|e| Error::Invalid(e.to_string()))?;
-        runtime.block_on(dir.put("manifest.json", Bytes::from(body)))?;
+        runtime.block_on(dir.put("manifest.json", json(&spec.manifest)?))?;
         runtime.block_on(place.put("latest", Bytes::from(step_dir(spec.manifest.step))))?;
     }
     Ok(dir.url().to_string())
+}
+
+/// Pretty JSON for a checkpoint's files.
+fn json(value: &impl Serialize) -> Result<Bytes> {
+    serde_json::to_vec_pretty(value)
+        .map(Bytes::from)
+        .map_err(|e| Error::Invalid(e.to_string()))
+}
+
+/// The model's weights as a checkpoint writes them: the folder, the base's blocks and
+/// the shard files they go to, and the kind they are written in.
+struct WeightFiles {
+    dir: Place,
+    /// The base's own blocks (a LoRA run's merged weights carry no adapter tensors; a
+    /// QLoRA base's projections, which the model holds itself, are in them).
+    specs: Vec<Vec<ParamSpec>>,
+    plan: ShardPlan,
+    kind: tch::Kind,
+    /// A LoRA run's: the adapters merged into the base, in a folder of their own.
+    merged: bool,
+}
+
+impl WeightFiles {
+    fn new(engine: &Engine, dir: &Place, merged: bool, spec: &SaveSpec) -> Self {
+        let specs: Vec<Vec<ParamSpec>> = engine
+            .specs()
+            .iter()
+            .enumerate()
+            .map(|(b, block)| {
+                block
+                    .iter()
+                    .filter(|s| !is_adapter(&s.name))
+                    .cloned()
+                    .chain(engine.model().quantized_block(b))
+                    .collect()
+            })
+            .collect();
+        Self {
+            // `transformers` would apply an adapter_config.json beside merged weights a
+            // second time.
+            dir: if merged { dir.child(MERGED) } else { dir.clone() },
+            plan: ShardPlan::new(&specs, spec.shard_bytes),
+            specs,
+            kind: spec.weights_kind,
+            merged,
+        }
+    }
+
+    /// Gathers every block (a collective) and writes the shards this rank owns (shard i:
+    /// rank i mod `world`), holding one shard's blocks at a time.
+    fn write_shards(&self, runtime: &Runtime, engine: &mut Engine, rank: usize, world: usize) -> Result<()> {
+        for (i, (file, blocks)) in self.plan.files.iter().enumerate() {
+            let owner = i % world;
+            let mut tensors = Vec::new();
+            for &block in blocks {
+                let gathered = if self.merged {
+                    engine.merged_block(block)?
+                } else {
+                    engine.gather_block(block)?
+                };
+                if rank == owner {
+                    tensors.extend(gathered);
+                }
+            }
+            if rank == owner {
+                runtime.block_on(self.dir.put(file, encode_safetensors_as(&tensors, self.kind)?))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Rank 0's part: the shards' index (when there are several) and `config.json`.
+    fn write_index_and_config(&self, runtime: &Runtime, engine: &Engine) -> Result<()> {
+        if self.plan.files.len() > 1 {
+            runtime.block_on(self.dir.put(INDEX, json(&self.plan.index_as(&self.specs, self.kind))?))?;
+        }
+        runtime.block_on(
+            self.dir
+                .put("config.json", json(&with_dtype(engine.model().hf_config(), self.kind))?),
+        )?;
+        Ok(())
+    }
 }
 
 /// `config.json` naming the dtype its weights are written in (where it names one: the

@@ -96,7 +96,32 @@ impl Engine {
         let mut batch = m.batch(device, kernel);
         batch.dropout_seed = Some(dropout_seed);
         self.model.prepare(&mut batch);
-        // Forward: keep each block's input (recompute) or its whole graph.
+        let mut forward = self.forward(&tokens, &batch, recompute)?;
+        // Backward, block by block from the last.
+        let mut backward = Backward {
+            grad_out: None,
+            pending: HashMap::new(),
+            loss_sum: Tensor::zeros([], (Kind::Double, device)),
+            held: (0, 0),
+        };
+        for block in (0..blocks).rev() {
+            // A frozen first block needs no backward at all (nothing before it).
+            if block == 0 && !self.trains(block) {
+                break;
+            }
+            let (leaves, input, out) = self.block_graph(block, recompute, &mut forward, &batch)?;
+            let target = backward.target(&out, &targets, count, block + 1 == blocks)?;
+            self.backward_block(block, &leaves, input, &target, &mut backward)?;
+        }
+        self.release_quantized();
+        self.land_gradients()?;
+        Ok((backward.loss_sum, backward.held))
+    }
+
+    /// The forward of a micro-batch through every block: keeps each block's input
+    /// (`recompute`) or its whole graph.
+    fn forward(&mut self, tokens: &Tensor, batch: &Batch, recompute: bool) -> Result<Forward> {
+        let blocks = self.specs.len();
         let mut inputs = Vec::with_capacity(blocks);
         let mut saved = Vec::with_capacity(blocks);
         let mut hidden = tokens.shallow_clone();
@@ -108,7 +133,7 @@ impl Engine {
                     // The next block's gather runs while this one computes.
                     self.prefetch(block + 1)?;
                     let views = self.views(block, &leaves);
-                    hidden = tch::no_grad(|| self.model.forward(block, &views, &hidden, &batch));
+                    hidden = tch::no_grad(|| self.model.forward(block, &views, &hidden, batch));
                 }
             } else {
                 let leaves = self.leaves(block, true)?;
@@ -117,86 +142,85 @@ impl Engine {
                 } else {
                     hidden.detach().set_requires_grad(true)
                 };
-                let out = self.model.forward(block, &self.views(block, &leaves), &input, &batch);
+                let out = self.model.forward(block, &self.views(block, &leaves), &input, batch);
                 hidden = out.shallow_clone();
                 saved.push((leaves, (block > 0).then_some(input), out));
             }
         }
-        // Backward, block by block from the last.
-        let mut grad_out: Option<Tensor> = None;
-        let mut pending: HashMap<Source, Tensor> = HashMap::new();
-        let mut loss_sum = Tensor::zeros([], (Kind::Double, device));
-        let mut held = (0, 0);
-        for block in (0..blocks).rev() {
-            let trains = !self.train[block].is_empty()
-                || self.slots[block]
-                    .iter()
-                    .any(|s| matches!(s, Slot::Tied((_, Store::Train(_)))));
-            // A frozen first block needs no backward at all (nothing before it).
-            if block == 0 && !trains {
-                break;
-            }
-            let (leaves, input, out) = if recompute {
-                let leaves = self.leaves(block, true)?;
-                if block > 0 {
-                    self.prefetch(block - 1)?;
-                }
-                let input = (block > 0).then(|| inputs[block].detach().set_requires_grad(true));
-                let x = input.as_ref().unwrap_or(&inputs[0]);
-                let out = self.model.forward(block, &self.views(block, &leaves), x, &batch);
-                (leaves, input, out)
-            } else {
-                saved
-                    .pop()
-                    .ok_or_else(|| Error::Invalid("backward ran past the saved blocks".into()))?
-            };
-            let target = if block + 1 == blocks {
-                // The loss's gradient by chunks (no f32 copy of the whole logits), then the
-                // last block's backward from it like any block's.
-                let (sum, upstream) = token_loss_and_grad(&out, &targets, 1.0 / count);
-                loss_sum = sum;
-                (&out * upstream).sum(Kind::Float)
-            } else {
-                let upstream = grad_out
-                    .take()
-                    .ok_or_else(|| Error::Invalid("a block's output gradient is missing".into()))?;
-                (&out * upstream).sum(Kind::Float)
-            };
-            let mut wrt = leaves.trained();
-            let trained = wrt.len();
-            wrt.extend(input.iter().map(Tensor::shallow_clone));
-            let grads = Tensor::f_run_backward(&[&target], &wrt, false, false)?;
-            let own = leaves.own.len();
-            let grad = self.flat_gradient(block, &grads[..own], device);
-            let tied_trained = leaves
-                .tied
+        Ok(Forward { inputs, saved, hidden })
+    }
+
+    /// Whether backward must reach a block's parameters: it trains some of its own or a
+    /// tied one it borrowed.
+    fn trains(&self, block: usize) -> bool {
+        !self.train[block].is_empty()
+            || self.slots[block]
                 .iter()
-                .filter(|((_, store), _)| matches!(store, Store::Train(_)));
-            for (i, (source, _)) in tied_trained.enumerate() {
-                let g = grads[own + i].to_kind(Kind::Float);
-                let sum = match pending.remove(source) {
-                    Some(earlier) => earlier + g,
-                    None => g,
-                };
-                pending.insert(*source, sum);
+                .any(|s| matches!(s, Slot::Tied((_, Store::Train(_)))))
+    }
+
+    /// A block's leaves, its input as a leaf (none for the first block) and its output with
+    /// the graph between them: recomputed from the kept input, or the one the forward saved.
+    fn block_graph(
+        &mut self,
+        block: usize,
+        recompute: bool,
+        forward: &mut Forward,
+        batch: &Batch,
+    ) -> Result<(Leaves, Option<Tensor>, Tensor)> {
+        if recompute {
+            let leaves = self.leaves(block, true)?;
+            if block > 0 {
+                self.prefetch(block - 1)?;
             }
-            let here: Vec<Source> = pending.keys().filter(|(b, _)| *b == block).copied().collect();
-            for source in here {
-                if let (Some(g), Store::Train(slot)) = (pending.remove(&source), source.1) {
-                    let mut region = self.train[block].view(slot, &grad);
-                    let _ = tch::no_grad(|| region.g_add_(&g));
-                }
-            }
-            grad_out = grads.get(trained).map(Tensor::shallow_clone);
-            if !self.train[block].is_empty() {
-                let (bytes, on_host) = self.hold_gradient(block, grad)?;
-                held.0 += bytes;
-                held.1 += on_host;
+            let input = (block > 0).then(|| forward.inputs[block].detach().set_requires_grad(true));
+            let x = input.as_ref().unwrap_or(&forward.inputs[0]);
+            let out = self.model.forward(block, &self.views(block, &leaves), x, batch);
+            Ok((leaves, input, out))
+        } else {
+            forward
+                .saved
+                .pop()
+                .ok_or_else(|| Error::Invalid("backward ran past the saved blocks".into()))
+        }
+    }
+
+    /// A block's backward from `target`: its own gradient held, its tied parameters'
+    /// gradients pending until their source block, its input's gradient for the block before.
+    fn backward_block(
+        &mut self,
+        block: usize,
+        leaves: &Leaves,
+        input: Option<Tensor>,
+        target: &Tensor,
+        backward: &mut Backward,
+    ) -> Result<()> {
+        let mut wrt = leaves.trained();
+        let trained = wrt.len();
+        wrt.extend(input.iter().map(Tensor::shallow_clone));
+        let grads = Tensor::f_run_backward(&[target], &wrt, false, false)?;
+        let own = leaves.own.len();
+        let grad = self.flat_gradient(block, &grads[..own], self.settings.device);
+        backward.pend_tied(leaves, &grads[own..]);
+        self.add_pending(block, &grad, &mut backward.pending);
+        backward.grad_out = grads.get(trained).map(Tensor::shallow_clone);
+        if !self.train[block].is_empty() {
+            let (bytes, on_host) = self.hold_gradient(block, grad)?;
+            backward.held.0 += bytes;
+            backward.held.1 += on_host;
+        }
+        Ok(())
+    }
+
+    /// Adds the pending gradients of this block's tied-to parameters into its gradient.
+    fn add_pending(&self, block: usize, grad: &Tensor, pending: &mut HashMap<Source, Tensor>) {
+        let here: Vec<Source> = pending.keys().filter(|(b, _)| *b == block).copied().collect();
+        for source in here {
+            if let (Some(g), Store::Train(slot)) = (pending.remove(&source), source.1) {
+                let mut region = self.train[block].view(slot, grad);
+                let _ = tch::no_grad(|| region.g_add_(&g));
             }
         }
-        self.release_quantized();
-        self.land_gradients()?;
-        Ok((loss_sum, held))
     }
 
     /// A block's own trained parameters' gradients as one flat float32 buffer in the
@@ -347,5 +371,67 @@ impl Engine {
             self.grad_shards[block] = Some(total);
         }
         Ok(())
+    }
+}
+
+/// What a micro-batch's forward keeps for its backward.
+struct Forward {
+    /// Recomputing: each block's input.
+    inputs: Vec<Tensor>,
+    /// Not recomputing: each block's leaves, input leaf (none for the first) and output.
+    saved: Vec<(Leaves, Option<Tensor>, Tensor)>,
+    /// The last block's output (recomputing: its input), held until the micro-batch ends
+    /// as the step always held it (dropping it sooner would free the logits earlier, a
+    /// change of its own).
+    #[allow(dead_code)]
+    hidden: Tensor,
+}
+
+/// A micro-batch's backward as it goes from the last block to the first.
+struct Backward {
+    /// The gradient by the input of the block just done: the upstream gradient of the
+    /// block below it.
+    grad_out: Option<Tensor>,
+    /// Tied parameters' gradients, summed (float32) until their source block's backward.
+    pending: HashMap<Source, Tensor>,
+    /// The micro-batch's loss sum (set at the last block).
+    loss_sum: Tensor,
+    /// Gradient bytes held, and of those on the host.
+    held: (u64, u64),
+}
+
+impl Backward {
+    /// What a block's backward differentiates: its output times its upstream gradient,
+    /// which for the last block is the loss's own (by chunks, no f32 copy of the whole
+    /// logits), the loss sum kept.
+    fn target(&mut self, out: &Tensor, targets: &Tensor, count: f64, last: bool) -> Result<Tensor> {
+        if last {
+            let (sum, upstream) = token_loss_and_grad(out, targets, 1.0 / count);
+            self.loss_sum = sum;
+            Ok((out * upstream).sum(Kind::Float))
+        } else {
+            let upstream = self
+                .grad_out
+                .take()
+                .ok_or_else(|| Error::Invalid("a block's output gradient is missing".into()))?;
+            Ok((out * upstream).sum(Kind::Float))
+        }
+    }
+
+    /// Adds a block's tied trained parameters' gradients (`grads`, in the leaves' order) to
+    /// the pending ones of their sources.
+    fn pend_tied(&mut self, leaves: &Leaves, grads: &[Tensor]) {
+        let tied_trained = leaves
+            .tied
+            .iter()
+            .filter(|((_, store), _)| matches!(store, Store::Train(_)));
+        for (i, (source, _)) in tied_trained.enumerate() {
+            let g = grads[i].to_kind(Kind::Float);
+            let sum = match self.pending.remove(source) {
+                Some(earlier) => earlier + g,
+                None => g,
+            };
+            self.pending.insert(*source, sum);
+        }
     }
 }

@@ -43,6 +43,25 @@ pub struct Prepared {
     pub stream: RowStream,
 }
 
+/// Why one row has no output while the other rows go on: a row's outcome, not a failure
+/// of the generation (which is [`Error`]).
+#[derive(Debug, thiserror::Error)]
+pub enum RowError {
+    /// Its chat messages do not render through the model's chat template.
+    #[error(transparent)]
+    Chat(regatta_trainer::DocumentError),
+    /// Its prompt's text cannot be tokenized.
+    #[error(transparent)]
+    Tokenize(Error),
+    /// It can never run: its prompt is empty or as long as the context, or it needs more
+    /// cache than the budget buys (the batcher's refusal, as the batcher says it).
+    #[error(transparent)]
+    Refused(regatta_scorer::Error),
+    /// The session ended without its output.
+    #[error("the row's generation is missing")]
+    Missing,
+}
+
 /// One row's output.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Output {
@@ -188,7 +207,7 @@ impl<'a> Generator<'a> {
         rows: &[Prepared],
         text: &dyn Fn(&[i64]) -> String,
         on_stats: &mut dyn FnMut(GenStats),
-    ) -> Result<Vec<std::result::Result<Output, String>>> {
+    ) -> Result<Vec<std::result::Result<Output, RowError>>> {
         Ok(self.run_timed(rows, text, on_stats)?.0)
     }
 
@@ -198,9 +217,9 @@ impl<'a> Generator<'a> {
         rows: &[Prepared],
         text: &dyn Fn(&[i64]) -> String,
         on_stats: &mut dyn FnMut(GenStats),
-    ) -> Result<(Vec<std::result::Result<Output, String>>, Timings)> {
+    ) -> Result<(Vec<std::result::Result<Output, RowError>>, Timings)> {
         let mut session = self.session()?;
-        let sequences: Vec<std::result::Result<usize, String>> =
+        let sequences: Vec<std::result::Result<usize, RowError>> =
             rows.iter().map(|row| session.add(row.clone())).collect();
         let mut done = HashMap::new();
         while !session.is_idle() {
@@ -209,12 +228,7 @@ impl<'a> Generator<'a> {
         session.report(on_stats);
         let results = sequences
             .into_iter()
-            .map(|seq| {
-                seq.and_then(|seq| {
-                    done.remove(&seq)
-                        .ok_or_else(|| "the row's generation is missing".to_string())
-                })
-            })
+            .map(|seq| seq.and_then(|seq| done.remove(&seq).ok_or(RowError::Missing)))
             .collect();
         Ok((results, session.timings()))
     }

@@ -10,7 +10,7 @@ use regatta_scorer::generate::{
 
 use super::fixed_decode::FixedShapes;
 use super::pick::{Picked, Want};
-use super::{Generator, KvCache, Output, Prepared, Timings};
+use super::{Generator, KvCache, Output, Prepared, RowError, Timings};
 use crate::error::{Error, Result};
 
 impl<'a> Generator<'a> {
@@ -77,10 +77,10 @@ impl Session<'_, '_> {
     /// the context, or needing more cache than the budget buys). Grows the cache first
     /// when a full batch of the rows not yet finished needs more than it holds (at least
     /// doubling it, so a stream of rows copies the cache a few times, not once per row).
-    pub fn add(&mut self, row: Prepared) -> std::result::Result<usize, String> {
+    pub fn add(&mut self, row: Prepared) -> std::result::Result<usize, RowError> {
         let (length, max_new) = (row.prompt.len(), row.params.max_new_tokens);
         if let Some(refusal) = self.batcher.refusal(length, max_new, self.budget) {
-            return Err(refusal.to_string());
+            return Err(RowError::Refused(refusal));
         }
         let needed = self.batcher.blocks_for(length, max_new);
         // The new row counts only when it would be in the next full batch.
@@ -90,7 +90,7 @@ impl Session<'_, '_> {
         let seq = self
             .batcher
             .add(row.prompt, row.params.max_new_tokens)
-            .map_err(|refusal| refusal.to_string())?;
+            .map_err(RowError::Refused)?;
         self.rows.insert(
             seq,
             Live {

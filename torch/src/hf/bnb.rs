@@ -118,152 +118,253 @@ pub(super) async fn fold(place: &Place, config: &Value, entries: &mut HashMap<St
         }
         return fold_int8(place, &folder, entries).await;
     }
+    fold_4bit(place, &folder, entries).await
+}
+
+/// Folds a 4-bit folder's weights, each named by its `quant_state` tensor, and refuses
+/// the companions left over.
+async fn fold_4bit(place: &Place, folder: &str, entries: &mut HashMap<String, Entry>) -> Result<()> {
     let states: Vec<String> = entries.keys().filter(|n| n.contains(STATE)).cloned().collect();
     for state_name in states {
         let (weight, quant_type) = state_name.split_once(STATE).unwrap_or_default();
-        let weight = weight.to_string();
-        let bad = |problem: String| Error::Tensor {
-            path: folder.clone(),
-            name: weight.clone(),
-            problem,
+        let weight = Weight4 {
+            place,
+            folder,
+            name: weight.to_string(),
         };
-        let state_entry = entries
-            .remove(&state_name)
-            .ok_or_else(|| bad("lost its quant_state".into()))?;
-        let state: Value = serde_json::from_slice(&bytes(place, &piece(&state_entry)).await?)
-            .map_err(|e| bad(format!("has a quant_state that is not JSON: {e}")))?;
-        let kind = match state.get("quant_type").and_then(Value::as_str).unwrap_or(quant_type) {
-            "nf4" => Quant4Type::Nf4,
-            "fp4" => Quant4Type::Fp4,
-            other => return Err(bad(format!("is quantized as {other:?}; Regatta reads nf4 and fp4"))),
-        };
-        let block = state.get("blocksize").and_then(Value::as_u64).unwrap_or(0) as usize;
-        check_block(block).map_err(|e| bad(format!("quant_state blocksize: {e}")))?;
-        let shape: Vec<i64> = state
-            .get("shape")
-            .and_then(Value::as_array)
-            .and_then(|dims| dims.iter().map(Value::as_i64).collect::<Option<Vec<i64>>>())
-            .filter(|dims| !dims.is_empty() && dims.iter().all(|d| *d > 0))
-            .ok_or_else(|| bad("has a quant_state without a shape of positive whole dimensions".into()))?;
-        let numel = shape
-            .iter()
-            .try_fold(1usize, |n, d| n.checked_mul(*d as usize))
-            .ok_or_else(|| bad(format!("has a quant_state shape {shape:?} too large to hold")))?;
-        let blocks = numel.div_ceil(block);
-        let mut take = |suffix: &str| entries.remove(&format!("{weight}{suffix}"));
-        let (packed, absmax) = (take(""), take(".absmax"));
-        let (quant_map, nested_absmax, nested_map) =
-            (take(".quant_map"), take(".nested_absmax"), take(".nested_quant_map"));
-        let packed = packed.ok_or_else(|| bad("has a quant_state but no packed weight".into()))?;
-        let absmax = absmax.ok_or_else(|| bad(format!("has no {weight}.absmax")))?;
-        let length = |e: &Entry| (e.end - e.start) as usize;
-        if packed.dtype != "U8" || length(&packed) != numel.div_ceil(2) {
-            return Err(bad(format!(
-                "holds {} bytes of {} as packed codes; shape {shape:?} needs {} bytes of U8 (bnb_4bit_quant_storage = uint8)",
-                length(&packed),
-                packed.dtype,
-                numel.div_ceil(2)
-            )));
-        }
-        if let Some(map) = &quant_map {
-            let values = f32s(&bytes(place, &piece(map)).await?);
-            if values.len() != 16 || values.iter().zip(kind.code()).any(|(a, b)| a != &b) {
-                return Err(bad(format!("has a quant_map other than bitsandbytes' {}", kind.name())));
-            }
-        }
-        let nested = match (&nested_absmax, state.get("nested_offset").and_then(Value::as_f64)) {
-            (Some(nested), Some(wide)) => {
-                // Held as f32: a finite f64 beyond f32's range would become infinite.
-                let offset = wide as f32;
-                if !offset.is_finite() {
-                    return Err(bad(format!("has a nested_offset of {wide:e}, which f32 cannot hold")));
-                }
-                let nested_block = state.get("nested_blocksize").and_then(Value::as_u64).unwrap_or(0) as usize;
-                if nested_block != NESTED_BLOCK {
-                    return Err(bad(format!(
-                        "has nested_blocksize {nested_block}; bitsandbytes uses {NESTED_BLOCK}"
-                    )));
-                }
-                if let Some(map) = &nested_map {
-                    let values = f32s(&bytes(place, &piece(map)).await?);
-                    if values.len() != 256
-                        || values
-                            .iter()
-                            .zip(dynamic_map())
-                            .any(|(a, b)| a.to_bits() != b.to_bits())
-                    {
-                        return Err(bad("has a nested_quant_map other than bitsandbytes' dynamic map".into()));
-                    }
-                }
-                if absmax.dtype != "U8"
-                    || length(&absmax) != blocks
-                    || length(nested) != blocks.div_ceil(NESTED_BLOCK) * 4
-                {
-                    return Err(bad(format!(
-                        "has {} absmax bytes and {} nested bytes; {blocks} blocks need {blocks} and {}",
-                        length(&absmax),
-                        length(nested),
-                        blocks.div_ceil(NESTED_BLOCK) * 4
-                    )));
-                }
-                Some((piece(nested), offset))
-            }
-            (None, None) => {
-                if absmax.dtype != "F32" || length(&absmax) != blocks * 4 {
-                    return Err(bad(format!(
-                        "has {} bytes of {} absmax; {blocks} blocks need {} bytes of F32",
-                        length(&absmax),
-                        absmax.dtype,
-                        blocks * 4
-                    )));
-                }
-                None
-            }
-            _ => {
-                return Err(bad(
-                    "has double quantization half stored (nested_absmax or nested_offset missing)".into(),
-                ))
-            }
-        };
-        let dtype = match state.get("dtype").and_then(Value::as_str) {
-            Some("bfloat16") => "BF16",
-            Some("float16") => "F16",
-            Some("float32") | None => "F32",
-            Some(other) => {
-                return Err(bad(format!(
-                    "has a quant_state dtype {other:?}; bitsandbytes writes bfloat16, float16 or float32"
-                )))
-            }
-        };
-        entries.insert(
-            weight.clone(),
-            Entry {
-                file: packed.file.clone(),
-                dtype: dtype.to_string(),
-                shape,
-                start: packed.start,
-                end: packed.end,
-                gguf: None,
-                bnb: Some(Box::new(BnbTensor::Four(Bnb4 {
-                    kind,
-                    block,
-                    numel,
-                    packed: piece(&packed),
-                    absmax: piece(&absmax),
-                    nested,
-                }))),
-            },
-        );
+        let entry = weight.fold(&state_name, quant_type, entries).await?;
+        entries.insert(weight.name, entry);
     }
     // Companions whose weight had no quant_state cannot be read as anything.
     if let Some(stray) = entries.keys().find(|n| COMPANIONS.iter().any(|c| n.ends_with(c))) {
         return Err(Error::Tensor {
-            path: folder.clone(),
+            path: folder.to_string(),
             name: stray.clone(),
             problem: "is a bitsandbytes quantization tensor without its weight's quant_state".into(),
         });
     }
     Ok(())
+}
+
+/// One 4-bit weight being folded: where it is and what it is called, for its errors.
+struct Weight4<'a> {
+    place: &'a Place,
+    folder: &'a str,
+    name: String,
+}
+
+/// What a 4-bit weight's `quant_state` says of its codes.
+struct Layout4 {
+    kind: Quant4Type,
+    block: usize,
+    shape: Vec<i64>,
+    numel: usize,
+}
+
+/// The tensors stored beside a 4-bit weight's `quant_state`.
+struct Pieces4 {
+    packed: Entry,
+    absmax: Entry,
+    quant_map: Option<Entry>,
+    nested_absmax: Option<Entry>,
+    nested_map: Option<Entry>,
+}
+
+fn length(entry: &Entry) -> usize {
+    (entry.end - entry.start) as usize
+}
+
+impl Weight4<'_> {
+    fn bad(&self, problem: String) -> Error {
+        Error::Tensor {
+            path: self.folder.to_string(),
+            name: self.name.clone(),
+            problem,
+        }
+    }
+
+    /// Reads the weight's `quant_state`, takes its companions out of `entries`, checks
+    /// them against each other, and gives the weight's one entry.
+    async fn fold(&self, state_name: &str, quant_type: &str, entries: &mut HashMap<String, Entry>) -> Result<Entry> {
+        let state_entry = entries
+            .remove(state_name)
+            .ok_or_else(|| self.bad("lost its quant_state".into()))?;
+        let state: Value = serde_json::from_slice(&bytes(self.place, &piece(&state_entry)).await?)
+            .map_err(|e| self.bad(format!("has a quant_state that is not JSON: {e}")))?;
+        let layout = self.layout(&state, quant_type)?;
+        let pieces = self.take(entries)?;
+        self.check_packed(&pieces.packed, &layout)?;
+        if let Some(map) = &pieces.quant_map {
+            self.check_quant_map(map, layout.kind).await?;
+        }
+        let nested = self
+            .nested(&state, &pieces, layout.numel.div_ceil(layout.block))
+            .await?;
+        let dtype = self.dtype(&state)?;
+        let Pieces4 { packed, absmax, .. } = pieces;
+        let Layout4 {
+            kind,
+            block,
+            shape,
+            numel,
+        } = layout;
+        Ok(Entry {
+            file: packed.file.clone(),
+            dtype: dtype.to_string(),
+            shape,
+            start: packed.start,
+            end: packed.end,
+            gguf: None,
+            bnb: Some(Box::new(BnbTensor::Four(Bnb4 {
+                kind,
+                block,
+                numel,
+                packed: piece(&packed),
+                absmax: piece(&absmax),
+                nested,
+            }))),
+        })
+    }
+
+    /// The quantization, block size and shape the `quant_state` gives.
+    fn layout(&self, state: &Value, quant_type: &str) -> Result<Layout4> {
+        let kind = match state.get("quant_type").and_then(Value::as_str).unwrap_or(quant_type) {
+            "nf4" => Quant4Type::Nf4,
+            "fp4" => Quant4Type::Fp4,
+            other => return Err(self.bad(format!("is quantized as {other:?}; Regatta reads nf4 and fp4"))),
+        };
+        let block = state.get("blocksize").and_then(Value::as_u64).unwrap_or(0) as usize;
+        check_block(block).map_err(|e| self.bad(format!("quant_state blocksize: {e}")))?;
+        let shape: Vec<i64> = state
+            .get("shape")
+            .and_then(Value::as_array)
+            .and_then(|dims| dims.iter().map(Value::as_i64).collect::<Option<Vec<i64>>>())
+            .filter(|dims| !dims.is_empty() && dims.iter().all(|d| *d > 0))
+            .ok_or_else(|| self.bad("has a quant_state without a shape of positive whole dimensions".into()))?;
+        let numel = shape
+            .iter()
+            .try_fold(1usize, |n, d| n.checked_mul(*d as usize))
+            .ok_or_else(|| self.bad(format!("has a quant_state shape {shape:?} too large to hold")))?;
+        Ok(Layout4 {
+            kind,
+            block,
+            shape,
+            numel,
+        })
+    }
+
+    /// Takes the packed codes and their companions out of `entries`.
+    fn take(&self, entries: &mut HashMap<String, Entry>) -> Result<Pieces4> {
+        let mut take = |suffix: &str| entries.remove(&format!("{}{suffix}", self.name));
+        let (packed, absmax) = (take(""), take(".absmax"));
+        let (quant_map, nested_absmax, nested_map) =
+            (take(".quant_map"), take(".nested_absmax"), take(".nested_quant_map"));
+        Ok(Pieces4 {
+            packed: packed.ok_or_else(|| self.bad("has a quant_state but no packed weight".into()))?,
+            absmax: absmax.ok_or_else(|| self.bad(format!("has no {}.absmax", self.name)))?,
+            quant_map,
+            nested_absmax,
+            nested_map,
+        })
+    }
+
+    fn check_packed(&self, packed: &Entry, layout: &Layout4) -> Result<()> {
+        let needed = layout.numel.div_ceil(2);
+        if packed.dtype != "U8" || length(packed) != needed {
+            return Err(self.bad(format!(
+                "holds {} bytes of {} as packed codes; shape {:?} needs {needed} bytes of U8 (bnb_4bit_quant_storage = uint8)",
+                length(packed),
+                packed.dtype,
+                layout.shape,
+            )));
+        }
+        Ok(())
+    }
+
+    async fn check_quant_map(&self, map: &Entry, kind: Quant4Type) -> Result<()> {
+        let values = f32s(&bytes(self.place, &piece(map)).await?);
+        if values.len() != 16 || values.iter().zip(kind.code()).any(|(a, b)| a != &b) {
+            return Err(self.bad(format!("has a quant_map other than bitsandbytes' {}", kind.name())));
+        }
+        Ok(())
+    }
+
+    /// The double quantization's nested absmax and offset, or none when the absmax is
+    /// stored plain; either way the absmax bytes are checked against the `blocks`.
+    async fn nested(&self, state: &Value, pieces: &Pieces4, blocks: usize) -> Result<Option<(Piece, f32)>> {
+        let absmax = &pieces.absmax;
+        match (
+            &pieces.nested_absmax,
+            state.get("nested_offset").and_then(Value::as_f64),
+        ) {
+            (Some(nested), Some(wide)) => {
+                // Held as f32: a finite f64 beyond f32's range would become infinite.
+                let offset = wide as f32;
+                if !offset.is_finite() {
+                    return Err(self.bad(format!("has a nested_offset of {wide:e}, which f32 cannot hold")));
+                }
+                self.check_nested_map(state, pieces.nested_map.as_ref()).await?;
+                if absmax.dtype != "U8"
+                    || length(absmax) != blocks
+                    || length(nested) != blocks.div_ceil(NESTED_BLOCK) * 4
+                {
+                    return Err(self.bad(format!(
+                        "has {} absmax bytes and {} nested bytes; {blocks} blocks need {blocks} and {}",
+                        length(absmax),
+                        length(nested),
+                        blocks.div_ceil(NESTED_BLOCK) * 4
+                    )));
+                }
+                Ok(Some((piece(nested), offset)))
+            }
+            (None, None) => {
+                if absmax.dtype != "F32" || length(absmax) != blocks * 4 {
+                    return Err(self.bad(format!(
+                        "has {} bytes of {} absmax; {blocks} blocks need {} bytes of F32",
+                        length(absmax),
+                        absmax.dtype,
+                        blocks * 4
+                    )));
+                }
+                Ok(None)
+            }
+            _ => Err(self.bad("has double quantization half stored (nested_absmax or nested_offset missing)".into())),
+        }
+    }
+
+    /// Double quantization's block size and, when stored, its code map are bitsandbytes' own.
+    async fn check_nested_map(&self, state: &Value, map: Option<&Entry>) -> Result<()> {
+        let nested_block = state.get("nested_blocksize").and_then(Value::as_u64).unwrap_or(0) as usize;
+        if nested_block != NESTED_BLOCK {
+            return Err(self.bad(format!(
+                "has nested_blocksize {nested_block}; bitsandbytes uses {NESTED_BLOCK}"
+            )));
+        }
+        if let Some(map) = map {
+            let values = f32s(&bytes(self.place, &piece(map)).await?);
+            if values.len() != 256
+                || values
+                    .iter()
+                    .zip(dynamic_map())
+                    .any(|(a, b)| a.to_bits() != b.to_bits())
+            {
+                return Err(self.bad("has a nested_quant_map other than bitsandbytes' dynamic map".into()));
+            }
+        }
+        Ok(())
+    }
+
+    /// The dtype bitsandbytes dequantizes the weight to.
+    fn dtype(&self, state: &Value) -> Result<&'static str> {
+        match state.get("dtype").and_then(Value::as_str) {
+            Some("bfloat16") => Ok("BF16"),
+            Some("float16") => Ok("F16"),
+            Some("float32") | None => Ok("F32"),
+            Some(other) => Err(self.bad(format!(
+                "has a quant_state dtype {other:?}; bitsandbytes writes bfloat16, float16 or float32"
+            ))),
+        }
+    }
 }
 
 /// Folds an 8-bit folder's `W.SCB` and `W.weight_format` into `W`'s entry.

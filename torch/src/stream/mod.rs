@@ -11,176 +11,32 @@
 //! skipped when its bytes cannot be read); a source with no readable file is an error.
 
 mod listing;
+mod packer;
+mod reader;
 mod remote;
 mod units;
 
 pub use listing::plan;
 
 pub use remote::{RangedRead, Remote};
-use units::{Next, UnitRows};
 
-use std::collections::VecDeque;
 use std::ops::Range;
-use std::sync::mpsc::{sync_channel, Receiver};
-use std::sync::Arc;
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
 
-use regatta_object_store::Place;
-use regatta_trainer::documents::{Record, TokenizerSettings, IGNORE};
-use regatta_trainer::stream::{DataPlan, LoaderState, Part, ShardState};
+use regatta_trainer::documents::{TokenizerSettings, IGNORE};
+use regatta_trainer::stream::{DataPlan, LoaderState, ShardState};
 
-use crate::data::{encode_record, TextTokenizer};
+use crate::data::TextTokenizer;
 use crate::error::{Error, Result};
+use packer::ShardPacker;
+use reader::ShardReader;
 
 /// A row that could not be used, for the rank's report.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Skipped {
     /// `url@offset` and why.
     pub what: String,
-}
-
-/// A document pulled from a shard, with the shard's state before it.
-struct Pulled {
-    before: ShardState,
-    source: usize,
-    key: String,
-    record: Record,
-}
-
-/// One logical shard's documents, in the plan's order, from a state.
-struct ShardReader {
-    plan: Arc<DataPlan>,
-    shard: usize,
-    state: ShardState,
-    open: Vec<Option<UnitRows>>,
-    places: Vec<Place>,
-    handle: tokio::runtime::Handle,
-    weights: Vec<f64>,
-    skipped: Vec<Skipped>,
-    /// Per source: whether a document came out since an epoch was entered at its start
-    /// (`None`: entered mid-epoch, unknown).
-    yielded: Vec<Option<bool>>,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl ShardReader {
-    fn new(
-        plan: Arc<DataPlan>,
-        shard: usize,
-        state: ShardState,
-        handle: tokio::runtime::Handle,
-        stop: Arc<std::sync::atomic::AtomicBool>,
-    ) -> Result<Self> {
-        let places = plan
-            .sources
-            .iter()
-            .map(|s| Place::dir(&s.url).map_err(Error::from))
-            .collect::<Result<Vec<_>>>()?;
-        let weights = plan.sources.iter().map(|s| s.weight).collect();
-        let yielded = state
-            .sources
-            .iter()
-            .map(|c| (c.unit == 0 && c.docs == 0).then_some(false))
-            .collect();
-        Ok(Self {
-            yielded,
-            stop,
-            open: (0..plan.sources.len()).map(|_| None).collect(),
-            plan,
-            shard,
-            state,
-            places,
-            handle,
-            weights,
-            skipped: Vec::new(),
-        })
-    }
-
-    /// The next document, `None` once the shard is exhausted (or the loader stops); an
-    /// error when a unit could not be fetched.
-    fn next_doc(&mut self) -> Result<Option<Pulled>> {
-        loop {
-            if self.stop.load(std::sync::atomic::Ordering::Relaxed) {
-                return Ok(None);
-            }
-            let mut before = self.state.clone();
-            before.partial = 0;
-            let Some(source) = self.state.pick(&self.weights) else {
-                return Ok(None);
-            };
-            let unit = self.plan.unit(source, self.shard, &self.state.sources[source]);
-            let file = &self.plan.sources[source].files[unit.file as usize];
-            if self.open[source].is_none() {
-                let remote = Remote::new(
-                    self.places[source].clone(),
-                    file.name.clone(),
-                    file.size,
-                    self.handle.clone(),
-                );
-                self.open[source] = Some(UnitRows::open(remote, file, unit, &self.state.sources[source]));
-            }
-            let url = format!("{}/{}", self.plan.sources[source].url, file.name);
-            let Some(rows) = self.open[source].as_mut() else {
-                return Ok(None);
-            };
-            match rows.next() {
-                Next::Row(raw) => {
-                    let cursor = &mut self.state.sources[source];
-                    cursor.docs += 1;
-                    cursor.offset = raw.next;
-                    let url = match unit.part {
-                        Part::RowGroup(group) => format!("{url}#{group}"),
-                        _ => url,
-                    };
-                    let record = raw.row.and_then(|v| Record::parse(&v).map_err(|e| e.to_string()));
-                    match record {
-                        Ok(record) => {
-                            if self.yielded[source].is_some() {
-                                self.yielded[source] = Some(true);
-                            }
-                            return Ok(Some(Pulled {
-                                before,
-                                source,
-                                key: format!("{url}@{}", raw.offset),
-                                record,
-                            }));
-                        }
-                        Err(reason) => self.skipped.push(Skipped {
-                            what: format!("{url}@{}: {reason}", raw.offset),
-                        }),
-                    }
-                }
-                Next::Broken {
-                    reason, storage: true, ..
-                } => {
-                    return Err(Error::Storage(format!("{url}: {reason}")));
-                }
-                Next::Broken { offset, reason, .. } => self.skipped.push(Skipped {
-                    // Parquet offsets are rows of the row group.
-                    what: format!("{url}@{offset}: unreadable, the rest of the unit is skipped: {reason}"),
-                }),
-                Next::End => {
-                    self.open[source] = None;
-                    let epoch = self.state.sources[source].epoch;
-                    self.plan.next_unit(source, self.shard, &mut self.state.sources[source]);
-                    let cursor = &mut self.state.sources[source];
-                    if cursor.epoch != epoch {
-                        if self.yielded[source] == Some(false) && !cursor.done {
-                            // A whole pass gave nothing: repeating it would spin forever.
-                            cursor.done = true;
-                            self.skipped.push(Skipped {
-                                what: format!(
-                                    "{}: shard {} read every unit of this source and found no usable row; the \
-                                     source is done for this shard",
-                                    self.plan.sources[source].url, self.shard
-                                ),
-                            });
-                        }
-                        self.yielded[source] = Some(false);
-                    }
-                }
-            }
-        }
-    }
 }
 
 /// One training row of a shard, with the shard's state after it and the documents that
@@ -199,149 +55,6 @@ pub struct Row {
     pub state: ShardState,
     /// Keys (`url@offset`) of the documents whose first token is an input of this row.
     pub keys: Vec<String>,
-}
-
-struct Pending {
-    before: ShardState,
-    start: u64,
-    len: u64,
-    skip: u64,
-    key: String,
-    counted: bool,
-}
-
-/// A shard's documents, tokenized and packed into rows of `context` inputs (row k reads
-/// stream tokens `k*context ..= (k+1)*context`, as [`regatta_trainer::Packed`]).
-struct ShardPacker {
-    reader: ShardReader,
-    context: u64,
-    tokenizer: Arc<TextTokenizer>,
-    settings: Arc<TokenizerSettings>,
-    tokens: VecDeque<(i64, bool, u32)>,
-    base: u64,
-    pending: VecDeque<Pending>,
-    next_row: u64,
-    resume_skip: u64,
-    exhausted: bool,
-    documents: u32,
-}
-
-impl ShardPacker {
-    fn end(&self) -> u64 {
-        self.base + self.tokens.len() as u64
-    }
-
-    fn pull(&mut self) -> Result<()> {
-        let Some(pulled) = self.reader.next_doc()? else {
-            self.exhausted = true;
-            return Ok(());
-        };
-        let document = match encode_record(&self.tokenizer, &self.settings, &pulled.record) {
-            Ok(document) => document,
-            Err(e) => {
-                // A template that does not render, text the tokenizer refuses: this row only.
-                self.reader.skipped.push(Skipped {
-                    what: format!("{}: {e}", pulled.key),
-                });
-                return Ok(());
-            }
-        };
-        self.reader.state.chosen[pulled.source] += document.tokens.len() as u64;
-        let skip = std::mem::take(&mut self.resume_skip).min(document.tokens.len() as u64);
-        self.documents = self.documents.wrapping_add(1);
-        let start = self.end();
-        let id = self.documents;
-        self.tokens.extend(
-            document
-                .tokens
-                .iter()
-                .zip(&document.loss)
-                .skip(skip as usize)
-                .map(|(t, l)| (*t, *l, id)),
-        );
-        self.pending.push_back(Pending {
-            before: pulled.before,
-            start,
-            len: document.tokens.len() as u64 - skip,
-            skip,
-            key: pulled.key,
-            counted: skip > 0,
-        });
-        Ok(())
-    }
-
-    /// The next row, or `None` once the shard's last document is trained on.
-    fn next_row(&mut self) -> Result<Option<Row>> {
-        let (c, s) = (self.context, self.next_row);
-        // One token past the row, so a stream ending right at its last target is known
-        // to end there.
-        while !self.exhausted && self.end() <= s + c + 1 {
-            self.pull()?;
-        }
-        // Left alone, the last token (the previous row's last target) would make a row
-        // with no target: the row before counted its document already.
-        if self.end() <= s + 1 && self.exhausted {
-            return Ok(None);
-        }
-        let at = |i: u64| self.tokens.get((i - self.base) as usize).copied();
-        let pad = self.documents.wrapping_add(1);
-        let mut row = Row {
-            inputs: Vec::with_capacity(c as usize),
-            targets: Vec::with_capacity(c as usize),
-            documents: Vec::with_capacity(c as usize),
-            shard: self.reader.shard,
-            state: ShardState::default(),
-            keys: Vec::new(),
-        };
-        for i in s..s + c {
-            match at(i) {
-                Some((token, _, doc)) => {
-                    row.inputs.push(token);
-                    row.documents.push(i64::from(doc));
-                    row.targets.push(match at(i + 1) {
-                        Some((next, true, next_doc)) if next_doc == doc => next,
-                        _ => IGNORE,
-                    });
-                }
-                None => {
-                    row.inputs.push(0);
-                    row.documents.push(i64::from(pad));
-                    row.targets.push(IGNORE);
-                }
-            }
-        }
-        // A document starting at the row's last target is counted here when nothing
-        // follows it (no next row will have it as an input).
-        let horizon = if self.exhausted && self.end() == s + c + 1 {
-            s + c + 1
-        } else {
-            s + c
-        };
-        for p in self.pending.iter_mut().filter(|p| p.start < horizon && !p.counted) {
-            p.counted = true;
-            row.keys.push(p.key.clone());
-        }
-        let e = s + c;
-        self.next_row = e;
-        row.state = match self.pending.iter().find(|p| p.start <= e && e < p.start + p.len) {
-            Some(p) => ShardState {
-                partial: e - p.start + p.skip,
-                ..p.before.clone()
-            },
-            None => {
-                let mut state = self.reader.state.clone();
-                state.partial = 0;
-                state
-            }
-        };
-        while self.pending.front().is_some_and(|p| p.start + p.len <= e && p.counted) {
-            self.pending.pop_front();
-        }
-        let drop = (e.min(self.end()) - self.base) as usize;
-        self.tokens.drain(..drop);
-        self.base += drop as u64;
-        Ok(Some(row))
-    }
 }
 
 /// What the background thread hands the training loop.
@@ -392,38 +105,20 @@ impl Loader {
         settings: Arc<TokenizerSettings>,
         handle: tokio::runtime::Handle,
     ) -> Result<Self> {
-        if spec.state.fingerprint != spec.plan.fingerprint {
-            return Err(Error::Dataset(
-                "the dataset's files changed since the checkpoint was written (names or sizes differ): its cursors \
-                 would skip or repeat data; restore the files or start a new checkpoint.dir"
-                    .into(),
-            ));
-        }
-        if spec.state.shards.len() != spec.plan.shards || spec.shards.end > spec.plan.shards {
-            return Err(Error::Dataset(format!(
-                "the saved loader state has {} shards, the plan {}",
-                spec.state.shards.len(),
-                spec.plan.shards
-            )));
-        }
+        check_state(&spec)?;
         let states: Vec<(usize, ShardState)> = spec.shards.clone().map(|s| (s, spec.state.shards[s].clone())).collect();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut packers = Vec::with_capacity(states.len());
         for (shard, state) in &states {
-            let resume_skip = state.partial;
-            packers.push(ShardPacker {
-                reader: ShardReader::new(spec.plan.clone(), *shard, state.clone(), handle.clone(), stop.clone())?,
-                context: spec.context as u64,
-                tokenizer: tokenizer.clone(),
-                settings: settings.clone(),
-                tokens: VecDeque::new(),
-                base: 0,
-                pending: VecDeque::new(),
-                next_row: 0,
-                resume_skip,
-                exhausted: false,
-                documents: 0,
-            });
+            let reader = ShardReader::new(spec.plan.clone(), *shard, state.clone(), handle.clone(), stop.clone())?;
+            let (tokenizer, settings) = (tokenizer.clone(), settings.clone());
+            packers.push(ShardPacker::new(
+                reader,
+                spec.context as u64,
+                tokenizer,
+                settings,
+                state.partial,
+            ));
         }
         let (tx, rx) = sync_channel(spec.prefetch.max(1));
         let skipped = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -434,44 +129,7 @@ impl Loader {
             .map_or(0, |s| s - spec.shards.start + 1);
         let thread = std::thread::Builder::new()
             .name("regatta-loader".into())
-            .spawn(move || {
-                let k = packers.len().max(1);
-                let mut next = first % k;
-                let mut done = vec![false; packers.len()];
-                loop {
-                    let mut sent = false;
-                    for tries in 0..packers.len() {
-                        let i = (next + tries) % k;
-                        if done[i] {
-                            continue;
-                        }
-                        let outcome = packers[i].next_row();
-                        let fresh = std::mem::take(&mut packers[i].reader.skipped);
-                        if !fresh.is_empty() {
-                            report.lock().unwrap_or_else(|p| p.into_inner()).extend(fresh);
-                        }
-                        match outcome {
-                            Ok(Some(row)) => {
-                                if tx.send(Item::Row(Box::new(row))).is_err() {
-                                    return;
-                                }
-                                next = i + 1;
-                                sent = true;
-                                break;
-                            }
-                            Ok(None) => done[i] = true,
-                            Err(e) => {
-                                let _ = tx.send(Item::Failed(e));
-                                return;
-                            }
-                        }
-                    }
-                    if !sent {
-                        let _ = tx.send(Item::End);
-                        return;
-                    }
-                }
-            })
+            .spawn(move || send_rows(packers, first, &tx, &report))
             .map_err(|e| Error::Dataset(format!("cannot start the loader thread: {e}")))?;
         Ok(Self {
             stop,
@@ -566,6 +224,67 @@ impl Loader {
     /// Rows skipped since the last call, with file, offset and reason.
     pub fn take_skipped(&self) -> Vec<Skipped> {
         std::mem::take(&mut *self.skipped.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+/// Refuses a saved state the plan cannot continue: files changed since, or another
+/// number of shards.
+fn check_state(spec: &LoaderSpec) -> Result<()> {
+    if spec.state.fingerprint != spec.plan.fingerprint {
+        return Err(Error::Dataset(
+            "the dataset's files changed since the checkpoint was written (names or sizes differ): its cursors \
+             would skip or repeat data; restore the files or start a new checkpoint.dir"
+                .into(),
+        ));
+    }
+    if spec.state.shards.len() != spec.plan.shards || spec.shards.end > spec.plan.shards {
+        return Err(Error::Dataset(format!(
+            "the saved loader state has {} shards, the plan {}",
+            spec.state.shards.len(),
+            spec.plan.shards
+        )));
+    }
+    Ok(())
+}
+
+/// The background thread: rows round-robin over the shards that have rows left, from the
+/// `first`, until all are exhausted (then `End`), one fails, or the loader goes away.
+fn send_rows(mut packers: Vec<ShardPacker>, first: usize, tx: &SyncSender<Item>, report: &Mutex<Vec<Skipped>>) {
+    let k = packers.len().max(1);
+    let mut next = first % k;
+    let mut done = vec![false; packers.len()];
+    loop {
+        let mut sent = false;
+        for tries in 0..packers.len() {
+            let i = (next + tries) % k;
+            if done[i] {
+                continue;
+            }
+            let outcome = packers[i].next_row();
+            let fresh = std::mem::take(&mut packers[i].reader.skipped);
+            if !fresh.is_empty() {
+                report.lock().unwrap_or_else(|p| p.into_inner()).extend(fresh);
+            }
+            match outcome {
+                Ok(Some(row)) => {
+                    if tx.send(Item::Row(Box::new(row))).is_err() {
+                        return;
+                    }
+                    next = i + 1;
+                    sent = true;
+                    break;
+                }
+                Ok(None) => done[i] = true,
+                Err(e) => {
+                    let _ = tx.send(Item::Failed(e));
+                    return;
+                }
+            }
+        }
+        if !sent {
+            let _ = tx.send(Item::End);
+            return;
+        }
     }
 }
 

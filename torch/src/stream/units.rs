@@ -3,6 +3,7 @@
 //! JSON, or why it cannot be used.
 
 use std::io::{BufRead, BufReader, Read};
+use std::ops::Range;
 
 use regatta_trainer::stream::{Compression, FileEntry, Part, SourceCursor, Unit};
 
@@ -12,7 +13,18 @@ use super::remote::{is_storage_failure, RangedRead, Remote, LINE_BUFFER, READ_BY
 pub(super) struct RawRow {
     pub(super) offset: u64,
     pub(super) next: u64,
-    pub(super) row: std::result::Result<serde_json::Value, String>,
+    pub(super) row: std::result::Result<serde_json::Value, BadRow>,
+}
+
+/// Why a row cannot be trained on: it is skipped and reported, the others go on.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum BadRow {
+    /// The line is not JSON.
+    #[error("is not valid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    /// The JSON is not a row the trainer reads (the trainer's reason).
+    #[error(transparent)]
+    Record(regatta_trainer::DocumentError),
 }
 
 /// What a unit yields next.
@@ -48,8 +60,8 @@ pub(super) enum UnitRows {
     Done,
 }
 
-fn parse_line(line: &[u8]) -> std::result::Result<serde_json::Value, String> {
-    serde_json::from_slice(line).map_err(|e| format!("is not valid JSON: {e}"))
+fn parse_line(line: &[u8]) -> std::result::Result<serde_json::Value, BadRow> {
+    Ok(serde_json::from_slice(line)?)
 }
 
 fn parquet_storage_failure(error: &parquet::errors::ParquetError) -> bool {
@@ -65,90 +77,93 @@ impl UnitRows {
     pub(super) fn open(remote: Remote, file: &FileEntry, unit: Unit, cursor: &SourceCursor) -> Self {
         let resume = cursor.docs > 0;
         match (unit.part, file.compression) {
-            (Part::Bytes { start, end }, _) => {
-                let from = if resume { cursor.offset } else { start.saturating_sub(1) };
-                let first = (end.saturating_sub(from) + (64 << 10)).min(READ_BYTES);
-                let read = RangedRead::new(remote, from, first, end);
-                let mut reader: Box<dyn BufRead + Send> = Box::new(BufReader::with_capacity(LINE_BUFFER, read));
-                let mut pos = from;
-                if !resume && start > 0 {
-                    // The line in progress at `start` belongs to the unit before.
-                    let mut skipped = Vec::new();
-                    match reader.read_until(b'\n', &mut skipped) {
-                        Ok(n) => pos += n as u64,
-                        Err(e) => {
-                            return Self::Failed {
-                                offset: from,
-                                reason: e.to_string(),
-                                storage: is_storage_failure(&e),
-                            }
-                        }
+            (Part::Bytes { start, end }, _) => Self::open_range(remote, start..end, resume.then_some(cursor.offset)),
+            (Part::Whole, compression) => Self::open_whole(remote, compression, resume.then_some(cursor.offset)),
+            (Part::RowGroup(group), _) => Self::open_row_group(remote, group, resume.then_some(cursor.offset)),
+        }
+    }
+
+    /// The lines of a byte range of plain JSONL: from `resume` (the next line's offset),
+    /// or from the first line starting in the range.
+    fn open_range(remote: Remote, range: Range<u64>, resume: Option<u64>) -> Self {
+        let Range { start, end } = range;
+        let from = resume.unwrap_or(start.saturating_sub(1));
+        let first = (end.saturating_sub(from) + (64 << 10)).min(READ_BYTES);
+        let read = RangedRead::new(remote, from, first, end);
+        let mut reader: Box<dyn BufRead + Send> = Box::new(BufReader::with_capacity(LINE_BUFFER, read));
+        let mut pos = from;
+        if resume.is_none() && start > 0 {
+            // The line in progress at `start` belongs to the unit before.
+            let mut skipped = Vec::new();
+            match reader.read_until(b'\n', &mut skipped) {
+                Ok(n) => pos += n as u64,
+                Err(e) => return Self::failed(from, &e),
+            }
+        }
+        Self::Lines { reader, pos, end }
+    }
+
+    /// The lines of a whole (possibly compressed) JSONL file, from `resume` (the next
+    /// line's offset in the decompressed stream) or its start.
+    fn open_whole(remote: Remote, compression: Compression, resume: Option<u64>) -> Self {
+        let size = remote.size;
+        let read = RangedRead::new(remote, 0, READ_BYTES, size);
+        let decoded: Box<dyn Read + Send> = match compression {
+            Compression::Zstd => match zstd::stream::read::Decoder::new(read) {
+                Ok(d) => Box::new(d),
+                Err(e) => return Self::failed(0, &e),
+            },
+            Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(read)),
+            Compression::None => Box::new(read),
+        };
+        let mut reader: Box<dyn BufRead + Send> = Box::new(BufReader::with_capacity(LINE_BUFFER, decoded));
+        let mut pos = 0;
+        if let Some(offset) = resume {
+            // Compressed streams are entered from the start: skip what was read.
+            let mut skip = std::io::Read::take(&mut reader, offset);
+            match std::io::copy(&mut skip, &mut std::io::sink()) {
+                Ok(n) => pos = n,
+                Err(e) => return Self::failed(0, &e),
+            }
+        }
+        Self::Lines {
+            reader,
+            pos,
+            end: u64::MAX,
+        }
+    }
+
+    /// The rows of one Parquet row group, from `resume` (the next row's index) or its first.
+    fn open_row_group(remote: Remote, group: u32, resume: Option<u64>) -> Self {
+        use parquet::file::serialized_reader::{ReadOptionsBuilder, SerializedFileReader};
+        let options = ReadOptionsBuilder::new()
+            .with_predicate(Box::new(move |_, i| i == group as usize))
+            .build();
+        match SerializedFileReader::new_with_options(remote, options) {
+            Ok(reader) => {
+                let skip = resume.unwrap_or(0);
+                let mut rows = parquet::record::reader::RowIter::from_file_into(Box::new(reader));
+                for _ in 0..skip {
+                    if rows.next().is_none() {
+                        break;
                     }
                 }
-                Self::Lines { reader, pos, end }
+                Self::Parquet { rows, next: skip }
             }
-            (Part::Whole, compression) => {
-                let size = remote.size;
-                let read = RangedRead::new(remote, 0, READ_BYTES, size);
-                let decoded: Box<dyn Read + Send> = match compression {
-                    Compression::Zstd => match zstd::stream::read::Decoder::new(read) {
-                        Ok(d) => Box::new(d),
-                        Err(e) => {
-                            return Self::Failed {
-                                offset: 0,
-                                reason: e.to_string(),
-                                storage: is_storage_failure(&e),
-                            }
-                        }
-                    },
-                    Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(read)),
-                    Compression::None => Box::new(read),
-                };
-                let mut reader: Box<dyn BufRead + Send> = Box::new(BufReader::with_capacity(LINE_BUFFER, decoded));
-                let mut pos = 0;
-                if resume {
-                    // Compressed streams are entered from the start: skip what was read.
-                    let mut skip = std::io::Read::take(&mut reader, cursor.offset);
-                    match std::io::copy(&mut skip, &mut std::io::sink()) {
-                        Ok(n) => pos = n,
-                        Err(e) => {
-                            return Self::Failed {
-                                offset: 0,
-                                reason: e.to_string(),
-                                storage: is_storage_failure(&e),
-                            }
-                        }
-                    }
-                }
-                Self::Lines {
-                    reader,
-                    pos,
-                    end: u64::MAX,
-                }
-            }
-            (Part::RowGroup(group), _) => {
-                use parquet::file::serialized_reader::{ReadOptionsBuilder, SerializedFileReader};
-                let options = ReadOptionsBuilder::new()
-                    .with_predicate(Box::new(move |_, i| i == group as usize))
-                    .build();
-                match SerializedFileReader::new_with_options(remote, options) {
-                    Ok(reader) => {
-                        let skip = if resume { cursor.offset } else { 0 };
-                        let mut rows = parquet::record::reader::RowIter::from_file_into(Box::new(reader));
-                        for _ in 0..skip {
-                            if rows.next().is_none() {
-                                break;
-                            }
-                        }
-                        Self::Parquet { rows, next: skip }
-                    }
-                    Err(e) => Self::Failed {
-                        offset: 0,
-                        storage: parquet_storage_failure(&e),
-                        reason: format!("row group {group}: {e}"),
-                    },
-                }
-            }
+            Err(e) => Self::Failed {
+                offset: 0,
+                storage: parquet_storage_failure(&e),
+                reason: format!("row group {group}: {e}"),
+            },
+        }
+    }
+
+    /// A unit whose opening read failed at `offset`.
+    fn failed(offset: u64, error: &std::io::Error) -> Self {
+        Self::Failed {
+            offset,
+            reason: error.to_string(),
+            storage: is_storage_failure(error),
         }
     }
 

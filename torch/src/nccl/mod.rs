@@ -20,7 +20,13 @@
 //!
 //! Where libnccl is missing, [`check_library`] says which library and how to point at it
 //! (cudarc would panic on first use).
+//!
+//! The timeouts and the join's config are in `config`, the pure rule a poll follows (wait,
+//! done, or abort with the cause) in `poll`.
 #![allow(unsafe_code)]
+
+mod config;
+mod poll;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,6 +37,9 @@ use cudarc::nccl::{result, sys};
 use tch::{Kind, Tensor};
 
 use crate::collective::{CollResult, Landing, Pending, TensorCollective};
+use config::nonblocking_config;
+pub use config::NcclTimeouts;
+use poll::{verdict, Seen, Stop, Verdict};
 
 /// Is libnccl loadable? Errors with what to do when it is not.
 pub fn check_library() -> Result<()> {
@@ -55,128 +64,6 @@ pub fn unique_id() -> Result<Vec<u8>> {
     check_library()?;
     let id = result::get_uniqueid().map_err(|e| Error::Collective(format!("ncclGetUniqueId: {e:?}")))?;
     Ok(id.internal.iter().map(|c| *c as u8).collect())
-}
-
-/// How long a rank waits for the group to form, and for one collective to complete,
-/// before it aborts the communicator and fails with the cause.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NcclTimeouts {
-    /// For every rank to join (`REGATTA_NCCL_JOIN_TIMEOUT_SECS`, default 300).
-    pub join: Duration,
-    /// For the collectives issued before a settle to complete
-    /// (`REGATTA_NCCL_TIMEOUT_SECS`, default 600, as PyTorch's process groups).
-    pub collective: Duration,
-}
-
-impl Default for NcclTimeouts {
-    fn default() -> Self {
-        Self {
-            join: Duration::from_secs(300),
-            collective: Duration::from_secs(600),
-        }
-    }
-}
-
-impl NcclTimeouts {
-    /// The defaults, with the environment's settings where given (whole seconds, > 0).
-    pub fn from_env() -> Result<Self> {
-        Self::from_lookup(|name| std::env::var(name).ok())
-    }
-
-    fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
-        let defaults = Self::default();
-        let read = |name: &str, default: Duration| match get(name) {
-            None => Ok(default),
-            Some(text) => match text.trim().parse::<u64>() {
-                Ok(secs) if secs > 0 => Ok(Duration::from_secs(secs)),
-                _ => Err(Error::Invalid(format!(
-                    "{name} must be a whole number of seconds above 0, not {text:?}"
-                ))),
-            },
-        };
-        Ok(Self {
-            join: read("REGATTA_NCCL_JOIN_TIMEOUT_SECS", defaults.join)?,
-            collective: read("REGATTA_NCCL_TIMEOUT_SECS", defaults.collective)?,
-        })
-    }
-}
-
-/// What one poll of an outstanding NCCL operation saw.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Seen {
-    /// Complete.
-    Done,
-    /// Still running, no error reported.
-    Running,
-    /// NCCL or the device reported this error.
-    Failed(String),
-}
-
-/// What to do after a poll: the pure rule behind joins and settles.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Verdict {
-    Done,
-    Wait,
-    Abort(Stop),
-}
-
-/// Why an operation is given up.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Stop {
-    /// NCCL or the device reported this error.
-    Failed(String),
-    /// Still running past its limit.
-    TimedOut(Duration),
-}
-
-impl std::fmt::Display for Stop {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Failed(cause) => f.write_str(cause),
-            Self::TimedOut(limit) => write!(
-                f,
-                "not done within {} s: a rank is lost, stuck or never started",
-                limit.as_secs()
-            ),
-        }
-    }
-}
-
-fn verdict(seen: Seen, waited: Duration, limit: Duration) -> Verdict {
-    match seen {
-        Seen::Done => Verdict::Done,
-        Seen::Failed(cause) => Verdict::Abort(Stop::Failed(cause)),
-        Seen::Running if waited >= limit => Verdict::Abort(Stop::TimedOut(limit)),
-        Seen::Running => Verdict::Wait,
-    }
-}
-
-/// NCCL_CONFIG_INITIALIZER with `blocking = 0`, for the library version `version` (every
-/// other field left undefined: NCCL's defaults).
-fn nonblocking_config(version: i32) -> sys::ncclConfig_t {
-    const UNDEF: i32 = i32::MIN;
-    sys::ncclConfig_t {
-        size: std::mem::size_of::<sys::ncclConfig_t>(),
-        magic: 0xcafe_beef,
-        version: version as u32,
-        blocking: 0,
-        cgaClusterSize: UNDEF,
-        minCTAs: UNDEF,
-        maxCTAs: UNDEF,
-        netName: std::ptr::null(),
-        splitShare: UNDEF,
-        trafficClass: UNDEF,
-        commName: std::ptr::null(),
-        collnetEnable: UNDEF,
-        CTAPolicy: UNDEF,
-        shrinkShare: UNDEF,
-        nvlsCTAs: UNDEF,
-        nChannelsPerNetPeer: UNDEF,
-        nvlinkCentricSched: UNDEF,
-        graphUsageMode: UNDEF,
-        numRmaCtx: UNDEF,
-        maxP2pPeers: UNDEF,
-    }
 }
 
 fn nccl_error(code: sys::ncclResult_t, comm: sys::ncclComm_t) -> String {
@@ -652,65 +539,5 @@ mod tests {
                 assert!(NcclCollective::join(&[0; 128], 0, 1, 0, NcclTimeouts::default()).is_err());
             }
         }
-    }
-
-    #[test]
-    fn a_poll_waits_while_running_and_aborts_on_an_error_or_past_the_limit() {
-        let limit = Duration::from_secs(10);
-        let early = Duration::from_secs(3);
-        assert_eq!(verdict(Seen::Done, early, limit), Verdict::Done);
-        // Done wins even past the limit: the work completed.
-        assert_eq!(verdict(Seen::Done, limit * 2, limit), Verdict::Done);
-        assert_eq!(verdict(Seen::Running, early, limit), Verdict::Wait);
-        assert_eq!(
-            verdict(Seen::Running, limit, limit),
-            Verdict::Abort(Stop::TimedOut(limit))
-        );
-        assert_eq!(
-            Stop::TimedOut(limit).to_string(),
-            "not done within 10 s: a rank is lost, stuck or never started"
-        );
-        assert_eq!(
-            verdict(Seen::Failed("remote process exited".into()), early, limit),
-            Verdict::Abort(Stop::Failed("remote process exited".into()))
-        );
-    }
-
-    #[test]
-    fn timeouts_default_and_read_whole_seconds_from_the_environment() {
-        let none = NcclTimeouts::from_lookup(|_| None).unwrap();
-        assert_eq!(none, NcclTimeouts::default());
-        assert_eq!(none.collective, Duration::from_secs(600));
-        let set =
-            NcclTimeouts::from_lookup(|name| (name == "REGATTA_NCCL_JOIN_TIMEOUT_SECS").then(|| " 5 ".to_string()))
-                .unwrap();
-        assert_eq!(set.join, Duration::from_secs(5));
-        assert_eq!(set.collective, Duration::from_secs(600));
-        for bad in ["0", "-3", "1.5", "soon", ""] {
-            let error =
-                NcclTimeouts::from_lookup(|name| (name == "REGATTA_NCCL_TIMEOUT_SECS").then(|| bad.to_string()))
-                    .expect_err(bad);
-            assert!(
-                error
-                    .to_string()
-                    .contains("REGATTA_NCCL_TIMEOUT_SECS must be a whole number"),
-                "{error}"
-            );
-        }
-    }
-
-    #[test]
-    fn the_nonblocking_config_is_nccls_initializer_with_blocking_off() {
-        let config = nonblocking_config(22809);
-        assert_eq!(config.magic, 0xcafe_beef);
-        assert_eq!(config.size, std::mem::size_of::<sys::ncclConfig_t>());
-        assert_eq!(config.version, 22809);
-        assert_eq!(config.blocking, 0);
-        // Undefined fields keep NCCL's defaults (NCCL_CONFIG_UNDEF_INT), not zero CTAs.
-        assert_eq!(
-            (config.minCTAs, config.maxCTAs, config.cgaClusterSize),
-            (i32::MIN, i32::MIN, i32::MIN)
-        );
-        assert!(config.netName.is_null() && config.commName.is_null());
     }
 }
