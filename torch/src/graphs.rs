@@ -45,7 +45,7 @@ pub fn library_paths() -> Vec<PathBuf> {
         .ok()
         .and_then(|exe| Some(exe.parent()?.join(LIBRARY)));
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-    let beside_libtorch = crate::cuda::libtorch_dir(&maps).map(|dir| dir.join(LIBRARY));
+    let beside_libtorch = crate::libtorch::libtorch_dir(&maps).map(|dir| dir.join(LIBRARY));
     beside_exe.into_iter().chain(beside_libtorch).collect()
 }
 
@@ -64,8 +64,8 @@ fn unavailable(reason: impl Into<String>) -> Error {
 }
 
 fn load() -> Result<Api> {
-    if let crate::cuda::CudaLibrary::Absent { .. } | crate::cuda::CudaLibrary::Failed { .. } =
-        crate::cuda::load_libtorch_cuda()
+    if let crate::libtorch::CudaLibrary::Absent { .. } | crate::libtorch::CudaLibrary::Failed { .. } =
+        crate::libtorch::load_libtorch_cuda()
     {
         return Err(unavailable("libtorch_cuda is not loaded"));
     }
@@ -179,7 +179,7 @@ impl CudaGraph {
         // that waits for the device, say) becomes this capture's error.
         let mut guarded = || {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut *work))
-                .unwrap_or_else(|panic| Err(Error::CudaGraph(crate::executor::panic_text(&*panic))))
+                .unwrap_or_else(|panic| Err(Error::CudaGraph(crate::error::panic_text(&*panic))))
         };
         let captured = (|| -> Result<(Pool, T)> {
             guarded()?;

@@ -6,6 +6,7 @@
 //! Nodes never link this crate: a rank actor in the agent launches the executor binary.
 
 pub mod attention;
+pub mod attention_check;
 pub mod bench_data;
 pub mod bench_generate;
 pub mod checkpoint;
@@ -19,8 +20,10 @@ pub mod generate;
 pub mod gpt;
 pub mod graphs;
 pub mod hf;
+pub mod libtorch;
 pub mod llama;
 pub mod lora;
+pub mod merge;
 pub mod model;
 pub mod nccl;
 pub mod nccl_check;

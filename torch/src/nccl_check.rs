@@ -360,7 +360,7 @@ fn part<T>(name: &str, failures: &mut Vec<String>, run: impl FnOnce() -> Result<
             None
         }
         Err(panic) => {
-            let what = crate::executor::panic_text(panic.as_ref());
+            let what = crate::error::panic_text(panic.as_ref());
             failures.push(format!("{name}: {}", what.lines().next().unwrap_or_default()));
             None
         }

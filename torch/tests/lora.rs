@@ -8,10 +8,12 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use regatta_torch::checkpoint::adapter_files;
 use regatta_torch::collective::{CpuCollective, TensorCollective};
 use regatta_torch::engine::{Engine, EngineSettings, Held};
 use regatta_torch::executor::{initial_weights, open_run_model, step_batches, take_stored_quantized};
-use regatta_torch::lora::{adapter_files, merge, Adapter};
+use regatta_torch::lora::Adapter;
+use regatta_torch::merge::merge;
 use regatta_torch::model::{arrange, dropout, logits};
 use regatta_torch::tch::{self, Device, Kind, Tensor};
 use regatta_torch::{builtin_model, reference_run, HfModel, Model};

@@ -58,7 +58,7 @@ fn merge(args: &[String]) -> anyhow::Result<()> {
     let written = runtime.block_on(async {
         let hf = regatta_torch::HfModel::open(&base).await?;
         let adapter = regatta_torch::lora::Adapter::open(&adapter).await?;
-        regatta_torch::lora::merge(&hf, &adapter, &out, regatta_torch::executor::SHARD_BYTES).await
+        regatta_torch::merge::merge(&hf, &adapter, &out, regatta_torch::executor::SHARD_BYTES).await
     })?;
     println!("wrote {out}: {}", written.join(", "));
     Ok(())
@@ -226,7 +226,7 @@ fn attention_check(args: &[String]) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(time >= 8, "--time must be at least 8");
     let device = regatta_torch::cuda::pick_device(&device, &[])?;
     let kind = kind.unwrap_or(if device.is_cuda() { Kind::BFloat16 } else { Kind::Float });
-    let result = regatta_torch::attention::check(device, kind, time);
+    let result = regatta_torch::attention_check::check(device, kind, time);
     println!("{}", serde_json::to_string(&result)?);
     Ok(if result.ok {
         ExitCode::SUCCESS

@@ -17,7 +17,8 @@ use crate::error::{Error, Result};
 use crate::hf::{encode_safetensors_as, HfModel, ShardPlan, INDEX};
 use crate::model::ParamSpec;
 use regatta_object_store::Place;
-use regatta_trainer::lora::{is_adapter, ADAPTER_CONFIG};
+use regatta_trainer::lora::{is_adapter, peft_name, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+use regatta_trainer::LoraConfig;
 
 pub mod manifest;
 
@@ -61,7 +62,7 @@ pub fn save(
         let adapter = engine.consolidated()?;
         if rank == 0 {
             let base = spec.manifest.model.path.clone();
-            for (name, bytes) in crate::lora::adapter_files(lora, &base, &adapter)? {
+            for (name, bytes) in adapter_files(lora, &base, &adapter)? {
                 runtime.block_on(dir.put(&name, bytes))?;
             }
         }
@@ -381,4 +382,18 @@ mod tests {
             .unwrap()
             .contains("the vocabulary"));
     }
+}
+
+/// The adapter's tensors in PEFT's names, with `adapter_config.json`, as bytes to write.
+pub fn adapter_files(config: &LoraConfig, base: &str, tensors: &[(String, Tensor)]) -> Result<Vec<(String, Bytes)>> {
+    let renamed: Vec<(String, Tensor)> = tensors
+        .iter()
+        .filter(|(name, _)| is_adapter(name))
+        .map(|(name, t)| (peft_name(name), t.shallow_clone()))
+        .collect();
+    let json = serde_json::to_vec_pretty(&config.peft_json(base)).map_err(|e| Error::Invalid(e.to_string()))?;
+    Ok(vec![
+        (ADAPTER_CONFIG.to_string(), Bytes::from(json)),
+        (ADAPTER_WEIGHTS.to_string(), to_safetensors(&renamed)?),
+    ])
 }
