@@ -305,9 +305,12 @@ impl Ended {
 #[derive(Default)]
 struct Beside {
     running: futures::stream::FuturesUnordered<futures::future::BoxFuture<'static, (u64, Outcome)>>,
-    waiting: std::collections::HashMap<u64, (Option<ractor::RpcReplyPort<Vec<u8>>>, std::time::Instant)>,
+    waiting: std::collections::HashMap<u64, (Port, std::time::Instant)>,
     next_key: u64,
 }
+
+/// Where a call's answer goes (`None` for a cast).
+type Port = Option<ractor::RpcReplyPort<Vec<u8>>>;
 
 impl Beside {
     fn is_empty(&self) -> bool {
