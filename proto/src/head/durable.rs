@@ -183,6 +183,7 @@ impl HeadCore {
             pull_waiters: BTreeMap::new(),
             pull_wakes: PullWakes::default(),
             object_waits: Vec::new(),
+            object_waits_stale: false,
         }
     }
 

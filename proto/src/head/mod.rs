@@ -50,6 +50,8 @@ pub struct HeadCore {
     pull_wakes: PullWakes,
     /// Parked `ObjectsWait`s. Not saved, as other waits.
     object_waits: Vec<waits::ObjectsWait>,
+    /// The directory changed since the parked waits were last looked at.
+    object_waits_stale: bool,
 }
 
 impl HeadCore {
@@ -68,6 +70,7 @@ impl HeadCore {
             pull_waiters: BTreeMap::new(),
             pull_wakes: PullWakes::default(),
             object_waits: Vec::new(),
+            object_waits_stale: false,
         }
     }
 
@@ -189,6 +192,7 @@ impl HeadCore {
     /// A node the scheduler declared dead: its objects are lost too.
     fn node_dead(&mut self, node: String, cause: String, now_ms: u64, out: &mut Vec<Output>) {
         let objects_lost = self.directory.node_lost(&node, now_ms).len();
+        self.object_waits_stale = true;
         self.fanout.node_gone(&node);
         self.pull_wakes.all = true;
         out.push(Output::Notice(Notice::NodeDead {

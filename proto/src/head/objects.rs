@@ -46,6 +46,7 @@ impl HeadCore {
         now: u64,
         out: &mut Vec<Output>,
     ) {
+        self.object_waits_stale = true;
         match request {
             HeadRequest::ObjectPut {
                 id,

@@ -42,9 +42,12 @@ impl HeadCore {
         }
     }
 
-    /// Answers the parked waits that are satisfied or past their deadline.
+    /// Answers the parked waits that are satisfied or past their deadline. Their ids are
+    /// looked up again only after an object request or a lost node changed the directory,
+    /// so heartbeats and actor requests cost nothing per parked id.
     pub(super) fn settle_waits(&mut self, now: u64, out: &mut Vec<Output>) {
-        if self.object_waits.is_empty() {
+        let stale = std::mem::take(&mut self.object_waits_stale);
+        if self.object_waits.is_empty() || !stale && self.object_waits.iter().all(|w| now < w.deadline_ms) {
             return;
         }
         let waits = std::mem::take(&mut self.object_waits);
