@@ -13,9 +13,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use regatta_runtime::Cluster;
 use regatta_scorer::{ScoreConfig, ScoreRun};
-use regatta_trainer::documents::{Message, TokenizerSettings};
+use regatta_trainer::eval::EvalConfig;
 use regatta_trainer::gguf::{GgufError, GgufHeader, GgufModel};
-use regatta_trainer::{EvalConfig, LoraConfig, TrainConfig};
+use regatta_trainer::{LoraConfig, TrainConfig};
+use regatta_trainer::{Message, TokenizerSettings};
 
 use crate::pipeline::{generated_rows, prepare_dir, score_mean, train};
 

@@ -428,7 +428,7 @@ async fn the_job_api_speaks_https_and_refuses_plain_http_and_another_clusters_ce
     assert!(anonymous.starts_with("HTTP/1.1 200"), "{anonymous}");
     // With a certificate of another cluster's authority: refused at the handshake, even
     // with the right bearer token.
-    let mut foreign = (*regatta_object_store::identity_from_token("another-clusters-token")
+    let mut foreign = (*regatta_net::identity_from_token("another-clusters-token")
         .expect("identity")
         .client)
         .clone();

@@ -1,16 +1,10 @@
 //! The object store's error type.
 
-use crate::id::ObjectId;
+use regatta_proto::ObjectId;
 
-/// What can go wrong storing, moving or restoring objects.
+/// What can go wrong storing, spilling or restoring objects.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// TLS credentials could not be built.
-    #[error("TLS setup failed: {0}")]
-    Tls(String),
-    /// The object transfer (or the trainer's QUIC endpoint) could not be set up or reached.
-    #[error("object transfer: {0}")]
-    Transfer(String),
     /// The object does not fit in this node's store.
     #[error("object of {size} bytes does not fit in this node's object store (capacity {capacity} bytes, {pinned} bytes pinned); raise --object-store-bytes or free objects")]
     NoRoom {
@@ -28,14 +22,6 @@ pub enum Error {
         id: ObjectId,
         /// Where the mismatch was found.
         detail: String,
-    },
-    /// A peer does not hold the object any more.
-    #[error("object {id} is not held by {peer}")]
-    NotHeld {
-        /// The object.
-        id: ObjectId,
-        /// The peer asked.
-        peer: String,
     },
     /// The spill backend failed.
     #[error("spill backend {url}: {reason}")]

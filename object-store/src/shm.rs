@@ -133,7 +133,7 @@ const HUGE_PAGE: usize = 2 << 20;
 /// the transfer (a C probe: 0.84 s to fill 1 GiB of fresh small pages, 0.27-0.5 s of huge
 /// ones; docs/NOTES.md). Only an advice: where transparent huge pages are off, or memory
 /// is too fragmented, the kernel falls back to small pages and nothing else changes.
-pub(crate) fn receive_buffer(len: usize) -> Vec<u8> {
+pub fn receive_buffer(len: usize) -> Vec<u8> {
     // Zeroed allocations of at least 32 MiB (glibc's largest mmap threshold) come straight
     // from mmap, untouched until written; smaller ones may already be touched, and the
     // advice then changes nothing.
@@ -154,7 +154,7 @@ pub(crate) fn receive_buffer(len: usize) -> Vec<u8> {
 /// Gives the whole pages of `buffer`'s spare capacity (past its length) back to the
 /// kernel: a kept buffer handed out for a smaller object then holds no more memory than
 /// the object reads as. Touched again (the vector grown), they read as zeros.
-pub(crate) fn release_spare_pages(buffer: &Vec<u8>) {
+pub fn release_spare_pages(buffer: &Vec<u8>) {
     let page = page_size();
     let start = buffer.as_ptr() as usize;
     let tail = (start + buffer.len()).next_multiple_of(page);
@@ -226,7 +226,14 @@ impl Segment {
         self.file.try_clone()
     }
 
-    pub(crate) fn from_file(file: File, expect_len: Option<u64>) -> io::Result<Self> {
+    /// Takes any file as a segment without sealing it: only for tests that a reader refuses
+    /// a segment a peer could still change (`Segment::open` checks the seals).
+    #[doc(hidden)]
+    pub fn unsealed(file: File) -> io::Result<Self> {
+        Self::from_file(file, None)
+    }
+
+    fn from_file(file: File, expect_len: Option<u64>) -> io::Result<Self> {
         let meta = file.metadata()?;
         if let Some(len) = expect_len {
             if meta.len() != len {

@@ -17,7 +17,7 @@ use url::Url;
 
 use crate::checksum::crc32;
 use crate::error::{Error, Result};
-use crate::id::ObjectId;
+use regatta_proto::ObjectId;
 
 /// A spill location: a backend and a prefix inside it.
 #[derive(Clone)]

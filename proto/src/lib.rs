@@ -12,30 +12,45 @@
 //! assert_ne!(Strategy::Pack, Strategy::StrictSpread);
 //! ```
 
-pub mod actor_log;
+mod actor_log;
 mod error;
 mod fixed;
-pub mod head;
-pub mod job;
-pub mod object;
-pub mod placement;
-pub mod pool;
-pub mod protocol;
-pub mod resources;
-pub mod runs;
-pub mod scheduler;
-pub mod view;
+mod head;
+mod job;
+mod object;
+mod placement;
+mod pool;
+mod protocol;
+mod resources;
+mod runs;
+mod scheduler;
+mod view;
+
+// The one door: modules are private and this list is everything the crate offers.
 
 pub use error::{Error, Result};
-pub use head::{Answer, Change, ChangeRef, HeadCore, Notice, Output, ReplyTo, Saved, Snapshot};
-pub use job::{JobRecord, JobStatus, JobSubmission, RuntimeEnv};
-pub use object::{Directory, DirectoryStats, Location, MemoryStats, MemoryStore, Missing, NoRoom, ObjectId, Release};
-pub use placement::{Allocation, Decision, Ledger, Strategy};
-pub use pool::{PoolBook, Seq};
-pub use protocol::{
-    ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, GroupId, GroupStatus, NodeStatus,
-    PendingLine, Registration, RunningActor, StartFailure, RESTART_FOREVER,
-};
+// Resources and placement.
+pub use placement::{validate_capacity, Allocation, Decision, Ledger, Strategy};
 pub use resources::{format_fixed, Resources, GPU, UNIT};
+// The wire between head, agents and clients.
+pub use protocol::{
+    ActorId, ActorLine, ActorSpec, ActorState, ActorView, AgentRequest, BundleRef, ClusterStatus, DeathCause, Failure,
+    GroupId, GroupSpec, GroupStatus, HeadRequest, HeldObject, Loss, NodeInfo, NodeStatus, ObjectCommand, PendingLine,
+    Registration, RunningActor, StartActor, StartFailure, RESTART_FOREVER,
+};
+// The head as a state machine, what it keeps, and its scheduler's effects.
+pub use head::{Answer, Change, ChangeRef, HeadCore, Notice, Output, ReplyTo, Saved, Snapshot};
+pub use scheduler::Effect;
+// Jobs (Ray's job API records).
+pub use job::{
+    error_type as job_error_type, finished_beyond, validate_id as validate_job_id, JobRecord, JobStatus, JobSubmission,
+    ProcessIdentity, RuntimeEnv, JOB_ID_ENV, MAX_FINISHED_JOBS, PACKAGE_SCHEME,
+};
+// Objects: ids, the head's directory, a node's memory store, fan-out of pulls.
+pub use object::fanout::DEFAULT_PER_SOURCE as DEFAULT_FANOUT_PER_SOURCE;
+pub use object::{Directory, DirectoryStats, Location, MemoryStats, MemoryStore, Missing, NoRoom, ObjectId, Release};
+// The actor pool, run metrics, actor logs and the dashboard's views.
+pub use actor_log::{ActorLogBook, LogLine};
+pub use pool::{PoolBook, Seq};
 pub use runs::{RunBook, RunDetail, RunPoint, RunSample, RunSummary};
-pub use view::{ActorFilter, ActorRow, NodeRow, Overview, Page, PageRequest, ResourceUse, View, ViewQuery};
+pub use view::{ActorFilter, ActorRow, NodeRow, Overview, Page, PageRequest, ResourceUse, View, ViewQuery, MAX_PAGE};

@@ -256,7 +256,9 @@ pub struct Candidate<'a> {
     pub node: &'a str,
     /// Its ledger.
     pub ledger: &'a Ledger,
-    /// Actors it hosts now, used to break ties so that empty requests spread out.
+    /// Actors it hosts now, used to break ties so that empty requests spread out (by the
+    /// linear scan the scheduler's index is checked against).
+    #[cfg(test)]
     pub actors: usize,
 }
 
@@ -271,7 +273,9 @@ pub enum Decision<T> {
     Infeasible(String),
 }
 
-/// Picks the least-loaded node that can hold `request` now.
+/// Picks the least-loaded node that can hold `request` now, by a linear scan: the reference
+/// the scheduler's placement index is checked against.
+#[cfg(test)]
 pub fn place_actor(candidates: &[Candidate<'_>], request: &Resources) -> Decision<String> {
     let best = candidates
         .iter()

@@ -59,7 +59,7 @@ fn placing_error(e: regatta::Error) -> PyErr {
 /// job API certificate: what a Python client trusts to check a head without a file.
 #[pyfunction]
 fn token_authority_der<'py>(py: Python<'py>, token: &str) -> PyResult<Bound<'py, PyBytes>> {
-    let identity = regatta_object_store::identity_from_token(token).map_err(error)?;
+    let identity = regatta_net::identity_from_token(token).map_err(error)?;
     Ok(PyBytes::new(py, identity.ca.as_ref()))
 }
 

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use regatta_proto::protocol::{ActorId, Failure};
+use regatta_proto::{ActorId, Failure};
 
 impl From<regatta_proto::Error> for Error {
     fn from(error: regatta_proto::Error) -> Self {
@@ -62,7 +62,7 @@ pub enum Error {
         /// Its kind.
         kind: String,
         /// Why it died.
-        cause: regatta_proto::protocol::DeathCause,
+        cause: regatta_proto::DeathCause,
     },
     /// A call or cast could not be delivered or its reply was lost.
     #[error("call to actor {actor} failed: {cause}")]
@@ -150,9 +150,12 @@ pub enum Error {
         /// The object.
         id: regatta_object_store::ObjectId,
     },
-    /// Storing, moving or restoring an object failed.
+    /// Storing, spilling or restoring an object failed.
     #[error(transparent)]
     Object(regatta_object_store::Error),
+    /// TLS set-up or moving an object between nodes failed.
+    #[error(transparent)]
+    Net(regatta_net::Error),
     /// The actor system failed locally.
     #[error("actor system: {0}")]
     Actor(String),
@@ -162,6 +165,13 @@ pub enum Error {
 impl From<regatta_object_store::Error> for Error {
     fn from(e: regatta_object_store::Error) -> Self {
         Error::Object(e)
+    }
+}
+
+/// The networking crate's errors, inside the runtime's.
+impl From<regatta_net::Error> for Error {
+    fn from(e: regatta_net::Error) -> Self {
+        Error::Net(e)
     }
 }
 

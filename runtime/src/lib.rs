@@ -53,22 +53,23 @@ pub use net::token::{default_token_file, resolve_token, TokenSource, TOKEN_ENV};
 #[doc(hidden)]
 pub use net::wire::{decode as wire_decode, encode as wire_encode};
 pub use objects::{ObjectConfig, ObjectStats};
-pub use regatta_object_store::{DirectoryStats, ObjectId, FAULT_CORRUPT_ENV, NO_SHARED_MEMORY_ENV};
-pub use regatta_proto::job::JOB_ID_ENV;
-pub use regatta_proto::job::{JobRecord, JobStatus, JobSubmission, ProcessIdentity, RuntimeEnv};
+pub use regatta_net::{FAULT_CORRUPT_ENV, NO_SHARED_MEMORY_ENV};
+pub use regatta_object_store::{DirectoryStats, ObjectId};
 /// Network pulls of one large object a holder serves at once by default (`--object-fanout`).
-pub use regatta_proto::object::fanout::DEFAULT_PER_SOURCE as DEFAULT_OBJECT_FANOUT;
-pub use regatta_proto::placement::{Allocation, Decision, Ledger, Strategy};
-pub use regatta_proto::pool::{PoolBook, Seq};
-pub use regatta_proto::protocol::{
+pub use regatta_proto::DEFAULT_FANOUT_PER_SOURCE as DEFAULT_OBJECT_FANOUT;
+pub use regatta_proto::JOB_ID_ENV;
+pub use regatta_proto::{format_fixed, Resources, GPU, UNIT};
+pub use regatta_proto::{
+    ActorFilter, ActorRow, NodeRow, Overview, Page, PageRequest, ResourceUse, View, ViewQuery, MAX_PAGE,
+};
+pub use regatta_proto::{
     ActorId, ActorLine, ActorSpec, ActorState, ActorView, BundleRef, ClusterStatus, DeathCause, GroupId, GroupStatus,
     Loss, NodeStatus, PendingLine, RESTART_FOREVER,
 };
-pub use regatta_proto::resources::{format_fixed, Resources, GPU, UNIT};
-pub use regatta_proto::runs::{RunDetail, RunPoint, RunSample, RunSummary};
-pub use regatta_proto::view::{
-    ActorFilter, ActorRow, NodeRow, Overview, Page, PageRequest, ResourceUse, View, ViewQuery, MAX_PAGE,
-};
+pub use regatta_proto::{Allocation, Decision, Ledger, Strategy};
+pub use regatta_proto::{JobRecord, JobStatus, JobSubmission, ProcessIdentity, RuntimeEnv};
+pub use regatta_proto::{PoolBook, Seq};
+pub use regatta_proto::{RunDetail, RunPoint, RunSample, RunSummary};
 pub use worker::detect::{
     accelerator_tag, accelerator_type, detect_gpus, detect_resources, parse_nvidia_smi, visible_devices, GpuDevice,
     GpuInventory,

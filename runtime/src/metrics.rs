@@ -21,8 +21,8 @@ use serde::Serialize;
 
 use crate::error::Result;
 use crate::objects::ObjectStats;
-use regatta_proto::protocol::ClusterStatus;
-use regatta_proto::resources::UNIT;
+use regatta_proto::ClusterStatus;
+use regatta_proto::UNIT;
 
 /// Every metric Regatta exports.
 pub struct Metrics {
@@ -425,8 +425,8 @@ async fn discovery(State(state): State<MetricsState>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use regatta_proto::protocol::{ActorLine, ActorView, NodeStatus};
-    use regatta_proto::resources::Resources;
+    use regatta_proto::Resources;
+    use regatta_proto::{ActorLine, ActorView, NodeStatus};
 
     fn value(text: &str, series: &str) -> Option<f64> {
         text.lines()
@@ -454,7 +454,7 @@ mod tests {
 
     #[test]
     fn cluster_snapshot_sets_nodes_resources_actors_and_objects() {
-        use regatta_proto::protocol::ActorState;
+        use regatta_proto::ActorState;
         let m = Metrics::new();
         let mut used = Resources::new();
         used.set("CPU", 1.5);

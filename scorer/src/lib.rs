@@ -14,26 +14,38 @@
 //! - [`driver`]: [`ScoreRun`], which runs a whole dataset through a pool of scorer actors.
 //! - [`ScorerPool`]: Ray `ActorPool` semantics over any actor kind, scorer actors included.
 
-pub mod actor;
-pub mod driver;
-pub mod error;
-pub mod generate;
-pub mod jsonl;
-pub mod output;
-pub mod parquet_input;
-pub mod partition;
-pub mod plan;
-pub mod protocol;
+mod actor;
+mod driver;
+mod error;
+mod generate;
+mod jsonl;
+mod output;
+mod parquet_input;
+mod partition;
+mod plan;
+mod protocol;
 
-pub use actor::{PartitionReport, PartitionTask, ScorerActor, ScorerArgs, Slice};
-pub use driver::{Progress, ScoreConfig, ScoreManifest, ScoreRun};
+// The one door: modules are private and this list is everything the crate offers.
+
 pub use error::{Error, Result};
+// A scoring or generation run: its settings, the driver, its progress and its manifest.
+pub use driver::{Progress, ScoreConfig, ScoreManifest, ScoreRun};
+// The scorer actors and what they are handed.
+pub use actor::{PartitionReport, PartitionTask, ScorerActor, ScorerArgs, Slice};
+// Inputs, partitions and outputs.
 pub use jsonl::read_owned_lines;
 pub use output::{from_parquet, generated_from_parquet, generated_to_parquet, to_parquet, GeneratedRow, ScoredRow};
 pub use parquet_input::{is_parquet, row_slices, rows_to_parquet, ParquetInput, RowSlice};
 pub use partition::{byte_ranges, owned_lines, parse_row, read_window, Row, RowError};
 pub use plan::{errors_name, length_batches, output_name, partition_of, Plan};
-pub use protocol::is_torchscript;
+// The wire to the libtorch executor.
+pub use protocol::{is_torchscript, AdapterBase, FromScorer, RowFailure, RowScore, ScorerSetup, ToScorer};
+// Generation: the pure batcher, sampling, and the executor's side of a generation run.
+pub use generate::{
+    auto_kv_cache_bytes, choose, mem_available, stop_at, Batcher, BatcherConfig, Choice, Feed, Finish, FreeMemory,
+    GenRequest, GenStats, Generation, GenerationSetup, Prompt, RowStream, SamplingParams, Work, DEVICE_MEMORY_SHARE,
+    HOST_MEMORY_SHARE,
+};
 
 /// Ray `ActorPool` semantics (`map`, `map_unordered`, `submit`, `get_next`,
 /// `get_next_unordered`, `has_free`, `has_next`, `push`, `pop_idle`) over any registered

@@ -6,10 +6,10 @@
 
 use std::time::Instant;
 
-use regatta_proto::protocol::{ActorSpec, Failure, HeadRequest, NodeInfo};
-use regatta_proto::scheduler::Effect;
-use regatta_proto::view::{ActorFilter, PageRequest, View, ViewQuery};
+use regatta_proto::Effect;
+use regatta_proto::{ActorFilter, PageRequest, View, ViewQuery};
 use regatta_proto::{ActorId, HeadCore, Output, ReplyTo, Resources};
+use regatta_proto::{ActorSpec, Failure, HeadRequest, NodeInfo};
 
 use super::measure::{quantile, report};
 

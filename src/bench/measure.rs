@@ -133,7 +133,7 @@ pub fn shared_memory_gbps(size: usize) -> f64 {
 /// frames (1 MiB, opened in place) are not bound by it and run above it here.
 pub async fn loopback_tls_gbps(size: usize) -> anyhow::Result<f64> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let identity = regatta_object_store::identity_from_token("loopback-tls-probe")?;
+    let identity = regatta_net::identity_from_token("loopback-tls-probe")?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let address = listener.local_addr()?;
     let acceptor = tokio_rustls::TlsAcceptor::from(identity.server.clone());
@@ -151,7 +151,7 @@ pub async fn loopback_tls_gbps(size: usize) -> anyhow::Result<f64> {
         }
     });
     let connector = tokio_rustls::TlsConnector::from(identity.client.clone());
-    let name = tokio_rustls::rustls::pki_types::ServerName::try_from(regatta_object_store::SERVER_NAME)?;
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from(regatta_net::SERVER_NAME)?;
     let mut stream = connector
         .connect(name, tokio::net::TcpStream::connect(address).await?)
         .await?;

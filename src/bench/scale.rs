@@ -15,7 +15,7 @@ use regatta_runtime::{ActorOptions, Client, Resources, Strategy};
 use super::measure::{histogram_quantile, http_get, quantile, report, rss_bytes};
 use crate::kinds::Noop;
 use crate::local::{LocalCluster, LocalOptions};
-use regatta_proto::view::{Overview, View, ViewQuery};
+use regatta_proto::{Overview, View, ViewQuery};
 
 /// Sizes of one scale run.
 #[derive(Clone, Debug)]
@@ -357,10 +357,7 @@ async fn status_at_size(client: &Client) -> anyhow::Result<()> {
         ("overview", ViewQuery::Overview),
         (
             "actors page",
-            ViewQuery::Actors(
-                Default::default(),
-                regatta_proto::view::PageRequest { offset: 0, limit: 100 },
-            ),
+            ViewQuery::Actors(Default::default(), regatta_proto::PageRequest { offset: 0, limit: 100 }),
         ),
     ] {
         let mut millis = Vec::new();

@@ -35,7 +35,7 @@ pub struct ScoreArgs {
     /// How the base under --adapter is held: auto (as the adapter was trained), none, nf4
     /// or fp4 (QLoRA's 4 bits) or int8.
     #[arg(long)]
-    pub adapter_base: Option<regatta_scorer::protocol::AdapterBase>,
+    pub adapter_base: Option<regatta_scorer::AdapterBase>,
     /// With --adapter-base nf4 or fp4: quantize the absmax values again (8 bits).
     #[arg(long)]
     pub double_quant: bool,
@@ -219,8 +219,8 @@ async fn score(cluster: &Cluster, config: ScoreConfig, json: bool) -> anyhow::Re
             None => println!(
                 "KV cache budget per actor: auto ({:.0}% of its GPU's memory less the weights, or {:.0}% of the \
                  host's available memory on the CPU; each actor's figure is in its node's log)",
-                100.0 * regatta_scorer::generate::DEVICE_MEMORY_SHARE,
-                100.0 * regatta_scorer::generate::HOST_MEMORY_SHARE
+                100.0 * regatta_scorer::DEVICE_MEMORY_SHARE,
+                100.0 * regatta_scorer::HOST_MEMORY_SHARE
             ),
         }
     }

@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use regatta_object_store::Place;
-use regatta_trainer::config::{DataConfig, SourceConfig};
-use regatta_trainer::documents::TokenizerSettings;
+use regatta_trainer::TokenizerSettings;
+use regatta_trainer::{DataConfig, SourceConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::data::TextTokenizer;

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use regatta_scorer::generate::{GenerationSetup, RowStream, SamplingParams};
+use regatta_scorer::{GenerationSetup, RowStream, SamplingParams};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};

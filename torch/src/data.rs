@@ -7,10 +7,10 @@
 //! whose attention and loss stay inside each document.
 
 use regatta_scorer::{byte_ranges, read_owned_lines};
-use regatta_trainer::config::DataFormat;
-use regatta_trainer::documents::{Document, Packed, Record, TokenizerSettings};
 use regatta_trainer::eval::Holdout;
+use regatta_trainer::DataFormat;
 use regatta_trainer::{chunks, DataLayout, BYTE_VOCAB};
+use regatta_trainer::{Document, Packed, Record, TokenizerSettings};
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
@@ -203,7 +203,7 @@ impl RankData {
 
     /// Inputs, targets and documents of the first partition's rows `picks`, in order; a
     /// `None` is a row that carries no loss (the first row with every target
-    /// [`crate::engine::IGNORE`]), filling a batch to its size.
+    /// [`crate::engine::IGNORE_INDEX`]), filling a batch to its size.
     pub fn rows(&self, picks: &[Option<usize>]) -> (Tensor, Tensor, Option<Tensor>) {
         let mut rows = Rows::default();
         if let Some(part) = self.loaded.first() {
@@ -216,14 +216,14 @@ impl RankData {
                     self.context,
                 );
                 if pick.is_none() {
-                    rows.targets[from..].fill(crate::engine::IGNORE);
+                    rows.targets[from..].fill(crate::engine::IGNORE_INDEX);
                 }
             }
         }
         rows.tensors(self.context, self.documents)
     }
 
-    /// Inputs, targets (`[n, context]` token ids; [`crate::engine::IGNORE`] where no loss) and, for
+    /// Inputs, targets (`[n, context]` token ids; [`crate::engine::IGNORE_INDEX`] where no loss) and, for
     /// packed documents, each input's document, of the batch at `position`:
     /// `per_partition` sequences from each loaded partition, in partition order, wrapping
     /// at its end.

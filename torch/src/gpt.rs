@@ -2,7 +2,7 @@
 //! trains, over bytes or a tokenizer's ids, and what a checkpoint of one holds
 //! (`architectures = [GPT_ARCHITECTURE]` in its `config.json`).
 
-use regatta_trainer::config::ModelConfig;
+use regatta_trainer::ModelConfig;
 use tch::{Kind, Tensor};
 
 use crate::model::{parameter_count, transformer_flops_per_token, Batch, Init, KvLayout, Model, ParamSpec};

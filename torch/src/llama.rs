@@ -7,10 +7,10 @@
 //!
 //! Blocks: the embedding, one per decoder layer, then the final norm with the LM head.
 
-use regatta_trainer::hf::{LlamaConfig, RopeScaling};
+use regatta_trainer::{LlamaConfig, RopeScaling};
 use std::collections::HashMap;
 
-use regatta_trainer::lora::{BaseQuantization, LoraConfig, PROJECTIONS};
+use regatta_trainer::{BaseQuantization, LoraConfig, PROJECTIONS};
 use tch::{Device, Kind, Tensor};
 
 use crate::attention::{self, Kernel, Segments};

@@ -9,12 +9,12 @@
 use std::collections::HashMap;
 
 use regatta_object_store::Place;
-use regatta_scorer::protocol::AdapterBase;
-use regatta_trainer::lora::{from_peft_name, is_adapter, peft_name, BaseQuantization, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+use regatta_scorer::AdapterBase;
 use regatta_trainer::LoraConfig;
+use regatta_trainer::{from_peft_name, is_adapter, peft_name, BaseQuantization, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 use tch::{Kind, Tensor};
 
-use crate::checkpoint::manifest::{from_safetensors, latest, step_dir};
+use crate::checkpoint::{from_safetensors, latest, step_dir};
 use crate::error::{Error, Result};
 
 use crate::model::{Model, ParamSpec};
@@ -50,7 +50,7 @@ impl Adapter {
         let mut config = LoraConfig::from_peft_json(&json, &config_path)?;
         // A LoRA run's step directory records how the run held its base (QLoRA).
         if let Some(bytes) = place.get_opt("manifest.json").await? {
-            let manifest: crate::checkpoint::manifest::Manifest =
+            let manifest: crate::checkpoint::Manifest =
                 serde_json::from_slice(&bytes).map_err(|e| Error::ModelFile {
                     path: format!("{url}/manifest.json"),
                     problem: format!("is not a valid manifest: {e}"),

@@ -261,7 +261,7 @@ fn small_llama() -> Result<Box<dyn crate::model::Model>> {
         "tie_word_embeddings": false, "hidden_act": "silu"
     });
     let config =
-        regatta_trainer::hf::LlamaConfig::from_json(&json, "nccl-check").map_err(|e| Error::Invalid(e.to_string()))?;
+        regatta_trainer::LlamaConfig::from_json(&json, "nccl-check").map_err(|e| Error::Invalid(e.to_string()))?;
     Ok(Box::new(crate::llama::Llama::new(config, json)))
 }
 

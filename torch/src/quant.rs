@@ -320,11 +320,6 @@ impl PackedWeights {
         self.len
     }
 
-    /// Whether no weight is packed (never: [`PackedWeights::pack`] gives `None` then).
-    pub fn is_empty(&self) -> bool {
-        self.weights.is_empty()
-    }
-
     /// Bytes of the constants each weight keeps whole beside its slice.
     pub fn whole_bytes(&self) -> u64 {
         self.whole

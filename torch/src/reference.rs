@@ -4,11 +4,11 @@
 //! on matrices, as the engine does). It shares nothing with [`crate::engine`] but the
 //! model's forward.
 
-use regatta_trainer::config::OptimizerConfig;
+use regatta_trainer::OptimizerConfig;
 use tch::nn::{self, OptimizerConfig as _};
 use tch::{Device, Kind, Tensor};
 
-use crate::engine::{token_loss_sum, MicroBatch, IGNORE};
+use crate::engine::{token_loss_sum, MicroBatch, IGNORE_INDEX};
 use std::collections::HashMap;
 
 use crate::error::Result;
@@ -44,7 +44,7 @@ pub fn plain_run(
         for (block, p) in params.iter().enumerate() {
             hidden = model.forward(block, p, &hidden, &batch);
         }
-        let count = targets.ne(IGNORE).sum(Kind::Float);
+        let count = targets.ne(IGNORE_INDEX).sum(Kind::Float);
         let loss = token_loss_sum(&hidden, &targets) / count;
         loss.backward();
         if optimizer.max_grad_norm > 0.0 {

@@ -5,8 +5,8 @@
 use crate::error::{Error, Result};
 use tch::{Device, Kind, Tensor};
 
-use regatta_scorer::generate::{stop_at, GenRequest, Generation, GenerationSetup, Prompt, RowStream};
-use regatta_trainer::documents::{Message, TokenizerSettings};
+use regatta_scorer::{stop_at, GenRequest, Generation, GenerationSetup, Prompt, RowStream};
+use regatta_trainer::{Message, TokenizerSettings};
 
 use crate::data::TextTokenizer;
 use crate::generate::{Generator, Output, Prepared, RowError};
@@ -401,7 +401,7 @@ mod tests {
     use super::*;
     use crate::engine::seeded;
     use crate::gpt::Gpt;
-    use regatta_trainer::config::ModelConfig;
+    use regatta_trainer::ModelConfig;
 
     fn scorer() -> Scorer {
         let config = ModelConfig {

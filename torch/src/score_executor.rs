@@ -8,8 +8,8 @@ use std::process::ExitCode;
 use std::sync::mpsc::{Receiver, TryRecvError};
 
 use regatta_object_store::Place;
-use regatta_scorer::generate::{GenRequest, Generation};
-use regatta_scorer::protocol::{is_torchscript, AdapterBase, FromScorer, RowFailure, RowScore, ScorerSetup, ToScorer};
+use regatta_scorer::{is_torchscript, AdapterBase, FromScorer, RowFailure, RowScore, ScorerSetup, ToScorer};
+use regatta_scorer::{GenRequest, Generation};
 use tch::Device;
 
 use crate::checkpoint::open_model;

@@ -8,8 +8,8 @@
 
 use std::path::{Path, PathBuf};
 
-use regatta_torch::data::{encode_record, TextTokenizer};
-use regatta_trainer::documents::{Message, Record, TokenizerSettings};
+use regatta_torch::{encode_record, TextTokenizer};
+use regatta_trainer::{Message, Record, TokenizerSettings};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat")

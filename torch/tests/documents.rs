@@ -5,10 +5,10 @@
 
 use std::path::{Path, PathBuf};
 
-use regatta_torch::data::{DataSource, RankData, TextTokenizer};
-use regatta_torch::engine::IGNORE;
-use regatta_trainer::config::DataFormat;
-use regatta_trainer::documents::TokenizerSettings;
+use regatta_torch::{DataSource, RankData, TextTokenizer};
+use regatta_trainer::DataFormat;
+use regatta_trainer::TokenizerSettings;
+use regatta_trainer::IGNORE_INDEX;
 
 const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
@@ -63,7 +63,7 @@ fn learned(data: &RankData) -> Vec<i64> {
     Vec::<i64>::try_from(targets.view(-1))
         .unwrap()
         .into_iter()
-        .filter(|t| *t != IGNORE)
+        .filter(|t| *t != IGNORE_INDEX)
         .collect()
 }
 

@@ -8,11 +8,11 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use regatta_scorer::generate::{Finish, GenStats, GenerationSetup, RowStream, SamplingParams};
-use regatta_torch::engine::seeded;
-use regatta_torch::model::{arrange, inference_layout, logits};
+use regatta_scorer::{Finish, GenStats, GenerationSetup, RowStream, SamplingParams};
+use regatta_torch::seeded;
+use regatta_torch::{arrange, inference_layout, logits};
 use regatta_torch::{tch, Generator, Gpt, HfModel, Model, Output, Prepared, RowError};
-use regatta_trainer::config::ModelConfig;
+use regatta_trainer::ModelConfig;
 use tch::{Device, Tensor};
 
 const FIXTURES: [&str; 3] = ["llama", "mistral", "qwen2"];
@@ -349,7 +349,7 @@ fn a_sliding_window_limits_cached_attention_as_it_limits_full_windows() {
     let mut json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(fixture("mistral").join("config.json")).unwrap()).unwrap();
     json["sliding_window"] = serde_json::json!(6);
-    let windowed = regatta_torch::hf::model_from_config(&json, "config.json").unwrap();
+    let windowed = regatta_torch::model_from_config(&json, "config.json").unwrap();
     assert_eq!(windowed.kv_layout().unwrap().sliding_window, Some(6));
     let rows: Vec<Prepared> = [14usize, 3, 25]
         .iter()

@@ -11,11 +11,11 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use regatta_torch::data::TextTokenizer;
-use regatta_torch::model::{arrange, logits};
+use regatta_torch::TextTokenizer;
+use regatta_torch::{arrange, logits};
 use regatta_torch::{tch, HfModel, Model};
-use regatta_trainer::documents::{Message, TokenizerSettings};
 use regatta_trainer::gguf::{dequantize, GgufHeader};
+use regatta_trainer::{Message, TokenizerSettings};
 use tch::{Kind, Tensor};
 
 const MODELS: [&str; 5] = [
@@ -248,7 +248,7 @@ fn smollm2_from_its_gguf_tokenizes_chats_and_predicts_as_transformers() {
 
 #[test]
 fn smollm2_from_its_gguf_generates_through_the_kv_cache_as_the_full_window_does() {
-    use regatta_scorer::generate::{GenerationSetup, RowStream, SamplingParams};
+    use regatta_scorer::{GenerationSetup, RowStream, SamplingParams};
     use regatta_torch::{Generator, Prepared};
     tch::set_num_threads(2);
     let path = smollm2();
@@ -269,7 +269,7 @@ fn smollm2_from_its_gguf_generates_through_the_kv_cache_as_the_full_window_does(
         want.push(next);
         sequence.push(next);
     }
-    let params = regatta_torch::model::inference_layout(params, tch::Device::Cpu);
+    let params = regatta_torch::inference_layout(params, tch::Device::Cpu);
     let setup = GenerationSetup {
         kv_cache_bytes: Some(64 << 20),
         max_batch: 4,

@@ -10,10 +10,11 @@ use std::path::{Path, PathBuf};
 
 use regatta_torch::checkpoint::{self, Manifest, SaveSpec};
 use regatta_torch::collective::Solo;
-use regatta_torch::engine::{token_loss_sum, IGNORE};
-use regatta_torch::model::{arrange, logits};
+use regatta_torch::token_loss_sum;
+use regatta_torch::{arrange, logits};
 use regatta_torch::{tch, Batch, Engine, EngineSettings, HfModel, MicroBatch, Model};
-use regatta_trainer::config::OptimizerConfig;
+use regatta_trainer::OptimizerConfig;
+use regatta_trainer::IGNORE_INDEX;
 use regatta_trainer::{TrainConfig, ZeroStage};
 use tch::{Device, Kind, Tensor};
 
@@ -77,7 +78,7 @@ fn logits_loss_and_every_gradient_match_transformers() {
         // transformers shifts: position t predicts label t + 1.
         let time = ids.size()[1];
         let targets = labels.narrow(1, 1, time - 1);
-        let count = targets.ne(IGNORE).sum(Kind::Float);
+        let count = targets.ne(IGNORE_INDEX).sum(Kind::Float);
         let loss = token_loss_sum(&out.narrow(1, 0, time - 1), &targets) / count;
         let loss_diff = (loss.double_value(&[]) - expected["loss"].double_value(&[0])).abs();
         assert!(loss_diff < 1e-5, "{name}: loss differs by {loss_diff}");
@@ -208,7 +209,7 @@ fn four_micro_batches_of_b_equal_one_batch_of_4b() {
     tch::set_num_threads(1);
     let (tokens, targets) = sequences(8, 1);
     // A prompt: no loss on the first tokens of every row.
-    let _ = targets.narrow(1, 0, 3).fill_(IGNORE);
+    let _ = targets.narrow(1, 0, 3).fill_(IGNORE_INDEX);
     let whole = vec![MicroBatch {
         tokens: tokens.shallow_clone(),
         targets: targets.shallow_clone(),
@@ -449,7 +450,7 @@ fn a_bf16_models_checkpoint_is_written_in_bf16() {
         std::fs::copy(fixture("llama").join(file), source.join(file)).unwrap();
     }
     let (_, _, stored) = load(&fixture("llama"));
-    let bytes = regatta_torch::hf::encode_safetensors_as(&stored, Kind::BFloat16).unwrap();
+    let bytes = regatta_torch::encode_safetensors_as(&stored, Kind::BFloat16).unwrap();
     std::fs::write(source.join("model.safetensors"), &bytes).unwrap();
     let hf = rt.block_on(HfModel::open(source.to_str().unwrap())).unwrap();
     assert_eq!(hf.weights_kind(), Kind::BFloat16);
@@ -545,8 +546,8 @@ fn bad_model_folders_name_the_file_and_the_problem() {
 #[test]
 fn the_scorer_reads_a_model_folder_and_scores_as_transformers_logits_imply() {
     tch::set_num_threads(1);
-    use regatta_torch::data::TextTokenizer;
-    use regatta_torch::score::Scorer;
+    use regatta_torch::Scorer;
+    use regatta_torch::TextTokenizer;
     let rt = runtime();
     // f32 as transformers computed the fixture; bf16 (how CUDA scores) within its rounding:
     // 8 bits of mantissa on every weight and activation, log-probabilities taken in f32.

@@ -10,13 +10,13 @@ use std::path::{Path, PathBuf};
 
 use regatta_torch::checkpoint::adapter_files;
 use regatta_torch::collective::{CpuCollective, TensorCollective};
-use regatta_torch::engine::{Engine, EngineSettings, Held};
-use regatta_torch::executor::{initial_weights, open_run_model, step_batches, take_stored_quantized};
-use regatta_torch::lora::Adapter;
-use regatta_torch::merge::merge;
-use regatta_torch::model::{arrange, dropout, logits};
+use regatta_torch::merge_adapter;
 use regatta_torch::tch::{self, Device, Kind, Tensor};
+use regatta_torch::Adapter;
+use regatta_torch::{arrange, dropout, logits};
 use regatta_torch::{builtin_model, reference_run, HfModel, Model};
+use regatta_torch::{initial_weights, open_run_model, step_batches, take_stored_quantized};
+use regatta_torch::{Engine, EngineSettings, Held};
 use regatta_trainer::{memory_ring, LoraConfig, Offload, RingCollective, TrainConfig, ZeroConfig, ZeroStage};
 
 fn fixture(name: &str) -> PathBuf {
@@ -88,7 +88,7 @@ fn an_adapter_from_peft_gives_peft_logits_and_merging_keeps_them() {
         let hf = rt.block_on(HfModel::open(fixture(name).to_str().unwrap())).unwrap();
         let adapter = rt.block_on(Adapter::open(adapter_dir.to_str().unwrap())).unwrap();
         let written = rt
-            .block_on(merge(&hf, &adapter, out.to_str().unwrap(), 40_000))
+            .block_on(merge_adapter(&hf, &adapter, out.to_str().unwrap(), 40_000))
             .unwrap();
         assert!(written.iter().any(|f| f == "config.json") && written.iter().any(|f| f == "tokenizer.json"));
         let merged = rt.block_on(HfModel::open(out.to_str().unwrap())).unwrap();
@@ -139,7 +139,7 @@ fn a_bf16_base_merges_in_float32_and_is_written_in_bf16_as_peft_keeps_it() {
         .block_on(Adapter::open(fixture("llama-lora").to_str().unwrap()))
         .unwrap();
     let out = dir.join("merged");
-    rt.block_on(merge(&hf, &adapter, out.to_str().unwrap(), 1 << 30))
+    rt.block_on(merge_adapter(&hf, &adapter, out.to_str().unwrap(), 1 << 30))
         .unwrap();
     let merged: HashMap<String, Tensor> = Tensor::read_safetensors(out.join("model.safetensors"))
         .unwrap()
@@ -217,7 +217,7 @@ fn bad_adapters_name_the_tensor_and_the_expected_shape() {
     let mut json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(fixture("llama/config.json")).unwrap()).unwrap();
     json["intermediate_size"] = 96.into();
-    let mut other = regatta_torch::hf::model_from_config(&json, "other/config.json").unwrap();
+    let mut other = regatta_torch::model_from_config(&json, "other/config.json").unwrap();
     let adapter = rt
         .block_on(Adapter::open(fixture("llama-lora").to_str().unwrap()))
         .unwrap();
@@ -230,12 +230,12 @@ fn bad_adapters_name_the_tensor_and_the_expected_shape() {
     );
     json["intermediate_size"] = 160.into();
     json["num_hidden_layers"] = 3.into();
-    let mut deeper = regatta_torch::hf::model_from_config(&json, "deeper/config.json").unwrap();
+    let mut deeper = regatta_torch::model_from_config(&json, "deeper/config.json").unwrap();
     deeper.set_lora(&adapter.config).unwrap();
     let error = adapter.check(deeper.as_ref()).unwrap_err().to_string();
     assert!(error.contains("layers.2.") && error.contains("is missing"), "{error}");
     json["num_hidden_layers"] = 1.into();
-    let mut shallower = regatta_torch::hf::model_from_config(&json, "shallower/config.json").unwrap();
+    let mut shallower = regatta_torch::model_from_config(&json, "shallower/config.json").unwrap();
     shallower.set_lora(&adapter.config).unwrap();
     let error = adapter.check(shallower.as_ref()).unwrap_err().to_string();
     assert!(
@@ -506,7 +506,7 @@ fn lora_training_over_two_ranks_matches_the_reference_at_every_stage_and_trains_
     let (ref_losses, ref_weights) = reference_run(&reference_config, 2, &builtin_model).unwrap();
     assert_eq!(ref_weights.len(), 2 * 7 * 2, "A and B of 7 projections in 2 layers");
     assert!(
-        ref_weights.iter().all(|(n, _)| regatta_trainer::lora::is_adapter(n)),
+        ref_weights.iter().all(|(n, _)| regatta_trainer::is_adapter(n)),
         "the reference trains adapters only"
     );
     assert!(
@@ -667,7 +667,7 @@ fn qlora_on_an_nf4_base_trains_as_lora_on_bitsandbytes_dequantized_base_at_every
     let data = corpus(&dir);
     let plain = adapters(4, &["all-linear"]);
     let quantized = LoraConfig {
-        base_quantization: regatta_trainer::lora::BaseQuantization::Nf4,
+        base_quantization: regatta_trainer::BaseQuantization::Nf4,
         double_quant: true,
         quant_block_size: 64,
         ..plain.clone()
@@ -771,7 +771,7 @@ fn an_int8_base_trains_as_lora_on_bitsandbytes_int8_dequantized_base() {
     let data = corpus(&dir);
     let plain = adapters(4, &["all-linear"]);
     let quantized = LoraConfig {
-        base_quantization: regatta_trainer::lora::BaseQuantization::Int8,
+        base_quantization: regatta_trainer::BaseQuantization::Int8,
         ..plain.clone()
     };
     let mut reference_config = lora_config(data.clone(), 1, Some(plain.clone()), ZeroConfig::default());

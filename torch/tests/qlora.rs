@@ -108,7 +108,7 @@ fn nf4_and_fp4_codes_and_absmax_equal_bitsandbytes_bit_for_bit() {
 
 #[test]
 fn a_held_4bit_weight_dequantizes_on_libtorch_as_bitsandbytes_does() {
-    use regatta_torch::quant::QuantWeight;
+    use regatta_torch::QuantWeight;
     let fixture = fixture();
     for name in ["model.layers.0.mlp.down_proj.weight", "random.odd", "random.many"] {
         let input = &fixture[&format!("{name}.input")];
@@ -144,7 +144,7 @@ fn a_held_4bit_weight_dequantizes_on_libtorch_as_bitsandbytes_does() {
 
 #[test]
 fn a_quantized_base_counts_as_parameters_and_flops_as_the_float_one_does() {
-    use regatta_trainer::lora::BaseQuantization;
+    use regatta_trainer::BaseQuantization;
     use regatta_trainer::LoraConfig;
     let dir = format!("{}/tests/fixtures/llama", env!("CARGO_MANIFEST_DIR"));
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -173,8 +173,8 @@ fn a_quantized_base_counts_as_parameters_and_flops_as_the_float_one_does() {
         .iter()
         .all(|s| s.frozen && s.name.ends_with("proj.weight")));
     assert_eq!(
-        regatta_torch::model::parameter_count(nf4.as_ref()),
-        regatta_torch::model::parameter_count(float.as_ref())
+        regatta_torch::parameter_count(nf4.as_ref()),
+        regatta_torch::parameter_count(float.as_ref())
     );
     assert_eq!(nf4.flops_per_token(16), float.flops_per_token(16));
     assert!(float.quantized_specs().is_empty());
@@ -272,7 +272,7 @@ fn taken_as_stored(
     let mut model = hf.model().unwrap();
     model.set_lora(lora).unwrap();
     runtime
-        .block_on(regatta_torch::executor::take_stored_quantized(
+        .block_on(regatta_torch::take_stored_quantized(
             model.as_mut(),
             Some(hf),
             regatta_torch::tch::Device::Cpu,
@@ -287,7 +287,7 @@ fn taken_as_stored(
 
 #[test]
 fn a_qlora_run_takes_a_4bit_folders_codes_as_stored_when_its_settings_match() {
-    use regatta_trainer::lora::BaseQuantization;
+    use regatta_trainer::BaseQuantization;
     use regatta_trainer::LoraConfig;
     let (runtime, hf) = open_bnb_llama();
     for (double, taken) in [(true, 14), (false, 0)] {
@@ -309,12 +309,12 @@ fn a_qlora_run_takes_a_4bit_folders_codes_as_stored_when_its_settings_match() {
 fn adapter_scores(
     runtime: &tokio::runtime::Runtime,
     base: &str,
-    asked: regatta_scorer::protocol::AdapterBase,
+    asked: regatta_scorer::AdapterBase,
     double_quant: bool,
 ) -> (Vec<(f64, String)>, u64, u64) {
-    use regatta_torch::data::TextTokenizer;
-    use regatta_torch::lora::{hold_base, Adapter};
-    use regatta_torch::score::Scorer;
+    use regatta_torch::Scorer;
+    use regatta_torch::TextTokenizer;
+    use regatta_torch::{hold_base, Adapter};
     let fixtures = format!("{}/tests/fixtures", env!("CARGO_MANIFEST_DIR"));
     let hf = runtime.block_on(regatta_torch::HfModel::open(base)).unwrap();
     let mut adapter = runtime
@@ -353,7 +353,7 @@ fn adapter_scores(
 
 #[test]
 fn an_adapter_scores_and_generates_on_a_4bit_base_as_on_bitsandbytes_dequantized_float_base() {
-    use regatta_scorer::protocol::AdapterBase;
+    use regatta_scorer::AdapterBase;
     regatta_torch::tch::set_num_threads(1);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -415,7 +415,7 @@ fn an_adapter_scores_and_generates_on_a_4bit_base_as_on_bitsandbytes_dequantized
 
 #[test]
 fn int8_codes_row_scales_and_dequantized_weights_equal_bitsandbytes_bit_for_bit() {
-    use regatta_torch::quant::QuantWeight;
+    use regatta_torch::QuantWeight;
     use regatta_trainer::quant::{dequantize_int8_rows, quantize_int8_rows};
     let fixture: HashMap<String, Tensor> = Tensor::read_safetensors(qlora_fixture("bnb-int8.safetensors"))
         .unwrap()
@@ -491,25 +491,25 @@ fn base_logits(lora: &regatta_trainer::LoraConfig, tokens: &Tensor) -> (Tensor, 
     let mut model = hf.model().unwrap();
     model.set_lora(lora).unwrap();
     runtime
-        .block_on(regatta_torch::executor::load_quantized(model.as_mut(), &hf, device))
+        .block_on(regatta_torch::load_quantized(model.as_mut(), &hf, device))
         .unwrap();
     let mut stored = HashMap::new();
     for spec in model.blocks().into_iter().flatten().filter(|s| s.tied_to.is_none()) {
-        let tensor = if regatta_trainer::lora::is_adapter(&spec.name) {
+        let tensor = if regatta_trainer::is_adapter(&spec.name) {
             Tensor::zeros(spec.shape.as_slice(), (Kind::Float, device))
         } else {
             runtime.block_on(hf.read(&spec)).unwrap()
         };
         stored.insert(spec.name.clone(), tensor);
     }
-    let params = regatta_torch::model::arrange(model.as_ref(), &stored).unwrap();
-    let logits = regatta_torch::tch::no_grad(|| regatta_torch::model::logits(model.as_ref(), &params, tokens));
+    let params = regatta_torch::arrange(model.as_ref(), &stored).unwrap();
+    let logits = regatta_torch::tch::no_grad(|| regatta_torch::logits(model.as_ref(), &params, tokens));
     (logits, model.quantized_bytes())
 }
 
 #[test]
 fn logits_of_a_quantized_base_equal_transformers_loading_it_with_bitsandbytes() {
-    use regatta_trainer::lora::BaseQuantization;
+    use regatta_trainer::BaseQuantization;
     regatta_torch::tch::set_num_threads(1);
     let fixture: HashMap<String, Tensor> = Tensor::read_safetensors(qlora_fixture("llama64-logits.safetensors"))
         .unwrap()
@@ -568,7 +568,7 @@ fn logits_of_a_quantized_base_equal_transformers_loading_it_with_bitsandbytes() 
 
 #[test]
 fn an_8bit_folder_reads_as_llm_int8_dequantizes_it_and_an_int8_run_takes_its_codes() {
-    use regatta_trainer::lora::BaseQuantization;
+    use regatta_trainer::BaseQuantization;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

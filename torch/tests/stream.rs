@@ -11,11 +11,11 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use regatta_torch::data::TextTokenizer;
 use regatta_torch::stream::{plan, Loader, LoaderSpec, Row};
-use regatta_trainer::config::{DataConfig, SourceConfig};
-use regatta_trainer::documents::TokenizerSettings;
+use regatta_torch::TextTokenizer;
 use regatta_trainer::stream::{merge_states, rank_shards, DataPlan, LoaderState};
+use regatta_trainer::TokenizerSettings;
+use regatta_trainer::{DataConfig, SourceConfig};
 
 const CONTEXT: usize = 24;
 

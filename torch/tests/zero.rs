@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use regatta_torch::collective::{CollResult, CpuCollective, Landing, Pending, TensorCollective};
-use regatta_torch::engine::{seeded, Engine, EngineSettings, Held};
-use regatta_torch::executor::{open_run_model, step_batches};
 use regatta_torch::{builtin_model, reference_run, tch};
+use regatta_torch::{open_run_model, step_batches};
+use regatta_torch::{seeded, Engine, EngineSettings, Held};
 use regatta_trainer::{memory_ring, RingCollective, TrainConfig, ZeroStage};
 
 fn corpus(dir: &std::path::Path) -> String {
@@ -295,8 +295,8 @@ fn every_stage_matches_the_plain_libtorch_reference_and_holds_a_world_th() {
 
 #[test]
 fn trained_weights_score_held_out_rows_better_than_initial_ones() {
-    use regatta_torch::data::TextTokenizer;
-    use regatta_torch::score::Scorer;
+    use regatta_torch::Scorer;
+    use regatta_torch::TextTokenizer;
     let mut config = TrainConfig::default();
     config.data.path = format!("{}/../data/corpus.txt", env!("CARGO_MANIFEST_DIR"));
     config.model.layers = 1;
@@ -325,7 +325,7 @@ fn trained_weights_score_held_out_rows_better_than_initial_ones() {
     let mean_perplexity = |weights: Vec<(String, tch::Tensor)>| {
         let by_name: std::collections::HashMap<_, _> = weights.into_iter().collect();
         let model = builtin_model(&config, 256);
-        let params = regatta_torch::model::arrange(model.as_ref(), &by_name).unwrap();
+        let params = regatta_torch::arrange(model.as_ref(), &by_name).unwrap();
         let scorer = Scorer::from_model(
             model,
             params,

@@ -9,7 +9,7 @@
 use serde_json::Value;
 
 /// The target id that carries no loss (PyTorch's `ignore_index`).
-pub const IGNORE: i64 = -100;
+pub const IGNORE_INDEX: i64 = -100;
 
 /// Why a row or a chat template cannot be used.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -345,7 +345,7 @@ impl Document {
 /// reads stream tokens `k * context ..= (k + 1) * context` (inputs, then the same shifted
 /// by one as targets). Every token knows its document, so attention and loss stay inside
 /// it: a target in another document than its input, or marked without loss, is
-/// [`IGNORE`].
+/// [`IGNORE_INDEX`].
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Packed {
     context: usize,
@@ -359,7 +359,7 @@ pub struct Packed {
 pub struct PackedRow {
     /// Input ids (`context` of them).
     pub inputs: Vec<i64>,
-    /// Target ids, or [`IGNORE`].
+    /// Target ids, or [`IGNORE_INDEX`].
     pub targets: Vec<i64>,
     /// The document each input belongs to.
     pub documents: Vec<i64>,
@@ -403,7 +403,7 @@ impl Packed {
                 if same_document && self.loss[i + 1] {
                     self.tokens[i + 1]
                 } else {
-                    IGNORE
+                    IGNORE_INDEX
                 }
             })
             .collect();
@@ -564,11 +564,11 @@ mod tests {
         let row = packed.row(0);
         assert_eq!(row.inputs, vec![1, 10, 11, 12]);
         // 10 is a prompt token; 11 and 12 are learned; the next document's BOS is not.
-        assert_eq!(row.targets, vec![IGNORE, 11, 12, IGNORE]);
+        assert_eq!(row.targets, vec![IGNORE_INDEX, 11, 12, IGNORE_INDEX]);
         assert_eq!(row.documents, vec![0, 0, 0, 0]);
         let row = packed.row(1);
         assert_eq!(row.inputs, vec![1, 20, 21, 1]);
-        assert_eq!(row.targets, vec![20, 21, IGNORE, IGNORE]);
+        assert_eq!(row.targets, vec![20, 21, IGNORE_INDEX, IGNORE_INDEX]);
         assert_eq!(row.documents, vec![1, 1, 1, 2]);
     }
 }

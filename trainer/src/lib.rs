@@ -9,43 +9,58 @@
 //! the ZeRO engine, checkpoints and the NCCL backend live in `regatta-torch`, the one
 //! crate that links libtorch (see ARCHITECTURE.md).
 
-pub mod collective;
-pub mod config;
-pub mod data;
-pub mod documents;
-pub mod error;
+mod collective;
+mod config;
+mod data;
+mod documents;
+mod error;
 pub mod eval;
 pub mod gguf;
-pub mod group;
+mod group;
 pub mod hex;
-pub mod hf;
-pub mod link;
-pub mod lora;
-pub mod metrics;
-pub mod protocol;
+mod hf;
+mod link;
+mod lora;
+mod metrics;
+mod protocol;
 pub mod quant;
-pub mod rank;
-pub mod ring_group;
+mod rank;
+mod ring_group;
 pub mod stream;
-pub mod tensorboard;
-pub mod zero;
+mod tensorboard;
+mod zero;
 
-pub use collective::{
-    chunks, memory_ring, Collective, CollectiveError, LinkError, MemoryLink, RingCollective, RingLink,
-};
-pub use config::{DataFormat, ScalingConfig, Schedule, SourceConfig, TrainConfig, BYTE_VOCAB};
-pub use data::DataLayout;
-pub use documents::{Document, DocumentError, Message, Packed, PackedRow, Record, Segment, TokenizerSettings};
+// The one door: the subject toolkits with names of their own (`eval`, `gguf`, `hex`,
+// `quant`, `stream`) are public namespaces and re-exported nowhere; every other module is
+// private and this list is what it offers.
+
 pub use error::{Error, Result, TrainError};
-pub use eval::{EvalConfig, EvalReport};
-pub use group::{TrainEvent, TrainSummary, TrainerGroup};
+// A training run's settings, as `train.toml` reads.
+pub use config::{
+    DataConfig, DataFormat, ModelConfig, OptimizerConfig, ScalingConfig, Schedule, SourceConfig, TrainConfig,
+    BYTE_VOCAB,
+};
+pub use lora::{
+    from_peft_name, is_adapter, peft_name, BaseQuantization, LoraConfig, Offload, ZeroConfig, ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS, PROJECTIONS,
+};
+// Models and documents.
+pub use documents::{
+    Document, DocumentError, Message, Packed, PackedRow, Record, Segment, TokenizerSettings, IGNORE_INDEX,
+};
 pub use hf::{Architecture, HfConfigError, LlamaConfig, RopeScaling};
-pub use link::{LinkOptions, RingAddress, RingLinkBuilder, StreamLink, RING_TRANSPORT_ENV};
-pub use lora::{LoraConfig, Offload, ZeroConfig};
+// The trainer group, its ranks and the wire to the libtorch executor.
+pub use data::DataLayout;
+pub use group::{TrainEvent, TrainSummary, TrainerGroup};
 pub use protocol::{Binding, FromExecutor, RankSetup, StepReport, ToExecutor, TrainOp, TrainReply};
 pub use rank::{TrainRank, TrainRankArgs, SECRET_ENV};
 pub use regatta_runtime::executor::{executor_path, EXECUTOR_ENV};
 pub use ring_group::{RankArgs, RankOp, RankReply, RingGroup, RingRank};
+// Collectives over the ring and ZeRO's arithmetic.
+pub use collective::{
+    chunks, memory_ring, Collective, CollectiveError, LinkError, MemoryLink, RingCollective, RingLink,
+};
+pub use link::{LinkOptions, RingAddress, RingLinkBuilder, StreamLink, RING_TRANSPORT_ENV};
 pub use zero::partition::{
     bytes_per_rank, gradient_buckets, reshard, FlatLayout, Piece, StateBytes, TensorSlot, ZeroStage,
 };

@@ -26,7 +26,6 @@ mod output;
 mod waits;
 
 pub use durable::{Change, ChangeRef, Saved, Snapshot};
-pub use objects::UNKNOWN_OBJECT_WAIT_MS;
 pub use output::{Answer, Notice, Output, ReplyTo};
 
 use objects::{missing_answer, Parked, PullWait, PullWakes};

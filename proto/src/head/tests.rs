@@ -1,4 +1,5 @@
 use super::durable::REPLAYED;
+use super::objects::UNKNOWN_OBJECT_WAIT_MS;
 use super::*;
 use crate::placement::Strategy;
 use crate::protocol::{ActorSpec, DeathCause, GroupSpec, Loss, NodeInfo, Registration};

@@ -154,11 +154,13 @@ impl Fanout {
     }
 
     /// Pulls under way, all objects together.
+    #[cfg(test)]
     pub fn under_way(&self) -> usize {
         self.spreads.values().map(|spread| spread.pulls.len()).sum()
     }
 
     /// Objects whose spread is remembered.
+    #[cfg(test)]
     pub fn objects(&self) -> usize {
         self.spreads.len()
     }

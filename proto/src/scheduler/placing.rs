@@ -234,6 +234,7 @@ impl Scheduler {
             .map(|n| Candidate {
                 node: &n.info.name,
                 ledger: &n.ledger,
+                #[cfg(test)]
                 actors: n.hosted.len(),
             })
             .collect()

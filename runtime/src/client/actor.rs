@@ -7,8 +7,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::cluster::Cluster;
-use regatta_proto::protocol::ActorId;
-use regatta_proto::resources::Resources;
+use regatta_proto::ActorId;
+use regatta_proto::Resources;
 
 /// The error a user actor returns; anything that converts into a boxed error works with `?`.
 pub type ActorError = Box<dyn std::error::Error + Send + Sync>;
@@ -89,7 +89,7 @@ pub struct ActorContext {
 }
 
 /// A worker's recent log lines per actor, shared by its agent and the actors it hosts.
-pub(crate) type LogBook = std::sync::Arc<std::sync::Mutex<regatta_proto::actor_log::ActorLogBook>>;
+pub(crate) type LogBook = std::sync::Arc<std::sync::Mutex<regatta_proto::ActorLogBook>>;
 
 /// Milliseconds since the Unix epoch.
 pub(crate) fn unix_ms() -> u64 {

@@ -13,14 +13,14 @@ use crate::net::headlink::HeadLink;
 use crate::net::node;
 use crate::net::wire::{self, CallError};
 use crate::objects::ObjectService;
-use regatta_proto::actor_log::LogLine;
-use regatta_proto::placement::Strategy;
-use regatta_proto::protocol::{
+use regatta_proto::LogLine;
+use regatta_proto::Resources;
+use regatta_proto::RunPoint;
+use regatta_proto::Strategy;
+use regatta_proto::{
     ActorId, ActorView, AgentRequest, BundleRef, ClusterStatus, Failure, GroupId, GroupSpec, HeadRequest,
 };
-use regatta_proto::resources::Resources;
-use regatta_proto::runs::RunPoint;
-use regatta_proto::view::{View, ViewQuery};
+use regatta_proto::{View, ViewQuery};
 
 /// Default time a call waits for its reply.
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(30);

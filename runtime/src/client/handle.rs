@@ -15,7 +15,7 @@ use crate::error::{failure_to_error, Error, Result};
 use crate::net::calls::{wall_clock_ns, Target};
 use crate::net::node;
 use crate::net::wire::{self, CallError};
-use regatta_proto::protocol::{ActorId, ActorSpec, ActorState, ActorView, Failure, HeadRequest};
+use regatta_proto::{ActorId, ActorSpec, ActorState, ActorView, Failure, HeadRequest};
 
 impl Cluster {
     /// Spawns an actor of kind `A`. Returns once the head accepted it: an unknown kind or a

@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use regatta_proto::job::{JobRecord, JobSubmission};
+use regatta_proto::{JobRecord, JobSubmission};
 
 /// Default job API address.
 pub const DEFAULT_JOB_ADDRESS: &str = "https://127.0.0.1:8265";

@@ -27,7 +27,7 @@ use crate::net::calls::{CallPath, CallPlane, CallTls};
 use crate::net::headlink::HeadLink;
 use crate::net::node::{self, LocalNode, SessionEvent};
 use crate::objects::{ObjectConfig, ObjectService};
-use regatta_proto::protocol::HeadRequest;
+use regatta_proto::HeadRequest;
 
 /// How long a client waits between attempts to join a head that went away.
 const REJOIN_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
@@ -165,21 +165,17 @@ impl Client {
         // One token identity serves the object transfer and the call channel.
         let (objects, calls) = match path {
             Some(path) => {
-                let identity = regatta_object_store::identity_from_token(token)?;
+                let identity = regatta_net::identity_from_token(token)?;
                 let config = ObjectConfig::for_client(&host);
                 let objects = ObjectService::start(&name, &identity, config, link.clone()).await?;
-                let job = std::env::var(regatta_proto::job::JOB_ID_ENV)
-                    .ok()
-                    .filter(|j| !j.is_empty());
+                let job = std::env::var(regatta_proto::JOB_ID_ENV).ok().filter(|j| !j.is_empty());
                 report_objects_on_rejoin(Arc::downgrade(&objects), link.clone(), job, on_rejoin);
                 (Some(objects), CallPlane::new(CallTls::new(&identity), path))
             }
             None => (None, CallPlane::session_only()),
         };
         // A driver started by the job manager belongs to its job.
-        let job = std::env::var(regatta_proto::job::JOB_ID_ENV)
-            .ok()
-            .filter(|j| !j.is_empty());
+        let job = std::env::var(regatta_proto::JOB_ID_ENV).ok().filter(|j| !j.is_empty());
         Ok(Self {
             cluster: Cluster::new(link, objects, calls).with_job(job),
             _node: local,

@@ -14,7 +14,7 @@ use super::cluster::Cluster;
 use crate::error::{failure_to_error, Result};
 use crate::net::wire;
 use crate::objects::{ObjectStats, RefGuard};
-use regatta_proto::protocol::HeadRequest;
+use regatta_proto::HeadRequest;
 
 /// Time beyond a wait's own deadline for the head's answer to arrive.
 const WAIT_SLACK: Duration = Duration::from_secs(5);

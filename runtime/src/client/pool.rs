@@ -14,7 +14,7 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use super::actor::Actor;
 use super::handle::ActorHandle;
 use crate::error::{Error, Result};
-use regatta_proto::pool::{PoolBook, Seq};
+use regatta_proto::{PoolBook, Seq};
 
 type Call<A> = BoxFuture<'static, (Seq, usize, Result<<A as Actor>::Reply>)>;
 

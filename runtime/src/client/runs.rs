@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use regatta_proto::runs::RunPoint;
+use regatta_proto::RunPoint;
 
 use super::Cluster;
 

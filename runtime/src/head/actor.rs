@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use regatta_proto::head::{ChangeRef, HeadCore, Output, ReplyTo};
-use regatta_proto::protocol::{Failure, HeadRequest};
+use regatta_proto::{ChangeRef, HeadCore, Output, ReplyTo};
+use regatta_proto::{Failure, HeadRequest};
 
 use super::outputs::{carry_out, carry_out_release, encode_answer, log_notice};
 use super::persist::{Persist, Recovery};

@@ -32,9 +32,9 @@ use serde_json::json;
 use super::api::{error, Api};
 use crate::net::node;
 use crate::net::wire;
-use regatta_proto::actor_log::LogLine;
-use regatta_proto::protocol::{ActorId, AgentRequest, Failure, HeadRequest};
-use regatta_proto::view::{ActorFilter, PageRequest, View, ViewQuery};
+use regatta_proto::LogLine;
+use regatta_proto::{ActorFilter, PageRequest, View, ViewQuery};
+use regatta_proto::{ActorId, AgentRequest, Failure, HeadRequest};
 
 /// How long an endpoint waits for the head actor.
 const VIEW_TIMEOUT: Duration = Duration::from_secs(10);

@@ -46,7 +46,7 @@ use crate::jobs::log::read_from;
 use crate::jobs::packages;
 use crate::jobs::JobError;
 use crate::net::headlink::HeadLink;
-use regatta_proto::job::JobSubmission;
+use regatta_proto::JobSubmission;
 
 /// Largest accepted request body.
 pub const MAX_BODY_BYTES: usize = 1 << 20;

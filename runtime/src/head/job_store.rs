@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
-use regatta_proto::job::{validate_id, JobRecord};
+use regatta_proto::{validate_job_id as validate_id, JobRecord};
 
 /// The folder of job records.
 pub(crate) struct JobStore {
@@ -72,7 +72,7 @@ impl JobStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use regatta_proto::job::JobSubmission;
+    use regatta_proto::JobSubmission;
 
     #[test]
     fn records_survive_a_reopen_and_corrupt_files_are_skipped() {

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use ractor::{Actor, ActorRef};
-use regatta_proto::protocol::HeadRequest;
+use regatta_proto::HeadRequest;
 
 use crate::error::{Error, Result};
 use crate::head::job_manager::{JobConfig, JobManager};
@@ -70,7 +70,7 @@ impl HeadConfig {
             token: token.into(),
             heartbeat_timeout_ms: 3_000,
             object_grace_ms: 10_000,
-            object_fanout: regatta_proto::object::fanout::DEFAULT_PER_SOURCE,
+            object_fanout: regatta_proto::DEFAULT_FANOUT_PER_SOURCE,
             objects: ObjectConfig::new("127.0.0.1"),
             jobs: Some(JobConfig::new()),
             metrics_port: Some(9180),
@@ -149,7 +149,7 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     node::join_group(&scope, node::HEAD_GROUP, actor.get_cell());
     start_ticker(actor.clone(), config.heartbeat_timeout_ms);
     let link = Arc::new(HeadLink::new(scope.clone(), actor.get_cell(), address.clone()));
-    let identity = regatta_object_store::identity_from_token(&config.token)?;
+    let identity = regatta_net::identity_from_token(&config.token)?;
     let objects = ObjectService::start(HEAD_NODE, &identity, config.objects.clone(), link.clone()).await?;
     let (job_api, manager) = match &config.jobs {
         Some(jobs) => {
@@ -212,7 +212,7 @@ async fn start_jobs(
     jobs: &JobConfig,
     address: &str,
     link: Arc<HeadLink>,
-    identity: &regatta_object_store::TlsIdentity,
+    identity: &regatta_net::TlsIdentity,
 ) -> Result<(SocketAddr, JobManager)> {
     let manager = JobManager::open(jobs.clone(), address.to_string(), config.token.clone(), link.clone())?;
     manager.resume();

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use ractor::ActorRef;
 use regatta_object_store::Release;
-use regatta_proto::head::{Answer, Notice};
-use regatta_proto::protocol::{AgentRequest, Failure, HeadRequest, Loss, ObjectCommand, StartActor};
-use regatta_proto::scheduler::Effect;
+use regatta_proto::Effect;
+use regatta_proto::{AgentRequest, Failure, HeadRequest, Loss, ObjectCommand, StartActor};
+use regatta_proto::{Answer, Notice};
 
 use crate::net::node;
 use crate::net::wire::{self, LocalSignal, Wire};

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use ractor::{ActorProcessingErr, ActorRef, RpcReplyPort};
-use regatta_proto::head::{ChangeRef, HeadCore, Saved};
+use regatta_proto::{ChangeRef, HeadCore, Saved};
 
 use super::state_file::{self, StateFile};
 use super::{HeadConfig, HEAD_NODE};

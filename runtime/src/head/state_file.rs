@@ -20,7 +20,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use bincode::Options;
-use regatta_proto::head::{Change, ChangeRef, Saved, Snapshot};
+use regatta_proto::{Change, ChangeRef, Saved, Snapshot};
 
 use crate::error::{Error, Result};
 
@@ -525,8 +525,8 @@ mod tests {
             Err(StateFileError::NotOurs("change log"))
         ));
     }
-    use regatta_proto::head::HeadCore;
-    use regatta_proto::protocol::HeadRequest;
+    use regatta_proto::HeadCore;
+    use regatta_proto::HeadRequest;
 
     fn dir(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("regatta-state-{name}-{}", std::process::id()));

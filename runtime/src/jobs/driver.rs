@@ -22,7 +22,7 @@ use super::log;
 use super::packages;
 use super::shim::{self, RunFiles, ShimArgs, ShimOutcome, StartError};
 use crate::client::{Actor, ActorContext, ActorError};
-use regatta_proto::job::{ProcessIdentity, RuntimeEnv, PACKAGE_SCHEME};
+use regatta_proto::{ProcessIdentity, RuntimeEnv, PACKAGE_SCHEME};
 
 /// What the head gives a job's driver actor.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -222,7 +222,7 @@ impl Actor for JobDriver {
     type Reply = DriverReply;
 
     async fn create(args: DriverArgs, ctx: &ActorContext) -> Result<Self, ActorError> {
-        regatta_proto::job::validate_id(&args.job)?;
+        regatta_proto::validate_job_id(&args.job)?;
         let dir = std::env::temp_dir()
             .join("regatta-drivers")
             .join(format!("{}-{}", args.job, ctx.id()));

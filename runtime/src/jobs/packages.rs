@@ -337,7 +337,7 @@ pub(crate) fn unpack(archive_path: &Path, dest: &Path) -> Result<(), JobError> {
 /// each `py_modules` package's folder follows, then `inherited`. A `working_dir` that is a
 /// path on the node is used as it is; without packages the path is left alone (`None`).
 pub(crate) fn driver_dirs(
-    env: &regatta_proto::job::RuntimeEnv,
+    env: &regatta_proto::RuntimeEnv,
     inherited: Option<std::ffi::OsString>,
     mut unpack: impl FnMut(&str) -> Result<PathBuf, StartError>,
 ) -> Result<(Option<PathBuf>, Option<std::ffi::OsString>), StartError> {

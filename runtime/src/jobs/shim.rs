@@ -26,7 +26,7 @@ use tokio::process::Command;
 
 use super::log::CappedLog;
 use crate::error::{Error, Result};
-use regatta_proto::job::ProcessIdentity;
+use regatta_proto::ProcessIdentity;
 
 /// What a supervisor is told on its command line.
 #[derive(Clone, Debug)]

@@ -11,7 +11,7 @@ use crate::error::failure_to_error;
 use crate::error::{Error, Result};
 use crate::net::node::{self, Peers};
 use crate::net::wire::{self, CallError};
-use regatta_proto::protocol::{Failure, HeadRequest};
+use regatta_proto::{Failure, HeadRequest};
 
 /// How a process reaches the head.
 pub(crate) struct HeadLink {

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use regatta_object_store::{TlsIdentity, SERVER_NAME};
+use regatta_net::{TlsIdentity, SERVER_NAME};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -29,7 +29,7 @@ use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
 use crate::error::{Error, Result};
-use regatta_object_store::{HandshakeSlots, MAX_HANDSHAKES};
+use regatta_net::{HandshakeSlots, MAX_HANDSHAKES};
 
 /// How the head serves its job API.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -199,7 +199,7 @@ impl axum::serve::Listener for TlsIncoming {
 /// from `token` (checking the chain, not the host name: see the module's notes) and, when
 /// given, the PEM certificates of `extra_roots` (checked the usual way, name included).
 pub fn job_api_client_tls(token: &str, extra_roots: Option<&[u8]>) -> Result<rustls::ClientConfig> {
-    let identity = regatta_object_store::identity_from_token(token)?;
+    let identity = regatta_net::identity_from_token(token)?;
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let verifier = |roots: RootCertStore| {
         WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())

@@ -99,7 +99,7 @@ impl LocalNode {
             .map_err(|e| Error::io("cannot read the cluster listener's address", e))?
             .port();
         let address = format!("{advertise_host}:{port}");
-        let tls = SessionTls::new(&regatta_object_store::identity_from_token(token)?);
+        let tls = SessionTls::new(&regatta_net::identity_from_token(token)?);
         // ractor_cluster always runs a listener of its own: bound to loopback on a free
         // port, behind TLS, and never advertised, it takes no session; ours above does.
         let server = NodeServer::new(

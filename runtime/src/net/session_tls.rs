@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use ractor::ActorRef;
 use ractor_cluster::{BoxRead, BoxWrite, ClusterBidiStream, NodeServerMessage};
-use regatta_object_store::HandshakeSlots;
-use regatta_object_store::{TlsIdentity, SERVER_NAME};
+use regatta_net::HandshakeSlots;
+use regatta_net::{TlsIdentity, SERVER_NAME};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::rustls;

@@ -14,7 +14,7 @@ use ractor::{ActorCell, ActorRef, RpcReplyPort};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use regatta_proto::protocol::{ActorId, Failure};
+use regatta_proto::{ActorId, Failure};
 
 /// Largest payload decoded from the wire; ractor_cluster frames are capped below this anyway.
 const MAX_DECODE_BYTES: u64 = 64 << 20;
@@ -46,17 +46,17 @@ pub enum LocalSignal {
     /// An agent's start task finished constructing an actor and spawned its host.
     Hosted {
         /// The actor.
-        actor: regatta_proto::protocol::ActorId,
+        actor: regatta_proto::ActorId,
         /// The start attempt.
         attempt: u32,
         /// The host actor.
         host: ractor::ActorCell,
     },
     /// An agent's start task could not start the actor.
-    NotStarted(regatta_proto::protocol::ActorId),
+    NotStarted(regatta_proto::ActorId),
     /// The head, taking this node's registration, does not want these actors running
     /// here (killed while it could not say so, restarted elsewhere, or unknown to it).
-    Unwanted(Vec<regatta_proto::protocol::ActorId>),
+    Unwanted(Vec<regatta_proto::ActorId>),
 }
 
 const CAST: &str = "cast";
@@ -267,7 +267,7 @@ pub fn cast_raw(target: &ActorCell, payload: Vec<u8>) -> Result<(), CallError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use regatta_proto::protocol::HeadRequest;
+    use regatta_proto::HeadRequest;
 
     #[test]
     fn an_oversized_message_is_refused_before_sending_with_what_to_do() {

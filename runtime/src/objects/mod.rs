@@ -11,14 +11,15 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use regatta_object_store::{crc32, MemoryStore, ObjectId, ObjectSource, Segment, SpillBackend, TlsIdentity, Transfer};
+use regatta_net::{ObjectSource, TlsIdentity, Transfer};
+use regatta_object_store::{crc32, MemoryStore, ObjectId, Segment, SpillBackend};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::net::headlink::HeadLink;
 use crate::net::node;
 use crate::net::wire::{self, Wire};
-use regatta_proto::protocol::{Failure, HeadRequest, HeldObject, ObjectCommand};
+use regatta_proto::{Failure, HeadRequest, HeldObject, ObjectCommand};
 
 mod pull;
 mod shared;
@@ -222,7 +223,7 @@ impl ObjectService {
             transfer_in_bytes: self.counters.transfer_in.load(Ordering::Relaxed),
             shared_in_bytes: self.counters.shared_in.load(Ordering::Relaxed),
             transfer_out_bytes: self.counters.transfer_out.load(Ordering::Relaxed),
-            receive_pool_bytes: regatta_object_store::pooled_bytes() as u64,
+            receive_pool_bytes: regatta_net::pooled_bytes() as u64,
         }
     }
 

@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::future::{BoxFuture, FutureExt, Shared};
-use regatta_object_store::{Fetched, Location, ObjectId};
-use regatta_proto::protocol::HeadRequest;
+use regatta_net::Fetched;
+use regatta_object_store::{Location, ObjectId};
+use regatta_proto::HeadRequest;
 
 use super::ObjectService;
 use crate::error::{Error, Result};
@@ -170,10 +171,7 @@ impl ObjectService {
                 }
                 Err(e) => {
                     tracing::warn!(%id, node = %node, error = %e, "pull failed; trying the next copy");
-                    transient &= matches!(
-                        e,
-                        regatta_object_store::Error::Transfer(_) | regatta_object_store::Error::NotHeld { .. }
-                    );
+                    transient &= matches!(e, regatta_net::Error::Transfer(_) | regatta_net::Error::NotHeld { .. });
                     failures.push(format!("{node}: {e}"));
                 }
             }

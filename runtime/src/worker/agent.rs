@@ -12,9 +12,7 @@ use crate::client::Cluster;
 use crate::net::node;
 use crate::net::wire::{self, LocalSignal, Wire};
 use crate::worker::registry::{Host, HostArgs, Registry, StartError};
-use regatta_proto::protocol::{
-    ActorId, AgentRequest, Failure, HeadRequest, Loss, RunningActor, StartActor, StartFailure,
-};
+use regatta_proto::{ActorId, AgentRequest, Failure, HeadRequest, Loss, RunningActor, StartActor, StartFailure};
 
 use super::router::Router;
 use crate::error::Error;

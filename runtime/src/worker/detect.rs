@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-use regatta_proto::resources::{Resources, GPU};
+use regatta_proto::{Resources, GPU};
 
 /// GPUs found through `nvidia-smi`: count and model names.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

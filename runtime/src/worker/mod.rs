@@ -26,9 +26,9 @@ use crate::net::node::{self, LocalNode};
 use crate::net::wire::{self, LocalSignal, Wire};
 use crate::objects::{ObjectConfig, ObjectService};
 use crate::worker::registry::Registry;
-use regatta_object_store::identity_from_token;
-use regatta_proto::protocol::{AgentRequest, Failure, HeadRequest, NodeInfo, Registration, RunningActor};
-use regatta_proto::resources::Resources;
+use regatta_net::identity_from_token;
+use regatta_proto::Resources;
+use regatta_proto::{AgentRequest, Failure, HeadRequest, NodeInfo, Registration, RunningActor};
 
 /// How a worker runs.
 #[derive(Clone, Debug)]
@@ -125,7 +125,7 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
     let registry = registry.register::<python::PythonActor>();
     let mut resources = detect::detect_resources();
     resources.override_with(&config.resources);
-    regatta_proto::placement::validate_capacity(&resources).map_err(|why| Error::BadResources {
+    regatta_proto::validate_capacity(&resources).map_err(|why| Error::BadResources {
         input: resources.to_string(),
         reason: why.to_string(),
     })?;

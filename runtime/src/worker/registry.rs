@@ -11,7 +11,7 @@ use ractor::{ActorProcessingErr, ActorRef};
 
 use crate::client::{Actor, ActorContext};
 use crate::net::wire::{self, Wire};
-use regatta_proto::protocol::Failure;
+use regatta_proto::Failure;
 
 /// A constructed user actor behind a byte interface.
 pub(crate) trait Hosted: Send {

@@ -13,7 +13,7 @@
 //! queue.
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use regatta_proto::protocol::Failure;
+use regatta_proto::Failure;
 
 use crate::net::calls::{CallAddress, RouterQuery, Routes};
 use crate::net::wire::{self, Wire};

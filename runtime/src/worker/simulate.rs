@@ -14,8 +14,8 @@ use crate::net::headlink::HeadLink;
 use crate::net::node::{self, LocalNode};
 use crate::worker::agent::{start_agent, AgentArgs};
 use crate::worker::registry::Registry;
-use regatta_proto::protocol::NodeInfo;
-use regatta_proto::resources::Resources;
+use regatta_proto::NodeInfo;
+use regatta_proto::Resources;
 
 /// How many simulated nodes one process runs, and what each declares.
 #[derive(Clone, Debug)]
@@ -47,7 +47,7 @@ pub async fn run_simulated_nodes(
     registry: Registry,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
-    regatta_proto::placement::validate_capacity(&config.resources).map_err(|why| Error::BadResources {
+    regatta_proto::validate_capacity(&config.resources).map_err(|why| Error::BadResources {
         input: config.resources.to_string(),
         reason: why.to_string(),
     })?;

@@ -23,7 +23,7 @@ use dispatch::Dispatch;
 use layout::OutputLayout;
 use progress::progress_figures;
 
-pub use config::{ScoreConfig, DEFAULT_MAX_NEW_TOKENS};
+pub use config::ScoreConfig;
 pub use layout::ScoreManifest;
 pub use progress::Progress;
 

@@ -14,9 +14,9 @@ use serde_json::Value;
 
 use crate::partition::{row_id, RowError};
 
-pub use batcher::{Batcher, BatcherConfig, Feed, Finish, Occupancy, Step, Work};
+pub use batcher::{Batcher, BatcherConfig, Feed, Finish, Work};
 pub use params::SamplingParams;
-pub use sample::{argmax, choose, Choice, RowStream};
+pub use sample::{choose, Choice, RowStream};
 
 /// One chat message of a prompt.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

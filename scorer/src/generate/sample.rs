@@ -90,7 +90,8 @@ fn sample(logits: &[f32], params: &SamplingParams, u: f64) -> usize {
 /// The tokens a sampling row may draw and their probabilities, most likely first: the
 /// tempered softmax cut to the top-k tokens, then to the top-p nucleus, renormalised (as
 /// `transformers`' temperature, top-k and top-p logits warpers leave it). Needs a
-/// temperature above 0.
+/// temperature above 0. The reference the sampling tests draw against.
+#[cfg(test)]
 pub fn distribution(logits: &[f32], params: &SamplingParams) -> Vec<(usize, f64)> {
     let mut nucleus = Nucleus::new(logits, params);
     let kept = nucleus.kept;

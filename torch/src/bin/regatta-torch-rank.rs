@@ -57,8 +57,8 @@ fn merge(args: &[String]) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let written = runtime.block_on(async {
         let hf = regatta_torch::HfModel::open(&base).await?;
-        let adapter = regatta_torch::lora::Adapter::open(&adapter).await?;
-        regatta_torch::merge::merge(&hf, &adapter, &out, regatta_torch::executor::SHARD_BYTES).await
+        let adapter = regatta_torch::Adapter::open(&adapter).await?;
+        regatta_torch::merge_adapter(&hf, &adapter, &out, regatta_torch::SHARD_BYTES).await
     })?;
     println!("wrote {out}: {}", written.join(", "));
     Ok(())
@@ -67,8 +67,8 @@ fn merge(args: &[String]) -> anyhow::Result<()> {
 /// Times the engine's host AdamW update over `elements` fp32 parameters against a plain
 /// copy of one such buffer, both with `threads` libtorch threads; prints JSON.
 fn bench_adamw(args: &[String]) -> anyhow::Result<()> {
-    use regatta_torch::engine::{adamw_update, AdamwStep};
     use regatta_torch::tch::{Device, Kind, Tensor};
+    use regatta_torch::{adamw_update, AdamwStep};
     let [elements, threads] = args else {
         anyhow::bail!("usage: regatta-torch-rank bench-adamw ELEMENTS THREADS");
     };
@@ -191,9 +191,9 @@ fn model_logits(args: &[String]) -> anyhow::Result<()> {
         let tensor = runtime.block_on(hf.read_as(&spec, kind))?;
         stored.insert(spec.name, tensor.to_device(device));
     }
-    let params = regatta_torch::model::arrange(model.as_ref(), &stored)?;
+    let params = regatta_torch::arrange(model.as_ref(), &stored)?;
     let logits =
-        regatta_torch::tch::no_grad(|| regatta_torch::model::logits(model.as_ref(), &params, &input.to_device(device)));
+        regatta_torch::tch::no_grad(|| regatta_torch::logits(model.as_ref(), &params, &input.to_device(device)));
     let logits = logits.to_kind(Kind::Float).to_device(Device::Cpu);
     Tensor::write_safetensors(&[("logits", &logits)], out).map_err(|e| anyhow::anyhow!("cannot write {out}: {e}"))?;
     println!("wrote {out}: logits {:?} on {device:?} in {kind:?}", logits.size());
@@ -226,7 +226,7 @@ fn attention_check(args: &[String]) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(time >= 8, "--time must be at least 8");
     let device = regatta_torch::cuda::pick_device(&device, &[])?;
     let kind = kind.unwrap_or(if device.is_cuda() { Kind::BFloat16 } else { Kind::Float });
-    let result = regatta_torch::attention_check::check(device, kind, time);
+    let result = regatta_torch::attention_check(device, kind, time);
     println!("{}", serde_json::to_string(&result)?);
     Ok(if result.ok {
         ExitCode::SUCCESS
@@ -278,7 +278,7 @@ fn exit(result: anyhow::Result<()>, code: u8) -> ExitCode {
 
 /// Runs the NCCL check on the first GPU (see the module docs); exit 1 when a part fails.
 fn nccl_check() -> ExitCode {
-    let result = regatta_torch::nccl_check::check(0);
+    let result = regatta_torch::nccl_check(0);
     println!("{}", serde_json::to_string(&result).unwrap_or_default());
     if result.ok {
         ExitCode::SUCCESS
@@ -293,7 +293,7 @@ fn export(args: &[String]) -> ExitCode {
         eprintln!("usage: regatta-torch-rank export CHECKPOINT_DIR OUT.pt");
         return ExitCode::from(2);
     };
-    match regatta_torch::score_executor::export(checkpoint, out) {
+    match regatta_torch::export_torchscript(checkpoint, out) {
         Ok(context) => {
             println!("wrote {out}: a TorchScript module over token ids [batch, time], time up to {context}; score it with --context {context}");
             ExitCode::SUCCESS
@@ -329,9 +329,9 @@ fn generate_ids(args: &[String]) -> ExitCode {
 /// Reads the generate-ids job at `job`, runs it over `model` and gives the JSON line.
 fn ids_job(model: &str, job: &str) -> anyhow::Result<String> {
     let bytes = std::fs::read(job).map_err(|e| anyhow::anyhow!("cannot read {job}: {e}"))?;
-    let spec = serde_json::from_slice::<regatta_torch::bench_generate::IdsJob>(&bytes)
+    let spec = serde_json::from_slice::<regatta_torch::IdsJob>(&bytes)
         .map_err(|e| anyhow::anyhow!("{job} is not a generate-ids job: {e}"))?;
-    let outcome = regatta_torch::bench_generate::generate_ids(model, &spec)?;
+    let outcome = regatta_torch::generate_ids(model, &spec)?;
     Ok(serde_json::to_string(&outcome)?)
 }
 
@@ -339,7 +339,7 @@ fn ids_job(model: &str, job: &str) -> anyhow::Result<String> {
 fn bench_data(args: &[String]) -> ExitCode {
     let spec = match args
         .first()
-        .map(|s| serde_json::from_str::<regatta_torch::bench_data::BenchDataSpec>(s))
+        .map(|s| serde_json::from_str::<regatta_torch::BenchDataSpec>(s))
     {
         Some(Ok(spec)) => spec,
         Some(Err(e)) => {
@@ -351,7 +351,7 @@ fn bench_data(args: &[String]) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match regatta_torch::bench_data::bench_data(&spec) {
+    match regatta_torch::bench_data(&spec) {
         Ok(result) => {
             println!("{}", serde_json::to_string(&result).unwrap_or_default());
             ExitCode::SUCCESS
@@ -372,7 +372,7 @@ fn main() -> ExitCode {
         }
         Some("score") => {
             regatta_runtime::executor::exit_when_orphaned();
-            regatta_torch::score_executor::score_main()
+            regatta_torch::score_main()
         }
         Some("logits") => exit(model_logits(rest), 1),
         Some("nccl-check") => nccl_check(),

@@ -4,7 +4,7 @@
 
 use bytes::Bytes;
 use regatta_object_store::Place;
-use regatta_trainer::config::{DataConfig, ModelConfig};
+use regatta_trainer::{DataConfig, ModelConfig};
 use regatta_trainer::{LoraConfig, ZeroStage};
 use serde::{Deserialize, Serialize};
 use tch::Tensor;

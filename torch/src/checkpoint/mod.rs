@@ -17,10 +17,10 @@ use crate::error::{Error, Result};
 use crate::hf::{encode_safetensors_as, HfModel, ShardPlan, INDEX};
 use crate::model::ParamSpec;
 use regatta_object_store::Place;
-use regatta_trainer::lora::{is_adapter, peft_name, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 use regatta_trainer::LoraConfig;
+use regatta_trainer::{is_adapter, peft_name, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 
-pub mod manifest;
+mod manifest;
 
 pub use manifest::{best, from_safetensors, latest, step_dir, to_safetensors, Manifest, BEST, MERGED};
 

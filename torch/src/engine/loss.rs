@@ -3,7 +3,7 @@
 
 use tch::{Kind, Reduction, Tensor};
 
-use super::IGNORE;
+use super::IGNORE_INDEX;
 
 /// Sum of the cross-entropy of every target token (float32).
 pub fn token_loss_sum(logits: &Tensor, targets: &Tensor) -> Tensor {
@@ -11,7 +11,7 @@ pub fn token_loss_sum(logits: &Tensor, targets: &Tensor) -> Tensor {
     logits
         .reshape([-1, vocab])
         .to_kind(Kind::Float)
-        .cross_entropy_loss::<Tensor>(&targets.reshape([-1]), None, Reduction::Sum, IGNORE, 0.0)
+        .cross_entropy_loss::<Tensor>(&targets.reshape([-1]), None, Reduction::Sum, IGNORE_INDEX, 0.0)
 }
 
 /// [`token_loss_sum`] a chunk of rows at a time (as [`token_loss_and_grad`] chunks them),
@@ -40,7 +40,7 @@ const LOSS_CHUNK_ELEMENTS: i64 = 1 << 24;
 
 /// The sum of the cross-entropy of every target token, and the gradient of that sum times
 /// `scale` with respect to `logits` (in the logits' dtype), computed a chunk of rows at a time in f32
-/// and without autograd: softmax minus the one-hot target, zero on [`IGNORE`] rows. Equal to
+/// and without autograd: softmax minus the one-hot target, zero on [`IGNORE_INDEX`] rows. Equal to
 /// autograd through [`token_loss_sum`]; the engine's last block takes the gradient as its
 /// upstream. The loss stays a float64 scalar tensor on the logits' device (no host sync).
 pub fn token_loss_and_grad(logits: &Tensor, targets: &Tensor, scale: f64) -> (Tensor, Tensor) {
@@ -67,7 +67,7 @@ fn chunked_loss_and_grad(logits: &Tensor, targets: &Tensor, scale: f64, chunk_ro
             let len = chunk_rows.min(rows - start);
             let chunk = flat.narrow(0, start, len).to_kind(exact);
             let target = targets.narrow(0, start, len);
-            let valid = target.ne(IGNORE);
+            let valid = target.ne(IGNORE_INDEX);
             let safe = target.where_scalarother(&valid, 0).unsqueeze(1);
             let log_probs = chunk.log_softmax(-1, exact);
             let picked = log_probs.gather(1, &safe, false).squeeze_dim(1);
@@ -92,8 +92,8 @@ mod tests {
         tch::manual_seed(5);
         let logits = Tensor::randn([3, 7, 11], (Kind::Double, Device::Cpu));
         let targets = Tensor::randint(11, [3, 7], (Kind::Int64, Device::Cpu));
-        let _ = targets.get(1).get(2).fill_(IGNORE);
-        let _ = targets.get(2).get(6).fill_(IGNORE);
+        let _ = targets.get(1).get(2).fill_(IGNORE_INDEX);
+        let _ = targets.get(2).get(6).fill_(IGNORE_INDEX);
         let leaf = logits.detach().set_requires_grad(true);
         let scale = 1.0 / 19.0;
         let sum = token_loss_sum(&leaf, &targets);

@@ -35,13 +35,13 @@ mod step;
 mod storage;
 
 pub use adamw::{adamw_update, AdamwStep};
-pub use init::{initial_values, seeded};
+pub use init::seeded;
 pub use loss::{token_loss_and_grad, token_loss_sum, token_loss_sum_chunked};
 
 use std::collections::HashMap;
 use std::ops::Range;
 
-use regatta_trainer::config::OptimizerConfig;
+use regatta_trainer::OptimizerConfig;
 use regatta_trainer::{Offload, ZeroConfig, ZeroStage};
 use tch::{Device, Kind, Tensor};
 
@@ -53,7 +53,7 @@ use quantized::QuantShard;
 use storage::{Flat, Initial, Layout, Slot, Source, Store};
 
 /// The target id that carries no loss.
-pub use regatta_trainer::documents::IGNORE;
+pub(crate) use regatta_trainer::IGNORE_INDEX;
 
 /// What one step did.
 #[derive(Clone, Debug, PartialEq)]
@@ -97,12 +97,12 @@ fn bytes(tensor: &Tensor) -> u64 {
     (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64
 }
 
-/// One micro-batch: inputs and targets `[batch, time]` (targets of [`IGNORE`] carry no
+/// One micro-batch: inputs and targets `[batch, time]` (targets of [`IGNORE_INDEX`] carry no
 /// loss) and, for packed rows, each token's document number.
 pub struct MicroBatch {
     /// Input token ids.
     pub tokens: Tensor,
-    /// The token each position must predict, or [`IGNORE`].
+    /// The token each position must predict, or [`IGNORE_INDEX`].
     pub targets: Tensor,
     /// `Some` for packed rows: attention stays inside a document.
     pub documents: Option<Tensor>,

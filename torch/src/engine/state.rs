@@ -126,7 +126,7 @@ impl Engine {
         for spec in self.specs[block].iter().filter(|s| s.tied_to.is_none()) {
             if let Some(t) = trained
                 .get(&spec.name)
-                .filter(|_| !regatta_trainer::lora::is_adapter(&spec.name))
+                .filter(|_| !regatta_trainer::is_adapter(&spec.name))
             {
                 out.push((spec.name.clone(), t.shallow_clone()));
                 continue;

@@ -10,7 +10,7 @@ impl Engine {
     pub fn train_step(&mut self, micro: &[MicroBatch]) -> Result<StepOutcome> {
         let local_targets: i64 = micro
             .iter()
-            .map(|m| m.targets.ne(IGNORE).sum(Kind::Int64).int64_value(&[]))
+            .map(|m| m.targets.ne(IGNORE_INDEX).sum(Kind::Int64).int64_value(&[]))
             .sum();
         let count = self.sum_over_ranks(local_targets as f64)?.round();
         if count < 1.0 {
@@ -72,7 +72,7 @@ impl Engine {
             // The loss by chunks of rows, as training computes it (no f32 copy of all logits).
             local += token_loss_sum_chunked(&hidden, &targets);
             // Counted on the host's copy: no device sync inside the loop.
-            local_count += m.targets.ne(IGNORE).sum(Kind::Int64).int64_value(&[]);
+            local_count += m.targets.ne(IGNORE_INDEX).sum(Kind::Int64).int64_value(&[]);
         }
         self.release_quantized();
         self.coll.settle()?;

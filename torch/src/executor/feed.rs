@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use regatta_object_store::Place;
-use regatta_trainer::config::TrainConfig;
+use regatta_trainer::TrainConfig;
 use regatta_trainer::{FromExecutor, RankSetup};
 use tch::Tensor;
 use tokio::runtime::Runtime;

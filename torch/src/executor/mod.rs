@@ -16,7 +16,7 @@ use std::panic::AssertUnwindSafe;
 use std::process::ExitCode;
 use std::sync::mpsc;
 
-use regatta_trainer::config::TrainConfig;
+use regatta_trainer::TrainConfig;
 use regatta_trainer::{FromExecutor, ToExecutor};
 
 use crate::error::Error;

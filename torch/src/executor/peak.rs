@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use regatta_trainer::config::TrainConfig;
+use regatta_trainer::TrainConfig;
 use tch::{Device, Kind, Tensor};
 
 use super::{open_run_model, ModelFactory};

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use regatta_object_store::Place;
-use regatta_trainer::config::TrainConfig;
 use regatta_trainer::eval::{rank_batches, EvalReport};
+use regatta_trainer::TrainConfig;
 use regatta_trainer::{
     Binding, FromExecutor, LinkOptions, RankSetup, RingCollective, RingLinkBuilder, StepReport, ToExecutor, SECRET_ENV,
 };

@@ -5,9 +5,9 @@
 
 use bytes::Bytes;
 use regatta_object_store::Place;
-use regatta_trainer::config::TrainConfig;
-use regatta_trainer::documents::TokenizerSettings;
 use regatta_trainer::eval::Side;
+use regatta_trainer::TokenizerSettings;
+use regatta_trainer::TrainConfig;
 use tch::{Device, Tensor};
 
 use super::{ModelFactory, NamedTensors};
@@ -106,7 +106,7 @@ impl RunModel {
 /// is none or the parameter is a new LoRA adapter (A uniform as PEFT draws it, B zero).
 pub async fn initial_weights(source: Option<&HfModel>, spec: &ParamSpec, seed: u64) -> Result<Tensor, Error> {
     match source {
-        Some(hf) if !regatta_trainer::lora::is_adapter(&spec.name) => hf.read(spec).await,
+        Some(hf) if !regatta_trainer::is_adapter(&spec.name) => hf.read(spec).await,
         _ => Ok(seeded(spec, seed)),
     }
 }

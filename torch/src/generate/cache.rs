@@ -1,7 +1,7 @@
 //! The KV cache's tensors (keys and values of every token slot, per layer) and the memory
 //! a cache may be sized from.
 
-use regatta_scorer::generate::{mem_available, FreeMemory};
+use regatta_scorer::{mem_available, FreeMemory};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};

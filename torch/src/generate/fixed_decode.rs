@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use regatta_scorer::generate::Feed;
+use regatta_scorer::Feed;
 use tch::{Device, Kind, Tensor};
 
 use super::pick::{greedy, host_logits, Picked, Want};

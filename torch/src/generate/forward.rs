@@ -1,7 +1,7 @@
 //! The forwards a step's work becomes: prompt chunks and decodes padded into one
 //! `[rows, time]` batch against the cache, with logits for each row's last token only.
 
-use regatta_scorer::generate::Feed;
+use regatta_scorer::Feed;
 use tch::{Kind, Tensor};
 
 use super::pick::{pick, Picked, Want};

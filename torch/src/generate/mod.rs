@@ -18,7 +18,7 @@ mod session;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use regatta_scorer::generate::{auto_kv_cache_bytes, Finish, GenStats, GenerationSetup, RowStream, SamplingParams};
+use regatta_scorer::{auto_kv_cache_bytes, Finish, GenStats, GenerationSetup, RowStream, SamplingParams};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};

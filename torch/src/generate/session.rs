@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use regatta_scorer::generate::{
+use regatta_scorer::{
     choose, stop_at, Batcher, BatcherConfig, Choice, Feed, Finish, GenStats, RowStream, SamplingParams, Work,
 };
 

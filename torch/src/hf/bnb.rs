@@ -16,11 +16,11 @@
 use std::collections::HashMap;
 
 use regatta_object_store::Place;
-use regatta_trainer::lora::BaseQuantization;
 use regatta_trainer::quant::{
     check_block, dequantize_4bit, dequantize_int8_rows, dynamic_map, Absmax, Int8Rows, Quant4, Quant4Type, Stored,
     NESTED_BLOCK,
 };
+use regatta_trainer::BaseQuantization;
 use serde_json::Value;
 
 use super::Entry;

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use bytes::Bytes;
 use regatta_object_store::Place;
 use regatta_trainer::gguf::{GgufError, GgufTensor};
-use regatta_trainer::hf::LlamaConfig;
+use regatta_trainer::LlamaConfig;
 use serde_json::Value;
 use tch::{Kind, Tensor};
 
@@ -182,7 +182,7 @@ impl HfModel {
     /// Checks that the weight files hold exactly the model's tensors with their shapes.
     pub fn check(&self, model: &dyn Model) -> Result<()> {
         let specs: Vec<ParamSpec> = model.blocks().into_iter().flatten().collect();
-        let base = |s: &&ParamSpec| s.tied_to.is_none() && !regatta_trainer::lora::is_adapter(&s.name);
+        let base = |s: &&ParamSpec| s.tied_to.is_none() && !regatta_trainer::is_adapter(&s.name);
         for spec in specs.iter().filter(base) {
             self.entry(spec)?;
         }
@@ -250,7 +250,7 @@ impl HfModel {
     /// block size (0 for int8) and whether double quantization was used; `None` for a
     /// folder holding none (the settings of the first such weight by name when they
     /// differ, which transformers never writes).
-    pub fn stored_quantization(&self) -> Option<(regatta_trainer::lora::BaseQuantization, usize, bool)> {
+    pub fn stored_quantization(&self) -> Option<(regatta_trainer::BaseQuantization, usize, bool)> {
         self.entries
             .iter()
             .filter_map(|(name, entry)| entry.bnb.as_ref().map(|b| (name, b)))

@@ -57,6 +57,7 @@ impl ShardPlan {
     }
 
     /// `model.safetensors.index.json` for the plan (only needed with several files).
+    #[cfg(test)]
     pub fn index(&self, blocks: &[Vec<ParamSpec>]) -> Value {
         self.index_as(blocks, Kind::Float)
     }

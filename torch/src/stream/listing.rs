@@ -3,8 +3,8 @@
 //! pure layout deals them to logical shards.
 
 use regatta_object_store::Place;
-use regatta_trainer::config::DataConfig;
 use regatta_trainer::stream::{file_kind, DataPlan, FileEntry, FileKind, SourceListing};
+use regatta_trainer::DataConfig;
 
 use super::remote::Remote;
 use crate::error::{Error, Result};

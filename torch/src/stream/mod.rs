@@ -24,8 +24,8 @@ use std::ops::Range;
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 
-use regatta_trainer::documents::{TokenizerSettings, IGNORE};
 use regatta_trainer::stream::{DataPlan, LoaderState, ShardState};
+use regatta_trainer::{TokenizerSettings, IGNORE_INDEX};
 
 use crate::data::TextTokenizer;
 use crate::error::{Error, Result};
@@ -45,7 +45,7 @@ pub struct Skipped {
 pub struct Row {
     /// Input ids.
     pub inputs: Vec<i64>,
-    /// Target ids or [`IGNORE`].
+    /// Target ids or [`IGNORE_INDEX`].
     pub targets: Vec<i64>,
     /// Each input's document (attention stays inside one).
     pub documents: Vec<i64>,
@@ -171,7 +171,7 @@ impl Loader {
                     self.peeked = Some(Item::End);
                     rows.push(Row {
                         inputs: vec![0; self.context],
-                        targets: vec![IGNORE; self.context],
+                        targets: vec![IGNORE_INDEX; self.context],
                         documents: vec![0; self.context],
                         shard: usize::MAX,
                         state: ShardState::default(),

@@ -5,8 +5,8 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use regatta_trainer::documents::{TokenizerSettings, IGNORE};
 use regatta_trainer::stream::ShardState;
+use regatta_trainer::{TokenizerSettings, IGNORE_INDEX};
 
 use super::reader::ShardReader;
 use super::{Row, Skipped};
@@ -138,13 +138,13 @@ impl ShardPacker {
                     row.documents.push(i64::from(doc));
                     row.targets.push(match at(i + 1) {
                         Some((next, true, next_doc)) if next_doc == doc => next,
-                        _ => IGNORE,
+                        _ => IGNORE_INDEX,
                     });
                 }
                 None => {
                     row.inputs.push(0);
                     row.documents.push(i64::from(pad));
-                    row.targets.push(IGNORE);
+                    row.targets.push(IGNORE_INDEX);
                 }
             }
         }

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use regatta_object_store::Place;
-use regatta_trainer::documents::Record;
 use regatta_trainer::stream::{DataPlan, Part, ShardState, Unit};
+use regatta_trainer::Record;
 
 use super::units::{BadRow, Next, RawRow, UnitRows};
 use super::{Remote, Skipped};

@@ -10,8 +10,8 @@
 //! count; metadata as key, type, value; tensor infos as name, dimensions (innermost
 //! first), type, offset; then the data, aligned to `general.alignment` (32 by default).
 
-pub mod model;
-pub mod quant;
+mod model;
+mod quant;
 mod tokenizer;
 
 use std::collections::BTreeMap;

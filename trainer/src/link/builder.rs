@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 
-use regatta_object_store::{endpoint, identity_from_token};
+use regatta_net::{endpoint, identity_from_token};
 use tokio::runtime::Handle;
 
 use super::quic::{QuicRecv, QuicSend};

@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use regatta_object_store::SERVER_NAME;
+use regatta_net::SERVER_NAME;
 use tokio::runtime::Handle;
 
 use super::{as_bytes_mut, check_count};

@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 
 use futures::StreamExt;
-use regatta_object_store::{
+use regatta_net::{
     keep_alive, receive_frame_into, send_frame, tls_for_frames, Opener, SealedStream, Sealer, CHUNK_BYTES, SERVER_NAME,
 };
 
@@ -24,7 +24,7 @@ pub(super) struct TcpSide {
 }
 
 impl TcpSide {
-    pub(super) fn bind(ip: std::net::IpAddr, identity: &regatta_object_store::TlsIdentity) -> std::io::Result<Self> {
+    pub(super) fn bind(ip: std::net::IpAddr, identity: &regatta_net::TlsIdentity) -> std::io::Result<Self> {
         let listener = std::net::TcpListener::bind(SocketAddr::new(ip, 0))?;
         listener.set_nonblocking(true)?;
         let (acceptor, connector) = tls_for_frames(identity, RING_ALPN);

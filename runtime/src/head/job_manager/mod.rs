@@ -10,10 +10,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use regatta_proto::job::{
-    error_type, finished_beyond, JobRecord, JobStatus, JobSubmission, JOB_ID_ENV, MAX_FINISHED_JOBS,
+use regatta_proto::Resources;
+use regatta_proto::{
+    finished_beyond, job_error_type as error_type, JobRecord, JobStatus, JobSubmission, JOB_ID_ENV, MAX_FINISHED_JOBS,
 };
-use regatta_proto::resources::Resources;
 use tokio::sync::watch;
 
 use crate::error::{Error, Result};

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use regatta_proto::job::{JobStatus, JobSubmission};
-use regatta_proto::protocol::GroupId;
-use regatta_proto::resources::Resources;
+use regatta_proto::GroupId;
+use regatta_proto::Resources;
+use regatta_proto::{JobStatus, JobSubmission};
 
 use super::{driver_env, now_ms, DriverError, JobManager, PACKAGE_CHUNK, REMOTE_POLL_EVERY};
 use crate::client::{ActorHandle, ActorOptions, Cluster};

@@ -4,10 +4,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use regatta_proto::job::{error_type, JobStatus, JobSubmission, ProcessIdentity};
-use regatta_proto::placement::Strategy;
-use regatta_proto::protocol::{GroupId, GroupSpec, HeadRequest};
-use regatta_proto::resources::Resources;
+use regatta_proto::Resources;
+use regatta_proto::Strategy;
+use regatta_proto::{job_error_type as error_type, JobStatus, JobSubmission, ProcessIdentity};
+use regatta_proto::{GroupId, GroupSpec, HeadRequest};
 
 use super::{driver_env, host_of, now_ms, DriverError, JobManager, FOLLOW_EVERY};
 use crate::error::Error;

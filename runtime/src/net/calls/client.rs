@@ -21,7 +21,7 @@ use super::RouterQuery;
 use super::{CallPath, CallTls};
 use crate::error::{failure_to_error, Error, Result};
 use crate::net::wire::{self, CallError};
-use regatta_proto::protocol::{ActorId, Failure};
+use regatta_proto::{ActorId, Failure};
 
 /// How long opening a connection (TCP and TLS) may take before the session path is used.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);

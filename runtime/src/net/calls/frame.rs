@@ -12,7 +12,7 @@
 
 use crate::error::{Error, Result};
 use crate::net::wire::MAX_MESSAGE_BYTES;
-use regatta_proto::protocol::ActorId;
+use regatta_proto::ActorId;
 
 /// Largest payload either side accepts: an actor message's limit, plus room for a reply's
 /// `Result` wrapper.

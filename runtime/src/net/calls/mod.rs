@@ -35,7 +35,7 @@ pub(crate) use routes::{RouterQuery, Routes};
 pub(crate) use server::{CallCounters, CallServer};
 pub(crate) use socket::CallAddress;
 
-use regatta_object_store::{TlsIdentity, SERVER_NAME};
+use regatta_net::{TlsIdentity, SERVER_NAME};
 use tokio_rustls::rustls::pki_types::ServerName;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 

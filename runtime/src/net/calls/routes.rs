@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use regatta_proto::protocol::ActorId;
+use regatta_proto::ActorId;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc::{UnboundedSender, WeakUnboundedSender};
 

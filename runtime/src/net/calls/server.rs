@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::stream::{FuturesUnordered, StreamExt};
-use regatta_object_store::{HandshakeSlot, HandshakeSlots};
+use regatta_net::{HandshakeSlot, HandshakeSlots};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, oneshot, Mutex};
@@ -20,7 +20,7 @@ use super::CallTls;
 use super::Routes;
 use crate::error::{Error, Result};
 use crate::net::wire::{self, Wire};
-use regatta_proto::protocol::Failure;
+use regatta_proto::Failure;
 
 /// How long a connecting peer has to finish the TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);

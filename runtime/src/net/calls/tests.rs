@@ -12,12 +12,12 @@ use super::socket::{CallAddress, LocalAddress, Transport};
 use super::{CallCounters, Routes};
 use super::{CallPath, CallServer, CallTls};
 use crate::net::wire::{self, CallError, Wire};
-use regatta_proto::protocol::{ActorId, Failure};
+use regatta_proto::{ActorId, Failure};
 
 const ACTOR: ActorId = ActorId(7);
 
 fn tls_for(token: &str) -> CallTls {
-    CallTls::new(&regatta_object_store::identity_from_token(token).unwrap())
+    CallTls::new(&regatta_net::identity_from_token(token).unwrap())
 }
 
 struct Served {
@@ -432,7 +432,7 @@ async fn silent_connections_from_one_address_hold_at_most_its_share_and_shut_no_
     reverse_calls(inbox);
     let tcp = &served.server.address().tcp;
     let mut silent = Vec::new();
-    for _ in 0..regatta_object_store::MAX_HANDSHAKES_PER_SOURCE {
+    for _ in 0..regatta_net::MAX_HANDSHAKES_PER_SOURCE {
         silent.push(tokio::net::TcpStream::connect(tcp).await.unwrap());
     }
     let mut byte = [0u8; 1];

@@ -103,8 +103,8 @@ impl Rank {
                 None => vec!["config.json".to_string()],
                 Some(lora) => {
                     let mut files = vec![
-                        regatta_trainer::lora::ADAPTER_CONFIG.to_string(),
-                        regatta_trainer::lora::ADAPTER_WEIGHTS.to_string(),
+                        regatta_trainer::ADAPTER_CONFIG.to_string(),
+                        regatta_trainer::ADAPTER_WEIGHTS.to_string(),
                     ];
                     if lora.merge_on_save {
                         files.push(format!("{}/config.json", checkpoint::MERGED));

@@ -208,7 +208,7 @@ pub(crate) fn take(len: usize) -> Vec<u8> {
     drop(freed);
     match buffer {
         Some(buffer) => fit(buffer, len),
-        None => crate::shm::receive_buffer(len),
+        None => regatta_object_store::receive_buffer(len),
     }
 }
 
@@ -221,7 +221,7 @@ fn fit(mut buffer: Vec<u8>, len: usize) -> Vec<u8> {
     } else {
         buffer.truncate(len);
     }
-    crate::shm::release_spare_pages(&buffer);
+    regatta_object_store::release_spare_pages(&buffer);
     buffer
 }
 

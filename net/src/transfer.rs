@@ -43,12 +43,12 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use crate::error::{Error, Result};
 use crate::handshake_slots::{HandshakeSlots, MAX_HANDSHAKES_PER_SOURCE};
-use crate::id::ObjectId;
 use crate::identity::TlsIdentity;
 pub use crate::identity::SERVER_NAME;
 use crate::idle_pool::{IdlePool, IDLE_LIMIT};
 use crate::sealed::SealedStream;
-use crate::shm::{Handle, HostKey, Segment};
+use regatta_object_store::ObjectId;
+use regatta_object_store::{HostKey, Segment, SharedHandle as Handle};
 
 mod serve;
 
@@ -546,8 +546,8 @@ async fn fill(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::checksum::crc32;
     use crate::identity::identity_from_token;
+    use regatta_object_store::crc32;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     struct One(ObjectId, Bytes);
@@ -590,7 +590,7 @@ mod tests {
         fn share(&self, _id: ObjectId) -> Option<Arc<Segment>> {
             std::fs::write(&self.2, &self.1).unwrap();
             let file = std::fs::File::open(&self.2).unwrap();
-            Some(Arc::new(Segment::from_file(file, None).unwrap()))
+            Some(Arc::new(Segment::unsealed(file).unwrap()))
         }
     }
 

@@ -10,10 +10,10 @@ use super::{
     timed, ObjectSource, CHUNK_BYTES, REQUEST_LEN, SHARED_ANSWER_TIMEOUT, STATUS_MISSING, STATUS_SHARED, STATUS_STREAM,
     WANTS_SHARED,
 };
-use crate::checksum::crc32;
-use crate::id::ObjectId;
 use crate::sealed::SealedStream;
-use crate::shm::HostKey;
+use regatta_object_store::crc32;
+use regatta_object_store::HostKey;
+use regatta_object_store::ObjectId;
 
 /// Answers requests on one connection until the peer closes it.
 pub(super) async fn serve_connection(

@@ -1,0 +1,33 @@
+//! The networking crate's error type.
+
+use regatta_object_store::ObjectId;
+
+/// What can go wrong setting up TLS or moving an object between nodes.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// TLS credentials could not be built.
+    #[error("TLS setup failed: {0}")]
+    Tls(String),
+    /// The object transfer (or the trainer's QUIC endpoint) could not be set up or reached.
+    #[error("object transfer: {0}")]
+    Transfer(String),
+    /// A received object does not match its checksum.
+    #[error("object {id} is corrupt ({detail}); the copy was discarded")]
+    Corrupt {
+        /// The object.
+        id: ObjectId,
+        /// Where the mismatch was found.
+        detail: String,
+    },
+    /// A peer does not hold the object any more.
+    #[error("object {id} is not held by {peer}")]
+    NotHeld {
+        /// The object.
+        id: ObjectId,
+        /// The peer asked.
+        peer: String,
+    },
+}
+
+/// The networking crate's result type.
+pub type Result<T> = std::result::Result<T, Error>;

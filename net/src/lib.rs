@@ -1,0 +1,33 @@
+//! Regatta's secure networking between nodes: the node's TLS identity (mutual TLS derived
+//! from the cluster token), the per-source handshake slots that keep strangers from
+//! exhausting a listener, sealed frames (AES-GCM on keys exported from a TLS session, so
+//! bulk bytes skip TLS's record layer), QUIC endpoints, and the object [`Transfer`]
+//! between nodes (with shared-memory [`Segment`](regatta_object_store::Segment) hand-off
+//! between processes on one host and pooled receive buffers).
+//!
+//! `regatta-object-store` keeps the store itself; the runtime wires both into the head,
+//! workers and clients, and the trainer's ring uses the sealed frames and QUIC.
+
+mod error;
+mod handshake_slots;
+mod identity;
+mod idle_pool;
+mod quic;
+mod receive_pool;
+mod sealed;
+mod transfer;
+
+pub use error::{Error, Result};
+pub use handshake_slots::{
+    HandshakeSlots, Refusal as HandshakeRefusal, Slot as HandshakeSlot, MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE,
+};
+pub use identity::{identity_from_token, TlsIdentity};
+pub use quic::endpoint;
+pub use receive_pool::{pooled_bytes, RECEIVE_POOL_ENV};
+pub use sealed::{
+    receive_frame_into, send_frame, tls_for_frames, FrameError, Keys as FrameKeys, Opener, SealedStream, Sealer,
+};
+pub use transfer::{
+    keep_alive, Fetched, ObjectSource, Transfer, CHUNK_BYTES, FAULT_CORRUPT_ENV, IO_TIMEOUT, NO_SHARED_MEMORY_ENV,
+    SERVER_NAME, TRANSFER_ALPN,
+};
