@@ -424,24 +424,33 @@ fn spawn(binary: &Path, log: &Path, args: &[String], token: &str, env: &[(String
         .with_context(|| format!("cannot start {}", binary.display()))
 }
 
-/// Starts the head on three free ports and waits until it is up (it logs `head is up` once
-/// its cluster port is open). A port is free when chosen but may be taken before the head
-/// binds it (another cluster starting beside this one): the head then exits with "Address
-/// already in use" and is started again on other ports, up to five times.
+/// `regatta head`'s exit status when a port it was to listen on is taken (Linux's
+/// `EADDRINUSE`), so a supervisor that chose the ports (as [`LocalCluster`] does) can tell it
+/// from other failures.
+pub const EXIT_ADDRESS_IN_USE: u8 = 98;
+
+/// Starts the head on three free ports and waits until it is up (it writes its ready file
+/// once every port is open). A port is free when chosen but may be taken before the head
+/// binds it (another cluster starting beside this one): the head then exits with
+/// [`EXIT_ADDRESS_IN_USE`] and is started again on other ports, up to five times.
 fn start_head(options: &LocalOptions, token: &str) -> anyhow::Result<(Child, [u16; 3])> {
     let log = options.log_dir.join("head.log");
+    let ready = options.log_dir.join("head.ready");
     let mut last = String::new();
     for _ in 0..5 {
         let ports = free_ports()?;
-        let mut head = spawn(&options.binary, &log, &head_args(options, ports), token, &[])?;
+        let _ = std::fs::remove_file(&ready);
+        let mut args = head_args(options, ports);
+        args.extend(["--ready-file".to_string(), ready.to_string_lossy().into_owned()]);
+        let mut head = spawn(&options.binary, &log, &args, token, &[])?;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            if text.contains("head is up") {
+            if ready.exists() {
                 return Ok((head, ports));
             }
             if let Some(status) = head.try_wait().context("cannot wait for the head")? {
-                if !text.contains("Address already in use") {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                if status.code() != Some(i32::from(EXIT_ADDRESS_IN_USE)) {
                     bail!("the local head exited ({status}):\n{text}");
                 }
                 last = text;

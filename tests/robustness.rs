@@ -220,3 +220,50 @@ async fn oversized_messages_get_a_clear_error_and_the_session_survives() {
     assert_eq!(reply.text, "still here");
     assert_cluster_works(&cluster, 1).await;
 }
+
+/// `regatta head` with a ready file: on a port another process holds it exits with
+/// `EXIT_ADDRESS_IN_USE` and writes no file (a supervisor then picks other ports, as
+/// `LocalCluster` does); on free ports it writes its cluster address, whole, once it listens.
+#[test]
+fn a_head_tells_a_taken_port_by_its_exit_status_and_readiness_by_its_file() {
+    let dir = support::temp_dir("ready-file");
+    let ready = dir.join("head.ready");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a port to hold");
+    let port = taken.local_addr().expect("its address").port().to_string();
+    let head = |port: &str| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_regatta"));
+        command
+            .args(["head", "--bind", "127.0.0.1", "--port", port, "--no-job-api", "--metrics-port", "0"])
+            .args(["--no-cluster-state", "--token", "ready-file-test", "--state-dir"])
+            .arg(dir.join("state"))
+            .arg("--ready-file")
+            .arg(&ready)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        command
+    };
+
+    let refused = head(&port).output().expect("run regatta head");
+    assert_eq!(
+        refused.status.code(),
+        Some(i32::from(regatta::local::EXIT_ADDRESS_IN_USE)),
+        "stderr: {}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    assert!(String::from_utf8_lossy(&refused.stderr).contains(&port), "the error names the port");
+    assert!(!ready.exists(), "no ready file from a head that never listened");
+
+    let mut child = head("0").spawn().expect("start regatta head");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ready.exists() {
+        assert!(child.try_wait().expect("wait").is_none(), "the head exited before it was ready");
+        assert!(Instant::now() < deadline, "no ready file after 30 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let address = std::fs::read_to_string(&ready).expect("read the ready file");
+    let connected = TcpStream::connect(address.trim());
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    connected.unwrap_or_else(|e| panic!("the ready file's address {address:?} takes no connection: {e}"));
+}

@@ -179,6 +179,12 @@ impl From<regatta_net::Error> for Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
+    /// Whether this is a port already taken by another process (the OS error's kind, not
+    /// its text): a caller that chose the port may choose another and start again.
+    pub fn is_address_in_use(&self) -> bool {
+        matches!(self, Self::Io { cause, .. } if cause.kind() == std::io::ErrorKind::AddrInUse)
+    }
+
     pub(crate) fn io(context: impl Into<String>, cause: std::io::Error) -> Self {
         Self::Io {
             context: context.into(),

@@ -15,11 +15,14 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
 use regatta_runtime::{
     resolve_token, run_worker, start_head, HeadConfig, Registry, Resources, TokenSource, WorkerConfig,
 };
+
+use crate::local::EXIT_ADDRESS_IN_USE;
 
 /// Regatta: an actor cluster runtime for ML training and batch scoring.
 #[derive(Parser, Debug)]
@@ -222,6 +225,11 @@ struct HeadArgs {
     /// drivers keep running, and the next head on this state directory takes them back.
     #[arg(long)]
     stop_jobs_on_exit: bool,
+    /// Once every port is open, write the cluster address to this file (written whole:
+    /// a reader never sees part of it), for a supervisor waiting on the head. A port
+    /// already taken ends the head with exit status 98 (`EADDRINUSE`).
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
     #[command(flatten)]
     objects: ObjectArgs,
     #[command(flatten)]
@@ -381,6 +389,16 @@ async fn job_shim(args: JobShimArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Writes `bytes` to `path` through a temporary file beside it and a rename: a reader sees
+/// the whole file or none.
+fn write_whole(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(".partial");
+    std::fs::write(&partial, bytes).with_context(|| format!("cannot write {}", path.display()))?;
+    std::fs::rename(&partial, path).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
+
 async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
     let (token, source) = resolve_token(args.token.token.as_deref(), args.token.token_file.as_deref(), true)?;
     if let TokenSource::Generated(path) = &source {
@@ -413,7 +431,17 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
         Some(jobs)
     };
     config.metrics_port = (args.metrics_port != 0).then_some(args.metrics_port);
-    let head = start_head(config).await?;
+    let head = match start_head(config).await {
+        Ok(head) => head,
+        Err(error) if error.is_address_in_use() => {
+            eprintln!("error: {error}");
+            return Ok(ExitCode::from(EXIT_ADDRESS_IN_USE));
+        }
+        Err(error) => return Err(error.into()),
+    };
+    if let Some(path) = &args.ready_file {
+        write_whole(path, head.address.as_bytes())?;
+    }
     println!(
         "regatta head listening on {} (bind {}:{})",
         head.address, args.bind, args.port
