@@ -23,6 +23,15 @@ pub enum Error {
         /// Where the mismatch was found.
         detail: String,
     },
+    /// A local spill folder that someone else could change: a restore trusts a spilled
+    /// copy's size and CRC, so whoever can write there could plant an object.
+    #[error("spill folder {path}: {problem}; spilled objects must sit where only this user can write (point --spill-url at a folder of your own, or leave it unset)")]
+    NotPrivate {
+        /// The folder at fault (the spill folder or one above it).
+        path: String,
+        /// Who else could change it.
+        problem: String,
+    },
     /// The spill backend failed.
     #[error("spill backend {url}: {reason}")]
     Spill {

@@ -6,6 +6,7 @@
 //! A spilled copy is named by its full URL, so any node that can reach the backend (every
 //! node for S3 or a shared directory) can restore it.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -86,12 +87,69 @@ pub fn open_store(url: &Url) -> Result<(Arc<dyn ObjectStore>, Path)> {
     }
 }
 
+/// The default folder for a node's spills: `/tmp/regatta-<uid>/spill`, this user's own.
+pub fn default_spill_dir() -> PathBuf {
+    PathBuf::from(format!("/tmp/regatta-{}/spill", effective_uid()))
+}
+
+#[allow(unsafe_code)]
+fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Creates `dir` (missing folders readable by this user only) and checks that nobody else
+/// can change what is in it. Walking up from `dir`: the folder itself must be this user's
+/// and writable by nobody else; each folder above must be this user's and writable by
+/// nobody else too, until one root owns that others cannot write or that has the sticky
+/// bit (`/tmp`: others cannot rename what this user made there).
+pub fn make_private_dir(dir: &std::path::Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let shown = dir.display().to_string();
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| spill_err(&shown, format!("cannot create it: {e}")))?;
+    let me = effective_uid();
+    let not_private = |path: &std::path::Path, problem: String| Error::NotPrivate {
+        path: path.display().to_string(),
+        problem,
+    };
+    let mut current = Some(dir);
+    while let Some(path) = current {
+        let meta = std::fs::symlink_metadata(path).map_err(|e| spill_err(&shown, format!("cannot read {}: {e}", path.display())))?;
+        let (owner, mode) = (meta.uid(), meta.mode());
+        let others_write = mode & 0o022 != 0;
+        let is_spill_dir = path == dir;
+        if is_spill_dir && !meta.is_dir() {
+            return Err(not_private(path, "it is not a folder (a link or a file)".into()));
+        }
+        if owner == 0 && !is_spill_dir && (!others_write || mode & 0o1000 != 0) {
+            return Ok(());
+        }
+        if owner != me {
+            return Err(not_private(path, format!("it belongs to uid {owner}, not to this user (uid {me})")));
+        }
+        if others_write {
+            return Err(not_private(path, format!("its group or others may write it (mode {:o})", mode & 0o7777)));
+        }
+        current = path.parent();
+    }
+    Ok(())
+}
+
 impl SpillBackend {
-    /// Opens a spill location; local directories are created.
+    /// Opens a spill location; a local folder is created private to this user and refused
+    /// when someone else could change it ([`make_private_dir`]).
     pub fn open(text: &str) -> Result<Self> {
         let mut base = parse_spill_url(text)?;
         if !base.path().ends_with('/') {
             base.set_path(&format!("{}/", base.path()));
+        }
+        if base.scheme() == "file" {
+            let dir = base.to_file_path().map_err(|_| spill_err(text, "not a local path"))?;
+            make_private_dir(&dir)?;
         }
         let (store, prefix) = open_store(&base)?;
         Ok(Self { store, base, prefix })
@@ -165,6 +223,39 @@ mod tests {
         delete(&url).await.unwrap();
         assert!(restore(&url, id, 1, 0).await.is_err());
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_spill_folder_others_could_change_is_refused_and_a_new_one_is_private() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let root = std::env::temp_dir().join(format!("regatta-spill-private-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+
+        // Made here: every new folder readable by this user only.
+        let fresh = root.join("a/b/spill");
+        SpillBackend::open(fresh.to_str().unwrap()).unwrap();
+        for dir in [root.join("a"), root.join("a/b"), fresh.clone()] {
+            assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700, "{}", dir.display());
+        }
+
+        // A folder anyone may write (as a stranger who made it first would leave it).
+        let open = root.join("open");
+        std::fs::create_dir_all(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = SpillBackend::open(open.to_str().unwrap()).unwrap_err();
+        assert!(matches!(&err, Error::NotPrivate { path, .. } if path.ends_with("open")), "{err}");
+        // Inside it, a folder of this user's own is refused too: the stranger could swap it.
+        let err = SpillBackend::open(open.join("mine").to_str().unwrap()).unwrap_err();
+        assert!(matches!(&err, Error::NotPrivate { path, .. } if path.ends_with("open")), "{err}");
+
+        // A folder another user owns (only root can make one to test with).
+        let theirs = root.join("theirs");
+        std::fs::create_dir_all(&theirs).unwrap();
+        if std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).is_ok() {
+            let err = SpillBackend::open(theirs.to_str().unwrap()).unwrap_err();
+            assert!(err.to_string().contains("belongs to uid 65534"), "{err}");
+        }
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

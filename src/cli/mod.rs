@@ -101,7 +101,8 @@ struct ObjectArgs {
     #[arg(long, value_parser = parse_bytes)]
     object_store_bytes: Option<u64>,
     /// Where objects spill: a directory, file:// or s3://bucket/prefix (AWS_* env vars
-    /// configure S3). Default: /tmp/regatta/spill/<node>.
+    /// configure S3). Default: /tmp/regatta-<uid>/spill/<node>. A local folder is made
+    /// private to this user and refused when anyone else could write it or a folder above.
     #[arg(long, env = "REGATTA_SPILL_URL")]
     spill_url: Option<String>,
     /// TCP port of the object transfer endpoint (0: any).

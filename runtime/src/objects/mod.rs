@@ -37,7 +37,8 @@ pub struct ObjectConfig {
     /// Bytes kept in memory before spilling (default: 30% of RAM).
     pub capacity_bytes: Option<u64>,
     /// Where spilled objects go: a directory, `file://` or `s3://` URL
-    /// (default: `/tmp/regatta/spill/<node>`).
+    /// (default: `/tmp/regatta-<uid>/spill/<node>`; a local folder must be this user's alone,
+    /// `regatta_object_store::make_private_dir`).
     pub spill_url: Option<String>,
     /// Address the transfer endpoint binds.
     pub bind: IpAddr,
@@ -177,7 +178,10 @@ impl ObjectService {
         let spill_url = config
             .spill_url
             .clone()
-            .unwrap_or_else(|| format!("/tmp/regatta/spill/{node}-{}", node::random_hex(3)));
+            .unwrap_or_else(|| {
+                let dir = regatta_object_store::default_spill_dir().join(format!("{node}-{}", node::random_hex(3)));
+                dir.to_string_lossy().into_owned()
+            });
         let spill = SpillBackend::open(&spill_url)?;
         let capacity = config.capacity_bytes.unwrap_or_else(default_capacity);
         let service = Arc::new(Self {
