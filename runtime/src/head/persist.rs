@@ -216,10 +216,54 @@ fn recover(file: &StateFile, heartbeat_timeout_ms: u64, object_grace_ms: u64) ->
     Ok((core, now, recovered.last_seq))
 }
 
+/// Where records are appended; the head's change log, or a stand-in in tests.
+trait Append {
+    fn append(&mut self, bytes: &[u8]) -> Result<()>;
+}
+
+impl Append for state_file::LogWriter {
+    fn append(&mut self, bytes: &[u8]) -> Result<()> {
+        state_file::LogWriter::append(self, bytes)
+    }
+}
+
+/// The first wait after a failed append; each next one doubles, up to [`RETRY_MAX`].
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+/// The longest wait between two tries of a failed append.
+const RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// Appends `bytes`, trying again after a growing wait for as long as the append fails
+/// (a full disk, an I/O error), so that no acknowledged change is ever missing from the
+/// log: the answers that wait on these records go out only once they are on disk, and a
+/// gap would make a restarted head stop its replay there. Returns the failures it rode
+/// out. `wait` sleeps (the tests' stand-in counts instead).
+fn append_until_written(log: &mut impl Append, bytes: &[u8], mut wait: impl FnMut(Duration)) -> u32 {
+    let mut failures = 0;
+    let mut pause = RETRY_FIRST;
+    loop {
+        match log.append(bytes) {
+            Ok(()) => {
+                if failures > 0 {
+                    tracing::info!(failures, "the head's state is written again; held answers go out now");
+                }
+                return failures;
+            }
+            Err(e) => {
+                if failures == 0 {
+                    tracing::error!(error = %e, "cannot write the head's state; the requests that changed it wait for their answers until it is written (free the disk or fix the error), trying again every few seconds");
+                }
+                failures += 1;
+                wait(pause);
+                pause = (pause * 2).min(RETRY_MAX);
+            }
+        }
+    }
+}
+
 /// Starts the thread that writes the head's state: appends records and flushes them, then
 /// sends the answers they made durable and tells the head it is done; writes snapshots
-/// and empties the log. A failed write is logged loudly and the answers go out anyway:
-/// the head keeps serving, at the risk the log names.
+/// and empties the log. A failed append is tried again until it is written
+/// ([`append_until_written`]): the answers wait, never the durability.
 fn start_writer(
     file: StateFile,
     mut log: state_file::LogWriter,
@@ -229,22 +273,10 @@ fn start_writer(
     std::thread::Builder::new()
         .name("regatta-head-state".into())
         .spawn(move || {
-            let mut failing = false;
             while let Some(write) = writes.blocking_recv() {
                 match write {
                     Write::Append { bytes, answers } => {
-                        match log.append(&bytes) {
-                            Ok(()) if failing => {
-                                tracing::info!(file = %file.path().display(), "the head's state is written again");
-                                failing = false;
-                            }
-                            Ok(()) => {}
-                            Err(e) if !failing => {
-                                tracing::error!(error = %e, "could not write the head's state; a restarted head would miss the latest changes (tried again with the next)");
-                                failing = true;
-                            }
-                            Err(_) => {}
-                        }
+                        append_until_written(&mut log, &bytes, std::thread::sleep);
                         for (port, answer) in answers {
                             let _ = port.send(answer);
                         }
@@ -280,4 +312,46 @@ pub(super) fn observe_snapshot(when: &str, took: Duration, bytes: usize) {
         millis = took.as_millis() as u64,
         "encoded a snapshot of the cluster's state"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A log that fails its first `failing` appends, then keeps what it is given.
+    struct Flaky {
+        failing: u32,
+        kept: Vec<u8>,
+        tries: u32,
+    }
+
+    impl Append for Flaky {
+        fn append(&mut self, bytes: &[u8]) -> Result<()> {
+            self.tries += 1;
+            if self.tries <= self.failing {
+                let full = std::io::Error::new(std::io::ErrorKind::StorageFull, "no space left on device");
+                return Err(crate::error::Error::Io { context: "cannot append".into(), cause: full });
+            }
+            self.kept.extend_from_slice(bytes);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_failed_append_is_tried_again_until_written_with_growing_waits() {
+        let mut log = Flaky { failing: 7, kept: Vec::new(), tries: 0 };
+        let mut waits = Vec::new();
+        let failures = append_until_written(&mut log, b"record", |pause| waits.push(pause));
+        assert_eq!(failures, 7);
+        assert_eq!(log.kept, b"record", "written once, whole, after the failures");
+        let millis: Vec<u128> = waits.iter().map(Duration::as_millis).collect();
+        assert_eq!(millis, [100, 200, 400, 800, 1600, 3200, 5000]);
+    }
+
+    #[test]
+    fn an_append_that_works_waits_for_nothing() {
+        let mut log = Flaky { failing: 0, kept: Vec::new(), tries: 0 };
+        let failures = append_until_written(&mut log, b"r", |_| panic!("no wait when the append works"));
+        assert_eq!((failures, log.tries, log.kept.as_slice()), (0, 1, &b"r"[..]));
+    }
 }
