@@ -70,18 +70,28 @@ fn read_token(path: &Path) -> Result<String> {
     Ok(token.to_string())
 }
 
+/// Writes a new token file readable by its user only from the first byte (made with mode
+/// 600, never widened and narrowed after), in a folder made with mode 700; an existing
+/// file is not overwritten.
 fn write_token(path: &Path, token: &str) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| Error::io(format!("cannot create {}", dir.display()), e))?;
     }
-    std::fs::write(path, format!("{token}\n")).map_err(|e| Error::io(format!("cannot write {}", path.display()), e))?;
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-            .map_err(|e| Error::io(format!("cannot restrict {}", path.display()), e))?;
-    }
-    Ok(())
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| Error::io(format!("cannot create {}", path.display()), e))?;
+    file.write_all(format!("{token}\n").as_bytes())
+        .and_then(|()| file.sync_all())
+        .map_err(|e| Error::io(format!("cannot write {}", path.display()), e))
 }
 
 #[cfg(test)]
@@ -103,6 +113,22 @@ mod tests {
                 .to_string()
                 .contains("empty"));
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_new_token_file_is_private_from_its_first_byte_and_never_overwritten() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = std::env::temp_dir().join(format!("regatta-token-write-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let file = dir.join("home/.regatta/token");
+        write_token(&file, "abc").unwrap();
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "abc\n");
+        assert_eq!(std::fs::metadata(&file).unwrap().mode() & 0o777, 0o600);
+        assert_eq!(std::fs::metadata(file.parent().unwrap()).unwrap().mode() & 0o777, 0o700);
+        let again = write_token(&file, "other").unwrap_err();
+        assert!(matches!(&again, Error::Io { cause, .. } if cause.kind() == std::io::ErrorKind::AlreadyExists), "{again}");
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "abc\n", "the first token is kept");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
