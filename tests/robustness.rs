@@ -233,7 +233,16 @@ fn a_head_tells_a_taken_port_by_its_exit_status_and_readiness_by_its_file() {
     let head = |port: &str| {
         let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_regatta"));
         command
-            .args(["head", "--bind", "127.0.0.1", "--port", port, "--no-job-api", "--metrics-port", "0"])
+            .args([
+                "head",
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                port,
+                "--no-job-api",
+                "--metrics-port",
+                "0",
+            ])
             .args(["--no-cluster-state", "--token", "ready-file-test", "--state-dir"])
             .arg(dir.join("state"))
             .arg("--ready-file")
@@ -250,13 +259,19 @@ fn a_head_tells_a_taken_port_by_its_exit_status_and_readiness_by_its_file() {
         "stderr: {}",
         String::from_utf8_lossy(&refused.stderr)
     );
-    assert!(String::from_utf8_lossy(&refused.stderr).contains(&port), "the error names the port");
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains(&port),
+        "the error names the port"
+    );
     assert!(!ready.exists(), "no ready file from a head that never listened");
 
     let mut child = head("0").spawn().expect("start regatta head");
     let deadline = Instant::now() + Duration::from_secs(30);
     while !ready.exists() {
-        assert!(child.try_wait().expect("wait").is_none(), "the head exited before it was ready");
+        assert!(
+            child.try_wait().expect("wait").is_none(),
+            "the head exited before it was ready"
+        );
         assert!(Instant::now() < deadline, "no ready file after 30 s");
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -118,7 +118,8 @@ pub fn make_private_dir(dir: &std::path::Path) -> Result<()> {
     };
     let mut current = Some(dir);
     while let Some(path) = current {
-        let meta = std::fs::symlink_metadata(path).map_err(|e| spill_err(&shown, format!("cannot read {}: {e}", path.display())))?;
+        let meta = std::fs::symlink_metadata(path)
+            .map_err(|e| spill_err(&shown, format!("cannot read {}: {e}", path.display())))?;
         let (owner, mode) = (meta.uid(), meta.mode());
         let others_write = mode & 0o022 != 0;
         let is_spill_dir = path == dir;
@@ -129,10 +130,16 @@ pub fn make_private_dir(dir: &std::path::Path) -> Result<()> {
             return Ok(());
         }
         if owner != me {
-            return Err(not_private(path, format!("it belongs to uid {owner}, not to this user (uid {me})")));
+            return Err(not_private(
+                path,
+                format!("it belongs to uid {owner}, not to this user (uid {me})"),
+            ));
         }
         if others_write {
-            return Err(not_private(path, format!("its group or others may write it (mode {:o})", mode & 0o7777)));
+            return Err(not_private(
+                path,
+                format!("its group or others may write it (mode {:o})", mode & 0o7777),
+            ));
         }
         current = path.parent();
     }
@@ -235,7 +242,12 @@ mod tests {
         let fresh = root.join("a/b/spill");
         SpillBackend::open(fresh.to_str().unwrap()).unwrap();
         for dir in [root.join("a"), root.join("a/b"), fresh.clone()] {
-            assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700, "{}", dir.display());
+            assert_eq!(
+                std::fs::metadata(&dir).unwrap().mode() & 0o777,
+                0o700,
+                "{}",
+                dir.display()
+            );
         }
 
         // A folder anyone may write (as a stranger who made it first would leave it).
@@ -243,10 +255,16 @@ mod tests {
         std::fs::create_dir_all(&open).unwrap();
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
         let err = SpillBackend::open(open.to_str().unwrap()).unwrap_err();
-        assert!(matches!(&err, Error::NotPrivate { path, .. } if path.ends_with("open")), "{err}");
+        assert!(
+            matches!(&err, Error::NotPrivate { path, .. } if path.trim_end_matches('/').ends_with("open")),
+            "{err}"
+        );
         // Inside it, a folder of this user's own is refused too: the stranger could swap it.
         let err = SpillBackend::open(open.join("mine").to_str().unwrap()).unwrap_err();
-        assert!(matches!(&err, Error::NotPrivate { path, .. } if path.ends_with("open")), "{err}");
+        assert!(
+            matches!(&err, Error::NotPrivate { path, .. } if path.trim_end_matches('/').ends_with("open")),
+            "{err}"
+        );
 
         // A folder another user owns (only root can make one to test with).
         let theirs = root.join("theirs");

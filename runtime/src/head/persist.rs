@@ -330,7 +330,10 @@ mod tests {
             self.tries += 1;
             if self.tries <= self.failing {
                 let full = std::io::Error::new(std::io::ErrorKind::StorageFull, "no space left on device");
-                return Err(crate::error::Error::Io { context: "cannot append".into(), cause: full });
+                return Err(crate::error::Error::Io {
+                    context: "cannot append".into(),
+                    cause: full,
+                });
             }
             self.kept.extend_from_slice(bytes);
             Ok(())
@@ -339,7 +342,11 @@ mod tests {
 
     #[test]
     fn a_failed_append_is_tried_again_until_written_with_growing_waits() {
-        let mut log = Flaky { failing: 7, kept: Vec::new(), tries: 0 };
+        let mut log = Flaky {
+            failing: 7,
+            kept: Vec::new(),
+            tries: 0,
+        };
         let mut waits = Vec::new();
         let failures = append_until_written(&mut log, b"record", |pause| waits.push(pause));
         assert_eq!(failures, 7);
@@ -350,7 +357,11 @@ mod tests {
 
     #[test]
     fn an_append_that_works_waits_for_nothing() {
-        let mut log = Flaky { failing: 0, kept: Vec::new(), tries: 0 };
+        let mut log = Flaky {
+            failing: 0,
+            kept: Vec::new(),
+            tries: 0,
+        };
         let failures = append_until_written(&mut log, b"r", |_| panic!("no wait when the append works"));
         assert_eq!((failures, log.tries, log.kept.as_slice()), (0, 1, &b"r"[..]));
     }

@@ -127,8 +127,15 @@ mod tests {
         assert_eq!(std::fs::metadata(&file).unwrap().mode() & 0o777, 0o600);
         assert_eq!(std::fs::metadata(file.parent().unwrap()).unwrap().mode() & 0o777, 0o700);
         let again = write_token(&file, "other").unwrap_err();
-        assert!(matches!(&again, Error::Io { cause, .. } if cause.kind() == std::io::ErrorKind::AlreadyExists), "{again}");
-        assert_eq!(std::fs::read_to_string(&file).unwrap(), "abc\n", "the first token is kept");
+        assert!(
+            matches!(&again, Error::Io { cause, .. } if cause.kind() == std::io::ErrorKind::AlreadyExists),
+            "{again}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(&file).unwrap(),
+            "abc\n",
+            "the first token is kept"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -175,13 +175,10 @@ impl ObjectService {
     ) -> Result<Arc<Self>> {
         let transfer = Transfer::bind(SocketAddr::new(config.bind, config.port), identity)?;
         let port = transfer.local_addr().port();
-        let spill_url = config
-            .spill_url
-            .clone()
-            .unwrap_or_else(|| {
-                let dir = regatta_object_store::default_spill_dir().join(format!("{node}-{}", node::random_hex(3)));
-                dir.to_string_lossy().into_owned()
-            });
+        let spill_url = config.spill_url.clone().unwrap_or_else(|| {
+            let dir = regatta_object_store::default_spill_dir().join(format!("{node}-{}", node::random_hex(3)));
+            dir.to_string_lossy().into_owned()
+        });
         let spill = SpillBackend::open(&spill_url)?;
         let capacity = config.capacity_bytes.unwrap_or_else(default_capacity);
         let service = Arc::new(Self {
