@@ -23,8 +23,10 @@ fn config(world: usize, quick: bool, model: Option<&str>) -> anyhow::Result<Trai
 
 /// [`config`] on `device` (`cpu`, or `cuda`: one GPU per rank, granted as `GPU = 1`).
 fn config_on(world: usize, quick: bool, model: Option<&str>, device: &str) -> anyhow::Result<TrainConfig> {
-    let mut config = TrainConfig::default();
-    config.device = device.to_string();
+    let mut config = TrainConfig {
+        device: device.to_string(),
+        ..TrainConfig::default()
+    };
     if device == "cuda" {
         config.resources.insert("GPU".to_string(), 1.0);
     }

@@ -151,9 +151,10 @@ fn bad_query(rejection: QueryRejection) -> Response {
     )
 }
 
-fn page_of(query: Result<Query<PageQuery>, QueryRejection>) -> Result<PageRequest, Response> {
-    let Query(query) = query.map_err(bad_query)?;
-    PageRequest::new(query.offset, query.limit).map_err(|e| error(StatusCode::BAD_REQUEST, e.to_string()))
+/// The page a query asks for, or the error response (boxed: a response is large).
+fn page_of(query: Result<Query<PageQuery>, QueryRejection>) -> Result<PageRequest, Box<Response>> {
+    let Query(query) = query.map_err(|rejection| Box::new(bad_query(rejection)))?;
+    PageRequest::new(query.offset, query.limit).map_err(|e| Box::new(error(StatusCode::BAD_REQUEST, e.to_string())))
 }
 
 /// Answers `query`'s view as JSON, or `404` when it names nothing.
@@ -200,14 +201,14 @@ async fn overview(State(api): State<Api>) -> Response {
 async fn nodes(State(api): State<Api>, query: Result<Query<PageQuery>, QueryRejection>) -> Response {
     match page_of(query) {
         Ok(page) => answer(&api, ViewQuery::Nodes(page)).await,
-        Err(response) => response,
+        Err(response) => *response,
     }
 }
 
 async fn groups(State(api): State<Api>, query: Result<Query<PageQuery>, QueryRejection>) -> Response {
     match page_of(query) {
         Ok(page) => answer(&api, ViewQuery::Groups(page)).await,
-        Err(response) => response,
+        Err(response) => *response,
     }
 }
 
