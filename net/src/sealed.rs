@@ -153,7 +153,9 @@ pub struct Sealer(Direction);
 /// Opens the frames one side receives.
 pub struct Opener(Direction);
 
-/// A frame's header: the payload's length and a word for the caller (a chunk's CRC).
+/// A frame's header: the payload's length and a word for the caller. The header is
+/// authenticated (AES-GCM's additional data) but not encrypted: nothing derived from the
+/// payload may go in the word.
 pub fn header(len: usize, word: u32) -> [u8; HEADER_LEN] {
     let mut header = [0u8; HEADER_LEN];
     header[..4].copy_from_slice(&(len as u32).to_le_bytes());
