@@ -1,8 +1,10 @@
-//! Bookkeeping of the TLS handshakes under way on one listener: at most a fixed number at
-//! once, and at most a quarter of them from any one source address, so that silent
-//! connections from one host cannot shut every other node out. Pure; the accept loops
-//! of the cluster port and the job API (`regatta-runtime`), of the call channel and of the
-//! object transfer hold a [`Slot`] for each handshake, from accept until it finishes.
+//! Bookkeeping of the TLS handshakes (or connections) under way on one listener: at most a
+//! fixed number at once, and at most a quarter of them from any one source, so that silent
+//! connections from one host cannot shut every other node out. A source is an IPv4 address
+//! or an IPv6 /64 (one host commonly holds a whole /64). Pure; the accept loops of the
+//! cluster port and the job API (`regatta-runtime`), of the call channel and of the object
+//! transfer hold a [`Slot`] for each handshake, from accept until it finishes, and the HTTP
+//! endpoints one for each connection.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -29,10 +31,10 @@ pub enum Refusal {
 impl std::fmt::Display for Refusal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Full => write!(f, "{MAX_HANDSHAKES} TLS handshakes already under way"),
+            Self::Full => write!(f, "every slot of the listener is taken"),
             Self::SourceFull => write!(
                 f,
-                "{MAX_HANDSHAKES_PER_SOURCE} TLS handshakes already under way from this address"
+                "this address (or its IPv6 /64) holds its share of the listener's slots"
             ),
         }
     }
@@ -68,10 +70,11 @@ impl Default for HandshakeSlots {
 impl HandshakeSlots {
     /// Slots with the listener caps.
     pub fn new() -> Self {
-        Self::with_caps(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE)
+        Self::with_limits(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE)
     }
 
-    fn with_caps(max_total: usize, max_per_source: usize) -> Self {
+    /// Slots with other caps: `max_total` at once, `max_per_source` from one source.
+    pub fn with_limits(max_total: usize, max_per_source: usize) -> Self {
         Self {
             counts: Arc::default(),
             max_total,
@@ -81,6 +84,7 @@ impl HandshakeSlots {
 
     /// A slot for a handshake from `source`, or why there is none.
     pub fn take(&self, source: IpAddr) -> Result<Slot, Refusal> {
+        let source = source_of(source);
         let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
         if counts.total >= self.max_total {
             return Err(Refusal::Full);
@@ -95,6 +99,18 @@ impl HandshakeSlots {
             counts: self.counts.clone(),
             source,
         })
+    }
+}
+
+/// The source an address counts against: an IPv4 address (IPv4-mapped IPv6 included) as
+/// is, an IPv6 address as its /64.
+fn source_of(address: IpAddr) -> IpAddr {
+    match address {
+        IpAddr::V4(_) => address,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(v6.to_bits() & !((1u128 << 64) - 1))),
+        },
     }
 }
 
@@ -121,7 +137,7 @@ mod tests {
 
     #[test]
     fn one_source_cannot_take_the_slots_of_the_others() {
-        let slots = HandshakeSlots::with_caps(4, 2);
+        let slots = HandshakeSlots::with_limits(4, 2);
         let a1 = slots.take(ip(1)).expect("first from a");
         let _a2 = slots.take(ip(1)).expect("second from a");
         assert_eq!(slots.take(ip(1)).err(), Some(Refusal::SourceFull));
@@ -133,8 +149,32 @@ mod tests {
     }
 
     #[test]
+    fn addresses_of_one_ipv6_64_share_its_quota() {
+        let slots = HandshakeSlots::with_limits(8, 2);
+        let host = |last: u16| IpAddr::from([0x2001, 0xdb8, 0, 1, 0, 0, 0, last]);
+        let _a = slots.take(host(1)).expect("first of the /64");
+        let _b = slots.take(host(2)).expect("second of the /64");
+        assert_eq!(
+            slots.take(host(3)).err(),
+            Some(Refusal::SourceFull),
+            "a third address of that /64"
+        );
+        let _other = slots
+            .take(IpAddr::from([0x2001, 0xdb8, 0, 2, 0, 0, 0, 1]))
+            .expect("another /64");
+        let mapped: IpAddr = "::ffff:10.0.0.9".parse().expect("an IPv4-mapped address");
+        let _m = slots.take(mapped).expect("first from 10.0.0.9");
+        let _v4 = slots.take(ip(9)).expect("second from 10.0.0.9");
+        assert_eq!(
+            slots.take(mapped).err(),
+            Some(Refusal::SourceFull),
+            "mapped and plain are one source"
+        );
+    }
+
+    #[test]
     fn slots_given_back_leave_no_trace() {
-        let slots = HandshakeSlots::with_caps(2, 1);
+        let slots = HandshakeSlots::with_limits(2, 1);
         for round in 0..3u8 {
             let held: Vec<Slot> = [ip(round), ip(round + 10)]
                 .into_iter()
