@@ -1,7 +1,8 @@
 //! Bookkeeping of the TLS handshakes (or connections) under way on one listener: at most a
 //! fixed number at once, and at most a quarter of them from any one source, so that silent
-//! connections from one host cannot shut every other node out. A source is an IPv4 address
-//! or an IPv6 /64 (one host commonly holds a whole /64). Pure; the accept loops of the
+//! connections from one host cannot shut every other node out. A source is an IPv4 /24 or
+//! an IPv6 /64 (one host commonly holds a whole /64, one network a /24), so that a sender
+//! cannot multiply its share by using its neighbouring addresses. Pure; the accept loops of the
 //! cluster port and the job API (`regatta-runtime`), of the call channel and of the object
 //! transfer hold a [`Slot`] for each handshake, from accept until it finishes, and the HTTP
 //! endpoints one for each connection.
@@ -103,12 +104,13 @@ impl HandshakeSlots {
 }
 
 /// The source an address counts against: an IPv4 address (IPv4-mapped IPv6 included) as
-/// is, an IPv6 address as its /64.
+/// its /24, an IPv6 address as its /64.
 fn source_of(address: IpAddr) -> IpAddr {
+    let v4 = |v4: std::net::Ipv4Addr| IpAddr::V4(std::net::Ipv4Addr::from(v4.to_bits() & !0xff));
     match address {
-        IpAddr::V4(_) => address,
+        IpAddr::V4(address) => v4(address),
         IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
+            Some(address) => v4(address),
             None => IpAddr::V6(std::net::Ipv6Addr::from(v6.to_bits() & !((1u128 << 64) - 1))),
         },
     }
@@ -131,8 +133,9 @@ impl Drop for Slot {
 mod tests {
     use super::*;
 
-    fn ip(last: u8) -> IpAddr {
-        IpAddr::from([10, 0, 0, last])
+    /// An address of its own /24 for each `net`.
+    fn ip(net: u8) -> IpAddr {
+        IpAddr::from([10, 0, net, 1])
     }
 
     #[test]
@@ -149,7 +152,7 @@ mod tests {
     }
 
     #[test]
-    fn addresses_of_one_ipv6_64_share_its_quota() {
+    fn addresses_of_one_ipv6_64_or_ipv4_24_share_its_quota() {
         let slots = HandshakeSlots::with_limits(8, 2);
         let host = |last: u16| IpAddr::from([0x2001, 0xdb8, 0, 1, 0, 0, 0, last]);
         let _a = slots.take(host(1)).expect("first of the /64");
@@ -162,14 +165,17 @@ mod tests {
         let _other = slots
             .take(IpAddr::from([0x2001, 0xdb8, 0, 2, 0, 0, 0, 1]))
             .expect("another /64");
-        let mapped: IpAddr = "::ffff:10.0.0.9".parse().expect("an IPv4-mapped address");
-        let _m = slots.take(mapped).expect("first from 10.0.0.9");
-        let _v4 = slots.take(ip(9)).expect("second from 10.0.0.9");
+        let mapped: IpAddr = "::ffff:10.0.9.1".parse().expect("an IPv4-mapped address");
+        let _m = slots.take(mapped).expect("first from 10.0.9.0/24");
+        let _v4 = slots
+            .take(IpAddr::from([10, 0, 9, 200]))
+            .expect("second from 10.0.9.0/24");
         assert_eq!(
             slots.take(mapped).err(),
             Some(Refusal::SourceFull),
-            "mapped and plain are one source"
+            "one /24, mapped or plain"
         );
+        let _next = slots.take(ip(10)).expect("the next /24 has its own share");
     }
 
     #[test]
