@@ -197,9 +197,14 @@ struct HeadArgs {
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<PathBuf>,
     /// Serve the job API over plain HTTP: the token, job environments and logs cross the
-    /// network in cleartext. Only behind a TLS-terminating proxy.
+    /// network in cleartext. Only behind a TLS-terminating proxy; it then listens on
+    /// 127.0.0.1 unless --job-bind says otherwise.
     #[arg(long)]
     insecure: bool,
+    /// Address the job API and dashboard listen on (default: --bind; with --insecure,
+    /// 127.0.0.1).
+    #[arg(long)]
+    job_bind: Option<IpAddr>,
     /// HTTP port of the head's /metrics and Prometheus service discovery
     /// (/api/prometheus/sd); 0 turns it off.
     #[arg(long, default_value_t = 9180)]
@@ -390,6 +395,21 @@ async fn job_shim(args: JobShimArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Where the job API listens: `--job-bind` when given; else loopback for plain HTTP
+/// (`--insecure`: cleartext must not face the network unless asked), else `--bind`.
+fn job_api_bind(bind: IpAddr, job_bind: Option<IpAddr>, insecure: bool) -> IpAddr {
+    match job_bind {
+        Some(address) => {
+            if insecure && !address.is_loopback() {
+                tracing::warn!(%address, "the plain-HTTP job API (--insecure) listens beyond this machine (--job-bind): put it behind a TLS-terminating proxy");
+            }
+            address
+        }
+        None if insecure => IpAddr::from([127, 0, 0, 1]),
+        None => bind,
+    }
+}
+
 /// Writes `bytes` to `path` through a temporary file beside it and a rename: a reader sees
 /// the whole file or none.
 fn write_whole(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
@@ -422,6 +442,7 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
         None
     } else {
         jobs.http_port = args.job_port;
+        jobs.http_bind = Some(job_api_bind(args.bind, args.job_bind, args.insecure));
         jobs.log_cap_bytes = args.job_log_bytes;
         jobs.max_package_bytes = args.job_package_bytes;
         jobs.tls = match (args.insecure, args.tls_cert, args.tls_key) {
@@ -528,6 +549,20 @@ async fn probe(url: &str) -> anyhow::Result<ExitCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plain_http_listens_on_loopback_unless_told_otherwise() {
+        let any = IpAddr::from([0, 0, 0, 0]);
+        let lan = IpAddr::from([10, 1, 2, 3]);
+        assert_eq!(job_api_bind(any, None, false), any, "HTTPS follows --bind");
+        assert_eq!(
+            job_api_bind(any, None, true),
+            IpAddr::from([127, 0, 0, 1]),
+            "plain HTTP stays local"
+        );
+        assert_eq!(job_api_bind(any, Some(lan), true), lan, "--job-bind wins");
+        assert_eq!(job_api_bind(lan, Some(any), false), any);
+    }
 
     #[test]
     fn sizes_parse_with_units_and_bad_ones_say_why() {

@@ -216,7 +216,7 @@ async fn start_jobs(
 ) -> Result<(SocketAddr, JobManager)> {
     let manager = JobManager::open(jobs.clone(), address.to_string(), config.token.clone(), link.clone())?;
     manager.resume();
-    let bind = SocketAddr::new(config.bind, jobs.http_port);
+    let bind = SocketAddr::new(jobs.http_bind.unwrap_or(config.bind), jobs.http_port);
     let tls = crate::net::https::server_config(&jobs.tls, identity)?;
     if tls.is_none() {
         tracing::warn!("THE JOB API SERVES PLAIN HTTP (--insecure): the cluster token, job environments and logs cross the network in cleartext");

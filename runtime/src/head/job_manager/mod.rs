@@ -44,6 +44,8 @@ pub struct JobConfig {
     pub max_package_bytes: u64,
     /// HTTP port of the job API (0: any).
     pub http_port: u16,
+    /// Address the job API listens on (default: the head's `bind`).
+    pub http_bind: Option<std::net::IpAddr>,
     /// HTTPS (by default with the token's certificate) or plain HTTP.
     pub tls: ApiTls,
     /// The `regatta` binary, whose `job-shim` command supervises each driver (default: the
@@ -63,6 +65,7 @@ impl JobConfig {
             stop_grace: Duration::from_secs(3),
             max_package_bytes: crate::jobs::packages::MAX_PACKAGE_BYTES,
             http_port: 8265,
+            http_bind: None,
             tls: ApiTls::Token,
             supervisor_binary: std::env::current_exe().ok(),
         }
