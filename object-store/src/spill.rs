@@ -111,6 +111,9 @@ pub fn make_private_dir(dir: &std::path::Path) -> Result<()> {
         .mode(0o700)
         .create(dir)
         .map_err(|e| spill_err(&shown, format!("cannot create it: {e}")))?;
+    // Without a trailing slash, which would make the kernel follow a link at the end.
+    let dir: PathBuf = dir.components().collect();
+    let dir = dir.as_path();
     let me = effective_uid();
     let not_private = |path: &std::path::Path, problem: String| Error::NotPrivate {
         path: path.display().to_string(),
@@ -118,11 +121,18 @@ pub fn make_private_dir(dir: &std::path::Path) -> Result<()> {
     };
     let mut current = Some(dir);
     while let Some(path) = current {
-        let meta = std::fs::symlink_metadata(path)
-            .map_err(|e| spill_err(&shown, format!("cannot read {}: {e}", path.display())))?;
+        let is_spill_dir = path == dir;
+        // The spill folder itself must not be a link; a link above it (`/home` to another
+        // disk) stands for the folder it names, and who may replace the link is checked
+        // at the folder above it, next.
+        let meta = if is_spill_dir {
+            std::fs::symlink_metadata(path)
+        } else {
+            std::fs::metadata(path)
+        }
+        .map_err(|e| spill_err(&shown, format!("cannot read {}: {e}", path.display())))?;
         let (owner, mode) = (meta.uid(), meta.mode());
         let others_write = mode & 0o022 != 0;
-        let is_spill_dir = path == dir;
         if is_spill_dir && !meta.is_dir() {
             return Err(not_private(path, "it is not a folder (a link or a file)".into()));
         }
@@ -265,6 +275,14 @@ mod tests {
             matches!(&err, Error::NotPrivate { path, .. } if path.trim_end_matches('/').ends_with("open")),
             "{err}"
         );
+
+        // A link above the folder (its own mode is 777) stands for the folder it names.
+        std::os::unix::fs::symlink(root.join("a"), root.join("linked")).unwrap();
+        SpillBackend::open(root.join("linked/b/spill").to_str().unwrap()).unwrap();
+        // The spill folder itself may not be a link.
+        std::os::unix::fs::symlink(&fresh, root.join("spill-link")).unwrap();
+        let err = SpillBackend::open(root.join("spill-link").to_str().unwrap()).unwrap_err();
+        assert!(err.to_string().contains("not a folder"), "{err}");
 
         // A folder another user owns (only root can make one to test with).
         let theirs = root.join("theirs");

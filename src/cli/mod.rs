@@ -232,7 +232,8 @@ struct HeadArgs {
     #[arg(long)]
     stop_jobs_on_exit: bool,
     /// Once every port is open, write the cluster address to this file (written whole:
-    /// a reader never sees part of it), for a supervisor waiting on the head. A port
+    /// a reader never sees part of it; removed when the head stops), for a supervisor
+    /// waiting on the head. A port
     /// already taken ends the head with exit status 98 (`EADDRINUSE`).
     #[arg(long)]
     ready_file: Option<PathBuf>,
@@ -481,6 +482,10 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
         head.stop_jobs().await;
     }
     head.stop();
+    if let Some(path) = &args.ready_file {
+        // A stopped head is not ready: a supervisor must not read a stale file as up.
+        let _ = std::fs::remove_file(path);
+    }
     Ok(ExitCode::SUCCESS)
 }
 

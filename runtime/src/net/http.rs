@@ -1,6 +1,6 @@
 //! Serving an axum router in the background: the one place that binds HTTP listeners.
 //! Each listener serves at most [`MAX_CONNECTIONS`] connections at once, at most
-//! [`MAX_PER_SOURCE`] of them from one source (an IPv4 address or an IPv6 /64), and closes a
+//! [`MAX_PER_SOURCE`] of them from one source (an IPv4 /24 or an IPv6 /64), and closes a
 //! connection that has not sent a whole request head within [`HEADER_READ_TIMEOUT`] (its
 //! first request, or the next one on a kept-alive connection): idle or trickling
 //! connections cannot use up the head's file descriptors.
