@@ -34,10 +34,10 @@ pub use regatta_runtime::{
     ActorId, ActorLine, ActorState, ActorView, ClusterStatus, DeathCause, GroupStatus, Loss, NodeStatus, View,
     ViewQuery,
 };
-// Jobs (Ray's job API) and the cluster token.
+// Jobs (Ray's job API) and the cluster's trust: join tokens and the authority's hash.
 pub use regatta_runtime::{
-    default_token_file, resolve_token, JobClient, JobRecord, JobStatus, JobSubmission, RuntimeEnv, TokenSource,
-    ADDRESS_ENV, DEFAULT_JOB_ADDRESS, TOKEN_ENV,
+    default_token_file, fetch_cluster_authority, resolve_token, CaHash, JobClient, JobRecord, JobStatus, JobSubmission,
+    JoinCredentials, JoinToken, RuntimeEnv, TokenSource, ADDRESS_ENV, CA_HASH_ENV, DEFAULT_JOB_ADDRESS, TOKEN_ENV,
 };
 // Python actors (the `regatta` Python package's workers) and the call channel's knobs.
 pub use regatta_runtime::{

@@ -162,7 +162,7 @@ impl LocalCluster {
         let token = options
             .token
             .clone()
-            .unwrap_or_else(|| format!("local-{}-{}", std::process::id(), unique()));
+            .unwrap_or_else(|| regatta_runtime::JoinToken::generate().to_string());
         let (head, [port, job_port, metrics_port]) = start_head(&options, &token)?;
         let address = format!("127.0.0.1:{port}");
         let mut cluster = Self {

@@ -128,7 +128,7 @@ fn compose_for(tag: &str, token: &str, ports: (u16, u16, u16)) -> Compose {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compose_cluster_runs_a_job_and_survives_a_stopped_worker() {
     let _serial = build_image();
-    let token = format!("docker-test-{}", std::process::id());
+    let token = regatta::JoinToken::generate().to_string();
     let (head_port, job_port, metrics_port) = (free_port(), free_port(), free_port());
     let compose = compose_for("test", &token, (head_port, job_port, metrics_port));
     run(&mut compose.command(&["up", "-d", "--no-build", "head", "worker", "worker-gpu"]));

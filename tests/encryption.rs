@@ -302,6 +302,13 @@ async fn no_marker_nor_the_token_crosses_loopback_in_cleartext() {
         !contains(&captured, &cluster.local.token),
         "the cluster token crossed loopback in cleartext"
     );
+    // Every worker and client joined with it during the capture: its secret never crossed
+    // loopback in the clear either (the joins prove it with an HMAC inside TLS).
+    let secret = cluster.local.token.split('.').nth(1).expect("a join token's secret");
+    assert!(
+        !contains(&captured, secret),
+        "the join token's secret crossed loopback in cleartext"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -331,9 +338,9 @@ async fn the_cluster_port_refuses_another_clusters_node_plain_bytes_and_silence(
         answer.is_empty() || answer[0] == 0x15,
         "a cleartext handshake got something other than a TLS alert: {answer:?}"
     );
-    // A client of another cluster is refused at the handshake, by its token.
+    // A client of another cluster is refused at the join, by its token.
     let started = Instant::now();
-    let other = Client::connect(&address, "another-clusters-token").await;
+    let other = Client::connect(&address, &regatta::JoinToken::generate().to_string()).await;
     assert!(
         matches!(other, Err(Error::TokenRefused { .. })),
         "a client with another token: {:?}",
@@ -428,7 +435,7 @@ async fn the_job_api_speaks_https_and_refuses_plain_http_and_another_clusters_ce
     assert!(anonymous.starts_with("HTTP/1.1 200"), "{anonymous}");
     // With a certificate of another cluster's authority: refused at the handshake, even
     // with the right bearer token.
-    let mut foreign = (*regatta_net::identity_from_token("another-clusters-token")
+    let mut foreign = (*regatta_net::identity_from_secret("another-clusters-secret")
         .expect("identity")
         .client)
         .clone();

@@ -529,7 +529,7 @@ fn a_head_refuses_a_state_file_it_cannot_use_and_says_why() {
         ])
         .arg("--state-dir")
         .arg(&dir)
-        .env("REGATTA_TOKEN", "state-test-token")
+        .env("REGATTA_TOKEN", "statet.0123456789abcdef0123456789abcdef")
         .output()
         .expect("run the head");
     let text = String::from_utf8_lossy(&output.stderr).to_string() + &String::from_utf8_lossy(&output.stdout);

@@ -445,7 +445,7 @@ async fn the_cli_submits_follows_and_manages_jobs() {
 
     let unreachable = Command::new(regatta)
         .args(["job", "list", "--address", "http://127.0.0.1:1"])
-        .env("REGATTA_TOKEN", "x")
+        .env("REGATTA_TOKEN", "abcdef.0123456789abcdef0123456789abcdef")
         .output()
         .expect("run");
     assert!(String::from_utf8_lossy(&unreachable.stderr).contains("did not answer"));

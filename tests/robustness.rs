@@ -43,7 +43,7 @@ async fn a_worker_with_the_wrong_token_is_refused_and_both_sides_log_it() {
                 "--advertise-host",
                 "127.0.0.1",
             ],
-            "not-the-token",
+            &regatta::JoinToken::generate().to_string(),
             "intruder.log",
         )
         .expect("start intruder");
@@ -61,19 +61,30 @@ async fn a_worker_with_the_wrong_token_is_refused_and_both_sides_log_it() {
     assert_eq!(code, Some(2), "a refused token exits with status 2");
     let worker_log = cluster.local.log("intruder");
     assert!(
-        worker_log.contains("cluster token does not match"),
+        worker_log.contains("refused this process") && worker_log.contains("knows no join token"),
         "worker log:\n{worker_log}"
     );
     let head_log = cluster.local.log("head");
     assert!(
-        head_log.contains("did not prove the cluster token"),
+        head_log.contains("did not prove it belongs to the cluster") && head_log.contains("knows no join token"),
         "head log:\n{head_log}"
     );
 
+    // The right id with another secret: refused for the secret.
+    let id = cluster.local.token.split('.').next().expect("an id").to_string();
+    let forged = format!("{id}.{}", "7".repeat(32));
+    let client = Client::connect(&cluster.local.address, &forged).await;
+    assert!(
+        matches!(&client, Err(Error::TokenRefused { reason, .. }) if reason.contains("secret is wrong")),
+        "client with a wrong secret: {:?}",
+        client.err()
+    );
+    // A token that is not a join token at all (an older Regatta's): told so before any
+    // connection.
     let client = Client::connect(&cluster.local.address, "also-wrong").await;
     assert!(
-        matches!(client, Err(Error::TokenRefused { .. })),
-        "client with a wrong token: {:?}",
+        matches!(&client, Err(Error::Token(why)) if why.contains("regatta token generate")),
+        "client with an old-style token: {:?}",
         client.err()
     );
 
@@ -243,7 +254,12 @@ fn a_head_tells_a_taken_port_by_its_exit_status_and_readiness_by_its_file() {
                 "--metrics-port",
                 "0",
             ])
-            .args(["--no-cluster-state", "--token", "ready-file-test", "--state-dir"])
+            .args([
+                "--no-cluster-state",
+                "--token",
+                "readyf.0123456789abcdef0123456789abcdef",
+                "--state-dir",
+            ])
             .arg(dir.join("state"))
             .arg("--ready-file")
             .arg(&ready)

@@ -8,6 +8,15 @@ pub enum Error {
     /// TLS credentials could not be built.
     #[error("TLS setup failed: {0}")]
     Tls(String),
+    /// A join request or answer that cannot be used (a bad token, hash or name).
+    #[error("{0}")]
+    Join(String),
+    /// The head refused the join, or proved it is not the cluster's head.
+    #[error("{0}")]
+    JoinRefused(String),
+    /// The head could not be reached to join (yet).
+    #[error("{0}")]
+    JoinUnreachable(String),
     /// The object transfer (or the trainer's QUIC endpoint) could not be set up or reached.
     #[error("object transfer: {0}")]
     Transfer(String),

@@ -1,9 +1,10 @@
-//! TLS credentials for the QUIC data plane, derived from the cluster token.
+//! TLS credentials: the rustls configurations of one process.
 //!
-//! Every node derives the same certificate authority key from the token (Ed25519, seeded by
-//! SHA-256 of the token), makes a fresh leaf certificate signed by it, and trusts only that
-//! authority, both as server and as client (mutual TLS). A peer without the token cannot
-//! produce a certificate the others accept, so the endpoint is never open.
+//! A cluster's processes hold certificates its own authority issued at join ([`crate::ca`],
+//! [`crate::join`]): [`TlsIdentity::issued`] builds their configurations (mutual TLS, the
+//! authority alone trusted, both as server and as client). [`identity_from_secret`] builds
+//! a self-contained identity from a random shared secret instead: the trainer's ring, whose
+//! ranks share a per-group secret the head hands out, and loopback probes.
 
 use std::sync::Arc;
 
@@ -18,27 +19,37 @@ use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
 use sha2::{Digest, Sha256};
 
+use crate::ca::{CaHash, ClusterCa, Role, SERVER_NAME};
 use crate::error::{Error, Result};
-
-/// The name every node's certificate carries and every client checks.
-pub const SERVER_NAME: &str = "regatta-node";
 
 /// ALPN protocol id of the object transfer protocol.
 pub const ALPN: &[u8] = b"regatta-objects/1";
 
-/// rustls configurations for one node.
+/// rustls configurations for one process.
 #[derive(Clone)]
 pub struct TlsIdentity {
     /// For accepting connections.
     pub server: Arc<rustls::ServerConfig>,
     /// For opening connections.
     pub client: Arc<rustls::ClientConfig>,
-    /// For serving HTTPS (the job API): the same certificate, ALPN `http/1.1`, and a
-    /// client certificate optional (browsers have none; one that is presented must come
-    /// from the token's authority).
-    pub https: Arc<rustls::ServerConfig>,
-    /// The token's certificate authority, for clients that trust it.
+    /// For serving HTTPS (the job API): a certificate browsers can use (ECDSA P-256), ALPN
+    /// `http/1.1`, and a client certificate optional (browsers have none; one that is
+    /// presented must come from the cluster's authority). Only the head has one.
+    pub https: Option<Arc<rustls::ServerConfig>>,
+    /// The cluster's certificate authority, for clients that trust it.
     pub ca: CertificateDer<'static>,
+    /// The cluster's identity (the authority's hash).
+    pub cluster: CaHash,
+    /// For answering joins on the cluster port ([`crate::join`]): the head's certificate
+    /// with the authority's beside it (so a pinned joiner can check the chain), no client
+    /// certificate asked. Only the head has one.
+    pub join: Option<Arc<rustls::ServerConfig>>,
+}
+
+impl std::fmt::Debug for TlsIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TlsIdentity(cluster {})", self.cluster)
+    }
 }
 
 impl TlsIdentity {
@@ -51,6 +62,75 @@ impl TlsIdentity {
         client.alpn_protocols = vec![alpn.to_vec()];
         (Arc::new(server), Arc::new(client))
     }
+
+    /// The configurations of a process holding `leaf` (issued by the authority `ca` for
+    /// `key`); `https` adds the head's HTTPS certificate.
+    pub fn issued(
+        ca: CertificateDer<'static>,
+        leaf: CertificateDer<'static>,
+        key: &KeyPair,
+        https: Option<(CertificateDer<'static>, &KeyPair)>,
+    ) -> Result<Self> {
+        let cluster = CaHash::of_certificate(&ca)?;
+        let mut roots = RootCertStore::empty();
+        roots.add(ca.clone()).map_err(tls("trust the cluster CA"))?;
+        let roots = Arc::new(roots);
+        let chain = vec![leaf];
+        let pkcs8 = || PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let cluster_provider = cluster_provider();
+        let (required, optional) = client_verifiers(&roots, &provider)?;
+        let https = match https {
+            Some((cert, web_key)) => Some(Arc::new(https_config(cert, web_key, provider, optional)?)),
+            None => None,
+        };
+        let server = cluster_server(cluster_provider.clone(), required, chain.clone(), pkcs8())?;
+        let client = cluster_client(cluster_provider, roots, chain, pkcs8())?;
+        Ok(Self {
+            server: Arc::new(server),
+            client: Arc::new(client),
+            https,
+            ca,
+            cluster,
+            join: None,
+        })
+    }
+
+    /// The head's identity: its own certificate and its HTTPS one, issued here by `ca`.
+    pub fn for_head(ca: &ClusterCa) -> Result<Self> {
+        let key = crate::ca::node_key()?;
+        let leaf = ca.issue_for_key(&Role::Head, &key)?;
+        // Browsers do not sign with Ed25519 in TLS (Chromium fails the handshake), so the
+        // HTTPS leaf is ECDSA P-256, under the same authority.
+        let web_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(cert("HTTPS key"))?;
+        let web = ca.issue_for_key(&Role::Head, &web_key)?;
+        let mut identity = Self::issued(ca.certificate_der().clone(), leaf.clone(), &key, Some((web, &web_key)))?;
+        let mut join =
+            rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
+                .with_protocol_versions(&[&rustls::version::TLS13])
+                .map_err(tls("join protocol versions"))?
+                .with_no_client_auth()
+                .with_single_cert(
+                    vec![leaf, ca.certificate_der().clone()],
+                    PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+                )
+                .map_err(tls("join certificate"))?;
+        join.alpn_protocols = vec![crate::join::JOIN_ALPN.to_vec()];
+        identity.join = Some(Arc::new(join));
+        Ok(identity)
+    }
+}
+
+/// The TLS 1.3 provider of the cluster's own connections.
+fn cluster_provider() -> Arc<CryptoProvider> {
+    // Between the cluster's own processes AES-128-GCM goes first: a TLS 1.3 suite like the
+    // others, and ~15% less CPU per byte than AES-256-GCM (`openssl speed -evp` on the CI
+    // kind: 6.5 against 5.7 GB/s), which bounds the object and ring transfers. Browsers
+    // keep the default order.
+    Arc::new(rustls::crypto::CryptoProvider {
+        cipher_suites: cluster_cipher_suites(),
+        ..rustls::crypto::aws_lc_rs::default_provider()
+    })
 }
 
 /// PKCS#8 v1 wrapping of a raw Ed25519 seed (RFC 8410).
@@ -70,85 +150,50 @@ fn cert(what: &str) -> impl Fn(rcgen::Error) -> Error + '_ {
     move |e| Error::Tls(format!("{what}: {e}"))
 }
 
-/// The cluster's certificate authority: the same key on every node, derived from the token.
-struct Authority {
-    key: KeyPair,
-    cert: Certificate,
+/// The authority of a shared random secret: an Ed25519 key seeded by SHA-256 of it, and
+/// its self-signed certificate. Only for secrets made at random (the ring's per-group
+/// secret): a guessable secret gives the key away.
+fn secret_authority(secret: &str) -> Result<(KeyPair, Certificate)> {
+    let seed: [u8; 32] = Sha256::new()
+        .chain_update(b"regatta quic certificate authority v1\0")
+        .chain_update(secret.as_bytes())
+        .finalize()
+        .into();
+    let der = PrivatePkcs8KeyDer::from(ed25519_pkcs8(&seed));
+    let key = KeyPair::from_pkcs8_der_and_sign_algo(&der, &PKCS_ED25519).map_err(cert("CA key"))?;
+    let mut params = CertificateParams::new(Vec::<String>::new()).map_err(cert("CA"))?;
+    let mut name = DistinguishedName::new();
+    name.push(DnType::CommonName, "regatta ring CA");
+    params.distinguished_name = name;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+    let cert = params.self_signed(&key).map_err(cert("CA certificate"))?;
+    Ok((key, cert))
 }
 
-impl Authority {
-    /// The authority of `token`: an Ed25519 key seeded by SHA-256 of the token, and its
-    /// self-signed certificate.
-    fn from_token(token: &str) -> Result<Self> {
-        let seed: [u8; 32] = Sha256::new()
-            .chain_update(b"regatta quic certificate authority v1\0")
-            .chain_update(token.as_bytes())
-            .finalize()
-            .into();
-        let der = PrivatePkcs8KeyDer::from(ed25519_pkcs8(&seed));
-        let key = KeyPair::from_pkcs8_der_and_sign_algo(&der, &PKCS_ED25519).map_err(cert("cluster CA key"))?;
-        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(cert("cluster CA"))?;
-        let mut name = DistinguishedName::new();
-        name.push(DnType::CommonName, "regatta cluster CA");
-        params.distinguished_name = name;
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
-        let cert = params.self_signed(&key).map_err(cert("cluster CA certificate"))?;
-        Ok(Self { key, cert })
-    }
-
-    /// A certificate of `params` for `key`, signed by the authority; `what` names it in errors.
-    fn sign(&self, params: CertificateParams, key: &KeyPair, what: &str) -> Result<Certificate> {
-        params.signed_by(key, &self.cert, &self.key).map_err(cert(what))
-    }
-
-    /// A root store that trusts this authority alone.
-    fn roots(&self) -> Result<Arc<RootCertStore>> {
-        let mut roots = RootCertStore::empty();
-        roots
-            .add(self.cert.der().clone())
-            .map_err(tls("trust the cluster CA"))?;
-        Ok(Arc::new(roots))
-    }
-}
-
-/// What a node's certificates say: the name [`SERVER_NAME`], common name `regatta node`.
-fn node_params() -> Result<CertificateParams> {
+/// A self-contained identity from a random shared secret (see the module's notes): every
+/// holder makes a fresh leaf named [`SERVER_NAME`] under the authority the secret seeds.
+pub fn identity_from_secret(secret: &str) -> Result<TlsIdentity> {
+    let (ca_key, ca_cert) = secret_authority(secret)?;
+    let leaf_key = crate::ca::node_key()?;
     let mut params = CertificateParams::new(vec![SERVER_NAME.to_string()]).map_err(cert("node certificate"))?;
     let mut name = DistinguishedName::new();
     name.push(DnType::CommonName, "regatta node");
     params.distinguished_name = name;
-    Ok(params)
-}
-
-/// Builds this node's TLS identity from the cluster token.
-pub fn identity_from_token(token: &str) -> Result<TlsIdentity> {
-    let authority = Authority::from_token(token)?;
-    let leaf_key = KeyPair::generate_for(&PKCS_ED25519).map_err(cert("node key"))?;
-    let leaf_params = node_params()?;
-    let leaf = authority.sign(leaf_params.clone(), &leaf_key, "node certificate")?;
-    let roots = authority.roots()?;
-    let chain: Vec<CertificateDer<'static>> = vec![leaf.der().clone()];
-    let key = || PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    // Between the cluster's own processes AES-128-GCM goes first: a TLS 1.3 suite like the
-    // others, and ~15% less CPU per byte than AES-256-GCM (`openssl speed -evp` on the CI
-    // kind: 6.5 against 5.7 GB/s), which bounds the object and ring transfers. Browsers
-    // keep the default order.
-    let cluster = Arc::new(rustls::crypto::CryptoProvider {
-        cipher_suites: cluster_cipher_suites(),
-        ..rustls::crypto::aws_lc_rs::default_provider()
-    });
-    let (required, optional) = client_verifiers(&roots, &provider)?;
-    let https = https_config(&authority, leaf_params, provider, optional)?;
-    let server = cluster_server(cluster.clone(), required, chain.clone(), key())?;
-    let client = cluster_client(cluster, roots, chain, key())?;
-    Ok(TlsIdentity {
-        server: Arc::new(server),
-        client: Arc::new(client),
-        https: Arc::new(https),
-        ca: authority.cert.der().clone(),
-    })
+    let leaf = params
+        .clone()
+        .signed_by(&leaf_key, &ca_cert, &ca_key)
+        .map_err(cert("node certificate"))?;
+    let web_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(cert("HTTPS key"))?;
+    let web = params
+        .signed_by(&web_key, &ca_cert, &ca_key)
+        .map_err(cert("HTTPS certificate"))?;
+    TlsIdentity::issued(
+        ca_cert.der().clone(),
+        leaf.der().clone(),
+        &leaf_key,
+        Some((web.der().clone(), &web_key)),
+    )
 }
 
 /// Client verifiers trusting `roots`: one that requires a certificate (the cluster's own
@@ -167,25 +212,21 @@ fn client_verifiers(
     Ok((required, optional))
 }
 
-/// The HTTPS server configuration: a certificate of `params` for a fresh key, ALPN
-/// `http/1.1`, a client certificate optional.
+/// The HTTPS server configuration: `cert` for `key`, ALPN `http/1.1`, a client
+/// certificate optional.
 fn https_config(
-    authority: &Authority,
-    params: CertificateParams,
+    cert: CertificateDer<'static>,
+    key: &KeyPair,
     provider: Arc<CryptoProvider>,
     verifier: Arc<dyn ClientCertVerifier>,
 ) -> Result<rustls::ServerConfig> {
-    // Browsers do not sign with Ed25519 in TLS (Chromium fails the handshake), so the
-    // HTTPS leaf is ECDSA P-256, under the same authority.
-    let web_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(cert("HTTPS key"))?;
-    let web = authority.sign(params, &web_key, "HTTPS certificate")?;
     let mut https = rustls::ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls("server protocol versions"))?
         .with_client_cert_verifier(verifier)
         .with_single_cert(
-            vec![web.der().clone()],
-            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(web_key.serialize_der())),
+            vec![cert],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
         )
         .map_err(tls("HTTPS certificate"))?;
     https.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -257,7 +298,7 @@ mod tests {
 
     #[test]
     fn the_clusters_own_connections_negotiate_aes_128_gcm() {
-        let identity = identity_from_token("cipher-suite-test").expect("identity");
+        let identity = identity_from_secret("cipher-suite-test").expect("identity");
         let name = rustls::pki_types::ServerName::try_from(crate::SERVER_NAME).expect("name");
         let mut client = Connection::Client(ClientConnection::new(identity.client.clone(), name).expect("client"));
         let mut server = Connection::Server(ServerConnection::new(identity.server.clone()).expect("server"));

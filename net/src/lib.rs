@@ -1,5 +1,5 @@
-//! Regatta's secure networking between nodes: the node's TLS identity (mutual TLS derived
-//! from the cluster token), the per-source handshake slots that keep strangers from
+//! Regatta's secure networking between nodes: the cluster's own certificate authority, the
+//! join that trades a join token for a certificate of it, each process's TLS identity, the per-source handshake slots that keep strangers from
 //! exhausting a listener, sealed frames (AES-GCM on keys exported from a TLS session, so
 //! bulk bytes skip TLS's record layer), QUIC endpoints, and the object [`Transfer`]
 //! between nodes (with shared-memory [`Segment`](regatta_object_store::Segment) hand-off
@@ -8,20 +8,27 @@
 //! `regatta-object-store` keeps the store itself; the runtime wires both into the head,
 //! workers and clients, and the trainer's ring uses the sealed frames and QUIC.
 
+mod ca;
 mod error;
 mod handshake_slots;
 mod identity;
 mod idle_pool;
+mod join;
 mod quic;
 mod receive_pool;
 mod sealed;
 mod transfer;
 
+pub use ca::{CaHash, ClusterCa, Role, CERT_LIFETIME, HEAD_NAME};
 pub use error::{Error, Result};
 pub use handshake_slots::{
     HandshakeSlots, Refusal as HandshakeRefusal, Slot as HandshakeSlot, MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE,
 };
-pub use identity::{identity_from_token, TlsIdentity};
+pub use identity::{identity_from_secret, TlsIdentity};
+pub use join::{
+    answer_join, join, JoinDesk, JoinKey, JoinToken, JoinTokens, Refusal as JoinRefusal, TokenEntry, JOIN_ALPN,
+    JOIN_TIMEOUT,
+};
 pub use quic::endpoint;
 pub use receive_pool::{pooled_bytes, RECEIVE_POOL_ENV};
 pub use sealed::{

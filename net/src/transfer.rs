@@ -43,10 +43,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::rustls::pki_types::ServerName;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
+pub use crate::ca::SERVER_NAME;
 use crate::error::{Error, Result};
 use crate::handshake_slots::{HandshakeSlots, MAX_HANDSHAKES_PER_SOURCE};
 use crate::identity::TlsIdentity;
-pub use crate::identity::SERVER_NAME;
 use crate::idle_pool::{IdlePool, IDLE_LIMIT};
 use crate::sealed::SealedStream;
 use regatta_object_store::ObjectId;
@@ -542,7 +542,7 @@ async fn fill(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::identity::identity_from_token;
+    use crate::identity::identity_from_secret;
     use regatta_object_store::crc32;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -634,7 +634,7 @@ mod tests {
     }
 
     fn node(token: &str) -> Transfer {
-        let identity = identity_from_token(token).unwrap();
+        let identity = identity_from_secret(token).unwrap();
         Transfer::bind("127.0.0.1:0".parse().unwrap(), &identity).unwrap()
     }
 
@@ -932,7 +932,7 @@ mod tests {
         let server = node("t");
         server.serve(Arc::new(One(ObjectId(14), object(10))));
         // A client of the version before frames offers ALPN regatta-objects/1.
-        let identity = identity_from_token("t").unwrap();
+        let identity = identity_from_secret("t").unwrap();
         let connector = TlsConnector::from(identity.client.clone());
         let tcp = TcpStream::connect(server.local_addr()).await.unwrap();
         let name = ServerName::try_from(SERVER_NAME).unwrap();

@@ -8,13 +8,15 @@
     for chunk in client.tail_job_logs_sync(job): print(chunk, end="")
     print(client.get_job_status(job))
 
-Trust: by default the head's certificate is checked against the authority derived from the
-cluster token (the chain, not the host name, as Regatta's own clients do); ``verify`` takes
-a CA file for a head started with its own certificate, or False to skip the check.
+Trust: by default the head's certificate is checked against the cluster's own authority,
+fetched from the head with the join token's proof of it (checked before the token is
+sent), under the head's name ``head.regatta`` as Regatta's own clients do; ``verify``
+takes a CA file for a head started with its own certificate, or False to skip the check.
 """
 
 import asyncio
 import enum
+import http.client
 import json
 import os
 import ssl
@@ -24,6 +26,38 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from .exceptions import RegattaError
+
+# The name the head's certificate from the cluster's authority carries (workers' do not).
+HEAD_NAME = "head.regatta"
+
+
+class _HTTPSConnection(http.client.HTTPSConnection):
+    """An HTTPS connection that checks the server's certificate under a fixed name."""
+
+    server_hostname = None
+
+    def connect(self):
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=self.server_hostname or self.host)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    """urllib's HTTPS handler with ``context`` and, when given, a fixed certificate name."""
+
+    def __init__(self, context, server_hostname):
+        super().__init__(context=context)
+        self._tls = context
+        self._name = server_hostname
+
+    def https_open(self, req):
+        name = self._name
+
+        def connection(host, **kwargs):
+            conn = _HTTPSConnection(host, **kwargs)
+            conn.server_hostname = name
+            return conn
+
+        return self.do_open(connection, req, context=self._tls)
 
 
 class JobStatus(str, enum.Enum):
@@ -96,6 +130,7 @@ class JobSubmissionClient:
             token = _read_token(None)
         self._headers = {"Authorization": f"Bearer {token}", **(headers or {})}
         self._context = None
+        self._server_hostname = None
         if self._address.startswith("https://"):
             if verify is False:
                 self._context = ssl._create_unverified_context()
@@ -104,11 +139,15 @@ class JobSubmissionClient:
             else:
                 from . import _native
 
-                # The token's authority signs the head's certificate, which names
-                # `regatta-node`: the chain is checked, not the host name.
-                authority = ssl.DER_cert_to_PEM_cert(_native.token_authority_der(token))
-                self._context = ssl.create_default_context(cadata=authority)
-                self._context.check_hostname = False
+                # The cluster's authority signs the head's certificate, which names
+                # `head.regatta` (not a host): the chain and that name are checked.
+                try:
+                    der = _native.cluster_authority_der(self._address, token)
+                except RuntimeError as error:
+                    raise ConnectionError(str(error)) from None
+                self._context = ssl.create_default_context(cadata=ssl.DER_cert_to_PEM_cert(der))
+                self._server_hostname = HEAD_NAME
+        self._opener = urllib.request.build_opener(_HTTPSHandler(self._context, self._server_hostname))
         self._request("GET", "/api/version")
 
     def _request(self, method, path, body=None, stream=False):
@@ -118,7 +157,7 @@ class JobSubmissionClient:
             headers["Content-Type"] = "application/json"
         request = urllib.request.Request(self._address + path, data=data, method=method, headers=headers)
         try:
-            response = urllib.request.urlopen(request, context=self._context, timeout=None if stream else 60)
+            response = self._opener.open(request, timeout=None if stream else 60)
         except urllib.error.HTTPError as error:
             text = error.read().decode("utf-8", "replace")
             try:

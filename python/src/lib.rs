@@ -55,12 +55,15 @@ fn placing_error(e: regatta::Error) -> PyErr {
     }
 }
 
-/// The certificate authority a cluster token derives (DER), which signs the head's default
-/// job API certificate: what a Python client trusts to check a head without a file.
+/// The cluster's certificate authority (DER) as the job API at `base` serves it, believed
+/// only with the join token's proof of it: what a Python client trusts to check a head
+/// without a file.
 #[pyfunction]
-fn token_authority_der<'py>(py: Python<'py>, token: &str) -> PyResult<Bound<'py, PyBytes>> {
-    let identity = regatta_net::identity_from_token(token).map_err(error)?;
-    Ok(PyBytes::new(py, identity.ca.as_ref()))
+fn cluster_authority_der<'py>(py: Python<'py>, base: &str, token: &str) -> PyResult<Bound<'py, PyBytes>> {
+    let der = py
+        .detach(|| runtime().block_on(regatta::fetch_cluster_authority(base, token)))
+        .map_err(error)?;
+    Ok(PyBytes::new(py, der.as_ref()))
 }
 
 /// The module.
@@ -70,7 +73,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pending>()?;
     m.add_class::<Group>()?;
     m.add_class::<Object>()?;
-    m.add_function(wrap_pyfunction!(token_authority_der, m)?)?;
+    m.add_function(wrap_pyfunction!(cluster_authority_der, m)?)?;
     m.add("MAX_FRAME", regatta::PYTHON_MAX_FRAME)?;
     m.add("Infeasible", m.py().get_type::<Infeasible>())?;
     Ok(())

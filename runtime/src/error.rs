@@ -99,11 +99,13 @@ pub enum Error {
     /// An executor process could not be found or started.
     #[error("{0}")]
     Executor(String),
-    /// The head refused this node's token.
-    #[error("the head at {address} refused this node: the cluster token does not match (set --token, REGATTA_TOKEN or --token-file to the head's token)")]
+    /// The head refused this process's join token or certificate.
+    #[error("the head at {address} refused this process: {reason}")]
     TokenRefused {
         /// The head's address.
         address: String,
+        /// Why (the join's refusal, or a certificate of another cluster).
+        reason: String,
     },
     /// The job API does not know the job.
     #[error("unknown job: {0}")]

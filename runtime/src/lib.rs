@@ -19,7 +19,7 @@
 //! #     async fn handle(&mut self, r: String, _: &ActorContext) -> Result<String, ActorError> { Ok(r) }
 //! # }
 //! # async fn run() -> regatta_runtime::Result<()> {
-//! let client = Client::connect("127.0.0.1:6380", "my-token").await?;
+//! let client = Client::connect("127.0.0.1:6380", "abcdef.0123456789abcdefghijklmnopqrstuv").await?;
 //! let options = ActorOptions::new().resources(Resources::parse_request("CPU=1")?);
 //! let echo = client.spawn::<Echo>((), options).await?;
 //! assert_eq!(echo.call("hi".to_string()).await?, "hi");
@@ -47,12 +47,14 @@ pub use head::{start_head, HeadConfig, RunningHead, HEAD_NODE};
 pub use jobs::shim::{supervise_job, ShimArgs, ShimOutcome};
 pub use metrics::{metrics, Metrics, SdTarget};
 pub use net::calls::{CallPath, CALL_PATH_ENV};
-pub use net::https::{job_api_client_tls, ApiTls};
+pub use net::https::{fetch_cluster_authority, job_api_client_tls, ApiTls};
 pub use net::token::{default_token_file, resolve_token, TokenSource, TOKEN_ENV};
+pub use net::trust::{JoinCredentials, CA_HASH_ENV};
 /// The node protocol's encoding (for benchmarks and robustness tests).
 #[doc(hidden)]
 pub use net::wire::{decode as wire_decode, encode as wire_encode};
 pub use objects::{ObjectConfig, ObjectStats};
+pub use regatta_net::{CaHash, JoinToken};
 pub use regatta_net::{FAULT_CORRUPT_ENV, NO_SHARED_MEMORY_ENV};
 pub use regatta_object_store::{DirectoryStats, ObjectId};
 /// Network pulls of one large object a holder serves at once by default (`--object-fanout`).

@@ -133,7 +133,7 @@ pub fn shared_memory_gbps(size: usize) -> f64 {
 /// frames (1 MiB, opened in place) are not bound by it and run above it here.
 pub async fn loopback_tls_gbps(size: usize) -> anyhow::Result<f64> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let identity = regatta_net::identity_from_token("loopback-tls-probe")?;
+    let identity = regatta_net::identity_from_secret("loopback-tls-probe")?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let address = listener.local_addr()?;
     let acceptor = tokio_rustls::TlsAcceptor::from(identity.server.clone());

@@ -18,6 +18,21 @@ pub(crate) struct TokenArgs {
     /// File holding the cluster token.
     #[arg(long)]
     pub(crate) token_file: Option<PathBuf>,
+    /// The cluster authority's hash (sha256:..., printed by the head): join only a head
+    /// that holds it.
+    #[arg(long, env = "REGATTA_CA_HASH")]
+    pub(crate) ca_hash: Option<String>,
+}
+
+impl TokenArgs {
+    /// The join credentials these options give.
+    pub(crate) fn credentials(&self) -> anyhow::Result<regatta_runtime::JoinCredentials> {
+        let (token, _) = regatta_runtime::resolve_token(self.token.as_deref(), self.token_file.as_deref(), false)?;
+        Ok(regatta_runtime::JoinCredentials::parse(
+            &token,
+            self.ca_hash.as_deref(),
+        )?)
+    }
 }
 
 /// Runs `work` for a CLI command on the cluster at `address` (token from `token`), or on
@@ -36,8 +51,7 @@ where
 {
     use std::process::ExitCode;
     if let Some(address) = address {
-        let (token, _) = regatta_runtime::resolve_token(token.token.as_deref(), token.token_file.as_deref(), false)?;
-        let client = Client::connect(address, &token)
+        let client = Client::connect_credentials(address, &token.credentials()?)
             .await
             .with_context(|| format!("cannot reach the cluster at {address}"))?;
         return tokio::select! {

@@ -20,8 +20,8 @@ pub(crate) struct ApiArgs {
     /// The head's job API, https://HOST:8265 (http:// for a head started with --insecure).
     #[arg(long, env = "REGATTA_JOB_ADDRESS", default_value = regatta_runtime::DEFAULT_JOB_ADDRESS)]
     address: String,
-    /// Also trust the certificate authorities in this PEM file (for a head started with
-    /// --tls-cert); the cluster token's authority is always trusted.
+    /// Trust the certificate authorities in this PEM file (for a head started with
+    /// --tls-cert) instead of the cluster's own authority.
     #[arg(long, env = "REGATTA_CA_CERT")]
     ca_cert: Option<std::path::PathBuf>,
     #[command(flatten)]
@@ -29,7 +29,7 @@ pub(crate) struct ApiArgs {
 }
 
 impl ApiArgs {
-    fn client(&self) -> anyhow::Result<JobClient> {
+    pub(crate) fn client(&self) -> anyhow::Result<JobClient> {
         let (token, _) = resolve_token(self.token.token.as_deref(), self.token.token_file.as_deref(), false)?;
         let ca = match &self.ca_cert {
             Some(path) => {

@@ -5,6 +5,7 @@ pub mod demo;
 mod job;
 pub mod score;
 mod status;
+mod token;
 pub mod train;
 
 use common::TokenArgs;
@@ -53,6 +54,9 @@ enum Command {
     /// Submit, follow, stop and list jobs through the head's job API.
     #[command(subcommand)]
     Job(job::JobCommand),
+    /// Join tokens: generate one offline, or create, list and revoke them on the head.
+    #[command(subcommand)]
+    Token(token::TokenCommand),
     /// Run many simulated nodes in this process against a head (`regatta bench scale`
     /// starts them): each registers, heartbeats and starts actors like a worker.
     #[command(hide = true)]
@@ -190,7 +194,7 @@ struct HeadArgs {
     #[arg(long, default_value_t = 8265)]
     job_port: u16,
     /// Serve the job API with this certificate chain (PEM, leaf first) instead of one from
-    /// the cluster token's authority; clients trust it with `regatta job --ca-cert`.
+    /// the cluster's own authority; clients trust it with `regatta job --ca-cert`.
     #[arg(long, requires = "tls_key", conflicts_with = "insecure")]
     tls_cert: Option<PathBuf>,
     /// The private key of --tls-cert (PEM).
@@ -214,7 +218,8 @@ struct HeadArgs {
     no_job_api: bool,
     /// Where the head keeps the cluster's state (nodes, actors, placement groups,
     /// objects), job records and logs (default ~/.regatta/head). A head started again on
-    /// the same directory and token takes the cluster back: workers keep their actors.
+    /// the same directory takes the cluster back: workers keep their actors. The cluster's
+    /// certificate authority is kept in its `ca` folder.
     #[arg(long)]
     state_dir: Option<PathBuf>,
     /// Keep the cluster's state in memory only: a restarted head starts an empty cluster
@@ -342,6 +347,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
             Command::Demo(args) => demo::run(args).await,
             Command::Bench(args) => crate::bench::run(args).await,
             Command::Job(command) => job::run(command).await,
+            Command::Token(command) => token::run(command).await,
             Command::Train(args) => train::run(args).await,
             Command::Score(args) => score::run(args).await,
             Command::Probe { url } => probe(&url).await,
@@ -424,7 +430,7 @@ fn write_whole(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
 async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
     let (token, source) = resolve_token(args.token.token.as_deref(), args.token.token_file.as_deref(), true)?;
     if let TokenSource::Generated(path) = &source {
-        tracing::info!(file = %path.display(), "generated a cluster token; workers on other machines need --token with its contents");
+        tracing::info!(file = %path.display(), "generated a join token; workers on other machines need --token with its contents");
     }
     let mut config = HeadConfig::new(token);
     config.bind = args.bind;
@@ -476,6 +482,10 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
         let scheme = if args.insecure { "http" } else { "https" };
         println!("job API and dashboard on {scheme}://{api}");
     }
+    println!(
+        "cluster authority {}: workers and clients elsewhere join with --token <the join token> --ca-hash {}",
+        head.cluster, head.cluster
+    );
     crate::signal::shutdown_signal().await;
     tracing::info!("head shutting down");
     if args.stop_jobs_on_exit {
@@ -492,6 +502,7 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
 async fn worker(args: WorkerArgs, registry: Registry) -> anyhow::Result<ExitCode> {
     let (token, _) = resolve_token(args.token.token.as_deref(), args.token.token_file.as_deref(), false)?;
     let mut config = WorkerConfig::new(args.address, token);
+    config.ca_hash = args.token.ca_hash.clone();
     config.resources = Resources::parse_capacity(&args.resources)?;
     config.name = args.name;
     config.port = args.port;

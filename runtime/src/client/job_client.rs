@@ -11,6 +11,9 @@ use serde_json::Value;
 use crate::error::{Error, Result};
 use regatta_proto::{JobRecord, JobSubmission};
 
+/// No request body.
+const NO_BODY: Option<&Value> = None;
+
 /// Default job API address.
 pub const DEFAULT_JOB_ADDRESS: &str = "https://127.0.0.1:8265";
 
@@ -19,66 +22,93 @@ pub const DEFAULT_JOB_ADDRESS: &str = "https://127.0.0.1:8265";
 pub struct JobClient {
     base: String,
     token: String,
-    http: reqwest::Client,
-    /// Whether certificate authorities besides the token's are trusted.
-    extra_ca: bool,
+    /// The HTTP client, made at the first request (over HTTPS it needs the cluster's
+    /// authority, fetched and proven then).
+    http: std::sync::Arc<tokio::sync::OnceCell<reqwest::Client>>,
+    /// The operator's certificate authorities (`--ca-cert`), trusted instead of the cluster's.
+    ca_pem: Option<Vec<u8>>,
 }
 
 impl JobClient {
     /// A client of the job API at `address` (`https://host:8265`; a bare `host:port` means
     /// HTTPS; `http://` for a head started with `--insecure`). Over HTTPS it trusts the
-    /// certificate authority derived from `token`, which signs the head's certificate by
-    /// default.
+    /// cluster's authority, which signs the head's certificate by default, once the head
+    /// has proven `token`'s secret for it.
     pub fn new(address: &str, token: &str) -> Result<Self> {
         Self::with_ca(address, token, None)
     }
 
-    /// Like [`JobClient::new`], also trusting the PEM certificates in `ca_pem` (for a head
-    /// serving a certificate of its operator's own, `--tls-cert`), checked with the host
-    /// name as usual.
+    /// Like [`JobClient::new`], trusting the PEM certificates in `ca_pem` instead of the
+    /// cluster's authority (for a head serving a certificate of its operator's own,
+    /// `--tls-cert`), checked with the host name as usual.
     pub fn with_ca(address: &str, token: &str, ca_pem: Option<&[u8]>) -> Result<Self> {
         let base = if address.starts_with("http://") || address.starts_with("https://") {
             address.trim_end_matches('/').to_string()
         } else {
             format!("https://{}", address.trim_end_matches('/'))
         };
-        let mut builder = reqwest::Client::builder().connect_timeout(Duration::from_secs(10));
-        if base.starts_with("https://") {
-            builder = builder.use_preconfigured_tls(crate::net::https::job_api_client_tls(token, ca_pem)?);
-        } else {
+        if !base.starts_with("https://") {
             tracing::warn!(address = %base, "talking to the job API over plain HTTP: the cluster token crosses the network in cleartext (use https:// unless the head runs with --insecure)");
         }
-        let http = builder.build().map_err(|e| Error::Connect {
-            address: base.clone(),
-            reason: e.to_string(),
-        })?;
+        if let Some(pem) = ca_pem {
+            // Read now, so a bad file is told before any request.
+            crate::net::https::job_api_client_tls(None, Some(pem))?;
+        }
         Ok(Self {
             base,
             token: token.to_string(),
-            http,
-            extra_ca: ca_pem.is_some(),
+            http: Default::default(),
+            ca_pem: ca_pem.map(<[u8]>::to_vec),
         })
     }
 
-    async fn send(&self, method: Method, path: &str, body: Option<&JobSubmission>) -> Result<reqwest::Response> {
+    /// The HTTP client, made at the first request.
+    async fn http(&self) -> Result<&reqwest::Client> {
+        self.http
+            .get_or_try_init(|| async {
+                let mut builder = reqwest::Client::builder().connect_timeout(Duration::from_secs(10));
+                if self.base.starts_with("https://") {
+                    let tls = match &self.ca_pem {
+                        Some(pem) => crate::net::https::job_api_client_tls(None, Some(pem))?,
+                        None => {
+                            let ca = crate::net::https::fetch_cluster_authority(&self.base, &self.token).await?;
+                            crate::net::https::job_api_client_tls(Some(ca), None)?
+                        }
+                    };
+                    builder = builder.use_preconfigured_tls(tls);
+                }
+                builder.build().map_err(|e| Error::Connect {
+                    address: self.base.clone(),
+                    reason: e.to_string(),
+                })
+            })
+            .await
+    }
+
+    async fn send<B: serde::Serialize + ?Sized>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+    ) -> Result<reqwest::Response> {
         let url = format!("{}{path}", self.base);
-        let mut request = self.http.request(method, &url).bearer_auth(&self.token);
+        let mut request = self.http().await?.request(method, &url).bearer_auth(&self.token);
         if let Some(body) = body {
             request = request.json(body);
         }
         let response = request.send().await.map_err(|e| {
             if refused_certificate(&e) {
-                return if self.extra_ca {
+                return if self.ca_pem.is_some() {
                     Error::Connect {
                         address: self.base.clone(),
                         reason: format!(
-                            "neither the cluster token's authority nor --ca-cert vouch for the job API's certificate ({})",
+                            "--ca-cert does not vouch for the job API's certificate ({})",
                             error_chain(&e)
                         ),
                     }
                 } else {
                     Error::Token(format!(
-                        "the job API at {} shows a certificate this cluster token's authority did not sign ({}): the tokens differ, or the head serves a certificate of its own (trust it with --ca-cert)",
+                        "the job API at {} shows a certificate the cluster's authority did not sign for the head ({}): the head serves a certificate of its own (trust it with --ca-cert)",
                         self.base,
                         error_chain(&e)
                     ))
@@ -113,7 +143,12 @@ impl JobClient {
         })
     }
 
-    async fn json<T: DeserializeOwned>(&self, method: Method, path: &str, body: Option<&JobSubmission>) -> Result<T> {
+    async fn json<T: DeserializeOwned, B: serde::Serialize + ?Sized>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+    ) -> Result<T> {
         let response = self.send(method, path, body).await?;
         response.json().await.map_err(|e| Error::Decode {
             what: format!("the reply to {path}"),
@@ -136,17 +171,17 @@ impl JobClient {
 
     /// One job.
     pub async fn status(&self, id: &str) -> Result<JobRecord> {
-        self.json(Method::GET, &format!("/api/jobs/{id}"), None).await
+        self.json(Method::GET, &format!("/api/jobs/{id}"), NO_BODY).await
     }
 
     /// Every job.
     pub async fn list(&self) -> Result<Vec<JobRecord>> {
-        self.json(Method::GET, "/api/jobs", None).await
+        self.json(Method::GET, "/api/jobs", NO_BODY).await
     }
 
     /// The job's kept log.
     pub async fn logs(&self, id: &str) -> Result<String> {
-        let reply: Value = self.json(Method::GET, &format!("/api/jobs/{id}/logs"), None).await?;
+        let reply: Value = self.json(Method::GET, &format!("/api/jobs/{id}/logs"), NO_BODY).await?;
         Ok(reply
             .get("logs")
             .and_then(Value::as_str)
@@ -157,7 +192,7 @@ impl JobClient {
     /// The job's log as it is written; the stream ends when the job ends.
     pub async fn follow_logs(&self, id: &str) -> Result<impl Stream<Item = Result<bytes::Bytes>>> {
         let response = self
-            .send(Method::GET, &format!("/api/jobs/{id}/logs/tail"), None)
+            .send(Method::GET, &format!("/api/jobs/{id}/logs/tail"), NO_BODY)
             .await?;
         let base = self.base.clone();
         Ok(response.bytes_stream().map(move |chunk| {
@@ -170,14 +205,45 @@ impl JobClient {
 
     /// Stops a job; false when it had already ended.
     pub async fn stop(&self, id: &str) -> Result<bool> {
-        let reply: Value = self.json(Method::POST, &format!("/api/jobs/{id}/stop"), None).await?;
+        let reply: Value = self
+            .json(Method::POST, &format!("/api/jobs/{id}/stop"), NO_BODY)
+            .await?;
         Ok(reply.get("stopped").and_then(Value::as_bool).unwrap_or(false))
     }
 
     /// Deletes a finished job.
     pub async fn delete(&self, id: &str) -> Result<()> {
-        let _: Value = self.json(Method::DELETE, &format!("/api/jobs/{id}"), None).await?;
+        let _: Value = self.json(Method::DELETE, &format!("/api/jobs/{id}"), NO_BODY).await?;
         Ok(())
+    }
+
+    /// Makes a join token on the head (`ttl`: default 24 h; `uses`: default unlimited):
+    /// `{"token", "id", "expires_unix", "uses", "ca_hash"}`.
+    pub async fn create_join_token(
+        &self,
+        ttl: Option<Duration>,
+        uses: Option<u32>,
+        description: &str,
+    ) -> Result<Value> {
+        let body = serde_json::json!({
+            "ttl_secs": ttl.map(|t| t.as_secs().max(1)),
+            "uses": uses,
+            "description": description,
+        });
+        self.json(Method::POST, "/api/join-tokens", Some(&body)).await
+    }
+
+    /// The head's join tokens (never their secrets) and its authority's hash.
+    pub async fn list_join_tokens(&self) -> Result<Value> {
+        self.json(Method::GET, "/api/join-tokens", NO_BODY).await
+    }
+
+    /// Revokes join token `id`; false when the head had none of that id.
+    pub async fn revoke_join_token(&self, id: &str) -> Result<bool> {
+        let reply: Value = self
+            .json(Method::DELETE, &format!("/api/join-tokens/{id}"), NO_BODY)
+            .await?;
+        Ok(reply.get("revoked").and_then(Value::as_bool).unwrap_or(false))
     }
 
     /// Waits until the job ends; returns its final record.

@@ -26,7 +26,9 @@ use crate::error::{Error, Result};
 use crate::net::calls::{CallPath, CallPlane, CallTls};
 use crate::net::headlink::HeadLink;
 use crate::net::node::{self, LocalNode, SessionEvent};
+use crate::net::trust::{self, JoinCredentials};
 use crate::objects::{ObjectConfig, ObjectService};
+use regatta_net::Role;
 use regatta_proto::HeadRequest;
 
 /// How long a client waits between attempts to join a head that went away.
@@ -136,9 +138,16 @@ pub struct Client {
 }
 
 impl Client {
-    /// Connects to the head at `address` (`host:port`) with the cluster token.
+    /// Connects to the head at `address` (`host:port`) with a join token (`<id>.<secret>`):
+    /// the head issues this client a certificate, pinned to [`crate::CA_HASH_ENV`]'s
+    /// authority when that is set.
     pub async fn connect(address: &str, token: &str) -> Result<Self> {
         Self::connect_with(address, token, true).await
+    }
+
+    /// Like [`Client::connect`] with the token and pin given as [`JoinCredentials`].
+    pub async fn connect_credentials(address: &str, credentials: &JoinCredentials) -> Result<Self> {
+        Self::open(address, credentials, Some(CallPath::from_env()?)).await
     }
 
     /// Like [`Client::connect`]; `direct` false makes a lighter client with no object store
@@ -146,15 +155,16 @@ impl Client {
     /// the sessions).
     pub async fn connect_with(address: &str, token: &str, direct: bool) -> Result<Self> {
         let path = if direct { Some(CallPath::from_env()?) } else { None };
-        Self::open(address, token, path).await
+        Self::open(address, &JoinCredentials::parse(token, None)?, path).await
     }
 
     /// Joins the cluster; `path` `None` makes a status-only client.
-    async fn open(address: &str, token: &str, path: Option<CallPath>) -> Result<Self> {
+    async fn open(address: &str, credentials: &JoinCredentials, path: Option<CallPath>) -> Result<Self> {
         let host = node::route_to(address);
         let bind: IpAddr = "0.0.0.0".parse().map_err(|_| Error::Actor("bad bind address".into()))?;
         let name = format!("client-{}", node::random_hex(6));
-        let local = LocalNode::start(&name, token, bind, 0, &host).await?;
+        let identity = trust::join_once(address, credentials, &Role::Client(name.clone())).await?;
+        let local = LocalNode::start(&name, &identity, None, bind, 0, &host).await?;
         let events = local.events();
         let head = local.join(address).await?;
         let local = Arc::new(local);
@@ -162,10 +172,9 @@ impl Client {
         keep_joined(Arc::downgrade(&local), events, address.to_string(), rejoined);
         let link =
             Arc::new(HeadLink::new(local.scope().to_string(), head, address.to_string()).with_peers(local.peers()));
-        // One token identity serves the object transfer and the call channel.
+        // One identity serves the sessions, the object transfer and the call channel.
         let (objects, calls) = match path {
             Some(path) => {
-                let identity = regatta_net::identity_from_token(token)?;
                 let config = ObjectConfig::for_client(&host);
                 let objects = ObjectService::start(&name, &identity, config, link.clone()).await?;
                 let job = std::env::var(regatta_proto::JOB_ID_ENV).ok().filter(|j| !j.is_empty());

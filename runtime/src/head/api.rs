@@ -18,6 +18,8 @@ pub(crate) struct Api {
     pub(crate) link: Arc<HeadLink>,
     /// The cluster token a request's bearer must equal.
     pub(crate) token: String,
+    /// The join tokens and the authority (for `/api/join-tokens`).
+    pub(crate) desk: Arc<regatta_net::JoinDesk>,
 }
 
 /// An error answer: `{"error": message}` with `status`.

@@ -11,6 +11,10 @@
 //! | `POST /api/jobs/{id}/stop` | `{"stopped": bool}` |
 //! | `DELETE /api/jobs/{id}` | `{"deleted": true}` (finished jobs only) |
 //! | `GET /api/version` | `{"version", "ray_version", "ray_commit", "session_name"}`: the Ray job API this speaks |
+//! | `POST /api/join-tokens` | body `{"ttl_secs", "uses", "description"}` (each optional; default 24 h, unlimited): a new join token, `{"token", "id", "expires_unix", "uses", "ca_hash"}` |
+//! | `GET /api/join-tokens` | `{"ca_hash", "tokens": [{"id", "expires_unix", "uses_left", "description", "bootstrap"}]}` (never a secret) |
+//! | `DELETE /api/join-tokens/{id}` | `{"revoked": bool}`: joins with it are refused from now on (the bootstrap token's too) |
+//! | `GET /api/cluster-ca?token_id=ID` | no login: `{"ca", "proof"}`, the cluster authority (DER, hex) and the join token `ID`'s proof of it, so a client holding the token trusts the authority before it sends the token |
 //! | `GET /api/packages/gcs/{name}` | 200 when the package is stored, else 404 |
 //! | `PUT /api/packages/gcs/{name}` | stores a `working_dir`/`py_modules` zip, checked against its name ([`super::job_packages`]) |
 //!
@@ -103,8 +107,14 @@ pub(crate) async fn serve(
     token: String,
     bind: SocketAddr,
     tls: Option<Arc<ServerConfig>>,
+    desk: Arc<regatta_net::JoinDesk>,
 ) -> Result<SocketAddr> {
-    let api = Api { manager, link, token };
+    let api = Api {
+        manager,
+        link,
+        token,
+        desk: desk.clone(),
+    };
     let protected = Router::new()
         .route("/api/jobs", post(submit).get(list))
         .route("/api/jobs/", post(submit).get(list))
@@ -113,6 +123,8 @@ pub(crate) async fn serve(
         .route("/api/jobs/{id}/logs/tail", get(tail))
         .route("/api/jobs/{id}/stop", post(stop))
         .route("/api/version", get(version))
+        .route("/api/join-tokens", post(create_join_token).get(list_join_tokens))
+        .route("/api/join-tokens/{id}", axum::routing::delete(revoke_join_token))
         .route(
             "/api/packages/{protocol}/{name}",
             get(package_exists).put(package_upload),
@@ -123,7 +135,17 @@ pub(crate) async fn serve(
         .layer(middleware::from_fn(dashboard::same_origin))
         .layer(middleware::from_fn_with_state(api.clone(), authenticate))
         .with_state(api);
+    let authority = Router::new().route(
+        "/api/cluster-ca",
+        get(
+            move |query: std::result::Result<Query<AuthorityQuery>, QueryRejection>| {
+                let desk = desk.clone();
+                async move { cluster_authority(&desk, query) }
+            },
+        ),
+    );
     let app = dashboard::pages()
+        .merge(authority)
         .merge(protected)
         .layer(middleware::map_response(dashboard::security_headers));
     let scheme = if tls.is_some() { "https" } else { "http" };
@@ -186,6 +208,147 @@ async fn submit(State(api): State<Api>, request: Request) -> Response {
 /// The Ray job API version this head speaks: Ray's clients check `ray_version` (at least
 /// 2.8 for every submission option) and read `version`.
 pub const RAY_JOB_API_VERSION: &str = "2.60.0";
+
+/// The default lifetime of a join token made through the API (kubeadm's).
+const JOIN_TOKEN_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// `POST /api/join-tokens`' body.
+#[derive(serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct NewJoinToken {
+    ttl_secs: Option<u64>,
+    uses: Option<u32>,
+    #[serde(default)]
+    description: String,
+}
+
+async fn create_join_token(State(api): State<Api>, body: Bytes) -> Response {
+    let wanted: NewJoinToken = if body.is_empty() {
+        NewJoinToken::default()
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(wanted) => wanted,
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("a join token request: {e}")),
+        }
+    };
+    if wanted.ttl_secs == Some(0) || wanted.uses == Some(0) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "ttl_secs and uses must be at least 1 (omit them for the defaults)",
+        );
+    }
+    if wanted.description.len() > 200 {
+        return error(StatusCode::BAD_REQUEST, "a description of at most 200 bytes");
+    }
+    let ttl = wanted.ttl_secs.map_or(JOIN_TOKEN_TTL, Duration::from_secs);
+    let Some(expires) = std::time::SystemTime::now().checked_add(ttl) else {
+        return error(StatusCode::BAD_REQUEST, "ttl_secs is too large");
+    };
+    let token = regatta_net::JoinToken::generate();
+    let saved = {
+        let mut tokens = api
+            .desk
+            .tokens
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        tokens.insert(&token, Some(expires), wanted.uses, &wanted.description);
+        let saved = api.desk.save(&tokens);
+        if saved.is_err() {
+            tokens.revoke(&token.id);
+        }
+        saved
+    };
+    if let Err(e) = saved {
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot keep the new join token: {e}"),
+        );
+    }
+    tracing::info!(id = %token.id, ttl_secs = ttl.as_secs(), uses = ?wanted.uses, "made a join token");
+    Json(json!({
+        "token": token.to_string(),
+        "id": token.id,
+        "expires_unix": unix(expires),
+        "uses": wanted.uses,
+        "ca_hash": api.desk.ca.hash().to_string(),
+    }))
+    .into_response()
+}
+
+fn unix(at: std::time::SystemTime) -> u64 {
+    at.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+async fn list_join_tokens(State(api): State<Api>) -> Response {
+    let tokens = api
+        .desk
+        .tokens
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let listed: Vec<_> = tokens
+        .list()
+        .map(|(id, entry)| {
+            json!({
+                "id": id,
+                "expires_unix": entry.expires.map(unix),
+                "uses_left": entry.uses_left,
+                "description": entry.description,
+                "bootstrap": id == api.desk.bootstrap,
+            })
+        })
+        .collect();
+    Json(json!({"ca_hash": api.desk.ca.hash().to_string(), "tokens": listed})).into_response()
+}
+
+async fn revoke_join_token(State(api): State<Api>, Path(id): Path<String>) -> Response {
+    let mut tokens = api
+        .desk
+        .tokens
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let revoked = tokens.revoke(&id);
+    if revoked {
+        if let Err(e) = api.desk.save(&tokens) {
+            return error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("revoked until the head restarts, but not kept: {e}"),
+            );
+        }
+        tracing::info!(%id, "revoked a join token");
+    }
+    Json(json!({"revoked": revoked})).into_response()
+}
+
+/// `GET /api/cluster-ca`'s query.
+#[derive(serde::Deserialize)]
+struct AuthorityQuery {
+    token_id: String,
+}
+
+/// The cluster authority and join token `token_id`'s proof of it (see the module's table).
+fn cluster_authority(
+    desk: &regatta_net::JoinDesk,
+    query: std::result::Result<Query<AuthorityQuery>, QueryRejection>,
+) -> Response {
+    let Ok(Query(query)) = query else {
+        return error(StatusCode::BAD_REQUEST, "give ?token_id=<the join token's id>");
+    };
+    let key = {
+        let tokens = desk.tokens.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        tokens.usable(&query.token_id, std::time::SystemTime::now())
+    };
+    match key {
+        Ok(key) => {
+            let ca = desk.ca.certificate_der().as_ref();
+            Json(json!({"ca": hex(ca), "proof": hex(&key.authority_proof(ca))})).into_response()
+        }
+        Err(refusal) => error(StatusCode::NOT_FOUND, refusal.to_string()),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
 
 async fn version(State(api): State<Api>) -> Response {
     Json(json!({

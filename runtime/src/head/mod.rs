@@ -26,6 +26,7 @@ use crate::head::job_manager::{JobConfig, JobManager};
 use crate::metrics::{SdTarget, TargetSource};
 use crate::net::headlink::HeadLink;
 use crate::net::node::{self, LocalNode, SessionEvent};
+use crate::net::trust::HeadTrust;
 use crate::net::wire::{self, LocalSignal, Wire};
 use crate::objects::{ObjectConfig, ObjectService};
 use actor::{Head, HeadArgs};
@@ -39,8 +40,13 @@ pub struct HeadConfig {
     pub port: u16,
     /// Host name or IP that others use to reach this head.
     pub advertise_host: String,
-    /// The cluster token.
+    /// The bootstrap join token (`<id>.<secret>`): joiners holding it are issued a
+    /// certificate; also the job API's admin credential.
     pub token: String,
+    /// Where the cluster's certificate authority is kept (`None`: `<state_dir>/ca` when
+    /// there is a state directory, else an authority for this run alone, so a restarted
+    /// head is a new cluster whose nodes must join again).
+    pub ca_dir: Option<PathBuf>,
     /// A worker silent this long is declared dead.
     pub heartbeat_timeout_ms: u64,
     /// Unreferenced objects are released this long after their last reference drops.
@@ -68,6 +74,7 @@ impl HeadConfig {
             port: 6380,
             advertise_host: "127.0.0.1".into(),
             token: token.into(),
+            ca_dir: None,
             heartbeat_timeout_ms: 3_000,
             object_grace_ms: 10_000,
             object_fanout: regatta_proto::DEFAULT_FANOUT_PER_SOURCE,
@@ -88,6 +95,8 @@ pub struct RunningHead {
     _state_lock: Option<std::fs::File>,
     /// The head's cluster address.
     pub address: String,
+    /// The cluster's identity: its authority's hash, which joiners may pin.
+    pub cluster: regatta_net::CaHash,
     /// The job API's address, when it runs.
     pub job_api: Option<SocketAddr>,
     /// The metrics and service-discovery endpoint's address, when it runs.
@@ -116,7 +125,17 @@ impl RunningHead {
 /// port opens, so a worker or client that can join finds a complete head.
 pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     let name = format!("{}{}", node::HEAD_NAME_PREFIX, node::random_hex(4));
-    let scope = node::scope_for(&config.token);
+    let bootstrap = config
+        .token
+        .parse::<regatta_net::JoinToken>()
+        .map_err(|e| Error::Token(e.to_string()))?;
+    let ca_dir = config
+        .ca_dir
+        .clone()
+        .or_else(|| config.state_dir.as_ref().map(|dir| dir.join("ca")));
+    let trust = HeadTrust::open(ca_dir.as_deref(), &bootstrap)?;
+    let identity = trust.identity.clone();
+    let scope = node::scope_for(&identity.cluster);
     let port = if config.port == 0 {
         node::free_port(config.bind)?
     } else {
@@ -149,11 +168,10 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     node::join_group(&scope, node::HEAD_GROUP, actor.get_cell());
     start_ticker(actor.clone(), config.heartbeat_timeout_ms);
     let link = Arc::new(HeadLink::new(scope.clone(), actor.get_cell(), address.clone()));
-    let identity = regatta_net::identity_from_token(&config.token)?;
     let objects = ObjectService::start(HEAD_NODE, &identity, config.objects.clone(), link.clone()).await?;
     let (job_api, manager) = match &config.jobs {
         Some(jobs) => {
-            let (bound, manager) = start_jobs(&config, jobs, &address, link, &identity).await?;
+            let (bound, manager) = start_jobs(&config, jobs, &address, link, &identity, trust.desk.clone()).await?;
             (Some(bound), Some(manager))
         }
         None => (None, None),
@@ -163,14 +181,23 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     // Isolated: the head never dials the peers its peers name. Workers and clients dial it and
     // each other; a head that dialed them too raced their own connection, and `ractor_cluster`
     // then closed one of two authenticated sessions with requests in flight on it.
-    let local = LocalNode::start(&name, &config.token, config.bind, port, &config.advertise_host).await?;
+    let local = LocalNode::start(
+        &name,
+        &identity,
+        Some(trust.desk.clone()),
+        config.bind,
+        port,
+        &config.advertise_host,
+    )
+    .await?;
     forward_client_departures(&local, actor.clone());
-    tracing::info!(address = %local.address, "head is up");
+    tracing::info!(address = %local.address, cluster = %identity.cluster, "head is up");
     Ok(RunningHead {
         job_api,
         jobs: manager_for_stop,
         metrics,
         address: local.address.clone(),
+        cluster: identity.cluster,
         actor,
         _node: local,
         _objects: objects,
@@ -213,6 +240,7 @@ async fn start_jobs(
     address: &str,
     link: Arc<HeadLink>,
     identity: &regatta_net::TlsIdentity,
+    desk: Arc<regatta_net::JoinDesk>,
 ) -> Result<(SocketAddr, JobManager)> {
     let manager = JobManager::open(jobs.clone(), address.to_string(), config.token.clone(), link.clone())?;
     manager.resume();
@@ -221,7 +249,7 @@ async fn start_jobs(
     if tls.is_none() {
         tracing::warn!("THE JOB API SERVES PLAIN HTTP (--insecure): the cluster token, job environments and logs cross the network in cleartext");
     }
-    let bound = job_api::serve(manager.clone(), link, config.token.clone(), bind, tls).await?;
+    let bound = job_api::serve(manager.clone(), link, config.token.clone(), bind, tls, desk).await?;
     Ok((bound, manager))
 }
 

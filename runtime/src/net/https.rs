@@ -1,21 +1,23 @@
 //! HTTPS for the job API (and the dashboard it serves): the server's certificate, the
 //! listener that runs TLS handshakes beside axum, and the clients' trust.
 //!
-//! By default the head presents a certificate signed by the authority derived from the
-//! cluster token (the one every node trusts), and `JobClient` and the CLI trust exactly
-//! that authority: whoever holds the token can check the head, no file to hand around.
-//! The certificate names `regatta-node`, not a host, so these clients check the chain and
-//! not the name (the token's authority signs only Regatta nodes). A browser does not know
-//! that authority: it warns once, or the operator gives the head a certificate of their
-//! own (`--tls-cert`/`--tls-key`), which clients then check the usual way, name included
-//! (`--ca-cert` when their authority is not a public one). `--insecure` serves plain HTTP.
+//! By default the head presents a certificate its cluster authority issued (the one every
+//! node trusts), and `JobClient` and the CLI trust exactly that authority: they fetch it
+//! from `GET /api/cluster-ca` with the join token's proof of it ([`fetch_cluster_authority`])
+//! and check the proof before they trust it or send the token, so whoever holds the token
+//! can check the head, no file to hand around. The certificate names the head
+//! (`head.regatta`), not a host, so these clients check the chain and that name. A browser
+//! does not know that authority: `regatta ca` prints it for the browser's trust store, or
+//! the operator gives the head a certificate of their own (`--tls-cert`/`--tls-key`),
+//! which clients then check the usual way, name included (`--ca-cert` when their
+//! authority is not a public one). `--insecure` serves plain HTTP.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use regatta_net::{TlsIdentity, SERVER_NAME};
+use regatta_net::{TlsIdentity, HEAD_NAME};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -34,7 +36,7 @@ use regatta_net::{HandshakeSlots, MAX_HANDSHAKES};
 /// How the head serves its job API.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum ApiTls {
-    /// HTTPS with a certificate from the cluster token's authority (the default).
+    /// HTTPS with a certificate from the cluster's own authority (the default).
     #[default]
     Token,
     /// HTTPS with the operator's own certificate chain and key (PEM files).
@@ -58,7 +60,11 @@ const TLS_HANDSHAKE: u8 = 0x16;
 pub(crate) fn server_config(tls: &ApiTls, identity: &TlsIdentity) -> Result<Option<Arc<rustls::ServerConfig>>> {
     match tls {
         ApiTls::Off => Ok(None),
-        ApiTls::Token => Ok(Some(identity.https.clone())),
+        ApiTls::Token => identity
+            .https
+            .clone()
+            .map(Some)
+            .ok_or_else(|| Error::Rejected("only the head serves HTTPS with the cluster's authority".into())),
         ApiTls::Files { cert, key } => {
             let bad = |what: &str, path: &PathBuf, e: &dyn std::fmt::Display| {
                 Error::Rejected(format!("cannot use {what} {}: {e}", path.display()))
@@ -165,7 +171,7 @@ async fn handshake(
         let mut request = [0u8; 8192];
         let _ = tokio::time::timeout(Duration::from_millis(200), stream.read(&mut request)).await;
         let body = format!(
-            "this port speaks HTTPS: use https://{local}/ (the CLI and JobClient trust the cluster token's certificate authority)\n"
+            "this port speaks HTTPS: use https://{local}/ (the CLI and JobClient trust the cluster's certificate authority)\n"
         );
         let reply = format!(
             "HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -195,21 +201,94 @@ impl axum::serve::Listener for TlsIncoming {
     }
 }
 
-/// The TLS configuration of a job API client: trusts the certificate authority derived
-/// from `token` (checking the chain, not the host name: see the module's notes) and, when
-/// given, the PEM certificates of `extra_roots` (checked the usual way, name included).
-pub fn job_api_client_tls(token: &str, extra_roots: Option<&[u8]>) -> Result<rustls::ClientConfig> {
-    let identity = regatta_net::identity_from_token(token)?;
+/// The cluster authority the job API at `base` (`https://host:port`) serves, believed
+/// only with the join token's proof of it: fetched over a connection that checks nothing
+/// and sends nothing secret (the token's id only).
+pub async fn fetch_cluster_authority(base: &str, token: &str) -> Result<CertificateDer<'static>> {
+    let token: regatta_net::JoinToken = token
+        .parse()
+        .map_err(|e: regatta_net::Error| Error::Token(e.to_string()))?;
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::Rejected(format!("TLS versions: {e}")))?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(Unchecked(provider)))
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let http = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(10))
+        .timeout(Duration::from_secs(30))
+        .use_preconfigured_tls(config)
+        .build()
+        .map_err(|e| Error::Connect {
+            address: base.to_string(),
+            reason: e.to_string(),
+        })?;
+    let url = format!("{base}/api/cluster-ca?token_id={}", token.id);
+    let unreachable = |e: reqwest::Error| Error::Connect {
+        address: base.to_string(),
+        reason: format!("cannot fetch the cluster's authority: {e}"),
+    };
+    let reply = http.get(&url).send().await.map_err(unreachable)?;
+    let status = reply.status();
+    let body: serde_json::Value = reply.json().await.map_err(unreachable)?;
+    if !status.is_success() {
+        return Err(Error::Rejected(format!(
+            "the job API at {base} does not vouch for its authority with join token {}: {}",
+            token.id,
+            body.get("error").and_then(|e| e.as_str()).unwrap_or("no reason given")
+        )));
+    }
+    let field = |name: &str| {
+        body.get(name)
+            .and_then(|v| v.as_str())
+            .and_then(unhex)
+            .ok_or_else(|| Error::Rejected(format!("the job API at {base} answered /api/cluster-ca without {name}")))
+    };
+    let (ca, proof) = (field("ca")?, field("proof")?);
+    if !token.key().verify_authority(&ca, &proof) {
+        return Err(Error::Rejected(format!(
+            "the job API at {base} could not prove join token {}'s secret: it is not this cluster's head",
+            token.id
+        )));
+    }
+    Ok(CertificateDer::from(ca))
+}
+
+fn unhex(text: &str) -> Option<Vec<u8>> {
+    if text.len() % 2 != 0 {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// The TLS configuration of a job API client: trusts the cluster authority `cluster` (the
+/// head's own certificate, checked under the head's name) or, when given, the PEM
+/// certificates of `extra_roots` (checked the usual way, host name included).
+pub fn job_api_client_tls(
+    cluster: Option<CertificateDer<'static>>,
+    extra_roots: Option<&[u8]>,
+) -> Result<rustls::ClientConfig> {
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let verifier = |roots: RootCertStore| {
         WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
             .build()
             .map_err(|e| Error::Rejected(format!("TLS verifier: {e}")))
     };
-    let mut token_roots = RootCertStore::empty();
-    token_roots
-        .add(identity.ca.clone())
-        .map_err(|e| Error::Rejected(format!("the cluster's certificate authority: {e}")))?;
+    let cluster = match cluster {
+        Some(ca) => {
+            let mut roots = RootCertStore::empty();
+            roots
+                .add(ca)
+                .map_err(|e| Error::Rejected(format!("the cluster's certificate authority: {e}")))?;
+            Some(verifier(roots)?)
+        }
+        None => None,
+    };
     let extra = match extra_roots {
         None => None,
         Some(pem) => {
@@ -228,9 +307,10 @@ pub fn job_api_client_tls(token: &str, extra_roots: Option<&[u8]>) -> Result<rus
             Some(verifier(roots)?)
         }
     };
-    let trust = Arc::new(TokenOrRoots {
-        token: verifier(token_roots)?,
+    let trust = Arc::new(ClusterOrRoots {
+        cluster,
         extra,
+        provider: provider.clone(),
     });
     let mut config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -242,15 +322,55 @@ pub fn job_api_client_tls(token: &str, extra_roots: Option<&[u8]>) -> Result<rus
     Ok(config)
 }
 
-/// Trusts a server whose chain the token's authority signed (under the name every node
-/// certificate carries), else one the extra roots vouch for under the name asked for.
+/// Checks nothing but the handshake's signatures: for fetching what is proven otherwise.
 #[derive(Debug)]
-struct TokenOrRoots {
-    token: Arc<WebPkiServerVerifier>,
-    extra: Option<Arc<WebPkiServerVerifier>>,
+struct Unchecked(Arc<rustls::crypto::CryptoProvider>);
+
+impl ServerCertVerifier for Unchecked {
+    fn verify_server_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: &ServerName<'_>,
+        _: &[u8],
+        _: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
 }
 
-impl ServerCertVerifier for TokenOrRoots {
+/// Trusts a server whose chain the cluster's authority signed (under the head's name),
+/// else one the extra roots vouch for under the name asked for.
+#[derive(Debug)]
+struct ClusterOrRoots {
+    cluster: Option<Arc<WebPkiServerVerifier>>,
+    extra: Option<Arc<WebPkiServerVerifier>>,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+}
+
+impl ServerCertVerifier for ClusterOrRoots {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -259,11 +379,14 @@ impl ServerCertVerifier for TokenOrRoots {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> std::result::Result<ServerCertVerified, rustls::Error> {
-        let node = ServerName::try_from(SERVER_NAME).expect("the node certificate's name is a valid DNS name");
-        match self
-            .token
-            .verify_server_cert(end_entity, intermediates, &node, ocsp_response, now)
-        {
+        let head = ServerName::try_from(HEAD_NAME).expect("the head's name is a valid DNS name");
+        let by_cluster = match &self.cluster {
+            Some(cluster) => cluster.verify_server_cert(end_entity, intermediates, &head, ocsp_response, now),
+            None => Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::UnknownIssuer,
+            )),
+        };
+        match by_cluster {
             Ok(verified) => Ok(verified),
             Err(e) => match &self.extra {
                 Some(extra) => extra.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now),
@@ -278,7 +401,7 @@ impl ServerCertVerifier for TokenOrRoots {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        self.token.verify_tls12_signature(message, cert, dss)
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
     }
 
     fn verify_tls13_signature(
@@ -287,10 +410,10 @@ impl ServerCertVerifier for TokenOrRoots {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
-        self.token.verify_tls13_signature(message, cert, dss)
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.token.supported_verify_schemes()
+        self.provider.signature_verification_algorithms.supported_schemes()
     }
 }

@@ -9,4 +9,5 @@ pub(crate) mod https;
 pub(crate) mod node;
 pub(crate) mod session_tls;
 pub(crate) mod token;
+pub(crate) mod trust;
 pub(crate) mod wire;

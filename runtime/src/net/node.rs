@@ -15,6 +15,7 @@ use ractor::{Actor, ActorCell, ActorRef};
 use ractor_cluster::node::NodeConnectionMode;
 use ractor_cluster::node::NodeServerSessionInformation;
 use ractor_cluster::{IncomingEncryptionMode, NodeEventSubscription, NodeServer, NodeServerMessage};
+use regatta_net::{CaHash, JoinDesk, TlsIdentity, HEAD_NAME, SERVER_NAME};
 use tokio::sync::broadcast;
 
 use super::session_tls::{DialError, SessionTls};
@@ -56,6 +57,7 @@ impl FailedJoin {
         if self.refused {
             Error::TokenRefused {
                 address: head_address.to_string(),
+                reason: self.reason.clone(),
             }
         } else {
             Error::Connect {
@@ -90,7 +92,14 @@ impl LocalNode {
     /// Starts this process's cluster listener on `bind:port` (0 picks a free port). Every
     /// session, either way, is mutual TLS with the token's certificates
     /// ([`super::session_tls`]).
-    pub(crate) async fn start(name: &str, token: &str, bind: IpAddr, port: u16, advertise_host: &str) -> Result<Self> {
+    pub(crate) async fn start(
+        name: &str,
+        identity: &TlsIdentity,
+        desk: Option<Arc<JoinDesk>>,
+        bind: IpAddr,
+        port: u16,
+        advertise_host: &str,
+    ) -> Result<Self> {
         let listener = tokio::net::TcpListener::bind(SocketAddr::new(bind, port))
             .await
             .map_err(|e| Error::io(format!("cannot listen for the cluster on {bind}:{port}"), e))?;
@@ -99,12 +108,15 @@ impl LocalNode {
             .map_err(|e| Error::io("cannot read the cluster listener's address", e))?
             .port();
         let address = format!("{advertise_host}:{port}");
-        let tls = SessionTls::new(&regatta_net::identity_from_token(token)?);
+        let tls = SessionTls::new(identity, desk);
+        // ractor_cluster's own cookie check runs inside mutual TLS, which is what
+        // authenticates; the cookie is the cluster's public identity, not a secret.
+        let cookie = identity.cluster.hex();
         // ractor_cluster always runs a listener of its own: bound to loopback on a free
         // port, behind TLS, and never advertised, it takes no session; ours above does.
         let server = NodeServer::new(
             0,
-            token.to_string(),
+            cookie,
             name.to_string(),
             advertise_host.to_string(),
             Some(IncomingEncryptionMode::Tls(tls.acceptor())),
@@ -133,7 +145,7 @@ impl LocalNode {
                 dialed: Arc::default(),
             },
             server,
-            scope: scope_for(token),
+            scope: scope_for(&identity.cluster),
             events,
             tls,
             listener,
@@ -142,7 +154,7 @@ impl LocalNode {
         })
     }
 
-    /// The process-group scope of this cluster (derived from the token, so that clients of
+    /// The process-group scope of this cluster (derived from its authority, so that clients of
     /// different clusters in one process never see each other's actors).
     pub(crate) fn scope(&self) -> &str {
         &self.scope
@@ -165,10 +177,10 @@ impl LocalNode {
         let mut refusals = 0;
         loop {
             match self.join_once(head_address).await {
-                Err(Error::TokenRefused { address }) => {
+                Err(Error::TokenRefused { address, reason }) => {
                     refusals += 1;
                     if refusals >= REFUSALS_BEFORE_GIVING_UP {
-                        return Err(Error::TokenRefused { address });
+                        return Err(Error::TokenRefused { address, reason });
                     }
                     tokio::time::sleep(Duration::from_millis(200 * refusals as u64)).await;
                 }
@@ -203,9 +215,10 @@ impl LocalNode {
 
     async fn join_once(&self, head_address: &str) -> Result<ActorCell> {
         let mut events = self.events();
-        self.tls.dial(&self.server, head_address).await.map_err(|e| match e {
+        self.tls.dial(&self.server, head_address, HEAD_NAME).await.map_err(|e| match e {
             DialError::Refused(_) => Error::TokenRefused {
                 address: head_address.to_string(),
+                reason: format!("{e} (this process's certificate is another cluster's: was the head started again without its CA folder? join again with the join token)"),
             },
             DialError::Connect(_) => Error::Connect {
                 address: head_address.to_string(),
@@ -235,6 +248,7 @@ impl LocalNode {
                 })) => {
                     return Err(Error::TokenRefused {
                         address: head_address.to_string(),
+                        reason: "the head closed the session before it was authenticated".into(),
                     });
                 }
                 _ => continue,
@@ -281,7 +295,7 @@ impl Peers {
                     return;
                 }
             }
-            if let Err(e) = tls.dial(&server, &address).await {
+            if let Err(e) = tls.dial(&server, &address, SERVER_NAME).await {
                 tracing::debug!(peer = %address, error = %e, "cannot open a session to a peer node");
             }
         });
@@ -401,15 +415,10 @@ pub(crate) async fn wait_member(scope: &str, group: &str, timeout: Duration) -> 
     }
 }
 
-/// The process-group scope of the cluster with this token.
-pub(crate) fn scope_for(token: &str) -> String {
-    // FNV-1a: a stable, dependency-free fingerprint; the token itself never appears.
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in token.bytes() {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("regatta-{hash:016x}")
+/// The process-group scope (and the state files' key) of the cluster whose authority has
+/// this hash.
+pub(crate) fn scope_for(cluster: &CaHash) -> String {
+    format!("regatta-{}", &cluster.hex()[..16])
 }
 
 /// A free TCP port on `bind` (released at once: bind it soon).
@@ -455,8 +464,9 @@ mod tests {
     }
 
     #[test]
-    fn scopes_differ_by_token_and_hide_it() {
-        assert_ne!(scope_for("a"), scope_for("b"));
-        assert!(!scope_for("secret-token").contains("secret"));
+    fn scopes_differ_by_cluster() {
+        let (a, b) = (CaHash([1; 32]), CaHash([2; 32]));
+        assert_ne!(scope_for(&a), scope_for(&b));
+        assert_eq!(scope_for(&a), scope_for(&CaHash([1; 32])));
     }
 }

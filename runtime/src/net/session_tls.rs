@@ -1,9 +1,10 @@
 //! The cluster sessions over mutual TLS: every `ractor_cluster` session (node to head,
 //! client to head, node to node) is a TLS 1.3 connection whose both ends present a
-//! certificate signed by the authority derived from the cluster token, as the object
-//! transfer and the call channel do. Nothing a session carries (actor names, spawn
+//! certificate the cluster's own authority issued, as the object transfer and the call
+//! channel do. A head's cluster port also answers joins (ALPN `regatta-join/1`, told apart
+//! from sessions by the ClientHello before any certificate is asked for). Nothing a session carries (actor names, spawn
 //! arguments, the trainer ring's secret, job environments) crosses the network in
-//! cleartext, and a peer without the token is refused before it can send a frame.
+//! cleartext, and a peer without a certificate of the cluster is refused before it can send a frame.
 //!
 //! Why not `ractor_cluster`'s own `IncomingEncryptionMode::Tls`: its listener runs each
 //! TLS handshake inline in the accept loop, so one connection that opens and stays silent
@@ -20,12 +21,12 @@ use std::time::Duration;
 use ractor::ActorRef;
 use ractor_cluster::{BoxRead, BoxWrite, ClusterBidiStream, NodeServerMessage};
 use regatta_net::HandshakeSlots;
-use regatta_net::{TlsIdentity, SERVER_NAME};
+use regatta_net::{JoinDesk, TlsIdentity, JOIN_ALPN};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::ServerName;
-use tokio_rustls::{TlsAcceptor, TlsConnector};
+use tokio_rustls::{LazyConfigAcceptor, TlsAcceptor, TlsConnector};
 
 /// ALPN protocol id of the cluster sessions (the call channel and the object transfer
 /// have their own, so a connection meant for one is never taken by another).
@@ -40,8 +41,8 @@ pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 pub(crate) enum DialError {
     /// No TCP connection (refused, unreachable, timed out).
     Connect(std::io::Error),
-    /// The peer's certificate is not signed by this token's authority, or the peer
-    /// refused ours: the two sides hold different tokens.
+    /// The peer's certificate is not signed by this cluster's authority or does not name
+    /// whom this process expected, or the peer refused ours.
     Refused(std::io::Error),
     /// The TLS handshake failed otherwise (not a Regatta node, or it went away).
     Handshake(std::io::Error),
@@ -53,7 +54,10 @@ impl std::fmt::Display for DialError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Connect(e) => write!(f, "cannot open a connection ({e})"),
-            Self::Refused(e) => write!(f, "the cluster tokens differ ({e})"),
+            Self::Refused(e) => write!(
+                f,
+                "the peer is not of this cluster, or not whom this process expected ({e})"
+            ),
             Self::Handshake(e) => write!(
                 f,
                 "the TLS handshake failed ({e}); is this a Regatta node's cluster port?"
@@ -63,20 +67,26 @@ impl std::fmt::Display for DialError {
     }
 }
 
-/// TLS for the sessions of one process, from the cluster token.
+/// TLS for the sessions of one process, from its certificate; a head's also answers joins.
 #[derive(Clone)]
 pub(crate) struct SessionTls {
     acceptor: TlsAcceptor,
+    server: std::sync::Arc<rustls::ServerConfig>,
     connector: TlsConnector,
+    /// The head's: the join configuration and the desk that answers joins.
+    joins: Option<(std::sync::Arc<rustls::ServerConfig>, std::sync::Arc<JoinDesk>)>,
 }
 
 impl SessionTls {
-    /// The token identity with the sessions' ALPN.
-    pub(crate) fn new(identity: &TlsIdentity) -> Self {
+    /// The process's identity with the sessions' ALPN; `desk` (the head's) answers joins
+    /// on the same port.
+    pub(crate) fn new(identity: &TlsIdentity, desk: Option<std::sync::Arc<JoinDesk>>) -> Self {
         let (server, client) = identity.with_alpn(ALPN);
         Self {
-            acceptor: TlsAcceptor::from(server),
+            acceptor: TlsAcceptor::from(server.clone()),
+            server,
             connector: TlsConnector::from(client),
+            joins: desk.and_then(|desk| identity.join.clone().map(|config| (config, desk))),
         }
     }
 
@@ -85,13 +95,20 @@ impl SessionTls {
         self.acceptor.clone()
     }
 
-    /// Opens a TLS session to the node listening at `address` and hands it to `server`.
-    pub(crate) async fn dial(&self, server: &ActorRef<NodeServerMessage>, address: &str) -> Result<(), DialError> {
+    /// Opens a TLS session to the node listening at `address`, whose certificate must name
+    /// `expected` (the head's name for the head), and hands it to `server`.
+    pub(crate) async fn dial(
+        &self,
+        server: &ActorRef<NodeServerMessage>,
+        address: &str,
+        expected: &str,
+    ) -> Result<(), DialError> {
         let open = async {
             let stream = TcpStream::connect(address).await.map_err(DialError::Connect)?;
             let _ = stream.set_nodelay(true);
             let (peer, local) = labels(&stream);
-            let name = ServerName::try_from(SERVER_NAME).expect("the node certificate's name is a valid DNS name");
+            let name = ServerName::try_from(expected.to_string())
+                .map_err(|e| DialError::Handshake(std::io::Error::other(e.to_string())))?;
             let stream = self.connector.connect(name, stream).await.map_err(classify)?;
             Ok::<_, DialError>(Session { stream, peer, local })
         };
@@ -129,14 +146,14 @@ impl SessionTls {
                     continue;
                 }
             };
-            let acceptor = self.acceptor.clone();
+            let tls = self.clone();
             let server = server.clone();
             tokio::spawn(async move {
                 let _permit = permit;
                 let _ = stream.set_nodelay(true);
                 let (peer_label, local) = labels(&stream);
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => {
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
+                    Ok(Ok(Accepted::Session(stream))) => {
                         let session = Session {
                             stream,
                             peer: peer_label,
@@ -147,20 +164,49 @@ impl SessionTls {
                             is_server: true,
                         });
                     }
+                    Ok(Ok(Accepted::Joined(role))) => {
+                        tracing::info!(peer = %peer, role = ?role, "issued a certificate to a joiner");
+                    }
                     Ok(Err(e)) => {
-                        tracing::warn!(peer = %peer, error = %e, "closed a connection that did not prove the cluster token (its TLS handshake failed: a wrong token, or not a Regatta node)");
+                        tracing::warn!(peer = %peer, error = %e, "closed a connection that did not prove it belongs to the cluster (its TLS handshake or join failed: another cluster's certificate, a bad join token, or not a Regatta node)");
                     }
                     Err(_) => {
-                        tracing::warn!(peer = %peer, "closed a connection that did not prove the cluster token (no TLS handshake within {} s)", HANDSHAKE_TIMEOUT.as_secs());
+                        tracing::warn!(peer = %peer, "closed a connection that did not prove it belongs to the cluster (no TLS handshake or join within {} s)", HANDSHAKE_TIMEOUT.as_secs());
                     }
                 }
             });
         }
     }
+
+    /// One accepted connection: a join (on a head, by ALPN) answered here, or a session.
+    async fn accept(&self, stream: TcpStream) -> std::io::Result<Accepted> {
+        let Some((join_config, desk)) = &self.joins else {
+            return Ok(Accepted::Session(self.acceptor.accept(stream).await?));
+        };
+        let start = LazyConfigAcceptor::new(rustls::server::Acceptor::default(), stream).await?;
+        let joining = start
+            .client_hello()
+            .alpn()
+            .is_some_and(|mut offered| offered.any(|p| p == JOIN_ALPN));
+        if !joining {
+            return Ok(Accepted::Session(start.into_stream(self.server.clone()).await?));
+        }
+        let mut stream = start.into_stream(join_config.clone()).await?;
+        regatta_net::answer_join(&mut stream, desk)
+            .await
+            .map(Accepted::Joined)
+            .map_err(|refusal| std::io::Error::new(std::io::ErrorKind::PermissionDenied, refusal.to_string()))
+    }
+}
+
+/// What an accepted connection became.
+enum Accepted {
+    Session(tokio_rustls::server::TlsStream<TcpStream>),
+    Joined(regatta_net::Role),
 }
 
 /// Sorts a failed client handshake: a certificate the other side does not trust means
-/// the tokens differ.
+/// the two are not of one cluster (or not whom the dialer expected).
 fn classify(e: std::io::Error) -> DialError {
     let refused = e
         .get_ref()

@@ -1,4 +1,5 @@
-//! The cluster token: the shared secret every node and client must prove to join.
+//! Where a process finds its join token (`<id>.<secret>`, [`regatta_net::JoinToken`]),
+//! which it trades at the head for a certificate of the cluster's authority.
 //!
 //! Resolution order: an explicit value (flag), `REGATTA_TOKEN`, an explicit file, then the
 //! default file `~/.regatta/token`, which a head creates (mode 0600) when nothing else is
@@ -55,7 +56,7 @@ pub fn resolve_token(flag: Option<&str>, file: Option<&Path>, create: bool) -> R
             default.display()
         )));
     }
-    let token = crate::net::node::random_hex(24);
+    let token = regatta_net::JoinToken::generate().to_string();
     write_token(&default, &token)?;
     Ok((token, TokenSource::Generated(default)))
 }

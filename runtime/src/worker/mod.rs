@@ -23,10 +23,11 @@ use crate::net::calls::Routes;
 use crate::net::calls::{CallCounters, CallPath, CallPlane, CallServer, CallTls};
 use crate::net::headlink::HeadLink;
 use crate::net::node::{self, LocalNode};
+use crate::net::trust::{self, JoinCredentials};
 use crate::net::wire::{self, LocalSignal, Wire};
 use crate::objects::{ObjectConfig, ObjectService};
 use crate::worker::registry::Registry;
-use regatta_net::identity_from_token;
+use regatta_net::Role;
 use regatta_proto::Resources;
 use regatta_proto::{AgentRequest, Failure, HeadRequest, NodeInfo, Registration, RunningActor};
 
@@ -43,8 +44,11 @@ pub struct WorkerConfig {
     pub port: u16,
     /// Host others use to reach this worker (default: this machine's address towards the head).
     pub advertise_host: Option<String>,
-    /// The cluster token.
+    /// The join token (`<id>.<secret>`), traded at the head for this node's certificate.
     pub token: String,
+    /// The cluster authority's hash the head must hold (`None`: [`crate::CA_HASH_ENV`]
+    /// when set, else the head proves the token's secret only).
+    pub ca_hash: Option<String>,
     /// Declared resources; each overrides the detected amount of the same name.
     pub resources: Resources,
     /// Interval between heartbeats.
@@ -69,6 +73,7 @@ impl WorkerConfig {
             port: 0,
             advertise_host: None,
             token: token.into(),
+            ca_hash: None,
             resources: Resources::new(),
             heartbeat_interval_ms: 500,
             objects: ObjectConfig::new("127.0.0.1"),
@@ -141,14 +146,15 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
     // the old session the head may still hold open.
     // `node::node_of_session` reads the node back from this name: keep them in step.
     let session = format!("{name}-{}", node::random_hex(3));
-    let local = LocalNode::start(&session, &config.token, config.bind, config.port, &host).await?;
+    let credentials = JoinCredentials::parse(&config.token, config.ca_hash.as_deref())?;
+    let identity = trust::join_with_retry(&config.head_address, &credentials, &Role::Node(name.clone())).await?;
+    let local = LocalNode::start(&session, &identity, None, config.bind, config.port, &host).await?;
     let head = join_with_retry(&local, &config.head_address).await?;
     let link =
         Arc::new(HeadLink::new(local.scope().to_string(), head, config.head_address.clone()).with_peers(local.peers()));
     let mut objects = config.objects.clone();
     objects.advertise_host = host.clone();
     objects.bind = config.bind;
-    let identity = identity_from_token(&config.token)?;
     let store = ObjectService::start(&name, &identity, objects, link.clone()).await?;
     let tls = CallTls::new(&identity);
     let cluster = Cluster::new(

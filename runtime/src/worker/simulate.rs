@@ -12,8 +12,10 @@ use crate::error::{Error, Result};
 use crate::net::calls::CallPlane;
 use crate::net::headlink::HeadLink;
 use crate::net::node::{self, LocalNode};
+use crate::net::trust::{self, JoinCredentials};
 use crate::worker::agent::{start_agent, AgentArgs};
 use crate::worker::registry::Registry;
+use regatta_net::Role;
 use regatta_proto::NodeInfo;
 use regatta_proto::Resources;
 
@@ -22,7 +24,7 @@ use regatta_proto::Resources;
 pub struct SimulatedNodes {
     /// The head's cluster address, `host:port`.
     pub head_address: String,
-    /// The cluster token.
+    /// The join token.
     pub token: String,
     /// Node names are `<prefix>-<index>` (index from `first`).
     pub prefix: String,
@@ -53,7 +55,9 @@ pub async fn run_simulated_nodes(
     })?;
     let host = "127.0.0.1".to_string();
     let session = format!("{}-{}-{}", config.prefix, config.first, node::random_hex(3));
-    let local = LocalNode::start(&session, &config.token, "127.0.0.1".parse().expect("an IP"), 0, &host).await?;
+    let credentials = JoinCredentials::parse(&config.token, None)?;
+    let identity = trust::join_with_retry(&config.head_address, &credentials, &Role::Node(session.clone())).await?;
+    let local = LocalNode::start(&session, &identity, None, "127.0.0.1".parse().expect("an IP"), 0, &host).await?;
     let head = join_with_retry(&local, &config.head_address).await?;
     let link =
         Arc::new(HeadLink::new(local.scope().to_string(), head, config.head_address.clone()).with_peers(local.peers()));

@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 
-use regatta_net::{endpoint, identity_from_token};
+use regatta_net::{endpoint, identity_from_secret};
 use tokio::runtime::Handle;
 
 use super::quic::{QuicRecv, QuicSend};
@@ -54,7 +54,7 @@ impl RingLinkBuilder {
     /// Binds this rank's QUIC endpoint (port 0 picks one) and, with `options.local`, its Unix
     /// socket; call from inside a tokio runtime.
     pub fn bind(bind: SocketAddr, secret: &str, options: LinkOptions) -> Result<Self, LinkError> {
-        let identity = identity_from_token(secret).map_err(|e| e.to_string())?;
+        let identity = identity_from_secret(secret).map_err(|e| e.to_string())?;
         let endpoint = endpoint(bind, &identity).map_err(|e| e.to_string())?;
         let runtime = Handle::try_current().map_err(|e| format!("no tokio runtime: {e}"))?;
         let tcp = if options.tcp {

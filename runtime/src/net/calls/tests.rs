@@ -17,7 +17,7 @@ use regatta_proto::{ActorId, Failure};
 const ACTOR: ActorId = ActorId(7);
 
 fn tls_for(token: &str) -> CallTls {
-    CallTls::new(&regatta_net::identity_from_token(token).unwrap())
+    CallTls::new(&regatta_net::identity_from_secret(token).unwrap())
 }
 
 struct Served {

@@ -1,0 +1,428 @@
+//! The cluster's own certificate authority, and the certificates it issues.
+//!
+//! A head makes a random Ed25519 key the first time it starts (kept in its CA folder, files
+//! created 0600, never derived from any token) and issues every process that joins a
+//! certificate naming it: the head `head.regatta`, a worker `<name>.node.regatta`, a client
+//! `<name>.client.regatta`. Every certificate also names [`SERVER_NAME`], the name a
+//! connection between peers checks when it does not know whom it reaches; connections to
+//! the head check [`HEAD_NAME`], which only the head's certificate carries, so a worker
+//! holding a valid certificate cannot pose as the head.
+//!
+//! The cluster is known by its [`CaHash`] (SHA-256 of the authority's public key info, as
+//! `kubeadm join --discovery-token-ca-cert-hash` pins it): joiners may pin it, and the head
+//! keys its state and process groups by it.
+
+use std::fmt;
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use rcgen::{
+    BasicConstraints, Certificate, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair, KeyUsagePurpose,
+    PublicKeyData, SignatureAlgorithm, PKCS_ED25519,
+};
+use rustls::pki_types::{CertificateDer, PrivatePkcs8KeyDer};
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+
+/// The name every Regatta certificate carries and peer connections check.
+pub const SERVER_NAME: &str = "regatta-node";
+
+/// The name only the head's certificate carries: what joiners, workers and clients check
+/// when they reach the head.
+pub const HEAD_NAME: &str = "head.regatta";
+
+/// How long an issued certificate is valid.
+pub const CERT_LIFETIME: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The CA's file names in its folder.
+const KEY_FILE: &str = "ca.key";
+const CERT_FILE: &str = "ca.crt";
+
+/// What an issued certificate stands for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The head.
+    Head,
+    /// A worker node, by name.
+    Node(String),
+    /// A client (a driver, the CLI, a Python program), by name.
+    Client(String),
+}
+
+impl Role {
+    /// The DNS name only this role's certificate carries.
+    pub fn dns_name(&self) -> String {
+        match self {
+            Self::Head => HEAD_NAME.to_string(),
+            Self::Node(name) => format!("{}.node.regatta", dns_label(name)),
+            Self::Client(name) => format!("{}.client.regatta", dns_label(name)),
+        }
+    }
+
+    /// The role's one-word kind and name, as the join request carries them.
+    pub fn parts(&self) -> (&'static str, &str) {
+        match self {
+            Self::Head => ("head", ""),
+            Self::Node(name) => ("node", name),
+            Self::Client(name) => ("client", name),
+        }
+    }
+
+    /// The role of a join request's kind and name; a joiner may not ask to be the head.
+    pub fn joining(kind: &str, name: &str) -> Result<Self> {
+        if name.is_empty() || name.len() > 200 || name.chars().any(char::is_control) {
+            return Err(Error::Join(format!(
+                "a joiner's name must be 1-200 printable characters, not {name:?}"
+            )));
+        }
+        match kind {
+            "node" => Ok(Self::Node(name.to_string())),
+            "client" => Ok(Self::Client(name.to_string())),
+            other => Err(Error::Join(format!("a joiner is a node or a client, not {other:?}"))),
+        }
+    }
+}
+
+/// `name` as one DNS label: lower case, `[a-z0-9-]`, at most 63 characters.
+fn dns_label(name: &str) -> String {
+    let mut label: String = name
+        .chars()
+        .map(|c| c.to_ascii_lowercase())
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '-' })
+        .take(63)
+        .collect();
+    label = label.trim_matches('-').to_string();
+    if label.is_empty() {
+        "unnamed".to_string()
+    } else {
+        label
+    }
+}
+
+/// The SHA-256 of a CA certificate's public key info: the cluster's identity.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CaHash(pub [u8; 32]);
+
+impl CaHash {
+    /// The hash of the CA certificate `der`.
+    pub fn of_certificate(der: &CertificateDer<'_>) -> Result<Self> {
+        let spki = spki_of(der)?;
+        Ok(Self(Sha256::digest(spki).into()))
+    }
+
+    /// Hex without the prefix (for names and state keys).
+    pub fn hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+impl fmt::Display for CaHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "sha256:{}", self.hex())
+    }
+}
+
+impl fmt::Debug for CaHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self}")
+    }
+}
+
+impl FromStr for CaHash {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<Self> {
+        let hex = text.trim().strip_prefix("sha256:").unwrap_or(text.trim());
+        let bad = || Error::Join(format!("a CA hash is sha256: and 64 hex digits, not {text:?}"));
+        if hex.len() != 64 {
+            return Err(bad());
+        }
+        let mut out = [0u8; 32];
+        for (i, byte) in out.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+        }
+        Ok(Self(out))
+    }
+}
+
+/// The SubjectPublicKeyInfo of a DER certificate (found by walking its DER: certificate
+/// SEQUENCE, tbsCertificate SEQUENCE, then version, serial, signature, issuer, validity,
+/// subject, and the key info).
+pub(crate) fn spki_of<'a>(der: &'a CertificateDer<'_>) -> Result<&'a [u8]> {
+    let bad = || Error::Tls("a certificate that is not valid DER".into());
+    let (_, cert, _) = der_element(der.as_ref()).ok_or_else(bad)?;
+    let (_, tbs, _) = der_element(cert).ok_or_else(bad)?;
+    let mut rest = tbs;
+    // Version is an explicit [0] tag, present in v3 certificates.
+    if rest.first() == Some(&0xa0) {
+        rest = der_element(rest).ok_or_else(bad)?.2;
+    }
+    for _ in 0..5 {
+        rest = der_element(rest).ok_or_else(bad)?.2;
+    }
+    let (whole, _, _) = der_element(rest).ok_or_else(bad)?;
+    Ok(whole)
+}
+
+/// One DER element at the start of `bytes`: (the whole element, its contents, the rest).
+fn der_element(bytes: &[u8]) -> Option<(&[u8], &[u8], &[u8])> {
+    let first = *bytes.get(1)?;
+    let (len, header) = if first < 0x80 {
+        (usize::from(first), 2)
+    } else {
+        let count = usize::from(first & 0x7f);
+        if count == 0 || count > 4 {
+            return None;
+        }
+        let mut len = 0usize;
+        for i in 0..count {
+            len = (len << 8) | usize::from(*bytes.get(2 + i)?);
+        }
+        (len, 2 + count)
+    };
+    let end = header.checked_add(len)?;
+    if end > bytes.len() {
+        return None;
+    }
+    Some((&bytes[..end], &bytes[header..end], &bytes[end..]))
+}
+
+fn cert(what: &str) -> impl Fn(rcgen::Error) -> Error + '_ {
+    move |e| Error::Tls(format!("{what}: {e}"))
+}
+
+/// A raw Ed25519 public key, for issuing a certificate to a key held elsewhere.
+struct RawEd25519<'a>(&'a [u8]);
+
+impl PublicKeyData for RawEd25519<'_> {
+    fn der_bytes(&self) -> &[u8] {
+        self.0
+    }
+
+    fn algorithm(&self) -> &SignatureAlgorithm {
+        &PKCS_ED25519
+    }
+}
+
+/// The cluster's certificate authority: its key and certificate.
+pub struct ClusterCa {
+    key: KeyPair,
+    cert: Certificate,
+    /// The certificate as first made (and saved): the one every node trusts.
+    der: CertificateDer<'static>,
+}
+
+impl ClusterCa {
+    /// A new authority with a random key.
+    pub fn generate() -> Result<Self> {
+        let key = KeyPair::generate_for(&PKCS_ED25519).map_err(cert("cluster CA key"))?;
+        let cert = Self::certificate(&key)?;
+        let der = cert.der().clone();
+        Ok(Self { key, cert, der })
+    }
+
+    /// The authority saved in `dir`, or a new one saved there (the folder made 0700 and
+    /// the files 0600 from their first byte; refused if either is open to others).
+    pub fn load_or_create(dir: &Path) -> Result<Self> {
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+        let io = |what: String| move |e: std::io::Error| Error::Tls(format!("{what}: {e}"));
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(io(format!("cannot create the CA folder {}", dir.display())))?;
+        let key_path = dir.join(KEY_FILE);
+        let cert_path = dir.join(CERT_FILE);
+        match std::fs::read(&key_path) {
+            Ok(pkcs8) => {
+                let meta = std::fs::metadata(&key_path).map_err(io(format!("cannot stat {}", key_path.display())))?;
+                if meta.mode() & 0o077 != 0 {
+                    return Err(Error::Tls(format!(
+                        "the CA key {} is open to other users (mode {:o}); make it 0600 or move it aside",
+                        key_path.display(),
+                        meta.mode() & 0o777
+                    )));
+                }
+                let der = PrivatePkcs8KeyDer::from(pkcs8);
+                let key = KeyPair::from_pkcs8_der_and_sign_algo(&der, &PKCS_ED25519)
+                    .map_err(|e| Error::Tls(format!("the CA key {} is not an Ed25519 key: {e}", key_path.display())))?;
+                let saved = std::fs::read(&cert_path).map_err(io(format!("cannot read {}", cert_path.display())))?;
+                let cert = Self::certificate(&key)?;
+                let der = CertificateDer::from(saved);
+                if spki_of(&der)? != key.public_key_der().as_slice() {
+                    return Err(Error::Tls(format!(
+                        "the CA certificate {} is not the key {}'s",
+                        cert_path.display(),
+                        key_path.display()
+                    )));
+                }
+                Ok(Self { key, cert, der })
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let ca = Self::generate()?;
+                write_private(&key_path, &ca.key.serialize_der())?;
+                write_private(&cert_path, ca.der.as_ref())?;
+                Ok(ca)
+            }
+            Err(e) => Err(io(format!("cannot read the CA key {}", key_path.display()))(e)),
+        }
+    }
+
+    /// The authority's self-signed certificate for `key` (the same subject and key
+    /// identifier every time, so certificates issued after a restart chain to the saved one).
+    fn certificate(key: &KeyPair) -> Result<Certificate> {
+        let mut params = CertificateParams::new(Vec::<String>::new()).map_err(cert("cluster CA"))?;
+        let mut name = DistinguishedName::new();
+        name.push(DnType::CommonName, "regatta cluster CA");
+        params.distinguished_name = name;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+        params.self_signed(key).map_err(cert("cluster CA certificate"))
+    }
+
+    /// The certificate every node trusts.
+    pub fn certificate_der(&self) -> &CertificateDer<'static> {
+        &self.der
+    }
+
+    /// The cluster's identity.
+    pub fn hash(&self) -> CaHash {
+        CaHash(Sha256::digest(self.key.public_key_der()).into())
+    }
+
+    /// A certificate for `role` on the Ed25519 public key `public_key` (32 raw bytes).
+    pub fn issue(&self, role: &Role, public_key: &[u8]) -> Result<CertificateDer<'static>> {
+        if public_key.len() != 32 {
+            return Err(Error::Join(format!(
+                "an Ed25519 public key is 32 bytes, not {}",
+                public_key.len()
+            )));
+        }
+        let params = self.params_for(role)?;
+        let leaf = params
+            .signed_by(&RawEd25519(public_key), &self.cert, &self.key)
+            .map_err(cert("node certificate"))?;
+        Ok(leaf.der().clone())
+    }
+
+    /// A certificate for `role` on `key` (a key made here: the head's own, or its HTTPS one).
+    pub fn issue_for_key(&self, role: &Role, key: &KeyPair) -> Result<CertificateDer<'static>> {
+        let params = self.params_for(role)?;
+        Ok(params
+            .signed_by(key, &self.cert, &self.key)
+            .map_err(cert("node certificate"))?
+            .der()
+            .clone())
+    }
+
+    fn params_for(&self, role: &Role) -> Result<CertificateParams> {
+        let mut params =
+            CertificateParams::new(vec![SERVER_NAME.to_string(), role.dns_name()]).map_err(cert("node certificate"))?;
+        let mut name = DistinguishedName::new();
+        let common = match role {
+            Role::Head => "regatta head".to_string(),
+            Role::Node(name) => format!("regatta node {name}"),
+            Role::Client(name) => format!("regatta client {name}"),
+        };
+        name.push(DnType::CommonName, common);
+        params.distinguished_name = name;
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::minutes(5);
+        params.not_after = now + CERT_LIFETIME;
+        let mut serial = [0u8; 16];
+        aws_lc_rs::rand::fill(&mut serial).map_err(|_| Error::Tls("no random serial number".into()))?;
+        serial[0] &= 0x7f;
+        params.serial_number = Some(serial.to_vec().into());
+        Ok(params)
+    }
+}
+
+/// Writes `bytes` to a new file at `path` made 0600 (never overwriting one).
+fn write_private(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| Error::Tls(format!("cannot create {}: {e}", path.display())))?;
+    file.write_all(bytes)
+        .and_then(|()| file.sync_all())
+        .map_err(|e| Error::Tls(format!("cannot write {}: {e}", path.display())))
+}
+
+/// Replaces the file at `path` with `bytes`, whole: written to a private (0600) temporary
+/// file beside it, synced, and renamed over it.
+pub(crate) fn replace_private(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = std::path::PathBuf::from(partial);
+    let _ = std::fs::remove_file(&partial);
+    write_private(&partial, bytes)?;
+    std::fs::rename(&partial, path).map_err(|e| Error::Tls(format!("cannot replace {}: {e}", path.display())))
+}
+
+/// A fresh Ed25519 key for a node's certificate.
+pub fn node_key() -> Result<KeyPair> {
+    KeyPair::generate_for(&PKCS_ED25519).map_err(cert("node key"))
+}
+
+/// The raw 32-byte public key of an Ed25519 key pair (what a join request carries).
+pub fn raw_public_key(key: &KeyPair) -> Vec<u8> {
+    key.public_key_raw().to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_saved_authority_comes_back_the_same_and_private() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = std::env::temp_dir().join(format!("regatta-ca-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let first = ClusterCa::load_or_create(&dir).expect("create");
+        let again = ClusterCa::load_or_create(&dir).expect("load");
+        assert_eq!(first.hash(), again.hash());
+        assert_eq!(first.certificate_der(), again.certificate_der());
+        for file in [KEY_FILE, CERT_FILE] {
+            assert_eq!(
+                std::fs::metadata(dir.join(file)).unwrap().mode() & 0o777,
+                0o600,
+                "{file}"
+            );
+        }
+        assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700);
+        // The hash is of the certificate's key info, whichever way it is read.
+        assert_eq!(CaHash::of_certificate(first.certificate_der()).unwrap(), first.hash());
+        assert_ne!(ClusterCa::generate().unwrap().hash(), first.hash(), "keys are random");
+        // A key others can read is refused, not used.
+        std::fs::set_permissions(dir.join(KEY_FILE), std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+        let refused = ClusterCa::load_or_create(&dir).err().expect("refused");
+        assert!(refused.to_string().contains("open to other users"), "{refused}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn hashes_read_back_and_bad_ones_are_refused() {
+        let hash = ClusterCa::generate().unwrap().hash();
+        assert_eq!(hash.to_string().parse::<CaHash>().unwrap(), hash);
+        assert_eq!(hash.hex().parse::<CaHash>().unwrap(), hash);
+        for bad in ["", "sha256:", "sha256:zz", &"0".repeat(63)] {
+            assert!(bad.parse::<CaHash>().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn names_become_dns_labels() {
+        assert_eq!(Role::Node("W_1.x".into()).dns_name(), "w-1-x.node.regatta");
+        assert_eq!(Role::Client("--".into()).dns_name(), "unnamed.client.regatta");
+        assert_eq!(Role::Head.dns_name(), HEAD_NAME);
+        assert!(Role::joining("head", "h").is_err(), "no one joins as the head");
+        assert!(Role::joining("node", "").is_err());
+        assert!(Role::joining("node", "a\nb").is_err());
+    }
+}

@@ -1,0 +1,114 @@
+//! How a process comes to hold the cluster's trust: a head loads (or makes) the cluster's
+//! own certificate authority and answers joins; every other process trades its join token
+//! for a certificate naming it ([`regatta_net::join`]) before it opens a session.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use regatta_net::{CaHash, ClusterCa, JoinDesk, JoinToken, JoinTokens, Role, TlsIdentity};
+
+use crate::error::{Error, Result};
+
+/// Environment variable holding the cluster authority's hash a joiner pins
+/// (`sha256:<64 hex digits>`, printed by the head).
+pub const CA_HASH_ENV: &str = "REGATTA_CA_HASH";
+
+/// What a process joins with: a join token and, when known, the authority's hash.
+#[derive(Clone, Debug)]
+pub struct JoinCredentials {
+    /// The join token.
+    pub token: JoinToken,
+    /// The authority the head must hold (`None`: the head proves the token's secret only).
+    pub pin: Option<CaHash>,
+}
+
+impl JoinCredentials {
+    /// Reads `token` (a join token) and the pin `pin`, else [`CA_HASH_ENV`] when set.
+    pub fn parse(token: &str, pin: Option<&str>) -> Result<Self> {
+        let token = token.parse::<JoinToken>().map_err(|e| Error::Token(e.to_string()))?;
+        let from_env = std::env::var(CA_HASH_ENV).ok().filter(|v| !v.trim().is_empty());
+        let pin = match pin.map(str::to_string).or(from_env) {
+            Some(text) => Some(
+                text.parse::<CaHash>()
+                    .map_err(|e| Error::Token(format!("{CA_HASH_ENV} / --ca-hash: {e}")))?,
+            ),
+            None => None,
+        };
+        Ok(Self { token, pin })
+    }
+}
+
+/// Joins the cluster at `address` as `role`: one try (a client's connect).
+pub(crate) async fn join_once(address: &str, credentials: &JoinCredentials, role: &Role) -> Result<TlsIdentity> {
+    regatta_net::join(address, &credentials.token, credentials.pin, role)
+        .await
+        .map_err(|e| match e {
+            regatta_net::Error::JoinUnreachable(reason) => Error::Connect {
+                address: address.to_string(),
+                reason,
+            },
+            regatta_net::Error::JoinRefused(reason) => Error::TokenRefused {
+                address: address.to_string(),
+                reason,
+            },
+            other => Error::Net(other),
+        })
+}
+
+/// Joins the cluster at `address` as `role`, waiting for a head that is not up yet (a
+/// worker started before its head); a refusal ends it at once.
+pub(crate) async fn join_with_retry(address: &str, credentials: &JoinCredentials, role: &Role) -> Result<TlsIdentity> {
+    let mut warned = false;
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match join_once(address, credentials, role).await {
+            Err(Error::Connect { reason, .. }) => {
+                if !warned {
+                    tracing::warn!(error = %reason, "head not reachable yet; retrying");
+                    warned = true;
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// The file in the CA folder that keeps the join tokens made with `regatta token create`.
+const TOKENS_FILE: &str = "join-tokens";
+
+/// A head's trust: its authority (saved in `ca_dir`, or made for this run alone), its own
+/// identity, and the desk that answers joins with `bootstrap` accepted.
+pub(crate) struct HeadTrust {
+    pub(crate) identity: TlsIdentity,
+    pub(crate) desk: Arc<JoinDesk>,
+}
+
+impl HeadTrust {
+    pub(crate) fn open(ca_dir: Option<&Path>, bootstrap: &JoinToken) -> Result<Self> {
+        let ca = match ca_dir {
+            Some(dir) => ClusterCa::load_or_create(dir)?,
+            None => ClusterCa::generate()?,
+        };
+        let identity = TlsIdentity::for_head(&ca)?;
+        let file = ca_dir.map(|dir| dir.join(TOKENS_FILE));
+        let mut tokens = match &file {
+            Some(path) => match std::fs::read_to_string(path) {
+                Ok(text) => JoinTokens::from_lines(&text)?,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => JoinTokens::default(),
+                Err(e) => return Err(Error::io(format!("cannot read the join tokens {}", path.display()), e)),
+            },
+            None => JoinTokens::default(),
+        };
+        tokens.insert(bootstrap, None, None, "the head's bootstrap token (--token)");
+        let desk = Arc::new(JoinDesk {
+            ca: Arc::new(ca),
+            tokens: Arc::new(Mutex::new(tokens)),
+            file,
+            bootstrap: bootstrap.id.clone(),
+        });
+        Ok(Self { identity, desk })
+    }
+}
