@@ -248,7 +248,7 @@ async fn finished(jobs: &JobClient, id: &str, what: &str, timeout: Duration) -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compose_cluster_trains_a_llama_then_scores_its_checkpoint_and_a_stopped_worker_costs_a_restart() {
     let _serial = build_image();
-    let token = format!("docker-train-{}", std::process::id());
+    let token = regatta::JoinToken::generate().to_string();
     let (head_port, job_port) = (free_port(), free_port());
     let compose = compose_for("train", &token, (head_port, job_port, free_port()));
     run(&mut compose.command(&["up", "-d", "--no-build", "head", "worker", "worker-gpu"]));

@@ -373,7 +373,7 @@ async fn the_cluster_port_refuses_another_clusters_node_plain_bytes_and_silence(
     drop(silent);
     let head_log = cluster.local.log("head");
     assert!(
-        head_log.contains("did not prove the cluster token"),
+        head_log.contains("did not prove it belongs to the cluster"),
         "the head logs the refused handshakes:\n{head_log}"
     );
 }
@@ -629,7 +629,7 @@ fn refusals(cluster: &TestCluster) -> usize {
     cluster
         .local
         .log("head")
-        .matches("did not prove the cluster token")
+        .matches("did not prove it belongs to the cluster")
         .count()
 }
 

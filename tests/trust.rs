@@ -196,3 +196,130 @@ async fn join_tokens_are_limited_listed_revoked_and_kept_across_a_head_restart()
         Some(2)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_node_is_dead_at_once_its_actor_moves_and_it_cannot_join_again() {
+    use regatta::kinds::Echo;
+    use regatta::{ActorOptions, Resources};
+    let mut cluster = TestCluster::start(&[("w1", "CPU=1,spot=1"), ("w2", "CPU=1,spot=1")]).await;
+    let mut running = Vec::new();
+    let echo = cluster
+        .client
+        .spawn::<Echo>(
+            "moved:".into(),
+            ActorOptions::new()
+                .resources(Resources::parse_request("spot=1").expect("resources"))
+                .max_restarts(1),
+        )
+        .await
+        .expect("spawn");
+    let status = cluster.client.status().await.expect("status");
+    let on = status
+        .actors
+        .iter()
+        .find(|a| a.view.id == echo.id())
+        .and_then(|a| a.view.node.clone())
+        .expect("placed");
+
+    let removed = token_command_with(&cluster, &["node", "remove", &on]);
+    assert!(removed.status.success(), "{removed:?}");
+    assert!(stdout(&removed).contains(&format!("removed {on}")), "{removed:?}");
+    // Dead at once (well within the 2 s heartbeat timeout), its actor restarted elsewhere.
+    cluster.wait_node_state(&on, "dead", Duration::from_secs(1)).await;
+    let reply = support::eventually(
+        "the actor answers from the other node",
+        Duration::from_secs(30),
+        || async { echo.call("still".into()).await.ok() },
+    )
+    .await;
+    assert_eq!(reply.text, "moved:still");
+    // The worker process is refused by the head and ends.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while cluster
+        .local
+        .processes_running()
+        .iter()
+        .any(|(name, running)| *name == on && *running)
+    {
+        assert!(Instant::now() < deadline, "the removed worker kept running");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(cluster.local.log(&on).contains("removed"), "{}", cluster.local.log(&on));
+    // Its name cannot join again, even with a valid token.
+    let name = format!("{on}");
+    assert_eq!(
+        worker(
+            &cluster,
+            &mut running,
+            &name,
+            &cluster.local.token,
+            &[],
+            Duration::from_secs(20)
+        ),
+        Some(2)
+    );
+    assert!(
+        cluster
+            .local
+            .log(&format!("{name}.log"))
+            .contains("was removed from the cluster"),
+        "{}",
+        cluster.local.log(&format!("{name}.log"))
+    );
+    let status = cluster.client.status().await.expect("status");
+    assert!(
+        status.nodes.iter().any(|n| n.name == on && n.state == "dead"),
+        "{status:?}"
+    );
+}
+
+/// Runs `regatta ARGS` (a job API command) against the cluster with its admin token.
+fn token_command_with(cluster: &TestCluster, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_regatta"))
+        .args(args)
+        .args(["--address", &cluster.local.job_address])
+        .env("REGATTA_TOKEN", &cluster.local.token)
+        .env_remove("REGATTA_CA_HASH")
+        .output()
+        .expect("run regatta")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jobs_driver_gets_a_token_of_its_own_that_ends_with_the_job() {
+    use regatta::{JobClient, JobStatus, JobSubmission};
+    let cluster = TestCluster::start(&[("w1", "CPU=1")]).await;
+    let jobs = JobClient::new(&cluster.local.job_address, &cluster.local.token).expect("job client");
+    let mut submission = JobSubmission {
+        entrypoint: "printenv REGATTA_TOKEN REGATTA_CA_HASH SECRET_SETTING".into(),
+        ..Default::default()
+    };
+    submission
+        .runtime_env
+        .env_vars
+        .insert("SECRET_SETTING".into(), "s3cr3t-value".into());
+    let id = jobs.submit(&submission).await.expect("submit");
+    let record = jobs.wait(&id, Duration::from_millis(100)).await.expect("wait");
+    assert_eq!(record.status, JobStatus::Succeeded, "{record:?}");
+    let logs = jobs.logs(&id).await.expect("logs");
+    let lines: Vec<&str> = logs.lines().collect();
+    let [token, hash, secret] = lines[..] else {
+        panic!("three lines: {logs}")
+    };
+    assert_eq!(secret, "s3cr3t-value", "the driver has its environment");
+    assert_ne!(token, cluster.local.token, "not the bootstrap token");
+    assert!(token.parse::<regatta::JoinToken>().is_ok(), "{token}");
+    let listing = stdout(&token_command(&cluster, &["list"]));
+    assert_eq!(ca_hash(&listing), hash);
+    // The job has ended: its token joins nothing now.
+    let refused = regatta::Client::connect(&cluster.local.address, token).await;
+    assert!(
+        matches!(&refused, Err(regatta::Error::TokenRefused { reason, .. }) if reason.contains("knows no join token")),
+        "{:?}",
+        refused.err()
+    );
+    // The job API names the environment's variables, not their values.
+    let record = jobs.status(&id).await.expect("status");
+    assert_eq!(record.runtime_env.env_vars["SECRET_SETTING"], "<hidden>");
+    let listed = jobs.list().await.expect("list");
+    assert!(!format!("{listed:?}").contains("s3cr3t-value"), "{listed:?}");
+}

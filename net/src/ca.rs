@@ -136,7 +136,8 @@ impl FromStr for CaHash {
     fn from_str(text: &str) -> Result<Self> {
         let hex = text.trim().strip_prefix("sha256:").unwrap_or(text.trim());
         let bad = || Error::Join(format!("a CA hash is sha256: and 64 hex digits, not {text:?}"));
-        if hex.len() != 64 {
+        // Checked as ASCII hex first: slicing by byte below must not cut a character.
+        if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(bad());
         }
         let mut out = [0u8; 32];
@@ -164,6 +165,36 @@ pub(crate) fn spki_of<'a>(der: &'a CertificateDer<'_>) -> Result<&'a [u8]> {
     }
     let (whole, _, _) = der_element(rest).ok_or_else(bad)?;
     Ok(whole)
+}
+
+/// The name a certificate this crate issued stands for: `Some(name)` for a node's
+/// (`regatta node <name>` in its subject's common name), `None` for any other.
+pub(crate) fn node_name_of(der: &[u8]) -> Option<String> {
+    let (_, cert, _) = der_element(der)?;
+    let (_, tbs, _) = der_element(cert)?;
+    let mut rest = tbs;
+    if rest.first() == Some(&0xa0) {
+        rest = der_element(rest)?.2;
+    }
+    // serial, signature algorithm, issuer, validity; then the subject.
+    for _ in 0..4 {
+        rest = der_element(rest)?.2;
+    }
+    let (_, subject, _) = der_element(rest)?;
+    // Common name: OID 2.5.4.3.
+    const CN: &[u8] = &[0x06, 0x03, 0x55, 0x04, 0x03];
+    let mut sets = subject;
+    while !sets.is_empty() {
+        let (_, set, next) = der_element(sets)?;
+        sets = next;
+        let (_, pair, _) = der_element(set)?;
+        if let Some(value) = pair.strip_prefix(CN) {
+            let (_, text, _) = der_element(value)?;
+            let text = std::str::from_utf8(text).ok()?;
+            return text.strip_prefix("regatta node ").map(str::to_string);
+        }
+    }
+    None
 }
 
 /// One DER element at the start of `bytes`: (the whole element, its contents, the rest).
@@ -411,8 +442,25 @@ mod tests {
         let hash = ClusterCa::generate().unwrap().hash();
         assert_eq!(hash.to_string().parse::<CaHash>().unwrap(), hash);
         assert_eq!(hash.hex().parse::<CaHash>().unwrap(), hash);
-        for bad in ["", "sha256:", "sha256:zz", &"0".repeat(63)] {
+        // The last: 64 bytes, not 64 characters (found by the fuzzing in join.rs).
+        let wide = format!("§{}", "0".repeat(62));
+        for bad in ["", "sha256:", "sha256:zz", &"0".repeat(63), &wide] {
             assert!(bad.parse::<CaHash>().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_node_certificate_names_its_node_and_no_other_does() {
+        let ca = ClusterCa::generate().unwrap();
+        let key = node_key().unwrap();
+        let node = ca.issue(&Role::Node("gpu-7".into()), &raw_public_key(&key)).unwrap();
+        assert_eq!(node_name_of(node.as_ref()).as_deref(), Some("gpu-7"));
+        let client = ca.issue(&Role::Client("c".into()), &raw_public_key(&key)).unwrap();
+        assert_eq!(node_name_of(client.as_ref()), None);
+        assert_eq!(node_name_of(ca.certificate_der().as_ref()), None);
+        assert_eq!(node_name_of(b"not a certificate"), None);
+        for cut in 0..node.len() {
+            let _ = node_name_of(&node[..cut]);
         }
     }
 

@@ -71,6 +71,16 @@ impl TlsIdentity {
         key: &KeyPair,
         https: Option<(CertificateDer<'static>, &KeyPair)>,
     ) -> Result<Self> {
+        Self::build(ca, leaf, key, https, None)
+    }
+
+    fn build(
+        ca: CertificateDer<'static>,
+        leaf: CertificateDer<'static>,
+        key: &KeyPair,
+        https: Option<(CertificateDer<'static>, &KeyPair)>,
+        removed: Option<RemovedNodes>,
+    ) -> Result<Self> {
         let cluster = CaHash::of_certificate(&ca)?;
         let mut roots = RootCertStore::empty();
         roots.add(ca.clone()).map_err(tls("trust the cluster CA"))?;
@@ -80,6 +90,19 @@ impl TlsIdentity {
         let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
         let cluster_provider = cluster_provider();
         let (required, optional) = client_verifiers(&roots, &provider)?;
+        let (required, optional) = match removed {
+            Some(removed) => (
+                Arc::new(NotRemoved {
+                    inner: required,
+                    removed: removed.clone(),
+                }) as Arc<dyn ClientCertVerifier>,
+                Arc::new(NotRemoved {
+                    inner: optional,
+                    removed,
+                }) as Arc<dyn ClientCertVerifier>,
+            ),
+            None => (required, optional),
+        };
         let https = match https {
             Some((cert, web_key)) => Some(Arc::new(https_config(cert, web_key, provider, optional)?)),
             None => None,
@@ -96,15 +119,22 @@ impl TlsIdentity {
         })
     }
 
-    /// The head's identity: its own certificate and its HTTPS one, issued here by `ca`.
-    pub fn for_head(ca: &ClusterCa) -> Result<Self> {
+    /// The head's identity: its own certificate and its HTTPS one, issued here by `ca`; a
+    /// connection presenting the certificate of a node named in `removed` is refused.
+    pub fn for_head(ca: &ClusterCa, removed: RemovedNodes) -> Result<Self> {
         let key = crate::ca::node_key()?;
         let leaf = ca.issue_for_key(&Role::Head, &key)?;
         // Browsers do not sign with Ed25519 in TLS (Chromium fails the handshake), so the
         // HTTPS leaf is ECDSA P-256, under the same authority.
         let web_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(cert("HTTPS key"))?;
         let web = ca.issue_for_key(&Role::Head, &web_key)?;
-        let mut identity = Self::issued(ca.certificate_der().clone(), leaf.clone(), &key, Some((web, &web_key)))?;
+        let mut identity = Self::build(
+            ca.certificate_der().clone(),
+            leaf.clone(),
+            &key,
+            Some((web, &web_key)),
+            Some(removed),
+        )?;
         let mut join =
             rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
                 .with_protocol_versions(&[&rustls::version::TLS13])
@@ -118,6 +148,69 @@ impl TlsIdentity {
         join.alpn_protocols = vec![crate::join::JOIN_ALPN.to_vec()];
         identity.join = Some(Arc::new(join));
         Ok(identity)
+    }
+}
+
+/// The node names removed from the cluster, shared between the head's verifiers, its join
+/// desk and its job API.
+pub type RemovedNodes = Arc<std::sync::RwLock<std::collections::BTreeSet<String>>>;
+
+/// A client verifier that also refuses the certificate of a removed node.
+#[derive(Debug)]
+struct NotRemoved {
+    inner: Arc<dyn ClientCertVerifier>,
+    removed: RemovedNodes,
+}
+
+impl ClientCertVerifier for NotRemoved {
+    fn offer_client_auth(&self) -> bool {
+        self.inner.offer_client_auth()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.inner.client_auth_mandatory()
+    }
+
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: rustls::pki_types::UnixTime,
+    ) -> std::result::Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        let verified = self.inner.verify_client_cert(end_entity, intermediates, now)?;
+        if let Some(name) = crate::ca::node_name_of(end_entity.as_ref()) {
+            let removed = self.removed.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if removed.contains(&name) {
+                return Err(rustls::Error::InvalidCertificate(rustls::CertificateError::Revoked));
+            }
+        }
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> std::result::Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> std::result::Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.inner.supported_verify_schemes()
     }
 }
 

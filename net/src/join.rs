@@ -201,6 +201,8 @@ pub enum Refusal {
     Expired,
     /// Every use spent.
     UsedUp,
+    /// The node's name was removed from the cluster.
+    Removed(String),
     /// The proof does not match the token's secret.
     WrongSecret,
     /// The request was malformed.
@@ -216,6 +218,10 @@ impl fmt::Display for Refusal {
             ),
             Self::Expired => write!(f, "the join token has expired"),
             Self::UsedUp => write!(f, "the join token has no uses left"),
+            Self::Removed(name) => write!(
+                f,
+                "node {name} was removed from the cluster (regatta node remove): it cannot join again under this name"
+            ),
             Self::WrongSecret => write!(f, "the join token's secret is wrong"),
             Self::Malformed(why) => write!(f, "a malformed join request: {why}"),
         }
@@ -312,7 +318,7 @@ impl JoinTokens {
             let expires = next("no expiry")?;
             let uses = next("no use count")?;
             let description = parts.next().unwrap_or_default().to_string();
-            if key.len() != 64 {
+            if key.len() != 64 || !key.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Err(bad("a key that is not 64 hex digits"));
             }
             let mut bytes = [0u8; 32];
@@ -350,11 +356,12 @@ pub struct JoinDesk {
     pub ca: Arc<ClusterCa>,
     /// The tokens it accepts.
     pub tokens: Arc<Mutex<JoinTokens>>,
-    /// Where the tokens made after start are kept (`None`: in memory only), and the
-    /// bootstrap token's id (configured, not kept).
+    /// Where the tokens made after start are kept (`None`: in memory only).
     pub file: Option<std::path::PathBuf>,
-    /// The bootstrap token's id.
+    /// The bootstrap token's id (it comes from the head's configuration, and is not kept).
     pub bootstrap: String,
+    /// Node names removed from the cluster: refused a certificate.
+    pub removed: crate::identity::RemovedNodes,
 }
 
 impl JoinDesk {
@@ -456,6 +463,12 @@ fn grant(body: &[u8], exporter: &[u8], desk: &JoinDesk) -> std::result::Result<G
         |b: &[u8]| String::from_utf8(b.to_vec()).map_err(|_| Refusal::Malformed("a name that is not UTF-8".into()));
     let (id, kind, name) = (text(id)?, text(kind)?, text(name)?);
     let role = Role::joining(&kind, &name).map_err(|e| Refusal::Malformed(e.to_string()))?;
+    if let Role::Node(node) = &role {
+        let removed = desk.removed.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if removed.contains(node) {
+            return Err(Refusal::Removed(node.clone()));
+        }
+    }
     let mut tokens = desk.tokens.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let key = tokens.usable(&id, SystemTime::now())?;
     if !key.verify(
@@ -715,7 +728,13 @@ mod tests {
             ]
         );
         assert_eq!(back.usable(&a.id, SystemTime::UNIX_EPOCH), Ok(a.key()));
-        for bad in ["abcdef", "abcdef zz - -", &format!("abcdef {} soon -", "0".repeat(64))] {
+        let wide_key = format!("abcdef §{} - -", "0".repeat(62));
+        for bad in [
+            "abcdef",
+            "abcdef zz - -",
+            &format!("abcdef {} soon -", "0".repeat(64)),
+            &wide_key,
+        ] {
             let err = JoinTokens::from_lines(&format!("\n{bad}\n")).err().expect(bad);
             assert!(err.to_string().contains("line 2"), "{err}");
         }
@@ -752,7 +771,7 @@ mod tests {
     /// A head answering joins on a loopback port: its address, identity and token desk.
     async fn head() -> (String, TlsIdentity, Arc<Mutex<JoinTokens>>, JoinToken) {
         let ca = Arc::new(ClusterCa::generate().unwrap());
-        let identity = TlsIdentity::for_head(&ca).unwrap();
+        let identity = TlsIdentity::for_head(&ca, Default::default()).unwrap();
         let token = JoinToken::generate();
         let mut tokens = JoinTokens::default();
         tokens.insert(&token, None, None, "test");
@@ -762,6 +781,7 @@ mod tests {
             tokens: tokens.clone(),
             file: None,
             bootstrap: token.id.clone(),
+            removed: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
@@ -868,7 +888,7 @@ mod tests {
         // A fake head: real TLS, an authority of its own, and it answers "ok" to anything
         // with a certificate for the joiner's key, but it does not know the secret.
         let ca = Arc::new(ClusterCa::generate().unwrap());
-        let identity = TlsIdentity::for_head(&ca).unwrap();
+        let identity = TlsIdentity::for_head(&ca, Default::default()).unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let acceptor = tokio_rustls::TlsAcceptor::from(identity.join.clone().unwrap());
@@ -902,5 +922,108 @@ mod tests {
         assert!(!received
             .windows(token.secret.len())
             .any(|w| w == token.secret.as_bytes()));
+    }
+
+    /// Bounded fuzzing (a fixed number of cases each run): the join's decoders and the
+    /// desk never panic on any bytes, and a request changed anywhere is refused.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// A fixed seed unless `PROPTEST_RNG_SEED` names one: CI runs the same cases every
+        /// time (a flaky fuzz is a failing test); a developer widens the search with
+        /// `PROPTEST_RNG_SEED` and `PROPTEST_CASES`.
+        fn fuzz_config(cases: u32) -> ProptestConfig {
+            let mut config = ProptestConfig::with_cases(
+                std::env::var("PROPTEST_CASES")
+                    .ok()
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(cases),
+            );
+            if matches!(config.rng_seed, proptest::test_runner::RngSeed::Random) {
+                config.rng_seed = proptest::test_runner::RngSeed::Fixed(0x5eed_1e55);
+            }
+            config
+        }
+
+        fn desk() -> (JoinDesk, JoinToken) {
+            let token = JoinToken::generate();
+            let mut tokens = JoinTokens::default();
+            tokens.insert(&token, None, None, "fuzz");
+            let desk = JoinDesk {
+                ca: Arc::new(ClusterCa::generate().unwrap()),
+                tokens: Arc::new(Mutex::new(tokens)),
+                file: None,
+                bootstrap: token.id.clone(),
+                removed: Default::default(),
+            };
+            (desk, token)
+        }
+
+        fn request(token: &JoinToken, exporter: &[u8], public_key: &[u8]) -> Vec<u8> {
+            let proof = token.key().tag(b"client", exporter, &[b"node", b"w1", public_key]);
+            encode(&[
+                JOIN_ALPN,
+                token.id.as_bytes(),
+                proof.as_ref(),
+                b"node",
+                b"w1",
+                public_key,
+            ])[4..]
+                .to_vec()
+        }
+
+        fn text() -> impl Strategy<Value = String> {
+            proptest::collection::vec(any::<char>(), 0..120).prop_map(String::from_iter)
+        }
+
+        proptest! {
+            #![proptest_config(fuzz_config(256))]
+
+            #[test]
+            fn any_bytes_are_refused_without_a_panic(
+                bytes in proptest::collection::vec(any::<u8>(), 0..600),
+                exporter in any::<[u8; 32]>(),
+            ) {
+                let _ = decode(&bytes);
+                let (desk, _) = desk();
+                prop_assert!(grant(&bytes, &exporter, &desk).is_err());
+            }
+
+            #[test]
+            fn a_request_changed_anywhere_is_refused(
+                exporter in any::<[u8; 32]>(),
+                public_key in any::<[u8; 32]>(),
+                at in any::<prop::sample::Index>(),
+                flip in 1u8..=255,
+            ) {
+                let (desk, token) = desk();
+                let good = request(&token, &exporter, &public_key);
+                let mut bad = good.clone();
+                let i = at.index(bad.len());
+                bad[i] ^= flip;
+                prop_assert!(grant(&bad, &exporter, &desk).is_err(), "byte {} changed and accepted", i);
+                // The same request on another connection (a relayed proof) is refused too.
+                let mut elsewhere = exporter;
+                elsewhere[0] ^= 1;
+                prop_assert!(matches!(grant(&good, &elsewhere, &desk), Err(Refusal::WrongSecret)));
+                // And the request itself passes (the check above is not vacuous); an
+                // Ed25519 key of random bytes may not be a valid point: then the refusal
+                // names the key.
+                match grant(&good, &exporter, &desk) {
+                    Ok((role, ..)) => prop_assert_eq!(role, Role::Node("w1".into())),
+                    Err(Refusal::Malformed(why)) => prop_assert!(why.contains("certificate"), "{}", why),
+                    Err(other) => prop_assert!(false, "{}", other),
+                }
+            }
+
+            #[test]
+            fn any_text_parses_or_is_refused_without_a_panic(text in text()) {
+                let _ = text.parse::<JoinToken>();
+                let _ = text.parse::<CaHash>();
+                let _ = JoinTokens::from_lines(&text);
+                let _ = Role::joining("node", &text);
+            }
+        }
     }
 }

@@ -24,7 +24,7 @@ pub use error::{Error, Result};
 pub use handshake_slots::{
     HandshakeSlots, Refusal as HandshakeRefusal, Slot as HandshakeSlot, MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE,
 };
-pub use identity::{identity_from_secret, TlsIdentity};
+pub use identity::{identity_from_secret, RemovedNodes, TlsIdentity};
 pub use join::{
     answer_join, join, JoinDesk, JoinKey, JoinToken, JoinTokens, Refusal as JoinRefusal, TokenEntry, JOIN_ALPN,
     JOIN_TIMEOUT,

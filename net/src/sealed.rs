@@ -567,4 +567,62 @@ mod tests {
         let (header, mut body, tag) = parts(&frame);
         assert_eq!(server.open(&header, &mut body, &tag), Err(FrameError::Forged));
     }
+
+    /// Bounded fuzzing: a sealed frame changed anywhere (header, ciphertext or tag) is
+    /// refused, and an unchanged one opens to its payload.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// A fixed seed unless `PROPTEST_RNG_SEED` names one: CI runs the same cases every
+        /// time (a flaky fuzz is a failing test); a developer widens the search with
+        /// `PROPTEST_RNG_SEED` and `PROPTEST_CASES`.
+        fn fuzz_config(cases: u32) -> ProptestConfig {
+            let mut config = ProptestConfig::with_cases(
+                std::env::var("PROPTEST_CASES")
+                    .ok()
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(cases),
+            );
+            if matches!(config.rng_seed, proptest::test_runner::RngSeed::Random) {
+                config.rng_seed = proptest::test_runner::RngSeed::Fixed(0x5eed_1e55);
+            }
+            config
+        }
+
+        proptest! {
+            #![proptest_config(fuzz_config(256))]
+
+            #[test]
+            fn a_frame_changed_anywhere_is_refused(
+                material in proptest::collection::vec(any::<u8>(), EXPORTED_LEN),
+                payload in proptest::collection::vec(any::<u8>(), 0..2048),
+                word in any::<u32>(),
+                at in any::<prop::sample::Index>(),
+                flip in 1u8..=255,
+            ) {
+                let material: [u8; EXPORTED_LEN] = material.try_into().unwrap();
+                let mut client = Keys::from_exported(&material, Side::Client);
+                let mut frame = Vec::new();
+                client.seal(word, &payload, &mut frame).unwrap();
+                let open = |frame: &[u8]| {
+                    let mut server = Keys::from_exported(&material, Side::Server);
+                    let header: [u8; HEADER_LEN] = frame[..HEADER_LEN].try_into().unwrap();
+                    let (len, got_word) = parse_header(&header);
+                    if len + HEADER_LEN + TAG_LEN != frame.len() {
+                        return Err(FrameError::Forged);
+                    }
+                    let mut body = frame[HEADER_LEN..HEADER_LEN + len].to_vec();
+                    let tag: [u8; TAG_LEN] = frame[HEADER_LEN + len..].try_into().unwrap();
+                    server.open(&header, &mut body, &tag).map(|()| (got_word, body))
+                };
+                let (got_word, body) = open(&frame).expect("the frame as sealed opens");
+                prop_assert_eq!(got_word, word);
+                prop_assert_eq!(&body, &payload);
+                let i = at.index(frame.len());
+                frame[i] ^= flip;
+                prop_assert!(open(&frame).is_err(), "byte {} changed and opened", i);
+            }
+        }
+    }
 }

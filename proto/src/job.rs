@@ -405,7 +405,19 @@ pub struct ProcessIdentity {
     pub boot: String,
 }
 
+/// What the job API shows in place of an environment variable's value.
+pub const HIDDEN_ENV_VALUE: &str = "<hidden>";
+
 impl JobRecord {
+    /// The record as the job API shows it: the environment's names with every value
+    /// replaced by [`HIDDEN_ENV_VALUE`] (values are often credentials; the driver has them).
+    pub fn without_env_values(mut self) -> Self {
+        for value in self.runtime_env.env_vars.values_mut() {
+            *value = HIDDEN_ENV_VALUE.to_string();
+        }
+        self
+    }
+
     /// A new pending record.
     pub fn new(id: String, submission: &JobSubmission, now_ms: u64) -> Self {
         Self {
@@ -695,5 +707,80 @@ mod tests {
         stopped.exited(None, true, 2);
         assert_eq!(stopped.status, JobStatus::Stopped);
         assert_eq!(serde_json::to_value(JobStatus::Succeeded).unwrap(), "SUCCEEDED");
+    }
+
+    /// Bounded fuzzing of the job API's JSON: any bytes, and any JSON, parse and validate
+    /// or are refused with a reason, never a panic.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// A fixed seed unless `PROPTEST_RNG_SEED` names one: CI runs the same cases every
+        /// time (a flaky fuzz is a failing test); a developer widens the search with
+        /// `PROPTEST_RNG_SEED` and `PROPTEST_CASES`.
+        fn fuzz_config(cases: u32) -> ProptestConfig {
+            let mut config = ProptestConfig::with_cases(
+                std::env::var("PROPTEST_CASES")
+                    .ok()
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(cases),
+            );
+            if matches!(config.rng_seed, proptest::test_runner::RngSeed::Random) {
+                config.rng_seed = proptest::test_runner::RngSeed::Fixed(0x5eed_1e55);
+            }
+            config
+        }
+
+        fn json() -> impl Strategy<Value = serde_json::Value> {
+            let leaf = prop_oneof![
+                Just(serde_json::Value::Null),
+                any::<bool>().prop_map(serde_json::Value::from),
+                any::<f64>().prop_map(serde_json::Value::from),
+                any::<i64>().prop_map(serde_json::Value::from),
+                proptest::collection::vec(any::<char>(), 0..24)
+                    .prop_map(|c| serde_json::Value::from(String::from_iter(c))),
+            ];
+            let keys = prop_oneof![
+                Just("entrypoint".to_string()),
+                Just("runtime_env".to_string()),
+                Just("env_vars".to_string()),
+                Just("working_dir".to_string()),
+                Just("submission_id".to_string()),
+                Just("metadata".to_string()),
+                Just("entrypoint_resources".to_string()),
+                Just("entrypoint_num_cpus".to_string()),
+                proptest::collection::vec(any::<char>(), 0..8).prop_map(String::from_iter),
+            ];
+            leaf.prop_recursive(4, 48, 6, move |inner| {
+                prop_oneof![
+                    proptest::collection::vec(inner.clone(), 0..6).prop_map(serde_json::Value::from),
+                    proptest::collection::btree_map(keys.clone(), inner, 0..6)
+                        .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        proptest! {
+            #![proptest_config(fuzz_config(512))]
+
+            #[test]
+            fn any_bytes_are_parsed_or_refused(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+                if let Ok(submission) = serde_json::from_slice::<JobSubmission>(&bytes) {
+                    let _ = submission.validate();
+                }
+            }
+
+            #[test]
+            fn any_json_is_parsed_and_validated_or_refused(value in json()) {
+                if let Ok(submission) = serde_json::from_value::<JobSubmission>(value) {
+                    if submission.validate().is_ok() {
+                        let _ = submission.resources_text();
+                        let again = serde_json::to_vec(&submission).expect("encodes");
+                        let back: JobSubmission = serde_json::from_slice(&again).expect("reads back");
+                        prop_assert_eq!(back, submission);
+                    }
+                }
+            }
+        }
     }
 }

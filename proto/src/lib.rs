@@ -44,7 +44,7 @@ pub use scheduler::Effect;
 // Jobs (Ray's job API records).
 pub use job::{
     error_type as job_error_type, finished_beyond, validate_id as validate_job_id, JobRecord, JobStatus, JobSubmission,
-    ProcessIdentity, RuntimeEnv, JOB_ID_ENV, MAX_FINISHED_JOBS, PACKAGE_SCHEME,
+    ProcessIdentity, RuntimeEnv, HIDDEN_ENV_VALUE, JOB_ID_ENV, MAX_FINISHED_JOBS, PACKAGE_SCHEME,
 };
 // Objects: ids, the head's directory, a node's memory store, fan-out of pulls.
 pub use object::fanout::DEFAULT_PER_SOURCE as DEFAULT_FANOUT_PER_SOURCE;

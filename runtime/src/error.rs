@@ -110,8 +110,8 @@ pub enum Error {
     /// The job API does not know the job.
     #[error("unknown job: {0}")]
     JobUnknown(String),
-    /// No cluster token was found.
-    #[error("no cluster token: {0}")]
+    /// No cluster token was found, or it is not a join token (the message says which).
+    #[error("{0}")]
     Token(String),
     /// Bytes from the network did not decode.
     #[error("could not decode {what}: {reason}")]

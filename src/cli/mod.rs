@@ -3,6 +3,7 @@
 mod common;
 pub mod demo;
 mod job;
+mod node;
 pub mod score;
 mod status;
 mod token;
@@ -57,6 +58,9 @@ enum Command {
     /// Join tokens: generate one offline, or create, list and revoke them on the head.
     #[command(subcommand)]
     Token(token::TokenCommand),
+    /// Nodes of a running cluster: remove one for good.
+    #[command(subcommand)]
+    Node(node::NodeCommand),
     /// Run many simulated nodes in this process against a head (`regatta bench scale`
     /// starts them): each registers, heartbeats and starts actors like a worker.
     #[command(hide = true)]
@@ -348,6 +352,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
             Command::Bench(args) => crate::bench::run(args).await,
             Command::Job(command) => job::run(command).await,
             Command::Token(command) => token::run(command).await,
+            Command::Node(command) => node::run(command).await,
             Command::Train(args) => train::run(args).await,
             Command::Score(args) => score::run(args).await,
             Command::Probe { url } => probe(&url).await,

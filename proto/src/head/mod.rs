@@ -269,6 +269,13 @@ impl HeadCore {
                 let known = self.scheduler.heartbeat(&node, incarnation, now);
                 answer(to, Answer::Heartbeat(known), out);
             }
+            HeadRequest::RemoveNode(node) => {
+                let (known, lost) = self.scheduler.remove_node(&node, now);
+                if let Some(cause) = lost {
+                    self.node_dead(node, cause, now, out);
+                }
+                answer(to, Answer::Removed(known), out);
+            }
             HeadRequest::Spawn(spec) => answer(to, Answer::Spawned(self.scheduler.submit(spec, now)), out),
             HeadRequest::WaitActor(id) => self.wait_actor(id, to, out),
             HeadRequest::Announce(id) => self.announce(id, to, out),

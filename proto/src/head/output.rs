@@ -16,6 +16,8 @@ pub enum Answer {
     Registered(Result<Registration, Failure>),
     /// `Heartbeat`: whether the head knows the node (false: re-register).
     Heartbeat(bool),
+    /// `RemoveNode`: whether the head knew the node.
+    Removed(bool),
     /// `Spawn`: the new actor's id.
     Spawned(Result<ActorId, Failure>),
     /// `WaitActor`: the actor once alive or dead.

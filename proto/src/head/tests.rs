@@ -1085,3 +1085,54 @@ fn a_snapshot_and_the_changes_after_it_replay_to_the_same_head() {
         );
     }
 }
+
+#[test]
+fn a_removed_node_is_dead_at_once_its_actors_move_and_its_name_is_refused_for_good() {
+    let mut head = HeadCore::new(3_000, 10_000);
+    head.handle(node("w1", "CPU=1"), Some(ReplyTo(0)), 0);
+    head.handle(node("w2", "CPU=1"), Some(ReplyTo(0)), 0);
+    let (id, on, _) = running(&mut head, spawn_with("CPU=1", 1), 1);
+    let other = if on == "w1" { "w2" } else { "w1" };
+    let out = head.handle(HeadRequest::RemoveNode(on.clone()), Some(ReplyTo(1)), 5);
+    assert!(
+        matches!(replies(&out).as_slice(), [(_, Answer::Removed(true))]),
+        "{out:?}"
+    );
+    assert!(
+        out.iter()
+            .any(|o| matches!(o, Output::Notice(Notice::NodeDead { node, cause, .. }) if *node == on && cause.contains("removed"))),
+        "{out:?}"
+    );
+    // Its actor restarts on the other node at once (its budget allows one restart).
+    let moved = starts(&out);
+    assert_eq!(
+        moved.iter().map(|s| (s.actor, s.node.as_str())).collect::<Vec<_>>(),
+        [(id, other)]
+    );
+    // Its heartbeats are not known, and its name cannot register again.
+    let beat = head.handle(
+        HeadRequest::Heartbeat {
+            node: on.clone(),
+            incarnation: 1,
+        },
+        Some(ReplyTo(2)),
+        6,
+    );
+    assert!(matches!(replies(&beat).as_slice(), [(_, Answer::Heartbeat(false))]));
+    let again = head.handle(node(&on, "CPU=1"), Some(ReplyTo(3)), 7);
+    assert!(
+        matches!(replies(&again).as_slice(), [(_, Answer::Registered(Err(Failure::Rejected(why))))] if why.contains("removed")),
+        "{again:?}"
+    );
+    // An unknown name is refused ahead of time, and said to be unknown.
+    let out = head.handle(HeadRequest::RemoveNode("w9".into()), Some(ReplyTo(4)), 8);
+    assert!(matches!(replies(&out).as_slice(), [(_, Answer::Removed(false))]));
+    // Kept across a restart of the head.
+    let restored = restart(&head, 20);
+    let removed: Vec<&str> = restored.scheduler().removed_nodes().collect();
+    assert_eq!(removed, {
+        let mut want = vec![on.as_str(), "w9"];
+        want.sort();
+        want
+    });
+}

@@ -321,6 +321,10 @@ pub enum HeadRequest {
         /// How long to wait at most.
         timeout_ms: u64,
     },
+    /// Remove a node from the cluster for good (`regatta node remove`): it is declared
+    /// dead at once (its actors restart elsewhere) and its name is refused from then on,
+    /// registrations and heartbeats alike: replies `bool`, whether the head knew it.
+    RemoveNode(String),
 }
 
 impl HeadRequest {
@@ -357,6 +361,7 @@ impl HeadRequest {
             Self::Announce(_) => "announce",
             Self::ObjectPull { .. } => "object-pull",
             Self::ObjectPullEnded { .. } => "object-pull-ended",
+            Self::RemoveNode(_) => "remove-node",
         }
     }
 

@@ -163,6 +163,8 @@ pub struct Scheduler {
     /// goes silent past the heartbeat timeout like any node. Kept in the serialized form:
     /// requests replayed after a snapshot must be placed as they were.
     rejoining: BTreeSet<String>,
+    /// Node names removed for good (`regatta node remove`): refused from then on.
+    removed: BTreeSet<String>,
 }
 
 /// How many distinct resource requests the head shares; requests beyond that many shapes

@@ -19,6 +19,12 @@ impl Scheduler {
     /// declared dead first and every reported actor is stopped. A node whose declared
     /// capacity makes no sense is refused.
     pub fn register(&mut self, info: NodeInfo, running: &[RunningActor], now_ms: u64) -> Result<Registration, Failure> {
+        if self.removed.contains(&info.name) {
+            return Err(Failure::Rejected(format!(
+                "node {} was removed from the cluster (regatta node remove): it cannot join again under this name",
+                info.name
+            )));
+        }
         placement::validate_capacity(&info.resources)
             .map_err(|why| Failure::Rejected(format!("node {} refused: {why}", info.name)))?;
         self.rejoining.remove(&info.name);
@@ -104,7 +110,7 @@ impl Scheduler {
     /// Records a heartbeat; false means the node is unknown, dead, a stale incarnation
     /// or one a restored head waits to hear register again, and must register again.
     pub fn heartbeat(&mut self, node: &str, incarnation: u64, now_ms: u64) -> bool {
-        if self.rejoining.contains(node) {
+        if self.rejoining.contains(node) || self.removed.contains(node) {
             return false;
         }
         match self.nodes.get_mut(node) {
@@ -114,6 +120,27 @@ impl Scheduler {
             }
             _ => false,
         }
+    }
+
+    /// Removes `node` for good: its name is refused from now on and, when it is alive, it
+    /// is declared dead at once. Returns whether the node was known, and the cause when it
+    /// was alive.
+    pub fn remove_node(&mut self, node: &str, now_ms: u64) -> (bool, Option<String>) {
+        self.removed.insert(node.to_string());
+        let Some(rec) = self.nodes.get(node) else {
+            return (false, None);
+        };
+        if rec.dead_cause.is_some() {
+            return (true, None);
+        }
+        let cause = "removed from the cluster (regatta node remove)".to_string();
+        self.lose_node(node, &cause, now_ms);
+        (true, Some(cause))
+    }
+
+    /// The names removed for good, in order.
+    pub fn removed_nodes(&self) -> impl Iterator<Item = &str> {
+        self.removed.iter().map(String::as_str)
     }
 
     /// Declares dead every node silent for longer than `timeout_ms`; returns each node lost

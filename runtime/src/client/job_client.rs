@@ -9,6 +9,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::net::https::error_chain;
 use regatta_proto::{JobRecord, JobSubmission};
 
 /// No request body.
@@ -246,6 +247,14 @@ impl JobClient {
         Ok(reply.get("revoked").and_then(Value::as_bool).unwrap_or(false))
     }
 
+    /// Removes node `name` from the cluster for good; whether the head knew it.
+    pub async fn remove_node(&self, name: &str) -> Result<bool> {
+        let reply: Value = self
+            .json(Method::DELETE, &format!("/api/nodes/{name}"), NO_BODY)
+            .await?;
+        Ok(reply.get("known").and_then(Value::as_bool).unwrap_or(false))
+    }
+
     /// Waits until the job ends; returns its final record.
     pub async fn wait(&self, id: &str, poll: Duration) -> Result<JobRecord> {
         loop {
@@ -256,18 +265,6 @@ impl JobClient {
             tokio::time::sleep(poll).await;
         }
     }
-}
-
-/// An error and its causes on one line (reqwest's own message omits the TLS reason).
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// Whether a request failed because this client did not trust the server's certificate.

@@ -3,7 +3,7 @@
 //! | method and path | does |
 //! | --- | --- |
 //! | `POST /api/jobs` | submit: body [`JobSubmission`], replies `{"submission_id", "job_id"}` |
-//! | `GET /api/jobs` | list every job |
+//! | `GET /api/jobs` | list every job (environment values shown as `<hidden>`, here and below) |
 //! | `GET /api/jobs/{id}` | one job's [`crate::JobRecord`] |
 //! | `GET /api/jobs/{id}/logs` | `{"logs": "..."}` |
 //! | `GET /api/jobs/{id}/logs?offset=N` | the current log part from byte `N`: `{"logs", "offset", "ended"}` (up to 1 MiB; ask again from `offset`) |
@@ -14,6 +14,7 @@
 //! | `POST /api/join-tokens` | body `{"ttl_secs", "uses", "description"}` (each optional; default 24 h, unlimited): a new join token, `{"token", "id", "expires_unix", "uses", "ca_hash"}` |
 //! | `GET /api/join-tokens` | `{"ca_hash", "tokens": [{"id", "expires_unix", "uses_left", "description", "bootstrap"}]}` (never a secret) |
 //! | `DELETE /api/join-tokens/{id}` | `{"revoked": bool}`: joins with it are refused from now on (the bootstrap token's too) |
+//! | `DELETE /api/nodes/{name}` | `{"removed": true, "known": bool}`: the node is removed for good: declared dead at once (its actors restart elsewhere), its certificate and its name refused from then on |
 //! | `GET /api/cluster-ca?token_id=ID` | no login: `{"ca", "proof"}`, the cluster authority (DER, hex) and the join token `ID`'s proof of it, so a client holding the token trusts the authority before it sends the token |
 //! | `GET /api/packages/gcs/{name}` | 200 when the package is stored, else 404 |
 //! | `PUT /api/packages/gcs/{name}` | stores a `working_dir`/`py_modules` zip, checked against its name ([`super::job_packages`]) |
@@ -125,6 +126,7 @@ pub(crate) async fn serve(
         .route("/api/version", get(version))
         .route("/api/join-tokens", post(create_join_token).get(list_join_tokens))
         .route("/api/join-tokens/{id}", axum::routing::delete(revoke_join_token))
+        .route("/api/nodes/{name}", axum::routing::delete(remove_node))
         .route(
             "/api/packages/{protocol}/{name}",
             get(package_exists).put(package_upload),
@@ -319,6 +321,30 @@ async fn revoke_join_token(State(api): State<Api>, Path(id): Path<String>) -> Re
     Json(json!({"revoked": revoked})).into_response()
 }
 
+async fn remove_node(State(api): State<Api>, Path(name): Path<String>) -> Response {
+    if name.is_empty() || name.len() > 200 {
+        return error(StatusCode::BAD_REQUEST, "a node name of 1-200 bytes");
+    }
+    // Refused at the handshake first, so that the node cannot open a session between the
+    // head declaring it dead and the verifier knowing.
+    api.desk
+        .removed
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(name.clone());
+    let request = regatta_proto::HeadRequest::RemoveNode(name.clone());
+    match api.link.ask::<bool>(&request, Duration::from_secs(10)).await {
+        Ok(known) => {
+            tracing::warn!(node = %name, known, "removed a node from the cluster for good");
+            Json(json!({"removed": true, "known": known})).into_response()
+        }
+        Err(e) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the head did not record the removal ({e}); its certificate is refused until the head restarts: ask again"),
+        ),
+    }
+}
+
 /// `GET /api/cluster-ca`'s query.
 #[derive(serde::Deserialize)]
 struct AuthorityQuery {
@@ -444,12 +470,18 @@ async fn receive(body: Body, path: &std::path::Path, limit: u64) -> std::result:
 }
 
 async fn list(State(api): State<Api>) -> Response {
-    Json(api.manager.list()).into_response()
+    let records: Vec<_> = api
+        .manager
+        .list()
+        .into_iter()
+        .map(regatta_proto::JobRecord::without_env_values)
+        .collect();
+    Json(records).into_response()
 }
 
 async fn status(State(api): State<Api>, Path(id): Path<String>) -> Response {
     match api.manager.get(&id) {
-        Ok(record) => Json(record).into_response(),
+        Ok(record) => Json(record.without_env_values()).into_response(),
         Err(e) => e.into_response(),
     }
 }

@@ -149,6 +149,13 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     let (state, lock) = match &config.state_dir {
         Some(dir) => {
             let (recovery, lock) = persist::open(dir, &scope, &config)?;
+            // The nodes removed before the restart stay refused at the handshake.
+            trust
+                .desk
+                .removed
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .extend(recovery.core.scheduler().removed_nodes().map(str::to_string));
             (Some(recovery), Some(lock))
         }
         None => (None, None),
@@ -242,7 +249,7 @@ async fn start_jobs(
     identity: &regatta_net::TlsIdentity,
     desk: Arc<regatta_net::JoinDesk>,
 ) -> Result<(SocketAddr, JobManager)> {
-    let manager = JobManager::open(jobs.clone(), address.to_string(), config.token.clone(), link.clone())?;
+    let manager = JobManager::open(jobs.clone(), address.to_string(), desk.clone(), link.clone())?;
     manager.resume();
     let bind = SocketAddr::new(jobs.http_bind.unwrap_or(config.bind), jobs.http_port);
     let tls = crate::net::https::server_config(&jobs.tls, identity)?;

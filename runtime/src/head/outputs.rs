@@ -17,7 +17,7 @@ use crate::objects::objects_group;
 pub(super) fn encode_answer(answer: Answer) -> Vec<u8> {
     match answer {
         Answer::Registered(r) => wire::encode(&r),
-        Answer::Heartbeat(known) => wire::encode(&Ok::<bool, Failure>(known)),
+        Answer::Heartbeat(known) | Answer::Removed(known) => wire::encode(&Ok::<bool, Failure>(known)),
         Answer::Spawned(r) => wire::encode(&r),
         Answer::Actor(r) => wire::encode(&r),
         Answer::Named(view) => wire::encode(&Ok::<_, Failure>(view)),

@@ -8,7 +8,7 @@
 //! its nodes and actors back as they register.
 //!
 //! Snapshot layout: the magic `REGATTA-HEAD-STATE`, a format version (u32, little-endian),
-//! the cluster's scope fingerprint (so a head of another token refuses it), the sequence
+//! the cluster's scope fingerprint (so a head of another cluster authority refuses it), the sequence
 //! number of the last change it includes (u64), the body's length (u64) and CRC-32, then
 //! the body: a `Snapshot` in bincode. Log layout: the magic `REGATTA-HEAD-LOG`, the version
 //! and the fingerprint, then records of [length u32, CRC-32 u32, sequence u64, a `Change`
@@ -28,9 +28,10 @@ const MAGIC: &[u8] = b"REGATTA-HEAD-STATE";
 const LOG_MAGIC: &[u8] = b"REGATTA-HEAD-LOG";
 /// What an operator does with a state file the head cannot use.
 const ASIDE: &str = "move it aside (or delete it) to start an empty cluster; the workers then stop their actors";
-/// The format's version: 2 since a dead actor's cause and an exit's loss are typed
-/// (`DeathCause`, `Loss`) instead of text.
-const VERSION: u32 = 2;
+/// The format's version: 3 since the scheduler keeps the nodes removed for good (and the
+/// state is keyed by the cluster's authority); 2 typed a dead actor's cause and an exit's
+/// loss (`DeathCause`, `Loss`).
+const VERSION: u32 = 3;
 /// The snapshot's name in the state directory.
 pub(crate) const FILE_NAME: &str = "cluster.state";
 /// The change log's name in the state directory.
@@ -327,11 +328,30 @@ pub(crate) enum StateFileError {
     /// The cluster fingerprint's length is impossible.
     #[error("its cluster fingerprint is corrupt; {ASIDE}")]
     Fingerprint,
-    /// Written for another cluster token.
+    /// Written for another cluster (another authority, or an older Regatta's token).
     #[error(
-        "it belongs to a cluster with another token; start the head with that token, or give this cluster its own --state-dir"
+        "it belongs to another cluster: one with another certificate authority (its ca folder beside it was replaced or lost), or a state an older Regatta keyed by its cluster token; move it aside to start this cluster empty, or give this cluster its own --state-dir"
     )]
     OtherCluster,
+    /// A record in the middle of the log is damaged: changes after it were acknowledged
+    /// and would be lost.
+    #[error(
+        "a record at byte {offset} is damaged and whole records follow it: the changes after it would be lost; {ASIDE}"
+    )]
+    Corrupt {
+        /// Where the damaged record starts.
+        offset: usize,
+    },
+    /// A record's sequence number skips: changes before it are missing.
+    #[error("the record at byte {offset} is change {found}, but change {expected} is missing; {ASIDE}")]
+    Gap {
+        /// Where the record starts.
+        offset: usize,
+        /// The change that should come next.
+        expected: u64,
+        /// The change found.
+        found: u64,
+    },
     /// The body's length disagrees with the header.
     #[error("its body should be {expected} bytes but {found} follow (a torn or truncated write); {ASIDE}")]
     Torn {
@@ -443,7 +463,13 @@ fn read_log(bytes: &[u8], scope: &str, after: u64) -> std::result::Result<(Vec<C
     let mut changes = Vec::new();
     let mut last = after;
     while !reader.rest.is_empty() {
+        let offset = bytes.len() - reader.rest.len();
         let Some((seq, change)) = next_record(&mut reader) else {
+            // A torn last record (a crash mid-write: its request was never answered) is
+            // dropped; a damaged one with whole records after it is not the tail.
+            if whole_record_after(reader.rest) {
+                return Err(StateFileError::Corrupt { offset });
+            }
             break;
         };
         if seq <= after {
@@ -451,12 +477,32 @@ fn read_log(bytes: &[u8], scope: &str, after: u64) -> std::result::Result<(Vec<C
             continue;
         }
         if seq != last + 1 {
-            break;
+            return Err(StateFileError::Gap {
+                offset,
+                expected: last + 1,
+                found: seq,
+            });
         }
         changes.push(change);
         last = seq;
     }
     Ok((changes, last, reader.rest.len()))
+}
+
+/// Whether a whole, intact record follows the broken one at the start of `rest` (found
+/// where the broken one's own length says it ends, when that length is plausible).
+fn whole_record_after(rest: &[u8]) -> bool {
+    let mut probe = Reader::new(rest);
+    let Ok(len) = probe.u32("record length") else {
+        return false;
+    };
+    if !(8..=MAX_RECORD_BYTES).contains(&len) {
+        return false;
+    }
+    let Some(next) = rest.get(8 + len as usize..).filter(|next| !next.is_empty()) else {
+        return false;
+    };
+    next_record(&mut Reader::new(next)).is_some()
 }
 
 /// One whole, intact record; `None` leaves the reader where the broken one starts.
@@ -580,6 +626,24 @@ mod tests {
         bytes[whole as usize - 2] ^= 1;
         std::fs::write(dir.join(LOG_NAME), &bytes).unwrap();
         assert_eq!(file.recover().unwrap().last_seq, 4);
+        // A flipped byte in a record with whole records after it is not a torn tail: the
+        // changes after it were acknowledged, so the log is refused, with the offset.
+        let mut bytes = std::fs::read(dir.join(LOG_NAME)).unwrap();
+        bytes[whole as usize - 2] ^= 1;
+        let header = log_header("scope-a").len();
+        let third = file.record(&change(1).as_ref(), 1).unwrap().len();
+        bytes[header + 2 * third + 10] ^= 1;
+        std::fs::write(dir.join(LOG_NAME), &bytes).unwrap();
+        let refused = file.recover().err().expect("a damaged record mid-log is refused");
+        let at = header + 2 * third;
+        assert!(refused.to_string().contains(&format!("at byte {at}")), "{refused}");
+        // A sequence gap (a record missing) is refused too.
+        let mut log = file.start_log().unwrap();
+        for seq in [3, 4, 6] {
+            log.append(&file.record(&change(seq).as_ref(), seq).unwrap()).unwrap();
+        }
+        let refused = file.recover().err().expect("a gap is refused");
+        assert!(refused.to_string().contains("change 5 is missing"), "{refused}");
         // Starting the log afresh empties it.
         let mut log = file.start_log().unwrap();
         assert_eq!(file.recover().unwrap().changes.len(), 0);
@@ -659,7 +723,7 @@ mod tests {
         let other = StateFile::open(&dir, "scope-b").unwrap();
         std::fs::write(file.path(), &good).unwrap();
         match other.recover() {
-            Err(Error::HeadState { reason, .. }) => assert!(reason.contains("another token"), "{reason}"),
+            Err(Error::HeadState { reason, .. }) => assert!(reason.contains("another cluster"), "{reason}"),
             _ => panic!("another cluster's state was accepted"),
         }
         // Another cluster's log is refused the same way.
@@ -667,7 +731,10 @@ mod tests {
         file.start_log().unwrap();
         match other.recover() {
             Err(Error::HeadState { reason, path }) => {
-                assert!(reason.contains("another token") && path.ends_with(LOG_NAME), "{reason}")
+                assert!(
+                    reason.contains("another cluster") && path.ends_with(LOG_NAME),
+                    "{reason}"
+                )
             }
             _ => panic!("another cluster's log was accepted"),
         }
@@ -676,5 +743,88 @@ mod tests {
         future[MAGIC.len()] = 9;
         assert!(refused(&future).contains("format version 9"));
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Bounded fuzzing of the state files' readers: any bytes, and a valid log or
+    /// snapshot changed anywhere, are read or refused with a reason, never a panic.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// A fixed seed unless `PROPTEST_RNG_SEED` names one: CI runs the same cases every
+        /// time (a flaky fuzz is a failing test); a developer widens the search with
+        /// `PROPTEST_RNG_SEED` and `PROPTEST_CASES`.
+        fn fuzz_config(cases: u32) -> ProptestConfig {
+            let mut config = ProptestConfig::with_cases(
+                std::env::var("PROPTEST_CASES")
+                    .ok()
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(cases),
+            );
+            if matches!(config.rng_seed, proptest::test_runner::RngSeed::Random) {
+                config.rng_seed = proptest::test_runner::RngSeed::Fixed(0x5eed_1e55);
+            }
+            config
+        }
+
+        fn valid_log(records: u64) -> Vec<u8> {
+            let file = StateFile {
+                path: PathBuf::from("unused"),
+                log: PathBuf::from("unused"),
+                scope: "scope".into(),
+            };
+            let mut bytes = log_header("scope");
+            for seq in 1..=records {
+                let change = Change::Request {
+                    request: regatta_proto::HeadRequest::EndJob(format!("job-{seq}")),
+                    answered: true,
+                    now_ms: seq,
+                };
+                bytes.extend(file.record(&change.as_ref(), seq).unwrap());
+            }
+            bytes
+        }
+
+        proptest! {
+            #![proptest_config(fuzz_config(256))]
+
+            #[test]
+            fn any_bytes_are_read_or_refused(bytes in proptest::collection::vec(any::<u8>(), 0..2048)) {
+                let _ = decode(&bytes, "scope");
+                let _ = read_log(&bytes, "scope", 0);
+                let mut with_header = log_header("scope");
+                with_header.extend_from_slice(&bytes);
+                let _ = read_log(&with_header, "scope", 0);
+            }
+
+            #[test]
+            fn a_log_changed_or_cut_anywhere_keeps_a_prefix_or_is_refused(
+                records in 1u64..8,
+                at in any::<prop::sample::Index>(),
+                flip in 1u8..=255,
+                cut in any::<prop::sample::Index>(),
+            ) {
+                let good = valid_log(records);
+                let (changes, last, dropped) = read_log(&good, "scope", 0).unwrap();
+                prop_assert_eq!((changes.len() as u64, last, dropped), (records, records, 0));
+                // Cut anywhere after the header: a torn tail, the changes before it kept.
+                let header = log_header("scope").len();
+                let end = header + cut.index(good.len() - header + 1);
+                let (kept, last, _) = read_log(&good[..end], "scope", 0).unwrap();
+                prop_assert_eq!(kept.len() as u64, last);
+                prop_assert!(last <= records);
+                // Changed anywhere: refused, or the changes read are an unchanged prefix
+                // (never a changed change: each record has its checksum).
+                let mut bad = good.clone();
+                let i = at.index(bad.len());
+                bad[i] ^= flip;
+                if let Ok((read, _, _)) = read_log(&bad, "scope", 0) {
+                    prop_assert!(read.len() as u64 <= records);
+                    for (got, want) in read.iter().zip(changes.iter()) {
+                        prop_assert_eq!(format!("{got:?}"), format!("{want:?}"));
+                    }
+                }
+            }
+        }
     }
 }

@@ -226,9 +226,14 @@ pub async fn fetch_cluster_authority(base: &str, token: &str) -> Result<Certific
             reason: e.to_string(),
         })?;
     let url = format!("{base}/api/cluster-ca?token_id={}", token.id);
-    let unreachable = |e: reqwest::Error| Error::Connect {
+    let unreachable = |e: reqwest::Error| {
+        Error::Connect {
         address: base.to_string(),
-        reason: format!("cannot fetch the cluster's authority: {e}"),
+        reason: format!(
+            "cannot fetch the cluster's authority ({}); is the head running with its job API on this address (https: a head started with --insecure needs http://)?",
+            error_chain(&e)
+        ),
+    }
     };
     let reply = http.get(&url).send().await.map_err(unreachable)?;
     let status = reply.status();
@@ -257,7 +262,7 @@ pub async fn fetch_cluster_authority(base: &str, token: &str) -> Result<Certific
 }
 
 fn unhex(text: &str) -> Option<Vec<u8>> {
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return None;
     }
     (0..text.len())
@@ -416,4 +421,16 @@ impl ServerCertVerifier for ClusterOrRoots {
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.provider.signature_verification_algorithms.supported_schemes()
     }
+}
+
+/// An error and its causes on one line (reqwest's own message omits the TLS reason).
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }

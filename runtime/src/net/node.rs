@@ -353,7 +353,7 @@ impl NodeEventSubscription for SessionWatcher {
                 tracing::info!(peer = %peer, "cluster session closed");
             }
         } else if ses.is_server {
-            tracing::warn!(peer = %peer, "closed a connection that did not prove the cluster token (a wrong token, not a Regatta node, or a duplicate of another connection)");
+            tracing::warn!(peer = %peer, "closed a session that did not prove it belongs to the cluster (not a node of this cluster, or a duplicate of another connection)");
         } else {
             // Joins report a refused token themselves; transitive connections between
             // peers race and ractor_cluster closes the duplicate before authenticating.

@@ -155,7 +155,7 @@ impl SessionTls {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
                     Ok(Ok(Accepted::Session(stream))) => {
                         let session = Session {
-                            stream,
+                            stream: *stream,
                             peer: peer_label,
                             local,
                         };
@@ -181,7 +181,7 @@ impl SessionTls {
     /// One accepted connection: a join (on a head, by ALPN) answered here, or a session.
     async fn accept(&self, stream: TcpStream) -> std::io::Result<Accepted> {
         let Some((join_config, desk)) = &self.joins else {
-            return Ok(Accepted::Session(self.acceptor.accept(stream).await?));
+            return Ok(Accepted::Session(Box::new(self.acceptor.accept(stream).await?)));
         };
         let start = LazyConfigAcceptor::new(rustls::server::Acceptor::default(), stream).await?;
         let joining = start
@@ -189,7 +189,7 @@ impl SessionTls {
             .alpn()
             .is_some_and(|mut offered| offered.any(|p| p == JOIN_ALPN));
         if !joining {
-            return Ok(Accepted::Session(start.into_stream(self.server.clone()).await?));
+            return Ok(Accepted::Session(Box::new(start.into_stream(self.server.clone()).await?)));
         }
         let mut stream = start.into_stream(join_config.clone()).await?;
         regatta_net::answer_join(&mut stream, desk)
@@ -201,7 +201,7 @@ impl SessionTls {
 
 /// What an accepted connection became.
 enum Accepted {
-    Session(tokio_rustls::server::TlsStream<TcpStream>),
+    Session(Box<tokio_rustls::server::TlsStream<TcpStream>>),
     Joined(regatta_net::Role),
 }
 

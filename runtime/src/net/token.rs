@@ -52,7 +52,7 @@ pub fn resolve_token(flag: Option<&str>, file: Option<&Path>, create: bool) -> R
     }
     if !create {
         return Err(Error::Token(format!(
-            "give --token, set {TOKEN_ENV}, pass --token-file, or run the head on this machine first (it writes {})",
+            "no cluster token: give --token, set {TOKEN_ENV}, pass --token-file, or run the head on this machine first (it writes {})",
             default.display()
         )));
     }
@@ -66,7 +66,10 @@ fn read_token(path: &Path) -> Result<String> {
         .map_err(|e| Error::io(format!("cannot read the token file {}", path.display()), e))?;
     let token = text.trim();
     if token.is_empty() {
-        return Err(Error::Token(format!("the token file {} is empty", path.display())));
+        return Err(Error::Token(format!(
+            "no cluster token: the token file {} is empty",
+            path.display()
+        )));
     }
     Ok(token.to_string())
 }

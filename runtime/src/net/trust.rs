@@ -92,7 +92,8 @@ impl HeadTrust {
             Some(dir) => ClusterCa::load_or_create(dir)?,
             None => ClusterCa::generate()?,
         };
-        let identity = TlsIdentity::for_head(&ca)?;
+        let removed = regatta_net::RemovedNodes::default();
+        let identity = TlsIdentity::for_head(&ca, removed.clone())?;
         let file = ca_dir.map(|dir| dir.join(TOKENS_FILE));
         let mut tokens = match &file {
             Some(path) => match std::fs::read_to_string(path) {
@@ -108,6 +109,7 @@ impl HeadTrust {
             tokens: Arc::new(Mutex::new(tokens)),
             file,
             bootstrap: bootstrap.id.clone(),
+            removed,
         });
         Ok(Self { identity, desk })
     }

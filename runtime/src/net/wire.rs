@@ -349,4 +349,53 @@ mod tests {
         bytes.extend_from_slice(&u64::MAX.to_le_bytes());
         assert!(decode::<(u32, Vec<u8>)>(&bytes, "x").is_err());
     }
+
+    /// Bounded fuzzing: any bytes decode or are refused as a bad message, never a panic
+    /// or an allocation as large as a corrupt length claims.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// A fixed seed unless `PROPTEST_RNG_SEED` names one: CI runs the same cases every
+        /// time (a flaky fuzz is a failing test); a developer widens the search with
+        /// `PROPTEST_RNG_SEED` and `PROPTEST_CASES`.
+        fn fuzz_config(cases: u32) -> ProptestConfig {
+            let mut config = ProptestConfig::with_cases(
+                std::env::var("PROPTEST_CASES")
+                    .ok()
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(cases),
+            );
+            if matches!(config.rng_seed, proptest::test_runner::RngSeed::Random) {
+                config.rng_seed = proptest::test_runner::RngSeed::Fixed(0x5eed_1e55);
+            }
+            config
+        }
+
+        proptest! {
+            #![proptest_config(fuzz_config(512))]
+
+            #[test]
+            fn any_bytes_decode_or_are_refused(bytes in proptest::collection::vec(any::<u8>(), 0..1024)) {
+                let _ = decode::<regatta_proto::HeadRequest>(&bytes, "a head request");
+                let _ = decode::<regatta_proto::AgentRequest>(&bytes, "an agent request");
+                let _ = decode::<Result<Vec<u8>, Failure>>(&bytes, "a reply");
+            }
+
+            #[test]
+            fn a_changed_request_decodes_or_is_refused(
+                name in proptest::collection::vec(any::<u8>(), 0..64),
+                at in any::<prop::sample::Index>(),
+                flip in 1u8..=255,
+            ) {
+                let request = regatta_proto::HeadRequest::EndJob(String::from_utf8_lossy(&name).into_owned());
+                let mut bytes = encode(&request);
+                let back: regatta_proto::HeadRequest = decode(&bytes, "it").expect("as encoded");
+                prop_assert_eq!(encode(&back), bytes.clone());
+                let i = at.index(bytes.len());
+                bytes[i] ^= flip;
+                let _ = decode::<regatta_proto::HeadRequest>(&bytes, "it");
+            }
+        }
+    }
 }

@@ -91,6 +91,9 @@ pub(crate) enum DriverError {
     /// The entrypoint's resources do not parse.
     #[error(transparent)]
     Resources(regatta_proto::Error),
+    /// The driver's join token could not be made (or kept).
+    #[error("cannot make the driver's join token: {0}")]
+    Credentials(Error),
     /// The head refused the driver's reservation.
     #[error("the driver's resources {resources} cannot be reserved: {cause}")]
     Reserve { resources: String, cause: Error },
@@ -168,7 +171,8 @@ struct Inner {
     stopping: Mutex<HashSet<String>>,
     config: JobConfig,
     cluster_address: String,
-    token: String,
+    /// The join tokens: each job's driver gets one of its own, revoked when the job ends.
+    desk: Arc<regatta_net::JoinDesk>,
     link: Arc<HeadLink>,
     changes: watch::Sender<u64>,
     packages: PackageStore,
@@ -185,7 +189,12 @@ impl JobManager {
     /// Opens the job store. Jobs that were running when the head went away are followed
     /// again through their supervisors ([`JobManager::resume`]); a job whose driver had not
     /// started is marked failed.
-    pub(crate) fn open(config: JobConfig, cluster_address: String, token: String, link: Arc<HeadLink>) -> Result<Self> {
+    pub(crate) fn open(
+        config: JobConfig,
+        cluster_address: String,
+        desk: Arc<regatta_net::JoinDesk>,
+        link: Arc<HeadLink>,
+    ) -> Result<Self> {
         // Job records hold the drivers' environments: owner only, as the head's state.
         super::state_file::private_dir(&config.state_dir)?;
         let store = JobStore::open(&config.state_dir.join("jobs"))?;
@@ -211,7 +220,7 @@ impl JobManager {
                 stopping: Mutex::new(HashSet::new()),
                 config,
                 cluster_address,
-                token,
+                desk,
                 link,
                 changes,
                 packages,
@@ -260,18 +269,70 @@ impl JobManager {
         self.inner.records.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Applies a change to a record, persists it and wakes followers.
+    /// Applies a change to a record, persists it and wakes followers; a job that ended
+    /// loses its join token.
     fn update(&self, id: &str, change: impl FnOnce(&mut JobRecord)) {
         let saved = {
             let mut records = self.records();
             let Some(record) = records.get_mut(id) else { return };
             change(record);
+            if record.status.is_terminal() {
+                // Before anyone can see the job ended: its token is dead by then.
+                self.revoke_job_token(id);
+            }
             record.clone()
         };
         if let Err(e) = self.inner.store.save(&saved) {
             tracing::error!(job = id, error = %e, "could not persist a job record");
         }
         self.inner.changes.send_modify(|n| *n += 1);
+    }
+
+    /// A new join token for job `id`'s driver (no expiry: it is revoked when the job ends).
+    fn job_token(&self, id: &str) -> Result<String> {
+        let token = regatta_net::JoinToken::generate();
+        let mut tokens = self.inner.desk.tokens.lock().unwrap_or_else(|p| p.into_inner());
+        tokens.insert(&token, None, None, &job_token_description(id));
+        if let Err(e) = self.inner.desk.save(&tokens) {
+            tokens.revoke(&token.id);
+            return Err(e.into());
+        }
+        Ok(token.to_string())
+    }
+
+    /// Revokes job `id`'s join tokens (its driver's process may keep its certificate; no
+    /// new process joins with them).
+    fn revoke_job_token(&self, id: &str) {
+        let description = job_token_description(id);
+        let mut tokens = self.inner.desk.tokens.lock().unwrap_or_else(|p| p.into_inner());
+        let ids: Vec<String> = tokens
+            .list()
+            .filter(|(_, entry)| entry.description == description)
+            .map(|(token, _)| token.to_string())
+            .collect();
+        if ids.is_empty() {
+            return;
+        }
+        for token in &ids {
+            tokens.revoke(token);
+        }
+        match self.inner.desk.save(&tokens) {
+            Ok(()) => tracing::info!(job = id, "revoked the job's join token"),
+            Err(e) => {
+                tracing::error!(job = id, error = %e, "revoked the job's join token until the head restarts, but could not keep that")
+            }
+        }
+    }
+
+    /// The driver's environment: [`driver_env`] with a join token of the job's own.
+    fn env_for(&self, submission: &JobSubmission, id: &str) -> Result<Vec<(std::ffi::OsString, std::ffi::OsString)>> {
+        let token = self.job_token(id)?;
+        let mut env = driver_env(submission, &self.inner.cluster_address, &token, id);
+        env.push((
+            crate::net::trust::CA_HASH_ENV.into(),
+            self.inner.desk.ca.hash().to_string().into(),
+        ));
+        Ok(env)
     }
 
     /// A receiver that changes whenever any job changes.
@@ -509,6 +570,11 @@ impl JobManager {
 fn host_of(address: &str) -> &str {
     let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
     host.trim_start_matches('[').trim_end_matches(']')
+}
+
+/// What a job's join token is listed as.
+fn job_token_description(id: &str) -> String {
+    format!("job {id}'s driver")
 }
 
 /// A driver's environment beyond the inherited one: the job's variables, then the

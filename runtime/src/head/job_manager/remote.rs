@@ -8,7 +8,7 @@ use regatta_proto::GroupId;
 use regatta_proto::Resources;
 use regatta_proto::{JobStatus, JobSubmission};
 
-use super::{driver_env, now_ms, DriverError, JobManager, PACKAGE_CHUNK, REMOTE_POLL_EVERY};
+use super::{now_ms, DriverError, JobManager, PACKAGE_CHUNK, REMOTE_POLL_EVERY};
 use crate::client::{ActorHandle, ActorOptions, Cluster};
 use crate::jobs::driver::{DriverArgs, DriverReply, DriverRequest, JobDriver};
 use crate::jobs::log::CappedLog;
@@ -70,7 +70,9 @@ impl JobManager {
             Cluster::new(self.inner.link.clone(), None, CallPlane::session_only()).with_job(Some(id.to_string()));
         let text = submission.resources_text();
         let resources = Resources::parse_request(&text).map_err(DriverError::Resources)?;
-        let env = driver_env(submission, &self.inner.cluster_address, &self.inner.token, id)
+        let env = self
+            .env_for(submission, id)
+            .map_err(DriverError::Credentials)?
             .into_iter()
             .map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned()))
             .collect();

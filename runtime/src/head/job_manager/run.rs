@@ -9,7 +9,7 @@ use regatta_proto::Strategy;
 use regatta_proto::{job_error_type as error_type, JobStatus, JobSubmission, ProcessIdentity};
 use regatta_proto::{GroupId, GroupSpec, HeadRequest};
 
-use super::{driver_env, host_of, now_ms, DriverError, JobManager, FOLLOW_EVERY};
+use super::{host_of, now_ms, DriverError, JobManager, FOLLOW_EVERY};
 use crate::error::Error;
 use crate::jobs::log;
 use crate::jobs::packages;
@@ -109,7 +109,7 @@ impl JobManager {
             entrypoint: submission.entrypoint.clone(),
             parent: None,
         };
-        let mut env = driver_env(submission, &self.inner.cluster_address, &self.inner.token, id);
+        let mut env = self.env_for(submission, id).map_err(DriverError::Credentials)?;
         env.extend(python_path.map(|path| ("PYTHONPATH".into(), path)));
         let supervisor = shim::start_supervisor(&binary, &args, &env)?;
         let pid = supervisor.pid;
