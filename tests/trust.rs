@@ -323,3 +323,36 @@ async fn a_jobs_driver_gets_a_token_of_its_own_that_ends_with_the_job() {
     let listed = jobs.list().await.expect("list");
     assert!(!format!("{listed:?}").contains("s3cr3t-value"), "{listed:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_lived_certificates_are_renewed_before_they_expire() {
+    use regatta::kinds::Echo;
+    use regatta::local::WorkerSpec;
+    use regatta::{ActorOptions, Resources};
+    // Certificates valid 3 s: renewed about every 2 s.
+    let cluster = TestCluster::start_specs(
+        vec![WorkerSpec::new("w1", "CPU=1,spot=1")],
+        &["--cert-lifetime-secs", "3"],
+    )
+    .await;
+    let echo = cluster
+        .client
+        .spawn::<Echo>(
+            "renewed:".into(),
+            ActorOptions::new().resources(Resources::parse_request("spot=1").expect("resources")),
+        )
+        .await
+        .expect("spawn");
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    // A new client's first handshakes with w1 (its call channel) and the head check
+    // certificates issued well after the first ones expired.
+    let late = regatta::Client::connect(&cluster.local.address, &cluster.local.token)
+        .await
+        .expect("a new client joins");
+    let handle = late.handle::<Echo>(echo.id());
+    assert_eq!(handle.call("late".into()).await.expect("call w1").text, "renewed:late");
+    // The first client renewed its own too: its new sessions still work.
+    assert_eq!(echo.call("first".into()).await.expect("call").text, "renewed:first");
+    let log = cluster.local.log("w1");
+    assert!(log.matches("renewed this process's certificate").count() >= 2, "{log}");
+}

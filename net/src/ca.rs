@@ -33,8 +33,12 @@ pub const SERVER_NAME: &str = "regatta-node";
 /// when they reach the head.
 pub const HEAD_NAME: &str = "head.regatta";
 
-/// How long an issued certificate is valid.
-pub const CERT_LIFETIME: Duration = Duration::from_secs(365 * 24 * 3600);
+/// How long a certificate issued at a join or a renewal is valid by default (each process
+/// renews its own when two thirds of that have passed; `regatta head --cert-lifetime-secs`).
+pub const CERT_LIFETIME: Duration = Duration::from_secs(24 * 3600);
+
+/// How long the head's own certificates are valid (it holds the authority itself).
+pub const HEAD_CERT_LIFETIME: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
 /// The CA's file names in its folder.
 const KEY_FILE: &str = "ca.key";
@@ -170,6 +174,14 @@ pub(crate) fn spki_of<'a>(der: &'a CertificateDer<'_>) -> Result<&'a [u8]> {
 /// The name a certificate this crate issued stands for: `Some(name)` for a node's
 /// (`regatta node <name>` in its subject's common name), `None` for any other.
 pub(crate) fn node_name_of(der: &[u8]) -> Option<String> {
+    match role_of(der)? {
+        Role::Node(name) => Some(name),
+        _ => None,
+    }
+}
+
+/// The role a certificate this crate issued stands for, from its subject's common name.
+pub(crate) fn role_of(der: &[u8]) -> Option<Role> {
     let (_, cert, _) = der_element(der)?;
     let (_, tbs, _) = der_element(cert)?;
     let mut rest = tbs;
@@ -191,7 +203,15 @@ pub(crate) fn node_name_of(der: &[u8]) -> Option<String> {
         if let Some(value) = pair.strip_prefix(CN) {
             let (_, text, _) = der_element(value)?;
             let text = std::str::from_utf8(text).ok()?;
-            return text.strip_prefix("regatta node ").map(str::to_string);
+            if text == "regatta head" {
+                return Some(Role::Head);
+            }
+            if let Some(name) = text.strip_prefix("regatta node ") {
+                return Some(Role::Node(name.to_string()));
+            }
+            return text
+                .strip_prefix("regatta client ")
+                .map(|name| Role::Client(name.to_string()));
         }
     }
     None
@@ -324,14 +344,14 @@ impl ClusterCa {
     }
 
     /// A certificate for `role` on the Ed25519 public key `public_key` (32 raw bytes).
-    pub fn issue(&self, role: &Role, public_key: &[u8]) -> Result<CertificateDer<'static>> {
+    pub fn issue(&self, role: &Role, public_key: &[u8], lifetime: Duration) -> Result<CertificateDer<'static>> {
         if public_key.len() != 32 {
             return Err(Error::Join(format!(
                 "an Ed25519 public key is 32 bytes, not {}",
                 public_key.len()
             )));
         }
-        let params = self.params_for(role)?;
+        let params = self.params_for(role, lifetime)?;
         let leaf = params
             .signed_by(&RawEd25519(public_key), &self.cert, &self.key)
             .map_err(cert("node certificate"))?;
@@ -340,7 +360,7 @@ impl ClusterCa {
 
     /// A certificate for `role` on `key` (a key made here: the head's own, or its HTTPS one).
     pub fn issue_for_key(&self, role: &Role, key: &KeyPair) -> Result<CertificateDer<'static>> {
-        let params = self.params_for(role)?;
+        let params = self.params_for(role, HEAD_CERT_LIFETIME)?;
         Ok(params
             .signed_by(key, &self.cert, &self.key)
             .map_err(cert("node certificate"))?
@@ -348,7 +368,7 @@ impl ClusterCa {
             .clone())
     }
 
-    fn params_for(&self, role: &Role) -> Result<CertificateParams> {
+    fn params_for(&self, role: &Role, lifetime: Duration) -> Result<CertificateParams> {
         let mut params =
             CertificateParams::new(vec![SERVER_NAME.to_string(), role.dns_name()]).map_err(cert("node certificate"))?;
         let mut name = DistinguishedName::new();
@@ -361,7 +381,7 @@ impl ClusterCa {
         params.distinguished_name = name;
         let now = time::OffsetDateTime::now_utc();
         params.not_before = now - time::Duration::minutes(5);
-        params.not_after = now + CERT_LIFETIME;
+        params.not_after = now + lifetime;
         let mut serial = [0u8; 16];
         aws_lc_rs::rand::fill(&mut serial).map_err(|_| Error::Tls("no random serial number".into()))?;
         serial[0] &= 0x7f;
@@ -453,10 +473,19 @@ mod tests {
     fn a_node_certificate_names_its_node_and_no_other_does() {
         let ca = ClusterCa::generate().unwrap();
         let key = node_key().unwrap();
-        let node = ca.issue(&Role::Node("gpu-7".into()), &raw_public_key(&key)).unwrap();
+        let node = ca
+            .issue(&Role::Node("gpu-7".into()), &raw_public_key(&key), CERT_LIFETIME)
+            .unwrap();
         assert_eq!(node_name_of(node.as_ref()).as_deref(), Some("gpu-7"));
-        let client = ca.issue(&Role::Client("c".into()), &raw_public_key(&key)).unwrap();
+        let client = ca
+            .issue(&Role::Client("c".into()), &raw_public_key(&key), CERT_LIFETIME)
+            .unwrap();
         assert_eq!(node_name_of(client.as_ref()), None);
+        assert_eq!(role_of(client.as_ref()), Some(Role::Client("c".into())));
+        assert_eq!(
+            role_of(ca.issue_for_key(&Role::Head, &key).unwrap().as_ref()),
+            Some(Role::Head)
+        );
         assert_eq!(node_name_of(ca.certificate_der().as_ref()), None);
         assert_eq!(node_name_of(b"not a certificate"), None);
         for cut in 0..node.len() {

@@ -6,7 +6,8 @@
 //! a self-contained identity from a random shared secret instead: the trainer's ring, whose
 //! ranks share a per-group secret the head hands out, and loopback probes.
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
+use std::time::SystemTime;
 
 use rcgen::{
     BasicConstraints, Certificate, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair, KeyUsagePurpose,
@@ -40,10 +41,79 @@ pub struct TlsIdentity {
     pub ca: CertificateDer<'static>,
     /// The cluster's identity (the authority's hash).
     pub cluster: CaHash,
+    /// The process's current certificate and key, which every configuration above
+    /// presents: renewal swaps it in place ([`TlsIdentity::renewed`]).
+    pub slot: Arc<CertSlot>,
     /// For answering joins on the cluster port ([`crate::join`]): the head's certificate
     /// with the authority's beside it (so a pinned joiner can check the chain), no client
     /// certificate asked. Only the head has one.
     pub join: Option<Arc<rustls::ServerConfig>>,
+}
+
+/// A process's current certificate and key, shared by every TLS configuration it made, so
+/// that a renewed certificate is presented from the next handshake on, everywhere.
+pub struct CertSlot {
+    current: RwLock<(Arc<rustls::sign::CertifiedKey>, SystemTime)>,
+}
+
+impl std::fmt::Debug for CertSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CertSlot(expires {:?})", self.expires())
+    }
+}
+
+impl CertSlot {
+    fn new(leaf: CertificateDer<'static>, key: &KeyPair, expires: SystemTime) -> Result<Self> {
+        Ok(Self {
+            current: RwLock::new((Arc::new(certified(leaf, key)?), expires)),
+        })
+    }
+
+    pub(crate) fn get(&self) -> Arc<rustls::sign::CertifiedKey> {
+        self.current
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .0
+            .clone()
+    }
+
+    /// When the current certificate stops being valid.
+    pub fn expires(&self) -> SystemTime {
+        self.current.read().unwrap_or_else(std::sync::PoisonError::into_inner).1
+    }
+
+    /// Presents `leaf` (for `key`, valid until `expires`) from the next handshake on.
+    pub fn replace(&self, leaf: CertificateDer<'static>, key: &KeyPair, expires: SystemTime) -> Result<()> {
+        let next = (Arc::new(certified(leaf, key)?), expires);
+        *self.current.write().unwrap_or_else(std::sync::PoisonError::into_inner) = next;
+        Ok(())
+    }
+}
+
+impl rustls::server::ResolvesServerCert for CertSlot {
+    fn resolve(&self, _: rustls::server::ClientHello<'_>) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        Some(self.get())
+    }
+}
+
+impl rustls::client::ResolvesClientCert for CertSlot {
+    fn resolve(&self, _: &[&[u8]], _: &[rustls::SignatureScheme]) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        Some(self.get())
+    }
+
+    fn has_certs(&self) -> bool {
+        true
+    }
+}
+
+/// `leaf` and `key` as rustls presents them.
+fn certified(leaf: CertificateDer<'static>, key: &KeyPair) -> Result<rustls::sign::CertifiedKey> {
+    let der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+    let signer = rustls::crypto::aws_lc_rs::default_provider()
+        .key_provider
+        .load_private_key(der)
+        .map_err(tls("node key"))?;
+    Ok(rustls::sign::CertifiedKey::new(vec![leaf], signer))
 }
 
 impl std::fmt::Debug for TlsIdentity {
@@ -71,7 +141,17 @@ impl TlsIdentity {
         key: &KeyPair,
         https: Option<(CertificateDer<'static>, &KeyPair)>,
     ) -> Result<Self> {
-        Self::build(ca, leaf, key, https, None)
+        Self::build(ca, leaf, key, https, None, SystemTime::now() + crate::ca::CERT_LIFETIME)
+    }
+
+    /// Like [`TlsIdentity::issued`] for a certificate valid until `expires`.
+    pub fn issued_until(
+        ca: CertificateDer<'static>,
+        leaf: CertificateDer<'static>,
+        key: &KeyPair,
+        expires: SystemTime,
+    ) -> Result<Self> {
+        Self::build(ca, leaf, key, None, None, expires)
     }
 
     fn build(
@@ -80,16 +160,17 @@ impl TlsIdentity {
         key: &KeyPair,
         https: Option<(CertificateDer<'static>, &KeyPair)>,
         removed: Option<RemovedNodes>,
+        expires: SystemTime,
     ) -> Result<Self> {
         let cluster = CaHash::of_certificate(&ca)?;
+        let slot = Arc::new(CertSlot::new(leaf.clone(), key, expires)?);
         let mut roots = RootCertStore::empty();
         roots.add(ca.clone()).map_err(tls("trust the cluster CA"))?;
         let roots = Arc::new(roots);
-        let chain = vec![leaf];
-        let pkcs8 = || PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
         let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
         let cluster_provider = cluster_provider();
         let (required, optional) = client_verifiers(&roots, &provider)?;
+        let head = removed.is_some();
         let (required, optional) = match removed {
             Some(removed) => (
                 Arc::new(NotRemoved {
@@ -103,19 +184,38 @@ impl TlsIdentity {
             ),
             None => (required, optional),
         };
+        // The head answers joins (no certificate yet) and renewals (the current one) on
+        // its cluster port: its certificate with the authority's beside it, so that a
+        // pinned joiner can check the chain.
+        let join = if head {
+            let mut join = rustls::ServerConfig::builder_with_provider(provider.clone())
+                .with_protocol_versions(&[&rustls::version::TLS13])
+                .map_err(tls("join protocol versions"))?
+                .with_client_cert_verifier(optional.clone())
+                .with_single_cert(
+                    vec![leaf.clone(), ca.clone()],
+                    PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+                )
+                .map_err(tls("join certificate"))?;
+            join.alpn_protocols = vec![crate::join::JOIN_ALPN.to_vec()];
+            Some(Arc::new(join))
+        } else {
+            None
+        };
         let https = match https {
             Some((cert, web_key)) => Some(Arc::new(https_config(cert, web_key, provider, optional)?)),
             None => None,
         };
-        let server = cluster_server(cluster_provider.clone(), required, chain.clone(), pkcs8())?;
-        let client = cluster_client(cluster_provider, roots, chain, pkcs8())?;
+        let server = cluster_server(cluster_provider.clone(), required, slot.clone())?;
+        let client = cluster_client(cluster_provider, roots, slot.clone())?;
         Ok(Self {
             server: Arc::new(server),
             client: Arc::new(client),
             https,
             ca,
             cluster,
-            join: None,
+            slot,
+            join,
         })
     }
 
@@ -128,26 +228,14 @@ impl TlsIdentity {
         // HTTPS leaf is ECDSA P-256, under the same authority.
         let web_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(cert("HTTPS key"))?;
         let web = ca.issue_for_key(&Role::Head, &web_key)?;
-        let mut identity = Self::build(
+        Self::build(
             ca.certificate_der().clone(),
-            leaf.clone(),
+            leaf,
             &key,
             Some((web, &web_key)),
             Some(removed),
-        )?;
-        let mut join =
-            rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
-                .with_protocol_versions(&[&rustls::version::TLS13])
-                .map_err(tls("join protocol versions"))?
-                .with_no_client_auth()
-                .with_single_cert(
-                    vec![leaf, ca.certificate_der().clone()],
-                    PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-                )
-                .map_err(tls("join certificate"))?;
-        join.alpn_protocols = vec![crate::join::JOIN_ALPN.to_vec()];
-        identity.join = Some(Arc::new(join));
-        Ok(identity)
+            SystemTime::now() + crate::ca::HEAD_CERT_LIFETIME,
+        )
     }
 }
 
@@ -330,33 +418,29 @@ fn https_config(
 fn cluster_server(
     provider: Arc<CryptoProvider>,
     verifier: Arc<dyn ClientCertVerifier>,
-    chain: Vec<CertificateDer<'static>>,
-    key: PrivateKeyDer<'static>,
+    slot: Arc<CertSlot>,
 ) -> Result<rustls::ServerConfig> {
     let mut server = rustls::ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls("server protocol versions"))?
         .with_client_cert_verifier(verifier)
-        .with_single_cert(chain, key)
-        .map_err(tls("server certificate"))?;
+        .with_cert_resolver(slot);
     server.alpn_protocols = vec![ALPN.to_vec()];
     Ok(server)
 }
 
 /// The client side of the cluster's own connections: trusts `roots` alone and presents
-/// `chain`, ALPN [`ALPN`].
+/// the slot's certificate, ALPN [`ALPN`].
 fn cluster_client(
     provider: Arc<CryptoProvider>,
     roots: Arc<RootCertStore>,
-    chain: Vec<CertificateDer<'static>>,
-    key: PrivateKeyDer<'static>,
+    slot: Arc<CertSlot>,
 ) -> Result<rustls::ClientConfig> {
     let mut client = rustls::ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls("client protocol versions"))?
         .with_root_certificates(roots)
-        .with_client_auth_cert(chain, key)
-        .map_err(tls("client certificate"))?;
+        .with_client_cert_resolver(slot);
     client.alpn_protocols = vec![ALPN.to_vec()];
     Ok(client)
 }

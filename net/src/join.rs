@@ -362,6 +362,8 @@ pub struct JoinDesk {
     pub bootstrap: String,
     /// Node names removed from the cluster: refused a certificate.
     pub removed: crate::identity::RemovedNodes,
+    /// How long the certificates it issues are valid.
+    pub lifetime: Duration,
 }
 
 impl JoinDesk {
@@ -434,12 +436,24 @@ where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let exporter = exporter(stream.get_ref().1).map_err(|e| Refusal::Malformed(e.to_string()))?;
+    // A renewal presents the certificate it renews (checked by the handshake, a removed
+    // node's refused there): the role comes from it.
+    let presented = stream
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|chain| chain.first())
+        .and_then(|leaf| crate::ca::role_of(leaf.as_ref()));
     let body = read_frame(stream)
         .await
         .map_err(|e| Refusal::Malformed(format!("cannot read the request: {e}")))?;
-    let outcome = grant(&body, &exporter, desk);
+    let outcome = match presented {
+        Some(role) => renewal(&body, role, desk),
+        None => grant(&body, &exporter, desk),
+    };
+    let lifetime = desk.lifetime.as_secs().to_be_bytes();
     let reply = match &outcome {
-        Ok((_, ca, cert, proof)) => encode(&[b"ok", ca, cert, proof]),
+        Ok((_, ca, cert, proof)) => encode(&[b"ok", ca, cert, proof, &lifetime]),
         Err(refusal) => encode(&[b"refused", refusal.to_string().as_bytes()]),
     };
     let _ = stream.write_all(&reply).await;
@@ -481,7 +495,7 @@ fn grant(body: &[u8], exporter: &[u8], desk: &JoinDesk) -> std::result::Result<G
     }
     let cert = desk
         .ca
-        .issue(&role, public_key)
+        .issue(&role, public_key, desk.lifetime)
         .map_err(|e| Refusal::Malformed(e.to_string()))?;
     let limited = tokens
         .list()
@@ -499,6 +513,104 @@ fn grant(body: &[u8], exporter: &[u8], desk: &JoinDesk) -> std::result::Result<G
     let ca = desk.ca.certificate_der().to_vec();
     let head_proof = key.tag(b"head", exporter, &[&Sha256::digest(&ca), &Sha256::digest(&cert)]);
     Ok((role, ca, cert.to_vec(), head_proof.as_ref().to_vec()))
+}
+
+/// The version tag of a renewal request.
+const RENEW: &[u8] = b"regatta-renew/1";
+
+/// Checks a renewal (a process presenting its current certificate, `role`'s) and issues
+/// its next certificate: (role, authority, certificate, no proof: the head was checked by
+/// the renewer's own handshake).
+fn renewal(body: &[u8], role: Role, desk: &JoinDesk) -> std::result::Result<Grant, Refusal> {
+    let fields = decode(body).map_err(Refusal::Malformed)?;
+    let [version, public_key] = fields[..] else {
+        return Err(Refusal::Malformed(format!("{} fields, not 2", fields.len())));
+    };
+    if version != RENEW {
+        return Err(Refusal::Malformed("a renewal of another version".into()));
+    }
+    match &role {
+        Role::Head => return Err(Refusal::Malformed("the head renews its own certificate".into())),
+        Role::Node(name) => {
+            let removed = desk.removed.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if removed.contains(name) {
+                return Err(Refusal::Removed(name.clone()));
+            }
+        }
+        Role::Client(_) => {}
+    }
+    let cert = desk
+        .ca
+        .issue(&role, public_key, desk.lifetime)
+        .map_err(|e| Refusal::Malformed(e.to_string()))?;
+    Ok((role, desk.ca.certificate_der().to_vec(), cert.to_vec(), Vec::new()))
+}
+
+/// Renews `identity`'s certificate at the head at `address`: a fresh key, a certificate for
+/// it (the same role) asked for over mutual TLS with the current one, swapped in for every
+/// later handshake. Returns when the new one expires.
+pub async fn renew(address: &str, identity: &TlsIdentity) -> Result<SystemTime> {
+    tokio::time::timeout(JOIN_TIMEOUT, renew_inner(address, identity))
+        .await
+        .map_err(|_| Error::JoinUnreachable(format!("no answer from {address} within {} s", JOIN_TIMEOUT.as_secs())))?
+}
+
+async fn renew_inner(address: &str, identity: &TlsIdentity) -> Result<SystemTime> {
+    let (_, config) = identity.with_alpn(JOIN_ALPN);
+    let tcp = TcpStream::connect(address)
+        .await
+        .map_err(|e| Error::JoinUnreachable(format!("cannot reach the head at {address}: {e}")))?;
+    let _ = tcp.set_nodelay(true);
+    let name = ServerName::try_from(HEAD_NAME).expect("the head's name is a valid DNS name");
+    let mut stream = TlsConnector::from(config).connect(name, tcp).await.map_err(|e| {
+        if is_certificate_error(&e) {
+            Error::JoinRefused(format!("the head at {address} refused the renewal's handshake: {e}"))
+        } else {
+            Error::JoinUnreachable(format!("the renewal's handshake with {address} failed: {e}"))
+        }
+    })?;
+    let key = node_key()?;
+    let public_key = raw_public_key(&key);
+    // TLS 1.3 finishes the client's handshake before the server has checked the client's
+    // certificate: a refused one comes back as an alert on the first read.
+    let io = |e: std::io::Error| {
+        if refused_by_alert(&e) {
+            Error::JoinRefused(format!("the head at {address} refused this process's certificate: {e}"))
+        } else {
+            Error::JoinUnreachable(format!("the renewal with {address} broke off: {e}"))
+        }
+    };
+    stream.write_all(&encode(&[RENEW, &public_key])).await.map_err(io)?;
+    stream.flush().await.map_err(io)?;
+    let body = read_frame(&mut stream).await.map_err(io)?;
+    let fields =
+        decode(&body).map_err(|why| Error::JoinRefused(format!("a malformed answer from {address}: {why}")))?;
+    match fields[..] {
+        [b"refused", reason] => Err(Error::JoinRefused(format!(
+            "the head at {address} refused to renew this process's certificate: {}",
+            String::from_utf8_lossy(reason)
+        ))),
+        [b"ok", _, cert, _, lifetime] => {
+            let cert = CertificateDer::from(cert.to_vec());
+            if spki_of(&cert)? != key.public_key_der().as_slice() {
+                return Err(Error::JoinRefused(format!(
+                    "{address} renewed a certificate for another key"
+                )));
+            }
+            let expires = SystemTime::now() + lifetime_of(lifetime)?;
+            identity.slot.replace(cert, &key, expires)?;
+            Ok(expires)
+        }
+        _ => Err(Error::JoinRefused(format!("a malformed answer from {address}"))),
+    }
+}
+
+/// A lifetime field: seconds, big-endian u64.
+fn lifetime_of(field: &[u8]) -> Result<Duration> {
+    let bytes: [u8; 8] = field
+        .try_into()
+        .map_err(|_| Error::JoinRefused("a certificate lifetime that is not 8 bytes".into()))?;
+    Ok(Duration::from_secs(u64::from_be_bytes(bytes)))
 }
 
 /// Accepts the head's certificate for the join: with a pin, only one chaining to the
@@ -623,7 +735,7 @@ async fn join_inner(address: &str, token: &JoinToken, pin: Option<CaHash>, role:
             token.id,
             String::from_utf8_lossy(reason)
         ))),
-        [b"ok", ca, cert, head_proof] => {
+        [b"ok", ca, cert, head_proof, lifetime] => {
             let digests: [&[u8]; 2] = [&Sha256::digest(ca), &Sha256::digest(cert)];
             if !token.key().verify(b"head", &exporter, &digests, head_proof) {
                 return Err(Error::JoinRefused(format!(
@@ -645,10 +757,31 @@ async fn join_inner(address: &str, token: &JoinToken, pin: Option<CaHash>, role:
                     "{address} issued a certificate for another key"
                 )));
             }
-            TlsIdentity::issued(ca, cert, &key, None)
+            let expires = SystemTime::now() + lifetime_of(lifetime)?;
+            TlsIdentity::issued_until(ca, cert, &key, expires)
         }
         _ => Err(Error::JoinRefused(format!("a malformed answer from {address}"))),
     }
+}
+
+/// Whether the peer ended the connection with an alert that refuses this side's certificate.
+fn refused_by_alert(e: &std::io::Error) -> bool {
+    use rustls::AlertDescription as A;
+    e.get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        .is_some_and(|tls| {
+            matches!(
+                tls,
+                rustls::Error::AlertReceived(
+                    A::CertificateRevoked
+                        | A::BadCertificate
+                        | A::CertificateExpired
+                        | A::CertificateUnknown
+                        | A::UnknownCA
+                        | A::AccessDenied
+                )
+            )
+        })
 }
 
 fn is_certificate_error(e: &std::io::Error) -> bool {
@@ -782,6 +915,7 @@ mod tests {
             file: None,
             bootstrap: token.id.clone(),
             removed: Default::default(),
+            lifetime: crate::ca::CERT_LIFETIME,
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
@@ -884,6 +1018,79 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_process_renews_its_certificate_with_the_current_one_unless_removed() {
+        let (address, head, _, token) = head().await;
+        let node = join(&address, &token, Some(head.cluster), &Role::Node("w1".into()))
+            .await
+            .expect("join");
+        let before = node.slot.expires();
+        let old = node.slot.get();
+        let after = renew(&address, &node).await.expect("renew");
+        assert!(after >= before);
+        let new = node.slot.get();
+        assert_ne!(old.cert[0], new.cert[0], "a new certificate");
+        assert_eq!(
+            crate::ca::node_name_of(new.cert[0].as_ref()).as_deref(),
+            Some("w1"),
+            "the same name"
+        );
+        // Every configuration presents the new one: the head accepts it, and the node's
+        // server side is reached under its own name still.
+        handshake(node.client.clone(), head.server.clone(), HEAD_NAME).expect("node to head");
+        handshake(head.client.clone(), node.server.clone(), "w1.node.regatta").expect("head to node");
+        // A client renews as a client.
+        let client = join(&address, &token, None, &Role::Client("c1".into()))
+            .await
+            .expect("join");
+        renew(&address, &client).await.expect("a client renews");
+        assert_eq!(
+            crate::ca::role_of(client.slot.get().cert[0].as_ref()),
+            Some(Role::Client("c1".into()))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_removed_node_cannot_renew() {
+        let ca = Arc::new(ClusterCa::generate().unwrap());
+        let removed = crate::identity::RemovedNodes::default();
+        let identity = TlsIdentity::for_head(&ca, removed.clone()).unwrap();
+        let token = JoinToken::generate();
+        let mut tokens = JoinTokens::default();
+        tokens.insert(&token, None, None, "test");
+        let desk = Arc::new(JoinDesk {
+            ca,
+            tokens: Arc::new(Mutex::new(tokens)),
+            file: None,
+            bootstrap: token.id.clone(),
+            removed: removed.clone(),
+            lifetime: crate::ca::CERT_LIFETIME,
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let acceptor = tokio_rustls::TlsAcceptor::from(identity.join.clone().unwrap());
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let (acceptor, desk) = (acceptor.clone(), desk.clone());
+                tokio::spawn(async move {
+                    if let Ok(mut stream) = acceptor.accept(tcp).await {
+                        let _ = answer_join(&mut stream, &desk).await;
+                    }
+                });
+            }
+        });
+        let node = join(&address, &token, None, &Role::Node("w2".into()))
+            .await
+            .expect("join");
+        removed.write().unwrap().insert("w2".into());
+        let err = renew(&address, &node).await.expect_err("removed");
+        assert!(matches!(err, Error::JoinRefused(_)), "{err}");
+        let err = join(&address, &token, None, &Role::Node("w2".into()))
+            .await
+            .expect_err("removed");
+        assert!(err.to_string().contains("was removed"), "{err}");
+    }
+
+    #[tokio::test]
     async fn a_fake_head_without_the_secret_is_not_believed() {
         // A fake head: real TLS, an authority of its own, and it answers "ok" to anything
         // with a certificate for the joiner's key, but it does not know the secret.
@@ -902,10 +1109,12 @@ mod tests {
             let body = read_frame(&mut stream).await.unwrap();
             kept.lock().unwrap().push(body.clone());
             let fields = decode(&body).unwrap();
-            let cert = ca.issue(&Role::Node("w".into()), fields[5]).unwrap();
+            let cert = ca
+                .issue(&Role::Node("w".into()), fields[5], crate::ca::CERT_LIFETIME)
+                .unwrap();
             let ca_der = ca.certificate_der().to_vec();
             let proof = guess.tag(b"head", &exporter, &[&Sha256::digest(&ca_der), &Sha256::digest(&cert)]);
-            let reply = encode(&[b"ok", &ca_der, &cert, proof.as_ref()]);
+            let reply = encode(&[b"ok", &ca_der, &cert, proof.as_ref(), &60u64.to_be_bytes()]);
             stream.write_all(&reply).await.unwrap();
             stream.flush().await.unwrap();
         });
@@ -956,6 +1165,7 @@ mod tests {
                 file: None,
                 bootstrap: token.id.clone(),
                 removed: Default::default(),
+                lifetime: crate::ca::CERT_LIFETIME,
             };
             (desk, token)
         }

@@ -19,14 +19,14 @@ mod receive_pool;
 mod sealed;
 mod transfer;
 
-pub use ca::{CaHash, ClusterCa, Role, CERT_LIFETIME, HEAD_NAME};
+pub use ca::{CaHash, ClusterCa, Role, CERT_LIFETIME, HEAD_CERT_LIFETIME, HEAD_NAME};
 pub use error::{Error, Result};
 pub use handshake_slots::{
     HandshakeSlots, Refusal as HandshakeRefusal, Slot as HandshakeSlot, MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE,
 };
 pub use identity::{identity_from_secret, RemovedNodes, TlsIdentity};
 pub use join::{
-    answer_join, join, JoinDesk, JoinKey, JoinToken, JoinTokens, Refusal as JoinRefusal, TokenEntry, JOIN_ALPN,
+    answer_join, join, renew, JoinDesk, JoinKey, JoinToken, JoinTokens, Refusal as JoinRefusal, TokenEntry, JOIN_ALPN,
     JOIN_TIMEOUT,
 };
 pub use quic::endpoint;

@@ -268,15 +268,23 @@ def test_actor_handles_travel_to_tasks_and_tasks_start_tasks():
 
 
 def test_a_wrong_token_is_refused_with_a_clear_error():
-    script = textwrap.dedent(f"""
-        import regatta
-        try:
-            regatta.init(address={regatta._current().cluster.address!r}, token="not-the-token")
-        except RuntimeError as error:
-            print("refused:", error)
-    """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert "refused:" in result.stdout and "token does not match" in result.stdout, result.stdout + result.stderr
+    def attempt(token):
+        script = textwrap.dedent(f"""
+            import regatta
+            try:
+                regatta.init(address={regatta._current().cluster.address!r}, token={token!r})
+            except RuntimeError as error:
+                print("refused:", error)
+        """)
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        return result.stdout + result.stderr
+
+    # A join token the head does not know: refused by the head, saying why.
+    out = attempt("abcdef." + "0" * 32)
+    assert "refused:" in out and "knows no join token" in out, out
+    # Not a join token at all (an older Regatta's): told how to make one.
+    out = attempt("not-the-token")
+    assert "refused:" in out and "regatta token generate" in out, out
 
 
 @regatta.remote

@@ -246,6 +246,10 @@ struct HeadArgs {
     /// already taken ends the head with exit status 98 (`EADDRINUSE`).
     #[arg(long)]
     ready_file: Option<PathBuf>,
+    /// How long the certificates the head issues at joins are valid, in seconds; each
+    /// process renews its own when two thirds of that have passed.
+    #[arg(long, default_value_t = 24 * 3600, value_parser = clap::value_parser!(u64).range(2..))]
+    cert_lifetime_secs: u64,
     #[command(flatten)]
     objects: ObjectArgs,
     #[command(flatten)]
@@ -442,6 +446,7 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
     config.port = args.port;
     config.advertise_host = args.advertise_host;
     config.heartbeat_timeout_ms = args.heartbeat_timeout_ms;
+    config.cert_lifetime = std::time::Duration::from_secs(args.cert_lifetime_secs);
     config.object_grace_ms = args.object_grace_ms;
     config.object_fanout = args.object_fanout;
     config.objects = args.objects.config(&config.advertise_host, args.bind);

@@ -135,6 +135,7 @@ fn report_objects_on_rejoin(
 pub struct Client {
     cluster: Cluster,
     _node: Arc<LocalNode>,
+    _renewal: trust::RenewalGuard,
 }
 
 impl Client {
@@ -164,6 +165,7 @@ impl Client {
         let bind: IpAddr = "0.0.0.0".parse().map_err(|_| Error::Actor("bad bind address".into()))?;
         let name = format!("client-{}", node::random_hex(6));
         let identity = trust::join_once(address, credentials, &Role::Client(name.clone())).await?;
+        let renewal = trust::keep_renewed(address.to_string(), identity.clone());
         let local = LocalNode::start(&name, &identity, None, bind, 0, &host).await?;
         let events = local.events();
         let head = local.join(address).await?;
@@ -188,6 +190,7 @@ impl Client {
         Ok(Self {
             cluster: Cluster::new(link, objects, calls).with_job(job),
             _node: local,
+            _renewal: renewal,
         })
     }
 

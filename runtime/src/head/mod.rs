@@ -47,6 +47,9 @@ pub struct HeadConfig {
     /// there is a state directory, else an authority for this run alone, so a restarted
     /// head is a new cluster whose nodes must join again).
     pub ca_dir: Option<PathBuf>,
+    /// How long the certificates issued at joins and renewals are valid (each process
+    /// renews its own when two thirds of that have passed).
+    pub cert_lifetime: Duration,
     /// A worker silent this long is declared dead.
     pub heartbeat_timeout_ms: u64,
     /// Unreferenced objects are released this long after their last reference drops.
@@ -75,6 +78,7 @@ impl HeadConfig {
             advertise_host: "127.0.0.1".into(),
             token: token.into(),
             ca_dir: None,
+            cert_lifetime: regatta_net::CERT_LIFETIME,
             heartbeat_timeout_ms: 3_000,
             object_grace_ms: 10_000,
             object_fanout: regatta_proto::DEFAULT_FANOUT_PER_SOURCE,
@@ -133,7 +137,7 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
         .ca_dir
         .clone()
         .or_else(|| config.state_dir.as_ref().map(|dir| dir.join("ca")));
-    let trust = HeadTrust::open(ca_dir.as_deref(), &bootstrap)?;
+    let trust = HeadTrust::open(ca_dir.as_deref(), &bootstrap, config.cert_lifetime)?;
     let identity = trust.identity.clone();
     let scope = node::scope_for(&identity.cluster);
     let port = if config.port == 0 {

@@ -189,7 +189,9 @@ impl SessionTls {
             .alpn()
             .is_some_and(|mut offered| offered.any(|p| p == JOIN_ALPN));
         if !joining {
-            return Ok(Accepted::Session(Box::new(start.into_stream(self.server.clone()).await?)));
+            return Ok(Accepted::Session(Box::new(
+                start.into_stream(self.server.clone()).await?,
+            )));
         }
         let mut stream = start.into_stream(join_config.clone()).await?;
         regatta_net::answer_join(&mut stream, desk)

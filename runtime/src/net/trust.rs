@@ -76,6 +76,42 @@ pub(crate) async fn join_with_retry(address: &str, credentials: &JoinCredentials
     }
 }
 
+/// Keeps `identity`'s certificate renewed at the head at `address` for as long as the
+/// returned guard lives: each renewal when a third of the current one's life is left.
+pub(crate) fn keep_renewed(address: String, identity: TlsIdentity) -> RenewalGuard {
+    let task = tokio::spawn(async move {
+        loop {
+            let left = identity
+                .slot
+                .expires()
+                .duration_since(std::time::SystemTime::now())
+                .unwrap_or_default();
+            tokio::time::sleep((left * 2 / 3).max(Duration::from_millis(500))).await;
+            match regatta_net::renew(&address, &identity).await {
+                Ok(expires) => {
+                    let valid = expires.duration_since(std::time::SystemTime::now()).unwrap_or_default();
+                    tracing::info!(valid_s = valid.as_secs(), "renewed this process's certificate");
+                }
+                Err(regatta_net::Error::JoinRefused(why)) => {
+                    tracing::error!(%why, "the head refused to renew this process's certificate: it stops working when the current one expires");
+                    return;
+                }
+                Err(e) => tracing::warn!(error = %e, "could not renew this process's certificate yet; trying again"),
+            }
+        }
+    });
+    RenewalGuard(task)
+}
+
+/// Stops a process's renewals when dropped.
+pub(crate) struct RenewalGuard(tokio::task::JoinHandle<()>);
+
+impl Drop for RenewalGuard {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// The file in the CA folder that keeps the join tokens made with `regatta token create`.
 const TOKENS_FILE: &str = "join-tokens";
 
@@ -87,7 +123,7 @@ pub(crate) struct HeadTrust {
 }
 
 impl HeadTrust {
-    pub(crate) fn open(ca_dir: Option<&Path>, bootstrap: &JoinToken) -> Result<Self> {
+    pub(crate) fn open(ca_dir: Option<&Path>, bootstrap: &JoinToken, lifetime: Duration) -> Result<Self> {
         let ca = match ca_dir {
             Some(dir) => ClusterCa::load_or_create(dir)?,
             None => ClusterCa::generate()?,
@@ -110,6 +146,7 @@ impl HeadTrust {
             file,
             bootstrap: bootstrap.id.clone(),
             removed,
+            lifetime,
         });
         Ok(Self { identity, desk })
     }

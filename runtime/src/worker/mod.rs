@@ -148,6 +148,7 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
     let session = format!("{name}-{}", node::random_hex(3));
     let credentials = JoinCredentials::parse(&config.token, config.ca_hash.as_deref())?;
     let identity = trust::join_with_retry(&config.head_address, &credentials, &Role::Node(name.clone())).await?;
+    let _renewal = trust::keep_renewed(config.head_address.clone(), identity.clone());
     let local = LocalNode::start(&session, &identity, None, config.bind, config.port, &host).await?;
     let head = join_with_retry(&local, &config.head_address).await?;
     let link =

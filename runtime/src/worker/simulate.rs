@@ -57,6 +57,7 @@ pub async fn run_simulated_nodes(
     let session = format!("{}-{}-{}", config.prefix, config.first, node::random_hex(3));
     let credentials = JoinCredentials::parse(&config.token, None)?;
     let identity = trust::join_with_retry(&config.head_address, &credentials, &Role::Node(session.clone())).await?;
+    let _renewal = trust::keep_renewed(config.head_address.clone(), identity.clone());
     let local = LocalNode::start(&session, &identity, None, "127.0.0.1".parse().expect("an IP"), 0, &host).await?;
     let head = join_with_retry(&local, &config.head_address).await?;
     let link =
