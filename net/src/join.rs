@@ -903,8 +903,15 @@ mod tests {
 
     /// A head answering joins on a loopback port: its address, identity and token desk.
     async fn head() -> (String, TlsIdentity, Arc<Mutex<JoinTokens>>, JoinToken) {
+        head_with(Default::default()).await
+    }
+
+    /// [`head`] with the removed node names `removed`.
+    async fn head_with(
+        removed: crate::identity::RemovedNodes,
+    ) -> (String, TlsIdentity, Arc<Mutex<JoinTokens>>, JoinToken) {
         let ca = Arc::new(ClusterCa::generate().unwrap());
-        let identity = TlsIdentity::for_head(&ca, Default::default()).unwrap();
+        let identity = TlsIdentity::for_head(&ca, removed.clone()).unwrap();
         let token = JoinToken::generate();
         let mut tokens = JoinTokens::default();
         tokens.insert(&token, None, None, "test");
@@ -914,7 +921,7 @@ mod tests {
             tokens: tokens.clone(),
             file: None,
             bootstrap: token.id.clone(),
-            removed: Default::default(),
+            removed,
             lifetime: crate::ca::CERT_LIFETIME,
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1051,33 +1058,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_removed_node_cannot_renew() {
-        let ca = Arc::new(ClusterCa::generate().unwrap());
         let removed = crate::identity::RemovedNodes::default();
-        let identity = TlsIdentity::for_head(&ca, removed.clone()).unwrap();
-        let token = JoinToken::generate();
-        let mut tokens = JoinTokens::default();
-        tokens.insert(&token, None, None, "test");
-        let desk = Arc::new(JoinDesk {
-            ca,
-            tokens: Arc::new(Mutex::new(tokens)),
-            file: None,
-            bootstrap: token.id.clone(),
-            removed: removed.clone(),
-            lifetime: crate::ca::CERT_LIFETIME,
-        });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap().to_string();
-        let acceptor = tokio_rustls::TlsAcceptor::from(identity.join.clone().unwrap());
-        tokio::spawn(async move {
-            while let Ok((tcp, _)) = listener.accept().await {
-                let (acceptor, desk) = (acceptor.clone(), desk.clone());
-                tokio::spawn(async move {
-                    if let Ok(mut stream) = acceptor.accept(tcp).await {
-                        let _ = answer_join(&mut stream, &desk).await;
-                    }
-                });
-            }
-        });
+        let (address, _, _, token) = head_with(removed.clone()).await;
         let node = join(&address, &token, None, &Role::Node("w2".into()))
             .await
             .expect("join");
@@ -1139,22 +1121,6 @@ mod tests {
         use super::*;
         use proptest::prelude::*;
 
-        /// A fixed seed unless `PROPTEST_RNG_SEED` names one: CI runs the same cases every
-        /// time (a flaky fuzz is a failing test); a developer widens the search with
-        /// `PROPTEST_RNG_SEED` and `PROPTEST_CASES`.
-        fn fuzz_config(cases: u32) -> ProptestConfig {
-            let mut config = ProptestConfig::with_cases(
-                std::env::var("PROPTEST_CASES")
-                    .ok()
-                    .and_then(|n| n.parse().ok())
-                    .unwrap_or(cases),
-            );
-            if matches!(config.rng_seed, proptest::test_runner::RngSeed::Random) {
-                config.rng_seed = proptest::test_runner::RngSeed::Fixed(0x5eed_1e55);
-            }
-            config
-        }
-
         fn desk() -> (JoinDesk, JoinToken) {
             let token = JoinToken::generate();
             let mut tokens = JoinTokens::default();
@@ -1188,7 +1154,7 @@ mod tests {
         }
 
         proptest! {
-            #![proptest_config(fuzz_config(256))]
+            #![proptest_config(crate::fuzz_config(256))]
 
             #[test]
             fn any_bytes_are_refused_without_a_panic(

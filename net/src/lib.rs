@@ -38,3 +38,20 @@ pub use transfer::{
     keep_alive, Fetched, ObjectSource, Transfer, CHUNK_BYTES, FAULT_CORRUPT_ENV, IO_TIMEOUT, NO_SHARED_MEMORY_ENV,
     SERVER_NAME, TRANSFER_ALPN,
 };
+
+/// The bounded fuzzing's configuration (the `fuzz` test modules): `cases` cases from a fixed
+/// seed unless `PROPTEST_RNG_SEED` names one, so that CI runs the same cases every time (a
+/// flaky fuzz is a failing test); a developer widens the search with `PROPTEST_RNG_SEED` and
+/// `PROPTEST_CASES`.
+#[cfg(test)]
+pub(crate) fn fuzz_config(cases: u32) -> proptest::test_runner::Config {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(cases);
+    let mut config = proptest::test_runner::Config::with_cases(cases);
+    if matches!(config.rng_seed, proptest::test_runner::RngSeed::Random) {
+        config.rng_seed = proptest::test_runner::RngSeed::Fixed(0x5eed_1e55);
+    }
+    config
+}

@@ -574,24 +574,8 @@ mod tests {
         use super::*;
         use proptest::prelude::*;
 
-        /// A fixed seed unless `PROPTEST_RNG_SEED` names one: CI runs the same cases every
-        /// time (a flaky fuzz is a failing test); a developer widens the search with
-        /// `PROPTEST_RNG_SEED` and `PROPTEST_CASES`.
-        fn fuzz_config(cases: u32) -> ProptestConfig {
-            let mut config = ProptestConfig::with_cases(
-                std::env::var("PROPTEST_CASES")
-                    .ok()
-                    .and_then(|n| n.parse().ok())
-                    .unwrap_or(cases),
-            );
-            if matches!(config.rng_seed, proptest::test_runner::RngSeed::Random) {
-                config.rng_seed = proptest::test_runner::RngSeed::Fixed(0x5eed_1e55);
-            }
-            config
-        }
-
         proptest! {
-            #![proptest_config(fuzz_config(256))]
+            #![proptest_config(crate::fuzz_config(256))]
 
             #[test]
             fn a_frame_changed_anywhere_is_refused(

@@ -80,3 +80,20 @@ pub use worker::python::{PythonActor, PythonArgs, MAX_FRAME as PYTHON_MAX_FRAME}
 pub use worker::registry::Registry;
 pub use worker::simulate::{run_simulated_nodes, simulated_name, SimulatedNodes};
 pub use worker::{run_worker, WorkerConfig};
+
+/// The bounded fuzzing's configuration (the `fuzz` test modules): `cases` cases from a fixed
+/// seed unless `PROPTEST_RNG_SEED` names one, so that CI runs the same cases every time (a
+/// flaky fuzz is a failing test); a developer widens the search with `PROPTEST_RNG_SEED` and
+/// `PROPTEST_CASES`.
+#[cfg(test)]
+pub(crate) fn fuzz_config(cases: u32) -> proptest::test_runner::Config {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(cases);
+    let mut config = proptest::test_runner::Config::with_cases(cases);
+    if matches!(config.rng_seed, proptest::test_runner::RngSeed::Random) {
+        config.rng_seed = proptest::test_runner::RngSeed::Fixed(0x5eed_1e55);
+    }
+    config
+}
