@@ -1,9 +1,12 @@
-//! Simulated nodes for scale tests: many node agents in one process, each registering,
-//! heartbeating and starting actors over the process's one real session to the head,
+//! Simulated nodes for scale tests: many node agents in one process, each joining for a
+//! certificate of its own, then registering, heartbeating and starting actors over the
+//! process's one real session to the head,
 //! exactly as a worker's agent does (the same [`Agent`] and membership loop), without an
 //! object store or a metrics endpoint. `regatta bench scale` runs a few such processes.
 
 use std::future::Future;
+
+use futures::{StreamExt, TryStreamExt};
 use std::sync::Arc;
 
 use super::{join_with_retry, keep_membership};
@@ -38,6 +41,9 @@ pub struct SimulatedNodes {
     pub heartbeat_interval_ms: u64,
 }
 
+/// Joins one simulator process runs at once (for its nodes' certificates).
+const JOINS_AT_ONCE: usize = 8;
+
 /// The name of simulated node `index`.
 pub fn simulated_name(prefix: &str, index: usize) -> String {
     format!("{prefix}-{index:05}")
@@ -63,6 +69,20 @@ pub async fn run_simulated_nodes(
     let link =
         Arc::new(HeadLink::new(local.scope().to_string(), head, config.head_address.clone()).with_peers(local.peers()));
     let cluster = Cluster::new(link, None, CallPlane::session_only());
+    // Each simulated node joins for a certificate of its own, as a worker does (the head
+    // checks a token and issues a certificate per node); they then share this process's
+    // session. A few joins at once, as many workers starting together would.
+    let names: Vec<String> = (config.first..config.first + config.count)
+        .map(|index| simulated_name(&config.prefix, index))
+        .collect();
+    futures::stream::iter(names)
+        .map(|name| {
+            let (address, credentials) = (config.head_address.clone(), credentials.clone());
+            async move { trust::join_with_retry(&address, &credentials, &Role::Node(name)).await }
+        })
+        .buffer_unordered(JOINS_AT_ONCE)
+        .try_for_each(|_| async { Ok(()) })
+        .await?;
     let mut members = Vec::with_capacity(config.count);
     for index in config.first..config.first + config.count {
         let name = simulated_name(&config.prefix, index);
