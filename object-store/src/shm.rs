@@ -254,7 +254,18 @@ impl Segment {
     /// Opens a peer's segment named by `handle` and checks it is that file, of that length,
     /// and sealed against any change.
     pub fn open(handle: &Handle) -> io::Result<Self> {
-        let file = File::open(format!("/proc/{}/fd/{}", handle.pid, handle.fd))?;
+        use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+        // Non-blocking: a descriptor a peer names could be a FIFO (or a device), whose plain
+        // open waits for a writer for ever. Only a regular file (a memfd is one) is taken.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(format!("/proc/{}/fd/{}", handle.pid, handle.fd))?;
+        let kind = file.metadata()?.file_type();
+        if !kind.is_file() {
+            let what = if kind.is_fifo() { "a pipe" } else { "not a regular file" };
+            return Err(io::Error::other(format!("the descriptor names {what}, not a segment")));
+        }
         let segment = Self::from_file(file, Some(handle.len))?;
         if (segment.dev, segment.inode) != (handle.dev, handle.inode) {
             return Err(io::Error::other("the descriptor names another file now"));
@@ -362,6 +373,45 @@ impl Drop for Mapping {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_descriptor_naming_a_pipe_is_refused_at_once_not_waited_on() {
+        use std::ffi::CString;
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = std::env::temp_dir().join(format!("regatta-fifo-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("pipe");
+        let c_path = CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo on a NUL-terminated path this test owns.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        // The "holder" has it open for reading with no writer: a plain open of it through
+        // /proc would wait for a writer for ever.
+        let fifo = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&path)
+            .unwrap();
+        let meta = fifo.metadata().unwrap();
+        let handle = Handle {
+            pid: std::process::id(),
+            fd: fifo.as_raw_fd(),
+            dev: meta.dev(),
+            inode: meta.ino(),
+            len: 0,
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(Segment::open(&handle).map(|_| ()).map_err(|e| e.to_string()));
+        });
+        let outcome = rx
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("the open returned instead of waiting on the pipe");
+        let why = outcome.expect_err("a pipe is not a segment");
+        assert!(why.contains("pipe"), "{why}");
+        drop(fifo);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_large_receive_buffer_is_advised_huge_pages_and_a_small_one_is_left_alone() {
