@@ -580,9 +580,7 @@ async fn renew_inner(address: &str, identity: &TlsIdentity) -> Result<SystemTime
             Error::JoinUnreachable(format!("the renewal with {address} broke off: {e}"))
         }
     };
-    stream.write_all(&encode(&[RENEW, &public_key])).await.map_err(io)?;
-    stream.flush().await.map_err(io)?;
-    let body = read_frame(&mut stream).await.map_err(io)?;
+    let body = exchange(&mut stream, &encode(&[RENEW, &public_key]), io).await?;
     let fields =
         decode(&body).map_err(|why| Error::JoinRefused(format!("a malformed answer from {address}: {why}")))?;
     match fields[..] {
@@ -611,6 +609,28 @@ fn lifetime_of(field: &[u8]) -> Result<Duration> {
         .try_into()
         .map_err(|_| Error::JoinRefused("a certificate lifetime that is not 8 bytes".into()))?;
     Ok(Duration::from_secs(u64::from_be_bytes(bytes)))
+}
+
+/// A verifier that checks only the handshake's signatures, for fetching what is proven
+/// another way (the job API's authority, proven by the join token: `fetch_cluster_authority`
+/// in the runtime). The join itself uses it when no authority is pinned.
+pub fn signatures_only_verifier() -> Arc<dyn ServerCertVerifier> {
+    Arc::new(JoinVerifier {
+        pin: None,
+        provider: Arc::new(rustls::crypto::aws_lc_rs::default_provider()),
+    })
+}
+
+/// Sends `request` on a join or renewal connection and reads the answer's fields'
+/// frame; `io` names what broke off.
+async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    request: &[u8],
+    io: impl Fn(std::io::Error) -> Error,
+) -> Result<Vec<u8>> {
+    stream.write_all(request).await.map_err(&io)?;
+    stream.flush().await.map_err(&io)?;
+    read_frame(stream).await.map_err(&io)
 }
 
 /// Accepts the head's certificate for the join: with a pin, only one chaining to the
@@ -724,9 +744,7 @@ async fn join_inner(address: &str, token: &JoinToken, pin: Option<CaHash>, role:
         &public_key,
     ]);
     let io = |e: std::io::Error| Error::JoinUnreachable(format!("the join with {address} broke off: {e}"));
-    stream.write_all(&request).await.map_err(io)?;
-    stream.flush().await.map_err(io)?;
-    let body = read_frame(&mut stream).await.map_err(io)?;
+    let body = exchange(&mut stream, &request, io).await?;
     let fields =
         decode(&body).map_err(|why| Error::JoinRefused(format!("a malformed answer from {address}: {why}")))?;
     match fields[..] {

@@ -26,8 +26,8 @@ pub use handshake_slots::{
 };
 pub use identity::{identity_from_secret, RemovedNodes, TlsIdentity};
 pub use join::{
-    answer_join, join, renew, JoinDesk, JoinKey, JoinToken, JoinTokens, Refusal as JoinRefusal, TokenEntry, JOIN_ALPN,
-    JOIN_TIMEOUT,
+    answer_join, join, renew, signatures_only_verifier, JoinDesk, JoinKey, JoinToken, JoinTokens,
+    Refusal as JoinRefusal, TokenEntry, JOIN_ALPN, JOIN_TIMEOUT,
 };
 pub use quic::endpoint;
 pub use receive_pool::{pooled_bytes, RECEIVE_POOL_ENV};
