@@ -75,10 +75,12 @@ pub struct Executor {
     pub path: PathBuf,
 }
 
-/// The command that starts `path`: stdin and stdout piped, killed when the child is
-/// dropped, and limited to `gpus` (`CUDA_VISIBLE_DEVICES`).
+/// The command that starts `path`: the allowlisted environment only
+/// ([`crate::environment`]), stdin and stdout piped, killed when the child is dropped, and
+/// limited to `gpus` (`CUDA_VISIBLE_DEVICES`).
 fn command(path: &Path, gpus: &[u32]) -> Command {
     let mut command = Command::new(path);
+    crate::environment::restrict(&mut command);
     command.stdin(Stdio::piped()).stdout(Stdio::piped()).kill_on_drop(true);
     if !gpus.is_empty() {
         let visible: Vec<String> = gpus.iter().map(u32::to_string).collect();

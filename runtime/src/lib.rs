@@ -27,6 +27,7 @@
 //! ```
 
 mod client;
+pub mod environment;
 mod error;
 pub mod executor;
 mod head;

@@ -250,6 +250,11 @@ struct HeadArgs {
     /// process renews its own when two thirds of that have passed.
     #[arg(long, default_value_t = 24 * 3600, value_parser = clap::value_parser!(u64).range(2..))]
     cert_lifetime_secs: u64,
+    /// More environment variables the processes started for users' code inherit from this
+    /// one (comma-separated names, `PREFIX*` for a prefix), beyond the allowlist in
+    /// docs/TRUST.md; a job's own variables go in its runtime_env.
+    #[arg(long, env = "REGATTA_PASS_ENV", value_name = "NAMES")]
+    pass_env: Option<String>,
     #[command(flatten)]
     objects: ObjectArgs,
     #[command(flatten)]
@@ -287,6 +292,11 @@ struct WorkerArgs {
     /// cannot reach it fall back to the cluster sessions (slower, still correct).
     #[arg(long, default_value_t = 0)]
     call_port: u16,
+    /// More environment variables the processes started for users' code inherit from this
+    /// one (comma-separated names, `PREFIX*` for a prefix), beyond the allowlist in
+    /// docs/TRUST.md; a job's own variables go in its runtime_env.
+    #[arg(long, env = "REGATTA_PASS_ENV", value_name = "NAMES")]
+    pass_env: Option<String>,
     #[command(flatten)]
     objects: ObjectArgs,
     #[command(flatten)]
@@ -441,6 +451,9 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
     if let TokenSource::Generated(path) = &source {
         tracing::info!(file = %path.display(), "generated a join token; workers on other machines need --token with its contents");
     }
+    if let Some(names) = &args.pass_env {
+        regatta_runtime::environment::pass_also(names);
+    }
     let mut config = HeadConfig::new(token);
     config.bind = args.bind;
     config.port = args.port;
@@ -511,6 +524,9 @@ async fn head(args: HeadArgs) -> anyhow::Result<ExitCode> {
 
 async fn worker(args: WorkerArgs, registry: Registry) -> anyhow::Result<ExitCode> {
     let (token, _) = resolve_token(args.token.token.as_deref(), args.token.token_file.as_deref(), false)?;
+    if let Some(names) = &args.pass_env {
+        regatta_runtime::environment::pass_also(names);
+    }
     let mut config = WorkerConfig::new(args.address, token);
     config.ca_hash = args.token.ca_hash.clone();
     config.resources = Resources::parse_capacity(&args.resources)?;

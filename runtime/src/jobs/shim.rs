@@ -123,7 +123,8 @@ pub(crate) enum StartError {
 }
 
 /// Starts `<binary> job-shim` for `args` in a process group of its own, with `env` over
-/// the inherited environment (later entries win) and its own messages in the run files;
+/// the allowlisted part of this process's environment ([`crate::environment`]; later
+/// entries win) and its own messages in the run files;
 /// returns the supervisor's identity once it runs. The supervisor is reaped when it ends;
 /// whoever started it follows it through its files, not its pipes.
 pub(crate) fn start_supervisor(
@@ -157,6 +158,7 @@ pub(crate) fn start_supervisor(
     if let Some(parent) = args.parent {
         command.arg("--parent").arg(parent.to_string());
     }
+    crate::environment::restrict(&mut command);
     command
         .arg("--")
         .arg(&args.entrypoint)
