@@ -27,6 +27,20 @@ fn http(base: &str, method: &str, path: &str, headers: &[(&str, &str)]) -> (u16,
     (status, headers.to_ascii_lowercase(), body.to_string())
 }
 
+/// A raw HTTP/1.1 POST of a JSON `body` with extra headers: (status, headers, body).
+fn post(base: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> (u16, String, String) {
+    let host = support::host_of(base);
+    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let text = support::exchange(base, request.as_bytes());
+    let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let (headers, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    (status, headers.to_ascii_lowercase(), body.to_string())
+}
+
 fn json_of(body: &str) -> Value {
     // Bodies may come chunked: the JSON document is the part between the outer braces.
     let start = body.find(['{', '[']).unwrap_or(0);
@@ -285,6 +299,63 @@ async fn every_endpoint_needs_the_token_and_a_stop_from_another_site_is_refused(
             );
         }
     }
+
+    // Signing in trades the admin token for a session cookie scripts cannot read: the
+    // cookie opens the endpoints, signing out ends it, a sign-in from another site is
+    // refused, and a source that keeps failing is throttled, even once it presents the
+    // right token, while a session already open goes on.
+    let (status, _, body) = post(&base, "/api/login", r#"{"token":"not-the-token"}"#, &[]);
+    assert_eq!(status, 401, "{body}");
+    let (status, _, body) = post(&base, "/api/login", "{}", &[]);
+    assert_eq!(status, 400, "{body}");
+    let sign_in = format!(r#"{{"token":"{token}"}}"#);
+    let (status, _, body) = post(&base, "/api/login", &sign_in, &[("Origin", "https://evil.example")]);
+    assert_eq!(status, 403, "{body}");
+    let session = |headers: &str| -> String {
+        let set = headers
+            .lines()
+            .find_map(|l| l.strip_prefix("set-cookie:"))
+            .unwrap_or_else(|| panic!("no cookie set: {headers}"));
+        for attribute in ["httponly", "samesite=strict", "secure", "path=/", "max-age=28800"] {
+            assert!(set.contains(attribute), "{set} lacks {attribute}");
+        }
+        set.trim().split(';').next().unwrap().to_string()
+    };
+    let (status, headers, body) = post(&base, "/api/login", &sign_in, &[]);
+    assert_eq!(status, 200, "{body}");
+    let first = session(&headers);
+    assert!(!first.contains(&token), "the cookie is not the token");
+    let (status, _, body) = http(&base, "GET", "/api/cluster", &[("Cookie", first.as_str())]);
+    assert_eq!(status, 200, "{body}");
+    let (status, _, body) = post(&base, "/api/logout", "", &[("Cookie", first.as_str())]);
+    assert_eq!(
+        (status, json_of(&body)["signed_out"].clone()),
+        (200, Value::Bool(true)),
+        "{body}"
+    );
+    let (status, _, body) = http(&base, "GET", "/api/cluster", &[("Cookie", first.as_str())]);
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("session has ended"), "{body}");
+    let (_, headers, _) = post(&base, "/api/login", &sign_in, &[]);
+    let second = session(&headers);
+    let wrong = [("Authorization", "Bearer not-the-token")];
+    let mut statuses = Vec::new();
+    for _ in 0..40 {
+        let (status, headers, _) = http(&base, "GET", "/api/cluster", &wrong);
+        statuses.push(status);
+        if status == 429 {
+            assert!(headers.contains("retry-after:"), "{headers}");
+            break;
+        }
+    }
+    assert_eq!(statuses.last(), Some(&429), "never throttled: {statuses:?}");
+    assert!(statuses.len() > 3, "throttled too soon: {statuses:?}");
+    let (status, _, body) = http(&base, "GET", "/api/cluster", &auth);
+    assert_eq!(status, 429, "the right token is not looked at while throttled: {body}");
+    let (status, _, body) = post(&base, "/api/login", &sign_in, &[]);
+    assert_eq!(status, 429, "{body}");
+    let (status, _, body) = http(&base, "GET", "/api/cluster", &[("Cookie", second.as_str())]);
+    assert_eq!(status, 200, "an open session goes on: {body}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

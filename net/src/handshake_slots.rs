@@ -105,7 +105,7 @@ impl HandshakeSlots {
 
 /// The source an address counts against: an IPv4 address (IPv4-mapped IPv6 included) as
 /// its /24, an IPv6 address as its /64.
-fn source_of(address: IpAddr) -> IpAddr {
+pub fn source_of(address: IpAddr) -> IpAddr {
     let v4 = |v4: std::net::Ipv4Addr| IpAddr::V4(std::net::Ipv4Addr::from(v4.to_bits() & !0xff));
     match address {
         IpAddr::V4(address) => v4(address),

@@ -20,6 +20,24 @@ pub(crate) struct Api {
     pub(crate) token: String,
     /// The join tokens and the authority (for `/api/join-tokens`).
     pub(crate) desk: Arc<regatta_net::JoinDesk>,
+    /// The dashboard's sessions and the failed sign-ins per source.
+    pub(crate) login: Arc<std::sync::Mutex<Login>>,
+    /// Whether the port serves HTTPS (session cookies are then `Secure`).
+    pub(crate) https: bool,
+}
+
+/// The sign-in bookkeeping ([`super::login`]).
+#[derive(Debug, Default)]
+pub(crate) struct Login {
+    pub(crate) sessions: super::login::Sessions,
+    pub(crate) throttle: super::login::Throttle,
+}
+
+impl Api {
+    /// The sign-in bookkeeping, locked.
+    pub(crate) fn login(&self) -> std::sync::MutexGuard<'_, Login> {
+        self.login.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 /// An error answer: `{"error": message}` with `status`.

@@ -22,7 +22,9 @@
 //! Ray's job SDK and `ray job` CLI (2.x) work against it unchanged: the records are a
 //! superset of Ray's `JobDetails` and the replies have Ray's fields.
 //!
-//! Every request carries `Authorization: Bearer <cluster token>`; without it: 401. Errors
+//! Every request carries `Authorization: Bearer <cluster token>` or the cookie of a session
+//! opened with `POST /api/login` ([`super::login`]); without either: 401. A source (IPv4 /24,
+//! IPv6 /64) that has spent its share of failed attempts gets 429 with `Retry-After`. Errors
 //! are `{"error": "..."}` with a 4xx status that says what is wrong. The same port serves
 //! the dashboard and its data endpoints ([`super::dashboard`]).
 
@@ -45,6 +47,7 @@ use std::sync::Arc;
 
 use super::api::{error, Api};
 use super::dashboard;
+use super::login;
 use crate::error::Result;
 use crate::head::job_manager::JobManager;
 use crate::jobs::log::read_from;
@@ -115,7 +118,15 @@ pub(crate) async fn serve(
         link,
         token,
         desk: desk.clone(),
+        login: Arc::default(),
+        https: tls.is_some(),
     };
+    let signin = Router::new()
+        .route("/api/login", post(sign_in))
+        .route("/api/logout", post(sign_out))
+        .layer(DefaultBodyLimit::max(4096))
+        .layer(middleware::from_fn(dashboard::same_origin))
+        .with_state(api.clone());
     let protected = Router::new()
         .route("/api/jobs", post(submit).get(list))
         .route("/api/jobs/", post(submit).get(list))
@@ -148,6 +159,7 @@ pub(crate) async fn serve(
     );
     let app = dashboard::pages()
         .merge(authority)
+        .merge(signin)
         .merge(protected)
         .layer(middleware::map_response(dashboard::security_headers));
     let scheme = if tls.is_some() { "https" } else { "http" };
@@ -156,24 +168,149 @@ pub(crate) async fn serve(
     Ok(address)
 }
 
+/// The address a request came from (the HTTP server records it on each request).
+fn source_of(request: &Request) -> std::net::IpAddr {
+    request
+        .extensions()
+        .get::<axum::extract::ConnectInfo<SocketAddr>>()
+        .map_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), |c| c.0.ip())
+}
+
+/// The session cookie a request carries, if any.
+fn session_cookie(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find_map(|text| login::cookie_value(text, login::SESSION_COOKIE))
+}
+
+/// Lets a request through with an open session's cookie or the admin token as its bearer.
+/// A source past its share of failed attempts is refused (429) before its bearer is
+/// looked at.
 async fn authenticate(State(api): State<Api>, request: Request, next: Next) -> Response {
+    let now = std::time::Instant::now();
+    if let Some(cookie) = session_cookie(request.headers()) {
+        if api.login().sessions.check(cookie, now) {
+            return next.run(request).await;
+        }
+    }
     let presented = request
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
-    match presented {
-        Some(token) if tokens_match(token.as_bytes(), api.token.as_bytes()) => next.run(request).await,
-        Some(_) => error(
+    let Some(presented) = presented else {
+        let why = if session_cookie(request.headers()).is_some() {
+            "the session has ended: sign in again"
+        } else {
+            "missing 'Authorization: Bearer <cluster token>' header (or a signed-in session's cookie)"
+        };
+        return error(StatusCode::UNAUTHORIZED, why);
+    };
+    match check_token(&api, source_of(&request), presented, now) {
+        Ok(()) => next.run(request).await,
+        Err(refusal) => *refusal,
+    }
+}
+
+/// Checks an admin token presented by `source` at `now`, counting a failure against the
+/// source; the refusal is the answer to give.
+fn check_token(
+    api: &Api,
+    source: std::net::IpAddr,
+    presented: &str,
+    now: std::time::Instant,
+) -> std::result::Result<(), Box<Response>> {
+    let mut login = api.login();
+    if let Err(wait) = login.throttle.admit(source, now) {
+        let secs = wait.as_secs().max(1);
+        let mut refusal = error(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!("too many failed sign-ins from this network: try again in {secs} s"),
+        );
+        if let Ok(value) = axum::http::HeaderValue::from_str(&secs.to_string()) {
+            refusal.headers_mut().insert(header::RETRY_AFTER, value);
+        }
+        return Err(Box::new(refusal));
+    }
+    if tokens_match(presented.as_bytes(), api.token.as_bytes()) {
+        login.throttle.succeeded(source);
+        Ok(())
+    } else {
+        login.throttle.failed(source, now);
+        tracing::warn!(%source, "refused a request with a wrong admin token");
+        Err(Box::new(error(
             StatusCode::UNAUTHORIZED,
             "the bearer token does not match the cluster token",
-        ),
-        None => error(
-            StatusCode::UNAUTHORIZED,
-            "missing 'Authorization: Bearer <cluster token>' header",
-        ),
+        )))
     }
+}
+
+/// `POST /api/login`'s body.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SignIn {
+    token: String,
+}
+
+/// Trades the admin token for a session cookie.
+async fn sign_in(State(api): State<Api>, request: Request) -> Response {
+    let source = source_of(&request);
+    let body = match read_capped(request.into_body(), 4096, 4096).await {
+        Ok(body) => body,
+        Err(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "a sign-in is a JSON body {\"token\": \"...\"} of at most 4 KiB",
+            )
+        }
+    };
+    let wanted: SignIn = match serde_json::from_slice(&body) {
+        Ok(wanted) => wanted,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("a sign-in is {{\"token\": \"...\"}}: {e}"),
+            )
+        }
+    };
+    let now = std::time::Instant::now();
+    if let Err(refusal) = check_token(&api, source, wanted.token.trim(), now) {
+        return *refusal;
+    }
+    let mut secret = [0u8; 32];
+    if let Err(e) = getrandom::getrandom(&mut secret) {
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("no random source for a session: {e}"),
+        );
+    }
+    let cookie = api.login().sessions.open(secret, now);
+    let expires_unix = std::time::SystemTime::now()
+        .checked_add(login::SESSION_LIFETIME)
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_secs());
+    tracing::info!(%source, "signed in to the dashboard");
+    (
+        [(
+            header::SET_COOKIE,
+            login::set_cookie(&cookie, login::SESSION_LIFETIME, api.https),
+        )],
+        Json(json!({ "expires_unix": expires_unix })),
+    )
+        .into_response()
+}
+
+/// Ends the request's session, if it has one, and clears the cookie.
+async fn sign_out(State(api): State<Api>, request: Request) -> Response {
+    let closed = session_cookie(request.headers()).is_some_and(|cookie| api.login().sessions.close(cookie));
+    (
+        [(header::SET_COOKIE, login::set_cookie("", Duration::ZERO, api.https))],
+        Json(json!({ "signed_out": closed })),
+    )
+        .into_response()
 }
 
 /// Whether a presented token is the cluster's: their SHA-256 digests compared in time that

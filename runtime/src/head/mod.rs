@@ -9,6 +9,7 @@ mod dashboard;
 pub(crate) mod job_api;
 pub(crate) mod job_manager;
 pub(crate) mod job_store;
+mod login;
 mod outputs;
 mod persist;
 mod state_file;

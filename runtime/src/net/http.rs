@@ -89,7 +89,9 @@ where
         tokio::spawn(async move {
             let _slot = slot;
             let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
-                tower_service::Service::call(&mut app.clone(), request.map(axum::body::Body::new))
+                let mut request = request.map(axum::body::Body::new);
+                request.extensions_mut().insert(axum::extract::ConnectInfo(peer));
+                tower_service::Service::call(&mut app.clone(), request)
             });
             let served = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())

@@ -2,7 +2,6 @@
 // cluster reaches the page as text (textContent), never as markup.
 'use strict';
 
-const TOKEN_KEY = 'regatta-token';
 const REFRESH_MS = 1500;
 const PAGE = 100;
 
@@ -97,18 +96,13 @@ function card(label, value, detail) {
 
 class SignedOut extends Error {}
 
+// The session lives in an HttpOnly cookie the head set at sign-in: this script never
+// holds a credential, and the browser sends the cookie to this origin only.
 async function api(path, options = {}) {
-  const token = sessionStorage.getItem(TOKEN_KEY);
-  if (!token) throw new SignedOut();
-  const response = await fetch(path, {
-    ...options,
-    cache: 'no-store',
-    credentials: 'omit',
-    headers: { ...(options.headers || {}), Authorization: `Bearer ${token}` },
-  });
+  const response = await fetch(path, { ...options, cache: 'no-store', credentials: 'same-origin' });
   const body = await response.json().catch(() => ({}));
   if (response.status === 401) {
-    signOut(`The head refused the token: ${body.error || response.statusText}`);
+    signOut(ui.signedIn ? `Signed out: ${body.error || response.statusText}` : '');
     throw new SignedOut();
   }
   if (!response.ok) throw new Error(body.error || `${response.status} ${response.statusText}`);
@@ -125,7 +119,7 @@ function query(params) {
 // ---- sign in and out -----------------------------------------------------------------
 
 function signOut(message) {
-  sessionStorage.removeItem(TOKEN_KEY);
+  ui.signedIn = false;
   clearInterval(ui.timer);
   ui.timer = null;
   $('#nav').hidden = true;
@@ -141,18 +135,32 @@ async function signIn(event) {
   event.preventDefault();
   const token = $('#login-token').value.trim();
   if (!token) return;
-  sessionStorage.setItem(TOKEN_KEY, token);
+  $('#login-token').value = '';
+  let response;
   try {
-    await api('/api/cluster');
+    response = await fetch('/api/login', {
+      method: 'POST', cache: 'no-store', credentials: 'same-origin',
+      headers: { 'Content-Type': 'application/json' }, body: JSON.stringify({ token }),
+    });
   } catch (error) {
-    if (!(error instanceof SignedOut)) $('#login-error').textContent = `Cannot reach the head: ${error.message}`;
+    $('#login-error').textContent = `Cannot reach the head: ${error.message}`;
     return;
   }
-  $('#login-token').value = '';
+  if (!response.ok) {
+    const body = await response.json().catch(() => ({}));
+    $('#login-error').textContent = `The head refused the sign-in: ${body.error || response.statusText}`;
+    return;
+  }
   start();
 }
 
+async function logOut() {
+  await fetch('/api/logout', { method: 'POST', cache: 'no-store', credentials: 'same-origin' }).catch(() => {});
+  signOut('');
+}
+
 function start() {
+  ui.signedIn = true;
   $('#login').hidden = true;
   $('#nav').hidden = false;
   $('#logout').hidden = false;
@@ -186,7 +194,7 @@ function parseHash() {
 }
 
 function route() {
-  if (!sessionStorage.getItem(TOKEN_KEY)) return;
+  if (!ui.signedIn) return;
   ui.route = parseHash();
   ui.job = null;
   for (const link of document.querySelectorAll('#nav a')) {
@@ -470,8 +478,8 @@ async function updateRun(name) {
 
 document.addEventListener('DOMContentLoaded', () => {
   $('#login-form').addEventListener('submit', signIn);
-  $('#logout').addEventListener('click', () => signOut(''));
+  $('#logout').addEventListener('click', logOut);
   window.addEventListener('hashchange', route);
-  if (sessionStorage.getItem(TOKEN_KEY)) start();
-  else signOut('');
+  // A session cookie from an earlier sign-in (this tab or another) opens the page at once.
+  api('/api/cluster').then(start, () => { if (!ui.signedIn) signOut(''); });
 });
