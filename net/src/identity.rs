@@ -48,6 +48,9 @@ pub struct TlsIdentity {
     /// with the authority's beside it (so a pinned joiner can check the chain), no client
     /// certificate asked. Only the head has one.
     pub join: Option<Arc<rustls::ServerConfig>>,
+    /// Whether the authority names each node in its certificate (a cluster authority's
+    /// do; a secret's, [`identity_from_secret`], name every holder alike).
+    pub names_nodes: bool,
 }
 
 /// A process's current certificate and key, shared by every TLS configuration it made, so
@@ -103,6 +106,17 @@ impl rustls::client::ResolvesClientCert for CertSlot {
 
     fn has_certs(&self) -> bool {
         true
+    }
+}
+
+/// The name a connection to the node named `node` must find in the peer's certificate,
+/// under an authority that names its nodes (`names_nodes`) or one that does not
+/// ([`TlsIdentity::peer_name`]).
+pub fn peer_name(names_nodes: bool, node: &str) -> String {
+    if names_nodes {
+        Role::Node(node.to_string()).dns_name()
+    } else {
+        SERVER_NAME.to_string()
     }
 }
 
@@ -216,7 +230,24 @@ impl TlsIdentity {
             cluster,
             slot,
             join,
+            names_nodes: true,
         })
+    }
+
+    /// The name a connection to the node named `node` must find in the peer's
+    /// certificate: under the cluster's authority, the node's own (`<node>.node.regatta`),
+    /// so that a call meant for w3 is answered by w3 and no other holder of a certificate;
+    /// under a secret's authority, [`SERVER_NAME`], which every holder carries.
+    pub fn peer_name(&self, node: &str) -> String {
+        peer_name(self.names_nodes, node)
+    }
+
+    /// The identity of a process whose certificate for `role` `ca` issues here, without a
+    /// join (tests, and processes that hold the authority).
+    pub fn issued_by(ca: &ClusterCa, role: &Role) -> Result<Self> {
+        let key = crate::ca::node_key()?;
+        let leaf = ca.issue_for_key(role, &key)?;
+        Self::issued(ca.certificate_der().clone(), leaf, &key, None)
     }
 
     /// The head's identity: its own certificate and its HTTPS one, issued here by `ca`; a
@@ -369,12 +400,14 @@ pub fn identity_from_secret(secret: &str) -> Result<TlsIdentity> {
     let web = params
         .signed_by(&web_key, &ca_cert, &ca_key)
         .map_err(cert("HTTPS certificate"))?;
-    TlsIdentity::issued(
+    let mut identity = TlsIdentity::issued(
         ca_cert.der().clone(),
         leaf.der().clone(),
         &leaf_key,
         Some((web.der().clone(), &web_key)),
-    )
+    )?;
+    identity.names_nodes = false;
+    Ok(identity)
 }
 
 /// Client verifiers trusting `roots`: one that requires a certificate (the cluster's own

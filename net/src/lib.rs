@@ -22,9 +22,10 @@ mod transfer;
 pub use ca::{CaHash, ClusterCa, Role, CERT_LIFETIME, HEAD_CERT_LIFETIME, HEAD_NAME};
 pub use error::{Error, Result};
 pub use handshake_slots::{
-    HandshakeSlots, Refusal as HandshakeRefusal, Slot as HandshakeSlot, MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE,
+    source_of, HandshakeSlots, Refusal as HandshakeRefusal, Slot as HandshakeSlot, MAX_HANDSHAKES,
+    MAX_HANDSHAKES_PER_SOURCE,
 };
-pub use identity::{identity_from_secret, RemovedNodes, TlsIdentity};
+pub use identity::{identity_from_secret, peer_name, RemovedNodes, TlsIdentity};
 pub use join::{
     answer_join, join, renew, signatures_only_verifier, JoinDesk, JoinKey, JoinToken, JoinTokens,
     Refusal as JoinRefusal, TokenEntry, JOIN_ALPN, JOIN_TIMEOUT,

@@ -15,7 +15,7 @@ use ractor::{Actor, ActorCell, ActorRef};
 use ractor_cluster::node::NodeConnectionMode;
 use ractor_cluster::node::NodeServerSessionInformation;
 use ractor_cluster::{IncomingEncryptionMode, NodeEventSubscription, NodeServer, NodeServerMessage};
-use regatta_net::{CaHash, JoinDesk, TlsIdentity, HEAD_NAME, SERVER_NAME};
+use regatta_net::{CaHash, JoinDesk, TlsIdentity, HEAD_NAME};
 use tokio::sync::broadcast;
 
 use super::session_tls::{DialError, SessionTls};
@@ -295,7 +295,9 @@ impl Peers {
                     return;
                 }
             }
-            if let Err(e) = tls.dial(&server, &address, SERVER_NAME).await {
+            // The peer must hold `node`'s own certificate: another node's cannot answer
+            // for it, even from its address.
+            if let Err(e) = tls.dial(&server, &address, &tls.peer_name(&node)).await {
                 tracing::debug!(peer = %address, error = %e, "cannot open a session to a peer node");
             }
         });

@@ -75,6 +75,8 @@ pub(crate) struct SessionTls {
     connector: TlsConnector,
     /// The head's: the join configuration and the desk that answers joins.
     joins: Option<(std::sync::Arc<rustls::ServerConfig>, std::sync::Arc<JoinDesk>)>,
+    /// Whether peers' certificates name their nodes ([`TlsIdentity::peer_name`]).
+    names_nodes: bool,
 }
 
 impl SessionTls {
@@ -87,7 +89,13 @@ impl SessionTls {
             server,
             connector: TlsConnector::from(client),
             joins: desk.and_then(|desk| identity.join.clone().map(|config| (config, desk))),
+            names_nodes: identity.names_nodes,
         }
+    }
+
+    /// The name node `node`'s certificate must carry for a session to it.
+    pub(crate) fn peer_name(&self, node: &str) -> String {
+        regatta_net::peer_name(self.names_nodes, node)
     }
 
     /// The acceptor, for `ractor_cluster`'s own (unused, loopback) listener.

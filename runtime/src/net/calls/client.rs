@@ -283,7 +283,7 @@ fn io(context: String) -> impl FnOnce(std::io::Error) -> Error {
 /// Runs the TLS handshake over `socket` and starts the connection.
 async fn secure(tls: &CallTls, socket: Socket, address: &str, node: &str) -> Result<Connection> {
     let transport = socket.transport();
-    let handshake = tls.connector.connect(CallTls::server_name(), socket);
+    let handshake = tls.connector.connect(tls.server_name(node), socket);
     let stream = tokio::time::timeout(CONNECT_TIMEOUT, handshake)
         .await
         .map_err(|_| Error::Timeout {

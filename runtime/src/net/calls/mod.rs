@@ -35,7 +35,7 @@ pub(crate) use routes::{RouterQuery, Routes};
 pub(crate) use server::{CallCounters, CallServer};
 pub(crate) use socket::CallAddress;
 
-use regatta_net::{TlsIdentity, SERVER_NAME};
+use regatta_net::TlsIdentity;
 use tokio_rustls::rustls::pki_types::ServerName;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
@@ -88,6 +88,8 @@ impl CallPath {
 pub(crate) struct CallTls {
     acceptor: TlsAcceptor,
     connector: TlsConnector,
+    /// Whether peers' certificates name their nodes ([`TlsIdentity::peer_name`]).
+    names_nodes: bool,
 }
 
 impl CallTls {
@@ -97,11 +99,16 @@ impl CallTls {
         Self {
             acceptor: TlsAcceptor::from(server),
             connector: TlsConnector::from(client),
+            names_nodes: identity.names_nodes,
         }
     }
 
-    fn server_name() -> ServerName<'static> {
-        ServerName::try_from(SERVER_NAME).expect("the node certificate's name is a valid DNS name")
+    /// The name node `node`'s certificate must carry: its own under the cluster's
+    /// authority (a call meant for w3 is answered by w3), [`regatta_net::SERVER_NAME`] under a
+    /// secret's.
+    fn server_name(&self, node: &str) -> ServerName<'static> {
+        ServerName::try_from(regatta_net::peer_name(self.names_nodes, node))
+            .expect("a node's certificate name is a valid DNS name")
     }
 }
 

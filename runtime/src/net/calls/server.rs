@@ -178,6 +178,12 @@ type Writer<S> = Arc<Mutex<WriteHalf<S>>>;
 /// timed call its stamps so far.
 type Waiting = (u64, oneshot::Receiver<Vec<u8>>, Option<ServerStamps>);
 
+/// Calls one connection may have waiting for their answers before this node stops
+/// reading it (twice this, counting those handed over but not yet waited on): a caller
+/// that sends faster than the actors answer is slowed by TCP, and the node's memory for
+/// one connection's calls stays bounded.
+pub(crate) const PENDING_CALLS: usize = 16_384;
+
 /// Serves one connection until the peer closes it or sends something malformed. Reading
 /// requests and writing replies run in this one task, so stopping it (the listener was
 /// dropped) closes the connection even while actors still hold calls.
@@ -196,7 +202,7 @@ async fn serve(stream: Socket, slot: HandshakeSlot, tls: &CallTls, node: Arc<Nod
         .map_err(io("call channel TLS handshake"))?;
     let (reader, writer) = tokio::io::split(stream);
     let writer = Arc::new(Mutex::new(writer));
-    let (waiting, answers) = mpsc::unbounded_channel();
+    let (waiting, answers) = mpsc::channel(PENDING_CALLS);
     tokio::select! {
         read = read_requests(reader, &node, &writer, waiting) => read,
         () = write_answers(answers, &writer) => Ok(()),
@@ -213,7 +219,7 @@ async fn read_requests<R: AsyncRead, W: AsyncWrite>(
     reader: R,
     node: &Node,
     writer: &Writer<W>,
-    waiting: mpsc::UnboundedSender<Waiting>,
+    waiting: mpsc::Sender<Waiting>,
 ) -> Result<()> {
     let mut reader = std::pin::pin!(reader);
     let CallCounters { calls, casts } = &node.counters;
@@ -245,7 +251,11 @@ async fn read_requests<R: AsyncRead, W: AsyncWrite>(
                         queued: wall_clock_ns(),
                         ..ServerStamps::default()
                     });
-                    let _ = waiting.send((request.seq, answer, stamps));
+                    // Past the bound, this waits, and so stops reading the connection:
+                    // the caller's writes back up, not this node's memory.
+                    if waiting.send((request.seq, answer, stamps)).await.is_err() {
+                        return Ok(());
+                    }
                 } else {
                     let not_hosted = wire::encode_failure(Failure::NotHosted {
                         actor: request.actor,
@@ -265,11 +275,11 @@ async fn read_requests<R: AsyncRead, W: AsyncWrite>(
 }
 
 /// Writes each answer as its actor gives it, in whatever order they come.
-async fn write_answers<W: AsyncWrite>(mut answers: mpsc::UnboundedReceiver<Waiting>, writer: &Writer<W>) {
+async fn write_answers<W: AsyncWrite>(mut answers: mpsc::Receiver<Waiting>, writer: &Writer<W>) {
     let mut waiting = FuturesUnordered::new();
     loop {
         tokio::select! {
-            handed = answers.recv() => match handed {
+            handed = answers.recv(), if waiting.len() < PENDING_CALLS => match handed {
                 Some((seq, answer, stamps)) => waiting.push(async move {
                     let answer = answer.await;
                     (seq, answer, stamps.map(|stamps| ServerStamps { answered: wall_clock_ns(), ..stamps }))

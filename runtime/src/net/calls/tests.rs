@@ -29,7 +29,11 @@ struct Served {
 
 /// A listener on loopback whose actor 7's queue is `inbox`.
 async fn serve(token: &str) -> (Served, UnboundedReceiver<Wire>) {
-    let tls = tls_for(token);
+    serve_with(tls_for(token)).await
+}
+
+/// [`serve`] with the listener's TLS `tls`.
+async fn serve_with(tls: CallTls) -> (Served, UnboundedReceiver<Wire>) {
     let routes = Routes::default();
     let (queue, inbox) = unbounded_channel();
     routes.insert(
@@ -296,6 +300,64 @@ async fn a_peer_with_another_token_is_refused_and_the_listener_serves_on() {
 }
 
 #[tokio::test]
+async fn a_call_meant_for_one_node_is_not_answered_by_another_nodes_certificate() {
+    use regatta_net::{ClusterCa, Role, TlsIdentity};
+    let ca = ClusterCa::generate().unwrap();
+    let node = |name: &str| CallTls::new(&TlsIdentity::issued_by(&ca, &Role::Node(name.into())).unwrap());
+    // The listener holds n2's certificate of the same cluster.
+    let (served, inbox) = serve_with(node("n2")).await;
+    reverse_calls(inbox);
+    let caller = node("n9");
+    let tcp_only = CallAddress {
+        local: None,
+        ..served.server.address().clone()
+    };
+    for address in [served.server.address(), &tcp_only] {
+        let err = connect(&caller, address, "n1")
+            .await
+            .err()
+            .expect("n2 cannot answer for n1");
+        assert!(err.to_string().contains("TLS handshake"), "{err}");
+        let connection = connect(&caller, address, "n2").await.expect("n2 answers for itself");
+        assert!(connection.call(ACTOR, b"ok", soon()).await.is_ok());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_faster_than_its_actor_is_held_back_at_a_bound() {
+    use super::server::PENDING_CALLS;
+    let (served, mut inbox) = serve("t").await;
+    let connection = std::sync::Arc::new(open(&served).await);
+    // Far more calls than the bound, to an actor that answers none of them.
+    let total = 2 * PENDING_CALLS + 8_000;
+    let caller = connection.clone();
+    let calls = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        futures::future::join_all((0..total).map(|_| caller.call(ACTOR, b"x", deadline))).await
+    });
+    let mut delivered = Vec::new();
+    let bound = 2 * PENDING_CALLS + 1;
+    let started = Instant::now();
+    while delivered.len() < 2 * PENDING_CALLS && started.elapsed() < Duration::from_secs(30) {
+        match inbox.try_recv() {
+            Ok(message) => delivered.push(message),
+            Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+        }
+    }
+    // Time for more to arrive, were the node still reading.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    while let Ok(message) = inbox.try_recv() {
+        delivered.push(message);
+    }
+    assert!(
+        (2 * PENDING_CALLS..=bound).contains(&delivered.len()),
+        "{} of {total} calls reached the actor; the bound is {bound}",
+        delivered.len()
+    );
+    calls.abort();
+}
+
+#[tokio::test]
 async fn garbage_on_the_port_closes_that_connection_only() {
     let (served, inbox) = serve("t").await;
     reverse_calls(inbox);
@@ -308,7 +370,7 @@ async fn garbage_on_the_port_closes_that_connection_only() {
     let mut tls = served
         .tls
         .connector
-        .connect(CallTls::server_name(), stream)
+        .connect(served.tls.server_name("n1"), stream)
         .await
         .unwrap();
     let mut bad = RequestHeader::frame(RequestKind::Call, 1, ACTOR, b"x");
