@@ -4,7 +4,11 @@
 //! `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ALLOW_HTTP=true` for a plain-HTTP server).
 //!
 //! A spilled copy is named by its full URL, so any node that can reach the backend (every
-//! node for S3 or a shared directory) can restore it.
+//! node for S3 or a shared directory) can restore it. The URL ends with the SHA-256 of the
+//! bytes written (`#sha256=<hex>`), and the head's directory keeps the URL: a restore checks
+//! the bytes it reads against that digest, so whoever can write to the backend (another
+//! local user, a shared bucket's other tenants) cannot substitute an object, even one of
+//! the same size and CRC-32.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -177,39 +181,83 @@ impl SpillBackend {
         self.base.as_str()
     }
 
-    /// Writes an object; returns the URL of the spilled copy.
+    /// Writes an object; returns the URL of the spilled copy, its digest included.
     pub async fn write(&self, id: ObjectId, bytes: Bytes) -> Result<String> {
         let name = id.to_string();
         let path = self.prefix.child(name.as_str());
-        let url = format!("{}{name}", self.base);
+        let location = format!("{}{name}", self.base);
+        let digest = sha256_of(bytes.clone()).await;
         self.store
             .put(&path, PutPayload::from_bytes(bytes))
             .await
-            .map_err(|e| spill_err(&url, e))?;
-        Ok(url)
+            .map_err(|e| spill_err(&location, e))?;
+        Ok(format!("{location}{DIGEST_MARK}{}", hex(&digest)))
     }
 }
 
-/// Reads a spilled copy by URL and checks it against the directory's size and CRC-32.
-pub async fn restore(url: &str, id: ObjectId, size: u64, checksum: u32) -> Result<Bytes> {
-    let parsed = parse_spill_url(url)?;
-    let (store, path) = open_store(&parsed)?;
-    let result = store.get(&path).await.map_err(|e| spill_err(url, e))?;
-    let bytes = result.bytes().await.map_err(|e| spill_err(url, e))?;
-    if bytes.len() as u64 != size || crc32(&bytes) != checksum {
-        return Err(Error::Corrupt {
-            id,
-            detail: format!(
-                "spilled copy at {url} has {} bytes or a bad CRC (expected {size} bytes)",
-                bytes.len()
-            ),
-        });
+/// What separates a spilled copy's location from its digest in its URL.
+const DIGEST_MARK: &str = "#sha256=";
+
+/// The SHA-256 of `bytes`, hashed off the async threads (a spilled object may be GiBs).
+async fn sha256_of(bytes: Bytes) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let hash = move || -> [u8; 32] { Sha256::digest(&bytes).into() };
+    match tokio::runtime::Handle::try_current() {
+        Ok(_) => tokio::task::spawn_blocking(hash.clone())
+            .await
+            .unwrap_or_else(|_| hash()),
+        Err(_) => hash(),
     }
-    Ok(bytes)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A spilled copy's URL split into its location and the digest it ends with (none in a URL
+/// written by a Regatta before the digest; such a copy is checked by its CRC-32 only).
+fn split_digest(url: &str) -> Result<(&str, Option<[u8; 32]>)> {
+    let Some((location, text)) = url.split_once(DIGEST_MARK) else {
+        return Ok((url, None));
+    };
+    let bad = || spill_err(url, "its digest is not 64 hexadecimal digits");
+    if text.len() != 64 || !text.is_ascii() {
+        return Err(bad());
+    }
+    let mut digest = [0u8; 32];
+    for (i, byte) in digest.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+    }
+    Ok((location, Some(digest)))
+}
+
+/// Reads a spilled copy by URL and checks it against the directory's size and the digest
+/// its URL carries (the CRC-32 for a copy without one).
+pub async fn restore(url: &str, id: ObjectId, size: u64, checksum: u32) -> Result<Bytes> {
+    let (location, digest) = split_digest(url)?;
+    let parsed = parse_spill_url(location)?;
+    let (store, path) = open_store(&parsed)?;
+    let result = store.get(&path).await.map_err(|e| spill_err(location, e))?;
+    let bytes = result.bytes().await.map_err(|e| spill_err(location, e))?;
+    let corrupt = |what: String| Error::Corrupt {
+        id,
+        detail: format!("the spilled copy at {location} {what}"),
+    };
+    if bytes.len() as u64 != size {
+        return Err(corrupt(format!("has {} bytes, not {size}", bytes.len())));
+    }
+    match digest {
+        Some(digest) if sha256_of(bytes.clone()).await != digest => {
+            Err(corrupt("is not what was spilled (its SHA-256 differs)".into()))
+        }
+        None if crc32(&bytes) != checksum => Err(corrupt("has a bad CRC-32".into())),
+        _ => Ok(bytes),
+    }
 }
 
 /// Deletes a spilled copy; a copy already gone is fine.
 pub async fn delete(url: &str) -> Result<()> {
+    let (url, _) = split_digest(url)?;
     let parsed = parse_spill_url(url)?;
     let (store, path) = open_store(&parsed)?;
     match store.delete(&path).await {
@@ -230,12 +278,40 @@ mod tests {
         let bytes = Bytes::from((0..100_000u32).map(|i| i as u8).collect::<Vec<u8>>());
         let url = backend.write(id, bytes.clone()).await.unwrap();
         assert!(url.starts_with("file://"), "{url}");
+        assert!(url.contains("#sha256="), "{url}");
         let back = restore(&url, id, bytes.len() as u64, crc32(&bytes)).await.unwrap();
         assert_eq!(back, bytes);
-        let err = restore(&url, id, bytes.len() as u64, crc32(&bytes) ^ 1)
+        let err = restore(&url, id, bytes.len() as u64 + 1, crc32(&bytes))
             .await
             .unwrap_err();
         assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+        // Someone who can write the folder swaps the copy for one of the same size, and
+        // the directory's CRC-32 matches it (a CRC is easy to forge): the digest in the URL
+        // still tells.
+        let file = dir.join(id.to_string());
+        let mut forged = bytes.to_vec();
+        forged[5] ^= 0xff;
+        std::fs::write(&file, &forged).unwrap();
+        let err = restore(&url, id, forged.len() as u64, crc32(&forged))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Corrupt { detail, .. } if detail.contains("SHA-256")),
+            "{err}"
+        );
+        // A copy spilled by a Regatta before the digest is still checked by its CRC-32.
+        let (location, _) = url.split_once("#sha256=").unwrap();
+        assert_eq!(
+            restore(location, id, forged.len() as u64, crc32(&forged))
+                .await
+                .unwrap(),
+            Bytes::from(forged.clone())
+        );
+        assert!(restore(location, id, forged.len() as u64, crc32(&bytes)).await.is_err());
+        for bad in ["#sha256=zz", "#sha256=", &format!("#sha256={}", "é".repeat(32))] {
+            let err = restore(&format!("{location}{bad}"), id, 1, 0).await.unwrap_err();
+            assert!(err.to_string().contains("digest"), "{bad}: {err}");
+        }
         delete(&url).await.unwrap();
         delete(&url).await.unwrap();
         assert!(restore(&url, id, 1, 0).await.is_err());

@@ -316,7 +316,7 @@ mod tests {
         }
     }
 
-    fn quic_only() -> LinkOptions {
+    pub(super) fn quic_only() -> LinkOptions {
         LinkOptions {
             local: false,
             tcp: false,
