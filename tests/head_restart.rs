@@ -547,3 +547,142 @@ fn a_head_refuses_a_state_file_it_cannot_use_and_says_why() {
         .ends_with(b"truncated"));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A tmpfs of a given size mounted on a folder for a test's life (lazily unmounted when
+/// dropped): a disk that fills up for real.
+struct SmallDisk(std::path::PathBuf);
+
+impl SmallDisk {
+    fn mount(dir: &std::path::Path, size: &str) -> Self {
+        std::fs::create_dir_all(dir).expect("mount point");
+        let status = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size},mode=0700"), "tmpfs"])
+            .arg(dir)
+            .status()
+            .expect("run mount");
+        assert!(
+            status.success(),
+            "this test mounts a small tmpfs for the head's state: it needs root (CI has it)"
+        );
+        Self(dir.to_path_buf())
+    }
+
+    /// Writes a file until the disk has no room left; returns the file.
+    fn fill(&self) -> std::path::PathBuf {
+        use std::io::Write;
+        let path = self.0.join("filler");
+        let mut file = std::fs::File::create(&path).expect("filler");
+        let chunk = vec![0xa5u8; 64 << 10];
+        loop {
+            match file.write(&chunk) {
+                Ok(0) => break,
+                Ok(_) => continue,
+                Err(e) => {
+                    assert_eq!(e.raw_os_error(), Some(28), "{e} (not ENOSPC)");
+                    break;
+                }
+            }
+        }
+        // The last partial blocks too.
+        while file.write(&[0]).is_ok_and(|n| n == 1) {}
+        path
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_holds_the_heads_answers_and_loses_no_acknowledged_change_across_a_restart() {
+    use regatta::local::{LocalCluster, LocalOptions, WorkerSpec};
+    let dir = temp_dir("head-disk-full");
+    // The head's state (authority, tokens, snapshot, change log, job records) on 16 MiB.
+    let disk = SmallDisk::mount(&dir.join("head-state"), "16m");
+    // Room for every counter the test spawns (up to 300, a tenth of a CPU each).
+    let mut options = LocalOptions::new(vec![WorkerSpec::new("w1", "CPU=32")]).expect("options");
+    options.binary = std::path::PathBuf::from(env!("CARGO_BIN_EXE_regatta"));
+    options.heartbeat_timeout_ms = support::HEARTBEAT_TIMEOUT_MS;
+    options.log_dir = dir.clone();
+    let local = LocalCluster::start(options).expect("start");
+    let client = local.connect(Duration::from_secs(30)).await.expect("connect");
+    let mut cluster = TestCluster { local, client };
+    let spawn = |client: regatta::Cluster, name: String, start: i64| async move {
+        let options = ActorOptions::new().resources(req("CPU=0.1")).name(name);
+        client.spawn::<Counter>(start, options).await
+    };
+    spawn(cluster.client.cluster().clone(), "before-full".into(), 100)
+        .await
+        .expect("spawn");
+
+    // The disk fills up. Spawns change the state: the first few may still fit in the
+    // change log's last page, then one cannot be written, so its answer waits, and the
+    // head says why.
+    let filler = disk.fill();
+    let mut during = Vec::new();
+    let cannot_write = |cluster: &TestCluster| cluster.local.log("head").contains("cannot write the head's state");
+    for i in 0..300 {
+        let name = format!("during-full-{i}");
+        during.push((
+            name.clone(),
+            i,
+            tokio::spawn(spawn(cluster.client.cluster().clone(), name, i)),
+        ));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if cannot_write(&cluster) {
+            break;
+        }
+    }
+    assert!(
+        cannot_write(&cluster),
+        "the head never failed to write: {}",
+        cluster.local.log("head")
+    );
+    // (What failed may be a change after the last spawn's, such as its actor's start.) A
+    // spawn now: its change waits behind the failed write, and so does its answer.
+    let name = "after-the-failure".to_string();
+    let last = tokio::spawn(spawn(cluster.client.cluster().clone(), name.clone(), 1_000));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    if last.is_finished() {
+        let answer = last.await.expect("task").map(|handle| handle.id());
+        panic!("{name} was answered while its change could not be written: {answer:?}");
+    }
+    during.push((name, 1_000, last));
+
+    // Room again: every answer comes, once its change is on disk.
+    std::fs::remove_file(&filler).expect("free the disk");
+    let mut acknowledged = vec![("before-full".to_string(), 100, None)];
+    for (name, start, task) in during {
+        let handle = tokio::time::timeout(Duration::from_secs(30), task)
+            .await
+            .expect("the spawn is answered once the disk has room")
+            .expect("task")
+            .expect("spawn");
+        acknowledged.push((name, start, Some(handle)));
+    }
+
+    // Killed at once: whatever was acknowledged is known to the next head.
+    cluster.local.kill_head().expect("kill the head");
+    cluster.local.start_head_again().expect("start the head again");
+    rejoined(&cluster, 1).await;
+    for (name, start, handle) in &acknowledged {
+        let counter = cluster
+            .client
+            .named::<Counter>(name)
+            .await
+            .expect("ask the head")
+            .unwrap_or_else(|| panic!("{name} was acknowledged and then lost"));
+
+        assert_eq!(
+            counter.call(CounterOp::Get).await.expect("call"),
+            CounterReply::Total(*start)
+        );
+        if let Some(handle) = handle {
+            assert_eq!(handle.id(), counter.id(), "{name} is the same actor");
+        }
+    }
+    drop(cluster);
+    drop(disk);
+}

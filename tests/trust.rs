@@ -356,3 +356,85 @@ async fn short_lived_certificates_are_renewed_before_they_expire() {
     let log = cluster.local.log("w1");
     assert!(log.matches("renewed this process's certificate").count() >= 2, "{log}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_driver_inherits_the_allowlist_and_the_operators_names_not_the_nodes_secrets() {
+    use regatta::local::WorkerSpec;
+    use regatta::{JobClient, JobStatus, JobSubmission};
+    let mut spec = WorkerSpec::new("w1", "CPU=2");
+    spec.env = vec![
+        ("AWS_SECRET_ACCESS_KEY".into(), "leaked-cloud-key".into()),
+        ("DATABASE_URL".into(), "postgres://u:leaked@db".into()),
+        ("WANDB_PROJECT".into(), "passed-project".into()),
+        ("LC_TIME".into(), "C".into()),
+    ];
+    spec.args = vec!["--pass-env".into(), "WANDB_*".into()];
+    let cluster = TestCluster::start_specs(vec![spec], &[]).await;
+    let jobs = JobClient::new(&cluster.local.job_address, &cluster.local.token).expect("job client");
+    // One CPU: the driver runs on w1, under its environment.
+    let submission = JobSubmission {
+        entrypoint: "env".into(),
+        entrypoint_num_cpus: Some(1.0),
+        ..Default::default()
+    };
+    let id = jobs.submit(&submission).await.expect("submit");
+    let record = jobs.wait(&id, Duration::from_millis(100)).await.expect("wait");
+    assert_eq!(record.status, JobStatus::Succeeded, "{record:?}");
+    assert_eq!(record.driver_node_id.as_deref(), Some("w1"), "{record:?}");
+    let logs = jobs.logs(&id).await.expect("logs");
+    let names: Vec<&str> = logs.lines().filter_map(|l| l.split_once('=').map(|(k, _)| k)).collect();
+    for present in ["PATH", "WANDB_PROJECT", "LC_TIME", "REGATTA_TOKEN", "REGATTA_ADDRESS"] {
+        assert!(names.contains(&present), "{present} is missing: {names:?}");
+    }
+    for absent in ["AWS_SECRET_ACCESS_KEY", "DATABASE_URL", "CARGO_MANIFEST_DIR"] {
+        assert!(!names.contains(&absent), "{absent} was passed on: {names:?}");
+    }
+    assert!(!logs.contains("leaked"), "{logs}");
+    assert!(
+        !logs.contains(&format!("REGATTA_TOKEN={}\n", cluster.local.token)),
+        "the node's own token stays with it"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_idle_connections_to_the_job_api_do_not_stop_a_worker_from_joining() {
+    let cluster = TestCluster::start(&[("w1", "CPU=1")]).await;
+    let api: std::net::SocketAddr = support::host_of(&cluster.local.job_address)
+        .parse()
+        .expect("the job API's address");
+    // 2,000 connections that never send a byte, from eight /24s of loopback: more than
+    // the job API serves at once.
+    let mut idle = Vec::new();
+    for i in 0..2_000u32 {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .bind(std::net::SocketAddr::from(([127, 0, (i % 8) as u8, 1], 0)))
+            .expect("bind a loopback source");
+        if let Ok(Ok(stream)) = tokio::time::timeout(Duration::from_secs(5), socket.connect(api)).await {
+            idle.push(stream);
+        }
+    }
+    assert!(idle.len() > 1_024, "only {} connections opened", idle.len());
+    // Meanwhile a worker joins (a token check and a certificate on the cluster port) and
+    // registers.
+    let mut running = Vec::new();
+    let token = cluster.local.token.clone();
+    assert_eq!(
+        worker(&cluster, &mut running, "w2", &token, &[], Duration::from_millis(500)),
+        None,
+        "the worker runs"
+    );
+    cluster.wait_node_state("w2", "alive", Duration::from_secs(30)).await;
+    let log = cluster.local.log("head");
+    assert!(
+        log.contains("closed a connection to the job API at once"),
+        "the connections past the limit were closed: {log}"
+    );
+    // Once they go, the job API answers again.
+    drop(idle);
+    let jobs = regatta::JobClient::new(&cluster.local.job_address, &token).expect("job client");
+    support::eventually("the job API answering", Duration::from_secs(30), || async {
+        jobs.list().await.ok()
+    })
+    .await;
+}
