@@ -69,6 +69,12 @@ pub const INHERITED_PREFIXES: &[&str] = &[
     "REGATTA_",
 ];
 
+/// Prefixes an executor of Regatta's own that reads and writes object storage (a trainer
+/// rank's checkpoints and models on S3, a scorer's) inherits on top: the storage
+/// credentials and settings `object_store` reads. Users' code (drivers, Python actors)
+/// does not get them unless an operator passes them.
+pub const STORAGE_PREFIXES: &[&str] = &["AWS_"];
+
 /// Variables never inherited, even through a prefix or `--pass-env`: the parent's own
 /// credentials. A process that needs one is handed its own by Regatta.
 pub const WITHHELD: &[&str] = &["REGATTA_TOKEN"];
@@ -128,6 +134,14 @@ pub fn inherited_from(
 /// (the allowlist plus the operator's `--pass-env`); the caller adds the process's own.
 pub fn restrict(command: &mut tokio::process::Command) {
     command.env_clear().envs(inherited_from(std::env::vars_os(), passed()));
+}
+
+/// [`restrict`] for an executor of Regatta's own that uses object storage: the storage
+/// variables ([`STORAGE_PREFIXES`]) too.
+pub fn restrict_for_storage(command: &mut tokio::process::Command) {
+    let mut extra = passed().to_vec();
+    extra.extend(STORAGE_PREFIXES.iter().map(|prefix| format!("{prefix}*")));
+    command.env_clear().envs(inherited_from(std::env::vars_os(), &extra));
 }
 
 #[cfg(test)]

@@ -56,6 +56,10 @@ pub struct Launch {
     pub env: Vec<(String, String)>,
     /// The GPU indices the actor was given: the only ones the executor sees.
     pub gpus: Vec<u32>,
+    /// Whether the executor reads and writes object storage (Regatta's trainer and scorer
+    /// executors): it then inherits the storage credentials too
+    /// ([`crate::environment::STORAGE_PREFIXES`]); users' code does not.
+    pub storage: bool,
     /// Pipe stderr back to the caller (to keep its tail as a failure's cause); else it is
     /// inherited (the node's log).
     pub capture_stderr: bool,
@@ -76,11 +80,15 @@ pub struct Executor {
 }
 
 /// The command that starts `path`: the allowlisted environment only
-/// ([`crate::environment`]), stdin and stdout piped, killed when the child is dropped, and
+/// ([`crate::environment`]; with `storage`, the storage credentials too), stdin and stdout piped, killed when the child is dropped, and
 /// limited to `gpus` (`CUDA_VISIBLE_DEVICES`).
-fn command(path: &Path, gpus: &[u32]) -> Command {
+fn command(path: &Path, gpus: &[u32], storage: bool) -> Command {
     let mut command = Command::new(path);
-    crate::environment::restrict(&mut command);
+    if storage {
+        crate::environment::restrict_for_storage(&mut command);
+    } else {
+        crate::environment::restrict(&mut command);
+    }
     command.stdin(Stdio::piped()).stdout(Stdio::piped()).kill_on_drop(true);
     if !gpus.is_empty() {
         let visible: Vec<String> = gpus.iter().map(u32::to_string).collect();
@@ -92,7 +100,7 @@ fn command(path: &Path, gpus: &[u32]) -> Command {
 /// Starts an executor.
 pub fn launch(launch: &Launch) -> Result<Executor> {
     let path = executor_path(launch.executor.as_deref())?;
-    let mut command = command(&path, &launch.gpus);
+    let mut command = command(&path, &launch.gpus, launch.storage);
     command.args(&launch.args).envs(launch.env.iter().map(|(k, v)| (k, v)));
     command.stderr(if launch.capture_stderr {
         Stdio::piped()
@@ -147,6 +155,7 @@ mod tests {
             env: vec![("SECRET".into(), "s3cret".into())],
             gpus: vec![2, 3],
             capture_stderr: true,
+            storage: false,
         })
         .expect("sh starts");
         let mut out = String::new();

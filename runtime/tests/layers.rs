@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 /// or later ones.
 const LAYERS: &[&[&str]] = &[
     &["error"],
+    &["environment"],
     &["executor"],
     &["net"],
     &["objects"],

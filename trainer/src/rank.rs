@@ -76,6 +76,7 @@ impl Actor for TrainRank {
             env: vec![(SECRET_ENV.to_string(), args.secret.clone())],
             gpus: setup.gpus.clone(),
             capture_stderr: true,
+            storage: true,
         })?;
         let (child, mut stdin, stdout) = (executor.child, executor.stdin, executor.stdout);
         let Some(stderr) = executor.stderr else {

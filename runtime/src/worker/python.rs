@@ -223,6 +223,7 @@ impl PythonActor {
             env,
             gpus: self.gpus.clone(),
             capture_stderr: true,
+            storage: false,
         })
         .map_err(|cause| WorkerError::Launch {
             python: self.args.python.clone(),

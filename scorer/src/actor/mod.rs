@@ -131,6 +131,7 @@ impl Actor for ScorerActor {
             env: Vec::new(),
             gpus: setup.gpus.clone(),
             capture_stderr: false,
+            storage: true,
         })
         .map_err(|e| Error::Executor(e.to_string()))?;
         let (child, mut stdin, stdout) = (executor.child, executor.stdin, executor.stdout);
