@@ -438,3 +438,70 @@ async fn two_thousand_idle_connections_to_the_job_api_do_not_stop_a_worker_from_
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regatta_ca_prints_the_authority_that_lets_a_plain_tls_client_trust_the_dashboard() {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, ServerName};
+    use std::io::{Read, Write};
+    let cluster = TestCluster::start(&[("w1", "CPU=1")]).await;
+    let ca = |pin: Option<&str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_regatta"));
+        command
+            .args(["ca", "--address", &cluster.local.job_address])
+            .env("REGATTA_TOKEN", &cluster.local.token)
+            .env_remove("REGATTA_CA_HASH");
+        if let Some(pin) = pin {
+            command.args(["--ca-hash", pin]);
+        }
+        command.output().expect("regatta ca")
+    };
+    let output = ca(None);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let pem = stdout(&output);
+    assert!(pem.starts_with("-----BEGIN CERTIFICATE-----\n"), "{pem}");
+    let hash = ca_hash(&stdout(&token_command(&cluster, &["list"])));
+    assert!(String::from_utf8_lossy(&output.stderr).contains(&hash));
+    assert!(ca(Some(&hash)).status.success());
+    let wrong = ca(Some(&format!("sha256:{}", "0".repeat(64))));
+    assert!(!wrong.status.success());
+    assert!(String::from_utf8_lossy(&wrong.stderr).contains("not the pinned"));
+
+    // A plain TLS client trusting that authority alone, with the usual name checks (a
+    // browser that imported it), reaches the dashboard by the names browsers use.
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
+        roots.add(cert.expect("a PEM certificate")).expect("a root");
+    }
+    let config = std::sync::Arc::new(
+        rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
+            .with_safe_default_protocol_versions()
+            .expect("TLS versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    );
+    let port: u16 = support::host_of(&cluster.local.job_address)
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("the job API's port");
+    let get = |name: &str| -> std::io::Result<String> {
+        let server = ServerName::try_from(name.to_string()).expect("a server name");
+        let connection = rustls::ClientConnection::new(config.clone(), server).map_err(std::io::Error::other)?;
+        let tcp = std::net::TcpStream::connect(("127.0.0.1", port))?;
+        let mut tls = rustls::StreamOwned::new(connection, tcp);
+        tls.write_all(b"GET / HTTP/1.1\r\nHost: dashboard\r\nConnection: close\r\n\r\n")?;
+        let mut text = Vec::new();
+        let _ = tls.read_to_end(&mut text);
+        if text.is_empty() {
+            return Err(std::io::Error::other("no answer"));
+        }
+        Ok(String::from_utf8_lossy(&text).into_owned())
+    };
+    for name in ["127.0.0.1", "localhost"] {
+        let page = get(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(page.starts_with("HTTP/1.1 200"), "{name}: {page}");
+    }
+    let refused = get("elsewhere.example.org");
+    assert!(refused.is_err(), "a name the certificate does not carry: {refused:?}");
+}

@@ -368,6 +368,35 @@ impl ClusterCa {
             .clone())
     }
 
+    /// The head's HTTPS certificate on `key`: the head's names, and `names` (host names
+    /// or IP addresses browsers reach the dashboard by), so that a browser trusting the
+    /// authority (`regatta ca`) accepts it as it is.
+    pub fn issue_https(&self, key: &KeyPair, names: &[String]) -> Result<CertificateDer<'static>> {
+        let mut params = self.params_for(&Role::Head, HEAD_CERT_LIFETIME)?;
+        for name in names {
+            if rustls::pki_types::ServerName::try_from(name.as_str()).is_err() {
+                return Err(Error::Tls(format!(
+                    "{name:?} is neither a host name nor an IP address for the HTTPS certificate"
+                )));
+            }
+            let san =
+                match name.parse::<std::net::IpAddr>() {
+                    Ok(ip) => rcgen::SanType::IpAddress(ip),
+                    Err(_) => rcgen::SanType::DnsName(name.as_str().try_into().map_err(|e| {
+                        Error::Tls(format!("{name:?} is not a host name for the HTTPS certificate: {e}"))
+                    })?),
+                };
+            if !params.subject_alt_names.contains(&san) {
+                params.subject_alt_names.push(san);
+            }
+        }
+        Ok(params
+            .signed_by(key, &self.cert, &self.key)
+            .map_err(cert("HTTPS certificate"))?
+            .der()
+            .clone())
+    }
+
     fn params_for(&self, role: &Role, lifetime: Duration) -> Result<CertificateParams> {
         let mut params =
             CertificateParams::new(vec![SERVER_NAME.to_string(), role.dns_name()]).map_err(cert("node certificate"))?;
@@ -388,6 +417,32 @@ impl ClusterCa {
         params.serial_number = Some(serial.to_vec().into());
         Ok(params)
     }
+}
+
+/// A certificate as PEM text (`-----BEGIN CERTIFICATE-----`, base64 in lines of 64).
+pub fn certificate_pem(der: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut text = String::with_capacity(der.len() * 4 / 3 + 4);
+    for chunk in der.chunks(3) {
+        let bits = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |acc, (i, b)| acc | u32::from(*b) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                text.push(char::from(ALPHABET[(bits >> (18 - 6 * i) & 0x3f) as usize]));
+            } else {
+                text.push('=');
+            }
+        }
+    }
+    let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
+    for line in text.as_bytes().chunks(64) {
+        pem.push_str(std::str::from_utf8(line).unwrap_or_default());
+        pem.push('\n');
+    }
+    pem.push_str("-----END CERTIFICATE-----\n");
+    pem
 }
 
 /// Writes `bytes` to a new file at `path` made 0600 (never overwriting one).
@@ -429,6 +484,58 @@ pub fn raw_public_key(key: &KeyPair) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn certificates_print_as_pem_that_reads_back_whole() {
+        use rustls::pki_types::pem::PemObject;
+        let body = |pem: &str| pem.lines().filter(|l| !l.starts_with("-----")).collect::<String>();
+        // RFC 4648's vectors.
+        for (bytes, text) in [
+            (&b"f"[..], "Zg=="),
+            (b"fo", "Zm8="),
+            (b"foo", "Zm9v"),
+            (b"foobar", "Zm9vYmFy"),
+        ] {
+            assert_eq!(body(&certificate_pem(bytes)), text);
+        }
+        let ca = ClusterCa::generate().unwrap();
+        let der = ca.certificate_der();
+        let pem = certificate_pem(der.as_ref());
+        assert!(pem.lines().all(|l| l.len() <= 64), "{pem}");
+        let back = CertificateDer::from_pem_slice(pem.as_bytes()).expect("PEM reads back");
+        assert_eq!(back.as_ref(), der.as_ref());
+    }
+
+    #[test]
+    fn the_https_certificate_names_the_hosts_browsers_use() {
+        use rustls::client::danger::ServerCertVerifier;
+        let ca = ClusterCa::generate().unwrap();
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let names = [
+            "head.example.org".to_string(),
+            "10.0.0.7".to_string(),
+            "::1".to_string(),
+        ];
+        let der = ca.issue_https(&key, &names).unwrap();
+        // A plain WebPKI client trusting the authority, as a browser that imported it.
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(ca.certificate_der().clone()).unwrap();
+        let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let verifier =
+            rustls::client::WebPkiServerVerifier::builder_with_provider(std::sync::Arc::new(roots), provider)
+                .build()
+                .unwrap();
+        let check = |name: &str| {
+            let server = rustls::pki_types::ServerName::try_from(name.to_string()).unwrap();
+            verifier.verify_server_cert(&der, &[], &server, &[], rustls::pki_types::UnixTime::now())
+        };
+        for name in ["head.example.org", "10.0.0.7", "::1", HEAD_NAME] {
+            assert!(check(name).is_ok(), "{name}: {:?}", check(name));
+        }
+        assert!(check("other.example.org").is_err());
+        let err = ca.issue_https(&key, &["bad name!".to_string()]).unwrap_err();
+        assert!(err.to_string().contains("bad name!"), "{err}");
+    }
 
     #[test]
     fn a_saved_authority_comes_back_the_same_and_private() {

@@ -250,15 +250,16 @@ impl TlsIdentity {
         Self::issued(ca.certificate_der().clone(), leaf, &key, None)
     }
 
-    /// The head's identity: its own certificate and its HTTPS one, issued here by `ca`; a
-    /// connection presenting the certificate of a node named in `removed` is refused.
-    pub fn for_head(ca: &ClusterCa, removed: RemovedNodes) -> Result<Self> {
+    /// The head's identity: its own certificate and its HTTPS one (also naming
+    /// `web_names`, the hosts browsers reach it by), issued here by `ca`; a connection
+    /// presenting the certificate of a node named in `removed` is refused.
+    pub fn for_head(ca: &ClusterCa, removed: RemovedNodes, web_names: &[String]) -> Result<Self> {
         let key = crate::ca::node_key()?;
         let leaf = ca.issue_for_key(&Role::Head, &key)?;
         // Browsers do not sign with Ed25519 in TLS (Chromium fails the handshake), so the
         // HTTPS leaf is ECDSA P-256, under the same authority.
         let web_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(cert("HTTPS key"))?;
-        let web = ca.issue_for_key(&Role::Head, &web_key)?;
+        let web = ca.issue_https(&web_key, web_names)?;
         Self::build(
             ca.certificate_der().clone(),
             leaf,

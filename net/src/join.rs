@@ -929,7 +929,7 @@ mod tests {
         removed: crate::identity::RemovedNodes,
     ) -> (String, TlsIdentity, Arc<Mutex<JoinTokens>>, JoinToken) {
         let ca = Arc::new(ClusterCa::generate().unwrap());
-        let identity = TlsIdentity::for_head(&ca, removed.clone()).unwrap();
+        let identity = TlsIdentity::for_head(&ca, removed.clone(), &[]).unwrap();
         let token = JoinToken::generate();
         let mut tokens = JoinTokens::default();
         tokens.insert(&token, None, None, "test");
@@ -1095,7 +1095,7 @@ mod tests {
         // A fake head: real TLS, an authority of its own, and it answers "ok" to anything
         // with a certificate for the joiner's key, but it does not know the secret.
         let ca = Arc::new(ClusterCa::generate().unwrap());
-        let identity = TlsIdentity::for_head(&ca, Default::default()).unwrap();
+        let identity = TlsIdentity::for_head(&ca, Default::default(), &[]).unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let acceptor = tokio_rustls::TlsAcceptor::from(identity.join.clone().unwrap());

@@ -19,7 +19,7 @@ mod receive_pool;
 mod sealed;
 mod transfer;
 
-pub use ca::{CaHash, ClusterCa, Role, CERT_LIFETIME, HEAD_CERT_LIFETIME, HEAD_NAME};
+pub use ca::{certificate_pem, CaHash, ClusterCa, Role, CERT_LIFETIME, HEAD_CERT_LIFETIME, HEAD_NAME};
 pub use error::{Error, Result};
 pub use handshake_slots::{
     source_of, HandshakeSlots, Refusal as HandshakeRefusal, Slot as HandshakeSlot, MAX_HANDSHAKES,

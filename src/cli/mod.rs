@@ -1,5 +1,6 @@
 //! The `regatta` command line.
 
+mod ca;
 mod common;
 pub mod demo;
 mod job;
@@ -61,6 +62,9 @@ enum Command {
     /// Nodes of a running cluster: remove one for good.
     #[command(subcommand)]
     Node(node::NodeCommand),
+    /// Print the cluster authority's certificate (PEM), proven with the join token, for a
+    /// browser or another TLS client to trust the head's HTTPS port.
+    Ca(ca::CaArgs),
     /// Run many simulated nodes in this process against a head (`regatta bench scale`
     /// starts them): each registers, heartbeats and starts actors like a worker.
     #[command(hide = true)]
@@ -367,6 +371,7 @@ pub fn main_with(registry: Registry) -> ExitCode {
             Command::Job(command) => job::run(command).await,
             Command::Token(command) => token::run(command).await,
             Command::Node(command) => node::run(command).await,
+            Command::Ca(args) => ca::run(args).await,
             Command::Train(args) => train::run(args).await,
             Command::Score(args) => score::run(args).await,
             Command::Probe { url } => probe(&url).await,

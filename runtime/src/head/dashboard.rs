@@ -287,3 +287,73 @@ async fn runs(State(api): State<Api>) -> Response {
 async fn run(State(api): State<Api>, Path(name): Path<String>) -> Response {
     answer(&api, ViewQuery::Run(name)).await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `/api/actors` makes of a query string: a page and a filter, or the 400's reason.
+    fn parse(query: &str) -> Result<(PageRequest, ActorFilter), String> {
+        let uri: axum::http::Uri = format!("/api/actors?{query}").parse().map_err(|e| format!("{e}"))?;
+        let Query(query) = Query::<ActorQuery>::try_from_uri(&uri).map_err(|e| e.body_text())?;
+        let page = PageRequest::new(query.offset, query.limit).map_err(|e| e.to_string())?;
+        let filter = ActorFilter {
+            kind: query.kind,
+            state: query.state,
+            node: query.node,
+            job: query.job,
+            name: query.name,
+        }
+        .checked()
+        .map_err(|e| e.to_string())?;
+        Ok((page, filter))
+    }
+
+    #[test]
+    fn a_query_string_is_a_page_and_a_filter_or_a_reason() {
+        let (page, filter) = parse("offset=5&limit=20&state=alive&name=status-").unwrap();
+        assert_eq!((page.offset, page.limit), (5, 20));
+        assert_eq!(filter.state.as_deref(), Some("alive"));
+        for bad in ["limit=0", "limit=5000", "offset=minus", "state=running"] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// Bounded fuzzing of the dashboard's query parsing: any query string gives a page
+    /// within the bounds and a filter, or a reason; never a panic.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(crate::fuzz_config(1024))]
+
+            #[test]
+            fn any_query_string_parses_within_bounds_or_is_refused(
+                query in "([a-z_]{0,8}(=[a-zA-Z0-9%+._~-]{0,12})?&?){0,6}",
+            ) {
+                if let Ok((page, _)) = parse(&query) {
+                    prop_assert!((1..=regatta_proto::MAX_PAGE).contains(&page.limit));
+                }
+            }
+
+            #[test]
+            fn any_bytes_as_a_query_string_are_refused_or_parsed(bytes in proptest::collection::vec(any::<u8>(), 0..160)) {
+                let encoded: String = bytes.iter().map(|b| format!("%{b:02X}")).collect();
+                for query in [format!("name={encoded}"), format!("{encoded}={encoded}"), format!("limit={encoded}")] {
+                    if let Ok((page, _)) = parse(&query) {
+                        prop_assert!((1..=regatta_proto::MAX_PAGE).contains(&page.limit));
+                    }
+                }
+            }
+
+            #[test]
+            fn any_offset_and_limit_make_a_bounded_page_or_a_reason(offset in any::<Option<usize>>(), limit in any::<Option<usize>>()) {
+                match PageRequest::new(offset, limit) {
+                    Ok(page) => prop_assert!((1..=regatta_proto::MAX_PAGE).contains(&page.limit)),
+                    Err(e) => prop_assert!(!e.to_string().is_empty()),
+                }
+            }
+        }
+    }
+}

@@ -124,6 +124,29 @@ impl RunningHead {
     }
 }
 
+/// The names the head's HTTPS certificate carries besides its own, so that a browser
+/// trusting the cluster's authority (`regatta ca`) reaches the dashboard without a warning:
+/// the advertised host, the job API's address when it is a specific one, and this
+/// machine's loopback names (for port forwards and tunnels).
+fn web_names(config: &HeadConfig) -> Vec<String> {
+    let mut names = vec![config.advertise_host.clone()];
+    if let Some(bind) = config.jobs.as_ref().and_then(|jobs| jobs.http_bind) {
+        if !bind.is_unspecified() {
+            names.push(bind.to_string());
+        }
+    }
+    names.extend(["localhost", "127.0.0.1", "::1"].map(str::to_string));
+    names.retain(|name| {
+        let usable = tokio_rustls::rustls::pki_types::ServerName::try_from(name.as_str()).is_ok();
+        if !usable {
+            tracing::warn!(name = %name, "the HTTPS certificate cannot name this host (not a host name or an IP address)");
+        }
+        usable
+    });
+    names.dedup();
+    names
+}
+
 /// Starts a head in this process.
 ///
 /// Everything else (head actor, object store, job API, metrics) is up before the cluster
@@ -138,7 +161,7 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
         .ca_dir
         .clone()
         .or_else(|| config.state_dir.as_ref().map(|dir| dir.join("ca")));
-    let trust = HeadTrust::open(ca_dir.as_deref(), &bootstrap, config.cert_lifetime)?;
+    let trust = HeadTrust::open(ca_dir.as_deref(), &bootstrap, config.cert_lifetime, &web_names(&config))?;
     let identity = trust.identity.clone();
     let scope = node::scope_for(&identity.cluster);
     let port = if config.port == 0 {

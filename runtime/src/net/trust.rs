@@ -123,13 +123,20 @@ pub(crate) struct HeadTrust {
 }
 
 impl HeadTrust {
-    pub(crate) fn open(ca_dir: Option<&Path>, bootstrap: &JoinToken, lifetime: Duration) -> Result<Self> {
+    /// `web_names` are the hosts browsers reach the head's HTTPS port by (its HTTPS
+    /// certificate names them).
+    pub(crate) fn open(
+        ca_dir: Option<&Path>,
+        bootstrap: &JoinToken,
+        lifetime: Duration,
+        web_names: &[String],
+    ) -> Result<Self> {
         let ca = match ca_dir {
             Some(dir) => ClusterCa::load_or_create(dir)?,
             None => ClusterCa::generate()?,
         };
         let removed = regatta_net::RemovedNodes::default();
-        let identity = TlsIdentity::for_head(&ca, removed.clone())?;
+        let identity = TlsIdentity::for_head(&ca, removed.clone(), web_names)?;
         let file = ca_dir.map(|dir| dir.join(TOKENS_FILE));
         let mut tokens = match &file {
             Some(path) => match std::fs::read_to_string(path) {
