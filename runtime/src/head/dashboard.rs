@@ -144,6 +144,22 @@ struct ActorQuery {
     name: Option<String>,
 }
 
+impl ActorQuery {
+    /// The filter and the page the query asks for, checked.
+    fn parts(self) -> regatta_proto::Result<(ActorFilter, PageRequest)> {
+        let page = PageRequest::new(self.offset, self.limit)?;
+        let filter = ActorFilter {
+            kind: self.kind,
+            state: self.state,
+            node: self.node,
+            job: self.job,
+            name: self.name,
+        }
+        .checked()?;
+        Ok((filter, page))
+    }
+}
+
 fn bad_query(rejection: QueryRejection) -> Response {
     error(
         StatusCode::BAD_REQUEST,
@@ -217,19 +233,8 @@ async fn actors(State(api): State<Api>, query: Result<Query<ActorQuery>, QueryRe
         Ok(query) => query,
         Err(rejection) => return bad_query(rejection),
     };
-    let page = match PageRequest::new(query.offset, query.limit) {
-        Ok(page) => page,
-        Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
-    };
-    let filter = ActorFilter {
-        kind: query.kind,
-        state: query.state,
-        node: query.node,
-        job: query.job,
-        name: query.name,
-    };
-    match filter.checked() {
-        Ok(filter) => answer(&api, ViewQuery::Actors(filter, page)).await,
+    match query.parts() {
+        Ok((filter, page)) => answer(&api, ViewQuery::Actors(filter, page)).await,
         Err(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
     }
 }
@@ -296,16 +301,7 @@ mod tests {
     fn parse(query: &str) -> Result<(PageRequest, ActorFilter), String> {
         let uri: axum::http::Uri = format!("/api/actors?{query}").parse().map_err(|e| format!("{e}"))?;
         let Query(query) = Query::<ActorQuery>::try_from_uri(&uri).map_err(|e| e.body_text())?;
-        let page = PageRequest::new(query.offset, query.limit).map_err(|e| e.to_string())?;
-        let filter = ActorFilter {
-            kind: query.kind,
-            state: query.state,
-            node: query.node,
-            job: query.job,
-            name: query.name,
-        }
-        .checked()
-        .map_err(|e| e.to_string())?;
+        let (filter, page) = query.parts().map_err(|e| e.to_string())?;
         Ok((page, filter))
     }
 
