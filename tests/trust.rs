@@ -233,6 +233,21 @@ async fn a_removed_node_is_dead_at_once_its_actor_moves_and_it_cannot_join_again
     )
     .await;
     assert_eq!(reply.text, "moved:still");
+    // The other worker learns of the removal from its heartbeats: its listeners refuse
+    // the removed node's certificate from then on, not only the head's.
+    let other = if on == "w1" { "w2" } else { "w1" };
+    support::eventually(
+        "the other worker refusing the removed node",
+        Duration::from_secs(10),
+        || async {
+            let log = cluster.local.log(other);
+            log.contains(&format!(
+                "node removed from the cluster: its certificate is refused here from now on node={on}"
+            ))
+            .then_some(())
+        },
+    )
+    .await;
     // The worker process is refused by the head and ends.
     let deadline = Instant::now() + Duration::from_secs(30);
     while cluster

@@ -51,6 +51,10 @@ pub struct TlsIdentity {
     /// Whether the authority names each node in its certificate (a cluster authority's
     /// do; a secret's, [`identity_from_secret`], name every holder alike).
     pub names_nodes: bool,
+    /// The nodes removed from the cluster: a connection presenting one's certificate is
+    /// refused at the handshake. The head fills it as nodes are removed; every other
+    /// process from the head's heartbeat answers.
+    pub removed: RemovedNodes,
 }
 
 /// A process's current certificate and key, shared by every TLS configuration it made, so
@@ -185,19 +189,17 @@ impl TlsIdentity {
         let cluster_provider = cluster_provider();
         let (required, optional) = client_verifiers(&roots, &provider)?;
         let head = removed.is_some();
-        let (required, optional) = match removed {
-            Some(removed) => (
-                Arc::new(NotRemoved {
-                    inner: required,
-                    removed: removed.clone(),
-                }) as Arc<dyn ClientCertVerifier>,
-                Arc::new(NotRemoved {
-                    inner: optional,
-                    removed,
-                }) as Arc<dyn ClientCertVerifier>,
-            ),
-            None => (required, optional),
-        };
+        let removed = removed.unwrap_or_default();
+        let (required, optional) = (
+            Arc::new(NotRemoved {
+                inner: required,
+                removed: removed.clone(),
+            }) as Arc<dyn ClientCertVerifier>,
+            Arc::new(NotRemoved {
+                inner: optional,
+                removed: removed.clone(),
+            }) as Arc<dyn ClientCertVerifier>,
+        );
         // The head answers joins (no certificate yet) and renewals (the current one) on
         // its cluster port: its certificate with the authority's beside it, so that a
         // pinned joiner can check the chain.
@@ -212,6 +214,7 @@ impl TlsIdentity {
                 )
                 .map_err(tls("join certificate"))?;
             join.alpn_protocols = vec![crate::join::JOIN_ALPN.to_vec()];
+            no_resumption(&mut join);
             Some(Arc::new(join))
         } else {
             None
@@ -231,6 +234,7 @@ impl TlsIdentity {
             slot,
             join,
             names_nodes: true,
+            removed,
         })
     }
 
@@ -271,8 +275,8 @@ impl TlsIdentity {
     }
 }
 
-/// The node names removed from the cluster, shared between the head's verifiers, its join
-/// desk and its job API.
+/// The node names removed from the cluster, shared between a process's verifiers (and on
+/// the head, its join desk and its job API).
 pub type RemovedNodes = Arc<std::sync::RwLock<std::collections::BTreeSet<String>>>;
 
 /// A client verifier that also refuses the certificate of a removed node.
@@ -445,6 +449,7 @@ fn https_config(
         )
         .map_err(tls("HTTPS certificate"))?;
     https.alpn_protocols = vec![b"http/1.1".to_vec()];
+    no_resumption(&mut https);
     Ok(https)
 }
 
@@ -460,7 +465,18 @@ fn cluster_server(
         .with_client_cert_verifier(verifier)
         .with_cert_resolver(slot);
     server.alpn_protocols = vec![ALPN.to_vec()];
+    no_resumption(&mut server);
     Ok(server)
+}
+
+/// Turns off TLS session resumption on `server`: a resumed session skips the client
+/// certificate's check, so a removed node (or one whose certificate has expired) could come
+/// back on a ticket or a cached session from before. Every connection runs the full
+/// handshake instead (the cluster's connections are long-lived; a handshake is a fraction
+/// of a millisecond).
+fn no_resumption(server: &mut rustls::ServerConfig) {
+    server.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    server.send_tls13_tickets = 0;
 }
 
 /// The client side of the cluster's own connections: trusts `roots` alone and presents
@@ -476,6 +492,7 @@ fn cluster_client(
         .with_root_certificates(roots)
         .with_client_cert_resolver(slot);
     client.alpn_protocols = vec![ALPN.to_vec()];
+    client.resumption = rustls::client::Resumption::disabled();
     Ok(client)
 }
 

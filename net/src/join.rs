@@ -1017,6 +1017,26 @@ mod tests {
         assert!(matches!(refused, rustls::Error::InvalidCertificate(_)), "{refused:?}");
     }
 
+    #[test]
+    fn a_worker_refuses_a_removed_nodes_certificate_once_told() {
+        let ca = ClusterCa::generate().unwrap();
+        let w1 = TlsIdentity::issued_by(&ca, &Role::Node("w1".into())).unwrap();
+        let w2 = TlsIdentity::issued_by(&ca, &Role::Node("w2".into())).unwrap();
+        handshake(w2.client.clone(), w1.server.clone(), "w1.node.regatta").expect("before the removal");
+        w1.removed.write().unwrap().insert("w2".into());
+        let refused = handshake(w2.client.clone(), w1.server.clone(), "w1.node.regatta").expect_err("after");
+        assert!(
+            matches!(
+                refused,
+                rustls::Error::InvalidCertificate(rustls::CertificateError::Revoked)
+            ),
+            "{refused:?}"
+        );
+        // Other nodes are not touched.
+        let w3 = TlsIdentity::issued_by(&ca, &Role::Node("w3".into())).unwrap();
+        handshake(w3.client.clone(), w1.server.clone(), "w1.node.regatta").expect("w3");
+    }
+
     #[tokio::test]
     async fn wrong_revoked_and_used_up_tokens_and_a_wrong_pin_are_refused() {
         let (address, head, tokens, token) = head().await;

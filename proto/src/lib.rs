@@ -34,9 +34,9 @@ pub use placement::{validate_capacity, Allocation, Decision, Ledger, Strategy};
 pub use resources::{format_fixed, Resources, GPU, UNIT};
 // The wire between head, agents and clients.
 pub use protocol::{
-    ActorId, ActorLine, ActorSpec, ActorState, ActorView, AgentRequest, BundleRef, ClusterStatus, DeathCause, Failure,
-    GroupId, GroupSpec, GroupStatus, HeadRequest, HeldObject, Loss, NodeInfo, NodeStatus, ObjectCommand, PendingLine,
-    Registration, RunningActor, StartActor, StartFailure, RESTART_FOREVER,
+    ActorId, ActorLine, ActorSpec, ActorState, ActorView, AgentRequest, Beat, BundleRef, ClusterStatus, DeathCause,
+    Failure, GroupId, GroupSpec, GroupStatus, HeadRequest, HeldObject, Loss, NodeInfo, NodeStatus, ObjectCommand,
+    PendingLine, Registration, RunningActor, StartActor, StartFailure, RESTART_FOREVER,
 };
 // The head as a state machine, what it keeps, and its scheduler's effects.
 pub use head::{Answer, Change, ChangeRef, HeadCore, Notice, Output, ReplyTo, Saved, Snapshot};

@@ -265,9 +265,15 @@ impl HeadCore {
     fn request(&mut self, request: HeadRequest, to: Option<ReplyTo>, now: u64, out: &mut Vec<Output>) {
         match request {
             HeadRequest::Register(info, running) => self.register(info, &running, to, now, out),
-            HeadRequest::Heartbeat { node, incarnation } => {
+            HeadRequest::Heartbeat {
+                node,
+                incarnation,
+                removed_known,
+            } => {
                 let known = self.scheduler.heartbeat(&node, incarnation, now);
-                answer(to, Answer::Heartbeat(known), out);
+                let removed: Vec<String> = self.scheduler.removed_nodes().map(str::to_string).collect();
+                let removed = (removed.len() != removed_known).then_some(removed);
+                answer(to, Answer::Heartbeat(crate::Beat { known, removed }), out);
             }
             HeadRequest::RemoveNode(node) => {
                 let (known, lost) = self.scheduler.remove_node(&node, now);

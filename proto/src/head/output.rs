@@ -15,7 +15,7 @@ pub enum Answer {
     /// `Register`: the node's incarnation and the reported actors it must stop.
     Registered(Result<Registration, Failure>),
     /// `Heartbeat`: whether the head knows the node (false: re-register).
-    Heartbeat(bool),
+    Heartbeat(crate::Beat),
     /// `RemoveNode`: whether the head knew the node.
     Removed(bool),
     /// `Spawn`: the new actor's id.

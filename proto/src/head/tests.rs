@@ -755,11 +755,21 @@ fn a_restored_head_takes_back_the_actors_its_nodes_report_and_restarts_only_the_
         HeadRequest::Heartbeat {
             node: "w1".into(),
             incarnation: 1,
+            removed_known: 0,
         },
         Some(ReplyTo(2)),
         1_001,
     );
-    assert!(matches!(replies(&beat).as_slice(), [(_, Answer::Heartbeat(false))]));
+    assert!(matches!(
+        replies(&beat).as_slice(),
+        [(
+            _,
+            Answer::Heartbeat(crate::Beat {
+                known: false,
+                removed: None
+            })
+        )]
+    ));
     // Nothing is placed while a node is still to register.
     let out = head.handle(spawn("CPU=1"), Some(ReplyTo(3)), 1_002);
     let waiting = spawned(&out);
@@ -1040,6 +1050,7 @@ fn a_snapshot_and_the_changes_after_it_replay_to_the_same_head() {
                     HeadRequest::Heartbeat {
                         node: name.clone(),
                         incarnation: *incarnation,
+                        removed_known: 0,
                     },
                     None,
                     now,
@@ -1114,11 +1125,30 @@ fn a_removed_node_is_dead_at_once_its_actors_move_and_its_name_is_refused_for_go
         HeadRequest::Heartbeat {
             node: on.clone(),
             incarnation: 1,
+            removed_known: 0,
         },
         Some(ReplyTo(2)),
         6,
     );
-    assert!(matches!(replies(&beat).as_slice(), [(_, Answer::Heartbeat(false))]));
+    // The answer names the removed node to whoever knows fewer removals, and nothing to
+    // one that knows them all.
+    assert!(
+        matches!(replies(&beat).as_slice(), [(_, Answer::Heartbeat(crate::Beat { known: false, removed: Some(names) }))] if names == &[on.clone()]),
+        "{beat:?}"
+    );
+    let up_to_date = head.handle(
+        HeadRequest::Heartbeat {
+            node: on.clone(),
+            incarnation: 1,
+            removed_known: 1,
+        },
+        Some(ReplyTo(9)),
+        6,
+    );
+    assert!(matches!(
+        replies(&up_to_date).as_slice(),
+        [(_, Answer::Heartbeat(crate::Beat { removed: None, .. }))]
+    ));
     let again = head.handle(node(&on, "CPU=1"), Some(ReplyTo(3)), 7);
     assert!(
         matches!(replies(&again).as_slice(), [(_, Answer::Registered(Err(Failure::Rejected(why))))] if why.contains("removed")),

@@ -149,6 +149,16 @@ pub enum Failure {
     },
 }
 
+/// The head's answer to a heartbeat.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Beat {
+    /// Whether the head knows the node as registered (false: register again).
+    pub known: bool,
+    /// Every node removed from the cluster, when the node knows of fewer; its TLS
+    /// listeners refuse their certificates from then on.
+    pub removed: Option<Vec<String>>,
+}
+
 /// Requests the head answers.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum HeadRequest {
@@ -166,12 +176,15 @@ pub enum HeadRequest {
         /// What it holds.
         objects: Vec<HeldObject>,
     },
-    /// A worker is alive: replies `bool` (false: re-register).
+    /// A worker is alive: replies [`Beat`].
     Heartbeat {
         /// The node.
         node: String,
         /// The incarnation it registered as.
         incarnation: u64,
+        /// How many removed nodes it knows of: the answer names them all when the head
+        /// knows of more (removals are for good, so the count tells).
+        removed_known: usize,
     },
     /// Spawn an actor: replies [`ActorId`] once accepted (placement may still wait).
     Spawn(ActorSpec),

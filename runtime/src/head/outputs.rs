@@ -17,7 +17,8 @@ use crate::objects::objects_group;
 pub(super) fn encode_answer(answer: Answer) -> Vec<u8> {
     match answer {
         Answer::Registered(r) => wire::encode(&r),
-        Answer::Heartbeat(known) | Answer::Removed(known) => wire::encode(&Ok::<bool, Failure>(known)),
+        Answer::Heartbeat(beat) => wire::encode(&Ok::<regatta_proto::Beat, Failure>(beat)),
+        Answer::Removed(known) => wire::encode(&Ok::<bool, Failure>(known)),
         Answer::Spawned(r) => wire::encode(&r),
         Answer::Actor(r) => wire::encode(&r),
         Answer::Named(view) => wire::encode(&Ok::<_, Failure>(view)),

@@ -80,6 +80,8 @@ pub(crate) struct LocalNode {
     rejoining: tokio::sync::Mutex<Option<FailedJoin>>,
     /// `host:port` others use to reach this node.
     pub(crate) address: String,
+    /// The nodes removed from the cluster, whose certificates this process refuses.
+    pub(crate) removed: regatta_net::RemovedNodes,
 }
 
 impl Drop for LocalNode {
@@ -151,6 +153,7 @@ impl LocalNode {
             listener,
             rejoining: tokio::sync::Mutex::new(None),
             address,
+            removed: identity.removed.clone(),
         })
     }
 

@@ -29,7 +29,7 @@ use crate::objects::{ObjectConfig, ObjectService};
 use crate::worker::registry::Registry;
 use regatta_net::Role;
 use regatta_proto::Resources;
-use regatta_proto::{AgentRequest, Failure, HeadRequest, NodeInfo, Registration, RunningActor};
+use regatta_proto::{AgentRequest, Beat, Failure, HeadRequest, NodeInfo, Registration, RunningActor};
 
 /// How a worker runs.
 #[derive(Clone, Debug)]
@@ -244,17 +244,38 @@ async fn keep_membership(
             }
             continue;
         };
+        let removed_known = local
+            .removed
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len();
         let beat = HeadRequest::Heartbeat {
             node: info.name.clone(),
             incarnation: current,
+            removed_known,
         };
-        match cluster.ask_head::<bool>(&beat, interval * 4).await {
-            Ok(true) => {}
-            Ok(false) => {
-                tracing::warn!(node = %info.name, "the head does not know this node (it restarted, or lost this node for a while); registering again with the actors it runs");
-                incarnation = None;
+        match cluster.ask_head::<Beat>(&beat, interval * 4).await {
+            Ok(beat) => {
+                if let Some(names) = beat.removed {
+                    refuse_removed(&local.removed, names);
+                }
+                if !beat.known {
+                    tracing::warn!(node = %info.name, "the head does not know this node (it restarted, or lost this node for a while); registering again with the actors it runs");
+                    incarnation = None;
+                }
             }
             Err(e) => tracing::debug!(error = %e, "heartbeat failed"),
+        }
+    }
+}
+
+/// Adds the nodes the head names as removed to those whose certificates this process's
+/// TLS listeners refuse (sessions, calls, object transfers).
+fn refuse_removed(removed: &regatta_net::RemovedNodes, names: Vec<String>) {
+    let mut removed = removed.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+    for name in names {
+        if removed.insert(name.clone()) {
+            tracing::warn!(node = %name, "node removed from the cluster: its certificate is refused here from now on");
         }
     }
 }
