@@ -207,6 +207,8 @@ pub enum Refusal {
     WrongSecret,
     /// The request was malformed.
     Malformed(String),
+    /// Its source has spent its share of failed joins: seconds until it may try again.
+    Throttled(u64),
 }
 
 impl fmt::Display for Refusal {
@@ -224,6 +226,7 @@ impl fmt::Display for Refusal {
             ),
             Self::WrongSecret => write!(f, "the join token's secret is wrong"),
             Self::Malformed(why) => write!(f, "a malformed join request: {why}"),
+            Self::Throttled(secs) => write!(f, "too many failed joins from this network: try again in {secs} s"),
         }
     }
 }
@@ -364,6 +367,9 @@ pub struct JoinDesk {
     pub removed: crate::identity::RemovedNodes,
     /// How long the certificates it issues are valid.
     pub lifetime: Duration,
+    /// Failed joins (an unknown token id, a wrong secret) per source: past its share, a
+    /// source's joins are refused before their proof is checked.
+    pub throttle: Mutex<crate::Throttle>,
 }
 
 impl JoinDesk {
@@ -431,6 +437,7 @@ fn exporter(conn: &rustls::ConnectionCommon<impl Sized>) -> Result<[u8; 32]> {
 pub async fn answer_join<S>(
     stream: &mut tokio_rustls::server::TlsStream<S>,
     desk: &JoinDesk,
+    source: std::net::IpAddr,
 ) -> std::result::Result<Role, Refusal>
 where
     S: AsyncRead + AsyncWrite + Unpin,
@@ -449,7 +456,7 @@ where
         .map_err(|e| Refusal::Malformed(format!("cannot read the request: {e}")))?;
     let outcome = match presented {
         Some(role) => renewal(&body, role, desk),
-        None => grant(&body, &exporter, desk),
+        None => throttled_grant(&body, &exporter, desk, source),
     };
     let lifetime = desk.lifetime.as_secs().to_be_bytes();
     let reply = match &outcome {
@@ -463,6 +470,29 @@ where
 }
 
 type Grant = (Role, Vec<u8>, Vec<u8>, Vec<u8>);
+
+/// [`grant`] within the source's share of failed joins: a source past it is refused before
+/// its proof is checked; an unknown id or a wrong secret counts against it, a join forgets
+/// it.
+fn throttled_grant(
+    body: &[u8],
+    exporter: &[u8],
+    desk: &JoinDesk,
+    source: std::net::IpAddr,
+) -> std::result::Result<Grant, Refusal> {
+    let now = std::time::Instant::now();
+    let throttle = || desk.throttle.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Err(wait) = throttle().admit(source, now) {
+        return Err(Refusal::Throttled(wait.as_secs().max(1)));
+    }
+    let outcome = grant(body, exporter, desk);
+    match &outcome {
+        Ok(_) => throttle().succeeded(source),
+        Err(Refusal::Unknown | Refusal::WrongSecret) => throttle().failed(source, now),
+        Err(_) => {}
+    }
+    outcome
+}
 
 /// Checks a join request and issues its certificate: (role, authority, certificate, proof).
 fn grant(body: &[u8], exporter: &[u8], desk: &JoinDesk) -> std::result::Result<Grant, Refusal> {
@@ -941,16 +971,17 @@ mod tests {
             bootstrap: token.id.clone(),
             removed,
             lifetime: crate::ca::CERT_LIFETIME,
+            throttle: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let acceptor = tokio_rustls::TlsAcceptor::from(identity.join.clone().unwrap());
         tokio::spawn(async move {
-            while let Ok((tcp, _)) = listener.accept().await {
+            while let Ok((tcp, peer)) = listener.accept().await {
                 let (acceptor, desk) = (acceptor.clone(), desk.clone());
                 tokio::spawn(async move {
                     if let Ok(mut stream) = acceptor.accept(tcp).await {
-                        let _ = answer_join(&mut stream, &desk).await;
+                        let _ = answer_join(&mut stream, &desk, peer.ip()).await;
                     }
                 });
             }
@@ -1035,6 +1066,32 @@ mod tests {
         // Other nodes are not touched.
         let w3 = TlsIdentity::issued_by(&ca, &Role::Node("w3".into())).unwrap();
         handshake(w3.client.clone(), w1.server.clone(), "w1.node.regatta").expect("w3");
+    }
+
+    #[tokio::test]
+    async fn a_source_that_keeps_failing_to_join_is_throttled_even_with_the_right_token() {
+        let (address, _, _, token) = head().await;
+        let role = Role::Node("w9".into());
+        let forged: JoinToken = format!("{}.{}", token.id, "0".repeat(32)).parse().unwrap();
+        let unknown: JoinToken = format!("zzzzzz.{}", "0".repeat(32)).parse().unwrap();
+        let mut refusals = Vec::new();
+        for i in 0..=crate::FAILURE_BURST {
+            let guess = if i % 2 == 0 { &forged } else { &unknown };
+            let err = join(&address, guess, None, &role).await.expect_err("a guess");
+            refusals.push(err.to_string());
+        }
+        let (burst, past) = refusals.split_at(crate::FAILURE_BURST as usize);
+        assert!(
+            burst
+                .iter()
+                .all(|e| e.contains("secret is wrong") || e.contains("knows no join token")),
+            "{burst:?}"
+        );
+        assert!(past[0].contains("too many failed joins"), "{past:?}");
+        // Past its share, the source is refused before its proof is looked at: the right
+        // token too, until the bucket refills.
+        let err = join(&address, &token, None, &role).await.expect_err("throttled");
+        assert!(err.to_string().contains("too many failed joins"), "{err}");
     }
 
     #[tokio::test]
@@ -1170,6 +1227,7 @@ mod tests {
                 bootstrap: token.id.clone(),
                 removed: Default::default(),
                 lifetime: crate::ca::CERT_LIFETIME,
+                throttle: Default::default(),
             };
             (desk, token)
         }

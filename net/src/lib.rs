@@ -17,6 +17,7 @@ mod join;
 mod quic;
 mod receive_pool;
 mod sealed;
+mod throttle;
 mod transfer;
 
 pub use ca::{certificate_pem, CaHash, ClusterCa, Role, CERT_LIFETIME, HEAD_CERT_LIFETIME, HEAD_NAME};
@@ -35,6 +36,7 @@ pub use receive_pool::{pooled_bytes, RECEIVE_POOL_ENV};
 pub use sealed::{
     receive_frame_into, send_frame, tls_for_frames, FrameError, Keys as FrameKeys, Opener, SealedStream, Sealer,
 };
+pub use throttle::{Throttle, FAILURE_BURST, FAILURE_REFILL};
 pub use transfer::{
     keep_alive, Fetched, ObjectSource, Transfer, CHUNK_BYTES, FAULT_CORRUPT_ENV, IO_TIMEOUT, NO_SHARED_MEMORY_ENV,
     SERVER_NAME, TRANSFER_ALPN,

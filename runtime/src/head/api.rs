@@ -30,7 +30,7 @@ pub(crate) struct Api {
 #[derive(Debug, Default)]
 pub(crate) struct Login {
     pub(crate) sessions: super::login::Sessions,
-    pub(crate) throttle: super::login::Throttle,
+    pub(crate) throttle: regatta_net::Throttle,
 }
 
 impl Api {

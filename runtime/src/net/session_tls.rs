@@ -191,6 +191,7 @@ impl SessionTls {
         let Some((join_config, desk)) = &self.joins else {
             return Ok(Accepted::Session(Box::new(self.acceptor.accept(stream).await?)));
         };
+        let source = stream.peer_addr()?.ip();
         let start = LazyConfigAcceptor::new(rustls::server::Acceptor::default(), stream).await?;
         let joining = start
             .client_hello()
@@ -202,7 +203,7 @@ impl SessionTls {
             )));
         }
         let mut stream = start.into_stream(join_config.clone()).await?;
-        regatta_net::answer_join(&mut stream, desk)
+        regatta_net::answer_join(&mut stream, desk, source)
             .await
             .map(Accepted::Joined)
             .map_err(|refusal| std::io::Error::new(std::io::ErrorKind::PermissionDenied, refusal.to_string()))

@@ -154,6 +154,7 @@ impl HeadTrust {
             bootstrap: bootstrap.id.clone(),
             removed,
             lifetime,
+            throttle: Default::default(),
         });
         Ok(Self { identity, desk })
     }
