@@ -191,7 +191,10 @@ impl SpillBackend {
             .put(&path, PutPayload::from_bytes(bytes))
             .await
             .map_err(|e| spill_err(&location, e))?;
-        Ok(format!("{location}{DIGEST_MARK}{}", hex(&digest)))
+        Ok(format!(
+            "{location}{DIGEST_MARK}{}",
+            regatta_proto::hex::encode(&digest)
+        ))
     }
 }
 
@@ -210,24 +213,15 @@ async fn sha256_of(bytes: Bytes) -> [u8; 32] {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// A spilled copy's URL split into its location and the digest it ends with (none in a URL
 /// written by a Regatta before the digest; such a copy is checked by its CRC-32 only).
 fn split_digest(url: &str) -> Result<(&str, Option<[u8; 32]>)> {
     let Some((location, text)) = url.split_once(DIGEST_MARK) else {
         return Ok((url, None));
     };
-    let bad = || spill_err(url, "its digest is not 64 hexadecimal digits");
-    if text.len() != 64 || !text.is_ascii() {
-        return Err(bad());
-    }
-    let mut digest = [0u8; 32];
-    for (i, byte) in digest.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
-    }
+    let digest = regatta_proto::hex::decode(text)
+        .and_then(|bytes| <[u8; 32]>::try_from(bytes).ok())
+        .ok_or_else(|| spill_err(url, "its digest is not 64 hexadecimal digits"))?;
     Ok((location, Some(digest)))
 }
 

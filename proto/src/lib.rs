@@ -16,6 +16,7 @@ mod actor_log;
 mod error;
 mod fixed;
 mod head;
+pub mod hex;
 mod job;
 mod object;
 mod placement;

@@ -271,8 +271,10 @@ impl HeadCore {
                 removed_known,
             } => {
                 let known = self.scheduler.heartbeat(&node, incarnation, now);
-                let removed: Vec<String> = self.scheduler.removed_nodes().map(str::to_string).collect();
-                let removed = (removed.len() != removed_known).then_some(removed);
+                // Every node beats twice a second: the names are copied only for a node
+                // that knows fewer than the head.
+                let removed = (self.scheduler.removed_count() != removed_known)
+                    .then(|| self.scheduler.removed_nodes().map(str::to_string).collect());
                 answer(to, Answer::Heartbeat(crate::Beat { known, removed }), out);
             }
             HeadRequest::RemoveNode(node) => {

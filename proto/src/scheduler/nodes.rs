@@ -143,6 +143,11 @@ impl Scheduler {
         self.removed.iter().map(String::as_str)
     }
 
+    /// How many names were removed for good.
+    pub fn removed_count(&self) -> usize {
+        self.removed.len()
+    }
+
     /// Declares dead every node silent for longer than `timeout_ms`; returns each node lost
     /// with the cause.
     pub fn expire(&mut self, now_ms: u64, timeout_ms: u64) -> Vec<(String, String)> {

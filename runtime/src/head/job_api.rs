@@ -54,6 +54,7 @@ use crate::jobs::log::read_from;
 use crate::jobs::packages;
 use crate::jobs::JobError;
 use crate::net::headlink::HeadLink;
+use regatta_proto::hex::encode as hex;
 use regatta_proto::JobSubmission;
 
 /// Largest accepted request body.
@@ -507,10 +508,6 @@ fn cluster_authority(
         }
         Err(refusal) => error(StatusCode::NOT_FOUND, refusal.to_string()),
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 async fn version(State(api): State<Api>) -> Response {

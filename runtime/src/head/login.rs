@@ -37,7 +37,7 @@ impl Sessions {
                 self.ends.remove(&soonest);
             }
         }
-        let cookie = hex(&secret);
+        let cookie = regatta_proto::hex::encode(&secret);
         self.ends.insert(digest(&cookie), now + SESSION_LIFETIME);
         cookie
     }
@@ -55,10 +55,6 @@ impl Sessions {
 
 fn digest(cookie: &str) -> [u8; 32] {
     Sha256::digest(cookie.as_bytes()).into()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The value of `cookie` in a `Cookie` header's text, if it is there.

@@ -143,7 +143,7 @@ fn web_names(config: &HeadConfig) -> Vec<String> {
         }
         usable
     });
-    names.dedup();
+    // (A name given twice is issued once: `issue_https` skips repeats.)
     names
 }
 

@@ -24,6 +24,7 @@ use std::io::{self, Read, Write};
 use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
+use regatta_proto::hex::encode as hex;
 use sha1::{Digest, Sha1};
 
 use super::shim::StartError;
@@ -69,26 +70,12 @@ pub(crate) fn parse_name(protocol: &str, name: &str) -> Result<Address, JobError
         .strip_prefix(PREFIX)
         .and_then(|rest| rest.strip_suffix(".zip"))
         .ok_or_else(refuse)?;
-    let bytes = decode_hex(hex).ok_or_else(refuse)?;
+    let bytes = regatta_proto::hex::decode(hex).ok_or_else(refuse)?;
     match bytes.len() {
         8 => Ok(Address::Folder(bytes.try_into().map_err(|_| refuse())?)),
         20 => Ok(Address::Archive(bytes.try_into().map_err(|_| refuse())?)),
         _ => Err(refuse()),
     }
-}
-
-fn decode_hex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) || !text.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()) {
-        return None;
-    }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).ok())
-        .collect()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Ray's folder hash, one path at a time (order does not matter).
