@@ -520,3 +520,231 @@ async fn regatta_ca_prints_the_authority_that_lets_a_plain_tls_client_trust_the_
     let refused = get("elsewhere.example.org");
     assert!(refused.is_err(), "a name the certificate does not carry: {refused:?}");
 }
+
+/// Runs `regatta ca ARGS` against the cluster's job API with its admin token.
+fn ca_command(cluster: &TestCluster, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_regatta"))
+        .arg("ca")
+        .args(args)
+        .args(["--address", &cluster.local.job_address])
+        .env("REGATTA_TOKEN", &cluster.local.token)
+        .env_remove("REGATTA_CA_HASH")
+        .output()
+        .expect("run regatta ca")
+}
+
+/// The hash on the line of `regatta ca show|rotate|finish` that starts with `role`.
+fn authority_line(output: &Output, role: &str) -> String {
+    stdout(output)
+        .lines()
+        .find_map(|l| l.strip_prefix(role))
+        .map(|rest| rest.split_whitespace().next().unwrap_or_default().to_string())
+        .unwrap_or_else(|| panic!("no {role} line in {output:?}"))
+}
+
+/// Whether a TLS handshake to the cluster port at `address` (of the process named `name`)
+/// with `identity`'s client configuration goes through, the first read included (TLS 1.3
+/// tells a refused client certificate there).
+async fn handshake_with(address: &str, name: &str, identity: &regatta_net::TlsIdentity) -> bool {
+    use tokio::io::AsyncReadExt;
+    let (_, client) = identity.with_alpn(b"regatta-sessions/1");
+    let Ok(tcp) = tokio::net::TcpStream::connect(address).await else {
+        return false;
+    };
+    let name = rustls::pki_types::ServerName::try_from(name.to_string()).expect("name");
+    let Ok(mut stream) = tokio_rustls::TlsConnector::from(client).connect(name, tcp).await else {
+        return false;
+    };
+    let mut byte = [0u8; 1];
+    !matches!(
+        tokio::time::timeout(Duration::from_millis(500), stream.read(&mut byte)).await,
+        Ok(Err(_) | Ok(0))
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_authority_rotates_without_a_restart_and_the_old_one_is_refused_once_finished() {
+    use regatta::kinds::Echo;
+    use regatta::local::WorkerSpec;
+    use regatta::{ActorOptions, Resources};
+    // Certificates valid 10 s: a rotation's overlap lasts that long.
+    let mut cluster = TestCluster::start_specs(
+        vec![WorkerSpec::new("w1", "CPU=1,spot=1"), WorkerSpec::new("w2", "CPU=1")],
+        &["--cert-lifetime-secs", "10"],
+    )
+    .await;
+    let mut running = Vec::new();
+    let echo = cluster
+        .client
+        .spawn::<Echo>(
+            "rotated:".into(),
+            ActorOptions::new().resources(Resources::parse_request("spot=1").expect("resources")),
+        )
+        .await
+        .expect("spawn");
+    assert_eq!(echo.call("before".into()).await.expect("call").text, "rotated:before");
+    let shown = ca_command(&cluster, &["show"]);
+    assert!(shown.status.success(), "{shown:?}");
+    let (cluster_id, old) = (authority_line(&shown, "cluster"), authority_line(&shown, "issuing"));
+    assert_eq!(cluster_id, old, "a cluster is known by its first authority");
+    // The old authority, as a leaked key would be: kept aside to forge a certificate later.
+    let ca_dir = cluster.local.head_state_dir().join("ca");
+    let leaked = support::temp_dir("leaked-ca");
+    for file in ["ca.key", "ca.crt"] {
+        std::fs::copy(ca_dir.join(file), leaked.join(file)).expect("copy the old authority");
+    }
+
+    let rotated = ca_command(&cluster, &["rotate"]);
+    assert!(rotated.status.success(), "{rotated:?}");
+    let new = authority_line(&rotated, "issuing");
+    assert_ne!(new, old);
+    assert_eq!(authority_line(&rotated, "retiring"), old);
+    assert!(
+        !ca_dir.join("ca.key").exists(),
+        "the retiring authority's key is deleted"
+    );
+    let early = ca_command(&cluster, &["finish"]);
+    assert!(
+        !early.status.success(),
+        "finished with certificates of the old one in use"
+    );
+    assert!(String::from_utf8_lossy(&early.stderr).contains("--force"), "{early:?}");
+    // The workers hear of it from their next heartbeat and renew under the new authority at
+    // once, not at two-thirds of their certificates' lives.
+    for node in ["w1", "w2"] {
+        support::eventually(
+            &format!("{node} renewing under the new authority"),
+            Duration::from_secs(5),
+            || async {
+                cluster
+                    .local
+                    .log(node)
+                    .contains("renewed this process's certificate under the cluster's rotated authorities")
+                    .then_some(())
+            },
+        )
+        .await;
+    }
+    // During the overlap: a client that trusts only the old authority reaches w1, which now
+    // presents a certificate of the new one; joiners pinning either authority join.
+    assert_eq!(echo.call("during".into()).await.expect("call").text, "rotated:during");
+    let pinned = |hash: &str| regatta::JoinCredentials::parse(&cluster.local.token, Some(hash)).expect("credentials");
+    let pinned_old = regatta::Client::connect_credentials(&cluster.local.address, &pinned(&old))
+        .await
+        .expect("a client pinning the old authority joins during the overlap");
+    let handle = pinned_old.handle::<Echo>(echo.id());
+    assert_eq!(
+        handle.call("old pin".into()).await.expect("call").text,
+        "rotated:old pin"
+    );
+    assert_eq!(
+        worker(
+            &cluster,
+            &mut running,
+            "w3",
+            &cluster.local.token,
+            &["--ca-hash", &old],
+            Duration::from_secs(3)
+        ),
+        None
+    );
+    cluster.wait_node_state("w3", "alive", Duration::from_secs(30)).await;
+    let printed = ca_command(&cluster, &[]);
+    assert!(printed.status.success(), "{printed:?}");
+    assert_eq!(
+        stdout(&printed).matches("-----BEGIN CERTIFICATE-----").count(),
+        2,
+        "both authorities"
+    );
+    let listing = stdout(&token_command(&cluster, &["list"]));
+    assert!(listing.contains(&format!("retiring authority {old}")), "{listing}");
+
+    // Once every certificate of the old authority has expired, the rotation finishes.
+    support::eventually("the rotation finishing", Duration::from_secs(30), || async {
+        ca_command(&cluster, &["finish"]).status.success().then_some(())
+    })
+    .await;
+    let shown = ca_command(&cluster, &["show"]);
+    assert_eq!(authority_line(&shown, "issuing"), new);
+    assert_eq!(authority_line(&shown, "retiring"), "-");
+    assert_eq!(authority_line(&shown, "cluster"), cluster_id, "the cluster's id stays");
+    // A joiner pinning the old authority is refused and told why.
+    assert_eq!(
+        worker(
+            &cluster,
+            &mut running,
+            "w4",
+            &cluster.local.token,
+            &["--ca-hash", &old],
+            Duration::from_secs(20)
+        ),
+        Some(2)
+    );
+    assert!(
+        cluster.local.log("w4").contains("rotated away"),
+        "{}",
+        cluster.local.log("w4")
+    );
+    // A certificate the leaked old key signs is refused by the head, and by a worker once it
+    // has renewed; one of the new authority is not.
+    let forged = regatta_net::TlsIdentity::issued_by(
+        &regatta_net::ClusterCa::load_or_create(&leaked).expect("the leaked authority"),
+        &regatta_net::Role::Node("w9".into()),
+    )
+    .expect("a forged certificate");
+    let genuine = regatta_net::join(
+        &cluster.local.address,
+        &cluster.local.token.parse().expect("token"),
+        None,
+        &regatta_net::Role::Client("probe".into()),
+    )
+    .await
+    .expect("join");
+    let head = (cluster.local.address.as_str(), regatta_net::HEAD_NAME);
+    let status = cluster.client.status().await.expect("status");
+    let w1 = status
+        .nodes
+        .iter()
+        .find(|n| n.name == "w1")
+        .expect("w1")
+        .address
+        .clone();
+    for (address, name) in [head, (w1.as_str(), "w1.node.regatta")] {
+        assert!(
+            handshake_with(address, name, &genuine).await,
+            "{name} refused a genuine certificate"
+        );
+        assert!(
+            !handshake_with(address, name, &forged).await,
+            "{name} took a forged certificate"
+        );
+    }
+    // Everything keeps working under the new authority, across a restart of the head.
+    let pinned_new = regatta::Client::connect_credentials(&cluster.local.address, &pinned(&new))
+        .await
+        .expect("a client pinning the new authority joins");
+    assert_eq!(
+        pinned_new
+            .handle::<Echo>(echo.id())
+            .call("after".into())
+            .await
+            .expect("call")
+            .text,
+        "rotated:after"
+    );
+    cluster.local.restart_head().expect("restart the head");
+    for node in ["w1", "w2", "w3"] {
+        cluster.wait_node_state(node, "alive", Duration::from_secs(30)).await;
+    }
+    let shown = support::eventually("the restarted head's authorities", Duration::from_secs(30), || async {
+        let out = ca_command(&cluster, &["show"]);
+        out.status.success().then_some(out)
+    })
+    .await;
+    assert_eq!(authority_line(&shown, "issuing"), new);
+    assert_eq!(authority_line(&shown, "cluster"), cluster_id);
+    assert_eq!(
+        echo.call("restarted".into()).await.expect("call").text,
+        "rotated:restarted"
+    );
+}

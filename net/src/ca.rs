@@ -40,9 +40,14 @@ pub const CERT_LIFETIME: Duration = Duration::from_secs(24 * 3600);
 /// How long the head's own certificates are valid (it holds the authority itself).
 pub const HEAD_CERT_LIFETIME: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
-/// The CA's file names in its folder.
+/// The first authority's file names in its folder (later ones, made by a rotation, are
+/// `ca-<8 hex digits>.key` and `.crt`: [`crate::authorities`]).
 const KEY_FILE: &str = "ca.key";
 const CERT_FILE: &str = "ca.crt";
+
+/// The first authority's file stem and common name.
+pub(crate) const FIRST_STEM: &str = "ca";
+const FIRST_NAME: &str = "regatta cluster CA";
 
 /// What an issued certificate stands for.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -89,19 +94,34 @@ impl Role {
     }
 }
 
-/// `name` as one DNS label: lower case, `[a-z0-9-]`, at most 63 characters.
+/// `name` as one DNS label, one to one: a name that already is a label (`[a-z0-9-]`, at
+/// most 63 characters, no `-` at either end) as it is; any other as its nearest label (lower
+/// case, other characters as `-`) and eight hex digits of its hash, so that two names that
+/// differ only in what a label cannot hold (`gpu_1`, `GPU-1`, `gpu-1`) get distinct names.
 fn dns_label(name: &str) -> String {
-    let mut label: String = name
+    let is_label = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-');
+    if is_label {
+        return name.to_string();
+    }
+    let near: String = name
         .chars()
         .map(|c| c.to_ascii_lowercase())
         .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '-' })
-        .take(63)
+        .take(54)
         .collect();
-    label = label.trim_matches('-').to_string();
-    if label.is_empty() {
-        "unnamed".to_string()
+    let near = near.trim_matches('-');
+    let hash: [u8; 32] = Sha256::digest(name.as_bytes()).into();
+    let suffix: String = hash[..4].iter().map(|b| format!("{b:02x}")).collect();
+    if near.is_empty() {
+        format!("x-{suffix}")
     } else {
-        label
+        format!("{near}-{suffix}")
     }
 }
 
@@ -263,29 +283,83 @@ pub struct ClusterCa {
     cert: Certificate,
     /// The certificate as first made (and saved): the one every node trusts.
     der: CertificateDer<'static>,
+    /// Its file stem in the CA folder (`ca` for the first; `ca-<8 hex>` for later ones).
+    stem: String,
 }
 
 impl ClusterCa {
-    /// A new authority with a random key.
+    /// A new authority with a random key (a cluster's first).
     pub fn generate() -> Result<Self> {
         let key = KeyPair::generate_for(&PKCS_ED25519).map_err(cert("cluster CA key"))?;
-        let cert = Self::certificate(&key)?;
+        let cert = Self::certificate(&key, FIRST_STEM)?;
         let der = cert.der().clone();
-        Ok(Self { key, cert, der })
+        Ok(Self {
+            key,
+            cert,
+            der,
+            stem: FIRST_STEM.to_string(),
+        })
+    }
+
+    /// A new authority to rotate to: a random key, named (and filed) by its hash's first
+    /// eight hex digits, so that its certificates' issuer differs from every earlier
+    /// authority's.
+    pub(crate) fn generate_next() -> Result<Self> {
+        let key = KeyPair::generate_for(&PKCS_ED25519).map_err(cert("cluster CA key"))?;
+        let hash: [u8; 32] = Sha256::digest(key.public_key_der()).into();
+        let stem = format!(
+            "ca-{}",
+            hash[..4].iter().map(|b| format!("{b:02x}")).collect::<String>()
+        );
+        let cert = Self::certificate(&key, &stem)?;
+        let der = cert.der().clone();
+        Ok(Self { key, cert, der, stem })
+    }
+
+    /// The file stem this authority is kept under.
+    pub(crate) fn stem(&self) -> &str {
+        &self.stem
+    }
+
+    /// This authority's certificate signed by `older` (a cross-certificate): a process that
+    /// trusts only `older` accepts a certificate this one issued when it comes with it.
+    pub(crate) fn cross_signed_by(&self, older: &ClusterCa) -> Result<CertificateDer<'static>> {
+        let params = Self::params(&self.stem)?;
+        Ok(params
+            .signed_by(&self.key, &older.cert, &older.key)
+            .map_err(cert("cross-certificate"))?
+            .der()
+            .clone())
+    }
+
+    /// Saves this authority in `dir` under its stem (files made 0600, never overwritten).
+    pub(crate) fn save(&self, dir: &Path) -> Result<()> {
+        write_private(&dir.join(format!("{}.key", self.stem)), &self.key.serialize_der())?;
+        write_private(&dir.join(format!("{}.crt", self.stem)), self.der.as_ref())
     }
 
     /// The authority saved in `dir`, or a new one saved there (the folder made 0700 and
     /// the files 0600 from their first byte; refused if either is open to others).
     pub fn load_or_create(dir: &Path) -> Result<Self> {
-        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+        make_private_dir(dir)?;
+        match Self::load(dir, FIRST_STEM) {
+            Err(Error::NotFound(_)) => {
+                let ca = Self::generate()?;
+                write_private(&dir.join(KEY_FILE), &ca.key.serialize_der())?;
+                write_private(&dir.join(CERT_FILE), ca.der.as_ref())?;
+                Ok(ca)
+            }
+            other => other,
+        }
+    }
+
+    /// The authority saved in `dir` under `stem` (`Error::NotFound` when its key is not
+    /// there; refused if the key is open to others or the certificate is another key's).
+    pub(crate) fn load(dir: &Path, stem: &str) -> Result<Self> {
+        use std::os::unix::fs::MetadataExt;
         let io = |what: String| move |e: std::io::Error| Error::Tls(format!("{what}: {e}"));
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .map_err(io(format!("cannot create the CA folder {}", dir.display())))?;
-        let key_path = dir.join(KEY_FILE);
-        let cert_path = dir.join(CERT_FILE);
+        let key_path = dir.join(format!("{stem}.key"));
+        let cert_path = dir.join(format!("{stem}.crt"));
         match std::fs::read(&key_path) {
             Ok(pkcs8) => {
                 let meta = std::fs::metadata(&key_path).map_err(io(format!("cannot stat {}", key_path.display())))?;
@@ -300,7 +374,7 @@ impl ClusterCa {
                 let key = KeyPair::from_pkcs8_der_and_sign_algo(&der, &PKCS_ED25519)
                     .map_err(|e| Error::Tls(format!("the CA key {} is not an Ed25519 key: {e}", key_path.display())))?;
                 let saved = std::fs::read(&cert_path).map_err(io(format!("cannot read {}", cert_path.display())))?;
-                let cert = Self::certificate(&key)?;
+                let cert = Self::certificate(&key, stem)?;
                 let der = CertificateDer::from(saved);
                 if spki_of(&der)? != key.public_key_der().as_slice() {
                     return Err(Error::Tls(format!(
@@ -309,28 +383,45 @@ impl ClusterCa {
                         key_path.display()
                     )));
                 }
-                Ok(Self { key, cert, der })
+                Ok(Self {
+                    key,
+                    cert,
+                    der,
+                    stem: stem.to_string(),
+                })
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let ca = Self::generate()?;
-                write_private(&key_path, &ca.key.serialize_der())?;
-                write_private(&cert_path, ca.der.as_ref())?;
-                Ok(ca)
+                Err(Error::NotFound(format!("no CA key {}", key_path.display())))
             }
             Err(e) => Err(io(format!("cannot read the CA key {}", key_path.display()))(e)),
         }
     }
 
-    /// The authority's self-signed certificate for `key` (the same subject and key
-    /// identifier every time, so certificates issued after a restart chain to the saved one).
-    fn certificate(key: &KeyPair) -> Result<Certificate> {
+    /// The common name of the authority filed under `stem`.
+    fn common_name(stem: &str) -> String {
+        match stem.strip_prefix("ca-") {
+            Some(suffix) => format!("{FIRST_NAME} {suffix}"),
+            None => FIRST_NAME.to_string(),
+        }
+    }
+
+    /// What the authority filed under `stem` certifies about itself.
+    fn params(stem: &str) -> Result<CertificateParams> {
         let mut params = CertificateParams::new(Vec::<String>::new()).map_err(cert("cluster CA"))?;
         let mut name = DistinguishedName::new();
-        name.push(DnType::CommonName, "regatta cluster CA");
+        name.push(DnType::CommonName, Self::common_name(stem));
         params.distinguished_name = name;
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
-        params.self_signed(key).map_err(cert("cluster CA certificate"))
+        Ok(params)
+    }
+
+    /// The authority's self-signed certificate for `key` (the same subject and key
+    /// identifier every time, so certificates issued after a restart chain to the saved one).
+    fn certificate(key: &KeyPair, stem: &str) -> Result<Certificate> {
+        Self::params(stem)?
+            .self_signed(key)
+            .map_err(cert("cluster CA certificate"))
     }
 
     /// The certificate every node trusts.
@@ -445,8 +536,18 @@ pub fn certificate_pem(der: &[u8]) -> String {
     pem
 }
 
+/// Makes `dir` (and its parents) with mode 0700 when it is not there.
+pub(crate) fn make_private_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| Error::Tls(format!("cannot create the CA folder {}: {e}", dir.display())))
+}
+
 /// Writes `bytes` to a new file at `path` made 0600 (never overwriting one).
-fn write_private(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let mut file = std::fs::OpenOptions::new()
@@ -601,9 +702,33 @@ mod tests {
     }
 
     #[test]
-    fn names_become_dns_labels() {
-        assert_eq!(Role::Node("W_1.x".into()).dns_name(), "w-1-x.node.regatta");
-        assert_eq!(Role::Client("--".into()).dns_name(), "unnamed.client.regatta");
+    fn names_become_dns_labels_one_to_one() {
+        assert_eq!(
+            Role::Node("w1".into()).dns_name(),
+            "w1.node.regatta",
+            "a label stays as it is"
+        );
+        let odd = Role::Node("W_1.x".into()).dns_name();
+        assert!(odd.starts_with("w-1-x-") && odd.ends_with(".node.regatta"), "{odd}");
+        assert!(Role::Client("--".into()).dns_name().starts_with("x-"));
+        // Names that differ only where a label cannot hold them get distinct names.
+        let names = ["gpu_1", "gpu-1", "GPU-1", "gpu.1", "-gpu-1", "gpu-1-"];
+        let labels: std::collections::BTreeSet<String> =
+            names.iter().map(|n| Role::Node((*n).into()).dns_name()).collect();
+        assert_eq!(labels.len(), names.len(), "{labels:?}");
+        for label in &labels {
+            let first = label.split('.').next().unwrap();
+            assert!(
+                first.len() <= 63 && !first.starts_with('-') && !first.ends_with('-'),
+                "{label}"
+            );
+            assert!(
+                rustls::pki_types::ServerName::try_from(label.as_str()).is_ok(),
+                "{label}"
+            );
+        }
+        let long = Role::Node("n".repeat(200)).dns_name();
+        assert!(long.split('.').next().unwrap().len() <= 63, "{long}");
         assert_eq!(Role::Head.dns_name(), HEAD_NAME);
         assert!(Role::joining("head", "h").is_err(), "no one joins as the head");
         assert!(Role::joining("node", "").is_err());

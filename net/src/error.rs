@@ -11,6 +11,13 @@ pub enum Error {
     /// A join request or answer that cannot be used (a bad token, hash or name).
     #[error("{0}")]
     Join(String),
+    /// A file that is not there (the CA folder's authorities).
+    #[error("{0}")]
+    NotFound(String),
+    /// A rotation of the cluster's authority that cannot be made now (one under way, none
+    /// to finish, or certificates of the old authority still in use).
+    #[error("{0}")]
+    Rotation(String),
     /// The head refused the join, or proved it is not the cluster's head.
     #[error("{0}")]
     JoinRefused(String),

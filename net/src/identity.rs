@@ -20,6 +20,7 @@ use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
 use sha2::{Digest, Sha256};
 
+use crate::authorities::Authorities;
 use crate::ca::{CaHash, ClusterCa, Role, SERVER_NAME};
 use crate::error::{Error, Result};
 
@@ -37,13 +38,16 @@ pub struct TlsIdentity {
     /// `http/1.1`, and a client certificate optional (browsers have none; one that is
     /// presented must come from the cluster's authority). Only the head has one.
     pub https: Option<Arc<rustls::ServerConfig>>,
-    /// The cluster's certificate authority, for clients that trust it.
-    pub ca: CertificateDer<'static>,
-    /// The cluster's identity (the authority's hash).
+    /// The authorities this process trusts now, which every configuration above checks
+    /// peers against: a renewal after a rotation swaps them in place.
+    pub trust: Arc<TrustSlot>,
+    /// The cluster's identity (its first authority's hash: it stays across rotations).
     pub cluster: CaHash,
     /// The process's current certificate and key, which every configuration above
-    /// presents: renewal swaps it in place ([`TlsIdentity::renewed`]).
+    /// presents: renewal swaps it in place ([`crate::renew`]).
     pub slot: Arc<CertSlot>,
+    /// The head's HTTPS certificate, swapped in place by a rotation. Only the head has one.
+    pub https_slot: Option<Arc<CertSlot>>,
     /// For answering joins on the cluster port ([`crate::join`]): the head's certificate
     /// with the authority's beside it (so a pinned joiner can check the chain), no client
     /// certificate asked. Only the head has one.
@@ -70,9 +74,9 @@ impl std::fmt::Debug for CertSlot {
 }
 
 impl CertSlot {
-    fn new(leaf: CertificateDer<'static>, key: &KeyPair, expires: SystemTime) -> Result<Self> {
+    fn new(chain: Vec<CertificateDer<'static>>, key: &KeyPair, expires: SystemTime) -> Result<Self> {
         Ok(Self {
-            current: RwLock::new((Arc::new(certified(leaf, key)?), expires)),
+            current: RwLock::new((Arc::new(certified(chain, key)?), expires)),
         })
     }
 
@@ -89,9 +93,10 @@ impl CertSlot {
         self.current.read().unwrap_or_else(std::sync::PoisonError::into_inner).1
     }
 
-    /// Presents `leaf` (for `key`, valid until `expires`) from the next handshake on.
-    pub fn replace(&self, leaf: CertificateDer<'static>, key: &KeyPair, expires: SystemTime) -> Result<()> {
-        let next = (Arc::new(certified(leaf, key)?), expires);
+    /// Presents `chain` (a leaf for `key`, valid until `expires`, then what vouches for it)
+    /// from the next handshake on.
+    pub fn replace(&self, chain: Vec<CertificateDer<'static>>, key: &KeyPair, expires: SystemTime) -> Result<()> {
+        let next = (Arc::new(certified(chain, key)?), expires);
         *self.current.write().unwrap_or_else(std::sync::PoisonError::into_inner) = next;
         Ok(())
     }
@@ -124,14 +129,159 @@ pub fn peer_name(names_nodes: bool, node: &str) -> String {
     }
 }
 
-/// `leaf` and `key` as rustls presents them.
-fn certified(leaf: CertificateDer<'static>, key: &KeyPair) -> Result<rustls::sign::CertifiedKey> {
+/// `chain` (a leaf and what vouches for it) and `key` as rustls presents them.
+fn certified(chain: Vec<CertificateDer<'static>>, key: &KeyPair) -> Result<rustls::sign::CertifiedKey> {
     let der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
     let signer = rustls::crypto::aws_lc_rs::default_provider()
         .key_provider
         .load_private_key(der)
         .map_err(tls("node key"))?;
-    Ok(rustls::sign::CertifiedKey::new(vec![leaf], signer))
+    Ok(rustls::sign::CertifiedKey::new(chain, signer))
+}
+
+/// The authorities a process trusts, and the verifiers made from them, shared by every TLS
+/// configuration it made, so that a rotation's new set is checked from the next handshake
+/// on, everywhere.
+pub struct TrustSlot {
+    current: RwLock<Arc<Trust>>,
+}
+
+/// One set of trusted authorities and its verifiers.
+struct Trust {
+    authorities: Vec<CertificateDer<'static>>,
+    server: Arc<rustls::client::WebPkiServerVerifier>,
+    required: Arc<dyn ClientCertVerifier>,
+    optional: Arc<dyn ClientCertVerifier>,
+}
+
+impl std::fmt::Debug for TrustSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TrustSlot({:?})", self.hashes())
+    }
+}
+
+impl TrustSlot {
+    fn new(authorities: Vec<CertificateDer<'static>>) -> Result<Self> {
+        Ok(Self {
+            current: RwLock::new(Arc::new(Trust::of(authorities)?)),
+        })
+    }
+
+    fn get(&self) -> Arc<Trust> {
+        self.current
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The authorities trusted now (the issuing one first).
+    pub fn authorities(&self) -> Vec<CertificateDer<'static>> {
+        self.get().authorities.clone()
+    }
+
+    /// Their hashes.
+    pub fn hashes(&self) -> Vec<CaHash> {
+        self.get()
+            .authorities
+            .iter()
+            .filter_map(|cert| CaHash::of_certificate(cert).ok())
+            .collect()
+    }
+
+    /// [`crate::trust_fingerprint`] of the authorities trusted now.
+    pub fn fingerprint(&self) -> u64 {
+        crate::authorities::trust_fingerprint(&self.hashes())
+    }
+
+    /// Trusts `authorities` (and only them) from the next handshake on.
+    pub fn set(&self, authorities: Vec<CertificateDer<'static>>) -> Result<()> {
+        let next = Arc::new(Trust::of(authorities)?);
+        *self.current.write().unwrap_or_else(std::sync::PoisonError::into_inner) = next;
+        Ok(())
+    }
+}
+
+impl Trust {
+    fn of(authorities: Vec<CertificateDer<'static>>) -> Result<Self> {
+        if authorities.is_empty() {
+            return Err(Error::Tls("no certificate authority to trust".into()));
+        }
+        let mut roots = RootCertStore::empty();
+        for authority in &authorities {
+            roots.add(authority.clone()).map_err(tls("trust the cluster CA"))?;
+        }
+        let roots = Arc::new(roots);
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let (required, optional) = client_verifiers(&roots, &provider)?;
+        let server = rustls::client::WebPkiServerVerifier::builder_with_provider(roots, provider)
+            .build()
+            .map_err(|e| Error::Tls(format!("server verifier: {e}")))?;
+        Ok(Self {
+            authorities,
+            server,
+            required,
+            optional,
+        })
+    }
+}
+
+/// Checks servers against the trust slot's current authorities.
+#[derive(Debug)]
+struct TrustedServers(Arc<TrustSlot>);
+
+impl rustls::client::danger::ServerCertVerifier for TrustedServers {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &rustls::pki_types::ServerName<'_>,
+        ocsp_response: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> std::result::Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        self.0
+            .get()
+            .server
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> std::result::Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.get().server.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> std::result::Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.get().server.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.get().server.supported_verify_schemes()
+    }
+}
+
+/// The head's answer to joins: its current certificate chain, then every authority it
+/// trusts, so that a joiner that pinned any of them can check the chain.
+#[derive(Debug)]
+struct JoinChain {
+    slot: Arc<CertSlot>,
+    trust: Arc<TrustSlot>,
+}
+
+impl rustls::server::ResolvesServerCert for JoinChain {
+    fn resolve(&self, _: rustls::server::ClientHello<'_>) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        let current = self.slot.get();
+        let mut cert = current.cert.clone();
+        cert.extend(self.trust.authorities());
+        Some(Arc::new(rustls::sign::CertifiedKey::new(cert, current.key.clone())))
+    }
 }
 
 impl std::fmt::Debug for TlsIdentity {
@@ -159,79 +309,106 @@ impl TlsIdentity {
         key: &KeyPair,
         https: Option<(CertificateDer<'static>, &KeyPair)>,
     ) -> Result<Self> {
-        Self::build(ca, leaf, key, https, None, SystemTime::now() + crate::ca::CERT_LIFETIME)
-    }
-
-    /// Like [`TlsIdentity::issued`] for a certificate valid until `expires`.
-    pub fn issued_until(
-        ca: CertificateDer<'static>,
-        leaf: CertificateDer<'static>,
-        key: &KeyPair,
-        expires: SystemTime,
-    ) -> Result<Self> {
-        Self::build(ca, leaf, key, None, None, expires)
-    }
-
-    fn build(
-        ca: CertificateDer<'static>,
-        leaf: CertificateDer<'static>,
-        key: &KeyPair,
-        https: Option<(CertificateDer<'static>, &KeyPair)>,
-        removed: Option<RemovedNodes>,
-        expires: SystemTime,
-    ) -> Result<Self> {
         let cluster = CaHash::of_certificate(&ca)?;
-        let slot = Arc::new(CertSlot::new(leaf.clone(), key, expires)?);
-        let mut roots = RootCertStore::empty();
-        roots.add(ca.clone()).map_err(tls("trust the cluster CA"))?;
-        let roots = Arc::new(roots);
+        Self::build(Held {
+            authorities: vec![ca],
+            chain: vec![leaf],
+            cluster,
+            key,
+            https: https.map(|(cert, key)| (vec![cert], key)),
+            removed: None,
+            expires: SystemTime::now() + crate::ca::CERT_LIFETIME,
+        })
+    }
+
+    /// The configurations of a process that joined cluster `cluster`: it trusts
+    /// `authorities` and presents `chain` (its certificate for `key`, valid until `expires`,
+    /// then what vouches for it).
+    pub fn joined(
+        authorities: Vec<CertificateDer<'static>>,
+        chain: Vec<CertificateDer<'static>>,
+        cluster: CaHash,
+        key: &KeyPair,
+        expires: SystemTime,
+    ) -> Result<Self> {
+        Self::build(Held {
+            authorities,
+            chain,
+            cluster,
+            key,
+            https: None,
+            removed: None,
+            expires,
+        })
+    }
+
+    fn build(held: Held<'_>) -> Result<Self> {
+        let Held {
+            authorities,
+            chain,
+            cluster,
+            key,
+            https,
+            removed,
+            expires,
+        } = held;
+        let slot = Arc::new(CertSlot::new(chain, key, expires)?);
+        let trust = Arc::new(TrustSlot::new(authorities)?);
         let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
         let cluster_provider = cluster_provider();
-        let (required, optional) = client_verifiers(&roots, &provider)?;
         let head = removed.is_some();
         let removed = removed.unwrap_or_default();
-        let (required, optional) = (
+        let verifier = |optional: bool| {
             Arc::new(NotRemoved {
-                inner: required,
+                trust: trust.clone(),
+                optional,
                 removed: removed.clone(),
-            }) as Arc<dyn ClientCertVerifier>,
-            Arc::new(NotRemoved {
-                inner: optional,
-                removed: removed.clone(),
-            }) as Arc<dyn ClientCertVerifier>,
-        );
+                hints: trust.get().required.root_hint_subjects().to_vec(),
+            }) as Arc<dyn ClientCertVerifier>
+        };
+        let (required, optional) = (verifier(false), verifier(true));
         // The head answers joins (no certificate yet) and renewals (the current one) on
-        // its cluster port: its certificate with the authority's beside it, so that a
-        // pinned joiner can check the chain.
+        // its cluster port: its chain with the authorities beside it (so that a pinned
+        // joiner can check the chain).
         let join = if head {
             let mut join = rustls::ServerConfig::builder_with_provider(provider.clone())
                 .with_protocol_versions(&[&rustls::version::TLS13])
                 .map_err(tls("join protocol versions"))?
                 .with_client_cert_verifier(optional.clone())
-                .with_single_cert(
-                    vec![leaf.clone(), ca.clone()],
-                    PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-                )
-                .map_err(tls("join certificate"))?;
+                .with_cert_resolver(Arc::new(JoinChain {
+                    slot: slot.clone(),
+                    trust: trust.clone(),
+                }));
             join.alpn_protocols = vec![crate::join::JOIN_ALPN.to_vec()];
             no_resumption(&mut join);
             Some(Arc::new(join))
         } else {
             None
         };
-        let https = match https {
-            Some((cert, web_key)) => Some(Arc::new(https_config(cert, web_key, provider, optional)?)),
-            None => None,
+        let (https, https_slot) = match https {
+            Some((chain, web_key)) => {
+                let web = Arc::new(CertSlot::new(
+                    chain,
+                    web_key,
+                    SystemTime::now() + crate::ca::HEAD_CERT_LIFETIME,
+                )?);
+                (
+                    Some(Arc::new(https_config(web.clone(), provider, optional)?)),
+                    Some(web),
+                )
+            }
+            None => (None, None),
         };
         let server = cluster_server(cluster_provider.clone(), required, slot.clone())?;
-        let client = cluster_client(cluster_provider, roots, slot.clone())?;
+        let client = cluster_client(cluster_provider, trust.clone(), slot.clone())?;
         Ok(Self {
             server: Arc::new(server),
             client: Arc::new(client),
             https,
-            ca,
+            trust,
             cluster,
             slot,
+            https_slot,
             join,
             names_nodes: true,
             removed,
@@ -255,48 +432,108 @@ impl TlsIdentity {
     }
 
     /// The head's identity: its own certificate and its HTTPS one (also naming
-    /// `web_names`, the hosts browsers reach it by), issued here by `ca`; a connection
-    /// presenting the certificate of a node named in `removed` is refused.
-    pub fn for_head(ca: &ClusterCa, removed: RemovedNodes, web_names: &[String]) -> Result<Self> {
-        let key = crate::ca::node_key()?;
-        let leaf = ca.issue_for_key(&Role::Head, &key)?;
-        // Browsers do not sign with Ed25519 in TLS (Chromium fails the handshake), so the
-        // HTTPS leaf is ECDSA P-256, under the same authority.
-        let web_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(cert("HTTPS key"))?;
-        let web = ca.issue_https(&web_key, web_names)?;
-        Self::build(
-            ca.certificate_der().clone(),
-            leaf,
-            &key,
-            Some((web, &web_key)),
-            Some(removed),
-            SystemTime::now() + crate::ca::HEAD_CERT_LIFETIME,
-        )
+    /// `web_names`, the hosts browsers reach it by), issued here by the issuing authority
+    /// of `authorities`; a connection presenting the certificate of a node named in
+    /// `removed` is refused.
+    pub fn for_head(authorities: &Authorities, removed: RemovedNodes, web_names: &[String]) -> Result<Self> {
+        let (key, chain) = head_chain(authorities)?;
+        let (web_key, web_chain) = https_chain(authorities, web_names)?;
+        Self::build(Held {
+            authorities: authorities.trusted(),
+            chain,
+            cluster: authorities.cluster(),
+            key: &key,
+            https: Some((web_chain, &web_key)),
+            removed: Some(removed),
+            expires: SystemTime::now() + crate::ca::HEAD_CERT_LIFETIME,
+        })
     }
+
+    /// Moves the head's identity to `authorities` (after a rotation or its finish): it trusts
+    /// them from the next handshake on and presents certificates of the issuing one.
+    pub fn rotate_head(&self, authorities: &Authorities, web_names: &[String]) -> Result<()> {
+        let (key, chain) = head_chain(authorities)?;
+        let (web_key, web_chain) = https_chain(authorities, web_names)?;
+        // Trusted first: a process holding a certificate of the new authority may connect
+        // as soon as the head presents one.
+        self.trust.set(authorities.trusted())?;
+        self.slot
+            .replace(chain, &key, SystemTime::now() + crate::ca::HEAD_CERT_LIFETIME)?;
+        if let Some(web) = &self.https_slot {
+            web.replace(web_chain, &web_key, SystemTime::now() + crate::ca::HEAD_CERT_LIFETIME)?;
+        }
+        Ok(())
+    }
+}
+
+/// What a [`TlsIdentity`] is built from.
+struct Held<'a> {
+    authorities: Vec<CertificateDer<'static>>,
+    chain: Vec<CertificateDer<'static>>,
+    cluster: CaHash,
+    key: &'a KeyPair,
+    https: Option<(Vec<CertificateDer<'static>>, &'a KeyPair)>,
+    removed: Option<RemovedNodes>,
+    expires: SystemTime,
+}
+
+/// A fresh key for the head and its certificate chain under the issuing authority.
+fn head_chain(authorities: &Authorities) -> Result<(KeyPair, Vec<CertificateDer<'static>>)> {
+    let key = crate::ca::node_key()?;
+    let mut chain = vec![authorities.issuing().issue_for_key(&Role::Head, &key)?];
+    chain.extend(authorities.chain());
+    Ok((key, chain))
+}
+
+/// A fresh key for the head's HTTPS port and its certificate chain (naming `web_names`).
+fn https_chain(authorities: &Authorities, web_names: &[String]) -> Result<(KeyPair, Vec<CertificateDer<'static>>)> {
+    // Browsers do not sign with Ed25519 in TLS (Chromium fails the handshake), so the
+    // HTTPS leaf is ECDSA P-256, under the same authority.
+    let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(cert("HTTPS key"))?;
+    let mut chain = vec![authorities.issuing().issue_https(&key, web_names)?];
+    chain.extend(authorities.chain());
+    Ok((key, chain))
 }
 
 /// The node names removed from the cluster, shared between a process's verifiers (and on
 /// the head, its join desk and its job API).
 pub type RemovedNodes = Arc<std::sync::RwLock<std::collections::BTreeSet<String>>>;
 
-/// A client verifier that also refuses the certificate of a removed node.
+/// A client verifier of the trust slot's current authorities (a certificate required, or
+/// optional for browsers) that also refuses the certificate of a removed node.
 #[derive(Debug)]
 struct NotRemoved {
-    inner: Arc<dyn ClientCertVerifier>,
+    trust: Arc<TrustSlot>,
+    optional: bool,
     removed: RemovedNodes,
+    /// The authorities' names a server hints with when it asks for a certificate, as they
+    /// were when this verifier was made: only a hint (the cluster's processes present theirs
+    /// whatever it says; browsers hold none of the cluster's), so a rotation leaves it be.
+    hints: Vec<rustls::DistinguishedName>,
+}
+
+impl NotRemoved {
+    fn inner(&self) -> Arc<dyn ClientCertVerifier> {
+        let trust = self.trust.get();
+        if self.optional {
+            trust.optional.clone()
+        } else {
+            trust.required.clone()
+        }
+    }
 }
 
 impl ClientCertVerifier for NotRemoved {
     fn offer_client_auth(&self) -> bool {
-        self.inner.offer_client_auth()
+        true
     }
 
     fn client_auth_mandatory(&self) -> bool {
-        self.inner.client_auth_mandatory()
+        !self.optional
     }
 
     fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
-        self.inner.root_hint_subjects()
+        &self.hints
     }
 
     fn verify_client_cert(
@@ -305,7 +542,7 @@ impl ClientCertVerifier for NotRemoved {
         intermediates: &[CertificateDer<'_>],
         now: rustls::pki_types::UnixTime,
     ) -> std::result::Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
-        let verified = self.inner.verify_client_cert(end_entity, intermediates, now)?;
+        let verified = self.inner().verify_client_cert(end_entity, intermediates, now)?;
         if let Some(name) = crate::ca::node_name_of(end_entity.as_ref()) {
             let removed = self.removed.read().unwrap_or_else(std::sync::PoisonError::into_inner);
             if removed.contains(&name) {
@@ -321,7 +558,7 @@ impl ClientCertVerifier for NotRemoved {
         cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> std::result::Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls12_signature(message, cert, dss)
+        self.inner().verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -330,11 +567,11 @@ impl ClientCertVerifier for NotRemoved {
         cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> std::result::Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.inner.verify_tls13_signature(message, cert, dss)
+        self.inner().verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.inner.supported_verify_schemes()
+        self.inner().supported_verify_schemes()
     }
 }
 
@@ -431,11 +668,10 @@ fn client_verifiers(
     Ok((required, optional))
 }
 
-/// The HTTPS server configuration: `cert` for `key`, ALPN `http/1.1`, a client
+/// The HTTPS server configuration: the slot's certificate, ALPN `http/1.1`, a client
 /// certificate optional.
 fn https_config(
-    cert: CertificateDer<'static>,
-    key: &KeyPair,
+    slot: Arc<CertSlot>,
     provider: Arc<CryptoProvider>,
     verifier: Arc<dyn ClientCertVerifier>,
 ) -> Result<rustls::ServerConfig> {
@@ -443,11 +679,7 @@ fn https_config(
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls("server protocol versions"))?
         .with_client_cert_verifier(verifier)
-        .with_single_cert(
-            vec![cert],
-            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-        )
-        .map_err(tls("HTTPS certificate"))?;
+        .with_cert_resolver(slot);
     https.alpn_protocols = vec![b"http/1.1".to_vec()];
     no_resumption(&mut https);
     Ok(https)
@@ -479,17 +711,18 @@ fn no_resumption(server: &mut rustls::ServerConfig) {
     server.send_tls13_tickets = 0;
 }
 
-/// The client side of the cluster's own connections: trusts `roots` alone and presents
-/// the slot's certificate, ALPN [`ALPN`].
+/// The client side of the cluster's own connections: trusts the trust slot's authorities
+/// alone and presents the slot's certificate, ALPN [`ALPN`].
 fn cluster_client(
     provider: Arc<CryptoProvider>,
-    roots: Arc<RootCertStore>,
+    trust: Arc<TrustSlot>,
     slot: Arc<CertSlot>,
 ) -> Result<rustls::ClientConfig> {
     let mut client = rustls::ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls("client protocol versions"))?
-        .with_root_certificates(roots)
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(TrustedServers(trust)))
         .with_client_cert_resolver(slot);
     client.alpn_protocols = vec![ALPN.to_vec()];
     client.resumption = rustls::client::Resumption::disabled();

@@ -34,6 +34,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
+use crate::authorities::{Authorities, AuthorityStore};
 use crate::ca::{node_key, raw_public_key, spki_of, CaHash, ClusterCa, Role, HEAD_NAME};
 use crate::error::{Error, Result};
 use crate::identity::TlsIdentity;
@@ -151,19 +152,20 @@ impl fmt::Debug for JoinKey {
 }
 
 impl JoinKey {
-    fn tag(&self, side: &[u8], exporter: &[u8], parts: &[&[u8]]) -> hmac::Tag {
+    fn tag<P: AsRef<[u8]>>(&self, side: &[u8], exporter: &[u8], parts: &[P]) -> hmac::Tag {
         let key = hmac::Key::new(hmac::HMAC_SHA256, &self.0);
         let mut context = hmac::Context::with_key(&key);
         context.update(side);
         context.update(exporter);
         for part in parts {
+            let part = part.as_ref();
             context.update(&(part.len() as u32).to_be_bytes());
             context.update(part);
         }
         context.sign()
     }
 
-    fn verify(&self, side: &[u8], exporter: &[u8], parts: &[&[u8]], proof: &[u8]) -> bool {
+    fn verify<P: AsRef<[u8]>>(&self, side: &[u8], exporter: &[u8], parts: &[P], proof: &[u8]) -> bool {
         constant_time::verify_slices_are_equal(self.tag(side, exporter, parts).as_ref(), proof).is_ok()
     }
 
@@ -355,8 +357,14 @@ impl JoinTokens {
 
 /// What a head answers joins with.
 pub struct JoinDesk {
-    /// The authority that issues the certificates.
-    pub ca: Arc<ClusterCa>,
+    /// The authorities: the issuing one issues the certificates, all are trusted.
+    authorities: std::sync::RwLock<Authorities>,
+    /// Where the authorities are kept (`None`: in memory only).
+    pub store: Option<AuthorityStore>,
+    /// The head's own identity, moved along by a rotation.
+    head: TlsIdentity,
+    /// The names the head's HTTPS certificate carries besides its own.
+    pub web_names: Vec<String>,
     /// The tokens it accepts.
     pub tokens: Arc<Mutex<JoinTokens>>,
     /// Where the tokens made after start are kept (`None`: in memory only).
@@ -373,6 +381,70 @@ pub struct JoinDesk {
 }
 
 impl JoinDesk {
+    /// The desk of the head whose identity is `head` (made by [`TlsIdentity::for_head`] from
+    /// `authorities`), accepting `tokens`, the bootstrap one's id `bootstrap`; nothing kept
+    /// on disk and certificates of [`crate::CERT_LIFETIME`] until the fields say otherwise.
+    pub fn new(authorities: Authorities, head: TlsIdentity, tokens: JoinTokens, bootstrap: &str) -> Self {
+        Self {
+            authorities: std::sync::RwLock::new(authorities),
+            store: None,
+            removed: head.removed.clone(),
+            head,
+            web_names: Vec::new(),
+            tokens: Arc::new(Mutex::new(tokens)),
+            file: None,
+            bootstrap: bootstrap.to_string(),
+            lifetime: crate::ca::CERT_LIFETIME,
+            throttle: Default::default(),
+        }
+    }
+
+    /// The authorities now.
+    pub fn authorities(&self) -> Authorities {
+        self.authorities
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The authority that issues certificates now.
+    pub fn issuing_hash(&self) -> CaHash {
+        self.authorities
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .issuing()
+            .hash()
+    }
+
+    /// Starts a rotation: a new authority issues from now on, the current one retires
+    /// (trusted until every certificate it issued has expired). Kept before it takes
+    /// effect; the head presents certificates of the new authority from its next handshake.
+    pub fn rotate(&self) -> Result<Authorities> {
+        self.change(|current, now| current.rotate(ClusterCa::generate_next()?, now, self.lifetime))
+    }
+
+    /// Finishes a rotation: the retiring authority is trusted no more (refused before every
+    /// certificate it issued has expired, unless `force`).
+    pub fn finish(&self, force: bool) -> Result<Authorities> {
+        self.change(|current, now| current.finish(now, force))
+    }
+
+    /// Moves to the authorities `next` makes of the current ones: kept, then the head's
+    /// identity moved, then answered with; one change at a time.
+    fn change(&self, next: impl FnOnce(&Authorities, SystemTime) -> Result<Authorities>) -> Result<Authorities> {
+        let mut current = self
+            .authorities
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let next = next(&current, SystemTime::now())?;
+        if let Some(store) = &self.store {
+            store.save(&current, &next)?;
+        }
+        self.head.rotate_head(&next, &self.web_names)?;
+        *current = next.clone();
+        Ok(next)
+    }
+
     /// Writes the tokens other than the bootstrap one to the desk's file (whole, through a
     /// private temporary file and a rename).
     pub fn save(&self, tokens: &JoinTokens) -> Result<()> {
@@ -381,6 +453,20 @@ impl JoinDesk {
         kept.revoke(&self.bootstrap);
         crate::ca::replace_private(path, kept.to_lines().as_bytes())
     }
+}
+
+/// Certificates as one field: each as a length-prefixed field (what [`decode`] reads).
+fn encode_certs(certs: &[CertificateDer<'_>]) -> Vec<u8> {
+    let fields: Vec<&[u8]> = certs.iter().map(|c| c.as_ref()).collect();
+    encode(&fields)[4..].to_vec()
+}
+
+/// Reads [`encode_certs`]'s field.
+fn decode_certs(field: &[u8]) -> std::result::Result<Vec<CertificateDer<'static>>, String> {
+    Ok(decode(field)?
+        .into_iter()
+        .map(|cert| CertificateDer::from(cert.to_vec()))
+        .collect())
 }
 
 /// Frames of length-prefixed fields: `u32` total length, then each field as `u32` length
@@ -460,16 +546,71 @@ where
     };
     let lifetime = desk.lifetime.as_secs().to_be_bytes();
     let reply = match &outcome {
-        Ok((_, ca, cert, proof)) => encode(&[b"ok", ca, cert, proof, &lifetime]),
+        Ok(grant) => encode(&[
+            b"ok",
+            &grant.trusted,
+            &grant.cert,
+            &grant.proof,
+            &lifetime,
+            &grant.cluster,
+            &grant.chain,
+        ]),
         Err(refusal) => encode(&[b"refused", refusal.to_string().as_bytes()]),
     };
     let _ = stream.write_all(&reply).await;
     let _ = stream.flush().await;
     let _ = stream.shutdown().await;
-    outcome.map(|(role, ..)| role)
+    outcome.map(|grant| grant.role)
 }
 
-type Grant = (Role, Vec<u8>, Vec<u8>, Vec<u8>);
+/// What a join or a renewal is answered with.
+struct Grant {
+    role: Role,
+    /// The authorities to trust ([`encode_certs`]).
+    trusted: Vec<u8>,
+    /// The certificate issued.
+    cert: Vec<u8>,
+    /// The head's proof of the token's secret over all of it (a join's; a renewal has none).
+    proof: Vec<u8>,
+    /// The cluster's id.
+    cluster: [u8; 32],
+    /// What vouches for the certificate besides it ([`encode_certs`]).
+    chain: Vec<u8>,
+}
+
+impl Grant {
+    /// A grant of `cert` to `role` under `authorities`, proven with `key` over `exporter`
+    /// when given.
+    fn new(role: Role, authorities: &Authorities, cert: Vec<u8>, proven: Option<(&JoinKey, &[u8])>) -> Self {
+        let trusted = encode_certs(&authorities.trusted());
+        let chain = encode_certs(&authorities.chain());
+        let cluster = authorities.cluster().0;
+        let proof = proven.map_or_else(Vec::new, |(key, exporter)| {
+            key.tag(b"head", exporter, &head_proof_parts(&trusted, &cert, &cluster, &chain))
+                .as_ref()
+                .to_vec()
+        });
+        Self {
+            role,
+            trusted,
+            cert,
+            proof,
+            cluster,
+            chain,
+        }
+    }
+}
+
+/// What the head's proof covers: digests of the authorities, the certificate and the
+/// chain, and the cluster's id.
+fn head_proof_parts(trusted: &[u8], cert: &[u8], cluster: &[u8], chain: &[u8]) -> [Vec<u8>; 4] {
+    [
+        Sha256::digest(trusted).to_vec(),
+        Sha256::digest(cert).to_vec(),
+        cluster.to_vec(),
+        Sha256::digest(chain).to_vec(),
+    ]
+}
 
 /// [`grant`] within the source's share of failed joins: a source past it is refused before
 /// its proof is checked; an unknown id or a wrong secret counts against it, a join forgets
@@ -494,7 +635,7 @@ fn throttled_grant(
     outcome
 }
 
-/// Checks a join request and issues its certificate: (role, authority, certificate, proof).
+/// Checks a join request and issues its certificate under the issuing authority.
 fn grant(body: &[u8], exporter: &[u8], desk: &JoinDesk) -> std::result::Result<Grant, Refusal> {
     let fields = decode(body).map_err(Refusal::Malformed)?;
     let [version, id, proof, kind, name, public_key] = fields[..] else {
@@ -523,8 +664,9 @@ fn grant(body: &[u8], exporter: &[u8], desk: &JoinDesk) -> std::result::Result<G
     ) {
         return Err(Refusal::WrongSecret);
     }
-    let cert = desk
-        .ca
+    let authorities = desk.authorities();
+    let cert = authorities
+        .issuing()
         .issue(&role, public_key, desk.lifetime)
         .map_err(|e| Refusal::Malformed(e.to_string()))?;
     let limited = tokens
@@ -540,17 +682,15 @@ fn grant(body: &[u8], exporter: &[u8], desk: &JoinDesk) -> std::result::Result<G
         }
     }
     drop(tokens);
-    let ca = desk.ca.certificate_der().to_vec();
-    let head_proof = key.tag(b"head", exporter, &[&Sha256::digest(&ca), &Sha256::digest(&cert)]);
-    Ok((role, ca, cert.to_vec(), head_proof.as_ref().to_vec()))
+    Ok(Grant::new(role, &authorities, cert.to_vec(), Some((&key, exporter))))
 }
 
 /// The version tag of a renewal request.
 const RENEW: &[u8] = b"regatta-renew/1";
 
 /// Checks a renewal (a process presenting its current certificate, `role`'s) and issues
-/// its next certificate: (role, authority, certificate, no proof: the head was checked by
-/// the renewer's own handshake).
+/// its next certificate under the issuing authority, with the authorities to trust now (no
+/// proof: the head was checked by the renewer's own handshake).
 fn renewal(body: &[u8], role: Role, desk: &JoinDesk) -> std::result::Result<Grant, Refusal> {
     let fields = decode(body).map_err(Refusal::Malformed)?;
     let [version, public_key] = fields[..] else {
@@ -569,11 +709,12 @@ fn renewal(body: &[u8], role: Role, desk: &JoinDesk) -> std::result::Result<Gran
         }
         Role::Client(_) => {}
     }
-    let cert = desk
-        .ca
+    let authorities = desk.authorities();
+    let cert = authorities
+        .issuing()
         .issue(&role, public_key, desk.lifetime)
         .map_err(|e| Refusal::Malformed(e.to_string()))?;
-    Ok((role, desk.ca.certificate_der().to_vec(), cert.to_vec(), Vec::new()))
+    Ok(Grant::new(role, &authorities, cert.to_vec(), None))
 }
 
 /// Renews `identity`'s certificate at the head at `address`: a fresh key, a certificate for
@@ -618,15 +759,28 @@ async fn renew_inner(address: &str, identity: &TlsIdentity) -> Result<SystemTime
             "the head at {address} refused to renew this process's certificate: {}",
             String::from_utf8_lossy(reason)
         ))),
-        [b"ok", _, cert, _, lifetime] => {
+        [b"ok", trusted, cert, _, lifetime, cluster, chain] => {
             let cert = CertificateDer::from(cert.to_vec());
             if spki_of(&cert)? != key.public_key_der().as_slice() {
                 return Err(Error::JoinRefused(format!(
                     "{address} renewed a certificate for another key"
                 )));
             }
+            if cluster != identity.cluster.0.as_slice() {
+                return Err(Error::JoinRefused(format!(
+                    "{address} answered for another cluster than {}",
+                    identity.cluster
+                )));
+            }
+            let malformed = |why: String| Error::JoinRefused(format!("a malformed answer from {address}: {why}"));
+            let authorities = decode_certs(trusted).map_err(malformed)?;
+            let mut presented = vec![cert];
+            presented.extend(decode_certs(chain).map_err(malformed)?);
             let expires = SystemTime::now() + lifetime_of(lifetime)?;
-            identity.slot.replace(cert, &key, expires)?;
+            // The authorities first: the new certificate may come from one this process
+            // did not trust yet, and its peers may present such certificates from now on.
+            identity.trust.set(authorities)?;
+            identity.slot.replace(presented, &key, expires)?;
             Ok(expires)
         }
         _ => Err(Error::JoinRefused(format!("a malformed answer from {address}"))),
@@ -694,7 +848,9 @@ impl ServerCertVerifier for JoinVerifier {
         let verifier = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), self.provider.clone())
             .build()
             .map_err(|e| rustls::Error::General(e.to_string()))?;
-        verifier.verify_server_cert(end_entity, &[], server_name, ocsp, now)
+        // The head's chain may lead to the pinned authority through a cross-certificate
+        // (while an older authority retires): every certificate it sent may be a link.
+        verifier.verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
     }
 
     fn verify_tls12_signature(
@@ -747,7 +903,7 @@ async fn join_inner(address: &str, token: &JoinToken, pin: Option<CaHash>, role:
         .await
         .map_err(|e| match pin {
             Some(pin) if is_certificate_error(&e) => Error::JoinRefused(format!(
-                "the head at {address} does not hold the pinned authority {pin}: {e}"
+                "the head at {address} does not hold the pinned authority {pin} (another cluster's, or rotated away: `regatta token create` prints the current one): {e}"
             )),
             _ => Error::JoinUnreachable(format!(
                 "the TLS handshake with {address} failed ({e}); is it a Regatta head's cluster port?"
@@ -783,30 +939,41 @@ async fn join_inner(address: &str, token: &JoinToken, pin: Option<CaHash>, role:
             token.id,
             String::from_utf8_lossy(reason)
         ))),
-        [b"ok", ca, cert, head_proof, lifetime] => {
-            let digests: [&[u8]; 2] = [&Sha256::digest(ca), &Sha256::digest(cert)];
-            if !token.key().verify(b"head", &exporter, &digests, head_proof) {
+        [b"ok", trusted, cert, head_proof, lifetime, cluster, chain] => {
+            let parts = head_proof_parts(trusted, cert, cluster, chain);
+            if !token.key().verify(b"head", &exporter, &parts, head_proof) {
                 return Err(Error::JoinRefused(format!(
                     "{address} answered without proving the join token's secret: not this cluster's head"
                 )));
             }
-            let ca = CertificateDer::from(ca.to_vec());
-            let cert = CertificateDer::from(cert.to_vec());
+            let malformed = |why: String| Error::JoinRefused(format!("a malformed answer from {address}: {why}"));
+            let authorities = decode_certs(trusted).map_err(malformed)?;
+            let cluster: [u8; 32] = cluster
+                .try_into()
+                .map_err(|_| malformed("a cluster id that is not 32 bytes".into()))?;
+            let hashes = authorities
+                .iter()
+                .map(CaHash::of_certificate)
+                .collect::<Result<Vec<_>>>()?;
             if let Some(pin) = pin {
-                let hash = CaHash::of_certificate(&ca)?;
-                if hash != pin {
+                if !hashes.contains(&pin) {
+                    let held: Vec<String> = hashes.iter().map(ToString::to_string).collect();
                     return Err(Error::JoinRefused(format!(
-                        "the head at {address} handed out the authority {hash}, not the pinned {pin}"
+                        "the head at {address} handed out the authorities {}, not the pinned {pin}",
+                        held.join(", ")
                     )));
                 }
             }
+            let cert = CertificateDer::from(cert.to_vec());
             if spki_of(&cert)? != key.public_key_der().as_slice() {
                 return Err(Error::JoinRefused(format!(
                     "{address} issued a certificate for another key"
                 )));
             }
+            let mut presented = vec![cert];
+            presented.extend(decode_certs(chain).map_err(malformed)?);
             let expires = SystemTime::now() + lifetime_of(lifetime)?;
-            TlsIdentity::issued_until(ca, cert, &key, expires)
+            TlsIdentity::joined(authorities, presented, CaHash(cluster), &key, expires)
         }
         _ => Err(Error::JoinRefused(format!("a malformed answer from {address}"))),
     }
@@ -934,16 +1101,16 @@ mod tests {
     #[test]
     fn proofs_bind_the_side_the_channel_and_every_part() {
         let key = JoinToken::generate().key();
-        let tag = key.tag(b"client", b"x", &[b"node", b"w1"]);
-        assert!(key.verify(b"client", b"x", &[b"node", b"w1"], tag.as_ref()));
-        assert!(!key.verify(b"head", b"x", &[b"node", b"w1"], tag.as_ref()));
-        assert!(!key.verify(b"client", b"y", &[b"node", b"w1"], tag.as_ref()));
-        assert!(!key.verify(b"client", b"x", &[b"node", b"w2"], tag.as_ref()));
+        let tag = key.tag(b"client", b"x", &[&b"node"[..], b"w1"]);
+        assert!(key.verify(b"client", b"x", &[&b"node"[..], b"w1"], tag.as_ref()));
+        assert!(!key.verify(b"head", b"x", &[&b"node"[..], b"w1"], tag.as_ref()));
+        assert!(!key.verify(b"client", b"y", &[&b"node"[..], b"w1"], tag.as_ref()));
+        assert!(!key.verify(b"client", b"x", &[&b"node"[..], b"w2"], tag.as_ref()));
         // Lengths are framed: moving a byte between parts changes the proof.
-        assert!(!key.verify(b"client", b"x", &[b"nodew", b"1"], tag.as_ref()));
+        assert!(!key.verify(b"client", b"x", &[&b"nodew"[..], b"1"], tag.as_ref()));
         assert!(!JoinToken::generate()
             .key()
-            .verify(b"client", b"x", &[b"node", b"w1"], tag.as_ref()));
+            .verify(b"client", b"x", &[&b"node"[..], b"w1"], tag.as_ref()));
         let ca = b"authority";
         assert!(key.verify_authority(ca, &key.authority_proof(ca)));
         assert!(!key.verify_authority(b"another", &key.authority_proof(ca)));
@@ -958,27 +1125,25 @@ mod tests {
     async fn head_with(
         removed: crate::identity::RemovedNodes,
     ) -> (String, TlsIdentity, Arc<Mutex<JoinTokens>>, JoinToken) {
-        let ca = Arc::new(ClusterCa::generate().unwrap());
-        let identity = TlsIdentity::for_head(&ca, removed.clone(), &[]).unwrap();
+        let (address, identity, desk, token) = desk_with(removed).await;
+        (address, identity, desk.tokens.clone(), token)
+    }
+
+    /// A head answering joins on a loopback port: its address, identity, desk and token.
+    async fn desk_with(removed: crate::identity::RemovedNodes) -> (String, TlsIdentity, Arc<JoinDesk>, JoinToken) {
+        let authorities = Authorities::first(ClusterCa::generate().unwrap());
+        let identity = TlsIdentity::for_head(&authorities, removed, &[]).unwrap();
         let token = JoinToken::generate();
         let mut tokens = JoinTokens::default();
         tokens.insert(&token, None, None, "test");
-        let tokens = Arc::new(Mutex::new(tokens));
-        let desk = Arc::new(JoinDesk {
-            ca,
-            tokens: tokens.clone(),
-            file: None,
-            bootstrap: token.id.clone(),
-            removed,
-            lifetime: crate::ca::CERT_LIFETIME,
-            throttle: Default::default(),
-        });
+        let desk = Arc::new(JoinDesk::new(authorities, identity.clone(), tokens, &token.id));
+        let served = desk.clone();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let acceptor = tokio_rustls::TlsAcceptor::from(identity.join.clone().unwrap());
         tokio::spawn(async move {
             while let Ok((tcp, peer)) = listener.accept().await {
-                let (acceptor, desk) = (acceptor.clone(), desk.clone());
+                let (acceptor, desk) = (acceptor.clone(), served.clone());
                 tokio::spawn(async move {
                     if let Ok(mut stream) = acceptor.accept(tcp).await {
                         let _ = answer_join(&mut stream, &desk, peer.ip()).await;
@@ -986,7 +1151,7 @@ mod tests {
                 });
             }
         });
-        (address, identity, tokens, token)
+        (address, identity, desk, token)
     }
 
     /// Runs a handshake between `client` and `server` over memory; the client's error.
@@ -1152,6 +1317,72 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_rotation_moves_every_process_to_the_new_authority_without_a_restart() {
+        let (address, head, desk, token) = desk_with(Default::default()).await;
+        let old = desk.issuing_hash();
+        let node = |name: &str| Role::Node(name.into());
+        let w0 = join(&address, &token, Some(old), &node("w0")).await.expect("join");
+        let w1 = join(&address, &token, Some(old), &node("w1")).await.expect("join");
+        desk.rotate().expect("rotate");
+        let new = desk.issuing_hash();
+        assert_ne!(new, old);
+        assert!(desk.rotate().is_err(), "one rotation at a time");
+        // During the overlap a joiner pinning either authority joins, into the same cluster.
+        let w2 = join(&address, &token, Some(old), &node("w2"))
+            .await
+            .expect("the old pin");
+        let w3 = join(&address, &token, Some(new), &node("w3"))
+            .await
+            .expect("the new pin");
+        for joined in [&w0, &w2, &w3] {
+            assert_eq!(joined.cluster, head.cluster, "the cluster's id stays");
+        }
+        assert_eq!(w3.trust.hashes(), vec![new, old]);
+        // w0 and w1 still trust only the old authority, and still accept the head's and the
+        // newcomers' certificates of the new one (the cross-certificate goes with them),
+        // as the newcomers accept theirs.
+        handshake(w0.client.clone(), head.server.clone(), HEAD_NAME).expect("old to head");
+        handshake(w0.client.clone(), w3.server.clone(), "w3.node.regatta").expect("old to new");
+        handshake(w3.client.clone(), w0.server.clone(), "w0.node.regatta").expect("new to old");
+        handshake(w2.client.clone(), w1.server.clone(), "w1.node.regatta").expect("new to old");
+        // A renewal brings the new authority's certificate and trust.
+        renew(&address, &w1).await.expect("renew");
+        assert_eq!(w1.trust.hashes(), vec![new, old]);
+        let presented = w1.slot.get();
+        assert_eq!(presented.cert.len(), 2, "the certificate and the cross-certificate");
+        // Finishing before the old certificates have expired is refused unless forced.
+        let early = desk.finish(false).expect_err("too early");
+        assert!(early.to_string().contains("--force"), "{early}");
+        desk.finish(true).expect("forced");
+        assert_eq!(desk.authorities().hashes(), vec![new]);
+        // The head refuses a certificate of the old authority at once; a renewed process
+        // does from its next renewal on.
+        let refused = handshake(w0.client.clone(), head.server.clone(), HEAD_NAME).expect_err("old refused");
+        assert!(
+            matches!(
+                refused,
+                rustls::Error::InvalidCertificate(_) | rustls::Error::AlertReceived(_)
+            ),
+            "{refused:?}"
+        );
+        handshake(w1.client.clone(), head.server.clone(), HEAD_NAME).expect("renewed");
+        renew(&address, &w1).await.expect("renew again");
+        assert_eq!(w1.trust.hashes(), vec![new]);
+        assert_eq!(w1.slot.get().cert.len(), 1);
+        assert!(handshake(w0.client.clone(), w1.server.clone(), "w1.node.regatta").is_err());
+        handshake(w3.client.clone(), w1.server.clone(), "w1.node.regatta").expect("new to new");
+        assert!(renew(&address, &w0).await.is_err(), "an old certificate cannot renew");
+        // A join pinned to the old authority is refused and says why.
+        let gone = join(&address, &token, Some(old), &node("w4"))
+            .await
+            .expect_err("old pin");
+        assert!(gone.to_string().contains("rotated away"), "{gone}");
+        join(&address, &token, Some(new), &node("w4"))
+            .await
+            .expect("the new pin");
+    }
+
+    #[tokio::test]
     async fn a_removed_node_cannot_renew() {
         let removed = crate::identity::RemovedNodes::default();
         let (address, _, _, token) = head_with(removed.clone()).await;
@@ -1172,7 +1403,12 @@ mod tests {
         // A fake head: real TLS, an authority of its own, and it answers "ok" to anything
         // with a certificate for the joiner's key, but it does not know the secret.
         let ca = Arc::new(ClusterCa::generate().unwrap());
-        let identity = TlsIdentity::for_head(&ca, Default::default(), &[]).unwrap();
+        let identity = TlsIdentity::for_head(
+            &Authorities::first(ClusterCa::generate().unwrap()),
+            Default::default(),
+            &[],
+        )
+        .unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap().to_string();
         let acceptor = tokio_rustls::TlsAcceptor::from(identity.join.clone().unwrap());
@@ -1189,9 +1425,19 @@ mod tests {
             let cert = ca
                 .issue(&Role::Node("w".into()), fields[5], crate::ca::CERT_LIFETIME)
                 .unwrap();
-            let ca_der = ca.certificate_der().to_vec();
-            let proof = guess.tag(b"head", &exporter, &[&Sha256::digest(&ca_der), &Sha256::digest(&cert)]);
-            let reply = encode(&[b"ok", &ca_der, &cert, proof.as_ref(), &60u64.to_be_bytes()]);
+            let trusted = encode_certs(&[ca.certificate_der().clone()]);
+            let cluster = ca.hash().0;
+            let parts = head_proof_parts(&trusted, &cert, &cluster, &[]);
+            let proof = guess.tag(b"head", &exporter, &parts);
+            let reply = encode(&[
+                b"ok",
+                &trusted,
+                &cert,
+                proof.as_ref(),
+                &60u64.to_be_bytes(),
+                &cluster,
+                &[],
+            ]);
             stream.write_all(&reply).await.unwrap();
             stream.flush().await.unwrap();
         });
@@ -1220,20 +1466,14 @@ mod tests {
             let token = JoinToken::generate();
             let mut tokens = JoinTokens::default();
             tokens.insert(&token, None, None, "fuzz");
-            let desk = JoinDesk {
-                ca: Arc::new(ClusterCa::generate().unwrap()),
-                tokens: Arc::new(Mutex::new(tokens)),
-                file: None,
-                bootstrap: token.id.clone(),
-                removed: Default::default(),
-                lifetime: crate::ca::CERT_LIFETIME,
-                throttle: Default::default(),
-            };
+            let authorities = Authorities::first(ClusterCa::generate().unwrap());
+            let head = TlsIdentity::for_head(&authorities, Default::default(), &[]).unwrap();
+            let desk = JoinDesk::new(authorities, head, tokens, &token.id);
             (desk, token)
         }
 
         fn request(token: &JoinToken, exporter: &[u8], public_key: &[u8]) -> Vec<u8> {
-            let proof = token.key().tag(b"client", exporter, &[b"node", b"w1", public_key]);
+            let proof = token.key().tag(b"client", exporter, &[&b"node"[..], b"w1", public_key]);
             encode(&[
                 JOIN_ALPN,
                 token.id.as_bytes(),
@@ -1283,7 +1523,7 @@ mod tests {
                 // Ed25519 key of random bytes may not be a valid point: then the refusal
                 // names the key.
                 match grant(&good, &exporter, &desk) {
-                    Ok((role, ..)) => prop_assert_eq!(role, Role::Node("w1".into())),
+                    Ok(granted) => prop_assert_eq!(granted.role, Role::Node("w1".into())),
                     Err(Refusal::Malformed(why)) => prop_assert!(why.contains("certificate"), "{}", why),
                     Err(other) => prop_assert!(false, "{}", other),
                 }

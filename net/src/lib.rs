@@ -8,6 +8,7 @@
 //! `regatta-object-store` keeps the store itself; the runtime wires both into the head,
 //! workers and clients, and the trainer's ring uses the sealed frames and QUIC.
 
+mod authorities;
 mod ca;
 mod error;
 mod handshake_slots;
@@ -20,13 +21,14 @@ mod sealed;
 mod throttle;
 mod transfer;
 
+pub use authorities::{trust_fingerprint, Authorities, AuthorityStore, Retiring};
 pub use ca::{certificate_pem, CaHash, ClusterCa, Role, CERT_LIFETIME, HEAD_CERT_LIFETIME, HEAD_NAME};
 pub use error::{Error, Result};
 pub use handshake_slots::{
     source_of, HandshakeSlots, Refusal as HandshakeRefusal, Slot as HandshakeSlot, MAX_HANDSHAKES,
     MAX_HANDSHAKES_PER_SOURCE,
 };
-pub use identity::{identity_from_secret, peer_name, RemovedNodes, TlsIdentity};
+pub use identity::{identity_from_secret, peer_name, CertSlot, RemovedNodes, TlsIdentity, TrustSlot};
 pub use join::{
     answer_join, join, renew, signatures_only_verifier, JoinDesk, JoinKey, JoinToken, JoinTokens,
     Refusal as JoinRefusal, TokenEntry, JOIN_ALPN, JOIN_TIMEOUT,

@@ -136,7 +136,11 @@ struct Shared {
     listener: Mutex<Option<std::net::TcpListener>>,
     acceptor: TlsAcceptor,
     connector: TlsConnector,
-    idle: Mutex<IdlePool<SealedStream>>,
+    /// Idle connections by peer, each with the holder whose certificate it checked.
+    idle: Mutex<IdlePool<(String, SealedStream)>>,
+    /// Whether certificates name their holders (a cluster authority's do): a fetch then
+    /// checks that the peer is the holder the directory named.
+    names_holders: bool,
     connecting: tokio::sync::Semaphore,
 }
 
@@ -201,6 +205,7 @@ impl Transfer {
                 acceptor,
                 connector,
                 idle: Mutex::new(IdlePool::new(IDLE_PER_PEER, IDLE_LIMIT)),
+                names_holders: identity.names_nodes,
                 connecting: tokio::sync::Semaphore::new(CONNECTING_AT_ONCE),
             }),
             corrupt,
@@ -290,13 +295,23 @@ impl Transfer {
         });
     }
 
-    async fn connect(&self, peer: SocketAddr) -> Result<SealedStream> {
+    async fn connect(&self, peer: SocketAddr, holder: &str) -> Result<SealedStream> {
         let handshake = async {
             let stream = TcpStream::connect(peer).await?;
             stream.set_nodelay(true)?;
             keep_alive(&stream)?;
             let name = ServerName::try_from(SERVER_NAME).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-            SealedStream::client(self.shared.connector.connect(name, stream).await?).await
+            let tls = self.shared.connector.connect(name, stream).await?;
+            if self.shared.names_holders {
+                let leaf = tls.get_ref().1.peer_certificates().and_then(|chain| chain.first());
+                if !leaf.is_some_and(|leaf| certifies_holder(leaf.as_ref(), holder)) {
+                    return Err(io::Error::new(
+                        io::ErrorKind::PermissionDenied,
+                        format!("its certificate is not {holder}'s"),
+                    ));
+                }
+            }
+            SealedStream::client(tls).await
         };
         // Never closed, so acquiring only waits; the wait is not part of the timeout.
         let _turn = self.shared.connecting.acquire().await;
@@ -311,35 +326,48 @@ impl Transfer {
         }
     }
 
-    fn take_idle(&self, peer: SocketAddr) -> Option<SealedStream> {
-        self.shared.idle.lock().ok()?.take(peer, std::time::Instant::now())
+    /// An idle connection to `peer` checked to be `holder`'s (one checked for another
+    /// holder, a process since gone from that address, is closed).
+    fn take_idle(&self, peer: SocketAddr, holder: &str) -> Option<SealedStream> {
+        let (checked, stream) = self.shared.idle.lock().ok()?.take(peer, std::time::Instant::now())?;
+        (checked == holder).then_some(stream)
     }
 
-    fn put_idle(&self, peer: SocketAddr, stream: SealedStream) {
+    fn put_idle(&self, peer: SocketAddr, holder: &str, stream: SealedStream) {
         if let Ok(mut idle) = self.shared.idle.lock() {
-            idle.put(peer, stream, std::time::Instant::now());
+            idle.put(peer, (holder.to_string(), stream), std::time::Instant::now());
         }
     }
 
-    /// Fetches an object from `peer`, checking its size and CRC-32 against the directory's
-    /// (a same-host segment: its identity, size and seals).
-    pub async fn fetch(&self, peer: SocketAddr, id: ObjectId, size: u64, checksum: u32) -> Result<Fetched> {
+    /// Fetches an object from `peer`, the process the directory names `holder` (a node's
+    /// name, a client's, or the head's `head`), checking its size and CRC-32 against the
+    /// directory's (a same-host segment: its identity, size and seals). Under the cluster's
+    /// authority the peer's certificate must be the holder's: a process at that address
+    /// holding another certificate of the cluster is refused.
+    pub async fn fetch(
+        &self,
+        peer: SocketAddr,
+        holder: &str,
+        id: ObjectId,
+        size: u64,
+        checksum: u32,
+    ) -> Result<Fetched> {
         // An idle connection may have been closed by the peer since: a fresh one is tried
         // when it gives no answer.
-        if let Some(stream) = self.take_idle(peer) {
+        if let Some(stream) = self.take_idle(peer, holder) {
             match self.fetch_on(stream, peer, id, size, checksum).await {
                 Ok((fetched, stream)) => {
-                    self.put_idle(peer, stream);
+                    self.put_idle(peer, holder, stream);
                     return Ok(fetched);
                 }
                 Err(Attempt::Failed(e)) => return Err(e),
                 Err(Attempt::NoAnswer(_)) => {}
             }
         }
-        let stream = self.connect(peer).await?;
+        let stream = self.connect(peer, holder).await?;
         match self.fetch_on(stream, peer, id, size, checksum).await {
             Ok((fetched, stream)) => {
-                self.put_idle(peer, stream);
+                self.put_idle(peer, holder, stream);
                 Ok(fetched)
             }
             Err(Attempt::Failed(e)) => Err(e),
@@ -539,6 +567,16 @@ async fn fill(
     Ok(())
 }
 
+/// Whether `leaf` (a certificate of the cluster's authority) is the one of the process the
+/// directory names `holder`: the head's for `head`, else the node's or client's of that name.
+fn certifies_holder(leaf: &[u8], holder: &str) -> bool {
+    match crate::ca::role_of(leaf) {
+        Some(crate::ca::Role::Head) => holder == "head",
+        Some(crate::ca::Role::Node(name) | crate::ca::Role::Client(name)) => name == holder,
+        None => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -599,8 +637,14 @@ mod tests {
         server.serve(Arc::new(Shares(id, bytes.clone(), Mutex::new(None))));
         let addr = server.local_addr();
         let (one, two) = (node("t"), node("t"));
-        let first = one.fetch(addr, id, bytes.len() as u64, crc32(&bytes)).await.unwrap();
-        let second = two.fetch(addr, id, bytes.len() as u64, crc32(&bytes)).await.unwrap();
+        let first = one
+            .fetch(addr, "peer", id, bytes.len() as u64, crc32(&bytes))
+            .await
+            .unwrap();
+        let second = two
+            .fetch(addr, "peer", id, bytes.len() as u64, crc32(&bytes))
+            .await
+            .unwrap();
         assert_eq!(first.bytes, bytes);
         assert_eq!(second.bytes, bytes);
         let (a, b) = (first.segment.unwrap().handle(), second.segment.unwrap().handle());
@@ -609,11 +653,17 @@ mod tests {
         // A caller with the path off gets the same bytes over the network.
         let mut plain = node("t");
         plain.set_shared_memory(false);
-        let streamed = plain.fetch(addr, id, bytes.len() as u64, crc32(&bytes)).await.unwrap();
+        let streamed = plain
+            .fetch(addr, "peer", id, bytes.len() as u64, crc32(&bytes))
+            .await
+            .unwrap();
         assert_eq!(streamed.bytes, bytes);
         assert!(streamed.segment.is_none());
         // A wrong directory size is refused on this path too.
-        let wrong = one.fetch(addr, id, bytes.len() as u64 + 1, 0).await.unwrap_err();
+        let wrong = one
+            .fetch(addr, "peer", id, bytes.len() as u64 + 1, 0)
+            .await
+            .unwrap_err();
         assert!(matches!(wrong, Error::Corrupt { .. }), "{wrong}");
     }
 
@@ -625,7 +675,7 @@ mod tests {
         let path = std::env::temp_dir().join(format!("regatta-unsealed-{}", std::process::id()));
         server.serve(Arc::new(Unsealed(id, bytes.clone(), path.clone())));
         let got = node("t")
-            .fetch(server.local_addr(), id, bytes.len() as u64, crc32(&bytes))
+            .fetch(server.local_addr(), "peer", id, bytes.len() as u64, crc32(&bytes))
             .await
             .unwrap();
         assert_eq!(got.bytes, bytes);
@@ -643,6 +693,45 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_fetch_reaches_the_holder_the_directory_names_and_no_other() {
+        let ca = crate::ClusterCa::generate().unwrap();
+        let bound = |role: crate::Role| {
+            let identity = TlsIdentity::issued_by(&ca, &role).unwrap();
+            Transfer::bind("127.0.0.1:0".parse().unwrap(), &identity).unwrap()
+        };
+        let w1 = bound(crate::Role::Node("w1".into()));
+        let id = ObjectId(3);
+        let bytes = object(1000);
+        w1.serve(Arc::new(One(id, bytes.clone())));
+        let addr = w1.local_addr();
+        let reader = bound(crate::Role::Client("driver".into()));
+        let got = reader.fetch(addr, "w1", id, 1000, crc32(&bytes)).await.unwrap();
+        assert_eq!(got.bytes, bytes);
+        // The same process named as another holder (a stale or forged directory entry): the
+        // idle connection is not reused for it, and a fresh one is refused.
+        let refused = reader.fetch(addr, "w2", id, 1000, crc32(&bytes)).await.unwrap_err();
+        assert!(refused.to_string().contains("not w2's"), "{refused}");
+        assert!(reader.fetch(addr, "head", id, 1000, crc32(&bytes)).await.is_err());
+        // The head's objects come from the head's certificate; a client's from the client's.
+        let head = bound(crate::Role::Head);
+        head.serve(Arc::new(One(id, bytes.clone())));
+        reader
+            .fetch(head.local_addr(), "head", id, 1000, crc32(&bytes))
+            .await
+            .unwrap();
+        let driver = bound(crate::Role::Client("d2".into()));
+        driver.serve(Arc::new(One(id, bytes.clone())));
+        reader
+            .fetch(driver.local_addr(), "d2", id, 1000, crc32(&bytes))
+            .await
+            .unwrap();
+        assert_eq!(
+            reader.fetch(addr, "w1", id, 1000, crc32(&bytes)).await.unwrap().bytes,
+            bytes
+        );
+    }
+
+    #[tokio::test]
     async fn members_fetch_byte_exact_and_strangers_are_refused() {
         let server = node("cluster-token");
         let id = ObjectId(9);
@@ -651,20 +740,26 @@ mod tests {
         let addr = server.local_addr();
 
         let member = node("cluster-token");
-        let got = member.fetch(addr, id, bytes.len() as u64, crc32(&bytes)).await.unwrap();
+        let got = member
+            .fetch(addr, "peer", id, bytes.len() as u64, crc32(&bytes))
+            .await
+            .unwrap();
         assert_eq!(got.bytes, bytes);
         assert!(got.segment.is_none(), "a source without segments streams");
-        let missing = member.fetch(addr, ObjectId(10), 1, 0).await.unwrap_err();
+        let missing = member.fetch(addr, "peer", ObjectId(10), 1, 0).await.unwrap_err();
         assert!(matches!(missing, Error::NotHeld { .. }), "{missing}");
 
         let stranger = node("another-token");
         let refused = stranger
-            .fetch(addr, id, bytes.len() as u64, crc32(&bytes))
+            .fetch(addr, "peer", id, bytes.len() as u64, crc32(&bytes))
             .await
             .unwrap_err();
         assert!(refused.to_string().contains("handshake"), "{refused}");
         // The holder serves on after refusing the stranger.
-        let again = member.fetch(addr, id, bytes.len() as u64, crc32(&bytes)).await.unwrap();
+        let again = member
+            .fetch(addr, "peer", id, bytes.len() as u64, crc32(&bytes))
+            .await
+            .unwrap();
         assert_eq!(again.bytes, bytes);
     }
 
@@ -698,7 +793,7 @@ mod tests {
         let addr = server.local_addr();
         let member = node("cluster-token");
         let got = member
-            .fetch(addr, ObjectId(1), len as u64, crc32(&first))
+            .fetch(addr, "peer", ObjectId(1), len as u64, crc32(&first))
             .await
             .unwrap();
         assert_eq!(got.bytes, first);
@@ -709,7 +804,7 @@ mod tests {
             "given back when the object was dropped"
         );
         let got = member
-            .fetch(addr, ObjectId(2), len as u64, crc32(&second))
+            .fetch(addr, "peer", ObjectId(2), len as u64, crc32(&second))
             .await
             .unwrap();
         assert!(!pooled_capacities().contains(&len), "the kept buffer was taken");
@@ -717,7 +812,7 @@ mod tests {
         // A transfer that fails (a wrong whole-object CRC) gives its buffer back unseen.
         drop(got);
         let failed = member
-            .fetch(addr, ObjectId(1), len as u64, crc32(&first) ^ 1)
+            .fetch(addr, "peer", ObjectId(1), len as u64, crc32(&first) ^ 1)
             .await
             .unwrap_err();
         assert!(matches!(failed, Error::Corrupt { .. }), "{failed}");
@@ -726,7 +821,7 @@ mod tests {
             "the failed transfer gave the buffer back"
         );
         let got = member
-            .fetch(addr, ObjectId(1), len as u64, crc32(&first))
+            .fetch(addr, "peer", ObjectId(1), len as u64, crc32(&first))
             .await
             .unwrap();
         assert_eq!(got.bytes, first);
@@ -759,7 +854,7 @@ mod tests {
         let member = node("t");
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
-            match member.fetch(addr, id, bytes.len() as u64, crc32(&bytes)).await {
+            match member.fetch(addr, "peer", id, bytes.len() as u64, crc32(&bytes)).await {
                 Ok(got) => {
                     assert_eq!(got.bytes, bytes);
                     break;
@@ -856,7 +951,7 @@ mod tests {
         let mut member = node("t");
         member.set_shared_memory(false);
         let got = member
-            .fetch(relay, id, bytes.len() as u64, crc32(&bytes))
+            .fetch(relay, "peer", id, bytes.len() as u64, crc32(&bytes))
             .await
             .unwrap();
         assert_eq!(got.bytes, bytes);
@@ -874,7 +969,7 @@ mod tests {
         assert_eq!(opened(), 1, "a replayed request is never served");
 
         let again = node("t")
-            .fetch(addr, id, bytes.len() as u64, crc32(&bytes))
+            .fetch(addr, "peer", id, bytes.len() as u64, crc32(&bytes))
             .await
             .unwrap();
         assert_eq!(again.bytes, bytes, "the holder serves on");
@@ -918,12 +1013,15 @@ mod tests {
         let mut member = node("t");
         member.set_shared_memory(false);
         let err = member
-            .fetch(relay, id, bytes.len() as u64, crc32(&bytes))
+            .fetch(relay, "peer", id, bytes.len() as u64, crc32(&bytes))
             .await
             .unwrap_err();
         assert!(matches!(err, Error::Transfer(_)), "{err}");
         assert!(err.to_string().contains("authentication"), "{err}");
-        let again = member.fetch(addr, id, bytes.len() as u64, crc32(&bytes)).await.unwrap();
+        let again = member
+            .fetch(addr, "peer", id, bytes.len() as u64, crc32(&bytes))
+            .await
+            .unwrap();
         assert_eq!(again.bytes, bytes, "the holder serves on");
     }
 
@@ -956,7 +1054,7 @@ mod tests {
         server.serve(Arc::new(One(id, secret.clone())));
         let mut client = node("t");
         client.set_shared_memory(false);
-        let mut stream = client.connect(server.local_addr()).await.unwrap();
+        let mut stream = client.connect(server.local_addr(), "peer").await.unwrap();
         let reply = client.ask(&mut stream, id).await.unwrap();
         assert_eq!(reply.first(), Some(&STATUS_STREAM));
         let mut chunk = [0u8; 4];
@@ -979,7 +1077,7 @@ mod tests {
         server.serve(Arc::new(One(id, bytes.clone())));
         let client = node("t");
         let err = client
-            .fetch(server.local_addr(), id, bytes.len() as u64, crc32(&bytes))
+            .fetch(server.local_addr(), "peer", id, bytes.len() as u64, crc32(&bytes))
             .await
             .unwrap_err();
         assert!(matches!(err, Error::Corrupt { .. }), "{err}");

@@ -142,10 +142,11 @@ class JobSubmissionClient:
                 # The cluster's authority signs the head's certificate, which names
                 # `head.regatta` (not a host): the chain and that name are checked.
                 try:
-                    der = _native.cluster_authority_der(self._address, token)
+                    authorities = _native.cluster_authorities_der(self._address, token)
                 except RuntimeError as error:
                     raise ConnectionError(str(error)) from None
-                self._context = ssl.create_default_context(cadata=ssl.DER_cert_to_PEM_cert(der))
+                pem = "".join(ssl.DER_cert_to_PEM_cert(der) for der in authorities)
+                self._context = ssl.create_default_context(cadata=pem)
                 self._server_hostname = HEAD_NAME
         self._opener = urllib.request.build_opener(_HTTPSHandler(self._context, self._server_hostname))
         self._request("GET", "/api/version")

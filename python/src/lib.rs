@@ -55,15 +55,15 @@ fn placing_error(e: regatta::Error) -> PyErr {
     }
 }
 
-/// The cluster's certificate authority (DER) as the job API at `base` serves it, believed
-/// only with the join token's proof of it: what a Python client trusts to check a head
-/// without a file.
+/// The cluster's certificate authorities (DER; the issuing one first, during a rotation
+/// the retiring one too) as the job API at `base` serves them, believed only with the join
+/// token's proof of each: what a Python client trusts to check a head without a file.
 #[pyfunction]
-fn cluster_authority_der<'py>(py: Python<'py>, base: &str, token: &str) -> PyResult<Bound<'py, PyBytes>> {
-    let der = py
+fn cluster_authorities_der<'py>(py: Python<'py>, base: &str, token: &str) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let authorities = py
         .detach(|| runtime().block_on(regatta::fetch_cluster_authority(base, token)))
         .map_err(error)?;
-    Ok(PyBytes::new(py, der.as_ref()))
+    Ok(authorities.iter().map(|der| PyBytes::new(py, der.as_ref())).collect())
 }
 
 /// The module.
@@ -73,7 +73,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pending>()?;
     m.add_class::<Group>()?;
     m.add_class::<Object>()?;
-    m.add_function(wrap_pyfunction!(cluster_authority_der, m)?)?;
+    m.add_function(wrap_pyfunction!(cluster_authorities_der, m)?)?;
     m.add("MAX_FRAME", regatta::PYTHON_MAX_FRAME)?;
     m.add("Infeasible", m.py().get_type::<Infeasible>())?;
     Ok(())

@@ -37,7 +37,7 @@ mod net;
 mod objects;
 mod worker;
 
-pub use client::job_client::{JobClient, DEFAULT_JOB_ADDRESS};
+pub use client::job_client::{AuthorityView, JobClient, DEFAULT_JOB_ADDRESS};
 pub use client::pool::ActorPool;
 pub use client::{Actor, ActorContext, ActorError};
 pub use client::{ActorHandle, ActorOptions, Client, Cluster, PlacementGroup, DEFAULT_CALL_TIMEOUT};

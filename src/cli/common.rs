@@ -13,14 +13,14 @@ use crate::local::{LocalCluster, LocalOptions, WorkerSpec};
 #[derive(Args, Debug, Clone)]
 pub(crate) struct TokenArgs {
     /// Cluster token (else REGATTA_TOKEN, --token-file, or ~/.regatta/token).
-    #[arg(long, env = "REGATTA_TOKEN", hide_env_values = true)]
+    #[arg(long, env = "REGATTA_TOKEN", hide_env_values = true, global = true)]
     pub(crate) token: Option<String>,
     /// File holding the cluster token.
-    #[arg(long)]
+    #[arg(long, global = true)]
     pub(crate) token_file: Option<PathBuf>,
     /// The cluster authority's hash (sha256:..., printed by the head): join only a head
     /// that holds it.
-    #[arg(long, env = "REGATTA_CA_HASH")]
+    #[arg(long, env = "REGATTA_CA_HASH", global = true)]
     pub(crate) ca_hash: Option<String>,
 }
 

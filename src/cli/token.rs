@@ -82,6 +82,16 @@ pub async fn run(command: TokenCommand) -> anyhow::Result<ExitCode> {
                 "cluster authority {}",
                 reply.get("ca_hash").and_then(Value::as_str).unwrap_or("?")
             );
+            // During a rotation the retiring authority is still trusted (and pinnable).
+            for hash in reply
+                .get("ca_hashes")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .skip(1)
+            {
+                println!("retiring authority {}", hash.as_str().unwrap_or("?"));
+            }
             println!("{:<8} {:<22} {:<10} DESCRIPTION", "ID", "EXPIRES (UNIX)", "USES LEFT");
             for token in reply.get("tokens").and_then(Value::as_array).into_iter().flatten() {
                 let text = |name: &str| match token.get(name) {

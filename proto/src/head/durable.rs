@@ -184,6 +184,7 @@ impl HeadCore {
             pull_wakes: PullWakes::default(),
             object_waits: Vec::new(),
             object_waits_stale: false,
+            trust: 0,
         }
     }
 

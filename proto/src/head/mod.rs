@@ -51,6 +51,9 @@ pub struct HeadCore {
     object_waits: Vec<waits::ObjectsWait>,
     /// The directory changed since the parked waits were last looked at.
     object_waits_stale: bool,
+    /// The fingerprint of the authorities the head trusts (0: not told yet). Not saved: the
+    /// head tells it at each start.
+    trust: u64,
 }
 
 impl HeadCore {
@@ -70,6 +73,7 @@ impl HeadCore {
             pull_wakes: PullWakes::default(),
             object_waits: Vec::new(),
             object_waits_stale: false,
+            trust: 0,
         }
     }
 
@@ -269,13 +273,19 @@ impl HeadCore {
                 node,
                 incarnation,
                 removed_known,
+                trust,
             } => {
                 let known = self.scheduler.heartbeat(&node, incarnation, now);
                 // Every node beats twice a second: the names are copied only for a node
                 // that knows fewer than the head.
                 let removed = (self.scheduler.removed_count() != removed_known)
                     .then(|| self.scheduler.removed_nodes().map(str::to_string).collect());
-                answer(to, Answer::Heartbeat(crate::Beat { known, removed }), out);
+                let renew = self.trust != 0 && trust != self.trust;
+                answer(to, Answer::Heartbeat(crate::Beat { known, removed, renew }), out);
+            }
+            HeadRequest::Trust(trust) => {
+                self.trust = trust;
+                answer(to, Answer::Done(Ok(())), out);
             }
             HeadRequest::RemoveNode(node) => {
                 let (known, lost) = self.scheduler.remove_node(&node, now);

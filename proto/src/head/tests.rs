@@ -756,6 +756,7 @@ fn a_restored_head_takes_back_the_actors_its_nodes_report_and_restarts_only_the_
             node: "w1".into(),
             incarnation: 1,
             removed_known: 0,
+            trust: 0,
         },
         Some(ReplyTo(2)),
         1_001,
@@ -766,7 +767,8 @@ fn a_restored_head_takes_back_the_actors_its_nodes_report_and_restarts_only_the_
             _,
             Answer::Heartbeat(crate::Beat {
                 known: false,
-                removed: None
+                removed: None,
+                renew: false,
             })
         )]
     ));
@@ -1051,6 +1053,7 @@ fn a_snapshot_and_the_changes_after_it_replay_to_the_same_head() {
                         node: name.clone(),
                         incarnation: *incarnation,
                         removed_known: 0,
+                        trust: 0,
                     },
                     None,
                     now,
@@ -1126,6 +1129,7 @@ fn a_removed_node_is_dead_at_once_its_actors_move_and_its_name_is_refused_for_go
             node: on.clone(),
             incarnation: 1,
             removed_known: 0,
+            trust: 0,
         },
         Some(ReplyTo(2)),
         6,
@@ -1133,7 +1137,7 @@ fn a_removed_node_is_dead_at_once_its_actors_move_and_its_name_is_refused_for_go
     // The answer names the removed node to whoever knows fewer removals, and nothing to
     // one that knows them all.
     assert!(
-        matches!(replies(&beat).as_slice(), [(_, Answer::Heartbeat(crate::Beat { known: false, removed: Some(names) }))] if names == &[on.clone()]),
+        matches!(replies(&beat).as_slice(), [(_, Answer::Heartbeat(crate::Beat { known: false, removed: Some(names), .. }))] if names == &[on.clone()]),
         "{beat:?}"
     );
     let up_to_date = head.handle(
@@ -1141,6 +1145,7 @@ fn a_removed_node_is_dead_at_once_its_actors_move_and_its_name_is_refused_for_go
             node: on.clone(),
             incarnation: 1,
             removed_known: 1,
+            trust: 0,
         },
         Some(ReplyTo(9)),
         6,
@@ -1154,6 +1159,29 @@ fn a_removed_node_is_dead_at_once_its_actors_move_and_its_name_is_refused_for_go
         matches!(replies(&again).as_slice(), [(_, Answer::Registered(Err(Failure::Rejected(why))))] if why.contains("removed")),
         "{again:?}"
     );
+    // A node trusting other authorities than the head (a rotation) is asked to renew,
+    // once the head has been told its own; a node trusting the same ones is not.
+    let beat_with = |head: &mut HeadCore, trust: u64| {
+        let out = head.handle(
+            HeadRequest::Heartbeat {
+                node: "w1".into(),
+                incarnation: 1,
+                removed_known: 1,
+                trust,
+            },
+            Some(ReplyTo(10)),
+            6,
+        );
+        match replies(&out).as_slice() {
+            [(_, Answer::Heartbeat(beat))] => beat.renew,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!(!beat_with(&mut head, 7), "not told its own yet");
+    head.handle(HeadRequest::Trust(7), Some(ReplyTo(11)), 6);
+    assert!(!beat_with(&mut head, 7));
+    head.handle(HeadRequest::Trust(8), Some(ReplyTo(12)), 6);
+    assert!(beat_with(&mut head, 7), "the head moved on");
     // An unknown name is refused ahead of time, and said to be unknown.
     let out = head.handle(HeadRequest::RemoveNode("w9".into()), Some(ReplyTo(4)), 8);
     assert!(matches!(replies(&out).as_slice(), [(_, Answer::Removed(false))]));

@@ -157,6 +157,9 @@ pub struct Beat {
     /// Every node removed from the cluster, when the node knows of fewer; its TLS
     /// listeners refuse their certificates from then on.
     pub removed: Option<Vec<String>>,
+    /// The node trusts other authorities than the head does (a rotation started or
+    /// finished): it should renew its certificate now, which brings the head's.
+    pub renew: bool,
 }
 
 /// Requests the head answers.
@@ -185,6 +188,9 @@ pub enum HeadRequest {
         /// How many removed nodes it knows of: the answer names them all when the head
         /// knows of more (removals are for good, so the count tells).
         removed_known: usize,
+        /// The fingerprint of the authorities it trusts (`regatta_net`'s
+        /// `TrustSlot::fingerprint`): the answer asks for a renewal when the head's differs.
+        trust: u64,
     },
     /// Spawn an actor: replies [`ActorId`] once accepted (placement may still wait).
     Spawn(ActorSpec),
@@ -338,6 +344,10 @@ pub enum HeadRequest {
     /// dead at once (its actors restart elsewhere) and its name is refused from then on,
     /// registrations and heartbeats alike: replies `bool`, whether the head knew it.
     RemoveNode(String),
+    /// The fingerprint of the authorities the head trusts now (at its start and after each
+    /// step of a rotation; not kept): heartbeats of nodes that trust others are answered
+    /// with a request to renew. Replies `()`.
+    Trust(u64),
 }
 
 impl HeadRequest {
@@ -375,6 +385,7 @@ impl HeadRequest {
             Self::ObjectPull { .. } => "object-pull",
             Self::ObjectPullEnded { .. } => "object-pull-ended",
             Self::RemoveNode(_) => "remove-node",
+            Self::Trust(_) => "trust",
         }
     }
 
@@ -395,6 +406,7 @@ impl HeadRequest {
                 | Self::ObjectPull { .. }
                 | Self::ObjectPullEnded { .. }
                 | Self::ObjectsWait { .. }
+                | Self::Trust(_)
         )
     }
 

@@ -255,6 +255,23 @@ impl JobClient {
         Ok(reply.get("known").and_then(Value::as_bool).unwrap_or(false))
     }
 
+    /// The cluster's id and its authorities (`GET /api/ca`).
+    pub async fn authorities(&self) -> Result<AuthorityView> {
+        AuthorityView::from_reply(self.json(Method::GET, "/api/ca", NO_BODY).await?)
+    }
+
+    /// Starts a rotation of the cluster's authority (`POST /api/ca/rotate`).
+    pub async fn rotate_authority(&self) -> Result<AuthorityView> {
+        AuthorityView::from_reply(self.json(Method::POST, "/api/ca/rotate", NO_BODY).await?)
+    }
+
+    /// Finishes a rotation (`POST /api/ca/finish`): refused while the retiring authority's
+    /// certificates may be in use, unless `force`.
+    pub async fn finish_rotation(&self, force: bool) -> Result<AuthorityView> {
+        let body = serde_json::json!({ "force": force });
+        AuthorityView::from_reply(self.json(Method::POST, "/api/ca/finish", Some(&body)).await?)
+    }
+
     /// Waits until the job ends; returns its final record.
     pub async fn wait(&self, id: &str, poll: Duration) -> Result<JobRecord> {
         loop {
@@ -282,4 +299,49 @@ fn refused_certificate(e: &(dyn std::error::Error + 'static)) -> bool {
         return refused_certificate(inner);
     }
     e.source().is_some_and(refused_certificate)
+}
+
+/// Where a cluster's authorities stand (`GET /api/ca`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AuthorityView {
+    /// The cluster's id (its first authority's hash).
+    pub cluster: regatta_net::CaHash,
+    /// The authority that issues certificates.
+    pub issuing: regatta_net::CaHash,
+    /// The authority retiring, and when the last certificate it issued expires.
+    pub retiring: Option<(regatta_net::CaHash, std::time::SystemTime)>,
+}
+
+impl AuthorityView {
+    fn from_reply(reply: Value) -> Result<Self> {
+        let bad = |why: &str| Error::Decode {
+            what: "the head's authorities".into(),
+            reason: why.to_string(),
+        };
+        let hash = |value: Option<&Value>, name: &str| {
+            value
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad(&format!("no {name}")))?
+                .parse::<regatta_net::CaHash>()
+                .map_err(|e| bad(&e.to_string()))
+        };
+        let retiring = match reply.get("retiring") {
+            None | Some(Value::Null) => None,
+            Some(retiring) => {
+                let until = retiring
+                    .get("until_unix")
+                    .and_then(Value::as_u64)
+                    .ok_or_else(|| bad("no until_unix"))?;
+                Some((
+                    hash(retiring.get("hash"), "retiring hash")?,
+                    std::time::UNIX_EPOCH + Duration::from_secs(until),
+                ))
+            }
+        };
+        Ok(Self {
+            cluster: hash(reply.get("cluster"), "cluster")?,
+            issuing: hash(reply.get("issuing"), "issuing")?,
+            retiring,
+        })
+    }
 }

@@ -11,11 +11,14 @@
 //! | `POST /api/jobs/{id}/stop` | `{"stopped": bool}` |
 //! | `DELETE /api/jobs/{id}` | `{"deleted": true}` (finished jobs only) |
 //! | `GET /api/version` | `{"version", "ray_version", "ray_commit", "session_name"}`: the Ray job API this speaks |
-//! | `POST /api/join-tokens` | body `{"ttl_secs", "uses", "description"}` (each optional; default 24 h, unlimited): a new join token, `{"token", "id", "expires_unix", "uses", "ca_hash"}` |
-//! | `GET /api/join-tokens` | `{"ca_hash", "tokens": [{"id", "expires_unix", "uses_left", "description", "bootstrap"}]}` (never a secret) |
+//! | `POST /api/join-tokens` | body `{"ttl_secs", "uses", "description"}` (each optional; default 24 h, unlimited): a new join token, `{"token", "id", "expires_unix", "uses", "ca_hash"}` (the issuing authority's hash) |
+//! | `GET /api/join-tokens` | `{"ca_hash", "ca_hashes", "tokens": [{"id", "expires_unix", "uses_left", "description", "bootstrap"}]}` (never a secret; `ca_hashes`: every trusted authority's, during a rotation two) |
 //! | `DELETE /api/join-tokens/{id}` | `{"revoked": bool}`: joins with it are refused from now on (the bootstrap token's too) |
 //! | `DELETE /api/nodes/{name}` | `{"removed": true, "known": bool}`: the node is removed for good: declared dead at once (its actors restart elsewhere), its certificate and its name refused from then on |
-//! | `GET /api/cluster-ca?token_id=ID` | no login: `{"ca", "proof"}`, the cluster authority (DER, hex) and the join token `ID`'s proof of it, so a client holding the token trusts the authority before it sends the token |
+//! | `GET /api/ca` | `{"cluster", "issuing", "retiring": null or {"hash", "until_unix"}}`: the cluster's id and its authorities' hashes |
+//! | `POST /api/ca/rotate` | a new authority issues from now on, the current one retires (trusted until its certificates have expired): replies as `GET /api/ca` |
+//! | `POST /api/ca/finish` | body `{"force": bool}` (optional): the retiring authority is trusted no more; refused (409) while certificates it issued may be in use, unless forced |
+//! | `GET /api/cluster-ca?token_id=ID` | no login: `{"authorities": [{"ca", "proof"}]}`, the authorities the cluster trusts (DER, hex; the issuing one first), each with the join token `ID`'s proof of it, so a client holding the token trusts them before it sends the token |
 //! | `GET /api/packages/gcs/{name}` | 200 when the package is stored, else 404 |
 //! | `PUT /api/packages/gcs/{name}` | stores a `working_dir`/`py_modules` zip, checked against its name ([`super::job_packages`]) |
 //!
@@ -139,6 +142,9 @@ pub(crate) async fn serve(
         .route("/api/join-tokens", post(create_join_token).get(list_join_tokens))
         .route("/api/join-tokens/{id}", axum::routing::delete(revoke_join_token))
         .route("/api/nodes/{name}", axum::routing::delete(remove_node))
+        .route("/api/ca", get(authorities))
+        .route("/api/ca/rotate", post(rotate_authority))
+        .route("/api/ca/finish", post(finish_rotation))
         .route(
             "/api/packages/{protocol}/{name}",
             get(package_exists).put(package_upload),
@@ -410,7 +416,7 @@ async fn create_join_token(State(api): State<Api>, body: Bytes) -> Response {
         "id": token.id,
         "expires_unix": unix(expires),
         "uses": wanted.uses,
-        "ca_hash": api.desk.ca.hash().to_string(),
+        "ca_hash": api.desk.issuing_hash().to_string(),
     }))
     .into_response()
 }
@@ -437,7 +443,14 @@ async fn list_join_tokens(State(api): State<Api>) -> Response {
             })
         })
         .collect();
-    Json(json!({"ca_hash": api.desk.ca.hash().to_string(), "tokens": listed})).into_response()
+    let hashes: Vec<String> = api
+        .desk
+        .authorities()
+        .hashes()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    Json(json!({"ca_hash": api.desk.issuing_hash().to_string(), "ca_hashes": hashes, "tokens": listed})).into_response()
 }
 
 async fn revoke_join_token(State(api): State<Api>, Path(id): Path<String>) -> Response {
@@ -503,10 +516,98 @@ fn cluster_authority(
     };
     match key {
         Ok(key) => {
-            let ca = desk.ca.certificate_der().as_ref();
-            Json(json!({"ca": hex(ca), "proof": hex(&key.authority_proof(ca))})).into_response()
+            let authorities: Vec<_> = desk
+                .authorities()
+                .trusted()
+                .iter()
+                .map(|ca| json!({"ca": hex(ca.as_ref()), "proof": hex(&key.authority_proof(ca.as_ref()))}))
+                .collect();
+            Json(json!({ "authorities": authorities })).into_response()
         }
         Err(refusal) => error(StatusCode::NOT_FOUND, refusal.to_string()),
+    }
+}
+
+/// The cluster's id and its authorities, as `GET /api/ca` shows them.
+fn authorities_view(authorities: &regatta_net::Authorities) -> serde_json::Value {
+    let retiring = authorities.retiring().map(|retiring| {
+        json!({
+            "hash": regatta_net::CaHash::of_certificate(&retiring.cert).map(|h| h.to_string()).unwrap_or_default(),
+            "until_unix": unix(retiring.until),
+        })
+    });
+    json!({
+        "cluster": authorities.cluster().to_string(),
+        "issuing": authorities.issuing().hash().to_string(),
+        "retiring": retiring,
+    })
+}
+
+async fn authorities(State(api): State<Api>) -> Response {
+    Json(authorities_view(&api.desk.authorities())).into_response()
+}
+
+/// A rotation step's outcome as an answer: a refusal is a conflict (409) that says why.
+/// After a step, the head's heartbeat answers ask every node that trusts other authorities
+/// to renew at once.
+async fn rotation_answer(api: &Api, outcome: regatta_net::Result<regatta_net::Authorities>, what: &str) -> Response {
+    match outcome {
+        Ok(authorities) => {
+            tracing::warn!(step = what, authorities = ?authorities, "the cluster's authorities changed");
+            let told = api
+                .link
+                .ask::<()>(
+                    &regatta_proto::HeadRequest::Trust(authorities.fingerprint()),
+                    Duration::from_secs(10),
+                )
+                .await;
+            if let Err(e) = told {
+                tracing::warn!(error = %e, "nodes were not asked to renew at once: they renew under the new authorities when their certificates are two-thirds through");
+            }
+            Json(authorities_view(&authorities)).into_response()
+        }
+        Err(regatta_net::Error::Rotation(why)) => error(StatusCode::CONFLICT, why),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, format!("cannot {what}: {e}")),
+    }
+}
+
+async fn rotate_authority(State(api): State<Api>) -> Response {
+    let desk = api.desk.clone();
+    let outcome = tokio::task::spawn_blocking(move || desk.rotate()).await;
+    match outcome {
+        Ok(outcome) => rotation_answer(&api, outcome, "rotate the authority").await,
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the rotation did not finish: {e}"),
+        ),
+    }
+}
+
+/// `POST /api/ca/finish`'s body.
+#[derive(serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct Finish {
+    #[serde(default)]
+    force: bool,
+}
+
+async fn finish_rotation(State(api): State<Api>, body: Bytes) -> Response {
+    let wanted: Finish = if body.is_empty() {
+        Finish::default()
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(wanted) => wanted,
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("a finish request: {e}")),
+        }
+    };
+    let desk = api.desk.clone();
+    let outcome = tokio::task::spawn_blocking(move || desk.finish(wanted.force)).await;
+    match outcome {
+        Ok(outcome) => rotation_answer(&api, outcome, "finish the rotation").await,
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the finish did not complete: {e}"),
+        ),
     }
 }
 

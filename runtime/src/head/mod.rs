@@ -203,6 +203,13 @@ pub async fn start_head(config: HeadConfig) -> Result<RunningHead> {
     node::join_group(&scope, node::HEAD_GROUP, actor.get_cell());
     start_ticker(actor.clone(), config.heartbeat_timeout_ms);
     let link = Arc::new(HeadLink::new(scope.clone(), actor.get_cell(), address.clone()));
+    // Heartbeats of nodes that trust other authorities (a rotation under way across a
+    // restart) are answered with a request to renew.
+    link.ask::<()>(
+        &regatta_proto::HeadRequest::Trust(trust.desk.authorities().fingerprint()),
+        Duration::from_secs(10),
+    )
+    .await?;
     let objects = ObjectService::start(HEAD_NODE, &identity, config.objects.clone(), link.clone()).await?;
     let (job_api, manager) = match &config.jobs {
         Some(jobs) => {

@@ -205,10 +205,11 @@ impl axum::serve::Listener for TlsIncoming {
 /// bytes, hex-encoded twice that).
 const MAX_AUTHORITY_REPLY: usize = 64 * 1024;
 
-/// The cluster authority the job API at `base` (`https://host:port`) serves, believed
-/// only with the join token's proof of it: fetched over a connection that checks nothing
-/// and sends nothing secret (the token's id only).
-pub async fn fetch_cluster_authority(base: &str, token: &str) -> Result<CertificateDer<'static>> {
+/// The cluster authorities the job API at `base` (`https://host:port`) serves (the issuing
+/// one first; during a rotation, the retiring one after it), believed only with the join
+/// token's proof of each: fetched over a connection that checks nothing and sends nothing
+/// secret (the token's id only).
+pub async fn fetch_cluster_authority(base: &str, token: &str) -> Result<Vec<CertificateDer<'static>>> {
     let token: regatta_net::JoinToken = token
         .parse()
         .map_err(|e: regatta_net::Error| Error::Token(e.to_string()))?;
@@ -263,20 +264,32 @@ pub async fn fetch_cluster_authority(base: &str, token: &str) -> Result<Certific
             body.get("error").and_then(|e| e.as_str()).unwrap_or("no reason given")
         )));
     }
-    let field = |name: &str| {
-        body.get(name)
-            .and_then(|v| v.as_str())
-            .and_then(unhex)
-            .ok_or_else(|| Error::Rejected(format!("the job API at {base} answered /api/cluster-ca without {name}")))
-    };
-    let (ca, proof) = (field("ca")?, field("proof")?);
-    if !token.key().verify_authority(&ca, &proof) {
-        return Err(Error::Rejected(format!(
-            "the job API at {base} could not prove join token {}'s secret: it is not this cluster's head",
-            token.id
-        )));
+    let missing =
+        |name: &str| Error::Rejected(format!("the job API at {base} answered /api/cluster-ca without {name}"));
+    let listed = body
+        .get("authorities")
+        .and_then(|v| v.as_array())
+        .filter(|list| !list.is_empty())
+        .ok_or_else(|| missing("authorities"))?;
+    let mut authorities = Vec::with_capacity(listed.len());
+    for entry in listed {
+        let field = |name: &str| {
+            entry
+                .get(name)
+                .and_then(|v| v.as_str())
+                .and_then(unhex)
+                .ok_or_else(|| missing(name))
+        };
+        let (ca, proof) = (field("ca")?, field("proof")?);
+        if !token.key().verify_authority(&ca, &proof) {
+            return Err(Error::Rejected(format!(
+                "the job API at {base} could not prove join token {}'s secret: it is not this cluster's head",
+                token.id
+            )));
+        }
+        authorities.push(CertificateDer::from(ca));
     }
-    Ok(CertificateDer::from(ca))
+    Ok(authorities)
 }
 
 fn unhex(text: &str) -> Option<Vec<u8>> {
@@ -289,11 +302,11 @@ fn unhex(text: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// The TLS configuration of a job API client: trusts the cluster authority `cluster` (the
+/// The TLS configuration of a job API client: trusts the cluster authorities `cluster` (the
 /// head's own certificate, checked under the head's name) or, when given, the PEM
 /// certificates of `extra_roots` (checked the usual way, host name included).
 pub fn job_api_client_tls(
-    cluster: Option<CertificateDer<'static>>,
+    cluster: Option<Vec<CertificateDer<'static>>>,
     extra_roots: Option<&[u8]>,
 ) -> Result<rustls::ClientConfig> {
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
@@ -303,11 +316,13 @@ pub fn job_api_client_tls(
             .map_err(|e| Error::Rejected(format!("TLS verifier: {e}")))
     };
     let cluster = match cluster {
-        Some(ca) => {
+        Some(authorities) => {
             let mut roots = RootCertStore::empty();
-            roots
-                .add(ca)
-                .map_err(|e| Error::Rejected(format!("the cluster's certificate authority: {e}")))?;
+            for ca in authorities {
+                roots
+                    .add(ca)
+                    .map_err(|e| Error::Rejected(format!("the cluster's certificate authority: {e}")))?;
+            }
             Some(verifier(roots)?)
         }
         None => None,

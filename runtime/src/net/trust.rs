@@ -3,10 +3,10 @@
 //! for a certificate naming it ([`regatta_net::join`]) before it opens a session.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use regatta_net::{CaHash, ClusterCa, JoinDesk, JoinToken, JoinTokens, Role, TlsIdentity};
+use regatta_net::{Authorities, AuthorityStore, CaHash, ClusterCa, JoinDesk, JoinToken, JoinTokens, Role, TlsIdentity};
 
 use crate::error::{Error, Result};
 
@@ -77,8 +77,12 @@ pub(crate) async fn join_with_retry(address: &str, credentials: &JoinCredentials
 }
 
 /// Keeps `identity`'s certificate renewed at the head at `address` for as long as the
-/// returned guard lives: each renewal when a third of the current one's life is left.
+/// returned guard lives: each renewal when a third of the current one's life is left, or at
+/// once when [`RenewalGuard::renew_now`] asks (the head's heartbeat answer does after a
+/// rotation of the cluster's authority).
 pub(crate) fn keep_renewed(address: String, identity: TlsIdentity) -> RenewalGuard {
+    let now = Arc::new(tokio::sync::Notify::new());
+    let asked = now.clone();
     let task = tokio::spawn(async move {
         loop {
             let left = identity
@@ -86,11 +90,20 @@ pub(crate) fn keep_renewed(address: String, identity: TlsIdentity) -> RenewalGua
                 .expires()
                 .duration_since(std::time::SystemTime::now())
                 .unwrap_or_default();
-            tokio::time::sleep((left * 2 / 3).max(Duration::from_millis(500))).await;
+            tokio::select! {
+                () = tokio::time::sleep((left * 2 / 3).max(Duration::from_millis(500))) => {}
+                () = asked.notified() => {}
+            }
+            let trusted = identity.trust.fingerprint();
             match regatta_net::renew(&address, &identity).await {
                 Ok(expires) => {
                     let valid = expires.duration_since(std::time::SystemTime::now()).unwrap_or_default();
-                    tracing::info!(valid_s = valid.as_secs(), "renewed this process's certificate");
+                    if identity.trust.fingerprint() == trusted {
+                        tracing::info!(valid_s = valid.as_secs(), "renewed this process's certificate");
+                    } else {
+                        let hashes: Vec<String> = identity.trust.hashes().iter().map(ToString::to_string).collect();
+                        tracing::warn!(valid_s = valid.as_secs(), authorities = %hashes.join(", "), "renewed this process's certificate under the cluster's rotated authorities");
+                    }
                 }
                 Err(regatta_net::Error::JoinRefused(why)) => {
                     tracing::error!(%why, "the head refused to renew this process's certificate: it stops working when the current one expires");
@@ -100,15 +113,25 @@ pub(crate) fn keep_renewed(address: String, identity: TlsIdentity) -> RenewalGua
             }
         }
     });
-    RenewalGuard(task)
+    RenewalGuard { task, now }
 }
 
 /// Stops a process's renewals when dropped.
-pub(crate) struct RenewalGuard(tokio::task::JoinHandle<()>);
+pub(crate) struct RenewalGuard {
+    task: tokio::task::JoinHandle<()>,
+    now: Arc<tokio::sync::Notify>,
+}
+
+impl RenewalGuard {
+    /// Renews at once (or right after the renewal under way).
+    pub(crate) fn renew_now(&self) {
+        self.now.notify_one();
+    }
+}
 
 impl Drop for RenewalGuard {
     fn drop(&mut self) {
-        self.0.abort();
+        self.task.abort();
     }
 }
 
@@ -131,12 +154,21 @@ impl HeadTrust {
         lifetime: Duration,
         web_names: &[String],
     ) -> Result<Self> {
-        let ca = match ca_dir {
-            Some(dir) => ClusterCa::load_or_create(dir)?,
-            None => ClusterCa::generate()?,
+        let (store, authorities) = match ca_dir {
+            Some(dir) => {
+                let (store, authorities) = AuthorityStore::open(dir)?;
+                (Some(store), authorities)
+            }
+            None => (None, Authorities::first(ClusterCa::generate()?)),
         };
-        let removed = regatta_net::RemovedNodes::default();
-        let identity = TlsIdentity::for_head(&ca, removed.clone(), web_names)?;
+        if let Some(retiring) = authorities.retiring() {
+            tracing::warn!(
+                issuing = %authorities.issuing().hash(),
+                retiring = %CaHash::of_certificate(&retiring.cert)?,
+                "a rotation of the cluster's authority is under way: `regatta ca finish` once every process has renewed"
+            );
+        }
+        let identity = TlsIdentity::for_head(&authorities, Default::default(), web_names)?;
         let file = ca_dir.map(|dir| dir.join(TOKENS_FILE));
         let mut tokens = match &file {
             Some(path) => match std::fs::read_to_string(path) {
@@ -147,15 +179,14 @@ impl HeadTrust {
             None => JoinTokens::default(),
         };
         tokens.insert(bootstrap, None, None, "the head's bootstrap token (--token)");
-        let desk = Arc::new(JoinDesk {
-            ca: Arc::new(ca),
-            tokens: Arc::new(Mutex::new(tokens)),
-            file,
-            bootstrap: bootstrap.id.clone(),
-            removed,
-            lifetime,
-            throttle: Default::default(),
-        });
-        Ok(Self { identity, desk })
+        let mut desk = JoinDesk::new(authorities, identity.clone(), tokens, &bootstrap.id);
+        desk.store = store;
+        desk.file = file;
+        desk.lifetime = lifetime;
+        desk.web_names = web_names.to_vec();
+        Ok(Self {
+            identity,
+            desk: Arc::new(desk),
+        })
     }
 }

@@ -155,7 +155,11 @@ impl ObjectService {
                 transient = false;
                 continue;
             };
-            match self.transfer.fetch(peer, id, location.size, location.checksum).await {
+            match self
+                .transfer
+                .fetch(peer, node, id, location.size, location.checksum)
+                .await
+            {
                 Ok(Fetched { bytes, segment }) => {
                     self.counters.transfer_in.fetch_add(location.size, Ordering::Relaxed);
                     if segment.is_some() {

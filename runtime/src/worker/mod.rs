@@ -148,7 +148,7 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
     let session = format!("{name}-{}", node::random_hex(3));
     let credentials = JoinCredentials::parse(&config.token, config.ca_hash.as_deref())?;
     let identity = trust::join_with_retry(&config.head_address, &credentials, &Role::Node(name.clone())).await?;
-    let _renewal = trust::keep_renewed(config.head_address.clone(), identity.clone());
+    let renewal = trust::keep_renewed(config.head_address.clone(), identity.clone());
     let local = LocalNode::start(&session, &identity, None, config.bind, config.port, &host).await?;
     let head = join_with_retry(&local, &config.head_address).await?;
     let link =
@@ -185,7 +185,7 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
     let agent = start_agent(local.scope(), args).await?;
 
     tokio::select! {
-        result = keep_membership(&local, &cluster, &agent, &info, config.heartbeat_interval_ms) => result,
+        result = keep_membership(&local, &cluster, &agent, &info, config.heartbeat_interval_ms, (&identity, &renewal)) => result,
         () = shutdown => {
             tracing::info!(node = %name, "worker shutting down");
             agent.stop(None);
@@ -223,6 +223,7 @@ async fn keep_membership(
     agent: &ActorRef<Wire>,
     info: &NodeInfo,
     interval_ms: u64,
+    (identity, renewal): (&regatta_net::TlsIdentity, &trust::RenewalGuard),
 ) -> Result<()> {
     let interval = Duration::from_millis(interval_ms.max(10));
     let mut incarnation: Option<u64> = None;
@@ -253,11 +254,18 @@ async fn keep_membership(
             node: info.name.clone(),
             incarnation: current,
             removed_known,
+            trust: identity.trust.fingerprint(),
         };
         match cluster.ask_head::<Beat>(&beat, interval * 4).await {
             Ok(beat) => {
                 if let Some(names) = beat.removed {
                     refuse_removed(&local.removed, names);
+                }
+                if beat.renew {
+                    // Asked at each beat until the head sees the new trust (a failed
+                    // renewal is tried again at the next).
+                    tracing::info!("the cluster's authorities changed: renewing this node's certificate now");
+                    renewal.renew_now();
                 }
                 if !beat.known {
                     tracing::warn!(node = %info.name, "the head does not know this node (it restarted, or lost this node for a while); registering again with the actors it runs");

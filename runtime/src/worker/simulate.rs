@@ -63,7 +63,7 @@ pub async fn run_simulated_nodes(
     let session = format!("{}-{}-{}", config.prefix, config.first, node::random_hex(3));
     let credentials = JoinCredentials::parse(&config.token, None)?;
     let identity = trust::join_with_retry(&config.head_address, &credentials, &Role::Node(session.clone())).await?;
-    let _renewal = trust::keep_renewed(config.head_address.clone(), identity.clone());
+    let renewal = trust::keep_renewed(config.head_address.clone(), identity.clone());
     let local = LocalNode::start(&session, &identity, None, "127.0.0.1".parse().expect("an IP"), 0, &host).await?;
     let head = join_with_retry(&local, &config.head_address).await?;
     let link =
@@ -108,10 +108,11 @@ pub async fn run_simulated_nodes(
     }
     // Staggered like independent machines, not all heartbeating in the same instant.
     let (local, cluster, interval_ms) = (&local, &cluster, config.heartbeat_interval_ms);
+    let trust = (&identity, &renewal);
     let count = members.len().max(1) as u64;
     let loops = members.iter().enumerate().map(|(i, (agent, info))| async move {
         tokio::time::sleep(std::time::Duration::from_millis(interval_ms * i as u64 / count)).await;
-        keep_membership(local, cluster, agent, info, interval_ms).await
+        keep_membership(local, cluster, agent, info, interval_ms, trust).await
     });
     tokio::select! {
         results = futures::future::join_all(loops) => results.into_iter().collect::<Result<Vec<()>>>().map(|_| ()),

@@ -330,7 +330,7 @@ impl JobManager {
         let mut env = driver_env(submission, &self.inner.cluster_address, &token, id);
         env.push((
             crate::net::trust::CA_HASH_ENV.into(),
-            self.inner.desk.ca.hash().to_string().into(),
+            self.inner.desk.issuing_hash().to_string().into(),
         ));
         Ok(env)
     }
