@@ -780,3 +780,86 @@ fn bad_configs_and_missing_data_fail_fast_with_the_cause() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `regatta ca STEP` against the cluster's job API: whether it succeeded, and its output.
+fn ca_step(cluster: &TestCluster, step: &str) -> (bool, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_regatta"))
+        .args(["ca", step, "--address", &cluster.local.job_address])
+        .env("REGATTA_TOKEN", &cluster.local.token)
+        .env_remove("REGATTA_CA_HASH")
+        .output()
+        .expect("run regatta ca");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output.status.success(), text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_authority_rotates_in_the_middle_of_a_training_run_with_no_failed_step() {
+    use regatta::local::WorkerSpec;
+    bin_dir();
+    // Certificates valid 4 s: the rotation can finish 4 s after it starts.
+    let cluster = TestCluster::start_specs(
+        vec![WorkerSpec::new("w1", "CPU=1"), WorkerSpec::new("w2", "CPU=1")],
+        &["--cert-lifetime-secs", "4"],
+    )
+    .await;
+    let mut config = TrainConfig::default();
+    config.data.path = corpus();
+    config.world_size = 2;
+    config.zero_stage = regatta_trainer::ZeroStage::Two;
+    config.steps = 400;
+    config.micro_batch_size = 2;
+    let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = events.clone();
+    let group = TrainerGroup::new(cluster.client.cluster().clone(), config).unwrap();
+    let run = tokio::spawn(async move {
+        group
+            .run(move |event| seen.lock().unwrap().push(event.clone()))
+            .await
+    });
+    let last_step = || {
+        events
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|e| match e {
+                TrainEvent::Step(step) => Some(step.step),
+                _ => None,
+            })
+            .max()
+    };
+    support::eventually("the run stepping", Duration::from_secs(60), || async { last_step() }).await;
+    let (rotated, said) = tokio::task::block_in_place(|| ca_step(&cluster, "rotate"));
+    assert!(rotated, "{said}");
+    let rotated_at = last_step().unwrap();
+    let finished_at = support::eventually("the rotation finishing", Duration::from_secs(30), || async {
+        let (finished, _) = tokio::task::block_in_place(|| ca_step(&cluster, "finish"));
+        finished.then(|| last_step().unwrap())
+    })
+    .await;
+    let summary = run.await.unwrap().expect("the run survives the rotation");
+    let events = events.lock().unwrap().clone();
+    assert!(
+        finished_at < 400,
+        "the run ended before the rotation finished (rotated at step {rotated_at}): make it longer"
+    );
+    assert_eq!(summary.failures, 0, "{events:?}");
+    assert!(
+        !events.iter().any(|e| matches!(e, TrainEvent::Restarting { .. })),
+        "{events:?}"
+    );
+    let missing: Vec<u64> = (1..=400).filter(|s| !summary.losses.contains_key(s)).collect();
+    assert!(missing.is_empty(), "no loss for steps {missing:?}");
+    // Every worker moved to the new authority during the run.
+    for node in ["w1", "w2"] {
+        let log = cluster.local.log(node);
+        assert!(
+            log.contains("renewed this process's certificate under the cluster's rotated authorities"),
+            "{log}"
+        );
+    }
+}
