@@ -816,11 +816,7 @@ async fn the_authority_rotates_in_the_middle_of_a_training_run_with_no_failed_st
     let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let seen = events.clone();
     let group = TrainerGroup::new(cluster.client.cluster().clone(), config).unwrap();
-    let run = tokio::spawn(async move {
-        group
-            .run(move |event| seen.lock().unwrap().push(event.clone()))
-            .await
-    });
+    let run = tokio::spawn(async move { group.run(move |event| seen.lock().unwrap().push(event.clone())).await });
     let last_step = || {
         events
             .lock()

@@ -594,6 +594,20 @@ async fn the_authority_rotates_without_a_restart_and_the_old_one_is_refused_once
         std::fs::copy(ca_dir.join(file), leaked.join(file)).expect("copy the old authority");
     }
 
+    // The rotation is the admin's: no bearer, no rotation; a bad finish body says why.
+    let base = &cluster.local.job_address;
+    let (code, _) = support::http(base, "POST", "/api/ca/rotate", None, b"");
+    assert_eq!(code, 401);
+    let token = Some(cluster.local.token.as_str());
+    for body in [&b"{\"force\": 1}"[..], b"{\"forse\": true}", b"not json"] {
+        let (code, text) = support::http(base, "POST", "/api/ca/finish", token, body);
+        assert!(code == 400 && text.contains("a finish request"), "{code} {text}");
+    }
+    let (code, text) = support::http(base, "POST", "/api/ca/finish", token, b"");
+    assert!(
+        code == 409 && text.contains("no rotation is under way"),
+        "{code} {text}"
+    );
     let rotated = ca_command(&cluster, &["rotate"]);
     assert!(rotated.status.success(), "{rotated:?}");
     let new = authority_line(&rotated, "issuing");

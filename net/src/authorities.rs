@@ -305,11 +305,13 @@ impl Roles {
                 ["cluster", hash] => cluster = Some(hash.parse::<CaHash>().map_err(|e| bad(e.to_string()))?),
                 ["issuing", name] => issuing = Some(stem(name).map_err(bad)?),
                 ["retiring", name, secs] => {
-                    let secs: u64 = secs.parse().map_err(|_| bad(format!("{secs:?} is not a time")))?;
-                    retiring = Some((
-                        stem(name).map_err(bad)?,
-                        SystemTime::UNIX_EPOCH + Duration::from_secs(secs),
-                    ));
+                    // Checked: a time past what SystemTime holds would panic an addition.
+                    let until = secs
+                        .parse::<u64>()
+                        .ok()
+                        .and_then(|secs| SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(secs)))
+                        .ok_or_else(|| bad(format!("{secs:?} is not a time")))?;
+                    retiring = Some((stem(name).map_err(bad)?, until));
                 }
                 _ => return Err(bad(format!("{line:?} is not cluster, issuing or retiring"))),
             }
@@ -447,14 +449,54 @@ mod tests {
             retiring: Some(("ca".into(), SystemTime::UNIX_EPOCH + Duration::from_secs(42))),
         };
         assert_eq!(Roles::parse(&roles.to_text()).unwrap(), roles);
+        // The last: a time past what SystemTime holds (an addition that would panic).
+        let huge = format!(
+            "cluster {}\nissuing ca\nretiring ca-0a1b2c3d {}\n",
+            roles.cluster,
+            u64::MAX
+        );
         for bad in [
             "",
             "issuing ca\n",
             "cluster x\nissuing ca\n",
             "cluster sha256:0\nissuing ../x\n",
             "what\n",
+            &huge,
         ] {
             assert!(Roles::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    /// Bounded fuzzing: any roles file, from any text or from its own words shuffled, is
+    /// read or refused without a panic, and what is read writes back the same.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn words() -> impl Strategy<Value = String> {
+            let word = prop_oneof![
+                Just("cluster".to_string()),
+                Just("issuing".to_string()),
+                Just("retiring".to_string()),
+                Just("ca".to_string()),
+                Just("ca-0a1b2c3d".to_string()),
+                Just(format!("sha256:{}", "ab".repeat(32))),
+                Just("\n".to_string()),
+                "[0-9]{1,20}",
+                any::<String>(),
+            ];
+            proptest::collection::vec(word, 0..12).prop_map(|w| w.join(" "))
+        }
+
+        proptest! {
+            #![proptest_config(crate::fuzz_config(256))]
+
+            #[test]
+            fn any_roles_text_is_read_or_refused_without_a_panic(text in prop_oneof![any::<String>(), words()]) {
+                if let Ok(roles) = Roles::parse(&text) {
+                    prop_assert_eq!(Roles::parse(&roles.to_text()).unwrap(), roles);
+                }
+            }
         }
     }
 }

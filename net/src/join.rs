@@ -332,9 +332,12 @@ impl JoinTokens {
             }
             let expires = match expires {
                 "-" => None,
+                // Checked: a time past what SystemTime holds would panic an addition.
                 secs => Some(
-                    SystemTime::UNIX_EPOCH
-                        + Duration::from_secs(secs.parse().map_err(|_| bad("an expiry that is not a number"))?),
+                    secs.parse::<u64>()
+                        .ok()
+                        .and_then(|secs| SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(secs)))
+                        .ok_or_else(|| bad("an expiry that is not a time"))?,
                 ),
             };
             let uses_left = match uses {
@@ -1077,11 +1080,14 @@ mod tests {
         );
         assert_eq!(back.usable(&a.id, SystemTime::UNIX_EPOCH), Ok(a.key()));
         let wide_key = format!("abcdef §{} - -", "0".repeat(62));
+        // An expiry past what SystemTime holds: refused, not a panicking addition.
+        let far = format!("abcdef {} {} -", "0".repeat(64), u64::MAX);
         for bad in [
             "abcdef",
             "abcdef zz - -",
             &format!("abcdef {} soon -", "0".repeat(64)),
             &wide_key,
+            &far,
         ] {
             let err = JoinTokens::from_lines(&format!("\n{bad}\n")).err().expect(bad);
             assert!(err.to_string().contains("line 2"), "{err}");

@@ -331,11 +331,9 @@ impl AuthorityView {
                 let until = retiring
                     .get("until_unix")
                     .and_then(Value::as_u64)
-                    .ok_or_else(|| bad("no until_unix"))?;
-                Some((
-                    hash(retiring.get("hash"), "retiring hash")?,
-                    std::time::UNIX_EPOCH + Duration::from_secs(until),
-                ))
+                    .and_then(|secs| std::time::UNIX_EPOCH.checked_add(Duration::from_secs(secs)))
+                    .ok_or_else(|| bad("no until_unix, or not a time"))?;
+                Some((hash(retiring.get("hash"), "retiring hash")?, until))
             }
         };
         Ok(Self {

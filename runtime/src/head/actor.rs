@@ -153,7 +153,7 @@ impl Actor for Head {
                     (Vec::new(), false)
                 }
             },
-            Wire::Cast(bytes) | Wire::Local(LocalSignal::Deferred(bytes)) => {
+            Wire::Cast(bytes, _) | Wire::Local(LocalSignal::Deferred(bytes)) => {
                 match wire::decode::<HeadRequest>(&bytes, "a head request") {
                     Ok(request) => state.request(request, None, now),
                     Err(failure) => {

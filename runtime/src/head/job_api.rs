@@ -369,13 +369,9 @@ struct NewJoinToken {
 }
 
 async fn create_join_token(State(api): State<Api>, body: Bytes) -> Response {
-    let wanted: NewJoinToken = if body.is_empty() {
-        NewJoinToken::default()
-    } else {
-        match serde_json::from_slice(&body) {
-            Ok(wanted) => wanted,
-            Err(e) => return error(StatusCode::BAD_REQUEST, format!("a join token request: {e}")),
-        }
+    let wanted: NewJoinToken = match optional_json(&body, "a join token request") {
+        Ok(wanted) => wanted,
+        Err(why) => return error(StatusCode::BAD_REQUEST, why),
     };
     if wanted.ttl_secs == Some(0) || wanted.uses == Some(0) {
         return error(
@@ -583,6 +579,15 @@ async fn rotate_authority(State(api): State<Api>) -> Response {
     }
 }
 
+/// A body whose fields are all optional: the defaults when empty, else its JSON; a bad one
+/// is told as `what: why` (for a 400).
+fn optional_json<T: serde::de::DeserializeOwned + Default>(body: &Bytes, what: &str) -> std::result::Result<T, String> {
+    if body.is_empty() {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| format!("{what}: {e}"))
+}
+
 /// `POST /api/ca/finish`'s body.
 #[derive(serde::Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -592,13 +597,9 @@ struct Finish {
 }
 
 async fn finish_rotation(State(api): State<Api>, body: Bytes) -> Response {
-    let wanted: Finish = if body.is_empty() {
-        Finish::default()
-    } else {
-        match serde_json::from_slice(&body) {
-            Ok(wanted) => wanted,
-            Err(e) => return error(StatusCode::BAD_REQUEST, format!("a finish request: {e}")),
-        }
+    let wanted: Finish = match optional_json(&body, "a finish request") {
+        Ok(wanted) => wanted,
+        Err(why) => return error(StatusCode::BAD_REQUEST, why),
     };
     let desk = api.desk.clone();
     let outcome = tokio::task::spawn_blocking(move || desk.finish(wanted.force)).await;

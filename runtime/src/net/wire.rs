@@ -16,13 +16,36 @@ use serde::Serialize;
 
 use regatta_proto::{ActorId, Failure};
 
+/// A cast's share of the room its connection has for casts waiting at actors (none for a
+/// cast that came another way): held while the cast waits in its actor's queue, so a caller
+/// that casts faster than the actors take them is held back at a bound, as calls are.
+#[derive(Default)]
+pub struct Hold(Option<tokio::sync::OwnedSemaphorePermit>);
+
+impl Hold {
+    /// A hold of `permit`.
+    pub(crate) fn of(permit: tokio::sync::OwnedSemaphorePermit) -> Self {
+        Self(Some(permit))
+    }
+}
+
+impl std::fmt::Debug for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Hold({})", if self.0.is_some() { "held" } else { "none" })
+    }
+}
+
 /// Largest payload decoded from the wire; ractor_cluster frames are capped below this anyway.
 const MAX_DECODE_BYTES: u64 = 64 << 20;
 
 /// A message to a remote-capable Regatta actor.
 pub enum Wire {
-    /// Fire and forget.
-    Cast(Vec<u8>),
+    /// Fire and forget; the [`Hold`] is the sending connection's room for casts queued
+    /// at actors, given back when the message is taken off the queue (dropped).
+    Cast(
+        Vec<u8>,
+        #[expect(dead_code, reason = "a guard: what it holds is given back when it is dropped")] Hold,
+    ),
     /// Request/reply: the reply is `Result<T, Failure>` encoded with [`encode`].
     Call(Vec<u8>, RpcReplyPort<Vec<u8>>),
     /// A call to a user actor hosted on the receiving node, sent to that node's router
@@ -85,7 +108,7 @@ impl ractor::Message for Wire {
 
     fn serialize(self) -> Result<SerializedMessage, BoxedDowncastErr> {
         match self {
-            Wire::Cast(args) => Ok(SerializedMessage::Cast {
+            Wire::Cast(args, _) => Ok(SerializedMessage::Cast {
                 variant: CAST.to_string(),
                 args,
                 metadata: None,
@@ -118,7 +141,7 @@ impl ractor::Message for Wire {
                 args,
                 metadata,
             } if variant == CAST => Ok(match routed_actor(metadata)? {
-                None => Wire::Cast(args),
+                None => Wire::Cast(args, Hold::default()),
                 Some(actor) => Wire::CastActor(actor, args),
             }),
             SerializedMessage::Call {
@@ -260,7 +283,7 @@ pub fn cast_raw(target: &ActorCell, payload: Vec<u8>) -> Result<(), CallError> {
     check_size(&payload)?;
     let target: ActorRef<Wire> = target.clone().into();
     target
-        .send_message(Wire::Cast(payload))
+        .send_message(Wire::Cast(payload, Hold::default()))
         .map_err(|e| CallError::Unreachable(format!("could not deliver the message: {e}")))
 }
 
@@ -307,8 +330,11 @@ mod tests {
             }
             _ => panic!("a routed cast came back as something else"),
         }
-        let plain = Wire::Cast(vec![1]).serialize().map_err(|_| "serialize").unwrap();
-        assert!(matches!(Wire::deserialize(plain), Ok(Wire::Cast(_))));
+        let plain = Wire::Cast(vec![1], Hold::default())
+            .serialize()
+            .map_err(|_| "serialize")
+            .unwrap();
+        assert!(matches!(Wire::deserialize(plain), Ok(Wire::Cast(..))));
         let bad = SerializedMessage::Cast {
             variant: CAST.to_string(),
             args: vec![],

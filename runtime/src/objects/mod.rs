@@ -452,7 +452,7 @@ impl Actor for ObjectsActor {
         service: &mut Weak<ObjectService>,
     ) -> std::result::Result<(), ActorProcessingErr> {
         let (bytes, port) = match message {
-            Wire::Cast(bytes) => (bytes, None),
+            Wire::Cast(bytes, _) => (bytes, None),
             Wire::Call(bytes, port) => (bytes, Some(port)),
             Wire::CallActor(actor, _, port) => {
                 let failure = Failure::BadMessage(format!(

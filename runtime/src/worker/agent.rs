@@ -126,7 +126,7 @@ impl Actor for Agent {
                     wire::reply::<()>(port, Err(failure));
                 }
             },
-            Wire::Cast(bytes) => match wire::decode::<AgentRequest>(&bytes, "an agent request") {
+            Wire::Cast(bytes, _) => match wire::decode::<AgentRequest>(&bytes, "an agent request") {
                 Ok(request) => handle_request(&myself, state, request),
                 Err(failure) => tracing::warn!(?failure, "ignored a malformed agent message"),
             },

@@ -233,7 +233,9 @@ async fn drain(
         depth.dec();
         let (mut request, port) = match message {
             Wire::Call(request, port) => (request, Some(port)),
-            Wire::Cast(request) => (request, None),
+            // The cast's hold is given back with the rest of `message`: its actor has
+            // taken it off the queue.
+            Wire::Cast(request, _) => (request, None),
             Wire::CallActor(..) | Wire::CastActor(..) | Wire::Local(_) => continue,
         };
         let started = std::time::Instant::now();

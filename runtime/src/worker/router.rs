@@ -62,7 +62,11 @@ impl Actor for Router {
                 }
             }
             Wire::CastActor(actor, payload) => {
-                if state.routes.deliver(actor, Wire::Cast(payload)).is_err() {
+                if state
+                    .routes
+                    .deliver(actor, Wire::Cast(payload, crate::net::wire::Hold::default()))
+                    .is_err()
+                {
                     tracing::debug!(%actor, node = %state.node, "dropped a cast to an actor this node does not host");
                 }
             }
@@ -76,7 +80,7 @@ impl Actor for Router {
                     ))),
                 ),
             },
-            Wire::Cast(_) | Wire::Local(_) => {}
+            Wire::Cast(..) | Wire::Local(_) => {}
         }
         Ok(())
     }

@@ -110,7 +110,7 @@ mod tests {
     }
 
     fn cast(bytes: u8) -> Wire {
-        Wire::Cast(vec![bytes])
+        Wire::Cast(vec![bytes], crate::net::wire::Hold::default())
     }
 
     #[test]
@@ -119,8 +119,8 @@ mod tests {
         let (queue, mut inbox) = tokio::sync::mpsc::unbounded_channel();
         routes.insert(ActorId(1), 0, &queue, gauge());
         assert!(routes.deliver(ActorId(1), cast(7)).is_ok());
-        assert!(matches!(inbox.try_recv(), Ok(Wire::Cast(bytes)) if bytes == vec![7]));
-        assert!(matches!(routes.deliver(ActorId(2), cast(8)), Err(Wire::Cast(bytes)) if bytes == vec![8]));
+        assert!(matches!(inbox.try_recv(), Ok(Wire::Cast(bytes, _)) if bytes == vec![7]));
+        assert!(matches!(routes.deliver(ActorId(2), cast(8)), Err(Wire::Cast(bytes, _)) if bytes == vec![8]));
     }
 
     #[test]

@@ -19,7 +19,7 @@ use super::socket::{bind_local, keep_alive, this_host, CallAddress, LocalAddress
 use super::CallTls;
 use super::Routes;
 use crate::error::{Error, Result};
-use crate::net::wire::{self, Wire};
+use crate::net::wire::{self, Hold, Wire};
 use regatta_proto::Failure;
 
 /// How long a connecting peer has to finish the TLS handshake.
@@ -179,9 +179,9 @@ type Writer<S> = Arc<Mutex<WriteHalf<S>>>;
 type Waiting = (u64, oneshot::Receiver<Vec<u8>>, Option<ServerStamps>);
 
 /// Calls one connection may have waiting for their answers before this node stops
-/// reading it (twice this, counting those handed over but not yet waited on): a caller
-/// that sends faster than the actors answer is slowed by TCP, and the node's memory for
-/// one connection's calls stays bounded.
+/// reading it (twice this, counting those handed over but not yet waited on), and casts it
+/// may have waiting in actors' queues: a caller that sends faster than the actors answer or
+/// take its casts is slowed by TCP, and the node's memory for one connection stays bounded.
 pub(crate) const PENDING_CALLS: usize = 16_384;
 
 /// Serves one connection until the peer closes it or sends something malformed. Reading
@@ -203,8 +203,9 @@ async fn serve(stream: Socket, slot: HandshakeSlot, tls: &CallTls, node: Arc<Nod
     let (reader, writer) = tokio::io::split(stream);
     let writer = Arc::new(Mutex::new(writer));
     let (waiting, answers) = mpsc::channel(PENDING_CALLS);
+    let cast_room = Arc::new(tokio::sync::Semaphore::new(PENDING_CALLS));
     tokio::select! {
-        read = read_requests(reader, &node, &writer, waiting) => read,
+        read = read_requests(reader, &node, &writer, waiting, cast_room) => read,
         () = write_answers(answers, &writer) => Ok(()),
     }
 }
@@ -220,6 +221,7 @@ async fn read_requests<R: AsyncRead, W: AsyncWrite>(
     node: &Node,
     writer: &Writer<W>,
     waiting: mpsc::Sender<Waiting>,
+    cast_room: Arc<tokio::sync::Semaphore>,
 ) -> Result<()> {
     let mut reader = std::pin::pin!(reader);
     let CallCounters { calls, casts } = &node.counters;
@@ -266,7 +268,16 @@ async fn read_requests<R: AsyncRead, W: AsyncWrite>(
             }
             RequestKind::Cast => {
                 casts.inc();
-                if node.routes.deliver(request.actor, Wire::Cast(payload)).is_err() {
+                // Past the bound (casts of this connection still queued at their actors),
+                // this waits, and so stops reading the connection, as calls do.
+                let Ok(room) = cast_room.clone().acquire_owned().await else {
+                    return Ok(());
+                };
+                if node
+                    .routes
+                    .deliver(request.actor, Wire::Cast(payload, Hold::of(room)))
+                    .is_err()
+                {
                     tracing::debug!(actor = %request.actor, node = %node.name, "dropped a cast to an actor this node does not host");
                 }
             }

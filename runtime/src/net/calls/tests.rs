@@ -94,7 +94,7 @@ fn reverse_calls(mut inbox: UnboundedReceiver<Wire>) -> tokio::task::JoinHandle<
                     request.reverse();
                     let _ = port.send(wire::encode_ok(&request));
                 }
-                Wire::Cast(message) => seen.push(message),
+                Wire::Cast(message, _) => seen.push(message),
                 _ => {}
             }
         }
@@ -355,6 +355,58 @@ async fn a_caller_faster_than_its_actor_is_held_back_at_a_bound() {
         delivered.len()
     );
     calls.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caster_faster_than_its_actor_is_held_back_at_a_bound() {
+    use super::server::PENDING_CALLS;
+    let (served, mut inbox) = serve("t").await;
+    let connection = std::sync::Arc::new(open(&served).await);
+    // More casts than the bound, to an actor that takes none off its queue (the messages
+    // are kept, holds and all, as a busy actor's queue keeps them).
+    let total = PENDING_CALLS + 4_000;
+    let caster = connection.clone();
+    let casts = tokio::spawn(async move {
+        for _ in 0..total {
+            if caster.cast(ACTOR, b"x").await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut queued = Vec::new();
+    let started = Instant::now();
+    while queued.len() < PENDING_CALLS && started.elapsed() < Duration::from_secs(30) {
+        match inbox.try_recv() {
+            Ok(message) => queued.push(message),
+            Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+        }
+    }
+    // Time for more to arrive, were the node still reading.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    while let Ok(message) = inbox.try_recv() {
+        queued.push(message);
+    }
+    assert_eq!(
+        queued.len(),
+        PENDING_CALLS,
+        "{} of {total} casts queued; the bound is {PENDING_CALLS}",
+        queued.len()
+    );
+    // Taken off the queue, they make room: the rest arrive, none lost.
+    let mut delivered = queued.len();
+    drop(queued);
+    let started = Instant::now();
+    while delivered < total && started.elapsed() < Duration::from_secs(30) {
+        match inbox.try_recv() {
+            Ok(message) => {
+                delivered += 1;
+                drop(message);
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+        }
+    }
+    assert_eq!(delivered, total);
+    casts.await.unwrap();
 }
 
 #[tokio::test]
