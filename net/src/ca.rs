@@ -117,7 +117,7 @@ fn dns_label(name: &str) -> String {
         .collect();
     let near = near.trim_matches('-');
     let hash: [u8; 32] = Sha256::digest(name.as_bytes()).into();
-    let suffix: String = hash[..4].iter().map(|b| format!("{b:02x}")).collect();
+    let suffix = hex(&hash[..4]);
     if near.is_empty() {
         format!("x-{suffix}")
     } else {
@@ -138,7 +138,7 @@ impl CaHash {
 
     /// Hex without the prefix (for names and state keys).
     pub fn hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        hex(&self.0)
     }
 }
 
@@ -307,10 +307,7 @@ impl ClusterCa {
     pub(crate) fn generate_next() -> Result<Self> {
         let key = KeyPair::generate_for(&PKCS_ED25519).map_err(cert("cluster CA key"))?;
         let hash: [u8; 32] = Sha256::digest(key.public_key_der()).into();
-        let stem = format!(
-            "ca-{}",
-            hash[..4].iter().map(|b| format!("{b:02x}")).collect::<String>()
-        );
+        let stem = format!("ca-{}", hex(&hash[..4]));
         let cert = Self::certificate(&key, &stem)?;
         let der = cert.der().clone();
         Ok(Self { key, cert, der, stem })
@@ -534,6 +531,11 @@ pub fn certificate_pem(der: &[u8]) -> String {
     }
     pem.push_str("-----END CERTIFICATE-----\n");
     pem
+}
+
+/// `bytes` as lower-case hex digits (this crate's one spelling of hashes, keys and names).
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Makes `dir` (and its parents) with mode 0700 when it is not there.

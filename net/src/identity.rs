@@ -149,6 +149,10 @@ pub struct TrustSlot {
 /// One set of trusted authorities and its verifiers.
 struct Trust {
     authorities: Vec<CertificateDer<'static>>,
+    /// Their hashes and [`crate::trust_fingerprint`] of them, worked out once (a worker's
+    /// heartbeat carries the fingerprint twice a second).
+    hashes: Vec<CaHash>,
+    fingerprint: u64,
     server: Arc<rustls::client::WebPkiServerVerifier>,
     required: Arc<dyn ClientCertVerifier>,
     optional: Arc<dyn ClientCertVerifier>,
@@ -181,16 +185,12 @@ impl TrustSlot {
 
     /// Their hashes.
     pub fn hashes(&self) -> Vec<CaHash> {
-        self.get()
-            .authorities
-            .iter()
-            .filter_map(|cert| CaHash::of_certificate(cert).ok())
-            .collect()
+        self.get().hashes.clone()
     }
 
     /// [`crate::trust_fingerprint`] of the authorities trusted now.
     pub fn fingerprint(&self) -> u64 {
-        crate::authorities::trust_fingerprint(&self.hashes())
+        self.get().fingerprint
     }
 
     /// Trusts `authorities` (and only them) from the next handshake on.
@@ -207,9 +207,12 @@ impl Trust {
             return Err(Error::Tls("no certificate authority to trust".into()));
         }
         let mut roots = RootCertStore::empty();
+        let mut hashes = Vec::with_capacity(authorities.len());
         for authority in &authorities {
             roots.add(authority.clone()).map_err(tls("trust the cluster CA"))?;
+            hashes.push(CaHash::of_certificate(authority)?);
         }
+        let fingerprint = crate::authorities::trust_fingerprint(&hashes);
         let roots = Arc::new(roots);
         let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
         let (required, optional) = client_verifiers(&roots, &provider)?;
@@ -218,6 +221,8 @@ impl Trust {
             .map_err(|e| Error::Tls(format!("server verifier: {e}")))?;
         Ok(Self {
             authorities,
+            hashes,
+            fingerprint,
             server,
             required,
             optional,

@@ -304,7 +304,7 @@ impl JoinTokens {
                 .and_then(|at| at.duration_since(SystemTime::UNIX_EPOCH).ok())
                 .map_or("-".to_string(), |d| d.as_secs().to_string());
             let uses = entry.uses_left.map_or("-".to_string(), |n| n.to_string());
-            let key: String = entry.key.0.iter().map(|b| format!("{b:02x}")).collect();
+            let key = crate::ca::hex(&entry.key.0);
             let description = entry.description.replace(['\n', '\r'], " ");
             out.push_str(&format!("{id} {key} {expires} {uses} {description}\n"));
         }

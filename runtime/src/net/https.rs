@@ -277,7 +277,7 @@ pub async fn fetch_cluster_authority(base: &str, token: &str) -> Result<Vec<Cert
             entry
                 .get(name)
                 .and_then(|v| v.as_str())
-                .and_then(unhex)
+                .and_then(regatta_proto::hex::decode)
                 .ok_or_else(|| missing(name))
         };
         let (ca, proof) = (field("ca")?, field("proof")?);
@@ -290,16 +290,6 @@ pub async fn fetch_cluster_authority(base: &str, token: &str) -> Result<Vec<Cert
         authorities.push(CertificateDer::from(ca));
     }
     Ok(authorities)
-}
-
-fn unhex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 /// The TLS configuration of a job API client: trusts the cluster authorities `cluster` (the

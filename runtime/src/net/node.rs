@@ -452,7 +452,7 @@ pub(crate) fn random_hex(bytes: usize) -> String {
     let mut buf = vec![0u8; bytes];
     // The OS random source failing is not recoverable and not input-driven.
     getrandom::getrandom(&mut buf).expect("the OS random source is available");
-    buf.iter().map(|b| format!("{b:02x}")).collect()
+    regatta_proto::hex::encode(&buf)
 }
 
 #[cfg(test)]
