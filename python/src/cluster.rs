@@ -2,13 +2,15 @@
 //! the placement groups and objects it holds.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Waker};
 use std::time::Duration;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use regatta::local::{LocalCluster, LocalOptions, WorkerSpec};
 use regatta::{
@@ -57,14 +59,40 @@ impl Group {
     }
 }
 
-type Queue = mpsc::UnboundedSender<(Vec<u8>, Arc<Slot>)>;
+/// What the driver keeps of an actor it calls: its handle (which remembers where the actor
+/// runs, so a call does not ask the head), and the last ordered call not yet written.
+struct Lane {
+    handle: regatta::ActorHandle<PythonActor>,
+    unwritten: Option<oneshot::Receiver<()>>,
+}
+
+/// `written` while the call behind it may still be written (neither written nor ended).
+fn still_unwritten(mut written: oneshot::Receiver<()>) -> Option<oneshot::Receiver<()>> {
+    let waiting = std::pin::Pin::new(&mut written)
+        .poll(&mut Context::from_waker(Waker::noop()))
+        .is_pending();
+    waiting.then_some(written)
+}
+
+/// Runs `call` on this thread until it waits (a call's request is written here, on the
+/// caller's thread, when its connection is open and free: no hand-off to a runtime thread
+/// before it goes), then leaves the rest (waiting for the answer) to the runtime.
+fn start_here(call: impl Future<Output = ()> + Send + 'static) {
+    let mut call = Box::pin(call);
+    let _runtime = runtime().enter();
+    // A future may be polled with one waker and then another: the runtime's poll after the
+    // spawn registers its own, so nothing that happens in between is missed.
+    if call.as_mut().poll(&mut Context::from_waker(Waker::noop())).is_pending() {
+        runtime().spawn(call);
+    }
+}
 
 /// A driver's connection to a cluster.
 #[pyclass(module = "regatta._native")]
 pub(crate) struct Cluster {
     client: Mutex<Option<Client>>,
     local: Mutex<Option<LocalCluster>>,
-    queues: Mutex<HashMap<u64, Queue>>,
+    lanes: Mutex<HashMap<u64, Lane>>,
     address: String,
 }
 
@@ -116,7 +144,7 @@ impl Cluster {
             Ok::<_, String>(Self {
                 client: Mutex::new(Some(client)),
                 local: Mutex::new(Some(local)),
-                queues: Mutex::new(HashMap::new()),
+                lanes: Mutex::new(HashMap::new()),
                 address,
             })
         })
@@ -132,7 +160,7 @@ impl Cluster {
         Ok(Self {
             client: Mutex::new(Some(client)),
             local: Mutex::new(None),
-            queues: Mutex::new(HashMap::new()),
+            lanes: Mutex::new(HashMap::new()),
             address,
         })
     }
@@ -237,40 +265,39 @@ impl Cluster {
     fn call(&self, actor: u64, request: Vec<u8>, ordered: bool) -> PyResult<Pending> {
         let slot = Arc::new(Slot::default());
         let cluster = self.cluster()?;
+        let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        let lane = lanes.entry(actor).or_insert_with(|| Lane {
+            handle: cluster.handle::<PythonActor>(ActorId(actor)),
+            unwritten: None,
+        });
+        let handle = lane.handle.clone();
+        let answer = slot.clone();
         if !ordered {
-            let handle = cluster.handle::<PythonActor>(ActorId(actor));
-            let answer = slot.clone();
-            runtime().spawn(async move {
+            start_here(async move {
                 settle(&cluster, &answer, handle.call_timeout(request, CALL_TIMEOUT).await).await;
             });
             return Ok(Pending { slot });
         }
-        let mut queues = self.queues.lock().unwrap_or_else(|p| p.into_inner());
-        let queue = match queues.get(&actor) {
-            Some(queue) if !queue.is_closed() => queue.clone(),
-            _ => {
-                let (queue, mut requests) = mpsc::unbounded_channel::<(Vec<u8>, Arc<Slot>)>();
-                let handle = cluster.handle::<PythonActor>(ActorId(actor));
-                runtime().spawn(async move {
-                    while let Some((request, slot)) = requests.recv().await {
-                        let (sent, written) = oneshot::channel();
-                        let (handle, cluster) = (handle.clone(), cluster.clone());
-                        tokio::spawn(async move {
-                            let result = handle.call_pipelined(request, CALL_TIMEOUT, sent).await;
-                            settle(&cluster, &slot, result).await;
-                        });
-                        // The next call goes once this one is on the wire (calls reach the
-                        // actor in the order they were written), or once it ended.
-                        let _ = written.await;
-                    }
-                });
-                queues.insert(actor, queue.clone());
-                queue
-            }
+        let (sent, written) = oneshot::channel();
+        let call = async move {
+            let result = handle.call_pipelined(request, CALL_TIMEOUT, sent).await;
+            settle(&cluster, &answer, result).await;
         };
-        queue
-            .send((request, slot.clone()))
-            .map_err(|_| PyRuntimeError::new_err("the call queue is closed"))?;
+        // A call goes once the one before it is on the wire (calls reach the actor in the
+        // order they were written), or once that one ended unwritten.
+        match lane.unwritten.take().and_then(still_unwritten) {
+            Some(before) => {
+                runtime().spawn(async move {
+                    let _ = before.await;
+                    call.await;
+                });
+                lane.unwritten = Some(written);
+            }
+            None => {
+                start_here(call);
+                lane.unwritten = still_unwritten(written);
+            }
+        }
         Ok(Pending { slot })
     }
 
@@ -345,7 +372,7 @@ impl Cluster {
     /// Kills an actor (it is not restarted).
     fn kill(&self, py: Python<'_>, actor: u64) -> PyResult<()> {
         let cluster = self.cluster()?;
-        self.queues.lock().unwrap_or_else(|p| p.into_inner()).remove(&actor);
+        self.lanes.lock().unwrap_or_else(|p| p.into_inner()).remove(&actor);
         py.detach(|| runtime().block_on(cluster.kill(ActorId(actor))))
             .map_err(error)
     }
@@ -412,7 +439,7 @@ impl Cluster {
 
     /// Disconnects, and stops the local cluster this driver started.
     fn shutdown(&self, py: Python<'_>) {
-        self.queues.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.lanes.lock().unwrap_or_else(|p| p.into_inner()).clear();
         let client = self.client.lock().unwrap_or_else(|p| p.into_inner()).take();
         let local = self.local.lock().unwrap_or_else(|p| p.into_inner()).take();
         py.detach(move || {
