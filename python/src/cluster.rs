@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Waker};
 use std::time::Duration;
@@ -10,7 +11,7 @@ use std::time::Duration;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use regatta::local::{LocalCluster, LocalOptions, WorkerSpec};
 use regatta::{
@@ -60,10 +61,55 @@ impl Group {
 }
 
 /// What the driver keeps of an actor it calls: its handle (which remembers where the actor
-/// runs, so a call does not ask the head), and the last ordered call not yet written.
+/// runs, so a call does not ask the head), its calls in flight, and the queue that writes
+/// its calls in order while some are in flight.
 struct Lane {
     handle: regatta::ActorHandle<PythonActor>,
-    unwritten: Option<oneshot::Receiver<()>>,
+    in_flight: Arc<AtomicUsize>,
+    queue: Option<mpsc::UnboundedSender<Next>>,
+}
+
+/// What an actor's call queue does next.
+enum Next {
+    /// Sends a call once the one before is written (or ended).
+    Call(Vec<u8>, Arc<Slot>),
+    /// Waits until a call started on the caller's thread is written (or ended).
+    After(oneshot::Receiver<()>),
+}
+
+fn closed() -> PyErr {
+    PyRuntimeError::new_err("the call queue is closed")
+}
+
+impl Lane {
+    /// The actor's call queue, started on first use: each call goes once the one before it
+    /// is on the wire (calls reach the actor in the order they were written).
+    fn queue(&mut self, cluster: &regatta::Cluster) -> mpsc::UnboundedSender<Next> {
+        if let Some(queue) = self.queue.as_ref().filter(|q| !q.is_closed()) {
+            return queue.clone();
+        }
+        let (queue, mut next) = mpsc::unbounded_channel::<Next>();
+        let (handle, cluster) = (self.handle.clone(), cluster.clone());
+        runtime().spawn(async move {
+            while let Some(item) = next.recv().await {
+                let written = match item {
+                    Next::After(written) => written,
+                    Next::Call(request, slot) => {
+                        let (sent, written) = oneshot::channel();
+                        let (handle, cluster) = (handle.clone(), cluster.clone());
+                        tokio::spawn(async move {
+                            let result = handle.call_pipelined(request, CALL_TIMEOUT, sent).await;
+                            settle(&cluster, &slot, result).await;
+                        });
+                        written
+                    }
+                };
+                let _ = written.await;
+            }
+        });
+        self.queue = Some(queue.clone());
+        queue
+    }
 }
 
 /// `written` while the call behind it may still be written (neither written nor ended).
@@ -263,42 +309,49 @@ impl Cluster {
     /// other) each goes at once.
     #[pyo3(signature = (actor, request, ordered=true))]
     fn call(&self, actor: u64, request: Vec<u8>, ordered: bool) -> PyResult<Pending> {
-        let slot = Arc::new(Slot::default());
         let cluster = self.cluster()?;
         let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
         let lane = lanes.entry(actor).or_insert_with(|| Lane {
             handle: cluster.handle::<PythonActor>(ActorId(actor)),
-            unwritten: None,
+            in_flight: Arc::default(),
+            queue: None,
         });
+        // An idle actor's call is written here, on the caller's thread (no hand-off to a
+        // runtime thread before it goes: what a caller waiting on each answer pays for);
+        // while calls are in flight, runtime threads write them, beside the caller's work.
+        let idle = lane.in_flight.load(Ordering::Acquire) == 0;
+        let slot = Arc::new(Slot::counted(lane.in_flight.clone()));
+        let pending = Pending { slot: slot.clone() };
         let handle = lane.handle.clone();
-        let answer = slot.clone();
         if !ordered {
-            start_here(async move {
-                settle(&cluster, &answer, handle.call_timeout(request, CALL_TIMEOUT).await).await;
-            });
-            return Ok(Pending { slot });
+            let call = async move {
+                settle(&cluster, &slot, handle.call_timeout(request, CALL_TIMEOUT).await).await;
+            };
+            if idle {
+                start_here(call);
+            } else {
+                runtime().spawn(call);
+            }
+            return Ok(pending);
+        }
+        if !idle {
+            // Every call in flight was written, or is ahead of this one in the queue.
+            lane.queue(&cluster)
+                .send(Next::Call(request, slot))
+                .map_err(|_| closed())?;
+            return Ok(pending);
         }
         let (sent, written) = oneshot::channel();
-        let call = async move {
+        let settler = cluster.clone();
+        start_here(async move {
             let result = handle.call_pipelined(request, CALL_TIMEOUT, sent).await;
-            settle(&cluster, &answer, result).await;
-        };
-        // A call goes once the one before it is on the wire (calls reach the actor in the
-        // order they were written), or once that one ended unwritten.
-        match lane.unwritten.take().and_then(still_unwritten) {
-            Some(before) => {
-                runtime().spawn(async move {
-                    let _ = before.await;
-                    call.await;
-                });
-                lane.unwritten = Some(written);
-            }
-            None => {
-                start_here(call);
-                lane.unwritten = still_unwritten(written);
-            }
+            settle(&settler, &slot, result).await;
+        });
+        if let Some(written) = still_unwritten(written) {
+            // Not written yet (its route is being looked up): later calls wait for it.
+            lane.queue(&cluster).send(Next::After(written)).map_err(|_| closed())?;
         }
-        Ok(Pending { slot })
+        Ok(pending)
     }
 
     /// Stores `parts`, concatenated, as one object in this node's object store.

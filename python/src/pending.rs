@@ -1,6 +1,7 @@
 //! A call in flight: the slot its answer lands in (a result that went through the object
 //! store held from the moment the answer came), waited on from Python without the GIL.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -66,17 +67,31 @@ fn outcome(result: regatta::Result<Vec<u8>>) -> (String, Vec<u8>) {
     }
 }
 
-#[derive(Default)]
 pub(crate) struct Slot {
     value: Mutex<Option<(String, Vec<u8>)>>,
     /// The result's object, for a result stored in the object store.
     held: Mutex<Option<ObjectRef<bytes::Bytes>>>,
     ready: Condvar,
+    /// The calls of its actor in flight, this one counted until its answer is in.
+    in_flight: Arc<AtomicUsize>,
 }
 
 impl Slot {
+    /// The slot of a call counted in `in_flight` (its actor's calls in flight).
+    pub(crate) fn counted(in_flight: Arc<AtomicUsize>) -> Self {
+        in_flight.fetch_add(1, Ordering::AcqRel);
+        Self {
+            value: Mutex::default(),
+            held: Mutex::default(),
+            ready: Condvar::new(),
+            in_flight,
+        }
+    }
+
     fn set(&self, value: (String, Vec<u8>), held: Option<ObjectRef<bytes::Bytes>>) {
         *self.held.lock().unwrap_or_else(|p| p.into_inner()) = held;
+        // Counted out before the caller can see the answer: its next call finds the actor idle.
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
         let mut slot = self.value.lock().unwrap_or_else(|p| p.into_inner());
         *slot = Some(value);
         self.ready.notify_all();
