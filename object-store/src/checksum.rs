@@ -10,8 +10,18 @@ const PIECE_MIN: usize = 16 << 20;
 
 /// CRC-32 of `bytes`.
 pub fn crc32(bytes: &[u8]) -> u32 {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    crc32_in(bytes, threads)
+    if bytes.len() < PARALLEL_MIN {
+        return crc32fast::hash(bytes);
+    }
+    crc32_in(bytes, cores())
+}
+
+/// The cores this process may use, asked once: the standard library reads the cgroup's
+/// CPU quota from files at every ask (four file system calls and three opens), which for
+/// small objects cost more than their checksum.
+fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// CRC-32 of `bytes` in at most `threads` pieces, each summed on a thread of its own (a

@@ -20,6 +20,7 @@ into the frames' own bytes.
 
 import inspect
 import os
+import pickle
 import struct
 import sys
 import threading
@@ -163,6 +164,9 @@ def _answer(result, cloudpickle):
     the object from the moment the answer arrives; this process lets go of it at once."""
     import regatta
 
+    if type(result) in regatta._PLAIN and not (type(result) in (str, bytes) and len(result) >= regatta._SHARED_MIN):
+        # Written exactly as cloudpickle would, ten times faster (small answers are most).
+        return b"O" + pickle.dumps(result, protocol=5)
     header, raws = regatta._pickle(result)
     if len(header) + sum(len(r) for r in raws) < regatta._SHARED_MIN:
         # Without out-of-band buffers this pickle is the in-band one: no second pickling.

@@ -95,6 +95,27 @@ def test_an_actor_keeps_its_state_and_answers_in_call_order():
     assert got == expected
 
 
+def test_calls_written_by_the_caller_and_by_the_queue_keep_their_order():
+    # A call to an idle actor is written on the caller's thread; calls made while others
+    # are in flight go through the actor's queue. The first calls of a fresh actor cannot
+    # be written at once (where it runs is still being looked up), so the queue waits for
+    # them. Every mix of the three must keep the order the calls were made in.
+    counter = Counter.remote(0)
+    calls, totals = [], []
+    for burst in [5, 1, 1, 3, 1, 8, 1, 2, 1, 1, 20, 1]:
+        refs = []
+        for _ in range(burst):
+            n = len(calls) + 1
+            totals.append((totals[-1] if totals else 0) + n)
+            ref = counter.add.remote(n)
+            calls.append(ref)
+            refs.append(ref)
+        if burst == 1:
+            # Waited on at once: the next call finds the actor idle again.
+            regatta.get(refs[0])
+    assert regatta.get(calls) == totals
+
+
 def test_a_remote_exception_is_a_task_error_and_an_instance_of_its_class():
     with pytest.raises(KeyError) as caught:
         regatta.get(fails.remote("missing thing"))
