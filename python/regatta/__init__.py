@@ -458,12 +458,14 @@ _INLINE_ARGS_MAX = 100 * 1024
 
 def _request(head, args, kwargs, what):
     """A call's request: the pickle of ``head + (args, kwargs)``, and the refs of the
-    arguments it stored (held by the call until it is done, so the worker finds them)."""
-    if all(type(a) in _PLAIN for a in args) and all(type(v) in _PLAIN for v in kwargs.values()):
+    arguments it stored (held by the call until it is done, so the worker finds them).
+    ``what`` names the function or method, for errors."""
+    if (not args and not kwargs) or (all(type(a) in _PLAIN for a in args)
+                                     and all(type(v) in _PLAIN for v in kwargs.values())):
         # The head is a method's name or a function pickled once (_Raw): plain too.
         request = pickle.dumps(head + (args, kwargs), protocol=5)
     else:
-        request = _dumps(head + (args, kwargs), what)
+        request = _dumps(head + (args, kwargs), f"the arguments of {what}")
     if len(request) <= _INLINE_ARGS_MAX:
         return request, []
     kept = []
@@ -480,7 +482,7 @@ def _request(head, args, kwargs, what):
 
     args = tuple(stored(a) for a in args)
     kwargs = {k: stored(v) for k, v in kwargs.items()}
-    return _dumps(head + (args, kwargs), what), kept
+    return _dumps(head + (args, kwargs), f"the arguments of {what}"), kept
 
 
 def _resolve_args(args, kwargs):
@@ -795,7 +797,7 @@ class RemoteFunction:
         if self._pickled is None:
             self._pickled = _dumps(self._function, f"function {self._name}")
         args, kwargs = _resolve_args(args, kwargs)
-        request, kept = _request((None, _Raw(self._pickled)), args, kwargs, f"the arguments of {self._name}")
+        request, kept = _request((None, _Raw(self._pickled)), args, kwargs, self._name)
         resources = _resource_text(self._options)
         retries = self._options.get("max_retries", 3)
         what = f"task {self._name}"
@@ -918,6 +920,9 @@ class _ActorMethod:
         self._handle = handle
         self._name = name
         self._num_returns = num_returns
+        # Made once: a call's own work is kept to what differs between calls.
+        self._what = f"{handle._class_name}.{name}"
+        self._head = (name, None)
 
     def options(self, **options):
         """This method with ``num_returns``."""
@@ -931,18 +936,20 @@ class _ActorMethod:
 
     def remote(self, *args, **kwargs):
         driver = _current()
-        args, kwargs = _resolve_args(args, kwargs)
-        what = f"{self._handle._class_name}.{self._name}"
-        request, kept = _request((self._name, None), args, kwargs, f"the arguments of {what}")
-        actor = self._handle._actor_id
-        ordered = not self._handle._concurrent
+        if args or kwargs:
+            args, kwargs = _resolve_args(args, kwargs)
+        handle, what = self._handle, self._what
+        request, kept = _request(self._head, args, kwargs, what)
+        actor = handle._actor_id
+        ordered = not handle._concurrent
+        if handle._retries > 0:
+            def submit():
+                return driver.call(actor, request, what, ordered, concurrent=not ordered)
 
-        def submit():
-            return driver.call(actor, request, what, ordered, concurrent=not ordered)
-
-        retry = submit if self._handle._retries > 0 else None
-        return _split(ObjectRef(what, submit(), retry=retry, retries=self._handle._retries, kept=kept),
-                      self._num_returns)
+            ref = ObjectRef(what, submit(), retry=submit, retries=handle._retries, kept=kept)
+        else:
+            ref = ObjectRef(what, driver.call(actor, request, what, ordered, concurrent=not ordered), kept=kept)
+        return ref if self._num_returns is None else _split(ref, self._num_returns)
 
 
 def remote(*args, **options):
