@@ -114,10 +114,7 @@ impl Lane {
 
 /// `written` while the call behind it may still be written (neither written nor ended).
 fn still_unwritten(mut written: oneshot::Receiver<()>) -> Option<oneshot::Receiver<()>> {
-    let waiting = std::pin::Pin::new(&mut written)
-        .poll(&mut Context::from_waker(Waker::noop()))
-        .is_pending();
-    waiting.then_some(written)
+    matches!(written.try_recv(), Err(oneshot::error::TryRecvError::Empty)).then_some(written)
 }
 
 /// Runs `call` on this thread until it waits (a call's request is written here, on the
