@@ -220,12 +220,6 @@ impl Segment {
         Self::from_file(file, None)
     }
 
-    /// A second descriptor of the segment's file, for a reader in this process that maps it
-    /// itself (the Python package's `get`); the file stays sealed whoever holds it.
-    pub fn duplicate(&self) -> io::Result<File> {
-        self.file.try_clone()
-    }
-
     /// Takes any file as a segment without sealing it: only for tests that a reader refuses
     /// a segment a peer could still change (`Segment::open` checks the seals).
     #[doc(hidden)]
@@ -538,8 +532,6 @@ mod tests {
             written.write_all(b"more").is_err(),
             "sealed: the writer's own descriptor writes no more"
         );
-        let copy = segment.duplicate().unwrap();
-        assert_eq!(copy.metadata().unwrap().ino(), segment.handle().inode);
         assert!(
             Segment::open(&segment.handle()).is_ok(),
             "a peer opens it as any segment"

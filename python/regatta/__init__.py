@@ -28,9 +28,9 @@ accounted by the cluster like any other actor. Values travel pickled with cloudp
 import asyncio
 import atexit
 import collections
+import ctypes
 import inspect
 import itertools
-import mmap
 import os
 import pickle
 import shutil
@@ -554,16 +554,17 @@ def _store(cluster, parts):
 
 
 def _read(store):
-    """A stored object's contents: bytes for a small one, else a read-only mapping of the
-    shared memory that holds it (no copy; arrays read from it are views of these pages)."""
-    data, shared = _current().cluster.read(store)
-    if shared is None:
+    """A stored object's contents: bytes for a small one, else a read-only view of the
+    store's own bytes (its shared-memory mapping on this host, or what a pull from another
+    node received), no copy: arrays read from it are views of those pages."""
+    data = _current().cluster.read(store)
+    if isinstance(data, bytes):
         return data
-    fd, length = shared
-    try:
-        return mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
+    # The stable ABI of Python 3.10 gives a native class no buffer protocol: a ctypes array
+    # over the lent bytes exports them, and keeps the lender alive as long as any view.
+    lent = (ctypes.c_char * len(data)).from_address(data.address)
+    lent._held = data
+    return memoryview(lent).cast("B").toreadonly()
 
 
 def _deserialize(blob):

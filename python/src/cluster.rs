@@ -19,9 +19,13 @@ use regatta::{
     View, ViewQuery,
 };
 
-use crate::object::Object;
+use crate::object::{Held, Object};
 use crate::pending::{settle, Pending, Slot};
 use crate::{error, placing_error, runtime, CALL_TIMEOUT};
+
+/// Objects of at least this many bytes are lent to Python in place ([`Held`]) rather than
+/// copied into a `bytes`: the Python side's `_SHARED_MIN`, the store's shared-memory floor.
+const LEND_MIN_BYTES: usize = 1 << 20;
 
 /// A placement group: bundles of resources reserved together.
 #[pyclass(module = "regatta._native")]
@@ -387,26 +391,19 @@ impl Cluster {
         Ok(Object { reference })
     }
 
-    /// An object's contents: `(bytes, None)` for a small one, or `(None, (fd, length))` for
-    /// one held in shared memory on this host: a new read-only descriptor of its sealed
-    /// file, which the caller maps (zero-copy) and closes.
-    #[allow(clippy::type_complexity)]
-    fn read<'py>(
-        &self,
-        py: Python<'py>,
-        object: PyRef<'py, Object>,
-    ) -> PyResult<(Option<Bound<'py, PyBytes>>, Option<(i32, u64)>)> {
-        use std::os::fd::IntoRawFd;
+    /// An object's contents: `bytes` (a copy) for one under [`LEND_MIN_BYTES`], else a
+    /// [`Held`] lending the store's own bytes (its shared-memory mapping on this host, or
+    /// the buffer a pull from another node received into), which Python views in place.
+    fn read<'py>(&self, py: Python<'py>, object: PyRef<'py, Object>) -> PyResult<Bound<'py, PyAny>> {
         let cluster = self.cluster()?;
         let reference = object.reference.clone();
-        let (bytes, segment) = py
-            .detach(|| runtime().block_on(cluster.get_shared(&reference)))
+        let bytes = py
+            .detach(|| runtime().block_on(cluster.get_bytes(&reference)))
             .map_err(error)?;
-        // Without a segment, or out of descriptors to hand one over: a copy still reads it.
-        match segment.map(|segment| segment.duplicate().map(|file| (file, segment.len()))) {
-            Some(Ok((file, len))) => Ok((None, Some((file.into_raw_fd(), len)))),
-            _ => Ok((Some(PyBytes::new(py, &bytes)), None)),
+        if bytes.len() < LEND_MIN_BYTES {
+            return Ok(PyBytes::new(py, &bytes).into_any());
         }
+        Ok(Bound::new(py, Held { bytes })?.into_any())
     }
 
     /// An object by id (a reference received from elsewhere; held from its first read).

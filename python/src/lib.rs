@@ -73,6 +73,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pending>()?;
     m.add_class::<Group>()?;
     m.add_class::<Object>()?;
+    m.add_class::<object::Held>()?;
     m.add_function(wrap_pyfunction!(cluster_authorities_der, m)?)?;
     m.add("MAX_FRAME", regatta::PYTHON_MAX_FRAME)?;
     m.add("Infeasible", m.py().get_type::<Infeasible>())?;

@@ -439,6 +439,59 @@ def test_arrays_read_from_the_store_are_views_of_its_shared_memory_not_copies():
     assert small[-1] == 999 and not mapped_file(small)[0].startswith("/memfd:")
 
 
+def test_objects_streamed_from_another_process_are_read_in_place_where_they_arrived(tmp_path):
+    # Without shared memory between the processes (as between hosts), an object comes
+    # through the cluster's transfer into the reader's store: get views those received
+    # bytes, every time, instead of copying them again (into bytes, or a fresh memfd).
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent("""
+        import json, os
+        os.environ["REGATTA_NO_SHARED_MEMORY"] = "1"
+        import numpy as np, regatta
+
+        def mapped(array):
+            address = array.__array_interface__["data"][0]
+            with open("/proc/self/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    low, high = (int(x, 16) for x in fields[0].split("-"))
+                    if low <= address < high:
+                        return fields[5].strip() if len(fields) > 5 else ""
+            return "?"
+
+        def twice(ref):
+            first, second = regatta.get(ref), regatta.get(ref)
+            return {"same": bool(np.shares_memory(first, second)), "file": mapped(first),
+                    "writeable": bool(first.flags.writeable), "last": int(first[-1]),
+                    "sum": int(second.sum(dtype=np.int64))}
+
+        @regatta.remote
+        def make(n):
+            # A ref inside the result: read from the store at each get (a call's own
+            # result is read once and kept by its ref).
+            return [regatta.put(np.arange(n, dtype=np.int32))]
+
+        @regatta.remote
+        def read(refs):
+            return twice(refs[0])
+
+        regatta.init(num_cpus=1)
+        n = 4 << 20
+        print(json.dumps({"driver": twice(regatta.get(make.remote(n))[0]),
+                          "task": regatta.get(read.remote([regatta.put(np.arange(n, dtype=np.int32))]))}))
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    import json
+
+    n = 4 << 20
+    for reader, seen in json.loads(result.stdout.strip().splitlines()[-1]).items():
+        assert seen["last"] == n - 1 and seen["sum"] == n * (n - 1) // 2, (reader, seen)
+        assert seen["same"], f"{reader}: two gets of one object gave two copies"
+        assert not seen["file"].startswith("/memfd:"), f"{reader}: the object was copied into {seen['file']!r}"
+        assert not seen["writeable"], f"{reader}: what get returns is read-only"
+
+
 @regatta.remote
 def big_result(n):
     import numpy as np

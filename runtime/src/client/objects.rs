@@ -99,15 +99,6 @@ impl Cluster {
         Ok(reference)
     }
 
-    /// An object's bytes and, when it is large enough to be shared on the host, the sealed
-    /// segment holding them, for a reader that maps it itself (zero-copy reads from Python).
-    pub async fn get_shared<T>(&self, reference: &ObjectRef<T>) -> Result<(Bytes, Option<Arc<Segment>>)> {
-        self.adopt(reference).await?;
-        self.object_service()?
-            .get_shared(reference.id, Duration::from_secs(600))
-            .await
-    }
-
     async fn put_raw<T>(&self, bytes: Bytes) -> Result<ObjectRef<T>> {
         let service = self.object_service()?;
         let id = service.put(bytes, self.job().map(str::to_string)).await?;

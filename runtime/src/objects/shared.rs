@@ -4,14 +4,10 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
-
-use bytes::Bytes;
 
 use regatta_object_store::{ObjectId, Segment};
 
 use super::ObjectService;
-use crate::error::Result;
 
 /// Smallest object handed to a same-host peer through shared memory: below it streaming
 /// costs about as little, and a segment holds a descriptor for as long as the object is held.
@@ -107,25 +103,5 @@ impl ObjectService {
         if segments.len() < MAX_SEGMENTS {
             segments.insert(id, segment);
         }
-    }
-
-    /// The object's bytes and, for one of at least [`SHARED_MEMORY_MIN_BYTES`], the sealed
-    /// segment that holds them (made now, one copy, when it has none yet): what a reader in
-    /// this process maps itself instead of copying. Blocking for that copy.
-    pub async fn get_shared(
-        self: &Arc<Self>,
-        id: ObjectId,
-        timeout: Duration,
-    ) -> Result<(Bytes, Option<Arc<Segment>>)> {
-        let bytes = self.get(id, timeout).await?;
-        if (bytes.len() as u64) < SHARED_MEMORY_MIN_BYTES {
-            return Ok((bytes, None));
-        }
-        if let Some(segment) = self.segments().get(&id) {
-            return Ok((bytes, Some(segment.clone())));
-        }
-        let me = self.clone();
-        let segment = tokio::task::spawn_blocking(move || me.share(id)).await.ok().flatten();
-        Ok((bytes, segment))
     }
 }
