@@ -529,7 +529,13 @@ async fn receive_stream(
     }
     let length = usize::try_from(size).map_err(|_| failed(&"object too large for this platform"))?;
     let mut buffer = crate::receive_pool::take(length);
-    match fill(stream, &mut buffer, peer, id, checksum).await {
+    // Large objects: the buffer's pages are faulted in beside the transfer, not inside it.
+    let prefault = (length >= crate::receive_pool::MIN_POOLED)
+        .then(|| regatta_object_store::Prefault::start(&mut buffer))
+        .flatten();
+    let filled = fill(stream, &mut buffer, peer, id, checksum).await;
+    drop(prefault);
+    match filled {
         Ok(()) => Ok(crate::receive_pool::into_bytes(buffer)),
         Err(e) => {
             crate::receive_pool::give_back(buffer);
