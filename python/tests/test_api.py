@@ -1,6 +1,7 @@
 """The `regatta` package against a real local cluster (a head and a worker started from the
 `regatta` binary named by REGATTA_BIN): tasks, actors, errors, restarts and retries."""
 
+import inspect
 import os
 import signal
 import subprocess
@@ -444,24 +445,15 @@ def test_objects_streamed_from_another_process_are_read_in_place_where_they_arri
     # through the cluster's transfer into the reader's store: get views those received
     # bytes, every time, instead of copying them again (into bytes, or a fresh memfd).
     script = tmp_path / "driver.py"
-    script.write_text(textwrap.dedent("""
+    # The script gets this module's mapped_file as source: it runs in a process of its own.
+    script.write_text(inspect.getsource(mapped_file) + textwrap.dedent("""
         import json, os
         os.environ["REGATTA_NO_SHARED_MEMORY"] = "1"
         import numpy as np, regatta
 
-        def mapped(array):
-            address = array.__array_interface__["data"][0]
-            with open("/proc/self/maps") as maps:
-                for line in maps:
-                    fields = line.split(maxsplit=5)
-                    low, high = (int(x, 16) for x in fields[0].split("-"))
-                    if low <= address < high:
-                        return fields[5].strip() if len(fields) > 5 else ""
-            return "?"
-
         def twice(ref):
             first, second = regatta.get(ref), regatta.get(ref)
-            return {"same": bool(np.shares_memory(first, second)), "file": mapped(first),
+            return {"same": bool(np.shares_memory(first, second)), "file": mapped_file(first)[0],
                     "writeable": bool(first.flags.writeable), "last": int(first[-1]),
                     "sum": int(second.sum(dtype=np.int64))}
 
