@@ -123,14 +123,63 @@ fn still_unwritten(mut written: oneshot::Receiver<()>) -> Option<oneshot::Receiv
 
 /// Runs `call` on this thread until it waits (a call's request is written here, on the
 /// caller's thread, when its connection is open and free: no hand-off to a runtime thread
-/// before it goes), then leaves the rest (waiting for the answer) to the runtime.
+/// before it goes), then leaves the rest (waiting for the answer) to the runtime, but only
+/// once something wakes it: a spawn from this thread would wake a parked runtime thread for
+/// every call, only to poll the call once and park again, on the cores the actor's node and
+/// process need. Woken (its answer came, on a runtime thread), it is spawned from there:
+/// onto that thread's own queue, with no other thread woken.
 fn start_here(call: impl Future<Output = ()> + Send + 'static) {
-    let mut call = Box::pin(call);
+    let mut call: Call = Box::pin(call);
+    let parked = Arc::new(Parked(Mutex::new(Parking::Polling)));
+    let waker = Waker::from(parked.clone());
     let _runtime = runtime().enter();
-    // A future may be polled with one waker and then another: the runtime's poll after the
-    // spawn registers its own, so nothing that happens in between is missed.
-    if call.as_mut().poll(&mut Context::from_waker(Waker::noop())).is_pending() {
+    if call.as_mut().poll(&mut Context::from_waker(&waker)).is_ready() {
+        return;
+    }
+    let mut state = parked.0.lock().unwrap_or_else(|p| p.into_inner());
+    if matches!(*state, Parking::Woken) {
+        // Woken while this thread polled it: nothing else will spawn it.
+        *state = Parking::Spawned;
+        drop(state);
         runtime().spawn(call);
+    } else {
+        *state = Parking::Parked(call);
+    }
+}
+
+type Call = std::pin::Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
+/// Where a call started by [`start_here`] is until it is first woken.
+enum Parking {
+    /// Being polled by the caller's thread.
+    Polling,
+    /// Woken during that poll.
+    Woken,
+    /// Waiting, polled by no one: its first wake spawns it.
+    Parked(Call),
+    /// A task now: the runtime's own waker wakes it from here on.
+    Spawned,
+}
+
+/// The waker of a call started by [`start_here`].
+struct Parked(Mutex<Parking>);
+
+impl std::task::Wake for Parked {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let mut state = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match std::mem::replace(&mut *state, Parking::Spawned) {
+            Parking::Polling => *state = Parking::Woken,
+            Parking::Parked(call) => {
+                drop(state);
+                runtime().spawn(call);
+            }
+            Parking::Woken => *state = Parking::Woken,
+            Parking::Spawned => {}
+        }
     }
 }
 
