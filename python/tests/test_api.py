@@ -48,6 +48,10 @@ class Counter:
     def pid(self):
         return os.getpid()
 
+    def die_after(self, seconds):
+        time.sleep(seconds)
+        os.kill(os.getpid(), signal.SIGKILL)
+
 
 @regatta.remote
 class Broken:
@@ -161,6 +165,20 @@ def test_a_killed_actor_process_restarts_when_allowed_and_dies_when_not():
     with pytest.raises(ActorDiedError) as caught:
         regatta.get(restartable.add.remote(1), timeout=60)
     assert "restarts exhausted" in str(caught.value)
+
+
+def test_calls_written_behind_one_that_kills_the_process_run_on_the_next_one_in_order():
+    # The node writes an actor's next calls into its process while one runs: those behind
+    # the call that kills it never started there, and must each run once, in order, on the
+    # restarted process, none lost and none run twice.
+    actor = Counter.options(max_restarts=1).remote(0)
+    first = regatta.get(actor.pid.remote(), timeout=60)
+    dying = actor.die_after.remote(0.5)
+    behind = [actor.add.remote(1) for _ in range(20)]
+    with pytest.raises(ActorDiedError):
+        regatta.get(dying, timeout=60)
+    assert regatta.get(behind, timeout=60) == list(range(1, 21))
+    assert regatta.get(actor.pid.remote(), timeout=60) != first
 
 
 def test_a_task_whose_worker_dies_is_retried(tmp_path):

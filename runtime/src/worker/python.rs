@@ -15,9 +15,13 @@
 //! marked live: the calling driver follows them while the call runs; `\x1e\x1d` and a
 //! count marks that many of the actor's last lines live.
 //!
-//! A process that dies fails the call in flight with its cause; the next call starts a
-//! new process and runs the constructor again, up to `max_restarts` times (Ray's actor
-//! restarts), after which every call says the actor is dead.
+//! An actor that runs its calls one after another has up to [`PIPELINED`] of them written
+//! into its process at once: the process reads its next call as soon as it answers one,
+//! without waiting for the node. A process that dies fails the call in it with its cause;
+//! the next call (or the first of those already written behind it, which never started)
+//! starts a new process and runs the constructor again, up to `max_restarts` times (Ray's
+//! actor restarts), and the calls written behind are given to it in order. After that every
+//! call says the actor is dead.
 //!
 //! With `max_concurrency` above 1 (Ray's async and threaded actors) up to that many calls
 //! are in the process at once: each frame then starts with an 8-byte call number, which
@@ -106,6 +110,12 @@ pub(crate) enum WorkerError {
     /// No process runs (a start is under way or failed).
     #[error("the Python worker is not running")]
     NotRunning,
+    /// A call too large for a frame.
+    #[error("a call of {0} bytes is over the 2 GiB frame limit: pass large values through the object store")]
+    TooLarge(usize),
+    /// The process answered when no call was in it.
+    #[error("the Python worker process answered a call it was not given")]
+    Unasked,
 }
 
 /// How a process that died during an exchange ended, as far as can be told.
@@ -175,12 +185,267 @@ impl Shared {
 
 /// One Python process behind an actor.
 pub struct PythonActor {
-    args: PythonArgs,
-    gpus: Vec<u32>,
-    process: Option<Executor>,
+    /// The process of an actor whose calls run one after another.
+    line: Option<Line>,
+    /// The process of an actor whose calls run beside each other.
     shared: Option<Arc<Shared>>,
-    restarts: u32,
+    /// How many of its calls the node hands it at once.
+    limit: usize,
+}
+
+/// How many calls of an actor that runs them one after another are handed to its process
+/// at once: the node writes the next ones while one runs, so the process reads its next
+/// call as soon as it answers one, without waiting for the node (a wake-up less per call on
+/// each side). The process still runs them one at a time, in order.
+const PIPELINED: usize = 32;
+
+type Answer = tokio::sync::oneshot::Sender<Result<Vec<u8>, WorkerError>>;
+
+/// The calls of an actor that runs them one after another: written to its process as they
+/// come, answered oldest first (the process answers in order), by a supervisor task that
+/// reads the answers and, when the process dies, starts the next one for the calls left.
+struct Line {
+    state: Arc<LineState>,
+    supervisor: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Line {
+    fn drop(&mut self) {
+        // The supervisor owns the process: stopping it kills the process.
+        self.supervisor.abort();
+    }
+}
+
+struct LineState {
+    calls: std::sync::Mutex<Calls>,
+    /// Signalled when a call waits and no process runs.
+    wanted: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct Calls {
+    /// Calls given to the process, or to give to the next one, oldest first: each as its
+    /// frame (length and request), kept until answered for a next process.
+    waiting: std::collections::VecDeque<(bytes::Bytes, Answer)>,
+    /// The running process's stdin.
+    pipe: Pipe,
+    /// Counts the processes: a writer of an earlier one leaves the pipe alone.
+    generation: u64,
+    /// How the last process died when no call was in it: the next call is answered with
+    /// it, as it would have found the process dead.
+    died: Option<WorkerError>,
+    /// Why every call fails from now on (restarts exhausted, or a restart failed).
     dead: Option<WorkerError>,
+}
+
+/// The stdin of a [`Line`]'s process.
+#[derive(Default)]
+enum Pipe {
+    /// No process runs, or its stdin broke (it is dying): frames wait for the next one.
+    #[default]
+    Closed,
+    /// Nothing is being written: a frame is written at once, by the caller's task.
+    Idle(tokio::process::ChildStdin),
+    /// A writer task has the stdin (a frame did not fit the pipe): these frames follow.
+    Busy(std::collections::VecDeque<bytes::Bytes>),
+}
+
+/// How much of a frame a write that does not wait wrote.
+enum Written {
+    All,
+    /// This many bytes; the rest must wait for room in the pipe.
+    Part(usize),
+    Broken,
+}
+
+/// Writes what of `frame` the pipe takes now, without waiting.
+fn write_now(stdin: &mut tokio::process::ChildStdin, frame: &[u8]) -> Written {
+    use tokio::io::AsyncWrite;
+    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    let mut done = 0;
+    while done < frame.len() {
+        match std::pin::Pin::new(&mut *stdin).poll_write(&mut context, &frame[done..]) {
+            std::task::Poll::Ready(Ok(0)) | std::task::Poll::Ready(Err(_)) => return Written::Broken,
+            std::task::Poll::Ready(Ok(n)) => done += n,
+            std::task::Poll::Pending => return Written::Part(done),
+        }
+    }
+    Written::All
+}
+
+impl Calls {
+    /// Gives `frame` to the running process: written here when the pipe is idle and takes
+    /// it whole (no task woken for it), else by a writer task, after the frames before it.
+    fn send(&mut self, frame: bytes::Bytes, state: &Arc<LineState>) {
+        match &mut self.pipe {
+            Pipe::Closed => {}
+            Pipe::Busy(backlog) => backlog.push_back(frame),
+            Pipe::Idle(stdin) => match write_now(stdin, &frame) {
+                Written::All => {}
+                Written::Broken => self.pipe = Pipe::Closed,
+                Written::Part(done) => {
+                    let Pipe::Idle(stdin) = std::mem::replace(&mut self.pipe, Pipe::Busy(Default::default())) else {
+                        return;
+                    };
+                    tokio::spawn(write_rest(state.clone(), self.generation, stdin, frame.slice(done..)));
+                }
+            },
+        }
+    }
+}
+
+/// Writes `rest` and then the frames queued behind it, waiting for room in the pipe; gives
+/// the stdin back once none are left.
+async fn write_rest(
+    state: Arc<LineState>,
+    generation: u64,
+    mut stdin: tokio::process::ChildStdin,
+    mut rest: bytes::Bytes,
+) {
+    loop {
+        let written = stdin.write_all(&rest).await;
+        let mut calls = state.calls();
+        if calls.generation != generation {
+            // Its process died and another runs: this stdin is not that one's.
+            return;
+        }
+        if written.is_err() {
+            // The process is dying: its supervisor sees its stdout end.
+            calls.pipe = Pipe::Closed;
+            return;
+        }
+        let next = match &mut calls.pipe {
+            Pipe::Busy(backlog) => backlog.pop_front(),
+            _ => return,
+        };
+        match next {
+            Some(frame) => rest = frame,
+            None => {
+                calls.pipe = Pipe::Idle(stdin);
+                return;
+            }
+        }
+    }
+}
+
+impl LineState {
+    fn calls(&self) -> std::sync::MutexGuard<'_, Calls> {
+        self.calls.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Hands `request` to the process (in the order calls come), or to the next one.
+    fn call(self: &Arc<Self>, request: Vec<u8>) -> futures::future::BoxFuture<'static, Result<Vec<u8>, WorkerError>> {
+        let Some(len) = u32::try_from(request.len()).ok().filter(|n| *n as usize <= MAX_FRAME) else {
+            return Box::pin(std::future::ready(Err(WorkerError::TooLarge(request.len()))));
+        };
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        {
+            let mut calls = self.calls();
+            if let Some(why) = calls.died.take().or_else(|| calls.dead.clone()) {
+                return Box::pin(std::future::ready(Err(why)));
+            }
+            let mut frame = Vec::with_capacity(4 + request.len());
+            frame.extend_from_slice(&len.to_be_bytes());
+            frame.extend_from_slice(&request);
+            let frame = bytes::Bytes::from(frame);
+            if matches!(calls.pipe, Pipe::Closed) && calls.waiting.is_empty() {
+                // No process runs (it died before): the supervisor starts the next.
+                self.wanted.notify_one();
+            }
+            calls.send(frame.clone(), self);
+            calls.waiting.push_back((frame, answer));
+        }
+        Box::pin(async move { answered.await.unwrap_or(Err(WorkerError::Gone)) })
+    }
+
+    /// Fails every waiting call with `why`, and every later one.
+    fn kill(&self, why: WorkerError) {
+        let mut calls = self.calls();
+        for (_, answer) in calls.waiting.drain(..) {
+            let _ = answer.send(Err(why.clone()));
+        }
+        calls.pipe = Pipe::Closed;
+        calls.dead = Some(why);
+    }
+}
+
+/// Runs the processes of a [`Line`]: answers its calls from the process's answers, oldest
+/// first; when the process dies, fails the call in it with the cause and, while restarts
+/// are left, starts the next process once a call waits, which is given the calls that were
+/// written to the dead one after the one in it (they never started: the process runs one
+/// at a time).
+async fn supervise(state: Arc<LineState>, start: Start, mut process: Executor) {
+    let mut restarts = 0;
+    loop {
+        let Executor {
+            mut child,
+            stdin,
+            stdout,
+            ..
+        } = process;
+        let pid = child.id().unwrap_or(0);
+        // Buffered: an answer's length and bytes in one read.
+        let mut stdout = tokio::io::BufReader::with_capacity(64 * 1024, stdout);
+        {
+            let mut calls = state.calls();
+            calls.generation += 1;
+            calls.pipe = Pipe::Idle(stdin);
+            let frames: Vec<bytes::Bytes> = calls.waiting.iter().map(|(frame, _)| frame.clone()).collect();
+            for frame in frames {
+                calls.send(frame, &state);
+            }
+        }
+        let why = loop {
+            match read_frame(&mut stdout).await {
+                Ok(answer) => match state.calls().waiting.pop_front() {
+                    Some((_, to)) => {
+                        let _ = to.send(Ok(answer));
+                    }
+                    None => break WorkerError::Unasked,
+                },
+                Err(e) => {
+                    let ending = match child.try_wait() {
+                        Ok(Some(status)) => Ending::Exited(status),
+                        _ => Ending::PipeBroke(Arc::new(e)),
+                    };
+                    break WorkerError::Died { pid, ending };
+                }
+            }
+        };
+        // Killed if it still runs.
+        drop(child);
+        {
+            let mut calls = state.calls();
+            calls.pipe = Pipe::Closed;
+            match calls.waiting.pop_front() {
+                Some((_, to)) => {
+                    let _ = to.send(Err(why.clone()));
+                }
+                None => calls.died = Some(why.clone()),
+            }
+        }
+        if restarts >= start.args.max_restarts {
+            state.kill(WorkerError::Exhausted {
+                cause: Box::new(why),
+                max_restarts: start.args.max_restarts,
+            });
+            return;
+        }
+        // A moment for the node's log to hold the process's last words.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The next process starts when a call needs it.
+        while state.calls().waiting.is_empty() {
+            state.wanted.notified().await;
+        }
+        restarts += 1;
+        process = match start.run().await {
+            Ok(next) => next,
+            Err(why) => {
+                state.kill(WorkerError::Restart(Box::new(why)));
+                return;
+            }
+        };
+    }
 }
 
 async fn write_frame(to: &mut (impl AsyncWriteExt + Unpin), bytes: &[u8]) -> std::io::Result<()> {
@@ -215,9 +480,16 @@ async fn read_frame(from: &mut (impl AsyncReadExt + Unpin)) -> std::io::Result<V
     Ok(bytes)
 }
 
-impl PythonActor {
+/// What starts an actor's process: its arguments, its GPUs and its context.
+struct Start {
+    args: PythonArgs,
+    gpus: Vec<u32>,
+    ctx: ActorContext,
+}
+
+impl Start {
     /// Starts the process and runs the constructor.
-    async fn start(&mut self, ctx: &ActorContext) -> Result<(), WorkerError> {
+    async fn run(&self) -> Result<Executor, WorkerError> {
         let mut env = self.args.env.clone();
         let inherited = std::env::var("PYTHONPATH").ok().filter(|p| !p.is_empty());
         let path: Vec<String> = self.args.path.iter().cloned().chain(inherited).collect();
@@ -242,7 +514,7 @@ impl PythonActor {
             cause: Arc::new(cause),
         })?;
         if let Some(stderr) = process.stderr.take() {
-            let ctx = ctx.clone();
+            let ctx = self.ctx.clone();
             tokio::spawn(async move {
                 use tokio::io::AsyncBufReadExt;
                 let mut lines = tokio::io::BufReader::new(stderr).lines();
@@ -259,14 +531,7 @@ impl PythonActor {
         }
         let answer = exchange(&mut process, &self.args.init).await?;
         match answer.split_first() {
-            Some((b'O', _)) if self.args.max_concurrency > 1 => {
-                self.shared = Some(share(process));
-                Ok(())
-            }
-            Some((b'O', _)) => {
-                self.process = Some(process);
-                Ok(())
-            }
+            Some((b'O', _)) => Ok(process),
             Some((b'E', text)) => Err(WorkerError::Constructor(String::from_utf8_lossy(text).into_owned())),
             _ => Err(WorkerError::UnknownFrame),
         }
@@ -343,52 +608,43 @@ impl Actor for PythonActor {
     type Reply = Vec<u8>;
 
     async fn create(args: PythonArgs, ctx: &ActorContext) -> Result<Self, ActorError> {
-        let mut actor = Self {
-            args,
+        let concurrent = args.max_concurrency > 1;
+        let limit = args.max_concurrency.max(1) as usize;
+        let start = Start {
             gpus: ctx.gpu_ids().to_vec(),
-            process: None,
-            shared: None,
-            restarts: 0,
-            dead: None,
+            ctx: ctx.clone(),
+            args,
         };
-        actor.start(ctx).await?;
-        Ok(actor)
+        let process = start.run().await?;
+        if concurrent {
+            return Ok(Self {
+                line: None,
+                shared: Some(share(process)),
+                limit,
+            });
+        }
+        let state = Arc::new(LineState {
+            calls: std::sync::Mutex::default(),
+            wanted: tokio::sync::Notify::new(),
+        });
+        let supervisor = tokio::spawn(supervise(state.clone(), start, process));
+        Ok(Self {
+            line: Some(Line { state, supervisor }),
+            shared: None,
+            limit: PIPELINED,
+        })
     }
 
     async fn handle(&mut self, request: Vec<u8>, ctx: &ActorContext) -> Result<Vec<u8>, ActorError> {
-        if let Some(why) = &self.dead {
-            return Err(why.clone().into());
-        }
-        if self.process.is_none() {
-            self.restarts += 1;
-            if let Err(why) = self.start(ctx).await {
-                let why = WorkerError::Restart(Box::new(why));
-                self.dead = Some(why.clone());
-                return Err(why.into());
-            }
-        }
-        let Some(process) = self.process.as_mut() else {
-            return Err(WorkerError::NotRunning.into());
-        };
-        match exchange(process, &request).await {
-            Ok(answer) => Ok(answer),
-            Err(why) => {
-                self.process = None;
-                if self.restarts >= self.args.max_restarts {
-                    self.dead = Some(WorkerError::Exhausted {
-                        cause: Box::new(why.clone()),
-                        max_restarts: self.args.max_restarts,
-                    });
-                }
-                // A moment for the node's log to hold the process's last words.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                Err(why.into())
-            }
+        // Every call goes through `handle_concurrently`; this is its path all the same.
+        match self.handle_concurrently(request, ctx) {
+            Some(call) => call.await,
+            None => Err(WorkerError::NotRunning.into()),
         }
     }
 
     fn max_concurrency(&self) -> usize {
-        self.args.max_concurrency.max(1) as usize
+        self.limit
     }
 
     fn handle_concurrently(
@@ -396,6 +652,10 @@ impl Actor for PythonActor {
         request: Vec<u8>,
         _ctx: &ActorContext,
     ) -> Option<futures::future::BoxFuture<'static, Result<Vec<u8>, ActorError>>> {
+        if let Some(line) = &self.line {
+            let call = line.state.call(request);
+            return Some(Box::pin(async move { call.await.map_err(ActorError::from) }));
+        }
         let shared = self.shared.clone()?;
         Some(Box::pin(
             async move { shared.call(request).await.map_err(ActorError::from) },
