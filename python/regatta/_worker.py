@@ -41,7 +41,14 @@ def _exit_when_orphaned():
 
 
 def _read_exact(stream, n):
-    chunks = []
+    first = stream.read(n)
+    if len(first) == n:
+        # The usual case: all of it at once.
+        return first
+    if not first:
+        return None
+    chunks = [first]
+    n -= len(first)
     while n:
         chunk = stream.read(n)
         if not chunk:
@@ -149,6 +156,8 @@ class _Tee:
 def _resolve_top_level(args, kwargs):
     """Stored objects given as top-level arguments arrive as refs: their values, as Ray
     hands them."""
+    if not args and not kwargs:
+        return args, kwargs
     import regatta
 
     def resolve(value):
