@@ -259,8 +259,15 @@ def main():
     import cloudpickle
 
     _exit_when_orphaned()
-    frames_in = os.fdopen(0, "rb")  # buffered: a frame's length and bytes in one read
+    # The frames keep duplicates of fds 0 and 1 (not inherited by subprocesses). The node
+    # writes an actor's next calls while one runs: user code or a subprocess that reads
+    # stdin must find nothing there, not the calls behind it, so fd 0 becomes /dev/null.
+    frames_in = os.fdopen(os.dup(0), "rb")  # buffered: a frame's length and bytes in one read
     frames_out = os.fdopen(os.dup(1), "wb")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.stdin = open(os.devnull)
     # Prints, of user code and of libraries, go to stderr from here on.
     os.dup2(2, 1)
     sys.stdout = sys.stderr

@@ -48,6 +48,10 @@ class Counter:
     def pid(self):
         return os.getpid()
 
+    def read_stdin_after(self, seconds):
+        time.sleep(seconds)
+        return sys.stdin.read(), subprocess.run(["cat"], capture_output=True, timeout=30).stdout
+
     def die_after(self, seconds):
         time.sleep(seconds)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -179,6 +183,16 @@ def test_calls_written_behind_one_that_kills_the_process_run_on_the_next_one_in_
         regatta.get(dying, timeout=60)
     assert regatta.get(behind, timeout=60) == list(range(1, 21))
     assert regatta.get(actor.pid.remote(), timeout=60) != first
+
+
+def test_a_call_that_reads_stdin_finds_it_empty_not_the_calls_written_behind_it():
+    # Calls written behind a running one wait in the process's frame pipe: neither the
+    # call nor a subprocess it starts may read them from stdin.
+    actor = Counter.remote(0)
+    reading = actor.read_stdin_after.remote(0.3)
+    behind = [actor.add.remote(1) for _ in range(10)]
+    assert regatta.get(reading, timeout=60) == ("", b"")
+    assert regatta.get(behind, timeout=60) == list(range(1, 11))
 
 
 def test_a_task_whose_worker_dies_is_retried(tmp_path):

@@ -213,6 +213,7 @@ impl Drop for Line {
     fn drop(&mut self) {
         // The supervisor owns the process: stopping it kills the process.
         self.supervisor.abort();
+        self.state.calls().close();
     }
 }
 
@@ -229,6 +230,9 @@ struct Calls {
     waiting: std::collections::VecDeque<(bytes::Bytes, Answer)>,
     /// The running process's stdin.
     pipe: Pipe,
+    /// The writer task while [`Pipe::Busy`]: stopped when its process dies or the actor
+    /// stops (a pipe whose reader never drains would hold it forever).
+    writer: Option<tokio::task::AbortHandle>,
     /// Counts the processes: a writer of an earlier one leaves the pipe alone.
     generation: u64,
     /// How the last process died when no call was in it: the next call is answered with
@@ -274,6 +278,14 @@ fn write_now(stdin: &mut tokio::process::ChildStdin, frame: &[u8]) -> Written {
 }
 
 impl Calls {
+    /// Closes the pipe: frames wait for the next process; a writer task stops.
+    fn close(&mut self) {
+        self.pipe = Pipe::Closed;
+        if let Some(writer) = self.writer.take() {
+            writer.abort();
+        }
+    }
+
     /// Gives `frame` to the running process: written here when the pipe is idle and takes
     /// it whole (no task woken for it), else by a writer task, after the frames before it.
     fn send(&mut self, frame: bytes::Bytes, state: &Arc<LineState>) {
@@ -287,7 +299,8 @@ impl Calls {
                     let Pipe::Idle(stdin) = std::mem::replace(&mut self.pipe, Pipe::Busy(Default::default())) else {
                         return;
                     };
-                    tokio::spawn(write_rest(state.clone(), self.generation, stdin, frame.slice(done..)));
+                    let writer = tokio::spawn(write_rest(state.clone(), self.generation, stdin, frame.slice(done..)));
+                    self.writer = Some(writer.abort_handle());
                 }
             },
         }
@@ -312,6 +325,7 @@ async fn write_rest(
         if written.is_err() {
             // The process is dying: its supervisor sees its stdout end.
             calls.pipe = Pipe::Closed;
+            calls.writer = None;
             return;
         }
         let next = match &mut calls.pipe {
@@ -322,6 +336,7 @@ async fn write_rest(
             Some(frame) => rest = frame,
             None => {
                 calls.pipe = Pipe::Idle(stdin);
+                calls.writer = None;
                 return;
             }
         }
@@ -364,7 +379,7 @@ impl LineState {
         for (_, answer) in calls.waiting.drain(..) {
             let _ = answer.send(Err(why.clone()));
         }
-        calls.pipe = Pipe::Closed;
+        calls.close();
         calls.dead = Some(why);
     }
 }
@@ -414,14 +429,22 @@ async fn supervise(state: Arc<LineState>, start: Start, mut process: Executor) {
         };
         // Killed if it still runs.
         drop(child);
+        state.calls().close();
+        // A moment for the node's log to hold the process's last words before its caller
+        // hears of its death (calls that come meanwhile wait for the next process).
+        tokio::time::sleep(Duration::from_millis(50)).await;
         {
             let mut calls = state.calls();
-            calls.pipe = Pipe::Closed;
-            match calls.waiting.pop_front() {
-                Some((_, to)) => {
-                    let _ = to.send(Err(why.clone()));
+            // The call in it; or, when it died between calls, the first to find it dead (as
+            // a call written to a dead pipe did). An answer nobody asked for is no call's
+            // fault: the calls waiting go to the next process.
+            if !matches!(why, WorkerError::Unasked) {
+                match calls.waiting.pop_front() {
+                    Some((_, to)) => {
+                        let _ = to.send(Err(why.clone()));
+                    }
+                    None => calls.died = Some(why.clone()),
                 }
-                None => calls.died = Some(why.clone()),
             }
         }
         if restarts >= start.args.max_restarts {
@@ -431,8 +454,6 @@ async fn supervise(state: Arc<LineState>, start: Start, mut process: Executor) {
             });
             return;
         }
-        // A moment for the node's log to hold the process's last words.
-        tokio::time::sleep(Duration::from_millis(50)).await;
         // The next process starts when a call needs it.
         while state.calls().waiting.is_empty() {
             state.wanted.notified().await;
