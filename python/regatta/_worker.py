@@ -15,7 +15,9 @@ starting ``\x1e``), and the driver follows those lines through the actor's log a
 come; so do actors whose calls run beside each other, for everything they print.
 
 User code's prints go to stderr (the node's log and the actor's log on the dashboard), never
-into the frames' own bytes.
+into the frames' own bytes; its stdin is /dev/null. For an actor that runs calls one after
+another, the node writes the next calls while one runs: they are read in order, each after
+the previous answer went out.
 """
 
 import inspect
