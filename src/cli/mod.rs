@@ -145,6 +145,30 @@ pub enum ArgError {
     /// A `--env`/`--metadata` value without `=` or without a key.
     #[error("'{0}' is not KEY=VALUE")]
     NotKeyValue(String),
+    /// [`RUNTIME_THREADS_ENV`] that is not a count of at least 1.
+    #[error("{RUNTIME_THREADS_ENV}='{0}' is not a number of threads (1 or more)")]
+    NotAThreadCount(String),
+}
+
+/// Environment variable: how many threads a `regatta` process's async runtime runs. By
+/// default as many as the CPUs it may use, at least 2. With 1, a node serves its actors'
+/// calls on one thread, so a call and its answer never wake a second runtime thread
+/// (on 2-core VMs, 1:1 sync Python actor calls 1.6x: BENCHMARKS.md); a long CPU-bound step
+/// in the node (encrypting a large object) then delays the calls behind it.
+pub const RUNTIME_THREADS_ENV: &str = "REGATTA_RUNTIME_THREADS";
+
+/// The runtime's thread count: [`RUNTIME_THREADS_ENV`]'s `value` when set, else `cpus` (at
+/// least 2: a blocking step in a command, such as a bench's floor measurement, must not
+/// stall every other task).
+pub fn runtime_threads(value: Option<&str>, cpus: usize) -> Result<usize, ArgError> {
+    match value.map(str::trim).filter(|v| !v.is_empty()) {
+        None => Ok(cpus.max(2)),
+        Some(text) => text
+            .parse::<usize>()
+            .ok()
+            .filter(|n| *n >= 1)
+            .ok_or_else(|| ArgError::NotAThreadCount(text.to_string())),
+    }
 }
 
 /// Parses `1234`, `64KB`, `64KiB`, `512MiB`, `4GB`, `1.5GiB`.
@@ -341,9 +365,14 @@ pub fn is_node_command() -> bool {
 pub fn main_with(registry: Registry) -> ExitCode {
     let cli = Cli::parse();
     init_logging();
-    // At least two workers, also on a one-CPU container: the command runs as a task, and
-    // a blocking step in it (a bench's floor measurement) must not stall every other task.
-    let workers = std::thread::available_parallelism().map_or(2, |n| n.get()).max(2);
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let workers = match runtime_threads(std::env::var(RUNTIME_THREADS_ENV).ok().as_deref(), cpus) {
+        Ok(workers) => workers,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
         // The main thread's stack size: the command's futures used to run there.
@@ -609,6 +638,20 @@ mod tests {
         );
         assert_eq!(job_api_bind(any, Some(lan), true), lan, "--job-bind wins");
         assert_eq!(job_api_bind(lan, Some(any), false), any);
+    }
+
+    #[test]
+    fn runtime_threads_default_to_the_cpus_at_least_two_and_bad_counts_say_why() {
+        assert_eq!(runtime_threads(None, 8), Ok(8));
+        assert_eq!(runtime_threads(None, 1), Ok(2));
+        assert_eq!(runtime_threads(Some(" "), 4), Ok(4));
+        assert_eq!(runtime_threads(Some("1"), 8), Ok(1));
+        assert_eq!(runtime_threads(Some(" 3 "), 8), Ok(3));
+        for bad in ["0", "-1", "two", "1.5"] {
+            let error = runtime_threads(Some(bad), 8).unwrap_err();
+            assert_eq!(error, ArgError::NotAThreadCount(bad.to_string()));
+            assert!(error.to_string().contains(RUNTIME_THREADS_ENV), "{error}");
+        }
     }
 
     #[test]
