@@ -350,7 +350,7 @@ impl LineState {
 
     /// Hands `request` to the process (in the order calls come), or to the next one.
     fn call(self: &Arc<Self>, request: Vec<u8>) -> futures::future::BoxFuture<'static, Result<Vec<u8>, WorkerError>> {
-        let Some(len) = u32::try_from(request.len()).ok().filter(|n| *n as usize <= MAX_FRAME) else {
+        let Some(len) = frame_length(request.len()) else {
             return Box::pin(std::future::ready(Err(WorkerError::TooLarge(request.len()))));
         };
         let (answer, answered) = tokio::sync::oneshot::channel();
@@ -469,10 +469,13 @@ async fn supervise(state: Arc<LineState>, start: Start, mut process: Executor) {
     }
 }
 
+/// A frame's length prefix, for `len` bytes within [`MAX_FRAME`].
+fn frame_length(len: usize) -> Option<u32> {
+    u32::try_from(len).ok().filter(|n| *n as usize <= MAX_FRAME)
+}
+
 async fn write_frame(to: &mut (impl AsyncWriteExt + Unpin), bytes: &[u8]) -> std::io::Result<()> {
-    let len = u32::try_from(bytes.len())
-        .ok()
-        .filter(|n| *n as usize <= MAX_FRAME)
+    let len = frame_length(bytes.len())
         .ok_or_else(|| std::io::Error::other(format!("a frame of {} bytes is over the 2 GiB limit", bytes.len())))?;
     if bytes.len() <= ONE_WRITE_MAX {
         // One write: the process wakes once, to a whole frame.
