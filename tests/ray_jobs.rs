@@ -408,8 +408,10 @@ second = client.submit_job(entrypoint="python3 report.py", runtime_env={"working
 seen = {"second_while_first_ran": set()}
 deadline = time.time() + 90
 while time.time() < deadline:
-    a, b = client.get_job_status(first), client.get_job_status(second)
-    if a == JobStatus.RUNNING:
+    # The second's status counts only when the first ran both before and after it was read:
+    # a first that ends between the two reads lets the second start, rightly.
+    a, b, a_after = client.get_job_status(first), client.get_job_status(second), client.get_job_status(first)
+    if a == JobStatus.RUNNING and a_after == JobStatus.RUNNING:
         seen["second_while_first_ran"].add(b.value)
     if a.is_terminal() and b.is_terminal():
         break
