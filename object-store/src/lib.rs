@@ -30,7 +30,9 @@ pub use regatta_proto::{
 pub use checksum::crc32;
 pub use error::{Error, Result};
 pub use place::{absolute, Place, PlaceError};
-pub use shm::{receive_buffer, release_spare_pages, Handle as SharedHandle, HostKey, Prefault, Segment};
+pub use shm::{
+    receive_buffer, release_spare_pages, Handle as SharedHandle, HostKey, Prefault, Segment, SharedHugePages,
+};
 pub use spill::{
     default_spill_dir, delete as delete_spilled, make_private_dir, open_store, parse_spill_url, restore, SpillBackend,
 };

@@ -66,6 +66,14 @@ fn cluster_authorities_der<'py>(py: Python<'py>, base: &str, token: &str) -> PyR
     Ok(authorities.iter().map(|der| PyBytes::new(py, der.as_ref())).collect())
 }
 
+/// Whether this host gives shared memory transparent huge pages: `"never"`, `"advise"`
+/// (a large object is copied in through a mapping advised for them) or `"always"` (any
+/// write gets them). The put of a large object writes it accordingly.
+#[pyfunction]
+fn shared_memory_huge_pages() -> &'static str {
+    regatta_object_store::SharedHugePages::of_this_host().name()
+}
+
 /// The module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -75,6 +83,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Object>()?;
     m.add_class::<object::Held>()?;
     m.add_function(wrap_pyfunction!(cluster_authorities_der, m)?)?;
+    m.add_function(wrap_pyfunction!(shared_memory_huge_pages, m)?)?;
     m.add("MAX_FRAME", regatta::PYTHON_MAX_FRAME)?;
     m.add("Infeasible", m.py().get_type::<Infeasible>())?;
     Ok(())

@@ -523,6 +523,76 @@ def big_result(n):
     return {"rows": np.full(n, 7, dtype=np.int32), "label": "big"}
 
 
+_SHMEM_HUGE = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def shmem_huge_kib():
+    """The host's shared memory held in transparent huge pages, from /proc/meminfo."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("ShmemHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+@regatta.remote
+class Maker:
+    def huge_pages(self):
+        return regatta._native.shared_memory_huge_pages()
+
+    def ones(self, n):
+        import numpy as np
+
+        return np.ones(n, dtype=np.float64)
+
+
+def test_a_large_object_is_written_into_huge_pages_where_the_host_gives_them_on_advice(monkeypatch):
+    """Where the host gives shared memory huge pages only on advice, a put (the driver's, and
+    an actor's large result) copies through an advised mapping and gets them; where it gives
+    none, 4 KiB pages. As root on a host whose sysfs is writable (the CI kind) the test sets
+    the host's setting to "advise" while it runs and puts the old one back."""
+    import numpy as np
+
+    if not os.path.exists(_SHMEM_HUGE):
+        pytest.skip("this kernel has no transparent huge pages")
+    with open(_SHMEM_HUGE) as setting:
+        original = setting.read().split("[")[1].split("]")[0]
+    try:
+        with open(_SHMEM_HUGE, "w") as setting:
+            setting.write("advise")
+    except OSError:
+        pass  # not ours to change: the host's setting as it is
+    try:
+        maker = Maker.remote()  # a process started now reads the setting now
+        mode = regatta.get(maker.huge_pages.remote())
+        monkeypatch.setattr(regatta, "_HUGE_BY_ADVICE", mode == "advise")
+        n = (64 << 20) // 8
+        before = shmem_huge_kib()
+        put = regatta.put(np.arange(n, dtype=np.float64))
+        after_put = shmem_huge_kib()
+        made = maker.ones.remote(n)
+        regatta.wait([made], num_returns=1, timeout=60)
+        after_result = shmem_huge_kib()
+        # The bytes are the put's, read in place either way.
+        got = regatta.get(put)
+        assert mapped_file(got)[0].startswith("/memfd:regatta-object")
+        assert got[12345] == 12345.0 and got[-1] == n - 1
+        assert float(regatta.get(made).sum()) == n
+        if mode == "never":
+            assert after_put - before < 2048 and after_result - after_put < 2048, (before, after_put, after_result)
+        else:
+            # 64 MiB each, in 2 MiB pages (the last may be short of a whole one).
+            assert after_put - before >= 60 << 10, f"{mode}: the put's huge pages {before} -> {after_put} KiB"
+            assert after_result - after_put >= 60 << 10, f"{mode}: the result's {after_put} -> {after_result} KiB"
+        del got, put, made
+    finally:
+        try:
+            with open(_SHMEM_HUGE, "w") as setting:
+                setting.write(original)
+        except OSError:
+            pass
+
+
 def test_large_results_come_through_the_store_and_are_read_in_place():
     import numpy as np
 

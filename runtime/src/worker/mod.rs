@@ -146,6 +146,18 @@ pub async fn run_worker(config: WorkerConfig, registry: Registry, shutdown: impl
     // the old session the head may still hold open.
     // `node::node_of_session` reads the node back from this name: keep them in step.
     let session = format!("{name}-{}", node::random_hex(3));
+    // How fast large objects go into shared memory here is the host's choice: say which.
+    let huge = regatta_object_store::SharedHugePages::of_this_host();
+    tracing::info!(
+        node = %name,
+        shmem_huge_pages = huge.name(),
+        "shared memory huge pages: {}",
+        match huge {
+            regatta_object_store::SharedHugePages::Never =>
+                "none (transparent_hugepage/shmem_enabled); large objects are written into 4 KiB pages, several times slower than a copy; `advise` lets Regatta use huge pages (docs/PYTHON.md)",
+            _ => "in use for large objects",
+        }
+    );
     let credentials = JoinCredentials::parse(&config.token, config.ca_hash.as_deref())?;
     let identity = trust::join_with_retry(&config.head_address, &credentials, &Role::Node(name.clone())).await?;
     let renewal = trust::keep_renewed(config.head_address.clone(), identity.clone());
