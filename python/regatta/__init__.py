@@ -191,9 +191,10 @@ class _Driver:
         self.path = _worker_path()
         self.follower = _Follower(cluster)
 
-    def call(self, actor, request, what, ordered=True, concurrent=False):
-        """Calls an actor (or a task worker); its prints are followed while it runs."""
-        pending = self.cluster.call(actor, request, ordered)
+    def call(self, actor, request, what, ordered=True, concurrent=False, end=False):
+        """Calls an actor (or a task worker); its prints are followed while it runs. With
+        ``end`` the actor is there for this call alone and is killed once it has answered."""
+        pending = self.cluster.call(actor, request, ordered, end)
         if log_to_driver:
             self.follower.call(actor, what, pending, concurrent)
         return pending
@@ -827,21 +828,19 @@ class RemoteFunction:
         _placement(strategy)  # refuses what is not supported before anything starts
         env_vars = _env_vars(self._options)
         if resources or strategy is not None or env_vars:
-            # A task that asks for resources runs in a worker holding them, ended with it.
+            # A task that asks for resources runs in a worker holding them, killed as soon as
+            # it has answered (whether or not the result is ever read), as Ray frees a
+            # finished task's resources.
             holder = {}
 
             def submit():
                 actor = driver.spawn(cloudpickle.dumps((None, (), {})), resources, strategy=strategy, env_vars=env_vars)
                 holder["actor"] = actor
-                return driver.call(actor, request, what)
+                return driver.call(actor, request, what, end=True)
 
             def done():
                 actor = holder.get("actor")
                 if actor is not None:
-                    try:
-                        driver.cluster.kill(actor)
-                    except Exception:
-                        pass
                     driver.forget(actor)
 
             return _split(ObjectRef(what, submit(), retry=submit, retries=retries, on_done=done, is_task=True,

@@ -188,7 +188,7 @@ impl std::task::Wake for Parked {
 pub(crate) struct Cluster {
     client: Mutex<Option<Client>>,
     local: Mutex<Option<LocalCluster>>,
-    lanes: Mutex<HashMap<u64, Lane>>,
+    lanes: Arc<Mutex<HashMap<u64, Lane>>>,
     address: String,
 }
 
@@ -240,7 +240,7 @@ impl Cluster {
             Ok::<_, String>(Self {
                 client: Mutex::new(Some(client)),
                 local: Mutex::new(Some(local)),
-                lanes: Mutex::new(HashMap::new()),
+                lanes: Arc::default(),
                 address,
             })
         })
@@ -256,7 +256,7 @@ impl Cluster {
         Ok(Self {
             client: Mutex::new(Some(client)),
             local: Mutex::new(None),
-            lanes: Mutex::new(HashMap::new()),
+            lanes: Arc::default(),
             address,
         })
     }
@@ -356,10 +356,20 @@ impl Cluster {
     /// Sends `request` to actor `actor`. Calls from this driver to one actor reach it in
     /// order: each is written after the one before is on the wire, without waiting for its
     /// answer (pipelined); with `ordered` false (an actor whose calls run beside each
-    /// other) each goes at once.
-    #[pyo3(signature = (actor, request, ordered=true))]
-    fn call(&self, actor: u64, request: Vec<u8>, ordered: bool) -> PyResult<Pending> {
+    /// other) each goes at once. With `end`, the actor exists for this one call (a task that
+    /// asked for resources): it is killed as soon as the answer is here, so its resources are
+    /// free again whether or not anyone ever reads the result.
+    #[pyo3(signature = (actor, request, ordered=true, end=false))]
+    fn call(&self, actor: u64, request: Vec<u8>, ordered: bool, end: bool) -> PyResult<Pending> {
         let cluster = self.cluster()?;
+        let ender = end.then(|| (cluster.clone(), self.lanes.clone()));
+        let finish = move || async move {
+            if let Some((cluster, lanes)) = ender {
+                lanes.lock().unwrap_or_else(|p| p.into_inner()).remove(&actor);
+                // An error here is a worker that is gone already: nothing left to free.
+                let _ = cluster.kill(ActorId(actor)).await;
+            }
+        };
         let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
         let lane = lanes.entry(actor).or_insert_with(|| Lane {
             handle: cluster.handle::<PythonActor>(ActorId(actor)),
@@ -376,6 +386,7 @@ impl Cluster {
         if !ordered {
             let call = async move {
                 settle(&cluster, &slot, handle.call_timeout(request, CALL_TIMEOUT).await).await;
+                finish().await;
             };
             if idle {
                 start_here(call);
@@ -384,7 +395,7 @@ impl Cluster {
             }
             return Ok(pending);
         }
-        if !idle {
+        if !idle && !end {
             // Every call in flight was written, or is ahead of this one in the queue.
             lane.queue(&cluster)
                 .send(Next::Call(request, slot))
@@ -396,6 +407,7 @@ impl Cluster {
         start_here(async move {
             let result = handle.call_pipelined(request, CALL_TIMEOUT, sent).await;
             settle(&settler, &slot, result).await;
+            finish().await;
         });
         if let Some(written) = still_unwritten(written) {
             // Not written yet (its route is being looked up): later calls wait for it.

@@ -241,6 +241,24 @@ def test_resources_are_reported_and_requests_are_honoured():
         square.options(num_gpus=1).remote(2)
 
 
+def test_a_finished_task_frees_its_resources_whether_or_not_its_result_is_read():
+    # As in Ray, a task's resources are free once it has finished: a driver that only waits
+    # on refs, or drops them, must not starve the tasks after them.
+    first = square.options(num_cpus=2).remote(3)
+    assert regatta.wait([first], num_returns=1, timeout=30)[0] == [first]
+    second = square.options(num_cpus=2).remote(4)
+    assert regatta.wait([second], num_returns=1, timeout=30)[0] == [second], "the first task's CPUs were never freed"
+    dropped = square.options(num_cpus=2).remote(5)
+    regatta.wait([dropped], num_returns=1, timeout=30)
+    del dropped
+    assert regatta.get(square.options(num_cpus=2).remote(6), timeout=30) == 36
+    assert regatta.get([first, second]) == [9, 16]
+    deadline = time.monotonic() + 15
+    while regatta.available_resources().get("CPU", 0.0) < 2.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert regatta.available_resources().get("CPU", 0.0) == 2.0
+
+
 def test_a_call_whose_actor_waits_for_resources_is_warned_about_and_runs_once_they_are_free(capsys, monkeypatch):
     monkeypatch.setattr(regatta, "_WAITING_WARN_AFTER", 1.0)
     holder = Counter.options(num_cpus=2).remote(0)
