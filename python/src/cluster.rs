@@ -363,11 +363,15 @@ impl Cluster {
     fn call(&self, actor: u64, request: Vec<u8>, ordered: bool, end: bool) -> PyResult<Pending> {
         let cluster = self.cluster()?;
         let ender = end.then(|| (cluster.clone(), self.lanes.clone()));
-        let finish = move || async move {
+        let finish = move || {
             if let Some((cluster, lanes)) = ender {
-                lanes.lock().unwrap_or_else(|p| p.into_inner()).remove(&actor);
-                // An error here is a worker that is gone already: nothing left to free.
-                let _ = cluster.kill(ActorId(actor)).await;
+                // On the runtime, not in place: a call that fails at once ends inside its
+                // first poll, on the caller's thread, which still holds `lanes` here.
+                runtime().spawn(async move {
+                    lanes.lock().unwrap_or_else(|p| p.into_inner()).remove(&actor);
+                    // An error here is a worker that is gone already: nothing left to free.
+                    let _ = cluster.kill(ActorId(actor)).await;
+                });
             }
         };
         let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
@@ -386,7 +390,7 @@ impl Cluster {
         if !ordered {
             let call = async move {
                 settle(&cluster, &slot, handle.call_timeout(request, CALL_TIMEOUT).await).await;
-                finish().await;
+                finish();
             };
             if idle {
                 start_here(call);
@@ -407,7 +411,7 @@ impl Cluster {
         start_here(async move {
             let result = handle.call_pipelined(request, CALL_TIMEOUT, sent).await;
             settle(&settler, &slot, result).await;
-            finish().await;
+            finish();
         });
         if let Some(written) = still_unwritten(written) {
             // Not written yet (its route is being looked up): later calls wait for it.
