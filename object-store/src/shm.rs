@@ -781,59 +781,37 @@ mod tests {
                 + "\n"
         };
         let size = |word: &str| "always inherit within_size advise never".replace(word, &format!("[{word}]"));
-        // A kernel with only the top setting.
-        assert_eq!(
-            SharedHugePages::from_settings(&top("never"), &[]),
-            SharedHugePages::Never
-        );
-        assert_eq!(
-            SharedHugePages::from_settings(&top("advise"), &[]),
-            SharedHugePages::Advise
-        );
-        assert_eq!(
-            SharedHugePages::from_settings(&top("within_size"), &[]),
-            SharedHugePages::Always
-        );
-        assert_eq!(
-            SharedHugePages::from_settings(&top("always"), &[]),
-            SharedHugePages::Always
-        );
+        use SharedHugePages::{Advise, Always, Never};
         // These machines: the top one never, 2 MiB inheriting it, every other size never.
         let here = sizes(&[&size("inherit"), &size("never"), &size("never")]);
-        assert_eq!(
-            SharedHugePages::from_settings(&top("never"), &here),
-            SharedHugePages::Never
-        );
-        assert_eq!(
-            SharedHugePages::from_settings(&top("advise"), &here),
-            SharedHugePages::Advise
-        );
-        // A size set on its own counts though the top one says never; advise wins over always.
         let one_always = sizes(&[&size("never"), &size("always")]);
-        assert_eq!(
-            SharedHugePages::from_settings(&top("never"), &one_always),
-            SharedHugePages::Always
-        );
         let mixed = sizes(&[&size("always"), &size("advise")]);
-        assert_eq!(
-            SharedHugePages::from_settings(&top("never"), &mixed),
-            SharedHugePages::Advise
-        );
-        // deny and force override every size.
-        assert_eq!(
-            SharedHugePages::from_settings(&top("deny"), &one_always),
-            SharedHugePages::Never
-        );
-        assert_eq!(
-            SharedHugePages::from_settings(&top("force"), &here),
-            SharedHugePages::Always
-        );
-        // Unreadable or unbracketed text reads as never.
-        assert_eq!(SharedHugePages::from_settings("", &[]), SharedHugePages::Never);
-        assert_eq!(
-            SharedHugePages::from_settings("always advise", &sizes(&["inherit"])),
-            SharedHugePages::Never
-        );
+        let cases: [(String, &[String], SharedHugePages); 12] = [
+            // A kernel with only the top setting.
+            (top("never"), &[], Never),
+            (top("advise"), &[], Advise),
+            (top("within_size"), &[], Always),
+            (top("always"), &[], Always),
+            // Sizes inheriting the top one.
+            (top("never"), &here, Never),
+            (top("advise"), &here, Advise),
+            // A size set on its own counts though the top one says never; advise wins over always.
+            (top("never"), &one_always, Always),
+            (top("never"), &mixed, Advise),
+            // deny and force override every size.
+            (top("deny"), &one_always, Never),
+            (top("force"), &here, Always),
+            // Unreadable or unbracketed text reads as never.
+            (String::new(), &[], Never),
+            ("always advise".into(), &sizes(&["inherit"]), Never),
+        ];
+        for (top, sizes, expected) in cases {
+            assert_eq!(
+                SharedHugePages::from_settings(&top, sizes),
+                expected,
+                "{top:?} {sizes:?}"
+            );
+        }
     }
 
     #[test]
