@@ -215,6 +215,10 @@ pub struct IdsJob {
     /// Whether CUDA replays decode steps as graphs (default true; ignored on the CPU).
     #[serde(default = "yes")]
     pub cuda_graphs: bool,
+    /// Whether float32 weights on the CPU are packed once in oneDNN's layout (default
+    /// true; see `GenerationSetup::packed_weights`).
+    #[serde(default = "yes")]
+    pub packed_weights: bool,
     /// Sampling temperature (default 0: greedy); with `top_p` and `seed`, each row drawing
     /// from its own random stream (row `i` is stream `i` of `seed`).
     #[serde(default)]
@@ -266,6 +270,10 @@ pub struct IdsOutcome {
     pub graphs_off: Option<String>,
     /// Where it ran: `cpu` or `cuda:N`.
     pub device: String,
+    /// Weight matrices packed in oneDNN's layout (0: libtorch's `linear` throughout).
+    pub packed_matrices: usize,
+    /// Bytes those packed copies take.
+    pub packed_bytes: u64,
     /// The CUDA caching allocator's peak allocated bytes (0 on the CPU).
     pub peak_allocated_bytes: u64,
     /// Its peak reserved bytes (0 on the CPU).
@@ -293,10 +301,12 @@ pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
     let started = Instant::now();
     let (model, params, context) = load_on(model_path, crate::cuda::inference_kind(device), device)?;
     let params = crate::model::inference_layout(params, device);
+    // Making the generator packs the weights (where it does): part of loading.
+    let generator = Generator::new(model.as_ref(), &params, job.setup(), context, job.eos.clone(), device)?;
     sync();
     let load_seconds = started.elapsed().as_secs_f64();
     let rows = job.rows();
-    let generator = Generator::new(model.as_ref(), &params, job.setup(), context, job.eos.clone(), device)?;
+    let (packed_matrices, packed_bytes) = generator.packed_weights();
     let started = Instant::now();
     let (outputs, timings) = generator.run_timed(&rows, &|_| String::new(), &mut |_| {})?;
     sync();
@@ -326,6 +336,8 @@ pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
         graphs_captured: timings.graphs_captured,
         graphs_off: timings.graphs_off.clone(),
         device: crate::cuda::device_label(device),
+        packed_matrices,
+        packed_bytes,
         peak_allocated_bytes: memory.map_or(0, |m| m.peak_allocated),
         peak_reserved_bytes: memory.map_or(0, |m| m.peak_reserved),
     })
@@ -364,6 +376,7 @@ impl IdsJob {
             prefill_tokens: 1024,
             prefix_caching: self.prefix_caching,
             cuda_graphs: self.cuda_graphs,
+            packed_weights: self.packed_weights,
             ..GenerationSetup::default()
         }
     }

@@ -50,7 +50,7 @@ impl Gpt {
         let d = self.config.width as i64;
         let heads = self.config.heads as i64;
         let hd = d / heads;
-        let qkv = x.linear(&p[0], Some(&p[1]));
+        let qkv = batch.linear(x, &p[0], Some(&p[1]));
         let parts = qkv.split(d, 2);
         let shape = |z: &Tensor| z.unflatten(-1, [heads, hd]).transpose(1, 2);
         let (q, k, v) = (shape(&parts[0]), shape(&parts[1]), shape(&parts[2]));
@@ -67,11 +67,8 @@ impl Gpt {
         let weights = scores
             .masked_fill(&blocked, f64::NEG_INFINITY)
             .softmax(-1, scores.kind());
-        weights
-            .matmul(&v)
-            .transpose(1, 2)
-            .flatten(2, 3)
-            .linear(&p[2], Some(&p[3]))
+        let attended = weights.matmul(&v).transpose(1, 2).flatten(2, 3);
+        batch.linear(&attended, &p[2], Some(&p[3]))
     }
 }
 
@@ -120,13 +117,11 @@ impl Model for Gpt {
             Tensor::embedding(&p[0], input, -1, false, false)
                 + Tensor::embedding(&p[1], &batch.positions, -1, false, false)
         } else if block == last {
-            norm(input, &p[0], &p[1]).linear::<Tensor>(&p[2], None)
+            batch.linear(&norm(input, &p[0], &p[1]), &p[2], None)
         } else {
             let h = input + self.attention(block - 1, &norm(input, &p[0], &p[1]), &p[2..6], batch);
-            let mlp = norm(&h, &p[6], &p[7])
-                .linear(&p[8], Some(&p[9]))
-                .gelu("none")
-                .linear(&p[10], Some(&p[11]));
+            let inner = batch.linear(&norm(&h, &p[6], &p[7]), &p[8], Some(&p[9])).gelu("none");
+            let mlp = batch.linear(&inner, &p[10], Some(&p[11]));
             h + mlp
         }
     }

@@ -27,6 +27,7 @@ mod merge;
 mod model;
 mod nccl;
 mod nccl_check;
+mod packed;
 mod quant;
 mod reference;
 mod score;

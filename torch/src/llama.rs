@@ -207,7 +207,7 @@ impl Llama {
         } else {
             None
         };
-        let base = x.linear(weight, bias);
+        let base = batch.linear(x, weight, bias);
         match self.lora.as_ref().filter(|l| l.targets(PROJECTIONS[proj])) {
             Some(lora) => {
                 let (a, b) = (take(), take());
@@ -420,7 +420,7 @@ impl Model for Llama {
         if block == 0 {
             Tensor::embedding(&p[0], input, -1, false, false)
         } else if block == last {
-            self.rms_norm(input, &p[0]).linear::<Tensor>(&p[1], None)
+            batch.linear(&self.rms_norm(input, &p[0]), &p[1], None)
         } else {
             self.layer(block - 1, p, input, batch)
         }

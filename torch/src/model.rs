@@ -5,12 +5,14 @@
 //! model implements [`LayeredModel`] the same way.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use regatta_trainer::LoraConfig;
 use tch::{Device, Kind, Tensor};
 
 use crate::attention::{Kernel, Segments};
 use crate::error::{Error, Result};
+use crate::packed::PackedWeights;
 
 /// How a parameter starts.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -100,6 +102,9 @@ pub struct Batch {
     /// Set while training with dropout: the seed of this forward's masks (the same for a
     /// block's recomputation, so backward sees the forward's masks).
     pub dropout_seed: Option<u64>,
+    /// Set for inference on the CPU: the weights packed once in oneDNN's layout, used by
+    /// [`Batch::linear`] in place of libtorch's `linear` (the same values).
+    pub packed: Option<Arc<PackedWeights>>,
 }
 
 /// The shape of a model's attention cache.
@@ -155,6 +160,15 @@ impl KvStep {
 }
 
 impl Batch {
+    /// `x Wᵀ + bias`: through the packed copy of `weight` where this batch carries one,
+    /// else libtorch's `linear`.
+    pub fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Tensor {
+        self.packed
+            .as_ref()
+            .and_then(|packed| packed.linear(x, weight, bias))
+            .unwrap_or_else(|| x.linear(weight, bias))
+    }
+
     /// Unpacked rows: positions 0, 1, 2, ... and causal attention. Sizes are derived with
     /// tensor ops only, so a traced export accepts any `[batch, time]`.
     pub fn plain(tokens: &Tensor) -> Self {
@@ -165,6 +179,7 @@ impl Batch {
             derived: Vec::new(),
             kv: None,
             dropout_seed: None,
+            packed: None,
         }
     }
 
@@ -200,6 +215,7 @@ impl Batch {
             derived: Vec::new(),
             kv: None,
             dropout_seed: None,
+            packed: None,
         }
     }
 
@@ -212,6 +228,7 @@ impl Batch {
             derived: self.derived.into_iter().map(|t| t.to_device(device)).collect(),
             kv: self.kv,
             dropout_seed: self.dropout_seed,
+            packed: self.packed,
         }
     }
 }

@@ -176,6 +176,13 @@ pub fn score_main() -> ExitCode {
             "auto"
         }
     );
+    let (matrices, bytes) = generator.packed_weights();
+    if matrices > 0 {
+        eprintln!(
+            "{matrices} weight matrices packed in oneDNN's layout ({} MiB)",
+            bytes >> 20
+        );
+    }
     emit(&ready(Some(budget)));
     generate_loop(&scorer, &generator, &messages)
 }

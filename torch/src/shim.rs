@@ -22,6 +22,21 @@ extern "C" {
         error: *mut c_char,
         error_len: usize,
     ) -> c_int;
+    fn regatta_onednn_pack_linear(
+        weight: *const C_tensor,
+        batch_hint: i64,
+        out: *mut *mut C_tensor,
+        error: *mut c_char,
+        error_len: usize,
+    ) -> c_int;
+    fn regatta_onednn_linear(
+        input: *const C_tensor,
+        packed: *const C_tensor,
+        bias: *const C_tensor,
+        out: *mut *mut C_tensor,
+        error: *mut c_char,
+        error_len: usize,
+    ) -> c_int;
     fn regatta_allow_tf32(allow: c_int);
     fn regatta_sdp_enabled(flash: *mut c_int, efficient: *mut c_int, math: *mut c_int, cudnn: *mut c_int);
     fn regatta_cuda_memory(
@@ -113,6 +128,11 @@ pub fn flash_varlen(
             error.len(),
         )
     };
+    tensor_answer(status, out, &error)
+}
+
+/// A shim call's tensor: `out` when `status` is 0, else the error text it wrote.
+fn tensor_answer(status: c_int, out: *mut C_tensor, error: &[c_char]) -> Result<Tensor, TchError> {
     if status != 0 || out.is_null() {
         // SAFETY: the shim wrote a NUL-terminated string into `error` (zeroed before).
         let text = unsafe { CStr::from_ptr(error.as_ptr()) }.to_string_lossy().into_owned();
@@ -120,6 +140,38 @@ pub fn flash_varlen(
     }
     // SAFETY: `out` is a fresh heap at::Tensor the shim made for us to own.
     Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// `weight` (`[out, in]`, float32, CPU; any strides) reordered once into oneDNN's blocked
+/// layout for products of about `batch_hint` rows: an opaque tensor for [`onednn_linear`].
+/// An error where this libtorch has no oneDNN.
+pub fn onednn_pack_linear(weight: &Tensor, batch_hint: i64) -> Result<Tensor, TchError> {
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    let mut error = [0 as c_char; 1024];
+    // SAFETY: a live tensor handle and valid out-pointers; the shim catches C++ exceptions.
+    let status =
+        unsafe { regatta_onednn_pack_linear(weight.as_ptr(), batch_hint, &mut out, error.as_mut_ptr(), error.len()) };
+    tensor_answer(status, out, &error)
+}
+
+/// `input [..., in] · Wᵀ + bias` by oneDNN against `packed` (from [`onednn_pack_linear`]);
+/// a dense float32 output `[..., out]`.
+pub fn onednn_linear(input: &Tensor, packed: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, TchError> {
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    let mut error = [0 as c_char; 1024];
+    // SAFETY: live tensor handles (a null bias means none) and valid out-pointers; the
+    // shim catches C++ exceptions.
+    let status = unsafe {
+        regatta_onednn_linear(
+            input.as_ptr(),
+            packed.as_ptr(),
+            bias.map_or(std::ptr::null(), Tensor::as_ptr),
+            &mut out,
+            error.as_mut_ptr(),
+            error.len(),
+        )
+    };
+    tensor_answer(status, out, &error)
 }
 
 /// Lets float32 matmuls on CUDA use TF32 tensor cores (`torch.set_float32_matmul_precision

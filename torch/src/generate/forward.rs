@@ -95,6 +95,7 @@ impl Generator<'_> {
                 read: read.shallow_clone(),
             }),
             dropout_seed: None,
+            packed: self.packed.clone(),
         };
         self.model.prepare(&mut batch);
         let last_block = self.params.len() - 1;

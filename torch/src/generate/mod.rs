@@ -16,6 +16,7 @@ mod pick;
 mod session;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use regatta_scorer::{auto_kv_cache_bytes, Finish, GenStats, GenerationSetup, RowStream, SamplingParams};
@@ -23,6 +24,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::model::{KvLayout, Model};
+use crate::packed::PackedWeights;
 
 pub use cache::KvCache;
 pub use session::Session;
@@ -123,6 +125,9 @@ pub struct Generator<'a> {
     keep_logits: bool,
     stats_every: Duration,
     decode: DecodeMode,
+    /// The weights packed once in oneDNN's layout (float32 on the CPU, where this
+    /// libtorch has oneDNN and the setup allows it).
+    packed: Option<Arc<PackedWeights>>,
 }
 
 impl<'a> Generator<'a> {
@@ -152,8 +157,13 @@ impl<'a> Generator<'a> {
             Device::Cuda(ordinal) if setup.cuda_graphs => DecodeMode::Graphs(ordinal),
             _ => DecodeMode::Eager,
         };
+        let packed = (setup.packed_weights && device == Device::Cpu && kind == Kind::Float)
+            .then(|| PackedWeights::pack(params, setup.max_batch))
+            .flatten()
+            .map(Arc::new);
         Ok(Self {
             decode,
+            packed,
             kv_cache_bytes,
             model,
             params,
@@ -191,6 +201,12 @@ impl<'a> Generator<'a> {
     /// process found free on its device when the generator was made.
     pub fn kv_cache_bytes(&self) -> u64 {
         self.kv_cache_bytes
+    }
+
+    /// Matrices packed in oneDNN's layout and the bytes they take (none: every product
+    /// is libtorch's own `linear`).
+    pub fn packed_weights(&self) -> (usize, u64) {
+        self.packed.as_ref().map_or((0, 0), |p| (p.len(), p.bytes()))
     }
 
     /// The cache blocks the budget buys (the scratch block not counted).

@@ -1,6 +1,7 @@
 // libtorch calls tch 0.24 does not bind: FlashAttention's variable-length forward (packed
-// rows without a dense mask), the TF32 switch, the SDPA kernel switches and the CUDA
-// caching allocator's statistics (reached through libc10's allocator registry, which
+// rows without a dense mask), oneDNN's linear against a weight packed once (operators of
+// the `mkldnn` namespace, reached through the dispatcher), the TF32 switch, the SDPA
+// kernel switches and the CUDA caching allocator's statistics (reached through libc10's allocator registry, which
 // libc10_cuda fills at load, so nothing here links CUDA). Compiled by
 // torch/build.rs against the libtorch headers; everything it calls lives in libtorch_cpu
 // (the CUDA kernel behind _flash_attention_forward is registered by libtorch_cuda at load).
@@ -9,6 +10,7 @@
 #include <ATen/Context.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_flash_attention_forward.h>
 
 #include <cstdio>
@@ -42,6 +44,48 @@ int regatta_flash_varlen(const at::Tensor* query, const at::Tensor* key, const a
         auto result = at::_flash_attention_forward(*query, *key, *value, *cu_seqlens, *cu_seqlens, max_len,
                                                    max_len, 0.0, true, false, scale, left, right);
         *out = new at::Tensor(std::get<0>(result));
+        return 0;
+    } catch (const std::exception& e) {
+        write_error(e.what(), error, error_len);
+        return 1;
+    }
+}
+
+// `weight` ([out, in], float32, CPU) reordered once into oneDNN's blocked layout for a
+// linear of about `batch_hint` rows (`mkldnn::_reorder_linear_weight`, what TorchInductor's
+// CPU freezing pass does). Returns 0 and the packed (opaque mkldnn) tensor in `*out`, or 1
+// with the reason (a libtorch built without oneDNN has no such operator).
+int regatta_onednn_pack_linear(const at::Tensor* weight, int64_t batch_hint, at::Tensor** out, char* error,
+                               size_t error_len) {
+    try {
+        static auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
+                             .typed<at::Tensor(const at::Tensor&, std::optional<int64_t>)>();
+        *out = new at::Tensor(op.call(weight->contiguous(), batch_hint));
+        return 0;
+    } catch (const std::exception& e) {
+        write_error(e.what(), error, error_len);
+        return 1;
+    }
+}
+
+// `input [..., in] @ packed^T (+ bias)` by oneDNN's inner product against a weight from
+// regatta_onednn_pack_linear (`mkldnn::_linear_pointwise`, no fused activation); `bias`
+// may be null. Returns 0 and the dense float32 output in `*out`, or 1 with the reason.
+int regatta_onednn_linear(const at::Tensor* input, const at::Tensor* packed, const at::Tensor* bias, at::Tensor** out,
+                          char* error, size_t error_len) {
+    try {
+        static auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                               c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                               std::optional<c10::string_view>)>();
+        std::optional<at::Tensor> b;
+        if (bias != nullptr) {
+            b = *bias;
+        }
+        *out = new at::Tensor(
+            op.call(*input, *packed, b, "none", c10::List<std::optional<c10::Scalar>>(), std::nullopt));
         return 0;
     } catch (const std::exception& e) {
         write_error(e.what(), error, error_len);

@@ -1,0 +1,188 @@
+//! Weights packed once into oneDNN's blocked layout, for inference on the CPU.
+//!
+//! libtorch's CPU `linear` is MKL's `sgemm`, which on the AMD machine kind takes MKL's
+//! generic code path. oneDNN (also inside libtorch) has JIT kernels for the CPU it runs
+//! on; against a weight reordered once into its blocked layout (what TorchInductor's CPU
+//! freezing pass does, `mkldnn::_reorder_linear_weight` + `mkldnn::_linear_pointwise`) a
+//! decode step's thirty layers of SmolLM2-135M multiply 1.2-1.4x faster at 1, 16 and 64
+//! rows (docs/NOTES.md, "Generation speed on the CPU"). Results differ from MKL's by the
+//! order of summation (~1e-6 relative); greedy tokens on the benchmark's real model stay
+//! identical to `transformers`' (scripts/bench-vs-hf.sh checks it on every run).
+//!
+//! MKL's own packed API (`cblas_sgemm_pack` once, `cblas_sgemm_compute` per call) was
+//! tried first: the same values as `linear` bit for bit, and no faster.
+
+use std::collections::HashMap;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::shim::{onednn_linear, onednn_pack_linear};
+
+/// One weight in oneDNN's layout.
+struct PackedWeight {
+    /// The weight it was packed from: held so its memory (the key) is never reused.
+    source: Tensor,
+    /// The reordered weight (an opaque mkldnn tensor).
+    packed: Tensor,
+}
+
+/// The matrices of a model's parameters packed for oneDNN, found again by the weight
+/// tensor a forward hands to `linear`.
+pub struct PackedWeights {
+    by_data: HashMap<usize, PackedWeight>,
+    bytes: u64,
+}
+
+impl PackedWeights {
+    /// Packs every 2-D float32 CPU parameter of `params` for products of about
+    /// `batch_hint` rows. `None` where this libtorch cannot (no oneDNN) or no parameter
+    /// qualifies.
+    pub fn pack(params: &[Vec<Tensor>], batch_hint: usize) -> Option<Self> {
+        let mut by_data = HashMap::new();
+        let mut bytes = 0u64;
+        for weight in params.iter().flatten() {
+            if weight.dim() != 2 || weight.kind() != Kind::Float || weight.device() != Device::Cpu {
+                continue;
+            }
+            let key = weight.data_ptr() as usize;
+            if by_data.contains_key(&key) {
+                continue;
+            }
+            let packed = tch::no_grad(|| onednn_pack_linear(weight, batch_hint.max(1) as i64)).ok()?;
+            bytes += weight.numel() as u64 * 4;
+            by_data.insert(
+                key,
+                PackedWeight {
+                    source: weight.shallow_clone(),
+                    packed,
+                },
+            );
+        }
+        (!by_data.is_empty()).then_some(Self { by_data, bytes })
+    }
+
+    /// Bytes the packed copies take.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Matrices packed.
+    pub fn len(&self) -> usize {
+        self.by_data.len()
+    }
+
+    /// Whether nothing was packed.
+    pub fn is_empty(&self) -> bool {
+        self.by_data.is_empty()
+    }
+
+    /// `x Wᵀ + bias` through `weight`'s packed copy; `None` where `weight` was not packed
+    /// (or `x` is not a float32 CPU tensor without gradients), for the caller's own
+    /// `linear`.
+    pub fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Option<Tensor> {
+        let packed = self.by_data.get(&(weight.data_ptr() as usize))?;
+        let fits = packed.source.size() == weight.size()
+            && packed.source.stride() == weight.stride()
+            && x.kind() == Kind::Float
+            && x.device() == Device::Cpu
+            && !x.requires_grad()
+            && x.dim() > 0
+            && x.size().last() == weight.size().get(1)
+            && x.numel() > 0
+            && bias.is_none_or(|b| b.kind() == Kind::Float && b.device() == Device::Cpu && b.dim() == 1);
+        if !fits {
+            return None;
+        }
+        onednn_linear(x, &packed.packed, bias).ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Decoder-like shapes: a square projection, a narrow one, and both MLP directions.
+    const SHAPES: [(i64, i64); 4] = [(96, 96), (32, 96), (256, 96), (96, 256)];
+
+    fn weights(layout_transposed: bool) -> Vec<Vec<Tensor>> {
+        tch::manual_seed(7);
+        vec![SHAPES
+            .iter()
+            .map(|&(n, k)| {
+                let w = Tensor::randn([n, k], (Kind::Float, Device::Cpu)) * 0.05;
+                if layout_transposed {
+                    // What `inference_layout` hands the decoder layers.
+                    w.transpose(0, 1).contiguous().transpose(0, 1)
+                } else {
+                    w
+                }
+            })
+            .collect()]
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        f64::try_from((a - b).abs().max()).unwrap()
+    }
+
+    #[test]
+    fn packed_products_equal_libtorchs_linear_for_every_row_count_and_both_layouts() {
+        for transposed in [false, true] {
+            let params = weights(transposed);
+            let packed = PackedWeights::pack(&params, 16).expect("this libtorch has oneDNN");
+            assert_eq!(packed.len(), SHAPES.len());
+            for (w, &(n, k)) in params[0].iter().zip(&SHAPES) {
+                for rows in [1, 3, 16, 37, 64, 130] {
+                    let x = Tensor::randn([rows, k], (Kind::Float, Device::Cpu));
+                    let got = packed.linear(&x, w, None).expect("a packed weight answers");
+                    let want = x.linear::<Tensor>(w, None);
+                    assert_eq!(got.size(), want.size());
+                    // Another summation order: float32 rounding apart, no more.
+                    let diff = max_diff(&got, &want);
+                    assert!(diff < 1e-5, "{n}x{k} rows {rows} transposed {transposed}: {diff}");
+                    let bias = Tensor::randn([n], (Kind::Float, Device::Cpu));
+                    let kept = bias.copy();
+                    let got = packed.linear(&x, w, Some(&bias)).unwrap();
+                    assert_eq!(bias, kept, "the bias is read, never written");
+                    let diff = max_diff(&got, &x.linear(w, Some(&bias)));
+                    assert!(diff < 1e-5, "{n}x{k} rows {rows} with bias: {diff}");
+                }
+            }
+            // Leading dimensions are kept: [batch, time, in] -> [batch, time, out].
+            let x = Tensor::randn([2, 5, 96], (Kind::Float, Device::Cpu));
+            let got = packed.linear(&x, &params[0][0], None).unwrap();
+            assert_eq!(got.size(), vec![2, 5, 96]);
+            assert!(max_diff(&got, &x.linear::<Tensor>(&params[0][0], None)) < 1e-5);
+            // A non-contiguous input (a transposed view) is read as its values.
+            let x = Tensor::randn([96, 7], (Kind::Float, Device::Cpu)).transpose(0, 1);
+            let got = packed.linear(&x, &params[0][0], None).unwrap();
+            assert!(max_diff(&got, &x.linear::<Tensor>(&params[0][0], None)) < 1e-5);
+        }
+    }
+
+    #[test]
+    fn what_was_not_packed_is_left_to_the_caller() {
+        let params = weights(false);
+        let packed = PackedWeights::pack(&params, 16).unwrap();
+        let other = Tensor::randn([96, 96], (Kind::Float, Device::Cpu));
+        let x = Tensor::randn([4, 96], (Kind::Float, Device::Cpu));
+        assert!(packed.linear(&x, &other, None).is_none(), "a weight never packed");
+        // The same memory seen with another shape is not the packed matrix.
+        let reshaped = params[0][0].view([48, 192]);
+        let wide = Tensor::randn([4, 192], (Kind::Float, Device::Cpu));
+        assert!(packed.linear(&wide, &reshaped, None).is_none());
+        assert!(
+            packed.linear(&x.to_kind(Kind::Double), &params[0][0], None).is_none(),
+            "float64 input"
+        );
+        let narrow = Tensor::randn([4, 95], (Kind::Float, Device::Cpu));
+        assert!(packed.linear(&narrow, &params[0][0], None).is_none(), "wrong width");
+        let empty = Tensor::zeros([0, 96], (Kind::Float, Device::Cpu));
+        assert!(packed.linear(&empty, &params[0][0], None).is_none(), "no rows");
+        // Non-float32 and non-matrix parameters are not packed at all.
+        let mixed = vec![vec![
+            Tensor::randn([8, 8], (Kind::Double, Device::Cpu)),
+            Tensor::randn([8], (Kind::Float, Device::Cpu)),
+        ]];
+        assert!(PackedWeights::pack(&mixed, 16).is_none());
+    }
+}
