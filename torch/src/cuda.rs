@@ -22,7 +22,9 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 
-pub use crate::libtorch::{libtorch_dir, load_libtorch_cuda, wheel_version, CudaLibrary, BUILT_AGAINST};
+pub use crate::libtorch::{
+    keep_freed_memory, libtorch_dir, load_libtorch_cuda, wheel_version, CudaLibrary, BUILT_AGAINST,
+};
 
 /// A library `doctor` looked for: its version, or why it cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

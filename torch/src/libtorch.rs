@@ -3,6 +3,7 @@
 //! `graphs.rs`, which both need it.
 #![allow(unsafe_code)]
 
+use std::ffi::c_int;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -114,4 +115,26 @@ pub fn load_libtorch_cuda() -> &'static CudaLibrary {
             },
         }
     })
+}
+
+/// Makes glibc's allocator keep the memory a step frees for the next step: tensors below
+/// 32 MiB come from the heap (not a fresh `mmap` each, zeroed page by page by the kernel),
+/// and up to 1 GiB freed at the heap's top stays mapped. libtorch allocates and frees a
+/// step's intermediates (gathered keys, activations, logits) anew every step; with glibc's
+/// defaults a CPU decode step at batch 64 spent ~12% of its time in the kernel faulting
+/// those pages in again (docs/NOTES.md, "Generation speed on the CPU"). Call first thing.
+pub fn keep_freed_memory() {
+    const M_TRIM_THRESHOLD: c_int = -1;
+    const M_TOP_PAD: c_int = -2;
+    const M_MMAP_THRESHOLD: c_int = -3;
+    extern "C" {
+        fn mallopt(param: c_int, value: c_int) -> c_int;
+    }
+    // SAFETY: glibc's documented tuning call with valid parameters; it changes only
+    // thresholds of the allocator, before or between allocations alike.
+    unsafe {
+        mallopt(M_MMAP_THRESHOLD, 32 << 20);
+        mallopt(M_TRIM_THRESHOLD, 1 << 30);
+        mallopt(M_TOP_PAD, 64 << 20);
+    }
 }

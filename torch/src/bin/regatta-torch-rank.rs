@@ -361,6 +361,7 @@ fn bench_data(args: &[String]) -> ExitCode {
 }
 
 fn main() -> ExitCode {
+    regatta_torch::cuda::keep_freed_memory();
     // Before anything asks libtorch about CUDA: see regatta_torch::cuda.
     regatta_torch::cuda::load_libtorch_cuda();
     let args: Vec<String> = std::env::args().skip(1).collect();
