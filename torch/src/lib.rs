@@ -59,6 +59,7 @@ pub use executor::{
 };
 pub use lora::{hold_base, Adapter};
 pub use merge::merge as merge_adapter;
+pub use packed::LinearGroup;
 pub use quant::QuantWeight;
 // Scoring and generation.
 pub use generate::{Generator, KvCache, Output, Prepared, RowError};

@@ -15,6 +15,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::attention::{self, Kernel, Segments};
 use crate::model::{dropout, matmul_flops_per_token, Batch, Init, KvLayout, Model, ParamSpec};
+use crate::packed::LinearGroup;
 use crate::quant::QuantWeight;
 
 /// The embedding's name, which a tied LM head points at.
@@ -225,6 +226,53 @@ impl Llama {
         }
     }
 
+    /// Projections `first..first + count` (consecutive, taking one input) as one packed
+    /// product where the batch holds them as a group (see [`Model::linear_groups`]): their
+    /// outputs, with `next` moved past their parameters. `None`, nothing taken: one by one.
+    fn grouped(
+        &self,
+        next: &mut std::slice::Iter<Tensor>,
+        first: usize,
+        count: usize,
+        x: &Tensor,
+        batch: &Batch,
+    ) -> Option<Vec<Tensor>> {
+        if self.lora.is_some() {
+            return None;
+        }
+        let outs = batch.linear_group(x, next.as_slice().first()?)?;
+        let biased = |proj: usize| usize::from(self.config.qkv_bias && proj < 3);
+        let taken: usize = (first..first + count).map(|proj| 1 + biased(proj)).sum();
+        next.nth(taken - 1);
+        Some(outs)
+    }
+
+    /// A layer block's weights (and biases) of projections `first..first + count`, where
+    /// the block holds nothing else between them (no adapters, a float base).
+    fn projection_group(&self, block: &[Tensor], first: usize, count: usize) -> Option<LinearGroup> {
+        if self.lora.is_some() {
+            return None;
+        }
+        let biased = |proj: usize| self.config.qkv_bias && proj < 3;
+        // [input norm, q (+bias), k (+bias), v (+bias), o, post norm, gate, up, down].
+        let start = |proj: usize| {
+            let before: usize = (0..proj).map(|p| 1 + usize::from(biased(p))).sum();
+            1 + before + usize::from(proj >= 4)
+        };
+        let mut group = LinearGroup {
+            weights: Vec::new(),
+            biases: Vec::new(),
+        };
+        for proj in first..first + count {
+            let at = start(proj);
+            group.weights.push(block.get(at)?.shallow_clone());
+            if biased(proj) {
+                group.biases.push(block.get(at + 1)?.shallow_clone());
+            }
+        }
+        Some(group)
+    }
+
     fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
         let kind = x.kind();
         let x = x.to_kind(Kind::Float);
@@ -243,12 +291,15 @@ impl Llama {
         let mut next = p.iter();
         let norm_in = next.next().expect("a Llama layer block starts with its input norm");
         let h = self.rms_norm(x, norm_in);
-        let mut project = |proj: usize, n_heads: i64| {
-            self.linear(&mut next, proj, &h, batch, layer)
-                .unflatten(-1, [n_heads, hd])
-                .transpose(1, 2)
+        let heads_of = |t: &Tensor, n_heads: i64| t.unflatten(-1, [n_heads, hd]).transpose(1, 2);
+        let (q, k, v) = match self.grouped(&mut next, 0, 3, &h, batch).as_deref() {
+            Some([q, k, v]) => (heads_of(q, heads), heads_of(k, kv_heads), heads_of(v, kv_heads)),
+            _ => {
+                let mut project =
+                    |proj: usize, n_heads: i64| heads_of(&self.linear(&mut next, proj, &h, batch, layer), n_heads);
+                (project(0, heads), project(1, kv_heads), project(2, kv_heads))
+            }
         };
-        let (q, k, v) = (project(0, heads), project(1, kv_heads), project(2, kv_heads));
         let (cos, sin) = (&batch.derived[0], &batch.derived[1]);
         let (cos, sin) = (cos.to_kind(q.kind()), sin.to_kind(q.kind()));
         let q = &q * &cos + rotate_half(&q) * &sin;
@@ -301,8 +352,13 @@ impl Llama {
         let h = x + self.linear(next, 3, &attended, batch, layer);
         let norm_post = next.next().expect("a Llama layer block holds its post-attention norm");
         let m = self.rms_norm(&h, norm_post);
-        let gate = self.linear(next, 4, &m, batch, layer);
-        let up = self.linear(next, 5, &m, batch, layer);
+        let (gate, up) = match self.grouped(next, 4, 2, &m, batch).as_deref() {
+            Some([gate, up]) => (gate.shallow_clone(), up.shallow_clone()),
+            _ => (
+                self.linear(next, 4, &m, batch, layer),
+                self.linear(next, 5, &m, batch, layer),
+            ),
+        };
         let mlp = self.linear(next, 6, &(gate.silu() * up), batch, layer);
         h + mlp
     }
@@ -582,6 +638,14 @@ impl Model for Llama {
 
     fn quantized_bytes(&self) -> u64 {
         self.quantized.values().map(QuantWeight::bytes).sum()
+    }
+
+    fn linear_groups(&self, params: &[Vec<Tensor>]) -> Vec<LinearGroup> {
+        let layers = params.iter().skip(1).take(self.config.num_hidden_layers);
+        layers
+            .flat_map(|block| [self.projection_group(block, 0, 3), self.projection_group(block, 4, 2)])
+            .flatten()
+            .collect()
     }
 
     fn kv_layout(&self) -> Option<KvLayout> {

@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::attention::{Kernel, Segments};
 use crate::error::{Error, Result};
-use crate::packed::PackedWeights;
+use crate::packed::{LinearGroup, PackedWeights};
 
 /// How a parameter starts.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -169,6 +169,12 @@ impl Batch {
             .unwrap_or_else(|| x.linear(weight, bias))
     }
 
+    /// The outputs of the packed group that starts with `first` for input `x`, by one
+    /// product; `None` where this batch holds no such group.
+    pub fn linear_group(&self, x: &Tensor, first: &Tensor) -> Option<Vec<Tensor>> {
+        self.packed.as_ref()?.linear_group(x, first)
+    }
+
     /// Unpacked rows: positions 0, 1, 2, ... and causal attention. Sizes are derived with
     /// tensor ops only, so a traced export accepts any `[batch, time]`.
     pub fn plain(tokens: &Tensor) -> Self {
@@ -256,6 +262,11 @@ pub trait Model: Send {
     /// `1 + layer` is decoder layer `layer`); `None`: generation recomputes every window.
     fn kv_layout(&self) -> Option<KvLayout> {
         None
+    }
+    /// Weights of `params` that take one input and that the forward multiplies as one
+    /// group where the batch holds them packed together ([`Batch::linear_group`]).
+    fn linear_groups(&self, _params: &[Vec<Tensor>]) -> Vec<LinearGroup> {
+        Vec::new()
     }
     /// Adds LoRA adapters ([`Model::blocks`] then lists them, and the base as frozen).
     fn set_lora(&mut self, _lora: &LoraConfig) -> Result<()> {

@@ -26,39 +26,94 @@ struct PackedWeight {
     packed: Tensor,
 }
 
+/// Projections of one input packed as one matrix (a layer's query, key and value; its
+/// gate and up projections): one product instead of several, 1.15x faster at one row.
+struct PackedGroup {
+    /// The member weights, in order (held, as [`PackedWeight::source`]).
+    sources: Vec<Tensor>,
+    /// Their rows stacked and reordered.
+    packed: Tensor,
+    /// Their biases stacked, where they have them.
+    bias: Option<Tensor>,
+    /// Each member's output width.
+    widths: Vec<i64>,
+}
+
+/// Weights that take one input and are best multiplied as one matrix: a model's
+/// [`crate::model::Model::linear_groups`].
+pub struct LinearGroup {
+    /// The weights (`[out_i, in]`, one `in`).
+    pub weights: Vec<Tensor>,
+    /// Their biases: none, or one per weight.
+    pub biases: Vec<Tensor>,
+}
+
 /// The matrices of a model's parameters packed for oneDNN, found again by the weight
-/// tensor a forward hands to `linear`.
+/// tensor a forward hands to `linear` (or, for a group, its first weight).
 pub struct PackedWeights {
     by_data: HashMap<usize, PackedWeight>,
+    groups: HashMap<usize, PackedGroup>,
     bytes: u64,
 }
 
+fn packable(weight: &Tensor) -> bool {
+    weight.dim() == 2 && weight.kind() == Kind::Float && weight.device() == Device::Cpu
+}
+
 impl PackedWeights {
-    /// Packs every 2-D float32 CPU parameter of `params` for products of about
-    /// `batch_hint` rows. `None` where this libtorch cannot (no oneDNN) or no parameter
-    /// qualifies.
-    pub fn pack(params: &[Vec<Tensor>], batch_hint: usize) -> Option<Self> {
-        let mut by_data = HashMap::new();
-        let mut bytes = 0u64;
-        for weight in params.iter().flatten() {
-            if weight.dim() != 2 || weight.kind() != Kind::Float || weight.device() != Device::Cpu {
+    /// Packs each of `groups` as one matrix, then every other 2-D float32 CPU parameter of
+    /// `params`, for products of about `batch_hint` rows. `None` where this libtorch cannot
+    /// (no oneDNN) or nothing qualifies.
+    pub fn pack(params: &[Vec<Tensor>], groups: &[LinearGroup], batch_hint: usize) -> Option<Self> {
+        let hint = batch_hint.max(1) as i64;
+        let mut packed = Self {
+            by_data: HashMap::new(),
+            groups: HashMap::new(),
+            bytes: 0,
+        };
+        let mut grouped = std::collections::HashSet::new();
+        for group in groups {
+            let Some(first) = group.weights.first() else { continue };
+            let width = first.size().get(1).copied();
+            let fits = group
+                .weights
+                .iter()
+                .all(|w| packable(w) && w.size().get(1).copied() == width)
+                && (group.biases.is_empty() || group.biases.len() == group.weights.len())
+                && group.biases.iter().all(|b| b.kind() == Kind::Float && b.dim() == 1);
+            if !fits || packed.groups.contains_key(&(first.data_ptr() as usize)) {
                 continue;
             }
-            let key = weight.data_ptr() as usize;
-            if by_data.contains_key(&key) {
-                continue;
-            }
-            let packed = tch::no_grad(|| onednn_pack_linear(weight, batch_hint.max(1) as i64)).ok()?;
-            bytes += weight.numel() as u64 * 4;
-            by_data.insert(
-                key,
-                PackedWeight {
-                    source: weight.shallow_clone(),
-                    packed,
+            let stacked = Tensor::cat(&group.weights, 0);
+            let matrix = tch::no_grad(|| onednn_pack_linear(&stacked, hint)).ok()?;
+            packed.bytes += stacked.numel() as u64 * 4;
+            grouped.extend(group.weights.iter().map(|w| w.data_ptr() as usize));
+            packed.groups.insert(
+                first.data_ptr() as usize,
+                PackedGroup {
+                    sources: group.weights.iter().map(Tensor::shallow_clone).collect(),
+                    packed: matrix,
+                    bias: (!group.biases.is_empty()).then(|| Tensor::cat(&group.biases, 0)),
+                    widths: group.weights.iter().map(|w| w.size()[0]).collect(),
                 },
             );
         }
-        (!by_data.is_empty()).then_some(Self { by_data, bytes })
+        for weight in params.iter().flatten() {
+            let key = weight.data_ptr() as usize;
+            if !packable(weight) || grouped.contains(&key) || packed.by_data.contains_key(&key) {
+                continue;
+            }
+            let matrix = tch::no_grad(|| onednn_pack_linear(weight, hint)).ok()?;
+            packed.bytes += weight.numel() as u64 * 4;
+            packed.by_data.insert(
+                key,
+                PackedWeight {
+                    source: weight.shallow_clone(),
+                    packed: matrix,
+                },
+            );
+        }
+        (!packed.is_empty()).then_some(packed)
     }
 
     /// Bytes the packed copies take.
@@ -66,14 +121,14 @@ impl PackedWeights {
         self.bytes
     }
 
-    /// Matrices packed.
+    /// Matrices packed (a group counts once).
     pub fn len(&self) -> usize {
-        self.by_data.len()
+        self.by_data.len() + self.groups.len()
     }
 
     /// Whether nothing was packed.
     pub fn is_empty(&self) -> bool {
-        self.by_data.is_empty()
+        self.len() == 0
     }
 
     /// `x Wᵀ + bias` through `weight`'s packed copy; `None` where `weight` was not packed
@@ -94,6 +149,27 @@ impl PackedWeights {
             return None;
         }
         onednn_linear(x, &packed.packed, bias).ok()
+    }
+
+    /// Every member's `x Wᵢᵀ + bᵢ` of the group that starts with `first`, by one product;
+    /// `None` where no group starts with it (or `x` does not fit), for the caller's own
+    /// products one by one.
+    pub fn linear_group(&self, x: &Tensor, first: &Tensor) -> Option<Vec<Tensor>> {
+        let group = self.groups.get(&(first.data_ptr() as usize))?;
+        let source = group.sources.first()?;
+        let fits = source.size() == first.size()
+            && source.stride() == first.stride()
+            && x.kind() == Kind::Float
+            && x.device() == Device::Cpu
+            && !x.requires_grad()
+            && x.dim() > 0
+            && x.size().last() == first.size().get(1)
+            && x.numel() > 0;
+        if !fits {
+            return None;
+        }
+        let out = onednn_linear(x, &group.packed, group.bias.as_ref()).ok()?;
+        Some(out.split_with_sizes(&group.widths, -1))
     }
 }
 
@@ -128,7 +204,7 @@ mod tests {
     fn packed_products_equal_libtorchs_linear_for_every_row_count_and_both_layouts() {
         for transposed in [false, true] {
             let params = weights(transposed);
-            let packed = PackedWeights::pack(&params, 16).expect("this libtorch has oneDNN");
+            let packed = PackedWeights::pack(&params, &[], 16).expect("this libtorch has oneDNN");
             assert_eq!(packed.len(), SHAPES.len());
             for (w, &(n, k)) in params[0].iter().zip(&SHAPES) {
                 for rows in [1, 3, 16, 37, 64, 130] {
@@ -162,7 +238,7 @@ mod tests {
     #[test]
     fn what_was_not_packed_is_left_to_the_caller() {
         let params = weights(false);
-        let packed = PackedWeights::pack(&params, 16).unwrap();
+        let packed = PackedWeights::pack(&params, &[], 16).unwrap();
         let other = Tensor::randn([96, 96], (Kind::Float, Device::Cpu));
         let x = Tensor::randn([4, 96], (Kind::Float, Device::Cpu));
         assert!(packed.linear(&x, &other, None).is_none(), "a weight never packed");
@@ -183,6 +259,46 @@ mod tests {
             Tensor::randn([8, 8], (Kind::Double, Device::Cpu)),
             Tensor::randn([8], (Kind::Float, Device::Cpu)),
         ]];
-        assert!(PackedWeights::pack(&mixed, 16).is_none());
+        assert!(PackedWeights::pack(&mixed, &[], 16).is_none());
+    }
+
+    #[test]
+    fn a_group_is_one_product_equal_to_its_members_one_by_one() {
+        let params = weights(true);
+        let members: Vec<Tensor> = params[0][..3].iter().map(Tensor::shallow_clone).collect();
+        let biases: Vec<Tensor> = [96, 32, 256]
+            .iter()
+            .map(|&n| Tensor::randn([n], (Kind::Float, Device::Cpu)))
+            .collect();
+        let group = LinearGroup {
+            weights: members.iter().map(Tensor::shallow_clone).collect(),
+            biases: biases.iter().map(Tensor::shallow_clone).collect(),
+        };
+        let packed = PackedWeights::pack(&params, &[group], 16).unwrap();
+        // The group and the one weight outside it.
+        assert_eq!(packed.len(), 2);
+        assert!(
+            packed
+                .linear(&Tensor::randn([4, 96], (Kind::Float, Device::Cpu)), &members[1], None)
+                .is_none(),
+            "a member alone is not packed twice"
+        );
+        for rows in [1, 16, 64] {
+            let x = Tensor::randn([rows, 96], (Kind::Float, Device::Cpu));
+            let outs = packed
+                .linear_group(&x, &members[0])
+                .expect("the group starts with its first weight");
+            assert_eq!(outs.len(), 3);
+            for ((out, w), b) in outs.iter().zip(&members).zip(&biases) {
+                let diff = max_diff(out, &x.linear(w, Some(b)));
+                assert!(diff < 1e-5, "rows {rows}: {diff}");
+            }
+        }
+        assert!(
+            packed
+                .linear_group(&Tensor::randn([4, 96], (Kind::Float, Device::Cpu)), &members[1])
+                .is_none(),
+            "no group starts with the second member"
+        );
     }
 }

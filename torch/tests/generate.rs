@@ -141,28 +141,40 @@ fn cached_continuous_batching_equals_transformers_generate() {
             })
             .collect();
         // Two sequences at a time, prompts prefilled 8 tokens a step (the 50-token prompt
-        // takes 7 steps while another sequence decodes beside it).
-        let generator = Generator::new(model.as_ref(), &params, setup(1 << 20, 2, 8), 128, vec![2], Device::Cpu)
-            .unwrap()
-            .keep_logits()
-            .stats_every(std::time::Duration::ZERO);
-        let (outputs, stats) = run(&generator, &rows);
-        assert!(
-            stats.iter().any(|s| s.waiting > 0),
-            "{name}: no sequence ever waited for a batch slot"
-        );
-        for (i, out) in outputs.iter().enumerate() {
-            assert_eq!(
-                out.tokens,
-                ids(&expected[&format!("tokens.{i}")]),
-                "{name} prompt {i}: tokens"
+        // takes 7 steps while another sequence decodes beside it); with the weights packed
+        // for oneDNN (the default on the CPU) and with libtorch's own `linear`.
+        for packed in [true, false] {
+            let setup = GenerationSetup {
+                packed_weights: packed,
+                ..setup(1 << 20, 2, 8)
+            };
+            let generator = Generator::new(model.as_ref(), &params, setup, 128, vec![2], Device::Cpu)
+                .unwrap()
+                .keep_logits()
+                .stats_every(std::time::Duration::ZERO);
+            let (matrices, bytes) = generator.packed_weights();
+            assert_eq!(matrices > 0 && bytes > 0, packed, "{name}: {matrices} matrices packed");
+            let (outputs, stats) = run(&generator, &rows);
+            assert!(
+                stats.iter().any(|s| s.waiting > 0),
+                "{name}: no sequence ever waited for a batch slot"
             );
-            let scores = &expected[&format!("scores.{i}")];
-            for (step, row) in out.logits.iter().enumerate() {
-                let diff = max_diff(row, &scores.get(step as i64));
-                assert!(diff < 1e-4, "{name} prompt {i} token {step}: logits differ by {diff}");
+            for (i, out) in outputs.iter().enumerate() {
+                assert_eq!(
+                    out.tokens,
+                    ids(&expected[&format!("tokens.{i}")]),
+                    "{name} prompt {i}: tokens (packed {packed})"
+                );
+                let scores = &expected[&format!("scores.{i}")];
+                for (step, row) in out.logits.iter().enumerate() {
+                    let diff = max_diff(row, &scores.get(step as i64));
+                    assert!(
+                        diff < 1e-4,
+                        "{name} prompt {i} token {step} (packed {packed}): logits differ by {diff}"
+                    );
+                }
+                assert_eq!(out.finish, Finish::Length, "{name} packed {packed}");
             }
-            assert_eq!(out.finish, Finish::Length);
         }
     }
 }

@@ -158,7 +158,7 @@ impl<'a> Generator<'a> {
             _ => DecodeMode::Eager,
         };
         let packed = (setup.packed_weights && device == Device::Cpu && kind == Kind::Float)
-            .then(|| PackedWeights::pack(params, setup.max_batch))
+            .then(|| PackedWeights::pack(params, &model.linear_groups(params), setup.max_batch))
             .flatten()
             .map(Arc::new);
         Ok(Self {
