@@ -92,6 +92,10 @@ pub struct ScoreArgs {
     /// step as a captured CUDA graph (graphs are on by default).
     #[arg(long)]
     pub no_cuda_graphs: bool,
+    /// On the CPU, multiply by libtorch's own `linear` instead of float32 weights packed
+    /// once for oneDNN (packing is on by default; it holds a second copy of the weights).
+    #[arg(long)]
+    pub no_packed_weights: bool,
     /// Longest token sequence a TorchScript model takes (required with one).
     #[arg(long)]
     pub context: Option<usize>,
@@ -177,6 +181,9 @@ impl ScoreArgs {
         }
         if self.no_cuda_graphs {
             config.cuda_graphs = false;
+        }
+        if self.no_packed_weights {
+            config.packed_weights = false;
         }
         config.validate().map_err(anyhow::Error::msg)?;
         Ok(config)

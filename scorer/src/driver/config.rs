@@ -84,6 +84,10 @@ pub struct ScoreConfig {
     /// Generation: on CUDA, each decode step's batch shape is captured once as a CUDA graph
     /// and replayed; off, every step launches its kernels one by one.
     pub cuda_graphs: bool,
+    /// Generation: on the CPU, float32 weights are reordered once into oneDNN's blocked
+    /// layout and multiplied by oneDNN (a second copy of the weights in memory); off,
+    /// libtorch's own `linear`.
+    pub packed_weights: bool,
 }
 
 /// Tokens generated per row when generating and `max_new_tokens` is not set.
@@ -120,6 +124,7 @@ impl Default for ScoreConfig {
             prefill_tokens: 512,
             prefix_caching: true,
             cuda_graphs: true,
+            packed_weights: true,
         }
     }
 }
@@ -242,6 +247,7 @@ impl ScoreConfig {
             prefill_tokens: self.prefill_tokens,
             prefix_caching: self.prefix_caching,
             cuda_graphs: self.cuda_graphs,
+            packed_weights: self.packed_weights,
             ..GenerationSetup::default()
         }
     }
