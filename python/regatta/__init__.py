@@ -187,6 +187,9 @@ class _Driver:
         self.task_workers = []
         self.turn = itertools.count()
         self.owned = set()  # actors this driver stops at shutdown (not detached)
+        # One-call task workers (tasks with resources) -> their call (None until made): each
+        # ends itself once it has answered, so an entry lasts only until then.
+        self.one_call = {}
         self.python = sys.executable
         self.path = _worker_path()
         self.follower = _Follower(cluster)
@@ -195,6 +198,9 @@ class _Driver:
         """Calls an actor (or a task worker); its prints are followed while it runs. With
         ``end`` the actor is there for this call alone and is killed once it has answered."""
         pending = self.cluster.call(actor, request, ordered, end)
+        if end:
+            with self.lock:
+                self.one_call[actor] = pending
         if log_to_driver:
             self.follower.call(actor, what, pending, concurrent)
         return pending
@@ -206,7 +212,7 @@ class _Driver:
                 (_WORKER_ENV, "1")]
 
     def spawn(self, init, resources, name=None, max_restarts=0, detached=False, strategy=None, max_concurrency=1,
-              env_vars=None):
+              env_vars=None, one_call=False):
         group, bundle = _placement(strategy)
         env = list((env_vars or {}).items()) + self.worker_env()
         try:
@@ -214,10 +220,21 @@ class _Driver:
                                        group, bundle, max_concurrency)
         except _native.Infeasible as error:
             raise InfeasibleError(f"no node could ever hold this request: {error}") from None
-        if not detached:
+        if one_call:
+            with self.lock:
+                # Those that have answered have ended: only the rest are kept.
+                self.one_call = {a: p for a, p in self.one_call.items() if p is None or not p.done()}
+                self.one_call[actor] = None
+        elif not detached:
             with self.lock:
                 self.owned.add(actor)
         return actor
+
+    def unfinished(self):
+        """The actors this driver stops at shutdown: its own, and one-call task workers that
+        have not answered."""
+        with self.lock:
+            return list(self.owned) + [a for a, p in self.one_call.items() if p is None or not p.done()]
 
     def task_worker(self):
         with self.lock:
@@ -233,6 +250,7 @@ class _Driver:
     def forget(self, actor):
         with self.lock:
             self.owned.discard(actor)
+            self.one_call.pop(actor, None)
             if actor in self.task_workers:
                 self.task_workers.remove(actor)
 
@@ -347,9 +365,7 @@ def shutdown():
     if driver is None:
         return
     driver.follower.stop()
-    with driver.lock:
-        owned = list(driver.owned)
-    for actor in owned:
+    for actor in driver.unfinished():
         try:
             driver.cluster.kill(actor)
         except Exception:  # already dead, or the cluster is gone
@@ -834,7 +850,8 @@ class RemoteFunction:
             holder = {}
 
             def submit():
-                actor = driver.spawn(cloudpickle.dumps((None, (), {})), resources, strategy=strategy, env_vars=env_vars)
+                actor = driver.spawn(cloudpickle.dumps((None, (), {})), resources, strategy=strategy, env_vars=env_vars,
+                                     one_call=True)
                 holder["actor"] = actor
                 return driver.call(actor, request, what, end=True)
 

@@ -257,6 +257,13 @@ def test_a_finished_task_frees_its_resources_whether_or_not_its_result_is_read()
     while regatta.available_resources().get("CPU", 0.0) < 2.0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert regatta.available_resources().get("CPU", 0.0) == 2.0
+    # None of those workers is kept for stopping at shutdown: each ended with its answer.
+    driver = regatta._current()
+    owned = set(driver.owned)
+    more = [square.options(num_cpus=1).remote(i) for i in range(4)]
+    regatta.wait(more, num_returns=4, timeout=60)
+    square.options(num_cpus=1).remote(7)  # a new one-call worker prunes those that answered
+    assert len(driver.one_call) == 1 and driver.owned == owned, (driver.one_call, driver.owned - owned)
 
 
 def test_a_call_whose_actor_waits_for_resources_is_warned_about_and_runs_once_they_are_free(capsys, monkeypatch):
