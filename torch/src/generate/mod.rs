@@ -149,6 +149,11 @@ impl<'a> Generator<'a> {
             .and_then(|block| block.first())
             .map(Tensor::kind)
             .unwrap_or(Kind::Float);
+        // Packed first: the cache's automatic budget is a share of the memory left after it.
+        let packed = (setup.packed_weights && device == Device::Cpu && kind == Kind::Float)
+            .then(|| PackedWeights::pack(params, &model.linear_groups(params), setup.max_batch))
+            .flatten()
+            .map(Arc::new);
         let kv_cache_bytes = match setup.kv_cache_bytes {
             Some(bytes) => bytes,
             None => auto_kv_cache_bytes(free_memory(device)?),
@@ -157,10 +162,6 @@ impl<'a> Generator<'a> {
             Device::Cuda(ordinal) if setup.cuda_graphs => DecodeMode::Graphs(ordinal),
             _ => DecodeMode::Eager,
         };
-        let packed = (setup.packed_weights && device == Device::Cpu && kind == Kind::Float)
-            .then(|| PackedWeights::pack(params, &model.linear_groups(params), setup.max_batch))
-            .flatten()
-            .map(Arc::new);
         Ok(Self {
             decode,
             packed,
