@@ -62,7 +62,9 @@ fn packable(weight: &Tensor) -> bool {
 
 impl PackedWeights {
     /// Packs each of `groups` as one matrix, then every other 2-D float32 CPU parameter of
-    /// `params`, for products of about `batch_hint` rows. `None` where this libtorch cannot
+    /// `params` after the first block (the embeddings, looked up rather than multiplied; a
+    /// head tied to them is packed where the last block holds it), for products of about
+    /// `batch_hint` rows. `None` where this libtorch cannot
     /// (no oneDNN) or nothing qualifies.
     pub fn pack(params: &[Vec<Tensor>], groups: &[LinearGroup], batch_hint: usize) -> Option<Self> {
         let hint = batch_hint.max(1) as i64;
@@ -98,7 +100,7 @@ impl PackedWeights {
                 },
             );
         }
-        for weight in params.iter().flatten() {
+        for weight in params.iter().skip(1).flatten() {
             let key = weight.data_ptr() as usize;
             if !packable(weight) || grouped.contains(&key) || packed.by_data.contains_key(&key) {
                 continue;
@@ -180,9 +182,11 @@ mod tests {
     /// Decoder-like shapes: a square projection, a narrow one, and both MLP directions.
     const SHAPES: [(i64, i64); 4] = [(96, 96), (32, 96), (256, 96), (96, 256)];
 
+    /// An embedding block, then a block of matrices.
     fn weights(layout_transposed: bool) -> Vec<Vec<Tensor>> {
         tch::manual_seed(7);
-        vec![SHAPES
+        let embedding = vec![Tensor::randn([50, 96], (Kind::Float, Device::Cpu))];
+        let matrices = SHAPES
             .iter()
             .map(|&(n, k)| {
                 let w = Tensor::randn([n, k], (Kind::Float, Device::Cpu)) * 0.05;
@@ -193,7 +197,8 @@ mod tests {
                     w
                 }
             })
-            .collect()]
+            .collect();
+        vec![embedding, matrices]
     }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -206,7 +211,7 @@ mod tests {
             let params = weights(transposed);
             let packed = PackedWeights::pack(&params, &[], 16).expect("this libtorch has oneDNN");
             assert_eq!(packed.len(), SHAPES.len());
-            for (w, &(n, k)) in params[0].iter().zip(&SHAPES) {
+            for (w, &(n, k)) in params[1].iter().zip(&SHAPES) {
                 for rows in [1, 3, 16, 37, 64, 130] {
                     let x = Tensor::randn([rows, k], (Kind::Float, Device::Cpu));
                     let got = packed.linear(&x, w, None).expect("a packed weight answers");
@@ -225,13 +230,13 @@ mod tests {
             }
             // Leading dimensions are kept: [batch, time, in] -> [batch, time, out].
             let x = Tensor::randn([2, 5, 96], (Kind::Float, Device::Cpu));
-            let got = packed.linear(&x, &params[0][0], None).unwrap();
+            let got = packed.linear(&x, &params[1][0], None).unwrap();
             assert_eq!(got.size(), vec![2, 5, 96]);
-            assert!(max_diff(&got, &x.linear::<Tensor>(&params[0][0], None)) < 1e-5);
+            assert!(max_diff(&got, &x.linear::<Tensor>(&params[1][0], None)) < 1e-5);
             // A non-contiguous input (a transposed view) is read as its values.
             let x = Tensor::randn([96, 7], (Kind::Float, Device::Cpu)).transpose(0, 1);
-            let got = packed.linear(&x, &params[0][0], None).unwrap();
-            assert!(max_diff(&got, &x.linear::<Tensor>(&params[0][0], None)) < 1e-5);
+            let got = packed.linear(&x, &params[1][0], None).unwrap();
+            assert!(max_diff(&got, &x.linear::<Tensor>(&params[1][0], None)) < 1e-5);
         }
     }
 
@@ -242,30 +247,37 @@ mod tests {
         let other = Tensor::randn([96, 96], (Kind::Float, Device::Cpu));
         let x = Tensor::randn([4, 96], (Kind::Float, Device::Cpu));
         assert!(packed.linear(&x, &other, None).is_none(), "a weight never packed");
+        assert!(
+            packed.linear(&x, &params[0][0], None).is_none(),
+            "the embeddings are not packed"
+        );
         // The same memory seen with another shape is not the packed matrix.
-        let reshaped = params[0][0].view([48, 192]);
+        let reshaped = params[1][0].view([48, 192]);
         let wide = Tensor::randn([4, 192], (Kind::Float, Device::Cpu));
         assert!(packed.linear(&wide, &reshaped, None).is_none());
         assert!(
-            packed.linear(&x.to_kind(Kind::Double), &params[0][0], None).is_none(),
+            packed.linear(&x.to_kind(Kind::Double), &params[1][0], None).is_none(),
             "float64 input"
         );
         let narrow = Tensor::randn([4, 95], (Kind::Float, Device::Cpu));
-        assert!(packed.linear(&narrow, &params[0][0], None).is_none(), "wrong width");
+        assert!(packed.linear(&narrow, &params[1][0], None).is_none(), "wrong width");
         let empty = Tensor::zeros([0, 96], (Kind::Float, Device::Cpu));
-        assert!(packed.linear(&empty, &params[0][0], None).is_none(), "no rows");
+        assert!(packed.linear(&empty, &params[1][0], None).is_none(), "no rows");
         // Non-float32 and non-matrix parameters are not packed at all.
-        let mixed = vec![vec![
-            Tensor::randn([8, 8], (Kind::Double, Device::Cpu)),
-            Tensor::randn([8], (Kind::Float, Device::Cpu)),
-        ]];
+        let mixed = vec![
+            Vec::new(),
+            vec![
+                Tensor::randn([8, 8], (Kind::Double, Device::Cpu)),
+                Tensor::randn([8], (Kind::Float, Device::Cpu)),
+            ],
+        ];
         assert!(PackedWeights::pack(&mixed, &[], 16).is_none());
     }
 
     #[test]
     fn a_group_is_one_product_equal_to_its_members_one_by_one() {
         let params = weights(true);
-        let members: Vec<Tensor> = params[0][..3].iter().map(Tensor::shallow_clone).collect();
+        let members: Vec<Tensor> = params[1][..3].iter().map(Tensor::shallow_clone).collect();
         let biases: Vec<Tensor> = [96, 32, 256]
             .iter()
             .map(|&n| Tensor::randn([n], (Kind::Float, Device::Cpu)))
