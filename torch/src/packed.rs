@@ -60,12 +60,26 @@ fn packable(weight: &Tensor) -> bool {
     weight.dim() == 2 && weight.kind() == Kind::Float && weight.device() == Device::Cpu
 }
 
+/// Whether a packed copy of `source` serves `x Wᵀ` for `weight`: `weight` is `source`
+/// seen the same way (not its memory with another shape), and `x` is a non-empty float32
+/// CPU input without gradients whose last dimension is the weight's input width.
+fn takes(source: &Tensor, weight: &Tensor, x: &Tensor) -> bool {
+    source.size() == weight.size()
+        && source.stride() == weight.stride()
+        && x.kind() == Kind::Float
+        && x.device() == Device::Cpu
+        && !x.requires_grad()
+        && x.dim() > 0
+        && x.size().last() == weight.size().get(1)
+        && x.numel() > 0
+}
+
 impl PackedWeights {
     /// Packs each of `groups` as one matrix, then every other 2-D float32 CPU parameter of
     /// `params` after the first block (the embeddings, looked up rather than multiplied; a
     /// head tied to them is packed where the last block holds it), for products of about
-    /// `batch_hint` rows. `None` where this libtorch cannot
-    /// (no oneDNN) or nothing qualifies.
+    /// `batch_hint` rows. `None` where this libtorch cannot (no oneDNN) or nothing
+    /// qualifies.
     pub fn pack(params: &[Vec<Tensor>], groups: &[LinearGroup], batch_hint: usize) -> Option<Self> {
         let hint = batch_hint.max(1) as i64;
         let mut packed = Self {
@@ -138,16 +152,8 @@ impl PackedWeights {
     /// `linear`.
     pub fn linear(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Option<Tensor> {
         let packed = self.by_data.get(&(weight.data_ptr() as usize))?;
-        let fits = packed.source.size() == weight.size()
-            && packed.source.stride() == weight.stride()
-            && x.kind() == Kind::Float
-            && x.device() == Device::Cpu
-            && !x.requires_grad()
-            && x.dim() > 0
-            && x.size().last() == weight.size().get(1)
-            && x.numel() > 0
-            && bias.is_none_or(|b| b.kind() == Kind::Float && b.device() == Device::Cpu && b.dim() == 1);
-        if !fits {
+        let bias_fits = bias.is_none_or(|b| b.kind() == Kind::Float && b.device() == Device::Cpu && b.dim() == 1);
+        if !takes(&packed.source, weight, x) || !bias_fits {
             return None;
         }
         onednn_linear(x, &packed.packed, bias).ok()
@@ -158,16 +164,7 @@ impl PackedWeights {
     /// products one by one.
     pub fn linear_group(&self, x: &Tensor, first: &Tensor) -> Option<Vec<Tensor>> {
         let group = self.groups.get(&(first.data_ptr() as usize))?;
-        let source = group.sources.first()?;
-        let fits = source.size() == first.size()
-            && source.stride() == first.stride()
-            && x.kind() == Kind::Float
-            && x.device() == Device::Cpu
-            && !x.requires_grad()
-            && x.dim() > 0
-            && x.size().last() == first.size().get(1)
-            && x.numel() > 0;
-        if !fits {
+        if !takes(group.sources.first()?, first, x) {
             return None;
         }
         let out = onednn_linear(x, &group.packed, group.bias.as_ref()).ok()?;
