@@ -6,6 +6,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     let mut built = "unknown".to_string();
     println!("cargo:rerun-if-changed=src/shim/shim.cpp");
+    println!("cargo:rerun-if-changed=src/shim/paged_attention.cpp");
     if let Ok(libtorch) = std::env::var("LIBTORCH") {
         // The calls tch does not bind (torch/src/shim.rs), against the same headers and C++
         // ABI as torch-sys's own glue.
@@ -20,7 +21,10 @@ fn main() {
                 "-D_GLIBCXX_USE_CXX11_ABI={}",
                 std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_string())
             ))
+            // Optimized in every profile: the paged attention kernel runs in debug tests too.
+            .opt_level(3)
             .file("src/shim/shim.cpp")
+            .file("src/shim/paged_attention.cpp")
             .compile("regatta_torch_shim");
         println!("cargo:rustc-link-arg=-Wl,-rpath,{libtorch}/lib");
         let header = format!("{libtorch}/include/torch/headeronly/version.h");

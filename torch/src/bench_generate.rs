@@ -219,6 +219,10 @@ pub struct IdsJob {
     /// true; see `GenerationSetup::packed_weights`).
     #[serde(default = "yes")]
     pub packed_weights: bool,
+    /// Whether CPU decode steps attend to the cache in place (default true; see
+    /// `GenerationSetup::paged_attention`).
+    #[serde(default = "yes")]
+    pub paged_attention: bool,
     /// Sampling temperature (default 0: greedy); with `top_p` and `seed`, each row drawing
     /// from its own random stream (row `i` is stream `i` of `seed`).
     #[serde(default)]
@@ -377,6 +381,7 @@ impl IdsJob {
             prefix_caching: self.prefix_caching,
             cuda_graphs: self.cuda_graphs,
             packed_weights: self.packed_weights,
+            paged_attention: self.paged_attention,
             ..GenerationSetup::default()
         }
     }

@@ -308,6 +308,11 @@ impl Llama {
         if let Some(attended) = self.attend_without_mask(&q, &k, &v, batch, scale) {
             return self.finish_layer(&mut next, x, &attended, batch, layer);
         }
+        if let Some(kv) = &batch.kv {
+            if let Some(attended) = kv.store_and_attend(layer, &q, &k, &v, &batch.positions, c.sliding_window, scale) {
+                return self.finish_layer(&mut next, x, &attended, batch, layer);
+            }
+        }
         let (k, v, mask) = match &batch.kv {
             // The cached path's mask already holds causality, lengths and the window.
             Some(kv) => {

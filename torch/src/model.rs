@@ -133,22 +133,26 @@ pub struct KvStep {
     pub write: Tensor,
     /// Slots of the keys each row attends to.
     pub read: Tensor,
+    /// How many of each row's `read` slots are real (`[batch]`, int64).
+    pub lengths: Tensor,
+    /// Whether attention may read the cache in place ([`KvStep::store_and_attend`]).
+    pub in_place: bool,
 }
+
+/// The most new tokens per row for which attention reads the cache in place
+/// ([`KvStep::store_and_attend`]); longer chunks (a prompt's prefill) gather and take
+/// libtorch's flash kernel, whose products beat per-key dot products there.
+pub const PAGED_MAX_TIME: i64 = 8;
 
 impl KvStep {
     /// Stores layer `layer`'s new keys and values (`[batch, kv_heads, time, head_dim]`)
     /// in their slots and returns the keys and values the queries attend to,
     /// `[batch, kv_heads, keys, head_dim]`.
     pub fn store_and_read(&self, layer: usize, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
-        let (batch, heads, time, dim) = k.size4().expect("keys are [batch, heads, time, dim]");
+        let (batch, heads, _, dim) = k.size4().expect("keys are [batch, heads, time, dim]");
         let keys = self.read.size()[1];
+        self.store(layer, k, v);
         let exchange = |cache: &Tensor, new: &Tensor| {
-            let mut cache = cache.shallow_clone();
-            let rows = new
-                .transpose(1, 2)
-                .reshape([batch * time, heads, dim])
-                .to_kind(cache.kind());
-            let _ = cache.index_copy_(0, &self.write, &rows);
             cache
                 .index_select(0, &self.read.view([-1]))
                 .view([batch, keys, heads, dim])
@@ -156,6 +160,60 @@ impl KvStep {
                 .to_kind(new.kind())
         };
         (exchange(&self.keys[layer], k), exchange(&self.values[layer], v))
+    }
+
+    /// Stores layer `layer`'s new keys and values (`[batch, kv_heads, time, head_dim]`) in
+    /// their slots.
+    fn store(&self, layer: usize, k: &Tensor, v: &Tensor) {
+        let (batch, heads, time, dim) = k.size4().expect("keys are [batch, heads, time, dim]");
+        for (cache, new) in [(&self.keys[layer], k), (&self.values[layer], v)] {
+            let rows = new
+                .transpose(1, 2)
+                .reshape([batch * time, heads, dim])
+                .to_kind(cache.kind());
+            let _ = cache.shallow_clone().index_copy_(0, &self.write, &rows);
+        }
+    }
+
+    /// Stores layer `layer`'s new keys and values, then attends queries `q` (`[batch,
+    /// heads, time, head_dim]`, at `positions` `[batch, time]`) to each row's cached keys
+    /// where they lie, without gathering them (`shim::paged_attention`): float32 on the CPU,
+    /// at most [`PAGED_MAX_TIME`] new tokens a row. `None` (nothing stored): elsewhere, where
+    /// [`KvStep::store_and_read`] and SDPA apply. `window`: Mistral's sliding window.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store_and_attend(
+        &self,
+        layer: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        positions: &Tensor,
+        window: Option<usize>,
+        scale: f64,
+    ) -> Option<Tensor> {
+        let cache = &self.keys[layer];
+        let fits = self.in_place
+            && q.device() == Device::Cpu
+            && q.kind() == Kind::Float
+            && cache.kind() == Kind::Float
+            && q.size().get(2).is_some_and(|&time| time <= PAGED_MAX_TIME);
+        if !fits {
+            return None;
+        }
+        self.store(layer, k, v);
+        let attended = crate::shim::paged_attention(
+            q,
+            cache,
+            &self.values[layer],
+            &self.read,
+            &self.lengths,
+            positions,
+            window.map(|w| w as i64),
+            scale,
+        )
+        // The slots and lengths are the engine's own bookkeeping: a refusal here is a bug.
+        .unwrap_or_else(|e| panic!("paged attention refused layer {layer}'s step: {e}"));
+        Some(attended)
     }
 }
 
@@ -489,4 +547,165 @@ pub fn matmul_flops_per_token(model: &dyn Model, attention_flops: f64) -> f64 {
         })
         .sum();
     weights + attention_flops
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reference: every row's keys gathered into a padded batch, repeated per query head,
+    /// and libtorch's SDPA under the dense mask the generator builds (causal by position,
+    /// below the row's length, inside the window).
+    fn gathered(
+        q: &Tensor,
+        caches: (&Tensor, &Tensor),
+        read: &Tensor,
+        lengths: &Tensor,
+        positions: &Tensor,
+        window: Option<i64>,
+        scale: f64,
+    ) -> Tensor {
+        let (rows, heads, time, _) = q.size4().unwrap();
+        let keys = read.size()[1];
+        let kv_heads = caches.0.size()[1];
+        let take = |cache: &Tensor| {
+            cache
+                .index_select(0, &read.view([-1]))
+                .view([rows, keys, kv_heads, -1])
+                .transpose(1, 2)
+                .repeat_interleave_self_int(heads / kv_heads, Some(1), None)
+        };
+        let key_index = Tensor::arange(keys, (Kind::Int64, Device::Cpu)).view([1, 1, 1, keys]);
+        let query_position = positions.view([rows, 1, time, 1]);
+        let mut mask = key_index
+            .le_tensor(&query_position)
+            .logical_and(&key_index.lt_tensor(&lengths.view([rows, 1, 1, 1])));
+        if let Some(window) = window {
+            mask = mask.logical_and(&key_index.gt_tensor(&(&query_position - window)));
+        }
+        Tensor::scaled_dot_product_attention(
+            q,
+            &take(caches.0),
+            &take(caches.1),
+            Some(&mask),
+            0.0,
+            false,
+            scale,
+            false,
+        )
+    }
+
+    fn case(heads: i64, kv_heads: i64, dim: i64, time: i64, window: Option<i64>) {
+        tch::manual_seed(7);
+        let (rows, keys, slots) = (4i64, 11i64, 64i64);
+        let opts = (Kind::Float, Device::Cpu);
+        let k_cache = Tensor::randn([slots, kv_heads, dim], opts);
+        let v_cache = Tensor::randn([slots, kv_heads, dim], opts);
+        let q = Tensor::randn([rows, heads, time, dim], opts);
+        // Rows of different lengths over shuffled slots; unused read entries point at 0.
+        let lengths = [11i64, 4, 9, 1];
+        let mut read = Vec::new();
+        let mut positions = Vec::new();
+        for (r, &length) in lengths.iter().enumerate() {
+            read.extend((0..keys).map(|j| {
+                if j < length {
+                    (j * 5 + r as i64 * 13 + 3) % slots
+                } else {
+                    0
+                }
+            }));
+            // The row's last `time` positions; a row shorter than that pads with 0s as the
+            // generator does.
+            positions.extend((0..time).map(|t| (length - time + t).max(0)));
+        }
+        let read = Tensor::from_slice(&read).view([rows, keys]);
+        let lengths = Tensor::from_slice(&lengths);
+        let positions = Tensor::from_slice(&positions).view([rows, time]);
+        let scale = 1.0 / (dim as f64).sqrt();
+        let paged = crate::shim::paged_attention(&q, &k_cache, &v_cache, &read, &lengths, &positions, window, scale)
+            .expect("the kernel takes these");
+        let reference = gathered(&q, (&k_cache, &v_cache), &read, &lengths, &positions, window, scale);
+        assert_eq!(paged.size(), reference.size());
+        let worst = (&paged - &reference).abs().max().double_value(&[]);
+        assert!(
+            worst < 1e-5,
+            "heads {heads}/{kv_heads} dim {dim} time {time} window {window:?}: {worst}"
+        );
+    }
+
+    #[test]
+    fn paged_attention_equals_gathered_sdpa() {
+        case(6, 2, 64, 1, None); // grouped query heads, one decode token
+        case(4, 4, 64, 1, Some(3)); // a sliding window
+        case(6, 3, 20, 3, None); // a head size off the vector width, three new tokens
+        case(2, 1, 128, 2, Some(5));
+    }
+
+    #[test]
+    fn store_and_attend_equals_store_and_read_then_sdpa() {
+        tch::manual_seed(3);
+        let opts = (Kind::Float, Device::Cpu);
+        let (rows, heads, kv_heads, dim, slots) = (2i64, 4i64, 2i64, 16i64, 32i64);
+        let cache = || Tensor::randn([slots, kv_heads, dim], opts);
+        let (keys, values) = (vec![cache()], vec![cache()]);
+        // Row 0 holds 5 tokens (slots 10..15), row 1 holds 3 (slots 20..23); each writes its
+        // newest token's keys now.
+        let read = Tensor::from_slice(&[10i64, 11, 12, 13, 14, 20, 21, 22, 0, 0]).view([rows, 5]);
+        let step = KvStep {
+            keys: keys.iter().map(Tensor::shallow_clone).collect(),
+            values: values.iter().map(Tensor::shallow_clone).collect(),
+            write: Tensor::from_slice(&[14i64, 22]),
+            read,
+            lengths: Tensor::from_slice(&[5i64, 3]),
+            in_place: true,
+        };
+        let positions = Tensor::from_slice(&[4i64, 2]).view([rows, 1]);
+        let q = Tensor::randn([rows, heads, 1, dim], opts);
+        let k = Tensor::randn([rows, kv_heads, 1, dim], opts);
+        let v = Tensor::randn([rows, kv_heads, 1, dim], opts);
+        let paged = step
+            .store_and_attend(0, &q, &k, &v, &positions, None, 0.25)
+            .expect("float32 on the CPU");
+        // The new keys landed in their slots.
+        assert!(keys[0].get(14).allclose(&k.get(0).squeeze_dim(1), 0.0, 0.0, false));
+        assert!(values[0].get(22).allclose(&v.get(1).squeeze_dim(1), 0.0, 0.0, false));
+        let reference = gathered(
+            &q,
+            (&keys[0], &values[0]),
+            &step.read,
+            &step.lengths,
+            &positions,
+            None,
+            0.25,
+        );
+        let worst = (&paged - &reference).abs().max().double_value(&[]);
+        assert!(worst < 1e-5, "{worst}");
+        // Longer chunks and other kinds go the gathering way, storing nothing.
+        let long = Tensor::randn([rows, heads, PAGED_MAX_TIME + 1, dim], opts);
+        assert!(step
+            .store_and_attend(0, &long, &k, &v, &positions, None, 0.25)
+            .is_none());
+        let half = q.to_kind(Kind::BFloat16);
+        assert!(step
+            .store_and_attend(0, &half, &k, &v, &positions, None, 0.25)
+            .is_none());
+    }
+
+    #[test]
+    fn paged_attention_refuses_bad_slots_and_kinds() {
+        let opts = (Kind::Float, Device::Cpu);
+        let cache = Tensor::zeros([8, 1, 8], opts);
+        let q = Tensor::zeros([1, 1, 1, 8], opts);
+        let lengths = Tensor::from_slice(&[2i64]);
+        let positions = Tensor::from_slice(&[1i64]).view([1, 1]);
+        let outside = Tensor::from_slice(&[0i64, 8]).view([1, 2]);
+        let error = crate::shim::paged_attention(&q, &cache, &cache, &outside, &lengths, &positions, None, 1.0)
+            .expect_err("slot 8 of 8");
+        assert!(error.to_string().contains("outside the cache"), "{error}");
+        let read = Tensor::from_slice(&[0i64, 1]).view([1, 2]);
+        let doubles = q.to_kind(Kind::Double);
+        let error = crate::shim::paged_attention(&doubles, &cache, &cache, &read, &lengths, &positions, None, 1.0)
+            .expect_err("float64");
+        assert!(error.to_string().contains("float32"), "{error}");
+    }
 }

@@ -37,6 +37,19 @@ extern "C" {
         error: *mut c_char,
         error_len: usize,
     ) -> c_int;
+    fn regatta_paged_attention(
+        query: *const C_tensor,
+        key_cache: *const C_tensor,
+        value_cache: *const C_tensor,
+        read: *const C_tensor,
+        lengths: *const C_tensor,
+        positions: *const C_tensor,
+        window: i64,
+        scale: f64,
+        out: *mut *mut C_tensor,
+        error: *mut c_char,
+        error_len: usize,
+    ) -> c_int;
     fn regatta_allow_tf32(allow: c_int);
     fn regatta_sdp_enabled(flash: *mut c_int, efficient: *mut c_int, math: *mut c_int, cudnn: *mut c_int);
     fn regatta_cuda_memory(
@@ -166,6 +179,46 @@ pub fn onednn_linear(input: &Tensor, packed: &Tensor, bias: Option<&Tensor>) -> 
             input.as_ptr(),
             packed.as_ptr(),
             bias.map_or(std::ptr::null(), Tensor::as_ptr),
+            &mut out,
+            error.as_mut_ptr(),
+            error.len(),
+        )
+    };
+    tensor_answer(status, out, &error)
+}
+
+/// Attention of `query` `[rows, heads, time, dim]` against the paged KV cache `key_cache` /
+/// `value_cache` (`[slots, kv_heads, dim]`), reading keys and values in their slots
+/// (`src/shim/paged_attention.cpp`): row `r`'s key `j` lies in slot `read[r, j]`
+/// (`[rows, keys]`), the query at `positions[r, t]` sees keys `0..=position` below
+/// `lengths[r]`, and with a `window` only the last `window` of them. Float32 on the CPU,
+/// int64 indices; GQA as `transformers`' `repeat_kv`. A query that sees no key gets zeros.
+/// An error for other devices, kinds or shapes, or a slot outside the cache.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    query: &Tensor,
+    key_cache: &Tensor,
+    value_cache: &Tensor,
+    read: &Tensor,
+    lengths: &Tensor,
+    positions: &Tensor,
+    window: Option<i64>,
+    scale: f64,
+) -> Result<Tensor, TchError> {
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    let mut error = [0 as c_char; 1024];
+    // SAFETY: live tensor handles and valid out-pointers; the shim checks shapes, kinds and
+    // every slot it reads, and catches C++ exceptions.
+    let status = unsafe {
+        regatta_paged_attention(
+            query.as_ptr(),
+            key_cache.as_ptr(),
+            value_cache.as_ptr(),
+            read.as_ptr(),
+            lengths.as_ptr(),
+            positions.as_ptr(),
+            window.unwrap_or(0),
+            scale,
             &mut out,
             error.as_mut_ptr(),
             error.len(),

@@ -142,10 +142,12 @@ fn cached_continuous_batching_equals_transformers_generate() {
             .collect();
         // Two sequences at a time, prompts prefilled 8 tokens a step (the 50-token prompt
         // takes 7 steps while another sequence decodes beside it); with the weights packed
-        // for oneDNN (the default on the CPU) and with libtorch's own `linear`.
-        for packed in [true, false] {
+        // for oneDNN (the default on the CPU) and with libtorch's own `linear`, and attention
+        // reading the cache in place (the default) and gathering it for SDPA.
+        for (packed, paged) in [(true, true), (false, true), (true, false)] {
             let setup = GenerationSetup {
                 packed_weights: packed,
+                paged_attention: paged,
                 ..setup(1 << 20, 2, 8)
             };
             let generator = Generator::new(model.as_ref(), &params, setup, 128, vec![2], Device::Cpu)
@@ -163,17 +165,17 @@ fn cached_continuous_batching_equals_transformers_generate() {
                 assert_eq!(
                     out.tokens,
                     ids(&expected[&format!("tokens.{i}")]),
-                    "{name} prompt {i}: tokens (packed {packed})"
+                    "{name} prompt {i}: tokens (packed {packed}, paged {paged})"
                 );
                 let scores = &expected[&format!("scores.{i}")];
                 for (step, row) in out.logits.iter().enumerate() {
                     let diff = max_diff(row, &scores.get(step as i64));
                     assert!(
                         diff < 1e-4,
-                        "{name} prompt {i} token {step} (packed {packed}): logits differ by {diff}"
+                        "{name} prompt {i} token {step} (packed {packed}, paged {paged}): logits differ by {diff}"
                     );
                 }
-                assert_eq!(out.finish, Finish::Length, "{name} packed {packed}");
+                assert_eq!(out.finish, Finish::Length, "{name} packed {packed} paged {paged}");
             }
         }
     }

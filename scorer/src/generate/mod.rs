@@ -123,6 +123,10 @@ pub struct GenerationSetup {
     /// more in memory, decode steps 1.2-1.4x faster on the AMD machine kind, results equal
     /// up to float32 rounding (docs/NOTES.md, "Generation speed on the CPU").
     pub packed_weights: bool,
+    /// Whether a decode step's attention on the CPU (float32) reads each row's cached keys
+    /// and values where they lie, instead of gathering them into a padded batch for
+    /// libtorch's SDPA (docs/NOTES.md, "Generation speed on the CPU").
+    pub paged_attention: bool,
 }
 
 impl Default for GenerationSetup {
@@ -135,6 +139,7 @@ impl Default for GenerationSetup {
             prefix_caching: true,
             cuda_graphs: true,
             packed_weights: true,
+            paged_attention: true,
         }
     }
 }

@@ -93,6 +93,8 @@ impl Generator<'_> {
                 values: cache.values.iter().map(Tensor::shallow_clone).collect(),
                 write: write.shallow_clone(),
                 read: read.shallow_clone(),
+                lengths: lengths.shallow_clone(),
+                in_place: self.setup.paged_attention,
             }),
             dropout_seed: None,
             packed: self.packed.clone(),

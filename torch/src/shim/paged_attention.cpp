@@ -1,0 +1,224 @@
+// Attention of a few new tokens per row against the paged KV cache, reading each cached key
+// and value where it lies: no gather of every row's keys into a padded batch, no mask
+// tensor. What a decode step needs on the CPU (float32): per row, `time` query tokens (one
+// when decoding) against the slots `read` names. Parallel over (row, key/value head) on
+// libtorch's own thread pool (at::parallel_for), so it shares libgomp's workers with the
+// products instead of fighting them. Compiled by torch/build.rs into the same library as
+// shim.cpp.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+void write_error(const char* text, char* error, size_t error_len) {
+    if (error != nullptr && error_len > 0) {
+        std::snprintf(error, error_len, "%s", text);
+    }
+}
+
+// The two inner loops: a dot product of two `dim`-vectors, and `acc += p * v`.
+float dot_plain(const float* a, const float* b, int64_t dim) {
+    float s = 0.f;
+    for (int64_t i = 0; i < dim; ++i) {
+        s += a[i] * b[i];
+    }
+    return s;
+}
+
+void axpy_plain(float* acc, float p, const float* v, int64_t dim) {
+    for (int64_t i = 0; i < dim; ++i) {
+        acc[i] += p * v[i];
+    }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t dim) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= dim; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i + 8 <= dim; i += 8) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    }
+    __m256 s = _mm256_add_ps(s0, s1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+    float out = _mm_cvtss_f32(h);
+    for (; i < dim; ++i) {
+        out += a[i] * b[i];
+    }
+    return out;
+}
+
+__attribute__((target("avx2,fma"))) void axpy_avx2(float* acc, float p, const float* v, int64_t dim) {
+    const __m256 pp = _mm256_set1_ps(p);
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pp, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
+    }
+    for (; i < dim; ++i) {
+        acc[i] += p * v[i];
+    }
+}
+
+bool has_avx2() {
+    static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return yes;
+}
+#else
+bool has_avx2() { return false; }
+float dot_avx2(const float* a, const float* b, int64_t dim) { return dot_plain(a, b, dim); }
+void axpy_avx2(float* acc, float p, const float* v, int64_t dim) { axpy_plain(acc, p, v, dim); }
+#endif
+
+struct Shape {
+    int64_t rows, heads, time, dim, kv_heads, slots, keys, window;
+    float scale;
+};
+
+// One (row, key/value head): its `group * time` queries against the row's visible keys.
+template <float (*Dot)(const float*, const float*, int64_t), void (*Axpy)(float*, float, const float*, int64_t)>
+void attend_one(const Shape& s, int64_t row, int64_t kv_head, const float* q, const float* k_cache,
+                const float* v_cache, const int64_t* read, const int64_t* lengths, const int64_t* positions,
+                float* out, std::vector<float>& scores) {
+    const int64_t group = s.heads / s.kv_heads;
+    const int64_t length = std::min(lengths[row], s.keys);
+    const int64_t* slots = read + row * s.keys;
+    for (int64_t t = 0; t < s.time; ++t) {
+        const int64_t position = positions[row * s.time + t];
+        // Keys 0..=position of this row (below its length), the last `window` of them.
+        const int64_t hi = std::min(position, length - 1);
+        const int64_t lo = s.window > 0 ? std::max<int64_t>(0, position - s.window + 1) : 0;
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t head = kv_head * group + g;
+            const int64_t at = ((row * s.heads + head) * s.time + t) * s.dim;
+            float* o = out + at;
+            std::fill(o, o + s.dim, 0.f);
+            if (hi < lo) {
+                continue;  // sees no key: zeros (only a padding query can)
+            }
+            const float* qv = q + at;
+            const int64_t n = hi - lo + 1;
+            scores.resize(static_cast<size_t>(n));
+            float top = -std::numeric_limits<float>::infinity();
+            for (int64_t j = 0; j < n; ++j) {
+                const float* kv = k_cache + (slots[lo + j] * s.kv_heads + kv_head) * s.dim;
+                const float score = Dot(qv, kv, s.dim) * s.scale;
+                scores[j] = score;
+                top = std::max(top, score);
+            }
+            float total = 0.f;
+            for (int64_t j = 0; j < n; ++j) {
+                scores[j] = std::exp(scores[j] - top);
+                total += scores[j];
+            }
+            for (int64_t j = 0; j < n; ++j) {
+                const float* vv = v_cache + (slots[lo + j] * s.kv_heads + kv_head) * s.dim;
+                Axpy(o, scores[j], vv, s.dim);
+            }
+            const float inv = 1.f / total;
+            for (int64_t i = 0; i < s.dim; ++i) {
+                o[i] *= inv;
+            }
+        }
+    }
+}
+
+template <float (*Dot)(const float*, const float*, int64_t), void (*Axpy)(float*, float, const float*, int64_t)>
+void attend_all(const Shape& s, const float* q, const float* k_cache, const float* v_cache, const int64_t* read,
+                const int64_t* lengths, const int64_t* positions, float* out) {
+    at::parallel_for(0, s.rows * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores;
+        for (int64_t i = begin; i < end; ++i) {
+            attend_one<Dot, Axpy>(s, i / s.kv_heads, i % s.kv_heads, q, k_cache, v_cache, read, lengths, positions,
+                                  out, scores);
+        }
+    });
+}
+
+void expect(bool holds, const std::string& what) {
+    if (!holds) {
+        throw std::invalid_argument(what);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Queries `query` [rows, heads, time, dim] against the cache `key_cache`/`value_cache`
+// [slots, kv_heads, dim] (heads a multiple of kv_heads; head h reads key/value head
+// h / (heads / kv_heads), as transformers' repeat_kv), all float32 on the CPU. Row r's key
+// j lies in slot read[r, j] ([rows, keys], int64); the query at positions[r, t] ([rows,
+// time]) sees keys 0..=position below lengths[r] ([rows]), and with window > 0 only the last
+// `window` of them. softmax(q·k · scale) · v per query; a query that sees no key gets
+// zeros. Returns 0 and the output [rows, heads, time, dim] in `*out`, or 1 with the reason.
+int regatta_paged_attention(const at::Tensor* query, const at::Tensor* key_cache, const at::Tensor* value_cache,
+                            const at::Tensor* read, const at::Tensor* lengths, const at::Tensor* positions,
+                            int64_t window, double scale, at::Tensor** out, char* error, size_t error_len) {
+    try {
+        const auto& q = *query;
+        const auto& k = *key_cache;
+        const auto& v = *value_cache;
+        expect(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, "query must be [rows, heads, time, dim] and the caches [slots, kv_heads, dim]");
+        expect(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "paged attention runs on the CPU");
+        expect(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+               "paged attention takes float32");
+        expect(k.sizes() == v.sizes(), "the key and value caches differ in shape");
+        expect(k.is_contiguous() && v.is_contiguous(), "the caches must be contiguous");
+        Shape s{q.size(0), q.size(1), q.size(2), q.size(3), k.size(1), k.size(0), read->size(-1), window,
+                static_cast<float>(scale)};
+        expect(k.size(2) == s.dim, "the caches' head size differs from the queries'");
+        expect(s.kv_heads > 0 && s.heads % s.kv_heads == 0, "heads must be a multiple of key/value heads");
+        expect(read->dim() == 2 && read->size(0) == s.rows && read->scalar_type() == at::kLong && read->device().is_cpu(),
+               "read must be int64 [rows, keys] on the CPU");
+        expect(lengths->numel() == s.rows && lengths->scalar_type() == at::kLong && lengths->device().is_cpu(),
+               "lengths must be int64 [rows] on the CPU");
+        expect(positions->numel() == s.rows * s.time && positions->scalar_type() == at::kLong &&
+                   positions->device().is_cpu(),
+               "positions must be int64 [rows, time] on the CPU");
+        auto qc = q.contiguous();
+        auto rc = read->contiguous();
+        auto lc = lengths->contiguous();
+        auto pc = positions->contiguous();
+        const int64_t* slots = rc.data_ptr<int64_t>();
+        const int64_t* lens = lc.data_ptr<int64_t>();
+        for (int64_t r = 0; r < s.rows; ++r) {
+            const int64_t length = std::min(lens[r], s.keys);
+            for (int64_t j = 0; j < length; ++j) {
+                const int64_t slot = slots[r * s.keys + j];
+                expect(slot >= 0 && slot < s.slots, "a read slot lies outside the cache");
+            }
+        }
+        auto result = at::empty({s.rows, s.heads, s.time, s.dim}, q.options().memory_format(at::MemoryFormat::Contiguous));
+        if (has_avx2()) {
+            attend_all<dot_avx2, axpy_avx2>(s, qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), slots,
+                                            lens, pc.data_ptr<int64_t>(), result.data_ptr<float>());
+        } else {
+            attend_all<dot_plain, axpy_plain>(s, qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), slots,
+                                              lens, pc.data_ptr<int64_t>(), result.data_ptr<float>());
+        }
+        *out = new at::Tensor(result);
+        return 0;
+    } catch (const std::exception& e) {
+        write_error(e.what(), error, error_len);
+        return 1;
+    }
+}
+}
