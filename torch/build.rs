@@ -7,6 +7,7 @@ fn main() {
     let mut built = "unknown".to_string();
     println!("cargo:rerun-if-changed=src/shim/shim.cpp");
     println!("cargo:rerun-if-changed=src/shim/paged_attention.cpp");
+    println!("cargo:rerun-if-changed=src/shim/panel_linear.cpp");
     if let Ok(libtorch) = std::env::var("LIBTORCH") {
         // The calls tch does not bind (torch/src/shim.rs), against the same headers and C++
         // ABI as torch-sys's own glue.
@@ -21,11 +22,17 @@ fn main() {
                 "-D_GLIBCXX_USE_CXX11_ABI={}",
                 std::env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_string())
             ))
-            // Optimized in every profile: the paged attention kernel runs in debug tests too.
+            // Optimized in every profile: the kernels run in debug tests too.
             .opt_level(3)
+            // at::parallel_for is a header template over `#pragma omp parallel`: without
+            // OpenMP it runs on one thread. It then calls libtorch's own libgomp.
+            .flag("-fopenmp")
             .file("src/shim/shim.cpp")
             .file("src/shim/paged_attention.cpp")
+            .file("src/shim/panel_linear.cpp")
             .compile("regatta_torch_shim");
+        println!("cargo:rustc-link-search=native={libtorch}/lib");
+        println!("cargo:rustc-link-lib=dylib:+verbatim=libgomp.so.1");
         println!("cargo:rustc-link-arg=-Wl,-rpath,{libtorch}/lib");
         let header = format!("{libtorch}/include/torch/headeronly/version.h");
         println!("cargo:rerun-if-changed={header}");

@@ -1,13 +1,22 @@
-//! Weights packed once into oneDNN's blocked layout, for inference on the CPU.
+//! Weights packed once for inference on the CPU, multiplied by a kernel that suits
+//! decode steps' few rows.
 //!
 //! libtorch's CPU `linear` is MKL's `sgemm`, which on the AMD machine kind takes MKL's
-//! generic code path. oneDNN (also inside libtorch) has JIT kernels for the CPU it runs
-//! on; against a weight reordered once into its blocked layout (what TorchInductor's CPU
-//! freezing pass does, `mkldnn::_reorder_linear_weight` + `mkldnn::_linear_pointwise`) a
-//! decode step's thirty layers of SmolLM2-135M multiply 1.2-1.4x faster at 1, 16 and 64
-//! rows (docs/NOTES.md, "Generation speed on the CPU"). Results differ from MKL's by the
-//! order of summation (~1e-6 relative); greedy tokens on the benchmark's real model stay
-//! identical to `transformers`' (scripts/bench-vs-hf.sh checks it on every run).
+//! generic code path and repacks every weight on every call. Two packed forms replace it:
+//!
+//! - **Column panels** ([`PackKernel::Panels`], where the CPU has AVX-512F): Regatta's own
+//!   kernel (`src/shim/panel_linear.cpp`) over `[ceil(out / 32), in, 32]`, streaming each
+//!   weight byte once per product and multiplying it into up to 12 batch rows at a time.
+//!   A decode step of SmolLM2-135M: 2x faster than oneDNN at 16 rows, 1.3x at 64 (docs/
+//!   NOTES.md, "Generation speed on the CPU"). Each output sums its products in input
+//!   order.
+//! - **oneDNN's blocked layout** ([`PackKernel::OneDnn`], elsewhere): what TorchInductor's
+//!   CPU freezing pass does (`mkldnn::_reorder_linear_weight` + `mkldnn::_linear_pointwise`),
+//!   1.2-1.4x faster than MKL at 1, 16 and 64 rows.
+//!
+//! Results differ from MKL's by the order of summation (~1e-6 relative); greedy tokens on
+//! the benchmark's real model stay identical to `transformers`' (scripts/bench-vs-hf.sh
+//! checks it on every run).
 //!
 //! MKL's own packed API (`cblas_sgemm_pack` once, `cblas_sgemm_compute` per call) was
 //! tried first: the same values as `linear` bit for bit, and no faster.
@@ -16,13 +25,56 @@ use std::collections::HashMap;
 
 use tch::{Device, Kind, Tensor};
 
-use crate::shim::{onednn_linear, onednn_pack_linear};
+use crate::shim::{onednn_linear, onednn_pack_linear, panel_kernel_available, panel_linear};
 
-/// One weight in oneDNN's layout.
+/// Which kernel multiplies the packed weights, and so their layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackKernel {
+    /// Regatta's own AVX-512 kernel over column panels (`src/shim/panel_linear.cpp`):
+    /// `[ceil(out / 32), in, 32]`, each panel's 32 output columns of one input position
+    /// side by side.
+    Panels,
+    /// oneDNN's inner product against its own blocked layout (an opaque mkldnn tensor).
+    OneDnn,
+}
+
+impl PackKernel {
+    /// The panels where this CPU has AVX-512F, else oneDNN.
+    pub fn best() -> Self {
+        if panel_kernel_available() {
+            Self::Panels
+        } else {
+            Self::OneDnn
+        }
+    }
+
+    /// `weight` (`[out, in]`, float32, CPU, any strides) in this kernel's layout.
+    fn pack(self, weight: &Tensor, batch_hint: i64) -> Option<Tensor> {
+        tch::no_grad(|| match self {
+            Self::Panels => {
+                let (out, width) = weight.size2().ok()?;
+                let panels = (out + 31) / 32;
+                let padded = weight.constant_pad_nd([0, 0, 0, panels * 32 - out]);
+                Some(padded.view([panels, 32, width]).transpose(1, 2).contiguous())
+            }
+            Self::OneDnn => onednn_pack_linear(weight, batch_hint).ok(),
+        })
+    }
+
+    /// `x Wᵀ + bias` against `packed`, W having `out` rows.
+    fn linear(self, x: &Tensor, packed: &Tensor, out: i64, bias: Option<&Tensor>) -> Option<Tensor> {
+        match self {
+            Self::Panels => panel_linear(x, packed, out, bias).ok(),
+            Self::OneDnn => onednn_linear(x, packed, bias).ok(),
+        }
+    }
+}
+
+/// One weight in the kernel's layout.
 struct PackedWeight {
     /// The weight it was packed from: held so its memory (the key) is never reused.
     source: Tensor,
-    /// The reordered weight (an opaque mkldnn tensor).
+    /// The reordered weight.
     packed: Tensor,
 }
 
@@ -51,6 +103,7 @@ pub struct LinearGroup {
 /// The matrices of a model's parameters packed for oneDNN, found again by the weight
 /// tensor a forward hands to `linear` (or, for a group, its first weight).
 pub struct PackedWeights {
+    kernel: PackKernel,
     by_data: HashMap<usize, PackedWeight>,
     groups: HashMap<usize, PackedGroup>,
     bytes: u64,
@@ -78,11 +131,22 @@ impl PackedWeights {
     /// Packs each of `groups` as one matrix, then every other 2-D float32 CPU parameter of
     /// `params` after the first block (the embeddings, looked up rather than multiplied; a
     /// head tied to them is packed where the last block holds it), for products of about
-    /// `batch_hint` rows. `None` where this libtorch cannot (no oneDNN) or nothing
-    /// qualifies.
+    /// `batch_hint` rows, for the best kernel this CPU runs ([`PackKernel::best`]). `None`
+    /// where it cannot (no oneDNN in this libtorch) or nothing qualifies.
     pub fn pack(params: &[Vec<Tensor>], groups: &[LinearGroup], batch_hint: usize) -> Option<Self> {
+        Self::pack_for(PackKernel::best(), params, groups, batch_hint)
+    }
+
+    /// [`PackedWeights::pack`] for `kernel`.
+    pub fn pack_for(
+        kernel: PackKernel,
+        params: &[Vec<Tensor>],
+        groups: &[LinearGroup],
+        batch_hint: usize,
+    ) -> Option<Self> {
         let hint = batch_hint.max(1) as i64;
         let mut packed = Self {
+            kernel,
             by_data: HashMap::new(),
             groups: HashMap::new(),
             bytes: 0,
@@ -101,7 +165,7 @@ impl PackedWeights {
                 continue;
             }
             let stacked = Tensor::cat(&group.weights, 0);
-            let matrix = tch::no_grad(|| onednn_pack_linear(&stacked, hint)).ok()?;
+            let matrix = kernel.pack(&stacked, hint)?;
             packed.bytes += stacked.numel() as u64 * 4;
             grouped.extend(group.weights.iter().map(|w| w.data_ptr() as usize));
             packed.groups.insert(
@@ -119,7 +183,7 @@ impl PackedWeights {
             if !packable(weight) || grouped.contains(&key) || packed.by_data.contains_key(&key) {
                 continue;
             }
-            let matrix = tch::no_grad(|| onednn_pack_linear(weight, hint)).ok()?;
+            let matrix = kernel.pack(weight, hint)?;
             packed.bytes += weight.numel() as u64 * 4;
             packed.by_data.insert(
                 key,
@@ -130,6 +194,11 @@ impl PackedWeights {
             );
         }
         (!packed.is_empty()).then_some(packed)
+    }
+
+    /// The kernel the weights were packed for.
+    pub fn kernel(&self) -> PackKernel {
+        self.kernel
     }
 
     /// Bytes the packed copies take.
@@ -156,7 +225,7 @@ impl PackedWeights {
         if !takes(&packed.source, weight, x) || !bias_fits {
             return None;
         }
-        onednn_linear(x, &packed.packed, bias).ok()
+        self.kernel.linear(x, &packed.packed, weight.size()[0], bias)
     }
 
     /// Every member's `x Wᵢᵀ + bᵢ` of the group that starts with `first`, by one product;
@@ -167,7 +236,9 @@ impl PackedWeights {
         if !takes(group.sources.first()?, first, x) {
             return None;
         }
-        let out = onednn_linear(x, &group.packed, group.bias.as_ref()).ok()?;
+        let out = self
+            .kernel
+            .linear(x, &group.packed, group.widths.iter().sum(), group.bias.as_ref())?;
         Some(out.split_with_sizes(&group.widths, -1))
     }
 }
@@ -176,8 +247,18 @@ impl PackedWeights {
 mod tests {
     use super::*;
 
-    /// Decoder-like shapes: a square projection, a narrow one, and both MLP directions.
-    const SHAPES: [(i64, i64); 4] = [(96, 96), (32, 96), (256, 96), (96, 256)];
+    /// Decoder-like shapes: a square projection, a narrow one, and both MLP directions;
+    /// then output widths off the panels' 32 columns (a last panel of 6, one of 20).
+    const SHAPES: [(i64, i64); 6] = [(96, 96), (32, 96), (256, 96), (96, 256), (70, 40), (20, 96)];
+
+    /// The kernels this CPU runs.
+    fn kernels() -> Vec<PackKernel> {
+        let mut kernels = vec![PackKernel::OneDnn];
+        if panel_kernel_available() {
+            kernels.push(PackKernel::Panels);
+        }
+        kernels
+    }
 
     /// An embedding block, then a block of matrices.
     fn weights(layout_transposed: bool) -> Vec<Vec<Tensor>> {
@@ -204,9 +285,13 @@ mod tests {
 
     #[test]
     fn packed_products_equal_libtorchs_linear_for_every_row_count_and_both_layouts() {
-        for transposed in [false, true] {
+        for (transposed, kernel) in [false, true]
+            .into_iter()
+            .flat_map(|t| kernels().into_iter().map(move |k| (t, k)))
+        {
             let params = weights(transposed);
-            let packed = PackedWeights::pack(&params, &[], 16).expect("this libtorch has oneDNN");
+            let packed = PackedWeights::pack_for(kernel, &params, &[], 16).expect("this libtorch has oneDNN");
+            assert_eq!(packed.kernel(), kernel);
             assert_eq!(packed.len(), SHAPES.len());
             for (w, &(n, k)) in params[1].iter().zip(&SHAPES) {
                 for rows in [1, 3, 16, 37, 64, 130] {
@@ -216,13 +301,16 @@ mod tests {
                     assert_eq!(got.size(), want.size());
                     // Another summation order: float32 rounding apart, no more.
                     let diff = max_diff(&got, &want);
-                    assert!(diff < 1e-5, "{n}x{k} rows {rows} transposed {transposed}: {diff}");
+                    assert!(
+                        diff < 1e-5,
+                        "{kernel:?} {n}x{k} rows {rows} transposed {transposed}: {diff}"
+                    );
                     let bias = Tensor::randn([n], (Kind::Float, Device::Cpu));
                     let kept = bias.copy();
                     let got = packed.linear(&x, w, Some(&bias)).unwrap();
                     assert_eq!(bias, kept, "the bias is read, never written");
                     let diff = max_diff(&got, &x.linear(w, Some(&bias)));
-                    assert!(diff < 1e-5, "{n}x{k} rows {rows} with bias: {diff}");
+                    assert!(diff < 1e-5, "{kernel:?} {n}x{k} rows {rows} with bias: {diff}");
                 }
             }
             // Leading dimensions are kept: [batch, time, in] -> [batch, time, out].
@@ -279,35 +367,77 @@ mod tests {
             .iter()
             .map(|&n| Tensor::randn([n], (Kind::Float, Device::Cpu)))
             .collect();
-        let group = LinearGroup {
+        let group = || LinearGroup {
             weights: members.iter().map(Tensor::shallow_clone).collect(),
             biases: biases.iter().map(Tensor::shallow_clone).collect(),
         };
-        let packed = PackedWeights::pack(&params, &[group], 16).unwrap();
-        // The group and the one weight outside it.
-        assert_eq!(packed.len(), 2);
-        assert!(
-            packed
-                .linear(&Tensor::randn([4, 96], (Kind::Float, Device::Cpu)), &members[1], None)
-                .is_none(),
-            "a member alone is not packed twice"
-        );
-        for rows in [1, 16, 64] {
-            let x = Tensor::randn([rows, 96], (Kind::Float, Device::Cpu));
-            let outs = packed
-                .linear_group(&x, &members[0])
-                .expect("the group starts with its first weight");
-            assert_eq!(outs.len(), 3);
-            for ((out, w), b) in outs.iter().zip(&members).zip(&biases) {
-                let diff = max_diff(out, &x.linear(w, Some(b)));
-                assert!(diff < 1e-5, "rows {rows}: {diff}");
+        for kernel in kernels() {
+            let packed = PackedWeights::pack_for(kernel, &params, &[group()], 16).unwrap();
+            // The group and the weights outside it.
+            assert_eq!(packed.len(), SHAPES.len() - 2);
+            assert!(
+                packed
+                    .linear(&Tensor::randn([4, 96], (Kind::Float, Device::Cpu)), &members[1], None)
+                    .is_none(),
+                "a member alone is not packed twice"
+            );
+            for rows in [1, 16, 64] {
+                let x = Tensor::randn([rows, 96], (Kind::Float, Device::Cpu));
+                let outs = packed
+                    .linear_group(&x, &members[0])
+                    .expect("the group starts with its first weight");
+                assert_eq!(outs.len(), 3);
+                for ((out, w), b) in outs.iter().zip(&members).zip(&biases) {
+                    let diff = max_diff(out, &x.linear(w, Some(b)));
+                    assert!(diff < 1e-5, "{kernel:?} rows {rows}: {diff}");
+                }
             }
+            assert!(
+                packed
+                    .linear_group(&Tensor::randn([4, 96], (Kind::Float, Device::Cpu)), &members[1])
+                    .is_none(),
+                "no group starts with the second member"
+            );
         }
+    }
+
+    #[test]
+    fn the_panel_kernel_refuses_what_does_not_fit() {
+        if !panel_kernel_available() {
+            let x = Tensor::ones([2, 4], (Kind::Float, Device::Cpu));
+            let error = panel_linear(&x, &Tensor::zeros([1, 4, 32], (Kind::Float, Device::Cpu)), 8, None)
+                .expect_err("no AVX-512F");
+            assert!(error.to_string().contains("AVX-512F"), "{error}");
+            return;
+        }
+        let w = Tensor::randn([40, 8], (Kind::Float, Device::Cpu));
+        let packed = PackKernel::Panels.pack(&w, 1).unwrap();
+        assert_eq!(packed.size(), vec![2, 8, 32], "two panels, the second zero-padded");
+        let x = Tensor::randn([3, 8], (Kind::Float, Device::Cpu));
         assert!(
-            packed
-                .linear_group(&Tensor::randn([4, 96], (Kind::Float, Device::Cpu)), &members[1])
-                .is_none(),
-            "no group starts with the second member"
+            max_diff(
+                &panel_linear(&x, &packed, 40, None).unwrap(),
+                &x.linear::<Tensor>(&w, None)
+            ) < 1e-5
         );
+        for (input, width, bias, why) in [
+            (
+                Tensor::randn([3, 9], (Kind::Float, Device::Cpu)),
+                40,
+                None,
+                "input width",
+            ),
+            (x.to_kind(Kind::Double), 40, None, "float64 input"),
+            (x.shallow_clone(), 70, None, "width past the panels"),
+            (x.shallow_clone(), 32, None, "width short of the panels"),
+            (
+                x.shallow_clone(),
+                40,
+                Some(Tensor::zeros([39], (Kind::Float, Device::Cpu))),
+                "bias width",
+            ),
+        ] {
+            assert!(panel_linear(&input, &packed, width, bias.as_ref()).is_err(), "{why}");
+        }
     }
 }

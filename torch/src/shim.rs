@@ -50,6 +50,16 @@ extern "C" {
         error: *mut c_char,
         error_len: usize,
     ) -> c_int;
+    fn regatta_panel_kernel_available() -> c_int;
+    fn regatta_panel_linear(
+        input: *const C_tensor,
+        packed: *const C_tensor,
+        out_width: i64,
+        bias: *const C_tensor,
+        out: *mut *mut C_tensor,
+        error: *mut c_char,
+        error_len: usize,
+    ) -> c_int;
     fn regatta_allow_tf32(allow: c_int);
     fn regatta_sdp_enabled(flash: *mut c_int, efficient: *mut c_int, math: *mut c_int, cudnn: *mut c_int);
     fn regatta_cuda_memory(
@@ -178,6 +188,40 @@ pub fn onednn_linear(input: &Tensor, packed: &Tensor, bias: Option<&Tensor>) -> 
         regatta_onednn_linear(
             input.as_ptr(),
             packed.as_ptr(),
+            bias.map_or(std::ptr::null(), Tensor::as_ptr),
+            &mut out,
+            error.as_mut_ptr(),
+            error.len(),
+        )
+    };
+    tensor_answer(status, out, &error)
+}
+
+/// Whether this CPU runs [`panel_linear`] (AVX-512F).
+pub fn panel_kernel_available() -> bool {
+    // SAFETY: reads the CPU's feature flags.
+    unsafe { regatta_panel_kernel_available() != 0 }
+}
+
+/// `input [..., in] · Wᵀ + bias` (`src/shim/panel_linear.cpp`) for a weight `W [out_width,
+/// in]` packed in column panels (`packed` `[ceil(out_width / 32), in, 32]`, contiguous;
+/// `crate::packed` makes them); float32 on the CPU. An error on a CPU without AVX-512F or
+/// for shapes that do not fit.
+pub fn panel_linear(
+    input: &Tensor,
+    packed: &Tensor,
+    out_width: i64,
+    bias: Option<&Tensor>,
+) -> Result<Tensor, TchError> {
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    let mut error = [0 as c_char; 1024];
+    // SAFETY: live tensor handles (a null bias means none) and valid out-pointers; the
+    // shim checks every shape it reads and catches C++ exceptions.
+    let status = unsafe {
+        regatta_panel_linear(
+            input.as_ptr(),
+            packed.as_ptr(),
+            out_width,
             bias.map_or(std::ptr::null(), Tensor::as_ptr),
             &mut out,
             error.as_mut_ptr(),
