@@ -635,10 +635,15 @@ mod tests {
 
     #[test]
     fn paged_attention_equals_gathered_sdpa() {
-        case(6, 2, 64, 1, None); // grouped query heads, one decode token
-        case(4, 4, 64, 1, Some(3)); // a sliding window
-        case(6, 3, 20, 3, None); // a head size off the vector width, three new tokens
-        case(2, 1, 128, 2, Some(5));
+        // Every instruction width this CPU has (plain C++, AVX2, AVX-512), the default last.
+        for widest in [0, 1, 2] {
+            crate::shim::paged_attention_widest(widest);
+            case(6, 2, 64, 1, None); // grouped query heads, one decode token
+            case(4, 4, 64, 1, Some(3)); // a sliding window
+            case(6, 3, 20, 3, None); // a head size off the vector width, three new tokens
+            case(2, 1, 128, 2, Some(5));
+            case(3, 1, 40, 1, None); // 40 = 32 + 8: every tail of the wide loops
+        }
     }
 
     #[test]

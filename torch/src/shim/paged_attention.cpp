@@ -10,6 +10,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -77,15 +78,55 @@ __attribute__((target("avx2,fma"))) void axpy_avx2(float* acc, float p, const fl
     }
 }
 
+__attribute__((target("avx512f"))) float dot_avx512(const float* a, const float* b, int64_t dim) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= dim; i += 32) {
+        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+    }
+    for (; i + 16 <= dim; i += 16) {
+        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+    }
+    float out = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+    for (; i < dim; ++i) {
+        out += a[i] * b[i];
+    }
+    return out;
+}
+
+__attribute__((target("avx512f"))) void axpy_avx512(float* acc, float p, const float* v, int64_t dim) {
+    const __m512 pp = _mm512_set1_ps(p);
+    int64_t i = 0;
+    for (; i + 16 <= dim; i += 16) {
+        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pp, _mm512_loadu_ps(v + i), _mm512_loadu_ps(acc + i)));
+    }
+    for (; i < dim; ++i) {
+        acc[i] += p * v[i];
+    }
+}
+
 bool has_avx2() {
     static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     return yes;
 }
+
+bool has_avx512() {
+    static const bool yes = __builtin_cpu_supports("avx512f");
+    return yes;
+}
 #else
 bool has_avx2() { return false; }
+bool has_avx512() { return false; }
+float dot_avx512(const float* a, const float* b, int64_t dim) { return dot_plain(a, b, dim); }
+void axpy_avx512(float* acc, float p, const float* v, int64_t dim) { axpy_plain(acc, p, v, dim); }
 float dot_avx2(const float* a, const float* b, int64_t dim) { return dot_plain(a, b, dim); }
 void axpy_avx2(float* acc, float p, const float* v, int64_t dim) { axpy_plain(acc, p, v, dim); }
 #endif
+
+// The widest instructions the kernel may use: 2 AVX-512, 1 AVX2, 0 plain C++ (tests lower it
+// to check every path on one machine).
+std::atomic<int> widest{2};
 
 struct Shape {
     int64_t rows, heads, time, dim, kv_heads, slots, keys, window;
@@ -93,6 +134,7 @@ struct Shape {
 };
 
 // One (row, key/value head): its `group * time` queries against the row's visible keys.
+// Each key and value is read once for all the group's query heads.
 template <float (*Dot)(const float*, const float*, int64_t), void (*Axpy)(float*, float, const float*, int64_t)>
 void attend_one(const Shape& s, int64_t row, int64_t kv_head, const float* q, const float* k_cache,
                 const float* v_cache, const int64_t* read, const int64_t* lengths, const int64_t* positions,
@@ -105,36 +147,38 @@ void attend_one(const Shape& s, int64_t row, int64_t kv_head, const float* q, co
         // Keys 0..=position of this row (below its length), the last `window` of them.
         const int64_t hi = std::min(position, length - 1);
         const int64_t lo = s.window > 0 ? std::max<int64_t>(0, position - s.window + 1) : 0;
+        auto at = [&](int64_t g) { return ((row * s.heads + kv_head * group + g) * s.time + t) * s.dim; };
         for (int64_t g = 0; g < group; ++g) {
-            const int64_t head = kv_head * group + g;
-            const int64_t at = ((row * s.heads + head) * s.time + t) * s.dim;
-            float* o = out + at;
-            std::fill(o, o + s.dim, 0.f);
-            if (hi < lo) {
-                continue;  // sees no key: zeros (only a padding query can)
+            std::fill(out + at(g), out + at(g) + s.dim, 0.f);
+        }
+        if (hi < lo) {
+            continue;  // sees no key: zeros (only a padding query can)
+        }
+        const int64_t n = hi - lo + 1;
+        scores.resize(static_cast<size_t>(n * group));
+        for (int64_t j = 0; j < n; ++j) {
+            const float* kv = k_cache + (slots[lo + j] * s.kv_heads + kv_head) * s.dim;
+            for (int64_t g = 0; g < group; ++g) {
+                scores[g * n + j] = Dot(q + at(g), kv, s.dim) * s.scale;
             }
-            const float* qv = q + at;
-            const int64_t n = hi - lo + 1;
-            scores.resize(static_cast<size_t>(n));
-            float top = -std::numeric_limits<float>::infinity();
-            for (int64_t j = 0; j < n; ++j) {
-                const float* kv = k_cache + (slots[lo + j] * s.kv_heads + kv_head) * s.dim;
-                const float score = Dot(qv, kv, s.dim) * s.scale;
-                scores[j] = score;
-                top = std::max(top, score);
-            }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+            float* row_scores = scores.data() + g * n;
+            const float top = *std::max_element(row_scores, row_scores + n);
             float total = 0.f;
             for (int64_t j = 0; j < n; ++j) {
-                scores[j] = std::exp(scores[j] - top);
-                total += scores[j];
-            }
-            for (int64_t j = 0; j < n; ++j) {
-                const float* vv = v_cache + (slots[lo + j] * s.kv_heads + kv_head) * s.dim;
-                Axpy(o, scores[j], vv, s.dim);
+                row_scores[j] = std::exp(row_scores[j] - top);
+                total += row_scores[j];
             }
             const float inv = 1.f / total;
-            for (int64_t i = 0; i < s.dim; ++i) {
-                o[i] *= inv;
+            for (int64_t j = 0; j < n; ++j) {
+                row_scores[j] *= inv;
+            }
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const float* vv = v_cache + (slots[lo + j] * s.kv_heads + kv_head) * s.dim;
+            for (int64_t g = 0; g < group; ++g) {
+                Axpy(out + at(g), scores[g * n + j], vv, s.dim);
             }
         }
     }
@@ -161,6 +205,10 @@ void expect(bool holds, const std::string& what) {
 }  // namespace
 
 extern "C" {
+
+// Limits the kernel to plain C++ (0), AVX2 (1) or AVX-512 (2, the default) where the CPU has
+// them; for tests.
+void regatta_paged_attention_widest(int level) { widest.store(level); }
 
 // Queries `query` [rows, heads, time, dim] against the cache `key_cache`/`value_cache`
 // [slots, kv_heads, dim] (heads a multiple of kv_heads; head h reads key/value head
@@ -207,7 +255,11 @@ int regatta_paged_attention(const at::Tensor* query, const at::Tensor* key_cache
             }
         }
         auto result = at::empty({s.rows, s.heads, s.time, s.dim}, q.options().memory_format(at::MemoryFormat::Contiguous));
-        if (has_avx2()) {
+        const int limit = widest.load();
+        if (limit >= 2 && has_avx512()) {
+            attend_all<dot_avx512, axpy_avx512>(s, qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                                                slots, lens, pc.data_ptr<int64_t>(), result.data_ptr<float>());
+        } else if (limit >= 1 && has_avx2()) {
             attend_all<dot_avx2, axpy_avx2>(s, qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), slots,
                                             lens, pc.data_ptr<int64_t>(), result.data_ptr<float>());
         } else {
