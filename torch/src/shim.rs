@@ -50,6 +50,7 @@ extern "C" {
         error: *mut c_char,
         error_len: usize,
     ) -> c_int;
+    #[cfg(test)]
     fn regatta_paged_attention_widest(level: c_int);
     fn regatta_panel_kernel_available() -> c_int;
     fn regatta_panel_linear(
@@ -200,6 +201,7 @@ pub fn onednn_linear(input: &Tensor, packed: &Tensor, bias: Option<&Tensor>) -> 
 
 /// The widest instructions [`paged_attention`] may use, for tests of each path on one
 /// machine: 0 plain C++, 1 AVX2, 2 AVX-512 (the default; each where the CPU has it).
+#[cfg(test)]
 pub fn paged_attention_widest(level: u8) {
     // SAFETY: stores a level in an atomic.
     unsafe { regatta_paged_attention_widest(c_int::from(level)) }
