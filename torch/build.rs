@@ -8,6 +8,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/shim/shim.cpp");
     println!("cargo:rerun-if-changed=src/shim/paged_attention.cpp");
     println!("cargo:rerun-if-changed=src/shim/panel_linear.cpp");
+    println!("cargo:rerun-if-changed=src/shim/errors.h");
     if let Ok(libtorch) = std::env::var("LIBTORCH") {
         // The calls tch does not bind (torch/src/shim.rs), against the same headers and C++
         // ABI as torch-sys's own glue.

@@ -100,8 +100,8 @@ pub struct LinearGroup {
     pub biases: Vec<Tensor>,
 }
 
-/// The matrices of a model's parameters packed for oneDNN, found again by the weight
-/// tensor a forward hands to `linear` (or, for a group, its first weight).
+/// The matrices of a model's parameters packed for one [`PackKernel`], found again by the
+/// weight tensor a forward hands to `linear` (or, for a group, its first weight).
 pub struct PackedWeights {
     kernel: PackKernel,
     by_data: HashMap<usize, PackedWeight>,

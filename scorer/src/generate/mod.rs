@@ -118,10 +118,12 @@ pub struct GenerationSetup {
     /// Whether a CUDA device replays each decode step's batch shape as a captured CUDA
     /// graph (eager where no graph library is found).
     pub cuda_graphs: bool,
-    /// Whether float32 weights on the CPU are reordered once into oneDNN's blocked layout
-    /// and multiplied by oneDNN instead of libtorch's `linear` (MKL): a copy of the weights
-    /// more in memory, decode steps 1.2-1.4x faster on the AMD machine kind, results equal
-    /// up to float32 rounding (docs/NOTES.md, "Generation speed on the CPU").
+    /// Whether float32 weights on the CPU are packed once and multiplied by a kernel for
+    /// few rows instead of libtorch's `linear` (MKL): Regatta's own column-panel kernel
+    /// where the CPU has AVX-512F, oneDNN's blocked layout elsewhere. A copy of the
+    /// weights more in memory; decode steps 1.3-2x faster than oneDNN, which is 1.2-1.4x
+    /// faster than MKL, on the AMD machine kind; results equal up to float32 rounding
+    /// (docs/NOTES.md, "Generation speed on the CPU").
     pub packed_weights: bool,
     /// Whether a decode step's attention on the CPU (float32) reads each row's cached keys
     /// and values where they lie, instead of gathering them into a padded batch for

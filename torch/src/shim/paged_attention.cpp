@@ -9,6 +9,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include "errors.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -22,13 +24,10 @@
 #include <immintrin.h>
 #endif
 
-namespace {
+using regatta_shim::expect;
+using regatta_shim::write_error;
 
-void write_error(const char* text, char* error, size_t error_len) {
-    if (error != nullptr && error_len > 0) {
-        std::snprintf(error, error_len, "%s", text);
-    }
-}
+namespace {
 
 // The two inner loops: a dot product of two `dim`-vectors, and `acc += p * v`.
 float dot_plain(const float* a, const float* b, int64_t dim) {
@@ -194,12 +193,6 @@ void attend_all(const Shape& s, const float* q, const float* k_cache, const floa
                                   out, scores);
         }
     });
-}
-
-void expect(bool holds, const std::string& what) {
-    if (!holds) {
-        throw std::invalid_argument(what);
-    }
 }
 
 }  // namespace

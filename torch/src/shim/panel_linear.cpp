@@ -12,6 +12,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include "errors.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <exception>
@@ -22,22 +24,13 @@
 #include <immintrin.h>
 #endif
 
+using regatta_shim::expect;
+using regatta_shim::write_error;
+
 namespace {
 
 constexpr int64_t kPanel = 32;  // output columns per panel: two AVX-512 vectors
 constexpr int64_t kMaxRows = 12;  // batch rows per tile: 24 accumulators of 32 registers
-
-void write_error(const char* text, char* error, size_t error_len) {
-    if (error != nullptr && error_len > 0) {
-        std::snprintf(error, error_len, "%s", text);
-    }
-}
-
-void expect(bool holds, const std::string& what) {
-    if (!holds) {
-        throw std::invalid_argument(what);
-    }
-}
 
 struct Tile {
     const float* x;      // the tile's first batch row

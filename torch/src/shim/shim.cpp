@@ -13,17 +13,12 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_flash_attention_forward.h>
 
+#include "errors.h"
 #include <cstdio>
 #include <exception>
 #include <optional>
 
-namespace {
-void write_error(const char* text, char* error, size_t error_len) {
-    if (error != nullptr && error_len > 0) {
-        std::snprintf(error, error_len, "%s", text);
-    }
-}
-}  // namespace
+using regatta_shim::write_error;
 
 extern "C" {
 
