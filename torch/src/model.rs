@@ -635,13 +635,16 @@ mod tests {
 
     #[test]
     fn paged_attention_equals_gathered_sdpa() {
-        // Every instruction width this CPU has (plain C++, AVX2, AVX-512), the default last.
-        for widest in [0, 1, 2] {
+        // Every instruction width this CPU has (plain C++, AVX2, AVX-512, then AVX-512 with
+        // the register kernel for head sizes 64 and 128), the default last.
+        for widest in [0, 1, 2, 3] {
             crate::shim::paged_attention_widest(widest);
             case(6, 2, 64, 1, None); // grouped query heads, one decode token
             case(4, 4, 64, 1, Some(3)); // a sliding window
             case(6, 3, 20, 3, None); // a head size off the vector width, three new tokens
             case(2, 1, 128, 2, Some(5));
+            case(8, 2, 64, 4, None); // four query heads a key/value head, four new tokens
+            case(8, 2, 128, 1, None); // a group too wide for the register kernel
             case(3, 1, 40, 1, None); // 40 = 32 + 8: every tail of the wide loops
         }
     }

@@ -200,7 +200,8 @@ pub fn onednn_linear(input: &Tensor, packed: &Tensor, bias: Option<&Tensor>) -> 
 }
 
 /// The widest instructions [`paged_attention`] may use, for tests of each path on one
-/// machine: 0 plain C++, 1 AVX2, 2 AVX-512 (the default; each where the CPU has it).
+/// machine: 0 plain C++, 1 AVX2, 2 AVX-512, 3 AVX-512 with the register kernel for head
+/// sizes 64 and 128 (the default; each where the CPU has it).
 #[cfg(test)]
 pub fn paged_attention_widest(level: u8) {
     // SAFETY: stores a level in an atomic.

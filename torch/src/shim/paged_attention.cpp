@@ -123,9 +123,10 @@ float dot_avx2(const float* a, const float* b, int64_t dim) { return dot_plain(a
 void axpy_avx2(float* acc, float p, const float* v, int64_t dim) { axpy_plain(acc, p, v, dim); }
 #endif
 
-// The widest instructions the kernel may use: 2 AVX-512, 1 AVX2, 0 plain C++ (tests lower it
-// to check every path on one machine).
-std::atomic<int> widest{2};
+// The widest instructions the kernel may use: 3 AVX-512 with the register kernel for the
+// head shapes it has, 2 AVX-512 through attend_one, 1 AVX2, 0 plain C++ (tests lower it to
+// check every path on one machine).
+std::atomic<int> widest{3};
 
 struct Shape {
     int64_t rows, heads, time, dim, kv_heads, slots, keys, window;
@@ -183,24 +184,156 @@ void attend_one(const Shape& s, int64_t row, int64_t kv_head, const float* q, co
     }
 }
 
-template <float (*Dot)(const float*, const float*, int64_t), void (*Axpy)(float*, float, const float*, int64_t)>
-void attend_all(const Shape& s, const float* q, const float* k_cache, const float* v_cache, const int64_t* read,
-                const int64_t* lengths, const int64_t* positions, float* out) {
+#if defined(__x86_64__)
+// attend_one for head sizes of V * 16 and G query heads a key/value head, with G * V <= 16:
+// the group's queries and outputs stay in AVX-512 registers for the whole key loop, and the
+// loops are compiled for AVX-512 as a whole (attend_one's Dot and Axpy are calls: a
+// function built for AVX-512 is not inlined into one that is not). The same sums in a
+// different order than attend_one's, so the two agree to float rounding, not bit for bit.
+template <int G, int V>
+__attribute__((target("avx512f"))) void attend_registers(const Shape& s, int64_t row, int64_t kv_head, const float* q,
+                                                         const float* k_cache, const float* v_cache,
+                                                         const int64_t* read, const int64_t* lengths,
+                                                         const int64_t* positions, float* out,
+                                                         std::vector<float>& scores) {
+    const int64_t length = std::min(lengths[row], s.keys);
+    const int64_t* slots = read + row * s.keys;
+    const int64_t stride = s.kv_heads * s.dim;  // floats from one slot to the next
+    for (int64_t t = 0; t < s.time; ++t) {
+        const int64_t position = positions[row * s.time + t];
+        const int64_t hi = std::min(position, length - 1);
+        const int64_t lo = s.window > 0 ? std::max<int64_t>(0, position - s.window + 1) : 0;
+        auto at = [&](int64_t g) { return ((row * s.heads + kv_head * G + g) * s.time + t) * s.dim; };
+        if (hi < lo) {
+            for (int g = 0; g < G; ++g) {
+                std::fill(out + at(g), out + at(g) + s.dim, 0.f);
+            }
+            continue;  // sees no key: zeros (only a padding query can)
+        }
+        const int64_t n = hi - lo + 1;
+        scores.resize(static_cast<size_t>(n * G));
+        __m512 qv[G][V];
+        for (int g = 0; g < G; ++g) {
+            for (int v = 0; v < V; ++v) {
+                qv[g][v] = _mm512_loadu_ps(q + at(g) + 16 * v);
+            }
+        }
+        const float* k_base = k_cache + kv_head * s.dim;
+        for (int64_t j = 0; j < n; ++j) {
+            const float* kv = k_base + slots[lo + j] * stride;
+            if (j + 2 < n) {
+                _mm_prefetch(reinterpret_cast<const char*>(k_base + slots[lo + j + 2] * stride), _MM_HINT_T0);
+            }
+            __m512 kk[V];
+            for (int v = 0; v < V; ++v) {
+                kk[v] = _mm512_loadu_ps(kv + 16 * v);
+            }
+            for (int g = 0; g < G; ++g) {
+                __m512 acc = _mm512_mul_ps(qv[g][0], kk[0]);
+                for (int v = 1; v < V; ++v) {
+                    acc = _mm512_fmadd_ps(qv[g][v], kk[v], acc);
+                }
+                scores[g * n + j] = _mm512_reduce_add_ps(acc) * s.scale;
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            float* row_scores = scores.data() + g * n;
+            const float top = *std::max_element(row_scores, row_scores + n);
+            float total = 0.f;
+            for (int64_t j = 0; j < n; ++j) {
+                row_scores[j] = std::exp(row_scores[j] - top);
+                total += row_scores[j];
+            }
+            const float inv = 1.f / total;
+            for (int64_t j = 0; j < n; ++j) {
+                row_scores[j] *= inv;
+            }
+        }
+        __m512 acc[G][V];
+        for (int g = 0; g < G; ++g) {
+            for (int v = 0; v < V; ++v) {
+                acc[g][v] = _mm512_setzero_ps();
+            }
+        }
+        const float* v_base = v_cache + kv_head * s.dim;
+        for (int64_t j = 0; j < n; ++j) {
+            const float* vv = v_base + slots[lo + j] * stride;
+            if (j + 2 < n) {
+                _mm_prefetch(reinterpret_cast<const char*>(v_base + slots[lo + j + 2] * stride), _MM_HINT_T0);
+            }
+            __m512 vals[V];
+            for (int v = 0; v < V; ++v) {
+                vals[v] = _mm512_loadu_ps(vv + 16 * v);
+            }
+            for (int g = 0; g < G; ++g) {
+                const __m512 p = _mm512_set1_ps(scores[g * n + j]);
+                for (int v = 0; v < V; ++v) {
+                    acc[g][v] = _mm512_fmadd_ps(p, vals[v], acc[g][v]);
+                }
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            for (int v = 0; v < V; ++v) {
+                _mm512_storeu_ps(out + at(g) + 16 * v, acc[g][v]);
+            }
+        }
+    }
+}
+
+using AttendFn = void (*)(const Shape&, int64_t, int64_t, const float*, const float*, const float*, const int64_t*,
+                          const int64_t*, const int64_t*, float*, std::vector<float>&);
+
+// The register kernel for this shape, or null where it has none (head sizes off 64 and 128,
+// or more than 16 query vectors a group).
+AttendFn registers_for(const Shape& s) {
+    const int64_t group = s.heads / s.kv_heads;
+    if (s.dim == 64) {
+        switch (group) {
+            case 1: return attend_registers<1, 4>;
+            case 2: return attend_registers<2, 4>;
+            case 3: return attend_registers<3, 4>;
+            case 4: return attend_registers<4, 4>;
+            default: return nullptr;
+        }
+    }
+    if (s.dim == 128) {
+        switch (group) {
+            case 1: return attend_registers<1, 8>;
+            case 2: return attend_registers<2, 8>;
+            default: return nullptr;
+        }
+    }
+    return nullptr;
+}
+#else
+using AttendFn = void (*)(const Shape&, int64_t, int64_t, const float*, const float*, const float*, const int64_t*,
+                          const int64_t*, const int64_t*, float*, std::vector<float>&);
+AttendFn registers_for(const Shape&) { return nullptr; }
+#endif
+
+// Every (row, key/value head) through `one`.
+void attend_each(AttendFn one, const Shape& s, const float* q, const float* k_cache, const float* v_cache,
+                 const int64_t* read, const int64_t* lengths, const int64_t* positions, float* out) {
     at::parallel_for(0, s.rows * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
         for (int64_t i = begin; i < end; ++i) {
-            attend_one<Dot, Axpy>(s, i / s.kv_heads, i % s.kv_heads, q, k_cache, v_cache, read, lengths, positions,
-                                  out, scores);
+            one(s, i / s.kv_heads, i % s.kv_heads, q, k_cache, v_cache, read, lengths, positions, out, scores);
         }
     });
+}
+
+template <float (*Dot)(const float*, const float*, int64_t), void (*Axpy)(float*, float, const float*, int64_t)>
+void attend_all(const Shape& s, const float* q, const float* k_cache, const float* v_cache, const int64_t* read,
+                const int64_t* lengths, const int64_t* positions, float* out) {
+    attend_each(attend_one<Dot, Axpy>, s, q, k_cache, v_cache, read, lengths, positions, out);
 }
 
 }  // namespace
 
 extern "C" {
 
-// Limits the kernel to plain C++ (0), AVX2 (1) or AVX-512 (2, the default) where the CPU has
-// them; for tests.
+// Limits the kernel to plain C++ (0), AVX2 (1), AVX-512 (2) or AVX-512 with the register
+// kernel (3, the default) where the CPU has them; for tests.
 void regatta_paged_attention_widest(int level) { widest.store(level); }
 
 // Queries `query` [rows, heads, time, dim] against the cache `key_cache`/`value_cache`
@@ -249,7 +382,11 @@ int regatta_paged_attention(const at::Tensor* query, const at::Tensor* key_cache
         }
         auto result = at::empty({s.rows, s.heads, s.time, s.dim}, q.options().memory_format(at::MemoryFormat::Contiguous));
         const int limit = widest.load();
-        if (limit >= 2 && has_avx512()) {
+        const AttendFn registers = limit >= 3 && has_avx512() ? registers_for(s) : nullptr;
+        if (registers != nullptr) {
+            attend_each(registers, s, qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), slots, lens,
+                        pc.data_ptr<int64_t>(), result.data_ptr<float>());
+        } else if (limit >= 2 && has_avx512()) {
             attend_all<dot_avx512, axpy_avx512>(s, qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                                                 slots, lens, pc.data_ptr<int64_t>(), result.data_ptr<float>());
         } else if (limit >= 1 && has_avx2()) {
