@@ -28,6 +28,9 @@ fn main() {
             // at::parallel_for is a header template over `#pragma omp parallel`: without
             // OpenMP it runs on one thread. It then calls libtorch's own libgomp.
             .flag("-fopenmp")
+            // No product fused into an add unless a kernel asks for it by intrinsic: the
+            // rotary embedding must round as libtorch's separate ops do.
+            .flag("-ffp-contract=off")
             .file("src/shim/shim.cpp")
             .file("src/shim/paged_attention.cpp")
             .file("src/shim/panel_linear.cpp")

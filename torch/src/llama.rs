@@ -300,27 +300,36 @@ impl Llama {
         let mut next = p.iter();
         let norm_in = next.next().expect("a Llama layer block starts with its input norm");
         let h = self.rms_norm(x, norm_in);
-        let heads_of = |t: &Tensor, n_heads: i64| t.unflatten(-1, [n_heads, hd]).transpose(1, 2);
+        // [batch, time, n_heads * hd], as the projections give them.
         let (q, k, v) = match self.grouped(&mut next, 0, 3, &h, batch).as_deref() {
-            Some([q, k, v]) => (heads_of(q, heads), heads_of(k, kv_heads), heads_of(v, kv_heads)),
+            Some([q, k, v]) => (q.shallow_clone(), k.shallow_clone(), v.shallow_clone()),
             _ => {
-                let mut project =
-                    |proj: usize, n_heads: i64| heads_of(&self.linear(&mut next, proj, &h, batch, layer), n_heads);
-                (project(0, heads), project(1, kv_heads), project(2, kv_heads))
+                let mut project = |proj: usize| self.linear(&mut next, proj, &h, batch, layer);
+                (project(0), project(1), project(2))
             }
         };
         let (cos, sin) = (&batch.derived[0], &batch.derived[1]);
         let (cos, sin) = (cos.to_kind(q.kind()), sin.to_kind(q.kind()));
-        let q = &q * &cos + rotate_half(&q) * &sin;
-        let k = &k * &cos + rotate_half(&k) * &sin;
         let scale = 1.0 / (hd as f64).sqrt();
-        if let Some(attended) = self.attend_without_mask(&q, &k, &v, batch, scale) {
-            return self.finish_layer(&mut next, x, &attended, batch, layer);
-        }
         if let Some(kv) = &batch.kv {
-            if let Some(attended) = kv.store_and_attend(layer, &q, &k, &v, &batch.positions, c.sliding_window, scale) {
+            let projected = (&q, &k, &v);
+            if let Some(attended) = kv.rope_store_and_attend(
+                layer,
+                projected,
+                (&cos, &sin),
+                &batch.positions,
+                c.sliding_window,
+                scale,
+            ) {
                 return self.finish_layer(&mut next, x, &attended, batch, layer);
             }
+        }
+        let heads_of = |t: &Tensor, n_heads: i64| t.unflatten(-1, [n_heads, hd]).transpose(1, 2);
+        let (q, k, v) = (heads_of(&q, heads), heads_of(&k, kv_heads), heads_of(&v, kv_heads));
+        let q = &q * &cos + rotate_half(&q) * &sin;
+        let k = &k * &cos + rotate_half(&k) * &sin;
+        if let Some(attended) = self.attend_without_mask(&q, &k, &v, batch, scale) {
+            return self.finish_layer(&mut next, x, &attended, batch, layer);
         }
         let (k, v, mask) = match &batch.kv {
             // The cached path's mask already holds causality, lengths and the window.

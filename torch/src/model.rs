@@ -135,12 +135,12 @@ pub struct KvStep {
     pub read: Tensor,
     /// How many of each row's `read` slots are real (`[batch]`, int64).
     pub lengths: Tensor,
-    /// Whether attention may read the cache in place ([`KvStep::store_and_attend`]).
+    /// Whether attention may read the cache in place ([`KvStep::rope_store_and_attend`]).
     pub in_place: bool,
 }
 
 /// The most new tokens per row for which attention reads the cache in place
-/// ([`KvStep::store_and_attend`]); longer chunks (a prompt's prefill) gather and take
+/// ([`KvStep::rope_store_and_attend`]); longer chunks (a prompt's prefill) gather and take
 /// libtorch's flash kernel, whose products beat per-key dot products there.
 pub const PAGED_MAX_TIME: i64 = 8;
 
@@ -175,18 +175,21 @@ impl KvStep {
         }
     }
 
-    /// Stores layer `layer`'s new keys and values, then attends queries `q` (`[batch,
-    /// heads, time, head_dim]`, at `positions` `[batch, time]`) to each row's cached keys
-    /// where they lie, without gathering them (`shim::paged_attention`): float32 on the CPU,
-    /// at most [`PAGED_MAX_TIME`] new tokens a row. `None` (nothing stored): elsewhere, where
-    /// [`KvStep::store_and_read`] and SDPA apply. `window`: Mistral's sliding window.
+    /// Rotates layer `layer`'s new queries and keys by `cos`/`sin` (`[batch, 1, time,
+    /// head_dim]`), stores the keys and values in their slots and attends the queries at
+    /// `positions` (`[batch, time]`) to each row's cached keys where they lie, in one call
+    /// (`shim::rope_paged_attention`): no per-layer rotation ops, head transposes or gather
+    /// of every row's keys. The projections as they come, `q` `[batch, time, heads *
+    /// head_dim]`, `k` and `v` `[batch, time, kv_heads * head_dim]`. Float32 on the CPU, at
+    /// most [`PAGED_MAX_TIME`] new tokens a row; returns `[batch, heads, time, head_dim]`.
+    /// `None` (nothing stored): elsewhere, where rotation, [`KvStep::store_and_read`] and
+    /// SDPA apply. `window`: Mistral's sliding window.
     #[allow(clippy::too_many_arguments)]
-    pub fn store_and_attend(
+    pub fn rope_store_and_attend(
         &self,
         layer: usize,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        (cos, sin): (&Tensor, &Tensor),
         positions: &Tensor,
         window: Option<usize>,
         scale: f64,
@@ -194,23 +197,27 @@ impl KvStep {
         let cache = &self.keys[layer];
         let fits = self.in_place
             && q.device() == Device::Cpu
-            && q.kind() == Kind::Float
+            && [q, k, v, cos, sin].iter().all(|t| t.kind() == Kind::Float)
             && cache.kind() == Kind::Float
-            && q.size().get(2).is_some_and(|&time| time <= PAGED_MAX_TIME);
+            && q.size().get(1).is_some_and(|&time| time <= PAGED_MAX_TIME);
         if !fits {
             return None;
         }
-        self.store(layer, k, v);
-        let attended = crate::shim::paged_attention(
-            q,
-            cache,
-            &self.values[layer],
-            &self.read,
-            &self.lengths,
+        let attended = crate::shim::rope_paged_attention(&crate::shim::PagedLayer {
+            query: q,
+            key: k,
+            value: v,
+            cos,
+            sin,
+            key_cache: cache,
+            value_cache: &self.values[layer],
+            write: &self.write,
+            read: &self.read,
+            lengths: &self.lengths,
             positions,
-            window.map(|w| w as i64),
+            window: window.map(|w| w as i64),
             scale,
-        )
+        })
         // The slots and lengths are the engine's own bookkeeping: a refusal here is a bug.
         .unwrap_or_else(|e| panic!("paged attention refused layer {layer}'s step: {e}"));
         Some(attended)
@@ -649,54 +656,122 @@ mod tests {
         }
     }
 
+    /// `transformers`' rotation, by libtorch's ops as the unfused path has it.
+    fn rotated(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let half = x.size()[3] / 2;
+        let turned = Tensor::cat(&[-x.narrow(-1, half, half), x.narrow(-1, 0, half)], -1);
+        x * cos + turned * sin
+    }
+
     #[test]
-    fn store_and_attend_equals_store_and_read_then_sdpa() {
+    fn rope_store_and_attend_equals_rotation_store_and_read_then_sdpa() {
         tch::manual_seed(3);
         let opts = (Kind::Float, Device::Cpu);
         let (rows, heads, kv_heads, dim, slots) = (2i64, 4i64, 2i64, 16i64, 32i64);
-        let cache = || Tensor::randn([slots, kv_heads, dim], opts);
-        let (keys, values) = (vec![cache()], vec![cache()]);
-        // Row 0 holds 5 tokens (slots 10..15), row 1 holds 3 (slots 20..23); each writes its
-        // newest token's keys now.
-        let read = Tensor::from_slice(&[10i64, 11, 12, 13, 14, 20, 21, 22, 0, 0]).view([rows, 5]);
+        // Row 0 holds 5 tokens (slots 10..15), row 1 holds 3 (slots 20..23); the newest
+        // `time` of each are written now.
+        for time in [1i64, 3] {
+            let cache = || Tensor::randn([slots, kv_heads, dim], opts);
+            let (keys, values) = (cache(), cache());
+            let (ref_keys, ref_values) = (keys.copy(), values.copy());
+            let write: Vec<i64> = [15 - time..15, 23 - time..23].into_iter().flatten().collect();
+            let positions: Vec<i64> = [5 - time..5, 3 - time..3].into_iter().flatten().collect();
+            let step = |keys: &Tensor, values: &Tensor| KvStep {
+                keys: vec![keys.shallow_clone()],
+                values: vec![values.shallow_clone()],
+                write: Tensor::from_slice(&write),
+                read: Tensor::from_slice(&[10i64, 11, 12, 13, 14, 20, 21, 22, 0, 0]).view([rows, 5]),
+                lengths: Tensor::from_slice(&[5i64, 3]),
+                in_place: true,
+            };
+            let (fused, reference_step) = (step(&keys, &values), step(&ref_keys, &ref_values));
+            let positions = Tensor::from_slice(&positions).view([rows, time]);
+            // One grouped product's outputs: views a whole group's width apart.
+            let width = (heads + 2 * kv_heads) * dim;
+            let projected = Tensor::randn([rows, time, width], opts);
+            let parts = projected.split_with_sizes([heads * dim, kv_heads * dim, kv_heads * dim], -1);
+            let angles = Tensor::rand([rows, 1, time, dim], opts) * 6.0;
+            let (cos, sin) = (angles.cos(), angles.sin());
+            let paged = fused
+                .rope_store_and_attend(
+                    0,
+                    (&parts[0], &parts[1], &parts[2]),
+                    (&cos, &sin),
+                    &positions,
+                    None,
+                    0.25,
+                )
+                .expect("float32 on the CPU");
+            let heads_of = |t: &Tensor, n: i64| t.unflatten(-1, [n, dim]).transpose(1, 2);
+            let q = rotated(&heads_of(&parts[0], heads), &cos, &sin);
+            let k = rotated(&heads_of(&parts[1], kv_heads), &cos, &sin);
+            let v = heads_of(&parts[2], kv_heads);
+            let _ = reference_step.store_and_read(0, &k, &v);
+            // The rotated keys and the values landed in their slots, rounded as libtorch's
+            // ops round them.
+            assert!(keys.equal(&ref_keys), "time {time}: stored keys differ");
+            assert!(values.equal(&ref_values), "time {time}: stored values differ");
+            let reference = gathered(
+                &q,
+                (&ref_keys, &ref_values),
+                &reference_step.read,
+                &reference_step.lengths,
+                &positions,
+                None,
+                0.25,
+            );
+            let worst = (&paged - &reference).abs().max().double_value(&[]);
+            assert!(worst < 1e-5, "time {time}: {worst}");
+        }
+        // Longer chunks and other kinds go the unfused way, storing nothing.
+        let (keys, values) = (Tensor::zeros([8, 1, 8], opts), Tensor::zeros([8, 1, 8], opts));
         let step = KvStep {
-            keys: keys.iter().map(Tensor::shallow_clone).collect(),
-            values: values.iter().map(Tensor::shallow_clone).collect(),
-            write: Tensor::from_slice(&[14i64, 22]),
-            read,
-            lengths: Tensor::from_slice(&[5i64, 3]),
+            keys: vec![keys.shallow_clone()],
+            values: vec![values.shallow_clone()],
+            write: Tensor::from_slice(&[1i64]),
+            read: Tensor::from_slice(&[0i64, 1]).view([1, 2]),
+            lengths: Tensor::from_slice(&[2i64]),
             in_place: true,
         };
-        let positions = Tensor::from_slice(&[4i64, 2]).view([rows, 1]);
-        let q = Tensor::randn([rows, heads, 1, dim], opts);
-        let k = Tensor::randn([rows, kv_heads, 1, dim], opts);
-        let v = Tensor::randn([rows, kv_heads, 1, dim], opts);
-        let paged = step
-            .store_and_attend(0, &q, &k, &v, &positions, None, 0.25)
-            .expect("float32 on the CPU");
-        // The new keys landed in their slots.
-        assert!(keys[0].get(14).allclose(&k.get(0).squeeze_dim(1), 0.0, 0.0, false));
-        assert!(values[0].get(22).allclose(&v.get(1).squeeze_dim(1), 0.0, 0.0, false));
-        let reference = gathered(
-            &q,
-            (&keys[0], &values[0]),
-            &step.read,
-            &step.lengths,
-            &positions,
-            None,
-            0.25,
-        );
-        let worst = (&paged - &reference).abs().max().double_value(&[]);
-        assert!(worst < 1e-5, "{worst}");
-        // Longer chunks and other kinds go the gathering way, storing nothing.
-        let long = Tensor::randn([rows, heads, PAGED_MAX_TIME + 1, dim], opts);
+        let x = |time: i64| Tensor::ones([1, time, 8], opts);
+        let rot = |time: i64| Tensor::ones([1, 1, time, 8], opts);
+        let long = PAGED_MAX_TIME + 1;
+        let positions = Tensor::zeros([1, long], (Kind::Int64, Device::Cpu));
         assert!(step
-            .store_and_attend(0, &long, &k, &v, &positions, None, 0.25)
+            .rope_store_and_attend(
+                0,
+                (&x(long), &x(long), &x(long)),
+                (&rot(long), &rot(long)),
+                &positions,
+                None,
+                1.0
+            )
             .is_none());
-        let half = q.to_kind(Kind::BFloat16);
+        let half = x(1).to_kind(Kind::BFloat16);
+        let positions = Tensor::from_slice(&[1i64]).view([1, 1]);
         assert!(step
-            .store_and_attend(0, &half, &k, &v, &positions, None, 0.25)
+            .rope_store_and_attend(0, (&half, &x(1), &x(1)), (&rot(1), &rot(1)), &positions, None, 1.0)
             .is_none());
+        assert_eq!(keys.abs().sum(Kind::Float).double_value(&[]), 0.0, "nothing stored");
+        // A write slot outside the cache is refused before anything is stored.
+        let outside = crate::shim::rope_paged_attention(&crate::shim::PagedLayer {
+            query: &x(1),
+            key: &x(1),
+            value: &x(1),
+            cos: &rot(1),
+            sin: &rot(1),
+            key_cache: &keys,
+            value_cache: &values,
+            write: &Tensor::from_slice(&[8i64]),
+            read: &step.read,
+            lengths: &step.lengths,
+            positions: &positions,
+            window: None,
+            scale: 1.0,
+        })
+        .expect_err("slot 8 of 8");
+        assert!(outside.to_string().contains("outside the cache"), "{outside}");
+        assert_eq!(keys.abs().sum(Kind::Float).double_value(&[]), 0.0, "nothing stored");
     }
 
     #[test]

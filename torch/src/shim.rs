@@ -37,10 +37,29 @@ extern "C" {
         error: *mut c_char,
         error_len: usize,
     ) -> c_int;
+    #[cfg(test)]
     fn regatta_paged_attention(
         query: *const C_tensor,
         key_cache: *const C_tensor,
         value_cache: *const C_tensor,
+        read: *const C_tensor,
+        lengths: *const C_tensor,
+        positions: *const C_tensor,
+        window: i64,
+        scale: f64,
+        out: *mut *mut C_tensor,
+        error: *mut c_char,
+        error_len: usize,
+    ) -> c_int;
+    fn regatta_rope_paged_attention(
+        query: *const C_tensor,
+        key: *const C_tensor,
+        value: *const C_tensor,
+        cos: *const C_tensor,
+        sin: *const C_tensor,
+        key_cache: *const C_tensor,
+        value_cache: *const C_tensor,
+        write: *const C_tensor,
         read: *const C_tensor,
         lengths: *const C_tensor,
         positions: *const C_tensor,
@@ -249,6 +268,7 @@ pub fn panel_linear(
 /// `lengths[r]`, and with a `window` only the last `window` of them. Float32 on the CPU,
 /// int64 indices; GQA as `transformers`' `repeat_kv`. A query that sees no key gets zeros.
 /// An error for other devices, kinds or shapes, or a slot outside the cache.
+#[cfg(test)]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     query: &Tensor,
@@ -274,6 +294,62 @@ pub fn paged_attention(
             positions.as_ptr(),
             window.unwrap_or(0),
             scale,
+            &mut out,
+            error.as_mut_ptr(),
+            error.len(),
+        )
+    };
+    tensor_answer(status, out, &error)
+}
+
+/// One decoder layer's attention from its projections, for
+/// [`rope_paged_attention`]: the queries, keys and values as the projections give them
+/// (`[rows, time, heads * dim]`, keys and values `[rows, time, kv_heads * dim]`), the
+/// rotary `cos`/`sin` (`[rows, 1, time, dim]`, contiguous), and the step's cache slots as
+/// [`paged_attention`] takes them plus `write` (`[rows * time]`), where the new keys and
+/// values go.
+pub struct PagedLayer<'a> {
+    pub query: &'a Tensor,
+    pub key: &'a Tensor,
+    pub value: &'a Tensor,
+    pub cos: &'a Tensor,
+    pub sin: &'a Tensor,
+    pub key_cache: &'a Tensor,
+    pub value_cache: &'a Tensor,
+    pub write: &'a Tensor,
+    pub read: &'a Tensor,
+    pub lengths: &'a Tensor,
+    pub positions: &'a Tensor,
+    pub window: Option<i64>,
+    pub scale: f64,
+}
+
+/// Rotates a layer's queries and keys (`transformers`' `apply_rotary_pos_emb`, rounded as
+/// libtorch's ops round it), stores the keys and values in their cache slots and attends as
+/// [`paged_attention`] does, in one call (`src/shim/paged_attention.cpp`). Returns the
+/// output `[rows, heads, time, dim]`; an error (nothing stored) for other devices, kinds or
+/// shapes, or a slot outside the cache.
+pub fn rope_paged_attention(layer: &PagedLayer) -> Result<Tensor, TchError> {
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    let mut error = [0 as c_char; 1024];
+    // SAFETY: live tensor handles and valid out-pointers; the shim checks shapes, kinds and
+    // every slot it reads or writes before writing any, and catches C++ exceptions. The
+    // caches are written in place, as `index_copy_` would.
+    let status = unsafe {
+        regatta_rope_paged_attention(
+            layer.query.as_ptr(),
+            layer.key.as_ptr(),
+            layer.value.as_ptr(),
+            layer.cos.as_ptr(),
+            layer.sin.as_ptr(),
+            layer.key_cache.as_ptr(),
+            layer.value_cache.as_ptr(),
+            layer.write.as_ptr(),
+            layer.read.as_ptr(),
+            layer.lengths.as_ptr(),
+            layer.positions.as_ptr(),
+            layer.window.unwrap_or(0),
+            layer.scale,
             &mut out,
             error.as_mut_ptr(),
             error.len(),

@@ -328,6 +328,71 @@ void attend_all(const Shape& s, const float* q, const float* k_cache, const floa
     attend_each(attend_one<Dot, Axpy>, s, q, k_cache, v_cache, read, lengths, positions, out);
 }
 
+// Checks `read`, `lengths` and `positions` against the shape and runs the attention of
+// `q` (contiguous [rows, heads, time, dim]) into a new [rows, heads, time, dim] tensor with
+// the widest kernel allowed.
+at::Tensor attend_checked(const Shape& s, const float* q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& read, const at::Tensor& lengths, const at::Tensor& positions,
+                          const at::TensorOptions& options) {
+    expect(read.dim() == 2 && read.size(0) == s.rows && read.scalar_type() == at::kLong && read.device().is_cpu(),
+           "read must be int64 [rows, keys] on the CPU");
+    expect(lengths.numel() == s.rows && lengths.scalar_type() == at::kLong && lengths.device().is_cpu(),
+           "lengths must be int64 [rows] on the CPU");
+    expect(positions.numel() == s.rows * s.time && positions.scalar_type() == at::kLong && positions.device().is_cpu(),
+           "positions must be int64 [rows, time] on the CPU");
+    auto rc = read.contiguous();
+    auto lc = lengths.contiguous();
+    auto pc = positions.contiguous();
+    const int64_t* slots = rc.data_ptr<int64_t>();
+    const int64_t* lens = lc.data_ptr<int64_t>();
+    for (int64_t r = 0; r < s.rows; ++r) {
+        const int64_t length = std::min(lens[r], s.keys);
+        for (int64_t j = 0; j < length; ++j) {
+            const int64_t slot = slots[r * s.keys + j];
+            expect(slot >= 0 && slot < s.slots, "a read slot lies outside the cache");
+        }
+    }
+    auto result = at::empty({s.rows, s.heads, s.time, s.dim}, options.memory_format(at::MemoryFormat::Contiguous));
+    const int limit = widest.load();
+    const float* kp = k.data_ptr<float>();
+    const float* vp = v.data_ptr<float>();
+    const int64_t* pos = pc.data_ptr<int64_t>();
+    float* o = result.data_ptr<float>();
+    const AttendFn registers = limit >= 3 && has_avx512() ? registers_for(s) : nullptr;
+    if (registers != nullptr) {
+        attend_each(registers, s, q, kp, vp, slots, lens, pos, o);
+    } else if (limit >= 2 && has_avx512()) {
+        attend_all<dot_avx512, axpy_avx512>(s, q, kp, vp, slots, lens, pos, o);
+    } else if (limit >= 1 && has_avx2()) {
+        attend_all<dot_avx2, axpy_avx2>(s, q, kp, vp, slots, lens, pos, o);
+    } else {
+        attend_all<dot_plain, axpy_plain>(s, q, kp, vp, slots, lens, pos, o);
+    }
+    return result;
+}
+
+void expect_caches(const at::Tensor& k, const at::Tensor& v) {
+    expect(k.dim() == 3 && v.dim() == 3, "the caches must be [slots, kv_heads, dim]");
+    expect(k.device().is_cpu() && v.device().is_cpu(), "paged attention runs on the CPU");
+    expect(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "paged attention takes float32");
+    expect(k.sizes() == v.sizes(), "the key and value caches differ in shape");
+    expect(k.is_contiguous() && v.is_contiguous(), "the caches must be contiguous");
+}
+
+// `out = x * cos + rotate_half(x) * sin` for one head (`transformers`' apply_rotary_pos_emb,
+// rotate_half(x) = cat(-x[half:], x[:half])): each product rounded, then the sum, as
+// libtorch's three ops give it (the shim is compiled with -ffp-contract=off, so no product is
+// fused into the add).
+void rope_head(const float* x, const float* cos, const float* sin, int64_t dim, float* out) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; ++i) {
+        out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+    }
+    for (int64_t i = half; i < dim; ++i) {
+        out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -350,53 +415,98 @@ int regatta_paged_attention(const at::Tensor* query, const at::Tensor* key_cache
         const auto& q = *query;
         const auto& k = *key_cache;
         const auto& v = *value_cache;
-        expect(q.dim() == 4 && k.dim() == 3 && v.dim() == 3, "query must be [rows, heads, time, dim] and the caches [slots, kv_heads, dim]");
-        expect(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "paged attention runs on the CPU");
-        expect(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-               "paged attention takes float32");
-        expect(k.sizes() == v.sizes(), "the key and value caches differ in shape");
-        expect(k.is_contiguous() && v.is_contiguous(), "the caches must be contiguous");
+        expect_caches(k, v);
+        expect(q.dim() == 4, "query must be [rows, heads, time, dim]");
+        expect(q.device().is_cpu() && q.scalar_type() == at::kFloat, "paged attention takes float32 on the CPU");
         Shape s{q.size(0), q.size(1), q.size(2), q.size(3), k.size(1), k.size(0), read->size(-1), window,
                 static_cast<float>(scale)};
         expect(k.size(2) == s.dim, "the caches' head size differs from the queries'");
         expect(s.kv_heads > 0 && s.heads % s.kv_heads == 0, "heads must be a multiple of key/value heads");
-        expect(read->dim() == 2 && read->size(0) == s.rows && read->scalar_type() == at::kLong && read->device().is_cpu(),
-               "read must be int64 [rows, keys] on the CPU");
-        expect(lengths->numel() == s.rows && lengths->scalar_type() == at::kLong && lengths->device().is_cpu(),
-               "lengths must be int64 [rows] on the CPU");
-        expect(positions->numel() == s.rows * s.time && positions->scalar_type() == at::kLong &&
-                   positions->device().is_cpu(),
-               "positions must be int64 [rows, time] on the CPU");
         auto qc = q.contiguous();
-        auto rc = read->contiguous();
-        auto lc = lengths->contiguous();
-        auto pc = positions->contiguous();
-        const int64_t* slots = rc.data_ptr<int64_t>();
-        const int64_t* lens = lc.data_ptr<int64_t>();
-        for (int64_t r = 0; r < s.rows; ++r) {
-            const int64_t length = std::min(lens[r], s.keys);
-            for (int64_t j = 0; j < length; ++j) {
-                const int64_t slot = slots[r * s.keys + j];
-                expect(slot >= 0 && slot < s.slots, "a read slot lies outside the cache");
+        *out = new at::Tensor(attend_checked(s, qc.data_ptr<float>(), k, v, *read, *lengths, *positions, q.options()));
+        return 0;
+    } catch (const std::exception& e) {
+        write_error(e.what(), error, error_len);
+        return 1;
+    }
+}
+
+// One decoder layer's attention from its projections: rotates the queries `q` [rows, time,
+// heads * dim] and keys `k` [rows, time, kv_heads * dim] by `cos`/`sin` (contiguous, [rows,
+// 1, time, dim]), stores the rotated keys and the values `v` (as `k`) in the caches at slots
+// `write` ([rows * time], row-major), then attends as regatta_paged_attention does. One call
+// instead of a dozen libtorch ops a layer (rotation, head transposes, the stores). Returns 0
+// and the output [rows, heads, time, dim] in `*out`, or 1 with the reason (nothing stored).
+int regatta_rope_paged_attention(const at::Tensor* query, const at::Tensor* key, const at::Tensor* value,
+                                 const at::Tensor* cos, const at::Tensor* sin, const at::Tensor* key_cache,
+                                 const at::Tensor* value_cache, const at::Tensor* write, const at::Tensor* read,
+                                 const at::Tensor* lengths, const at::Tensor* positions, int64_t window, double scale,
+                                 at::Tensor** out, char* error, size_t error_len) {
+    try {
+        // Written through: the caches' storage is shared with the engine's cache tensors.
+        const auto& kc = *key_cache;
+        const auto& vc = *value_cache;
+        expect_caches(kc, vc);
+        const int64_t slots = kc.size(0), kv_heads = kc.size(1), dim = kc.size(2);
+        for (const at::Tensor* t : {query, key, value}) {
+            expect(t->dim() == 3 && t->device().is_cpu() && t->scalar_type() == at::kFloat,
+                   "the projections must be float32 [rows, time, width] on the CPU");
+        }
+        const int64_t rows = query->size(0), time = query->size(1);
+        expect(dim > 0 && dim % 2 == 0 && query->size(2) % dim == 0, "the queries' width is not whole heads");
+        const int64_t heads = query->size(2) / dim;
+        expect(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of key/value heads");
+        for (const at::Tensor* t : {key, value}) {
+            expect(t->size(0) == rows && t->size(1) == time && t->size(2) == kv_heads * dim,
+                   "keys and values must be [rows, time, kv_heads * dim] as the cache holds them");
+        }
+        for (const at::Tensor* t : {cos, sin}) {
+            expect(t->numel() == rows * time * dim && t->is_contiguous() && t->scalar_type() == at::kFloat &&
+                       t->device().is_cpu(),
+                   "cos and sin must be contiguous float32 [rows, 1, time, dim]");
+        }
+        expect(write->numel() == rows * time && write->scalar_type() == at::kLong && write->device().is_cpu(),
+               "write must be int64 [rows * time] on the CPU");
+        auto wc = write->contiguous();
+        const int64_t* to = wc.data_ptr<int64_t>();
+        for (int64_t i = 0; i < rows * time; ++i) {
+            expect(to[i] >= 0 && to[i] < slots, "a write slot lies outside the cache");
+        }
+        // Each projection's last dimension contiguous (a group's outputs are views of one
+        // product: rows apart by the whole group's width).
+        auto last_contiguous = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
+        const auto qt = last_contiguous(*query), kt = last_contiguous(*key), vt = last_contiguous(*value);
+        const float* qp = qt.data_ptr<float>();
+        const float* kp = kt.data_ptr<float>();
+        const float* vp = vt.data_ptr<float>();
+        const float* cp = cos->data_ptr<float>();
+        const float* sp = sin->data_ptr<float>();
+        float* kcp = kc.data_ptr<float>();
+        float* vcp = vc.data_ptr<float>();
+        auto rotated = at::empty({rows, heads, time, dim}, query->options().memory_format(at::MemoryFormat::Contiguous));
+        float* rq = rotated.data_ptr<float>();
+        // Distinct tokens write distinct slots, but for padding (the scratch block, never
+        // read): a token at a time on one thread each.
+        at::parallel_for(0, rows * time, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t i = begin; i < end; ++i) {
+                const int64_t r = i / time, t = i % time;
+                const float* c = cp + i * dim;
+                const float* sn = sp + i * dim;
+                const int64_t slot = to[i];
+                for (int64_t h = 0; h < kv_heads; ++h) {
+                    rope_head(kp + r * kt.stride(0) + t * kt.stride(1) + h * dim, c, sn, dim,
+                              kcp + (slot * kv_heads + h) * dim);
+                    const float* src = vp + r * vt.stride(0) + t * vt.stride(1) + h * dim;
+                    std::copy(src, src + dim, vcp + (slot * kv_heads + h) * dim);
+                }
+                for (int64_t h = 0; h < heads; ++h) {
+                    rope_head(qp + r * qt.stride(0) + t * qt.stride(1) + h * dim, c, sn, dim,
+                              rq + ((r * heads + h) * time + t) * dim);
+                }
             }
-        }
-        auto result = at::empty({s.rows, s.heads, s.time, s.dim}, q.options().memory_format(at::MemoryFormat::Contiguous));
-        const int limit = widest.load();
-        const AttendFn registers = limit >= 3 && has_avx512() ? registers_for(s) : nullptr;
-        if (registers != nullptr) {
-            attend_each(registers, s, qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), slots, lens,
-                        pc.data_ptr<int64_t>(), result.data_ptr<float>());
-        } else if (limit >= 2 && has_avx512()) {
-            attend_all<dot_avx512, axpy_avx512>(s, qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                                                slots, lens, pc.data_ptr<int64_t>(), result.data_ptr<float>());
-        } else if (limit >= 1 && has_avx2()) {
-            attend_all<dot_avx2, axpy_avx2>(s, qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), slots,
-                                            lens, pc.data_ptr<int64_t>(), result.data_ptr<float>());
-        } else {
-            attend_all<dot_plain, axpy_plain>(s, qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), slots,
-                                              lens, pc.data_ptr<int64_t>(), result.data_ptr<float>());
-        }
-        *out = new at::Tensor(result);
+        });
+        Shape s{rows, heads, time, dim, kv_heads, slots, read->size(-1), window, static_cast<float>(scale)};
+        *out = new at::Tensor(attend_checked(s, rq, kc, vc, *read, *lengths, *positions, query->options()));
         return 0;
     } catch (const std::exception& e) {
         write_error(e.what(), error, error_len);
