@@ -671,6 +671,10 @@ impl Model for Llama {
             .collect()
     }
 
+    fn attends_packed(&self) -> bool {
+        true
+    }
+
     fn kv_layout(&self) -> Option<KvLayout> {
         let c = &self.config;
         Some(KvLayout {

@@ -137,12 +137,19 @@ pub struct KvStep {
     pub lengths: Tensor,
     /// Whether attention may read the cache in place ([`KvStep::rope_store_and_attend`]).
     pub in_place: bool,
+    /// Set when the step's tokens are packed into one row (`[1, tokens]`) rather than
+    /// padded into `[batch, time]`: row `r`'s tokens are `offsets[r]..offsets[r + 1]`
+    /// (`[batch + 1]`, int64), `write` and the positions run over the packed tokens. Only
+    /// [`KvStep::rope_store_and_attend`] reads such a step; the caller sets it where that
+    /// fits ([`KvStep::packs`]).
+    pub offsets: Option<Tensor>,
 }
 
 /// The most new tokens per row for which attention reads the cache in place
-/// ([`KvStep::rope_store_and_attend`]); longer chunks (a prompt's prefill) gather and take
-/// libtorch's flash kernel, whose products beat per-key dot products there.
-pub const PAGED_MAX_TIME: i64 = 8;
+/// ([`KvStep::rope_store_and_attend`]): decodes, and prompt chunks of short prompts, which
+/// then go packed with no padding at all; longer chunks (a long prompt's prefill) go padded,
+/// gather and take libtorch's flash kernel, whose products beat per-key dot products there.
+pub const PAGED_MAX_TIME: i64 = 64;
 
 impl KvStep {
     /// Stores layer `layer`'s new keys and values (`[batch, kv_heads, time, head_dim]`)
@@ -199,8 +206,14 @@ impl KvStep {
             && q.device() == Device::Cpu
             && [q, k, v, cos, sin].iter().all(|t| t.kind() == Kind::Float)
             && cache.kind() == Kind::Float
-            && q.size().get(1).is_some_and(|&time| time <= PAGED_MAX_TIME);
+            && (self.offsets.is_some() || q.size().get(1).is_some_and(|&time| time <= PAGED_MAX_TIME));
         if !fits {
+            // Packed tokens have no padded layout to fall back to: the caller packs only
+            // where this fits.
+            assert!(
+                self.offsets.is_none(),
+                "layer {layer}'s packed step does not fit the in-place kernel"
+            );
             return None;
         }
         let attended = crate::shim::rope_paged_attention(&crate::shim::PagedLayer {
@@ -215,12 +228,27 @@ impl KvStep {
             read: &self.read,
             lengths: &self.lengths,
             positions,
+            offsets: self.offsets.as_ref(),
             window: window.map(|w| w as i64),
             scale,
         })
         // The slots and lengths are the engine's own bookkeeping: a refusal here is a bug.
         .unwrap_or_else(|e| panic!("paged attention refused layer {layer}'s step: {e}"));
         Some(attended)
+    }
+}
+
+impl KvStep {
+    /// Whether a step of rows with these new-token counts (`chunks`) may go packed
+    /// ([`KvStep::offsets`]) through the in-place kernel: float32 on the CPU, in-place
+    /// attention allowed, and no row longer than [`PAGED_MAX_TIME`] (a longer prompt chunk
+    /// goes padded through libtorch's flash kernel, whose products beat per-key dot
+    /// products there).
+    pub fn packs(in_place: bool, device: Device, kind: Kind, chunks: impl IntoIterator<Item = usize>) -> bool {
+        in_place
+            && device == Device::Cpu
+            && kind == Kind::Float
+            && chunks.into_iter().all(|n| (1..=PAGED_MAX_TIME as usize).contains(&n))
     }
 }
 
@@ -327,6 +355,12 @@ pub trait Model: Send {
     /// `1 + layer` is decoder layer `layer`); `None`: generation recomputes every window.
     fn kv_layout(&self) -> Option<KvLayout> {
         None
+    }
+    /// Whether every decoder layer attends through [`KvStep::rope_store_and_attend`], so a
+    /// cached step may pack its rows' tokens into one row ([`KvStep::offsets`]) with no
+    /// mask; `false`: cached steps go padded, with a mask.
+    fn attends_packed(&self) -> bool {
+        false
     }
     /// Weights of `params` that take one input and that the forward multiplies as one
     /// group where the batch holds them packed together ([`Batch::linear_group`]).
@@ -683,6 +717,7 @@ mod tests {
                 read: Tensor::from_slice(&[10i64, 11, 12, 13, 14, 20, 21, 22, 0, 0]).view([rows, 5]),
                 lengths: Tensor::from_slice(&[5i64, 3]),
                 in_place: true,
+                offsets: None,
             };
             let (fused, reference_step) = (step(&keys, &values), step(&ref_keys, &ref_values));
             let positions = Tensor::from_slice(&positions).view([rows, time]);
@@ -732,6 +767,7 @@ mod tests {
             read: Tensor::from_slice(&[0i64, 1]).view([1, 2]),
             lengths: Tensor::from_slice(&[2i64]),
             in_place: true,
+            offsets: None,
         };
         let x = |time: i64| Tensor::ones([1, time, 8], opts);
         let rot = |time: i64| Tensor::ones([1, 1, time, 8], opts);
@@ -766,12 +802,111 @@ mod tests {
             read: &step.read,
             lengths: &step.lengths,
             positions: &positions,
+            offsets: None,
             window: None,
             scale: 1.0,
         })
         .expect_err("slot 8 of 8");
         assert!(outside.to_string().contains("outside the cache"), "{outside}");
         assert_eq!(keys.abs().sum(Kind::Float).double_value(&[]), 0.0, "nothing stored");
+    }
+
+    #[test]
+    fn packed_tokens_attend_as_padded_rows() {
+        tch::manual_seed(5);
+        let opts = (Kind::Float, Device::Cpu);
+        let (heads, kv_heads, dim, slots) = (6i64, 2i64, 64i64, 32i64);
+        let width = (heads + 2 * kv_heads) * dim;
+        // Row 0 writes its last 3 of 5 tokens (slots 12..15), row 1 its last of 3 (slot 22);
+        // padded, row 1's two padding tokens write the scratch slots 30 and 31.
+        let row0 = Tensor::randn([1, 3, width], opts);
+        let row1 = Tensor::randn([1, 1, width], opts);
+        let angles = Tensor::rand([1, 1, 4, dim], opts) * 6.0;
+        let cache = Tensor::randn([slots, kv_heads, dim], opts);
+        let step = |offsets: Option<&[i64]>, write: &[i64], keys: &Tensor, values: &Tensor| KvStep {
+            keys: vec![keys.shallow_clone()],
+            values: vec![values.shallow_clone()],
+            write: Tensor::from_slice(write),
+            read: Tensor::from_slice(&[10i64, 11, 12, 13, 14, 20, 21, 22, 0, 0]).view([2, 5]),
+            lengths: Tensor::from_slice(&[5i64, 3]),
+            in_place: true,
+            offsets: offsets.map(Tensor::from_slice),
+        };
+        let (packed_keys, packed_values) = (cache.copy(), cache.copy() * 2.0);
+        let packed = step(Some(&[0, 3, 4]), &[12, 13, 14, 22], &packed_keys, &packed_values);
+        let tokens = Tensor::cat(&[&row0, &row1], 1);
+        let parts = tokens.split_with_sizes([heads * dim, kv_heads * dim, kv_heads * dim], -1);
+        let (cos, sin) = (angles.cos(), angles.sin());
+        let positions = Tensor::from_slice(&[2i64, 3, 4, 2]);
+        let out = packed
+            .rope_store_and_attend(
+                0,
+                (&parts[0], &parts[1], &parts[2]),
+                (&cos, &sin),
+                &positions,
+                None,
+                0.125,
+            )
+            .expect("packed float32 on the CPU");
+        assert_eq!(out.size(), [1, heads, 4, dim]);
+
+        let (padded_keys, padded_values) = (cache.copy(), cache.copy() * 2.0);
+        let padded = step(None, &[12, 13, 14, 22, 30, 31], &padded_keys, &padded_values);
+        let tokens = Tensor::cat(
+            &[&row0, &Tensor::cat(&[&row1, &Tensor::zeros([1, 2, width], opts)], 1)],
+            0,
+        );
+        let parts = tokens.split_with_sizes([heads * dim, kv_heads * dim, kv_heads * dim], -1);
+        let pad_angles = |a: &Tensor| {
+            let second = Tensor::cat(&[a.narrow(2, 3, 1), Tensor::zeros([1, 1, 2, dim], opts)], 2);
+            Tensor::cat(&[&a.narrow(2, 0, 3), &second], 0).contiguous()
+        };
+        let (cos, sin) = (pad_angles(&cos), pad_angles(&sin));
+        let positions = Tensor::from_slice(&[2i64, 3, 4, 2, 0, 0]).view([2, 3]);
+        let reference = padded
+            .rope_store_and_attend(
+                0,
+                (&parts[0], &parts[1], &parts[2]),
+                (&cos, &sin),
+                &positions,
+                None,
+                0.125,
+            )
+            .expect("padded float32 on the CPU");
+        // The same keys in the same slots, and the same outputs for every real token.
+        let real = Tensor::from_slice(&[10i64, 11, 12, 13, 14, 20, 21, 22]);
+        assert!(packed_keys
+            .index_select(0, &real)
+            .equal(&padded_keys.index_select(0, &real)));
+        assert!(packed_values
+            .index_select(0, &real)
+            .equal(&padded_values.index_select(0, &real)));
+        assert!(out.narrow(2, 0, 3).equal(&reference.narrow(0, 0, 1)), "row 0");
+        assert!(
+            out.narrow(2, 3, 1).equal(&reference.narrow(0, 1, 1).narrow(2, 0, 1)),
+            "row 1"
+        );
+        // Offsets that do not cover the tokens are refused.
+        let bad = step(Some(&[0, 2, 4]), &[12, 13, 14, 22], &packed_keys, &packed_values);
+        let parts = Tensor::cat(&[&row0, &row1], 1).split_with_sizes([heads * dim, kv_heads * dim, kv_heads * dim], -1);
+        let error = crate::shim::rope_paged_attention(&crate::shim::PagedLayer {
+            query: &parts[0],
+            key: &parts[1],
+            value: &parts[2],
+            cos: &angles.cos(),
+            sin: &angles.sin(),
+            key_cache: &packed_keys,
+            value_cache: &packed_values,
+            write: &bad.write,
+            read: &bad.read,
+            lengths: &bad.lengths,
+            positions: &Tensor::from_slice(&[2i64, 3, 4]),
+            offsets: bad.offsets.as_ref(),
+            window: None,
+            scale: 0.125,
+        })
+        .expect_err("three positions for four tokens");
+        assert!(error.to_string().contains("positions"), "{error}");
     }
 
     #[test]

@@ -63,6 +63,7 @@ extern "C" {
         read: *const C_tensor,
         lengths: *const C_tensor,
         positions: *const C_tensor,
+        offsets: *const C_tensor,
         window: i64,
         scale: f64,
         out: *mut *mut C_tensor,
@@ -307,7 +308,10 @@ pub fn paged_attention(
 /// (`[rows, time, heads * dim]`, keys and values `[rows, time, kv_heads * dim]`), the
 /// rotary `cos`/`sin` (`[rows, 1, time, dim]`, contiguous), and the step's cache slots as
 /// [`paged_attention`] takes them plus `write` (`[rows * time]`), where the new keys and
-/// values go.
+/// values go. With `offsets` (`[rows + 1]`) the tokens are packed rather than padded: the
+/// projections `[1, tokens, width]`, `cos`/`sin` `[1, 1, tokens, dim]`, `write` and
+/// `positions` `[tokens]`, row `r`'s tokens `offsets[r]..offsets[r + 1]`; the output is
+/// then `[1, heads, tokens, dim]`.
 pub struct PagedLayer<'a> {
     pub query: &'a Tensor,
     pub key: &'a Tensor,
@@ -320,6 +324,7 @@ pub struct PagedLayer<'a> {
     pub read: &'a Tensor,
     pub lengths: &'a Tensor,
     pub positions: &'a Tensor,
+    pub offsets: Option<&'a Tensor>,
     pub window: Option<i64>,
     pub scale: f64,
 }
@@ -348,6 +353,7 @@ pub fn rope_paged_attention(layer: &PagedLayer) -> Result<Tensor, TchError> {
             layer.read.as_ptr(),
             layer.lengths.as_ptr(),
             layer.positions.as_ptr(),
+            layer.offsets.map_or(std::ptr::null(), Tensor::as_ptr),
             layer.window.unwrap_or(0),
             layer.scale,
             &mut out,

@@ -1,5 +1,6 @@
-//! The forwards a step's work becomes: prompt chunks and decodes padded into one
-//! `[rows, time]` batch against the cache, with logits for each row's last token only.
+//! The forwards a step's work becomes: decodes and short prompt chunks packed into one row
+//! of tokens (no padding) where attention reads the cache in place, else padded into one
+//! `[rows, time]` batch against the cache; logits for each row's last token only.
 
 use regatta_scorer::Feed;
 use tch::{Kind, Tensor};
@@ -15,6 +16,10 @@ impl Generator<'_> {
     /// chosen where the logits are (on the GPU only a token and a log-probability cross to
     /// the host, not a vocabulary of floats), or the logits themselves on the CPU.
     pub(super) fn forward(&self, cache: &KvCache, feeds: &[Feed], wants: &[Want]) -> Result<Vec<Picked>> {
+        let chunks = feeds.iter().map(|f| f.tokens.len());
+        if self.model.attends_packed() && KvStep::packs(self.setup.paged_attention, self.device, self.kind, chunks) {
+            return pick(&self.packed_logits(cache, feeds), wants);
+        }
         let rows = feeds.len() as i64;
         let time = feeds.iter().map(|f| f.tokens.len()).max().unwrap_or(1) as i64;
         let keys = feeds.iter().map(|f| f.read.len()).max().unwrap_or(1) as i64;
@@ -54,6 +59,38 @@ impl Generator<'_> {
         pick(&logits, wants)
     }
 
+    /// The logits `[rows, vocab]` of each feed's last token, the feeds' tokens packed into
+    /// one `[1, tokens]` forward with no padding (see [`KvStep::offsets`]); only where
+    /// [`KvStep::packs`] says so.
+    fn packed_logits(&self, cache: &KvCache, feeds: &[Feed]) -> Tensor {
+        let (mut tokens, mut positions, mut write, mut read) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let keys = feeds.iter().map(|f| f.read.len()).max().unwrap_or(1);
+        let mut offsets = vec![0i64];
+        let mut lengths = Vec::with_capacity(feeds.len());
+        for feed in feeds {
+            tokens.extend_from_slice(&feed.tokens);
+            positions.extend_from_slice(&feed.positions);
+            write.extend_from_slice(&feed.write);
+            read.extend_from_slice(&feed.read);
+            read.extend(std::iter::repeat_n(0, keys - feed.read.len()));
+            lengths.push(feed.read.len() as i64);
+            offsets.push(tokens.len() as i64);
+        }
+        let last: Vec<i64> = offsets[1..].iter().map(|end| end - 1).collect();
+        let int = |v: &[i64]| Tensor::from_slice(v).to_device(self.device);
+        let step = KvStep {
+            keys: cache.keys.iter().map(Tensor::shallow_clone).collect(),
+            values: cache.values.iter().map(Tensor::shallow_clone).collect(),
+            write: int(&write),
+            read: int(&read).view([feeds.len() as i64, keys as i64]),
+            lengths: int(&lengths),
+            in_place: true,
+            offsets: Some(int(&offsets)),
+        };
+        let tokens = int(&tokens).view([1, -1]);
+        self.blocks_logits(&tokens, &int(&positions).view([1, -1]), None, step, Some(&int(&last)))
+    }
+
     /// The forward of `tokens` `[rows, time]` at `positions` against the cache: their keys
     /// and values written to slots `write` (`[rows * time]`), each row attending to the
     /// slots `read` (`[rows, keys]`) of which its first `lengths` are real. Returns the
@@ -83,23 +120,40 @@ impl Generator<'_> {
         if let Some(window) = self.layout.sliding_window {
             mask = mask.logical_and(&key_index.gt_tensor(&(&query_position - window as i64)));
         }
+        let step = KvStep {
+            keys: cache.keys.iter().map(Tensor::shallow_clone).collect(),
+            values: cache.values.iter().map(Tensor::shallow_clone).collect(),
+            write: write.shallow_clone(),
+            read: read.shallow_clone(),
+            lengths: lengths.shallow_clone(),
+            in_place: self.setup.paged_attention,
+            offsets: None,
+        };
+        self.blocks_logits(tokens, positions, Some(mask), step, last)
+    }
+
+    /// The blocks over `tokens` (`[rows, time]`) at `positions`, attending through `kv`
+    /// (with `mask` where the step is padded); the logits `[rows, vocab]` of the tokens at
+    /// flat indices `last` (`None`: every token, time being 1).
+    fn blocks_logits(
+        &self,
+        tokens: &Tensor,
+        positions: &Tensor,
+        mask: Option<Tensor>,
+        kv: KvStep,
+        last: Option<&Tensor>,
+    ) -> Tensor {
         let mut batch = Batch {
             positions: positions.shallow_clone(),
-            mask: Some(mask),
+            mask,
             segments: None,
             derived: Vec::new(),
-            kv: Some(KvStep {
-                keys: cache.keys.iter().map(Tensor::shallow_clone).collect(),
-                values: cache.values.iter().map(Tensor::shallow_clone).collect(),
-                write: write.shallow_clone(),
-                read: read.shallow_clone(),
-                lengths: lengths.shallow_clone(),
-                in_place: self.setup.paged_attention,
-            }),
+            kv: Some(kv),
             dropout_seed: None,
             packed: self.packed.clone(),
         };
         self.model.prepare(&mut batch);
+        let (rows, time) = tokens.size2().expect("tokens are [rows, time]");
         let last_block = self.params.len() - 1;
         let logits = tch::no_grad(|| {
             let mut hidden = tokens.shallow_clone();
@@ -111,11 +165,11 @@ impl Generator<'_> {
             let picked = match last {
                 Some(last) => hidden.view([rows * time, width]).index_select(0, last),
                 None => hidden.view([rows * time, width]),
-            }
-            .view([rows, 1, width]);
+            };
+            let picked = picked.view([-1, 1, width]);
             self.model
                 .forward(last_block, &self.params[last_block], &picked, &batch)
         });
-        logits.view([rows, -1])
+        logits.view([logits.size()[0], -1])
     }
 }

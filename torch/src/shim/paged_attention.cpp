@@ -435,13 +435,21 @@ int regatta_paged_attention(const at::Tensor* query, const at::Tensor* key_cache
 // heads * dim] and keys `k` [rows, time, kv_heads * dim] by `cos`/`sin` (contiguous, [rows,
 // 1, time, dim]), stores the rotated keys and the values `v` (as `k`) in the caches at slots
 // `write` ([rows * time], row-major), then attends as regatta_paged_attention does. One call
-// instead of a dozen libtorch ops a layer (rotation, head transposes, the stores). Returns 0
-// and the output [rows, heads, time, dim] in `*out`, or 1 with the reason (nothing stored).
+// instead of a dozen libtorch ops a layer (rotation, head transposes, the stores).
+//
+// With `offsets` (int64 [rows + 1], else null) the tokens are packed instead of padded:
+// the projections are [1, tokens, width], `cos`/`sin` [1, 1, tokens, dim], `write` and
+// `positions` [tokens], and row r's tokens are offsets[r]..offsets[r + 1] (at least one
+// each); `read` and `lengths` stay per row. The output is then [1, heads, tokens, dim] (a
+// view of a contiguous [1, tokens, heads, dim]).
+//
+// Returns 0 and the output ([rows, heads, time, dim] padded) in `*out`, or 1 with the reason
+// (nothing stored).
 int regatta_rope_paged_attention(const at::Tensor* query, const at::Tensor* key, const at::Tensor* value,
                                  const at::Tensor* cos, const at::Tensor* sin, const at::Tensor* key_cache,
                                  const at::Tensor* value_cache, const at::Tensor* write, const at::Tensor* read,
-                                 const at::Tensor* lengths, const at::Tensor* positions, int64_t window, double scale,
-                                 at::Tensor** out, char* error, size_t error_len) {
+                                 const at::Tensor* lengths, const at::Tensor* positions, const at::Tensor* offsets,
+                                 int64_t window, double scale, at::Tensor** out, char* error, size_t error_len) {
     try {
         // Written through: the caches' storage is shared with the engine's cache tensors.
         const auto& kc = *key_cache;
@@ -452,24 +460,54 @@ int regatta_rope_paged_attention(const at::Tensor* query, const at::Tensor* key,
             expect(t->dim() == 3 && t->device().is_cpu() && t->scalar_type() == at::kFloat,
                    "the projections must be float32 [rows, time, width] on the CPU");
         }
-        const int64_t rows = query->size(0), time = query->size(1);
         expect(dim > 0 && dim % 2 == 0 && query->size(2) % dim == 0, "the queries' width is not whole heads");
         const int64_t heads = query->size(2) / dim;
         expect(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of key/value heads");
         for (const at::Tensor* t : {key, value}) {
-            expect(t->size(0) == rows && t->size(1) == time && t->size(2) == kv_heads * dim,
+            expect(t->size(0) == query->size(0) && t->size(1) == query->size(1) && t->size(2) == kv_heads * dim,
                    "keys and values must be [rows, time, kv_heads * dim] as the cache holds them");
         }
+        expect(read->dim() == 2, "read must be [rows, keys]");
+        // Each token's row and place in it, padded or packed.
+        const bool packed = offsets != nullptr;
+        const int64_t rows = packed ? read->size(0) : query->size(0);
+        const int64_t tokens = query->size(0) * query->size(1);
+        std::vector<int64_t> token_row(static_cast<size_t>(tokens)), token_at(static_cast<size_t>(tokens));
+        int64_t time = query->size(1);
+        if (packed) {
+            expect(query->size(0) == 1, "packed projections must be [1, tokens, width]");
+            expect(offsets->numel() == rows + 1 && offsets->scalar_type() == at::kLong && offsets->device().is_cpu(),
+                   "offsets must be int64 [rows + 1] on the CPU");
+            const auto oc = offsets->contiguous();
+            const int64_t* off = oc.data_ptr<int64_t>();
+            expect(off[0] == 0 && off[rows] == tokens, "offsets must run from 0 to the number of tokens");
+            time = 0;
+            for (int64_t r = 0; r < rows; ++r) {
+                expect(off[r + 1] > off[r], "every packed row needs at least one token");
+                time = std::max(time, off[r + 1] - off[r]);
+                for (int64_t i = off[r]; i < off[r + 1]; ++i) {
+                    token_row[i] = r;
+                    token_at[i] = i - off[r];
+                }
+            }
+        } else {
+            for (int64_t i = 0; i < tokens; ++i) {
+                token_row[i] = i / time;
+                token_at[i] = i % time;
+            }
+        }
         for (const at::Tensor* t : {cos, sin}) {
-            expect(t->numel() == rows * time * dim && t->is_contiguous() && t->scalar_type() == at::kFloat &&
+            expect(t->numel() == tokens * dim && t->is_contiguous() && t->scalar_type() == at::kFloat &&
                        t->device().is_cpu(),
                    "cos and sin must be contiguous float32 [rows, 1, time, dim]");
         }
-        expect(write->numel() == rows * time && write->scalar_type() == at::kLong && write->device().is_cpu(),
+        expect(write->numel() == tokens && write->scalar_type() == at::kLong && write->device().is_cpu(),
                "write must be int64 [rows * time] on the CPU");
+        expect(positions->numel() == tokens && positions->scalar_type() == at::kLong && positions->device().is_cpu(),
+               "positions must be int64 [rows, time] on the CPU");
         auto wc = write->contiguous();
         const int64_t* to = wc.data_ptr<int64_t>();
-        for (int64_t i = 0; i < rows * time; ++i) {
+        for (int64_t i = 0; i < tokens; ++i) {
             expect(to[i] >= 0 && to[i] < slots, "a write slot lies outside the cache");
         }
         // Each projection's last dimension contiguous (a group's outputs are views of one
@@ -483,30 +521,59 @@ int regatta_rope_paged_attention(const at::Tensor* query, const at::Tensor* key,
         const float* sp = sin->data_ptr<float>();
         float* kcp = kc.data_ptr<float>();
         float* vcp = vc.data_ptr<float>();
+        const int64_t time_stride = query->size(1);  // tokens of one projection row
+        auto token_of = [&](const at::Tensor& t, int64_t i) {
+            return (i / time_stride) * t.stride(0) + (i % time_stride) * t.stride(1);
+        };
         auto rotated = at::empty({rows, heads, time, dim}, query->options().memory_format(at::MemoryFormat::Contiguous));
         float* rq = rotated.data_ptr<float>();
         // Distinct tokens write distinct slots, but for padding (the scratch block, never
         // read): a token at a time on one thread each.
-        at::parallel_for(0, rows * time, 1, [&](int64_t begin, int64_t end) {
+        at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
             for (int64_t i = begin; i < end; ++i) {
-                const int64_t r = i / time, t = i % time;
+                const int64_t r = token_row[i], t = token_at[i];
                 const float* c = cp + i * dim;
                 const float* sn = sp + i * dim;
                 const int64_t slot = to[i];
                 for (int64_t h = 0; h < kv_heads; ++h) {
-                    rope_head(kp + r * kt.stride(0) + t * kt.stride(1) + h * dim, c, sn, dim,
-                              kcp + (slot * kv_heads + h) * dim);
-                    const float* src = vp + r * vt.stride(0) + t * vt.stride(1) + h * dim;
+                    rope_head(kp + token_of(kt, i) + h * dim, c, sn, dim, kcp + (slot * kv_heads + h) * dim);
+                    const float* src = vp + token_of(vt, i) + h * dim;
                     std::copy(src, src + dim, vcp + (slot * kv_heads + h) * dim);
                 }
                 for (int64_t h = 0; h < heads; ++h) {
-                    rope_head(qp + r * qt.stride(0) + t * qt.stride(1) + h * dim, c, sn, dim,
-                              rq + ((r * heads + h) * time + t) * dim);
+                    rope_head(qp + token_of(qt, i) + h * dim, c, sn, dim, rq + ((r * heads + h) * time + t) * dim);
                 }
             }
         });
         Shape s{rows, heads, time, dim, kv_heads, slots, read->size(-1), window, static_cast<float>(scale)};
-        *out = new at::Tensor(attend_checked(s, rq, kc, vc, *read, *lengths, *positions, query->options()));
+        if (!packed) {
+            *out = new at::Tensor(attend_checked(s, rq, kc, vc, *read, *lengths, *positions, query->options()));
+            return 0;
+        }
+        // Padded to the longest row for the attention; a padding query at position -1 sees
+        // no key (zeros, nothing computed) and is dropped again below.
+        auto padded_positions = at::empty({rows, time}, positions->options().dtype(at::kLong));
+        const auto pc = positions->contiguous();
+        const int64_t* pos = pc.data_ptr<int64_t>();
+        int64_t* pp = padded_positions.data_ptr<int64_t>();
+        std::fill(pp, pp + rows * time, int64_t{-1});
+        for (int64_t i = 0; i < tokens; ++i) {
+            pp[token_row[i] * time + token_at[i]] = pos[i];
+        }
+        const auto attended =
+            attend_checked(s, rq, kc, vc, *read, *lengths, padded_positions, query->options());
+        const float* ap = attended.data_ptr<float>();
+        auto result = at::empty({1, tokens, heads, dim}, query->options().memory_format(at::MemoryFormat::Contiguous));
+        float* res = result.data_ptr<float>();
+        at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t i = begin; i < end; ++i) {
+                for (int64_t h = 0; h < heads; ++h) {
+                    const float* src = ap + ((token_row[i] * heads + h) * time + token_at[i]) * dim;
+                    std::copy(src, src + dim, res + (i * heads + h) * dim);
+                }
+            }
+        });
+        *out = new at::Tensor(result.permute({0, 2, 1, 3}));
         return 0;
     } catch (const std::exception& e) {
         write_error(e.what(), error, error_len);
