@@ -674,8 +674,13 @@ mod tests {
         );
     }
 
+    /// Held by tests that change the kernel's instruction width (a process-wide setting)
+    /// or compare two kernel calls bit for bit: tests run on several threads at once.
+    static WIDEST: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     fn paged_attention_equals_gathered_sdpa() {
+        let _width = WIDEST.lock().unwrap_or_else(|p| p.into_inner());
         // Every instruction width this CPU has (plain C++, AVX2, AVX-512, then AVX-512 with
         // the register kernel for head sizes 64 and 128), the default last.
         for widest in [0, 1, 2, 3] {
@@ -813,6 +818,7 @@ mod tests {
 
     #[test]
     fn packed_tokens_attend_as_padded_rows() {
+        let _width = WIDEST.lock().unwrap_or_else(|p| p.into_inner());
         tch::manual_seed(5);
         let opts = (Kind::Float, Device::Cpu);
         let (heads, kv_heads, dim, slots) = (6i64, 2i64, 64i64, 32i64);
@@ -886,27 +892,45 @@ mod tests {
             out.narrow(2, 3, 1).equal(&reference.narrow(0, 1, 1).narrow(2, 0, 1)),
             "row 1"
         );
-        // Offsets that do not cover the tokens are refused.
-        let bad = step(Some(&[0, 2, 4]), &[12, 13, 14, 22], &packed_keys, &packed_values);
+        // Refused before anything is stored: offsets that fall, one position too few, a read
+        // slot outside the cache.
         let parts = Tensor::cat(&[&row0, &row1], 1).split_with_sizes([heads * dim, kv_heads * dim, kv_heads * dim], -1);
-        let error = crate::shim::rope_paged_attention(&crate::shim::PagedLayer {
-            query: &parts[0],
-            key: &parts[1],
-            value: &parts[2],
-            cos: &angles.cos(),
-            sin: &angles.sin(),
-            key_cache: &packed_keys,
-            value_cache: &packed_values,
-            write: &bad.write,
-            read: &bad.read,
-            lengths: &bad.lengths,
-            positions: &Tensor::from_slice(&[2i64, 3, 4]),
-            offsets: bad.offsets.as_ref(),
-            window: None,
-            scale: 0.125,
-        })
-        .expect_err("three positions for four tokens");
-        assert!(error.to_string().contains("positions"), "{error}");
+        let (keys, values) = (
+            Tensor::zeros([slots, kv_heads, dim], opts),
+            Tensor::zeros([slots, kv_heads, dim], opts),
+        );
+        let outside = Tensor::from_slice(&[10i64, 11, 12, 13, 14, 20, 21, 40, 0, 0]).view([2, 5]);
+        let good_read = packed.read.shallow_clone();
+        let four = Tensor::from_slice(&[2i64, 3, 4, 2]);
+        let three = Tensor::from_slice(&[2i64, 3, 4]);
+        let (rising, falling) = (Tensor::from_slice(&[0i64, 3, 4]), Tensor::from_slice(&[0i64, 5, 4]));
+        for (offsets, positions, read, why) in [
+            (&falling, &four, &good_read, "offsets"),
+            (&rising, &three, &good_read, "positions"),
+            (&rising, &four, &outside, "outside the cache"),
+        ] {
+            let error = crate::shim::rope_paged_attention(&crate::shim::PagedLayer {
+                query: &parts[0],
+                key: &parts[1],
+                value: &parts[2],
+                cos: &angles.cos(),
+                sin: &angles.sin(),
+                key_cache: &keys,
+                value_cache: &values,
+                write: &packed.write,
+                read,
+                lengths: &packed.lengths,
+                positions,
+                offsets: Some(offsets),
+                window: None,
+                scale: 0.125,
+            })
+            .expect_err(why);
+            assert!(error.to_string().contains(why), "{why}: {error}");
+            let stored =
+                keys.abs().sum(Kind::Float).double_value(&[]) + values.abs().sum(Kind::Float).double_value(&[]);
+            assert_eq!(stored, 0.0, "{why}: nothing stored");
+        }
     }
 
     #[test]

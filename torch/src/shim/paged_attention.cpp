@@ -331,27 +331,39 @@ void attend_all(const Shape& s, const float* q, const float* k_cache, const floa
 // Checks `read`, `lengths` and `positions` against the shape and runs the attention of
 // `q` (contiguous [rows, heads, time, dim]) into a new [rows, heads, time, dim] tensor with
 // the widest kernel allowed.
+// Checks the slots `read` ([rows, keys]) and `lengths` ([rows]) against a cache of `slots`
+// slots, and that `positions` holds `tokens` int64 positions: all before anything is written.
+void check_reads(int64_t rows, int64_t slots, int64_t tokens, const at::Tensor& read, const at::Tensor& lengths,
+                 const at::Tensor& positions) {
+    expect(read.dim() == 2 && read.size(0) == rows && read.scalar_type() == at::kLong && read.device().is_cpu(),
+           "read must be int64 [rows, keys] on the CPU");
+    expect(lengths.numel() == rows && lengths.scalar_type() == at::kLong && lengths.device().is_cpu(),
+           "lengths must be int64 [rows] on the CPU");
+    expect(positions.numel() == tokens && positions.scalar_type() == at::kLong && positions.device().is_cpu(),
+           "positions must be int64 [rows, time] on the CPU");
+    const auto rc = read.contiguous();
+    const auto lc = lengths.contiguous();
+    const int64_t keys = read.size(1);
+    const int64_t* at_slot = rc.data_ptr<int64_t>();
+    const int64_t* lens = lc.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t length = std::min(lens[r], keys);
+        for (int64_t j = 0; j < length; ++j) {
+            const int64_t slot = at_slot[r * keys + j];
+            expect(slot >= 0 && slot < slots, "a read slot lies outside the cache");
+        }
+    }
+}
+
 at::Tensor attend_checked(const Shape& s, const float* q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& read, const at::Tensor& lengths, const at::Tensor& positions,
                           const at::TensorOptions& options) {
-    expect(read.dim() == 2 && read.size(0) == s.rows && read.scalar_type() == at::kLong && read.device().is_cpu(),
-           "read must be int64 [rows, keys] on the CPU");
-    expect(lengths.numel() == s.rows && lengths.scalar_type() == at::kLong && lengths.device().is_cpu(),
-           "lengths must be int64 [rows] on the CPU");
-    expect(positions.numel() == s.rows * s.time && positions.scalar_type() == at::kLong && positions.device().is_cpu(),
-           "positions must be int64 [rows, time] on the CPU");
+    check_reads(s.rows, s.slots, s.rows * s.time, read, lengths, positions);
     auto rc = read.contiguous();
     auto lc = lengths.contiguous();
     auto pc = positions.contiguous();
     const int64_t* slots = rc.data_ptr<int64_t>();
     const int64_t* lens = lc.data_ptr<int64_t>();
-    for (int64_t r = 0; r < s.rows; ++r) {
-        const int64_t length = std::min(lens[r], s.keys);
-        for (int64_t j = 0; j < length; ++j) {
-            const int64_t slot = slots[r * s.keys + j];
-            expect(slot >= 0 && slot < s.slots, "a read slot lies outside the cache");
-        }
-    }
     auto result = at::empty({s.rows, s.heads, s.time, s.dim}, options.memory_format(at::MemoryFormat::Contiguous));
     const int limit = widest.load();
     const float* kp = k.data_ptr<float>();
@@ -481,9 +493,11 @@ int regatta_rope_paged_attention(const at::Tensor* query, const at::Tensor* key,
             const auto oc = offsets->contiguous();
             const int64_t* off = oc.data_ptr<int64_t>();
             expect(off[0] == 0 && off[rows] == tokens, "offsets must run from 0 to the number of tokens");
+            for (int64_t r = 0; r < rows; ++r) {
+                expect(off[r + 1] > off[r], "offsets must rise: every packed row needs at least one token");
+            }
             time = 0;
             for (int64_t r = 0; r < rows; ++r) {
-                expect(off[r + 1] > off[r], "every packed row needs at least one token");
                 time = std::max(time, off[r + 1] - off[r]);
                 for (int64_t i = off[r]; i < off[r + 1]; ++i) {
                     token_row[i] = r;
@@ -510,6 +524,7 @@ int regatta_rope_paged_attention(const at::Tensor* query, const at::Tensor* key,
         for (int64_t i = 0; i < tokens; ++i) {
             expect(to[i] >= 0 && to[i] < slots, "a write slot lies outside the cache");
         }
+        check_reads(rows, slots, tokens, *read, *lengths, *positions);
         // Each projection's last dimension contiguous (a group's outputs are views of one
         // product: rows apart by the whole group's width).
         auto last_contiguous = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };
