@@ -18,6 +18,7 @@
 #include <exception>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -133,6 +134,31 @@ struct Shape {
     float scale;
 };
 
+// The keys a query at `position` sees of a row holding `length`: indices lo..=hi, keys
+// 0..=position below the length, the last `window` of them. hi < lo: none (a padding query).
+std::pair<int64_t, int64_t> visible(const Shape& s, int64_t length, int64_t position) {
+    const int64_t hi = std::min(position, length - 1);
+    const int64_t lo = s.window > 0 ? std::max<int64_t>(0, position - s.window + 1) : 0;
+    return {lo, hi};
+}
+
+// softmax over each of `rows` rows of `n` scores, in place.
+void softmax_rows(float* scores, int64_t rows, int64_t n) {
+    for (int64_t g = 0; g < rows; ++g) {
+        float* row_scores = scores + g * n;
+        const float top = *std::max_element(row_scores, row_scores + n);
+        float total = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+            row_scores[j] = std::exp(row_scores[j] - top);
+            total += row_scores[j];
+        }
+        const float inv = 1.f / total;
+        for (int64_t j = 0; j < n; ++j) {
+            row_scores[j] *= inv;
+        }
+    }
+}
+
 // One (row, key/value head): its `group * time` queries against the row's visible keys.
 // Each key and value is read once for all the group's query heads.
 template <float (*Dot)(const float*, const float*, int64_t), void (*Axpy)(float*, float, const float*, int64_t)>
@@ -143,10 +169,7 @@ void attend_one(const Shape& s, int64_t row, int64_t kv_head, const float* q, co
     const int64_t length = std::min(lengths[row], s.keys);
     const int64_t* slots = read + row * s.keys;
     for (int64_t t = 0; t < s.time; ++t) {
-        const int64_t position = positions[row * s.time + t];
-        // Keys 0..=position of this row (below its length), the last `window` of them.
-        const int64_t hi = std::min(position, length - 1);
-        const int64_t lo = s.window > 0 ? std::max<int64_t>(0, position - s.window + 1) : 0;
+        const auto [lo, hi] = visible(s, length, positions[row * s.time + t]);
         auto at = [&](int64_t g) { return ((row * s.heads + kv_head * group + g) * s.time + t) * s.dim; };
         for (int64_t g = 0; g < group; ++g) {
             std::fill(out + at(g), out + at(g) + s.dim, 0.f);
@@ -162,19 +185,7 @@ void attend_one(const Shape& s, int64_t row, int64_t kv_head, const float* q, co
                 scores[g * n + j] = Dot(q + at(g), kv, s.dim) * s.scale;
             }
         }
-        for (int64_t g = 0; g < group; ++g) {
-            float* row_scores = scores.data() + g * n;
-            const float top = *std::max_element(row_scores, row_scores + n);
-            float total = 0.f;
-            for (int64_t j = 0; j < n; ++j) {
-                row_scores[j] = std::exp(row_scores[j] - top);
-                total += row_scores[j];
-            }
-            const float inv = 1.f / total;
-            for (int64_t j = 0; j < n; ++j) {
-                row_scores[j] *= inv;
-            }
-        }
+        softmax_rows(scores.data(), group, n);
         for (int64_t j = 0; j < n; ++j) {
             const float* vv = v_cache + (slots[lo + j] * s.kv_heads + kv_head) * s.dim;
             for (int64_t g = 0; g < group; ++g) {
@@ -200,9 +211,7 @@ __attribute__((target("avx512f"))) void attend_registers(const Shape& s, int64_t
     const int64_t* slots = read + row * s.keys;
     const int64_t stride = s.kv_heads * s.dim;  // floats from one slot to the next
     for (int64_t t = 0; t < s.time; ++t) {
-        const int64_t position = positions[row * s.time + t];
-        const int64_t hi = std::min(position, length - 1);
-        const int64_t lo = s.window > 0 ? std::max<int64_t>(0, position - s.window + 1) : 0;
+        const auto [lo, hi] = visible(s, length, positions[row * s.time + t]);
         auto at = [&](int64_t g) { return ((row * s.heads + kv_head * G + g) * s.time + t) * s.dim; };
         if (hi < lo) {
             for (int g = 0; g < G; ++g) {
@@ -236,19 +245,7 @@ __attribute__((target("avx512f"))) void attend_registers(const Shape& s, int64_t
                 scores[g * n + j] = _mm512_reduce_add_ps(acc) * s.scale;
             }
         }
-        for (int g = 0; g < G; ++g) {
-            float* row_scores = scores.data() + g * n;
-            const float top = *std::max_element(row_scores, row_scores + n);
-            float total = 0.f;
-            for (int64_t j = 0; j < n; ++j) {
-                row_scores[j] = std::exp(row_scores[j] - top);
-                total += row_scores[j];
-            }
-            const float inv = 1.f / total;
-            for (int64_t j = 0; j < n; ++j) {
-                row_scores[j] *= inv;
-            }
-        }
+        softmax_rows(scores.data(), G, n);
         __m512 acc[G][V];
         for (int g = 0; g < G; ++g) {
             for (int v = 0; v < V; ++v) {
