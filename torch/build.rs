@@ -8,6 +8,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/shim/shim.cpp");
     println!("cargo:rerun-if-changed=src/shim/paged_attention.cpp");
     println!("cargo:rerun-if-changed=src/shim/panel_linear.cpp");
+    println!("cargo:rerun-if-changed=src/shim/rms_norm.cpp");
     println!("cargo:rerun-if-changed=src/shim/errors.h");
     if let Ok(libtorch) = std::env::var("LIBTORCH") {
         // The calls tch does not bind (torch/src/shim.rs), against the same headers and C++
@@ -34,6 +35,7 @@ fn main() {
             .file("src/shim/shim.cpp")
             .file("src/shim/paged_attention.cpp")
             .file("src/shim/panel_linear.cpp")
+            .file("src/shim/rms_norm.cpp")
             .compile("regatta_torch_shim");
         println!("cargo:rustc-link-search=native={libtorch}/lib");
         println!("cargo:rustc-link-lib=dylib:+verbatim=libgomp.so.1");

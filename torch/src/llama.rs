@@ -279,6 +279,9 @@ impl Llama {
     /// step's 61 norms, one dispatch each instead of six); for other kinds it rounds
     /// differently (weight applied before the cast), so they take the ops one by one.
     fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
+        if let Some((_, normed)) = self.fused_norm(x, None, weight) {
+            return normed;
+        }
         let kind = x.kind();
         if kind == Kind::Float && weight.kind() == Kind::Float {
             let width = x.size().last().copied().expect("a hidden state has a width");
@@ -288,6 +291,20 @@ impl Llama {
         let variance = x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
         let normed = &x * (variance + self.config.rms_norm_eps).rsqrt();
         weight * normed.to_kind(kind)
+    }
+
+    /// `residual + x` (where given) and its RMSNorm, in one pass per row by the shim
+    /// (`shim::rms_norm`), where that fits: float32 contiguous CPU tensors outside autograd
+    /// (inference). `None`: the caller's libtorch ops serve it.
+    fn fused_norm(&self, x: &Tensor, residual: Option<&Tensor>, weight: &Tensor) -> Option<(Tensor, Tensor)> {
+        let fits = |t: &Tensor| {
+            t.kind() == Kind::Float && t.device() == Device::Cpu && !t.requires_grad() && t.is_contiguous()
+        };
+        if !fits(x) || !fits(weight) || !residual.is_none_or(fits) {
+            return None;
+        }
+        let (sum, normed) = crate::shim::rms_norm(x, residual, weight, self.config.rms_norm_eps).ok()?;
+        Some((sum.unwrap_or_else(|| x.shallow_clone()), normed))
     }
 
     fn layer(&self, layer: usize, p: &[Tensor], x: &Tensor, batch: &Batch) -> Tensor {
@@ -372,9 +389,13 @@ impl Llama {
         layer: usize,
     ) -> Tensor {
         let attended = attended.transpose(1, 2).flatten(2, 3);
-        let h = x + self.linear(next, 3, &attended, batch, layer);
+        let projected = self.linear(next, 3, &attended, batch, layer);
         let norm_post = next.next().expect("a Llama layer block holds its post-attention norm");
-        let m = self.rms_norm(&h, norm_post);
+        let (h, m) = self.fused_norm(&projected, Some(x), norm_post).unwrap_or_else(|| {
+            let h = x + projected;
+            let m = self.rms_norm(&h, norm_post);
+            (h, m)
+        });
         let (gate, up) = match self.grouped(next, 4, 2, &m, batch).as_deref() {
             Some([gate, up]) => (gate.shallow_clone(), up.shallow_clone()),
             _ => (

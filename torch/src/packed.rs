@@ -22,8 +22,9 @@
 //! tried first: the same values as `linear` bit for bit, and no faster.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind, TchError, Tensor};
 
 use crate::shim::{onednn_linear, onednn_pack_linear, panel_kernel_available, panel_linear};
 
@@ -62,10 +63,10 @@ impl PackKernel {
     }
 
     /// `x Wᵀ + bias` against `packed`, W having `out` rows.
-    fn linear(self, x: &Tensor, packed: &Tensor, out: i64, bias: Option<&Tensor>) -> Option<Tensor> {
+    fn linear(self, x: &Tensor, packed: &Tensor, out: i64, bias: Option<&Tensor>) -> Result<Tensor, TchError> {
         match self {
-            Self::Panels => panel_linear(x, packed, out, bias).ok(),
-            Self::OneDnn => onednn_linear(x, packed, bias).ok(),
+            Self::Panels => panel_linear(x, packed, out, bias),
+            Self::OneDnn => onednn_linear(x, packed, bias),
         }
     }
 }
@@ -107,6 +108,9 @@ pub struct PackedWeights {
     by_data: HashMap<usize, PackedWeight>,
     groups: HashMap<usize, PackedGroup>,
     bytes: u64,
+    /// Whether a refused product has been reported (once per model: the fallback is
+    /// correct but slower, and a step makes hundreds of products).
+    refusal_reported: AtomicBool,
 }
 
 fn packable(weight: &Tensor) -> bool {
@@ -150,6 +154,7 @@ impl PackedWeights {
             by_data: HashMap::new(),
             groups: HashMap::new(),
             bytes: 0,
+            refusal_reported: AtomicBool::new(false),
         };
         let mut grouped = std::collections::HashSet::new();
         for group in groups {
@@ -225,7 +230,8 @@ impl PackedWeights {
         if !takes(&packed.source, weight, x) || !bias_fits {
             return None;
         }
-        self.kernel.linear(x, &packed.packed, weight.size()[0], bias)
+        let product = self.kernel.linear(x, &packed.packed, weight.size()[0], bias);
+        self.or_report(product, x)
     }
 
     /// Every member's `x Wᵢᵀ + bᵢ` of the group that starts with `first`, by one product;
@@ -236,10 +242,37 @@ impl PackedWeights {
         if !takes(group.sources.first()?, first, x) {
             return None;
         }
-        let out = self
+        let product = self
             .kernel
-            .linear(x, &group.packed, group.widths.iter().sum(), group.bias.as_ref())?;
-        Some(out.split_with_sizes(&group.widths, -1))
+            .linear(x, &group.packed, group.widths.iter().sum(), group.bias.as_ref());
+        Some(self.or_report(product, x)?.split_with_sizes(&group.widths, -1))
+    }
+
+    /// The kernel's product, or `None` (the caller's own `linear` then serves it) with
+    /// the refusal written to stderr the first time: an input the checks above let
+    /// through but the kernel refuses (its strides, its layout) costs speed, not tokens,
+    /// and a run that falls back should say so rather than be slow in silence.
+    fn or_report(&self, product: Result<Tensor, TchError>, x: &Tensor) -> Option<Tensor> {
+        match product {
+            Ok(product) => Some(product),
+            Err(e) => {
+                if !self.refusal_reported.swap(true, Ordering::Relaxed) {
+                    eprintln!(
+                        "warning: the packed {:?} kernel refused a product of input {:?} (strides {:?}); \
+                         libtorch's linear serves it and any others it refuses (slower, same result): {e}",
+                        self.kernel,
+                        x.size(),
+                        x.stride()
+                    );
+                }
+                None
+            }
+        }
+    }
+
+    /// Whether a product was refused and served by libtorch instead.
+    pub fn refused_any(&self) -> bool {
+        self.refusal_reported.load(Ordering::Relaxed)
     }
 }
 
@@ -348,6 +381,13 @@ mod tests {
         assert!(packed.linear(&narrow, &params[1][0], None).is_none(), "wrong width");
         let empty = Tensor::zeros([0, 96], (Kind::Float, Device::Cpu));
         assert!(packed.linear(&empty, &params[1][0], None).is_none(), "no rows");
+        // What the checks let through and the kernel refuses (a bias of the wrong width)
+        // falls back too, and is reported (once) rather than silent.
+        assert!(!packed.refused_any());
+        let x = Tensor::randn([4, 96], (Kind::Float, Device::Cpu));
+        let short_bias = Tensor::zeros([95], (Kind::Float, Device::Cpu));
+        assert!(packed.linear(&x, &params[1][0], Some(&short_bias)).is_none(), "bias width");
+        assert!(packed.refused_any(), "the refusal is reported");
         // Non-float32 and non-matrix parameters are not packed at all.
         let mixed = vec![
             Vec::new(),

@@ -82,6 +82,16 @@ extern "C" {
         error: *mut c_char,
         error_len: usize,
     ) -> c_int;
+    fn regatta_rms_norm(
+        x: *const C_tensor,
+        residual: *const C_tensor,
+        weight: *const C_tensor,
+        eps: f64,
+        sum: *mut *mut C_tensor,
+        normed: *mut *mut C_tensor,
+        error: *mut c_char,
+        error_len: usize,
+    ) -> c_int;
     fn regatta_allow_tf32(allow: c_int);
     fn regatta_sdp_enabled(flash: *mut c_int, efficient: *mut c_int, math: *mut c_int, cudnn: *mut c_int);
     fn regatta_cuda_memory(
@@ -262,6 +272,39 @@ pub fn panel_linear(
     tensor_answer(status, out, &error)
 }
 
+/// RMSNorm of `x` (`[..., width]`) with `weight` (`[width]`), after adding `residual` where
+/// given (`src/shim/rms_norm.cpp`): `(sum, sum * rsqrt(mean(sum²) + eps) * weight)`, the sum
+/// being `x + residual` (`None` without one). One pass per row where libtorch's `rms_norm`
+/// runs six ops. Float32, contiguous, on the CPU, no autograd; an error otherwise.
+pub fn rms_norm(
+    x: &Tensor,
+    residual: Option<&Tensor>,
+    weight: &Tensor,
+    eps: f64,
+) -> Result<(Option<Tensor>, Tensor), TchError> {
+    let mut sum: *mut C_tensor = std::ptr::null_mut();
+    let mut normed: *mut C_tensor = std::ptr::null_mut();
+    let mut error = [0 as c_char; 1024];
+    // SAFETY: live tensor handles (a null residual means none) and valid out-pointers; the
+    // shim checks every shape it reads and catches C++ exceptions.
+    let status = unsafe {
+        regatta_rms_norm(
+            x.as_ptr(),
+            residual.map_or(std::ptr::null(), Tensor::as_ptr),
+            weight.as_ptr(),
+            eps,
+            &mut sum,
+            &mut normed,
+            error.as_mut_ptr(),
+            error.len(),
+        )
+    };
+    let normed = tensor_answer(status, normed, &error)?;
+    // SAFETY: with a residual the shim wrote a fresh heap at::Tensor for us to own.
+    let sum = (!sum.is_null()).then(|| unsafe { Tensor::from_ptr(sum) });
+    Ok((sum, normed))
+}
+
 /// Attention of `query` `[rows, heads, time, dim]` against the paged KV cache `key_cache` /
 /// `value_cache` (`[slots, kv_heads, dim]`), reading keys and values in their slots
 /// (`src/shim/paged_attention.cpp`): row `r`'s key `j` lies in slot `read[r, j]`
@@ -382,6 +425,56 @@ pub fn sdp_enabled() -> (bool, bool, bool, bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tch::{Device, Kind};
+
+    /// libtorch's own ops for what `rms_norm` fuses, as `transformers`' LlamaRMSNorm
+    /// writes them.
+    fn reference_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+        let variance = x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+        weight * (x * (variance + eps).rsqrt())
+    }
+
+    #[test]
+    fn rms_norm_with_and_without_a_residual_equals_libtorchs_ops() {
+        let cpu = (Kind::Float, Device::Cpu);
+        for (shape, width) in [(vec![1, 1, 576], 576), (vec![3, 5, 7], 7), (vec![64, 1, 576], 576), (vec![2, 13], 13)] {
+            let x = Tensor::randn(shape.as_slice(), cpu) * 3.0;
+            let residual = Tensor::randn(shape.as_slice(), cpu);
+            let weight = Tensor::randn([width], cpu);
+            let (sum, normed) = rms_norm(&x, None, &weight, 1e-5).unwrap();
+            assert!(sum.is_none());
+            let expected = reference_norm(&x, &weight, 1e-5);
+            let tolerance = 1e-6 * f64::try_from(expected.abs().max()).unwrap();
+            let diff = f64::try_from((&normed - &expected).abs().max()).unwrap();
+            assert!(diff <= tolerance, "{shape:?}: {diff} > {tolerance}");
+            let (sum, normed) = rms_norm(&x, Some(&residual), &weight, 1e-5).unwrap();
+            let sum = sum.expect("a residual gives the sum back");
+            assert!(sum.equal(&(&x + &residual)), "{shape:?}: the sum is libtorch's add bit for bit");
+            let expected = reference_norm(&(&x + &residual), &weight, 1e-5);
+            let diff = f64::try_from((&normed - &expected).abs().max()).unwrap();
+            assert!(diff <= tolerance, "{shape:?} with a residual: {diff} > {tolerance}");
+        }
+        // eps matters where a row is all zeros: 0 * rsqrt(eps) = 0, not NaN.
+        let zeros = Tensor::zeros([2, 8], cpu);
+        let (_, normed) = rms_norm(&zeros, None, &Tensor::ones([8], cpu), 1e-6).unwrap();
+        assert!(normed.equal(&zeros));
+    }
+
+    #[test]
+    fn rms_norm_refuses_what_does_not_fit() {
+        let cpu = (Kind::Float, Device::Cpu);
+        let x = Tensor::randn([4, 8], cpu);
+        let weight = Tensor::ones([8], cpu);
+        for (input, residual, weight, why) in [
+            (x.to_kind(Kind::Double), None, weight.shallow_clone(), "float64 input"),
+            (x.transpose(0, 1), None, Tensor::ones([4], cpu), "non-contiguous input"),
+            (x.shallow_clone(), None, Tensor::ones([7], cpu), "weight width"),
+            (x.shallow_clone(), Some(Tensor::ones([4, 7], cpu)), weight.shallow_clone(), "residual shape"),
+            (Tensor::zeros([4, 0], cpu), None, Tensor::ones([0], cpu), "no width"),
+        ] {
+            assert!(rms_norm(&input, residual.as_ref(), &weight, 1e-5).is_err(), "{why}");
+        }
+    }
 
     #[test]
     fn cuda_memory_without_a_cuda_device_is_an_error_not_a_crash() {
