@@ -278,8 +278,8 @@ impl Llama {
     /// `rms_norm` gives the same values and gradients bit for bit in one call (a decode
     /// step's 61 norms, one dispatch each instead of six); for other kinds it rounds
     /// differently (weight applied before the cast), so they take the ops one by one.
-    fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
-        if let Some((_, normed)) = self.fused_norm(x, None, weight) {
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, batch: &Batch) -> Tensor {
+        if let Some((_, normed)) = self.fused_norm(x, None, weight, batch) {
             return normed;
         }
         let kind = x.kind();
@@ -294,9 +294,21 @@ impl Llama {
     }
 
     /// `residual + x` (where given) and its RMSNorm, in one pass per row by the shim
-    /// (`shim::rms_norm`), where that fits: float32 contiguous CPU tensors outside autograd
-    /// (inference). `None`: the caller's libtorch ops serve it.
-    fn fused_norm(&self, x: &Tensor, residual: Option<&Tensor>, weight: &Tensor) -> Option<(Tensor, Tensor)> {
+    /// (`shim::rms_norm`), where that fits: a generation step (the batch reads a KV cache)
+    /// on float32 contiguous CPU tensors outside autograd. `None`: the caller's libtorch
+    /// ops serve it. Only generation: the shim agrees with libtorch to ~1e-7, not bit for
+    /// bit, and every other forward (training, scoring, a checkpoint's logits) must give
+    /// the same values whether or not its weights take gradients.
+    fn fused_norm(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        weight: &Tensor,
+        batch: &Batch,
+    ) -> Option<(Tensor, Tensor)> {
+        if batch.kv.is_none() {
+            return None;
+        }
         let fits = |t: &Tensor| {
             t.kind() == Kind::Float && t.device() == Device::Cpu && !t.requires_grad() && t.is_contiguous()
         };
@@ -316,7 +328,7 @@ impl Llama {
         );
         let mut next = p.iter();
         let norm_in = next.next().expect("a Llama layer block starts with its input norm");
-        let h = self.rms_norm(x, norm_in);
+        let h = self.rms_norm(x, norm_in, batch);
         // [batch, time, n_heads * hd], as the projections give them.
         let (q, k, v) = match self.grouped(&mut next, 0, 3, &h, batch).as_deref() {
             Some([q, k, v]) => (q.shallow_clone(), k.shallow_clone(), v.shallow_clone()),
@@ -391,11 +403,13 @@ impl Llama {
         let attended = attended.transpose(1, 2).flatten(2, 3);
         let projected = self.linear(next, 3, &attended, batch, layer);
         let norm_post = next.next().expect("a Llama layer block holds its post-attention norm");
-        let (h, m) = self.fused_norm(&projected, Some(x), norm_post).unwrap_or_else(|| {
-            let h = x + projected;
-            let m = self.rms_norm(&h, norm_post);
-            (h, m)
-        });
+        let (h, m) = self
+            .fused_norm(&projected, Some(x), norm_post, batch)
+            .unwrap_or_else(|| {
+                let h = x + projected;
+                let m = self.rms_norm(&h, norm_post, batch);
+                (h, m)
+            });
         let (gate, up) = match self.grouped(next, 4, 2, &m, batch).as_deref() {
             Some([gate, up]) => (gate.shallow_clone(), up.shallow_clone()),
             _ => (
@@ -403,7 +417,15 @@ impl Llama {
                 self.linear(next, 5, &m, batch, layer),
             ),
         };
-        let mlp = self.linear(next, 6, &(gate.silu() * up), batch, layer);
+        let mut activated = gate.silu();
+        if gate.requires_grad() || up.requires_grad() {
+            activated = activated * up;
+        } else {
+            // Outside autograd the product goes into silu's output: one allocation (and,
+            // at a prefill's thousand tokens, its page faults) fewer a layer.
+            let _ = activated.g_mul_(&up);
+        }
+        let mlp = self.linear(next, 6, &activated, batch, layer);
         h + mlp
     }
 
@@ -520,7 +542,7 @@ impl Model for Llama {
         if block == 0 {
             Tensor::embedding(&p[0], input, -1, false, false)
         } else if block == last {
-            batch.linear(&self.rms_norm(input, &p[0]), &p[1], None)
+            batch.linear(&self.rms_norm(input, &p[0], batch), &p[1], None)
         } else {
             self.layer(block - 1, p, input, batch)
         }

@@ -386,7 +386,10 @@ mod tests {
         assert!(!packed.refused_any());
         let x = Tensor::randn([4, 96], (Kind::Float, Device::Cpu));
         let short_bias = Tensor::zeros([95], (Kind::Float, Device::Cpu));
-        assert!(packed.linear(&x, &params[1][0], Some(&short_bias)).is_none(), "bias width");
+        assert!(
+            packed.linear(&x, &params[1][0], Some(&short_bias)).is_none(),
+            "bias width"
+        );
         assert!(packed.refused_any(), "the refusal is reported");
         // Non-float32 and non-matrix parameters are not packed at all.
         let mixed = vec![

@@ -437,7 +437,12 @@ mod tests {
     #[test]
     fn rms_norm_with_and_without_a_residual_equals_libtorchs_ops() {
         let cpu = (Kind::Float, Device::Cpu);
-        for (shape, width) in [(vec![1, 1, 576], 576), (vec![3, 5, 7], 7), (vec![64, 1, 576], 576), (vec![2, 13], 13)] {
+        for (shape, width) in [
+            (vec![1, 1, 576], 576),
+            (vec![3, 5, 7], 7),
+            (vec![64, 1, 576], 576),
+            (vec![2, 13], 13),
+        ] {
             let x = Tensor::randn(shape.as_slice(), cpu) * 3.0;
             let residual = Tensor::randn(shape.as_slice(), cpu);
             let weight = Tensor::randn([width], cpu);
@@ -449,7 +454,10 @@ mod tests {
             assert!(diff <= tolerance, "{shape:?}: {diff} > {tolerance}");
             let (sum, normed) = rms_norm(&x, Some(&residual), &weight, 1e-5).unwrap();
             let sum = sum.expect("a residual gives the sum back");
-            assert!(sum.equal(&(&x + &residual)), "{shape:?}: the sum is libtorch's add bit for bit");
+            assert!(
+                sum.equal(&(&x + &residual)),
+                "{shape:?}: the sum is libtorch's add bit for bit"
+            );
             let expected = reference_norm(&(&x + &residual), &weight, 1e-5);
             let diff = f64::try_from((&normed - &expected).abs().max()).unwrap();
             assert!(diff <= tolerance, "{shape:?} with a residual: {diff} > {tolerance}");
@@ -469,7 +477,12 @@ mod tests {
             (x.to_kind(Kind::Double), None, weight.shallow_clone(), "float64 input"),
             (x.transpose(0, 1), None, Tensor::ones([4], cpu), "non-contiguous input"),
             (x.shallow_clone(), None, Tensor::ones([7], cpu), "weight width"),
-            (x.shallow_clone(), Some(Tensor::ones([4, 7], cpu)), weight.shallow_clone(), "residual shape"),
+            (
+                x.shallow_clone(),
+                Some(Tensor::ones([4, 7], cpu)),
+                weight.shallow_clone(),
+                "residual shape",
+            ),
             (Tensor::zeros([4, 0], cpu), None, Tensor::ones([0], cpu), "no width"),
         ] {
             assert!(rms_norm(&input, residual.as_ref(), &weight, 1e-5).is_err(), "{why}");

@@ -146,7 +146,10 @@ mod tests {
         let greedy = Want::Greedy { logprob: false };
         // Finite rows: argmax alone, ties to the lowest id.
         let finite = logits(&[[1.0, 3.0, 3.0, 2.0], [-1.0, -2.0, -0.5, -0.5], [0.0; 4]]);
-        assert_eq!(tokens(&pick(&finite, &[greedy; 3]).unwrap()), [Some(1), Some(2), Some(0)]);
+        assert_eq!(
+            tokens(&pick(&finite, &[greedy; 3]).unwrap()),
+            [Some(1), Some(2), Some(0)]
+        );
         // A NaN counts as -inf, +inf as the largest finite value (so it ties with
         // f32::MAX), -inf as the lowest: rows beside finite ones, which then go the
         // copying way too.
