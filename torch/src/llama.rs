@@ -306,9 +306,7 @@ impl Llama {
         weight: &Tensor,
         batch: &Batch,
     ) -> Option<(Tensor, Tensor)> {
-        if batch.kv.is_none() {
-            return None;
-        }
+        batch.kv.as_ref()?;
         let fits = |t: &Tensor| {
             t.kind() == Kind::Float && t.device() == Device::Cpu && !t.requires_grad() && t.is_contiguous()
         };
@@ -417,14 +415,15 @@ impl Llama {
                 self.linear(next, 5, &m, batch, layer),
             ),
         };
-        let mut activated = gate.silu();
-        if gate.requires_grad() || up.requires_grad() {
-            activated = activated * up;
+        let activated = if gate.requires_grad() || up.requires_grad() {
+            gate.silu() * up
         } else {
             // Outside autograd the product goes into silu's output: one allocation (and,
             // at a prefill's thousand tokens, its page faults) fewer a layer.
+            let mut activated = gate.silu();
             let _ = activated.g_mul_(&up);
-        }
+            activated
+        };
         let mlp = self.linear(next, 6, &activated, batch, layer);
         h + mlp
     }
