@@ -274,7 +274,7 @@ pub struct IdsOutcome {
     pub graphs_off: Option<String>,
     /// Where it ran: `cpu` or `cuda:N`.
     pub device: String,
-    /// Weight matrices packed in oneDNN's layout (0: libtorch's `linear` throughout).
+    /// Weight matrices packed for a CPU kernel (panels or oneDNN's layout) (0: libtorch's `linear` throughout).
     pub packed_matrices: usize,
     /// Bytes those packed copies take.
     pub packed_bytes: u64,

@@ -177,11 +177,13 @@ pub fn score_main() -> ExitCode {
         }
     );
     let (matrices, bytes) = generator.packed_weights();
+    let layout = match generator.packed_kernel() {
+        Some(crate::packed::PackKernel::Panels) => "column panels for Regatta's AVX-512 kernel",
+        Some(crate::packed::PackKernel::OneDnn) => "oneDNN's layout",
+        None => "",
+    };
     if matrices > 0 {
-        eprintln!(
-            "{matrices} weight matrices packed in oneDNN's layout ({} MiB)",
-            bytes >> 20
-        );
+        eprintln!("{matrices} weight matrices packed in {layout} ({} MiB)", bytes >> 20);
     }
     emit(&ready(Some(budget)));
     generate_loop(&scorer, &generator, &messages)

@@ -204,10 +204,15 @@ impl<'a> Generator<'a> {
         self.kv_cache_bytes
     }
 
-    /// Matrices packed in oneDNN's layout and the bytes they take (none: every product
-    /// is libtorch's own `linear`).
+    /// Matrices packed for a CPU kernel (the panels or oneDNN's layout) and the bytes they
+    /// take (none: every product is libtorch's own `linear`).
     pub fn packed_weights(&self) -> (usize, u64) {
         self.packed.as_ref().map_or((0, 0), |p| (p.len(), p.bytes()))
+    }
+
+    /// The kernel the packed matrices are for, where any are.
+    pub fn packed_kernel(&self) -> Option<crate::packed::PackKernel> {
+        self.packed.as_ref().map(|p| p.kernel())
     }
 
     /// The cache blocks the budget buys (the scratch block not counted).
