@@ -278,6 +278,8 @@ impl Llama {
     /// `rms_norm` gives the same values and gradients bit for bit in one call (a decode
     /// step's 61 norms, one dispatch each instead of six); for other kinds it rounds
     /// differently (weight applied before the cast), so they take the ops one by one.
+    /// (That one call still runs six kernels inside libtorch; a generation step on the CPU
+    /// takes [`Self::fused_norm`]'s single pass instead.)
     fn rms_norm(&self, x: &Tensor, weight: &Tensor, batch: &Batch) -> Tensor {
         if let Some((_, normed)) = self.fused_norm(x, None, weight, batch) {
             return normed;
