@@ -259,7 +259,7 @@ impl PackedWeights {
                 if !self.refusal_reported.swap(true, Ordering::Relaxed) {
                     eprintln!(
                         "warning: the packed {:?} kernel refused a product of input {:?} (strides {:?}); \
-                         libtorch's linear serves it and any others it refuses (slower, same result): {e}",
+                         libtorch's linear serves it and any others it refuses (slower; equal up to summation order): {e}",
                         self.kernel,
                         x.size(),
                         x.stride()
@@ -271,7 +271,8 @@ impl PackedWeights {
     }
 
     /// Whether a product was refused and served by libtorch instead.
-    pub fn refused_any(&self) -> bool {
+    #[cfg(test)]
+    fn refused_any(&self) -> bool {
         self.refusal_reported.load(Ordering::Relaxed)
     }
 }
