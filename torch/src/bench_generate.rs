@@ -212,6 +212,9 @@ pub struct IdsJob {
     /// Whether rows share the cache blocks of a common prefix (default true).
     #[serde(default = "yes")]
     pub prefix_caching: bool,
+    /// Token slots per cache block (default: `GenerationSetup`'s).
+    #[serde(default)]
+    pub block_tokens: Option<usize>,
     /// Whether CUDA replays decode steps as graphs (default true; ignored on the CPU).
     #[serde(default = "yes")]
     pub cuda_graphs: bool,
@@ -304,9 +307,10 @@ pub fn generate_ids(model_path: &str, job: &IdsJob) -> Result<IdsOutcome> {
     };
     let started = Instant::now();
     let (model, params, context) = load_on(model_path, crate::cuda::inference_kind(device), device)?;
-    let params = crate::model::inference_layout(params, device);
+    let setup = job.setup();
+    let params = crate::generate::generation_layout(params, &setup, device);
     // Making the generator packs the weights (where it does): part of loading.
-    let generator = Generator::new(model.as_ref(), &params, job.setup(), context, job.eos.clone(), device)?;
+    let generator = Generator::new(model.as_ref(), &params, setup, context, job.eos.clone(), device)?;
     sync();
     let load_seconds = started.elapsed().as_secs_f64();
     let rows = job.rows();
@@ -382,6 +386,10 @@ impl IdsJob {
             cuda_graphs: self.cuda_graphs,
             packed_weights: self.packed_weights,
             paged_attention: self.paged_attention,
+            block_tokens: self
+                .block_tokens
+                .unwrap_or(GenerationSetup::default().block_tokens)
+                .max(1),
             ..GenerationSetup::default()
         }
     }

@@ -56,13 +56,15 @@ impl Scorer {
     /// A model folder (Hugging Face layout, or a trainer checkpoint) with its weights in
     /// `kind` on `device` (`cuda::inference_kind`: bf16 on CUDA), scoring texts of up to
     /// `context` tokens (0: the model's own limit). Log-probabilities are taken in f32.
+    /// `generation`: the setup its [`Scorer::generator`] will run under, where it is loaded
+    /// to generate (the weights' layout follows it: see [`Scorer::from_model`]).
     pub async fn from_folder(
         hf: &HfModel,
         adapter: Option<&Adapter>,
         context: usize,
         tokenizer: TextTokenizer,
-        device: Device,
-        kind: Kind,
+        (device, kind): (Device, Kind),
+        generation: Option<&GenerationSetup>,
     ) -> Result<Self> {
         let mut model = hf.model()?;
         hf.check(model.as_ref())?;
@@ -118,22 +120,29 @@ impl Scorer {
         }
         eos.sort_unstable();
         eos.dedup();
-        let mut scorer = Self::from_model(model, params, context, tokenizer, device);
+        let mut scorer = Self::from_model(model, params, context, tokenizer, device, generation);
         scorer.settings = settings;
         scorer.eos = eos;
         Ok(scorer)
     }
 
     /// A model with its weights per block (tied ones included), for texts of up to
-    /// `context` tokens.
+    /// `context` tokens. The weights are laid out for what the scorer is loaded for: for
+    /// scoring (`generation` `None`), in [`crate::model::inference_layout`]; for generation
+    /// under `generation`, as [`crate::generate::generation_layout`] decides (as stored
+    /// where the generator packs them). Either serves both, one of them slower.
     pub fn from_model(
         model: Box<dyn Model>,
         params: Vec<Vec<Tensor>>,
         context: usize,
         tokenizer: TextTokenizer,
         device: Device,
+        generation: Option<&GenerationSetup>,
     ) -> Self {
-        let params = crate::model::inference_layout(params, device);
+        let params = match generation {
+            Some(setup) => crate::generate::generation_layout(params, setup, device),
+            None => crate::model::inference_layout(params, device),
+        };
         Self {
             context,
             net: Net::Model { model, params },
@@ -404,6 +413,10 @@ mod tests {
     use regatta_trainer::ModelConfig;
 
     fn scorer() -> Scorer {
+        scorer_for(None)
+    }
+
+    fn scorer_for(generation: Option<&GenerationSetup>) -> Scorer {
         let config = ModelConfig {
             layers: 1,
             width: 16,
@@ -417,7 +430,75 @@ mod tests {
             .into_iter()
             .map(|block| block.iter().map(|spec| seeded(spec, 5)).collect())
             .collect();
-        Scorer::from_model(Box::new(gpt), params, 12, TextTokenizer::Bytes, Device::Cpu)
+        Scorer::from_model(Box::new(gpt), params, 12, TextTokenizer::Bytes, Device::Cpu, generation)
+    }
+
+    /// The strides of the decoder layer's matrices.
+    fn matrix_strides(scorer: &Scorer) -> Vec<Vec<i64>> {
+        let Net::Model { params, .. } = &scorer.net else {
+            unreachable!("a model")
+        };
+        params[1].iter().filter(|w| w.dim() == 2).map(Tensor::stride).collect()
+    }
+
+    #[test]
+    fn the_weights_layout_follows_what_the_scorer_is_loaded_for_and_generations_agree() {
+        let packed = GenerationSetup {
+            kv_cache_bytes: Some(1 << 20),
+            max_batch: 4,
+            ..GenerationSetup::default()
+        };
+        let unpacked = GenerationSetup {
+            packed_weights: false,
+            ..packed.clone()
+        };
+        let (for_scoring, for_packed, for_unpacked) =
+            (scorer(), scorer_for(Some(&packed)), scorer_for(Some(&unpacked)));
+        // Stored `[out, in]` row-major where the generator packs the weights (the packer
+        // reads them so); transposed for libtorch's `linear` everywhere else.
+        let stored = matrix_strides(&for_packed);
+        assert!(!stored.is_empty());
+        for (stride, laid_out) in stored.iter().zip(matrix_strides(&for_scoring)) {
+            assert_eq!(stride[1], 1, "as stored: {stored:?}");
+            assert_eq!(laid_out[0], 1, "laid out, transposed: {laid_out:?}");
+        }
+        assert_eq!(matrix_strides(&for_unpacked), matrix_strides(&for_scoring));
+
+        let rows: Vec<Prepared> = ["hi", "abc", "hey"]
+            .iter()
+            .enumerate()
+            .map(|(i, text)| Prepared {
+                prompt: for_scoring.tokenize(text).unwrap().0,
+                params: regatta_scorer::SamplingParams {
+                    max_new_tokens: 6,
+                    logprobs: true,
+                    ..Default::default()
+                },
+                stream: RowStream::new(0, &i.to_string()),
+            })
+            .collect();
+        let generate = |scorer: &Scorer, setup: &GenerationSetup| -> Vec<(Vec<i64>, Vec<f64>)> {
+            let generator = scorer.generator(setup).unwrap();
+            generator
+                .run(&rows, &|_| String::new(), &mut |_| {})
+                .unwrap()
+                .into_iter()
+                .map(|row| row.map(|out| (out.tokens, out.logprobs)).unwrap())
+                .collect()
+        };
+        let want = generate(&for_scoring, &packed);
+        assert!(want
+            .iter()
+            .all(|(tokens, logprobs)| tokens.len() == 6 && logprobs.len() == 6));
+        // The same packed matrices from either layout: the same tokens and numbers, exactly.
+        assert_eq!(generate(&for_packed, &packed), want);
+        // libtorch's own products: the same tokens, numbers up to summation order.
+        for ((tokens, logprobs), (want_tokens, want_logprobs)) in generate(&for_unpacked, &unpacked).iter().zip(&want) {
+            assert_eq!(tokens, want_tokens);
+            for (a, b) in logprobs.iter().zip(want_logprobs) {
+                assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+            }
+        }
     }
 
     #[test]

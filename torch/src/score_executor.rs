@@ -9,7 +9,7 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 
 use regatta_object_store::Place;
 use regatta_scorer::{is_torchscript, AdapterBase, FromScorer, RowFailure, RowScore, ScorerSetup, ToScorer};
-use regatta_scorer::{GenRequest, Generation};
+use regatta_scorer::{GenRequest, Generation, GenerationSetup};
 use tch::Device;
 
 use crate::checkpoint::open_model;
@@ -45,19 +45,22 @@ fn load(setup: &ScorerSetup) -> Result<(Scorer, u64, Device)> {
         &setup.tokenizer,
         setup.context,
         device,
+        setup.generation.as_ref(),
     ))?;
     Ok((scorer, params, device))
 }
 
 /// The scorer of a model folder or checkpoint: its tokenizer is `tokenizer` when given,
 /// else the folder's `tokenizer.json`, else the one the training run named, else bytes.
-/// `adapter`: the adapter's folder (empty: none) and how the base under it is held.
+/// `adapter`: the adapter's folder (empty: none) and how the base under it is held;
+/// `generation`: the setup it will generate under, where it is loaded to generate.
 async fn open_scorer(
     url: &str,
     (adapter, base, double_quant): (&str, AdapterBase, bool),
     tokenizer: &str,
     context: usize,
     device: Device,
+    generation: Option<&GenerationSetup>,
 ) -> Result<(Scorer, u64)> {
     let (manifest, hf) = open_model(url).await?;
     let adapter = if adapter.is_empty() {
@@ -79,8 +82,8 @@ async fn open_scorer(
         adapter.as_ref(),
         context,
         tokenizer,
-        device,
-        crate::cuda::inference_kind(device),
+        (device, crate::cuda::inference_kind(device)),
+        generation,
     )
     .await?;
     let params = scorer.parameters();
@@ -97,6 +100,7 @@ pub fn export(checkpoint: &str, out: &str) -> Result<usize> {
         "",
         0,
         Device::Cpu,
+        None,
     ))?;
     let module = scorer.export()?;
     let file = tempfile_beside(out);

@@ -562,7 +562,7 @@ fn the_scorer_reads_a_model_folder_and_scores_as_transformers_logits_imply() {
             ))
             .unwrap();
         let scorer = rt
-            .block_on(Scorer::from_folder(&hf, None, 0, tokenizer, Device::Cpu, kind))
+            .block_on(Scorer::from_folder(&hf, None, 0, tokenizer, (Device::Cpu, kind), None))
             .unwrap();
         assert_eq!(scorer.context(), 128, "{name}: max_position_embeddings");
         let expected = reference(name);

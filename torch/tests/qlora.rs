@@ -330,8 +330,8 @@ fn adapter_scores(
             Some(&adapter),
             0,
             tokenizer,
-            regatta_torch::tch::Device::Cpu,
-            Kind::Float,
+            (regatta_torch::tch::Device::Cpu, Kind::Float),
+            None,
         ))
         .unwrap();
     let rows: Vec<(Vec<i64>, bool)> = [
