@@ -1,15 +1,27 @@
 //! Safe wrappers over `src/shim/shim.cpp`: libtorch calls tch 0.24 does not bind.
-//! FlashAttention's variable-length forward (packed documents, no dense mask), the TF32
+//! Tensors over bytes read from a file without a copy, FlashAttention's variable-length forward (packed documents, no dense mask), the TF32
 //! switch for float32 matmuls, which SDPA kernels are enabled, and the CUDA caching
 //! allocator's statistics.
 #![allow(unsafe_code)]
 
-use std::ffi::{c_char, c_int, CStr};
+use std::ffi::{c_char, c_int, c_void, CStr};
 
-use tch::{TchError, Tensor};
+use bytes::{Bytes, BytesMut};
+use tch::{Kind, TchError, Tensor};
 use torch_sys::C_tensor;
 
 extern "C" {
+    fn regatta_tensor_over(
+        data: *mut c_void,
+        sizes: *const i64,
+        dims: usize,
+        like: *const C_tensor,
+        context: *mut c_void,
+        release: extern "C" fn(*mut c_void),
+        out: *mut *mut C_tensor,
+        error: *mut c_char,
+        error_len: usize,
+    ) -> c_int;
     fn regatta_flash_varlen(
         query: *const C_tensor,
         key: *const C_tensor,
@@ -195,6 +207,60 @@ fn tensor_answer(status: c_int, out: *mut C_tensor, error: &[c_char]) -> Result<
     }
     // SAFETY: `out` is a fresh heap at::Tensor the shim made for us to own.
     Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// Frees the bytes a tensor of [`tensor_from_bytes`] lay in (libtorch calls it once).
+extern "C" fn release_bytes(context: *mut c_void) {
+    // SAFETY: `context` is the `Box<BytesMut>` `tensor_from_bytes` leaked for the tensor;
+    // the shim calls this exactly once.
+    drop(unsafe { Box::from_raw(context.cast::<BytesMut>()) });
+}
+
+/// A contiguous CPU tensor of `kind` and `shape` holding `bytes` (native byte order, as a
+/// safetensors file stores them), an error where their length is not the shape's. A model
+/// file's tensors are read into fresh buffers: such a buffer (the only handle to its
+/// memory, aligned for `kind`) becomes the tensor's storage as it is, freed with it;
+/// any other is copied. A load of SmolLM2-135M copied 540 MB a second time before.
+pub fn tensor_from_bytes(bytes: Bytes, shape: &[i64], kind: Kind) -> Result<Tensor, TchError> {
+    let elements = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?));
+    if elements.and_then(|n| n.checked_mul(kind.elt_size_in_bytes())) != Some(bytes.len()) {
+        return Err(TchError::Shape(format!(
+            "{} bytes do not hold a {kind:?} tensor of shape {shape:?}",
+            bytes.len()
+        )));
+    }
+    let aligned = bytes.as_ptr() as usize % kind.elt_size_in_bytes().max(1) == 0;
+    let owned = match bytes.try_into_mut() {
+        Ok(owned) if aligned && !owned.is_empty() => owned,
+        Ok(owned) => return Tensor::f_from_data_size(&owned, shape, kind),
+        Err(shared) => return Tensor::f_from_data_size(&shared, shape, kind),
+    };
+    let mut owned = Box::new(owned);
+    let data = owned.as_mut_ptr().cast::<c_void>();
+    let context = Box::into_raw(owned).cast::<c_void>();
+    // The kind, as libtorch numbers it (tch keeps its own numbering private).
+    let like = Tensor::empty([0], (kind, tch::Device::Cpu));
+    let mut out: *mut C_tensor = std::ptr::null_mut();
+    let mut error = [0 as c_char; 1024];
+    // SAFETY: `data` holds exactly the shape's bytes (checked above), aligned for `kind`,
+    // and stays valid until the shim calls `release_bytes(context)`, which it does exactly
+    // once (on failure too); nothing else reads or writes the buffer meanwhile.
+    let status = unsafe {
+        regatta_tensor_over(
+            data,
+            shape.as_ptr(),
+            shape.len(),
+            like.as_ptr(),
+            context,
+            release_bytes,
+            &mut out,
+            error.as_mut_ptr(),
+            error.len(),
+        )
+    };
+    tensor_answer(status, out, &error)
 }
 
 /// `weight` (`[out, in]`, float32, CPU; any strides) reordered once into oneDNN's blocked
@@ -425,7 +491,58 @@ pub fn sdp_enabled() -> (bool, bool, bool, bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tch::{Device, Kind};
+    use tch::Device;
+
+    fn le_bytes(values: &[f32]) -> Vec<u8> {
+        values.iter().flat_map(|v| v.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn a_fresh_buffer_becomes_the_tensor_others_are_copied_and_wrong_lengths_refused() {
+        let values: Vec<f32> = (0..24).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let want = Tensor::from_slice(&values).view([2, 3, 4]);
+
+        // A fresh read: the tensor lies in the buffer itself, and is writable.
+        let fresh = Bytes::from(le_bytes(&values));
+        let address = fresh.as_ptr() as usize;
+        let mut tensor = tensor_from_bytes(fresh, &[2, 3, 4], Kind::Float).unwrap();
+        assert_eq!(tensor.data_ptr() as usize, address, "no copy");
+        assert!(tensor.equal(&want));
+        let _ = tensor.g_mul_scalar_(2.0);
+        assert!(tensor.equal(&(&want * 2.0)));
+        drop(tensor);
+
+        // Bytes someone else still holds: copied, theirs left as they were.
+        let shared = Bytes::from(le_bytes(&values));
+        let kept = shared.clone();
+        let mut tensor = tensor_from_bytes(shared, &[2, 3, 4], Kind::Float).unwrap();
+        assert_ne!(tensor.data_ptr() as usize, kept.as_ptr() as usize);
+        let _ = tensor.g_mul_scalar_(2.0);
+        assert_eq!(kept.as_ref(), le_bytes(&values).as_slice());
+
+        // Off the element alignment: copied, same values.
+        let mut padded = vec![0u8];
+        padded.extend(le_bytes(&values));
+        let odd = Bytes::from(padded).slice(1..);
+        let tensor = tensor_from_bytes(odd, &[24], Kind::Float).unwrap();
+        assert!(tensor.equal(&want.view([24])));
+
+        // Other kinds and an empty tensor.
+        let ints = tensor_from_bytes(Bytes::from(7i64.to_le_bytes().repeat(3)), &[3], Kind::Int64).unwrap();
+        assert_eq!(Vec::<i64>::try_from(&ints).unwrap(), vec![7, 7, 7]);
+        assert_eq!(
+            tensor_from_bytes(Bytes::new(), &[0, 5], Kind::Float).unwrap().size(),
+            vec![0, 5]
+        );
+
+        for (bytes, shape) in [
+            (le_bytes(&values[..23]), vec![2i64, 3, 4]),
+            (le_bytes(&values), vec![-1, 24]),
+        ] {
+            let error = tensor_from_bytes(Bytes::from(bytes), &shape, Kind::Float).unwrap_err();
+            assert!(error.to_string().contains("do not hold"), "{error}");
+        }
+    }
 
     /// libtorch's own ops for what `rms_norm` fuses, as `transformers`' LlamaRMSNorm
     /// writes them.

@@ -292,7 +292,7 @@ impl HfModel {
                 })?;
                 Tensor::f_from_slice(&values)?.f_reshape(&entry.shape)?
             }
-            None => Tensor::f_from_data_size(&bytes, &entry.shape, stored)?,
+            None => crate::shim::tensor_from_bytes(bytes, &entry.shape, stored)?,
         };
         Ok(if stored == kind { tensor } else { tensor.to_kind(kind) })
     }

@@ -1,4 +1,5 @@
-// libtorch calls tch 0.24 does not bind: FlashAttention's variable-length forward (packed
+// libtorch calls tch 0.24 does not bind: a CPU tensor over memory Rust owns (freed through
+// a callback when libtorch lets go of it), FlashAttention's variable-length forward (packed
 // rows without a dense mask), oneDNN's linear against a weight packed once (operators of
 // the `mkldnn` namespace, reached through the dispatcher), the TF32 switch, the SDPA
 // kernel switches and the CUDA caching allocator's statistics (reached through libc10's allocator registry, which
@@ -12,15 +13,45 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_flash_attention_forward.h>
+#include <ATen/ops/from_blob.h>
 
 #include "errors.h"
+#include <atomic>
 #include <cstdio>
+#include <memory>
 #include <exception>
 #include <optional>
 
 using regatta_shim::write_error;
 
 extern "C" {
+
+// A CPU tensor of `like`'s dtype and shape `sizes[0..dims]`, contiguous, over `data`
+// without a copy: `release(context)` is called once, when the
+// tensor's storage is freed (or here, when making it fails). The caller checked that
+// `data` holds the shape's bytes and is aligned for the dtype. Returns 0, or 1 with the
+// reason in `error`.
+int regatta_tensor_over(void* data, const int64_t* sizes, size_t dims, const at::Tensor* like, void* context,
+                        void (*release)(void*), at::Tensor** out, char* error, size_t error_len) {
+    // Exactly once, whether libtorch frees the storage or making it throws half-way (a
+    // storage already made frees its deleter on the way out).
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    auto release_once = [context, release, done](void*) {
+        if (!done->exchange(true)) {
+            release(context);
+        }
+    };
+    try {
+        auto options = at::TensorOptions().dtype(like->scalar_type()).device(at::kCPU);
+        auto tensor = at::from_blob(data, at::IntArrayRef(sizes, dims), release_once, options);
+        *out = new at::Tensor(std::move(tensor));
+        return 0;
+    } catch (const std::exception& e) {
+        release_once(nullptr);
+        write_error(e.what(), error, error_len);
+        return 1;
+    }
+}
 
 // Causal attention of packed documents: query [total, heads, dim], key and value [total,
 // kv_heads, dim] (GQA when kv_heads < heads), documents given by cumulative lengths
