@@ -4,12 +4,13 @@
 //! libtorch's CPU `linear` is MKL's `sgemm`, which on the AMD machine kind takes MKL's
 //! generic code path and repacks every weight on every call. Two packed forms replace it:
 //!
-//! - **Column panels** ([`PackKernel::Panels`], where the CPU has AVX-512F): Regatta's own
-//!   kernel (`src/shim/panel_linear.cpp`) over `[ceil(out / 32), in, 32]`, streaming each
-//!   weight byte once per product and multiplying it into up to 12 batch rows at a time.
-//!   A decode step of SmolLM2-135M: 2x faster than oneDNN at 16 rows, 1.3x at 64 (docs/
+//! - **Column panels** ([`PackKernel::Panels`], where the CPU has AVX-512F, or AVX2 up to
+//!   32 rows: [`PackKernel::best`]): Regatta's own kernel (`src/shim/panel_linear.cpp`)
+//!   over `[ceil(out / 32), in, 32]`, streaming each weight byte once per product and
+//!   multiplying it into up to 12 (AVX2: 6) batch rows at a time. A decode step of
+//!   SmolLM2-135M with AVX-512: 2x faster than oneDNN at 16 rows, 1.3x at 64 (docs/
 //!   NOTES.md, "Generation speed on the CPU"). Each output sums its products in input
-//!   order.
+//!   order, the same bits from either instruction set.
 //! - **oneDNN's blocked layout** ([`PackKernel::OneDnn`], elsewhere): what TorchInductor's
 //!   CPU freezing pass does (`mkldnn::_reorder_linear_weight` + `mkldnn::_linear_pointwise`),
 //!   1.2-1.4x faster than MKL at 1, 16 and 64 rows.
@@ -26,7 +27,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use tch::{Device, Kind, TchError, Tensor};
 
-use crate::shim::{onednn_linear, onednn_pack_linear, panel_kernel_available, panel_linear};
+use crate::shim::{onednn_linear, onednn_pack_linear, panel_kernel_available, panel_kernel_wide, panel_linear};
+
+/// The largest batch hint for which a CPU with AVX2 but no AVX-512F packs column panels.
+const AVX2_PANEL_ROWS: usize = 32;
 
 /// Which kernel multiplies the packed weights, and so their layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,12 +44,22 @@ pub enum PackKernel {
 }
 
 impl PackKernel {
-    /// The panels where this CPU has AVX-512F, else oneDNN.
-    pub fn best() -> Self {
-        if panel_kernel_available() {
-            Self::Panels
-        } else {
-            Self::OneDnn
+    /// The kernel for products of about `batch_hint` rows on this CPU: the panels where it
+    /// has AVX-512F; where it has only AVX2 (AMD Zen 3), the panels up to 32 rows and
+    /// oneDNN above, the two measured so on SmolLM2-135M decode steps (2-core EPYC, same
+    /// tokens): the panels 2% faster at 1 row, 9% at 16, 6% at 32, but 10% slower at 64,
+    /// where oneDNN's AVX2 kernel blocks better than two 16-column halves of 6 rows.
+    pub fn best(batch_hint: usize) -> Self {
+        Self::choose(panel_kernel_wide(), batch_hint)
+    }
+
+    /// [`PackKernel::best`] for a CPU whose panel tiles are `wide` (see
+    /// [`crate::shim::panel_kernel_wide`]).
+    fn choose(wide: Option<bool>, batch_hint: usize) -> Self {
+        match wide {
+            Some(true) => Self::Panels,
+            Some(false) if batch_hint <= AVX2_PANEL_ROWS => Self::Panels,
+            _ => Self::OneDnn,
         }
     }
 
@@ -138,7 +152,7 @@ impl PackedWeights {
     /// `batch_hint` rows, for the best kernel this CPU runs ([`PackKernel::best`]). `None`
     /// where it cannot (no oneDNN in this libtorch) or nothing qualifies.
     pub fn pack(params: &[Vec<Tensor>], groups: &[LinearGroup], batch_hint: usize) -> Option<Self> {
-        Self::pack_for(PackKernel::best(), params, groups, batch_hint)
+        Self::pack_for(PackKernel::best(batch_hint), params, groups, batch_hint)
     }
 
     /// [`PackedWeights::pack`] for `kernel`.
@@ -446,12 +460,24 @@ mod tests {
     }
 
     #[test]
+    fn avx2_cpus_pack_panels_for_small_batches_and_onednn_for_large_ones() {
+        for hint in [1, 16, 32, 64, 256] {
+            assert_eq!(PackKernel::choose(Some(true), hint), PackKernel::Panels);
+            assert_eq!(PackKernel::choose(None, hint), PackKernel::OneDnn);
+        }
+        assert_eq!(PackKernel::choose(Some(false), 1), PackKernel::Panels);
+        assert_eq!(PackKernel::choose(Some(false), 32), PackKernel::Panels);
+        assert_eq!(PackKernel::choose(Some(false), 33), PackKernel::OneDnn);
+        assert_eq!(PackKernel::choose(Some(false), 64), PackKernel::OneDnn);
+    }
+
+    #[test]
     fn the_panel_kernel_refuses_what_does_not_fit() {
         if !panel_kernel_available() {
             let x = Tensor::ones([2, 4], (Kind::Float, Device::Cpu));
             let error = panel_linear(&x, &Tensor::zeros([1, 4, 32], (Kind::Float, Device::Cpu)), 8, None)
-                .expect_err("no AVX-512F");
-            assert!(error.to_string().contains("AVX-512F"), "{error}");
+                .expect_err("neither AVX-512F nor AVX2");
+            assert!(error.to_string().contains("AVX-512F or AVX2"), "{error}");
             return;
         }
         let w = Tensor::randn([40, 8], (Kind::Float, Device::Cpu));

@@ -182,7 +182,7 @@ pub fn score_main() -> ExitCode {
     );
     let (matrices, bytes) = generator.packed_weights();
     let layout = match generator.packed_kernel() {
-        Some(crate::packed::PackKernel::Panels) => "column panels for Regatta's AVX-512 kernel",
+        Some(crate::packed::PackKernel::Panels) => "column panels for Regatta's own kernel",
         Some(crate::packed::PackKernel::OneDnn) => "oneDNN's layout",
         None => "",
     };

@@ -84,7 +84,9 @@ extern "C" {
     ) -> c_int;
     #[cfg(test)]
     fn regatta_paged_attention_widest(level: c_int);
-    fn regatta_panel_kernel_available() -> c_int;
+    fn regatta_panel_kernel_level() -> c_int;
+    #[cfg(test)]
+    fn regatta_panel_force_avx2(force: c_int);
     fn regatta_panel_linear(
         input: *const C_tensor,
         packed: *const C_tensor,
@@ -304,16 +306,34 @@ pub fn paged_attention_widest(level: u8) {
     unsafe { regatta_paged_attention_widest(c_int::from(level)) }
 }
 
-/// Whether this CPU runs [`panel_linear`] (AVX-512F).
+/// Whether this CPU runs [`panel_linear`] (AVX-512F, or AVX2 with FMA).
 pub fn panel_kernel_available() -> bool {
+    panel_kernel_wide().is_some()
+}
+
+/// Whether [`panel_linear`] runs its AVX-512 tiles here (`Some(true)`), its AVX2 tiles
+/// (`Some(false)`), or not at all (`None`).
+pub fn panel_kernel_wide() -> Option<bool> {
     // SAFETY: reads the CPU's feature flags.
-    unsafe { regatta_panel_kernel_available() != 0 }
+    match unsafe { regatta_panel_kernel_level() } {
+        2 => Some(true),
+        1 => Some(false),
+        _ => None,
+    }
+}
+
+/// Makes [`panel_linear`] take its AVX2 tiles even where the CPU has AVX-512F (tests:
+/// both must give the same bits). Process-wide.
+#[cfg(test)]
+pub fn panel_force_avx2(force: bool) {
+    // SAFETY: stores a flag the kernel reads.
+    unsafe { regatta_panel_force_avx2(c_int::from(force)) }
 }
 
 /// `input [..., in] · Wᵀ + bias` (`src/shim/panel_linear.cpp`) for a weight `W [out_width,
 /// in]` packed in column panels (`packed` `[ceil(out_width / 32), in, 32]`, contiguous;
-/// `crate::packed` makes them); float32 on the CPU. An error on a CPU without AVX-512F or
-/// for shapes that do not fit.
+/// `crate::packed` makes them); float32 on the CPU. An error on a CPU with neither
+/// AVX-512F nor AVX2 and FMA, or for shapes that do not fit.
 pub fn panel_linear(
     input: &Tensor,
     packed: &Tensor,
@@ -492,6 +512,66 @@ pub fn sdp_enabled() -> (bool, bool, bool, bool) {
 mod tests {
     use super::*;
     use tch::Device;
+
+    /// Each output of the panel kernel is one FMA chain in input order, then the bias: the
+    /// same bits from its AVX-512 and its AVX2 tiles, whatever the row count and however
+    /// the last panel is cut.
+    #[test]
+    fn both_panel_tiles_give_each_output_as_one_fma_chain_in_input_order() {
+        if !panel_kernel_available() {
+            return;
+        }
+        tch::manual_seed(11);
+        let cpu = (Kind::Float, Device::Cpu);
+        for (n, k) in [(70i64, 40i64), (20, 96), (64, 33), (5, 7)] {
+            let w = Tensor::randn([n, k], cpu);
+            let panels = (n + 31) / 32;
+            let packed = w
+                .constant_pad_nd([0, 0, 0, panels * 32 - n])
+                .view([panels, 32, k])
+                .transpose(1, 2)
+                .contiguous();
+            let bias = Tensor::randn([n], cpu);
+            let ws = Vec::<f32>::try_from(w.view([-1])).unwrap();
+            let bs = Vec::<f32>::try_from(&bias).unwrap();
+            for rows in [1i64, 2, 5, 6, 7, 12, 13, 37] {
+                let x = Tensor::randn([rows, k], cpu);
+                let xs = Vec::<f32>::try_from(x.view([-1])).unwrap();
+                let chain = |r: usize, o: usize| {
+                    (0..k as usize).fold(0f32, |acc, i| {
+                        xs[r * k as usize + i].mul_add(ws[o * k as usize + i], acc)
+                    })
+                };
+                for avx2 in [false, true] {
+                    panel_force_avx2(avx2);
+                    let plain = panel_linear(&x, &packed, n, None);
+                    let biased = panel_linear(&x, &packed, n, Some(&bias));
+                    panel_force_avx2(false);
+                    let (plain, biased) = (plain.unwrap(), biased.unwrap());
+                    let (plain, biased) = (
+                        Vec::<f32>::try_from(plain.view([-1])).unwrap(),
+                        Vec::<f32>::try_from(biased.view([-1])).unwrap(),
+                    );
+                    for r in 0..rows as usize {
+                        for o in 0..n as usize {
+                            let want = chain(r, o);
+                            let at = r * n as usize + o;
+                            assert_eq!(
+                                plain[at].to_bits(),
+                                want.to_bits(),
+                                "{n}x{k} rows {rows} avx2 {avx2} ({r}, {o})"
+                            );
+                            assert_eq!(
+                                biased[at].to_bits(),
+                                (want + bs[o]).to_bits(),
+                                "{n}x{k} rows {rows} avx2 {avx2} bias"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     fn le_bytes(values: &[f32]) -> Vec<u8> {
         values.iter().flat_map(|v| v.to_le_bytes()).collect()

@@ -126,7 +126,8 @@ pub struct GenerationSetup {
     pub cuda_graphs: bool,
     /// Whether float32 weights on the CPU are packed once and multiplied by a kernel for
     /// few rows instead of libtorch's `linear` (MKL): Regatta's own column-panel kernel
-    /// where the CPU has AVX-512F, oneDNN's blocked layout elsewhere. A copy of the
+    /// where the CPU has AVX-512F (with only AVX2, for batches of up to 32 rows), oneDNN's
+    /// blocked layout elsewhere. A copy of the
     /// weights more in memory; decode steps 1.3-2x faster than oneDNN, which is 1.2-1.4x
     /// faster than MKL, on the AMD machine kind; results equal up to float32 rounding
     /// (docs/NOTES.md, "Generation speed on the CPU").
