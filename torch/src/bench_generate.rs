@@ -390,7 +390,6 @@ impl IdsJob {
                 .block_tokens
                 .unwrap_or(GenerationSetup::default().block_tokens)
                 .max(1),
-            ..GenerationSetup::default()
         }
     }
 }

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use tch::{Device, Kind, TchError, Tensor};
 
-use crate::shim::{onednn_linear, onednn_pack_linear, panel_kernel_available, panel_kernel_wide, panel_linear};
+use crate::shim::{onednn_linear, onednn_pack_linear, panel_kernel_wide, panel_linear};
 
 /// The largest batch hint for which a CPU with AVX2 but no AVX-512F packs column panels.
 const AVX2_PANEL_ROWS: usize = 32;
@@ -294,6 +294,7 @@ impl PackedWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shim::panel_kernel_available;
 
     /// Decoder-like shapes: a square projection, a narrow one, and both MLP directions;
     /// then output widths off the panels' 32 columns (a last panel of 6, one of 20).

@@ -233,7 +233,7 @@ pub fn tensor_from_bytes(bytes: Bytes, shape: &[i64], kind: Kind) -> Result<Tens
             bytes.len()
         )));
     }
-    let aligned = bytes.as_ptr() as usize % kind.elt_size_in_bytes().max(1) == 0;
+    let aligned = (bytes.as_ptr() as usize).is_multiple_of(kind.elt_size_in_bytes().max(1));
     let owned = match bytes.try_into_mut() {
         Ok(owned) if aligned && !owned.is_empty() => owned,
         Ok(owned) => return Tensor::f_from_data_size(&owned, shape, kind),
@@ -307,6 +307,7 @@ pub fn paged_attention_widest(level: u8) {
 }
 
 /// Whether this CPU runs [`panel_linear`] (AVX-512F, or AVX2 with FMA).
+#[cfg(test)]
 pub fn panel_kernel_available() -> bool {
     panel_kernel_wide().is_some()
 }
@@ -553,7 +554,7 @@ mod tests {
                         Vec::<f32>::try_from(biased.view([-1])).unwrap(),
                     );
                     for r in 0..rows as usize {
-                        for o in 0..n as usize {
+                        for (o, b) in bs.iter().enumerate() {
                             let want = chain(r, o);
                             let at = r * n as usize + o;
                             assert_eq!(
@@ -563,7 +564,7 @@ mod tests {
                             );
                             assert_eq!(
                                 biased[at].to_bits(),
-                                (want + bs[o]).to_bits(),
+                                (want + b).to_bits(),
                                 "{n}x{k} rows {rows} avx2 {avx2} bias"
                             );
                         }
