@@ -332,6 +332,7 @@ fn trained_weights_score_held_out_rows_better_than_initial_ones() {
             config.model.context,
             TextTokenizer::Bytes,
             tch::Device::Cpu,
+            None,
         );
         let rows: Vec<_> = texts.iter().map(|t| scorer.tokenize(t).unwrap()).collect();
         let scored = scorer.score(&rows, 0).unwrap();
