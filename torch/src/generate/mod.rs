@@ -29,6 +29,8 @@ use crate::packed::PackedWeights;
 pub use cache::KvCache;
 pub use session::Session;
 
+use cache::free_memory;
+
 /// Whether a generator under `setup` packs weights of `kind` on `device` for its products
 /// ([`PackedWeights`]: float32 on the CPU, unless the setup turns it off).
 pub fn packs_weights(setup: &GenerationSetup, device: Device, kind: Kind) -> bool {
@@ -50,8 +52,6 @@ pub fn generation_layout(params: Vec<Vec<Tensor>>, setup: &GenerationSetup, devi
         crate::model::inference_layout(params, device)
     }
 }
-
-use cache::free_memory;
 
 /// How often progress figures are reported while generating.
 const STATS_EVERY: Duration = Duration::from_millis(500);
