@@ -1,7 +1,7 @@
 //! Safe wrappers over `src/shim/shim.cpp`: libtorch calls tch 0.24 does not bind.
-//! Tensors over bytes read from a file without a copy, FlashAttention's variable-length forward (packed documents, no dense mask), the TF32
-//! switch for float32 matmuls, which SDPA kernels are enabled, and the CUDA caching
-//! allocator's statistics.
+//! Tensors over bytes read from a file without a copy, FlashAttention's variable-length
+//! forward (packed documents, no dense mask), the TF32 switch for float32 matmuls, which
+//! SDPA kernels are enabled, and the CUDA caching allocator's statistics.
 #![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -513,66 +513,6 @@ pub fn sdp_enabled() -> (bool, bool, bool, bool) {
 mod tests {
     use super::*;
     use tch::Device;
-
-    /// Each output of the panel kernel is one FMA chain in input order, then the bias: the
-    /// same bits from its AVX-512 and its AVX2 tiles, whatever the row count and however
-    /// the last panel is cut.
-    #[test]
-    fn both_panel_tiles_give_each_output_as_one_fma_chain_in_input_order() {
-        if !panel_kernel_available() {
-            return;
-        }
-        tch::manual_seed(11);
-        let cpu = (Kind::Float, Device::Cpu);
-        for (n, k) in [(70i64, 40i64), (20, 96), (64, 33), (5, 7)] {
-            let w = Tensor::randn([n, k], cpu);
-            let panels = (n + 31) / 32;
-            let packed = w
-                .constant_pad_nd([0, 0, 0, panels * 32 - n])
-                .view([panels, 32, k])
-                .transpose(1, 2)
-                .contiguous();
-            let bias = Tensor::randn([n], cpu);
-            let ws = Vec::<f32>::try_from(w.view([-1])).unwrap();
-            let bs = Vec::<f32>::try_from(&bias).unwrap();
-            for rows in [1i64, 2, 5, 6, 7, 12, 13, 37] {
-                let x = Tensor::randn([rows, k], cpu);
-                let xs = Vec::<f32>::try_from(x.view([-1])).unwrap();
-                let chain = |r: usize, o: usize| {
-                    (0..k as usize).fold(0f32, |acc, i| {
-                        xs[r * k as usize + i].mul_add(ws[o * k as usize + i], acc)
-                    })
-                };
-                for avx2 in [false, true] {
-                    panel_force_avx2(avx2);
-                    let plain = panel_linear(&x, &packed, n, None);
-                    let biased = panel_linear(&x, &packed, n, Some(&bias));
-                    panel_force_avx2(false);
-                    let (plain, biased) = (plain.unwrap(), biased.unwrap());
-                    let (plain, biased) = (
-                        Vec::<f32>::try_from(plain.view([-1])).unwrap(),
-                        Vec::<f32>::try_from(biased.view([-1])).unwrap(),
-                    );
-                    for r in 0..rows as usize {
-                        for (o, b) in bs.iter().enumerate() {
-                            let want = chain(r, o);
-                            let at = r * n as usize + o;
-                            assert_eq!(
-                                plain[at].to_bits(),
-                                want.to_bits(),
-                                "{n}x{k} rows {rows} avx2 {avx2} ({r}, {o})"
-                            );
-                            assert_eq!(
-                                biased[at].to_bits(),
-                                (want + b).to_bits(),
-                                "{n}x{k} rows {rows} avx2 {avx2} bias"
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
 
     fn le_bytes(values: &[f32]) -> Vec<u8> {
         values.iter().flat_map(|v| v.to_le_bytes()).collect()

@@ -37,16 +37,20 @@ pub fn packs_weights(setup: &GenerationSetup, device: Device, kind: Kind) -> boo
     setup.packed_weights && device == Device::Cpu && kind == Kind::Float
 }
 
+/// The kind a model's weights are held in (its first block's first tensor; float32 for none).
+fn weights_kind(params: &[Vec<Tensor>]) -> Kind {
+    params
+        .first()
+        .and_then(|block| block.first())
+        .map_or(Kind::Float, Tensor::kind)
+}
+
 /// `params` (weights per block, as loaded) laid out for a generator under `setup`: as they
 /// are where it packs them (the packed copies serve the products, and packing from the
 /// stored `[out, in]` is one transposing copy where [`crate::model::inference_layout`]'s
 /// would be a second, ~0.15 s of a SmolLM2-135M load), else in the inference layout.
 pub fn generation_layout(params: Vec<Vec<Tensor>>, setup: &GenerationSetup, device: Device) -> Vec<Vec<Tensor>> {
-    let kind = params
-        .first()
-        .and_then(|block| block.first())
-        .map_or(Kind::Float, Tensor::kind);
-    if packs_weights(setup, device, kind) {
+    if packs_weights(setup, device, weights_kind(&params)) {
         params
     } else {
         crate::model::inference_layout(params, device)
@@ -166,11 +170,7 @@ impl<'a> Generator<'a> {
         let layout = model.kv_layout().ok_or_else(|| {
             Error::Invalid("this model has no KV cache path; generation needs a Llama-family or GPT model".into())
         })?;
-        let kind = params
-            .first()
-            .and_then(|block| block.first())
-            .map(Tensor::kind)
-            .unwrap_or(Kind::Float);
+        let kind = weights_kind(params);
         // Packed first: the cache's automatic budget is a share of the memory left after it.
         let packed = packs_weights(&setup, device, kind)
             .then(|| PackedWeights::pack(params, &model.linear_groups(params), setup.max_batch))
